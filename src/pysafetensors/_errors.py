@@ -1,0 +1,166 @@
+"""The exception hierarchy of pysafetensors.
+
+Every error the library raises about a file's content or about misuse of its API derives from
+:class:`SafetensorError`, the name the reference implementation uses, so ``except
+SafetensorError`` keeps working after switching imports. Subclasses also derive from the stdlib
+category they belong to, so ``except ValueError`` or ``except KeyError`` catch them too::
+
+    SafetensorError(Exception)
+    ├── HeaderError(SafetensorError, ValueError)          the file is malformed
+    │   ├── HeaderSizeError       length prefix: too small, too large, past the end of the file
+    │   ├── HeaderDecodeError     not UTF-8, not JSON, or JSON of the wrong shape
+    │   ├── TensorInfoError       shape x dtype disagrees with the span, overflow, sub-byte misfit
+    │   └── OffsetError           holes, overlaps, buffer not exactly covered
+    ├── TensorNotFoundError(SafetensorError, KeyError)    no tensor of that name
+    ├── DTypeNotSupportedError(SafetensorError, TypeError) the framework cannot hold that dtype
+    ├── SliceError(SafetensorError, IndexError)           an index the slicer cannot serve
+    ├── SerializeError(SafetensorError, ValueError)       input that cannot be written
+    ├── UnsafePickleError(SafetensorError)                a pickle asks for a forbidden global
+    ├── RemoteError(SafetensorError, OSError)             a remote source misbehaved
+    └── ClosedFileError(SafetensorError, ValueError)      a handle used after ``close()``
+
+``OSError`` from the operating system (missing file, permissions) passes through unwrapped, as
+with the reference.
+
+Each error carries a ``kind`` naming the reference's error variant where there is one (for
+example ``"InvalidOffset"``), so tests and tools can compare outcomes across implementations
+without parsing messages.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClosedFileError",
+    "DTypeNotSupportedError",
+    "HeaderDecodeError",
+    "HeaderError",
+    "HeaderSizeError",
+    "OffsetError",
+    "RemoteError",
+    "SafetensorError",
+    "SerializeError",
+    "SliceError",
+    "TensorInfoError",
+    "TensorNotFoundError",
+    "UnsafePickleError",
+]
+
+
+class SafetensorError(Exception):
+    """Raised for any problem with a safetensors file or with how the API is used.
+
+    Attributes:
+        kind: Name of the equivalent error variant of the reference implementation, or a
+            pysafetensors-specific name where the reference has none.
+        tensor: Name of the tensor the problem concerns, if any.
+        offset: Byte offset in the file the problem concerns, if known.
+    """
+
+    exit_code = 1
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str | None = None,
+        tensor: str | None = None,
+        offset: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind or type(self).__name__
+        self.tensor = tensor
+        self.offset = offset
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only attributes must survive pickling (multiprocessing sends errors back).
+        return (_rebuild_error, (type(self), str(self), self.kind, self.tensor, self.offset))
+
+    def __str__(self) -> str:
+        # KeyError subclasses would otherwise quote the message; keep one plain rendering.
+        return str(self.args[0]) if self.args else ""
+
+
+def _rebuild_error(
+    cls: type[SafetensorError], message: str, kind: str, tensor: str | None, offset: int | None
+) -> SafetensorError:
+    return cls(message, kind=kind, tensor=tensor, offset=offset)
+
+
+class HeaderError(SafetensorError, ValueError):
+    """Raised when a file's length prefix or header is malformed."""
+
+
+class HeaderSizeError(HeaderError):
+    """Raised when the file is shorter than 8 bytes or the header length is out of bounds."""
+
+
+class HeaderDecodeError(HeaderError):
+    """Raised when the header is not UTF-8, not JSON, or JSON of the wrong shape."""
+
+
+class TensorInfoError(HeaderError):
+    """Raised when a tensor's dtype and shape disagree with its byte span, or overflow."""
+
+
+class OffsetError(HeaderError):
+    """Raised when tensor offsets leave holes, overlap, or do not cover the data buffer."""
+
+
+class TensorNotFoundError(SafetensorError, KeyError):
+    """Raised when a tensor name is not in the file."""
+
+
+class DTypeNotSupportedError(SafetensorError, TypeError):
+    """Raised when a dtype cannot be represented by the requested framework or format."""
+
+
+class SliceError(SafetensorError, IndexError):
+    """Raised when a slice index is malformed or cannot be served."""
+
+
+class SerializeError(SafetensorError, ValueError):
+    """Raised when tensors or metadata cannot be written as given."""
+
+
+class UnsafePickleError(SafetensorError):
+    """Raised when a pickle stream references a global outside the allow-list.
+
+    Attributes:
+        global_name: The ``module.name`` the pickle asked for, when there is one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        global_name: str | None = None,
+        kind: str | None = None,
+        tensor: str | None = None,
+        offset: int | None = None,
+    ) -> None:
+        super().__init__(message, kind=kind, tensor=tensor, offset=offset)
+        self.global_name = global_name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_unsafe,
+            (str(self), self.global_name, self.kind, self.tensor, self.offset),
+        )
+
+
+def _rebuild_unsafe(
+    message: str, global_name: str | None, kind: str, tensor: str | None, offset: int | None
+) -> UnsafePickleError:
+    return UnsafePickleError(
+        message, global_name=global_name, kind=kind, tensor=tensor, offset=offset
+    )
+
+
+class RemoteError(SafetensorError, OSError):
+    """Raised when a remote byte source fails: missing object, denied, truncated, no ranges."""
+
+
+class ClosedFileError(SafetensorError, ValueError):
+    """Raised when a handle is used after it was closed."""
+
+    exit_code = 2

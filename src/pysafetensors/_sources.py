@@ -1,0 +1,298 @@
+"""Byte sources: one interface over a memory map, positioned reads, file objects and buffers.
+
+A reader never touches a file directly; it asks a :class:`ByteSource` for byte ranges. Bounds
+are checked here, once, so a header that claims bytes past the end of the source can never make
+a backend return short data silently.
+
+* :class:`MmapSource` maps the file privately (copy-on-write): views are zero-copy and writable,
+  and writes never reach the file.
+* :class:`PreadSource` reads with ``os.preadv`` into fresh memory, in parallel threads for large
+  ranges (the GIL is released while the kernel copies).
+* :class:`FileObjSource` serves any binary file object with ``seek``/``readinto`` (or ``read``).
+* :class:`BufferSource` serves bytes already in memory.
+
+Remote sources (HTTP, S3, fsspec) live in ``_remote`` and implement the same protocol.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, Final, Protocol, runtime_checkable
+
+from ._errors import SafetensorError
+
+__all__ = [
+    "BufferSource",
+    "ByteSource",
+    "FileObjSource",
+    "MmapSource",
+    "PreadSource",
+    "read_ranges_into",
+]
+
+#: Reads larger than this are split across threads.
+PARALLEL_CHUNK: Final = 16 << 20
+#: Threads used for one large read. Positioned reads release the GIL, so threads overlap the
+#: kernel's copies (and, for cold files, the device's queue).
+READ_THREADS: Final = max(2, min(8, (os.cpu_count() or 2) * 2))
+
+
+@runtime_checkable
+class ByteSource(Protocol):
+    """What a reader needs from storage."""
+
+    @property
+    def size(self) -> int:
+        """Total number of bytes in the source."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """A printable description for error messages."""
+        ...
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; raise if fewer are available."""
+        ...
+
+    def view(self, offset: int, length: int) -> memoryview | None:
+        """Return a zero-copy view of a range, or None if the source cannot map memory."""
+        ...
+
+    def close(self) -> None:
+        """Release the resources held by the source."""
+        ...
+
+
+def _check_range(source: ByteSource, offset: int, length: int) -> None:
+    if offset < 0 or length < 0 or offset + length > source.size:
+        raise SafetensorError(
+            f"read of {length} bytes at offset {offset} is outside {source.name} "
+            f"({source.size} bytes)",
+            kind="OutOfBounds",
+            offset=offset,
+        )
+
+
+def _short_read(name: str, offset: int, wanted: int, got: int) -> SafetensorError:
+    return SafetensorError(
+        f"{name} ended early: wanted {wanted} bytes at offset {offset}, got {got} "
+        "(was the file truncated or replaced while open?)",
+        kind="ShortRead",
+        offset=offset + got,
+    )
+
+
+class BufferSource:
+    """A source over bytes already in memory (``bytes``, ``bytearray``, ``memoryview``)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview, name: str = "<buffer>") -> None:
+        self._view = memoryview(data).cast("B")
+        self._name = name
+
+    @property
+    def size(self) -> int:
+        return self._view.nbytes
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        _check_range(self, offset, out.nbytes)
+        out[:] = self._view[offset : offset + out.nbytes]
+
+    def view(self, offset: int, length: int) -> memoryview | None:
+        _check_range(self, offset, length)
+        return self._view[offset : offset + length]
+
+    def close(self) -> None:
+        # Views handed out stay valid; only drop our reference.
+        self._view = memoryview(b"")
+
+
+class PreadSource:
+    """Positioned reads from a file descriptor into caller memory."""
+
+    def __init__(self, fd: int, name: str, *, size: int | None = None, owns_fd: bool = True):
+        self._fd = fd
+        self._name = name
+        self._owns_fd = owns_fd
+        self._size = os.fstat(fd).st_size if size is None else size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def fd(self) -> int:
+        """The file descriptor read from."""
+        return self._fd
+
+    def _pread_exact(self, offset: int, out: memoryview) -> None:
+        done = 0
+        total = out.nbytes
+        while done < total:
+            n = os.preadv(self._fd, [out[done:]], offset + done)
+            if n <= 0:
+                raise _short_read(self._name, offset, total, done)
+            done += n
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        _check_range(self, offset, out.nbytes)
+        total = out.nbytes
+        if total <= PARALLEL_CHUNK * 2:
+            self._pread_exact(offset, out)
+            return
+        chunks = [(start, min(PARALLEL_CHUNK, total - start)) for start in range(0, total, PARALLEL_CHUNK)]
+        with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+            list(
+                pool.map(
+                    lambda c: self._pread_exact(offset + c[0], out[c[0] : c[0] + c[1]]), chunks
+                )
+            )
+
+    def view(self, offset: int, length: int) -> memoryview | None:
+        return None
+
+    def close(self) -> None:
+        if self._owns_fd and self._fd >= 0:
+            os.close(self._fd)
+        self._fd = -1
+
+
+class MmapSource:
+    """A private (copy-on-write) memory map of a whole file.
+
+    Views are writable; writes stay in this process. If the file is truncated while mapped,
+    touching a page past the new end raises SIGBUS in the process, which Python cannot catch;
+    use the pread backend for files that may change under the reader (see ``docs/``).
+    """
+
+    def __init__(self, fd: int, name: str, *, size: int | None = None) -> None:
+        self._name = name
+        self._size = os.fstat(fd).st_size if size is None else size
+        # mmap refuses empty files; a file that small is refused by the header checks anyway.
+        self._map: mmap.mmap | None = (
+            mmap.mmap(fd, self._size, access=mmap.ACCESS_COPY) if self._size else None
+        )
+        self._view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        _check_range(self, offset, out.nbytes)
+        out.cast("B")[:] = self._view[offset : offset + out.nbytes]
+
+    def view(self, offset: int, length: int) -> memoryview | None:
+        _check_range(self, offset, length)
+        return self._view[offset : offset + length]
+
+    def advise(self, offset: int, length: int, advice: int) -> None:
+        """Pass an ``madvise`` hint for a range (no-op where unsupported)."""
+        if self._map is None or not hasattr(self._map, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = offset - offset % page
+        try:
+            self._map.madvise(advice, start, min(self._size - start, length + offset - start))
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        # Tensors may still view the mapping; the map is unmapped when the last view dies.
+        self._view = memoryview(bytearray())
+        self._map = None
+
+
+class FileObjSource:
+    """Reads from a binary file object with ``seek`` and ``readinto`` or ``read``.
+
+    Reads are serialised with a lock because a file object has one position.
+    """
+
+    def __init__(self, fileobj: IO[bytes] | Any, name: str | None = None) -> None:
+        self._f = fileobj
+        self._name = name or str(getattr(fileobj, "name", "<file object>"))
+        self._lock = threading.Lock()
+        fileobj.seek(0, os.SEEK_END)
+        self._size = int(fileobj.tell())
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B")
+        _check_range(self, offset, out.nbytes)
+        with self._lock:
+            self._f.seek(offset)
+            done = 0
+            reader = getattr(self._f, "readinto", None)
+            while done < out.nbytes:
+                if reader is not None:
+                    n = reader(out[done:])
+                else:
+                    chunk = self._f.read(out.nbytes - done)
+                    n = len(chunk)
+                    out[done : done + n] = chunk
+                if not n:
+                    raise _short_read(self._name, offset, out.nbytes, done)
+                done += n
+
+    def view(self, offset: int, length: int) -> memoryview | None:
+        return None
+
+    def close(self) -> None:
+        # The caller owns the file object.
+        return None
+
+
+def read_ranges_into(
+    source: ByteSource, ranges: Sequence[tuple[int, int]], out: memoryview
+) -> None:
+    """Read several ``(offset, length)`` ranges back to back into ``out``.
+
+    Ranges are read in parallel threads when the source is a :class:`PreadSource` and there is
+    enough work; otherwise one after another.
+    """
+    out = out.cast("B") if out.format != "B" else out
+    total = sum(length for _, length in ranges)
+    if total != out.nbytes:
+        raise ValueError(f"ranges cover {total} bytes but the buffer holds {out.nbytes}")
+    positions = []
+    pos = 0
+    for offset, length in ranges:
+        positions.append((offset, pos, length))
+        pos += length
+    if isinstance(source, PreadSource) and len(ranges) > 1 and total > PARALLEL_CHUNK:
+        with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+            list(
+                pool.map(
+                    lambda p: source.readinto(p[0], out[p[1] : p[1] + p[2]]),
+                    positions,
+                )
+            )
+        return
+    for offset, start, length in positions:
+        if length:
+            source.readinto(offset, out[start : start + length])

@@ -1,0 +1,242 @@
+"""Writing files: plan a layout, then stream every tensor's bytes straight from its memory.
+
+``write_file`` is the one path every save goes through (numpy, torch, the other frameworks,
+conversion, resharding, casting): it takes tensors as :class:`TensorData` whose bytes come from a
+callable, so a caller can hand over memory it already holds (zero copies) or produce the bytes
+chunk by chunk (bounded memory).
+
+Atomicity: bytes go to a sibling temporary file (``.<name>.<random>.partial``) which is renamed
+over the target with ``os.replace`` only once complete. A crash leaves the previous file intact;
+readers that mapped the old file keep their (now unlinked) inode. Temporary files left by a crash
+are removed by the next save to the same target. The result's permissions follow the umask
+(``0o666 & ~umask``), not the ``0o600`` of ``mkstemp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ._dtypes import DType
+from ._errors import SerializeError
+from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout
+
+__all__ = [
+    "TensorData",
+    "atomic_output",
+    "layout_for",
+    "serialize_to_bytes",
+    "write_file",
+    "write_layout",
+]
+
+#: Largest batch handed to one ``writev``; Linux caps a single call near 2 GiB anyway.
+_WRITEV_BYTES: Final = 1 << 30
+#: Buffers smaller than this are gathered into one ``writev`` with their neighbours.
+_IOV_MAX: Final = min(1024, getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024)
+
+Chunks = Iterable[Any]  # buffer-protocol objects (bytes, memoryview, numpy arrays, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorData:
+    """A tensor to be written."""
+
+    name: str
+    """Tensor name."""
+    dtype: DType
+    """Element type."""
+    shape: tuple[int, ...]
+    """Logical shape."""
+    chunks: Callable[[], Chunks]
+    """Returns the tensor's bytes (little-endian, row-major) as buffer chunks, in order."""
+    keepalive: Any = field(default=None, compare=False)
+    """Anything that must stay alive while the chunks are read (e.g. the source tensor)."""
+
+
+def layout_for(
+    tensors: Sequence[TensorData],
+    metadata: Mapping[str, str] | None,
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> Layout:
+    """Plan the file for ``tensors`` (see ``_format.build_layout``)."""
+    return build_layout(
+        ((t.name, t.dtype, t.shape) for t in tensors), metadata, max_header_size=max_header_size
+    )
+
+
+def _as_bytes_view(chunk: Any) -> memoryview:
+    view = memoryview(chunk)
+    if not view.c_contiguous:
+        raise SerializeError(f"{SERIALIZE_PREFIX}internal error: a chunk is not contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _ordered_chunks(
+    layout: Layout, by_name: Mapping[str, TensorData]
+) -> Iterator[tuple[str, memoryview]]:
+    """Yield every tensor's chunks in layout order, checking each tensor's total size."""
+    for info in layout.tensors:
+        data = by_name[info.name]
+        got = 0
+        for chunk in data.chunks():
+            view = _as_bytes_view(chunk)
+            got += view.nbytes
+            if got > info.nbytes:
+                break
+            if view.nbytes:
+                yield info.name, view
+        if got != info.nbytes:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{info.name}` provided {got}"
+                f"{'+' if got > info.nbytes else ''} bytes but {info.dtype.code} "
+                f"{list(info.shape)} needs {info.nbytes}",
+                kind="TensorInvalidInfo",
+                tensor=info.name,
+            )
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """``writev`` until every byte of ``views`` is written (handles short writes)."""
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def write_layout(fd: int, layout: Layout, tensors: Sequence[TensorData]) -> None:
+    """Write the header and every tensor's bytes to ``fd`` at its current position.
+
+    Small chunks are gathered into one ``writev``; large ones are written directly from their
+    memory, so nothing is copied in user space.
+    """
+    by_name = {t.name: t for t in tensors}
+    batch: list[memoryview] = [memoryview(layout.header)]
+    batch_bytes = len(layout.header)
+    for _, view in _ordered_chunks(layout, by_name):
+        batch.append(view)
+        batch_bytes += view.nbytes
+        if len(batch) >= _IOV_MAX or batch_bytes >= _WRITEV_BYTES:
+            _write_all(fd, batch)
+            batch, batch_bytes = [], 0
+    _write_all(fd, batch)
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; do it once and put it back at once.
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def _clean_stale_partials(target: str) -> None:
+    """Remove temporary files an earlier, crashed save to ``target`` left behind."""
+    folder, base = os.path.split(target)
+    for stale in glob.glob(os.path.join(glob.escape(folder or "."), f".{glob.escape(base)}.*.partial")):
+        # A concurrent save may own it; only files older than a minute are considered stale.
+        with contextlib.suppress(OSError):
+            if time.time() - os.stat(stale).st_mtime > 60:
+                os.unlink(stale)
+
+
+@contextlib.contextmanager
+def atomic_output(filename: str | os.PathLike[str], *, fsync: bool = False) -> Iterator[int]:
+    """Open a temporary sibling of ``filename`` for writing; rename it over ``filename`` on success.
+
+    Yields:
+        The file descriptor to write to. On any exception the temporary file is removed and the
+        target is left untouched.
+    """
+    target = os.fspath(filename)
+    if isinstance(target, bytes):  # pragma: no cover - typed as str
+        target = os.fsdecode(target)
+    folder = os.path.dirname(target) or "."
+    _clean_stale_partials(target)
+    tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.partial")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        try:
+            yield fd
+            # Permissions follow the umask, as for any file the user creates.
+            os.fchmod(fd, 0o666 & ~_umask())
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        _fsync_dir(folder)
+
+
+def write_file(
+    filename: str | os.PathLike[str],
+    tensors: Sequence[TensorData],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = False,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> Layout:
+    """Write a safetensors file atomically.
+
+    Args:
+        filename: Target path.
+        tensors: Tensors to write, in any order.
+        metadata: ``__metadata__`` or None.
+        fsync: Make the file and its directory entry durable before returning.
+        max_header_size: Largest header accepted.
+
+    Returns:
+        The layout written.
+
+    Raises:
+        SerializeError: The tensors cannot be written as given.
+        OSError: The file cannot be written.
+    """
+    layout = layout_for(tensors, metadata, max_header_size=max_header_size)
+    with atomic_output(filename, fsync=fsync) as fd:
+        if layout.file_size > (1 << 20):
+            # Reserve the space up front: fewer extent allocations, and ENOSPC before writing.
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fallocate(fd, 0, layout.file_size)
+        write_layout(fd, layout, tensors)
+    return layout
+
+
+def serialize_to_bytes(
+    tensors: Sequence[TensorData],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> bytes:
+    """Return a whole safetensors file as bytes."""
+    layout = layout_for(tensors, metadata, max_header_size=max_header_size)
+    out = bytearray(layout.file_size)
+    out[: len(layout.header)] = layout.header
+    pos = len(layout.header)
+    for _, view in _ordered_chunks(layout, {t.name: t for t in tensors}):
+        out[pos : pos + view.nbytes] = view
+        pos += view.nbytes
+    return bytes(out)
