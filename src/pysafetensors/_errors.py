@@ -16,6 +16,7 @@ category they belong to, so ``except ValueError`` or ``except KeyError`` catch t
     ├── SliceError(SafetensorError, IndexError)           an index the slicer cannot serve
     ├── SerializeError(SafetensorError, ValueError)       input that cannot be written
     ├── UnsafePickleError(SafetensorError)                a pickle asks for a forbidden global
+    ├── CheckpointError(SafetensorError, ValueError)      a checkpoint is broken or unsupported
     ├── RemoteError(SafetensorError, OSError)             a remote source misbehaved
     └── ClosedFileError(SafetensorError, ValueError)      a handle used after ``close()``
 
@@ -30,6 +31,7 @@ without parsing messages.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "ClosedFileError",
     "DTypeNotSupportedError",
     "HeaderDecodeError",
@@ -154,6 +156,11 @@ def _rebuild_unsafe(
     return UnsafePickleError(
         message, global_name=global_name, kind=kind, tensor=tensor, offset=offset
     )
+
+
+class CheckpointError(SafetensorError, ValueError):
+    """Raised when a PyTorch checkpoint or pickle is broken, truncated, lies about sizes, or holds
+    something the converter cannot represent (quantized, sparse, complex128, ...)."""
 
 
 class RemoteError(SafetensorError, OSError):
