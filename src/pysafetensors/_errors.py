@@ -15,6 +15,7 @@ category they belong to, so ``except ValueError`` or ``except KeyError`` catch t
     ├── DTypeNotSupportedError(SafetensorError, TypeError) the framework cannot hold that dtype
     ├── SliceError(SafetensorError, IndexError)           an index the slicer cannot serve
     ├── SerializeError(SafetensorError, ValueError)       input that cannot be written
+    │   └── SharedTensorsError(SerializeError, RuntimeError) tensors share memory
     ├── UnsafePickleError(SafetensorError)                a pickle asks for a forbidden global
     ├── CheckpointError(SafetensorError, ValueError)      a checkpoint is broken or unsupported
     ├── RemoteError(SafetensorError, OSError)             a remote source misbehaved
@@ -41,6 +42,7 @@ __all__ = [
     "RemoteError",
     "SafetensorError",
     "SerializeError",
+    "SharedTensorsError",
     "SliceError",
     "TensorInfoError",
     "TensorNotFoundError",
@@ -171,3 +173,7 @@ class ClosedFileError(SafetensorError, ValueError):
     """Raised when a handle is used after it was closed."""
 
     exit_code = 2
+
+
+class SharedTensorsError(SerializeError, RuntimeError):
+    """Raised when tensors to be saved share memory (use ``save_model`` for tied weights)."""

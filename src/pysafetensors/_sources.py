@@ -273,9 +273,15 @@ def read_ranges_into(
     """Read several ``(offset, length)`` ranges back to back into ``out``.
 
     Ranges are read in parallel threads when the source is a :class:`PreadSource` and there is
-    enough work; otherwise one after another.
+    enough work; otherwise one after another. A source with a ``readinto_many`` method (the
+    remote ones) is handed all ranges at once.
     """
     out = out.cast("B") if out.format != "B" else out
+    many = getattr(source, "readinto_many", None)
+    if many is not None:
+        # Remote sources coalesce nearby ranges into few requests and fetch them in parallel.
+        many(ranges, out)
+        return
     total = sum(length for _, length in ranges)
     if total != out.nbytes:
         raise ValueError(f"ranges cover {total} bytes but the buffer holds {out.nbytes}")

@@ -1,0 +1,46 @@
+# Two commands matter: `make demo` (set up and run the main job) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-all bench bench-quick check format clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cli]' -r requirements/test.txt
+	touch $(STAMP)
+
+## Save, inspect, validate and load a model-shaped file.
+demo: venv
+	$(PY) examples/demo.py
+
+## The default test suite (a few minutes).
+test: venv
+	$(PY) -m pytest -q
+
+## Everything, including slow tests.
+test-all: venv
+	$(PY) -m pytest -q -m "slow or not slow"
+
+## The side-by-side benchmark against the reference; writes benchmarks/RESULTS.md.
+bench: venv
+	$(PY) benchmarks/run.py
+
+bench-quick: venv
+	$(PY) benchmarks/run.py --quick
+
+check: venv
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
+
+format: venv
+	$(VENV)/bin/ruff format src tests
+	$(VENV)/bin/ruff check --fix src tests
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

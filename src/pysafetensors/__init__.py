@@ -1,0 +1,66 @@
+"""pysafetensors: the safetensors format in pure Python, byte-compatible with the reference.
+
+The top level imports no framework. Framework functions live in ``pysafetensors.numpy``,
+``pysafetensors.torch``, ``pysafetensors.flax``, ``pysafetensors.tensorflow``,
+``pysafetensors.paddle`` and ``pysafetensors.mlx``.
+"""
+
+from __future__ import annotations
+
+from ._api import TensorSpec, deserialize, serialize, serialize_file
+from ._errors import (
+    ClosedFileError,
+    DTypeNotSupportedError,
+    HeaderDecodeError,
+    HeaderError,
+    HeaderSizeError,
+    OffsetError,
+    RemoteError,
+    SafetensorError,
+    SerializeError,
+    SharedTensorsError,
+    SliceError,
+    TensorInfoError,
+    TensorNotFoundError,
+    UnsafePickleError,
+)
+from ._format import MAX_HEADER_SIZE
+from ._reader import SafeSlice, TensorMeta, safe_open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_HEADER_SIZE",
+    "ClosedFileError",
+    "DTypeNotSupportedError",
+    "HeaderDecodeError",
+    "HeaderError",
+    "HeaderSizeError",
+    "OffsetError",
+    "RemoteError",
+    "SafeSlice",
+    "SafetensorError",
+    "SerializeError",
+    "SharedTensorsError",
+    "SliceError",
+    "TensorInfoError",
+    "TensorMeta",
+    "TensorNotFoundError",
+    "TensorSpec",
+    "UnsafePickleError",
+    "__version__",
+    "deserialize",
+    "safe_open",
+    "serialize",
+    "serialize_file",
+]
+
+# Show public names as pysafetensors.X in reprs and tracebacks.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type) or callable(_obj):
+        try:
+            _obj.__module__ = __name__
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

@@ -1,0 +1,236 @@
+"""Framework adapters: the two conversions each framework needs, and nothing else.
+
+An adapter turns raw little-endian bytes plus a header entry into a framework tensor
+(``from_bytes``), and a framework tensor into a :class:`~pysafetensors._writer.TensorData` whose
+bytes come straight from the tensor's memory (``to_data``). The reader, the writer and the
+per-framework ``save``/``load`` functions are built once on top of these; dtypes are resolved by
+name from the one table in ``_dtypes``.
+
+Frameworks are imported lazily, only when their adapter is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Protocol
+
+import numpy as np
+
+from ._devices import Device, parse_device
+from ._dtypes import DType, dtype_from_name
+from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._format import SERIALIZE_PREFIX
+from ._writer import TensorData
+
+__all__ = [
+    "Adapter",
+    "NumpyAdapter",
+    "get_adapter",
+    "numpy_dtype",
+    "pack_subbyte",
+    "unpack_subbyte",
+]
+
+#: Non-contiguous or byte-swapped arrays are made contiguous this many bytes at a time, so a
+#: save never holds more than one slab of extra memory.
+SLAB_BYTES: Final = 16 << 20
+
+
+class Adapter(Protocol):
+    """What the reader and writer need from a framework."""
+
+    framework: str
+
+    def check_device(self, device: Any) -> Device:
+        """Validate a ``device=`` argument for this framework."""
+        ...
+
+    def from_bytes(
+        self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device
+    ) -> Any:
+        """Build a tensor over ``buf`` (uint8, 1-D, packed little-endian bytes)."""
+        ...
+
+    def to_data(self, name: str, tensor: Any) -> TensorData:
+        """Describe a tensor for the writer without copying its bytes."""
+        ...
+
+
+# ------------------------------------------------------------------------------------ numpy side
+
+
+def numpy_dtype(dtype: DType) -> np.dtype[Any]:
+    """The numpy dtype of one element (ml_dtypes for BF16, FP8, F4 and F6), little-endian.
+
+    Raises:
+        DTypeNotSupportedError: ml_dtypes lacks the type.
+    """
+    name = dtype.numpy
+    assert name is not None
+    if hasattr(np, name) and name not in ("bfloat16",):
+        return np.dtype(name).newbyteorder("<")
+    import ml_dtypes
+
+    try:
+        return np.dtype(getattr(ml_dtypes, name)).newbyteorder("<")
+    except AttributeError:
+        raise DTypeNotSupportedError(
+            f"dtype {dtype.code} needs ml_dtypes.{name}, which this ml_dtypes "
+            f"({ml_dtypes.__version__}) does not have",
+            kind="DtypeNotUnderstood",
+        ) from None
+
+
+def unpack_subbyte(buf: np.ndarray, dtype: DType, count: int) -> np.ndarray:
+    """Unpack F4/F6 bytes to one element per byte (codes in the low bits).
+
+    Bit order: element ``i`` occupies bits ``[i*bits, (i+1)*bits)`` of the little-endian bit
+    stream, so for F4 the first element is the low nibble of byte 0 (the layout of torch's
+    ``float4_e2m1fn_x2`` and of the OCP MX formats).
+    """
+    if dtype.bits == 4:
+        out = np.empty(count, np.uint8)
+        out[0::2] = buf & 0x0F
+        out[1::2] = buf >> 4
+        return out
+    # F6: four elements in three bytes.
+    groups = buf.reshape(-1, 3).astype(np.uint32)
+    word = groups[:, 0] | (groups[:, 1] << 8) | (groups[:, 2] << 16)
+    out = np.empty((len(word), 4), np.uint8)
+    for i in range(4):
+        out[:, i] = (word >> (6 * i)) & 0x3F
+    return out.reshape(-1)[:count]
+
+
+def pack_subbyte(codes: np.ndarray, dtype: DType) -> np.ndarray:
+    """Inverse of :func:`unpack_subbyte`: pack one-per-byte codes into F4/F6 bytes."""
+    flat = codes.reshape(-1).view(np.uint8)
+    if dtype.bits == 4:
+        return ((flat[0::2] & 0x0F) | ((flat[1::2] & 0x0F) << 4)).astype(np.uint8)
+    quads = (flat.reshape(-1, 4) & 0x3F).astype(np.uint32)
+    word = quads[:, 0] | (quads[:, 1] << 6) | (quads[:, 2] << 12) | (quads[:, 3] << 18)
+    out = np.empty((len(word), 3), np.uint8)
+    for i in range(3):
+        out[:, i] = (word >> (8 * i)) & 0xFF
+    return out.reshape(-1)
+
+
+def _array_chunks(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
+    """Bytes of ``arr`` in row-major little-endian order, without copying when possible."""
+    needs_swap = arr.dtype.byteorder == ">" or (
+        arr.dtype.byteorder == "=" and sys.byteorder == "big"
+    )
+    if arr.flags.c_contiguous and not needs_swap:
+
+        def direct() -> Iterator[Any]:
+            yield arr.reshape(-1).view(np.uint8)
+
+        return direct
+
+    target = arr.dtype.newbyteorder("<")
+
+    def slabs() -> Iterator[Any]:
+        if arr.ndim == 0:
+            yield np.ascontiguousarray(arr.astype(target)).reshape(-1).view(np.uint8)
+            return
+        row_bytes = max(1, arr[0:1].size * arr.itemsize) if arr.shape[0] else 1
+        step = max(1, SLAB_BYTES // row_bytes)
+        for start in range(0, arr.shape[0], step):
+            part = np.ascontiguousarray(arr[start : start + step], dtype=target)
+            yield part.reshape(-1).view(np.uint8)
+
+    return slabs
+
+
+class NumpyAdapter:
+    """numpy arrays; BF16, FP8, F4 and F6 through ml_dtypes."""
+
+    framework = "numpy"
+
+    def check_device(self, device: Any) -> Device:
+        dev = parse_device(device)
+        if dev.type != "cpu":
+            raise SafetensorError(
+                f"Device {dev} is not supported for framework {self.framework}",
+                kind="InvalidDevice",
+            )
+        return dev
+
+    def from_bytes(
+        self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device
+    ) -> np.ndarray:
+        npdt = numpy_dtype(dtype)
+        if dtype.packed:
+            count = 1
+            for d in shape:
+                count *= d
+            return unpack_subbyte(buf, dtype, count).view(npdt).reshape(shape)
+        arr = buf.view(npdt).reshape(shape)
+        if sys.byteorder == "big":  # pragma: no cover - no big-endian CI host
+            arr = arr.astype(npdt.newbyteorder("="))
+        return arr
+
+    def to_data(self, name: str, tensor: Any) -> TensorData:
+        if not isinstance(tensor, np.ndarray):
+            if isinstance(tensor, np.generic):
+                tensor = np.asarray(tensor)
+            else:
+                raise SerializeError(
+                    f"{SERIALIZE_PREFIX}tensor `{name}` is a {type(tensor).__name__}, expected "
+                    "a numpy.ndarray",
+                    kind="InvalidTensor",
+                    tensor=name,
+                )
+        if tensor.dtype.kind in "OUSMm":
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "
+                "cannot store",
+                kind="UnknownDtype",
+                tensor=name,
+            )
+        dtype = dtype_from_name(tensor.dtype.name)
+        shape = tuple(tensor.shape)
+        if dtype.packed:
+            arr = tensor
+
+            def packed() -> Iterator[Any]:
+                yield pack_subbyte(np.ascontiguousarray(arr), dtype)
+
+            return TensorData(name, dtype, shape, packed, keepalive=tensor)
+        return TensorData(name, dtype, shape, _array_chunks(tensor), keepalive=tensor)
+
+
+_ADAPTER_MODULES: Final = {
+    "pt": "pysafetensors._torch_adapter",
+    "torch": "pysafetensors._torch_adapter",
+    "pytorch": "pysafetensors._torch_adapter",
+    "np": None,
+    "numpy": None,
+    "jax": "pysafetensors._jax_adapter",
+    "flax": "pysafetensors._jax_adapter",
+    "tf": "pysafetensors._tf_adapter",
+    "tensorflow": "pysafetensors._tf_adapter",
+    "mlx": "pysafetensors._mlx_adapter",
+    "paddle": "pysafetensors._paddle_adapter",
+}
+
+_NUMPY: Final = NumpyAdapter()
+
+
+def get_adapter(framework: str) -> Adapter:
+    """Return the adapter for a framework name as ``safe_open`` accepts it.
+
+    Raises:
+        SafetensorError: The name is unknown.
+        ModuleNotFoundError: The framework is not installed.
+    """
+    if not isinstance(framework, str) or framework not in _ADAPTER_MODULES:
+        raise SafetensorError(f"framework {framework} is invalid", kind="InvalidFramework")
+    module_name = _ADAPTER_MODULES[framework]
+    if module_name is None:
+        return _NUMPY
+    module = importlib.import_module(module_name)
+    adapter: Adapter = module.ADAPTER
+    return adapter

@@ -1,0 +1,253 @@
+"""The framework-free top-level API: ``TensorSpec``, ``serialize``, ``serialize_file``,
+``deserialize``, and the shared bodies of every framework's ``save``/``load`` functions."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ._adapter import Adapter
+from ._dtypes import DType, dtype_from_code, dtype_from_name
+from ._errors import SafetensorError
+from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE
+from ._reader import read_header, safe_open
+from ._sources import BufferSource
+from ._writer import TensorData, serialize_to_bytes, write_file
+
+__all__ = [
+    "TensorSpec",
+    "deserialize",
+    "load_bytes_with",
+    "load_file_with",
+    "save_bytes_with",
+    "save_file_with",
+    "serialize",
+    "serialize_file",
+]
+
+
+class TensorSpec:
+    """A tensor given by raw memory, as the reference's ``TensorSpec``.
+
+    Args:
+        dtype: A dtype name such as ``"float32"``, ``"bfloat16"``, ``"float8_e4m3fn"`` or
+            ``"float4_e2m1fn_x2"`` (whose last dimension holds two values and is doubled).
+        shape: The shape.
+        data_ptr: Address of the first byte. The memory must stay alive during the call.
+        data_len: Number of bytes.
+
+    Raises:
+        SerializeError: Unknown dtype.
+    """
+
+    __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
+
+    def __init__(self, *, dtype: str, shape: Any, data_ptr: int, data_len: int) -> None:
+        dt = dtype_from_name(dtype)
+        dims = [int(d) for d in shape]
+        if dt.bits == 4 and dims:
+            dims[-1] *= 2
+        self._dtype: DType = dt
+        self._shape = dims
+        self._data_ptr = int(data_ptr)
+        self._data_len = int(data_len)
+
+    @property
+    def dtype(self) -> str:
+        """The format code, e.g. ``"BF16"``."""
+        return self._dtype.code
+
+    @property
+    def shape(self) -> list[int]:
+        """The logical shape."""
+        return list(self._shape)
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of the data."""
+        return self._data_ptr
+
+    @property
+    def data_len(self) -> int:
+        """Length of the data in bytes."""
+        return self._data_len
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorSpec(dtype={self.dtype!r}, shape={self._shape}, data_ptr={self._data_ptr}, "
+            f"data_len={self._data_len})"
+        )
+
+    def to_data(self, name: str) -> TensorData:
+        """Describe the memory for the writer (the length is checked against the shape)."""
+        ptr, length = self._data_ptr, self._data_len
+
+        def chunks() -> Iterator[Any]:
+            if length:
+                yield (ctypes.c_char * length).from_address(ptr)
+
+        return TensorData(name, self._dtype, tuple(self._shape), chunks)
+
+
+def _spec_to_data(name: Any, value: Any) -> TensorData:
+    if not isinstance(name, str):
+        raise TypeError(f"tensor names must be str, got {type(name).__name__}: {name!r}")
+    if isinstance(value, TensorSpec):
+        return value.to_data(name)
+    if isinstance(value, Mapping) and {"dtype", "shape", "data"} <= set(value):
+        # The pre-0.8 dict form; the dtype may be a name ("float32") or a code ("F32").
+        code = str(value["dtype"])
+        try:
+            dtype = dtype_from_code(code)
+        except SafetensorError:
+            dtype = dtype_from_name(code)
+        data = value["data"]
+        return TensorData(name, dtype, tuple(int(d) for d in value["shape"]), lambda: [data])
+    raise TypeError(
+        f"tensor `{name}`: expected a TensorSpec (or a dict with dtype, shape and data), got "
+        f"{type(value).__name__}"
+    )
+
+
+def _check_dict(tensor_dict: Any) -> Mapping[Any, Any]:
+    if not isinstance(tensor_dict, Mapping):
+        raise TypeError(
+            f"argument 'tensor_dict': '{type(tensor_dict).__name__}' object cannot be converted "
+            "to 'PyDict'"
+        )
+    return tensor_dict
+
+
+def serialize(
+    tensor_dict: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> bytes:
+    """Serialize raw tensors to the bytes of a safetensors file.
+
+    Args:
+        tensor_dict: Name to :class:`TensorSpec` (or the older ``{"dtype", "shape", "data"}``
+            dict form, where ``data`` is any bytes-like object).
+        metadata: Optional ``__metadata__`` (str to str).
+        max_header_size: Largest header accepted.
+
+    Returns:
+        The file's bytes, identical to the reference's for the same input.
+
+    Raises:
+        SerializeError: Sizes disagree with shapes, a name is reserved, the header is too large.
+        TypeError: Names, values or metadata have the wrong type.
+    """
+    data = [_spec_to_data(k, v) for k, v in _check_dict(tensor_dict).items()]
+    return serialize_to_bytes(data, metadata, max_header_size=max_header_size)
+
+
+def serialize_file(
+    tensor_dict: Mapping[str, Any],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = False,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> None:
+    """Like :func:`serialize`, but write the file atomically (temporary file, then rename).
+
+    Args:
+        tensor_dict: As for :func:`serialize`.
+        filename: Target path.
+        metadata: Optional ``__metadata__``.
+        fsync: Make the file and its directory entry durable before returning.
+        max_header_size: Largest header accepted.
+    """
+    data = [_spec_to_data(k, v) for k, v in _check_dict(tensor_dict).items()]
+    write_file(filename, data, metadata, fsync=fsync, max_header_size=max_header_size)
+
+
+def deserialize(
+    buffer: bytes | bytearray | memoryview, *, max_header_size: int = MAX_HEADER_SIZE
+) -> list[tuple[str, dict[str, Any]]]:
+    """Parse a whole file held in memory.
+
+    Returns:
+        ``[(name, {"shape": [...], "dtype": "F32", "data": bytearray}), ...]`` in file order
+        (the reference's order is arbitrary).
+
+    Raises:
+        HeaderError: The bytes are not a valid file (messages start with
+            ``Error while deserializing: ``).
+    """
+    source = BufferSource(buffer)
+    header = read_header(source, max_header_size=max_header_size, prefix_text=DESERIALIZE_PREFIX)
+    view = memoryview(buffer).cast("B")
+    start = header.data_start
+    return [
+        (
+            name,
+            {
+                "shape": list(info.shape),
+                "dtype": info.dtype.code,
+                "data": bytearray(view[start + info.begin : start + info.end]),
+            },
+        )
+        for name, info in header.tensors.items()
+    ]
+
+
+# ----------------------------------------------------------- shared bodies of save/load functions
+
+
+def _to_data(adapter: Adapter, tensors: Mapping[str, Any]) -> list[TensorData]:
+    out = []
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__}: {name!r}")
+        out.append(adapter.to_data(name, tensor))
+    return out
+
+
+def save_bytes_with(
+    adapter: Adapter, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None
+) -> bytes:
+    """``save`` for any framework."""
+    return serialize_to_bytes(_to_data(adapter, tensors), metadata)
+
+
+def save_file_with(
+    adapter: Adapter,
+    tensors: Mapping[str, Any],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None,
+    *,
+    fsync: bool = False,
+) -> None:
+    """``save_file`` for any framework."""
+    write_file(filename, _to_data(adapter, tensors), metadata, fsync=fsync)
+
+
+def load_bytes_with(adapter: Adapter, data: bytes | bytearray | memoryview, device: Any) -> dict[str, Any]:
+    """``load`` for any framework: tensors own a private copy of the bytes."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected bytes, got {type(data).__name__}")
+    dev = adapter.check_device(device)
+    source = BufferSource(data)
+    header = read_header(source, prefix_text=DESERIALIZE_PREFIX)
+    # One private copy of the data buffer; every tensor views it (the reference copies too).
+    buf = np.frombuffer(bytearray(memoryview(data).cast("B")[header.data_start :]), np.uint8)
+    return {
+        name: adapter.from_bytes(buf[info.begin : info.end], info.dtype, info.shape, dev)
+        for name, info in header.tensors.items()
+    }
+
+
+def load_file_with(
+    framework: str, filename: Any, device: Any, backend: str
+) -> dict[str, Any]:
+    """``load_file`` for any framework."""
+    with safe_open(filename, framework, device=device, backend=backend) as f:
+        return f.get_tensors()
+

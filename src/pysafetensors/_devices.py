@@ -1,0 +1,73 @@
+"""Parsing ``device=`` arguments the way the reference does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ._errors import SafetensorError
+
+__all__ = ["Device", "parse_device"]
+
+#: Device types the reference accepts by name; a bare name means index 0.
+DEVICE_TYPES: Final = ("cpu", "cuda", "mps", "npu", "xpu", "xla", "mlu", "musa", "hpu")
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """A parsed device."""
+
+    type: str
+    """``cpu``, ``cuda``, ... or ``anonymous`` for a bare integer."""
+    index: int | None = None
+    """Device index, if given."""
+
+    def __str__(self) -> str:
+        if self.type == "anonymous":
+            return str(self.index)
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    @property
+    def torch_spec(self) -> str | int:
+        """What to pass to ``torch.device``."""
+        if self.type == "anonymous":
+            assert self.index is not None
+            return self.index
+        return str(self)
+
+
+CPU: Final = Device("cpu")
+
+
+def parse_device(device: Any) -> Device:
+    """Parse ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``, an int, ...
+
+    ``torch.device`` objects are accepted too (the reference refuses them; we convert them).
+
+    Raises:
+        SafetensorError: The device string is not understood.
+        ValueError: The index is not a number (``cuda:x``), as in the reference.
+    """
+    if device is None:
+        return CPU
+    if isinstance(device, bool):
+        raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+    if isinstance(device, int):
+        return Device("anonymous", device)
+    if not isinstance(device, str) and type(device).__name__ == "device":
+        # torch.device: has .type and .index.
+        index = getattr(device, "index", None)
+        return parse_device(str(device.type) + ("" if index is None else f":{index}"))
+    if not isinstance(device, str):
+        raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+    kind, sep, rest = device.partition(":")
+    if kind not in DEVICE_TYPES:
+        raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+    if not sep:
+        return Device(kind, None if kind == "cpu" else 0)
+    if not rest.isdigit():
+        raise ValueError("invalid digit found in string")
+    index = int(rest)
+    if kind == "mps" and index != 0:
+        raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+    return Device(kind, index)

@@ -1,0 +1,516 @@
+"""A pickle stack machine that never imports, looks up or calls anything.
+
+This is the one pickle decoder shared by the checkpoint converter and the scanner
+(``threat-model-and-pickle.md`` §2.6, §3.5). It decodes opcodes over an in-memory ``bytes``
+object, checks every length against the bytes really present before slicing, and builds plain
+values (None, bool, int, float, str, bytes, tuple, list, dict, set). Everything that would make
+``pickle`` import or call code (GLOBAL, STACK_GLOBAL, INST, OBJ, REDUCE, NEWOBJ, BUILD,
+persistent ids, extensions, out-of-band buffers) is handed to a :class:`Policy`:
+
+* the converter's policy maps a fixed table of names to inert stand-ins and refuses the rest;
+* the scanner's policy turns every global into a record and every call into a symbolic node, so
+  computed ``STACK_GLOBAL`` operands are simply the stack values they are.
+
+``pickle.Unpickler`` is never used, not even with ``find_class`` overridden: REDUCE and BUILD
+would still call whatever ``find_class`` returns.
+"""
+
+from __future__ import annotations
+
+import codecs
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from ._errors import CheckpointError, SafetensorError
+
+__all__ = [
+    "MARK_OPS",
+    "Limits",
+    "Machine",
+    "Policy",
+    "decode_pickle",
+]
+
+#: Opcodes a protocol-0..5 pickle may contain, by byte value, with their names (for messages).
+OPNAMES: Final[dict[int, str]] = {
+    ord(c): n
+    for c, n in [
+        ("(", "MARK"), (".", "STOP"), ("0", "POP"), ("1", "POP_MARK"), ("2", "DUP"),
+        ("F", "FLOAT"), ("I", "INT"), ("J", "BININT"), ("K", "BININT1"), ("L", "LONG"),
+        ("M", "BININT2"), ("N", "NONE"), ("P", "PERSID"), ("Q", "BINPERSID"), ("R", "REDUCE"),
+        ("S", "STRING"), ("T", "BINSTRING"), ("U", "SHORT_BINSTRING"), ("V", "UNICODE"),
+        ("X", "BINUNICODE"), ("a", "APPEND"), ("b", "BUILD"), ("c", "GLOBAL"), ("d", "DICT"),
+        ("}", "EMPTY_DICT"), ("e", "APPENDS"), ("g", "GET"), ("h", "BINGET"), ("i", "INST"),
+        ("j", "LONG_BINGET"), ("l", "LIST"), ("]", "EMPTY_LIST"), ("o", "OBJ"), ("p", "PUT"),
+        ("q", "BINPUT"), ("r", "LONG_BINPUT"), ("s", "SETITEM"), ("t", "TUPLE"),
+        (")", "EMPTY_TUPLE"), ("u", "SETITEMS"), ("G", "BINFLOAT"), ("B", "BINBYTES"),
+        ("C", "SHORT_BINBYTES"),
+    ]
+} | {
+    0x80: "PROTO", 0x81: "NEWOBJ", 0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x85: "TUPLE1",
+    0x86: "TUPLE2", 0x87: "TUPLE3", 0x88: "NEWTRUE", 0x89: "NEWFALSE", 0x8A: "LONG1",
+    0x8B: "LONG4", 0x8C: "SHORT_BINUNICODE", 0x8D: "BINUNICODE8", 0x8E: "BINBYTES8",
+    0x8F: "EMPTY_SET", 0x90: "ADDITEMS", 0x91: "FROZENSET", 0x92: "NEWOBJ_EX",
+    0x93: "STACK_GLOBAL", 0x94: "MEMOIZE", 0x95: "FRAME", 0x96: "BYTEARRAY8",
+    0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER",
+}  # fmt: skip
+
+#: Opcodes that pop to the last MARK.
+MARK_OPS: Final = frozenset(b"tldeusio\x90\x91")
+
+_I4: Final = struct.Struct("<i")
+_U4: Final = struct.Struct("<I")
+_U8: Final = struct.Struct("<Q")
+_U2: Final = struct.Struct("<H")
+_F8: Final = struct.Struct(">d")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Resource caps for one pickle stream (every count in a pickle is attacker-chosen)."""
+
+    max_ops: int = 50_000_000
+    """Opcodes executed."""
+    max_stack: int = 1_000_000
+    """Items on the stack plus items under open marks."""
+    max_marks: int = 100_000
+    """Nesting depth of MARK."""
+    max_memo: int = 10_000_000
+    """Memo entries."""
+    max_long_bytes: int = 4096
+    """Bytes of one LONG1/LONG4 (int() of huge numbers is quadratic)."""
+    max_line: int = 1 << 20
+    """Bytes of one text-protocol argument line."""
+
+
+class Policy(Protocol):
+    """What the machine does with the opcodes that would reach outside the pickle."""
+
+    def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
+        """GLOBAL, STACK_GLOBAL (module/name already checked to be ``str``), INST/OBJ class."""
+
+    def bad_stack_global(self, module: Any, name: Any, offset: int) -> Any:
+        """STACK_GLOBAL whose operands are not both ``str``."""
+
+    def reduce(self, func: Any, args: Any, offset: int, opcode: str) -> Any:
+        """REDUCE, NEWOBJ, NEWOBJ_EX, INST, OBJ: ``func(*args)``."""
+
+    def build(self, obj: Any, state: Any, offset: int) -> Any:
+        """BUILD: apply ``state`` to ``obj``; returns what replaces ``obj`` on the stack."""
+
+    def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
+        """PERSID / BINPERSID."""
+
+    def extension(self, code: int, offset: int) -> Any:
+        """EXT1/EXT2/EXT4: an entry of the copyreg extension registry."""
+
+    def buffer(self, offset: int, opcode: str) -> Any:
+        """NEXT_BUFFER / READONLY_BUFFER (out-of-band data)."""
+
+    def mutate(self, target: Any, opcode: str, items: list[Any], offset: int) -> None:
+        """APPEND(S)/SETITEM(S)/ADDITEMS on something that is not a list/dict/set."""
+
+    def unhashable(self, key: Any, offset: int) -> Any:
+        """A dict key or set item that cannot be hashed; return a replacement or raise."""
+
+    def text(self, raw: bytes, offset: int) -> Any:
+        """Decode a py2 STRING/BINSTRING/SHORT_BINSTRING payload."""
+
+    def notice(self, message: str, offset: int) -> None:
+        """Report an oddity that is not fatal (duplicate PROTO, frame violations...)."""
+
+
+@dataclass(slots=True)
+class Result:
+    """The outcome of running one pickle stream."""
+
+    value: Any
+    """The object STOP returned."""
+    end: int
+    """Offset just after STOP."""
+    protocol: int
+    """The PROTO number (0 if absent)."""
+    ops: int = 0
+    """Opcodes executed."""
+    opcodes_seen: set[str] = field(default_factory=set)
+    """Names of the opcodes executed."""
+
+
+def _err(message: str, offset: int) -> CheckpointError:
+    return CheckpointError(f"pickle: {message} at byte {offset}", kind="PickleError", offset=offset)
+
+
+class Machine:
+    """Run pickle streams from ``data`` under ``policy``.
+
+    Args:
+        data: The whole buffer (a file, a zip member); streams are located by offset.
+        policy: What to do with the opcodes that would reach outside the pickle.
+        limits: Resource caps.
+        base: Added to offsets in messages (where ``data`` sits in a larger file).
+    """
+
+    def __init__(
+        self, data: bytes, policy: Policy, limits: Limits | None = None, *, base: int = 0
+    ) -> None:
+        self.data = data
+        self.policy = policy
+        self.limits = limits or Limits()
+        self.base = base
+
+    def run(self, start: int = 0) -> Result:
+        """Run the stream that begins at ``start`` up to its STOP.
+
+        Raises:
+            CheckpointError: The stream is malformed, truncated or over a limit.
+            SafetensorError: Whatever the policy raises (e.g. ``UnsafePickleError``).
+        """
+        try:
+            return self._run(start)
+        except SafetensorError:
+            raise
+        except RecursionError:
+            raise _err("structure nested too deeply", self.base + start) from None
+        except (ValueError, TypeError, OverflowError, UnicodeError, struct.error) as exc:
+            # Number parsing and text decoding of hostile operands; one error class out.
+            raise _err(f"invalid operand ({exc})", self.base + start) from None
+
+    def _run(self, start: int) -> Result:  # noqa: C901 - one flat opcode switch reads best
+        data = self.data
+        end = len(data)
+        lim = self.limits
+        policy = self.policy
+        base = self.base
+        stack: list[Any] = []
+        marks: list[list[Any]] = []
+        memo: dict[int, Any] = {}
+        pos = start
+        ops = 0
+        protocol = 0
+        frame_end = -1
+        seen: set[str] = set()
+
+        def take(n: int, at: int) -> int:
+            # Bounds check before any slicing: lengths come from the attacker.
+            nonlocal pos
+            if n < 0 or pos + n > end:
+                raise _err(f"truncated: needs {n} bytes, {end - pos} left", base + at)
+            if frame_end >= 0 and pos < frame_end < pos + n:
+                policy.notice("an operand crosses the end of its FRAME", base + at)
+            p = pos
+            pos += n
+            return p
+
+        def line(at: int) -> bytes:
+            nonlocal pos
+            nl = data.find(b"\n", pos, min(end, pos + lim.max_line))
+            if nl < 0:
+                raise _err("unterminated text operand", base + at)
+            out = data[pos:nl]
+            pos = nl + 1
+            return out
+
+        def pop_mark(at: int) -> list[Any]:
+            nonlocal stack
+            if not marks:
+                raise _err("no MARK on the stack", base + at)
+            items = stack
+            stack = marks.pop()
+            return items
+
+        def pop(at: int) -> Any:
+            if not stack:
+                raise _err("stack underflow", base + at)
+            return stack.pop()
+
+        def hashable(key: Any, at: int) -> Any:
+            try:
+                hash(key)
+            except TypeError:
+                return policy.unhashable(key, base + at)
+            return key
+
+        while True:
+            if pos >= end:
+                raise _err("stream ends without STOP", base + pos)
+            at = pos
+            op = data[pos]
+            pos += 1
+            ops += 1
+            if ops > lim.max_ops:
+                raise _err(f"more than {lim.max_ops} opcodes", base + at)
+            name = OPNAMES.get(op)
+            if name is None:
+                raise _err(f"unknown opcode 0x{op:02x}", base + at)
+            seen.add(name)
+            if frame_end >= 0 and at >= frame_end:
+                frame_end = -1
+            if op == 0x71:  # BINPUT
+                idx = data[take(1, at)]
+                memo[idx] = _top(stack, base + at)
+            elif op == 0x68:  # BINGET
+                stack.append(_memo_get(memo, data[take(1, at)], base + at))
+            elif op == 0x58:  # BINUNICODE
+                n = _U4.unpack_from(data, take(4, at))[0]
+                p = take(n, at)
+                stack.append(data[p : p + n].decode("utf-8", "surrogatepass"))
+            elif op == 0x4B:  # BININT1
+                stack.append(data[take(1, at)])
+            elif op == 0x28:  # MARK
+                if len(marks) >= lim.max_marks:
+                    raise _err("MARK nesting over the limit", base + at)
+                marks.append(stack)
+                stack = []
+            elif op == 0x74:  # TUPLE
+                stack.append(tuple(pop_mark(at)))
+            elif op == 0x85:  # TUPLE1
+                stack.append((pop(at),))
+            elif op == 0x86:  # TUPLE2
+                b = pop(at)
+                stack.append((pop(at), b))
+            elif op == 0x87:  # TUPLE3
+                c = pop(at)
+                b = pop(at)
+                stack.append((pop(at), b, c))
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(())
+            elif op == 0x52:  # REDUCE
+                args = pop(at)
+                func = pop(at)
+                if type(args) is not tuple:
+                    raise _err("REDUCE arguments are not a tuple", base + at)
+                stack.append(policy.reduce(func, args, base + at, "REDUCE"))
+            elif op == 0x51:  # BINPERSID
+                stack.append(policy.persistent(pop(at), base + at, "BINPERSID"))
+            elif op == 0x63:  # GLOBAL
+                module = line(at).decode("utf-8")
+                gname = line(at).decode("utf-8")
+                stack.append(policy.global_(module, gname, base + at, "GLOBAL"))
+            elif op == 0x93:  # STACK_GLOBAL
+                gname = pop(at)
+                module = pop(at)
+                if type(module) is str and type(gname) is str:
+                    stack.append(policy.global_(module, gname, base + at, "STACK_GLOBAL"))
+                else:
+                    stack.append(policy.bad_stack_global(module, gname, base + at))
+            elif op == 0x89:  # NEWFALSE
+                stack.append(False)
+            elif op == 0x88:  # NEWTRUE
+                stack.append(True)
+            elif op == 0x4E:  # NONE
+                stack.append(None)
+            elif op == 0x7D:  # EMPTY_DICT
+                stack.append({})
+            elif op == 0x5D:  # EMPTY_LIST
+                stack.append([])
+            elif op == 0x8F:  # EMPTY_SET
+                stack.append(set())
+            elif op == 0x73:  # SETITEM
+                v = pop(at)
+                k = pop(at)
+                target = _top(stack, base + at)
+                if type(target) is dict:
+                    target[hashable(k, at)] = v
+                else:
+                    policy.mutate(target, "SETITEM", [k, v], base + at)
+            elif op == 0x75:  # SETITEMS
+                items = pop_mark(at)
+                target = _top(stack, base + at)
+                if len(items) % 2:
+                    raise _err("SETITEMS with an odd number of items", base + at)
+                if type(target) is dict:
+                    for i in range(0, len(items), 2):
+                        target[hashable(items[i], at)] = items[i + 1]
+                else:
+                    policy.mutate(target, "SETITEMS", items, base + at)
+            elif op == 0x61:  # APPEND
+                v = pop(at)
+                target = _top(stack, base + at)
+                if type(target) is list:
+                    target.append(v)
+                else:
+                    policy.mutate(target, "APPEND", [v], base + at)
+            elif op == 0x65:  # APPENDS
+                items = pop_mark(at)
+                target = _top(stack, base + at)
+                if type(target) is list:
+                    target.extend(items)
+                else:
+                    policy.mutate(target, "APPENDS", items, base + at)
+            elif op == 0x90:  # ADDITEMS
+                items = pop_mark(at)
+                target = _top(stack, base + at)
+                if type(target) is set:
+                    target.update(hashable(x, at) for x in items)
+                else:
+                    policy.mutate(target, "ADDITEMS", items, base + at)
+            elif op == 0x62:  # BUILD
+                state = pop(at)
+                obj = pop(at)
+                stack.append(policy.build(obj, state, base + at))
+            elif op == 0x4A:  # BININT
+                stack.append(_I4.unpack_from(data, take(4, at))[0])
+            elif op == 0x4D:  # BININT2
+                stack.append(_U2.unpack_from(data, take(2, at))[0])
+            elif op == 0x8A:  # LONG1
+                n = data[take(1, at)]
+                p = take(n, at)
+                stack.append(int.from_bytes(data[p : p + n], "little", signed=True))
+            elif op == 0x8B:  # LONG4
+                n = _I4.unpack_from(data, take(4, at))[0]
+                if n < 0 or n > lim.max_long_bytes:
+                    raise _err(f"LONG4 of {n} bytes", base + at)
+                p = take(n, at)
+                stack.append(int.from_bytes(data[p : p + n], "little", signed=True))
+            elif op == 0x47:  # BINFLOAT
+                stack.append(_F8.unpack_from(data, take(8, at))[0])
+            elif op == 0x8C:  # SHORT_BINUNICODE
+                n = data[take(1, at)]
+                p = take(n, at)
+                stack.append(data[p : p + n].decode("utf-8", "surrogatepass"))
+            elif op == 0x8D:  # BINUNICODE8
+                n = _U8.unpack_from(data, take(8, at))[0]
+                p = take(n, at)
+                stack.append(data[p : p + n].decode("utf-8", "surrogatepass"))
+            elif op in (0x42, 0x43, 0x8E, 0x96):  # BINBYTES, SHORT_BINBYTES, BINBYTES8, BYTEARRAY8
+                if op == 0x42:
+                    n = _U4.unpack_from(data, take(4, at))[0]
+                elif op == 0x43:
+                    n = data[take(1, at)]
+                else:
+                    n = _U8.unpack_from(data, take(8, at))[0]
+                p = take(n, at)
+                raw = data[p : p + n]
+                stack.append(bytearray(raw) if op == 0x96 else raw)
+            elif op in (0x54, 0x55):  # BINSTRING, SHORT_BINSTRING
+                n = _I4.unpack_from(data, take(4, at))[0] if op == 0x54 else data[take(1, at)]
+                p = take(n, at)
+                stack.append(policy.text(data[p : p + n], base + at))
+            elif op == 0x53:  # STRING
+                raw = line(at)
+                if len(raw) < 2 or raw[0] != raw[-1] or raw[:1] not in (b"'", b'"'):
+                    raise _err("STRING operand is not quoted", base + at)
+                stack.append(policy.text(codecs.escape_decode(raw[1:-1])[0], base + at))
+            elif op == 0x56:  # UNICODE
+                stack.append(line(at).decode("raw-unicode-escape"))
+            elif op == 0x49:  # INT
+                raw = line(at)
+                if raw in (b"00", b"01"):
+                    stack.append(raw == b"01")
+                else:
+                    stack.append(int(raw))
+            elif op == 0x4C:  # LONG
+                raw = line(at)
+                stack.append(int(raw[:-1] if raw.endswith(b"L") else raw))
+            elif op == 0x46:  # FLOAT
+                stack.append(float(line(at)))
+            elif op == 0x94:  # MEMOIZE
+                memo[len(memo)] = _top(stack, base + at)
+            elif op == 0x72:  # LONG_BINPUT
+                memo[_U4.unpack_from(data, take(4, at))[0]] = _top(stack, base + at)
+            elif op == 0x6A:  # LONG_BINGET
+                idx = _U4.unpack_from(data, take(4, at))[0]
+                stack.append(_memo_get(memo, idx, base + at))
+            elif op == 0x70:  # PUT
+                memo[int(line(at))] = _top(stack, base + at)
+            elif op == 0x67:  # GET
+                stack.append(_memo_get(memo, int(line(at)), base + at))
+            elif op == 0x30:  # POP
+                if stack:
+                    stack.pop()
+                else:
+                    # CPython pops a MARK here; so do we.
+                    pop_mark(at)
+            elif op == 0x31:  # POP_MARK
+                pop_mark(at)
+            elif op == 0x32:  # DUP
+                stack.append(_top(stack, base + at))
+            elif op == 0x6C:  # LIST
+                stack.append(pop_mark(at))
+            elif op == 0x64:  # DICT
+                items = pop_mark(at)
+                if len(items) % 2:
+                    raise _err("DICT with an odd number of items", base + at)
+                stack.append({hashable(items[i], at): items[i + 1] for i in range(0, len(items), 2)})
+            elif op == 0x91:  # FROZENSET
+                stack.append(frozenset(hashable(x, at) for x in pop_mark(at)))
+            elif op == 0x81:  # NEWOBJ
+                args = pop(at)
+                cls = pop(at)
+                if type(args) is not tuple:
+                    raise _err("NEWOBJ arguments are not a tuple", base + at)
+                stack.append(policy.reduce(cls, args, base + at, "NEWOBJ"))
+            elif op == 0x92:  # NEWOBJ_EX
+                kwargs = pop(at)
+                args = pop(at)
+                cls = pop(at)
+                stack.append(policy.reduce(cls, (args, kwargs), base + at, "NEWOBJ_EX"))
+            elif op == 0x69:  # INST
+                module = line(at).decode("utf-8")
+                gname = line(at).decode("utf-8")
+                cls = policy.global_(module, gname, base + at, "INST")
+                stack.append(policy.reduce(cls, tuple(pop_mark(at)), base + at, "INST"))
+            elif op == 0x6F:  # OBJ
+                items = pop_mark(at)
+                if not items:
+                    raise _err("OBJ without a class", base + at)
+                stack.append(policy.reduce(items[0], tuple(items[1:]), base + at, "OBJ"))
+            elif op == 0x50:  # PERSID
+                pid = line(at).decode("ascii")
+                stack.append(policy.persistent(pid, base + at, "PERSID"))
+            elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4
+                if op == 0x82:
+                    code = data[take(1, at)]
+                elif op == 0x83:
+                    code = _U2.unpack_from(data, take(2, at))[0]
+                else:
+                    code = _I4.unpack_from(data, take(4, at))[0]
+                stack.append(policy.extension(code, base + at))
+            elif op in (0x97, 0x98):  # NEXT_BUFFER, READONLY_BUFFER
+                stack.append(policy.buffer(base + at, name))
+            elif op == 0x80:  # PROTO
+                proto = data[take(1, at)]
+                if proto > 5:
+                    raise _err(f"unsupported pickle protocol {proto}", base + at)
+                if at != start:
+                    policy.notice("PROTO not at the start of the stream", base + at)
+                protocol = proto
+            elif op == 0x95:  # FRAME
+                n = _U8.unpack_from(data, take(8, at))[0]
+                if frame_end >= 0 and pos < frame_end:
+                    policy.notice("FRAME begins inside another frame", base + at)
+                if pos + n > end:
+                    raise _err(f"FRAME of {n} bytes runs past the end", base + at)
+                frame_end = pos + n
+            elif op == 0x2E:  # STOP
+                if frame_end >= 0 and pos != frame_end:
+                    policy.notice("STOP inside a FRAME that announces more bytes", base + at)
+                value = pop(at)
+                if stack or marks:
+                    policy.notice("STOP leaves items on the stack", base + at)
+                return Result(value, pos, protocol, ops, seen)
+            else:  # pragma: no cover - OPNAMES and this switch list the same opcodes
+                raise _err(f"unhandled opcode {name}", base + at)
+            if len(stack) + len(marks) > lim.max_stack:
+                raise _err("stack over the limit", base + at)
+            if len(memo) > lim.max_memo:
+                raise _err("memo over the limit", base + at)
+
+
+def _top(stack: list[Any], offset: int) -> Any:
+    if not stack:
+        raise _err("stack underflow", offset)
+    return stack[-1]
+
+
+def _memo_get(memo: dict[int, Any], idx: int, offset: int) -> Any:
+    try:
+        return memo[idx]
+    except KeyError:
+        raise _err(f"memo slot {idx} is empty", offset) from None
+
+
+def decode_pickle(data: bytes, policy: Policy, start: int = 0, *, base: int = 0) -> Result:
+    """Run one pickle stream of ``data`` from ``start`` (convenience wrapper)."""
+    return Machine(data, policy, base=base).run(start)

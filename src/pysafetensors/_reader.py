@@ -1,0 +1,394 @@
+"""Reading files: ``safe_open`` and the slice object it hands out.
+
+The header is read and fully validated when the file is opened; tensors are read lazily, each
+from exactly its own byte range. The ``mmap`` backend returns zero-copy views of a private
+(copy-on-write) mapping; the ``pread`` backend reads into fresh memory, in parallel threads for
+large tensors and for ``get_tensors()``, and reads only the bytes a slice selects.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from ._adapter import Adapter, get_adapter
+from ._devices import Device
+from ._errors import ClosedFileError, SafetensorError, TensorNotFoundError
+from ._format import (
+    HEADER_PREFIX,
+    MAX_HEADER_SIZE,
+    N_LEN,
+    Header,
+    TensorInfo,
+    parse_header,
+    parse_header_length,
+)
+from ._slicing import plan_slice
+from ._sources import (
+    BufferSource,
+    ByteSource,
+    FileObjSource,
+    MmapSource,
+    PreadSource,
+    read_ranges_into,
+)
+
+__all__ = ["SafeSlice", "TensorMeta", "open_source_for", "read_header", "safe_open"]
+
+BACKENDS: Final = ("mmap", "pread")
+#: Bytes read speculatively when opening: one read usually brings the prefix and the header.
+_HEAD_GUESS: Final = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """A tensor's header entry, available without reading its data."""
+
+    dtype: str
+    """dtype code, e.g. ``"BF16"``."""
+    shape: list[int]
+    """Logical shape."""
+    data_offsets: tuple[int, int]
+    """``(begin, end)`` relative to the data buffer."""
+
+
+def read_header(
+    source: ByteSource,
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
+    prefix_text: str = HEADER_PREFIX,
+) -> Header:
+    """Read and validate the header of a source (rules R1-R8).
+
+    Raises:
+        HeaderError: The file is malformed.
+    """
+    size = source.size
+    guess = min(size, _HEAD_GUESS)
+    head = np.empty(guess, np.uint8)
+    source.readinto(0, memoryview(head))
+    n = parse_header_length(
+        head[:N_LEN].tobytes(), size, max_header_size=max_header_size, prefix_text=prefix_text
+    )
+    if N_LEN + n <= guess:
+        header_bytes = memoryview(head)[N_LEN : N_LEN + n]
+    else:
+        rest = np.empty(n, np.uint8)
+        source.readinto(N_LEN, memoryview(rest))
+        header_bytes = memoryview(rest)
+    return parse_header(header_bytes, size - N_LEN - n, prefix_text=prefix_text)
+
+
+def _is_fileobj(obj: Any) -> bool:
+    return hasattr(obj, "read") and hasattr(obj, "seek")
+
+
+def _is_sharded_target(filename: Any) -> bool:
+    if not isinstance(filename, (str, os.PathLike)):
+        return False
+    path = os.fsdecode(os.fspath(filename))
+    if "://" in path:
+        return path.endswith(".index.json")
+    return path.endswith(".index.json") or os.path.isdir(path)
+
+
+def open_source_for(filename: Any, backend: str) -> ByteSource:
+    """Open the byte source for a path, URL, file object or in-memory buffer.
+
+    Raises:
+        OSError: The file cannot be opened (missing, a directory, no permission).
+    """
+    if isinstance(filename, (bytes, bytearray, memoryview)) and not isinstance(filename, bytes):
+        return BufferSource(filename)
+    if _is_fileobj(filename):
+        fd = -1
+        try:
+            fd = filename.fileno()
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                fd = -1
+        except (AttributeError, OSError, ValueError):
+            fd = -1
+        name = str(getattr(filename, "name", "<file object>"))
+        if fd < 0:
+            return FileObjSource(filename, name)
+        if backend == "mmap":
+            return MmapSource(fd, name)
+        return PreadSource(fd, name, owns_fd=False)
+    path = os.fspath(filename)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if "://" in path:
+        from ._remote import open_source
+
+        source: ByteSource = open_source(path)
+        return source
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(21, "Is a directory", path)
+        if backend == "mmap":
+            source = MmapSource(fd, path, size=st.st_size)
+            os.close(fd)
+            return source
+        return PreadSource(fd, path, size=st.st_size)
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        raise
+
+
+class safe_open:  # noqa: N801 - the reference's name
+    """Open a safetensors file lazily: the header now, tensors when asked for.
+
+    Args:
+        filename: A path, an ``http(s)://``/``s3://``/fsspec URL, or an open binary file object.
+        framework: ``"pt"``/``"torch"``/``"pytorch"``, ``"np"``/``"numpy"``, ``"jax"``/``"flax"``,
+            ``"tf"``/``"tensorflow"``, ``"mlx"`` or ``"paddle"``.
+        device: Where tensors go (``"cpu"``, ``"cuda:0"``, ...; torch and paddle only).
+        backend: ``"mmap"`` (zero-copy, copy-on-write views) or ``"pread"`` (fresh memory).
+        max_header_size: Largest header accepted (100,000,000 bytes by default).
+
+    Raises:
+        SafetensorError: The framework, device or backend is invalid.
+        HeaderError: The file is malformed.
+        OSError: The file cannot be opened.
+
+    Example:
+        >>> with safe_open("model.safetensors", framework="np") as f:  # doctest: +SKIP
+        ...     weight = f.get_tensor("weight")
+    """
+
+    def __new__(cls, filename: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # A model folder or a hub index opens as one logical file across its shards.
+        if cls is safe_open and _is_sharded_target(filename):
+            from ._sharded import ShardedSafeOpen
+
+            return ShardedSafeOpen(filename, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        filename: Any,
+        framework: str,
+        device: Any = "cpu",
+        *,
+        backend: str = "mmap",
+        max_header_size: int = MAX_HEADER_SIZE,
+    ) -> None:
+        self._source: ByteSource | None = None
+        if backend not in BACKENDS:
+            raise SafetensorError(
+                f'backend "{backend}" is invalid (expected one of: "mmap", "pread")',
+                kind="InvalidBackend",
+            )
+        self._adapter: Adapter = get_adapter(framework)
+        self._device: Device = self._adapter.check_device(device)
+        self._backend = backend
+        source = open_source_for(filename, backend)
+        try:
+            self._header = read_header(source, max_header_size=max_header_size)
+        except BaseException:
+            source.close()
+            raise
+        self._source = source
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ context and lifetime
+
+    def __enter__(self) -> safe_open:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the file. Tensors already returned stay valid."""
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    def _live(self) -> ByteSource:
+        source = self._source
+        if source is None:
+            raise ClosedFileError("File is closed", kind="FileClosed")
+        return source
+
+    # ------------------------------------------------------------------------ header access
+
+    @property
+    def header(self) -> Header:
+        """The parsed header (entries in file order, metadata, header size)."""
+        self._live()
+        return self._header
+
+    def keys(self) -> list[str]:
+        """Tensor names, sorted."""
+        self._live()
+        return sorted(self._header.tensors)
+
+    def offset_keys(self) -> list[str]:
+        """Tensor names in file (data offset) order."""
+        self._live()
+        return list(self._header.tensors)
+
+    def metadata(self) -> dict[str, str] | None:
+        """``__metadata__``: None when absent or null, ``{}`` when written empty."""
+        self._live()
+        meta = self._header.metadata
+        return None if meta is None else dict(meta)
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self._header.tensors[name]
+        except (KeyError, TypeError):
+            raise TensorNotFoundError(
+                f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
+            ) from None
+
+    def get_tensor_meta(self, name: str) -> TensorMeta:
+        """A tensor's dtype, shape and offsets, without reading its data."""
+        self._live()
+        info = self._info(name)
+        return TensorMeta(info.dtype.code, list(info.shape), (info.begin, info.end))
+
+    # ---------------------------------------------------------------------------- tensor data
+
+    def _raw(self, source: ByteSource, info: TensorInfo) -> np.ndarray:
+        start = self._header.data_start + info.begin
+        view = source.view(start, info.nbytes) if self._backend == "mmap" else None
+        if view is not None:
+            return np.frombuffer(view, np.uint8)
+        buf = np.empty(info.nbytes, np.uint8)
+        if info.nbytes:
+            source.readinto(start, memoryview(buf))
+        return buf
+
+    def get_tensor(self, name: str) -> Any:
+        """Load one tensor in the framework chosen at open.
+
+        Raises:
+            TensorNotFoundError: No tensor of that name.
+            ClosedFileError: The handle was closed.
+        """
+        source = self._live()
+        info = self._info(name)
+        return self._adapter.from_bytes(self._raw(source, info), info.dtype, info.shape, self._device)
+
+    def get_tensors(self) -> dict[str, Any]:
+        """Load every tensor, in file order.
+
+        With ``backend="pread"`` the whole data buffer is read at once, in parallel, into one
+        preallocated buffer that the tensors then view.
+        """
+        source = self._live()
+        tensors = self._header.tensors
+        if self._backend == "mmap" or not tensors:
+            return {name: self.get_tensor(name) for name in tensors}
+        size = self._header.data_size
+        buf = np.empty(size, np.uint8)
+        if size:
+            source.readinto(self._header.data_start, memoryview(buf))
+        return {
+            name: self._adapter.from_bytes(
+                buf[info.begin : info.end], info.dtype, info.shape, self._device
+            )
+            for name, info in tensors.items()
+        }
+
+    def get_slice(self, name: str) -> SafeSlice:
+        """A lazy view of one tensor that reads only what is indexed."""
+        self._live()
+        return SafeSlice(self, self._info(name))
+
+    def _read_slice(self, info: TensorInfo, index: Any) -> Any:
+        source = self._live()
+        plan = plan_slice(info.shape, info.dtype, index)
+        base = self._header.data_start + info.begin
+        buf = np.empty(plan.nbytes, np.uint8)
+        if plan.nbytes:
+            view = source.view(base, info.nbytes) if self._backend == "mmap" else None
+            if view is not None:
+                whole = np.frombuffer(view, np.uint8)
+                if len(plan.starts) == 1:
+                    start = int(plan.starts[0])
+                    buf[:] = whole[start : start + plan.run_bytes]
+                elif info.dtype.bits % 8 == 0:
+                    # A strided copy of the selection touches only the pages it lies on.
+                    elements = whole.reshape(*info.shape, info.dtype.bits // 8)
+                    buf.reshape(*plan.shape, info.dtype.bits // 8)[...] = elements[
+                        plan.selection
+                    ]
+                else:
+                    pos = 0
+                    for off, length in plan.coalesced():
+                        buf[pos : pos + length] = whole[off : off + length]
+                        pos += length
+            else:
+                ranges = [(base + off, length) for off, length in plan.coalesced()]
+                read_ranges_into(source, ranges, memoryview(buf))
+        return self._adapter.from_bytes(buf, info.dtype, plan.shape, self._device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.offset_keys())
+
+    def __len__(self) -> int:
+        self._live()
+        return len(self._header.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        self._live()
+        return name in self._header.tensors
+
+
+class SafeSlice:
+    """A tensor not read yet; index it to read only the selected bytes.
+
+    Example:
+        >>> with safe_open("model.safetensors", "np") as f:  # doctest: +SKIP
+        ...     rows = f.get_slice("embed")[0:128]
+    """
+
+    def __init__(self, handle: safe_open, info: TensorInfo) -> None:
+        self._handle = handle
+        self._info = info
+
+    def get_shape(self) -> list[int]:
+        """The tensor's full logical shape."""
+        return list(self._info.shape)
+
+    def get_dtype(self) -> str:
+        """The dtype code, e.g. ``"F32"``."""
+        return self._info.dtype.code
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's full logical shape."""
+        return self._info.shape
+
+    @property
+    def dtype(self) -> str:
+        """The dtype code."""
+        return self._info.dtype.code
+
+    def __len__(self) -> int:
+        if not self._info.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._info.shape[0]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._handle._read_slice(self._info, index)

@@ -1,0 +1,1439 @@
+"""Remote byte sources: HTTP(S) range requests, S3 and any fsspec filesystem.
+
+Every source here implements the :class:`~pysafetensors._sources.ByteSource` protocol, so the
+reader treats a URL exactly like a local file. What they add over local sources:
+
+* **Few requests to open.** Opening fetches the first ``head_bytes`` (64 KiB by default) in the
+  same request that learns the size. That usually holds the 8-byte length prefix and the whole
+  header, so a reader needs one request to list tensors, two when the header is longer.
+  Reads that fall inside those bytes are served from memory.
+* **Verified ranges.** A reply is only taken as the range asked for when the server says so
+  (``206`` with a matching ``Content-Range``; ``ContentRange`` for S3). A server that ignores
+  ``Range`` and answers ``200`` with the whole file is refused, unless the whole file is small,
+  in which case it is kept in memory once and no further request is made.
+* **Parallel parts.** Large ranges are split into ``part_size`` pieces fetched by
+  ``max_connections`` threads, straight into the caller's buffer.
+* **Coalescing.** :meth:`RemoteSource.readinto_many` merges ranges separated by less than
+  ``max_gap`` bytes into one request (object stores charge per request, and latency dominates
+  small reads), then fetches the groups in parallel.
+* **Clear errors.** Missing objects, denied access, truncated bodies, ignored ranges and
+  exhausted retries raise :class:`~pysafetensors._errors.RemoteError` (an ``OSError``) with the
+  URL, minus any query string, since that often carries signatures.
+* **Counters.** ``source.stats`` counts requests, bytes received and retries, thread-safely, so
+  tests and the CLI can report what a command transferred.
+
+:func:`open_source` picks the backend from the URL scheme.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import random
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ._errors import ClosedFileError, RemoteError
+from ._sources import _check_range
+
+__all__ = [
+    "DEFAULT_HEAD_BYTES",
+    "DEFAULT_MAX_GAP",
+    "DEFAULT_PART_SIZE",
+    "FsspecSource",
+    "HTTPSource",
+    "RemoteNotFoundError",
+    "RemotePermissionError",
+    "RemoteSource",
+    "RemoteStats",
+    "S3Source",
+    "open_source",
+    "read_prefix",
+]
+
+#: Bytes fetched when a source opens. The hub reads 100 kB for the same purpose and reports that
+#: about 97% of headers of popular models fit; 64 KiB keeps small files to one request while
+#: wasting little on a large one.
+DEFAULT_HEAD_BYTES: Final = 64 << 10
+#: Size of one ranged request when a large read is split. 8 MiB is what object-store loaders
+#: (Run:ai streamer, s3transfer) settle on: large enough to amortise latency, small enough to
+#: spread over connections.
+DEFAULT_PART_SIZE: Final = 8 << 20
+#: Ranges closer than this are fetched as one request; the gap bytes are downloaded and dropped.
+DEFAULT_MAX_GAP: Final = 1 << 20
+#: A server that ignores ``Range`` is tolerated only for files up to this size.
+DEFAULT_ACCEPT_FULL_BODY: Final = 1 << 20
+
+_USER_AGENT: Final = "pysafetensors"
+_REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
+_TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: Longest ``Retry-After`` honoured; beyond it the backoff schedule applies.
+_MAX_RETRY_AFTER: Final = 10.0
+
+
+class RemoteNotFoundError(RemoteError, FileNotFoundError):
+    """Raised when a remote object or bucket does not exist.
+
+    Also a ``FileNotFoundError``, so code that handles a missing local file handles a missing
+    remote one the same way.
+    """
+
+
+class RemotePermissionError(RemoteError, PermissionError):
+    """Raised when a remote store refuses the credentials (HTTP 401/403, S3 AccessDenied)."""
+
+
+class RemoteStats:
+    """Thread-safe counters of what a remote source transferred.
+
+    Attributes are read without tearing; use :meth:`as_dict` for a consistent snapshot.
+    """
+
+    __slots__ = ("_bytes", "_lock", "_requests", "_retries")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._bytes = 0
+        self._retries = 0
+
+    def add(self, *, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
+        """Add to the counters.
+
+        Args:
+            requests: Requests sent (each one counts, including failed ones and redirects).
+            nbytes: Body bytes received.
+            retries: Attempts repeated after a transient failure.
+        """
+        with self._lock:
+            self._requests += requests
+            self._bytes += nbytes
+            self._retries += retries
+
+    @property
+    def requests(self) -> int:
+        """Number of requests sent."""
+        return self._requests
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Number of body bytes received."""
+        return self._bytes
+
+    @property
+    def retries(self) -> int:
+        """Number of attempts repeated after a transient failure."""
+        return self._retries
+
+    def as_dict(self) -> dict[str, int]:
+        """Return a consistent snapshot of all counters."""
+        with self._lock:
+            return {
+                "requests": self._requests,
+                "bytes_fetched": self._bytes,
+                "retries": self._retries,
+            }
+
+    def reset(self) -> None:
+        """Set every counter back to zero."""
+        with self._lock:
+            self._requests = self._bytes = self._retries = 0
+
+    def __repr__(self) -> str:
+        d = self.as_dict()
+        return (
+            f"RemoteStats(requests={d['requests']}, bytes_fetched={d['bytes_fetched']}, "
+            f"retries={d['retries']})"
+        )
+
+
+class _Transient(Exception):
+    """A failure worth retrying: 5xx, 429, reset connections, truncated bodies."""
+
+    def __init__(self, message: str, kind: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retry_after = retry_after
+
+
+@dataclass
+class _Item:
+    """One requested range: ``length`` bytes at file ``offset`` go to ``out[pos:pos+length]``."""
+
+    offset: int
+    pos: int
+    length: int
+
+
+@dataclass
+class _Part:
+    """One request. ``direct`` parts land in ``target``; others are scattered to ``items``."""
+
+    offset: int
+    length: int
+    target: memoryview | None
+    items: list[_Item]
+
+
+def _as_bytes(out: memoryview) -> memoryview:
+    return out if out.format == "B" and out.ndim == 1 else out.cast("B")
+
+
+def _redact(url: str) -> str:
+    """Drop credentials and the query string (signed URLs carry secrets there)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc = f"{netloc}:{parts.port}"
+    suffix = "?..." if parts.query else ""
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
+
+
+class RemoteSource:
+    """Shared machinery of the remote sources: head cache, splitting, coalescing, threads.
+
+    Subclasses implement :meth:`_fetch_once` (one request for an exact range) and call
+    :meth:`_open` from their constructor.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        max_connections: int = 8,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_gap: int = DEFAULT_MAX_GAP,
+        head_bytes: int = DEFAULT_HEAD_BYTES,
+        retries: int = 3,
+        backoff: float = 0.2,
+        accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
+    ) -> None:
+        if max_connections < 1 or part_size < 1 or max_gap < 0 or head_bytes < 0 or retries < 0:
+            raise ValueError(
+                "max_connections and part_size must be >= 1; max_gap, head_bytes and "
+                "retries must be >= 0"
+            )
+        self._name = name
+        self._max_connections = max_connections
+        self._part_size = part_size
+        self._max_gap = max_gap
+        self._head_bytes = head_bytes
+        self._retries = retries
+        self._backoff = backoff
+        self._accept_full_body = accept_full_body
+        self._size = -1
+        # The first bytes of the object; all of it when a server ignored Range on a small file.
+        # Replaced, never mutated, so readers need no lock.
+        self._head = b""
+        self._etag: str | None = None
+        # Two locks: prefetch_head holds the first while parts run on the pool the second guards.
+        self._head_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self.stats = RemoteStats()
+        """Counters of requests and bytes transferred by this source."""
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def size(self) -> int:
+        """Total number of bytes in the object."""
+        return self._size
+
+    @property
+    def name(self) -> str:
+        """The URL, without credentials or query string."""
+        return self._name
+
+    @property
+    def head(self) -> bytes:
+        """The first bytes of the object, fetched when it was opened (possibly empty)."""
+        return self._head
+
+    def view(self, offset: int, length: int) -> memoryview | None:
+        """Return None: remote bytes cannot be mapped."""
+        return None
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``.
+
+        Bytes cached at open are copied without a request; a range larger than ``part_size``
+        is fetched as parallel parts straight into ``out``.
+
+        Raises:
+            SafetensorError: The range lies outside the object.
+            RemoteError: The store failed after retries, or sent something other than the range.
+        """
+        out = _as_bytes(out)
+        self._check_open()
+        _check_range(self, offset, out.nbytes)
+        self.readinto_many([(offset, out.nbytes)], out)
+
+    def readinto_many(self, ranges: Sequence[tuple[int, int]], out: memoryview) -> None:
+        """Read several ``(offset, length)`` ranges back to back into ``out``.
+
+        Ranges whose gap is below ``max_gap`` are merged into one request (the gap bytes are
+        discarded); groups and large ranges are split into ``part_size`` requests fetched in
+        parallel. Where a part maps onto one contiguous piece of ``out`` it is received there
+        directly; otherwise through a scratch buffer of at most ``part_size`` bytes.
+
+        Args:
+            ranges: ``(offset, length)`` pairs, in the order their bytes go into ``out``.
+            out: Buffer of exactly the total length.
+
+        Raises:
+            ValueError: ``out`` does not hold exactly the total length.
+            SafetensorError: A range lies outside the object.
+            RemoteError: The store failed.
+        """
+        out = _as_bytes(out)
+        self._check_open()
+        items: list[_Item] = []
+        pos = 0
+        for offset, length in ranges:
+            _check_range(self, offset, length)
+            if length:
+                items.append(_Item(offset, pos, length))
+            pos += length
+        if pos != out.nbytes:
+            raise ValueError(f"ranges cover {pos} bytes but the buffer holds {out.nbytes}")
+        items = self._serve_from_head(items, out)
+        if items:
+            self._run(self._plan(items, out), out)
+
+    def prefetch_head(self, nbytes: int) -> memoryview:
+        """Make sure the first ``nbytes`` (bounded by the size) are cached; return them.
+
+        One request fetches what is missing. Later reads inside those bytes need no request.
+        """
+        self._check_open()
+        nbytes = max(0, min(nbytes, self._size))
+        with self._head_lock:
+            head = self._head
+            if len(head) < nbytes:
+                extra = bytearray(nbytes - len(head))
+                view = memoryview(extra)
+                self._run(self._plan([_Item(len(head), 0, len(extra))], view), view)
+                head = self._head = head + bytes(extra)
+        return memoryview(head)[:nbytes]
+
+    def close(self) -> None:
+        """Stop the worker threads and release connections. Idempotent."""
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._release()
+
+    def __enter__(self) -> RemoteSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._name!r}, size={self._size})"
+
+    # ------------------------------------------------------------------ for subclasses
+
+    def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
+        """Send one request for ``out.nbytes`` bytes at ``offset`` and fill ``out`` exactly.
+
+        When ``probing`` the size is not known yet: the implementation sets ``self._size``
+        from the reply, fills ``out`` with the bytes available (``out`` may be longer than the
+        object) and records ``self._head``.
+
+        Raises:
+            _Transient: The failure may go away on retry.
+            RemoteError: It will not.
+        """
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Release backend resources (connections, clients)."""
+
+    def _open(self) -> None:
+        """Learn the size and cache the first ``head_bytes`` with one request."""
+        probe = bytearray(max(self._head_bytes, 1))
+        self._fetch(0, memoryview(probe), probing=True)
+
+    def _fetch(self, offset: int, out: memoryview, probing: bool = False) -> None:
+        """Call :meth:`_fetch_once` with bounded retries and exponential backoff with jitter."""
+        attempt = 0
+        while True:
+            try:
+                self._fetch_once(offset, out, probing)
+                return
+            except _Transient as exc:
+                if attempt >= self._retries or self._closed:
+                    raise RemoteError(
+                        f"{exc} (gave up on {self._name} after {attempt + 1} attempts)",
+                        kind=exc.kind,
+                        offset=offset,
+                    ) from exc
+                delay = self._backoff * (2**attempt) * (0.5 + random.random())
+                if exc.retry_after is not None:
+                    delay = max(delay, min(exc.retry_after, _MAX_RETRY_AFTER))
+                attempt += 1
+                self.stats.add(retries=1)
+                time.sleep(delay)
+
+    def _cached_whole(self, body: bytes, size: int) -> None:
+        """Keep a whole small object in memory after a server ignored ``Range``."""
+        self._size = size
+        self._head = body
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedFileError(f"{self._name} is closed", kind="ClosedFile")
+
+    # ------------------------------------------------------------------ planning
+
+    def _serve_from_head(self, items: list[_Item], out: memoryview) -> list[_Item]:
+        head = self._head
+        cached = len(head)
+        if not cached:
+            return items
+        rest: list[_Item] = []
+        for it in items:
+            if it.offset < cached:
+                k = min(cached - it.offset, it.length)
+                out[it.pos : it.pos + k] = head[it.offset : it.offset + k]
+                if k < it.length:
+                    rest.append(_Item(it.offset + k, it.pos + k, it.length - k))
+            else:
+                rest.append(it)
+        return rest
+
+    def _plan(self, items: list[_Item], out: memoryview) -> list[_Part]:
+        """Group ranges by proximity, then cut each group into balanced parts."""
+        items = sorted(items, key=lambda it: it.offset)
+        groups: list[list[_Item]] = []
+        end = -1
+        for it in items:
+            if groups and it.offset - end <= self._max_gap:
+                groups[-1].append(it)
+                end = max(end, it.offset + it.length)
+            else:
+                groups.append([it])
+                end = it.offset + it.length
+        parts: list[_Part] = []
+        for group in groups:
+            parts.extend(self._cut(group, out))
+        return parts
+
+    def _cut(self, group: list[_Item], out: memoryview) -> list[_Part]:
+        start = group[0].offset
+        stop = max(it.offset + it.length for it in group)
+        hull = stop - start
+        # Balanced sizes: 8 MiB + 1 byte becomes two halves, not 8 MiB and a 1-byte request.
+        count = -(-hull // self._part_size)
+        step = -(-hull // count)
+        buckets: list[list[_Item]] = [[] for _ in range(count)]
+        for it in group:
+            first = (it.offset - start) // step
+            last = (it.offset + it.length - 1 - start) // step
+            for k in range(first, last + 1):
+                buckets[k].append(it)
+        parts: list[_Part] = []
+        for k, bucket in enumerate(buckets):
+            if not bucket:
+                continue  # a part that falls wholly inside a gap
+            p_start = start + k * step
+            p_stop = min(start + (k + 1) * step, stop)
+            # Trim to the bytes wanted, so no part begins or ends inside a gap.
+            p_start = max(p_start, min(it.offset for it in bucket))
+            p_stop = min(p_stop, max(it.offset + it.length for it in bucket))
+            parts.append(self._part(p_start, p_stop, bucket, out))
+        return parts
+
+    @staticmethod
+    def _part(p_start: int, p_stop: int, bucket: list[_Item], out: memoryview) -> _Part:
+        # Direct when every item maps file bytes to ``out`` with one shift and they tile the
+        # part without gaps: the usual case of adjacent tensors read in file order.
+        delta = bucket[0].pos - bucket[0].offset
+        covered = p_start
+        direct = True
+        for it in bucket:  # sorted by offset
+            if it.pos - it.offset != delta or it.offset > covered:
+                direct = False
+                break
+            covered = max(covered, it.offset + it.length)
+        if direct and covered >= p_stop:
+            target = out[p_start + delta : p_stop + delta]
+            return _Part(p_start, p_stop - p_start, target, [])
+        return _Part(p_start, p_stop - p_start, None, bucket)
+
+    def _do_part(self, part: _Part, out: memoryview) -> None:
+        if part.target is not None:
+            self._fetch(part.offset, part.target)
+            return
+        scratch = bytearray(part.length)
+        self._fetch(part.offset, memoryview(scratch))
+        p_stop = part.offset + part.length
+        for it in part.items:
+            a = max(it.offset, part.offset)
+            b = min(it.offset + it.length, p_stop)
+            dst = it.pos + (a - it.offset)
+            out[dst : dst + (b - a)] = scratch[a - part.offset : b - part.offset]
+
+    def _run(self, parts: list[_Part], out: memoryview) -> None:
+        if not parts:
+            return
+        if len(parts) == 1:
+            self._do_part(parts[0], out)
+            return
+        pool = self._executor()
+        # list() re-raises the first failure; the other parts still finish or fail on their own.
+        list(pool.map(lambda p: self._do_part(p, out), parts))
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._max_connections, thread_name_prefix="pysafetensors-remote"
+                )
+            return self._pool
+
+
+# ------------------------------------------------------------------------------------------ HTTP
+
+
+def _parse_content_range(value: str | None) -> tuple[int | None, int | None, int | None]:
+    """Parse ``bytes a-b/total`` (or ``bytes */total``); unknown parts are None."""
+    if not value:
+        return None, None, None
+    unit, _, rest = value.strip().partition(" ")
+    if unit.lower() != "bytes" or "/" not in rest:
+        return None, None, None
+    span, _, total_text = rest.partition("/")
+    total = int(total_text) if total_text.strip().isdigit() else None
+    first, sep, last = span.partition("-")
+    if sep and first.strip().isdigit() and last.strip().isdigit():
+        return int(first), int(last), total
+    return None, None, total
+
+
+def _int_header(value: str | None) -> int | None:
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date; the backoff schedule is good enough
+
+
+_Conn = http.client.HTTPConnection
+_Key = tuple[str, str, int]
+
+
+class _ConnectionPool:
+    """Idle keep-alive connections per (scheme, host, port), shared by worker threads.
+
+    A connection is used by one thread at a time: it is taken out while a request runs and put
+    back only after its response was read in full. Concurrency is bounded by the caller's thread
+    pool, so this only caps how many idle connections are kept.
+    """
+
+    def __init__(self, timeout: float, keep: int, ssl_context: ssl.SSLContext | None) -> None:
+        self._timeout = timeout
+        self._keep = keep
+        self._ssl = ssl_context
+        self._idle: dict[_Key, list[_Conn]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: _Key) -> tuple[_Conn, bool]:
+        """Return a connection and whether it was reused (so may have gone stale)."""
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop(), True
+        scheme, host, port = key
+        conn: _Conn
+        if scheme == "https":
+            ctx = self._ssl or ssl.create_default_context()
+            conn = http.client.HTTPSConnection(host, port, timeout=self._timeout, context=ctx)
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=self._timeout)
+        return conn, False
+
+    def put(self, key: _Key, conn: _Conn) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < self._keep:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
+            conn.close()
+
+
+class HTTPSource(RemoteSource):
+    """Random access to a file served over HTTP(S), with ``Range`` requests.
+
+    Only the standard library is used: ``http.client`` with a small pool of keep-alive
+    connections shared by up to ``max_connections`` worker threads. Proxies from the
+    environment are not used.
+
+    Opening sends one ``GET`` for ``bytes=0-(head_bytes-1)``: the reply must be ``206`` with a
+    ``Content-Range`` whose total gives the size. If the server ignores ``Range`` (``200``)
+    and the file is at most ``accept_full_body`` bytes, the whole body is kept in memory
+    and no other request is made; a larger ``200`` is refused without reading it.
+
+    Redirects are followed (up to ``max_redirects``) and the final URL is reused for later
+    reads, since hubs redirect to a CDN; if that URL later answers 401/403/404 (signed URLs
+    expire), the original URL is resolved again once. ``Authorization`` and ``Cookie`` headers
+    are not sent to a different host.
+
+    Args:
+        url: ``http://`` or ``https://`` URL. The query string is kept.
+        headers: Extra request headers, e.g. ``{"Authorization": "Bearer ..."}``.
+        timeout: Seconds to wait for a connection or for data on it.
+        max_connections: Parallel requests for split or coalesced reads.
+        part_size: Largest single request when a read is split.
+        max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
+        head_bytes: Bytes fetched and cached when opening (0: only learn the size).
+        retries: Repeats after transient failures (5xx, 429, resets, truncated bodies).
+        backoff: First retry delay in seconds; doubles each time, with jitter.
+        max_redirects: Redirects followed per request.
+        accept_full_body: Largest ``200`` whole-body reply accepted from a server that
+            ignores ``Range``.
+        ssl_context: TLS settings for ``https`` (default: system trust store).
+
+    Raises:
+        RemoteNotFoundError: 404 or 410.
+        RemotePermissionError: 401 or 403.
+        RemoteError: Ranges not supported, too many redirects, other errors, or transient
+            errors that persisted through the retries.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
+        max_connections: int = 8,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_gap: int = DEFAULT_MAX_GAP,
+        head_bytes: int = DEFAULT_HEAD_BYTES,
+        retries: int = 3,
+        backoff: float = 0.2,
+        max_redirects: int = 5,
+        accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {_redact(url)}")
+        super().__init__(
+            _redact(url),
+            max_connections=max_connections,
+            part_size=part_size,
+            max_gap=max_gap,
+            head_bytes=head_bytes,
+            retries=retries,
+            backoff=backoff,
+            accept_full_body=accept_full_body,
+        )
+        self._origin = url
+        self._url = url
+        self._origin_host = parts.hostname
+        self._headers = dict(headers or {})
+        self._max_redirects = max_redirects
+        self._conns = _ConnectionPool(timeout, max_connections, ssl_context)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The URL reads go to: the original one, or where it redirected."""
+        return self._url
+
+    def _release(self) -> None:
+        self._conns.close()
+
+    def _headers_for(self, host: str, first: int, last: int) -> dict[str, str]:
+        headers = {k: v for k, v in self._headers.items()}
+        if host != self._origin_host:
+            # Credentials meant for the origin must not leak to a CDN or another site.
+            for key in list(headers):
+                if key.lower() in ("authorization", "cookie"):
+                    del headers[key]
+        headers["Range"] = f"bytes={first}-{last}"
+        # A compressed body has no byte correspondence with the file: ask for none.
+        headers["Accept-Encoding"] = "identity"
+        headers.setdefault("User-Agent", _USER_AGENT)
+        return headers
+
+    def _send(
+        self, url: str, first: int, last: int
+    ) -> tuple[http.client.HTTPResponse, _Conn, _Key]:
+        parts = urllib.parse.urlsplit(url)
+        scheme = parts.scheme
+        host = parts.hostname or ""
+        port = parts.port or (443 if scheme == "https" else 80)
+        key = (scheme, host, port)
+        target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        headers = self._headers_for(host, first, last)
+        while True:
+            conn, reused = self._conns.get(key)
+            try:
+                conn.request("GET", target, headers=headers)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                if reused:
+                    # The server closed an idle keep-alive connection: not a failure, and
+                    # not worth a retry's backoff. Try again on a fresh connection.
+                    continue
+                self.stats.add(requests=1)
+                raise _Transient(
+                    f"request to {self._name} failed: {exc!r}", "ConnectionError"
+                ) from exc
+            self.stats.add(requests=1)
+            return resp, conn, key
+
+    def _finish(self, resp: http.client.HTTPResponse, conn: _Conn, key: _Key) -> None:
+        """Return the connection to the pool if the response was consumed and allows it."""
+        if resp.isclosed() and not resp.will_close:
+            self._conns.put(key, conn)
+        else:
+            conn.close()
+
+    def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
+        try:
+            self._fetch_from(self._url, offset, out, probing)
+        except (RemoteNotFoundError, RemotePermissionError):
+            if self._url == self._origin:
+                raise
+            # A redirect target (often a signed CDN URL) may have expired: resolve again.
+            self._url = self._origin
+            self._fetch_from(self._url, offset, out, probing)
+
+    def _fetch_from(self, url: str, offset: int, out: memoryview, probing: bool) -> None:
+        want = out.nbytes
+        last = offset + want - 1
+        for _ in range(self._max_redirects + 1):
+            resp, conn, key = self._send(url, offset, last)
+            status = resp.status
+            if status in _REDIRECTS:
+                location = resp.getheader("Location")
+                resp.read()
+                self._finish(resp, conn, key)
+                if not location:
+                    raise RemoteError(
+                        f"{self._name}: redirect ({status}) without a Location header",
+                        kind="HTTPError",
+                    )
+                url = urllib.parse.urljoin(url, location)
+                continue
+            try:
+                self._handle(resp, url, offset, out, probing)
+            except BaseException:
+                conn.close()
+                raise
+            self._finish(resp, conn, key)
+            if probing or url != self._url:
+                # Later reads go straight to where the server sent us.
+                self._url = url
+            return
+        raise RemoteError(
+            f"{self._name}: more than {self._max_redirects} redirects", kind="TooManyRedirects"
+        )
+
+    def _handle(
+        self,
+        resp: http.client.HTTPResponse,
+        url: str,
+        offset: int,
+        out: memoryview,
+        probing: bool,
+    ) -> None:
+        status = resp.status
+        where = _redact(url)
+        if status == 206:
+            self._handle_partial(resp, where, offset, out, probing)
+        elif status == 200:
+            self._handle_whole(resp, where, offset, out, probing)
+        elif status == 416:
+            total = _parse_content_range(resp.getheader("Content-Range"))[2]
+            if probing and total == 0:
+                # An empty file has no byte 0 to ask for; it is still a valid (empty) object.
+                self._size = 0
+                self._head = b""
+                return
+            raise RemoteError(
+                f"{where}: range {offset}-{offset + out.nbytes - 1} not satisfiable (416); the "
+                f"server reports {total if total is not None else 'an unknown number of'} bytes"
+                + ("" if probing else f", this source expected {self._size}"),
+                kind="RangeNotSatisfiable",
+                offset=offset,
+            )
+        elif status in (404, 410):
+            raise RemoteNotFoundError(f"{where}: not found ({status})", kind="NotFound")
+        elif status == 401:
+            raise RemotePermissionError(
+                f"{where}: authentication required (401); pass credentials with "
+                "headers={'Authorization': 'Bearer ...'}",
+                kind="PermissionDenied",
+            )
+        elif status == 403:
+            raise RemotePermissionError(
+                f"{where}: access denied (403); check the credentials in headers= or, for a "
+                "signed URL, that it has not expired",
+                kind="PermissionDenied",
+            )
+        elif status in _TRANSIENT_STATUS:
+            raise _Transient(
+                f"{where}: server error {status} {resp.reason}",
+                "HTTPError",
+                _retry_after(resp.getheader("Retry-After")),
+            )
+        else:
+            raise RemoteError(f"{where}: unexpected HTTP {status} {resp.reason}", kind="HTTPError")
+
+    def _check_etag(self, resp: http.client.HTTPResponse, where: str, probing: bool) -> None:
+        etag = resp.getheader("ETag")
+        if probing:
+            self._etag = etag
+        elif etag and self._etag and etag != self._etag:
+            raise RemoteError(
+                f"{where} changed while open (ETag {self._etag} became {etag}); reopen it",
+                kind="Changed",
+            )
+
+    def _handle_partial(
+        self,
+        resp: http.client.HTTPResponse,
+        where: str,
+        offset: int,
+        out: memoryview,
+        probing: bool,
+    ) -> None:
+        if "multipart" in (resp.getheader("Content-Type") or ""):
+            raise RemoteError(
+                f"{where}: server answered a single range with a multipart body",
+                kind="RangeNotSupported",
+            )
+        first, last, total = _parse_content_range(resp.getheader("Content-Range"))
+        length = _int_header(resp.getheader("Content-Length"))
+        if probing:
+            if first is None or last is None or total is None:
+                raise RemoteError(
+                    f"{where}: 206 reply without a usable Content-Range "
+                    f"({resp.getheader('Content-Range')!r}); cannot learn the file size",
+                    kind="RangeNotSupported",
+                )
+            want = min(out.nbytes, total - offset)
+        else:
+            want = out.nbytes
+            if total is not None and total != self._size:
+                raise RemoteError(
+                    f"{where} changed size while open ({self._size} bytes, now {total}); reopen it",
+                    kind="Changed",
+                )
+        if first is None:
+            # Some servers omit Content-Range; fsspec accepts an exact Content-Length.
+            if length != want:
+                raise RemoteError(
+                    f"{where}: 206 reply without Content-Range and with Content-Length {length}"
+                    f" for a request of {want} bytes",
+                    kind="RangeNotSupported",
+                )
+        elif first != offset or last != offset + want - 1:
+            raise RemoteError(
+                f"{where}: asked for bytes {offset}-{offset + want - 1}, server sent "
+                f"{first}-{last}",
+                kind="RangeMismatch",
+            )
+        if length is not None and length != want:
+            raise _Transient(
+                f"{where}: Content-Length {length} disagrees with the range of {want} bytes",
+                "Truncated",
+            )
+        self._check_etag(resp, where, probing)
+        self._read_exact(resp, where, offset, out[:want])
+        if probing:
+            assert total is not None
+            self._size = total
+            self._head = bytes(out[:want])
+
+    def _read_exact(
+        self, resp: http.client.HTTPResponse, where: str, offset: int, out: memoryview
+    ) -> None:
+        done = 0
+        total = out.nbytes
+        try:
+            while done < total:
+                n = resp.readinto(out[done:])
+                if not n:
+                    break
+                done += n
+        except (OSError, http.client.HTTPException) as exc:
+            self.stats.add(nbytes=done)
+            raise _Transient(
+                f"{where}: connection dropped after {done} of {total} bytes at offset {offset} "
+                f"({exc!r})",
+                "Truncated",
+            ) from exc
+        self.stats.add(nbytes=done)
+        if done < total:
+            raise _Transient(
+                f"{where}: response truncated: got {done} of {total} bytes at offset {offset}",
+                "Truncated",
+            )
+
+    def _handle_whole(
+        self,
+        resp: http.client.HTTPResponse,
+        where: str,
+        offset: int,
+        out: memoryview,
+        probing: bool,
+    ) -> None:
+        # The server ignored Range. Reading a large body to find our bytes would download the
+        # whole file for every read; accept it only when the file is small, and only once.
+        length = _int_header(resp.getheader("Content-Length"))
+        if (
+            length is None
+            or length > self._accept_full_body
+            or (not probing and length != self._size)
+        ):
+            size = "an unknown number of" if length is None else str(length)
+            raise RemoteError(
+                f"{where}: the server ignored the Range header and started sending the whole "
+                f"file ({size} bytes, status 200); it does not support range requests, which "
+                "lazy reading needs (download the file instead)",
+                kind="RangeNotSupported",
+            )
+        body = bytearray(length)
+        self._read_exact(resp, where, 0, memoryview(body))
+        self._check_etag(resp, where, probing)
+        self._cached_whole(bytes(body), length)
+        want = out.nbytes if not probing else min(out.nbytes, max(0, length - offset))
+        out[:want] = body[offset : offset + want]
+
+
+# -------------------------------------------------------------------------------------------- S3
+
+#: S3 error codes that mean "this object or bucket is not there".
+_S3_MISSING: Final = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion", "NotFound", "404"})
+#: S3 error codes about credentials or permissions.
+_S3_DENIED: Final = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "403",
+    }
+)
+
+
+def _split_s3_url(url: str) -> tuple[str, str]:
+    # Not urlsplit: keys may contain '?' and '#', which are not query or fragment in S3.
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("s3", "s3a") or "/" not in rest:
+        raise ValueError(f"not an s3://bucket/key URL: {url!r}")
+    bucket, _, key = rest.partition("/")
+    if not bucket or not key:
+        raise ValueError(f"not an s3://bucket/key URL: {url!r}")
+    return bucket, key
+
+
+class S3Source(RemoteSource):
+    """Random access to an S3 object (or any S3-compatible store) with ranged ``GetObject``.
+
+    Needs ``boto3`` (``pip install 'pysafetensors[s3]'``). Credentials come from boto3's usual
+    chain (environment, shared config, instance roles); the endpoint from ``endpoint_url``, else
+    ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL`` (for MinIO, R2, moto...). S3 serves one
+    range per request, so coalescing matters more here than over HTTP.
+
+    Every reply must carry a ``ContentRange`` matching the request, and the object's ETag must
+    not change while it is open.
+
+    Args:
+        url: ``s3://bucket/key``.
+        client: A ready boto3 S3 client; when given, the other client options are ignored.
+        endpoint_url: S3 endpoint, overriding the environment.
+        region_name: Region for the client.
+        anon: Send unsigned requests (public buckets).
+        version_id: Read this version of the object.
+        client_kwargs: Extra keyword arguments for ``boto3.session.Session().client``.
+        max_connections: Parallel requests (also the client's connection pool size).
+        part_size: Largest single request when a read is split.
+        max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
+        head_bytes: Bytes fetched and cached when opening.
+        retries: Repeats after a truncated body (botocore retries throttling and 5xx itself).
+        backoff: First retry delay in seconds.
+
+    Raises:
+        ImportError: boto3 is not installed.
+        RemoteNotFoundError: NoSuchKey, NoSuchBucket.
+        RemotePermissionError: AccessDenied, InvalidAccessKeyId, missing credentials...
+        RemoteError: Anything else the store or the connection reports.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        client: Any = None,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        anon: bool = False,
+        version_id: str | None = None,
+        client_kwargs: Mapping[str, Any] | None = None,
+        max_connections: int = 8,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_gap: int = DEFAULT_MAX_GAP,
+        head_bytes: int = DEFAULT_HEAD_BYTES,
+        retries: int = 3,
+        backoff: float = 0.2,
+    ) -> None:
+        self._bucket, self._key = _split_s3_url(url)
+        super().__init__(
+            f"s3://{self._bucket}/{self._key}",
+            max_connections=max_connections,
+            part_size=part_size,
+            max_gap=max_gap,
+            head_bytes=head_bytes,
+            retries=retries,
+            backoff=backoff,
+            # S3 always honours Range; a reply without ContentRange is a broken proxy.
+            accept_full_body=DEFAULT_ACCEPT_FULL_BODY,
+        )
+        self._version_id = version_id
+        try:
+            import botocore.exceptions
+        except ImportError as exc:
+            raise ImportError(
+                "reading s3:// URLs needs boto3: pip install 'pysafetensors[s3]' "
+                "(or pass an fsspec URL with s3fs installed through FsspecSource)"
+            ) from exc
+        self._botoexc: Any = botocore.exceptions
+        self._client = (
+            client
+            if client is not None
+            else self._make_client(
+                endpoint_url, region_name, anon, max_connections, client_kwargs or {}
+            )
+        )
+        self._open()
+
+    @staticmethod
+    def _make_client(
+        endpoint_url: str | None,
+        region_name: str | None,
+        anon: bool,
+        max_connections: int,
+        client_kwargs: Mapping[str, Any],
+    ) -> Any:
+        import boto3
+        import botocore
+        from botocore.config import Config
+
+        # Recent botocore reads these variables itself; reading them here also covers old ones.
+        endpoint = (
+            endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+        )
+        config = Config(
+            max_pool_connections=max(10, max_connections),
+            retries={"max_attempts": 4, "mode": "standard"},
+            signature_version=botocore.UNSIGNED if anon else None,
+        )
+        kwargs: dict[str, Any] = {"config": config, **client_kwargs}
+        if endpoint:
+            kwargs.setdefault("endpoint_url", endpoint)
+        if region_name:
+            kwargs.setdefault("region_name", region_name)
+        # A private session: the default one is not safe to build clients from concurrently.
+        return boto3.session.Session().client("s3", **kwargs)
+
+    def _error(self, exc: Exception, offset: int, probing: bool) -> Exception:
+        """Translate a botocore exception into a RemoteError or a _Transient."""
+        bexc = self._botoexc
+        where = self._name
+        if isinstance(exc, bexc.ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            message = str(err.get("Message", "")) or code
+            if code in _S3_MISSING or status == 404:
+                what = "bucket" if code == "NoSuchBucket" else "object"
+                return RemoteNotFoundError(
+                    f"{where}: no such {what} ({code or status}: {message})", kind="NotFound"
+                )
+            if code in _S3_DENIED or status in (401, 403):
+                return RemotePermissionError(
+                    f"{where}: access denied ({code or status}: {message}); check the AWS "
+                    "credentials (AWS_ACCESS_KEY_ID/AWS_PROFILE), the endpoint, or pass "
+                    "anon=True for a public bucket",
+                    kind="PermissionDenied",
+                )
+            if code in ("PreconditionFailed",) or status == 412:
+                return RemoteError(f"{where} changed while open; reopen it", kind="Changed")
+            if code == "InvalidRange" or status == 416:
+                return RemoteError(
+                    f"{where}: range at offset {offset} not satisfiable ({message})",
+                    kind="RangeNotSatisfiable",
+                    offset=offset,
+                )
+            if status >= 500 or code in ("SlowDown", "InternalError", "RequestTimeout"):
+                return _Transient(f"{where}: {code or status}: {message}", "HTTPError")
+            return RemoteError(f"{where}: {code or status}: {message}", kind="HTTPError")
+        if isinstance(exc, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
+            return RemotePermissionError(
+                f"{where}: no usable AWS credentials ({exc}); set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, configure a profile, or pass anon=True",
+                kind="PermissionDenied",
+            )
+        if isinstance(
+            exc,
+            (
+                bexc.IncompleteReadError,
+                bexc.ResponseStreamingError,
+                bexc.ReadTimeoutError,
+                bexc.ConnectionClosedError,
+            ),
+        ):
+            return _Transient(f"{where}: transfer interrupted: {exc}", "Truncated")
+        # Endpoint unreachable and the like: botocore already retried.
+        return RemoteError(f"{where}: {exc}", kind="ConnectionError")
+
+    def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
+        bexc = self._botoexc
+        kwargs: dict[str, Any] = {
+            "Bucket": self._bucket,
+            "Key": self._key,
+            "Range": f"bytes={offset}-{offset + out.nbytes - 1}",
+        }
+        if self._version_id:
+            kwargs["VersionId"] = self._version_id
+        self.stats.add(requests=1)
+        try:
+            resp = self._client.get_object(**kwargs)
+        except bexc.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if probing and code == "InvalidRange":
+                # An empty object has no byte 0; ask for its size instead.
+                self._probe_empty()
+                return
+            raise self._error(exc, offset, probing) from exc
+        except bexc.BotoCoreError as exc:
+            raise self._error(exc, offset, probing) from exc
+        body = resp["Body"]
+        try:
+            self._consume(resp, body, offset, out, probing)
+        except bexc.BotoCoreError as exc:
+            raise self._error(exc, offset, probing) from exc
+        finally:
+            body.close()
+
+    def _probe_empty(self) -> None:
+        bexc = self._botoexc
+        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key}
+        if self._version_id:
+            kwargs["VersionId"] = self._version_id
+        self.stats.add(requests=1)
+        try:
+            resp = self._client.head_object(**kwargs)
+        except (bexc.ClientError, bexc.BotoCoreError) as exc:
+            raise self._error(exc, 0, True) from exc
+        size = int(resp.get("ContentLength", 0))
+        if size != 0:
+            raise RemoteError(
+                f"{self._name}: range 0- refused although the object has {size} bytes",
+                kind="RangeNotSatisfiable",
+            )
+        self._size = 0
+        self._etag = resp.get("ETag")
+
+    def _consume(
+        self, resp: Mapping[str, Any], body: Any, offset: int, out: memoryview, probing: bool
+    ) -> None:
+        where = self._name
+        first, last, total = _parse_content_range(resp.get("ContentRange"))
+        length = int(resp.get("ContentLength", -1))
+        etag = resp.get("ETag")
+        if first is None or last is None or total is None:
+            # No ContentRange: the range was ignored and the body is the whole object.
+            if length < 0 or length > self._accept_full_body:
+                raise RemoteError(
+                    f"{where}: the store ignored the Range and is sending the whole object "
+                    f"({length} bytes); ranged reads are not supported there",
+                    kind="RangeNotSupported",
+                )
+            whole = bytearray(length)
+            self._read_body(body, memoryview(whole), offset)
+            if probing:
+                self._etag = etag
+            self._cached_whole(bytes(whole), length)
+            want = min(out.nbytes, max(0, length - offset))
+            out[:want] = whole[offset : offset + want]
+            return
+        want = min(out.nbytes, total - offset) if probing else out.nbytes
+        if first != offset or last != offset + want - 1:
+            raise RemoteError(
+                f"{where}: asked for bytes {offset}-{offset + want - 1}, store sent {first}-{last}",
+                kind="RangeMismatch",
+            )
+        if probing:
+            self._etag = etag
+        elif total != self._size or (etag and self._etag and etag != self._etag):
+            raise RemoteError(f"{where} changed while open; reopen it", kind="Changed")
+        self._read_body(body, out[:want], offset)
+        if probing:
+            self._size = total
+            self._head = bytes(out[:want])
+
+    def _read_body(self, body: Any, out: memoryview, offset: int) -> None:
+        done = 0
+        total = out.nbytes
+        try:
+            while done < total:
+                n = int(body.readinto(out[done:]))
+                if not n:
+                    break
+                done += n
+        finally:
+            self.stats.add(nbytes=done)
+        if done < total:
+            raise _Transient(
+                f"{self._name}: response truncated: got {done} of {total} bytes at offset {offset}",
+                "Truncated",
+            )
+
+
+# ---------------------------------------------------------------------------------------- fsspec
+
+
+class FsspecSource(RemoteSource):
+    """Random access to a file on any fsspec filesystem (``gcs://``, ``az://``, ``hf://``...).
+
+    Reads go through ``fs.cat_file(path, start, end)``; several parts through one
+    ``fs.cat_ranges`` call on asynchronous filesystems (which run them concurrently), else
+    through worker threads. Each range counts as one request in ``stats``, as does learning
+    the size.
+
+    Args:
+        target: A URL (``memory://x.safetensors``), an ``fsspec.core.OpenFile``, or a path on
+            ``fs``.
+        fs: The filesystem ``target`` is a path on.
+        max_connections: Worker threads for synchronous filesystems.
+        part_size: Largest single range when a read is split.
+        max_gap: Ranges closer than this are merged by ``readinto_many``.
+        head_bytes: Bytes fetched and cached when opening.
+        retries: Repeats after a short read.
+        backoff: First retry delay in seconds.
+        **storage_options: Passed to the filesystem when ``target`` is a URL.
+
+    Raises:
+        ImportError: fsspec is not installed.
+        RemoteNotFoundError: The file does not exist.
+        RemotePermissionError: The filesystem refused access.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        *,
+        fs: Any = None,
+        max_connections: int = 8,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_gap: int = DEFAULT_MAX_GAP,
+        head_bytes: int = DEFAULT_HEAD_BYTES,
+        retries: int = 1,
+        backoff: float = 0.2,
+        **storage_options: Any,
+    ) -> None:
+        if fs is not None:
+            path = str(target)
+        elif isinstance(target, str):
+            try:
+                from fsspec.core import url_to_fs
+            except ImportError as exc:
+                raise ImportError(
+                    "reading this URL needs fsspec: pip install 'pysafetensors[remote]'"
+                ) from exc
+            fs, path = url_to_fs(target, **storage_options)
+        elif hasattr(target, "fs") and hasattr(target, "path"):
+            fs, path = target.fs, str(target.path)
+        else:
+            raise TypeError(
+                f"FsspecSource needs a URL, an fsspec OpenFile or fs=; got {type(target).__name__}"
+            )
+        name = target if isinstance(target, str) and "://" in target else fs.unstrip_protocol(path)
+        super().__init__(
+            _redact(name) if "://" in name else name,
+            max_connections=max_connections,
+            part_size=part_size,
+            max_gap=max_gap,
+            head_bytes=head_bytes,
+            retries=retries,
+            backoff=backoff,
+        )
+        self._fs = fs
+        self._path = path
+        self.stats.add(requests=1)
+        try:
+            self._size = int(fs.size(path))
+        except Exception as exc:
+            raise self._error(exc, 0) from exc
+        if self._head_bytes and self._size:
+            self.prefetch_head(self._head_bytes)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem read from."""
+        return self._fs
+
+    @property
+    def path(self) -> str:
+        """The path on :attr:`fs`."""
+        return self._path
+
+    def _error(self, exc: Exception, offset: int) -> Exception:
+        where = self._name
+        if isinstance(exc, (RemoteError, _Transient)):
+            return exc
+        if isinstance(exc, FileNotFoundError):
+            return RemoteNotFoundError(f"{where}: not found ({exc})", kind="NotFound")
+        if isinstance(exc, PermissionError):
+            return RemotePermissionError(f"{where}: access denied ({exc})", kind="PermissionDenied")
+        return RemoteError(f"{where}: read at offset {offset} failed: {exc!r}", kind="HTTPError")
+
+    def _check_length(self, data: bytes, offset: int, want: int) -> None:
+        if len(data) != want:
+            raise _Transient(
+                f"{self._name}: short read: got {len(data)} of {want} bytes at offset {offset}",
+                "Truncated",
+            )
+
+    def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
+        self.stats.add(requests=1)
+        try:
+            data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
+        except Exception as exc:
+            raise self._error(exc, offset) from exc
+        self.stats.add(nbytes=len(data))
+        self._check_length(data, offset, out.nbytes)
+        out[:] = data
+
+    def _run(self, parts: list[_Part], out: memoryview) -> None:
+        if len(parts) < 2 or not getattr(self._fs, "async_impl", False):
+            super()._run(parts, out)
+            return
+        # Async filesystems fetch a batch concurrently on their own event loop.
+        n = len(parts)
+        self.stats.add(requests=n)
+        try:
+            blobs = self._fs.cat_ranges(
+                [self._path] * n,
+                [p.offset for p in parts],
+                [p.offset + p.length for p in parts],
+                on_error="return",
+            )
+        except Exception as exc:
+            raise self._error(exc, parts[0].offset) from exc
+        failed: list[_Part] = []
+        for part, blob in zip(parts, blobs, strict=True):
+            if isinstance(blob, BaseException) or len(blob) != part.length:
+                failed.append(part)
+                continue
+            self.stats.add(nbytes=len(blob))
+            self._deliver(part, blob, out)
+        # Anything that failed goes through the one-request path, with its retries and errors.
+        for part in failed:
+            self._do_part(part, out)
+
+    @staticmethod
+    def _deliver(part: _Part, data: bytes, out: memoryview) -> None:
+        if part.target is not None:
+            part.target[:] = data
+            return
+        p_stop = part.offset + part.length
+        for it in part.items:
+            a = max(it.offset, part.offset)
+            b = min(it.offset + it.length, p_stop)
+            dst = it.pos + (a - it.offset)
+            out[dst : dst + (b - a)] = data[a - part.offset : b - part.offset]
+
+
+# -------------------------------------------------------------------------------------- dispatch
+
+
+def open_source(
+    target: Any, *, storage_options: Mapping[str, Any] | None = None, **options: Any
+) -> RemoteSource:
+    """Open a remote byte source chosen by the URL scheme.
+
+    ``http(s)://`` uses :class:`HTTPSource`, ``s3://`` :class:`S3Source` (boto3), any other
+    ``scheme://`` :class:`FsspecSource`; an ``fsspec.core.OpenFile`` also goes to fsspec.
+
+    Args:
+        target: URL or fsspec OpenFile.
+        storage_options: Options for the backend, in the fsspec/pandas/xarray idiom; merged
+            with ``options`` (``options`` wins).
+        **options: Keyword arguments of the chosen class (``headers=``, ``endpoint_url=``,
+            ``head_bytes=``...).
+
+    Returns:
+        An open source; close it (or use ``with``) when done.
+
+    Raises:
+        ValueError: ``target`` is a string without a scheme.
+        TypeError: ``target`` is neither a string nor an OpenFile.
+    """
+    merged = {**(storage_options or {}), **options}
+    if isinstance(target, str):
+        scheme, sep, _ = target.partition("://")
+        scheme = scheme.lower()
+        if not sep or not scheme:
+            raise ValueError(f"not a URL (expected scheme://...): {target!r}")
+        if scheme in ("http", "https"):
+            return HTTPSource(target, **merged)
+        if scheme in ("s3", "s3a"):
+            return S3Source(target, **merged)
+        return FsspecSource(target, **merged)
+    if hasattr(target, "fs") and hasattr(target, "path"):
+        return FsspecSource(target, **merged)
+    raise TypeError(f"cannot open {type(target).__name__} as a remote source")
+
+
+def read_prefix(source: Any, n: int) -> bytes:
+    """Return the first ``n`` bytes of a source (fewer if it is shorter).
+
+    On a remote source this reuses, or extends with one request, the bytes cached at open,
+    so a reader can ask for the length prefix and then the header without extra requests.
+    """
+    n = max(0, min(n, int(source.size)))
+    if isinstance(source, RemoteSource):
+        return bytes(source.prefetch_head(n))
+    buf = bytearray(n)
+    source.readinto(0, memoryview(buf))
+    return bytes(buf)

@@ -1,0 +1,217 @@
+"""Turning a numpy-style index into the byte runs it selects. No framework code, no I/O.
+
+Semantics (the same for every framework and backend):
+
+* An index is an int, a ``slice``, ``Ellipsis`` (at most one), ``()``, or a tuple of these.
+  An empty list selects nothing along the first dimension; non-empty lists (advanced indexing),
+  ``None`` (new axes), floats and strings are refused with :class:`SliceError`.
+* Integers may be negative (wrapped once); an integer outside the dimension is an error, as in
+  numpy. An integer removes its dimension.
+* Slices follow Python/numpy: bounds are clamped to the dimension and negative bounds count from
+  the end, so ``[:20]`` on a dimension of 10 selects all 10 and ``[5:2]`` selects nothing. Steps
+  must be positive.
+* For sub-byte dtypes (F4, F6) every contiguous run must start and end on a byte boundary.
+
+The reference's Rust slicer errors on out-of-range slice bounds and on negative bounds, while its
+torch path clamps; we clamp everywhere so numpy and torch agree (see ``docs/differences.md``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._dtypes import DType
+from ._errors import SliceError
+
+__all__ = ["SlicePlan", "plan_slice", "render_index"]
+
+
+@dataclass(frozen=True, slots=True)
+class SlicePlan:
+    """Where the bytes of a slice are, relative to the start of the tensor's data."""
+
+    shape: tuple[int, ...]
+    """Logical shape of the result."""
+    starts: np.ndarray
+    """Byte offset of each run, ascending (int64)."""
+    run_bytes: int
+    """Length of every run in bytes."""
+    nbytes: int
+    """Total bytes selected."""
+    selection: tuple[int | slice, ...] = ()
+    """The normalized index, one int or step>0 slice per dimension (for strided copies)."""
+
+    def coalesced(self) -> list[tuple[int, int]]:
+        """Runs as ``(offset, length)`` with touching runs merged: exactly the bytes needed."""
+        if self.nbytes == 0:
+            return []
+        starts = self.starts
+        if len(starts) == 1:
+            return [(int(starts[0]), self.run_bytes)]
+        breaks = np.nonzero(starts[1:] != starts[:-1] + self.run_bytes)[0] + 1
+        bounds = np.concatenate(([0], breaks, [len(starts)]))
+        return [
+            (int(starts[a]), int(starts[b - 1]) + self.run_bytes - int(starts[a]))
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+
+
+def render_index(index: Any) -> str:
+    """Render an index the way error messages show it, e.g. ``[2:, 20]``."""
+    items = index if isinstance(index, tuple) else (index,)
+    parts = []
+    for item in items:
+        if isinstance(item, slice):
+            text = ("" if item.start is None else str(item.start)) + ":"
+            text += "" if item.stop is None else str(item.stop)
+            if item.step is not None:
+                text += f":{item.step}"
+            parts.append(text)
+        elif item is Ellipsis:
+            parts.append("...")
+        else:
+            parts.append(repr(item))
+    return "[" + ", ".join(parts) + "]"
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
+    """One entry per dimension: an int (dimension dropped) or a range of indices."""
+    items = index if isinstance(index, tuple) else (index,)
+    ndim = len(shape)
+    if isinstance(index, list):
+        if index:
+            raise SliceError("Non empty lists are not implemented", kind="InvalidSlice")
+        if ndim == 0:
+            raise SliceError(
+                "more slicing indexes than dimensions in tensor", kind="TooManySlices"
+            )
+        return [range(0)] + [range(d) for d in shape[1:]]
+    ellipses = sum(1 for item in items if item is Ellipsis)
+    if ellipses > 1:
+        raise SliceError("Only one ellipsis (...) is allowed in slice index", kind="InvalidSlice")
+    explicit = len(items) - ellipses
+    if explicit > ndim:
+        raise SliceError(
+            f"Error during slicing {render_index(index)} with shape {list(shape)}: more slicing "
+            "indexes than dimensions in tensor",
+            kind="TooManySlices",
+        )
+    expanded: list[Any] = []
+    for item in items:
+        if item is Ellipsis:
+            expanded.extend([slice(None)] * (ndim - explicit))
+        else:
+            expanded.append(item)
+    expanded.extend([slice(None)] * (ndim - len(expanded)))
+
+    out: list[int | range] = []
+    for dim, (item, size) in enumerate(zip(expanded, shape)):
+        if isinstance(item, slice):
+            bounds = [item.start, item.stop, item.step]
+            for bound in bounds:
+                if bound is not None and _as_int(bound) is None:
+                    raise SliceError(
+                        f"Unsupported slice index at position {dim}: expected slice, int, or "
+                        "ellipsis",
+                        kind="InvalidSlice",
+                    )
+            step = 1 if item.step is None else operator.index(item.step)
+            if step <= 0:
+                raise SliceError(
+                    f"Slice step must be a positive integer, got {step}", kind="InvalidSlice"
+                )
+            start, stop, step = slice(item.start, item.stop, step).indices(size)
+            out.append(range(start, max(start, stop), step))
+            continue
+        value = _as_int(item)
+        if value is None:
+            raise SliceError(
+                f"Unsupported slice index at position {dim}: expected slice, int, or ellipsis",
+                kind="InvalidSlice",
+            )
+        wrapped = value + size if value < 0 else value
+        if not 0 <= wrapped < size:
+            raise SliceError(
+                f"Error during slicing {render_index(index)} with shape {list(shape)}: index "
+                f"{value} out of bounds for tensor dimension #{dim} of size {size}",
+                kind="SliceOutOfRange",
+            )
+        out.append(wrapped)
+    return out
+
+
+def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
+    """Compute the result shape and byte runs of ``tensor[index]``.
+
+    Raises:
+        SliceError: The index is malformed, out of range, or splits a byte of a sub-byte dtype.
+    """
+    if isinstance(index, tuple) and index == ():
+        index = (Ellipsis,)
+    sel = _normalize(index, shape)
+    out_shape = tuple(len(s) for s in sel if isinstance(s, range))
+    selection = tuple(s if isinstance(s, int) else slice(s.start, s.stop, s.step) for s in sel)
+    counts = [1 if isinstance(s, int) else len(s) for s in sel]
+    nelem = 1
+    for c in counts:
+        nelem *= c
+    if nelem == 0:
+        return SlicePlan(out_shape, np.zeros(0, np.int64), 0, 0, selection)
+
+    # Element strides of the row-major tensor.
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+
+    # The contiguous tail: trailing dimensions taken whole, plus one more taken with step 1.
+    k = len(sel)
+    while k > 0:
+        s = sel[k - 1]
+        if isinstance(s, range) and s.step == 1 and len(s) == shape[k - 1]:
+            k -= 1
+            continue
+        break
+    run_elems = 1
+    for d in range(k, len(sel)):
+        run_elems *= shape[d]
+    lead = k
+    if k > 0:
+        s = sel[k - 1]
+        if isinstance(s, int) or s.step == 1 or len(s) == 1:
+            # A step-1 range (or a single index) extends the run; its start is the base offset.
+            run_elems *= 1 if isinstance(s, int) else len(s)
+            lead = k - 1
+
+    base = 0
+    if lead < len(sel) and lead < k:
+        s = sel[lead]
+        base = (s if isinstance(s, int) else s.start) * strides[lead]
+    starts = np.array([base], dtype=np.int64)
+    for d in range(lead - 1, -1, -1):
+        s = sel[d]
+        idx = np.array([s] if isinstance(s, int) else s, dtype=np.int64) * strides[d]
+        starts = (idx[:, None] + starts[None, :]).reshape(-1)
+
+    bits = dtype.bits
+    if bits % 8:
+        if (run_elems * bits) % 8 or np.any((starts * bits) % 8):
+            raise SliceError(
+                "The slice is slicing for subbytes dtypes, and the slice does not end up at a "
+                f"byte boundary, this is invalid. (index {render_index(index)} on "
+                f"{dtype.code} {list(shape)})",
+                kind="MisalignedSlice",
+            )
+    starts = starts * bits // 8
+    run_bytes = run_elems * bits // 8
+    return SlicePlan(out_shape, starts, run_bytes, run_bytes * len(starts), selection)

@@ -1,0 +1,255 @@
+"""Containers of PyTorch checkpoints: the zip format, checked member by member.
+
+``zipfile`` is used only to parse the central directory. Every member's bytes are located by
+reading its local header ourselves and checking the result against the file size and against
+every other member (``threat-model-and-pickle.md`` §4): no ``ZipFile.read``/``extract`` on
+untrusted members, no overlapping or duplicate entries, no prepended data, STORED or bounded
+DEFLATE only.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final
+
+from ._errors import CheckpointError
+
+__all__ = ["FileBytes", "ZipMember", "ZipView", "open_zip"]
+
+#: Chunk size used when streaming storage bytes.
+CHUNK: Final = 16 << 20
+#: Largest ratio of inflated to compressed size accepted for a DEFLATE member.
+MAX_DEFLATE_RATIO: Final = 100
+#: Largest number of central-directory entries.
+MAX_ENTRIES: Final = 1_000_000
+#: Largest member name in bytes.
+MAX_NAME: Final = 4096
+
+_LOCAL: Final = struct.Struct("<4sHHHHHIIIHH")
+_EOCD_SIG: Final = b"PK\x05\x06"
+
+
+def _bad(message: str, offset: int | None = None) -> CheckpointError:
+    return CheckpointError(message, kind="ZipError", offset=offset)
+
+
+class FileBytes:
+    """Bounds-checked positional reads of one open file."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            self.size = os.fstat(self.fd).st_size
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Return exactly ``length`` bytes at ``offset``.
+
+        Raises:
+            CheckpointError: The range is not inside the file.
+        """
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise CheckpointError(
+                f"truncated file: needs bytes {offset}..{offset + length}, file has {self.size}",
+                kind="Truncated",
+                offset=offset,
+            )
+        out = bytearray()
+        while len(out) < length:
+            got = os.pread(self.fd, min(length - len(out), CHUNK), offset + len(out))
+            if not got:
+                raise CheckpointError("file shrank while reading", kind="Truncated", offset=offset)
+            out += got
+        return bytes(out)
+
+    def chunks(self, offset: int, length: int, chunk: int = CHUNK) -> Iterator[bytes]:
+        """Yield ``length`` bytes at ``offset`` in pieces of at most ``chunk`` bytes."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise CheckpointError(
+                f"truncated file: needs bytes {offset}..{offset + length}, file has {self.size}",
+                kind="Truncated",
+                offset=offset,
+            )
+        done = 0
+        while done < length:
+            n = min(chunk, length - done)
+            yield self.read(offset + done, n)
+            done += n
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ZipMember:
+    """One member, located and checked."""
+
+    name: str
+    """Central-directory name."""
+    method: int
+    """``zipfile.ZIP_STORED`` or ``zipfile.ZIP_DEFLATED``."""
+    data_offset: int
+    """Offset of the member's (compressed) bytes in the file."""
+    compress_size: int
+    """Stored bytes."""
+    file_size: int
+    """Bytes after inflation."""
+    crc: int
+    """CRC-32 from the central directory."""
+
+
+class ZipView:
+    """The members of a zip file, validated as a PyTorch checkpoint container would need."""
+
+    def __init__(self, file: FileBytes, members: dict[str, ZipMember], order: list[str]) -> None:
+        self.file = file
+        self.members = members
+        self.order = order
+
+    def read(self, name: str, *, limit: int, check_crc: bool = True) -> bytes:
+        """Return a whole (small) member, refusing one larger than ``limit``."""
+        m = self.members[name]
+        if m.file_size > limit:
+            raise _bad(f"member {name!r} is {m.file_size} bytes, over the {limit} limit")
+        data = b"".join(self.chunks(name, 0, m.file_size))
+        if check_crc and zlib.crc32(data) != m.crc:
+            raise _bad(f"member {name!r} fails its CRC-32 check")
+        return data
+
+    def chunks(self, name: str, start: int, length: int, chunk: int = CHUNK) -> Iterator[bytes]:
+        """Yield bytes ``start .. start+length`` of a member's inflated content."""
+        m = self.members[name]
+        if start < 0 or length < 0 or start + length > m.file_size:
+            raise _bad(f"read of {start}+{length} bytes past the end of member {name!r}")
+        if m.method == zipfile.ZIP_STORED:
+            yield from self.file.chunks(m.data_offset + start, length, chunk)
+            return
+        yield from self._inflate(m, start, length, chunk)
+
+    def _inflate(self, m: ZipMember, start: int, length: int, chunk: int) -> Iterator[bytes]:
+        # Streamed with a bounded output per step, so a bomb never materialises more than one
+        # chunk, and the total is capped by the declared size (a longer stream is an error).
+        dec = zlib.decompressobj(-15)
+        pos = 0  # inflated bytes produced so far
+        end = start + length
+        for comp in self.file.chunks(m.data_offset, m.compress_size, 1 << 20):
+            buf = comp
+            while buf:
+                try:
+                    out = dec.decompress(buf, chunk)
+                except zlib.error as exc:
+                    raise _bad(f"member {m.name!r} is not valid DEFLATE data ({exc})") from None
+                buf = dec.unconsumed_tail
+                if pos + len(out) > m.file_size:
+                    raise _bad(f"member {m.name!r} inflates past its declared size")
+                lo, hi = max(start - pos, 0), min(end - pos, len(out))
+                if lo < hi:
+                    yield out[lo:hi]
+                pos += len(out)
+                if pos >= end:
+                    return
+                if not out and not buf:
+                    break
+        if pos < end:
+            raise _bad(f"member {m.name!r} inflates to fewer bytes than declared")
+
+
+def _find_eocd(file: FileBytes) -> int:
+    """Return the offset of the end-of-central-directory record, which must end the file."""
+    tail_len = min(file.size, 22 + 0xFFFF)
+    tail = file.read(file.size - tail_len, tail_len)
+    idx = tail.rfind(_EOCD_SIG)
+    while idx >= 0:
+        if idx + 22 <= len(tail):
+            comment_len = struct.unpack_from("<H", tail, idx + 20)[0]
+            if idx + 22 + comment_len == len(tail):
+                return file.size - tail_len + idx
+        idx = tail.rfind(_EOCD_SIG, 0, idx)
+    raise _bad("no end-of-central-directory record at the end of the file")
+
+
+def open_zip(
+    file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
+) -> ZipView:
+    """Validate a zip container and locate every member.
+
+    Args:
+        file: The open file.
+        allow_deflate: Accept DEFLATE members (streamed, with a ratio cap); otherwise STORED only.
+        strict: Refuse what ``torch.save`` never writes (encryption and other flag bits, name
+            mismatches between local and central headers). The scanner passes False to look
+            at the bytes anyway, as torch's reader would.
+
+    Raises:
+        CheckpointError: Anything that is not a clean, unambiguous zip.
+    """
+    if file.size < 4 or file.read(0, 4) != b"PK\x03\x04":
+        raise _bad("not a zip checkpoint: the file does not start with a local file header")
+    eocd = _find_eocd(file)
+    try:
+        with open(file.path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, struct.error) as exc:
+        raise _bad(f"unreadable zip central directory ({exc})") from None
+    except (NotImplementedError, RuntimeError, EOFError) as exc:
+        raise _bad(f"unsupported zip ({exc})") from None
+    if len(infos) > MAX_ENTRIES:
+        raise _bad(f"{len(infos)} zip entries, over the {MAX_ENTRIES} limit")
+    members: dict[str, ZipMember] = {}
+    order: list[str] = []
+    ranges: list[tuple[int, int, str]] = []
+    for info in infos:
+        name = info.filename
+        if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME:
+            raise _bad("zip member name too long")
+        if name in members:
+            raise _bad(f"duplicate zip member {name!r}")
+        if strict and info.flag_bits & 0x61:
+            raise _bad(f"zip member {name!r} is encrypted or uses unsupported flag bits")
+        method = info.compress_type
+        if method not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or (
+            method == zipfile.ZIP_DEFLATED and not allow_deflate
+        ):
+            raise _bad(f"zip member {name!r} uses compression method {method}")
+        hdr = info.header_offset
+        local = file.read(hdr, 30) if hdr + 30 <= eocd else None
+        if local is None:
+            raise _bad(f"zip member {name!r}: local header past the central directory")
+        sig, _, _, _, _, _, _, _, _, nlen, xlen = _LOCAL.unpack(local)
+        if sig != b"PK\x03\x04":
+            raise _bad(f"zip member {name!r}: no local header at offset {hdr}", hdr)
+        local_name = file.read(hdr + 30, nlen)
+        central_name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+        if strict and local_name != central_name:
+            raise _bad(f"zip member {name!r}: local header names it {local_name!r}", hdr)
+        data_offset = hdr + 30 + nlen + xlen
+        if method == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+            raise _bad(f"zip member {name!r}: STORED with different sizes")
+        if method == zipfile.ZIP_DEFLATED and info.file_size > MAX_DEFLATE_RATIO * max(
+            info.compress_size, 1024
+        ):
+            raise _bad(f"zip member {name!r}: compression ratio over {MAX_DEFLATE_RATIO}")
+        stop = data_offset + info.compress_size
+        if stop > eocd:
+            raise _bad(f"zip member {name!r}: {info.compress_size} bytes claimed past the data")
+        members[name] = ZipMember(
+            name, method, data_offset, info.compress_size, info.file_size, info.CRC
+        )
+        order.append(name)
+        ranges.append((hdr, stop, name))
+    ranges.sort()
+    for (_, stop_a, name_a), (start_b, _, name_b) in zip(ranges, ranges[1:]):
+        if start_b < stop_a:
+            raise _bad(f"zip members {name_a!r} and {name_b!r} overlap (possible zip bomb)")
+    return ZipView(file, members, order)

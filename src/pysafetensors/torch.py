@@ -1,0 +1,311 @@
+"""torch: ``save``, ``save_file``, ``load``, ``load_file``, ``save_model``, ``load_model``.
+
+Signatures, checks and messages follow the reference's ``safetensors.torch``, including the
+helpers its users import (``storage_ptr``, ``storage_size``, ``_find_shared_tensors``,
+``_remove_duplicate_names``). Differences: inputs (the model's state dict, the metadata dict) are
+never modified, and ``save_file`` writes straight from tensor memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from ._errors import SerializeError, SharedTensorsError
+from ._torch_adapter import ADAPTER
+
+__all__ = [
+    "load",
+    "load_file",
+    "load_model",
+    "save",
+    "save_file",
+    "save_model",
+    "storage_ptr",
+    "storage_size",
+]
+
+_DOCS = "https://huggingface.co/docs/safetensors/torch_shared_tensors"
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Address of the storage a tensor views (0 when it has none)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # noqa: BLE001 - e.g. tensors without storage
+        return 0
+
+
+def storage_size(tensor: torch.Tensor) -> int:
+    """Size in bytes of the storage a tensor views."""
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _end_ptr(tensor: torch.Tensor) -> int:
+    if tensor.nelement():
+        return int(tensor.view(-1)[-1].data_ptr()) + tensor.element_size()
+    return int(tensor.data_ptr())
+
+
+def _filter_shared_not_shared(
+    tensors: list[set[str]], state_dict: Mapping[str, torch.Tensor]
+) -> list[set[str]]:
+    """Split groups on one storage into groups whose byte ranges really overlap."""
+    filtered: list[set[str]] = []
+    for shared in tensors:
+        if len(shared) < 2:
+            filtered.append(shared)
+            continue
+        areas = sorted(
+            (state_dict[name].data_ptr(), _end_ptr(state_dict[name]), name) for name in shared
+        )
+        _, last_stop, last_name = areas[0]
+        filtered.append({last_name})
+        for start, stop, name in areas[1:]:
+            if start >= last_stop:
+                filtered.append({name})
+            else:
+                filtered[-1].add(name)
+            last_stop = stop
+    return filtered
+
+
+def _find_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[set[str]]:
+    """Groups of names whose tensors share memory (singletons for the rest)."""
+    groups: dict[tuple[Any, int, int], set[str]] = defaultdict(set)
+    for name, tensor in state_dict.items():
+        if tensor.device != torch.device("meta") and storage_ptr(tensor) and storage_size(tensor):
+            groups[(tensor.device, storage_ptr(tensor), storage_size(tensor))].add(name)
+    ordered = sorted(groups.values(), key=lambda s: sorted(s))
+    return _filter_shared_not_shared(ordered, state_dict)
+
+
+def _is_complete(tensor: torch.Tensor) -> bool:
+    return bool(
+        tensor.data_ptr() == storage_ptr(tensor)
+        and tensor.nelement() * tensor.element_size() == storage_size(tensor)
+    )
+
+
+def _remove_duplicate_names(
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    preferred_names: Iterable[str] | None = None,
+    discard_names: Iterable[str] | None = None,
+) -> dict[str, list[str]]:
+    """For each group of shared tensors, the name to keep and the names to drop."""
+    preferred = set(preferred_names or ())
+    discard = set(discard_names or ())
+    to_remove: dict[str, list[str]] = defaultdict(list)
+    for shared in _find_shared_tensors(state_dict):
+        complete = {name for name in shared if _is_complete(state_dict[name])}
+        if not complete:
+            raise SharedTensorsError(
+                "Error while trying to find names to remove to save state dict, but found no "
+                f"suitable name to keep for saving amongst: {shared}. None is covering the entire "
+                "storage.Refusing to save/load the model since you could be storing much more "
+                f"memory than needed. Please refer to {_DOCS} for more information. Or open an "
+                "issue.",
+                kind="SharedTensors",
+            )
+        keep = sorted(complete)[0]
+        kept_ok = complete - discard
+        if kept_ok:
+            keep = sorted(kept_ok)[0]
+        if preferred:
+            chosen = preferred & complete
+            if chosen:
+                keep = sorted(chosen)[0]
+        for name in sorted(shared):
+            if name != keep:
+                to_remove[keep].append(name)
+    return to_remove
+
+
+def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
+    """The reference's checks before saving, with its messages."""
+    if not isinstance(tensors, dict):
+        raise SerializeError(
+            f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}",
+            kind="InvalidTensor",
+        )
+    sparse = []
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise SerializeError(
+                f"Key `{name}` is invalid, expected torch.Tensor but received {type(tensor)}",
+                kind="InvalidTensor",
+                tensor=str(name),
+            )
+        if tensor.layout != torch.strided:
+            sparse.append(name)
+    if sparse:
+        raise SerializeError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not "
+            "support. You can make it a dense tensor before saving with `.to_dense()` but be "
+            "aware this might make a much larger file than needed.",
+            kind="SparseTensor",
+        )
+    failing = [names for names in _find_shared_tensors(tensors) if len(names) > 1]
+    if failing:
+        raise SharedTensorsError(
+            "Some tensors share memory, this will lead to duplicate memory on disk and potential "
+            f"differences when loading them again: {failing}.\nA potential way to correctly save "
+            f"your model is to use `save_model`.\nMore information at {_DOCS}",
+            kind="SharedTensors",
+        )
+    for name, tensor in tensors.items():
+        if tensor.device.type == "meta":
+            raise SerializeError(
+                f"Cannot copy out of meta tensor `{name}`; it has no data", kind="MetaTensor",
+                tensor=str(name),
+            )
+        if not tensor.is_contiguous():
+            raise SerializeError(
+                f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. "
+                "It either means you are trying to save tensors which are reference of each "
+                "other in which case it's recommended to save only the full tensors, and reslice "
+                "at load time, or simply call `.contiguous()` on your tensor to pack it before "
+                "saving.",
+                kind="NonContiguous",
+                tensor=str(name),
+            )
+    return tensors
+
+
+def save(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialize tensors to the bytes of a safetensors file.
+
+    Args:
+        tensors: Name to tensor (dense, contiguous, not sharing memory with each other).
+        metadata: Optional ``__metadata__`` (str to str).
+
+    Raises:
+        SerializeError: Sparse, non-contiguous or meta tensors, or values that are not tensors.
+        SharedTensorsError: Tensors share memory (use :func:`save_model`).
+
+    Example:
+        >>> import torch
+        >>> from pysafetensors.torch import save, load
+        >>> load(save({"a": torch.ones(2)}))["a"]
+        tensor([1., 1.])
+    """
+    return save_bytes_with(ADAPTER, _flatten(tensors), metadata)
+
+
+def save_file(
+    tensors: dict[str, torch.Tensor],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = False,
+) -> None:
+    """Write tensors to a file atomically, straight from their memory.
+
+    Args:
+        tensors: As for :func:`save`.
+        filename: Target path; an existing file (even one still memory-mapped by tensors being
+            saved) is replaced only once the new one is complete.
+        metadata: Optional ``__metadata__``.
+        fsync: Make the file durable before returning.
+    """
+    save_file_with(ADAPTER, _flatten(tensors), filename, metadata, fsync=fsync)
+
+
+def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Load CPU tensors from the bytes of a safetensors file (they own a copy)."""
+    return load_bytes_with(ADAPTER, data, "cpu")
+
+
+def load_file(filename: Any, device: Any = "cpu", *, backend: str = "mmap") -> dict[str, torch.Tensor]:
+    """Load every tensor of a file, in file order.
+
+    Args:
+        filename: A path, URL or binary file object.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int, ...
+        backend: ``"mmap"`` (copy-on-write views, zero-copy on CPU) or ``"pread"``.
+    """
+    return load_file_with("pt", filename, device, backend)
+
+
+def save_model(
+    model: torch.nn.Module,
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    force_contiguous: bool = True,
+) -> None:
+    """Save a model's state dict, dropping duplicate names of tied weights.
+
+    Each dropped name is recorded in the metadata as ``{dropped: kept}`` (user keys win), so
+    :func:`load_model` can restore the ties. The caller's metadata dict is not modified.
+    """
+    state_dict = dict(model.state_dict())
+    meta = dict(metadata) if metadata is not None else None
+    for kept, dropped in _remove_duplicate_names(state_dict).items():
+        for name in dropped:
+            if meta is None:
+                meta = {}
+            meta.setdefault(name, kept)
+            del state_dict[name]
+    if force_contiguous:
+        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+    try:
+        save_file(state_dict, filename, metadata=meta)
+    except SharedTensorsError:
+        raise
+    except SerializeError as exc:
+        raise SerializeError(
+            f"{exc} Or use save_model(..., force_contiguous=True), read the docs for potential "
+            "caveats.",
+            kind=exc.kind,
+            tensor=exc.tensor,
+        ) from None
+
+
+def load_model(
+    model: torch.nn.Module,
+    filename: Any,
+    strict: bool = True,
+    device: Any = "cpu",
+    *,
+    backend: str = "mmap",
+) -> tuple[list[str], list[str]]:
+    """Load a file into a model, restoring tied weights that :func:`save_model` dropped.
+
+    Returns:
+        ``(missing, unexpected)`` key lists.
+
+    Raises:
+        RuntimeError: ``strict`` and keys are missing or unexpected.
+    """
+    state_dict = load_file(filename, device=device, backend=backend)
+    to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=state_dict.keys())
+    missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = set(missing_list)
+    unexpected = list(unexpected)
+    for group in to_removes.values():
+        for name in group:
+            if name not in missing:
+                unexpected.append(name)
+            else:
+                missing.remove(name)
+    if strict and (missing or unexpected):
+        error = f"Error(s) in loading state_dict for {model.__class__.__name__}:"
+        if missing:
+            error += "\n    Missing key(s) in state_dict: " + ", ".join(
+                f'"{k}"' for k in sorted(missing)
+            )
+        if unexpected:
+            error += "\n    Unexpected key(s) in state_dict: " + ", ".join(
+                f'"{k}"' for k in sorted(unexpected)
+            )
+        raise RuntimeError(error)
+    return sorted(missing), unexpected
