@@ -1,0 +1,258 @@
+"""A small threaded HTTP/1.1 file server with ``Range`` support and switchable misbehaviour.
+
+The stdlib ``SimpleHTTPRequestHandler`` ignores ``Range`` (cpython #86809), so the remote tests
+bring their own. URLs are ``/<name>`` (well-behaved) or ``/<mode>/<name>``:
+
+``ignore-range``       answers 200 with the whole body, as servers without range support do
+``truncate``           promises the range, sends half of it, then drops the connection
+``auth``               401 unless ``Authorization: Bearer letmein`` is sent
+``forbidden``          always 403
+``missing``            always 404
+``slow``               waits ``SLOW_SECONDS`` before answering (to observe parallel requests)
+``redirect``           302 to ``/<name>`` on the same host
+``redirect-other``     302 to ``/auth/<name>`` on ``localhost`` (another host name, same server)
+``wrong-range``        206 whose Content-Range starts one byte late
+``no-content-range``   206 with the right body and Content-Length but no Content-Range
+
+Faults queued with :meth:`RangeServer.inject` (a status code, or ``"reset"`` to close the
+connection without answering) are served first, one per request, for any mode.
+
+Every request is logged with its path, Range header, status, body bytes and client port, so
+tests can assert exactly what went over the wire.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.server
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SLOW_SECONDS = 0.05
+TOKEN = "Bearer letmein"
+MODES = frozenset(
+    {
+        "ignore-range",
+        "truncate",
+        "auth",
+        "forbidden",
+        "missing",
+        "slow",
+        "redirect",
+        "redirect-other",
+        "wrong-range",
+        "no-content-range",
+    }
+)
+
+
+@dataclass
+class Record:
+    """One request as the server saw it."""
+
+    path: str
+    range: str | None
+    status: int
+    nbytes: int
+    client_port: int
+
+
+class RangeServer:
+    """Serve a directory on 127.0.0.1 on a free port, in a background thread."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.log: list[Record] = []
+        self.lock = threading.Lock()
+        self.inflight = 0
+        self.max_inflight = 0
+        self.faults: dict[str, collections.deque[int | str]] = {}
+        handler = type("Handler", (_Handler,), {"owner": self})
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}/{path.lstrip('/')}"
+
+    def inject(self, path: str, *faults: int | str) -> None:
+        """Queue faults for the next requests to ``/path``."""
+        with self.lock:
+            self.faults.setdefault("/" + path.lstrip("/"), collections.deque()).extend(faults)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.log.clear()
+            self.faults.clear()
+            self.max_inflight = 0
+
+    def records(self, path: str | None = None) -> list[Record]:
+        with self.lock:
+            if path is None:
+                return list(self.log)
+            want = "/" + path.lstrip("/")
+            return [r for r in self.log if r.path == want]
+
+    def requests(self, path: str | None = None) -> int:
+        return len(self.records(path))
+
+    def bytes_sent(self, path: str | None = None) -> int:
+        return sum(r.nbytes for r in self.records(path))
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, so the client's connection pool is exercised
+    owner: RangeServer
+    timeout = 10  # idle keep-alive connections end eventually
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def _record(self, status: int, nbytes: int) -> None:
+        with self.owner.lock:
+            self.owner.log.append(
+                Record(self.path, self.headers.get("Range"), status, nbytes, self.client_address[1])
+            )
+
+    def _plain(self, status: int, body: bytes = b"", **headers: str) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key.replace("_", "-"), value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        self._record(status, len(body) if self.command != "HEAD" else 0)
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        owner = self.owner
+        with owner.lock:
+            owner.inflight += 1
+            owner.max_inflight = max(owner.max_inflight, owner.inflight)
+            queue = owner.faults.get(self.path)
+            fault = queue.popleft() if queue else None
+        try:
+            self._serve(fault)
+        finally:
+            with owner.lock:
+                owner.inflight -= 1
+
+    def _serve(self, fault: int | str | None) -> None:
+        if fault == "reset":
+            self._record(0, 0)
+            # SO_LINGER 0 makes close() send a RST, like a crashed proxy.
+            self.connection.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
+            self.close_connection = True
+            return
+        if isinstance(fault, int):
+            self._plain(fault, b"injected fault\n", Retry_After="0")
+            return
+        parts = self.path.split("?", 1)[0].lstrip("/").split("/", 1)
+        mode = parts[0] if len(parts) == 2 and parts[0] in MODES else "ok"
+        name = parts[1] if mode != "ok" else "/".join(parts)
+        if mode == "missing":
+            self._plain(404, b"no such file\n")
+            return
+        if mode == "forbidden":
+            self._plain(403, b"forbidden\n")
+            return
+        if mode == "auth" and self.headers.get("Authorization") != TOKEN:
+            self._plain(401, b"who are you\n", WWW_Authenticate="Bearer")
+            return
+        if mode == "redirect":
+            self._plain(302, b"", Location=f"/{name}")
+            return
+        if mode == "redirect-other":
+            self._plain(302, b"", Location=f"http://localhost:{self.owner.port}/auth/{name}")
+            return
+        if mode == "slow":
+            time.sleep(SLOW_SECONDS)
+        file = self.owner.root / name
+        if not file.is_file():
+            self._plain(404, b"no such file\n")
+            return
+        data = file.read_bytes()
+        size = len(data)
+        st = os.stat(file)
+        etag = f'"{st.st_mtime_ns:x}-{size:x}"'
+        spec = self.headers.get("Range")
+        if mode == "ignore-range" or not spec:
+            self._send_body(200, data, etag)
+            return
+        span = _parse_range(spec, size)
+        if span is None:
+            self._plain(416, b"", Content_Range=f"bytes */{size}")
+            return
+        first, last = span
+        body = data[first : last + 1]
+        self.send_response(206)
+        if mode == "wrong-range":
+            self.send_header("Content-Range", f"bytes {first + 1}-{last + 1}/{size}")
+        elif mode != "no-content-range":
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
+        self.end_headers()
+        if self.command == "HEAD":
+            self._record(206, 0)
+            return
+        if mode == "truncate":
+            half = body[: len(body) // 2]
+            self.wfile.write(half)
+            self.wfile.flush()
+            self.close_connection = True
+            self._record(206, len(half))
+            return
+        self.wfile.write(body)
+        self._record(206, len(body))
+
+    def _send_body(self, status: int, data: bytes, etag: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("ETag", etag)
+        self.end_headers()
+        sent = 0
+        if self.command != "HEAD":
+            try:
+                self.wfile.write(data)
+                sent = len(data)
+            except OSError:
+                # The client refused the body (as it should for a large 200); stop quietly.
+                self.close_connection = True
+        self._record(status, sent)
+
+
+def _parse_range(spec: str, size: int) -> tuple[int, int] | None:
+    """Parse a single ``bytes=a-b`` / ``a-`` / ``-n`` range; None if unsatisfiable."""
+    unit, _, value = spec.partition("=")
+    if unit.strip() != "bytes" or "," in value:
+        return None
+    first_text, _, last_text = value.strip().partition("-")
+    if not first_text:
+        n = int(last_text)
+        if n == 0 or size == 0:
+            return None
+        return max(0, size - n), size - 1
+    first = int(first_text)
+    last = int(last_text) if last_text else size - 1
+    if first >= size or last < first:
+        return None
+    return first, min(last, size - 1)
