@@ -7,6 +7,8 @@ The top level imports no framework. Framework functions live in ``pysafetensors.
 
 from __future__ import annotations
 
+import contextlib
+
 from ._api import TensorSpec, deserialize, serialize, serialize_file
 from ._errors import (
     ClosedFileError,
@@ -56,11 +58,12 @@ __all__ = [
 ]
 
 # Show public names as pysafetensors.X in reprs and tracebacks.
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, type) or callable(_obj):
-        try:
-            _obj.__module__ = __name__
-        except (AttributeError, TypeError):
-            pass
-del _name, _obj
+def _set_module() -> None:
+    for name in __all__:
+        obj = globals()[name]
+        if isinstance(obj, type) or callable(obj):
+            with contextlib.suppress(AttributeError, TypeError):
+                obj.__module__ = __name__
+
+
+_set_module()

@@ -70,11 +70,15 @@ def numpy_dtype(dtype: DType) -> np.dtype[Any]:
     name = dtype.numpy
     assert name is not None
     if hasattr(np, name) and name not in ("bfloat16",):
-        return np.dtype(name).newbyteorder("<")
+        native: np.dtype[Any] = np.dtype(name)
+        little: np.dtype[Any] = native.newbyteorder("<")
+        return little
     import ml_dtypes
 
     try:
-        return np.dtype(getattr(ml_dtypes, name)).newbyteorder("<")
+        extra: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
+        little_extra: np.dtype[Any] = extra.newbyteorder("<")
+        return little_extra
     except AttributeError:
         raise DTypeNotSupportedError(
             f"dtype {dtype.code} needs ml_dtypes.{name}, which this ml_dtypes "

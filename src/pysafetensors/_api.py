@@ -229,7 +229,9 @@ def save_file_with(
     write_file(filename, _to_data(adapter, tensors), metadata, fsync=fsync)
 
 
-def load_bytes_with(adapter: Adapter, data: bytes | bytearray | memoryview, device: Any) -> dict[str, Any]:
+def load_bytes_with(
+    adapter: Adapter, data: bytes | bytearray | memoryview, device: Any
+) -> dict[str, Any]:
     """``load`` for any framework: tensors own a private copy of the bytes."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"expected bytes, got {type(data).__name__}")
@@ -244,10 +246,7 @@ def load_bytes_with(adapter: Adapter, data: bytes | bytearray | memoryview, devi
     }
 
 
-def load_file_with(
-    framework: str, filename: Any, device: Any, backend: str
-) -> dict[str, Any]:
+def load_file_with(framework: str, filename: Any, device: Any, backend: str) -> dict[str, Any]:
     """``load_file`` for any framework."""
     with safe_open(filename, framework, device=device, backend=backend) as f:
         return f.get_tensors()
-

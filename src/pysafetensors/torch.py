@@ -165,7 +165,8 @@ def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
     for name, tensor in tensors.items():
         if tensor.device.type == "meta":
             raise SerializeError(
-                f"Cannot copy out of meta tensor `{name}`; it has no data", kind="MetaTensor",
+                f"Cannot copy out of meta tensor `{name}`; it has no data",
+                kind="MetaTensor",
                 tensor=str(name),
             )
         if not tensor.is_contiguous():
@@ -225,7 +226,9 @@ def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     return load_bytes_with(ADAPTER, data, "cpu")
 
 
-def load_file(filename: Any, device: Any = "cpu", *, backend: str = "mmap") -> dict[str, torch.Tensor]:
+def load_file(
+    filename: Any, device: Any = "cpu", *, backend: str = "mmap"
+) -> dict[str, torch.Tensor]:
     """Load every tensor of a file, in file order.
 
     Args:
