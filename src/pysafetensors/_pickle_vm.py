@@ -263,7 +263,9 @@ class Machine:
                 marks.append(stack)
                 stack = []
             elif op == 0x74:  # TUPLE
-                stack.append(tuple(pop_mark(at)))
+                # pop_mark rebinds ``stack``: take the items before touching it.
+                items = pop_mark(at)
+                stack.append(tuple(items))
             elif op == 0x85:  # TUPLE1
                 stack.append((pop(at),))
             elif op == 0x86:  # TUPLE2
@@ -427,14 +429,18 @@ class Machine:
             elif op == 0x32:  # DUP
                 stack.append(_top(stack, base + at))
             elif op == 0x6C:  # LIST
-                stack.append(pop_mark(at))
+                items = pop_mark(at)
+                stack.append(items)
             elif op == 0x64:  # DICT
                 items = pop_mark(at)
                 if len(items) % 2:
                     raise _err("DICT with an odd number of items", base + at)
-                stack.append({hashable(items[i], at): items[i + 1] for i in range(0, len(items), 2)})
+                stack.append(
+                    {hashable(items[i], at): items[i + 1] for i in range(0, len(items), 2)}
+                )
             elif op == 0x91:  # FROZENSET
-                stack.append(frozenset(hashable(x, at) for x in pop_mark(at)))
+                items = pop_mark(at)
+                stack.append(frozenset(hashable(x, at) for x in items))
             elif op == 0x81:  # NEWOBJ
                 args = pop(at)
                 cls = pop(at)
@@ -450,7 +456,8 @@ class Machine:
                 module = line(at).decode("utf-8")
                 gname = line(at).decode("utf-8")
                 cls = policy.global_(module, gname, base + at, "INST")
-                stack.append(policy.reduce(cls, tuple(pop_mark(at)), base + at, "INST"))
+                items = pop_mark(at)
+                stack.append(policy.reduce(cls, tuple(items), base + at, "INST"))
             elif op == 0x6F:  # OBJ
                 items = pop_mark(at)
                 if not items:

@@ -179,9 +179,7 @@ def _find_eocd(file: FileBytes) -> int:
     raise _bad("no end-of-central-directory record at the end of the file")
 
 
-def open_zip(
-    file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
-) -> ZipView:
+def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True) -> ZipView:
     """Validate a zip container and locate every member.
 
     Args:
@@ -249,7 +247,7 @@ def open_zip(
         order.append(name)
         ranges.append((hdr, stop, name))
     ranges.sort()
-    for (_, stop_a, name_a), (start_b, _, name_b) in zip(ranges, ranges[1:]):
+    for (_, stop_a, name_a), (start_b, _, name_b) in zip(ranges, ranges[1:], strict=False):
         if start_b < stop_a:
             raise _bad(f"zip members {name_a!r} and {name_b!r} overlap (possible zip bomb)")
     return ZipView(file, members, order)

@@ -1,0 +1,1106 @@
+"""Read PyTorch checkpoints without torch and without running anything from the pickle.
+
+The object pickle is interpreted by :mod:`._pickle_vm` under :class:`TorchPolicy`, which
+knows a fixed table of globals (dtypes, storage classes, ``OrderedDict``, ``torch.Size``,
+``torch.device`` and the tensor rebuild functions) and maps each to an inert stand-in. REDUCE on
+a stand-in dispatches to our own handler for that exact name; any other global raises
+:class:`~pysafetensors._errors.UnsafePickleError` naming it and its byte offset
+(``threat-model-and-pickle.md`` §2.5-§2.6).
+
+Tensors come out as :class:`TensorRecord` (dtype, shape, strides, storage key, offset): nothing
+is read from the storages until :meth:`Checkpoint.tensor_chunks` streams them, and every size,
+offset and stride has by then been checked against the bytes really present.
+
+Formats: the zip format (``torch.save`` since 1.6, any pickle protocol, ``byteorder`` little or
+big) and the legacy stacked-pickle format (``_use_new_zipfile_serialization=False``). The 0.1.1
+tar format is refused with a clear error (the scanner still reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from ._dtypes import DType, dtype_from_code
+from ._errors import CheckpointError, UnsafePickleError
+from ._pickle_vm import Limits, Machine
+from ._torch_archive import CHUNK, FileBytes, ZipView, open_zip
+
+__all__ = [
+    "Checkpoint",
+    "StorageRef",
+    "TensorRecord",
+    "TorchPolicy",
+    "load_checkpoint",
+    "plan_shared",
+    "sniff",
+]
+
+#: The legacy format's first pickle: this number as a LONG1.
+LEGACY_MAGIC: Final = 0x1950A86A20F9469CFC6C
+LEGACY_PROTOCOL: Final = 1001
+#: Largest object pickle read into memory.
+MAX_PICKLE_BYTES: Final = 1 << 30
+#: Largest number of dimensions of one tensor.
+MAX_NDIM: Final = 64
+#: Largest dimension, stride or offset accepted (beyond any real file).
+MAX_DIM: Final = 1 << 62
+#: Largest nesting of dicts/lists walked when flattening.
+MAX_DEPTH: Final = 64
+
+# torch dtype attribute name -> (safetensors code or None, itemsize in bytes, why unsupported).
+_TORCH_DTYPES: Final[dict[str, tuple[str | None, int]]] = {
+    "float32": ("F32", 4), "float": ("F32", 4), "float64": ("F64", 8), "double": ("F64", 8),
+    "float16": ("F16", 2), "half": ("F16", 2), "bfloat16": ("BF16", 2),
+    "int64": ("I64", 8), "long": ("I64", 8), "int32": ("I32", 4), "int": ("I32", 4),
+    "int16": ("I16", 2), "short": ("I16", 2), "int8": ("I8", 1), "uint8": ("U8", 1),
+    "bool": ("BOOL", 1), "uint16": ("U16", 2), "uint32": ("U32", 4), "uint64": ("U64", 8),
+    "complex64": ("C64", 8), "cfloat": ("C64", 8),
+    "float8_e5m2": ("F8_E5M2", 1), "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2fnuz": ("F8_E5M2FNUZ", 1), "float8_e4m3fnuz": ("F8_E4M3FNUZ", 1),
+    "float8_e8m0fnu": ("F8_E8M0", 1), "float4_e2m1fn_x2": ("F4", 1),
+    # Known to torch, not representable in safetensors: refused when a tensor uses them.
+    "complex128": (None, 16), "cdouble": (None, 16), "complex32": (None, 4),
+    "chalf": (None, 4), "qint8": (None, 1), "quint8": (None, 1), "qint32": (None, 4),
+    "quint4x2": (None, 1), "quint2x4": (None, 1), "bits1x8": (None, 1), "bits2x4": (None, 1),
+    "bits4x2": (None, 1), "bits8": (None, 1), "bits16": (None, 2),
+    **{f"int{i}": (None, 1) for i in range(1, 8)},
+    **{f"uint{i}": (None, 1) for i in range(1, 8)},
+}  # fmt: skip
+
+# Legacy typed storage classes -> torch dtype name.
+_STORAGE_CLASSES: Final[dict[str, str]] = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128", "QInt8Storage": "qint8", "QUInt8Storage": "quint8",
+    "QInt32Storage": "qint32", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
+}  # fmt: skip
+
+_REBUILDS: Final = {
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch._utils", "_rebuild_parameter_with_state"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+}
+# Allowed by torch's weights_only unpickler but carrying nothing a safetensors file can hold.
+_UNCONVERTIBLE: Final = {
+    ("torch._utils", "_rebuild_qtensor"): "quantized tensors",
+    ("torch._utils", "_rebuild_sparse_tensor"): "sparse tensors",
+    ("torch._utils", "_rebuild_sparse_csr_tensor"): "sparse tensors",
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"): "meta tensors (no data)",
+    ("torch._utils", "_rebuild_wrapper_subclass"): "tensor subclasses (no data)",
+    ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"): "device tensors",
+    ("torch._utils", "_rebuild_device_tensor_from_numpy"): "device tensors from numpy",
+    ("torch._utils", "_rebuild_nested_tensor"): "nested tensors",
+    ("torch._utils", "_rebuild_mkldnn_tensor"): "mkldnn tensors",
+    ("torch.serialization", "_get_layout"): "non-strided layouts",
+}
+# Python 2 module names pickles may carry, mapped as pickle's own compat table does.
+_PY2_MODULES: Final = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
+@dataclass(frozen=True, slots=True)
+class Stand:
+    """An inert stand-in for an allowed global; REDUCE dispatches on ``kind``."""
+
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    """A storage declared by a persistent id."""
+
+    key: str
+    """Record key (``data/<key>`` in a zip, an entry of the key list in legacy files)."""
+    dtype: str
+    """torch dtype name of its elements (``uint8`` for untyped storages)."""
+    numel: int
+    """Elements of ``dtype`` (bytes for untyped storages)."""
+    view_offset: int = 0
+    """Legacy storage views: first element of the view in the root storage."""
+    view_size: int = -1
+    """Legacy storage views: elements in the view (-1: the whole storage)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the root storage."""
+        return self.numel * _TORCH_DTYPES[self.dtype][1]
+
+
+@dataclass(slots=True)
+class TensorRef:
+    """A tensor as the pickle describes it, before naming and checking against the files."""
+
+    storage: StorageRef
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    neg: bool = False
+    conj: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    """A tensor of a checkpoint, checked, with nothing read yet."""
+
+    dtype: DType
+    """safetensors dtype."""
+    shape: tuple[int, ...]
+    """safetensors shape (for F4 the last torch dimension doubled)."""
+    torch_dtype: str
+    """torch dtype name."""
+    torch_shape: tuple[int, ...]
+    """torch's size."""
+    stride: tuple[int, ...]
+    """Strides in elements."""
+    storage_key: str
+    """Which storage."""
+    storage_offset: int
+    """Offset of element 0 in the storage, in elements."""
+    itemsize: int
+    """Bytes per torch element."""
+    storage_nbytes: int
+    """Bytes of the whole storage."""
+    neg: bool = False
+    """Values are negated (torch's lazy neg bit)."""
+    conj: bool = False
+    """Values are conjugated (torch's lazy conj bit)."""
+
+    @property
+    def numel(self) -> int:
+        """Number of torch elements."""
+        return math.prod(self.torch_shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the contiguous result."""
+        return self.numel * self.itemsize
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """Byte range of the storage this tensor touches (start, stop); empty when numel is 0."""
+        start = self.storage_offset * self.itemsize
+        if self.numel == 0:
+            return start, start
+        last = sum((s - 1) * st for s, st in zip(self.torch_shape, self.stride, strict=False))
+        return start, start + (last + 1) * self.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Whether the elements are laid out row-major without gaps."""
+        expected = 1
+        for s, st in zip(reversed(self.torch_shape), reversed(self.stride), strict=False):
+            if s != 1 and st != expected:
+                return False
+            expected *= s
+        return True
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether it starts at its storage's start and covers all of it (reference rule)."""
+        return self.storage_offset == 0 and self.nbytes == self.storage_nbytes
+
+
+def _unsafe(message: str, name: str | None, offset: int) -> UnsafePickleError:
+    return UnsafePickleError(
+        f"{message} (at byte {offset} of the pickle)",
+        global_name=name,
+        kind="UnsafePickle",
+        offset=offset,
+    )
+
+
+def _bad(message: str, offset: int | None = None) -> CheckpointError:
+    return CheckpointError(message, kind="CheckpointError", offset=offset)
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _check_ints(value: Any, what: str, offset: int) -> tuple[int, ...]:
+    if type(value) is not tuple or not all(_is_int(v) for v in value):
+        raise _bad(f"tensor {what} is not a tuple of ints (at byte {offset})", offset)
+    if len(value) > MAX_NDIM:
+        raise _bad(f"tensor has {len(value)} dimensions, over the {MAX_NDIM} limit", offset)
+    for v in value:
+        if v < 0 or v > MAX_DIM:
+            raise _bad(f"tensor {what} {list(value)} has a negative or absurd entry", offset)
+    return value
+
+
+def _empty_hooks(hooks: Any, offset: int) -> None:
+    # Non-empty backward hooks would be pickled callables; an OrderedDict arrives as a dict.
+    if hooks is not None and not (type(hooks) is dict and not hooks):
+        raise _bad("tensor has backward hooks (pickled callables); refusing", offset)
+
+
+class TorchPolicy:
+    """The converter's policy: a fixed table of globals, each an inert stand-in.
+
+    Args:
+        legacy: Accept the legacy format's 6-tuple persistent ids (with storage views).
+    """
+
+    def __init__(self, *, legacy: bool = False) -> None:
+        self.legacy = legacy
+        self.storages: dict[str, StorageRef] = {}
+        self.tensors: list[TensorRef] = []
+
+    # -- globals ---------------------------------------------------------------------------
+    def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
+        """Map an allowed global to its stand-in; refuse every other."""
+        module = _PY2_MODULES.get(module, module)
+        full = f"{module}.{name}"
+        if opcode in ("INST", "OBJ"):
+            raise _unsafe(f"{opcode} opcode calling {full}", full, offset)
+        stand = _lookup(module, name)
+        if stand is None:
+            if (module, name) in _UNCONVERTIBLE:
+                raise _bad(
+                    f"the checkpoint holds {_UNCONVERTIBLE[(module, name)]} ({full}), which "
+                    "safetensors cannot store",
+                    offset,
+                )
+            raise _unsafe(f"global {full} is not on the allow-list", full, offset)
+        return stand
+
+    def bad_stack_global(self, module: Any, name: Any, offset: int) -> Any:
+        """STACK_GLOBAL with computed, non-string operands: always refused."""
+        raise _unsafe(
+            f"STACK_GLOBAL with non-string operands {type(module).__name__}/{type(name).__name__}",
+            None,
+            offset,
+        )
+
+    # -- calls -----------------------------------------------------------------------------
+    def reduce(self, func: Any, args: Any, offset: int, opcode: str) -> Any:
+        """Dispatch a call on a stand-in to our own handler for that exact name."""
+        if not isinstance(func, Stand):
+            raise _unsafe(f"{opcode} on a non-callable {type(func).__name__}", None, offset)
+        if opcode == "NEWOBJ_EX" or (opcode == "NEWOBJ" and func.kind not in ("odict", "set")):
+            raise _unsafe(f"{opcode} on {func.name}", func.name, offset)
+        handler = _HANDLERS.get(func.kind)
+        if handler is None:
+            raise _unsafe(f"{func.name} is not callable", func.name, offset)
+        return handler(self, func, args, offset)
+
+    def build(self, obj: Any, state: Any, offset: int) -> Any:
+        """BUILD: accepted (and ignored) only on dicts, e.g. an OrderedDict's ``_metadata``."""
+        if type(obj) is dict and (state is None or type(state) in (dict, tuple)):
+            return obj
+        if isinstance(obj, TensorRef) and (state is None or state == {} or state == ((), {})):
+            return obj
+        raise _unsafe(f"BUILD on {type(obj).__name__}", None, offset)
+
+    def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
+        """Turn ``("storage", type, key, location, numel[, view])`` into a StorageRef."""
+        if opcode != "BINPERSID":
+            raise _bad("text persistent ids (PERSID) are not written by torch", offset)
+        arity = 6 if self.legacy else 5
+        if type(pid) is not tuple or len(pid) != arity or pid[0] != "storage":
+            raise _bad(f"unknown persistent id {_short(pid)} (at byte {offset})", offset)
+        stype, key, location, numel = pid[1], pid[2], pid[3], pid[4]
+        if not isinstance(stype, Stand) or stype.kind != "storage":
+            raise _bad(f"persistent id names no storage type (at byte {offset})", offset)
+        if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 40:
+            raise _bad(f"storage key {_short(key)} is not a decimal string", offset)
+        if type(location) is not str:
+            raise _bad("storage location is not a string", offset)
+        if not _is_int(numel) or numel < 0 or numel > MAX_DIM:
+            raise _bad(f"storage {key}: element count {_short(numel)} is invalid", offset)
+        ref = StorageRef(key, stype.name, numel)
+        known = self.storages.get(key)
+        if known is None:
+            self.storages[key] = ref
+        elif known != ref:
+            raise _bad(f"storage {key} declared twice with different type or size", offset)
+        if self.legacy and pid[5] is not None:
+            view = pid[5]
+            if (
+                type(view) is not tuple
+                or len(view) != 3
+                or type(view[0]) is not str
+                or not all(_is_int(v) and 0 <= v <= MAX_DIM for v in view[1:])
+                or view[1] + view[2] > numel
+            ):
+                raise _bad(f"invalid legacy storage view {_short(view)}", offset)
+            return StorageRef(key, stype.name, numel, view[1], view[2])
+        return ref
+
+    # -- everything else is refused --------------------------------------------------------
+    def extension(self, code: int, offset: int) -> Any:
+        """EXT opcodes resolve globals through the copyreg registry: refused."""
+        raise _unsafe(f"extension code {code} (EXT opcode)", None, offset)
+
+    def buffer(self, offset: int, opcode: str) -> Any:
+        """Out-of-band buffers: torch never writes them."""
+        raise _bad(f"{opcode}: out-of-band pickle buffers are not supported", offset)
+
+    def mutate(self, target: Any, opcode: str, items: list[Any], offset: int) -> None:
+        """Only real lists, dicts and sets may be filled."""
+        raise _unsafe(f"{opcode} into {type(target).__name__}", None, offset)
+
+    def unhashable(self, key: Any, offset: int) -> Any:
+        """A key that cannot be hashed is malformed input."""
+        raise _bad(f"unhashable dict key of type {type(key).__name__}", offset)
+
+    def text(self, raw: bytes, offset: int) -> Any:
+        """py2 strings decode as torch decodes them: UTF-8."""
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _bad("py2 string is not valid UTF-8", offset) from None
+
+    def notice(self, message: str, offset: int) -> None:
+        """Anything odd in the stream structure is refused (torch never writes it)."""
+        raise _bad(f"pickle: {message} at byte {offset}", offset)
+
+    # -- rebuilds --------------------------------------------------------------------------
+    def make_tensor(
+        self, args: tuple[Any, ...], dtype: str | None, metadata: Any, at: int
+    ) -> TensorRef:
+        """Check a rebuild call's ``(storage, offset, size, stride)`` and record the tensor."""
+        storage, offset, size, stride = args
+        if not isinstance(storage, StorageRef):
+            raise _bad(f"tensor rebuilt from a {type(storage).__name__}, not a storage", at)
+        if not _is_int(offset) or offset < 0 or offset > MAX_DIM:
+            raise _bad(f"tensor storage offset {_short(offset)} is invalid", at)
+        size_t = _check_ints(size, "size", at)
+        stride_t = _check_ints(stride, "stride", at)
+        if len(size_t) != len(stride_t):
+            raise _bad(f"tensor size {list(size_t)} and stride {list(stride_t)} differ in length")
+        tdtype = dtype or storage.dtype
+        if dtype is not None and storage.dtype != "uint8":
+            # v3 carries the dtype separately and always uses untyped (byte) storages.
+            raise _bad("_rebuild_tensor_v3 on a typed storage", at)
+        neg = conj = False
+        if metadata is not None:
+            if type(metadata) is not dict or not all(
+                k in ("neg", "conj", "requires_grad") and type(v) is bool
+                for k, v in metadata.items()
+            ):
+                raise _bad(f"unsupported tensor metadata {_short(metadata)}", at)
+            neg, conj = bool(metadata.get("neg")), bool(metadata.get("conj"))
+        ref = TensorRef(storage, offset + storage.view_offset, size_t, stride_t, tdtype, neg, conj)
+        self.tensors.append(ref)
+        return ref
+
+
+def _short(value: Any) -> str:
+    # repr of hostile values can be huge or deeply nested; keep messages bounded.
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _lookup(module: str, name: str) -> Stand | None:
+    if (module, name) in _REBUILDS:
+        return Stand("rebuild", name)
+    if module in ("torch", "torch.cuda") and name in _STORAGE_CLASSES:
+        return Stand("storage", _STORAGE_CLASSES[name])
+    if module in ("torch", "torch.storage", "torch.cuda") and name == "UntypedStorage":
+        return Stand("storage", "uint8")
+    if module == "torch" and name in _TORCH_DTYPES:
+        return Stand("dtype", name)
+    full = f"{module}.{name}"
+    return _SIMPLE.get(full)
+
+
+_SIMPLE: Final[dict[str, Stand]] = {
+    "collections.OrderedDict": Stand("odict", "collections.OrderedDict"),
+    "torch.Size": Stand("size", "torch.Size"),
+    "torch.device": Stand("device", "torch.device"),
+    "torch.Tensor": Stand("tensor_type", "torch.Tensor"),
+    "torch.nn.parameter.Parameter": Stand("tensor_type", "torch.nn.parameter.Parameter"),
+    "builtins.set": Stand("set", "builtins.set"),
+    "builtins.frozenset": Stand("set", "builtins.frozenset"),
+    "builtins.bytearray": Stand("bytearray", "builtins.bytearray"),
+    "builtins.complex": Stand("complex", "builtins.complex"),
+    "_codecs.encode": Stand("encode", "_codecs.encode"),
+}
+
+
+def _h_odict(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if args == ():
+        return {}
+    if len(args) == 1 and type(args[0]) is list:
+        out: dict[Any, Any] = {}
+        for pair in args[0]:
+            if type(pair) not in (tuple, list) or len(pair) != 2:
+                raise _bad("OrderedDict items are not pairs", at)
+            try:
+                out[pair[0]] = pair[1]
+            except TypeError:
+                raise _bad("unhashable OrderedDict key", at) from None
+        return out
+    raise _bad(f"OrderedDict called with {_short(args)}", at)
+
+
+def _h_size(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if len(args) == 1 and type(args[0]) in (tuple, list):
+        return tuple(args[0])
+    raise _bad(f"torch.Size called with {_short(args)}", at)
+
+
+def _h_device(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if 1 <= len(args) <= 2 and type(args[0]) is str and (len(args) == 1 or _is_int(args[1])):
+        return ":".join(str(a) for a in args)
+    raise _bad(f"torch.device called with {_short(args)}", at)
+
+
+def _h_set(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    items = args[0] if len(args) == 1 and type(args[0]) in (list, tuple) else None
+    if args and items is None:
+        raise _bad(f"{f.name} called with {_short(args)}", at)
+    try:
+        values = set(items or ())
+    except TypeError:
+        raise _bad("unhashable set item", at) from None
+    return frozenset(values) if f.name.endswith("frozenset") else values
+
+
+def _h_bytearray(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if args == ():
+        return bytearray()
+    if len(args) == 1 and type(args[0]) is bytes:
+        return bytearray(args[0])
+    raise _bad(f"bytearray called with {_short(args)}", at)
+
+
+def _h_complex(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if len(args) == 2 and all(type(a) in (int, float) for a in args):
+        return complex(args[0], args[1])
+    raise _bad(f"complex called with {_short(args)}", at)
+
+
+def _h_encode(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # The protocol-2 way to pickle bytes: _codecs.encode(text, "latin1"). Nothing else.
+    if (
+        len(args) == 2
+        and type(args[0]) is str
+        and args[1] in ("latin1", "latin-1")
+        and all(ord(c) < 256 for c in args[0])
+    ):
+        return args[0].encode("latin-1")
+    raise _unsafe(f"_codecs.encode called with {_short(args)}", "_codecs.encode", at)
+
+
+def _h_rebuild(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    name, n = f.name, len(args)
+    if name == "_rebuild_tensor" and n == 4:
+        return p.make_tensor(args, None, None, at)
+    if name == "_rebuild_tensor_v2" and n in (6, 7):
+        _empty_hooks(args[5], at)
+        return p.make_tensor(args[:4], None, args[6] if n == 7 else None, at)
+    if name == "_rebuild_tensor_v3" and n in (7, 8):
+        _empty_hooks(args[5], at)
+        dtype = args[6]
+        if not isinstance(dtype, Stand) or dtype.kind != "dtype":
+            raise _bad("_rebuild_tensor_v3 without a dtype", at)
+        meta = args[7] if n == 8 else None
+        return p.make_tensor(args[:4], dtype.name, meta, at)
+    if name in ("_rebuild_parameter", "_rebuild_parameter_with_state") and n in (3, 4):
+        _empty_hooks(args[2], at)
+        if n == 4 and args[3] not in (None, {}, ((), {})):
+            raise _bad("parameter with extra Python state", at)
+        if not isinstance(args[0], TensorRef):
+            raise _bad("parameter without a tensor", at)
+        return args[0]
+    if name == "_rebuild_from_type_v2" and n == 4:
+        func, new_type, inner, state = args
+        if not isinstance(new_type, Stand) or new_type.kind != "tensor_type":
+            raise _unsafe(f"tensor subclass {_short(new_type)}", None, at)
+        if state not in (None, {}) or type(inner) is not tuple:
+            raise _bad("tensor subclass with Python state", at)
+        if not isinstance(func, Stand) or func.kind != "rebuild":
+            raise _unsafe(f"_rebuild_from_type_v2 calling {_short(func)}", None, at)
+        return _h_rebuild(p, func, inner, at)
+    raise _bad(f"{name} called with {n} arguments", at)
+
+
+_HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], Any]]] = {
+    "odict": _h_odict,
+    "size": _h_size,
+    "device": _h_device,
+    "set": _h_set,
+    "bytearray": _h_bytearray,
+    "complex": _h_complex,
+    "encode": _h_encode,
+    "rebuild": _h_rebuild,
+}
+
+
+class _ValuePolicy(TorchPolicy):
+    """Plain values only (the legacy format's magic, version, sys_info and key list)."""
+
+    def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
+        """No global at all is allowed here."""
+        full = f"{module}.{name}"
+        raise _unsafe(f"global {full} in a header pickle", full, offset)
+
+    def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
+        """No persistent id is expected here."""
+        raise _bad("persistent id in a header pickle", offset)
+
+
+# --------------------------------------------------------------------------------------------
+# Naming: flatten the object graph into dotted names.
+# --------------------------------------------------------------------------------------------
+
+
+def _key_text(key: Any) -> str:
+    if type(key) is str:
+        return key
+    if type(key) in (int, bool) or key is None:
+        return str(key)
+    raise _bad(f"state dict key of type {type(key).__name__} cannot name a tensor")
+
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
+    """A JSON-ready rendering of a non-tensor leaf (bounded; for reports and metadata)."""
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float:
+        return value if math.isfinite(value) else str(value)
+    if depth > 16:
+        return "..."
+    if type(value) in (list, tuple, set, frozenset):
+        items = list(value)
+        out = [_jsonable(v, depth + 1) for v in items[:1000]]
+        return out + ["..."] if len(items) > 1000 else out
+    if type(value) is dict:
+        return {_safe_key(k): _jsonable(v, depth + 1) for k, v in list(value.items())[:1000]}
+    if isinstance(value, Stand):
+        return f"<{value.name}>"
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, complex):
+        return str(value)
+    if isinstance(value, StorageRef):
+        return f"<storage {value.key}>"
+    return f"<{type(value).__name__}>"
+
+
+def _safe_key(key: Any) -> str:
+    return key if type(key) is str else _short(key)
+
+
+def _flatten(root: Any) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
+    """Walk the graph iteratively, with a depth cap and cycle detection."""
+    tensors: list[tuple[str, TensorRef]] = []
+    leaves: dict[str, Any] = {}
+    if isinstance(root, TensorRef):
+        raise _bad("the checkpoint is a single tensor without a name; expected a state dict")
+    if type(root) is not dict:
+        raise _bad(f"the checkpoint holds a {type(root).__name__}, not a state dict")
+    contains = _tensor_containers(root)
+    return _ordered(root, contains, tensors, leaves)
+
+
+def _ordered(
+    root: Any,
+    contains: set[int],
+    tensors: list[tuple[str, TensorRef]],
+    leaves: dict[str, Any],
+) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
+    # Depth-first in key order, iteratively: an explicit stack of iterators.
+    stack: list[tuple[str, Iterator[tuple[Any, Any]], int]] = [("", iter(root.items()), 0)]
+    on_path: list[int] = [id(root)]
+    while stack:
+        prefix, it, depth = stack[-1]
+        nxt = next(it, None)
+        if nxt is None:
+            stack.pop()
+            on_path.pop()
+            continue
+        key, value = nxt
+        name = f"{prefix}.{_key_text(key)}" if prefix else _key_text(key)
+        if isinstance(value, TensorRef):
+            tensors.append((name, value))
+            continue
+        nested = (type(value) is dict and value) or (
+            type(value) in (list, tuple) and id(value) in contains
+        )
+        if not nested:
+            leaves[name] = value
+            continue
+        if id(value) in on_path:
+            raise _bad(f"state dict contains itself at {name!r}")
+        if depth + 1 > MAX_DEPTH:
+            raise _bad(f"state dict nested deeper than {MAX_DEPTH} levels")
+        items = value.items() if type(value) is dict else enumerate(value)
+        stack.append((name, iter(items), depth + 1))
+        on_path.append(id(value))
+    return tensors, leaves
+
+
+def _tensor_containers(root: Any) -> set[int]:
+    """ids of the lists/tuples/dicts that (transitively) hold a tensor; iterative, cycle-safe."""
+    parents: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    todo = [root]
+    holders: set[int] = set()
+    steps = 0
+    while todo:
+        obj = todo.pop()
+        steps += 1
+        if steps > 50_000_000:
+            raise _bad("state dict too large to walk")
+        values = obj.values() if type(obj) is dict else obj
+        for v in values:
+            if isinstance(v, TensorRef):
+                holders.add(id(obj))
+            elif type(v) in (dict, list, tuple):
+                parents.setdefault(id(v), []).append(id(obj))
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    todo.append(v)
+    out: set[int] = set()
+    todo_ids = list(holders)
+    while todo_ids:
+        i = todo_ids.pop()
+        if i in out:
+            continue
+        out.add(i)
+        todo_ids.extend(parents.get(i, ()))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _StorageLoc:
+    nbytes: int
+    member: str | None = None  # zip member name
+    offset: int = 0  # legacy: file offset of the raw bytes
+
+
+@dataclass
+class Checkpoint:
+    """A PyTorch checkpoint, parsed and checked; storages are read only on demand.
+
+    Use as a context manager (it holds the file open).
+    """
+
+    path: str
+    format: str
+    """``"zip"`` or ``"legacy"``."""
+    tensors: dict[str, TensorRecord]
+    """Every tensor by dotted name, in file order (before deduplication)."""
+    non_tensors: dict[str, Any]
+    """Every other leaf by dotted name (plain values; stand-ins rendered as strings)."""
+    byteorder: str
+    """Byte order of the storages (``"little"`` or ``"big"``)."""
+    _file: FileBytes = field(repr=False)
+    _zip: ZipView | None = field(repr=False)
+    _storages: dict[str, _StorageLoc] = field(repr=False)
+    pickle_protocol: int = 2
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the underlying file."""
+        self._file.close()
+
+    def non_tensor_metadata(self) -> dict[str, str]:
+        """Non-tensor leaves rendered as JSON strings (for ``__metadata__``)."""
+        return {
+            k: json.dumps(_jsonable(v), ensure_ascii=False, sort_keys=False)
+            for k, v in self.non_tensors.items()
+        }
+
+    def storage_chunks(self, key: str, start: int, length: int) -> Iterator[bytes]:
+        """Yield bytes ``start .. start+length`` of a storage, in bounded pieces."""
+        loc = self._storages[key]
+        if start < 0 or length < 0 or start + length > loc.nbytes:
+            raise _bad(f"read past the end of storage {key}")
+        if self._zip is not None and loc.member is not None:
+            if start == 0 and length == loc.nbytes:
+                yield from self._crc_checked(loc.member, length)
+            else:
+                yield from self._zip.chunks(loc.member, start, length)
+        else:
+            yield from self._file.chunks(loc.offset + start, length)
+
+    def _crc_checked(self, member: str, length: int) -> Iterator[bytes]:
+        assert self._zip is not None
+        crc = 0
+        for piece in self._zip.chunks(member, 0, length):
+            crc = zlib.crc32(piece, crc)
+            yield piece
+        if crc != self._zip.members[member].crc:
+            raise CheckpointError(f"zip member {member!r} fails its CRC-32 check", kind="ZipError")
+
+    def tensor_chunks(self, rec: TensorRecord) -> Iterator[Any]:
+        """Yield a tensor's little-endian row-major bytes (numpy arrays or bytes)."""
+        if rec.numel == 0:
+            return
+        swap = self.byteorder == "big" and rec.itemsize > 1
+        start, stop = rec.span
+        if rec.is_contiguous and not rec.neg and not rec.conj:
+            step = max(rec.itemsize, CHUNK - CHUNK % rec.itemsize)
+            for piece in _rechunk(self.storage_chunks(rec.storage_key, start, stop - start), step):
+                yield _byteswap(piece, rec) if swap else piece
+            return
+        yield _as_bytes_array(self.tensor_array(rec))
+
+    def tensor_array(self, rec: TensorRecord) -> np.ndarray[Any, Any]:
+        """The tensor as a contiguous numpy array of its real dtype (ml_dtypes for bf16/fp8)."""
+        np_dtype = numpy_dtype(rec.dtype)
+        start, stop = rec.span
+        raw = b"".join(self.storage_chunks(rec.storage_key, start, stop - start))
+        unit = np.dtype(f"<u{rec.itemsize}") if rec.itemsize in (1, 2, 4, 8) else None
+        if unit is None:  # pragma: no cover - every supported torch dtype has 1..8 bytes
+            raise _bad(f"unsupported element size {rec.itemsize}")
+        flat = np.frombuffer(raw, dtype=unit)
+        if self.byteorder == "big" and rec.itemsize > 1:
+            flat = _byteswap_array(flat, rec)
+        if rec.numel == 0:
+            arr = np.zeros(rec.torch_shape, dtype=unit)
+        else:
+            arr = np.lib.stride_tricks.as_strided(
+                flat,
+                shape=rec.torch_shape,
+                strides=tuple(s * rec.itemsize for s in rec.stride),
+                writeable=False,
+            )
+        out = np.ascontiguousarray(arr).view(np_dtype)
+        if rec.dtype.code == "F4":
+            out = out.reshape(rec.torch_shape)
+        if rec.conj:
+            out = np.conjugate(out)
+        if rec.neg:
+            out = np.negative(out)
+        return out
+
+
+def numpy_dtype(dtype: DType) -> np.dtype[Any]:
+    """The numpy dtype holding one byte-sized element of ``dtype`` (F4 packs two per byte)."""
+    if dtype.code == "F4":
+        return np.dtype(np.uint8)
+    name = dtype.numpy or ""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
+        return found
+
+
+def _as_bytes_array(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def _swap_unit(rec: TensorRecord) -> int:
+    # Complex numbers are two floats: each half is swapped on its own.
+    return rec.itemsize // 2 if rec.dtype.code == "C64" else rec.itemsize
+
+
+def _byteswap(piece: bytes, rec: TensorRecord) -> np.ndarray[Any, Any]:
+    unit = _swap_unit(rec)
+    out: np.ndarray[Any, Any] = np.frombuffer(piece, dtype=f"<u{unit}").byteswap()
+    return out.view(np.uint8)
+
+
+def _byteswap_array(flat: np.ndarray[Any, Any], rec: TensorRecord) -> np.ndarray[Any, Any]:
+    unit = _swap_unit(rec)
+    out: np.ndarray[Any, Any] = flat.view(f"<u{unit}").byteswap()
+    return out.view(flat.dtype)
+
+
+def _rechunk(pieces: Iterable[bytes], step: int) -> Iterator[bytes]:
+    """Re-cut pieces so every piece but the last is a multiple of the element size."""
+    pending = b""
+    for piece in pieces:
+        if pending:
+            piece = pending + piece
+            pending = b""
+        cut = len(piece) - len(piece) % step if len(piece) >= step else 0
+        if cut:
+            yield piece[:cut]
+        pending = piece[cut:]
+    if pending:
+        yield pending
+
+
+# --------------------------------------------------------------------------------------------
+# Loading.
+# --------------------------------------------------------------------------------------------
+
+
+def sniff(head: bytes) -> str:
+    """Classify a file by its first bytes: ``zip``, ``tar``, ``pickle`` or ``unknown``."""
+    if head.startswith(b"PK\x03\x04"):
+        return "zip"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    if head[:1] == b"\x80" and len(head) > 1 and head[1] <= 5:
+        return "pickle"
+    if head[:1] in (b"(", b"}", b"]", b"c", b"N", b"I", b"L", b"S", b"V", b"X", b"K", b"J"):
+        return "pickle"
+    return "unknown"
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, limits: Limits | None = None) -> Checkpoint:
+    """Parse and check a PyTorch checkpoint without reading any storage bytes.
+
+    Args:
+        path: A ``torch.save`` file (zip or legacy format).
+        limits: Pickle resource caps.
+
+    Returns:
+        A :class:`Checkpoint` (close it, or use it as a context manager).
+
+    Raises:
+        UnsafePickleError: The pickle references a global outside the allow-list, or the file
+            is a TorchScript archive.
+        CheckpointError: The file is broken, truncated, lies about sizes, or holds tensors
+            safetensors cannot store.
+        OSError: The file cannot be opened.
+    """
+    file = FileBytes(path)
+    try:
+        head = file.read(0, min(file.size, 512))
+        kind = sniff(head)
+        if kind == "zip":
+            return _load_zip(file, limits)
+        if kind == "pickle":
+            return _load_legacy(file, limits)
+        if kind == "tar":
+            raise _bad("the torch 0.1.1 tar checkpoint format is not supported for conversion")
+        raise _bad("not a PyTorch checkpoint (neither a zip nor a pickle)")
+    except BaseException:
+        file.close()
+        raise
+
+
+def _records(
+    policy: TorchPolicy, root: Any, sizes: dict[str, int]
+) -> tuple[dict[str, TensorRecord], dict[str, Any]]:
+    """Name every tensor and check it against the storages' real sizes."""
+    named, leaves = _flatten(root)
+    out: dict[str, TensorRecord] = {}
+    for name, ref in named:
+        if name in out:
+            raise _bad(f"two tensors flatten to the same name {name!r}")
+        if name == "__metadata__":
+            raise _bad("a tensor may not be named __metadata__")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad(f"tensor name {name!r} is not valid Unicode") from None
+        out[name] = _record(ref, sizes, name)
+    for name in leaves:
+        if name in out:
+            raise _bad(f"a tensor and another value share the name {name!r}")
+    return out, {k: _jsonable(v) for k, v in leaves.items()}
+
+
+def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
+    code, itemsize = _TORCH_DTYPES[ref.dtype]
+    if code is None:
+        raise CheckpointError(
+            f"tensor {name!r} has dtype torch.{ref.dtype}, which safetensors cannot store",
+            kind="DtypeNotSupported",
+            tensor=name,
+        )
+    storage_nbytes = sizes[ref.storage.key]
+    numel = math.prod(ref.size)
+    if numel:
+        last = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride, strict=False))
+        limit_bytes = storage_nbytes
+        if ref.storage.view_size >= 0:
+            limit_bytes = (ref.storage.view_offset + ref.storage.view_size) * itemsize
+        if (last + 1) * itemsize > limit_bytes:
+            raise CheckpointError(
+                f"tensor {name!r} (offset {ref.offset}, size {list(ref.size)}, stride "
+                f"{list(ref.stride)}) reaches past the end of its {storage_nbytes}-byte storage",
+                kind="OutOfBounds",
+                tensor=name,
+            )
+    shape = ref.size
+    if code == "F4":
+        if not shape:
+            raise _bad(f"tensor {name!r}: a 0-d float4_e2m1fn_x2 tensor cannot be stored")
+        shape = (*shape[:-1], shape[-1] * 2)
+    return TensorRecord(
+        dtype_from_code(code),
+        shape,
+        ref.dtype,
+        ref.size,
+        ref.stride,
+        ref.storage.key,
+        ref.offset,
+        itemsize,
+        storage_nbytes,
+        ref.neg,
+        ref.conj,
+    )
+
+
+def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
+    zv = open_zip(file)
+    if not zv.order:
+        raise _bad("empty zip archive")
+    first = zv.order[0]
+    if "/" not in first:
+        raise _bad(f"zip member {first!r} is not in a subdirectory (not a torch archive)")
+    prefix = first.split("/", 1)[0] + "/"
+    for name in zv.order:
+        if not name.startswith(prefix):
+            raise _bad(f"zip members under several folders ({prefix!r} and {name!r})")
+        rel = name[len(prefix) :]
+        if rel == "constants.pkl" or rel.startswith("code/"):
+            raise _unsafe("TorchScript archive (runs its own code on load)", None, 0)
+    pkl = prefix + "data.pkl"
+    if pkl not in zv.members:
+        raise _bad(f"no {pkl!r} in the archive")
+    byteorder = "little"
+    if prefix + "byteorder" in zv.members:
+        raw = zv.read(prefix + "byteorder", limit=16)
+        if raw not in (b"little", b"big"):
+            raise _bad(f"byteorder record {raw!r} is neither 'little' nor 'big'")
+        byteorder = raw.decode()
+    data = zv.read(pkl, limit=MAX_PICKLE_BYTES)
+    policy = TorchPolicy()
+    result = Machine(data, policy, limits).run(0)
+    if result.end != len(data):
+        raise _bad(f"{pkl}: {len(data) - result.end} bytes after STOP")
+    storages: dict[str, _StorageLoc] = {}
+    for key, ref in policy.storages.items():
+        member = f"{prefix}data/{key}"
+        m = zv.members.get(member)
+        if m is None:
+            raise _bad(f"storage {key} is referenced but {member!r} is missing")
+        if m.file_size != ref.nbytes:
+            raise _bad(
+                f"storage {key}: the pickle declares {ref.numel} x torch.{ref.dtype} "
+                f"({ref.nbytes} bytes) but {member!r} holds {m.file_size} bytes"
+            )
+        storages[key] = _StorageLoc(ref.nbytes, member=member)
+    tensors, leaves = _records(policy, result.value, {k: v.nbytes for k, v in storages.items()})
+    return Checkpoint(
+        file.path, "zip", tensors, leaves, byteorder, file, zv, storages, result.protocol
+    )
+
+
+def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:
+    # Bounded read of the leading pickles; the raw storages that follow are read on demand.
+    head_len = min(file.size, MAX_PICKLE_BYTES)
+    data = file.read(0, head_len)
+    values = _ValuePolicy()
+    magic = Machine(data, values, limits).run(0)
+    if type(magic.value) is not int or magic.value != LEGACY_MAGIC:
+        raise _bad("not a PyTorch checkpoint: the first pickle is not the legacy magic number")
+    proto = Machine(data, values, limits).run(magic.end)
+    if proto.value != LEGACY_PROTOCOL or type(proto.value) is not int:
+        raise _bad(f"unsupported legacy protocol version {_short(proto.value)}")
+    info = Machine(data, values, limits).run(proto.end)
+    if type(info.value) is not dict or info.value.get("little_endian") is not True:
+        raise _bad("legacy sys_info is missing or declares big-endian storages (unsupported)")
+    policy = TorchPolicy(legacy=True)
+    graph = Machine(data, policy, limits).run(info.end)
+    keys_res = Machine(data, values, limits).run(graph.end)
+    keys = keys_res.value
+    if type(keys) is not list or not all(type(k) is str for k in keys):
+        raise _bad("legacy storage key list is not a list of strings")
+    if len(set(keys)) != len(keys):
+        raise _bad("legacy storage key list names a key twice")
+    pos = keys_res.end
+    storages: dict[str, _StorageLoc] = {}
+    for key in keys:
+        ref = policy.storages.get(key)
+        if ref is None:
+            raise _bad(f"legacy storage key {_short(key)} is not declared in the pickle")
+        (count,) = struct.unpack("<q", file.read(pos, 8))
+        if count != ref.numel:
+            raise _bad(
+                f"storage {key}: record holds {count} elements, the pickle declares {ref.numel}"
+            )
+        if pos + 8 + ref.nbytes > file.size:
+            raise CheckpointError(
+                f"storage {key}: {ref.nbytes} bytes declared, file ends first",
+                kind="Truncated",
+            )
+        storages[key] = _StorageLoc(ref.nbytes, offset=pos + 8)
+        pos += 8 + ref.nbytes
+    missing = set(policy.storages) - set(storages)
+    if missing:
+        raise _bad(f"storages {sorted(missing)[:5]} declared but not present")
+    tensors, leaves = _records(policy, graph.value, {k: v.nbytes for k, v in storages.items()})
+    return Checkpoint(
+        file.path, "legacy", tensors, leaves, "little", file, None, storages, graph.protocol
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Shared storages: the reference's save_model rule.
+# --------------------------------------------------------------------------------------------
+
+
+def plan_shared(tensors: dict[str, TensorRecord]) -> dict[str, str]:
+    """Pick the tensors to drop because another one holds the same bytes.
+
+    Follows ``safetensors.torch._remove_duplicate_names``: tensors are grouped by storage and
+    then by overlapping byte ranges; in each group of two or more, the lexicographically first
+    name whose tensor covers its whole storage is kept and the others are dropped. Where the
+    reference would raise (no tensor covers the storage), every name is kept as its own copy,
+    and so are views with torch's lazy ``neg``/``conj`` bits (their values differ).
+
+    Returns:
+        ``{dropped_name: kept_name}``.
+    """
+    by_storage: dict[str, list[str]] = {}
+    for name, rec in tensors.items():
+        # A lazily negated/conjugated view holds other values than its storage: never tie it.
+        if rec.storage_nbytes and not (rec.neg or rec.conj):
+            by_storage.setdefault(rec.storage_key, []).append(name)
+    dropped: dict[str, str] = {}
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        areas = sorted((*tensors[n].span, n) for n in names)
+        groups: list[list[str]] = [[areas[0][2]]]
+        last_stop = areas[0][1]
+        for start, stop, name in areas[1:]:
+            if start >= last_stop:
+                groups.append([name])
+            else:
+                groups[-1].append(name)
+            last_stop = stop  # not max(): the reference's rule, kept for identical output
+        for group in groups:
+            if len(group) < 2:
+                continue
+            complete = sorted(n for n in group if tensors[n].is_complete)
+            if not complete:
+                continue
+            keep = complete[0]
+            for n in sorted(group):
+                if n != keep:
+                    dropped[n] = keep
+    return dropped
