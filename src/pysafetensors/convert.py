@@ -1,0 +1,486 @@
+"""Convert PyTorch checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) to safetensors, safely.
+
+Nothing from the pickle is run and torch is not needed: the checkpoint is read by
+:mod:`pysafetensors._torch_pickle`, which interprets an allow-list of rebuild functions itself
+and refuses every other global with :class:`~pysafetensors.UnsafePickleError`. Storage bytes are
+streamed from the checkpoint into the output, so memory stays near one tensor (a non-contiguous
+view needs its storage span plus the copy).
+
+Example::
+
+    from pysafetensors.convert import convert_file, convert_folder
+
+    convert_file("pytorch_model.bin", "model.safetensors", verify=True)
+    convert_folder("checkpoint-dir", "out-dir")   # sharded .bin + index too
+
+Shared storages (tied weights, views) are handled like the reference ``save_model``: the
+lexicographically first name whose tensor covers the whole storage is kept, the others are
+dropped and recorded as ``{dropped_name: kept_name}`` in ``__metadata__``. Every file is written
+with ``{"format": "pt"}`` metadata, as the hub and transformers expect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ._errors import CheckpointError, SafetensorError
+from ._format import N_LEN, parse_header, parse_header_length
+from ._torch_pickle import Checkpoint, TensorRecord, load_checkpoint, plan_shared
+from ._writer import TensorData, write_file
+
+__all__ = [
+    "CHECKPOINT_SUFFIXES",
+    "ConversionReport",
+    "FolderReport",
+    "convert_file",
+    "convert_folder",
+    "safetensors_name",
+    "to_torch_bin",
+    "verify_conversion",
+]
+
+#: File name endings treated as PyTorch checkpoints by :func:`convert_folder`.
+CHECKPOINT_SUFFIXES: Final = (".bin", ".pt", ".pth", ".ckpt")
+_INDEX_IN: Final = "pytorch_model.bin.index.json"
+_INDEX_OUT: Final = "model.safetensors.index.json"
+_MAX_INDEX_BYTES: Final = 100_000_000
+
+Progress = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, called as tensor bytes are written."""
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert_file` did."""
+
+    src: str
+    """The checkpoint read."""
+    dst: str
+    """The safetensors file written."""
+    format: str
+    """Checkpoint format: ``"zip"`` or ``"legacy"``."""
+    tensors: list[str] = field(default_factory=list)
+    """Names written, in checkpoint order."""
+    total_size: int = 0
+    """Bytes of tensor data written (the index's ``total_size``)."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Shared tensors not written: ``{dropped_name: kept_name}`` (also in the metadata)."""
+    non_tensors: dict[str, Any] = field(default_factory=dict)
+    """Non-tensor leaves (``epoch``, hyper-parameters...), JSON-ready."""
+    kept_non_tensors: list[str] = field(default_factory=list)
+    """Non-tensor leaves stored as metadata strings (``keep_non_tensors=True``)."""
+    verified: str | None = None
+    """``"torch"`` (compared with ``torch.load(weights_only=True)``), ``"reader"`` (compared with
+    our own reading of the checkpoint), or None when not verified."""
+
+
+@dataclass
+class FolderReport:
+    """What :func:`convert_folder` did."""
+
+    files: list[ConversionReport] = field(default_factory=list)
+    """One report per converted checkpoint."""
+    index: str | None = None
+    """The ``model.safetensors.index.json`` written, if the source was sharded."""
+
+
+def _select(tensors: dict[str, TensorRecord], leaves: dict[str, Any], subtree: str | None) -> Any:
+    if not subtree:
+        return tensors, leaves
+    pre = subtree + "."
+    t = {k[len(pre) :]: v for k, v in tensors.items() if k.startswith(pre)}
+    if not t:
+        raise CheckpointError(f"no tensors under {subtree!r} in the checkpoint")
+    return t, {k[len(pre) :]: v for k, v in leaves.items() if k.startswith(pre)}
+
+
+def _chunks_with_progress(
+    ck: Checkpoint, rec: TensorRecord, tick: Callable[[int], None] | None
+) -> Iterator[Any]:
+    for chunk in ck.tensor_chunks(rec):
+        if tick is not None:
+            tick(memoryview(chunk).nbytes)
+        yield chunk
+
+
+def convert_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    keep_non_tensors: bool = False,
+    verify: bool = False,
+    progress: Progress | None = None,
+    subtree: str | None = None,
+    fsync: bool = False,
+) -> ConversionReport:
+    """Convert one PyTorch checkpoint to a safetensors file.
+
+    Args:
+        src: A ``torch.save`` file (zip format, or the legacy format).
+        dst: The safetensors file to write (atomically: nothing appears on failure).
+        metadata: Extra ``__metadata__`` entries; they win over the ones the converter adds.
+        keep_non_tensors: Store non-tensor leaves (``epoch``, config values...) as JSON
+            strings in the metadata, under their dotted names.
+        verify: Reload the result and compare every tensor, with
+            ``torch.load(weights_only=True)`` when torch is importable and can read the file,
+            otherwise with our own reading of the checkpoint. A mismatch removes ``dst``.
+        progress: Called as ``progress(done_bytes, total_bytes)`` while data is written.
+        subtree: Convert only the tensors under this dotted prefix, with the prefix removed
+            (``"state_dict"`` for Lightning checkpoints).
+        fsync: Make the result durable before returning.
+
+    Returns:
+        A :class:`ConversionReport`.
+
+    Raises:
+        UnsafePickleError: The checkpoint references a global outside the allow-list (nothing
+            was run, nothing was written).
+        CheckpointError: The checkpoint is broken or holds tensors safetensors cannot store.
+        SafetensorError: Other problems with the output (e.g. invalid metadata).
+        OSError: A file cannot be read or written.
+    """
+    src_s, dst_s = os.fspath(src), os.fspath(dst)
+    if os.path.exists(dst_s) and os.path.samefile(src_s, dst_s):
+        raise CheckpointError("source and destination are the same file")
+    with load_checkpoint(src_s) as ck:
+        tensors, leaves = _select(ck.tensors, ck.non_tensors, subtree)
+        dropped = plan_shared(tensors)
+        meta: dict[str, str] = {"format": "pt"}
+        meta.update(metadata or {})
+        for name, kept in dropped.items():
+            meta.setdefault(name, kept)  # never override what the caller gave
+        report = ConversionReport(src_s, dst_s, ck.format, dropped=dropped, non_tensors=leaves)
+        if keep_non_tensors:
+            for name, value in leaves.items():
+                if name not in meta:
+                    meta[name] = json.dumps(value, ensure_ascii=False)
+                    report.kept_non_tensors.append(name)
+        kept = {n: r for n, r in tensors.items() if n not in dropped}
+        total = sum(r.nbytes for r in kept.values())
+        done = 0
+
+        def tick(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+        data = [
+            TensorData(
+                name,
+                rec.dtype,
+                rec.shape,
+                lambda rec=rec: _chunks_with_progress(ck, rec, tick),  # type: ignore[misc]
+            )
+            for name, rec in kept.items()
+        ]
+        write_file(dst_s, data, meta, fsync=fsync)
+        report.tensors = list(kept)
+        report.total_size = total
+        if verify:
+            try:
+                report.verified = _verify_open(ck, tensors, dropped, dst_s, subtree)
+            except BaseException:
+                os.unlink(dst_s)
+                raise
+    return report
+
+
+def _read_output(path: str) -> tuple[Any, int]:
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        n = parse_header_length(fh.read(N_LEN), size)
+        header = parse_header(fh.read(n), size - N_LEN - n)
+    return header, header.data_start
+
+
+def _output_chunks(path: str, start: int, length: int) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        left = length
+        while left:
+            piece = fh.read(min(left, 16 << 20))
+            if not piece:
+                raise CheckpointError(f"{path} is shorter than its header says")
+            left -= len(piece)
+            yield piece
+
+
+def _digest(chunks: Iterator[Any]) -> str:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(memoryview(c).cast("B"))
+    return h.hexdigest()
+
+
+def verify_conversion(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, subtree: str | None = None
+) -> str:
+    """Check that a safetensors file holds exactly the tensors of a checkpoint.
+
+    Returns:
+        ``"torch"`` or ``"reader"``: what the output was compared with (see
+        :func:`convert_file`).
+
+    Raises:
+        CheckpointError: A tensor is missing, extra, or differs.
+    """
+    with load_checkpoint(os.fspath(src)) as ck:
+        tensors, _ = _select(ck.tensors, ck.non_tensors, subtree)
+        return _verify_open(ck, tensors, plan_shared(tensors), os.fspath(dst), subtree)
+
+
+def _mismatch(message: str, name: str | None = None) -> CheckpointError:
+    return CheckpointError(f"verification failed: {message}", kind="VerifyFailed", tensor=name)
+
+
+def _verify_open(
+    ck: Checkpoint,
+    tensors: dict[str, TensorRecord],
+    dropped: dict[str, str],
+    dst: str,
+    subtree: str | None,
+) -> str:
+    header, data_start = _read_output(dst)
+    expected = {n for n in tensors if n not in dropped}
+    if set(header.tensors) != expected:
+        extra = sorted(set(header.tensors) - expected)[:5]
+        missing = sorted(expected - set(header.tensors))[:5]
+        raise _mismatch(f"names differ (extra {extra}, missing {missing})")
+    for name, info in header.tensors.items():
+        rec = tensors[name]
+        if info.dtype != rec.dtype or info.shape != rec.shape:
+            raise _mismatch(f"{name}: {info.dtype.code}{list(info.shape)} written", name)
+    reference = _torch_reference(ck.path, subtree)
+    if reference is not None:
+        if set(reference) != set(tensors):
+            raise _mismatch("torch.load sees other tensor names than the converter")
+        for name, info in header.tensors.items():
+            theirs = reference[name]
+            ours = _digest(_output_chunks(dst, data_start + info.begin, info.nbytes))
+            if hashlib.sha256(theirs).hexdigest() != ours:
+                raise _mismatch(f"{name} differs from torch.load's tensor", name)
+        return "torch"
+    for name, info in header.tensors.items():
+        ours = _digest(_output_chunks(dst, data_start + info.begin, info.nbytes))
+        if _digest(ck.tensor_chunks(tensors[name])) != ours:
+            raise _mismatch(f"{name} differs from the checkpoint", name)
+    return "reader"
+
+
+def _torch_reference(path: str, subtree: str | None) -> dict[str, bytes] | None:
+    """Every tensor of ``path`` as torch's own safe loader sees it, or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about protocol-4 pickles
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        # e.g. protocol-4 pickles, which torch's weights_only unpickler does not support:
+        # fall back to comparing with our own reading of the checkpoint.
+        return None
+    out: dict[str, bytes] = {}
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        prefix, value = todo.pop()
+        if isinstance(value, torch.Tensor):
+            t = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+            out[prefix] = t.view(torch.uint8).numpy().tobytes()
+        elif isinstance(value, dict):
+            todo.extend((f"{prefix}.{k}" if prefix else str(k), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            todo.extend((f"{prefix}.{i}" if prefix else str(i), v) for i, v in enumerate(value))
+    if subtree:
+        pre = subtree + "."
+        out = {k[len(pre) :]: v for k, v in out.items() if k.startswith(pre)}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Folders and shards.
+# --------------------------------------------------------------------------------------------
+
+_SHARD: Final = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def safetensors_name(name: str) -> str:
+    """The safetensors file name for a checkpoint name, as the hub's converter renames it.
+
+    ``pytorch_model.bin`` -> ``model.safetensors``;
+    ``pytorch_model-00001-of-00002.bin`` -> ``model-00001-of-00002.safetensors``;
+    any other ``stem.ext`` -> ``stem.safetensors``.
+    """
+    stem, _ = os.path.splitext(name)
+    if stem.startswith("pytorch_model"):
+        stem = "model" + stem[len("pytorch_model") :]
+    return stem + ".safetensors"
+
+
+def _check_shard_name(name: Any) -> str:
+    # Index entries are untrusted: plain file names in the same folder only.
+    if (
+        type(name) is not str
+        or not _SHARD.match(name)
+        or name in (".", "..")
+        or not name.endswith(CHECKPOINT_SUFFIXES)
+    ):
+        raise CheckpointError(f"index names an invalid shard file {name!r}")
+    return name
+
+
+def convert_folder(
+    src_dir: str | os.PathLike[str],
+    dst_dir: str | os.PathLike[str],
+    *,
+    executor: Executor | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+    **kwargs: Any,
+) -> FolderReport:
+    """Convert the checkpoints of a folder, including a sharded ``pytorch_model`` with index.
+
+    With ``pytorch_model.bin.index.json``, each listed shard becomes
+    ``model-0000x-of-0000y.safetensors`` and ``model.safetensors.index.json`` is written in the
+    hub's format (``{"metadata": {"total_size": N}, "weight_map": {name: file}}``, other
+    metadata keys of the source index kept). Otherwise ``pytorch_model.bin`` becomes
+    ``model.safetensors`` and every other ``*.bin/*.pt/*.pth/*.ckpt`` becomes
+    ``<stem>.safetensors``. Other files are not copied.
+
+    Args:
+        src_dir: Folder holding the checkpoints.
+        dst_dir: Folder for the results (created; may be ``src_dir``).
+        executor: Any ``concurrent.futures.Executor`` (thread or process pool, Ray's or Dask's)
+            to convert files in parallel; each task is one :func:`convert_file` call.
+        progress: ``progress(file_name, done_files, total_files)`` after each file.
+        **kwargs: Passed to :func:`convert_file` (``verify``, ``keep_non_tensors``...).
+
+    Returns:
+        A :class:`FolderReport`.
+    """
+    src_s, dst_s = os.fspath(src_dir), os.fspath(dst_dir)
+    os.makedirs(dst_s, exist_ok=True)
+    index_path = os.path.join(src_s, _INDEX_IN)
+    index: dict[str, Any] | None = None
+    if os.path.exists(index_path):
+        if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
+            raise CheckpointError(f"{_INDEX_IN} is larger than {_MAX_INDEX_BYTES} bytes")
+        with open(index_path, encoding="utf-8") as fh:
+            try:
+                index = json.load(fh)
+            except (ValueError, RecursionError) as exc:
+                raise CheckpointError(f"{_INDEX_IN} is not valid JSON ({exc})") from None
+        if type(index) is not dict or type(index.get("weight_map")) is not dict:
+            raise CheckpointError(f"{_INDEX_IN} has no weight_map object")
+        names = sorted({_check_shard_name(v) for v in index["weight_map"].values()})
+    else:
+        names = sorted(
+            n
+            for n in os.listdir(src_s)
+            if n.endswith(CHECKPOINT_SUFFIXES) and os.path.isfile(os.path.join(src_s, n))
+        )
+    jobs = [(os.path.join(src_s, n), os.path.join(dst_s, safetensors_name(n))) for n in names]
+    outs = [d for _, d in jobs]
+    if len(set(outs)) != len(outs):
+        raise CheckpointError("two checkpoints would be written to the same safetensors file")
+    report = FolderReport()
+    results: list[ConversionReport] = []
+    if executor is None:
+        for i, (s, d) in enumerate(jobs):
+            results.append(convert_file(s, d, **kwargs))
+            if progress is not None:
+                progress(os.path.basename(s), i + 1, len(jobs))
+    else:
+        futures: list[Future[ConversionReport]] = [
+            executor.submit(convert_file, s, d, **kwargs) for s, d in jobs
+        ]
+        for i, fut in enumerate(futures):
+            results.append(fut.result())
+            if progress is not None:
+                progress(os.path.basename(jobs[i][0]), i + 1, len(jobs))
+    report.files = results
+    if index is not None:
+        weight_map: dict[str, str] = {}
+        for r in results:
+            for name in r.tensors:
+                if name in weight_map:
+                    raise CheckpointError(f"tensor {name!r} appears in two shards")
+                weight_map[name] = os.path.basename(r.dst)
+        old_meta = index.get("metadata")
+        index_meta: dict[str, Any] = dict(old_meta) if type(old_meta) is dict else {}
+        index_meta["total_size"] = sum(r.total_size for r in results)
+        out_index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
+        report.index = os.path.join(dst_s, _INDEX_OUT)
+        tmp = report.index + ".partial"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(out_index, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+        os.replace(tmp, report.index)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Back to torch.
+# --------------------------------------------------------------------------------------------
+
+
+def to_torch_bin(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, restore_shared: bool = False
+) -> list[str]:
+    """Write a safetensors file as a ``torch.save`` checkpoint (needs torch).
+
+    Args:
+        src: The safetensors file.
+        dst: The ``.bin``/``.pt`` file to write (atomically).
+        restore_shared: For metadata entries ``{dropped: kept}`` naming a tensor of the file
+            (as :func:`convert_file` writes them), add ``dropped`` back as the same tensor.
+
+    Returns:
+        The tensor names written.
+
+    Raises:
+        SafetensorError: The safetensors file is invalid.
+        ImportError: torch is not installed.
+    """
+    import torch
+
+    src_s, dst_s = os.fspath(src), os.fspath(dst)
+    header, data_start = _read_output(src_s)
+    state: dict[str, Any] = {}
+    for name, info in header.tensors.items():
+        tname = info.dtype.torch
+        if tname is None or not hasattr(torch, tname):
+            raise SafetensorError(f"torch cannot hold {info.dtype.code} (tensor {name!r})")
+        raw = bytearray(b"".join(_output_chunks(src_s, data_start + info.begin, info.nbytes)))
+        shape = list(info.shape)
+        if info.dtype.code == "F4":
+            shape[-1] //= 2
+        dtype = getattr(torch, tname)
+        if raw:
+            t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+        else:
+            t = torch.empty(shape, dtype=dtype)
+        state[name] = t
+    if restore_shared and header.metadata:
+        for dropped, kept in header.metadata.items():
+            if dropped not in state and kept in state:
+                state[dropped] = state[kept]
+    tmp = f"{dst_s}.partial"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, dst_s)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return list(state)
