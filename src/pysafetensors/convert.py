@@ -156,8 +156,8 @@ def convert_file(
         dropped = plan_shared(tensors)
         meta: dict[str, str] = {"format": "pt"}
         meta.update(metadata or {})
-        for name, kept in dropped.items():
-            meta.setdefault(name, kept)  # never override what the caller gave
+        for name, keep in dropped.items():
+            meta.setdefault(name, keep)  # never override what the caller gave
         report = ConversionReport(src_s, dst_s, ck.format, dropped=dropped, non_tensors=leaves)
         if keep_non_tensors:
             for name, value in leaves.items():
