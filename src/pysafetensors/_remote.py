@@ -361,8 +361,11 @@ class RemoteSource:
 
     def _open(self) -> None:
         """Learn the size and cache the first ``head_bytes`` with one request."""
+        # A range of at least one byte: the reply's Content-Range is what tells the size.
         probe = bytearray(max(self._head_bytes, 1))
         self._fetch(0, memoryview(probe), probing=True)
+        if self._head_bytes == 0 and len(self._head) < self._size:
+            self._head = b""  # honour "cache nothing" (unless the server sent the whole file)
 
     def _fetch(self, offset: int, out: memoryview, probing: bool = False) -> None:
         """Call :meth:`_fetch_once` with bounded retries and exponential backoff with jitter."""

@@ -23,6 +23,9 @@ BUCKET = "models"
 def _write_files(root: Path) -> None:
     rng = np.random.default_rng(1234)
     tensors: dict[str, np.ndarray] = {
+        # Sorts first in the file (8-byte dtypes go first), pushing the small tensors past the
+        # bytes cached at open, so reading them needs requests.
+        "a_table": rng.integers(0, 2**60, size=(100_000,), dtype=np.int64),
         "embed": rng.standard_normal((512, 512)).astype(np.float32),  # 1 MiB
         "proj": rng.standard_normal((256, 256)).astype(np.float16),
         "ids": rng.integers(-(2**40), 2**40, size=(1000,), dtype=np.int64),

@@ -4,7 +4,8 @@ The stdlib ``SimpleHTTPRequestHandler`` ignores ``Range`` (cpython #86809), so t
 bring their own. URLs are ``/<name>`` (well-behaved) or ``/<mode>/<name>``:
 
 ``ignore-range``       answers 200 with the whole body, as servers without range support do
-``truncate``           promises the range, sends half of it, then drops the connection
+``truncate``           promises the range, sends half of it, then drops the connection (only
+                       for ranges not starting at byte 0, so that opening still works)
 ``auth``               401 unless ``Authorization: Bearer letmein`` is sent
 ``forbidden``          always 403
 ``missing``            always 404
@@ -75,6 +76,8 @@ class RangeServer:
         handler = type("Handler", (_Handler,), {"owner": self})
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
+        # Clients that reset connections on purpose would otherwise print tracebacks.
+        self.httpd.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -126,6 +129,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             )
 
     def _plain(self, status: int, body: bytes = b"", **headers: str) -> None:
+        # Logged before anything is sent: once the client has a reply, a test may look.
+        self._record(status, len(body) if self.command != "HEAD" else 0)
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key.replace("_", "-"), value)
@@ -133,7 +138,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
-        self._record(status, len(body) if self.command != "HEAD" else 0)
 
     def do_HEAD(self) -> None:
         self.do_GET()
@@ -201,6 +205,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         first, last = span
         body = data[first : last + 1]
+        truncate = mode == "truncate" and first > 0
+        sent = 0 if self.command == "HEAD" else len(body) // 2 if truncate else len(body)
+        self._record(206, sent)
         self.send_response(206)
         if mode == "wrong-range":
             self.send_header("Content-Range", f"bytes {first + 1}-{last + 1}/{size}")
@@ -212,32 +219,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("ETag", etag)
         self.end_headers()
         if self.command == "HEAD":
-            self._record(206, 0)
             return
-        if mode == "truncate":
-            half = body[: len(body) // 2]
-            self.wfile.write(half)
+        self.wfile.write(body[:sent])
+        if truncate:
             self.wfile.flush()
             self.close_connection = True
-            self._record(206, len(half))
-            return
-        self.wfile.write(body)
-        self._record(206, len(body))
 
     def _send_body(self, status: int, data: bytes, etag: str) -> None:
+        self._record(status, len(data) if self.command != "HEAD" else 0)
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("ETag", etag)
         self.end_headers()
-        sent = 0
-        if self.command != "HEAD":
-            try:
-                self.wfile.write(data)
-                sent = len(data)
-            except OSError:
-                # The client refused the body (as it should for a large 200); stop quietly.
-                self.close_connection = True
-        self._record(status, sent)
+        if self.command == "HEAD":
+            return
+        try:
+            self.wfile.write(data)
+        except OSError:
+            # The client refused the body (as it should for a large 200); stop quietly.
+            self.close_connection = True
 
 
 def _parse_range(spec: str, size: int) -> tuple[int, int] | None:

@@ -1,0 +1,411 @@
+"""HTTPSource against a real loopback server: bytes, request counts, and misbehaving servers."""
+
+from __future__ import annotations
+
+import random
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pysafetensors._errors import ClosedFileError, RemoteError, SafetensorError
+from pysafetensors._remote import (
+    DEFAULT_HEAD_BYTES,
+    HTTPSource,
+    RemoteNotFoundError,
+    RemotePermissionError,
+    open_source,
+    read_prefix,
+)
+from pysafetensors._sources import read_ranges_into
+
+from .rangeserver import SLOW_SECONDS, TOKEN, RangeServer
+
+FAST = {"backoff": 0.001}
+
+
+def _read(src: HTTPSource, offset: int, length: int) -> bytes:
+    buf = bytearray(length)
+    src.readinto(offset, memoryview(buf))
+    return bytes(buf)
+
+
+def _tensor_span(data: bytes, name: str) -> tuple[int, int]:
+    import json
+
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    begin, end = header[name]["data_offsets"]
+    return 8 + n + begin, end - begin
+
+
+# ----------------------------------------------------------------------------- opening
+
+
+def test_open_is_one_request_and_caches_the_head(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "model.safetensors").read_bytes()
+    with HTTPSource(server.url("model.safetensors")) as src:
+        assert src.size == len(data)
+        assert src.stats.requests == 1
+        assert src.stats.bytes_fetched == DEFAULT_HEAD_BYTES
+        assert src.head == data[:DEFAULT_HEAD_BYTES]
+        # Length prefix and whole header are inside the cached bytes: no more requests.
+        (n,) = struct.unpack("<Q", read_prefix(src, 8))
+        assert 8 + n <= DEFAULT_HEAD_BYTES
+        assert _read(src, 8, n) == data[8 : 8 + n]
+        assert src.stats.requests == 1
+    assert server.requests("model.safetensors") == 1
+    assert server.records()[0].range == f"bytes=0-{DEFAULT_HEAD_BYTES - 1}"
+
+
+def test_long_header_needs_exactly_two_requests(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "bigheader.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    assert 8 + n > DEFAULT_HEAD_BYTES
+    with HTTPSource(server.url("bigheader.safetensors")) as src:
+        (m,) = struct.unpack("<Q", read_prefix(src, 8))
+        assert _read(src, 8, m) == data[8 : 8 + n]
+        assert src.stats.requests == 2
+        # Only the part of the header past the cached bytes was fetched the second time.
+        assert src.stats.bytes_fetched == 8 + n
+    assert server.requests() == 2
+
+
+def test_file_smaller_than_the_head(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "small.safetensors").read_bytes()
+    with HTTPSource(server.url("small.safetensors")) as src:
+        assert src.size == len(data) < DEFAULT_HEAD_BYTES
+        assert src.head == data
+        assert _read(src, 0, len(data)) == data
+        assert src.stats.as_dict() == {"requests": 1, "bytes_fetched": len(data), "retries": 0}
+
+
+def test_empty_file(server: RangeServer) -> None:
+    with HTTPSource(server.url("empty.bin")) as src:
+        assert src.size == 0
+        assert src.stats.requests == 1
+        src.readinto(0, memoryview(bytearray()))
+
+
+def test_prefetch_head_extends_the_cache_with_one_request(
+    server: RangeServer, data_dir: Path
+) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    with HTTPSource(server.url("blob.bin"), head_bytes=1000) as src:
+        assert bytes(src.prefetch_head(5000)) == data[:5000]
+        assert src.stats.requests == 2
+        assert src.stats.bytes_fetched == 5000
+        assert _read(src, 10, 4990) == data[10:5000]
+        assert src.stats.requests == 2
+
+
+# ----------------------------------------------------------------------------- reads
+
+
+def test_random_ranges_match_the_file(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    rnd = random.Random(7)
+    with HTTPSource(server.url("blob.bin"), part_size=256 << 10) as src:
+        for _ in range(40):
+            offset = rnd.randrange(len(data))
+            length = rnd.randrange(0, min(len(data) - offset, 700_000) + 1)
+            assert _read(src, offset, length) == data[offset : offset + length]
+
+
+def test_one_small_tensor_is_one_request(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "model.safetensors").read_bytes()
+    start, length = _tensor_span(data, "ids")
+    assert start >= DEFAULT_HEAD_BYTES  # really outside the cached bytes
+    with HTTPSource(server.url("model.safetensors")) as src:
+        src.stats.reset()
+        assert _read(src, start, length) == data[start : start + length]
+        assert src.stats.requests == 1
+        assert src.stats.bytes_fetched == length
+    assert server.records()[-1].range == f"bytes={start}-{start + length - 1}"
+
+
+def test_large_range_is_split_into_parallel_parts(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    part = 256 << 10
+    offset, length = 100_000, 8 * part
+    with HTTPSource(server.url("slow/blob.bin"), part_size=part, head_bytes=0) as src:
+        server.reset()
+        src.stats.reset()
+        t0 = time.perf_counter()
+        assert _read(src, offset, length) == data[offset : offset + length]
+        elapsed = time.perf_counter() - t0
+        assert src.stats.requests == 8
+        assert src.stats.bytes_fetched == length
+    records = server.records("slow/blob.bin")
+    assert len(records) == 8
+    expected = {f"bytes={offset + k * part}-{offset + (k + 1) * part - 1}" for k in range(8)}
+    assert {r.range for r in records} == expected
+    # Each request waits SLOW_SECONDS on the server; in series that would take 8 times as long.
+    assert server.max_inflight >= 4
+    assert elapsed < 8 * SLOW_SECONDS
+
+
+def test_parts_are_balanced(server: RangeServer) -> None:
+    with HTTPSource(server.url("blob.bin"), part_size=100_000, head_bytes=0) as src:
+        server.reset()
+        _read(src, 0, 100_001)  # two halves, not 100000 bytes and then 1 byte
+    sizes = sorted(r.nbytes for r in server.records())
+    assert sizes == [50_000, 50_001]
+
+
+def test_adjacent_ranges_are_coalesced_into_one_request(
+    server: RangeServer, data_dir: Path
+) -> None:
+    data = (data_dir / "model.safetensors").read_bytes()
+    names = [f"block.{i}.bias" for i in range(12)]
+    spans = [_tensor_span(data, name) for name in names]
+    assert all(start >= DEFAULT_HEAD_BYTES for start, _ in spans)
+    total = sum(length for _, length in spans)
+    with HTTPSource(server.url("model.safetensors")) as src:
+        src.stats.reset()
+        out = bytearray(total)
+        read_ranges_into(src, spans, memoryview(out))  # delegates to readinto_many
+        assert bytes(out) == b"".join(data[s : s + n] for s, n in spans)
+        assert src.stats.requests == 1
+        hull = max(s + n for s, n in spans) - min(s for s, _ in spans)
+        assert src.stats.bytes_fetched == hull
+
+
+def test_near_ranges_in_any_order_are_coalesced(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    base = 1 << 20
+    # Gaps of 1000 bytes, asked for out of file order: one request, scattered into place.
+    ranges = [(base + k * 5000, 4000) for k in range(10)]
+    random.Random(3).shuffle(ranges)
+    with HTTPSource(server.url("blob.bin"), head_bytes=0) as src:
+        src.stats.reset()
+        out = bytearray(40_000)
+        src.readinto_many(ranges, memoryview(out))
+        assert bytes(out) == b"".join(data[o : o + n] for o, n in ranges)
+        assert src.stats.requests == 1
+        assert src.stats.bytes_fetched == 9 * 5000 + 4000
+
+
+def test_far_ranges_are_separate_requests(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    ranges = [(100_000, 10), (1_500_000, 20), (3_000_000, 30)]
+    with HTTPSource(server.url("blob.bin"), head_bytes=0, max_gap=1 << 16) as src:
+        src.stats.reset()
+        out = bytearray(60)
+        src.readinto_many(ranges, memoryview(out))
+        assert bytes(out) == b"".join(data[o : o + n] for o, n in ranges)
+        assert src.stats.requests == 3
+        assert src.stats.bytes_fetched == 60
+
+
+def test_overlapping_and_duplicate_ranges(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    ranges = [(200_000, 5000), (202_000, 5000), (200_000, 5000), (0, 10), (209_000, 0)]
+    with HTTPSource(server.url("blob.bin"), head_bytes=100, part_size=3000) as src:
+        out = bytearray(15_010)
+        src.readinto_many(ranges, memoryview(out))
+        assert bytes(out) == b"".join(data[o : o + n] for o, n in ranges)
+
+
+def test_coalesced_group_larger_than_a_part_is_split(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    ranges = [(k * 100_000, 100_000) for k in range(10)]  # 1 MB contiguous
+    with HTTPSource(server.url("blob.bin"), head_bytes=0, part_size=250_000) as src:
+        src.stats.reset()
+        out = bytearray(1_000_000)
+        src.readinto_many(ranges, memoryview(out))
+        assert bytes(out) == data[:1_000_000]
+        assert src.stats.requests == 4
+        assert src.stats.bytes_fetched == 1_000_000
+
+
+def test_concurrent_readers_share_one_source(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    errors: list[BaseException] = []
+    with HTTPSource(server.url("blob.bin"), part_size=64 << 10) as src:
+
+        def work(seed: int) -> None:
+            rnd = random.Random(seed)
+            try:
+                for _ in range(10):
+                    offset = rnd.randrange(len(data) - 200_000)
+                    assert _read(src, offset, 200_000) == data[offset : offset + 200_000]
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+
+
+def test_keep_alive_connections_are_reused(server: RangeServer) -> None:
+    with HTTPSource(server.url("blob.bin")) as src:
+        for k in range(10):
+            _read(src, 100_000 + k * 1000, 100)
+    records = server.records()
+    assert len(records) == 11
+    assert len({r.client_port for r in records}) == 1
+
+
+def test_out_of_bounds_read_sends_nothing(server: RangeServer) -> None:
+    with HTTPSource(server.url("small.safetensors")) as src:
+        with pytest.raises(SafetensorError) as info:
+            _read(src, src.size - 2, 10)
+        assert info.value.kind == "OutOfBounds"
+        assert src.stats.requests == 1
+
+
+def test_closed_source_refuses_reads(server: RangeServer) -> None:
+    src = HTTPSource(server.url("blob.bin"))
+    src.close()
+    src.close()
+    with pytest.raises(ClosedFileError):
+        _read(src, 100_000, 10)
+
+
+def test_query_string_is_kept_but_not_shown(server: RangeServer) -> None:
+    with HTTPSource(server.url("small.safetensors") + "?X-Signature=secret") as src:
+        assert "secret" not in src.name
+        assert src.stats.requests == 1
+    assert server.records()[0].path.endswith("?X-Signature=secret")
+
+
+# ----------------------------------------------------------------------------- misbehaviour
+
+
+def test_server_ignoring_range_small_file_is_accepted_once(
+    server: RangeServer, data_dir: Path
+) -> None:
+    data = (data_dir / "model.safetensors").read_bytes()
+    assert len(data) > DEFAULT_HEAD_BYTES
+    with HTTPSource(server.url("ignore-range/model.safetensors"), accept_full_body=4 << 20) as src:
+        assert src.size == len(data)
+        assert _read(src, 500_000, 1000) == data[500_000:501_000]
+        assert _read(src, 0, len(data)) == data
+        assert src.stats.requests == 1
+        assert src.stats.bytes_fetched == len(data)
+
+
+def test_server_ignoring_range_large_file_is_refused(server: RangeServer) -> None:
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(server.url("ignore-range/blob.bin"))
+    assert info.value.kind == "RangeNotSupported"
+    assert "ignored the Range header" in str(info.value)
+    assert "3145728 bytes" in str(info.value)
+    assert server.requests() == 1
+
+
+def test_truncated_body_is_retried_then_reported(server: RangeServer) -> None:
+    with HTTPSource(server.url("truncate/blob.bin"), head_bytes=0, retries=2, **FAST) as src:
+        with pytest.raises(RemoteError) as info:
+            _read(src, 1000, 50_000)
+        assert src.stats.retries == 2
+    assert info.value.kind == "Truncated"
+    assert "50000" in str(info.value) and "after 3 attempts" in str(info.value)
+    assert server.requests("truncate/blob.bin") == 4  # open + 3 attempts
+
+
+def test_truncated_once_then_complete(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    with HTTPSource(server.url("blob.bin"), head_bytes=0, **FAST) as src:
+        server.inject("blob.bin", "reset")
+        assert _read(src, 5000, 70_000) == data[5000:75_000]
+        assert src.stats.retries <= 1
+
+
+def test_missing_file(server: RangeServer) -> None:
+    with pytest.raises(RemoteNotFoundError) as info:
+        HTTPSource(server.url("nope.safetensors"), **FAST)
+    err = info.value
+    assert isinstance(err, FileNotFoundError) and isinstance(err, RemoteError)
+    assert isinstance(err, SafetensorError) and isinstance(err, OSError)
+    assert err.kind == "NotFound" and "404" in str(err) and "nope.safetensors" in str(err)
+    assert server.requests() == 1  # not retried
+
+
+def test_auth_required(server: RangeServer, data_dir: Path) -> None:
+    with pytest.raises(RemotePermissionError) as info:
+        HTTPSource(server.url("auth/small.safetensors"))
+    assert "401" in str(info.value) and "headers=" in str(info.value)
+    assert isinstance(info.value, PermissionError)
+    with HTTPSource(server.url("auth/small.safetensors"), headers={"Authorization": TOKEN}) as src:
+        assert src.head == (data_dir / "small.safetensors").read_bytes()
+
+
+def test_forbidden(server: RangeServer) -> None:
+    with pytest.raises(RemotePermissionError, match="access denied \\(403\\)"):
+        HTTPSource(server.url("forbidden/small.safetensors"))
+
+
+def test_server_errors_are_retried(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    server.inject("blob.bin", 500, 503)
+    with HTTPSource(server.url("blob.bin"), **FAST) as src:
+        assert src.stats.retries == 2
+        assert src.stats.requests == 3
+        assert src.head == data[:DEFAULT_HEAD_BYTES]
+
+
+def test_persistent_server_errors_give_up(server: RangeServer) -> None:
+    server.inject("blob.bin", *([500] * 10))
+    with pytest.raises(RemoteError, match="server error 500.*after 3 attempts"):
+        HTTPSource(server.url("blob.bin"), retries=2, **FAST)
+    assert server.requests() == 3
+
+
+def test_redirect_is_followed_once_then_reused(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    with HTTPSource(server.url("redirect/blob.bin")) as src:
+        assert src.url == server.url("blob.bin")
+        assert _read(src, 2_000_000, 10) == data[2_000_000:2_000_010]
+        assert src.stats.requests == 3  # redirect + open + read
+    assert server.requests("redirect/blob.bin") == 1
+
+
+def test_credentials_are_not_sent_to_another_host(server: RangeServer) -> None:
+    # 127.0.0.1 redirects to localhost: the Authorization header stays behind, so the target
+    # (which requires it) answers 401.
+    with pytest.raises(RemotePermissionError, match="401"):
+        HTTPSource(server.url("redirect-other/small.safetensors"), headers={"Authorization": TOKEN})
+    assert any(r.path == "/auth/small.safetensors" and r.status == 401 for r in server.records())
+
+
+def test_range_mismatch_is_refused(server: RangeServer) -> None:
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(server.url("wrong-range/blob.bin"))
+    assert info.value.kind == "RangeMismatch"
+
+
+def test_probe_without_content_range_is_refused(server: RangeServer) -> None:
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(server.url("no-content-range/blob.bin"))
+    assert info.value.kind == "RangeNotSupported"
+
+
+def test_file_replaced_while_open(server: RangeServer, tmp_path: Path, data_dir: Path) -> None:
+    target = data_dir / "changing.bin"
+    target.write_bytes(b"a" * 200_000)
+    try:
+        with HTTPSource(server.url("changing.bin")) as src:
+            target.write_bytes(b"b" * 300_000)
+            with pytest.raises(RemoteError) as info:
+                _read(src, 100_000, 10)
+            assert info.value.kind == "Changed"
+    finally:
+        target.unlink()
+
+
+def test_open_source_dispatches_http(server: RangeServer) -> None:
+    src = open_source(server.url("small.safetensors"), storage_options={"head_bytes": 16})
+    try:
+        assert isinstance(src, HTTPSource)
+        assert len(src.head) == 16
+    finally:
+        src.close()
+    with pytest.raises(ValueError):
+        open_source("no-scheme.safetensors")
