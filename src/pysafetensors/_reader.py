@@ -19,7 +19,8 @@ import numpy as np
 
 from ._adapter import Adapter, get_adapter
 from ._devices import Device
-from ._errors import ClosedFileError, SafetensorError, TensorNotFoundError
+from ._dtypes import DType
+from ._errors import ClosedFileError, SafetensorError, TensorInfoError, TensorNotFoundError
 from ._format import (
     HEADER_PREFIX,
     MAX_HEADER_SIZE,
@@ -44,6 +45,39 @@ __all__ = ["SafeSlice", "TensorMeta", "open_source_for", "read_header", "safe_op
 BACKENDS: Final = ("mmap", "pread")
 #: Bytes read speculatively when opening: one read usually brings the prefix and the header.
 _HEAD_GUESS: Final = 64 << 10
+#: numpy (2.x) and torch both refuse arrays of more than 64 dimensions.
+MAX_NDIM: Final = 64
+_INTP_MAX: Final = (1 << 63) - 1
+
+
+def check_representable(shape: tuple[int, ...], dtype: DType, name: str) -> None:
+    """Refuse a shape no framework can hold, before any adapter sees it.
+
+    The header rules only bound a tensor's byte count, so a zero-size tensor may declare any
+    dimensions (``[0, 2**62]``) and a one-byte tensor any number of 1s. numpy and torch compute
+    strides from the non-zero dimensions and cap the rank, and fail with their own exceptions
+    (``ValueError``, ``RuntimeError``) when those limits are crossed; this turns that into a
+    :class:`TensorInfoError` naming the tensor. Nothing is allocated either way.
+
+    Raises:
+        TensorInfoError: More than 64 dimensions, or a stride that does not fit in 63 bits.
+    """
+    if len(shape) > MAX_NDIM:
+        raise TensorInfoError(
+            f"tensor `{name}` has {len(shape)} dimensions; frameworks hold at most {MAX_NDIM}",
+            kind="TooManyDimensions",
+            tensor=name,
+        )
+    extent = max(1, dtype.bits // 8)
+    for dim in shape:
+        extent *= dim or 1
+        if extent > _INTP_MAX:
+            raise TensorInfoError(
+                f"tensor `{name}` ({dtype.code} {list(shape)}) has no data but its strides "
+                "overflow 63 bits, so no framework can represent its shape",
+                kind="ShapeTooLarge",
+                tensor=name,
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +321,10 @@ class safe_open:  # noqa: N801 - the reference's name
         """
         source = self._live()
         info = self._info(name)
-        return self._adapter.from_bytes(self._raw(source, info), info.dtype, info.shape, self._device)
+        check_representable(info.shape, info.dtype, info.name)
+        return self._adapter.from_bytes(
+            self._raw(source, info), info.dtype, info.shape, self._device
+        )
 
     def get_tensors(self) -> dict[str, Any]:
         """Load every tensor, in file order.
@@ -299,6 +336,8 @@ class safe_open:  # noqa: N801 - the reference's name
         tensors = self._header.tensors
         if self._backend == "mmap" or not tensors:
             return {name: self.get_tensor(name) for name in tensors}
+        for info in tensors.values():
+            check_representable(info.shape, info.dtype, info.name)
         size = self._header.data_size
         buf = np.empty(size, np.uint8)
         if size:
@@ -317,7 +356,11 @@ class safe_open:  # noqa: N801 - the reference's name
 
     def _read_slice(self, info: TensorInfo, index: Any) -> Any:
         source = self._live()
+        if len(info.shape) > MAX_NDIM:
+            # The strided copy below reshapes to the full rank, which numpy caps.
+            check_representable(info.shape, info.dtype, info.name)
         plan = plan_slice(info.shape, info.dtype, index)
+        check_representable(plan.shape, info.dtype, info.name)
         base = self._header.data_start + info.begin
         buf = np.empty(plan.nbytes, np.uint8)
         if plan.nbytes:
@@ -330,9 +373,7 @@ class safe_open:  # noqa: N801 - the reference's name
                 elif info.dtype.bits % 8 == 0:
                     # A strided copy of the selection touches only the pages it lies on.
                     elements = whole.reshape(*info.shape, info.dtype.bits // 8)
-                    buf.reshape(*plan.shape, info.dtype.bits // 8)[...] = elements[
-                        plan.selection
-                    ]
+                    buf.reshape(*plan.shape, info.dtype.bits // 8)[...] = elements[plan.selection]
                 else:
                     pos = 0
                     for off, length in plan.coalesced():
