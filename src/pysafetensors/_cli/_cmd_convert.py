@@ -1,0 +1,120 @@
+"""``pysafetensors convert SRC DST``: PyTorch checkpoint(s) to safetensors, without torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``convert`` subcommand."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "convert",
+        help="convert a PyTorch checkpoint (.bin/.pt/.pth/.ckpt) or a folder to safetensors",
+        description=(
+            "Convert a PyTorch checkpoint to safetensors without running its pickle and "
+            "without torch. SRC may be a file (DST is then the output file) or a folder "
+            "(DST is the output folder; a sharded pytorch_model with index is supported). "
+            "Refuses checkpoints whose pickle imports anything outside an allow-list."
+        ),
+    )
+    p.add_argument("src", metavar="SRC", help="checkpoint file or folder")
+    p.add_argument("dst", metavar="DST", help="output file or folder")
+    p.add_argument("--verify", action="store_true", help="reload and compare every tensor")
+    p.add_argument(
+        "--keep-non-tensors",
+        action="store_true",
+        help="store non-tensor values (epoch, hyper-parameters...) as metadata strings",
+    )
+    p.add_argument(
+        "--subtree",
+        metavar="KEY",
+        help="convert only the tensors under this dotted key, e.g. state_dict (Lightning)",
+    )
+    p.add_argument(
+        "--metadata",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="extra __metadata__ entry (repeatable)",
+    )
+    p.add_argument("--workers", type=int, default=1, help="threads for folder conversion")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def _bar(args: argparse.Namespace) -> Callable[[int, int], None] | None:
+    if getattr(args, "quiet", False) or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        state = {"last": -1}
+
+        def plain(done: int, total: int) -> None:
+            pct = 100 * done // total if total else 100
+            if pct != state["last"]:
+                state["last"] = pct
+                end = "\n" if done >= total else ""
+                print(f"\rconverting: {pct:3d}%", end=end, file=sys.stderr, flush=True)
+
+        return plain
+    bar: Any = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``convert``; returns the exit code."""
+    from ..convert import convert_file, convert_folder
+
+    meta: dict[str, str] = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata expects KEY=VALUE, got {item!r}")
+        meta[key] = value
+    kwargs: dict[str, Any] = {
+        "verify": args.verify,
+        "keep_non_tensors": args.keep_non_tensors,
+        "subtree": args.subtree,
+        "metadata": meta or None,
+    }
+    if os.path.isdir(args.src):
+        if args.workers > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(args.workers) as pool:
+                folder = convert_folder(args.src, args.dst, executor=pool, **kwargs)
+        else:
+            folder = convert_folder(args.src, args.dst, **kwargs)
+        reports = folder.files
+    else:
+        reports = [convert_file(args.src, args.dst, progress=_bar(args), **kwargs)]
+    if args.json:
+        print(json.dumps([r.__dict__ for r in reports], indent=2, default=str))
+    elif not args.quiet:
+        for r in reports:
+            extra = f", {len(r.dropped)} shared dropped" if r.dropped else ""
+            checked = f", verified ({r.verified})" if r.verified else ""
+            print(
+                f"{r.src} -> {r.dst}: {len(r.tensors)} tensors, {r.total_size} bytes{extra}"
+                f"{checked}"
+            )
+            if r.non_tensors and not r.kept_non_tensors:
+                print(f"  skipped non-tensor values: {', '.join(list(r.non_tensors)[:10])}")
+    return 0
