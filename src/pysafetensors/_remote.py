@@ -535,6 +535,14 @@ def _retry_after(value: str | None) -> float | None:
         return None  # an HTTP date; the backoff schedule is good enough
 
 
+#: How a keep-alive connection the server has since closed fails on its next use.
+_STALE: Final = (
+    http.client.RemoteDisconnected,
+    ConnectionResetError,
+    ConnectionAbortedError,
+    BrokenPipeError,
+)
+
 _Conn = http.client.HTTPConnection
 _Key = tuple[str, str, int]
 
@@ -703,7 +711,7 @@ class HTTPSource(RemoteSource):
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-                if reused:
+                if reused and isinstance(exc, _STALE):
                     # The server closed an idle keep-alive connection: not a failure, and
                     # not worth a retry's backoff. Try again on a fresh connection.
                     continue

@@ -400,6 +400,29 @@ def test_file_replaced_while_open(server: RangeServer, tmp_path: Path, data_dir:
         target.unlink()
 
 
+def test_file_shrunk_while_open(server: RangeServer, data_dir: Path) -> None:
+    target = data_dir / "shrinking.bin"
+    target.write_bytes(b"a" * 200_000)
+    try:
+        with HTTPSource(server.url("shrinking.bin"), **FAST) as src:
+            target.write_bytes(b"b" * 1000)
+            with pytest.raises(RemoteError) as info:
+                _read(src, 100_000, 10)
+            assert info.value.kind == "RangeNotSatisfiable"
+            assert "416" in str(info.value) and "1000" in str(info.value)
+    finally:
+        target.unlink()
+
+
+def test_timeout_is_retried_then_reported(server: RangeServer) -> None:
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(
+            server.url("slow/small.safetensors"), timeout=SLOW_SECONDS / 5, retries=1, **FAST
+        )
+    assert info.value.kind == "ConnectionError"
+    assert "timed out" in str(info.value) and "after 2 attempts" in str(info.value)
+
+
 def test_open_source_dispatches_http(server: RangeServer) -> None:
     src = open_source(server.url("small.safetensors"), storage_options={"head_bytes": 16})
     try:

@@ -1,0 +1,139 @@
+"""FsspecSource on fsspec's ``memory://`` and ``file://`` filesystems, and the dispatcher."""
+
+from __future__ import annotations
+
+import random
+import struct
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pysafetensors._remote import (
+    DEFAULT_HEAD_BYTES,
+    FsspecSource,
+    RemoteNotFoundError,
+    open_source,
+    read_prefix,
+)
+from pysafetensors._sources import read_ranges_into
+
+from .test_remote_http import _tensor_span
+
+fsspec = pytest.importorskip("fsspec")
+
+
+@pytest.fixture
+def mem_url(data_dir: Path) -> Iterator[tuple[str, Path]]:
+    """A copy of the test files under a fresh ``memory://`` folder."""
+    root = f"memory://pst-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    for path in data_dir.iterdir():
+        if path.is_file():
+            fs.pipe_file(f"{root}/{path.name}", path.read_bytes())
+    yield root, data_dir
+    fs.rm(root, recursive=True)
+
+
+def _read(src: FsspecSource, offset: int, length: int) -> bytes:
+    buf = bytearray(length)
+    src.readinto(offset, memoryview(buf))
+    return bytes(buf)
+
+
+def test_open_is_size_plus_head(mem_url: tuple[str, Path]) -> None:
+    root, data_dir = mem_url
+    data = (data_dir / "model.safetensors").read_bytes()
+    with FsspecSource(f"{root}/model.safetensors") as src:
+        assert src.size == len(data)
+        assert src.stats.requests == 2  # size, then the first 64 KiB
+        assert src.stats.bytes_fetched == DEFAULT_HEAD_BYTES
+        (n,) = struct.unpack("<Q", read_prefix(src, 8))
+        assert _read(src, 8, n) == data[8 : 8 + n]
+        assert src.stats.requests == 2
+
+
+def test_random_ranges_and_counts(mem_url: tuple[str, Path]) -> None:
+    root, data_dir = mem_url
+    data = (data_dir / "blob.bin").read_bytes()
+    rnd = random.Random(5)
+    with FsspecSource(f"{root}/blob.bin", part_size=200_000, head_bytes=0) as src:
+        for _ in range(30):
+            offset = rnd.randrange(len(data))
+            length = rnd.randrange(0, min(len(data) - offset, 500_000) + 1)
+            assert _read(src, offset, length) == data[offset : offset + length]
+        src.stats.reset()
+        _read(src, 1000, 1_000_000)
+        assert src.stats.requests == 5
+        assert src.stats.bytes_fetched == 1_000_000
+
+
+def test_adjacent_ranges_one_request(mem_url: tuple[str, Path]) -> None:
+    root, data_dir = mem_url
+    data = (data_dir / "model.safetensors").read_bytes()
+    spans = [_tensor_span(data, f"block.{i}.bias") for i in range(12)]
+    with FsspecSource(f"{root}/model.safetensors") as src:
+        src.stats.reset()
+        out = bytearray(sum(n for _, n in spans))
+        read_ranges_into(src, spans, memoryview(out))
+        assert bytes(out) == b"".join(data[s : s + n] for s, n in spans)
+        assert src.stats.requests == 1
+
+
+def test_batched_cat_ranges_on_async_filesystems(mem_url: tuple[str, Path]) -> None:
+    root, data_dir = mem_url
+    data = (data_dir / "blob.bin").read_bytes()
+    calls: list[int] = []
+    fs = fsspec.filesystem("memory")
+
+    class Batching(type(fs)):  # type: ignore[misc]
+        """Looks asynchronous, so parts go through one cat_ranges call."""
+
+        async_impl = True
+
+        def cat_ranges(self, paths, starts, ends, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(len(paths))
+            return super().cat_ranges(paths, starts, ends, **kwargs)
+
+    batching = Batching(skip_instance_cache=True)
+    path = f"{root}/blob.bin".removeprefix("memory://")
+    with FsspecSource(path, fs=batching, head_bytes=0, part_size=100_000) as src:
+        ranges = [(10, 5), (500_000, 250_000), (2_000_000, 7)]
+        out = bytearray(250_012)
+        src.readinto_many(ranges, memoryview(out))
+        assert bytes(out) == b"".join(data[o : o + n] for o, n in ranges)
+    assert calls == [5]  # one call for 1 + 3 + 1 parts
+
+
+def test_open_file_and_file_url(tmp_path: Path, data_dir: Path) -> None:
+    data = (data_dir / "small.safetensors").read_bytes()
+    local = tmp_path / "small.safetensors"
+    local.write_bytes(data)
+    with FsspecSource(fsspec.open(str(local), "rb")) as src:
+        assert src.head == data
+    src2 = open_source(local.as_uri())
+    try:
+        assert isinstance(src2, FsspecSource)
+        assert _read(src2, 0, len(data)) == data
+    finally:
+        src2.close()
+
+
+def test_missing(mem_url: tuple[str, Path]) -> None:
+    root, _ = mem_url
+    with pytest.raises(RemoteNotFoundError) as info:
+        open_source(f"{root}/nope.safetensors")
+    assert isinstance(info.value, FileNotFoundError)
+    assert "nope.safetensors" in str(info.value)
+
+
+def test_dispatch(mem_url: tuple[str, Path]) -> None:
+    root, _ = mem_url
+    src = open_source(f"{root}/small.safetensors", storage_options={"head_bytes": 8})
+    try:
+        assert isinstance(src, FsspecSource) and len(src.head) == 8
+    finally:
+        src.close()
+    with pytest.raises(TypeError):
+        open_source(42)

@@ -1,0 +1,165 @@
+"""S3Source against moto's standalone S3 server on 127.0.0.1 (skipped without moto/boto3)."""
+
+from __future__ import annotations
+
+import random
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pysafetensors._errors import RemoteError
+from pysafetensors._remote import (
+    DEFAULT_HEAD_BYTES,
+    RemoteNotFoundError,
+    RemotePermissionError,
+    S3Source,
+    open_source,
+    read_prefix,
+)
+from pysafetensors._sources import read_ranges_into
+
+from .conftest import BUCKET
+from .test_remote_http import _tensor_span
+
+boto3 = pytest.importorskip("boto3")
+
+
+def _read(src: S3Source, offset: int, length: int) -> bytes:
+    buf = bytearray(length)
+    src.readinto(offset, memoryview(buf))
+    return bytes(buf)
+
+
+def _url(name: str) -> str:
+    return f"s3://{BUCKET}/{name}"
+
+
+def test_open_is_one_request(moto_endpoint: str, data_dir: Path) -> None:
+    data = (data_dir / "model.safetensors").read_bytes()
+    with S3Source(_url("model.safetensors"), endpoint_url=moto_endpoint) as src:
+        assert src.size == len(data)
+        assert src.stats.requests == 1
+        assert src.stats.bytes_fetched == DEFAULT_HEAD_BYTES
+        (n,) = struct.unpack("<Q", read_prefix(src, 8))
+        assert _read(src, 8, n) == data[8 : 8 + n]
+        assert src.stats.requests == 1
+
+
+def test_long_header_is_two_requests(moto_endpoint: str, data_dir: Path) -> None:
+    data = (data_dir / "bigheader.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    with S3Source(_url("bigheader.safetensors"), endpoint_url=moto_endpoint) as src:
+        assert _read(src, 8, n) == data[8 : 8 + n]
+        assert src.stats.requests == 2
+        assert src.stats.bytes_fetched == 8 + n
+
+
+def test_random_ranges(moto_endpoint: str, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    rnd = random.Random(11)
+    with S3Source(_url("blob.bin"), endpoint_url=moto_endpoint, part_size=300_000) as src:
+        for _ in range(20):
+            offset = rnd.randrange(len(data))
+            length = rnd.randrange(0, min(len(data) - offset, 800_000) + 1)
+            assert _read(src, offset, length) == data[offset : offset + length]
+
+
+def test_one_tensor_one_request_and_split_parts(moto_endpoint: str, data_dir: Path) -> None:
+    data = (data_dir / "model.safetensors").read_bytes()
+    start, length = _tensor_span(data, "ids")
+    big_start, big_length = _tensor_span(data, "embed")
+    with S3Source(
+        _url("model.safetensors"), endpoint_url=moto_endpoint, part_size=256 << 10
+    ) as src:
+        src.stats.reset()
+        assert _read(src, start, length) == data[start : start + length]
+        assert src.stats.as_dict() == {"requests": 1, "bytes_fetched": length, "retries": 0}
+        src.stats.reset()
+        assert _read(src, big_start, big_length) == data[big_start : big_start + big_length]
+        assert src.stats.requests == 4  # 1 MiB in 256 KiB parts
+        assert src.stats.bytes_fetched == big_length
+
+
+def test_adjacent_ranges_are_one_request(moto_endpoint: str, data_dir: Path) -> None:
+    data = (data_dir / "model.safetensors").read_bytes()
+    spans = [_tensor_span(data, f"block.{i}.bias") for i in range(12)]
+    with S3Source(_url("model.safetensors"), endpoint_url=moto_endpoint) as src:
+        src.stats.reset()
+        out = bytearray(sum(n for _, n in spans))
+        read_ranges_into(src, spans, memoryview(out))
+        assert bytes(out) == b"".join(data[s : s + n] for s, n in spans)
+        assert src.stats.requests == 1
+
+
+def test_empty_object(moto_endpoint: str) -> None:
+    with S3Source(_url("empty.bin"), endpoint_url=moto_endpoint) as src:
+        assert src.size == 0
+        assert src.stats.requests == 2  # the refused range, then HeadObject
+
+
+def test_endpoint_from_environment(
+    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, data_dir: Path
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    src = open_source(_url("small.safetensors"))
+    try:
+        assert isinstance(src, S3Source)
+        assert src.head == (data_dir / "small.safetensors").read_bytes()
+    finally:
+        src.close()
+
+
+def test_missing_key(moto_endpoint: str) -> None:
+    with pytest.raises(RemoteNotFoundError) as info:
+        S3Source(_url("nope.safetensors"), endpoint_url=moto_endpoint)
+    assert isinstance(info.value, FileNotFoundError)
+    assert "no such object" in str(info.value) and "NoSuchKey" in str(info.value)
+    assert f"s3://{BUCKET}/nope.safetensors" in str(info.value)
+
+
+def test_missing_bucket(moto_endpoint: str) -> None:
+    with pytest.raises(RemoteNotFoundError, match="no such bucket.*NoSuchBucket"):
+        S3Source("s3://no-such-bucket/x.safetensors", endpoint_url=moto_endpoint)
+
+
+def _stubbed_client(code: str, status: int) -> Any:
+    from botocore.stub import Stubber
+
+    client = boto3.session.Session().client("s3", endpoint_url="http://127.0.0.1:9")
+    stubber = Stubber(client)
+    stubber.add_client_error("get_object", service_error_code=code, http_status_code=status)
+    stubber.activate()
+    return client
+
+
+@pytest.mark.parametrize("code", ["AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"])
+def test_denied(code: str) -> None:
+    # moto's server accepts any key by default, so these replies come from botocore's Stubber.
+    with pytest.raises(RemotePermissionError) as info:
+        S3Source(_url("model.safetensors"), client=_stubbed_client(code, 403))
+    assert code in str(info.value) and "credentials" in str(info.value)
+    assert isinstance(info.value, PermissionError) and isinstance(info.value, RemoteError)
+
+
+def test_store_ignoring_range_large_object_is_refused() -> None:
+    class WholeObject:
+        """A client whose store ignores Range, as a misconfigured gateway might."""
+
+        def get_object(self, **kwargs: Any) -> dict[str, Any]:
+            import io
+
+            from botocore.response import StreamingBody
+
+            body = StreamingBody(io.BytesIO(b"\0" * 100), 5 << 20)
+            return {"Body": body, "ContentLength": 5 << 20, "ETag": '"x"'}
+
+    with pytest.raises(RemoteError) as info:
+        S3Source(_url("x"), client=WholeObject())
+    assert info.value.kind == "RangeNotSupported"
+
+
+def test_bad_url() -> None:
+    with pytest.raises(ValueError):
+        S3Source("s3://bucket-only")
