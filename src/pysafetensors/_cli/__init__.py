@@ -4,19 +4,24 @@ Each subcommand lives in ``_cmd_<name>.py`` and exposes ``register(subparsers)``
 parser and sets ``func`` to a callable ``(args) -> int``. Library code never prints or exits; only
 this package does, and errors become one line on stderr with a non-zero exit code (the full
 traceback with ``--debug``).
+
+Exit codes: 0 success; 1 a negative result (``validate`` found problems, ``diff`` found
+differences) or a malformed file; 2 a usage error or a file that cannot be read; 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Final
 
 from .._errors import SafetensorError
+from ._common import sanitize
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand modules, in the order ``--help`` lists them. A missing module is skipped.
 COMMANDS: Final = (
@@ -37,13 +42,23 @@ COMMANDS: Final = (
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every available subcommand."""
+    from .. import __version__
+
     parser = argparse.ArgumentParser(
         prog="pysafetensors",
-        description="Inspect, validate, compare, convert and edit safetensors files.",
+        description=(
+            "Inspect, validate, compare, convert and edit safetensors files. TARGET is a "
+            ".safetensors file, a model folder or *.safetensors.index.json (sharded), or an "
+            "http(s):// URL (only the bytes needed are fetched)."
+        ),
     )
+    parser.add_argument("--version", action="version", version=f"pysafetensors {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bars or informational output"
+    )
+    parser.add_argument(
+        "--no-color", action="store_true", help="plain output even on a terminal (also NO_COLOR)"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
@@ -57,23 +72,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(args: argparse.Namespace, exc: BaseException, code: int) -> int:
+    if getattr(args, "debug", False):
+        raise exc
+    # Messages may quote names from a hostile file: escape them like everything else we print.
+    print(f"error: {sanitize(str(exc) or type(exc).__name__)}", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line and return its exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Commands whose 1 means "a negative answer" (validate, diff) report failures as 2.
+    trouble = getattr(args, "trouble_code", None)
     try:
         code = args.func(args)
+        sys.stdout.flush()
         return int(code or 0)
-    except SafetensorError as exc:
-        if args.debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except (OSError, ValueError, TypeError) as exc:
-        if args.debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, without a second error at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 1
+    except OSError as exc:  # includes RemoteError: the target cannot be read
+        return _fail(args, exc, 2)
+    except SafetensorError as exc:
+        return _fail(args, exc, trouble or exc.exit_code)
+    except (ValueError, TypeError, KeyError) as exc:
+        return _fail(args, exc, trouble or 1)
     except KeyboardInterrupt:
         return 130
 

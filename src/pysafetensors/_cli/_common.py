@@ -1,0 +1,400 @@
+"""Shared pieces of the subcommands: opening models, safe text, tables, progress, JSON.
+
+Everything printed from a file (tensor names, metadata) goes through :func:`sanitize`, because a
+hostile file must not be able to send escape sequences to the user's terminal (as gguf-dump's
+``sanitize_name`` does). Rich is used for tables and colour only when stdout is a terminal;
+otherwise, or when rich is not installed, tables are plain aligned text that scripts can parse.
+tqdm draws progress bars on stderr, only on a terminal, only after a second, never with
+``--quiet``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TextIO
+
+import numpy as np
+
+from .._dtypes import DType
+from .._errors import SafetensorError
+from .._format import Header
+from .._reader import open_source_for, read_header
+from .._sources import ByteSource
+from .._validate import ModelFiles, iter_tensor_chunks, locate_model
+
+__all__ = [
+    "CHUNK_BYTES",
+    "Model",
+    "ShardFile",
+    "TensorRef",
+    "Ui",
+    "UsageError",
+    "add_filter_args",
+    "decode",
+    "human_bytes",
+    "human_count",
+    "open_model",
+    "print_json",
+    "sanitize",
+    "to_float64",
+]
+
+#: Bytes read per step when streaming tensor data: a multiple of every element size and of the
+#: 3-byte F6 group (so no element straddles two chunks), small enough to bound memory.
+CHUNK_BYTES: Final = 24 << 20
+
+# C0, DEL, C1 (0x9b is a one-byte CSI on some terminals), line/paragraph separators, and the
+# bidirectional overrides and isolates ("trojan source").
+_UNSAFE: Final = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
+
+
+class UsageError(SafetensorError):
+    """Raised when the command line asks for something impossible (exit code 2)."""
+
+    exit_code = 2
+
+
+def sanitize(text: str) -> str:
+    r"""Escape characters that could control a terminal: ``"a\x1b[31m"`` -> ``"a\\x1b[31m"``."""
+
+    def esc(m: re.Match[str]) -> str:
+        c = ord(m.group())
+        return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+    return _UNSAFE.sub(esc, text)
+
+
+def human_count(n: int) -> str:
+    """Parameter counts as the hub shows them: ``7.24B``, ``135M``, ``12.5K``."""
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.3g}{unit}" if value < 1000 else f"{value:.0f}{unit}"
+    return str(n)
+
+
+def human_bytes(n: int) -> str:
+    """Decimal byte sizes (as the hub and ``max_shard_size`` use): ``4.9 GB``, ``312 B``."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def print_json(obj: Any, out: TextIO | None = None) -> None:
+    """Print JSON with every non-ASCII and control character escaped (safe on any terminal)."""
+    print(json.dumps(obj, indent=2, ensure_ascii=True, allow_nan=False), file=out or sys.stdout)
+
+
+def add_filter_args(parser: Any) -> None:
+    """``--filter`` (glob, repeatable) and ``--regex`` for choosing tensors by name."""
+    parser.add_argument(
+        "-f",
+        "--filter",
+        action="append",
+        metavar="GLOB",
+        help="only tensors whose name matches this glob (repeatable), e.g. 'model.layers.0.*'",
+    )
+    parser.add_argument("--regex", metavar="RE", help="only tensors whose name matches this regex")
+
+
+def name_filter(args: Any) -> Callable[[str], bool]:
+    """Build the predicate ``--filter``/``--regex`` ask for (everything when neither is given)."""
+    import fnmatch
+
+    globs: list[str] = list(getattr(args, "filter", None) or [])
+    pattern = getattr(args, "regex", None)
+    regex: re.Pattern[str] | None = None
+    if pattern:
+        try:
+            regex = re.compile(pattern)
+        except re.error as exc:
+            raise UsageError(f"invalid --regex {pattern!r}: {exc}") from None
+
+    def accept(name: str) -> bool:
+        if globs and not any(fnmatch.fnmatchcase(name, g) for g in globs):
+            return False
+        return regex is None or regex.search(name) is not None
+
+    return accept
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+@dataclass(slots=True)
+class ShardFile:
+    """One open safetensors file of a model."""
+
+    label: str
+    """Name shown to the user (relative to the model folder for shards)."""
+    path: str
+    """Path or URL."""
+    source: ByteSource
+    """Where its bytes come from."""
+    header: Header
+    """Its validated header."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Where one tensor's bytes are."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    file: ShardFile
+    begin: int
+    """Start in the file's data buffer."""
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data."""
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        """Logical element count (parameters)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def file_offsets(self) -> tuple[int, int]:
+        """``(begin, end)`` as offsets in the file, not the data buffer."""
+        start = self.file.header.data_start
+        return start + self.begin, start + self.end
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
+        """The tensor's bytes as fresh uint8 arrays of at most ``chunk_bytes``."""
+        for _, buf in iter_tensor_chunks(
+            self.file.source, self.file_offsets[0], self.nbytes, chunk_bytes
+        ):
+            yield buf
+
+
+@dataclass(slots=True)
+class Model:
+    """A file, a sharded model or a URL, opened for reading."""
+
+    target: str
+    located: ModelFiles
+    files: list[ShardFile] = field(default_factory=list)
+    tensors: dict[str, TensorRef] = field(default_factory=dict)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model spans an index and shards."""
+        return self.located.sharded
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        """The file's ``__metadata__``; for shards, the entries every shard agrees on."""
+        metas = [f.header.metadata for f in self.files]
+        if len(metas) == 1:
+            return metas[0]
+        if all(m is None for m in metas):
+            return None
+        common = dict(metas[0] or {})
+        for m in metas[1:]:
+            common = {k: v for k, v in common.items() if (m or {}).get(k) == v}
+        return common
+
+    @property
+    def index_metadata(self) -> dict[str, Any] | None:
+        """The index's ``metadata`` object, for sharded models with an index."""
+        index = self.located.index
+        meta = index.get("metadata") if index else None
+        return meta if isinstance(meta, dict) else None
+
+    def close(self) -> None:
+        """Close every file."""
+        for f in self.files:
+            f.source.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_model(target: str) -> Model:
+    """Open a file, folder, index or URL; the headers are read and validated, the data is not.
+
+    Raises:
+        SafetensorError: A file is malformed, the index is unusable, or two shards hold the
+            same tensor.
+        OSError: A file cannot be opened.
+    """
+    located = locate_model(target)
+    if located.problems:
+        first = located.problems[0]
+        raise SafetensorError(
+            f"{first.file}: {first.message} (run `pysafetensors validate` for every problem)",
+            kind=first.code,
+        )
+    model = Model(target, located)
+    try:
+        for path, label in zip(located.files, located.labels, strict=True):
+            source = open_source_for(path, "pread")
+            try:
+                header = read_header(source, prefix_text=f"{label}: ")
+            except BaseException:
+                source.close()
+                raise
+            shard = ShardFile(label, path, source, header)
+            model.files.append(shard)
+            for info in header.tensors.values():
+                if info.name in model.tensors:
+                    raise SafetensorError(
+                        f"tensor {sanitize(info.name)!r} is in both "
+                        f"{model.tensors[info.name].file.label} and {label}",
+                        kind="DuplicateTensor",
+                        tensor=info.name,
+                    )
+                model.tensors[info.name] = TensorRef(
+                    info.name, info.dtype, info.shape, shard, info.begin, info.end
+                )
+    except BaseException:
+        model.close()
+        raise
+    return model
+
+
+# ------------------------------------------------------------------------------------- values
+
+
+def decode(dtype: DType, raw: np.ndarray) -> np.ndarray:
+    """View a chunk of raw little-endian bytes as numpy values (ml_dtypes for BF16/F8/F4/F6)."""
+    from .._adapter import numpy_dtype, unpack_subbyte
+
+    if dtype.bits % 8:
+        count = raw.size * 8 // dtype.bits
+        return unpack_subbyte(raw, dtype, count).view(numpy_dtype(dtype))
+    return raw.view(numpy_dtype(dtype))
+
+
+def to_float64(values: np.ndarray) -> np.ndarray:
+    """Values as float64 for statistics; complex values become their magnitude."""
+    out: np.ndarray = (
+        np.abs(values).astype(np.float64) if values.dtype.kind == "c" else values.astype(np.float64)
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------- output
+
+
+class Ui:
+    """Terminal-aware output: tables, colour and progress bars, with plain-text fallbacks."""
+
+    def __init__(self, args: Any) -> None:
+        self.quiet: bool = bool(getattr(args, "quiet", False))
+        no_color = bool(os.environ.get("NO_COLOR")) or bool(getattr(args, "no_color", False))
+        self._rich: Any = None
+        if _isatty(sys.stdout) and not no_color:
+            with contextlib.suppress(ImportError):
+                from rich.console import Console
+
+                self._rich = Console(highlight=False)
+
+    @property
+    def color(self) -> bool:
+        """Whether output is going to a terminal through rich."""
+        return self._rich is not None
+
+    def line(self, text: str = "", style: str | None = None) -> None:
+        """Print one line (already sanitized); ``style`` is a rich style, used on terminals."""
+        if self._rich is not None:
+            from rich.text import Text
+
+            self._rich.print(Text(text, style=style or ""))
+        else:
+            print(text)
+
+    def table(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[str]],
+        *,
+        right: Sequence[str] = (),
+        title: str | None = None,
+    ) -> None:
+        """Print a table; cells are plain strings, never parsed as markup."""
+        if self._rich is not None:
+            from rich.table import Table
+            from rich.text import Text
+
+            table = Table(title=title, title_justify="left", header_style="bold")
+            for col in columns:
+                table.add_column(col, justify="right" if col in right else "left")
+            for row in rows:
+                table.add_row(*(Text(cell) for cell in row))
+            self._rich.print(table)
+            return
+        if title:
+            print(title)
+        widths = [len(c) for c in columns]
+        for row in rows:
+            widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+        def fmt(cells: Sequence[str]) -> str:
+            parts = [
+                cell.rjust(w) if col in right else cell.ljust(w)
+                for col, cell, w in zip(columns, cells, widths, strict=True)
+            ]
+            return "  ".join(parts).rstrip()
+
+        print(fmt(columns))
+        for row in rows:
+            print(fmt(row))
+
+    @contextlib.contextmanager
+    def progress(self, total: int, desc: str) -> Iterator[Callable[[int], None]]:
+        """A byte-count progress bar on stderr (terminal only, after one second, not quiet)."""
+        bar: Any = None
+        if not self.quiet and _isatty(sys.stderr):
+            with contextlib.suppress(ImportError):
+                from tqdm import tqdm
+
+                bar = tqdm(
+                    total=total,
+                    desc=desc,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    delay=1.0,
+                    leave=False,
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                )
+        if bar is None:
+            yield lambda n: None
+            return
+        try:
+            yield bar.update
+        finally:
+            bar.close()
+
+    def note(self, text: str) -> None:
+        """An informational line on stderr, unless ``--quiet``."""
+        if not self.quiet:
+            print(text, file=sys.stderr)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

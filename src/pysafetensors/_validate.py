@@ -1,0 +1,815 @@
+"""Lenient validation: every problem in a file or a sharded model, not just the first.
+
+The strict parser in ``_format`` is the gate for reading and stops at the first broken rule.
+This module walks the same rules (R1-R8, reusing ``_format``'s own helpers so the two cannot
+drift apart) but keeps going: each problem becomes a :class:`Problem` with the file, the tensor
+and the byte offset it concerns, and checking resumes wherever the rest of the file can still be
+understood. The invariant the tests hold it to: a file has no ``"error"`` problems exactly when
+``_format.parse_header`` accepts it.
+
+``strict=True`` adds warnings about files the reference reads but that are likely to cause
+trouble elsewhere: NaN/Inf values, tensors not aligned to their element size, missing or unknown
+``format`` metadata (the hub's loaders check it), duplicate tensor names, whitespace before the
+opening ``{``, headers over the hub's 25 MB limit, BOOL bytes other than 0/1, names with control
+characters.
+
+Sharded models (a folder, or a ``*.safetensors.index.json``) are checked as a whole: the index's
+JSON, unsafe shard names, missing shards, tensors the index lists but no shard holds, tensors a
+shard holds that the index does not list, tensors held by two shards, and ``total_size``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import PureWindowsPath
+from typing import Any, Final, Literal
+
+import numpy as np
+
+from ._dtypes import DType, checked_nbits
+from ._errors import HeaderError, SafetensorError
+from ._format import (
+    MAX_HEADER_SIZE,
+    N_LEN,
+    _decode_json,
+    _parse_entry,
+    parse_header,
+    parse_header_length,
+)
+from ._sources import ByteSource
+
+__all__ = [
+    "HUB_MAX_HEADER_SIZE",
+    "KNOWN_FORMATS",
+    "ModelFiles",
+    "Problem",
+    "iter_tensor_chunks",
+    "locate_model",
+    "validate",
+    "validate_source",
+]
+
+Severity = Literal["error", "warning"]
+
+#: The hub's own, lower header limit (``SAFETENSORS_MAX_HEADER_LENGTH``).
+HUB_MAX_HEADER_SIZE: Final = 25_000_000
+#: ``format`` values that transformers, the hub and accelerate accept.
+KNOWN_FORMATS: Final = frozenset({"pt", "tf", "flax", "mlx"})
+#: Bytes read at a time when values are checked: a multiple of every element size and of the
+#: 3-byte F6 group, so chunks never split an element.
+CHUNK_BYTES: Final = 24 << 20
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a file or a model."""
+
+    severity: Severity
+    """``"error"`` (the reference refuses the file or the model is inconsistent) or
+    ``"warning"`` (readable, but likely to cause trouble; only with ``strict=True``)."""
+    code: str
+    """Short stable name: the reference's error variant where there is one (``InvalidOffset``)."""
+    message: str
+    """What is wrong, in one line, without the file name."""
+    file: str | None = None
+    """The file (or index) concerned, as given or relative to the model folder."""
+    tensor: str | None = None
+    """The tensor concerned, if any."""
+    offset: int | None = None
+    """Byte offset in ``file`` the problem concerns, if known."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The problem as a JSON-ready dict."""
+        return {
+            "severity": self.severity,
+            "code": self.code,
+            "message": self.message,
+            "file": self.file,
+            "tensor": self.tensor,
+            "offset": self.offset,
+        }
+
+
+@dataclass(slots=True)
+class _Entry:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    ok: bool = True
+
+
+@dataclass(slots=True)
+class _Collector:
+    file: str | None
+    problems: list[Problem] = field(default_factory=list)
+    strict: bool = False
+
+    def error(
+        self, code: str, message: str, tensor: str | None = None, offset: int | None = None
+    ) -> None:
+        self.problems.append(Problem("error", code, message, self.file, tensor, offset))
+
+    def warn(
+        self, code: str, message: str, tensor: str | None = None, offset: int | None = None
+    ) -> None:
+        if self.strict:
+            self.problems.append(Problem("warning", code, message, self.file, tensor, offset))
+
+
+def _metadata_problem(value: Any) -> str | None:
+    """Why ``__metadata__`` is not a string-to-string map (None or a map of strings is fine)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "invalid type for __metadata__, expected a map"
+    for key, item in _pairs(value):
+        if not isinstance(item, str):
+            return f"invalid type for key {key!r}: {type(item).__name__}, expected a string"
+    return None
+
+
+def _key_offset(text: str, name: str) -> int | None:
+    """File offset of a tensor's key in the header, for locating header problems."""
+    needle = json.dumps(name, ensure_ascii=False)
+    pos = text.find(needle + ":")
+    if pos < 0:
+        pos = text.find(needle)
+    if pos < 0:
+        return None
+    return N_LEN + len(text[:pos].encode("utf-8"))
+
+
+def _check_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry] | None:
+    """Rules R4-R8 on the header bytes, collecting every problem. Returns the usable entries.
+
+    The verdict is always the strict parser's: the lenient walk only adds detail. If the strict
+    parser accepts the header, any error the walk believes it found is dropped; if it refuses
+    the header and the walk missed the reason, the strict parser's error is reported.
+    """
+    gate: HeaderError | None = None
+    try:
+        parse_header(header, data_size, prefix_text="")
+    except HeaderError as exc:
+        gate = exc
+    walk = _Collector(col.file, strict=col.strict)
+    entries: list[_Entry] | None
+    try:
+        entries = _walk_header(walk, header, data_size)
+    except Exception:  # noqa: BLE001 - the gate's verdict stands even if the walk trips
+        entries = None
+    errors = [p for p in walk.problems if p.severity == "error"]
+    if gate is None:
+        col.problems.extend(p for p in walk.problems if p.severity != "error")
+        return entries
+    if not any(p.code == gate.kind for p in errors):
+        col.problems.append(
+            Problem("error", gate.kind, str(gate), col.file, gate.tensor, gate.offset)
+        )
+    col.problems.extend(walk.problems)
+    return entries
+
+
+def _pairs(obj: Any) -> list[tuple[str, Any]]:
+    """Every ``(key, value)`` of a decoded object in document order, repeated keys included."""
+    pairs = getattr(obj, "pairs", None)
+    return list(pairs()) if callable(pairs) else list(obj.items())
+
+
+def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry] | None:
+    data_start = N_LEN + len(header)
+    try:
+        text = header.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        col.error(
+            "InvalidHeader",
+            f"invalid UTF-8 in header at byte {exc.start} of the header",
+            offset=N_LEN + exc.start,
+        )
+        return None
+    try:
+        obj = _decode_json(text, "")
+    except HeaderError as exc:
+        col.error(exc.kind, str(exc), offset=exc.offset)
+        return None
+    if not isinstance(obj, dict):
+        col.error(
+            "InvalidHeaderDeserialization", "invalid JSON in header: expected a map", offset=N_LEN
+        )
+        return None
+    pairs = _pairs(obj)
+    counts: dict[str, int] = {}
+    for key, _ in pairs:
+        counts[key] = counts.get(key, 0) + 1
+    if counts.get("__metadata__", 0) > 1:
+        col.error(
+            "InvalidHeaderDeserialization",
+            "invalid JSON in header: duplicate field `__metadata__`",
+            offset=_key_offset(text, "__metadata__"),
+        )
+    for name in sorted(k for k, n in counts.items() if n > 1 and k != "__metadata__"):
+        col.warn(
+            "DuplicateTensorName",
+            f"tensor name {name!r} appears {counts[name]} times; readers keep the last entry",
+            tensor=name,
+            offset=_key_offset(text, name),
+        )
+    if text[:1] in (" ", "\t", "\r", "\n"):
+        col.warn(
+            "LeadingWhitespace",
+            "whitespace before the opening `{` (the reference reads it; the spec text and older "
+            "readers require `{` first)",
+            offset=N_LEN,
+        )
+
+    metadata: dict[str, str] | None = None
+    parsed: dict[str, _Entry] = {}
+    for name, value in pairs:
+        if name == "__metadata__":
+            bad = _metadata_problem(value)
+            if bad:
+                col.error(
+                    "InvalidHeaderDeserialization",
+                    f"invalid JSON in header: {bad} (in __metadata__)",
+                    offset=_key_offset(text, name),
+                )
+            elif value is not None:
+                metadata = dict(value)
+            continue
+        try:
+            dtype, shape, (begin, end) = _parse_entry(name, value, "")
+        except HeaderError as exc:
+            col.error(exc.kind, str(exc), tensor=name, offset=_key_offset(text, name))
+            continue
+        # A repeated name: the last entry wins, as in the reference.
+        parsed[name] = _Entry(name, dtype, tuple(shape), begin, end)
+    entries = list(parsed.values())
+    for e in entries:
+        name = e.name
+        if _CONTROL.search(name):
+            col.warn(
+                "SuspiciousName",
+                "tensor name contains control or bidirectional-override characters",
+                tensor=name,
+                offset=_key_offset(text, name),
+            )
+
+    # R6/R7: the same walk as the strict parser, but a failure is recorded and the walk goes on
+    # from the furthest byte covered so far.
+    entries.sort(key=lambda e: (e.begin, e.end, e.name))
+    running = 0
+    previous: str | None = None
+    for e in entries:
+        where = f"data_offsets [{e.begin}, {e.end}]"
+        if e.end < e.begin:
+            col.error(
+                "InvalidOffset",
+                f"invalid offset: {where} ends before it begins",
+                tensor=e.name,
+                offset=data_start + e.begin,
+            )
+            e.ok = False
+            continue
+        if e.begin > running:
+            col.error(
+                "InvalidOffset",
+                f"invalid offset: {where} leaves a hole of {e.begin - running} bytes after "
+                + (f"tensor {previous!r}" if previous is not None else "the start of the data"),
+                tensor=e.name,
+                offset=data_start + running,
+            )
+            e.ok = False
+        elif e.begin < running:
+            col.error(
+                "InvalidOffset",
+                f"invalid offset: {where} overlaps the previous tensor {previous!r}, which ends "
+                f"at {running}",
+                tensor=e.name,
+                offset=data_start + e.begin,
+            )
+            e.ok = False
+        nbits = checked_nbits(e.shape, e.dtype)
+        if nbits is None:
+            col.error(
+                "ValidationOverflow",
+                f"overflow computing buffer size from shape and/or element type "
+                f"({e.dtype.code} {list(e.shape)})",
+                tensor=e.name,
+                offset=data_start + e.begin,
+            )
+            e.ok = False
+        elif nbits % 8:
+            col.error(
+                "MisalignedSlice",
+                f"{e.dtype.code} {list(e.shape)} is {nbits} bits, not a whole number of bytes",
+                tensor=e.name,
+                offset=data_start + e.begin,
+            )
+            e.ok = False
+        elif e.end - e.begin != nbits // 8:
+            col.error(
+                "TensorInvalidInfo",
+                f"invalid shape, data type, or offset: {e.dtype.code} {list(e.shape)} needs "
+                f"{nbits // 8} bytes but {where} span {e.end - e.begin}",
+                tensor=e.name,
+                offset=data_start + e.begin,
+            )
+            e.ok = False
+        if e.end > running:
+            running, previous = e.end, e.name
+    if running != data_size:
+        what = "trailing bytes" if data_size > running else "missing bytes"
+        col.error(
+            "MetadataIncompleteBuffer",
+            f"incomplete metadata, file not fully covered: tensors cover {running} bytes of data "
+            f"but the file holds {data_size} ({what})",
+            offset=data_start + min(running, data_size),
+        )
+
+    if col.strict:
+        if metadata is None or "format" not in metadata:
+            col.warn(
+                "MissingFormat",
+                "no `format` in __metadata__; transformers, accelerate and the hub's loaders "
+                "expect one of pt, tf, flax, mlx",
+                offset=N_LEN,
+            )
+        elif metadata["format"] not in KNOWN_FORMATS:
+            col.warn(
+                "UnknownFormat",
+                f"__metadata__ format {metadata['format']!r} is not one the hub's loaders accept "
+                "(pt, tf, flax, mlx)",
+                offset=N_LEN,
+            )
+        if len(header) % 8:
+            col.warn(
+                "UnalignedDataBuffer",
+                f"header length {len(header)} is not a multiple of 8, so the data buffer "
+                f"starts at file offset {data_start}, not 8-byte aligned",
+                offset=0,
+            )
+        if len(header) > HUB_MAX_HEADER_SIZE:
+            col.warn(
+                "HeaderOverHubLimit",
+                f"header is {len(header)} bytes; huggingface_hub refuses headers over "
+                f"{HUB_MAX_HEADER_SIZE}",
+                offset=0,
+            )
+        for e in entries:
+            size = e.dtype.bits // 8
+            if e.ok and e.dtype.bits % 8 == 0 and size > 1 and (data_start + e.begin) % size:
+                col.warn(
+                    "Unaligned",
+                    f"{e.dtype.code} tensor starts at file offset {data_start + e.begin}, not a "
+                    f"multiple of its {size}-byte element size (zero-copy loaders must copy it)",
+                    tensor=e.name,
+                    offset=data_start + e.begin,
+                )
+    return entries
+
+
+def iter_tensor_chunks(
+    source: ByteSource, start: int, nbytes: int, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Read ``nbytes`` at ``start`` in fresh chunks; yields ``(file_offset, uint8 array)``.
+
+    ``chunk_bytes`` should be a multiple of 24 so that no element is split between chunks.
+    """
+    pos = 0
+    while pos < nbytes:
+        n = min(chunk_bytes, nbytes - pos)
+        buf = np.empty(n, np.uint8)
+        source.readinto(start + pos, buf.data)
+        yield start + pos, buf
+        pos += n
+
+
+def _float_view(dtype: DType, raw: np.ndarray) -> np.ndarray | None:
+    """The chunk as float values to scan for NaN/Inf, or None for non-float dtypes."""
+    if not dtype.is_float:
+        return None
+    if dtype.bits % 8:
+        from ._adapter import numpy_dtype, unpack_subbyte
+
+        count = raw.size * 8 // dtype.bits
+        return unpack_subbyte(raw, dtype, count).view(numpy_dtype(dtype))
+    from ._adapter import numpy_dtype
+
+    return raw.view(numpy_dtype(dtype))
+
+
+def _check_values(
+    col: _Collector,
+    source: ByteSource,
+    data_start: int,
+    entries: Sequence[_Entry],
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Strict value checks: NaN/Inf in float tensors, BOOL bytes other than 0/1."""
+    for e in entries:
+        if not e.ok or e.end == e.begin or not (e.dtype.is_float or e.dtype.code == "BOOL"):
+            continue
+        nan = inf = bad_bool = 0
+        first: int | None = None
+        element = max(1, e.dtype.bits // 8)
+        for offset, raw in iter_tensor_chunks(source, data_start + e.begin, e.end - e.begin):
+            if e.dtype.code == "BOOL":
+                bad = np.flatnonzero(raw > 1)
+                bad_bool += int(bad.size)
+                if bad.size and first is None:
+                    first = offset + int(bad[0])
+            else:
+                values = _float_view(e.dtype, raw)
+                assert values is not None
+                if e.dtype.code == "C64":
+                    values = values.view(np.float32)
+                    element = 4
+                with np.errstate(invalid="ignore"):
+                    isnan = np.isnan(values)
+                    isinf = np.isinf(values)
+                nan += int(isnan.sum())
+                inf += int(isinf.sum())
+                if first is None and (nan or inf):
+                    idx = int(np.flatnonzero(isnan | isinf)[0])
+                    # Sub-byte elements have no byte offset of their own; report their byte.
+                    first = offset + (
+                        idx * e.dtype.bits // 8 if e.dtype.bits % 8 else idx * element
+                    )
+            if progress is not None:
+                progress(raw.size)
+        if nan or inf:
+            col.warn(
+                "NonFinite",
+                f"{e.dtype.code} tensor holds {nan} NaN and {inf} Inf values (first at file "
+                f"offset {first})",
+                tensor=e.name,
+                offset=first,
+            )
+        if bad_bool:
+            col.warn(
+                "BoolNotZeroOne",
+                f"BOOL tensor holds {bad_bool} bytes other than 0 and 1 (first at file offset "
+                f"{first})",
+                tensor=e.name,
+                offset=first,
+            )
+
+
+def validate_source(
+    source: ByteSource,
+    *,
+    file: str | None = None,
+    strict: bool = False,
+    check_values: bool | None = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+    progress: Callable[[int], None] | None = None,
+) -> list[Problem]:
+    """Check one safetensors file and return every problem found.
+
+    Args:
+        source: The file's bytes.
+        file: Name to record in each problem (defaults to the source's name).
+        strict: Add warnings (see the module docstring).
+        check_values: Read the data to look for NaN/Inf; defaults to ``strict``.
+        max_header_size: Largest header accepted (rule R2).
+        progress: Called with a byte count as data is read (value checks only).
+
+    Returns:
+        Problems in the order found: errors and, with ``strict``, warnings.
+    """
+    return _validate_source(
+        source,
+        file if file is not None else source.name,
+        strict,
+        strict if check_values is None else check_values,
+        max_header_size,
+        progress,
+    )[0]
+
+
+def _validate_source(
+    source: ByteSource,
+    file: str,
+    strict: bool,
+    check_values: bool,
+    max_header_size: int,
+    progress: Callable[[int], None] | None,
+) -> tuple[list[Problem], list[_Entry] | None]:
+    col = _Collector(file, strict=strict)
+    size = source.size
+    prefix = bytearray(min(size, N_LEN))
+    source.readinto(0, memoryview(prefix))
+    try:
+        n = parse_header_length(
+            bytes(prefix), size, max_header_size=max_header_size, prefix_text=""
+        )
+    except HeaderError as exc:
+        col.error(exc.kind, str(exc), offset=exc.offset)
+        return col.problems, None
+    header = bytearray(n)
+    if n:
+        source.readinto(N_LEN, memoryview(header))
+    entries = _check_header(col, bytes(header), size - N_LEN - n)
+    if entries is not None and check_values:
+        _check_values(col, source, N_LEN + n, entries, progress)
+    return col.problems, entries
+
+
+# ------------------------------------------------------------------------------ sharded models
+
+
+@dataclass(slots=True)
+class ModelFiles:
+    """Where the files of a model are: one file, or the shards named by an index."""
+
+    target: str
+    """What was asked for: a file, a folder, an index, or a URL."""
+    files: list[str]
+    """Paths or URLs of the safetensors files, in index order (first appearance)."""
+    labels: list[str]
+    """How to show each file: its name relative to the model folder (the path for one file)."""
+    index_path: str | None = None
+    """The index file, for sharded models."""
+    index: dict[str, Any] | None = None
+    """The index JSON, when it could be read."""
+    weight_map: dict[str, str] | None = None
+    """Tensor name to shard label, from the index."""
+    problems: list[Problem] = field(default_factory=list)
+    """Errors met while locating the files (bad index, unsafe or missing shard names)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is made of an index and shards (or several files)."""
+        return self.index_path is not None or len(self.files) > 1
+
+
+def _is_url(target: str) -> bool:
+    return "://" in target
+
+
+def _unsafe_shard_name(name: str) -> str | None:
+    """Why an index's shard name must not be opened, or None if it is fine (pitfall 11)."""
+    if not name:
+        return "empty name"
+    win = PureWindowsPath(name)
+    if name.startswith(("/", "\\")) or win.drive or win.is_absolute() or os.path.isabs(name):
+        return "absolute path"
+    parts = re.split(r"[\\/]", name)
+    if ".." in parts:
+        return "`..` in path"
+    if "\x00" in name:
+        return "NUL in name"
+    if not name.endswith(".safetensors"):
+        return "not a .safetensors file"
+    return None
+
+
+def _read_small(target: str, limit: int) -> bytes:
+    if _is_url(target):
+        from ._remote import open_source
+
+        with open_source(target) as src:
+            if src.size > limit:
+                raise SafetensorError(f"{target}: index is {src.size} bytes, over {limit}")
+            buf = bytearray(src.size)
+            if src.size:
+                src.readinto(0, memoryview(buf))
+            return bytes(buf)
+    with open(target, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise SafetensorError(f"{target}: index is over {limit} bytes")
+    return data
+
+
+def _join(base: str, name: str) -> str:
+    if _is_url(base):
+        parsed = urllib.parse.urlsplit(base)
+        folder = posixpath.dirname(parsed.path)
+        path = posixpath.join(folder, urllib.parse.quote(name))
+        return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, parsed.query, ""))
+    return os.path.join(os.path.dirname(base), name)
+
+
+def locate_model(
+    target: str | os.PathLike[str], *, max_index_size: int = MAX_HEADER_SIZE
+) -> ModelFiles:
+    """Find the safetensors files of a file, folder, index or URL without opening them.
+
+    A folder holding exactly one ``*.safetensors.index.json`` is a sharded model; a folder without
+    an index holding ``*.safetensors`` files is every one of them (sorted). An index names its
+    shards relative to itself; names that are absolute or contain ``..`` are refused.
+
+    Raises:
+        FileNotFoundError: A folder holds no safetensors files.
+        SafetensorError: A folder holds several indexes.
+    """
+    path = os.fspath(target)
+    if _is_url(path):
+        if not path.split("?", 1)[0].endswith(".index.json"):
+            return ModelFiles(path, [path], [path])
+        return _from_index(path, path, max_index_size)
+    if os.path.isdir(path):
+        names = sorted(os.listdir(path))
+        indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+        if len(indexes) > 1:
+            raise SafetensorError(
+                f"{path}: several indexes ({', '.join(indexes)}); name the one to use",
+                kind="AmbiguousModel",
+            )
+        if indexes:
+            return _from_index(path, os.path.join(path, indexes[0]), max_index_size)
+        files = [n for n in names if n.endswith(".safetensors")]
+        if not files:
+            raise FileNotFoundError(2, "no .safetensors files or index in folder", path)
+        return ModelFiles(path, [os.path.join(path, n) for n in files], files)
+    if path.endswith(".index.json"):
+        return _from_index(path, path, max_index_size)
+    return ModelFiles(path, [path], [path])
+
+
+def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
+    model = ModelFiles(target, [], [], index_path=index_path)
+    label = index_path.rsplit("/", 1)[-1] if _is_url(index_path) else os.path.basename(index_path)
+
+    def bad(code: str, message: str, tensor: str | None = None) -> None:
+        model.problems.append(Problem("error", code, message, label, tensor, None))
+
+    try:
+        obj = json.loads(_read_small(index_path, limit))
+    except (ValueError, UnicodeDecodeError) as exc:
+        bad("IndexInvalid", f"index is not valid JSON: {exc}")
+        return model
+    if not isinstance(obj, dict):
+        bad("IndexInvalid", "index is not a JSON object")
+        return model
+    model.index = obj
+    weight_map = obj.get("weight_map")
+    if not isinstance(weight_map, dict):
+        bad("IndexInvalid", "index has no `weight_map` object")
+        return model
+    meta = obj.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        bad("IndexInvalid", "index `metadata` is not an object")
+    clean: dict[str, str] = {}
+    refused: set[str] = set()
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str):
+            bad(
+                "IndexInvalid",
+                f"weight_map value is {type(shard).__name__}, not a file name",
+                tensor,
+            )
+            continue
+        why = _unsafe_shard_name(shard)
+        if why is not None:
+            if shard not in refused:
+                bad("UnsafeShardName", f"refusing shard name {shard!r}: {why}", tensor)
+                refused.add(shard)
+            continue
+        clean[tensor] = shard
+        if shard not in model.labels:
+            model.labels.append(shard)
+            model.files.append(_join(index_path, shard))
+    model.weight_map = clean
+    return model
+
+
+def _check_index(
+    model: ModelFiles, headers: dict[str, dict[str, tuple[int, int]] | None], col: _Collector
+) -> None:
+    """Cross-check an index against the shards' headers (``shard -> {tensor: (begin, end)}``)."""
+    weight_map = model.weight_map or {}
+    holders: dict[str, list[str]] = {}
+    for shard, tensors in headers.items():
+        for tensor in tensors or {}:
+            holders.setdefault(tensor, []).append(shard)
+    for tensor, shards in holders.items():
+        if len(shards) > 1:
+            col.error(
+                "DuplicateTensor",
+                f"tensor is stored in {len(shards)} files: {', '.join(shards)}",
+                tensor=tensor,
+            )
+    if model.index_path is None:
+        if model.sharded:
+            col.warn("NoIndex", "several safetensors files but no *.safetensors.index.json")
+        return
+    for tensor, shard in weight_map.items():
+        tensors = headers.get(shard)
+        if tensors is None or tensor in tensors:
+            continue
+        elsewhere = holders.get(tensor)
+        if elsewhere:
+            col.error(
+                "IndexWrongShard",
+                f"the index places this tensor in {shard!r} but it is in {', '.join(elsewhere)}",
+                tensor=tensor,
+            )
+        else:
+            col.error(
+                "IndexTensorMissing",
+                f"the index places this tensor in {shard!r}, which does not hold it",
+                tensor=tensor,
+            )
+    for tensor, shards in holders.items():
+        if tensor not in weight_map:
+            col.error(
+                "IndexTensorUnlisted",
+                f"{', '.join(shards)} holds this tensor but the index does not list it",
+                tensor=tensor,
+            )
+    meta = (model.index or {}).get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    if all(h is not None for h in headers.values()):
+        actual = sum(
+            end - begin
+            for shard, tensors in headers.items()
+            for tensor, (begin, end) in (tensors or {}).items()
+            if weight_map.get(tensor) == shard
+        )
+        if total is None:
+            col.warn("IndexNoTotalSize", "index metadata has no `total_size`")
+        elif isinstance(total, bool) or not isinstance(total, (int, float)) or total != actual:
+            col.warn(
+                "IndexTotalSize",
+                f"index total_size is {total!r} but the listed tensors hold {actual} bytes",
+            )
+    if model.index_path is not None and not _is_url(model.index_path):
+        folder = os.path.dirname(model.index_path)
+        listed = set(model.labels)
+        for name in sorted(os.listdir(folder or ".")):
+            if name.endswith(".safetensors") and name not in listed:
+                col.warn("StrayShard", f"{name!r} is in the folder but not in the index")
+
+
+def validate(
+    target: str | os.PathLike[str],
+    *,
+    strict: bool = False,
+    check_values: bool | None = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+    progress: Callable[[int], None] | None = None,
+) -> list[Problem]:
+    """Check a file, a sharded model (folder or index) or a URL; return every problem found.
+
+    Args:
+        target: Path, folder, ``*.safetensors.index.json`` or ``http(s)://`` URL.
+        strict: Add warnings (NaN/Inf, alignment, ``format`` metadata, ...).
+        check_values: Read tensor data for the value checks; defaults to ``strict``.
+        max_header_size: Largest header accepted.
+        progress: Called with byte counts while tensor data is read.
+
+    Returns:
+        Every problem; an empty list means the target is valid.
+
+    Raises:
+        OSError: The target (not one of its shards) cannot be opened.
+        SafetensorError: A folder holds several indexes.
+
+    Example:
+        >>> for p in validate("model.safetensors", strict=True):  # doctest: +SKIP
+        ...     print(p.severity, p.code, p.tensor, p.offset, p.message)
+    """
+    from ._reader import open_source_for
+
+    model = locate_model(target)
+    problems = list(model.problems)
+    headers: dict[str, dict[str, tuple[int, int]] | None] = {}
+    col = _Collector(model.index_path and os.path.basename(model.index_path), strict=strict)
+    for path, label in zip(model.files, model.labels, strict=True):
+        try:
+            source = open_source_for(path, "pread")
+        except FileNotFoundError:
+            if not model.sharded:
+                raise
+            problems.append(Problem("error", "ShardMissing", "shard file not found", label))
+            headers[label] = None
+            continue
+        try:
+            found, entries = _validate_source(
+                source,
+                label,
+                strict,
+                strict if check_values is None else check_values,
+                max_header_size,
+                progress,
+            )
+            problems.extend(found)
+            headers[label] = (
+                None if entries is None else {e.name: (e.begin, e.end) for e in entries}
+            )
+        finally:
+            source.close()
+    if model.sharded:
+        _check_index(model, headers, col)
+    problems.extend(col.problems)
+    return problems
