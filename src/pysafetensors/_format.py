@@ -52,13 +52,14 @@ W6  A padded header over ``max_header_size`` MUST be refused. A tensor named ``_
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ._dtypes import UINT64_MAX, DType, checked_nbits, dtype_from_code
+from ._dtypes import DTYPES, UINT64_MAX, DType, checked_nbits, dtype_from_code
 from ._errors import (
     HeaderDecodeError,
     HeaderSizeError,
@@ -91,9 +92,6 @@ MAX_HEADER_SIZE: Final = 100_000_000
 HEADER_PREFIX: Final = "Error while deserializing header: "
 DESERIALIZE_PREFIX: Final = "Error while deserializing: "
 SERIALIZE_PREFIX: Final = "Error while serializing: "
-
-# serde_json's recursion limit: it fails when entering the 128th nested array/object.
-_MAX_DEPTH: Final = 127
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,25 +205,25 @@ def parse_header_length(
 
 
 class _Obj(dict[str, Any]):
-    """A JSON object that remembers which keys appeared more than once."""
+    """A JSON object that keeps every ``(key, value)`` pair when a key appears more than once.
 
-    __slots__ = ("dups",)
+    serde deserializes each occurrence of a repeated key (and fails on a bad one) before the
+    last one wins, so validation must see the earlier values too, not only the dict's.
+    """
+
+    __slots__ = ("dup_pairs",)
 
     def __init__(self, pairs: list[tuple[str, Any]]) -> None:
         super().__init__(pairs)
-        self.dups: frozenset[str] = frozenset()
-        if len(self) != len(pairs):
-            seen: set[str] = set()
-            dups = set()
-            for key, _ in pairs:
-                if key in seen:
-                    dups.add(key)
-                seen.add(key)
-            self.dups = frozenset(dups)
+        self.dup_pairs: list[tuple[str, Any]] | None = pairs if len(self) != len(pairs) else None
+
+    def pairs(self) -> list[tuple[str, Any]]:
+        """Every pair in document order, repeated keys included."""
+        return self.dup_pairs if self.dup_pairs is not None else list(self.items())
 
 
 class _NotInt:
-    """A JSON number that serde_json reads as a float (``1.0``, ``1e1``, ``-0``)."""
+    """A JSON number that serde_json reads as a float (``1.0``, ``1e1``, ``-0``, ``2**64``)."""
 
     __slots__ = ("text",)
 
@@ -235,34 +233,120 @@ class _NotInt:
     def __repr__(self) -> str:
         return self.text
 
+    def render(self) -> str:
+        """The value as serde prints it in ``invalid type: floating point `...```."""
+        return repr(float(self.text))
+
+
+# serde_json's decimal-to-f64 conversion (no `float_roundtrip` feature): the significand keeps
+# as many leading digits as fit in a u64, the rest only move the exponent, and the result is
+# ``significand * 10**exp`` in f64 arithmetic with the powers of ten from a table. It is not
+# correctly rounded, so its overflow boundary differs from Python's float(): for example
+# 1.7976931348623158e308 is "number out of range" there but finite here.
+_U64_DIV10: Final = UINT64_MAX // 10
+_U64_MOD10: Final = UINT64_MAX % 10
+_I32_MAX: Final = 2**31 - 1
+_POW10: Final = tuple(float(f"1e{k}") for k in range(309))
+_NUMBER: Final = re.compile(r"-?(\d+)(?:\.(\d+))?(?:[eE]([+-]?\d+))?")
+
+
+def _serde_number_in_range(text: str) -> bool:
+    """Whether serde_json accepts a number literal that it parses as f64 (no overflow)."""
+    match = _NUMBER.fullmatch(text)
+    if match is None:  # pragma: no cover - the JSON scanner only hands over valid literals
+        return False
+    int_digits, frac_digits, exp_text = match.group(1), match.group(2) or "", match.group(3)
+    significand = 0
+    exponent = 0
+    overflowed = False
+    for ch in int_digits:
+        digit = ord(ch) - 48
+        if (
+            overflowed
+            or significand > _U64_DIV10
+            or (significand == _U64_DIV10 and digit > _U64_MOD10)
+        ):
+            overflowed = True
+            exponent += 1
+        else:
+            significand = significand * 10 + digit
+    for ch in frac_digits:
+        digit = ord(ch) - 48
+        if (
+            overflowed
+            or significand > _U64_DIV10
+            or (significand == _U64_DIV10 and digit > _U64_MOD10)
+        ):
+            overflowed = True  # further fraction digits are dropped
+            continue
+        significand = significand * 10 + digit
+        exponent -= 1
+    if exp_text is not None:
+        digits = exp_text.lstrip("+-").lstrip("0") or "0"
+        negative = exp_text.startswith("-")
+        if len(digits) > 10 or int(digits) > _I32_MAX:
+            # serde's exponent overflow: out of range for a nonzero significand and a positive
+            # exponent, zero otherwise.
+            return negative or significand == 0
+        explicit = -int(digits) if negative else int(digits)
+        exponent = max(-_I32_MAX - 1, min(_I32_MAX, exponent + explicit))
+    if exponent < 0:
+        return True  # division only ever underflows
+    if exponent >= len(_POW10):
+        return significand == 0
+    return math.isfinite(float(significand) * _POW10[exponent])
+
+
+def _parse_float(text: str) -> _NotInt:
+    if not _serde_number_in_range(text):
+        raise ValueError("number out of range")
+    return _NotInt(text)
+
+
+def _parse_int(text: str) -> int | _NotInt:
+    # serde_json reads "-0" as the float -0.0, and integers outside u64/i64 as f64 (which may
+    # overflow), so neither is an integer there.
+    if text == "-0":
+        return _NotInt(text)
+    if len(text) > 19:
+        if not _serde_number_in_range(text):
+            raise ValueError("number out of range")
+        value = int(text)
+        if value > UINT64_MAX or value < -(1 << 63):
+            return _NotInt(text)
+        return value
+    return int(text)
+
 
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _int_or_marker(text: str) -> Any:
-    # serde_json parses "-0" as the float -0.0, so it is not an integer there.
-    return _NotInt(text) if text == "-0" else int(text)
+    # serde_json has no NaN/Infinity literals: "-Infinity" fails inside its number parser.
+    raise ValueError("invalid number" if name.startswith("-") else "expected value")
 
 
 _DECODER: Final = json.JSONDecoder(
-    object_pairs_hook=_Obj, parse_float=_NotInt, parse_constant=_reject_constant
+    object_pairs_hook=_Obj, parse_float=_parse_float, parse_constant=_reject_constant
 )
 _DECODER_SLOW: Final = json.JSONDecoder(
     object_pairs_hook=_Obj,
-    parse_float=_NotInt,
-    parse_int=_int_or_marker,
+    parse_float=_parse_float,
+    parse_int=_parse_int,
     parse_constant=_reject_constant,
 )
-# Cheap pre-checks that decide whether the slower, exact paths are needed at all.
-_MAYBE_NEG_ZERO: Final = re.compile(r"-0(?![0-9.eE])")
+# Cheap pre-check that decides whether the slower integer hook is needed at all: "-0", or a
+# literal too long for a u64 (it may also be inside a string; the slow path is still exact).
+_MAYBE_SPECIAL_INT: Final = re.compile(r"-0(?![0-9.eE])|[0-9]{20}")
 _MAYBE_SURROGATE: Final = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
+#: serde_json's recursion limit: with the top-level object, 127 nested arrays/objects parse and
+#: 128 fail (found by testing the reference: 125 nested arrays in an unknown tensor field pass).
+_MAX_DEPTH: Final = 127
+
 
 def _decode_error(prefix_text: str, detail: str, tensor: str | None = None) -> HeaderDecodeError:
+    where = f" (tensor `{tensor}`)" if tensor is not None else ""
     return HeaderDecodeError(
-        f"{prefix_text}invalid JSON in header: {detail}",
+        f"{prefix_text}invalid JSON in header: {detail}{where}",
         kind="InvalidHeaderDeserialization",
         tensor=tensor,
         offset=N_LEN,
@@ -270,6 +354,7 @@ def _decode_error(prefix_text: str, detail: str, tensor: str | None = None) -> H
 
 
 def _describe(value: Any) -> str:
+    """Render a value as serde's ``Unexpected`` does (``integer `5```, ``string "x"``, ...)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -277,7 +362,7 @@ def _describe(value: Any) -> str:
     if isinstance(value, int):
         return f"integer `{value}`"
     if isinstance(value, _NotInt):
-        return f"floating point `{value.text}`"
+        return f"floating point `{value.render()}`"
     if isinstance(value, str):
         return f"string {json.dumps(value, ensure_ascii=False)}"
     if isinstance(value, list):
@@ -285,148 +370,217 @@ def _describe(value: Any) -> str:
     return "map"
 
 
+def _serde_syntax_message(exc: json.JSONDecodeError) -> str:
+    """Translate a ``json`` syntax error into serde_json's wording for the same problem."""
+    msg, text, pos = exc.msg, exc.doc, exc.pos
+    at_eof = not text[pos:].strip(" \t\r\n")
+    if msg.startswith("Expecting value"):
+        if at_eof:
+            return "EOF while parsing a value"
+        before = text[:pos].rstrip(" \t\r\n")
+        if before.endswith(","):
+            closing = text[pos:].lstrip(" \t\r\n")[:1] in ("]", "}")
+            return "trailing comma" if closing else "expected value"
+        return "expected value"
+    if msg.startswith("Extra data"):
+        return "trailing characters"
+    if msg.startswith("Expecting property name"):
+        if at_eof:
+            return "EOF while parsing an object"
+        if text[:pos].rstrip(" \t\r\n").endswith(","):
+            return "trailing comma"
+        return "key must be a string"
+    if msg.startswith("Expecting ',' delimiter"):
+        if at_eof:
+            return "EOF while parsing a value"
+        if pos > 0 and text[pos - 1] == "0" and text[pos : pos + 1].isdigit():
+            return "invalid number"  # a leading zero such as 016
+        return "expected `,` or `}`"
+    if msg.startswith("Expecting ':' delimiter"):
+        return "EOF while parsing an object" if at_eof else "expected `:`"
+    if msg.startswith("Unterminated string"):
+        return "EOF while parsing a string"
+    if msg.startswith("Invalid control character"):
+        return "control character (\\u0000-\\u001F) found while parsing a string"
+    if msg.startswith("Invalid \\"):
+        return "invalid escape"
+    return msg  # pragma: no cover - every message of the stdlib scanner is mapped above
+
+
+def _decode_json(text: str, prefix_text: str) -> Any:
+    decoder = _DECODER_SLOW if _MAYBE_SPECIAL_INT.search(text) else _DECODER
+    try:
+        return decoder.decode(text)
+    except json.JSONDecodeError as exc:
+        raise _decode_error(
+            prefix_text,
+            f"{_serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}",
+        ) from None
+    except ValueError as exc:  # raised by our number and constant hooks
+        raise _decode_error(prefix_text, str(exc)) from None
+    except RecursionError:
+        raise _decode_error(prefix_text, "recursion limit exceeded") from None
+
+
 def _u64(value: Any) -> bool:
     return type(value) is int and 0 <= value <= UINT64_MAX
 
 
-def _depth(value: Any) -> int:
-    """Nesting depth of a decoded JSON value (scalars are 0)."""
-    if isinstance(value, dict):
-        return 1 + max((_depth(v) for v in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((_depth(v) for v in value), default=0)
-    return 0
+def _surrogate_message(value: str) -> str | None:
+    found = _SURROGATE.search(value)
+    if found is None:
+        return None
+    # serde_json: a high surrogate not followed by an escape ends the escape early; a low one
+    # first is "lone leading".
+    if found.group() < "\udc00":
+        return "unexpected end of hex escape"
+    return "lone leading surrogate in hex escape"
 
 
-def _has_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_surrogate(v) for v in value)
-    return False
+def _scan(value: Any, check_surrogates: bool, depth: int) -> str | None:
+    """What serde_json refuses while merely parsing a value: lone surrogates, deep nesting.
+
+    ``depth`` counts the containers around ``value``. Iterative, so that it works for values
+    nested as deep as the ``json`` module allows.
+    """
+    stack: list[tuple[Any, int]] = [(value, depth)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, str):
+            if check_surrogates:
+                problem = _surrogate_message(item)
+                if problem:
+                    return problem
+        elif isinstance(item, dict):
+            if level + 1 > _MAX_DEPTH:
+                return "recursion limit exceeded"
+            pairs = item.pairs() if isinstance(item, _Obj) else list(item.items())
+            for key, sub in reversed(pairs):
+                stack.append((sub, level + 1))
+                stack.append((key, level + 1))
+        elif isinstance(item, list):
+            if level + 1 > _MAX_DEPTH:
+                return "recursion limit exceeded"
+            stack.extend((sub, level + 1) for sub in reversed(item))
+    return None
 
 
-def _decode_json(text: str, prefix_text: str) -> Any:
-    decoder = _DECODER_SLOW if _MAYBE_NEG_ZERO.search(text) else _DECODER
-    try:
-        obj = decoder.decode(text)
-    except json.JSONDecodeError as exc:
-        raise _decode_error(
-            prefix_text, f"{exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})"
-        ) from None
-    except ValueError as exc:
-        raise _decode_error(prefix_text, str(exc)) from None
-    except RecursionError:
-        raise _decode_error(prefix_text, "recursion limit exceeded") from None
-    if _MAYBE_SURROGATE.search(text) and _has_surrogate(obj):
-        raise _decode_error(prefix_text, "lone leading or trailing surrogate in hex escape")
-    return obj
+_CODES: Final = frozenset(d.code for d in DTYPES)
+_CODE_LIST: Final = ", ".join(f"`{d.code}`" for d in DTYPES)
 
 
-def _parse_dtype(value: Any, name: str, prefix_text: str) -> DType:
+def _parse_dtype(value: Any) -> DType | str:
+    """The dtype, or serde's message for why the value is not one."""
     code = value
-    # serde's externally tagged form of a unit variant: {"F32": null}.
-    if isinstance(value, dict) and len(value) == 1:
+    if isinstance(value, dict):
+        # serde's externally tagged form of a unit variant: {"F32": null}.
+        if len(value) != 1:
+            return "invalid value: map, expected map with a single key"
         ((code, inner),) = value.items()
-        if inner is not None:
-            raise _decode_error(prefix_text, f"tensor {name!r}: invalid dtype {value!r}", name)
-    if not isinstance(code, str):
-        raise _decode_error(
-            prefix_text,
-            f"tensor {name!r}: invalid type: {_describe(value)}, expected a dtype string",
-            name,
-        )
+        if code in _CODES and inner is not None:
+            return f"invalid type: {_describe(inner)}, expected unit"
+    elif not isinstance(code, str):
+        return f"invalid type: {_describe(value)}, expected string or map"
     try:
         return dtype_from_code(code)
     except SafetensorError:
-        raise _decode_error(
-            prefix_text,
-            f"tensor {name!r}: unknown variant `{code}`, expected one of the 22 dtype codes",
-            name,
-        ) from None
+        return f"unknown variant `{code}`, expected one of {_CODE_LIST}"
 
 
-def _parse_ints(value: Any, name: str, field: str, prefix_text: str, length: int | None) -> list[int]:
+def _usize_problem(item: Any) -> str | None:
+    if _u64(item):
+        return None
+    if type(item) is int:
+        return f"invalid value: {_describe(item)}, expected usize"
+    return f"invalid type: {_describe(item)}, expected usize"
+
+
+def _parse_shape(value: Any) -> list[int] | str:
     if not isinstance(value, list):
-        raise _decode_error(
-            prefix_text,
-            f"tensor {name!r}: invalid type: {_describe(value)}, expected an array for {field}",
-            name,
-        )
+        return f"invalid type: {_describe(value)}, expected a sequence"
     for item in value:
-        if not _u64(item):
-            raise _decode_error(
-                prefix_text,
-                f"tensor {name!r}: invalid value in {field}: {_describe(item)}, expected an "
-                "integer in [0, 2^64)",
-                name,
-            )
-    if length is not None and len(value) != length:
-        raise _decode_error(
-            prefix_text,
-            f"tensor {name!r}: invalid length {len(value)} for {field}, expected {length} elements",
-            name,
-        )
+        problem = _usize_problem(item)
+        if problem:
+            return problem
+    return value
+
+
+def _parse_offsets(value: Any) -> list[int] | str:
+    # A (usize, usize) tuple: serde reads two elements, then complains about the length.
+    if not isinstance(value, list):
+        return f"invalid type: {_describe(value)}, expected a tuple of size 2"
+    for item in value[:2]:
+        problem = _usize_problem(item)
+        if problem:
+            return problem
+    if len(value) < 2:
+        return f"invalid length {len(value)}, expected a tuple of size 2"
+    if len(value) > 2:
+        return f"invalid length {len(value)}, expected 2 elements in sequence"
     return value
 
 
 _FIELDS: Final = ("dtype", "shape", "data_offsets")
+_FIELD_PARSERS: Final = (_parse_dtype, _parse_shape, _parse_offsets)
 
 
 def _parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[int], list[int]]:
+    """Deserialize one tensor entry as serde's derived ``TensorInfo`` visitor would."""
+    found: dict[str, Any] = {}
     if isinstance(value, list):
         # serde accepts a struct given as a sequence of its fields in declaration order.
-        if len(value) != 3:
+        for field, parser, item in zip(_FIELDS, _FIELD_PARSERS, value[:3], strict=False):
+            parsed = parser(item)
+            if isinstance(parsed, str):
+                raise _decode_error(prefix_text, parsed, name)
+            found[field] = parsed
+        if len(value) < 3:
             raise _decode_error(
                 prefix_text,
-                f"tensor {name!r}: invalid length {len(value)}, expected struct TensorInfo "
-                "with 3 elements",
+                f"invalid length {len(value)}, expected struct TensorInfo with 3 elements",
                 name,
             )
-        fields = dict(zip(_FIELDS, value))
-        extra: list[Any] = []
-    elif isinstance(value, dict):
-        assert isinstance(value, _Obj)
+        if len(value) > 3:
+            raise _decode_error(
+                prefix_text, f"invalid length {len(value)}, expected 3 elements in sequence", name
+            )
+    elif isinstance(value, _Obj):
+        # Fields are visited in document order: a repeated field fails when it is met again,
+        # a bad value when it is met; unknown fields are skipped (their syntax was checked).
+        for key, item in value.pairs():
+            if key not in _FIELDS:
+                continue
+            if key in found:
+                raise _decode_error(prefix_text, f"duplicate field `{key}`", name)
+            parsed = _FIELD_PARSERS[_FIELDS.index(key)](item)
+            if isinstance(parsed, str):
+                raise _decode_error(prefix_text, parsed, name)
+            found[key] = parsed
         for field in _FIELDS:
-            if field in value.dups:
-                raise _decode_error(prefix_text, f"tensor {name!r}: duplicate field `{field}`", name)
-        fields = value
-        extra = [v for k, v in value.items() if k not in _FIELDS]
+            if field not in found:
+                raise _decode_error(prefix_text, f"missing field `{field}`", name)
     else:
         raise _decode_error(
-            prefix_text,
-            f"tensor {name!r}: invalid type: {_describe(value)}, expected struct TensorInfo",
-            name,
+            prefix_text, f"invalid type: {_describe(value)}, expected struct TensorInfo", name
         )
-    for field in _FIELDS:
-        if field not in fields:
-            raise _decode_error(prefix_text, f"tensor {name!r}: missing field `{field}`", name)
-    # Unknown fields are ignored, but serde still parses them under its recursion limit;
-    # the top-level object and the entry account for two levels.
-    for item in extra:
-        if 2 + _depth(item) > _MAX_DEPTH:
-            raise _decode_error(prefix_text, "recursion limit exceeded", name)
-    dtype = _parse_dtype(fields["dtype"], name, prefix_text)
-    shape = _parse_ints(fields["shape"], name, "shape", prefix_text, None)
-    offsets = _parse_ints(fields["data_offsets"], name, "data_offsets", prefix_text, 2)
-    return dtype, shape, offsets
+    return found["dtype"], found["shape"], found["data_offsets"]
 
 
-def _parse_metadata(value: Any, prefix_text: str) -> dict[str, str] | None:
+def _parse_metadata(value: Any, prefix_text: str, check_surrogates: bool) -> dict[str, str] | None:
     if value is None:
         return None
-    if not isinstance(value, dict):
-        raise _decode_error(
-            prefix_text, f"__metadata__: invalid type: {_describe(value)}, expected a map"
-        )
-    for key, item in value.items():
-        if not isinstance(item, str):
-            raise _decode_error(
-                prefix_text,
-                f"__metadata__[{key!r}]: invalid type: {_describe(item)}, expected a string",
-            )
+    if not isinstance(value, _Obj):
+        raise _decode_error(prefix_text, f"invalid type: {_describe(value)}, expected a map")
+    # serde reads __metadata__ as it streams: each key, then its value, in document order;
+    # with repeated keys every value must be a string and the last one wins.
+    for key, item in value.pairs():
+        problem = _surrogate_message(key) if check_surrogates else None
+        if problem is None and not isinstance(item, str):
+            problem = f"invalid type: {_describe(item)}, expected a string"
+        if problem is None and check_surrogates:
+            problem = _surrogate_message(item)
+        if problem:
+            raise _decode_error(prefix_text, f"{problem} (in __metadata__)")
     return dict(value)
 
 
@@ -451,28 +605,55 @@ def parse_header(
     try:
         text = bytes(header).decode("utf-8")
     except UnicodeDecodeError as exc:
+        # Rust's Utf8Error wording: the length of the bad sequence, or "incomplete" when the
+        # header ends inside a character.
+        what = (
+            "incomplete utf-8 byte sequence"
+            if exc.reason == "unexpected end of data"
+            else f"invalid utf-8 sequence of {exc.end - exc.start} bytes"
+        )
         raise HeaderDecodeError(
-            f"{prefix_text}invalid UTF-8 in header: invalid utf-8 sequence of 1 bytes from "
-            f"index {exc.start} (file offset {N_LEN + exc.start})",
+            f"{prefix_text}invalid UTF-8 in header: {what} from index {exc.start} "
+            f"(file offset {N_LEN + exc.start})",
             kind="InvalidHeader",
             offset=N_LEN + exc.start,
         ) from None
     obj = _decode_json(text, prefix_text)
-    if not isinstance(obj, dict):
-        raise _decode_error(prefix_text, f"invalid type: {_describe(obj)}, expected a map")
-    assert isinstance(obj, _Obj)
-    if "__metadata__" in obj.dups:
-        raise _decode_error(prefix_text, "duplicate field `__metadata__`")
+    if not isinstance(obj, _Obj):
+        raise _decode_error(
+            prefix_text, f"invalid type: {_describe(obj)}, expected struct HashMetadata"
+        )
+    check_surrogates = _MAYBE_SURROGATE.search(text) is not None
 
+    # Pass 1, as serde streams the top-level object: __metadata__ is deserialized where it
+    # stands; every other entry is only parsed (buffered), which already refuses lone
+    # surrogates and nesting past the recursion limit.
     metadata: dict[str, str] | None = None
-    entries: list[tuple[int, int, str, DType, list[int]]] = []
-    for name, value in obj.items():
+    seen_metadata = False
+    raw: list[tuple[str, Any]] = []
+    for name, value in obj.pairs():
+        problem = _surrogate_message(name) if check_surrogates else None
+        if problem:
+            raise _decode_error(prefix_text, problem)
         if name == "__metadata__":
-            metadata = _parse_metadata(value, prefix_text)
+            if seen_metadata:
+                raise _decode_error(prefix_text, "duplicate field `__metadata__`")
+            seen_metadata = True
+            metadata = _parse_metadata(value, prefix_text, check_surrogates)
             continue
-        dtype, shape, (begin, end) = _parse_entry(name, value, prefix_text)
-        entries.append((begin, end, name, dtype, shape))
+        problem = _scan(value, check_surrogates, 1)
+        if problem:
+            raise _decode_error(prefix_text, problem, name)
+        raw.append((name, value))
 
+    # Pass 2: the buffered entries become TensorInfo in document order (so an earlier entry
+    # of a repeated name must be valid too), and the last entry of a name wins.
+    parsed: dict[str, tuple[DType, list[int], list[int]]] = {}
+    for name, value in raw:
+        parsed[name] = _parse_entry(name, value, prefix_text)
+    entries = [
+        (begin, end, name, dtype, shape) for name, (dtype, shape, (begin, end)) in parsed.items()
+    ]
     entries.sort(key=lambda e: (e[0], e[1], e[2]))
     data_start = N_LEN + len(header)
     tensors: dict[str, TensorInfo] = {}
@@ -541,7 +722,8 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None
         return None
     if not isinstance(metadata, Mapping):
         raise TypeError(
-            f"argument 'metadata': '{type(metadata).__name__}' object cannot be converted to 'PyDict'"
+            f"argument 'metadata': '{type(metadata).__name__}' object cannot be converted to "
+            "'PyDict'"
         )
     out: dict[str, str] = {}
     for key, value in metadata.items():

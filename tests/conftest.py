@@ -1,0 +1,58 @@
+"""Shared test helpers: building raw files byte by byte, and the reference implementation.
+
+``raw_file`` builds files with ``struct.pack`` so that malformed headers can be written exactly as
+a test needs them (no writer in between to fix them up).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import pytest
+
+__all__ = ["compact_json", "raw_file"]
+
+
+def compact_json(obj: Any) -> bytes:
+    """JSON the way the reference writes it: compact, not ASCII-escaped, UTF-8."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def raw_file(header: bytes | str | Any, data: bytes = b"", n: int | None = None) -> bytes:
+    """Build the bytes of a (possibly malformed) safetensors file.
+
+    Args:
+        header: The header region: bytes as they are, a str encoded as UTF-8, or any other
+            object serialized with :func:`compact_json`. No padding is added.
+        data: The data buffer that follows the header.
+        n: The length prefix to write; defaults to the header's real length.
+
+    Returns:
+        ``u64 LE n`` + header + data.
+    """
+    if isinstance(header, str):
+        header = header.encode("utf-8")
+    elif not isinstance(header, (bytes, bytearray)):
+        header = compact_json(header)
+    return struct.pack("<Q", len(header) if n is None else n) + bytes(header) + data
+
+
+@pytest.fixture(name="raw_file")
+def raw_file_fixture() -> Any:
+    """The :func:`raw_file` builder, for tests that prefer fixtures to imports."""
+    return raw_file
+
+
+@pytest.fixture(name="write_raw")
+def write_raw_fixture(tmp_path: Any) -> Any:
+    """Write raw bytes to a fresh file under ``tmp_path`` and return its path."""
+    counter = iter(range(1_000_000))
+
+    def write(content: bytes) -> Any:
+        path = tmp_path / f"raw{next(counter)}.safetensors"
+        path.write_bytes(content)
+        return path
+
+    return write
