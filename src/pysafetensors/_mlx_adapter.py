@@ -1,0 +1,111 @@
+"""The MLX adapter (``framework="mlx"``): ``mx.array`` values built over the raw bits.
+
+MLX cannot take ml_dtypes arrays (``mx.array`` of a bfloat16 numpy array fails, and a float64
+one is silently narrowed to float32), so tensors cross the boundary as unsigned integers of the
+same width and are reinterpreted with ``mx.view``. That keeps every value bit-exact, F64
+included (the reference's MLX loader turns F64 into float32). MLX has no float8, float6 or
+float4 dtypes; those tensors are refused with a pointer to ``framework="numpy"``.
+
+MLX dtypes are resolved by name from the one table in ``_dtypes`` (``mx.bool_`` for BOOL).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import mlx.core as mx
+import numpy as np
+
+from ._adapter import NumpyAdapter, numpy_dtype
+from ._devices import Device, parse_device
+from ._dtypes import DTYPES, DType
+from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._format import SERIALIZE_PREFIX
+from ._writer import TensorData
+
+__all__ = ["ADAPTER", "MlxAdapter"]
+
+_NUMPY: Final = NumpyAdapter()
+
+
+def _mx_attr(name: str) -> Any:
+    """``mx.<name>``, or ``mx.<name>_`` where the plain name is a Python builtin (``bool_``)."""
+    return getattr(mx, name, None) or getattr(mx, name + "_", None)
+
+
+# Resolved once from the shared table; types this MLX lacks (float8, float6, float4) are absent.
+_TO_MX: Final[dict[str, Any]] = {
+    d.code: _mx_attr(d.numpy)
+    for d in DTYPES
+    if d.numpy and not d.packed and isinstance(_mx_attr(d.numpy), mx.Dtype)
+}
+_FROM_MX: Final[dict[Any, DType]] = {_TO_MX[d.code]: d for d in DTYPES if d.code in _TO_MX}
+#: Unsigned integer carriers by byte width: the bits cross numpy <-> MLX unchanged as these.
+_CARRIER: Final[dict[int, tuple[Any, Any]]] = {
+    1: (np.uint8, mx.uint8),
+    2: (np.uint16, mx.uint16),
+    4: (np.uint32, mx.uint32),
+    8: (np.uint64, mx.uint64),
+}
+
+
+def _refuse(dtype: DType) -> DTypeNotSupportedError:
+    return DTypeNotSupportedError(
+        f"Dtype not understood: {dtype.code} (MLX has no such dtype; load it with "
+        "framework='numpy' instead)",
+        kind="DtypeNotUnderstood",
+    )
+
+
+class MlxAdapter:
+    """``mx.array`` values in unified memory."""
+
+    framework = "mlx"
+
+    def check_device(self, device: Any) -> Device:
+        dev = parse_device(device)
+        if dev.type != "cpu":
+            # Unified memory: an MLX array has no device; the stream chooses where ops run.
+            raise SafetensorError(
+                f"Device {dev} is not supported for framework {self.framework}",
+                kind="InvalidDevice",
+            )
+        return dev
+
+    def from_bytes(
+        self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device
+    ) -> Any:
+        target = _TO_MX.get(dtype.code)
+        if target is None:
+            raise _refuse(dtype)
+        np_carrier, mx_carrier = _CARRIER[dtype.bits // 8]
+        # mx.array copies, so views of a memory map are not kept alive.
+        bits = mx.array(_NUMPY.from_bytes(buf, dtype, shape, device).view(np_carrier))
+        return bits if target == mx_carrier else bits.view(target)
+
+    def to_data(self, name: str, tensor: Any) -> TensorData:
+        if isinstance(tensor, (np.ndarray, np.generic)):
+            return _NUMPY.to_data(name, tensor)
+        if not isinstance(tensor, mx.array):
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}Key `{name}` is invalid, expected mlx.core.array or "
+                f"numpy.ndarray but received {type(tensor)}",
+                kind="InvalidTensor",
+                tensor=name,
+            )
+        try:
+            dtype = _FROM_MX[tensor.dtype]
+        except KeyError:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "
+                "cannot store",
+                kind="UnknownDtype",
+                tensor=name,
+            ) from None
+        np_carrier, mx_carrier = _CARRIER[dtype.bits // 8]
+        bits = tensor if tensor.dtype == mx_carrier else tensor.view(mx_carrier)
+        # np.asarray reads the MLX buffer without a copy (it evaluates lazy arrays first).
+        return _NUMPY.to_data(name, np.asarray(bits).view(numpy_dtype(dtype)))
+
+
+ADAPTER: Final = MlxAdapter()

@@ -1,0 +1,174 @@
+"""The Paddle adapter (``framework="paddle"``): tensors over raw bits, saved from their memory.
+
+Reading: the bytes are read into numpy, handed to ``paddle.to_tensor`` (on the requested place)
+as a numpy dtype Paddle accepts, or as a signed integer of the same width that is then
+reinterpreted with ``Tensor.view(dtype)`` (bfloat16, float8, uint32, uint64: ``to_tensor``
+refuses the ml_dtypes and wide unsigned numpy types).
+
+Writing: bytes come straight from ``Tensor.data_ptr()`` (CPU, made contiguous if needed), as in the
+reference's Paddle module, so every Paddle dtype safetensors can hold is written without a
+numpy detour.
+
+Paddle dtypes are resolved by name from the one table in ``_dtypes``. ``paddle.uint16`` is an
+alias of ``paddle.bfloat16``, so U16 is refused rather than loaded as bfloat16 (the reference's
+quirk); F8_E8M0, the FNUZ float8s, F4 and F6 have no Paddle dtype and are refused too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import sys
+from collections.abc import Iterator
+from typing import Any, Final
+
+import numpy as np
+import paddle
+
+from ._adapter import NumpyAdapter, numpy_dtype
+from ._devices import Device, parse_device
+from ._dtypes import DTYPES, DType, dtype_from_name
+from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._format import SERIALIZE_PREFIX
+from ._writer import TensorData
+
+__all__ = ["ADAPTER", "PaddleAdapter", "paddle_dtype"]
+
+_NUMPY: Final = NumpyAdapter()
+_VERSION: Final[str] = str(getattr(paddle, "__version__", "?"))
+
+
+def _resolve(name: str) -> Any:
+    """``paddle.<name>`` if it is really that dtype (``paddle.uint16`` is bfloat16 in disguise)."""
+    value = getattr(paddle, name, None)
+    if value is None or str(value) != f"paddle.{name}":
+        return None
+    return value
+
+
+# Resolved once from the shared table; dtypes this Paddle lacks are simply absent.
+_TO_PADDLE: Final[dict[str, Any]] = {
+    d.code: _resolve(d.name) for d in DTYPES if not d.packed and _resolve(d.name) is not None
+}
+#: Signed integer carriers by byte width (``to_tensor`` takes every signed width).
+_CARRIER: Final[dict[int, Any]] = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def paddle_dtype(dtype: DType) -> Any:
+    """The Paddle dtype for a safetensors dtype.
+
+    Raises:
+        DTypeNotSupportedError: Paddle has no such dtype.
+    """
+    try:
+        return _TO_PADDLE[dtype.code]
+    except KeyError:
+        raise DTypeNotSupportedError(
+            f"Dtype not understood: {dtype.code} (Paddle {_VERSION} has no such "
+            "dtype; load it with framework='numpy' instead)",
+            kind="DtypeNotUnderstood",
+        ) from None
+
+
+@functools.cache
+def _native(dtype: DType) -> bool:
+    """Whether ``to_tensor`` takes the numpy form of ``dtype`` as that very dtype."""
+    try:
+        made = paddle.to_tensor(np.zeros(1, numpy_dtype(dtype)))
+    except Exception:  # noqa: BLE001 - Paddle reports unknown numpy types as ValueError/TypeError
+        return False
+    return str(made.dtype) == f"paddle.{dtype.name}"
+
+
+def _place(device: Device) -> str:
+    """Paddle's place string for a parsed device (CUDA is ``gpu`` in Paddle)."""
+    if device.type == "cpu":
+        return "cpu"
+    kind = "gpu" if device.type in ("cuda", "anonymous") else device.type
+    return f"{kind}:{device.index or 0}"
+
+
+class PaddleAdapter:
+    """Paddle tensors on the CPU or any place Paddle was built for."""
+
+    framework = "paddle"
+
+    def check_device(self, device: Any) -> Device:
+        if isinstance(device, str) and device.partition(":")[0] == "gpu":
+            # Paddle's own spelling of a CUDA place.
+            device = "cuda" + device[3:]
+        dev = parse_device(device)
+        if dev.type in ("cuda", "anonymous") and not paddle.device.is_compiled_with_cuda():
+            raise SafetensorError(
+                f"device {dev} was requested but Paddle {_VERSION} was built without "
+                "CUDA; use device='cpu'",
+                kind="InvalidDevice",
+            )
+        if dev.type == "mps":
+            raise SafetensorError(
+                f"Device {dev} is not supported for framework paddle", kind="InvalidDevice"
+            )
+        return dev
+
+    def from_bytes(
+        self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device
+    ) -> Any:
+        target = paddle_dtype(dtype)
+        arr = _NUMPY.from_bytes(buf, dtype, shape, device)
+        place = _place(device)
+        # to_tensor copies, so views of a memory map are not kept alive.
+        if _native(dtype):
+            return paddle.to_tensor(arr, place=place)
+        # Reshape happens in numpy: Paddle has no reshape kernel for uint32/uint64.
+        bits = paddle.to_tensor(arr.view(_CARRIER[dtype.bits // 8]), place=place)
+        return bits.view(target)
+
+    def to_data(self, name: str, tensor: Any) -> TensorData:
+        if isinstance(tensor, (np.ndarray, np.generic)):
+            return _NUMPY.to_data(name, tensor)
+        if not isinstance(tensor, paddle.Tensor):
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}Key `{name}` is invalid, expected paddle.Tensor but received "
+                f"{type(tensor)}",
+                kind="InvalidTensor",
+                tensor=name,
+            )
+        type_name = str(tensor.dtype).rpartition(".")[2]
+        try:
+            dtype = dtype_from_name(type_name)
+        except SerializeError:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "
+                "cannot store",
+                kind="UnknownDtype",
+                tensor=name,
+            ) from None
+        shape = tuple(int(d) for d in tensor.shape)
+        source = tensor
+
+        def chunks() -> Iterator[Any]:
+            t = source
+            if not t.place.is_cpu_place():
+                t = t.cpu()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            nbytes = math.prod(shape) * dtype.bits // 8
+            if nbytes == 0:
+                return
+            # Straight from the tensor's memory, as the reference does: no copy in user space.
+            raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+            if sys.byteorder == "big":  # pragma: no cover - no big-endian CI host
+                width = dtype.bits // 8
+                yield (
+                    np.frombuffer(memoryview(raw), f">u{width}").astype(f"<u{width}").view(np.uint8)
+                )
+            else:
+                yield raw
+            # Keep `t` alive until the consumer has written the bytes.
+            del t
+
+        return TensorData(name, dtype, shape, chunks, keepalive=tensor)
+
+
+ADAPTER: Final = PaddleAdapter()

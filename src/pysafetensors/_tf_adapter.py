@@ -1,0 +1,88 @@
+"""The TensorFlow adapter (``framework="tf"`` or ``"tensorflow"``): tensors through numpy.
+
+TensorFlow registers ml_dtypes' types as its own (bfloat16, the float8 family, float4_e2m1fn), so
+a tensor is read into numpy by :class:`~pysafetensors._adapter.NumpyAdapter` and handed to
+``tf.convert_to_tensor``; saving goes the other way through ``.numpy()``. Which dtypes work is
+asked of ``tf.as_dtype`` (TensorFlow 2.21 has no F6 and no F8_E8M0), not kept in a table here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Final
+
+import numpy as np
+import tensorflow as tf
+
+from ._adapter import NumpyAdapter, numpy_dtype
+from ._devices import Device, parse_device
+from ._dtypes import DType
+from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._format import SERIALIZE_PREFIX
+from ._writer import TensorData
+
+__all__ = ["ADAPTER", "TensorFlowAdapter"]
+
+_NUMPY: Final = NumpyAdapter()
+
+
+@functools.cache
+def _supported(dtype: DType) -> bool:
+    """Whether this TensorFlow build has ``dtype`` (probed once with a one-element array)."""
+    try:
+        tf.convert_to_tensor(np.zeros(1, numpy_dtype(dtype)))
+    except Exception:  # noqa: BLE001 - TF raises ValueError or TypeError depending on the path
+        return False
+    return True
+
+
+class TensorFlowAdapter:
+    """``tf.Tensor`` values, created on TensorFlow's default device."""
+
+    framework = "tensorflow"
+
+    def check_device(self, device: Any) -> Device:
+        dev = parse_device(device)
+        if dev.type != "cpu":
+            # As in the reference: placement is TensorFlow's job (`with tf.device(...)`).
+            raise SafetensorError(
+                f"Device {dev} is not supported for framework {self.framework}; load inside "
+                "`with tf.device(...)` to place the tensors",
+                kind="InvalidDevice",
+            )
+        return dev
+
+    def from_bytes(
+        self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device
+    ) -> Any:
+        if not _supported(dtype):
+            raise DTypeNotSupportedError(
+                f"Dtype not understood: {dtype.code} (TensorFlow {tf.__version__} has no such "
+                "dtype; load it with framework='numpy' instead)",
+                kind="DtypeNotUnderstood",
+            )
+        # convert_to_tensor copies, so views of a memory map are not kept alive.
+        return tf.convert_to_tensor(_NUMPY.from_bytes(buf, dtype, shape, device))
+
+    def to_data(self, name: str, tensor: Any) -> TensorData:
+        if isinstance(tensor, tf.SparseTensor):
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` is sparse; convert it with "
+                "tf.sparse.to_dense first",
+                kind="SparseTensor",
+                tensor=name,
+            )
+        if isinstance(tensor, (tf.Tensor, tf.Variable)):
+            # .numpy() copies the tensor to host memory; the copy is what gets written.
+            return _NUMPY.to_data(name, tensor.numpy())
+        if isinstance(tensor, (np.ndarray, np.generic)):
+            return _NUMPY.to_data(name, tensor)
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}Key `{name}` is invalid, expected tf.Tensor, tf.Variable or "
+            f"numpy.ndarray but received {type(tensor)}",
+            kind="InvalidTensor",
+            tensor=name,
+        )
+
+
+ADAPTER: Final = TensorFlowAdapter()

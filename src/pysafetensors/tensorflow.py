@@ -1,0 +1,85 @@
+"""TensorFlow: ``save``, ``save_file``, ``load``, ``load_file`` with the reference's signatures.
+
+Tensors come back as ``tf.Tensor`` on TensorFlow's default device. bfloat16, F8_E4M3, F8_E5M2,
+the FNUZ float8s and F4 (``float4_e2m1fn``, one value per element) work in both directions;
+F8_E8M0 and F6 have no TensorFlow dtype and are refused. ``tf.Variable`` values are saved by
+their current value. Unlike the reference, ``save`` never replaces the values of the caller's
+dict with numpy arrays.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from ._tf_adapter import ADAPTER
+
+__all__ = ["load", "load_file", "save", "save_file"]
+
+
+def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialize TensorFlow tensors to the bytes of a safetensors file.
+
+    Args:
+        tensors: Name to ``tf.Tensor`` or ``tf.Variable`` (numpy arrays too). Never modified.
+        metadata: Optional ``__metadata__`` (str to str).
+
+    Returns:
+        The file's bytes, identical to the reference's for the same tensors.
+
+    Raises:
+        SerializeError: A value is not a tensor, is sparse, or has a dtype safetensors cannot
+            store.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> from pysafetensors.tensorflow import load, save
+        >>> load(save({"a": tf.ones((2,), tf.bfloat16)}))["a"].dtype
+        tf.bfloat16
+    """
+    return save_bytes_with(ADAPTER, tensors, metadata)
+
+
+def save_file(
+    tensors: Mapping[str, Any],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = False,
+) -> None:
+    """Write TensorFlow tensors to a safetensors file, atomically.
+
+    Args:
+        tensors: As for :func:`save`. Never modified.
+        filename: Target path; an existing file is replaced only once the new one is complete.
+        metadata: Optional ``__metadata__``.
+        fsync: Make the file durable before returning.
+    """
+    save_file_with(ADAPTER, tensors, filename, metadata, fsync=fsync)
+
+
+def load(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Load TensorFlow tensors from the bytes of a safetensors file, in file order.
+
+    Args:
+        data: The file's bytes.
+
+    Returns:
+        Name to ``tf.Tensor``.
+    """
+    return load_bytes_with(ADAPTER, data, "cpu")
+
+
+def load_file(filename: Any, *, backend: str = "mmap") -> dict[str, Any]:
+    """Load every tensor of a file (a path, URL or file object) as ``tf.Tensor``, in file order.
+
+    Args:
+        filename: What to read.
+        backend: ``"mmap"`` or ``"pread"``.
+
+    Returns:
+        Name to ``tf.Tensor``.
+    """
+    return load_file_with("tf", filename, "cpu", backend)
