@@ -292,7 +292,9 @@ class TorchPolicy:
         """Dispatch a call on a stand-in to our own handler for that exact name."""
         if not isinstance(func, Stand):
             raise _unsafe(f"{opcode} on a non-callable {type(func).__name__}", None, offset)
-        if opcode == "NEWOBJ_EX" or (opcode == "NEWOBJ" and func.kind not in ("odict", "set")):
+        if opcode in ("NEWOBJ_EX", "INST", "OBJ") or (
+            opcode == "NEWOBJ" and func.kind not in ("odict", "set")
+        ):
             raise _unsafe(f"{opcode} on {func.name}", func.name, offset)
         handler = _HANDLERS.get(func.kind)
         if handler is None:
@@ -305,6 +307,8 @@ class TorchPolicy:
             return obj
         if isinstance(obj, TensorRef) and (state is None or state == {} or state == ((), {})):
             return obj
+        if isinstance(obj, Stand):
+            raise _unsafe(f"BUILD changes the attributes of {obj.name}", obj.name, offset)
         raise _unsafe(f"BUILD on {type(obj).__name__}", None, offset)
 
     def persistent(self, pid: Any, offset: int, opcode: str) -> Any:

@@ -246,6 +246,12 @@ class _ScanPolicy:
     def reduce(self, func: Any, args: Any, offset: int, opcode: str) -> Any:
         if isinstance(func, _SymGlobal):
             full = f"{func.module}.{func.name}"
+            if full == "_codecs.encode" and (
+                type(args) is not tuple or len(args) != 2 or args[1] not in ("latin1", "latin-1")
+            ):
+                self.report._add(
+                    "suspicious", "_codecs.encode with an unusual encoding", self.where, offset
+                )
             if full in _NESTED_LOADERS:
                 for arg in args if type(args) is tuple else ():
                     if isinstance(arg, (bytes, bytearray)):
