@@ -1,0 +1,483 @@
+"""Reshard, merge and extract checkpoints by copying tensor bytes file to file.
+
+Tensors are never decoded: each one's bytes go from its place in a source shard to its place
+in the output with ``os.copy_file_range`` (in the kernel; on filesystems with reflinks, no data
+is even copied), falling back to ``os.sendfile`` and then to ``pread``/``pwrite`` in bounded
+chunks. Remote sources are read in bounded chunks. Peak memory is one chunk, whatever the
+model's size.
+
+Outputs are planned exactly as a direct save would plan them (the hub's splitter for shards,
+the reference's layout for each file), so resharding, merging or extracting gives files
+byte-identical to saving the same tensors directly with :func:`~pysafetensors.save_sharded`
+(or ``save_file`` with ``{"format": "pt", ...}`` metadata).
+
+Tensor order (which decides shard boundaries) is the source index's ``weight_map`` order, which
+for hub-written checkpoints is the original state dict's order; for a single source file it is
+the file's data order.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
+
+from ._errors import SafetensorError
+from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
+from ._reader import open_source_for
+from ._sharded import ShardedSafeOpen
+from ._sharding import (
+    DEFAULT_FILENAME_PATTERN,
+    MAX_SHARD_SIZE,
+    ShardPlan,
+    parse_size,
+    remove_stale_files,
+    split_into_shards,
+    write_index,
+)
+from ._sources import ByteSource
+from ._writer import atomic_output
+
+__all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
+
+#: Bytes per step of the fallback copies (and per progress report).
+COPY_CHUNK: Final = 8 << 20
+#: Index metadata keys that describe the tensors, recomputed rather than copied.
+_COMPUTED_KEYS: Final = ("total_size", "total_parameters")
+# copy_file_range refuses some pairs of files (different filesystems on old kernels, special
+# files); these errors mean "use another way", anything else is a real I/O error.
+_FALLBACK_ERRNOS: Final = frozenset(
+    getattr(errno, n)
+    for n in ("EXDEV", "EINVAL", "ENOSYS", "EOPNOTSUPP", "ENOTSUP", "EBADF", "EPERM")
+    if hasattr(errno, n)
+)
+
+Progress = Callable[[int, int], None]
+
+
+def _short(src_off: int, length: int) -> SafetensorError:
+    return SafetensorError(
+        f"source ended early while copying {length} bytes at offset {src_off} (was it truncated "
+        "while being copied?)",
+        kind="ShortRead",
+        offset=src_off,
+    )
+
+
+def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, length: int) -> None:
+    """Copy ``length`` bytes between two files at explicit offsets, without a Python buffer
+    when the kernel allows it.
+
+    Tries ``os.copy_file_range``, then ``os.sendfile``, then ``pread``/``pwrite`` in chunks of
+    :data:`COPY_CHUNK` bytes. Neither file's position matters (except that ``sendfile`` moves
+    the destination's).
+
+    Raises:
+        SafetensorError: The source is shorter than expected.
+        OSError: A real I/O error.
+    """
+    done = 0
+    cfr = getattr(os, "copy_file_range", None)
+    if cfr is not None:
+        try:
+            while done < length:
+                n = cfr(src_fd, dst_fd, min(length - done, 1 << 30), src_off + done, dst_off + done)
+                if n <= 0:
+                    raise _short(src_off + done, length - done)
+                done += n
+            return
+        except OSError as exc:
+            if exc.errno not in _FALLBACK_ERRNOS:
+                raise
+    sendfile = getattr(os, "sendfile", None)
+    if sendfile is not None:
+        try:
+            os.lseek(dst_fd, dst_off + done, os.SEEK_SET)
+            while done < length:
+                n = sendfile(dst_fd, src_fd, src_off + done, min(length - done, 1 << 30))
+                if n <= 0:
+                    raise _short(src_off + done, length - done)
+                done += n
+            return
+        except OSError as exc:
+            if exc.errno not in _FALLBACK_ERRNOS:
+                raise
+    buf = bytearray(min(COPY_CHUNK, length - done))
+    view = memoryview(buf)
+    while done < length:
+        want = min(len(buf), length - done)
+        n = os.preadv(src_fd, [view[:want]], src_off + done)
+        if n <= 0:
+            raise _short(src_off + done, length - done)
+        put = 0
+        while put < n:
+            put += os.pwrite(dst_fd, view[put:n], dst_off + done + put)
+        done += n
+
+
+def _copy_from_source(source: ByteSource, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
+    """Bounded-chunk copy from a source without a file descriptor (remote, file object)."""
+    buf = bytearray(min(COPY_CHUNK, n))
+    view = memoryview(buf)
+    done = 0
+    while done < n:
+        want = min(len(buf), n - done)
+        source.readinto(src_off + done, view[:want])
+        put = 0
+        while put < want:
+            put += os.pwrite(dst_fd, view[put:want], dst_off + done + put)
+        done += want
+
+
+class _Sources:
+    """Source shards, each opened once for reading: an fd for local files, else a ByteSource."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._remote: dict[str, ByteSource] = {}
+
+    def open_all(self, paths: Iterable[str]) -> None:
+        """Open every local source now: an output that replaces a source (resharding in
+        place) then leaves our descriptor on the old file, which stays readable."""
+        for path in paths:
+            if "://" not in path and path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def copy(self, path: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
+        if not n:
+            return
+        if "://" in path:
+            source = self._remote.get(path)
+            if source is None:
+                source = self._remote[path] = open_source_for(path, "pread")
+            _copy_from_source(source, src_off, dst_fd, dst_off, n)
+            return
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        copy_range(fd, src_off, dst_fd, dst_off, n)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        for source in self._remote.values():
+            source.close()
+        self._fds, self._remote = {}, {}
+
+
+def _source_order(src: ShardedSafeOpen) -> list[str]:
+    if src.path.endswith(".index.json"):
+        return list(src.weight_map())
+    return src.offset_keys()
+
+
+def _user_metadata(src: ShardedSafeOpen, fmt: str) -> dict[str, Any]:
+    """What a direct save would have been given as ``metadata``: the index's metadata without
+    the computed keys, or a single file's metadata without its ``format``."""
+    meta = src.index_metadata() or {}
+    if src.path.endswith(".index.json"):
+        return {k: v for k, v in meta.items() if k not in _COMPUTED_KEYS}
+    if meta.get("format") == fmt:
+        del meta["format"]
+    return meta
+
+
+def _as_header_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
+    # A header holds strings only; index metadata may hold any JSON value.
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+
+def _write_one(
+    path: str,
+    infos: list[tuple[str, int, TensorInfo]],
+    metadata: Mapping[str, str],
+    sources: _Sources,
+    *,
+    fsync: bool,
+    max_header_size: int,
+    progress: Progress | None,
+    state: list[int],
+) -> None:
+    by_name = {info.name: (spath, off, info) for spath, off, info in infos}
+    layout = build_layout(
+        ((i.name, i.dtype, i.shape) for _, _, i in infos), metadata, max_header_size=max_header_size
+    )
+    with atomic_output(path, fsync=fsync) as fd:
+        os.ftruncate(fd, layout.file_size)
+        head = memoryview(layout.header)
+        while head:
+            head = head[os.write(fd, head) :]
+        base = len(layout.header)
+        for planned in layout.tensors:
+            spath, off, info = by_name[planned.name]
+            sources.copy(spath, off, fd, base + planned.begin, info.nbytes)
+            if progress is not None:
+                state[0] += info.nbytes
+                progress(state[0], state[1])
+
+
+def _rewrite(
+    src: ShardedSafeOpen,
+    names: list[str],
+    out: str,
+    *,
+    max_shard_size: int | str | None,
+    metadata: Mapping[str, Any] | None,
+    filename_pattern: str,
+    fmt: str,
+    clean: bool,
+    fsync: bool,
+    max_header_size: int,
+    progress: Progress | None,
+) -> ShardPlan:
+    located = {name: src._locate(name) for name in names}
+    sizes = {name: located[name][2].nbytes for name in names}
+    meta = dict(_user_metadata(src, fmt) if metadata is None else metadata)
+    if "total_parameters" in (src.index_metadata() or {}) and metadata is None:
+        # transformers v5 records it; recompute it for the tensors actually written.
+        count = 0
+        for name in names:
+            n = 1
+            for d in located[name][2].shape:
+                n *= d
+            count += n
+        meta = {"total_parameters": count, **meta}
+    state = [0, sum(sizes.values())]
+    sources = _Sources()
+    try:
+        sources.open_all(src.files())
+        if max_shard_size is None:
+            header_meta = {"format": fmt, **_as_header_metadata(meta)}
+            _write_one(
+                out,
+                [located[n] for n in names],
+                header_meta,
+                sources,
+                fsync=fsync,
+                max_header_size=max_header_size,
+                progress=progress,
+                state=state,
+            )
+            return ShardPlan(
+                {"total_size": state[1]},
+                {os.path.basename(out): list(names)},
+                dict.fromkeys(names, os.path.basename(out)),
+            )
+        plan = split_into_shards(
+            sizes,
+            get_storage_size=lambda n: n,
+            filename_pattern=filename_pattern,
+            max_shard_size=parse_size(max_shard_size),
+        )
+        if not plan.filename_to_tensors:
+            plan = ShardPlan({"total_size": 0}, {filename_pattern.format(suffix=""): []}, {})
+        os.makedirs(out, exist_ok=True)
+        per_file: dict[str, str] = {"format": fmt}
+        if not plan.is_sharded:
+            per_file.update(_as_header_metadata(meta))
+        written = []
+        for fname, shard_names in plan.filename_to_tensors.items():
+            _write_one(
+                os.path.join(out, fname),
+                [located[n] for n in shard_names],
+                per_file,
+                sources,
+                fsync=fsync,
+                max_header_size=max_header_size,
+                progress=progress,
+                state=state,
+            )
+            written.append(fname)
+        if plan.is_sharded:
+            index = write_index(out, plan, meta, filename_pattern=filename_pattern, fsync=fsync)
+            written.append(os.path.basename(index))
+        if clean:
+            remove_stale_files(out, filename_pattern, written)
+        return plan
+    finally:
+        sources.close()
+
+
+def reshard(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+    format: str = "pt",  # noqa: A002 - the metadata key's name
+    clean: bool = True,
+    fsync: bool = False,
+    max_header_size: int = MAX_HEADER_SIZE,
+    progress: Progress | None = None,
+) -> ShardPlan:
+    """Re-split a checkpoint (folder, index or single file) into shards of a new size.
+
+    Args:
+        source: What to read: a model folder, a ``*.index.json`` or a ``.safetensors`` file.
+        output: Target folder (created if missing). It may be the source's own folder: every
+            source file is opened before anything is written, and each output file replaces
+            its namesake atomically.
+        max_shard_size: New limit per shard (bytes, or ``"5GB"``-style decimal units).
+        metadata: User metadata for the output; by default the source's (index metadata
+            without ``total_size``, or a single file's metadata without ``format``).
+        filename_pattern: Output file name pattern with a ``{suffix}`` field.
+        format: Value of the ``format`` header key in every output file.
+        clean: Delete stale files of an earlier save with the same pattern in ``output``.
+        fsync: Make every file durable before returning.
+        max_header_size: Largest header accepted, read and written.
+        progress: Called as ``progress(bytes_done, bytes_total)`` after each tensor.
+
+    Returns:
+        The plan written.
+
+    Raises:
+        SafetensorError: The source is invalid.
+        ValueError: ``max_shard_size`` does not parse.
+    """
+    out = os.fspath(output)
+    with ShardedSafeOpen(
+        _folder_or_file(source), "numpy", backend="pread", max_header_size=max_header_size
+    ) as src:
+        return _rewrite(
+            src,
+            _source_order(src),
+            out,
+            max_shard_size=max_shard_size,
+            metadata=metadata,
+            filename_pattern=filename_pattern,
+            fmt=format,
+            clean=clean,
+            fsync=fsync,
+            max_header_size=max_header_size,
+            progress=progress,
+        )
+
+
+def merge(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    format: str = "pt",  # noqa: A002 - the metadata key's name
+    fsync: bool = False,
+    max_header_size: int = MAX_HEADER_SIZE,
+    progress: Progress | None = None,
+) -> None:
+    """Merge a sharded checkpoint into one ``.safetensors`` file.
+
+    The file's metadata is ``{"format": format, **metadata}``, where ``metadata`` defaults to
+    the index's (without ``total_size``; values that are not strings become their JSON text).
+
+    Raises:
+        SafetensorError: The source is invalid.
+    """
+    out = os.fspath(output)
+    with ShardedSafeOpen(
+        _folder_or_file(source), "numpy", backend="pread", max_header_size=max_header_size
+    ) as src:
+        _rewrite(
+            src,
+            _source_order(src),
+            out,
+            max_shard_size=None,
+            metadata=metadata,
+            filename_pattern=DEFAULT_FILENAME_PATTERN,
+            fmt=format,
+            clean=False,
+            fsync=fsync,
+            max_header_size=max_header_size,
+            progress=progress,
+        )
+
+
+def select_names(
+    names: Iterable[str], patterns: Iterable[str], *, regex: bool = False
+) -> list[str]:
+    """Names matching any pattern, in the given order.
+
+    Args:
+        names: Candidate names.
+        patterns: Shell globs matched against the whole name (``"model.layers.0.*"``), or, with
+            ``regex=True``, regular expressions searched anywhere in it (anchor with ``^``/``$``).
+        regex: Read patterns as regular expressions.
+
+    Raises:
+        re.error: A regular expression does not compile.
+    """
+    pats = list(patterns)
+    if regex:
+        compiled = [re.compile(p) for p in pats]
+        return [n for n in names if any(c.search(n) for c in compiled)]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+
+
+def extract(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    patterns: Iterable[str],
+    *,
+    regex: bool = False,
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+    format: str = "pt",  # noqa: A002 - the metadata key's name
+    fsync: bool = False,
+    max_header_size: int = MAX_HEADER_SIZE,
+    progress: Progress | None = None,
+) -> list[str]:
+    """Copy the tensors whose names match into a new file (or sharded folder).
+
+    Args:
+        source: A model folder, index or file.
+        output: A ``.safetensors`` file, or a folder when ``max_shard_size`` is given.
+        patterns: Globs (or regular expressions with ``regex=True``); see :func:`select_names`.
+        regex: Read patterns as regular expressions.
+        max_shard_size: Write a sharded folder with this limit instead of one file.
+        metadata: User metadata; by default the source's.
+        filename_pattern: Output pattern when sharded.
+        format: Value of the ``format`` header key.
+        fsync: Make the output durable.
+        max_header_size: Largest header accepted.
+        progress: As for :func:`reshard`.
+
+    Returns:
+        The names extracted, in source order.
+
+    Raises:
+        SafetensorError: No tensor matches (kind ``NoMatch``), or the source is invalid.
+    """
+    out = os.fspath(output)
+    pats = list(patterns)
+    with ShardedSafeOpen(
+        _folder_or_file(source), "numpy", backend="pread", max_header_size=max_header_size
+    ) as src:
+        names = select_names(_source_order(src), pats, regex=regex)
+        if not names:
+            raise SafetensorError(
+                f"no tensor of {src.path!r} matches {', '.join(map(repr, pats))}", kind="NoMatch"
+            )
+        _rewrite(
+            src,
+            names,
+            out,
+            max_shard_size=max_shard_size,
+            metadata=metadata,
+            filename_pattern=filename_pattern,
+            fmt=format,
+            clean=max_shard_size is not None,
+            fsync=fsync,
+            max_header_size=max_header_size,
+            progress=progress,
+        )
+        return names
+
+
+def _folder_or_file(source: str | os.PathLike[str]) -> str:
+    # ShardedSafeOpen resolves folders and indexes; a plain file is opened as a one-file folder
+    # would be, so every source goes through the same code.
+    return os.fsdecode(os.fspath(source))

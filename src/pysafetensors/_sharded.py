@@ -1,0 +1,471 @@
+"""Open a sharded checkpoint (an index JSON or a model folder) as if it were one file.
+
+``safe_open`` hands a folder or a ``*.index.json`` path to :class:`ShardedSafeOpen`. Opening
+reads the index only (and checks that every shard it names exists); a shard's header is read
+the first time one of its tensors, or the file order of all tensors, is asked for, and its
+tensors' bytes only when they are asked for.
+
+Every shard opened is checked against the index: each tensor the index places there must be
+there, and each tensor there must be placed there by the index. :meth:`ShardedSafeOpen.validate`
+reads every header and also checks that no tensor is in two shards and that ``total_size``
+matches the bytes of tensor data.
+
+Folder resolution, in order: ``model.safetensors.index.json``; ``model.safetensors``; a single
+``*.safetensors.index.json`` (e.g. diffusers' ``diffusion_pytorch_model.safetensors.index.json``);
+a single ``*.safetensors``; otherwise an error that lists what the folder holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import threading
+from collections.abc import Iterator
+from pathlib import PureWindowsPath
+from typing import Any, Final
+
+from ._adapter import get_adapter
+from ._errors import ClosedFileError, SafetensorError, TensorNotFoundError
+from ._format import MAX_HEADER_SIZE, TensorInfo
+from ._reader import BACKENDS, SafeSlice, TensorMeta, open_source_for, safe_open
+
+__all__ = [
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "MissingShardError",
+    "ShardIndexError",
+    "ShardedSafeOpen",
+    "resolve_checkpoint",
+]
+
+INDEX_NAME: Final = "model.safetensors.index.json"
+SINGLE_NAME: Final = "model.safetensors"
+#: An index is metadata; refuse absurd sizes before parsing (the hub's cap is 10 MiB; ours is
+#: the header cap, since an index lists as many names as a header).
+MAX_INDEX_SIZE: Final = MAX_HEADER_SIZE
+
+
+class ShardIndexError(SafetensorError, ValueError):
+    """Raised when an index is malformed or disagrees with its shards, or a folder is ambiguous.
+
+    ``kind`` says which: ``InvalidIndex``, ``UnsafeShardName``, ``TensorNotInShard``,
+    ``TensorInTwoShards``, ``UnindexedTensor``, ``TotalSizeMismatch``, ``AmbiguousFolder``.
+    """
+
+
+class MissingShardError(SafetensorError, FileNotFoundError):
+    """Raised when a shard named by an index, or any checkpoint in a folder, does not exist."""
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _join(base: str, name: str) -> str:
+    return posixpath.join(base, name) if _is_url(base) else os.path.join(base, name)
+
+
+def resolve_checkpoint(path: str) -> tuple[str, bool]:
+    """Find the file to open for a folder, index or file path.
+
+    Returns:
+        ``(path, is_index)``.
+
+    Raises:
+        MissingShardError: The folder holds no checkpoint.
+        ShardIndexError: The folder holds several candidates and no rule picks one.
+    """
+    if _is_url(path) or not os.path.isdir(path):
+        return path, path.endswith(".index.json")
+    for name, is_index in ((INDEX_NAME, True), (SINGLE_NAME, False)):
+        candidate = os.path.join(path, name)
+        if os.path.isfile(candidate):
+            return candidate, is_index
+    names = sorted(os.listdir(path))
+    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+    if len(indexes) == 1:
+        return os.path.join(path, indexes[0]), True
+    files = [n for n in names if n.endswith(".safetensors")]
+    if len(files) == 1 and not indexes:
+        return os.path.join(path, files[0]), False
+    if not indexes and not files:
+        raise MissingShardError(
+            f"no safetensors checkpoint in folder {path!r}: expected {INDEX_NAME}, {SINGLE_NAME}, "
+            "a single *.safetensors.index.json or a single *.safetensors",
+            kind="NoCheckpoint",
+        )
+    found = ", ".join(indexes + files)
+    raise ShardIndexError(
+        f"folder {path!r} holds several checkpoints and no {INDEX_NAME} or {SINGLE_NAME} says "
+        f"which to open: {found}; pass the index or file path instead",
+        kind="AmbiguousFolder",
+    )
+
+
+def _check_shard_name(name: str, index: str) -> None:
+    # Parsed as a Windows path on every OS so that drive letters, UNC and backslash tricks are
+    # caught too (the hub's rule): an index must never point outside its folder.
+    win = PureWindowsPath(name)
+    if not name or win.drive or win.root or ".." in win.parts or name.startswith("/"):
+        raise ShardIndexError(
+            f"index {index!r} names shard {name!r}, which is not a relative path inside the "
+            "index's folder",
+            kind="UnsafeShardName",
+        )
+    if not name.endswith(".safetensors"):
+        raise ShardIndexError(
+            f"index {index!r} names shard {name!r}, which is not a .safetensors file",
+            kind="UnsafeShardName",
+        )
+
+
+def _read_bytes(path: str) -> bytes:
+    source = open_source_for(path, "pread")
+    try:
+        if source.size > MAX_INDEX_SIZE:
+            raise ShardIndexError(
+                f"index {path!r} is {source.size} bytes; the limit is {MAX_INDEX_SIZE}",
+                kind="InvalidIndex",
+            )
+        buf = bytearray(source.size)
+        if buf:
+            source.readinto(0, memoryview(buf))
+        return bytes(buf)
+    finally:
+        source.close()
+
+
+def _parse_index(path: str) -> tuple[dict[str, str], dict[str, Any] | None]:
+    raw = _read_bytes(path)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ShardIndexError(
+            f"index {path!r} is not valid JSON: {exc}", kind="InvalidIndex"
+        ) from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
+        raise ShardIndexError(
+            f'index {path!r} must be a JSON object with a "weight_map" object',
+            kind="InvalidIndex",
+        )
+    weight_map: dict[str, str] = {}
+    for tensor, shard in obj["weight_map"].items():
+        if not isinstance(shard, str):
+            raise ShardIndexError(
+                f"index {path!r}: weight_map[{tensor!r}] must be a file name, got "
+                f"{type(shard).__name__}",
+                kind="InvalidIndex",
+                tensor=tensor,
+            )
+        _check_shard_name(shard, path)
+        weight_map[tensor] = shard
+    metadata = obj.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ShardIndexError(
+            f'index {path!r}: "metadata" must be an object, got {type(metadata).__name__}',
+            kind="InvalidIndex",
+        )
+    return weight_map, metadata
+
+
+class ShardedSafeOpen:
+    """A sharded checkpoint opened as one file: the same methods as :class:`safe_open`.
+
+    Args:
+        filename: A ``*.index.json`` path or URL, or a model folder.
+        framework: As for :class:`safe_open`.
+        device: As for :class:`safe_open`.
+        backend: ``"mmap"`` or ``"pread"``, used for every shard.
+        max_header_size: Largest header accepted per shard.
+
+    Raises:
+        ShardIndexError: The index is malformed or the folder is ambiguous.
+        MissingShardError: A shard the index names does not exist, or the folder is empty.
+
+    Example:
+        >>> with safe_open("path/to/model_folder", framework="pt") as f:  # doctest: +SKIP
+        ...     w = f.get_tensor("model.embed_tokens.weight")
+    """
+
+    def __init__(
+        self,
+        filename: Any,
+        framework: str,
+        device: Any = "cpu",
+        *,
+        backend: str = "mmap",
+        max_header_size: int = MAX_HEADER_SIZE,
+    ) -> None:
+        self._handles: dict[str, safe_open] = {}
+        self._closed = True
+        if backend not in BACKENDS:
+            raise SafetensorError(
+                f'backend "{backend}" is invalid (expected one of: "mmap", "pread")',
+                kind="InvalidBackend",
+            )
+        # Fail on a bad framework or device now, not at the first tensor.
+        get_adapter(framework).check_device(device)
+        self._framework = framework
+        self._device = device
+        self._backend = backend
+        self._max_header_size = max_header_size
+        self._lock = threading.RLock()
+
+        path = os.fsdecode(os.fspath(filename))
+        target, is_index = resolve_checkpoint(path)
+        self._path = target
+        self._base = posixpath.dirname(target) if _is_url(target) else os.path.dirname(target)
+        self._index_metadata: dict[str, Any] | None
+        if is_index:
+            self._weight_map, self._index_metadata = _parse_index(target)
+            self._shards = sorted(set(self._weight_map.values()))
+            if not _is_url(target):
+                for shard in self._shards:
+                    if not os.path.isfile(_join(self._base, shard)):
+                        example = next(t for t, s in self._weight_map.items() if s == shard)
+                        raise MissingShardError(
+                            f"index {target!r} places tensors (e.g. {example!r}) in shard "
+                            f"{shard!r}, which does not exist in {self._base!r}",
+                            kind="MissingShard",
+                            tensor=example,
+                        )
+            self._closed = False
+        else:
+            # A folder with one file: the file is its own index.
+            shard = posixpath.basename(target) if _is_url(target) else os.path.basename(target)
+            self._closed = False
+            handle = self._open_shard(shard, validate=False)
+            self._weight_map = dict.fromkeys(handle.offset_keys(), shard)
+            meta = handle.metadata()
+            self._index_metadata = None if meta is None else dict(meta)
+            self._shards = [shard]
+
+    # ------------------------------------------------------------------ context and lifetime
+
+    def __enter__(self) -> ShardedSafeOpen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every shard opened so far. Tensors already returned stay valid."""
+        with self._lock:
+            self._closed = True
+            handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle.close()
+
+    def __del__(self) -> None:
+        # Never raise from a finalizer.
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _live(self) -> None:
+        if self._closed:
+            raise ClosedFileError("File is closed", kind="FileClosed")
+
+    # ---------------------------------------------------------------------------- shards
+
+    @property
+    def path(self) -> str:
+        """The index (or single file) that was opened."""
+        return self._path
+
+    def files(self) -> list[str]:
+        """Paths of the shards, in shard-name order."""
+        return [_join(self._base, s) for s in self._shards]
+
+    def shard_of(self, name: str) -> str:
+        """Path of the shard that holds ``name`` (per the index).
+
+        Raises:
+            TensorNotFoundError: No tensor of that name.
+        """
+        self._live()
+        return _join(self._base, self._shard_name(name))
+
+    def _shard_name(self, name: str) -> str:
+        try:
+            return self._weight_map[name]
+        except (KeyError, TypeError):
+            raise TensorNotFoundError(
+                f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
+            ) from None
+
+    def _open_shard(self, shard: str, *, validate: bool = True) -> safe_open:
+        self._live()
+        with self._lock:
+            handle = self._handles.get(shard)
+            if handle is not None:
+                return handle
+            handle = safe_open(
+                _join(self._base, shard),
+                self._framework,
+                device=self._device,
+                backend=self._backend,
+                max_header_size=self._max_header_size,
+            )
+            try:
+                if validate:
+                    self._check_shard(shard, handle)
+            except BaseException:
+                handle.close()
+                raise
+            self._handles[shard] = handle
+            return handle
+
+    def _check_shard(self, shard: str, handle: safe_open) -> None:
+        present = handle.header.tensors
+        for name in present:
+            placed = self._weight_map.get(name)
+            if placed is None:
+                raise ShardIndexError(
+                    f"shard {shard!r} holds tensor {name!r}, which index {self._path!r} does "
+                    "not list",
+                    kind="UnindexedTensor",
+                    tensor=name,
+                )
+            if placed != shard:
+                raise ShardIndexError(
+                    f"tensor {name!r} is in shard {shard!r} but index {self._path!r} places it "
+                    f"in {placed!r}",
+                    kind="TensorInTwoShards",
+                    tensor=name,
+                )
+        for name, placed in self._weight_map.items():
+            if placed == shard and name not in present:
+                raise ShardIndexError(
+                    f"index {self._path!r} places tensor {name!r} in shard {shard!r}, which "
+                    "does not contain it",
+                    kind="TensorNotInShard",
+                    tensor=name,
+                )
+
+    def _locate(self, name: str) -> tuple[str, int, TensorInfo]:
+        """Where a tensor's bytes are: ``(shard path, file offset, header entry)``."""
+        shard = self._shard_name(name)
+        handle = self._open_shard(shard)
+        header = handle.header
+        info = header.tensors[name]
+        return _join(self._base, shard), header.data_start + info.begin, info
+
+    def validate(self) -> None:
+        """Read every shard's header and check the whole checkpoint against the index.
+
+        Raises:
+            ShardIndexError: A tensor is missing, misplaced, in two shards or not indexed, or
+                ``total_size`` disagrees with the bytes of tensor data.
+            HeaderError: A shard is malformed.
+        """
+        self._live()
+        seen: dict[str, str] = {}
+        data_bytes = 0
+        for shard in self._shards:
+            # Opened unchecked first, so that a tensor in two shards is reported as such.
+            path = _join(self._base, shard)
+            with safe_open(
+                path, "numpy", backend="pread", max_header_size=self._max_header_size
+            ) as raw:
+                for name, info in raw.header.tensors.items():
+                    if name in seen:
+                        raise ShardIndexError(
+                            f"tensor {name!r} is in two shards: {seen[name]!r} and {shard!r}",
+                            kind="TensorInTwoShards",
+                            tensor=name,
+                        )
+                    seen[name] = shard
+                    data_bytes += info.nbytes
+            self._open_shard(shard)
+        total = (self._index_metadata or {}).get("total_size")
+        if total is not None and self._path.endswith(".index.json"):
+            try:
+                declared = int(total)
+            except (TypeError, ValueError):
+                declared = -1
+            if declared != data_bytes or isinstance(total, bool):
+                raise ShardIndexError(
+                    f"index {self._path!r} declares total_size {total!r} but its shards hold "
+                    f"{data_bytes} bytes of tensor data",
+                    kind="TotalSizeMismatch",
+                )
+
+    # ------------------------------------------------------------------------ header access
+
+    def keys(self) -> list[str]:
+        """Tensor names, sorted (from the index; no shard is read)."""
+        self._live()
+        return sorted(self._weight_map)
+
+    def offset_keys(self) -> list[str]:
+        """Tensor names in file order: shard by shard (by name), each in data-offset order.
+
+        Reads every shard's header (not its data).
+        """
+        self._live()
+        out: list[str] = []
+        for shard in self._shards:
+            out.extend(self._open_shard(shard).offset_keys())
+        return out
+
+    def metadata(self) -> dict[str, str] | None:
+        """The index's ``"metadata"`` (values that are not strings, such as ``total_size``, as
+        their JSON text); for a folder with a single file, that file's ``__metadata__``."""
+        self._live()
+        meta = self._index_metadata
+        if meta is None:
+            return None
+        return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+    def index_metadata(self) -> dict[str, Any] | None:
+        """The index's ``"metadata"`` with its JSON values as they are (``total_size`` an int)."""
+        self._live()
+        return None if self._index_metadata is None else dict(self._index_metadata)
+
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name to shard file name, in the index's order."""
+        self._live()
+        return dict(self._weight_map)
+
+    def get_tensor_meta(self, name: str) -> TensorMeta:
+        """A tensor's dtype, shape and offsets (within its shard), without reading its data."""
+        self._live()
+        return self._open_shard(self._shard_name(name)).get_tensor_meta(name)
+
+    # ---------------------------------------------------------------------------- tensor data
+
+    def get_tensor(self, name: str) -> Any:
+        """Load one tensor from its shard.
+
+        Raises:
+            TensorNotFoundError: No tensor of that name.
+            ShardIndexError: The shard disagrees with the index.
+        """
+        self._live()
+        return self._open_shard(self._shard_name(name)).get_tensor(name)
+
+    def get_tensors(self) -> dict[str, Any]:
+        """Load every tensor, in file order (see :meth:`offset_keys`)."""
+        self._live()
+        out: dict[str, Any] = {}
+        for shard in self._shards:
+            out.update(self._open_shard(shard).get_tensors())
+        return out
+
+    def get_slice(self, name: str) -> SafeSlice:
+        """A lazy view of one tensor that reads only what is indexed."""
+        self._live()
+        return self._open_shard(self._shard_name(name)).get_slice(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.offset_keys())
+
+    def __len__(self) -> int:
+        self._live()
+        return len(self._weight_map)
+
+    def __contains__(self, name: object) -> bool:
+        self._live()
+        return name in self._weight_map

@@ -1,0 +1,476 @@
+"""Planning and saving sharded checkpoints the way the Hugging Face hub does.
+
+The split is a port of ``huggingface_hub.serialization.split_state_dict_into_shards_factory``
+(the de facto standard every hub tool reads), so the same state dict and limit give the same
+file names, the same shard boundaries and a byte-identical index JSON:
+
+* Greedy, in key order, no bin packing: a tensor that would tip the current shard over the
+  limit closes it and starts a new one.
+* A tensor larger than the limit gets a shard of its own, appended at once while the current
+  shard stays open (so shard numbers can fall out of key order).
+* Tensors that share a storage are counted once and go to the shard of the first of them.
+* String values (bitsandbytes serialization) are skipped.
+* Sizes are decimal (``"5GB"`` is 5 * 10**9 bytes); ``total_size`` is the sum of the sizes
+  counted, i.e. bytes of tensor data, not file sizes.
+* One shard is written as ``model.safetensors``; several as ``model-00001-of-00003.safetensors``
+  plus ``model.safetensors.index.json`` (``json.dumps(indent=2)``).
+
+Sizing follows the hub too: a torch tensor counts its whole storage (``untyped_storage().nbytes()``)
+and is identified by ``(device, storage pointer, storage size)``; any other array counts its own
+bytes and shares nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from ._adapter import Adapter, get_adapter
+from ._format import MAX_HEADER_SIZE
+from ._writer import TensorData, atomic_output, write_file
+
+__all__ = [
+    "DEFAULT_FILENAME_PATTERN",
+    "MAX_SHARD_SIZE",
+    "ShardPlan",
+    "index_filename",
+    "index_json",
+    "parse_size",
+    "remove_stale_files",
+    "save_model_sharded",
+    "save_sharded",
+    "split_into_shards",
+    "write_index",
+]
+
+#: The hub's default limit (``huggingface_hub.constants``); transformers v5 uses "50GB".
+MAX_SHARD_SIZE: Final = "5GB"
+#: ``SAFETENSORS_WEIGHTS_FILE_PATTERN`` of the hub.
+DEFAULT_FILENAME_PATTERN: Final = "model{suffix}.safetensors"
+#: Decimal units, as the hub's ``parse_size_to_int``: "5GiB" or "500M" are refused there too.
+SIZE_UNITS: Final = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+T = TypeVar("T")
+
+
+def parse_size(size: int | str) -> int:
+    """Turn a shard size into bytes exactly as the hub does.
+
+    An int is a byte count. A string is read as a number followed by a two-letter decimal unit
+    (``TB``, ``GB``, ``MB``, ``KB``, any case); the number may be fractional (``"1.5GB"``).
+
+    Raises:
+        ValueError: The unit is not one of the four, or the number does not parse.
+
+    Example:
+        >>> parse_size("1.5GB")
+        1500000000
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    if not isinstance(size, str):
+        raise TypeError(f"max_shard_size must be an int or a str, got {type(size).__name__}")
+    text = size.strip()
+    unit = text[-2:].upper()
+    if unit not in SIZE_UNITS:
+        raise ValueError(
+            f"Unit '{unit}' not supported. Supported units are TB, GB, MB, KB. Got '{text}'."
+        )
+    try:
+        value = float(text[:-2].strip())
+    except ValueError as exc:
+        raise ValueError(f"Could not parse the size value from '{text}': {exc}") from exc
+    # int(float * unit), not Decimal arithmetic: "1.1GB" must round the way the hub rounds.
+    return int(value * SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which tensor goes to which file (the hub's ``StateDictSplit``)."""
+
+    metadata: dict[str, Any]
+    """``{"total_size": N}``: bytes of tensor data counted by the split."""
+    filename_to_tensors: dict[str, list[str]]
+    """File name to tensor names, in shard order."""
+    tensor_to_filename: dict[str, str]
+    """The index's ``weight_map``, in the hub's order."""
+
+    @property
+    def is_sharded(self) -> bool:
+        """True when there is more than one file (and so an index)."""
+        return len(self.filename_to_tensors) > 1
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of tensor data counted by the split."""
+        return int(self.metadata["total_size"])
+
+
+def split_into_shards(
+    state_dict: Mapping[str, T],
+    *,
+    get_storage_size: Callable[[T], int],
+    get_storage_id: Callable[[T], Any] | None = None,
+    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> ShardPlan:
+    """Split tensors into shards; a line-for-line port of the hub's splitter.
+
+    Args:
+        state_dict: Name to tensor; its iteration order decides the split.
+        get_storage_size: Bytes a tensor counts for.
+        get_storage_id: Identity of a tensor's storage (tensors with the same id are counted
+            once and kept together), or None for "shares nothing".
+        filename_pattern: A ``str.format`` pattern with a ``{suffix}`` field.
+        max_shard_size: Limit per shard, an int (bytes) or a string such as ``"5GB"``.
+
+    Returns:
+        The plan. With no tensors it has no files at all, as the hub's does.
+    """
+    limit = parse_size(max_shard_size)
+    storage_id_to_tensors: dict[Any, list[str]] = {}
+    shard_list: list[dict[str, T]] = []
+    current: dict[str, T] = {}
+    current_size = 0
+    total_size = 0
+
+    for key, tensor in state_dict.items():
+        # bitsandbytes serialization puts strings in state dicts; the hub skips them.
+        if isinstance(tensor, str):
+            continue
+        storage_id = get_storage_id(tensor) if get_storage_id is not None else None
+        if storage_id is not None:
+            if storage_id in storage_id_to_tensors:
+                # Placed later, next to the first tensor of this storage; not counted again.
+                storage_id_to_tensors[storage_id].append(key)
+                continue
+            storage_id_to_tensors[storage_id] = [key]
+
+        size = get_storage_size(tensor)
+        if size > limit:
+            # Its own shard, appended now; the current shard stays open.
+            total_size += size
+            shard_list.append({key: tensor})
+            continue
+        if current_size + size > limit:
+            shard_list.append(current)
+            current = {}
+            current_size = 0
+        current[key] = tensor
+        current_size += size
+        total_size += size
+
+    if current:
+        shard_list.append(current)
+    count = len(shard_list)
+
+    for keys in storage_id_to_tensors.values():
+        for shard in shard_list:
+            if keys[0] in shard:
+                for key in keys:
+                    shard[key] = state_dict[key]
+                break
+
+    if count == 1:
+        filename = filename_pattern.format(suffix="")
+        names = list(shard_list[0])
+        return ShardPlan(
+            metadata={"total_size": total_size},
+            filename_to_tensors={filename: names},
+            tensor_to_filename=dict.fromkeys(names, filename),
+        )
+
+    tensor_to_filename: dict[str, str] = {}
+    filename_to_tensors: dict[str, list[str]] = {}
+    for idx, shard in enumerate(shard_list):
+        filename = filename_pattern.format(suffix=f"-{idx + 1:05d}-of-{count:05d}")
+        for key in shard:
+            tensor_to_filename[key] = filename
+        filename_to_tensors[filename] = list(shard)
+    return ShardPlan(
+        metadata={"total_size": total_size},
+        filename_to_tensors=filename_to_tensors,
+        tensor_to_filename=tensor_to_filename,
+    )
+
+
+def index_filename(filename_pattern: str = DEFAULT_FILENAME_PATTERN) -> str:
+    """The index's file name for a pattern: ``model.safetensors.index.json`` by default."""
+    return filename_pattern.format(suffix="") + ".index.json"
+
+
+def index_json(plan: ShardPlan, metadata: Mapping[str, Any] | None = None) -> str:
+    """The index file's text, byte-identical to the hub's ``json.dump(index, f, indent=2)``.
+
+    Args:
+        plan: The split.
+        metadata: User metadata, merged after ``total_size`` (user keys win, as in the hub).
+    """
+    index = {
+        "metadata": {**plan.metadata, **(metadata or {})},
+        "weight_map": plan.tensor_to_filename,
+    }
+    return json.dumps(index, indent=2)
+
+
+def write_index(
+    folder: str | os.PathLike[str],
+    plan: ShardPlan,
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+    fsync: bool = False,
+) -> str:
+    """Write the index JSON atomically and return its path."""
+    path = os.path.join(os.fspath(folder), index_filename(filename_pattern))
+    data = index_json(plan, metadata).encode("utf-8")
+    with atomic_output(path, fsync=fsync) as fd:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    return path
+
+
+def remove_stale_files(
+    folder: str | os.PathLike[str],
+    filename_pattern: str,
+    keep: Iterable[str],
+) -> list[str]:
+    """Delete files of an earlier save with the same pattern that the new save did not write.
+
+    The hub deletes ``pattern(-NNNNN-of-NNNNN)?(.index.json)?`` before saving; we delete after,
+    sparing the files just written, so a crash mid-save never leaves the folder empty.
+
+    Returns:
+        The names removed.
+    """
+    prefix, _, suffix = filename_pattern.partition("{suffix}")
+    regex = re.compile(
+        re.escape(prefix) + r"(-\d{5}-of-\d{5})?" + re.escape(suffix) + r"(\.index\.json)?"
+    )
+    kept = set(keep)
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        if name in kept or not regex.fullmatch(name):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
+            removed.append(name)
+    return removed
+
+
+# ---------------------------------------------------------------------------- framework sizing
+
+
+def _is_torch(value: Any) -> bool:
+    # Checked by module name so that numpy-only callers never import torch.
+    return type(value).__module__.split(".", 1)[0] == "torch"
+
+
+def torch_storage_size(tensor: Any) -> int:
+    """The hub's ``get_torch_storage_size``: bytes of the whole storage a tensor views."""
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return int(tensor.nelement() * tensor.element_size())
+
+
+def torch_storage_id(tensor: Any) -> Any:
+    """The hub's ``get_torch_storage_id``: ``(device, storage pointer, storage size)``.
+
+    Meta tensors have no identity (None). Every empty tensor has pointer 0 and size 0, so they
+    all share one id, and the hub's splitter puts them all in the shard of the first one; we
+    keep that quirk because file boundaries must match.
+    """
+    if tensor.device.type == "meta":
+        return None
+    try:
+        ptr = int(tensor.untyped_storage().data_ptr())
+    except (AttributeError, NotImplementedError, RuntimeError):
+        ptr = 0
+    return (tensor.device, ptr, torch_storage_size(tensor))
+
+
+def _adapter_for(value: Any) -> Adapter:
+    return get_adapter("pt" if _is_torch(value) else "numpy")
+
+
+def _data_size(value: Any) -> int:
+    if _is_torch(value):
+        return torch_storage_size(value)
+    data = _adapter_for(value).to_data("tensor", value)
+    nbits = 1
+    for dim in data.shape:
+        nbits *= dim
+    return nbits * data.dtype.bits // 8
+
+
+def _storage_id(value: Any) -> Any:
+    return torch_storage_id(value) if _is_torch(value) else None
+
+
+# ------------------------------------------------------------------------------------- saving
+
+
+def _drop_shared(
+    tensors: dict[str, Any],
+    metadata: dict[str, str],
+    discard_names: Iterable[str] | None,
+) -> dict[str, Any]:
+    """The hub's ``_clean_state_dict_for_safetensors``: keep one name per shared storage.
+
+    Each dropped name is recorded as ``metadata[dropped] = kept`` unless the caller set it.
+    """
+    torch_part = {k: v for k, v in tensors.items() if _is_torch(v)}
+    if not torch_part:
+        return tensors
+    from .torch import _remove_duplicate_names
+
+    for kept, dropped in _remove_duplicate_names(torch_part, discard_names=discard_names).items():
+        for name in dropped:
+            metadata.setdefault(name, kept)
+            del tensors[name]
+    return tensors
+
+
+def save_sharded(
+    tensors: Mapping[str, Any],
+    folder: str | os.PathLike[str],
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+    force_contiguous: bool = True,
+    shared_tensors_to_discard: Iterable[str] | None = None,
+    format: str = "pt",  # noqa: A002 - the metadata key's name
+    clean: bool = True,
+    fsync: bool = False,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> ShardPlan:
+    """Save tensors as the hub's ``save_torch_state_dict`` does: shards plus an index.
+
+    Values may be numpy arrays or torch tensors (mixed is fine). Torch tensors that share
+    memory are deduplicated first exactly as the hub does (one name kept per storage, the
+    others recorded in the metadata as ``{dropped: kept}``).
+
+    Every file gets ``{"format": format}`` in its header. When everything fits in one shard the
+    result is a single ``model.safetensors`` whose header also holds ``metadata``; otherwise
+    ``metadata`` goes into the index's ``"metadata"`` after ``total_size``.
+
+    Args:
+        tensors: Name to array/tensor; the iteration order decides the split. Never modified.
+        folder: Target folder (created if missing).
+        max_shard_size: Limit per shard, bytes or ``"5GB"``-style decimal units.
+        metadata: User metadata (str to str).
+        filename_pattern: File name pattern with a ``{suffix}`` field.
+        force_contiguous: Make torch tensors contiguous before writing (the hub's default).
+        shared_tensors_to_discard: Names to prefer dropping among tied weights (for a
+            transformers model, its ``_tied_weights_keys``).
+        format: The value of the ``format`` header key.
+        clean: Delete files of an earlier save with the same pattern that this save did not
+            write (done after the new files are in place).
+        fsync: Make every file durable before returning.
+        max_header_size: Largest header accepted per shard.
+
+    Returns:
+        The plan that was written.
+
+    Raises:
+        SerializeError: A tensor cannot be written.
+        SharedTensorsError: Tied torch tensors of which none covers its whole storage.
+        ValueError: ``max_shard_size`` does not parse.
+
+    Example:
+        >>> import numpy as np, tempfile
+        >>> from pysafetensors import save_sharded
+        >>> sd = {f"layer{i}": np.zeros(1000, np.float32) for i in range(4)}
+        >>> plan = save_sharded(sd, tempfile.mkdtemp(), max_shard_size="8KB")
+        >>> sorted(plan.filename_to_tensors)
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+    """
+    limit = parse_size(max_shard_size)
+    meta: dict[str, str] = dict(metadata) if metadata is not None else {}
+    state = dict(tensors)
+    state = _drop_shared(state, meta, shared_tensors_to_discard)
+    if force_contiguous:
+        state = {k: v.contiguous() if _is_torch(v) else v for k, v in state.items()}
+    plan = split_into_shards(
+        state,
+        get_storage_size=_data_size,
+        get_storage_id=_storage_id,
+        filename_pattern=filename_pattern,
+        max_shard_size=limit,
+    )
+    if not plan.filename_to_tensors:
+        # The hub writes nothing for an empty state dict; an empty model.safetensors is more
+        # useful, since the folder then still opens as a (tensor-less) checkpoint.
+        plan = ShardPlan(
+            metadata={"total_size": 0},
+            filename_to_tensors={filename_pattern.format(suffix=""): []},
+            tensor_to_filename={},
+        )
+    out = os.fspath(folder)
+    os.makedirs(out, exist_ok=True)
+    per_file: dict[str, str] = {"format": format}
+    if not plan.is_sharded:
+        per_file.update(meta)
+    written = []
+    for filename, names in plan.filename_to_tensors.items():
+        shard = {name: state[name] for name in names}
+        if shard and all(_is_torch(v) for v in shard.values()):
+            from .torch import _flatten
+
+            # The reference's checks (sparse, meta, non-contiguous) with its messages.
+            _flatten(shard)
+        data: list[TensorData] = [_adapter_for(v).to_data(k, v) for k, v in shard.items()]
+        write_file(
+            os.path.join(out, filename),
+            data,
+            per_file,
+            fsync=fsync,
+            max_header_size=max_header_size,
+        )
+        written.append(filename)
+    if plan.is_sharded:
+        written.append(
+            os.path.basename(
+                write_index(out, plan, meta, filename_pattern=filename_pattern, fsync=fsync)
+            )
+        )
+    if clean:
+        remove_stale_files(out, filename_pattern, written)
+    return plan
+
+
+def save_model_sharded(
+    model: Any,
+    folder: str | os.PathLike[str],
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    force_contiguous: bool = True,
+    shared_tensors_to_discard: Iterable[str] | None = None,
+    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+    clean: bool = True,
+    fsync: bool = False,
+) -> ShardPlan:
+    """Save a torch model's state dict sharded, as the hub's ``save_torch_model``.
+
+    Tied weights are written once; see :func:`save_sharded` for everything else.
+    """
+    return save_sharded(
+        model.state_dict(),
+        folder,
+        max_shard_size,
+        metadata=metadata,
+        filename_pattern=filename_pattern,
+        force_contiguous=force_contiguous,
+        shared_tensors_to_discard=shared_tensors_to_discard,
+        clean=clean,
+        fsync=fsync,
+    )

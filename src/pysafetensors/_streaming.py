@@ -1,0 +1,537 @@
+"""Write a file whose tensors arrive piece by piece, in any order, with bounded memory.
+
+The header must be known before any data, so every tensor's name, dtype and shape is declared
+up front; the layout (and so each tensor's place in the file) is then fixed, and each write goes
+straight to its computed offset with ``pwrite``. Nothing is buffered: peak memory is whatever
+the caller passes to one :meth:`StreamingWriter.write` call.
+
+The writer keeps, per tensor, the byte ranges written so far. It refuses writes outside a
+tensor, writes that overlap earlier ones, and committing while any byte is still unwritten.
+The output goes to a temporary file that replaces the target only on a successful
+:meth:`~StreamingWriter.close`; an exception inside a ``with`` block discards it. The result is
+byte-identical to saving the same tensors in one call.
+
+:class:`ShardedStreamingWriter` does the same for a sharded checkpoint: shards are planned up
+front with the hub's splitter, one writer per shard, and the index is written last.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from ._dtypes import DType, checked_nbits, dtype_from_code, dtype_from_name
+from ._errors import ClosedFileError, SerializeError
+from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, TensorInfo, build_layout
+from ._sharding import (
+    DEFAULT_FILENAME_PATTERN,
+    MAX_SHARD_SIZE,
+    ShardPlan,
+    remove_stale_files,
+    split_into_shards,
+    write_index,
+)
+from ._writer import atomic_output
+
+__all__ = ["ShardedStreamingWriter", "StreamingWriter", "TensorDecl", "as_dtype"]
+
+TensorDecl = tuple[str, DType, tuple[int, ...]]
+
+#: Largest single pwrite; Linux moves at most about 2 GiB per call anyway.
+_PWRITE_MAX: Final = 1 << 30
+
+
+class _Discard(Exception):
+    """Thrown into the output context to make it delete the temporary file."""
+
+
+def as_dtype(value: Any) -> DType:
+    """Read a dtype given as a code (``"F32"``), a name (``"float32"``), a numpy dtype or type,
+    or a torch dtype.
+
+    Raises:
+        SerializeError: Not a dtype safetensors can store.
+    """
+    if isinstance(value, DType):
+        return value
+    if isinstance(value, str):
+        with contextlib.suppress(Exception):
+            return dtype_from_code(value)
+        return dtype_from_name(value.removeprefix("torch."))
+    text = str(value)
+    if text.startswith("torch."):
+        return dtype_from_name(text.removeprefix("torch."))
+    try:
+        name = np.dtype(value).name
+    except TypeError:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}{value!r} is not a dtype", kind="UnknownDtype"
+        ) from None
+    return dtype_from_name(name)
+
+
+def _declare(name: Any, value: Any) -> TensorDecl:
+    from ._sharding import _adapter_for, _is_torch
+
+    if isinstance(value, np.ndarray) or _is_torch(value):
+        data = _adapter_for(value).to_data(str(name), value)
+        return str(name), data.dtype, data.shape
+    if hasattr(value, "dtype") and hasattr(value, "shape"):  # TensorMeta, SafeSlice
+        return str(name), as_dtype(value.dtype), tuple(int(d) for d in value.shape)
+    dtype, shape = value
+    return str(name), as_dtype(dtype), tuple(int(d) for d in shape)
+
+
+def _declarations(tensors: Any) -> list[TensorDecl]:
+    """Normalise ``{name: (dtype, shape)}``, ``{name: array_or_meta}`` or ``[(name, dtype,
+    shape)]``."""
+    if isinstance(tensors, Mapping):
+        return [_declare(k, v) for k, v in tensors.items()]
+    out = []
+    for item in tensors:
+        name, dtype, shape = item
+        out.append(_declare(name, (dtype, shape)))
+    return out
+
+
+def _payload(name: str, info: TensorInfo, data: Any) -> tuple[int, Iterator[memoryview]]:
+    """Byte length and byte chunks of what a caller passed to ``write``."""
+    from ._sharding import _adapter_for, _is_torch
+
+    if isinstance(data, np.ndarray) or _is_torch(data):
+        td = _adapter_for(data).to_data(name, data)
+        if td.dtype is not info.dtype:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` was declared {info.dtype.code} but data of "
+                f"dtype {td.dtype.code} was written to it",
+                kind="DtypeMismatch",
+                tensor=name,
+            )
+        nbits = checked_nbits(td.shape, td.dtype) or 0
+        if nbits % 8:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}a write to `{name}` of shape {list(td.shape)} is not a whole "
+                "number of bytes",
+                kind="MisalignedSlice",
+                tensor=name,
+            )
+
+        def chunks() -> Iterator[memoryview]:
+            for chunk in td.chunks():
+                view = memoryview(chunk)
+                yield view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+        return nbits // 8, chunks()
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}a write to `{name}` got a non-contiguous buffer", tensor=name
+        )
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    return view.nbytes, iter((view,))
+
+
+class StreamingWriter:
+    """Write one safetensors file tensor by tensor, chunk by chunk, in any order.
+
+    Args:
+        filename: Target path; replaced only when :meth:`close` succeeds.
+        tensors: Declarations: ``{name: (dtype, shape)}``, ``{name: array}`` (its dtype and
+            shape; no data is read), ``{name: TensorMeta}``, or ``[(name, dtype, shape)]``.
+            A dtype may be a code (``"BF16"``), a name (``"bfloat16"``), a numpy or a torch dtype.
+        metadata: ``__metadata__`` (str to str) or None.
+        fsync: Make the file durable on close.
+        max_header_size: Largest header accepted.
+
+    Raises:
+        SerializeError: A declaration is invalid (as for any save).
+
+    Example:
+        >>> import numpy as np, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "big.safetensors")
+        >>> with StreamingWriter(path, {"w": ("F32", (4, 2))}) as w:
+        ...     w.write("w", np.ones((2, 2), np.float32))              # rows 0-1
+        ...     w.write("w", np.zeros((2, 2), np.float32), offset=16)  # rows 2-3
+    """
+
+    def __init__(
+        self,
+        filename: str | os.PathLike[str],
+        tensors: Any,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        fsync: bool = False,
+        max_header_size: int = MAX_HEADER_SIZE,
+    ) -> None:
+        self._fd = -1
+        self._cm: contextlib.AbstractContextManager[int] | None = None
+        decls = _declarations(tensors)
+        self.layout: Layout = build_layout(decls, metadata, max_header_size=max_header_size)
+        """The planned file: header bytes and every tensor's offsets."""
+        self._infos = {t.name: t for t in self.layout.tensors}
+        self._data_start = len(self.layout.header)
+        self._written: dict[str, list[list[int]]] = {name: [] for name in self._infos}
+        self._cursor: dict[str, int] = dict.fromkeys(self._infos, 0)
+        self._lock = threading.Lock()
+        self.filename = os.fspath(filename)
+        cm = atomic_output(self.filename, fsync=fsync)
+        fd = cm.__enter__()
+        try:
+            # A sparse file of the final size: writes may land anywhere, in any order.
+            os.ftruncate(fd, self.layout.file_size)
+            self._pwrite_all(fd, memoryview(self.layout.header), 0)
+        except BaseException as exc:
+            cm.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._cm = cm
+        self._fd = fd
+
+    # ------------------------------------------------------------------------------ writing
+
+    @staticmethod
+    def _pwrite_all(fd: int, view: memoryview, pos: int) -> None:
+        done = 0
+        while done < view.nbytes:
+            done += os.pwrite(fd, view[done : done + _PWRITE_MAX], pos + done)
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except (KeyError, TypeError):
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` was not declared when the writer was opened",
+                kind="UnknownTensor",
+                tensor=str(name),
+            ) from None
+
+    def _reserve(self, info: TensorInfo, start: int, length: int) -> None:
+        """Record ``[start, start+length)`` as written, refusing overlaps and out-of-range."""
+        name = info.name
+        if start < 0 or start + length > info.nbytes:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}write of {length} bytes at offset {start} is outside tensor "
+                f"`{name}` ({info.dtype.code} {list(info.shape)} holds {info.nbytes} bytes)",
+                kind="OutOfRange",
+                tensor=name,
+            )
+        if not length:
+            return
+        end = start + length
+        ranges = self._written[name]
+        i = bisect.bisect_right(ranges, [start, end])
+        before = ranges[i - 1] if i else None
+        after = ranges[i] if i < len(ranges) else None
+        clash = (before is not None and before[1] > start) or (after is not None and after[0] < end)
+        if clash:
+            other = before if before is not None and before[1] > start else after
+            assert other is not None
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}write of bytes [{start}, {end}) of tensor `{name}` overlaps "
+                f"bytes [{other[0]}, {other[1]}) written earlier",
+                kind="Overlap",
+                tensor=name,
+            )
+        # Keep the list short: merge with touching neighbours.
+        if before is not None and before[1] == start:
+            before[1] = end
+            if after is not None and after[0] == end:
+                before[1] = after[1]
+                del ranges[i]
+        elif after is not None and after[0] == end:
+            after[0] = start
+        else:
+            ranges.insert(i, [start, end])
+
+    def write(self, name: str, data: Any, offset: int = 0) -> int:
+        """Write bytes of tensor ``name`` starting ``offset`` bytes into its data.
+
+        Args:
+            name: A declared tensor.
+            data: Raw bytes (any contiguous buffer: ``bytes``, ``memoryview``, ...), or a numpy
+                array / torch tensor of the declared dtype (its C-order little-endian bytes;
+                any shape, e.g. a block of rows).
+            offset: Byte offset within the tensor (rows ``r:`` of a 2-D tensor start at
+                ``r * row_bytes``).
+
+        Returns:
+            The number of bytes written.
+
+        Raises:
+            SerializeError: Unknown tensor, wrong dtype, out of range, or overlapping an earlier
+                write (nothing is written then).
+            ClosedFileError: The writer was closed.
+        """
+        fd = self._live()
+        info = self._info(name)
+        length, chunks = _payload(name, info, data)
+        with self._lock:
+            self._reserve(info, offset, length)
+            self._cursor[name] = offset + length
+        pos = self._data_start + info.begin + offset
+        got = 0
+        for view in chunks:
+            if got + view.nbytes > length:
+                raise SerializeError(f"{SERIALIZE_PREFIX}internal error: chunk overrun")
+            self._pwrite_all(fd, view, pos + got)
+            got += view.nbytes
+        return got
+
+    def write_chunk(self, name: str, data: Any) -> int:
+        """Append to tensor ``name`` right after the last write to it (0 at first).
+
+        Returns:
+            The number of bytes written.
+        """
+        self._live()
+        return self.write(name, data, self._cursor[self._info(name).name])
+
+    def write_tensor(self, name: str, data: Any) -> int:
+        """Write a whole tensor at once (same as ``write(name, data, 0)``)."""
+        return self.write(name, data, 0)
+
+    # ------------------------------------------------------------------------------ status
+
+    def missing(self) -> dict[str, int]:
+        """Tensors with unwritten bytes, and how many bytes each still lacks."""
+        out = {}
+        with self._lock:
+            for name, info in self._infos.items():
+                done = sum(end - start for start, end in self._written[name])
+                if done != info.nbytes:
+                    out[name] = info.nbytes - done
+        return out
+
+    @property
+    def closed(self) -> bool:
+        """True once committed or discarded."""
+        return self._cm is None
+
+    def _live(self) -> int:
+        if self._cm is None:
+            raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
+        return self._fd
+
+    # ------------------------------------------------------------------------ commit/discard
+
+    def close(self) -> None:
+        """Commit: check every byte was written, then atomically replace the target.
+
+        Raises:
+            SerializeError: Some bytes were never written (kind ``Incomplete``); the writer
+                stays open so they can still be written, or :meth:`abort` can discard it.
+        """
+        if self._cm is None:
+            return
+        missing = self.missing()
+        if missing:
+            listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}cannot finish {self.filename!r}: unwritten bytes in "
+                f"{listed}{more}",
+                kind="Incomplete",
+                tensor=next(iter(missing)),
+            )
+        cm, self._cm = self._cm, None
+        cm.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        """Discard: delete the temporary file; the target is left as it was."""
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            exc = _Discard()
+            with contextlib.suppress(_Discard):
+                cm.__exit__(_Discard, exc, None)
+
+    def __enter__(self) -> StreamingWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            self.close()
+        except BaseException:
+            self.abort()
+            raise
+
+    def __del__(self) -> None:
+        # Never commit from a finalizer: an unclosed writer is an abandoned one.
+        with contextlib.suppress(Exception):
+            self.abort()
+
+
+class ShardedStreamingWriter:
+    """Stream a sharded checkpoint: shards planned up front, one writer each, index last.
+
+    The split is the hub's (greedy in declaration order; see :mod:`pysafetensors._sharding`),
+    so the result is byte-identical to :func:`~pysafetensors.save_sharded` of the same tensors.
+    Each shard's temporary file is created on the first write to it; nothing replaces an
+    existing file until :meth:`close` has checked that every byte of every shard was written.
+
+    Args:
+        folder: Target folder (created if missing).
+        tensors: Declarations, as for :class:`StreamingWriter`.
+        max_shard_size: Limit per shard (bytes or ``"5GB"``-style decimal units).
+        metadata: User metadata: in the header of a single file, else in the index.
+        filename_pattern: File name pattern with a ``{suffix}`` field.
+        format: Value of the ``format`` header key written in every shard.
+        clean: After committing, delete files of an earlier save with the same pattern.
+        fsync: Make every file durable on close.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        tensors: Any,
+        max_shard_size: int | str = MAX_SHARD_SIZE,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+        format: str = "pt",  # noqa: A002 - the metadata key's name
+        clean: bool = True,
+        fsync: bool = False,
+    ) -> None:
+        self._writers: dict[str, StreamingWriter] = {}
+        self._closed = False
+        decls = _declarations(tensors)
+        by_name = {d[0]: d for d in decls}
+        sizes = {name: (checked_nbits(shape, dt) or 0) // 8 for name, dt, shape in decls}
+        plan = split_into_shards(
+            sizes,
+            get_storage_size=lambda n: n,
+            filename_pattern=filename_pattern,
+            max_shard_size=max_shard_size,
+        )
+        if not plan.filename_to_tensors:
+            plan = ShardPlan({"total_size": 0}, {filename_pattern.format(suffix=""): []}, {})
+        self.plan: ShardPlan = plan
+        """The split: file names, and which tensor goes where."""
+        self.folder = os.fspath(folder)
+        self._meta = dict(metadata) if metadata is not None else {}
+        per_file = {"format": format}
+        if not plan.is_sharded:
+            per_file.update(self._meta)
+        self._per_file = per_file
+        self._decls = {
+            fname: [by_name[n] for n in names] for fname, names in plan.filename_to_tensors.items()
+        }
+        self._pattern = filename_pattern
+        self._clean = clean
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        os.makedirs(self.folder, exist_ok=True)
+
+    def _writer(self, name: str) -> StreamingWriter:
+        if self._closed:
+            raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
+        try:
+            fname = self.plan.tensor_to_filename[name]
+        except (KeyError, TypeError):
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` was not declared when the writer was opened",
+                kind="UnknownTensor",
+                tensor=str(name),
+            ) from None
+        return self._shard_writer(fname)
+
+    def _shard_writer(self, fname: str) -> StreamingWriter:
+        with self._lock:
+            writer = self._writers.get(fname)
+            if writer is None:
+                writer = StreamingWriter(
+                    os.path.join(self.folder, fname),
+                    self._decls[fname],
+                    self._per_file,
+                    fsync=self._fsync,
+                )
+                self._writers[fname] = writer
+            return writer
+
+    def write(self, name: str, data: Any, offset: int = 0) -> int:
+        """Write bytes of tensor ``name`` at ``offset`` (see :meth:`StreamingWriter.write`)."""
+        return self._writer(name).write(name, data, offset)
+
+    def write_chunk(self, name: str, data: Any) -> int:
+        """Append to tensor ``name`` after the last write to it."""
+        return self._writer(name).write_chunk(name, data)
+
+    def write_tensor(self, name: str, data: Any) -> int:
+        """Write a whole tensor at once."""
+        return self._writer(name).write(name, data, 0)
+
+    def missing(self) -> dict[str, int]:
+        """Tensors with unwritten bytes, and how many bytes each still lacks."""
+        out: dict[str, int] = {}
+        for fname, decls in self._decls.items():
+            writer = self._writers.get(fname)
+            if writer is not None:
+                out.update(writer.missing())
+                continue
+            for name, dtype, shape in decls:
+                size = (checked_nbits(shape, dtype) or 0) // 8
+                if size:
+                    out[name] = size
+        return out
+
+    def close(self) -> None:
+        """Commit every shard, then the index (the index is the last file to appear).
+
+        Raises:
+            SerializeError: Bytes are missing (kind ``Incomplete``); nothing was committed and
+                the writer stays open.
+        """
+        if self._closed:
+            return
+        missing = self.missing()
+        if missing:
+            listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}cannot finish {self.folder!r}: unwritten bytes in {listed}",
+                kind="Incomplete",
+                tensor=next(iter(missing)),
+            )
+        for fname in self._decls:
+            self._shard_writer(fname)  # shards holding only empty tensors
+        written = []
+        for fname in self._decls:
+            self._writers[fname].close()
+            written.append(fname)
+        self._closed = True
+        if self.plan.is_sharded:
+            index = write_index(
+                self.folder,
+                self.plan,
+                self._meta,
+                filename_pattern=self._pattern,
+                fsync=self._fsync,
+            )
+            written.append(os.path.basename(index))
+        if self._clean:
+            remove_stale_files(self.folder, self._pattern, written)
+
+    def abort(self) -> None:
+        """Discard every shard not yet committed."""
+        self._closed = True
+        for writer in self._writers.values():
+            writer.abort()
+
+    def __enter__(self) -> ShardedStreamingWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            self.close()
+        except BaseException:
+            self.abort()
+            raise
