@@ -37,7 +37,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from ._errors import ClosedFileError, RemoteError
 from ._sources import _check_range
@@ -195,6 +195,9 @@ def _redact(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
 
 
+_S = TypeVar("_S", bound="RemoteSource")
+
+
 class RemoteSource:
     """Shared machinery of the remote sources: head cache, splitting, coalescing, threads.
 
@@ -332,7 +335,7 @@ class RemoteSource:
             pool.shutdown(wait=True)
         self._release()
 
-    def __enter__(self) -> RemoteSource:
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -240,6 +240,9 @@ def test_concurrent_readers_share_one_source(server: RangeServer, data_dir: Path
             t.start()
         for t in threads:
             t.join()
+        # The counters are updated from many threads at once and must not lose increments.
+        assert src.stats.requests == server.requests()
+        assert src.stats.bytes_fetched == server.bytes_sent()
     assert not errors
 
 
