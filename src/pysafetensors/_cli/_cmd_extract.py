@@ -1,0 +1,54 @@
+"""``pysafetensors extract``: copy the tensors whose names match into a new file or folder.
+
+Patterns are shell globs matched against whole names (``'model.layers.0.*'``), or regular
+expressions searched anywhere in the name with ``--regex``. Bytes are copied file to file.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ._cmd_reshard import add_shard_args, parse_size_arg, progress_for
+from ._common import Ui, sanitize
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``extract`` subcommand."""
+    p = subparsers.add_parser(
+        "extract",
+        help="copy tensors matching name patterns into a new file (no decoding)",
+        description="Copy the tensors of SOURCE whose names match any PATTERN into OUTPUT: one "
+        ".safetensors file, or a sharded folder with --max-shard-size.",
+    )
+    p.add_argument("source", metavar="SOURCE", help="model folder, *.index.json or .safetensors")
+    p.add_argument("output", metavar="OUTPUT", help="output file (a folder with -s)")
+    p.add_argument("patterns", metavar="PATTERN", nargs="+", help="glob (or regex with -E)")
+    p.add_argument(
+        "-E", "--regex", action="store_true", help="patterns are regular expressions (re.search)"
+    )
+    add_shard_args(p, default=None)
+    p.add_argument("--list", action="store_true", help="print the names extracted, one a line")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``extract``; returns the exit code."""
+    from .._reshard import extract
+
+    ui = Ui(args)
+    with progress_for(ui, "extracting") as report:
+        names = extract(
+            args.source,
+            args.output,
+            args.patterns,
+            regex=args.regex,
+            max_shard_size=parse_size_arg(args.max_shard_size),
+            filename_pattern=args.filename_pattern,
+            progress=report,
+        )
+    if args.list:
+        for name in names:
+            print(sanitize(name))
+    ui.note(f"extracted {len(names)} tensors to {sanitize(args.output)}")
+    return 0

@@ -1,0 +1,38 @@
+"""``pysafetensors merge``: merge a sharded checkpoint into one ``.safetensors`` file.
+
+Tensor bytes are copied file to file, never decoded; the output is byte-identical to saving the
+same tensors in one ``save_file`` call with ``{"format": "pt", ...index metadata}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ._cmd_reshard import progress_for
+from ._common import Ui, human_bytes, sanitize
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``merge`` subcommand."""
+    p = subparsers.add_parser(
+        "merge",
+        help="merge a sharded checkpoint into one file (no decoding, bounded memory)",
+        description="Merge the shards of a model folder or *.index.json into one .safetensors "
+        "file; the index's metadata (without total_size) goes into the file's header.",
+    )
+    p.add_argument("source", metavar="SOURCE", help="model folder or *.index.json")
+    p.add_argument("output", metavar="OUTPUT", help="output .safetensors file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``merge``; returns the exit code."""
+    from .._reshard import merge
+
+    ui = Ui(args)
+    with progress_for(ui, "merging") as report:
+        merge(args.source, args.output, progress=report)
+    ui.note(f"wrote {sanitize(args.output)} ({human_bytes(os.path.getsize(args.output))})")
+    return 0

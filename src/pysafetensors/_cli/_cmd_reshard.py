@@ -1,0 +1,92 @@
+"""``pysafetensors reshard``: re-split a checkpoint into shards of a new size.
+
+Tensor bytes are copied file to file (``copy_file_range`` where the kernel has it), never
+decoded; the output is byte-identical to saving the same tensors directly with the hub's
+splitter, and memory stays bounded whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._common import Ui, human_bytes, sanitize
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``reshard`` subcommand."""
+    p = subparsers.add_parser(
+        "reshard",
+        help="re-split a checkpoint into shards of a new size (no decoding, bounded memory)",
+        description="Re-split a model folder, index or file into shards of at most "
+        "--max-shard-size, named and indexed as the Hugging Face hub does "
+        "(model-00001-of-00003.safetensors + model.safetensors.index.json; a single "
+        "model.safetensors when everything fits). OUTPUT may be the source folder itself.",
+    )
+    p.add_argument("source", metavar="SOURCE", help="model folder, *.index.json or .safetensors")
+    p.add_argument("output", metavar="OUTPUT", help="output folder")
+    add_shard_args(p, default="5GB")
+    p.set_defaults(func=run)
+
+
+def add_shard_args(p: argparse.ArgumentParser, *, default: str | None) -> None:
+    """``--max-shard-size`` and ``--filename-pattern``, shared with ``extract``."""
+    p.add_argument(
+        "-s",
+        "--max-shard-size",
+        default=default,
+        metavar="SIZE",
+        help="limit per shard: bytes or decimal units TB/GB/MB/KB, e.g. 5GB, 500MB"
+        + (f" (default {default})" if default else ""),
+    )
+    p.add_argument(
+        "--filename-pattern",
+        default="model{suffix}.safetensors",
+        metavar="PATTERN",
+        help="output file names, with a {suffix} field (default model{suffix}.safetensors)",
+    )
+
+
+def parse_size_arg(text: str | None) -> int | str | None:
+    """A size given on the command line: a plain number means bytes."""
+    if text is None:
+        return None
+    return int(text) if text.strip().isdigit() else text
+
+
+@contextlib.contextmanager
+def progress_for(ui: Ui, desc: str) -> Iterator[Callable[[int, int], None]]:
+    """Adapt the library's ``progress(done, total)`` callback to the CLI's progress bar."""
+    with contextlib.ExitStack() as stack:
+        state: dict[str, Any] = {"update": None, "done": 0}
+
+        def report(done: int, total: int) -> None:
+            if state["update"] is None:
+                state["update"] = stack.enter_context(ui.progress(total, desc))
+            state["update"](done - state["done"])
+            state["done"] = done
+
+        yield report
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``reshard``; returns the exit code."""
+    from .._reshard import reshard
+
+    ui = Ui(args)
+    with progress_for(ui, "resharding") as report:
+        plan = reshard(
+            args.source,
+            args.output,
+            parse_size_arg(args.max_shard_size) or "5GB",
+            filename_pattern=args.filename_pattern,
+            progress=report,
+        )
+    files = len(plan.filename_to_tensors)
+    ui.note(
+        f"wrote {len(plan.tensor_to_filename)} tensors ({human_bytes(plan.total_size)}) in "
+        f"{files} file{'s' if files != 1 else ''} to {sanitize(args.output)}"
+    )
+    return 0
