@@ -1,0 +1,435 @@
+"""Loading across processes and machines: tensor-parallel shards, and many files at once.
+
+Tensor-parallel loading
+    :func:`load_shard` gives one rank of a tensor-parallel group its part of every tensor,
+    reading only that part's bytes (``get_slice`` turns the part into byte runs; with the default
+    ``backend="pread"`` nothing else is read). Rules map tensor-name patterns to a split::
+
+        rules = {
+            "*.q_proj.weight": "rows",       # dim 0
+            "*.o_proj.weight": "columns",    # dim 1
+            "*.norm.weight": "replicate",    # every rank gets all of it
+            "*.conv.weight": 2,              # any dimension, negative counts from the end
+        }
+        shard = load_shard("model.safetensors", rank, world_size, rules, framework="pt")
+
+    Uneven sizes are split like ``torch.chunk`` by default (blocks of ``ceil(size / world_size)``;
+    the last ranks may get a shorter or empty block), like ``torch.tensor_split`` with
+    ``uneven="tensor_split"`` (sizes differ by at most one), or refused with ``uneven="error"``.
+    No communication happens here: each rank calls :func:`load_shard` itself, so it works the
+    same under ``torch.distributed``, MPI or a job array.
+
+Many files at once
+    :func:`map_files` runs a function over many files with any ``concurrent.futures.Executor``
+    (threads, processes, ``ray.util.multiprocessing.Pool``-backed executors, Dask's
+    ``Client.get_executor()``), returning results in input order. :func:`validate_files` and
+    :func:`hash_files` are built on it and take ``executor=`` too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any, Final, Literal, TypeAlias, TypeVar
+
+from ._format import MAX_HEADER_SIZE
+from ._reader import safe_open
+from ._validate import Problem, validate
+
+__all__ = [
+    "ShardSpec",
+    "Split",
+    "hash_files",
+    "load_shard",
+    "map_files",
+    "plan_shard",
+    "shard_range",
+    "validate_files",
+]
+
+#: How one tensor is divided: ``"rows"`` (dim 0), ``"columns"`` (dim 1), ``"replicate"``, or a
+#: dimension number (negative numbers count from the end).
+Split: TypeAlias = Literal["rows", "columns", "replicate"] | int
+#: Rules: pattern to split (fnmatch globs matched against the full name, or compiled regexes
+#: matched with ``fullmatch``), first match wins; or a function ``(name, shape) -> Split | None``.
+Rules: TypeAlias = (
+    Mapping[str | re.Pattern[str], Split]
+    | Sequence[tuple[str | re.Pattern[str], Split]]
+    | Callable[[str, tuple[int, ...]], Split | None]
+)
+#: How sizes that the world size does not divide are split (see :func:`shard_range`).
+Uneven: TypeAlias = Literal["chunk", "tensor_split", "error"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+_SPLIT_NAMES: Final = {"rows": 0, "columns": 1}
+
+
+# ------------------------------------------------------------------------------ tensor parallel
+
+
+def shard_range(size: int, rank: int, world_size: int, uneven: Uneven = "chunk") -> tuple[int, int]:
+    """The ``[start, stop)`` part of a dimension of ``size`` that ``rank`` owns.
+
+    Args:
+        size: Length of the dimension being split.
+        rank: This process's rank, ``0 <= rank < world_size``.
+        world_size: Number of parts.
+        uneven: ``"chunk"`` (``torch.chunk``: blocks of ``ceil(size / world_size)``, trailing
+            ranks may get less or nothing), ``"tensor_split"`` (``torch.tensor_split`` /
+            ``numpy.array_split``: the first ``size % world_size`` ranks get one extra), or
+            ``"error"`` (``size`` must divide evenly).
+
+    Returns:
+        ``(start, stop)`` with ``0 <= start <= stop <= size``.
+
+    Raises:
+        ValueError: Bad rank or world size, unknown ``uneven``, or an uneven split with
+            ``uneven="error"``.
+
+    Example:
+        >>> [shard_range(10, r, 4) for r in range(4)]
+        [(0, 3), (3, 6), (6, 9), (9, 10)]
+        >>> [shard_range(10, r, 4, "tensor_split") for r in range(4)]
+        [(0, 3), (3, 6), (6, 8), (8, 10)]
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if uneven == "chunk":
+        block = -(-size // world_size)
+        return min(rank * block, size), min((rank + 1) * block, size)
+    if uneven == "tensor_split":
+        base, extra = divmod(size, world_size)
+        start = rank * base + min(rank, extra)
+        return start, start + base + (1 if rank < extra else 0)
+    if uneven == "error":
+        if size % world_size:
+            raise ValueError(
+                f"a dimension of size {size} does not split evenly into {world_size} parts "
+                "(pass uneven='chunk' or 'tensor_split' to allow it)"
+            )
+        block = size // world_size
+        return rank * block, (rank + 1) * block
+    raise ValueError(f"uneven must be 'chunk', 'tensor_split' or 'error', not {uneven!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """What one rank takes of one tensor."""
+
+    name: str
+    """Tensor name."""
+    shape: tuple[int, ...]
+    """The full tensor's shape."""
+    dim: int | None
+    """The split dimension (non-negative), or None when the tensor is replicated."""
+    start: int
+    """First index taken along ``dim`` (0 when replicated)."""
+    stop: int
+    """One past the last index taken along ``dim`` (``shape[dim]``, or 0 for scalars, when
+    replicated)."""
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """The index to apply to the full tensor (``()`` for the whole tensor)."""
+        if self.dim is None:
+            return ()
+        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's part."""
+        if self.dim is None:
+            return self.shape
+        dims = list(self.shape)
+        dims[self.dim] = self.stop - self.start
+        return tuple(dims)
+
+
+def _match_rule(name: str, shape: tuple[int, ...], rules: Rules, default: Split) -> Split:
+    if callable(rules):
+        chosen = rules(name, shape)
+        return default if chosen is None else chosen
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    for pattern, split in items:
+        if isinstance(pattern, re.Pattern):
+            if pattern.fullmatch(name):
+                return split
+        elif fnmatch.fnmatchcase(name, pattern):
+            return split
+    return default
+
+
+def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
+    """The dimension a split names for a tensor of ``shape`` (None: replicate)."""
+    if split == "replicate":
+        return None
+    if isinstance(split, str):
+        if split not in _SPLIT_NAMES:
+            raise ValueError(
+                f"tensor {name!r}: unknown split {split!r} (expected 'rows', 'columns', "
+                "'replicate' or a dimension number)"
+            )
+        dim = _SPLIT_NAMES[split]
+    elif isinstance(split, int) and not isinstance(split, bool):
+        dim = split
+    else:
+        raise TypeError(f"tensor {name!r}: a split must be a str or an int, not {split!r}")
+    ndim = len(shape)
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"tensor {name!r} of shape {list(shape)} has no dimension {dim} to split "
+            f"(rule {split!r}); give it a 'replicate' rule or a dimension it has"
+        )
+    return dim % ndim
+
+
+def plan_shard(
+    shapes: Mapping[str, Sequence[int]],
+    rank: int,
+    world_size: int,
+    rules: Rules,
+    *,
+    default: Split = "replicate",
+    uneven: Uneven = "chunk",
+) -> dict[str, ShardSpec]:
+    """Decide what ``rank`` takes of each tensor, from shapes alone (no I/O).
+
+    Args:
+        shapes: Tensor name to full shape (e.g. ``{k: f.get_slice(k).get_shape() ...}``).
+        rank: This process's rank.
+        world_size: Size of the tensor-parallel group.
+        rules: Name patterns to splits (see the module docstring), or a function.
+        default: The split of tensors no rule matches.
+        uneven: How to split sizes that ``world_size`` does not divide (see :func:`shard_range`).
+
+    Returns:
+        Name to :class:`ShardSpec`, in the order of ``shapes``.
+
+    Raises:
+        ValueError: A rule names a dimension the tensor lacks, or a split is uneven with
+            ``uneven="error"``.
+    """
+    plan = {}
+    for name, raw_shape in shapes.items():
+        shape = tuple(int(d) for d in raw_shape)
+        dim = _split_dim(name, shape, _match_rule(name, shape, rules, default))
+        if dim is None:
+            plan[name] = ShardSpec(name, shape, None, 0, shape[0] if shape else 0)
+            continue
+        try:
+            start, stop = shard_range(shape[dim], rank, world_size, uneven)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r} of shape {list(shape)}, dim {dim}: {exc}") from None
+        plan[name] = ShardSpec(name, shape, dim, start, stop)
+    return plan
+
+
+def load_shard(
+    path: Any,
+    rank: int,
+    world_size: int,
+    rules: Rules,
+    framework: str = "pt",
+    device: Any = "cpu",
+    *,
+    backend: str = "pread",
+    default: Split = "replicate",
+    uneven: Uneven = "chunk",
+    names: Iterable[str] | None = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> dict[str, Any]:
+    """Load ``rank``'s shard of every tensor of a file or sharded model folder.
+
+    Each split tensor is read through ``get_slice``, so a rank reads only its own rows or
+    columns (with ``backend="pread"``, exactly those bytes; with ``"mmap"``, only the pages
+    they lie on). Replicated tensors are read whole.
+
+    Args:
+        path: A ``.safetensors`` file (path, URL or file object), or a model folder / index
+            file, which ``safe_open`` opens as one logical file across its shards.
+        rank: This process's rank in the tensor-parallel group (e.g. ``dist.get_rank()``).
+        world_size: Size of the group.
+        rules: Name patterns to splits: ``"rows"``, ``"columns"``, ``"replicate"`` or a
+            dimension; first match wins (see the module docstring).
+        framework: As for ``safe_open`` (``"pt"``, ``"np"``, ``"flax"``, ...).
+        device: Where the tensors go (``"cuda:0"``, ... for torch and paddle).
+        backend: ``"pread"`` (default: reads only the shard's bytes into fresh memory) or
+            ``"mmap"``.
+        default: Split for tensors no rule matches.
+        uneven: ``"chunk"``, ``"tensor_split"`` or ``"error"`` (see :func:`shard_range`).
+        names: Load only these tensors (default: all, in file order).
+        max_header_size: Largest header accepted.
+
+    Returns:
+        Name to this rank's part, in file order (or the order of ``names``).
+
+    Raises:
+        ValueError: A rule cannot apply to a tensor (see :func:`plan_shard`).
+        TensorNotFoundError: A name in ``names`` is not in the file.
+
+    Example:
+        >>> import torch.distributed as dist  # doctest: +SKIP
+        >>> shard = load_shard("model.safetensors", dist.get_rank(), dist.get_world_size(),
+        ...                    {"*.up.weight": "rows", "*.down.weight": "columns"})
+    """
+    with safe_open(
+        path, framework, device=device, backend=backend, max_header_size=max_header_size
+    ) as f:
+        wanted = list(f.offset_keys()) if names is None else list(names)
+        slices = {name: f.get_slice(name) for name in wanted}
+        shapes = {name: sl.get_shape() for name, sl in slices.items()}
+        plan = plan_shard(shapes, rank, world_size, rules, default=default, uneven=uneven)
+        out: dict[str, Any] = {}
+        for name, spec in plan.items():
+            out[name] = f.get_tensor(name) if spec.dim is None else slices[name][spec.index]
+        return out
+
+
+# ---------------------------------------------------------------------------------- many files
+
+
+def map_files(
+    fn: Callable[[_T], _R],
+    paths: Iterable[_T],
+    executor: Executor | None = None,
+) -> list[_R]:
+    """Apply ``fn`` to every path, optionally in parallel, and return results in input order.
+
+    Args:
+        fn: The work for one file. With a process pool it must be picklable (a module-level
+            function or a ``functools.partial`` of one).
+        paths: The files (or any items ``fn`` takes).
+        executor: Any ``concurrent.futures.Executor`` (``ThreadPoolExecutor``,
+            ``ProcessPoolExecutor``, Dask's ``client.get_executor()``, ...). ``None`` runs
+            ``fn`` here, one file after another. The executor is not shut down.
+
+    Returns:
+        ``[fn(p) for p in paths]``.
+
+    Raises:
+        Exception: The first failure in input order, re-raised with a note naming its item.
+            Later items are still cancelled where the executor allows it.
+    """
+    items = list(paths)
+    if executor is None:
+        return [_call_noting(fn, item) for item in items]
+    futures: list[Future[_R]] = [executor.submit(fn, item) for item in items]
+    results: list[_R] = []
+    try:
+        for item, future in zip(items, futures, strict=True):
+            try:
+                results.append(future.result())
+            except Exception as exc:
+                _note(exc, item)
+                raise
+    finally:
+        for future in futures:
+            future.cancel()
+    return results
+
+
+def _note(exc: BaseException, item: Any) -> None:
+    # add_note exists from Python 3.11; on 3.10 the traceback still shows the failing call.
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(f"while processing {item!r}")
+
+
+def _call_noting(fn: Callable[[_T], _R], item: _T) -> _R:
+    try:
+        return fn(item)
+    except Exception as exc:
+        _note(exc, item)
+        raise
+
+
+def _validate_one(
+    target: str | os.PathLike[str], strict: bool = False, check_values: bool | None = None
+) -> list[Problem]:
+    """:func:`~pysafetensors._validate.validate` one target; OSError becomes a Problem.
+
+    Module level so that process pools can pickle it.
+    """
+    try:
+        return validate(target, strict=strict, check_values=check_values)
+    except OSError as exc:
+        return [Problem("error", "FileNotReadable", f"{type(exc).__name__}: {exc}")]
+
+
+def validate_files(
+    paths: Iterable[str | os.PathLike[str]],
+    executor: Executor | None = None,
+    *,
+    strict: bool = False,
+    check_values: bool | None = None,
+) -> dict[str, list[Problem]]:
+    """Validate many files (or model folders, index files, URLs), optionally in parallel.
+
+    Each target gets the full lenient validation of ``pysafetensors validate``: every problem
+    is collected instead of stopping at the first.
+
+    Args:
+        paths: The targets.
+        executor: Any ``concurrent.futures.Executor``; ``None`` checks them one by one here.
+        strict: Add warnings (NaN/Inf, alignment, ``format`` metadata, ...).
+        check_values: Read tensor data for the value checks; defaults to ``strict``.
+
+    Returns:
+        Target (as given, via ``os.fspath``) to its problems, in input order; an empty list
+        means valid. A target that cannot be opened gets one ``FileNotReadable`` error.
+
+    Example:
+        >>> from concurrent.futures import ProcessPoolExecutor
+        >>> with ProcessPoolExecutor() as pool:  # doctest: +SKIP
+        ...     bad = {p: e for p, e in validate_files(files, pool).items() if e}
+    """
+    items = list(paths)
+    job = functools.partial(_validate_one, strict=strict, check_values=check_values)
+    found = map_files(job, items, executor)
+    return {os.fspath(p): problems for p, problems in zip(items, found, strict=True)}
+
+
+#: Files are hashed this many bytes at a time.
+_READ_BLOCK: Final = 8 << 20
+
+
+def _hash_one(path: str | os.PathLike[str], algorithm: str = "sha256") -> str:
+    """Hex digest of one file (module level so that process pools can pickle it)."""
+    digest = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        # hashlib releases the GIL for large updates, so thread pools hash files in parallel.
+        for block in iter(lambda: f.read(_READ_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_files(
+    paths: Iterable[str | os.PathLike[str]],
+    executor: Executor | None = None,
+    *,
+    algorithm: str = "sha256",
+) -> dict[str, str]:
+    """Hash many files (the hub's LFS ``sha256`` by default), optionally in parallel.
+
+    Args:
+        paths: Local files.
+        executor: Any ``concurrent.futures.Executor``; ``None`` hashes them one by one here.
+        algorithm: Any ``hashlib`` algorithm name.
+
+    Returns:
+        Path (as given, via ``os.fspath``) to hex digest, in input order.
+
+    Raises:
+        OSError: A file cannot be read.
+    """
+    items = list(paths)
+    digests = map_files(functools.partial(_hash_one, algorithm=algorithm), items, executor)
+    return {os.fspath(p): d for p, d in zip(items, digests, strict=True)}
