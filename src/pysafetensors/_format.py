@@ -789,6 +789,15 @@ def build_layout(
                 kind="TensorInvalidInfo",
                 tensor=str(name),
             )
+        if any(d > UINT64_MAX for d in shape_t):
+            # A zero-size tensor passes the size checks with any dimension, but a reader
+            # refuses a dimension that is not a u64 (found by fuzzing the streaming writer).
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` has a dimension of 2^64 or more "
+                f"{list(shape_t)}",
+                kind="ValidationOverflow",
+                tensor=str(name),
+            )
         items.append((_check_name(name), dtype, shape_t))
     items.sort(key=lambda it: (-it[1].rank, it[0]))
 
