@@ -28,6 +28,10 @@ from ._errors import (
 )
 from ._format import MAX_HEADER_SIZE
 from ._reader import SafeSlice, TensorMeta, safe_open
+from ._reshard import extract, merge, reshard
+from ._sharded import MissingShardError, ShardedSafeOpen, ShardIndexError
+from ._sharding import ShardPlan, save_sharded
+from ._streaming import ShardedStreamingWriter, StreamingWriter
 
 __version__ = "0.1.0"
 
@@ -38,13 +42,19 @@ __all__ = [
     "HeaderDecodeError",
     "HeaderError",
     "HeaderSizeError",
+    "MissingShardError",
     "OffsetError",
     "RemoteError",
     "SafeSlice",
     "SafetensorError",
     "SerializeError",
+    "ShardIndexError",
+    "ShardPlan",
+    "ShardedSafeOpen",
+    "ShardedStreamingWriter",
     "SharedTensorsError",
     "SliceError",
+    "StreamingWriter",
     "TensorInfoError",
     "TensorMeta",
     "TensorNotFoundError",
@@ -52,7 +62,11 @@ __all__ = [
     "UnsafePickleError",
     "__version__",
     "deserialize",
+    "extract",
+    "merge",
+    "reshard",
     "safe_open",
+    "save_sharded",
     "serialize",
     "serialize_file",
 ]
