@@ -17,6 +17,7 @@ import torch
 
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
 from ._errors import SerializeError, SharedTensorsError
+from ._sharding import save_model_sharded, save_sharded
 from ._torch_adapter import ADAPTER
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "save",
     "save_file",
     "save_model",
+    "save_model_sharded",
+    "save_sharded",
     "storage_ptr",
     "storage_size",
 ]
