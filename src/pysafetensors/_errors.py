@@ -19,6 +19,8 @@ category they belong to, so ``except ValueError`` or ``except KeyError`` catch t
     ├── UnsafePickleError(SafetensorError)                a pickle asks for a forbidden global
     ├── CheckpointError(SafetensorError, ValueError)      a checkpoint is broken or unsupported
     ├── RemoteError(SafetensorError, OSError)             a remote source misbehaved
+    │   ├── RemoteNotFoundError(RemoteError, FileNotFoundError)  no such object or bucket
+    │   └── RemotePermissionError(RemoteError, PermissionError)  credentials refused
     └── ClosedFileError(SafetensorError, ValueError)      a handle used after ``close()``
 
 ``OSError`` from the operating system (missing file, permissions) passes through unwrapped, as
@@ -40,6 +42,8 @@ __all__ = [
     "HeaderSizeError",
     "OffsetError",
     "RemoteError",
+    "RemoteNotFoundError",
+    "RemotePermissionError",
     "SafetensorError",
     "SerializeError",
     "SharedTensorsError",
@@ -167,6 +171,18 @@ class CheckpointError(SafetensorError, ValueError):
 
 class RemoteError(SafetensorError, OSError):
     """Raised when a remote byte source fails: missing object, denied, truncated, no ranges."""
+
+
+class RemoteNotFoundError(RemoteError, FileNotFoundError):
+    """Raised when a remote object or bucket does not exist.
+
+    Also a ``FileNotFoundError``, so code that handles a missing local file handles a missing
+    remote one the same way.
+    """
+
+
+class RemotePermissionError(RemoteError, PermissionError):
+    """Raised when a remote store refuses the credentials (HTTP 401/403, S3 AccessDenied)."""
 
 
 class ClosedFileError(SafetensorError, ValueError):

@@ -132,7 +132,9 @@ def _is_sharded_target(filename: Any) -> bool:
     return path.endswith(".index.json") or os.path.isdir(path)
 
 
-def open_source_for(filename: Any, backend: str) -> ByteSource:
+def open_source_for(
+    filename: Any, backend: str, storage_options: dict[str, Any] | None = None
+) -> ByteSource:
     """Open the byte source for a path, URL, file object or in-memory buffer.
 
     Raises:
@@ -160,7 +162,7 @@ def open_source_for(filename: Any, backend: str) -> ByteSource:
     if "://" in path:
         from ._remote import open_source
 
-        source: ByteSource = open_source(path)
+        source: ByteSource = open_source(path, storage_options=storage_options)
         return source
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -190,6 +192,9 @@ class safe_open:  # noqa: N801 - the reference's name
         device: Where tensors go (``"cpu"``, ``"cuda:0"``, ...; torch and paddle only).
         backend: ``"mmap"`` (zero-copy, copy-on-write views) or ``"pread"`` (fresh memory).
         max_header_size: Largest header accepted (100,000,000 bytes by default).
+        storage_options: For URLs: options for the remote source, e.g. ``{"headers":
+            {"Authorization": "Bearer ..."}}`` for HTTP, ``{"endpoint_url": ...}`` for S3, or
+            an fsspec filesystem's options.
 
     Raises:
         SafetensorError: The framework, device or backend is invalid.
@@ -217,6 +222,7 @@ class safe_open:  # noqa: N801 - the reference's name
         *,
         backend: str = "mmap",
         max_header_size: int = MAX_HEADER_SIZE,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self._source: ByteSource | None = None
         if backend not in BACKENDS:
@@ -227,7 +233,7 @@ class safe_open:  # noqa: N801 - the reference's name
         self._adapter: Adapter = get_adapter(framework)
         self._device: Device = self._adapter.check_device(device)
         self._backend = backend
-        source = open_source_for(filename, backend)
+        source = open_source_for(filename, backend, storage_options)
         try:
             self._header = read_header(source, max_header_size=max_header_size)
         except BaseException:
@@ -334,7 +340,9 @@ class safe_open:  # noqa: N801 - the reference's name
         """
         source = self._live()
         tensors = self._header.tensors
-        if self._backend == "mmap" or not tensors:
+        # Sources that can map memory (mmap) hand out views; all others (pread, file objects,
+        # remote) read the whole data buffer at once, in parallel, into one buffer.
+        if not tensors or (self._backend == "mmap" and source.view(0, 0) is not None):
             return {name: self.get_tensor(name) for name in tensors}
         for info in tensors.values():
             check_representable(info.shape, info.dtype, info.name)

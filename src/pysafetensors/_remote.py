@@ -39,7 +39,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from ._errors import ClosedFileError, RemoteError
+from ._errors import (
+    ClosedFileError,
+    RemoteError,
+    RemoteNotFoundError,
+    RemotePermissionError,
+)
 from ._sources import _check_range
 
 __all__ = [
@@ -75,18 +80,6 @@ _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: Longest ``Retry-After`` honoured; beyond it the backoff schedule applies.
 _MAX_RETRY_AFTER: Final = 10.0
-
-
-class RemoteNotFoundError(RemoteError, FileNotFoundError):
-    """Raised when a remote object or bucket does not exist.
-
-    Also a ``FileNotFoundError``, so code that handles a missing local file handles a missing
-    remote one the same way.
-    """
-
-
-class RemotePermissionError(RemoteError, PermissionError):
-    """Raised when a remote store refuses the credentials (HTTP 401/403, S3 AccessDenied)."""
 
 
 class RemoteStats:
