@@ -1,0 +1,284 @@
+"""Checkpoints written by the real ``torch.save`` convert to files equal to ``torch.load``'s."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+from safetensors import safe_open  # noqa: E402
+
+from pysafetensors._torch_pickle import load_checkpoint  # noqa: E402
+from pysafetensors.convert import (  # noqa: E402
+    convert_file,
+    convert_folder,
+    to_torch_bin,
+    verify_conversion,
+)
+
+
+def _bytes(t: Any) -> bytes:
+    t = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return bytes(t.view(torch.uint8).numpy().tobytes())
+
+
+def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _all_dtypes() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 5, generator=g)
+    sd: dict[str, Any] = {
+        "f32": base,
+        "f64": base.double(),
+        "f16": base.half(),
+        "bf16": base.bfloat16(),
+        "i64": torch.arange(-7, 8).reshape(3, 5),
+        "i32": torch.arange(15, dtype=torch.int32),
+        "i16": torch.arange(-3, 3, dtype=torch.int16),
+        "i8": torch.arange(-4, 4, dtype=torch.int8),
+        "u8": torch.arange(250, 256, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "c64": torch.complex(base, -base),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
+    return sd
+
+
+def _new_dtypes() -> dict[str, Any]:
+    """dtypes without a legacy storage class (saved with ``_rebuild_tensor_v3``)."""
+    base = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    sd: dict[str, Any] = {
+        "u16": torch.tensor([0, 1, 65535], dtype=torch.int32).to(torch.uint16),
+        "u32": torch.tensor([0, 7, 2**32 - 1], dtype=torch.int64).to(torch.uint32),
+        "u64": torch.tensor([0, 9, 2**40], dtype=torch.int64).to(torch.uint64),
+        "f8e4m3": base.to(torch.float8_e4m3fn),
+        "f8e5m2": base.to(torch.float8_e5m2),
+    }
+    for name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):
+        if hasattr(torch, name):
+            sd[name] = base.abs().to(getattr(torch, name))
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        sd["f4"] = torch.arange(8, dtype=torch.uint8).reshape(2, 4).view(torch.float4_e2m1fn_x2)
+    return sd
+
+
+def _views(sd: dict[str, Any]) -> None:
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    sd["w"] = w
+    sd["w_tied"] = w  # same tensor twice: dropped
+    sd["w_t"] = w.t()  # non-contiguous view of the same storage: dropped (reference rule)
+    other = torch.arange(30, dtype=torch.float32)
+    sd["slice_offset"] = other[7:19].reshape(3, 4)  # offset view, storage not covered: kept
+    sd["strided"] = torch.arange(40, dtype=torch.int64).reshape(5, 8)[::2, 1::3]
+    sd["expanded"] = torch.arange(3, dtype=torch.float32).expand(4, 3)  # stride 0
+    sd["conj"] = torch.complex(torch.ones(2), torch.ones(2)).conj()
+    sd["neg"] = torch.ones(3)._neg_view()
+
+
+def _check(src: Path, dst: Path, expected: dict[str, Any]) -> dict[str, str]:
+    with safe_open(str(dst), "pt") as f:
+        meta = f.metadata()
+        names = set(f.keys())
+    assert meta["format"] == "pt"
+    loaded = st_torch.load_file(str(dst))
+    for name, ref in expected.items():
+        if name in meta and name not in names:
+            ref = expected[meta[name]]  # dropped: must alias the kept tensor's storage
+            continue
+        got = loaded[name]
+        assert _bytes(got) == _bytes(ref), name
+        if ref.dtype != getattr(torch, "float4_e2m1fn_x2", None):
+            assert got.dtype == ref.dtype, name
+            assert tuple(got.shape) == tuple(ref.shape), name
+    assert names <= set(expected)
+    return meta
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["zip-p2", "zip-p4", "legacy-p2", "legacy-p4"],
+)
+def test_real_torch_save(layout: str, tmp_path: Path) -> None:
+    sd = _all_dtypes()
+    _views(sd)
+    if layout.startswith("zip"):
+        sd.update(_new_dtypes())
+    proto = int(layout[-1])
+    src = tmp_path / "model.pt"
+    torch.save(
+        sd,
+        src,
+        pickle_protocol=proto,
+        _use_new_zipfile_serialization=layout.startswith("zip"),
+    )
+    # torch's weights_only unpickler refuses protocol 4 ("Unsupported operand"); this file is
+    # our own, so the full unpickler is fine as the reference there.
+    ref = torch.load(src, weights_only=proto == 2)
+    dst = tmp_path / "model.safetensors"
+    report = convert_file(src, dst, verify=True)
+    assert report.verified == ("torch" if proto == 2 else "reader")
+    assert report.dropped == {"w_t": "w", "w_tied": "w"}
+    meta = _check(src, dst, _flat(ref))
+    assert meta["w_t"] == "w" and meta["w_tied"] == "w"
+    assert "slice_offset" in report.tensors and "strided" in report.tensors
+
+
+def test_same_choice_as_reference_save_model(tmp_path: Path) -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    convert_file(tmp_path / "pytorch_model.bin", tmp_path / "ours.safetensors")
+    st_torch.save_model(model, str(tmp_path / "ref.safetensors"))
+    ours_path, ref_path = str(tmp_path / "ours.safetensors"), str(tmp_path / "ref.safetensors")
+    with safe_open(ours_path, "pt") as a, safe_open(ref_path, "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        ours = {k: v for k, v in a.metadata().items() if k != "format"}
+        theirs = {k: v for k, v in (b.metadata() or {}).items() if k != "format"}
+        assert ours == theirs
+        for k in a.keys():  # noqa: SIM118 - safe_open is not a mapping
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k))
+
+
+def test_big_endian_byteorder(tmp_path: Path) -> None:
+    sd = {
+        "f32": torch.randn(3, 4),
+        "f16": torch.randn(5).half(),
+        "bf16": torch.randn(5).bfloat16(),
+        "c64": torch.complex(torch.randn(3), torch.randn(3)),
+        "i64": torch.arange(6),
+        "u8": torch.arange(4, dtype=torch.uint8),
+        "t": None,
+    }
+    sd["t"] = sd["f32"].t()
+    little = tmp_path / "little.pt"
+    torch.save(sd, little)
+    with load_checkpoint(little) as ck:
+        units = {}
+        for rec in ck.tensors.values():
+            units[rec.storage_key] = rec.itemsize // 2 if rec.dtype.code == "C64" else rec.itemsize
+    big = tmp_path / "big.pt"
+    with zipfile.ZipFile(little) as zin, zipfile.ZipFile(big, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            rel = info.filename.split("/", 1)[1]
+            if rel == "byteorder":
+                data = b"big"
+            elif rel.startswith("data/"):
+                unit = units[rel[5:]]
+                data = np.frombuffer(data, dtype=f"<u{unit}").byteswap().tobytes()
+            zout.writestr(info.filename, data)
+    ref = torch.load(big, weights_only=True)  # torch byteswaps on load
+    for k in sd:
+        assert torch.equal(ref[k], sd[k])
+    dst = tmp_path / "big.safetensors"
+    assert convert_file(big, dst, verify=True).verified == "torch"
+    _check(big, dst, sd)
+
+
+def test_lightning_nested(tmp_path: Path) -> None:
+    ckpt = {
+        "epoch": 3,
+        "global_step": 120,
+        "pytorch-lightning_version": "2.4.0",
+        "state_dict": {"model.layer.weight": torch.ones(2, 2), "model.layer.bias": torch.zeros(2)},
+        "hyper_parameters": {"lr": 0.1, "layers": [1, 2]},
+        "loops": {},
+    }
+    src = tmp_path / "last.ckpt"
+    torch.save(ckpt, src)
+    dst = tmp_path / "all.safetensors"
+    report = convert_file(src, dst, keep_non_tensors=True, verify=True)
+    assert report.tensors == ["state_dict.model.layer.weight", "state_dict.model.layer.bias"]
+    assert report.non_tensors["epoch"] == 3
+    assert report.non_tensors["hyper_parameters.lr"] == 0.1
+    with safe_open(str(dst), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["hyper_parameters.layers"]) == [1, 2]
+    assert meta["pytorch-lightning_version"] == '"2.4.0"'
+    only = tmp_path / "sd.safetensors"
+    report = convert_file(src, only, subtree="state_dict", verify=True)
+    assert report.tensors == ["model.layer.weight", "model.layer.bias"]
+    assert report.verified == "torch"
+
+
+def test_sharded_folder_with_index(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shards = {
+        "pytorch_model-00001-of-00002.bin": {
+            "a.weight": torch.randn(4, 4),
+            "a.bias": torch.ones(4),
+        },
+        "pytorch_model-00002-of-00002.bin": {"b.weight": torch.randn(2, 4).bfloat16()},
+    }
+    weight_map = {}
+    for fname, part in shards.items():
+        torch.save(part, src / fname)
+        weight_map.update({k: fname for k in part})
+    (src / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 999}, "weight_map": weight_map})
+    )
+    for executor in (None, ThreadPoolExecutor(2)):
+        dst = tmp_path / f"dst-{executor is None}"
+        report = convert_folder(src, dst, executor=executor, verify=True)
+        index = json.loads((dst / "model.safetensors.index.json").read_text())
+        assert index["weight_map"] == {
+            "a.bias": "model-00001-of-00002.safetensors",
+            "a.weight": "model-00001-of-00002.safetensors",
+            "b.weight": "model-00002-of-00002.safetensors",
+        }
+        assert index["metadata"]["total_size"] == 4 * 16 + 4 * 4 + 2 * 8
+        assert [r.verified for r in report.files] == ["torch", "torch"]
+        for fname, part in shards.items():
+            out = dst / fname.replace("pytorch_model", "model").replace(".bin", ".safetensors")
+            loaded = st_torch.load_file(str(out))
+            for k, v in part.items():
+                assert torch.equal(loaded[k], v)
+
+
+def test_single_folder_and_back_to_torch(tmp_path: Path) -> None:
+    sd = {"x": torch.randn(3, 3), "y": torch.arange(4)}
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    convert_folder(tmp_path, tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert verify_conversion(tmp_path / "pytorch_model.bin", tmp_path / "model.safetensors")
+    names = to_torch_bin(tmp_path / "model.safetensors", tmp_path / "back.bin")
+    back = torch.load(tmp_path / "back.bin", weights_only=True)
+    assert sorted(names) == ["x", "y"]
+    for k, v in sd.items():
+        assert torch.equal(back[k], v)
+
+
+def test_progress_and_parameters(tmp_path: Path) -> None:
+    lin = torch.nn.Linear(8, 4)
+    torch.save(
+        {"model": lin.state_dict(), "param": torch.nn.Parameter(torch.ones(2))}, tmp_path / "m.pth"
+    )
+    seen: list[tuple[int, int]] = []
+    report = convert_file(
+        tmp_path / "m.pth", tmp_path / "m.safetensors", progress=lambda d, t: seen.append((d, t))
+    )
+    assert seen and seen[-1][0] == seen[-1][1] == report.total_size
+    assert set(report.tensors) == {"model.weight", "model.bias", "param"}

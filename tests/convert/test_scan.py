@@ -1,0 +1,157 @@
+"""The scanner: grades, bypass tricks, and the CLI's exit codes (run as a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from pysafetensors.scan import grade_global, scan_file
+
+from .corpus import LEGACY_MAGIC, P, good_pickle, make_legacy, make_zip, payload, state_dict
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_grades() -> None:
+    assert grade_global("torch._utils", "_rebuild_tensor_v2") == "safe"
+    assert grade_global("collections", "OrderedDict") == "safe"
+    assert grade_global("torch", "BFloat16Storage") == "safe"
+    assert grade_global("os", "system") == "dangerous"
+    assert grade_global("__builtin__", "eval") == "dangerous"
+    assert grade_global("_operator", "attrgetter") == "dangerous"
+    assert grade_global("torch.utils.collect_env", "run") == "dangerous"
+    assert grade_global("numpy", "__builtins__") == "dangerous"
+    assert grade_global("mylib.models", "Net") == "suspicious"
+
+
+def test_clean_checkpoints_are_safe(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    sd = {"w": torch.ones(2), "b": torch.zeros(2, dtype=torch.uint16)}
+    torch.save(sd, tmp_path / "z.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "l.pt", _use_new_zipfile_serialization=False)
+    for name, fmt, streams in (("z.pt", "zip", 1), ("l.pt", "legacy", 5)):
+        report = scan_file(tmp_path / name)
+        assert (report.grade, report.format, report.streams) == ("safe", fmt, streams)
+        assert {g.qualname for g in report.globals} >= {"collections.OrderedDict"}
+
+
+def test_stack_global_resolved_through_memo(tmp_path: Path) -> None:
+    data = P.PROTO2 + P.u("os") + b"q\x01" + P.u("junk") + b"0" + P.u("system") + b"q\x02"
+    data += b"0h\x01h\x02\x93" + P.u("id") + b"\x85R."
+    report = scan_file(_write(tmp_path / "a.pkl", data))
+    assert report.grade == "dangerous"
+    assert [g.qualname for g in report.globals] == ["os.system"]
+    assert report.globals[0].opcode == "STACK_GLOBAL"
+
+
+def test_second_stream_and_broken_stream(tmp_path: Path) -> None:
+    benign = pickle.dumps({"a": 1}, protocol=2)
+    evil = P.PROTO2 + payload("subprocess", "call", tmp_path / "c") + b"."
+    assert scan_file(_write(tmp_path / "two.pkl", benign + evil)).grade == "dangerous"
+    # nullifAI: payload first, garbage after: still dangerous, plus a parse finding.
+    broken = scan_file(_write(tmp_path / "broken.pkl", evil[:-1] + b"\xff"))
+    assert broken.grade == "dangerous"
+    assert any("could not be fully parsed" in f.message for f in broken.findings)
+
+
+def test_zip_tricks(tmp_path: Path) -> None:
+    evil = P.PROTO2 + payload("os", "system", tmp_path / "c") + b"."
+    # A pickle under a non-pickle name, outside the usual data.pkl path.
+    make_zip(tmp_path / "a.pt", good_pickle(), extra={"archive/notes/data.txt": evil})
+    report = scan_file(tmp_path / "a.pt")
+    assert report.grade == "dangerous"
+    assert any(g.where.endswith("data.txt") for g in report.globals)
+    # Bad CRC: torch ignores it, so the scanner reads the member anyway.
+    make_zip(tmp_path / "b.pt", evil)
+    raw = bytearray((tmp_path / "b.pt").read_bytes())
+    cd = raw.find(b"PK\x01\x02")
+    struct.pack_into("<I", raw, cd + 16, 0)
+    struct.pack_into("<I", raw, 14, 0)
+    assert scan_file(_write(tmp_path / "b.pt", bytes(raw))).grade == "dangerous"
+    # A pickle prepended to a zip.
+    make_zip(tmp_path / "c.pt", good_pickle())
+    both = evil + (tmp_path / "c.pt").read_bytes()
+    assert scan_file(_write(tmp_path / "c.pt", both)).grade == "dangerous"
+
+
+def test_nested_pickle_is_scanned(tmp_path: Path) -> None:
+    inner = P.PROTO2 + payload("os", "system", tmp_path / "c") + b"."
+    outer = state_dict(
+        [
+            (
+                "w",
+                P.g("torch.storage", "_load_from_bytes")
+                + b"C"
+                + bytes([len(inner)])
+                + inner
+                + b"\x85R",
+            )
+        ]
+    )
+    make_zip(tmp_path / "n.pt", outer)
+    report = scan_file(tmp_path / "n.pt")
+    assert {"torch.storage._load_from_bytes", "os.system"} <= {g.qualname for g in report.globals}
+
+
+def test_legacy_with_trailing_pickle(tmp_path: Path) -> None:
+    make_legacy(tmp_path / "l.pt")
+    data = (tmp_path / "l.pt").read_bytes() + P.PROTO2 + payload("os", "system", tmp_path / "c")
+    report = scan_file(_write(tmp_path / "l.pt", data + b"."))
+    assert report.format == "legacy"
+    assert report.grade == "dangerous"
+    assert LEGACY_MAGIC  # the file really starts with the legacy magic
+
+
+def test_unknown_global_is_suspicious(tmp_path: Path) -> None:
+    data = P.PROTO2 + P.g("mylib.models", "Net") + b")R."
+    assert scan_file(_write(tmp_path / "s.pkl", data)).grade == "suspicious"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pysafetensors", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_cli_exit_codes(tmp_path: Path) -> None:
+    safe = tmp_path / "safe.pkl"
+    safe.write_bytes(pickle.dumps({"a": [1, 2]}, protocol=2))
+    sus = _write(tmp_path / "sus.pkl", P.PROTO2 + P.g("mylib", "Net") + b")R.")
+    bad = _write(tmp_path / "bad.pkl", P.PROTO2 + payload("os", "system", tmp_path / "c") + b".")
+    assert _cli("scan", str(safe)).returncode == 0
+    assert _cli("scan", str(safe), str(sus)).returncode == 1
+    res = _cli("scan", "--json", str(safe), str(sus), str(bad))
+    assert res.returncode == 2
+    reports = json.loads(res.stdout)
+    assert [r["grade"] for r in reports] == ["safe", "suspicious", "dangerous"]
+    assert reports[2]["globals"][0]["qualname"] == "os.system"
+    assert not (tmp_path / "c").exists()
+
+
+def test_cli_convert(tmp_path: Path) -> None:
+    make_zip(tmp_path / "m.bin", good_pickle())
+    res = _cli("convert", str(tmp_path / "m.bin"), str(tmp_path / "m.safetensors"), "--verify")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""  # no progress bar when stderr is not a terminal
+    assert (tmp_path / "m.safetensors").exists()
+    evil = state_dict([("w", payload("os", "system", tmp_path / "canary"))])
+    make_zip(tmp_path / "e.bin", evil)
+    res = _cli("convert", str(tmp_path / "e.bin"), str(tmp_path / "e.safetensors"))
+    assert res.returncode == 1 and "os.system" in res.stderr
+    assert not (tmp_path / "e.safetensors").exists() and not (tmp_path / "canary").exists()
+    with zipfile.ZipFile(tmp_path / "m.bin") as zf:
+        assert "archive/data.pkl" in zf.namelist()
