@@ -11,6 +11,7 @@ import contextlib
 
 from ._api import TensorSpec, deserialize, serialize, serialize_file
 from ._errors import (
+    CheckpointError,
     ClosedFileError,
     DTypeNotSupportedError,
     HeaderDecodeError,
@@ -38,6 +39,7 @@ from ._streaming import ShardedStreamingWriter, StreamingWriter
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "MAX_HEADER_SIZE",
     "ClosedFileError",
     "DTypeNotSupportedError",
