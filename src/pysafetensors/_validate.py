@@ -247,7 +247,8 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
         try:
             dtype, shape, (begin, end) = _parse_entry(name, value, "")
         except HeaderError as exc:
-            col.error(exc.kind, str(exc), tensor=name, offset=_key_offset(text, name))
+            message = str(exc).removesuffix(f" (tensor `{name}`)")
+            col.error(exc.kind, message, tensor=name, offset=_key_offset(text, name))
             continue
         # A repeated name: the last entry wins, as in the reference.
         parsed[name] = _Entry(name, dtype, tuple(shape), begin, end)
@@ -604,13 +605,14 @@ def locate_model(
 ) -> ModelFiles:
     """Find the safetensors files of a file, folder, index or URL without opening them.
 
-    A folder holding exactly one ``*.safetensors.index.json`` is a sharded model; a folder without
-    an index holding ``*.safetensors`` files is every one of them (sorted). An index names its
-    shards relative to itself; names that are absolute or contain ``..`` are refused.
+    Folders are resolved as ``safe_open(folder)`` resolves them (``_sharded.resolve_checkpoint``:
+    ``model.safetensors.index.json``, ``model.safetensors``, a single index, a single file). An
+    index names its shards relative to itself; names that are absolute or contain ``..`` are
+    refused and recorded as problems rather than raised, so that ``validate`` can list them all.
 
     Raises:
-        FileNotFoundError: A folder holds no safetensors files.
-        SafetensorError: A folder holds several indexes.
+        FileNotFoundError: A folder holds no checkpoint.
+        SafetensorError: A folder holds several checkpoints and no rule picks one.
     """
     path = os.fspath(target)
     if _is_url(path):
@@ -618,19 +620,13 @@ def locate_model(
             return ModelFiles(path, [path], [path])
         return _from_index(path, path, max_index_size)
     if os.path.isdir(path):
-        names = sorted(os.listdir(path))
-        indexes = [n for n in names if n.endswith(".safetensors.index.json")]
-        if len(indexes) > 1:
-            raise SafetensorError(
-                f"{path}: several indexes ({', '.join(indexes)}); name the one to use",
-                kind="AmbiguousModel",
-            )
-        if indexes:
-            return _from_index(path, os.path.join(path, indexes[0]), max_index_size)
-        files = [n for n in names if n.endswith(".safetensors")]
-        if not files:
-            raise FileNotFoundError(2, "no .safetensors files or index in folder", path)
-        return ModelFiles(path, [os.path.join(path, n) for n in files], files)
+        # The same folder rules as safe_open(folder), so every tool opens the same files.
+        from ._sharded import resolve_checkpoint
+
+        resolved, is_index = resolve_checkpoint(path)
+        if is_index:
+            return _from_index(path, resolved, max_index_size)
+        return ModelFiles(path, [resolved], [os.path.basename(resolved)])
     if path.endswith(".index.json"):
         return _from_index(path, path, max_index_size)
     return ModelFiles(path, [path], [path])

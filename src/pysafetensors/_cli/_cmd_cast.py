@@ -1,0 +1,175 @@
+"""``pysafetensors cast``: convert floating-point tensors to another dtype, streaming.
+
+Each tensor goes to :func:`~pysafetensors._writer.write_file` as a
+:class:`~pysafetensors._writer.TensorData` whose ``chunks`` callable reads and converts a few
+million elements at a time, so a tensor is never held whole in memory (the writer batches up to
+its ``writev`` limit). Integer, boolean and complex tensors are copied unchanged, and so are FP8
+and sub-byte tensors unless ``--from`` names them, since those usually carry quantization scales
+that a cast would make meaningless. Rounding is numpy/ml_dtypes' round-to-nearest-even; values
+beyond the target's range become Inf (or NaN for types without Inf), and ``cast`` says how many.
+
+A sharded model is written as a folder with the same shard names and an index whose
+``total_size`` is recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Final
+
+import numpy as np
+
+from .._adapter import numpy_dtype
+from .._dtypes import DType, dtype_from_code
+from .._writer import TensorData, write_file
+from ._common import Model, TensorRef, Ui, UsageError, decode, name_filter, open_model, sanitize
+
+#: Targets a cast can produce (whole-byte floating types numpy/ml_dtypes can compute in).
+TARGETS: Final = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+DEFAULT_FROM: Final = ("F64", "F32", "F16", "BF16")
+_CHUNK_ELEMENTS: Final = 3 << 20
+
+
+def register(sub: Any) -> None:
+    """Add the ``cast`` subcommand."""
+    p = sub.add_parser(
+        "cast",
+        help="convert floating tensors to another dtype (e.g. F32 -> BF16) into a new file",
+        description="Cast floating-point tensors, streaming tensor by tensor into a new file "
+        "(or folder, for a sharded model). Integers and other dtypes are copied unchanged.",
+    )
+    p.add_argument("target", metavar="TARGET", help="file, model folder, index or URL")
+    p.add_argument("output", metavar="OUTPUT", help="output file (a folder for sharded input)")
+    p.add_argument("--to", required=True, type=str.upper, choices=TARGETS, help="target dtype")
+    p.add_argument(
+        "--from",
+        dest="sources",
+        default=",".join(DEFAULT_FROM),
+        metavar="CODES",
+        help=f"comma-separated dtypes to convert (default {','.join(DEFAULT_FROM)})",
+    )
+    p.add_argument(
+        "-f", "--filter", action="append", metavar="GLOB", help="only cast matching tensors"
+    )
+    p.add_argument("--regex", metavar="RE", help="only cast tensors matching this regex")
+    p.set_defaults(func=run)
+
+
+def _converted(
+    ref: TensorRef, target: DType, overflow: dict[str, int], progress: Callable[[int], None]
+) -> Callable[[], Iterator[np.ndarray]]:
+    out_dtype = numpy_dtype(target)
+
+    def chunks() -> Iterator[np.ndarray]:
+        n = ref.numel
+        start = ref.file_offsets[0]
+        for e0 in range(0, n, _CHUNK_ELEMENTS):
+            e1 = min(n, e0 + _CHUNK_ELEMENTS)
+            b0, b1 = e0 * ref.dtype.bits // 8, e1 * ref.dtype.bits // 8
+            raw = np.empty(b1 - b0, np.uint8)
+            ref.file.source.readinto(start + b0, raw.data)
+            values = decode(ref.dtype, raw)
+            with np.errstate(over="ignore", invalid="ignore"):
+                cast = values.astype(out_dtype)
+                was = np.isfinite(values.astype(np.float64))
+                now = np.isfinite(cast.astype(np.float64))
+            lost = int(np.count_nonzero(was & ~now))
+            if lost:
+                overflow[ref.name] = overflow.get(ref.name, 0) + lost
+            progress(raw.size)
+            yield np.ascontiguousarray(cast).view(np.uint8)
+
+    return chunks
+
+
+def _copied(ref: TensorRef, progress: Callable[[int], None]) -> Callable[[], Iterator[np.ndarray]]:
+    def chunks() -> Iterator[np.ndarray]:
+        for raw in ref.chunks():
+            progress(raw.size)
+            yield raw
+
+    return chunks
+
+
+def _plan(
+    model: Model,
+    args: argparse.Namespace,
+    overflow: dict[str, int],
+    progress: Callable[[int], None],
+) -> dict[str, list[TensorData]]:
+    try:
+        sources = {dtype_from_code(c.strip().upper()) for c in args.sources.split(",") if c.strip()}
+    except Exception as exc:
+        raise UsageError(f"--from: {exc}") from None
+    target = dtype_from_code(args.to)
+    accept = name_filter(args)
+    per_file: dict[str, list[TensorData]] = {f.label: [] for f in model.files}
+    for ref in model.tensors.values():
+        cast = ref.dtype in sources and ref.dtype != target and accept(ref.name)
+        if cast and (ref.dtype.bits % 8 or not ref.dtype.is_float or ref.dtype.code == "C64"):
+            raise UsageError(f"cannot cast {ref.dtype.code} tensors (--from {ref.dtype.code})")
+        per_file[ref.file.label].append(
+            TensorData(
+                ref.name,
+                target if cast else ref.dtype,
+                ref.shape,
+                _converted(ref, target, overflow, progress) if cast else _copied(ref, progress),
+            )
+        )
+    return per_file
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``cast``."""
+    ui = Ui(args)
+    overflow: dict[str, int] = {}
+    with open_model(args.target) as model:
+        total = sum(t.nbytes for t in model.tensors.values())
+        with ui.progress(total, "cast") as update:
+            plan = _plan(model, args, overflow, update)
+            written = 0
+            if not model.sharded:
+                f = model.files[0]
+                layout = write_file(args.output, plan[f.label], f.header.metadata)
+                written = layout.file_size
+                data_bytes = {f.label: layout.data_size}
+            else:
+                os.makedirs(args.output, exist_ok=True)
+                data_bytes = {}
+                for f in model.files:
+                    layout = write_file(
+                        os.path.join(args.output, f.label), plan[f.label], f.header.metadata
+                    )
+                    written += layout.file_size
+                    data_bytes[f.label] = layout.data_size
+                _write_index(model, args.output, data_bytes)
+        before = sum(t.nbytes for t in model.tensors.values())
+        after = sum(data_bytes.values())
+        converted = sum(
+            1 for ts in plan.values() for t in ts if t.dtype != model.tensors[t.name].dtype
+        )
+    for name, count in overflow.items():
+        ui.note(f"warning: {count} finite values of {sanitize(name)} became Inf/NaN in {args.to}")
+    ui.line(
+        f"{sanitize(args.output)}: cast {converted} of {len(model.tensors)} tensors to {args.to}; "
+        f"data {before:,} -> {after:,} bytes ({written:,} bytes written)"
+    )
+    return 0
+
+
+def _write_index(model: Model, folder: str, data_bytes: dict[str, int]) -> None:
+    index_path = model.located.index_path
+    if index_path is None:
+        return
+    index = dict(model.located.index or {})
+    meta = dict(index.get("metadata") or {})
+    meta["total_size"] = sum(data_bytes.values())
+    index["metadata"] = meta
+    name = index_path.rsplit("/", 1)[-1]
+    from .._writer import atomic_output
+
+    with atomic_output(os.path.join(folder, name)) as fd:
+        os.write(fd, (json.dumps(index, indent=2) + "\n").encode("utf-8"))

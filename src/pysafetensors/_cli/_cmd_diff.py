@@ -1,0 +1,254 @@
+"""``pysafetensors diff``: what differs between two files or models.
+
+Headers are compared first (added and removed tensors, dtype and shape changes, metadata). Then,
+unless ``--no-values``, the values of tensors present in both with the same shape: tensors of the
+same dtype are compared byte for byte first (cheap, exact); when bytes differ, or the dtypes
+differ (say F32 against its BF16 cast), values are compared as float64 and the largest absolute
+and relative differences are reported. A tensor whose values all satisfy
+``|a - b| <= atol + rtol * |b|`` (NaN matching NaN) is "close", not "changed".
+
+Exit code: 0 when nothing changed beyond the tolerances, 1 when something did, 2 on errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, Final
+
+import numpy as np
+
+from ._common import (
+    Model,
+    TensorRef,
+    Ui,
+    add_filter_args,
+    decode,
+    name_filter,
+    open_model,
+    print_json,
+    sanitize,
+    to_float64,
+)
+
+SCHEMA: Final = "pysafetensors.diff/1"
+#: Elements compared per step (a multiple of 24, so F4/F6 chunks end on byte boundaries).
+_CHUNK_ELEMENTS: Final = 3 << 20
+
+
+def register(sub: Any) -> None:
+    """Add the ``diff`` subcommand."""
+    p = sub.add_parser(
+        "diff",
+        help="added, removed and changed tensors and metadata between two files or models",
+        description="Compare two files or models (a file against a sharded folder works too). "
+        "Exit code: 0 no differences beyond tolerance, 1 differences, 2 errors.",
+    )
+    p.add_argument("a", metavar="A", help="file, model folder, index or URL")
+    p.add_argument("b", metavar="B", help="file, model folder, index or URL")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--no-values", action="store_true", help="compare headers only")
+    add_filter_args(p)
+    p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
+    p.set_defaults(func=run, trouble_code=2)
+
+
+def _element_chunks(ref: TensorRef) -> Iterator[np.ndarray]:
+    """Raw bytes of successive runs of ``_CHUNK_ELEMENTS`` elements."""
+    n = ref.numel
+    start = ref.file_offsets[0]
+    for e0 in range(0, n, _CHUNK_ELEMENTS):
+        e1 = min(n, e0 + _CHUNK_ELEMENTS)
+        b0, b1 = e0 * ref.dtype.bits // 8, e1 * ref.dtype.bits // 8
+        buf = np.empty(b1 - b0, np.uint8)
+        ref.file.source.readinto(start + b0, buf.data)
+        yield buf
+
+
+def compare_values(
+    a: TensorRef, b: TensorRef, atol: float, rtol: float, progress: Callable[[int], None]
+) -> dict[str, Any]:
+    """Stream both tensors and measure how their values differ."""
+    same_dtype = a.dtype == b.dtype
+    identical = same_dtype
+    differ = 0
+    outside = 0
+    max_abs = 0.0
+    max_rel = 0.0
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for raw_a, raw_b in zip(_element_chunks(a), _element_chunks(b), strict=True):
+            progress(raw_a.size + raw_b.size)
+            if same_dtype and np.array_equal(raw_a, raw_b):
+                continue
+            identical = False
+            va = to_float64(decode(a.dtype, raw_a))
+            vb = to_float64(decode(b.dtype, raw_b))
+            both_nan = np.isnan(va) & np.isnan(vb)
+            diff = np.abs(va - vb)
+            # inf - inf is NaN: equal infinities are equal, anything else involving NaN differs.
+            diff[(va == vb) | both_nan] = 0.0
+            diff[np.isnan(diff)] = math.inf
+            ne = diff > 0
+            differ += int(ne.sum())
+            if not ne.any():
+                continue
+            max_abs = max(max_abs, float(diff.max()))
+            rel = np.where(ne, diff / np.abs(vb), 0.0)
+            rel[np.isnan(rel)] = math.inf
+            max_rel = max(max_rel, float(rel.max()))
+            outside += int((diff > atol + rtol * np.abs(vb)).sum())
+    if identical:
+        return {
+            "identical": True,
+            "differing": 0,
+            "outside_tolerance": 0,
+            "max_abs": 0.0,
+            "max_rel": 0.0,
+        }
+    return {
+        "identical": False,
+        "differing": differ,
+        "outside_tolerance": outside,
+        "max_abs": max_abs if math.isfinite(max_abs) else None,
+        "max_rel": max_rel if math.isfinite(max_rel) else None,
+    }
+
+
+def diff_models(
+    ma: Model, mb: Model, args: argparse.Namespace, progress: Callable[[int], None]
+) -> dict[str, Any]:
+    """The ``pysafetensors.diff/1`` document."""
+    accept = name_filter(args)
+    meta_a = ma.metadata or {}
+    meta_b = mb.metadata or {}
+    metadata = {
+        "added": {k: v for k, v in meta_b.items() if k not in meta_a},
+        "removed": {k: v for k, v in meta_a.items() if k not in meta_b},
+        "changed": {k: [v, meta_b[k]] for k, v in meta_a.items() if k in meta_b and meta_b[k] != v},
+    }
+    names = [n for n in ma.tensors if accept(n)] + [
+        n for n in mb.tensors if n not in ma.tensors and accept(n)
+    ]
+    tensors = []
+    counts = {"added": 0, "removed": 0, "changed": 0, "close": 0, "identical": 0, "unchecked": 0}
+    for name in sorted(names):
+        a, b = ma.tensors.get(name), mb.tensors.get(name)
+        row: dict[str, Any] = {"name": name}
+        if a is None or b is None:
+            ref = a or b
+            assert ref is not None
+            row.update(
+                status="removed" if b is None else "added",
+                dtype=ref.dtype.code,
+                shape=list(ref.shape),
+            )
+        else:
+            row.update(dtype=[a.dtype.code, b.dtype.code], shape=[list(a.shape), list(b.shape)])
+            changed = a.dtype != b.dtype or a.shape != b.shape
+            if a.shape != b.shape or args.no_values:
+                row["values"] = None
+                status = "changed" if changed else "unchecked"
+            else:
+                values = compare_values(a, b, args.atol, args.rtol, progress)
+                row["values"] = values
+                if values["outside_tolerance"]:
+                    status = "changed"
+                elif values["identical"] and not changed:
+                    status = "identical"
+                else:
+                    status = "close" if values["differing"] or changed else "identical"
+                if a.dtype != b.dtype and status != "changed":
+                    # A dtype change is a change even when the values survived it.
+                    status = "changed"
+            row["status"] = status
+        counts[row["status"]] += 1
+        tensors.append(row)
+    meta_changed = any(metadata.values())
+    equal = not meta_changed and not (counts["added"] or counts["removed"] or counts["changed"])
+    return {
+        "schema": SCHEMA,
+        "a": ma.target,
+        "b": mb.target,
+        "atol": args.atol,
+        "rtol": args.rtol,
+        "equal": equal,
+        "summary": counts,
+        "metadata": metadata,
+        "tensors": tensors,
+    }
+
+
+def _shape(s: list[int]) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]"
+
+
+def _num(v: float | None) -> str:
+    return "inf" if v is None else f"{v:.4g}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``diff``."""
+    ui = Ui(args)
+    with open_model(args.a) as ma, open_model(args.b) as mb:
+        total = (
+            0
+            if args.no_values
+            else sum(
+                t.nbytes + mb.tensors[n].nbytes for n, t in ma.tensors.items() if n in mb.tensors
+            )
+        )
+        with ui.progress(total, "diff") as update:
+            result = diff_models(ma, mb, args, update)
+    if args.json:
+        print_json(result)
+        return 0 if result["equal"] else 1
+    ui.line(f"--- {sanitize(args.a)}", style="red")
+    ui.line(f"+++ {sanitize(args.b)}", style="green")
+    meta = result["metadata"]
+    for key, value in meta["removed"].items():
+        ui.line(f"- metadata {sanitize(key)}: {sanitize(value)}", style="red")
+    for key, value in meta["added"].items():
+        ui.line(f"+ metadata {sanitize(key)}: {sanitize(value)}", style="green")
+    for key, (old, new) in meta["changed"].items():
+        ui.line(
+            f"~ metadata {sanitize(key)}: {sanitize(old)!r} -> {sanitize(new)!r}", style="yellow"
+        )
+    tol = f"atol={args.atol:g}, rtol={args.rtol:g}"
+    for row in result["tensors"]:
+        name = sanitize(row["name"])
+        status = row["status"]
+        if status in ("added", "removed"):
+            sign, style = ("+", "green") if status == "added" else ("-", "red")
+            ui.line(f"{sign} {name}  {row['dtype']} {_shape(row['shape'])}", style=style)
+            continue
+        if status == "identical" or status == "unchecked":
+            continue
+        parts = []
+        (da, db), (sa, sb) = row["dtype"], row["shape"]
+        if da != db:
+            parts.append(f"dtype {da} -> {db}")
+        if sa != sb:
+            parts.append(f"shape {_shape(sa)} -> {_shape(sb)}")
+        v = row.get("values")
+        if v and not v["identical"]:
+            parts.append(
+                f"{v['differing']:,} values differ (max abs {_num(v['max_abs'])}, max rel "
+                f"{_num(v['max_rel'])}; {v['outside_tolerance']:,} outside {tol})"
+                if v["differing"]
+                else "values equal"
+            )
+        if status == "changed":
+            ui.line(f"~ {name}  " + "; ".join(parts), style="yellow")
+        else:
+            ui.line(f"~ {name}  " + "; ".join(parts) + " (within tolerance)", style="cyan")
+    c = result["summary"]
+    ui.line(
+        f"{c['added']} added, {c['removed']} removed, {c['changed']} changed, "
+        f"{c['close']} within tolerance, {c['identical']} identical"
+        + (f", {c['unchecked']} not compared" if c["unchecked"] else "")
+        + (", metadata differs" if any(meta.values()) else ""),
+        style="bold",
+    )
+    return 0 if result["equal"] else 1

@@ -1,0 +1,120 @@
+"""``pysafetensors metadata get|set|delete``: read or edit ``__metadata__``.
+
+Edits happen in place when the new header fits in the old one's padding, otherwise the file is
+rewritten atomically (see :func:`pysafetensors.edit_metadata`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Final
+
+from .._metadata_edit import edit_metadata
+from ._common import Ui, UsageError, open_model, print_json, sanitize
+
+SCHEMA: Final = "pysafetensors.metadata/1"
+
+
+def register(sub: Any) -> None:
+    """Add the ``metadata`` subcommand and its actions."""
+    p = sub.add_parser(
+        "metadata",
+        help="get, set or delete __metadata__ entries (in place when the header has room)",
+        description="Read or edit a file's __metadata__ (string to string).",
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    g = actions.add_parser("get", help="print all metadata, or one key's value")
+    g.add_argument("target", metavar="TARGET", help="file, model folder, index or URL")
+    g.add_argument("key", nargs="?", metavar="KEY", help="print only this key's value")
+    g.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
+    g.add_argument(
+        "--raw",
+        action="store_true",
+        help="print the value of KEY exactly, control characters included",
+    )
+    g.set_defaults(func=run_get)
+
+    s = actions.add_parser("set", help="add or change keys: KEY=VALUE ...")
+    s.add_argument("target", metavar="FILE", help="a local .safetensors file")
+    s.add_argument("pairs", nargs="+", metavar="KEY=VALUE", help="values are stored as strings")
+    s.add_argument("--replace", action="store_true", help="drop every other key")
+    s.add_argument(
+        "--reserve",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="if the file must be rewritten, leave this much spare header room for later edits",
+    )
+    s.set_defaults(func=run_set)
+
+    d = actions.add_parser("delete", help="remove keys")
+    d.add_argument("target", metavar="FILE", help="a local .safetensors file")
+    d.add_argument("keys", nargs="+", metavar="KEY")
+    d.add_argument("--missing-ok", action="store_true", help="ignore keys that are not present")
+    d.set_defaults(func=run_delete)
+
+
+def run_get(args: argparse.Namespace) -> int:
+    """Run ``metadata get``."""
+    ui = Ui(args)
+    with open_model(args.target) as model:
+        meta = model.metadata
+    if args.key is not None:
+        if meta is None or args.key not in meta:
+            raise UsageError(f"no metadata key {sanitize(args.key)!r} in {sanitize(args.target)}")
+        value = meta[args.key]
+        if args.json:
+            print_json({"schema": SCHEMA, "target": args.target, "key": args.key, "value": value})
+        elif args.raw:
+            sys.stdout.write(value + "\n")
+        else:
+            ui.line(sanitize(value))
+        return 0
+    if args.json:
+        print_json({"schema": SCHEMA, "target": args.target, "metadata": meta})
+        return 0
+    if not meta:
+        ui.note("no metadata" if meta is None else "empty metadata")
+        return 0
+    width = max(len(sanitize(k)) for k in meta)
+    for key, value in meta.items():
+        ui.line(f"{sanitize(key).ljust(width)}  {sanitize(value)}")
+    return 0
+
+
+def _local_file(target: str) -> None:
+    import os
+
+    if "://" in target:
+        raise UsageError("metadata can only be edited in local files, not URLs")
+    if os.path.isdir(target) or target.endswith(".index.json"):
+        raise UsageError("metadata is edited per file; name one .safetensors file of the model")
+
+
+def _report(ui: Ui, target: str, in_place: bool) -> None:
+    how = "in place" if in_place else "by rewriting the file (the header grew)"
+    ui.line(f"{sanitize(target)}: metadata updated {how}")
+
+
+def run_set(args: argparse.Namespace) -> int:
+    """Run ``metadata set``."""
+    _local_file(args.target)
+    updates: dict[str, str] = {}
+    for pair in args.pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"expected KEY=VALUE, got {sanitize(pair)!r}")
+        updates[key] = value
+    in_place = edit_metadata(args.target, set=updates, replace=args.replace, reserve=args.reserve)
+    _report(Ui(args), args.target, in_place)
+    return 0
+
+
+def run_delete(args: argparse.Namespace) -> int:
+    """Run ``metadata delete``."""
+    _local_file(args.target)
+    in_place = edit_metadata(args.target, delete=args.keys, missing_ok=args.missing_ok)
+    _report(Ui(args), args.target, in_place)
+    return 0

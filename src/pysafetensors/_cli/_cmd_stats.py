@@ -1,0 +1,200 @@
+"""``pysafetensors stats``: per-tensor min/max/mean/std, NaN/Inf/zero counts, histograms.
+
+Tensors are streamed in chunks (a few million elements at a time), so memory stays bounded
+whatever the tensor size. Mean and standard deviation are merged chunk by chunk with Chan's
+parallel formula, which stays accurate where a running sum of squares would not. They cover the
+finite values only; NaN and Inf are counted separately. Complex tensors are summarised by
+magnitude.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from ._common import (
+    TensorRef,
+    Ui,
+    add_filter_args,
+    decode,
+    name_filter,
+    open_model,
+    print_json,
+    sanitize,
+    to_float64,
+)
+
+SCHEMA: Final = "pysafetensors.stats/1"
+#: Elements decoded per step; float64 copies of them bound the memory used (~32 MiB).
+_CHUNK_ELEMENTS: Final = 4 << 20
+
+
+def register(sub: Any) -> None:
+    """Add the ``stats`` subcommand."""
+    p = sub.add_parser(
+        "stats",
+        help="per-tensor min/max/mean/std, NaN/Inf/zero counts, optional histogram",
+        description="Compute statistics of every tensor, streaming the data in bounded memory.",
+    )
+    p.add_argument("target", metavar="TARGET", help="file, model folder, index or URL")
+    add_filter_args(p)
+    p.add_argument(
+        "--histogram",
+        nargs="?",
+        type=int,
+        const=10,
+        default=None,
+        metavar="BINS",
+        help="also compute a histogram of finite values (default 10 bins; reads data twice)",
+    )
+    p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
+    p.set_defaults(func=run)
+
+
+@dataclass(slots=True)
+class Summary:
+    """Running statistics of one tensor."""
+
+    count: int = 0
+    finite: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    nan: int = 0
+    inf: int = 0
+    zeros: int = 0
+    histogram: dict[str, list[float]] | None = field(default=None)
+
+    def add(self, values: np.ndarray) -> None:
+        """Merge a chunk of float64 values (Chan et al.'s pairwise update)."""
+        self.count += values.size
+        isnan = np.isnan(values)
+        isinf = np.isinf(values)
+        self.nan += int(isnan.sum())
+        self.inf += int(isinf.sum())
+        self.zeros += int(np.count_nonzero(values == 0))
+        finite = values[~(isnan | isinf)] if self.nan or self.inf else values
+        n = finite.size
+        if not n:
+            return
+        mean = float(finite.mean())
+        m2 = float(((finite - mean) ** 2).sum())
+        self.min = min(self.min, float(finite.min()))
+        self.max = max(self.max, float(finite.max()))
+        total = self.finite + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.finite * n / total
+        self.finite = total
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready values (None where undefined: no finite values)."""
+        has = self.finite > 0
+        return {
+            "count": self.count,
+            "min": self.min if has else None,
+            "max": self.max if has else None,
+            "mean": self.mean if has else None,
+            "std": math.sqrt(self.m2 / self.finite) if has else None,
+            "nan": self.nan,
+            "inf": self.inf,
+            "zeros": self.zeros,
+            "histogram": self.histogram,
+        }
+
+
+def _values(ref: TensorRef) -> Any:
+    """The tensor's values as float64 chunks."""
+    per = max(ref.dtype.bits, 8)
+    chunk = max(24, (_CHUNK_ELEMENTS * per // 8) // 24 * 24)
+    for raw in ref.chunks(chunk):
+        yield raw.size, to_float64(decode(ref.dtype, raw))
+
+
+def tensor_stats(ref: TensorRef, bins: int | None, progress: Callable[[int], None]) -> Summary:
+    """Stream one tensor's data (twice with a histogram) and summarise it."""
+    s = Summary()
+    with np.errstate(invalid="ignore", over="ignore"):
+        for nbytes, values in _values(ref):
+            s.add(values)
+            progress(nbytes)
+        if bins and s.finite:
+            lo, hi = s.min, s.max
+            counts = np.zeros(bins, np.int64)
+            edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+            for nbytes, values in _values(ref):
+                finite = values[np.isfinite(values)]
+                counts += np.histogram(finite, bins=edges)[0]
+                progress(nbytes)
+            s.histogram = {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+    return s
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``stats``."""
+    ui = Ui(args)
+    accept = name_filter(args)
+    if args.histogram is not None and args.histogram < 1:
+        from ._common import UsageError
+
+        raise UsageError("--histogram needs at least 1 bin")
+    results: list[tuple[TensorRef, Summary]] = []
+    with open_model(args.target) as model:
+        refs = [t for t in model.tensors.values() if accept(t.name)]
+        total = sum(t.nbytes for t in refs) * (2 if args.histogram else 1)
+        with ui.progress(total, "stats") as update:
+            for ref in refs:
+                results.append((ref, tensor_stats(ref, args.histogram, update)))
+    if args.json:
+        print_json(
+            {
+                "schema": SCHEMA,
+                "target": args.target,
+                "tensors": [
+                    {"name": r.name, "dtype": r.dtype.code, "shape": list(r.shape), **s.as_dict()}
+                    for r, s in results
+                ],
+            }
+        )
+        return 0
+    rows = []
+    for ref, s in results:
+        d = s.as_dict()
+        rows.append(
+            [
+                sanitize(ref.name),
+                ref.dtype.code,
+                f"{s.count:,}",
+                _fmt(d["min"]),
+                _fmt(d["max"]),
+                _fmt(d["mean"]),
+                _fmt(d["std"]),
+                str(s.nan),
+                str(s.inf),
+                f"{s.zeros:,}",
+            ]
+        )
+    numeric = ("COUNT", "MIN", "MAX", "MEAN", "STD", "NAN", "INF", "ZEROS")
+    ui.table(["NAME", "DTYPE", *numeric], rows, right=numeric)
+    for ref, s in results:
+        if s.histogram is None:
+            continue
+        ui.line()
+        ui.line(f"{sanitize(ref.name)}:", style="bold")
+        counts = s.histogram["counts"]
+        edges = s.histogram["edges"]
+        peak = max(counts) or 1
+        for i, c in enumerate(counts):
+            bar = "#" * round(40 * c / peak)
+            ui.line(f"  [{edges[i]:>11.4g}, {edges[i + 1]:>11.4g})  {int(c):>10,}  {bar}")
+    return 0

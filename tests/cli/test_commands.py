@@ -1,0 +1,359 @@
+"""Every subcommand through the real command line, on real files; output, JSON and exit codes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pysafetensors.numpy import load_file, save_file
+
+from .conftest import example_tensors, raw_file
+
+
+def test_console_script_runs(console_script: str, example: Path) -> None:
+    proc = subprocess.run(
+        [console_script, "inspect", str(example)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "model.embed.weight" in proc.stdout
+    help_text = subprocess.run([console_script, "--help"], capture_output=True, text=True).stdout
+    for name in ("inspect", "validate", "diff", "stats", "hash", "cast", "metadata"):
+        assert name in help_text
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_table(cli, example: Path) -> None:
+    r = cli("inspect", example)
+    assert r.code == 0, r.err
+    assert "header" in r.out and "format" in r.out and "example" in r.out
+    lines = {line.split()[0]: line for line in r.out.splitlines() if line.strip()}
+    assert "F32" in lines["model.embed.weight"] and "[64, 32]" in lines["model.embed.weight"]
+    assert "2,048" in lines["model.embed.weight"]
+    assert "Total: 5 tensors, 3.14K parameters (3,137)" in r.out
+    assert "Totals by dtype:" in r.out
+
+
+def test_inspect_json_schema(cli, example: Path) -> None:
+    doc = cli("inspect", example, "--json").json()
+    assert doc["schema"] == "pysafetensors.inspect/1"
+    assert doc["metadata"] == {"format": "pt", "source": "example"}
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    assert set(by_name) == set(example_tensors())
+    t = by_name["model.layers.0.attn.q.weight"]
+    assert (t["dtype"], t["shape"], t["parameters"], t["bytes"]) == ("BF16", [32, 32], 1024, 2048)
+    data_start = doc["files"][0]["data_start"]
+    assert t["file_offsets"] == [
+        data_start + t["data_offsets"][0],
+        data_start + t["data_offsets"][1],
+    ]
+    assert doc["totals"]["parameters"] == 3137
+    assert doc["totals"]["by_dtype"]["F32"] == {"tensors": 2, "parameters": 2080, "bytes": 8320}
+    assert doc["files"][0]["size"] == example.stat().st_size
+
+
+def test_inspect_filter(cli, example: Path) -> None:
+    doc = cli("inspect", example, "--json", "--filter", "model.layers.*").json()
+    assert [t["name"] for t in doc["tensors"]] == [
+        "model.layers.0.norm.weight",
+        "model.layers.0.attn.q.weight",
+        "model.layers.0.attn.q.bias",
+    ]
+    doc = cli("inspect", example, "--json", "--regex", r"bias$").json()
+    assert [t["name"] for t in doc["tensors"]] == ["model.layers.0.attn.q.bias"]
+
+
+def test_hostile_names_are_escaped(cli, cli_proc, tmp_path: Path) -> None:
+    evil = "\x1b]0;pwned\x07\x1b[31mred[bold]x[/bold]\u202e"
+    path = tmp_path / "evil.safetensors"
+    save_file({evil: np.zeros(2, np.float32)}, str(path), metadata={"k\x1b[2J": "v\x9b1m"})
+    for args in (("inspect", path), ("stats", path), ("hash", path), ("metadata", "get", path)):
+        r = (cli_proc if args[0] == "inspect" else cli)(*args)
+        assert r.code == 0, r.err
+        assert "\x1b" not in r.out and "\x07" not in r.out and "\x9b" not in r.out
+        assert "\u202e" not in r.out
+    out = cli("inspect", path).out
+    assert "\\x1b]0;pwned\\x07\\x1b[31mred[bold]x[/bold]\\u202e" in out
+    assert "k\\x1b[2J" in out and "v\\x9b1m" in out
+    # JSON escapes everything non-ASCII and stays exact.
+    doc = cli("inspect", path, "--json").json()
+    assert doc["tensors"][0]["name"] == evil
+
+
+# --------------------------------------------------------------------------------- validate
+
+
+def _malformed(tmp_path: Path) -> Path:
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [3], "data_offsets": [16, 24]},  # hole + wrong size
+        "c": {"dtype": "X99", "shape": [1], "data_offsets": [24, 28]},  # unknown dtype
+        "d": {"dtype": "I64", "shape": [1], "data_offsets": [24, 32]},
+    }
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(raw_file(header, bytes(40)))  # 8 trailing bytes
+    return path
+
+
+def test_validate_ok(cli, example: Path) -> None:
+    r = cli("validate", example)
+    assert r.code == 0 and "OK" in r.out
+
+
+def test_validate_reports_every_problem_with_offsets(cli, cli_proc, tmp_path: Path) -> None:
+    bad = _malformed(tmp_path)
+    r = cli_proc("validate", bad)
+    assert r.code == 1
+    assert "4 errors" in r.out
+    doc = cli("validate", bad, "--json").json()
+    assert doc["schema"] == "pysafetensors.validate/1" and doc["valid"] is False
+    found = {(p["code"], p["tensor"]) for p in doc["problems"]}
+    assert found == {
+        ("InvalidHeaderDeserialization", "c"),
+        ("InvalidOffset", "b"),
+        ("TensorInvalidInfo", "b"),
+        ("MetadataIncompleteBuffer", None),
+    }
+    n = int.from_bytes(bad.read_bytes()[:8], "little")
+    offsets = {p["code"]: p["offset"] for p in doc["problems"]}
+    assert offsets["InvalidOffset"] == 8 + n + 8  # the hole starts after tensor a
+    assert offsets["TensorInvalidInfo"] == 8 + n + 16
+    assert offsets["MetadataIncompleteBuffer"] == 8 + n + 32
+    header = bad.read_bytes()[8 : 8 + n]
+    assert header[offsets["InvalidHeaderDeserialization"] - 8 :].startswith(b'"c"')
+
+
+def test_validate_length_prefix_problems(cli, tmp_path: Path) -> None:
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"\x01\x02")
+    doc = cli("validate", short, "--json").json()
+    assert [p["code"] for p in doc["problems"]] == ["HeaderTooSmall"]
+    past = tmp_path / "past.safetensors"
+    past.write_bytes((1000).to_bytes(8, "little") + b"{}")
+    r = cli("validate", past)
+    assert r.code == 1 and "InvalidHeaderLength" in r.out
+
+
+def test_validate_strict_warnings(cli, tmp_path: Path) -> None:
+    values = np.array([1.0, np.nan, np.inf, 2.0], np.float32)
+    path = tmp_path / "nan.safetensors"
+    save_file({"w": values, "mask": np.array([True, False])}, str(path))
+    assert cli("validate", path).code == 0
+    r = cli("validate", "--strict", path, "--json")
+    assert r.code == 1
+    codes = {p["code"]: p for p in r.json()["problems"]}
+    assert set(codes) == {"NonFinite", "MissingFormat"}
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    assert codes["NonFinite"]["tensor"] == "w"
+    assert codes["NonFinite"]["offset"] == 8 + n + 4  # the NaN is element 1
+    assert "1 NaN and 1 Inf" in codes["NonFinite"]["message"]
+
+
+def test_validate_strict_unaligned(cli, tmp_path: Path) -> None:
+    # Header of 9 bytes is legal, but the F32 data then starts at file offset 17.
+    header = (
+        json.dumps(
+            {
+                "__metadata__": {"format": "pt"},
+                "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            }
+        ).encode()
+        + b" "
+    )
+    header += b" " * ((-len(header) % 8) + 1)
+    path = tmp_path / "unaligned.safetensors"
+    path.write_bytes(raw_file(header, bytes(4), pad=False))
+    assert cli("validate", path).code == 0
+    codes = [p["code"] for p in cli("validate", "--strict", path, "--json").json()["problems"]]
+    assert "Unaligned" in codes and "UnalignedDataBuffer" in codes
+
+
+def test_exit_codes_for_usage_and_unreadable(cli, cli_proc, tmp_path: Path) -> None:
+    r = cli_proc("validate", tmp_path / "missing.safetensors")
+    assert r.code == 2 and r.err.startswith("error:") and "Traceback" not in r.err
+    assert cli("validate").code == 2  # argparse usage error
+    assert cli("nosuchcommand").code == 2
+    bad = _malformed(tmp_path)
+    r = cli("inspect", bad)
+    assert r.code == 1 and len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
+    r = cli_proc("--debug", "inspect", bad)
+    assert r.code != 0 and "Traceback" in r.err
+
+
+# ------------------------------------------------------------------------------------- diff
+
+
+def test_diff(cli, cli_proc, example: Path, tmp_path: Path) -> None:
+    tensors = load_file(str(example))
+    tensors["model.embed.weight"][0, 0] += np.float32(0.001)
+    del tensors["step"]
+    tensors["new"] = np.zeros(3, np.int8)
+    tensors["model.layers.0.attn.q.bias"] = np.zeros(16, np.float16)
+    other = tmp_path / "other.safetensors"
+    save_file(tensors, str(other), metadata={"format": "np"})
+
+    assert cli("diff", example, example).code == 0
+    r = cli_proc("diff", example, other)
+    assert r.code == 1
+    assert "+ new  I8 [3]" in r.out and "- step  I64 []" in r.out
+    assert "~ model.layers.0.attn.q.bias  shape [32] -> [16]" in r.out
+    assert "~ metadata format: 'pt' -> 'np'" in r.out and "- metadata source: example" in r.out
+
+    doc = cli("diff", example, other, "--json").json()
+    assert doc["schema"] == "pysafetensors.diff/1" and doc["equal"] is False
+    rows = {t["name"]: t for t in doc["tensors"]}
+    embed = rows["model.embed.weight"]
+    assert embed["status"] == "changed" and embed["values"]["differing"] == 1
+    assert embed["values"]["max_abs"] == pytest.approx(0.001, rel=1e-3)
+    assert rows["model.layers.0.norm.weight"]["status"] == "identical"
+    assert doc["summary"] == {
+        "added": 1,
+        "removed": 1,
+        "changed": 2,
+        "close": 0,
+        "identical": 2,
+        "unchecked": 0,
+    }
+
+    # Within tolerance, and limited to the tensors that only differ in value.
+    r = cli("diff", example, other, "--atol", "0.01", "--filter", "model.embed.*", "--json")
+    assert r.json()["tensors"][0]["status"] == "close"
+
+
+# ------------------------------------------------------------------------------------ stats
+
+
+def test_stats_json_matches_numpy(cli, tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(10_000).astype(np.float32)
+    w[:3] = [np.nan, np.inf, 0.0]
+    path = tmp_path / "s.safetensors"
+    save_file({"w": w, "i": np.arange(-5, 5, dtype=np.int32)}, str(path))
+    doc = cli("stats", path, "--json", "--histogram", "7").json()
+    assert doc["schema"] == "pysafetensors.stats/1"
+    rows = {t["name"]: t for t in doc["tensors"]}
+    finite = w[np.isfinite(w)].astype(np.float64)
+    s = rows["w"]
+    assert (s["nan"], s["inf"], s["count"]) == (1, 1, 10_000)
+    assert s["zeros"] == int((w == 0).sum())
+    assert s["mean"] == pytest.approx(finite.mean(), rel=1e-9)
+    assert s["std"] == pytest.approx(finite.std(), rel=1e-9)
+    assert (s["min"], s["max"]) == (finite.min(), finite.max())
+    assert sum(s["histogram"]["counts"]) == finite.size and len(s["histogram"]["counts"]) == 7
+    assert rows["i"]["min"] == -5 and rows["i"]["max"] == 4 and rows["i"]["zeros"] == 1
+
+    r = cli("stats", path)
+    assert r.code == 0 and "NAME" in r.out and "MEAN" in r.out
+
+
+# ------------------------------------------------------------------------------------- hash
+
+
+def test_hash_digests(cli, example: Path, tmp_path: Path) -> None:
+    doc = cli("hash", example, "--json").json()
+    assert doc["schema"] == "pysafetensors.hash/1"
+    data = example.read_bytes()
+    assert doc["files"][0]["file"] == hashlib.sha256(data).hexdigest()
+    n = int.from_bytes(data[:8], "little")
+    assert doc["files"][0]["header"] == hashlib.sha256(data[: 8 + n]).hexdigest()
+    meta = {t["name"]: t for t in cli("inspect", example, "--json").json()["tensors"]}
+    for row in doc["tensors"]:
+        b, e = meta[row["name"]]["file_offsets"]
+        assert row["digest"] == hashlib.sha256(data[b:e]).hexdigest()
+
+    # Same tensors, other metadata, other writer order: same model digest, other file digest.
+    tensors = load_file(str(example))
+    other = tmp_path / "other.safetensors"
+    save_file(dict(reversed(list(tensors.items()))), str(other), metadata={"x": "y"})
+    doc2 = cli("hash", other, "--json").json()
+    assert doc2["model"] == doc["model"] and doc2["files"][0]["file"] != doc["files"][0]["file"]
+    tensors["step"] = np.array(1001, np.int64)
+    save_file(tensors, str(other))
+    assert cli("hash", other, "--json").json()["model"] != doc["model"]
+    assert "model   sha256:" + doc["model"] in cli("hash", example).out
+
+
+# ------------------------------------------------------------------------------------- cast
+
+
+def test_cast_f32_to_bf16(cli, example: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bf16.safetensors"
+    r = cli("cast", example, out, "--to", "bf16")
+    assert r.code == 0, r.err
+    assert "cast 3 of 5 tensors to BF16" in r.out
+    src, dst = load_file(str(example)), load_file(str(out))
+    assert dst["step"].dtype == np.int64 and dst["step"] == 1000
+    for name in ("model.embed.weight", "model.layers.0.norm.weight", "model.layers.0.attn.q.bias"):
+        assert dst[name].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(dst[name], src[name].astype(ml_dtypes.bfloat16))
+    assert cli("metadata", "get", out, "format").out.strip() == "pt"
+    assert cli("validate", out).code == 0
+    # The reference reads it.
+    safetensors = pytest.importorskip("safetensors")
+    with safetensors.safe_open(str(out), "pt") as f:
+        assert str(f.get_tensor("model.embed.weight").dtype) == "torch.bfloat16"
+
+
+def test_cast_reports_overflow_and_filter(cli, tmp_path: Path) -> None:
+    path = tmp_path / "big.safetensors"
+    save_file({"a": np.array([1e6, 1.0], np.float32), "b": np.ones(2, np.float32)}, str(path))
+    out = tmp_path / "f16.safetensors"
+    r = cli("cast", path, out, "--to", "F16", "--filter", "a")
+    assert r.code == 0 and "1 finite values of a became Inf/NaN in F16" in r.err
+    dst = load_file(str(out))
+    assert dst["a"].dtype == np.float16 and np.isinf(dst["a"][0]) and dst["b"].dtype == np.float32
+
+
+# --------------------------------------------------------------------------------- metadata
+
+
+def test_metadata_get_set_delete(cli, example: Path) -> None:
+    size = example.stat().st_size
+    assert cli("metadata", "get", example).out.split() == ["format", "pt", "source", "example"]
+    doc = cli("metadata", "get", example, "--json").json()
+    assert doc == {
+        "schema": "pysafetensors.metadata/1",
+        "target": str(example),
+        "metadata": {"format": "pt", "source": "example"},
+    }
+
+    # Deleting shrinks the JSON: always in place, the file keeps its size and offsets.
+    r = cli("metadata", "delete", example, "source")
+    assert r.code == 0 and "in place" in r.out and example.stat().st_size == size
+    # A short value fits in the space freed.
+    r = cli("metadata", "set", example, "lr=1e-4")
+    assert "in place" in r.out and example.stat().st_size == size
+    # A long one does not: the file is rewritten, tensors unchanged.
+    os.chmod(example, 0o640)
+    r = cli("metadata", "set", example, "notes=" + "x" * 500)
+    assert r.code == 0 and "rewriting" in r.out and example.stat().st_size > size
+    assert stat.S_IMODE(example.stat().st_mode) == 0o640
+    assert cli("metadata", "get", example, "lr").out == "1e-4\n"
+    tensors = load_file(str(example))
+    for name, value in example_tensors().items():
+        np.testing.assert_array_equal(tensors[name], value)
+    assert cli("validate", example).code == 0
+
+    r = cli("metadata", "delete", example, "nope")
+    assert r.code == 1 and "no key 'nope'" in r.err
+    assert cli("metadata", "delete", example, "nope", "--missing-ok").code == 0
+    assert cli("metadata", "get", example, "nope").code == 2
+    assert cli("metadata", "set", example, "novalue").code == 2
+
+    safetensors = pytest.importorskip("safetensors")
+    with safetensors.safe_open(str(example), "np") as f:
+        assert f.metadata() == {"format": "pt", "lr": "1e-4", "notes": "x" * 500}
+
+
+def test_metadata_refuses_folders_and_urls(cli, sharded: Path) -> None:
+    assert cli("metadata", "set", sharded, "a=b").code == 2
+    assert cli("metadata", "set", "http://127.0.0.1:9/x.safetensors", "a=b").code == 2
