@@ -35,7 +35,20 @@ def _split(sd: dict, limit: int | str) -> object:
 
 @pytest.mark.parametrize(
     "text",
-    ["5GB", "1.5GB", "500MB", "10kb", " 3 MB ", "0.1KB", "1.1GB", "2TB", "7", "5GiB", "500M", "xGB"],
+    [
+        "5GB",
+        "1.5GB",
+        "500MB",
+        "10kb",
+        " 3 MB ",
+        "0.1KB",
+        "1.1GB",
+        "2TB",
+        "7",
+        "5GiB",
+        "500M",
+        "xGB",
+    ],
 )
 def test_parse_size_matches_hub(text: str) -> None:
     from huggingface_hub.serialization._base import parse_size_to_int
@@ -152,9 +165,7 @@ def test_save_model_sharded_with_tied_weights_matches_hub(tmp_path: Path) -> Non
     serialization.save_torch_model(
         model, hub_dir2, max_shard_size="2KB", shared_tensors_to_discard=["embed.weight"]
     )
-    save_model_sharded(
-        model, tmp_path / "ours2", "2KB", shared_tensors_to_discard=["embed.weight"]
-    )
+    save_model_sharded(model, tmp_path / "ours2", "2KB", shared_tensors_to_discard=["embed.weight"])
     assert_same_tree(hub_dir2, tmp_path / "ours2")
 
 

@@ -1,0 +1,292 @@
+"""Opening a sharded checkpoint as one file: round trips, laziness, folder rules, validation."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pysafetensors import (
+    ClosedFileError,
+    MissingShardError,
+    ShardedSafeOpen,
+    ShardIndexError,
+    TensorNotFoundError,
+    safe_open,
+    save_sharded,
+)
+from pysafetensors.numpy import load_file, save_file
+
+
+def random_arrays(seed: int, n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dtypes = [np.float32, np.float16, np.int64, np.uint8, np.float64]
+    out = {}
+    for i in range(n):
+        shape = tuple(int(d) for d in rng.integers(0, 9, size=int(rng.integers(0, 4))))
+        dt = dtypes[int(rng.integers(len(dtypes)))]
+        out[f"block.{i}.w"] = np.asarray(rng.standard_normal(shape) * 50).astype(dt)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_round_trip_random_models(tmp_path: Path, seed: int) -> None:
+    sd = random_arrays(seed, int(np.random.default_rng(seed).integers(1, 30)))
+    limit = int(np.random.default_rng(seed + 7).integers(1, 2000))
+    plan = save_sharded(sd, tmp_path, limit, metadata={"seed": str(seed)})
+    for target in (tmp_path, tmp_path / "model.safetensors.index.json"):
+        if not plan.is_sharded and str(target).endswith(".json"):
+            continue
+        loaded = load_file(target, backend="pread" if seed % 2 else "mmap")
+        assert list(loaded) == list(safe_open(target, "np").offset_keys())
+        assert set(loaded) == set(sd)
+        for k, v in sd.items():
+            np.testing.assert_array_equal(loaded[k], v)
+            assert loaded[k].dtype == v.dtype
+    with safe_open(tmp_path, "np") as f:
+        assert f.keys() == sorted(sd)
+        assert len(f) == len(sd)
+        assert (f.metadata() or {})["seed"] == str(seed)
+        f.validate()
+        for k, v in sd.items():
+            meta = f.get_tensor_meta(k)
+            assert meta.shape == list(v.shape)
+            if v.ndim and v.shape[0] > 1:
+                np.testing.assert_array_equal(f.get_slice(k)[1:], v[1:])
+        if plan.is_sharded:
+            assert f.metadata() == {"total_size": str(plan.total_size), "seed": str(seed)}
+
+
+def test_torch_load_file_and_load_model_from_folder(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from pysafetensors.torch import load_file as torch_load_file
+    from pysafetensors.torch import load_model, save_model_sharded
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(6)))
+    save_model_sharded(model, tmp_path, "10KB")
+    loaded = torch_load_file(tmp_path / "model.safetensors.index.json")
+    assert set(loaded) == set(model.state_dict())
+    fresh = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(6)))
+    assert load_model(fresh, tmp_path) == ([], [])
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v)
+
+
+def test_context_manager_and_close(tmp_path: Path) -> None:
+    sd = random_arrays(1, 10)
+    save_sharded(sd, tmp_path, 100)
+    with safe_open(tmp_path, "np") as f:
+        assert isinstance(f, ShardedSafeOpen)
+        name = f.keys()[0]
+        kept = f.get_tensor(name)
+        assert name in f and "nope" not in f
+        with pytest.raises(TensorNotFoundError, match="nope"):
+            f.get_tensor("nope")
+        assert f.shard_of(name) in f.files()
+    for call in (f.keys, f.metadata, f.get_tensors, lambda: f.get_tensor(name)):
+        with pytest.raises(ClosedFileError):
+            call()
+    np.testing.assert_array_equal(kept, sd[name])
+
+
+class _ReadLog:
+    """Records every os.preadv: (path, offset, length)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: list[tuple[str, int, int]] = []
+        real = os.preadv
+
+        def preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+            n = real(fd, buffers, offset, *args)
+            self.reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, n))
+            return n
+
+        monkeypatch.setattr(os, "preadv", preadv)
+
+    def bytes_from(self, path: Path) -> int:
+        real = os.path.realpath(path)
+        return sum(n for p, _, n in self.reads if p == real)
+
+    def clear(self) -> None:
+        self.reads.clear()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to map fds to paths")
+def test_opening_a_folder_reads_only_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tensors of 256 KiB: a header read (at most 64 KiB per shard) is far below one tensor.
+    sd = {f"t{i}": np.full(65536, i, np.float32) for i in range(12)}
+    plan = save_sharded(sd, tmp_path, "600KB")
+    assert len(plan.filename_to_tensors) == 6
+    shards = [tmp_path / f for f in plan.filename_to_tensors]
+    log = _ReadLog(monkeypatch)
+
+    f = safe_open(tmp_path, "np", backend="pread")
+    assert f.keys() == sorted(sd)
+    # Only the index was read to list names; no shard was touched.
+    assert all(log.bytes_from(s) == 0 for s in shards)
+
+    order = f.offset_keys()  # needs every header
+    assert sorted(order) == sorted(sd)
+    for s in shards:
+        assert 0 < log.bytes_from(s) <= 64 * 1024
+        assert all(off < 1024 for p, off, _ in log.reads if p == os.path.realpath(s))
+    log.clear()
+
+    value = f.get_tensor("t7")
+    np.testing.assert_array_equal(value, sd["t7"])
+    target = tmp_path / plan.tensor_to_filename["t7"]
+    # Exactly that tensor's bytes, from its shard only.
+    assert log.bytes_from(target) == sd["t7"].nbytes
+    assert sum(n for _, _, n in log.reads) == sd["t7"].nbytes
+    f.close()
+
+
+def _write_shards(folder: Path, shards: dict[str, dict[str, np.ndarray]]) -> None:
+    for name, tensors in shards.items():
+        save_file(tensors, folder / name, metadata={"format": "pt"})
+
+
+def _write_index(folder: Path, weight_map: dict[str, str], **meta: Any) -> Path:
+    path = folder / "model.safetensors.index.json"
+    path.write_text(json.dumps({"metadata": meta, "weight_map": weight_map}))
+    return path
+
+
+A = np.arange(4, dtype=np.float32)
+B = np.arange(6, dtype=np.int64)
+
+
+def test_missing_shard(tmp_path: Path) -> None:
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}})
+    _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
+    with pytest.raises(MissingShardError, match="s2.safetensors") as info:
+        safe_open(tmp_path, "np")
+    assert info.value.tensor == "b"
+    assert isinstance(info.value, FileNotFoundError)
+
+
+def test_tensor_not_where_index_says(tmp_path: Path) -> None:
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"c": B}})
+    _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors", "c": "s2.safetensors"})
+    with safe_open(tmp_path, "np") as f:
+        np.testing.assert_array_equal(f.get_tensor("a"), A)
+        with pytest.raises(ShardIndexError, match="'b'") as info:
+            f.get_tensor("b")
+        assert info.value.kind == "TensorNotInShard"
+
+
+def test_tensor_in_two_shards(tmp_path: Path) -> None:
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"a": A, "b": B}})
+    _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
+    with safe_open(tmp_path, "np") as f:
+        with pytest.raises(ShardIndexError, match="two shards") as info:
+            f.validate()
+        assert info.value.kind == "TensorInTwoShards" and info.value.tensor == "a"
+        with pytest.raises(ShardIndexError, match="s2.safetensors"):
+            f.get_tensor("b")
+
+
+def test_unindexed_tensor(tmp_path: Path) -> None:
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A, "extra": B}})
+    _write_index(tmp_path, {"a": "s1.safetensors"})
+    with safe_open(tmp_path, "np") as f, pytest.raises(ShardIndexError, match="extra") as info:
+        f.get_tensor("a")
+    assert info.value.kind == "UnindexedTensor"
+
+
+def test_total_size_mismatch(tmp_path: Path) -> None:
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"b": B}})
+    _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, total_size=7)
+    with safe_open(tmp_path, "np") as f:
+        with pytest.raises(ShardIndexError, match="total_size") as info:
+            f.validate()
+        assert info.value.kind == "TotalSizeMismatch"
+    _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, total_size=64)
+    with safe_open(tmp_path, "np") as f:
+        f.validate()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../x.safetensors",
+        "/abs.safetensors",
+        "C:evil.safetensors",
+        "a\\..\\..\\x.safetensors",
+        "model.bin",
+        "",
+    ],
+)
+def test_unsafe_shard_names(tmp_path: Path, bad: str) -> None:
+    _write_index(tmp_path, {"a": bad})
+    with pytest.raises(ShardIndexError) as info:
+        safe_open(tmp_path, "np")
+    assert info.value.kind == "UnsafeShardName"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "[]",
+        '{"metadata": {}}',
+        '{"weight_map": {"a": 3}}',
+        '{"weight_map": {}, "metadata": []}',
+    ],
+)
+def test_malformed_index(tmp_path: Path, text: str) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ShardIndexError) as info:
+        safe_open(tmp_path / "model.safetensors.index.json", "np")
+    assert info.value.kind == "InvalidIndex"
+
+
+def test_folder_resolution(tmp_path: Path) -> None:
+    with pytest.raises(MissingShardError, match="no safetensors checkpoint"):
+        safe_open(tmp_path, "np")
+    # A single file of any name.
+    save_file({"a": A}, tmp_path / "weights.safetensors")
+    with safe_open(tmp_path, "np") as f:
+        assert f.keys() == ["a"] and f.metadata() is None
+    # Two files and no index: ambiguous.
+    save_file({"b": B}, tmp_path / "other.safetensors")
+    with pytest.raises(ShardIndexError, match="other.safetensors") as info:
+        safe_open(tmp_path, "np")
+    assert info.value.kind == "AmbiguousFolder"
+    # model.safetensors wins over other files.
+    save_file({"m": B}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with safe_open(tmp_path, "np") as f:
+        assert f.keys() == ["m"] and f.metadata() == {"format": "pt"}
+    # The hub's index wins over everything.
+    _write_index(tmp_path, {"a": "weights.safetensors", "b": "other.safetensors"})
+    with safe_open(tmp_path, "np") as f:
+        assert f.keys() == ["a", "b"]
+
+
+def test_diffusers_style_index(tmp_path: Path) -> None:
+    sd = random_arrays(4, 12)
+    save_sharded(sd, tmp_path, 200, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+    assert (tmp_path / "diffusion_pytorch_model.safetensors.index.json").exists()
+    loaded = load_file(tmp_path)
+    assert set(loaded) == set(sd)
+
+
+def test_index_with_sorted_keys_and_extra_metadata(tmp_path: Path) -> None:
+    # accelerate writes sort_keys=True; transformers v5 adds total_parameters.
+    sd = random_arrays(9, 10)
+    plan = save_sharded(sd, tmp_path, 150)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"]["total_parameters"] = 123
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    with safe_open(tmp_path, "np") as f:
+        f.validate()
+        assert f.metadata() == {"total_parameters": "123", "total_size": str(plan.total_size)}
+        assert f.index_metadata() == {"total_parameters": 123, "total_size": plan.total_size}
