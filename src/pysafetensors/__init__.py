@@ -30,6 +30,7 @@ from ._errors import (
     UnsafePickleError,
 )
 from ._format import MAX_HEADER_SIZE
+from ._metadata_edit import edit_metadata
 from ._reader import SafeSlice, TensorMeta, safe_open
 from ._reshard import extract, merge, reshard
 from ._sharded import MissingShardError, ShardedSafeOpen, ShardIndexError
@@ -68,6 +69,7 @@ __all__ = [
     "UnsafePickleError",
     "__version__",
     "deserialize",
+    "edit_metadata",
     "extract",
     "merge",
     "reshard",
