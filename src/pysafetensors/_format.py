@@ -51,6 +51,7 @@ W6  A padded header over ``max_header_size`` MUST be refused. A tensor named ``_
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -332,9 +333,12 @@ _DECODER_SLOW: Final = json.JSONDecoder(
     parse_int=_parse_int,
     parse_constant=_reject_constant,
 )
-# Cheap pre-check that decides whether the slower integer hook is needed at all: "-0", or a
-# literal too long for a u64 (it may also be inside a string; the slow path is still exact).
-_MAYBE_SPECIAL_INT: Final = re.compile(r"-0(?![0-9.eE])|[0-9]{20}")
+# Cheap pre-check that decides whether the slower integer hook is needed at all ("-0" may also
+# be inside a string; the slow path is still exact). Integers too large for u64 are left to the
+# C scanner and checked afterwards: a regex for long digit runs costs seconds on a 100 MB header.
+_MAYBE_NEG_ZERO: Final = re.compile(r"-0(?![0-9.eE])")
+#: Headers longer than this are parsed with the cyclic garbage collector paused.
+_PAUSE_GC_ABOVE: Final = 1 << 20
 _MAYBE_SURROGATE: Final = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
@@ -408,7 +412,7 @@ def _serde_syntax_message(exc: json.JSONDecodeError) -> str:
 
 
 def _decode_json(text: str, prefix_text: str) -> Any:
-    decoder = _DECODER_SLOW if _MAYBE_SPECIAL_INT.search(text) else _DECODER
+    decoder = _DECODER_SLOW if _MAYBE_NEG_ZERO.search(text) else _DECODER
     try:
         return decoder.decode(text)
     except json.JSONDecodeError as exc:
@@ -417,13 +421,21 @@ def _decode_json(text: str, prefix_text: str) -> Any:
             f"{_serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}",
         ) from None
     except ValueError as exc:  # raised by our number and constant hooks
-        raise _decode_error(prefix_text, str(exc)) from None
+        detail = str(exc)
+        if "integer string conversion" in detail:
+            # Python refuses > 4300 digits; serde reads such a literal as an f64 and overflows.
+            detail = "number out of range"
+        raise _decode_error(prefix_text, detail) from None
     except RecursionError:
         raise _decode_error(prefix_text, "recursion limit exceeded") from None
 
 
 def _u64(value: Any) -> bool:
     return type(value) is int and 0 <= value <= UINT64_MAX
+
+
+def _all_u64(values: list[Any]) -> bool:
+    return all(type(value) is int and 0 <= value <= UINT64_MAX for value in values)
 
 
 def _surrogate_message(value: str) -> str | None:
@@ -451,6 +463,10 @@ def _scan(value: Any, check_surrogates: bool, depth: int) -> str | None:
                 problem = _surrogate_message(item)
                 if problem:
                     return problem
+        elif type(item) is int:
+            problem = _big_int_problem(item)
+            if problem == "number out of range":
+                return problem
         elif isinstance(item, dict):
             if level + 1 > _MAX_DEPTH:
                 return "recursion limit exceeded"
@@ -467,6 +483,27 @@ def _scan(value: Any, check_surrogates: bool, depth: int) -> str | None:
 
 _CODES: Final = frozenset(d.code for d in DTYPES)
 _CODE_LIST: Final = ", ".join(f"`{d.code}`" for d in DTYPES)
+
+
+def _scan_entry(value: Any, check_surrogates: bool) -> str | None:
+    """:func:`_scan` for one tensor entry, skipping what field parsing checks anyway.
+
+    A plain entry holds only ``dtype``, ``shape`` and ``data_offsets``, whose values are
+    type-checked later; walking them too would cost a second pass over large headers. Unknown
+    fields, repeated fields, odd entries and (when the text has surrogate escapes) everything
+    are walked.
+    """
+    if check_surrogates or not isinstance(value, _Obj):
+        return _scan(value, check_surrogates, 1)
+    if value.dup_pairs is None and value.keys() <= _FIELD_SET:
+        return None
+    # Unknown and repeated fields (the known ones are type-checked when the entry is parsed).
+    for key, item in value.pairs():
+        if key not in _FIELDS:
+            problem = _scan(item, False, 2)
+            if problem:
+                return problem
+    return None
 
 
 def _parse_dtype(value: Any) -> DType | str:
@@ -487,10 +524,27 @@ def _parse_dtype(value: Any) -> DType | str:
         return f"unknown variant `{code}`, expected one of {_CODE_LIST}"
 
 
+def _big_int_problem(item: int) -> str | None:
+    """serde_json reads integers outside u64/i64 as f64: out of range, or not an integer."""
+    if -(1 << 63) <= item <= UINT64_MAX:
+        return None
+    if not _serde_number_in_range(str(item)):
+        return "number out of range"
+    return f"invalid type: floating point `{float(item)!r}`"
+
+
 def _usize_problem(item: Any) -> str | None:
     if _u64(item):
         return None
+    if isinstance(item, (list, dict)):
+        # serde buffered the whole entry first, so nesting too deep fails before the type.
+        deep = _scan(item, False, 3)
+        if deep:
+            return deep
     if type(item) is int:
+        big = _big_int_problem(item)
+        if big:
+            return f"{big}, expected usize" if big.startswith("invalid") else big
         return f"invalid value: {_describe(item)}, expected usize"
     return f"invalid type: {_describe(item)}, expected usize"
 
@@ -521,11 +575,29 @@ def _parse_offsets(value: Any) -> list[int] | str:
 
 
 _FIELDS: Final = ("dtype", "shape", "data_offsets")
+_FIELD_SET: Final = frozenset(_FIELDS)
+_BY_CODE: Final = {d.code: d for d in DTYPES}
 _FIELD_PARSERS: Final = (_parse_dtype, _parse_shape, _parse_offsets)
 
 
 def _parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[int], list[int]]:
     """Deserialize one tensor entry as serde's derived ``TensorInfo`` visitor would."""
+    if type(value) is _Obj and value.dup_pairs is None:
+        # Fast path for the common, valid entry; anything unusual takes the exact path below,
+        # which also produces serde's message.
+        code = value.get("dtype")
+        dtype = _BY_CODE.get(code) if type(code) is str else None
+        shape = value.get("shape")
+        offsets = value.get("data_offsets")
+        if (
+            dtype is not None
+            and type(shape) is list
+            and type(offsets) is list
+            and len(offsets) == 2
+            and _all_u64(shape)
+            and _all_u64(offsets)
+        ):
+            return dtype, shape, offsets
     found: dict[str, Any] = {}
     if isinstance(value, list):
         # serde accepts a struct given as a sequence of its fields in declaration order.
@@ -618,6 +690,19 @@ def parse_header(
             kind="InvalidHeader",
             offset=N_LEN + exc.start,
         ) from None
+    # Parsing a large header allocates millions of small acyclic objects; the cyclic garbage
+    # collector would rescan the growing heap again and again (seconds for 500k tensors).
+    pause_gc = len(text) > _PAUSE_GC_ABOVE and gc.isenabled()
+    if pause_gc:
+        gc.disable()
+    try:
+        return _parse_text(text, len(header), data_size, prefix_text)
+    finally:
+        if pause_gc:
+            gc.enable()
+
+
+def _parse_text(text: str, header_size: int, data_size: int, prefix_text: str) -> Header:
     obj = _decode_json(text, prefix_text)
     if not isinstance(obj, _Obj):
         raise _decode_error(
@@ -641,7 +726,7 @@ def parse_header(
             seen_metadata = True
             metadata = _parse_metadata(value, prefix_text, check_surrogates)
             continue
-        problem = _scan(value, check_surrogates, 1)
+        problem = _scan_entry(value, check_surrogates)
         if problem:
             raise _decode_error(prefix_text, problem, name)
         raw.append((name, value))
@@ -655,7 +740,7 @@ def parse_header(
         (begin, end, name, dtype, shape) for name, (dtype, shape, (begin, end)) in parsed.items()
     ]
     entries.sort(key=lambda e: (e[0], e[1], e[2]))
-    data_start = N_LEN + len(header)
+    data_start = N_LEN + header_size
     tensors: dict[str, TensorInfo] = {}
     running = 0
     for begin, end, name, dtype, shape in entries:
@@ -711,7 +796,7 @@ def parse_header(
             kind="MetadataIncompleteBuffer",
             offset=data_start + min(running, data_size),
         )
-    return Header(tensors=tensors, metadata=metadata, header_size=len(header))
+    return Header(tensors=tensors, metadata=metadata, header_size=header_size)
 
 
 # --------------------------------------------------------------------------------------- writing

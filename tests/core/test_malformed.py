@@ -1,0 +1,269 @@
+"""Reading rules R1-R8 (spec §1.2-1.7, §8): every row of ``malformed.CASES`` through every entry
+point, checked against the recorded verdict and, when installed, against the reference itself."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pysafetensors import (
+    HeaderDecodeError,
+    HeaderSizeError,
+    OffsetError,
+    SafetensorError,
+    TensorInfoError,
+    deserialize,
+    safe_open,
+)
+
+from .malformed import CASES, Case, kind_of_reference_message
+
+HEADER_PREFIX = "Error while deserializing header: "
+DESERIALIZE_PREFIX = "Error while deserializing: "
+
+#: The error class each reference variant maps to.
+CLASS_OF_KIND: dict[str, type[SafetensorError]] = {
+    "HeaderTooSmall": HeaderSizeError,
+    "HeaderTooLarge": HeaderSizeError,
+    "InvalidHeaderLength": HeaderSizeError,
+    "InvalidHeader": HeaderDecodeError,
+    "InvalidHeaderDeserialization": HeaderDecodeError,
+    "InvalidOffset": OffsetError,
+    "MetadataIncompleteBuffer": OffsetError,
+    "ValidationOverflow": TensorInfoError,
+    "MisalignedSlice": TensorInfoError,
+    "TensorInvalidInfo": TensorInfoError,
+}
+
+ids = [c.id for c in CASES]
+
+
+def _check_error(exc: SafetensorError, case: Case, prefix: str) -> None:
+    assert case.kind is not None
+    assert type(exc) is CLASS_OF_KIND[case.kind], (type(exc), case.kind)
+    assert exc.kind == case.kind
+    message = str(exc)
+    assert message.startswith(prefix), message
+    assert case.text in message, (case.text, message)
+    if case.tensor is not None:
+        assert f"`{case.tensor}`" in message, message
+        assert exc.tensor == case.tensor
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_deserialize(case: Case) -> None:
+    if case.kind is None:
+        deserialize(case.data)
+        return
+    with pytest.raises(SafetensorError) as info:
+        deserialize(case.data)
+    _check_error(info.value, case, DESERIALIZE_PREFIX)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_safe_open(case: Case, backend: str, write_raw: Any) -> None:
+    path = write_raw(case.data)
+    if case.kind is None:
+        with safe_open(path, "np", backend=backend) as f:
+            try:
+                f.get_tensors()
+            except TensorInfoError as exc:
+                # A valid header whose shape no array can have (the reference fails too, with
+                # numpy's "Maximum allowed dimension exceeded").
+                assert exc.kind == "ShapeTooLarge"
+        return
+    with pytest.raises(SafetensorError) as info:
+        safe_open(path, "np", backend=backend)
+    _check_error(info.value, case, HEADER_PREFIX)
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_load_bytes(case: Case) -> None:
+    """``numpy.load(bytes)`` goes through the same validation."""
+    from pysafetensors.numpy import load
+
+    if case.kind is None:
+        try:
+            load(case.data)
+        except ValueError as exc:
+            # Shapes no array can have; the reference's numpy.load raises the same ValueError.
+            assert "dimension" in str(exc)
+        return
+    with pytest.raises(SafetensorError) as info:
+        load(case.data)
+    _check_error(info.value, case, DESERIALIZE_PREFIX)
+
+
+# ------------------------------------------------------------------ against the reference itself
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    return pytest.importorskip("safetensors")
+
+
+def _reference_outcome(reference: Any, data: bytes) -> tuple[str | None, str, Any]:
+    try:
+        items = reference.deserialize(data)
+    except reference.SafetensorError as exc:
+        message = str(exc).removeprefix(DESERIALIZE_PREFIX)
+        return kind_of_reference_message(message), message, None
+    return None, "", {name: (v["dtype"], v["shape"], bytes(v["data"])) for name, v in items}
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_same_verdict_as_reference(case: Case, reference: Any) -> None:
+    ref_kind, ref_message, ref_items = _reference_outcome(reference, case.data)
+    # The table itself must still describe the reference.
+    assert ref_kind == case.kind, ref_message
+    assert case.text in ref_message
+    try:
+        ours = deserialize(case.data)
+    except SafetensorError as exc:
+        assert exc.kind == ref_kind, (str(exc), ref_message)
+        return
+    assert ref_kind is None
+    assert {name: (v["dtype"], v["shape"], bytes(v["data"])) for name, v in ours} == ref_items
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_same_verdict_as_reference_safe_open(case: Case, reference: Any, write_raw: Any) -> None:
+    path = write_raw(case.data)
+    try:
+        with reference.safe_open(str(path), "np") as f:
+            ref: Any = (f.metadata(), f.offset_keys(), sorted(f.keys()))
+    except reference.SafetensorError as exc:
+        message = str(exc)
+        assert message.startswith(HEADER_PREFIX)
+        ref = kind_of_reference_message(message)
+    try:
+        with safe_open(path, "np") as f:
+            ours: Any = (f.metadata(), f.offset_keys(), f.keys())
+    except SafetensorError as exc:
+        ours = exc.kind
+    if isinstance(ref, tuple) and len(set(ref[1])) != len(ref[1]):  # pragma: no cover
+        pytest.fail("duplicate names in offset_keys")
+    if isinstance(ref, tuple) and isinstance(ours, tuple):
+        # Zero-length tensors sharing an offset come in arbitrary order in the reference.
+        assert ours[0] == ref[0] and ours[2] == ref[2]
+        assert sorted(ours[1]) == sorted(ref[1])
+    else:
+        assert ours == ref
+
+
+# -------------------------------------------------------------------------- rules not in a table
+
+
+def _padded_empty(n: int) -> bytes:
+    return struct.pack("<Q", n) + b"{}" + b" " * (n - 2)
+
+
+def test_header_exactly_at_limit_is_accepted(tmp_path: Path) -> None:
+    data = _padded_empty(100_000_000)
+    assert deserialize(data) == []
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(data)
+    with safe_open(path, "np") as f:
+        assert f.keys() == []
+        assert f.header.data_start == 100_000_008
+
+
+def test_header_one_past_limit_is_refused() -> None:
+    data = struct.pack("<Q", 100_000_001) + b"{}"
+    with pytest.raises(HeaderSizeError, match="header too large") as info:
+        deserialize(data)
+    assert info.value.kind == "HeaderTooLarge"
+
+
+def test_max_header_size_override(tmp_path: Path) -> None:
+    data = _padded_empty(64)
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(HeaderSizeError) as info:
+        safe_open(path, "np", max_header_size=63)
+    assert info.value.kind == "HeaderTooLarge"
+    assert str(info.value).startswith(HEADER_PREFIX + "header too large")
+    with safe_open(path, "np", max_header_size=64) as f:
+        assert f.keys() == []
+    with pytest.raises(HeaderSizeError):
+        deserialize(data, max_header_size=63)
+    assert deserialize(data, max_header_size=64) == []
+
+
+def test_header_over_default_limit_accepted_when_raised() -> None:
+    data = _padded_empty(100_000_008)
+    with pytest.raises(HeaderSizeError):
+        deserialize(data)
+    assert deserialize(data, max_header_size=100_000_008) == []
+
+
+def test_duplicate_names_last_wins() -> None:
+    header = (
+        b'{"t":{"dtype":"I32","shape":[4],"data_offsets":[0,16]},'
+        b'"t":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}'
+    )
+    data = struct.pack("<Q", len(header)) + header + np.arange(4, dtype="<f4").tobytes()
+    [(name, info)] = deserialize(data)
+    assert (name, info["dtype"], info["shape"]) == ("t", "F32", [2, 2])
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (b'{"__metadata__":null}', None),
+        (b'{"__metadata__":{}}', {}),
+        (b"{}", None),
+        (b'{"__metadata__":{"a":"1","a":"2","b":""}}', {"a": "2", "b": ""}),
+    ],
+)
+def test_metadata_null_empty_absent(header: bytes, expected: Any, write_raw: Any) -> None:
+    path = write_raw(struct.pack("<Q", len(header)) + header)
+    with safe_open(path, "np") as f:
+        assert f.metadata() == expected
+
+
+def test_error_offsets_and_tensor_names() -> None:
+    """Our messages add what the reference's leave out: which tensor and where."""
+    header = (
+        b'{"a":{"dtype":"I32","shape":[4],"data_offsets":[0,16]},'
+        b'"b":{"dtype":"I32","shape":[4],"data_offsets":[20,36]}}'
+    )
+    data = struct.pack("<Q", len(header)) + header + bytes(36)
+    with pytest.raises(OffsetError) as info:
+        deserialize(data)
+    exc = info.value
+    assert exc.tensor == "b"
+    assert exc.offset == 8 + len(header) + 16
+    assert "[20, 36]" in str(exc)
+    assert "previous tensor ends at 16" in str(exc)
+
+
+def test_parse_depth_beyond_python_recursion() -> None:
+    """Nesting deeper than ``json`` can recurse is still a clean JSON error."""
+    header = b'{"t":{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    with pytest.raises(HeaderDecodeError, match="recursion limit exceeded"):
+        deserialize(struct.pack("<Q", len(header)) + header)
+
+
+def test_huge_integer_literal() -> None:
+    """A 5000-digit integer: serde's f64 overflows; Python's int() would refuse > 4300 digits."""
+    header = b'{"t":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"x":' + b"9" * 5000 + b"}}"
+    with pytest.raises(HeaderDecodeError, match="number out of range"):
+        deserialize(struct.pack("<Q", len(header)) + header)
+
+
+def test_format_module_is_pure() -> None:
+    """The format layer parses bytes without a file: usable from any byte source."""
+    from pysafetensors._format import parse_header, parse_header_length
+
+    header = b'{"t":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'
+    n = parse_header_length(struct.pack("<Q", len(header)), 8 + len(header) + 2)
+    parsed = parse_header(header, 2)
+    assert n == len(header)
+    assert parsed.data_size == 2
+    assert list(parsed.tensors) == ["t"]
