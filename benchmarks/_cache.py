@@ -1,0 +1,79 @@
+"""Page-cache control for the benchmark: residency (``mincore``), warming and eviction."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+import numpy as np
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def residency(path: str) -> float:
+    """Fraction of the file's pages in the page cache (``mincore`` over a shared mapping)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 1.0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap failed")
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = np.zeros(pages, np.uint8)
+            if _libc.mincore(addr, size, vec.ctypes.data) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            return float(np.count_nonzero(vec & 1)) / pages
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def warm(path: str) -> float:
+    """Read the whole file through the page cache; return the residency afterwards."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(16 << 20)
+        off = 0
+        while n := os.preadv(fd, [buf], off):
+            off += n
+    finally:
+        os.close(fd)
+    return residency(path)
+
+
+def evict(path: str) -> float:
+    """Drop the file from the page cache (sync first: dirty pages cannot be dropped)."""
+    os.sync()
+    for _ in range(3):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        res = residency(path)
+        if res < 0.01:
+            return res
+        # Pages still mapped somewhere survive fadvise; the global drop (root only) gets them.
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+        except OSError:
+            pass
+    return residency(path)

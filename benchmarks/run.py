@@ -1,0 +1,412 @@
+"""Side-by-side benchmark: pysafetensors vs the reference (Rust), torch, and raw ceilings.
+
+Every measurement runs in a fresh subprocess (``_worker.py``); arms are interleaved within each
+repetition and medians are reported. Writes ``benchmarks/RESULTS.md`` and
+``benchmarks/results.json`` (``--quick`` writes ``RESULTS.quick.md``/``results.quick.json`` under
+``benchmarks/_work/`` unless ``--out`` says otherwise).
+
+Usage::
+
+    python benchmarks/run.py            # full run (~20 minutes on a 2-core VM)
+    python benchmarks/run.py --quick    # tiny files, 1 repetition, < 60 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _files  # noqa: E402
+
+# (file, op, states, arms). "ceiling_*" arms are the raw limits measured in the same run.
+LOAD_ARMS = ["pysafetensors", "ref_mmap", "ref_pread", "torch", "ceiling_pread"]
+PLAN: list[tuple[str, str, tuple[str, ...], list[str]]] = [
+    ("llama", "load", ("warm", "cold"), LOAD_ARMS + ["ceiling_memcpy"]),
+    ("llama", "lazy", ("warm", "cold"), ["pysafetensors", "ref_mmap", "torch", "ceiling_mmap"]),
+    ("llama", "tp_rows", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
+    ("llama", "tp_cols", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
+    ("llama", "save", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
+    ("llama", "save_durable", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
+    ("lora", "load", ("warm", "cold"), LOAD_ARMS),
+    ("lora", "save", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
+    ("lora", "save_durable", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
+    ("lora", "open", ("warm",), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
+    ("moe", "open", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
+    ("moe", "lazy", ("warm",), ["pysafetensors", "ref_mmap", "torch"]),
+]
+
+OP_TITLES = {
+    "load": "load + materialize every byte into private memory",
+    "lazy": "lazy load (mmap) + touch every page",
+    "open": "open (header only)",
+    "tp_rows": "TP rank 0/8, split along rows",
+    "tp_cols": "TP rank 0/8, split along columns",
+    "save": "save_file to page cache",
+    "save_durable": "save_file durable (fsync in timer)",
+}
+
+# Targets: (file, op, state) -> max ratio to the reference; extra ceiling targets separately.
+TARGETS: dict[tuple[str, str, str], float] = {
+    ("llama", "load", "warm"): 0.6,
+    ("llama", "load", "cold"): 0.8,
+    ("llama", "save", "-"): 1.0,
+    ("llama", "save_durable", "-"): 1.0,
+    ("lora", "save", "-"): 1.2,
+    ("lora", "save_durable", "-"): 1.2,
+    ("llama", "tp_rows", "warm"): 0.3,
+    ("llama", "tp_rows", "cold"): 0.3,
+    ("llama", "tp_cols", "warm"): 0.5,
+    ("llama", "tp_cols", "cold"): 0.7,
+    ("moe", "open", "warm"): 1.5,
+    ("moe", "open", "cold"): 1.5,
+    ("llama", "lazy", "warm"): 1.0,
+    ("llama", "lazy", "cold"): 1.0,
+    ("moe", "lazy", "warm"): 1.0,
+}
+CEILING_TARGETS: dict[tuple[str, str, str], tuple[str, float]] = {
+    ("llama", "load", "warm"): ("ceiling_pread", 1.5),
+    ("llama", "save", "-"): ("ceiling_write", 1.15),
+    ("llama", "save_durable", "-"): ("ceiling_write", 1.15),
+}
+
+
+def machine() -> dict[str, Any]:
+    """Describe the machine the numbers come from."""
+    import numpy
+    import safetensors
+    import torch
+
+    def read(path: str) -> str:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return "?"
+
+    cpu = "?"
+    for line in read("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kb = 0
+    for line in read("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal"):
+            mem_kb = int(line.split()[1])
+    dev = os.stat(HERE).st_dev
+    disk = "?"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                major, minor = (int(x) for x in parts[2].split(":"))
+                if os.makedev(major, minor) == dev:
+                    fs = parts[parts.index("-") + 1]
+                    src = parts[parts.index("-") + 2]
+                    blk = os.path.basename(src)
+                    rota = read(f"/sys/block/{blk}/queue/rotational")
+                    ra = read(f"/sys/block/{blk}/queue/read_ahead_kb")
+                    kind = "virtio" if blk.startswith("vd") else blk
+                    disk = (
+                        f"{kind} block device ({src}), {fs}, rotational={rota}, read_ahead_kb={ra}"
+                    )
+                    break
+    except (OSError, ValueError):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(mem_kb / 2**20, 1),
+        "kernel": platform.release(),
+        "disk": disk,
+        "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "torch": torch.__version__,
+        "safetensors (reference)": safetensors.__version__,
+    }
+
+
+def prepare(work: str, quick: bool) -> dict[str, dict[str, str]]:
+    """Create (or reuse) the input files and the torch.save twins of each."""
+    import torch
+    from safetensors.torch import load_file
+
+    paths = {}
+    for key, shapes in _files.specs(quick).items():
+        path = _files.ensure_file(work, key, shapes)
+        pt = path[: -len(".safetensors")] + ".pt"
+        if not os.path.exists(pt) or os.path.getmtime(pt) < os.path.getmtime(path):
+            torch.save(load_file(path, backend="pread"), pt)
+        paths[key] = {"path": path, "pt_path": pt, "out_path": os.path.join(work, f"out.{key}")}
+    return paths
+
+
+def run_one(case: dict[str, Any], timeout: float) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_worker.py"), json.dumps(case)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def run_batch(cases: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_worker.py"), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        err = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+        return [{"error": err} for _ in cases]
+    return list(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def case_key(case: dict[str, Any]) -> str:
+    return f"{case['file']}|{case['op']}|{case['state']}|{case['arm']}"
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if x < 0.01:
+        return f"{x * 1000:.2f} ms"
+    if x < 1:
+        return f"{x * 1000:.0f} ms"
+    return f"{x:.2f} s"
+
+
+def fmt_b(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x / 2**20:.0f} MiB"
+
+
+def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Medians per case key ``file|op|state|arm``."""
+    out = {}
+    for key, runs in raw.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            out[key] = {"error": runs[0].get("error"), "n": 0}
+            continue
+        med: dict[str, Any] = {"n": len(ok)}
+        for field in (
+            "seconds",
+            "read_bytes",
+            "rchar",
+            "peak_rss_delta",
+            "anon_delta",
+            "file_delta",
+        ):
+            med[field] = statistics.median(r[field] for r in ok)
+        med["min_seconds"] = min(r["seconds"] for r in ok)
+        res = [r["residency_before"] for r in ok if r.get("residency_before") is not None]
+        med["residency_before"] = statistics.median(res) if res else None
+        out[key] = med
+    return out
+
+
+def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict[str, int]) -> str:
+    m = meta["machine"]
+    lines = [
+        "# Benchmark: pysafetensors vs the reference",
+        "",
+        f"Generated by `benchmarks/run.py{' --quick' if meta['quick'] else ''}` on {meta['date']} "
+        f"in {meta['wall_s']:.0f} s; {meta['reps']} repetitions per cell, each in a fresh "
+        "subprocess, arms interleaved; medians.",
+        "",
+        "Machine: " + "; ".join(f"{k}: {v}" for k, v in m.items()),
+        "",
+        "Files (random bytes, bf16): "
+        + "; ".join(f"`{k}` {fmt_b(v)}" for k, v in sizes.items())
+        + " (`llama`: LLaMA-7B-shaped, 4 layers + embeddings + head; `lora`: 1,000 small "
+        "tensors; `moe`: 20,000 tiny tensors, the header is the point).",
+        "",
+        'Arms: **ours** = pysafetensors (`load_file(backend="pread")` for eager loads, '
+        '`load_file()` (mmap) for lazy, `safe_open(backend="pread").get_slice` for TP, '
+        "`save_file`); **ref mmap** / **ref pread** = safetensors 0.8.0 with that backend "
+        "(mmap results are `clone()`d where the operation asks for private memory); **torch** = "
+        "`torch.load(mmap=True, weights_only=True)` (+ `clone()`) / `torch.save`; **ceiling** = "
+        "`pread` into a reused, pre-faulted buffer (4 threads x 16 MiB) / `memcpy` between "
+        "pre-faulted buffers / plain `mmap` touch / one `writev` stream of the same bytes. "
+        "**x ref** = ours / the faster reference backend in that row (ratio < 1: we are faster); "
+        "**x ref mmap** = ours / the reference's default backend.",
+        "",
+        "| file | operation | cache | ours | ref mmap | ref pread | torch | ceiling | x ref | "
+        "x ref mmap | target | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    seen: set[tuple[str, str, str]] = set()
+    for file, op, states, arms in PLAN:
+        for state in states:
+            if (file, op, state) in seen:
+                continue
+            seen.add((file, op, state))
+
+            def sec(arm: str, file: str = file, op: str = op, state: str = state) -> float | None:
+                v = summary.get(f"{file}|{op}|{state}|{arm}")
+                return None if v is None or v.get("n", 0) == 0 else float(v["seconds"])
+
+            ours = sec("pysafetensors")
+            if op.startswith("save"):
+                refs = [("ref", sec("ref"))]
+                r_mmap = sec("ref")
+                r_pread = None
+            else:
+                r_mmap = sec("ref_mmap")
+                r_pread = sec("ref_pread")
+                refs = [("ref_mmap", r_mmap), ("ref_pread", r_pread)]
+            ref_vals = [v for _, v in refs if v is not None]
+            best = min(ref_vals) if ref_vals else None
+            ceil_arms = [a for a in arms if a.startswith("ceiling")]
+            ceil_txt = ", ".join(
+                f"{fmt_s(sec(a))} ({a.split('_', 1)[1]})" for a in ceil_arms if sec(a) is not None
+            )
+            ratio = ours / best if ours and best else None
+            ratio_m = ours / r_mmap if ours and r_mmap else None
+            target = TARGETS.get((file, op, state))
+            met_parts = []
+            tgt_parts = []
+            if target is not None and ratio is not None:
+                tgt_parts.append(f"<= {target}x ref")
+                met_parts.append("yes" if ratio <= target else "**no**")
+            ct = CEILING_TARGETS.get((file, op, state))
+            if ct is not None and ours and sec(ct[0]):
+                c = ours / float(sec(ct[0]) or 1)
+                tgt_parts.append(f"<= {ct[1]}x ceiling ({c:.2f}x)")
+                met_parts.append("yes" if c <= ct[1] else "**no**")
+            lines.append(
+                f"| {file} | {OP_TITLES[op]} | {state} | {fmt_s(ours)} | {fmt_s(r_mmap)} | "
+                f"{fmt_s(r_pread)} | {fmt_s(sec('torch'))} | {ceil_txt or 'n/a'} | "
+                f"{'n/a' if ratio is None else f'{ratio:.2f}x'} | "
+                f"{'n/a' if ratio_m is None else f'{ratio_m:.2f}x'} | "
+                f"{'; '.join(tgt_parts) or '-'} | {'; '.join(met_parts) or '-'} |"
+            )
+    # Memory and I/O table.
+    lines += [
+        "",
+        "## Memory and bytes read (medians)",
+        "",
+        "Peak = VmHWM during the operation minus RSS before it; anon/file = change of RssAnon / "
+        "RssFile across the operation with the result still alive (file-backed pages are "
+        "reclaimable page cache mapped by the process; anonymous pages are private copies). "
+        "Read from disk = `/proc/self/io` `read_bytes` (cold rows only; warm reads hit the cache).",
+        "",
+        "| file | operation | cache | arm | peak RSS | anon | file-backed | read from disk |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for file, op, states, arms in PLAN:
+        for state in states:
+            for arm in arms:
+                v = summary.get(f"{file}|{op}|{state}|{arm}")
+                if not v or v.get("n", 0) == 0:
+                    continue
+                if op == "open" or (file != "llama" and op != "save"):
+                    continue
+                rb = fmt_b(v["read_bytes"]) if state == "cold" else "-"
+                lines.append(
+                    f"| {file} | {op} | {state} | {arm} | {fmt_b(v['peak_rss_delta'])} | "
+                    f"{fmt_b(v['anon_delta'])} | {fmt_b(v['file_delta'])} | {rb} |"
+                )
+    errors = [k for k, v in summary.items() if v.get("n", 0) == 0]
+    if errors:
+        lines += [
+            "",
+            "Failed cells: " + ", ".join(f"`{k}` ({summary[k]['error']})" for k in errors),
+        ]
+    lines += ["", meta.get("notes", "")]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+NOTES_FILE = os.path.join(HERE, "NOTES.md")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny files, 1 repetition (< 60 s)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per cell (default 5)")
+    ap.add_argument("--only", default="", help="comma-separated ops or files to run")
+    ap.add_argument("--out", default=None, help="folder for RESULTS.md and results.json")
+    ap.add_argument("--work", default=os.path.join(HERE, "_work"), help="scratch folder")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    reps = args.reps or (1 if quick else 5)
+    work = os.path.join(args.work, "quick") if quick else args.work
+    out_dir = args.out or (work if quick else HERE)
+    os.makedirs(out_dir, exist_ok=True)
+    t_start = time.time()
+    files = prepare(work, quick)
+    sizes = {k: os.path.getsize(v["path"]) for k, v in files.items()}
+    only = {x for x in args.only.split(",") if x}
+    cases = []
+    for file, op, states, arms in PLAN:
+        if only and file not in only and op not in only:
+            continue
+        for state in states:
+            if quick and state == "cold" and file != "llama":
+                continue
+            for arm in arms:
+                cases.append({"file": file, "op": op, "state": state, "arm": arm, **files[file]})
+    raw: dict[str, list[dict[str, Any]]] = {}
+    total = len(cases) * reps
+    if quick:
+        # A smoke run: all cells in one subprocess (interpreter start-up dominates tiny files).
+        for _rep in range(reps):
+            for case, res in zip(cases, run_batch(cases, timeout=300), strict=True):
+                raw.setdefault(case_key(case), []).append(res)
+        total = 0
+    done = 0
+    for rep in range(reps if total else 0):
+        # Rotate the order each repetition so no arm always runs right after the same neighbour.
+        order = cases[rep % len(cases) :] + cases[: rep % len(cases)]
+        for case in order:
+            key = case_key(case)
+            res = run_one(case, timeout=300)
+            raw.setdefault(key, []).append(res)
+            done += 1
+            if not quick:
+                el = time.time() - t_start
+                print(
+                    f"[{done}/{total} {el:.0f}s] {key}: "
+                    + (f"{res['seconds']:.3f}s" if "seconds" in res else str(res)),
+                    flush=True,
+                )
+    summary = summarize(raw)
+    notes = ""
+    if os.path.exists(NOTES_FILE) and not quick:
+        with open(NOTES_FILE) as f:
+            notes = f.read()
+    meta = {
+        "quick": quick,
+        "reps": reps,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "wall_s": time.time() - t_start,
+        "machine": machine(),
+        "notes": notes,
+    }
+    tag = ".quick" if quick and args.out is None else ""
+    with open(os.path.join(out_dir, f"results{tag}.json"), "w") as f:
+        json.dump({"meta": meta, "sizes": sizes, "summary": summary, "raw": raw}, f, indent=1)
+    text = render(meta, summary, sizes)
+    with open(os.path.join(out_dir, f"RESULTS{tag}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

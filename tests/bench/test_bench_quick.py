@@ -1,0 +1,54 @@
+"""The benchmark harness runs end to end in quick mode and writes a well-formed table and JSON.
+
+No timing is asserted: this only guards the harness against bit rot.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "benchmarks" / "run.py"
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+
+def test_quick_benchmark_writes_table_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(RUN), "--quick", "--out", str(out), "--work", str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["quick"] is True
+    assert {"cpu", "cores", "kernel", "python", "numpy", "torch"} <= set(data["meta"]["machine"])
+    summary = data["summary"]
+    # Every cell ran and produced a positive median, with the memory fields present.
+    failed = {k: v for k, v in summary.items() if v.get("n", 0) == 0}
+    assert not failed, failed
+    for key, cell in summary.items():
+        assert cell["seconds"] > 0, key
+        for field in ("peak_rss_delta", "anon_delta", "file_delta", "read_bytes"):
+            assert field in cell, (key, field)
+    ops = {key.split("|")[1] for key in summary}
+    assert {"load", "lazy", "open", "tp_rows", "tp_cols", "save", "save_durable"} <= ops
+    arms = {key.split("|")[3] for key in summary}
+    assert {"pysafetensors", "ref_mmap", "ref_pread", "torch", "ceiling_pread"} <= arms
+
+    table = (out / "RESULTS.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| file | operation"))
+    columns = header.count("|")
+    rows = [line for line in table.splitlines() if line.startswith("| llama |")]
+    assert rows, table
+    assert all(line.count("|") == columns for line in rows[:8])
+    assert "x ref" in header
+    assert "Machine:" in table
