@@ -70,16 +70,16 @@ def hash_model(model: Model, algorithm: str, accept: Any, progress: Any) -> dict
         header_h = hashlib.new(algorithm)
         # "header" is the 8-byte length prefix plus the padded JSON: everything before the data.
         for _, buf in iter_tensor_chunks(f.source, 0, f.header.data_start, CHUNK_BYTES):
-            file_h.update(buf)
-            header_h.update(buf)
+            file_h.update(buf.data)
+            header_h.update(buf.data)
         # The data buffer is tiled exactly by the tensors (rule R6/R8), so walking them in
         # offset order reads the rest of the file sequentially, once.
         for info in f.header.tensors.values():
             tensor_h = hashlib.new(algorithm)
             start = f.header.data_start + info.begin
             for _, buf in iter_tensor_chunks(f.source, start, info.nbytes, CHUNK_BYTES):
-                file_h.update(buf)
-                tensor_h.update(buf)
+                file_h.update(buf.data)
+                tensor_h.update(buf.data)
                 progress(buf.size)
             if accept(info.name):
                 tensors[info.name] = tensor_h.hexdigest()
