@@ -1,0 +1,265 @@
+"""The streaming writer: any order, any chunking, byte-identical, atomic, bounded memory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pysafetensors import (
+    ClosedFileError,
+    SerializeError,
+    ShardedStreamingWriter,
+    StreamingWriter,
+    save_sharded,
+)
+from pysafetensors.numpy import save_file
+
+from .conftest import assert_same_tree
+
+SD = {
+    "w": np.arange(60, dtype=np.float32).reshape(6, 10),
+    "b": np.arange(7, dtype=np.float16),
+    "step": np.array(5, dtype=np.int64),
+    "empty": np.zeros((0, 3), np.float32),
+    "mask": np.array([True, False, True]),
+}
+
+
+def _reference(path: Path, meta: dict[str, str] | None = None) -> bytes:
+    save_file(SD, path, metadata=meta)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_order_and_chunking_is_byte_identical(tmp_path: Path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    expected = _reference(tmp_path / "ref.safetensors", {"format": "pt"})
+    # Cut every tensor's bytes into random pieces, then write all pieces in a random order.
+    pieces = []
+    for name, arr in SD.items():
+        raw = arr.tobytes()
+        cuts = sorted({0, len(raw), *(int(c) for c in rng.integers(0, len(raw) + 1, size=3))})
+        pieces += [(name, a, raw[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+    rng.shuffle(pieces)
+    out = tmp_path / "out.safetensors"
+    with StreamingWriter(out, SD, {"format": "pt"}) as w:
+        for name, offset, chunk in pieces:
+            assert w.write(name, chunk, offset=offset) == len(chunk)
+        assert w.missing() == {}
+    assert out.read_bytes() == expected
+
+
+def test_declarations_in_every_form(tmp_path: Path) -> None:
+    expected = _reference(tmp_path / "ref.safetensors")
+    forms = [
+        SD,
+        {k: (v.dtype, v.shape) for k, v in SD.items()},
+        {k: (v.dtype.name, list(v.shape)) for k, v in SD.items()},
+        [
+            (
+                k,
+                {"float32": "F32", "float16": "F16", "int64": "I64", "bool": "BOOL"}[v.dtype.name],
+                v.shape,
+            )
+            for k, v in SD.items()
+        ],
+    ]
+    for i, decl in enumerate(forms):
+        out = tmp_path / f"o{i}.safetensors"
+        with StreamingWriter(out, decl) as w:
+            for name, arr in SD.items():
+                if arr.ndim >= 1 and len(arr) > 1:
+                    w.write_chunk(name, arr[:1])  # rows, appended
+                    w.write_chunk(name, arr[1:])
+                else:
+                    w.write_tensor(name, arr)
+        assert out.read_bytes() == expected, i
+
+
+def test_torch_tensors_and_dtypes(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from pysafetensors.torch import save_file as torch_save
+
+    sd = {"x": torch.randn(8, 4).to(torch.bfloat16), "y": torch.arange(10)}
+    torch_save(sd, tmp_path / "ref.safetensors")
+    with StreamingWriter(
+        tmp_path / "o.safetensors", {"x": (torch.bfloat16, (8, 4)), "y": sd["y"]}
+    ) as w:
+        w.write("x", sd["x"][4:], offset=4 * 4 * 2)
+        w.write("x", sd["x"][:4])
+        w.write("y", sd["y"])
+    assert (tmp_path / "o.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_refusals(tmp_path: Path) -> None:
+    out = tmp_path / "o.safetensors"
+    w = StreamingWriter(out, SD)
+    w.write("w", SD["w"][:2])
+    cases = [
+        (lambda: w.write("w", SD["w"][1:3], offset=40), "Overlap"),
+        (lambda: w.write("w", b"\0" * 8, offset=236), "OutOfRange"),
+        (lambda: w.write("w", b"\0", offset=-1), "OutOfRange"),
+        (lambda: w.write("nope", b""), "UnknownTensor"),
+        (lambda: w.write("b", np.zeros(7, np.float32)), "DtypeMismatch"),
+    ]
+    for call, kind in cases:
+        with pytest.raises(SerializeError) as info:
+            call()
+        assert info.value.kind == kind
+    with pytest.raises(SerializeError, match="unwritten bytes") as info:
+        w.close()
+    assert info.value.kind == "Incomplete"
+    assert not out.exists()
+    # Still open after a refused close: finish and commit.
+    w.write("w", SD["w"][2:], offset=80)
+    for name in ("b", "step", "mask"):
+        w.write(name, SD[name])
+    w.close()
+    assert out.read_bytes() == _reference(tmp_path / "ref.safetensors")
+    with pytest.raises(ClosedFileError):
+        w.write("w", b"")
+
+
+def test_exception_discards_and_keeps_old_file(tmp_path: Path) -> None:
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"old")
+    with pytest.raises(RuntimeError), StreamingWriter(out, SD) as w:
+        w.write("w", SD["w"])
+        raise RuntimeError("boom")
+    assert out.read_bytes() == b"old"
+    # Leaving the block with bytes missing also discards (and says why).
+    with pytest.raises(SerializeError, match="unwritten"), StreamingWriter(out, SD) as w:
+        w.write("w", SD["w"])
+    assert out.read_bytes() == b"old"
+    assert sorted(os.listdir(tmp_path)) == ["o.safetensors"]
+
+
+@pytest.mark.parametrize("limit", [100, 300, "1MB"])
+def test_sharded_streaming_equals_save_sharded(tmp_path: Path, limit: int | str) -> None:
+    rng = np.random.default_rng(0)
+    sd = {
+        f"l{i}": rng.standard_normal((int(rng.integers(1, 20)), 5)).astype(np.float32)
+        for i in range(15)
+    }
+    sd["big"] = np.ones(200, np.float64)
+    plan = save_sharded(sd, tmp_path / "direct", limit, metadata={"k": "v"})
+    with ShardedStreamingWriter(tmp_path / "stream", sd, limit, metadata={"k": "v"}) as w:
+        assert w.plan == plan
+        for name in reversed(list(sd)):
+            arr = sd[name]
+            w.write(name, arr[len(arr) // 2 :], offset=arr[: len(arr) // 2].nbytes)
+            w.write(name, arr[: len(arr) // 2])
+    assert_same_tree(tmp_path / "direct", tmp_path / "stream")
+
+
+def test_sharded_streaming_incomplete_commits_nothing(tmp_path: Path) -> None:
+    sd = {f"l{i}": np.ones(50, np.float32) for i in range(6)}
+    w = ShardedStreamingWriter(tmp_path, sd, 400)
+    for name in list(sd)[:-1]:
+        w.write(name, sd[name])
+    with pytest.raises(SerializeError, match="l5"):
+        w.close()
+    assert os.listdir(tmp_path) == [] or all(n.endswith(".partial") for n in os.listdir(tmp_path))
+    w.abort()
+    assert os.listdir(tmp_path) == []
+
+
+# A file larger than the child's whole address space: only a writer that never holds the data
+# can produce it. The parent writes the same bytes through the ordinary writer (write_file with
+# chunked TensorData), and the two hashes must match.
+_CHUNK = 8 << 20
+_LIMIT_AS = 320 << 20
+
+_CHILD = textwrap.dedent(
+    """
+    import resource, sys
+    import numpy as np
+    resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+    from pysafetensors import StreamingWriter
+    shapes = {shapes!r}
+    def chunks(name, rows):
+        per = {chunk} // (shapes[name][1] * 4)
+        for r in range(0, rows, per):
+            n = min(per, rows - r)
+            base = np.arange(n * shapes[name][1], dtype=np.uint32)
+            yield r, (base * 2654435761 + r + ord(name)).view(np.float32).reshape(n, -1)
+    try:
+        np.empty({total}, np.uint8)
+    except MemoryError:
+        print("cannot-hold-file")
+    with StreamingWriter(sys.argv[1], {{k: ("F32", s) for k, s in shapes.items()}}) as w:
+        for name in reversed(list(shapes)):  # any order
+            for row, block in chunks(name, shapes[name][0]):
+                w.write(name, block, offset=row * shapes[name][1] * 4)
+    print("ok", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    """
+)
+
+
+@pytest.fixture
+def fast_dir(tmp_path: Path) -> Iterator[Path]:
+    """A folder in memory (tmpfs) when there is one: the test is about memory, not the disk."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 << 30:
+        folder = Path(tempfile.mkdtemp(dir=shm, prefix="pysafetensors-test-"))
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    else:
+        yield tmp_path
+
+
+def test_streaming_write_larger_than_address_space(fast_dir: Path) -> None:
+    tmp_path = fast_dir
+    from pysafetensors._dtypes import dtype_from_code
+    from pysafetensors._writer import TensorData, write_file
+
+    shapes = {"a": (288, 1 << 18), "b": (96, 1 << 18)}  # 288 + 96 MiB of F32 (1 MiB rows)
+    total = sum(r * c * 4 for r, c in shapes.values())
+    assert total > _LIMIT_AS
+    code = _CHILD.format(limit=_LIMIT_AS, shapes=shapes, chunk=_CHUNK, total=total)
+    out = tmp_path / "stream.safetensors"
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "cannot-hold-file" in proc.stdout
+    assert "ok" in proc.stdout
+
+    def chunks_of(name: str):  # the same deterministic data, for the ordinary writer
+        rows, cols = shapes[name]
+        per = _CHUNK // (cols * 4)
+
+        def gen():
+            for r in range(0, rows, per):
+                n = min(per, rows - r)
+                base = np.arange(n * cols, dtype=np.uint32)
+                yield (base * 2654435761 + r + ord(name)).view(np.uint8)
+
+        return gen
+
+    f32 = dtype_from_code("F32")
+    ref = tmp_path / "ref.safetensors"
+    write_file(ref, [TensorData(k, f32, s, chunks_of(k)) for k, s in shapes.items()])
+
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while block := fh.read(16 << 20):
+                h.update(block)
+        return h.hexdigest()
+
+    assert out.stat().st_size == ref.stat().st_size > _LIMIT_AS
+    assert digest(out) == digest(ref)
