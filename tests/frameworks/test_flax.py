@@ -1,0 +1,88 @@
+"""pysafetensors.flax against jax and the reference's safetensors.flax."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+pytest.importorskip("safetensors.flax")
+
+import pysafetensors.flax as pflax  # noqa: E402
+import pysafetensors.numpy as pnp  # noqa: E402
+
+from .cases import same_bits, sample  # noqa: E402
+from .suite import FrameworkSuite  # noqa: E402
+
+_CODES = (
+    "BOOL F4 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 BF16 I32 U32 F32 "
+    "C64 F64 I64 U64"
+)
+_REF_READS = "BOOL U8 I8 I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
+
+
+@pytest.fixture(autouse=True)
+def x64() -> Iterator[None]:
+    """64-bit types on, as a model with int64 ids or float64 buffers needs (restored after)."""
+    before = bool(jax.config.read("jax_enable_x64"))
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
+class TestFlax(FrameworkSuite):
+    module = "flax"
+    aliases = ("flax", "jax")
+    supported = frozenset(_CODES.split())
+    ref_load_file = frozenset(_REF_READS.split())
+    ref_load = frozenset(_REF_READS.split()) - {"BF16"}
+    # Everything but F4: the reference's TensorSpec has no name for ml_dtypes' float4_e2m1fn.
+    ref_save = supported - {"F4"}
+
+    def to_fw(self, arr: np.ndarray) -> Any:
+        return jnp.asarray(arr)
+
+    def to_np(self, tensor: Any) -> np.ndarray:
+        assert isinstance(tensor, jax.Array)
+        return np.asarray(tensor)
+
+
+def test_x64_off_narrows_with_a_warning() -> None:
+    jax.config.update("jax_enable_x64", False)
+    data = pnp.save({"i": np.arange(3, dtype=np.int64)})
+    with pytest.warns(UserWarning, match="jax_enable_x64"):
+        got = pflax.load(data)["i"]
+    assert got.dtype == jnp.int32
+    assert np.asarray(got).tolist() == [0, 1, 2]
+
+
+def test_f6_refused_with_a_pointer_to_numpy() -> None:
+    data = pnp.save({"x": sample("F6_E2M3", (2, 4))})
+    with pytest.raises(TypeError, match="framework='numpy'"):
+        pflax.load(data)
+
+
+def test_reference_mutates_the_dict_and_we_do_not() -> None:
+    import safetensors.flax as ref
+
+    tensors = {"a": jnp.ones(3)}
+    pflax.save(tensors)
+    assert isinstance(tensors["a"], jax.Array)
+    ref.save(tensors)
+    assert isinstance(tensors["a"], np.ndarray)  # the reference's documented quirk
+
+
+def test_bf16_and_fp8_values() -> None:
+    tensors = {
+        "bf": jnp.array([1.5, -2.0, 3.25], jnp.bfloat16),
+        "e4": jnp.array([0.5, -448.0], jnp.float8_e4m3fn),
+        "e5": jnp.array([2.0, 57344.0], jnp.float8_e5m2),
+    }
+    loaded = pflax.load(pflax.save(tensors))
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype
+        assert same_bits(np.asarray(loaded[name]), np.asarray(value))

@@ -1,0 +1,70 @@
+"""pysafetensors.tensorflow against TensorFlow and the reference's safetensors.tensorflow."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+tf = pytest.importorskip("tensorflow")
+pytest.importorskip("safetensors.tensorflow")
+
+import pysafetensors.tensorflow as ptf  # noqa: E402
+
+from .cases import same_bits  # noqa: E402
+from .suite import FrameworkSuite  # noqa: E402
+
+_CODES = (
+    "BOOL F4 U8 I8 F8_E5M2 F8_E4M3 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 BF16 I32 U32 F32 C64 F64 "
+    "I64 U64"
+)
+_REF_READS = "BOOL U8 I8 I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
+
+
+class TestTensorFlow(FrameworkSuite):
+    module = "tensorflow"
+    aliases = ("tf", "tensorflow")
+    supported = frozenset(_CODES.split())
+    ref_load_file = frozenset(_REF_READS.split())
+    ref_load = frozenset(_REF_READS.split()) - {"BF16"}
+    ref_save = supported - {"F4"}
+
+    def to_fw(self, arr: np.ndarray) -> Any:
+        return tf.convert_to_tensor(arr)
+
+    def to_np(self, tensor: Any) -> np.ndarray:
+        assert isinstance(tensor, tf.Tensor)
+        return np.asarray(tensor.numpy())
+
+
+def test_variables_are_saved_by_value() -> None:
+    var = tf.Variable([[1.0, 2.0]], dtype=tf.bfloat16)
+    loaded = ptf.load(ptf.save({"v": var}))
+    assert loaded["v"].dtype == tf.bfloat16
+    assert same_bits(loaded["v"].numpy(), var.numpy())
+
+
+def test_sparse_refused() -> None:
+    sparse = tf.sparse.SparseTensor(indices=[[0, 0]], values=[1.0], dense_shape=[2, 2])
+    with pytest.raises(ValueError, match="sparse"):
+        ptf.save({"s": sparse})
+
+
+def test_reference_mutates_the_dict_and_we_do_not() -> None:
+    import safetensors.tensorflow as ref
+
+    tensors = {"a": tf.ones((3,))}
+    ptf.save(tensors)
+    assert isinstance(tensors["a"], tf.Tensor)
+    ref.save(tensors)
+    assert isinstance(tensors["a"], np.ndarray)  # the reference's documented quirk
+
+
+def test_no_paddle_import_after_tensorflow() -> None:
+    # Importing paddle 3.3 after TensorFlow 2.21 crashes the interpreter, so the suite must
+    # import paddle first (test_paddle.py skips itself otherwise). Keep that visible.
+    assert "tensorflow" in sys.modules
