@@ -1,0 +1,215 @@
+"""Reshard, merge and extract: byte-identical to direct saves, copy fallbacks, bounded memory."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pysafetensors import SafetensorError, extract, merge, reshard, safe_open, save_sharded
+from pysafetensors import _reshard as reshard_mod
+from pysafetensors._cli import main
+from pysafetensors.numpy import save_file
+
+from .conftest import assert_same_tree
+
+
+def model(seed: int, n: int = 25) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for i in range(n):
+        dt = [np.float32, np.float16, np.int32, np.int8][i % 4]
+        rows = int(rng.integers(0, 12))
+        out[f"model.layers.{i}.{['q', 'k', 'v', 'o'][i % 4]}"] = (
+            rng.standard_normal((rows, 9)) * 20
+        ).astype(dt)
+    return out
+
+
+def _index_order(folder: Path, sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return sd
+    return {k: sd[k] for k in json.loads(index.read_text())["weight_map"]}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reshard_is_byte_identical_to_direct_save(tmp_path: Path, seed: int) -> None:
+    sd = model(seed)
+    rng = np.random.default_rng(seed)
+    first, second = (int(x) for x in rng.integers(100, 3000, size=2))
+    save_sharded(sd, tmp_path / "src", first, metadata={"origin": "test"})
+    reshard(tmp_path / "src", tmp_path / "out", second)
+    # Resharding keeps the source index's order, which is the original order unless a tensor
+    # larger than the old limit was moved ahead by the hub's splitter.
+    save_sharded(
+        _index_order(tmp_path / "src", sd), tmp_path / "direct", second, metadata={"origin": "test"}
+    )
+    assert_same_tree(tmp_path / "direct", tmp_path / "out")
+
+
+def test_reshard_keeps_state_dict_order_when_nothing_is_oversized(tmp_path: Path) -> None:
+    sd = {f"t{i}": np.full(50, i, np.float32) for i in range(20)}  # 200 bytes each
+    save_sharded(sd, tmp_path / "src", "1KB")
+    reshard(tmp_path / "src", tmp_path / "out", "3KB")
+    save_sharded(sd, tmp_path / "direct", "3KB")
+    assert_same_tree(tmp_path / "direct", tmp_path / "out")
+
+
+def test_reshard_in_place_and_back_to_one_file(tmp_path: Path) -> None:
+    sd = model(3)
+    save_sharded(sd, tmp_path / "m", 500)
+    save_sharded(_index_order(tmp_path / "m", sd), tmp_path / "direct", 1500)
+    reshard(tmp_path / "m", tmp_path / "m", 1500)
+    assert_same_tree(tmp_path / "direct", tmp_path / "m")
+    reshard(tmp_path / "m", tmp_path / "m", "1GB")
+    assert os.listdir(tmp_path / "m") == ["model.safetensors"]
+    with safe_open(tmp_path / "m", "np") as f:
+        assert f.metadata() == {"format": "pt"}
+        for k, v in sd.items():
+            np.testing.assert_array_equal(f.get_tensor(k), v)
+
+
+def test_merge_is_byte_identical_to_save_file(tmp_path: Path) -> None:
+    sd = model(5)
+    save_sharded(sd, tmp_path / "src", 700, metadata={"a": "b"})
+    merge(tmp_path / "src", tmp_path / "merged.safetensors")
+    save_file(sd, tmp_path / "direct.safetensors", metadata={"format": "pt", "a": "b"})
+    assert (tmp_path / "merged.safetensors").read_bytes() == (
+        tmp_path / "direct.safetensors"
+    ).read_bytes()
+    # The reference reads it.
+    st = pytest.importorskip("safetensors.numpy")
+    loaded = st.load_file(str(tmp_path / "merged.safetensors"))
+    for k, v in sd.items():
+        np.testing.assert_array_equal(loaded[k], v)
+
+
+def test_extract_glob_and_regex(tmp_path: Path) -> None:
+    sd = model(7)
+    save_sharded(sd, tmp_path / "src", 600)
+    names = extract(tmp_path / "src", tmp_path / "q.safetensors", ["model.layers.*.q"])
+    assert names and all(n.endswith(".q") for n in names)
+    save_file({k: sd[k] for k in names}, tmp_path / "direct.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "q.safetensors").read_bytes() == (
+        tmp_path / "direct.safetensors"
+    ).read_bytes()
+
+    names = extract(
+        tmp_path / "src", tmp_path / "r", [r"layers\.1\d\."], regex=True, max_shard_size=300
+    )
+    assert sorted(names) == sorted(k for k in sd if k.startswith("model.layers.1") and len(k) > 16)
+    save_sharded({k: sd[k] for k in names}, tmp_path / "r-direct", 300)
+    assert_same_tree(tmp_path / "r-direct", tmp_path / "r")
+
+    with pytest.raises(SafetensorError, match="matches") as info:
+        extract(tmp_path / "src", tmp_path / "none.safetensors", ["nothing*"])
+    assert info.value.kind == "NoMatch"
+
+
+@pytest.mark.parametrize("broken", ["copy_file_range", "sendfile", "both"])
+def test_copy_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broken: str) -> None:
+    def refuse(*args: object) -> int:
+        raise OSError(errno.EXDEV, "cross-device")
+
+    if broken in ("copy_file_range", "both"):
+        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    if broken in ("sendfile", "both"):
+        monkeypatch.setattr(os, "sendfile", refuse, raising=False)
+    monkeypatch.setattr(reshard_mod, "COPY_CHUNK", 64)  # many small steps
+    sd = model(9)
+    save_sharded(sd, tmp_path / "src", 800)
+    merge(tmp_path / "src", tmp_path / "m.safetensors")
+    save_file(sd, tmp_path / "d.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "d.safetensors").read_bytes()
+
+
+def test_copy_range_reports_truncated_source(tmp_path: Path) -> None:
+    src = tmp_path / "s"
+    src.write_bytes(b"x" * 10)
+    fd_in = os.open(src, os.O_RDONLY)
+    fd_out = os.open(tmp_path / "d", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(SafetensorError, match="ended early"):
+            reshard_mod.copy_range(fd_in, 0, fd_out, 0, 20)
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
+
+
+_MEASURE = textwrap.dedent(
+    """
+    import resource, sys
+    from pysafetensors import merge, reshard
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if sys.argv[1] == "merge":
+        merge(sys.argv[2], sys.argv[3])
+    else:
+        reshard(sys.argv[2], sys.argv[3], "40MB")
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(before, after)
+    """
+)
+
+
+@pytest.mark.parametrize("op", ["merge", "reshard"])
+def test_peak_memory_is_bounded(tmp_path: Path, op: str) -> None:
+    # 192 MiB of tensors; the copy must not grow the process by more than a few chunks.
+    sd = {f"t{i}": np.full((4 << 20,), i, np.float32) for i in range(12)}
+    save_sharded(sd, tmp_path / "src", "70MB")
+    del sd
+    out = tmp_path / ("m.safetensors" if op == "merge" else "out")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, op, str(tmp_path / "src"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before, after = (int(x) for x in proc.stdout.split())
+    assert after - before < 32 * 1024, f"grew by {after - before} KiB"  # ru_maxrss is in KiB
+    with safe_open(out, "np") as f:
+        assert float(f.get_tensor("t11")[-1]) == 11.0
+
+
+def test_cli_reshard_merge_extract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sd = model(11)
+    save_sharded(sd, tmp_path / "src", 500)
+    assert main(["-q", "reshard", str(tmp_path / "src"), str(tmp_path / "out"), "-s", "2KB"]) == 0
+    save_sharded(_index_order(tmp_path / "src", sd), tmp_path / "direct", "2KB")
+    assert_same_tree(tmp_path / "direct", tmp_path / "out")
+
+    assert main(["-q", "merge", str(tmp_path / "out"), str(tmp_path / "m.safetensors")]) == 0
+    with safe_open(tmp_path / "m.safetensors", "np") as f:
+        assert f.keys() == sorted(sd)
+
+    capsys.readouterr()
+    code = main(
+        [
+            "-q",
+            "extract",
+            str(tmp_path / "src"),
+            str(tmp_path / "e.safetensors"),
+            "model.layers.1?.*",
+            "--list",
+        ]
+    )
+    assert code == 0
+    listed = capsys.readouterr().out.split()
+    assert listed == [
+        k
+        for k in _index_order(tmp_path / "src", sd)
+        if k.startswith("model.layers.1") and len(k) > 16
+    ]
+    assert (
+        main(["-q", "extract", str(tmp_path / "src"), str(tmp_path / "x.safetensors"), "zz*"]) == 1
+    )
+    assert "matches" in capsys.readouterr().err
+    assert main(["-q", "reshard", str(tmp_path / "src"), str(tmp_path / "bad"), "-s", "5GiB"]) == 1
