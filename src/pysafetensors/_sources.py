@@ -16,6 +16,7 @@ Remote sources (HTTP, S3, fsspec) live in ``_remote`` and implement the same pro
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -153,7 +154,9 @@ class PreadSource:
         if total <= PARALLEL_CHUNK * 2:
             self._pread_exact(offset, out)
             return
-        chunks = [(start, min(PARALLEL_CHUNK, total - start)) for start in range(0, total, PARALLEL_CHUNK)]
+        chunks = [
+            (start, min(PARALLEL_CHUNK, total - start)) for start in range(0, total, PARALLEL_CHUNK)
+        ]
         with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
             list(
                 pool.map(
@@ -174,8 +177,13 @@ class MmapSource:
     """A private (copy-on-write) memory map of a whole file.
 
     Views are writable; writes stay in this process. If the file is truncated while mapped,
-    touching a page past the new end raises SIGBUS in the process, which Python cannot catch;
-    use the pread backend for files that may change under the reader (see ``docs/``).
+    touching a page past the new end raises SIGBUS in the process, which Python cannot catch.
+    To make that unlikely, every ``view``/``readinto`` first compares the range with the file's
+    current size (``fstat`` on a descriptor kept for that purpose) and raises a
+    ``SafetensorError`` of kind ``FileTruncated`` instead of handing out pages past the end.
+    This cannot protect views handed out earlier, nor a truncation racing the check: use the
+    pread backend for files that may change under the reader (see ``SECURITY.md``). A file
+    replaced with ``os.replace`` is harmless: the mapping keeps the old inode's data.
     """
 
     def __init__(self, fd: int, name: str, *, size: int | None = None) -> None:
@@ -186,6 +194,8 @@ class MmapSource:
             mmap.mmap(fd, self._size, access=mmap.ACCESS_COPY) if self._size else None
         )
         self._view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
+        # Our own descriptor, only to fstat: the caller's may be closed right after mapping.
+        self._fd = os.dup(fd) if self._map is not None else -1
 
     @property
     def size(self) -> int:
@@ -195,12 +205,32 @@ class MmapSource:
     def name(self) -> str:
         return self._name
 
+    def _check_not_truncated(self, offset: int, length: int) -> None:
+        """Refuse a range the file no longer holds (touching it would be SIGBUS)."""
+        fd = self._fd
+        if fd < 0 or not length:
+            return
+        try:
+            now = os.fstat(fd).st_size
+        except OSError:  # pragma: no cover - fstat on an open descriptor does not fail
+            return
+        if offset + length > now:
+            raise SafetensorError(
+                f"{self._name} was truncated to {now} bytes after it was opened; reading "
+                f"{length} bytes at offset {offset} from the memory map would crash the process "
+                "(SIGBUS). Reopen the file, or use backend='pread' for files that change.",
+                kind="FileTruncated",
+                offset=now,
+            )
+
     def readinto(self, offset: int, out: memoryview) -> None:
         _check_range(self, offset, out.nbytes)
+        self._check_not_truncated(offset, out.nbytes)
         out.cast("B")[:] = self._view[offset : offset + out.nbytes]
 
     def view(self, offset: int, length: int) -> memoryview | None:
         _check_range(self, offset, length)
+        self._check_not_truncated(offset, length)
         return self._view[offset : offset + length]
 
     def advise(self, offset: int, length: int, advice: int) -> None:
@@ -209,15 +239,20 @@ class MmapSource:
             return
         page = mmap.PAGESIZE
         start = offset - offset % page
-        try:
+        with contextlib.suppress(OSError, ValueError):
             self._map.madvise(advice, start, min(self._size - start, length + offset - start))
-        except (OSError, ValueError):
-            pass
 
     def close(self) -> None:
         # Tensors may still view the mapping; the map is unmapped when the last view dies.
         self._view = memoryview(bytearray())
         self._map = None
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class FileObjSource:
