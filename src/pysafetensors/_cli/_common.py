@@ -338,7 +338,7 @@ class Ui:
 
             table = Table(title=title, title_justify="left", header_style="bold")
             for col in columns:
-                table.add_column(col, justify="right" if col in right else "left")
+                table.add_column(col, justify="right" if col in right else "left", overflow="fold")
             for row in rows:
                 table.add_row(*(Text(cell) for cell in row))
             self._rich.print(table)
