@@ -95,9 +95,9 @@ def _ordered_chunks(
                 yield info.name, view
         if got != info.nbytes:
             raise SerializeError(
-                f"{SERIALIZE_PREFIX}tensor `{info.name}` provided {got}"
-                f"{'+' if got > info.nbytes else ''} bytes but {info.dtype.code} "
-                f"{list(info.shape)} needs {info.nbytes}",
+                f"{SERIALIZE_PREFIX}invalid shape, data type, or offset for tensor "
+                f"`{info.name}` (it provided {got}{'+' if got > info.nbytes else ''} bytes but "
+                f"{info.dtype.code} {list(info.shape)} needs {info.nbytes})",
                 kind="TensorInvalidInfo",
                 tensor=info.name,
             )
