@@ -83,10 +83,14 @@ class TorchAdapter:
         storage_shape = _storage_shape(dtype, shape)
         if not buf.flags.writeable:
             buf = buf.copy()
-        tensor = torch.from_numpy(buf)
-        if tdtype is not torch.uint8:
-            tensor = tensor.view(tdtype)
-        tensor = tensor.reshape(storage_shape)
+        if buf.size == 0:
+            # from_numpy gives an empty buffer stride 0, which .view(dtype) refuses.
+            tensor = torch.empty(storage_shape, dtype=tdtype)
+        else:
+            tensor = torch.from_numpy(buf)
+            if tdtype is not torch.uint8:
+                tensor = tensor.view(tdtype)
+            tensor = tensor.reshape(storage_shape)
         if device.type != "cpu":
             tensor = tensor.to(device.torch_spec)
         return tensor
