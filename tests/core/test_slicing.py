@@ -1,0 +1,294 @@
+"""Slicing (spec §4.4, ``_slicing``): numpy and torch, mmap and pread, agree with numpy indexing
+of the full tensor on every dtype; errors are the same everywhere; pread reads only what it must.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import raw_file
+from pysafetensors import SliceError, safe_open
+from pysafetensors._adapter import pack_subbyte
+from pysafetensors._dtypes import DTYPES
+from pysafetensors._slicing import plan_slice, render_index
+
+SHAPE = (4, 6)
+
+INDICES: list[Any] = [
+    (),
+    Ellipsis,
+    0,
+    -1,
+    3,
+    -4,
+    slice(None),
+    slice(1, 3),
+    slice(0, 4, 2),
+    slice(1, None, 3),
+    (slice(None), 2),
+    (slice(None), -1),
+    (1, slice(2, 6)),
+    (1, slice(0, 6, 2)),
+    (slice(None), slice(0, 2)),
+    (slice(None), slice(1, 3)),
+    (slice(1, 3), slice(2, 6)),
+    (Ellipsis, 1),
+    (0, Ellipsis),
+    (Ellipsis, slice(0, 4)),
+    (0, Ellipsis, 5),
+    [],
+    # Out of range: clamped like numpy (the reference's Rust slicer raises; docs/differences.md).
+    slice(0, 20),
+    slice(10, None),
+    slice(-2, None),
+    slice(None, -1),
+    slice(3, 1),
+    (slice(None), slice(4, 100, 2)),
+]
+
+
+def _numpy_dtype(d: Any) -> np.dtype[Any]:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, d.numpy, None) or d.numpy)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: Any) -> tuple[Path, dict[str, np.ndarray]]:
+    """One tensor of shape (4, 6) per dtype, random bytes, written with our writer."""
+    from pysafetensors.numpy import save_file
+
+    rng = np.random.default_rng(3)
+    tensors = {}
+    for d in DTYPES:
+        npdt = _numpy_dtype(d)
+        count = SHAPE[0] * SHAPE[1]
+        if d.packed:
+            codes = rng.integers(0, 1 << d.bits, count, dtype=np.uint8)
+            tensors[d.code] = codes.view(npdt).reshape(SHAPE)
+        else:
+            raw = rng.integers(0, 256, count * npdt.itemsize, dtype=np.uint8)
+            if d.code == "BOOL":
+                raw &= 1
+            tensors[d.code] = raw.view(npdt).reshape(SHAPE)
+    path = tmp_path_factory.mktemp("slices") / "all.safetensors"
+    save_file(tensors, path)
+    return path, tensors
+
+
+def _expected_or_error(full: np.ndarray, code: str, index: Any) -> np.ndarray | str:
+    d = next(d for d in DTYPES if d.code == code)
+    try:
+        plan_slice(SHAPE, d, index)
+    except SliceError as exc:
+        return exc.kind
+    return full[index]
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+@pytest.mark.parametrize("index", INDICES, ids=[render_index(i) for i in INDICES])
+def test_numpy_and_torch_agree_with_numpy_indexing(
+    sample: tuple[Path, dict[str, np.ndarray]], index: Any, backend: str
+) -> None:
+    torch = pytest.importorskip("torch")
+    path, tensors = sample
+    with safe_open(path, "np", backend=backend) as f, safe_open(path, "pt", backend=backend) as g:
+        for code, full in tensors.items():
+            d = next(d for d in DTYPES if d.code == code)
+            expected = _expected_or_error(full, code, index)
+            if isinstance(expected, str):
+                # Sub-byte alignment errors: the same error from both frameworks.
+                assert expected == "MisalignedSlice" and d.packed
+                with pytest.raises(SliceError) as info:
+                    f.get_slice(code)[index]
+                assert info.value.kind == expected
+                if d.torch is not None:
+                    with pytest.raises(SliceError) as info:
+                        g.get_slice(code)[index]
+                    assert info.value.kind == expected
+                continue
+            got = f.get_slice(code)[index]
+            assert got.dtype == expected.dtype and got.shape == expected.shape, code
+            assert got.tobytes() == expected.tobytes(), code
+            if d.torch is None:
+                continue  # F6: torch has no such dtype
+            t = g.get_slice(code)[index]
+            if d.packed:
+                want = pack_subbyte(np.ascontiguousarray(expected), d).tobytes()
+                # torch holds F4 as pairs: the logical last dimension is halved.
+                if expected.ndim:
+                    assert tuple(t.shape) == (*expected.shape[:-1], expected.shape[-1] // 2)
+            else:
+                want = expected.tobytes()
+                assert tuple(t.shape) == expected.shape
+            assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == want, code
+
+
+@pytest.mark.parametrize(
+    ("index", "kind", "text"),
+    [
+        ((0, 0, 0), "TooManySlices", "more slicing indexes than dimensions in tensor"),
+        ((Ellipsis, Ellipsis), "InvalidSlice", "Only one ellipsis (...) is allowed"),
+        (None, "InvalidSlice", "Unsupported slice index at position 0"),
+        ((0, 1.5), "InvalidSlice", "Unsupported slice index at position 1"),
+        ("a", "InvalidSlice", "expected slice, int, or ellipsis"),
+        ([0, 1], "InvalidSlice", "Non empty lists are not implemented"),
+        (slice(0, 2, 0), "InvalidSlice", "Slice step must be a positive integer, got 0"),
+        (slice(None, None, -1), "InvalidSlice", "Slice step must be a positive integer, got -1"),
+        (4, "SliceOutOfRange", "index 4 out of bounds for tensor dimension #0 of size 4"),
+        (-5, "SliceOutOfRange", "index -5 out of bounds for tensor dimension #0 of size 4"),
+        ((0, 6), "SliceOutOfRange", "index 6 out of bounds for tensor dimension #1 of size 6"),
+        (slice(0, "x"), "InvalidSlice", "Unsupported slice index"),
+    ],
+)
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_slice_errors(
+    sample: tuple[Path, dict[str, np.ndarray]], index: Any, kind: str, text: str, framework: str
+) -> None:
+    if framework == "pt":
+        pytest.importorskip("torch")
+    path, _ = sample
+    with safe_open(path, framework) as f, pytest.raises(SliceError) as info:
+        f.get_slice("F32")[index]
+    assert info.value.kind == kind
+    assert text in str(info.value)
+    assert isinstance(info.value, IndexError)
+
+
+def test_error_renders_index(sample: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = sample
+    with safe_open(path, "np") as f, pytest.raises(SliceError) as info:
+        f.get_slice("F32")[2:, 20]
+    assert "[2:, 20]" in str(info.value)
+
+
+def test_scalar_and_zero_size(tmp_path: Path) -> None:
+    from pysafetensors.numpy import save_file
+
+    path = tmp_path / "s.safetensors"
+    save_file({"s": np.array(5, np.int32), "z": np.zeros((0, 3), np.float32)}, path)
+    with safe_open(path, "np") as f:
+        assert f.get_slice("s")[()] == 5
+        assert f.get_slice("s")[...] == 5
+        with pytest.raises(SliceError):
+            f.get_slice("s")[0]
+        with pytest.raises(SliceError):
+            f.get_slice("s")[[]]
+        assert f.get_slice("z")[:, 1:].shape == (0, 2)
+        assert f.get_slice("z")[:5].shape == (0, 3)
+
+
+def test_same_as_reference_for_in_range(sample: tuple[Path, dict[str, np.ndarray]]) -> None:
+    """Where the reference's Rust slicer accepts an index, the results are equal."""
+    ref = pytest.importorskip("safetensors")
+    path, tensors = sample
+    codes = ["F32", "I8", "F64", "BOOL", "U16", "C64"]
+    with ref.safe_open(str(path), "np") as r, safe_open(path, "np") as f:
+        for index in INDICES:
+            for code in codes:
+                try:
+                    theirs = r.get_slice(code)[index]
+                except Exception:  # noqa: BLE001 - out-of-range bounds: a documented difference
+                    continue
+                ours = f.get_slice(code)[index]
+                assert ours.shape == theirs.shape and ours.tobytes() == theirs.tobytes()
+
+
+# ------------------------------------------------------------ pread reads only the needed bytes
+
+
+BIG = (64, 4096)  # F32: 16 KiB rows
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: Any) -> tuple[Path, np.ndarray]:
+    from pysafetensors.numpy import save_file
+
+    arr = np.arange(BIG[0] * BIG[1], dtype=np.float32).reshape(BIG)
+    path = tmp_path_factory.mktemp("big") / "big.safetensors"
+    save_file({"pad": np.zeros(3, np.uint8), "x": arr}, path)
+    return path, arr
+
+
+def _count_preads(path: Path, index: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[int]]:
+    import pysafetensors._sources as sources
+
+    calls: list[int] = []
+    real_preadv = os.preadv
+
+    def counting_preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        n = real_preadv(fd, buffers, offset)
+        calls.append(n)
+        return n
+
+    with safe_open(path, "np", backend="pread") as f:
+        # Only the slice's reads are counted, not the header's.
+        monkeypatch.setattr(sources.os, "preadv", counting_preadv)
+        got = f.get_slice("x")[index]
+        monkeypatch.undo()
+    return got, calls
+
+
+@pytest.mark.parametrize(
+    ("index", "expected_bytes", "expected_reads"),
+    [
+        (slice(1, 3), 2 * BIG[1] * 4, 1),  # whole rows: one run, one read
+        ((5, slice(10, 20)), 10 * 4, 1),
+        ((7, 9), 4, 1),
+        (slice(64, 99), 0, 0),  # clamped to nothing: no read at all
+        # Sparse selections (density < 1/64 of the covering rows): one read per run, exactly.
+        ((slice(None), slice(0, 16)), 64 * 16 * 4, 64),
+        ((slice(0, 64, 8), slice(100, 110)), 8 * 10 * 4, 8),
+        ((Ellipsis, 4095), 64 * 4, 64),
+    ],
+)
+def test_pread_reads_exact_bytes(
+    big: tuple[Path, np.ndarray],
+    index: Any,
+    expected_bytes: int,
+    expected_reads: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path, arr = big
+    got, calls = _count_preads(path, index, monkeypatch)
+    np.testing.assert_array_equal(got, arr[index])
+    assert sum(calls) == expected_bytes
+    assert len(calls) == expected_reads
+
+
+@pytest.mark.parametrize(
+    ("index", "rows"),
+    [
+        ((slice(None), slice(0, 1024)), 64),
+        ((slice(2, 6), slice(1, 3000, 2)), 4),
+        ((3, slice(0, 2000, 3)), 1),
+    ],
+)
+def test_pread_dense_fragments_read_covering_rows(
+    big: tuple[Path, np.ndarray], index: Any, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dense fragmented selections are read as their covering rows (fewer, larger reads: a
+    deliberate trade-off of the reader), never more than those rows."""
+    path, arr = big
+    got, calls = _count_preads(path, index, monkeypatch)
+    np.testing.assert_array_equal(got, arr[index])
+    assert sum(calls) == rows * BIG[1] * 4
+
+
+def test_subbyte_slice_alignment_rules(tmp_path: Path) -> None:
+    """F4 [2, 4]: ``[:, 0:2]`` is byte-aligned, ``[:, 0:1]`` is not (spec §4.4)."""
+    path = tmp_path / "f4.safetensors"
+    header = b'{"x":{"dtype":"F4","shape":[2,4],"data_offsets":[0,4]}}'
+    path.write_bytes(raw_file(header, bytes([0x21, 0x43, 0x65, 0x07])))
+    with safe_open(path, "np") as f:
+        codes = f.get_slice("x")[:, 0:2].view(np.uint8)
+        assert codes.tolist() == [[1, 2], [5, 6]]
+        with pytest.raises(SliceError) as info:
+            f.get_slice("x")[:, 0:1]
+        assert info.value.kind == "MisalignedSlice"
+        assert "slicing for subbytes dtypes" in str(info.value)
