@@ -18,8 +18,11 @@ R3  ``8 + N`` MUST NOT exceed the file size (``InvalidHeaderLength``).
 R4  The header MUST be valid UTF-8 (``InvalidHeader``). A BOM is not stripped.
 R5  The header MUST be JSON as serde_json reads it into the reference's struct
     (``InvalidHeaderDeserialization``): one object, optionally surrounded by JSON whitespace
-    (space, tab, LF, CR); no NaN/Infinity; no lone surrogate escapes; no raw control characters
-    in strings; nesting below serde_json's recursion limit. ``__metadata__`` MAY be absent or
+    (space, tab, LF, CR); no NaN/Infinity; no number beyond f64 range as serde_json computes it
+    (even in ignored fields); no lone surrogate escapes; no raw control characters in strings;
+    at most 127 nested arrays/objects. As in serde, ``__metadata__`` is checked where it
+    stands while tensor entries are checked after the whole object is read, and every
+    occurrence of a repeated name or metadata key is checked before the last one wins. ``__metadata__`` MAY be absent or
     null, else MUST be an object of strings and MUST NOT appear twice. Every other key is a
     tensor whose entry MUST have ``dtype`` (one of the 22 codes), ``shape`` (array of integers in
     ``[0, 2**64)``; ``-0``, floats and booleans are not integers) and ``data_offsets`` (exactly two
