@@ -13,6 +13,7 @@ Hangs and memory blow-ups are left to libFuzzer (``-timeout=``, ``-rss_limit_mb=
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -27,6 +28,7 @@ import atheris  # noqa: E402
 
 with atheris.instrument_imports(include=["pysafetensors", "_harness"]):
     import _harness  # noqa: E402
+
     import pysafetensors  # noqa: E402, F401
     import pysafetensors._format  # noqa: E402, F401
     import pysafetensors._reader  # noqa: E402, F401
@@ -35,10 +37,8 @@ with atheris.instrument_imports(include=["pysafetensors", "_harness"]):
 
     # Written by other developers; instrumented when present.
     for _optional in ("pysafetensors._torch_pickle", "pysafetensors._streaming"):
-        try:
+        with contextlib.suppress(ImportError):
             __import__(_optional)
-        except ImportError:
-            pass
 
 FINDINGS = os.environ.get("FUZZ_FINDINGS")
 _seen: dict[str, int] = {}

@@ -31,8 +31,8 @@ DTYPE_CODES = (
     "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
     "F64", "I64", "U64",
 )  # fmt: skip
-BITS = {c: b for c, b in zip(DTYPE_CODES, (8, 4, 6, 6, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16, 16,
-                                           32, 32, 32, 64, 64, 64, 64))}  # fmt: skip
+_BITS = (8, 4, 6, 6, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16, 16, 32, 32, 32, 64, 64, 64, 64)
+BITS = dict(zip(DTYPE_CODES, _BITS, strict=True))
 INTERESTING_INTS = (
     0, 1, 2, 3, 4, 7, 8, 15, 16, 63, 64, 65, 255, 256, 4096, 65535, 2**31 - 1, 2**31, 2**32 - 1,
     2**32, 2**53, 2**61 - 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30, -1, -(2**63),
@@ -96,7 +96,7 @@ def repair(header_obj: dict[str, Any], rng: random.Random) -> tuple[dict[str, An
             not isinstance(dtype, str)
             or dtype not in BITS
             or not isinstance(shape, list)
-            or not all(type(d) is int and 0 <= d for d in shape)
+            or not all(type(d) is int and d >= 0 for d in shape)
         ):
             out[name] = entry
             continue
@@ -313,7 +313,7 @@ def check_file(
     accepted: list[bool] = []
     for framework in frameworks:
         for backend in ("mmap", "pread"):
-            got = guard(lambda: _exercise(lib, path, data, framework, backend, rng))
+            got = guard(lambda fw=framework, be=backend: _exercise(lib, path, data, fw, be, rng))
             accepted.append(got is not None)
             if got is not None and framework == "np":
                 results[backend] = got
@@ -362,7 +362,9 @@ def _exercise(
                 raise Violation(f"slice of {name!r} reports the wrong shape/dtype")
             for _ in range(3):
                 index = random_index(rng, len(info.shape), info.shape)
-                check_slice_result(want, index, info.dtype.packed, lambda index=index: sl[index])
+                check_slice_result(
+                    want, index, info.dtype.packed, lambda index=index, sl=sl: sl[index]
+                )
         if framework == "np":
             everything = guard(f.get_tensors)
             if everything is not None:
@@ -530,7 +532,6 @@ def check_streaming(data: bytes) -> None:
     streaming = streaming_module()
     if streaming is None or len(data) < 2:
         return
-    lib = _lib()
     rng = random.Random(data)
     folder = tempfile.mkdtemp(dir=scratch_dir())
     target = os.path.join(folder, "out.safetensors")

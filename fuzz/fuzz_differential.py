@@ -6,7 +6,6 @@ listed in ``_harness.KNOWN_DIFFERENCES``; anything else is a violation.
 """
 
 import _driver
-
 from _harness import Violation, differential, known_difference
 
 

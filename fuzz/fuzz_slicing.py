@@ -3,7 +3,6 @@
 import random
 
 import _driver
-
 from _harness import DTYPE_CODES, random_index
 
 

@@ -28,8 +28,8 @@ DTYPE_CODES = (
     "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
     "F64", "I64", "U64",
 )  # fmt: skip
-BITS = dict(zip(DTYPE_CODES, (8, 4, 6, 6, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16, 16, 32, 32, 32, 64,
-                              64, 64, 64)))  # fmt: skip
+_BITS = (8, 4, 6, 6, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16, 16, 32, 32, 32, 64, 64, 64, 64)
+BITS = dict(zip(DTYPE_CODES, _BITS, strict=True))
 #: Values that break naive readers: boundaries of 32/63/64-bit arithmetic, wrap-to-small
 #: products (safetensors-cpp #9254), the header cap and negatives.
 INTERESTING = (

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tracemalloc
 
+import _harness  # noqa: E402, I001 - lives in fuzz/, put on sys.path by conftest
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,8 +26,6 @@ from pysafetensors import safe_open
 
 from .conftest import FUZZ_DIR
 from .strategies import DTYPE_CODES, any_files, hostile_files, near_valid_files, valid_files
-
-import _harness  # noqa: E402, I001 - lives in fuzz/, put on sys.path by conftest
 
 _BASE = settings(
     deadline=None,
@@ -131,7 +130,7 @@ def test_memory_stays_within_file_size(data: bytes) -> None:
             with safe_open(path, "np", backend="pread") as f:
                 everything = f.get_tensors()
                 del everything
-                for name in f.keys():
+                for name in f:
                     f.get_tensor(name)
         except pysafetensors.SafetensorError:
             pass

@@ -1,0 +1,187 @@
+"""Crash safety of saves: SIGKILL at random points, stale temporary files, fsync.
+
+A save writes ``.<name>.<hex>.partial`` next to the target and renames it over the target with
+``os.replace`` only when complete (``_writer.atomic_output``). So whatever instant a save is
+killed at, the target holds either the old file or the complete new one, and the only debris
+is a temporary file that a later save removes once it is older than 60 seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pysafetensors import _writer
+from pysafetensors.numpy import save, save_file
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and rename")
+
+_SAVER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from pysafetensors.numpy import save_file
+
+    target, seed, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    arr = np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
+    print("ready", flush=True)
+    sys.stdin.readline()  # the parent starts its clock, then lets us go
+    save_file({"w": arr, "s": np.array([seed], np.int64)}, target)
+    print("done", flush=True)
+    """
+)
+
+
+def _content(seed: int, size: int) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
+    return save({"w": arr, "s": np.array([seed], np.int64)})
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _partials(folder: Path, name: str) -> list[Path]:
+    return sorted(folder.glob(f".{name}.*.partial"))
+
+
+def _kill_saves(tmp_path: Path, kills: int, size: int) -> None:
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(_content(0, size))
+    rng = random.Random(1234)
+    # How long one save takes here: the kill delays are spread over 1.5x that window.
+    start = time.perf_counter()
+    save_file({"w": np.zeros(size, np.uint8)}, tmp_path / "probe.safetensors")
+    window = max(0.02, (time.perf_counter() - start) * 1.5)
+    outcomes = {"old": 0, "new": 0}
+    for i in range(1, kills + 1):
+        new = _sha(_content(i, size))
+        before = _sha(target.read_bytes())
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(target), str(i), str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(rng.uniform(0, window))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        after = target.read_bytes()
+        digest = _sha(after)
+        # Never a partial file under the target's name: the old bytes or the complete new ones.
+        assert digest in (before, new), f"kill {i}: torn target"
+        outcomes["old" if digest == before else "new"] += 1
+        for p in _partials(tmp_path, target.name):
+            assert p.stat().st_size <= len(after) + 8 * size  # debris only, bounded
+    # A later save cleans up debris older than 60 s (backdate it) and keeps younger files
+    # (they may belong to a save still running).
+    debris = _partials(tmp_path, target.name)
+    young = tmp_path / f".{target.name}.young.partial"
+    young.write_bytes(b"in progress")
+    old = time.time() - 120
+    for p in debris:
+        os.utime(p, (old, old))
+    save_file({"x": np.arange(3)}, target)
+    assert _partials(tmp_path, target.name) == [young]
+    assert outcomes["old"] + outcomes["new"] == kills
+    print(f"{kills} kills: {outcomes}")
+
+
+def test_sigkill_during_save_leaves_old_or_new_file(tmp_path: Path) -> None:
+    """Five kills at random instants of saving a 16 MB file over an existing one."""
+    _kill_saves(tmp_path, kills=5, size=16 << 20)
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_many_times(tmp_path: Path) -> None:
+    """Thirty kills at random instants of saving a 64 MB file over an existing one."""
+    _kill_saves(tmp_path, kills=30, size=64 << 20)
+
+
+def test_stale_partials_follow_the_60_second_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "m.safetensors"
+    left = tmp_path / ".m.safetensors.0123456789ab.partial"
+    left.write_bytes(b"debris")
+    other = tmp_path / ".other.safetensors.0123456789ab.partial"
+    other.write_bytes(b"another target's debris")
+    save_file({"a": np.arange(2)}, target)
+    assert left.exists(), "a fresh partial may belong to a running save"
+    real_time = time.time
+    monkeypatch.setattr(_writer.time, "time", lambda: real_time() + 61)
+    save_file({"a": np.arange(2)}, target)
+    assert not left.exists()
+    assert other.exists(), "only the target's own partials are cleaned"
+
+
+def test_failed_save_leaves_target_and_no_debris(tmp_path: Path) -> None:
+    target = tmp_path / "m.safetensors"
+    save_file({"a": np.arange(4)}, target)
+    before = target.read_bytes()
+
+    def chunks() -> Iterator[Any]:
+        yield np.zeros(8, np.uint8)
+        raise RuntimeError("disk on fire")
+
+    from pysafetensors._dtypes import dtype_from_code
+
+    bad = _writer.TensorData("a", dtype_from_code("U8"), (16,), chunks)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        _writer.write_file(target, [bad])
+    assert target.read_bytes() == before
+    assert _partials(tmp_path, target.name) == []
+
+
+class _FsyncSpy:
+    """Records what kind of file each ``os.fsync`` call was for, then really syncs it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self._real = os.fsync
+
+    def __call__(self, fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        kind = "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+        self.calls.append(("fsync", kind))
+        self._real(fd)
+
+
+def test_fsync_true_syncs_the_file_then_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = _FsyncSpy()
+    real_replace = os.replace
+    monkeypatch.setattr(os, "fsync", spy)
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: (spy.calls.append(("replace", "")), real_replace(a, b))[1]
+    )
+    target = tmp_path / "durable.safetensors"
+    save_file({"a": np.arange(10)}, target, fsync=True)
+    # The data reaches the disk before the rename makes it visible; the folder after.
+    assert spy.calls == [("fsync", "file"), ("replace", ""), ("fsync", "dir")]
+    assert target.read_bytes() == save({"a": np.arange(10)})
+
+
+def test_fsync_false_does_not_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _FsyncSpy()
+    monkeypatch.setattr(os, "fsync", spy)
+    save_file({"a": np.arange(10)}, tmp_path / "fast.safetensors")
+    assert spy.calls == []
