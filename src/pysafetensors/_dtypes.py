@@ -46,7 +46,7 @@ class DType:
     torch: str | None
     """``torch`` attribute name, or None when torch has no such dtype."""
     name: str
-    """The dtype name the reference's ``TensorSpec`` accepts (torch-style, e.g. ``float8_e4m3fn``)."""
+    """The dtype name the reference's ``TensorSpec`` accepts (torch-style: ``float8_e4m3fn``)."""
     packed: bool = False
     """True for sub-byte dtypes whose numpy form holds one element per byte."""
 

@@ -20,15 +20,15 @@ R5  The header MUST be JSON as serde_json reads it into the reference's struct
     (``InvalidHeaderDeserialization``): one object, optionally surrounded by JSON whitespace
     (space, tab, LF, CR); no NaN/Infinity; no number beyond f64 range as serde_json computes it
     (even in ignored fields); no lone surrogate escapes; no raw control characters in strings;
-    at most 127 nested arrays/objects. As in serde, ``__metadata__`` is checked where it
-    stands while tensor entries are checked after the whole object is read, and every
-    occurrence of a repeated name or metadata key is checked before the last one wins. ``__metadata__`` MAY be absent or
-    null, else MUST be an object of strings and MUST NOT appear twice. Every other key is a
-    tensor whose entry MUST have ``dtype`` (one of the 22 codes), ``shape`` (array of integers in
-    ``[0, 2**64)``; ``-0``, floats and booleans are not integers) and ``data_offsets`` (exactly two
-    such integers), each at most once; unknown fields are ignored. Duplicate tensor names: the
-    last one wins. (The reference also accepts an entry written as the array
-    ``[dtype, shape, data_offsets]`` and a dtype written as ``{"F32": null}``; so do we.)
+    at most 127 nested arrays/objects. ``__metadata__`` MAY be absent or null, else MUST be an
+    object of strings and MUST NOT appear twice. Every other key is a tensor whose entry MUST
+    have ``dtype`` (one of the 22 codes), ``shape`` (array of integers in ``[0, 2**64)``;
+    ``-0``, floats and booleans are not integers) and ``data_offsets`` (exactly two such
+    integers), each at most once; unknown fields are ignored. Duplicate tensor names and
+    metadata keys: the last one wins, but every occurrence must be valid. As in serde,
+    ``__metadata__`` is checked where it stands, tensor entries after the whole object is read.
+    (The reference also accepts an entry written as the array ``[dtype, shape, data_offsets]``
+    and a dtype written as ``{"F32": null}``; so do we.)
 R6  Tensors are sorted by ``(begin, end)``. For each, in that order: ``begin`` MUST equal the
     previous ``end`` (0 for the first) and ``end >= begin`` (``InvalidOffset``).
 R7  Then, for the same tensor: the element count times the dtype's bit size MUST fit in 64 bits,

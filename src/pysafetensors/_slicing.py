@@ -56,7 +56,7 @@ class SlicePlan:
         bounds = np.concatenate(([0], breaks, [len(starts)]))
         return [
             (int(starts[a]), int(starts[b - 1]) + self.run_bytes - int(starts[a]))
-            for a, b in zip(bounds[:-1], bounds[1:])
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
         ]
 
 
@@ -93,10 +93,10 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
         if index:
             raise SliceError("Non empty lists are not implemented", kind="InvalidSlice")
         if ndim == 0:
-            raise SliceError(
-                "more slicing indexes than dimensions in tensor", kind="TooManySlices"
-            )
-        return [range(0)] + [range(d) for d in shape[1:]]
+            raise SliceError("more slicing indexes than dimensions in tensor", kind="TooManySlices")
+        selected: list[int | range] = [range(0)]
+        selected.extend(range(d) for d in shape[1:])
+        return selected
     ellipses = sum(1 for item in items if item is Ellipsis)
     if ellipses > 1:
         raise SliceError("Only one ellipsis (...) is allowed in slice index", kind="InvalidSlice")
@@ -116,7 +116,7 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
     expanded.extend([slice(None)] * (ndim - len(expanded)))
 
     out: list[int | range] = []
-    for dim, (item, size) in enumerate(zip(expanded, shape)):
+    for dim, (item, size) in enumerate(zip(expanded, shape, strict=True)):
         if isinstance(item, slice):
             bounds = [item.start, item.stop, item.step]
             for bound in bounds:
@@ -204,14 +204,13 @@ def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
         starts = (idx[:, None] + starts[None, :]).reshape(-1)
 
     bits = dtype.bits
-    if bits % 8:
-        if (run_elems * bits) % 8 or np.any((starts * bits) % 8):
-            raise SliceError(
-                "The slice is slicing for subbytes dtypes, and the slice does not end up at a "
-                f"byte boundary, this is invalid. (index {render_index(index)} on "
-                f"{dtype.code} {list(shape)})",
-                kind="MisalignedSlice",
-            )
+    if bits % 8 and ((run_elems * bits) % 8 or np.any((starts * bits) % 8)):
+        raise SliceError(
+            "The slice is slicing for subbytes dtypes, and the slice does not end up at a "
+            f"byte boundary, this is invalid. (index {render_index(index)} on "
+            f"{dtype.code} {list(shape)})",
+            kind="MisalignedSlice",
+        )
     starts = starts * bits // 8
     run_bytes = run_elems * bits // 8
     return SlicePlan(out_shape, starts, run_bytes, run_bytes * len(starts), selection)
