@@ -33,6 +33,7 @@ __all__ = [
     "MmapSource",
     "PreadSource",
     "read_ranges_into",
+    "worker_count",
 ]
 
 #: Reads larger than this are split across threads.
@@ -116,14 +117,36 @@ class BufferSource:
         self._view = memoryview(b"")
 
 
-class PreadSource:
-    """Positioned reads from a file descriptor into caller memory."""
+def worker_count(source: object) -> int:
+    """Threads to use for parallel reads from ``source`` (its ``threads``, else the default)."""
+    threads = getattr(source, "threads", None)
+    return max(1, int(threads)) if threads else READ_THREADS
 
-    def __init__(self, fd: int, name: str, *, size: int | None = None, owns_fd: bool = True):
+
+class PreadSource:
+    """Positioned reads from a file descriptor into caller memory.
+
+    Attributes:
+        threads: Threads used for one large read (``READ_THREADS`` by default).
+        chunk_size: Bytes per thread task for large reads (``PARALLEL_CHUNK`` by default).
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        name: str,
+        *,
+        size: int | None = None,
+        owns_fd: bool = True,
+        threads: int | None = None,
+        chunk_size: int | None = None,
+    ):
         self._fd = fd
         self._name = name
         self._owns_fd = owns_fd
         self._size = os.fstat(fd).st_size if size is None else size
+        self.threads = threads or READ_THREADS
+        self.chunk_size = chunk_size or PARALLEL_CHUNK
 
     @property
     def size(self) -> int:
@@ -138,7 +161,8 @@ class PreadSource:
         """The file descriptor read from."""
         return self._fd
 
-    def _pread_exact(self, offset: int, out: memoryview) -> None:
+    def pread_exact(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` with one thread (loops on short reads)."""
         done = 0
         total = out.nbytes
         while done < total:
@@ -151,17 +175,17 @@ class PreadSource:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         _check_range(self, offset, out.nbytes)
         total = out.nbytes
-        if total <= PARALLEL_CHUNK * 2:
-            self._pread_exact(offset, out)
+        chunk = self.chunk_size
+        if total <= chunk * 2 or self.threads <= 1:
+            self.pread_exact(offset, out)
             return
-        chunks = [
-            (start, min(PARALLEL_CHUNK, total - start)) for start in range(0, total, PARALLEL_CHUNK)
-        ]
-        with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        chunks = [(start, min(chunk, total - start)) for start in range(0, total, chunk)]
+        # Threads take chunks in file order, so together they sweep the file front to back
+        # (kernel readahead keeps up on cold files) while their page faults on the fresh
+        # destination and their kernel copies overlap.
+        with ThreadPoolExecutor(max_workers=min(self.threads, len(chunks))) as pool:
             list(
-                pool.map(
-                    lambda c: self._pread_exact(offset + c[0], out[c[0] : c[0] + c[1]]), chunks
-                )
+                pool.map(lambda c: self.pread_exact(offset + c[0], out[c[0] : c[0] + c[1]]), chunks)
             )
 
     def view(self, offset: int, length: int) -> memoryview | None:
@@ -326,7 +350,7 @@ def read_ranges_into(
         positions.append((offset, pos, length))
         pos += length
     if isinstance(source, PreadSource) and len(ranges) > 1 and total > PARALLEL_CHUNK:
-        with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        with ThreadPoolExecutor(max_workers=worker_count(source)) as pool:
             list(
                 pool.map(
                     lambda p: source.readinto(p[0], out[p[1] : p[1] + p[2]]),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -94,6 +94,47 @@ class TorchAdapter:
         if device.type != "cpu":
             tensor = tensor.to(device.torch_spec)
         return tensor
+
+    def from_bytes_many(
+        self,
+        buf: np.ndarray,
+        items: Iterable[tuple[str, DType, tuple[int, ...], int, int]],
+        device: Device,
+    ) -> dict[str, Any]:
+        """Build many CPU tensors viewing one buffer: ``(name, dtype, shape, begin, end)``.
+
+        One ``torch.from_numpy`` and one typed view per dtype, then a single ``as_strided`` per
+        tensor: about half the per-tensor cost of :meth:`from_bytes`, which matters for files of
+        thousands of small tensors (LoRA, MoE). Tensors whose offset is not a multiple of their
+        element size (legal, if unusual) take the general path.
+        """
+        if not buf.flags.writeable:
+            buf = buf.copy()
+        base = torch.from_numpy(buf)
+        typed: dict[Any, Any] = {}
+        out: dict[str, Any] = {}
+        for name, dtype, shape, begin, end in items:
+            size = dtype.bits // 8 if dtype.bits % 8 == 0 else 0
+            if device.type != "cpu" or size == 0 or begin % size or dtype.code not in _TO_TORCH:
+                out[name] = self.from_bytes(buf[begin:end], dtype, shape, device)
+                continue
+            tdtype = _TO_TORCH[dtype.code]
+            view = typed.get(tdtype)
+            if view is None:
+                usable = base[: base.numel() - base.numel() % size]
+                if usable.numel() == 0:
+                    # from_numpy gives an empty buffer stride 0, which .view(dtype) refuses.
+                    usable = torch.empty(0, dtype=torch.uint8)
+                view = typed[tdtype] = usable if size == 1 else usable.view(tdtype)
+                if size == 1 and tdtype is not torch.uint8:
+                    view = typed[tdtype] = usable.view(tdtype)
+            strides = []
+            acc = 1
+            for dim in reversed(shape):
+                strides.append(acc)
+                acc *= dim
+            out[name] = torch.as_strided(view, shape, tuple(reversed(strides)), begin // size)
+        return out
 
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if not isinstance(tensor, torch.Tensor):
