@@ -47,6 +47,8 @@ def residency(path: str) -> float:
 
 def warm(path: str) -> float:
     """Read the whole file through the page cache; return the residency afterwards."""
+    if residency(path) >= 0.999:
+        return 1.0
     fd = os.open(path, os.O_RDONLY)
     try:
         buf = bytearray(16 << 20)

@@ -30,18 +30,21 @@ import _files  # noqa: E402
 # (file, op, states, arms). "ceiling_*" arms are the raw limits measured in the same run.
 LOAD_ARMS = ["pysafetensors", "ref_mmap", "ref_pread", "torch", "ceiling_pread"]
 PLAN: list[tuple[str, str, tuple[str, ...], list[str]]] = [
-    ("llama", "load", ("warm", "cold"), LOAD_ARMS + ["ceiling_memcpy"]),
+    ("llama", "load", ("warm", "cold"), LOAD_ARMS),
+    ("llama", "load", ("warm",), ["ceiling_memcpy"]),
     ("llama", "lazy", ("warm", "cold"), ["pysafetensors", "ref_mmap", "torch", "ceiling_mmap"]),
-    ("llama", "tp_rows", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
-    ("llama", "tp_cols", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
+    ("llama", "tp_rows", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread"]),
+    ("llama", "tp_cols", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread"]),
+    ("llama", "tp_rows", ("warm",), ["torch"]),
+    ("llama", "tp_cols", ("warm",), ["torch"]),
     ("llama", "save", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
     ("llama", "save_durable", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
-    ("lora", "load", ("warm", "cold"), LOAD_ARMS),
+    ("lora", "load", ("warm",), LOAD_ARMS),
     ("lora", "save", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
-    ("lora", "save_durable", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
-    ("lora", "open", ("warm",), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
-    ("moe", "open", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
-    ("moe", "lazy", ("warm",), ["pysafetensors", "ref_mmap", "torch"]),
+    ("lora", "save_durable", ("-",), ["pysafetensors", "ref", "ceiling_write"]),
+    ("lora", "open", ("warm",), ["pysafetensors", "ref_mmap", "ref_pread"]),
+    ("moe", "open", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread"]),
+    ("moe", "lazy", ("warm",), ["pysafetensors", "ref_mmap"]),
 ]
 
 OP_TITLES = {
@@ -251,7 +254,7 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     seen: set[tuple[str, str, str]] = set()
-    for file, op, states, arms in PLAN:
+    for file, op, states, _arms in PLAN:
         for state in states:
             if (file, op, state) in seen:
                 continue
@@ -272,7 +275,8 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
                 refs = [("ref_mmap", r_mmap), ("ref_pread", r_pread)]
             ref_vals = [v for _, v in refs if v is not None]
             best = min(ref_vals) if ref_vals else None
-            ceil_arms = [a for a in arms if a.startswith("ceiling")]
+            all_arms = [a for f2, o2, _, a2 in PLAN if (f2, o2) == (file, op) for a in a2]
+            ceil_arms = [a for a in dict.fromkeys(all_arms) if a.startswith("ceiling")]
             ceil_txt = ", ".join(
                 f"{fmt_s(sec(a))} ({a.split('_', 1)[1]})" for a in ceil_arms if sec(a) is not None
             )
@@ -335,6 +339,42 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
 NOTES_FILE = os.path.join(HERE, "NOTES.md")
 
 
+def write_outputs(
+    raw: dict[str, list[dict[str, Any]]],
+    reps: int,
+    quick: bool,
+    out_arg: str | None,
+    out_dir: str,
+    t_start: float,
+    load_start: tuple[float, float, float],
+    sizes: dict[str, int],
+) -> None:
+    """Write RESULTS.md and results.json for the repetitions collected so far."""
+    complete = {k: v[:reps] for k, v in raw.items()}
+    summary = summarize(complete)
+    notes = ""
+    if os.path.exists(NOTES_FILE) and not quick:
+        with open(NOTES_FILE) as f:
+            notes = f.read()
+    meta = {
+        "quick": quick,
+        "reps": reps,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "wall_s": time.time() - t_start,
+        "machine": machine(),
+        "loadavg_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+        "notes": notes,
+    }
+    tag = ".quick" if quick and out_arg is None else ""
+    with open(os.path.join(out_dir, f"results{tag}.json"), "w") as f:
+        json.dump({"meta": meta, "sizes": sizes, "summary": summary, "raw": complete}, f, indent=1)
+    text = render(meta, summary, sizes)
+    with open(os.path.join(out_dir, f"RESULTS{tag}.md"), "w") as f:
+        f.write(text)
+    if quick or not out_arg:
+        print(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny files, 1 repetition (< 60 s)")
@@ -349,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or (work if quick else HERE)
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.time()
+    load_start = os.getloadavg()
     files = prepare(work, quick)
     sizes = {k: os.path.getsize(v["path"]) for k, v in files.items()}
     only = {x for x in args.only.split(",") if x}
@@ -373,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(reps if total else 0):
         # Rotate the order each repetition so no arm always runs right after the same neighbour.
         order = cases[rep % len(cases) :] + cases[: rep % len(cases)]
+        if rep:
+            # Results so far, so that an interrupted run still leaves complete repetitions.
+            write_outputs(raw, rep, quick, args.out, out_dir, t_start, load_start, sizes)
         for case in order:
             key = case_key(case)
             res = run_one(case, timeout=300)
@@ -385,26 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"{res['seconds']:.3f}s" if "seconds" in res else str(res)),
                     flush=True,
                 )
-    summary = summarize(raw)
-    notes = ""
-    if os.path.exists(NOTES_FILE) and not quick:
-        with open(NOTES_FILE) as f:
-            notes = f.read()
-    meta = {
-        "quick": quick,
-        "reps": reps,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "wall_s": time.time() - t_start,
-        "machine": machine(),
-        "notes": notes,
-    }
-    tag = ".quick" if quick and args.out is None else ""
-    with open(os.path.join(out_dir, f"results{tag}.json"), "w") as f:
-        json.dump({"meta": meta, "sizes": sizes, "summary": summary, "raw": raw}, f, indent=1)
-    text = render(meta, summary, sizes)
-    with open(os.path.join(out_dir, f"RESULTS{tag}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_outputs(raw, reps, quick, args.out, out_dir, t_start, load_start, sizes)
     return 0
 
 

@@ -8,6 +8,8 @@ large tensors and for ``get_tensors()``, and reads only the bytes a slice select
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import stat
 import threading
@@ -94,6 +96,24 @@ class TensorMeta:
     """``(begin, end)`` relative to the data buffer."""
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small acyclic objects.
+
+    Parsing a header and building one view per tensor allocate thousands of objects; each
+    700 allocations trigger a collection, and the first ones after ``import torch`` walk its
+    whole object graph (~0.1 s each on a small VM). Nothing built here is cyclic garbage.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def read_header(
     source: ByteSource,
     *,
@@ -118,7 +138,8 @@ def read_header(
         rest = np.empty(n, np.uint8)
         source.readinto(N_LEN, memoryview(rest))
         header_bytes = memoryview(rest)
-    return parse_header(header_bytes, size - N_LEN - n, prefix_text=prefix_text)
+    with gc_paused():
+        return parse_header(header_bytes, size - N_LEN - n, prefix_text=prefix_text)
 
 
 def _is_fileobj(obj: Any) -> bool:
@@ -177,10 +198,8 @@ def open_source_for(
             return source
         return PreadSource(fd, path, size=st.st_size)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
         raise
 
 
@@ -197,6 +216,9 @@ class safe_open:  # noqa: N801 - the reference's name
         storage_options: For URLs: options for the remote source, e.g. ``{"headers":
             {"Authorization": "Bearer ..."}}`` for HTTP, ``{"endpoint_url": ...}`` for S3, or
             an fsspec filesystem's options.
+        threads: Reader threads for large positioned reads (``backend="pread"``: whole-file
+            loads and row-block slice reads); default ``min(8, 2 x cores)``. See
+            ``docs/performance.md``.
 
     Raises:
         SafetensorError: The framework, device or backend is invalid.
@@ -225,6 +247,7 @@ class safe_open:  # noqa: N801 - the reference's name
         backend: str = "mmap",
         max_header_size: int = MAX_HEADER_SIZE,
         storage_options: dict[str, Any] | None = None,
+        threads: int | None = None,
     ) -> None:
         self._source: ByteSource | None = None
         if backend not in BACKENDS:
@@ -241,6 +264,14 @@ class safe_open:  # noqa: N801 - the reference's name
         except BaseException:
             source.close()
             raise
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                source.close()
+                raise SafetensorError(
+                    f"threads must be a positive integer, got {threads!r}", kind="InvalidThreads"
+                )
+            if isinstance(source, PreadSource):
+                source.threads = threads
         self._source = source
         self._lock = threading.Lock()
 
@@ -259,10 +290,8 @@ class safe_open:  # noqa: N801 - the reference's name
             source.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # never raise from a finalizer
             self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
 
     def _live(self) -> ByteSource:
         source = self._source
@@ -330,6 +359,9 @@ class safe_open:  # noqa: N801 - the reference's name
         source = self._live()
         info = self._info(name)
         check_representable(info.shape, info.dtype, info.name)
+        staged = self._to_device(source, [info])
+        if staged is not None:
+            return staged[name]
         return self._adapter.from_bytes(
             self._raw(source, info), info.dtype, info.shape, self._device
         )
@@ -350,6 +382,9 @@ class safe_open:  # noqa: N801 - the reference's name
         for info in tensors.values():
             check_representable(info.shape, info.dtype, info.name)
         size = header.data_size
+        staged = self._to_device(source, list(tensors.values()))
+        if staged is not None:
+            return staged
         # Sources that can map memory (mmap) hand out views of the mapping; all others (pread,
         # file objects, remote) read the whole data buffer at once, in parallel, into one buffer.
         view = source.view(header.data_start, size) if self._backend == "mmap" else None
@@ -361,23 +396,38 @@ class safe_open:  # noqa: N801 - the reference's name
                 source.readinto(header.data_start, buf.data)
         return self._views(buf)
 
+    def _to_device(self, source: ByteSource, infos: list[TensorInfo]) -> dict[str, Any] | None:
+        """Load straight into an accelerator when the adapter can (torch + CUDA: pipelined
+        through pinned buffers, see ``_cuda_loader``); None means use the CPU path."""
+        if self._device.type == "cpu":
+            return None
+        loader = getattr(self._adapter, "to_device_many", None)
+        if loader is None:
+            return None
+        items = [(i.name, i.dtype, i.shape, i.begin, i.end) for i in infos]
+        result: dict[str, Any] | None = loader(
+            source.readinto, self._header.data_start, items, self._device
+        )
+        return result
+
     def _views(self, buf: np.ndarray) -> dict[str, Any]:
         """Tensors for every header entry, viewing ``buf`` (the whole data region)."""
         tensors = self._header.tensors
         many = getattr(self._adapter, "from_bytes_many", None)
-        if many is not None:
-            result: dict[str, Any] = many(
-                buf,
-                ((name, i.dtype, i.shape, i.begin, i.end) for name, i in tensors.items()),
-                self._device,
-            )
-            return result
-        return {
-            name: self._adapter.from_bytes(
-                buf[info.begin : info.end], info.dtype, info.shape, self._device
-            )
-            for name, info in tensors.items()
-        }
+        with gc_paused():
+            if many is not None:
+                result: dict[str, Any] = many(
+                    buf,
+                    ((name, i.dtype, i.shape, i.begin, i.end) for name, i in tensors.items()),
+                    self._device,
+                )
+                return result
+            return {
+                name: self._adapter.from_bytes(
+                    buf[info.begin : info.end], info.dtype, info.shape, self._device
+                )
+                for name, info in tensors.items()
+            }
 
     def get_slice(self, name: str) -> SafeSlice:
         """A lazy view of one tensor that reads only what is indexed."""

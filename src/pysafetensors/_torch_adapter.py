@@ -55,6 +55,51 @@ def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-1], shape[-1] // 2)
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= dim
+    return tuple(reversed(strides))
+
+
+def carve(
+    base: Any, items: Iterable[tuple[str, DType, tuple[int, ...], int, int]]
+) -> dict[str, Any]:
+    """Tensors viewing a 1-D uint8 tensor ``base`` (CPU or device) at byte ranges.
+
+    One typed view of ``base`` per dtype, then one ``as_strided`` per tensor. A tensor whose
+    offset is not a multiple of its element size (legal, if unusual) or whose dtype packs
+    several values per byte is cut out of ``base`` and viewed on its own (copied if misaligned).
+    """
+    typed: dict[Any, Any] = {}
+    out: dict[str, Any] = {}
+    total = base.numel()
+    for name, dtype, shape, begin, end in items:
+        tdtype = torch_dtype(dtype)
+        storage_shape = _storage_shape(dtype, shape)
+        size = dtype.bits // 8 if dtype.bits % 8 == 0 else 0
+        if size == 0 or begin % size:
+            raw = base[begin:end]
+            if size and begin % size:
+                raw = raw.clone()
+            out[name] = (raw if tdtype is torch.uint8 else raw.view(tdtype)).reshape(storage_shape)
+            continue
+        view = typed.get(tdtype)
+        if view is None:
+            usable = base[: total - total % size]
+            if usable.numel() == 0:
+                # Nothing to view (only empty tensors): torch refuses to retype a 0-byte view.
+                view = typed[tdtype] = torch.empty(0, dtype=tdtype, device=base.device)
+            else:
+                view = typed[tdtype] = usable if tdtype is torch.uint8 else usable.view(tdtype)
+        out[name] = torch.as_strided(
+            view, storage_shape, _contiguous_strides(storage_shape), begin // size
+        )
+    return out
+
+
 class TorchAdapter:
     """torch tensors, CPU or any device torch knows."""
 
@@ -101,40 +146,61 @@ class TorchAdapter:
         items: Iterable[tuple[str, DType, tuple[int, ...], int, int]],
         device: Device,
     ) -> dict[str, Any]:
-        """Build many CPU tensors viewing one buffer: ``(name, dtype, shape, begin, end)``.
+        """Build many tensors viewing one buffer: ``(name, dtype, shape, begin, end)``.
 
         One ``torch.from_numpy`` and one typed view per dtype, then a single ``as_strided`` per
         tensor: about half the per-tensor cost of :meth:`from_bytes`, which matters for files of
-        thousands of small tensors (LoRA, MoE). Tensors whose offset is not a multiple of their
-        element size (legal, if unusual) take the general path.
+        thousands of small tensors (LoRA, MoE).
         """
+        if device.type != "cpu":
+            return {
+                name: self.from_bytes(buf[begin:end], dtype, shape, device)
+                for name, dtype, shape, begin, end in items
+            }
         if not buf.flags.writeable:
             buf = buf.copy()
-        base = torch.from_numpy(buf)
-        typed: dict[Any, Any] = {}
-        out: dict[str, Any] = {}
-        for name, dtype, shape, begin, end in items:
-            size = dtype.bits // 8 if dtype.bits % 8 == 0 else 0
-            if device.type != "cpu" or size == 0 or begin % size or dtype.code not in _TO_TORCH:
-                out[name] = self.from_bytes(buf[begin:end], dtype, shape, device)
-                continue
-            tdtype = _TO_TORCH[dtype.code]
-            view = typed.get(tdtype)
-            if view is None:
-                usable = base[: base.numel() - base.numel() % size]
-                if usable.numel() == 0:
-                    # from_numpy gives an empty buffer stride 0, which .view(dtype) refuses.
-                    usable = torch.empty(0, dtype=torch.uint8)
-                view = typed[tdtype] = usable if size == 1 else usable.view(tdtype)
-                if size == 1 and tdtype is not torch.uint8:
-                    view = typed[tdtype] = usable.view(tdtype)
-            strides = []
-            acc = 1
-            for dim in reversed(shape):
-                strides.append(acc)
-                acc *= dim
-            out[name] = torch.as_strided(view, shape, tuple(reversed(strides)), begin // size)
-        return out
+        return carve(torch.from_numpy(buf), items)
+
+    def to_device_many(
+        self,
+        read: Any,
+        offset: int,
+        items: list[tuple[str, DType, tuple[int, ...], int, int]],
+        device: Device,
+        *,
+        ops: Any = None,
+    ) -> dict[str, Any] | None:
+        """Load tensors straight into a CUDA device through reused pinned staging buffers.
+
+        Args:
+            read: ``read(offset, view)`` for the source (a byte source's ``readinto``).
+            offset: Absolute offset of the data region (item offsets are relative to it).
+            items: ``(name, dtype, shape, begin, end)`` of the tensors to load.
+            device: The target device.
+            ops: The device runtime (tests pass a CPU stand-in); CUDA by default.
+
+        Returns:
+            The tensors, or None when this path does not apply (not CUDA) and the caller should
+            use :meth:`from_bytes`.
+        """
+        if ops is None:
+            if device.type != "cuda":
+                return None
+            from ._cuda_loader import TorchCudaOps
+
+            ops = TorchCudaOps(device.torch_spec)
+        from ._cuda_loader import stage_to_device
+
+        if not items:
+            return {}
+        for _, dtype, shape, _, _ in items:
+            # Refuse what torch cannot hold before moving any byte.
+            torch_dtype(dtype)
+            _storage_shape(dtype, shape)
+        lo = min(begin for _, _, _, begin, _ in items)
+        hi = max(end for _, _, _, _, end in items)
+        device_buf, _ = stage_to_device(read, offset + lo, hi - lo, ops)
+        return carve(device_buf, ((n, d, s, b - lo, e - lo) for n, d, s, b, e in items))
 
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if not isinstance(tensor, torch.Tensor):

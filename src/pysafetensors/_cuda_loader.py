@@ -1,0 +1,188 @@
+"""Loading into accelerator memory through reused pinned buffers, overlapping disk and transfer.
+
+The reference copies each tensor with one blocking host-to-device transfer after reading it, so
+the disk, the ``memcpy`` into pinned memory and the PCIe transfer take turns. Here the bytes of
+the requested tensors are read in chunks by a few worker threads, each chunk into one of a small
+ring of pinned host buffers, and copied to one device allocation with an asynchronous copy on
+the worker's own stream. A buffer goes back into the ring with the event of its copy, and is
+reused only once that event has completed, so chunk ``i + 1`` is read from disk while chunk
+``i`` crosses the bus. Positioned reads release the GIL, so the threads really overlap.
+
+The device is reached only through :class:`DeviceOps`; :class:`TorchCudaOps` is the real one and
+tests substitute a CPU stand-in to check the staging logic (bytes land where they should,
+buffers are reused, nothing is overwritten before its copy completed) without a GPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DeviceOps",
+    "StagingStats",
+    "TorchCudaOps",
+    "stage_to_device",
+]
+
+#: Bytes per chunk: large enough for full-speed reads and transfers, small enough to pipeline.
+CHUNK_BYTES: Final = 16 << 20
+#: Worker threads (each with its own stream); two buffers per worker keep both busy.
+WORKERS: Final = 4
+
+
+class DeviceOps(Protocol):
+    """What the staging pipeline needs from a device runtime."""
+
+    def alloc_device(self, nbytes: int) -> Any:
+        """A 1-D uint8 device buffer of ``nbytes``."""
+        ...
+
+    def alloc_host(self, nbytes: int) -> tuple[Any, memoryview]:
+        """A pinned host buffer and a writable byte view of it."""
+        ...
+
+    def new_stream(self) -> Any:
+        """A stream (queue of asynchronous work) for one worker."""
+        ...
+
+    def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
+        """Start copying ``host[:nbytes]`` to ``dst[dst_offset:]``; return its event."""
+        ...
+
+    def wait(self, event: Any) -> None:
+        """Block until ``event`` (from :meth:`copy_async`) has completed."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until all work on all streams has completed."""
+        ...
+
+
+@dataclass
+class StagingStats:
+    """What one staging run did (for tests and benchmarks)."""
+
+    chunks: int = 0
+    """Chunks copied."""
+    host_buffers: int = 0
+    """Pinned buffers allocated (the ring size); each is reused for many chunks."""
+    bytes: int = 0
+    """Bytes transferred."""
+    reuse: dict[int, int] = field(default_factory=dict)
+    """Times each host buffer (by ring index) was filled."""
+
+
+class TorchCudaOps:
+    """:class:`DeviceOps` over ``torch.cuda``: pinned buffers, side streams, events."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self._torch: Any = torch
+        self.device = torch.device(device)
+
+    def alloc_device(self, nbytes: int) -> Any:
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
+
+    def alloc_host(self, nbytes: int) -> tuple[Any, memoryview]:
+        buf = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        return buf, memoryview(buf.numpy()).cast("B")
+
+    def new_stream(self) -> Any:
+        return self._torch.cuda.Stream(device=self.device)
+
+    def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
+        torch = self._torch
+        with torch.cuda.stream(stream):
+            dst[dst_offset : dst_offset + nbytes].copy_(host[:nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        self._torch.cuda.synchronize(self.device)
+
+
+def stage_to_device(
+    read: Callable[[int, memoryview], None],
+    offset: int,
+    nbytes: int,
+    ops: DeviceOps,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    workers: int = WORKERS,
+    buffers_per_worker: int = 2,
+) -> tuple[Any, StagingStats]:
+    """Copy ``nbytes`` starting at ``offset`` of a source into one new device buffer.
+
+    Args:
+        read: ``read(offset, view)`` fills ``view`` with the source's bytes at ``offset``
+            (e.g. a byte source's ``readinto``); called from worker threads.
+        offset: First byte to copy.
+        nbytes: Bytes to copy.
+        ops: The device runtime.
+        chunk_bytes: Bytes per chunk (and per pinned buffer).
+        workers: Threads reading and issuing copies, each on its own stream.
+        buffers_per_worker: Pinned buffers per worker in the ring (2: one filling, one in flight).
+
+    Returns:
+        The device buffer and what the pipeline did.
+    """
+    stats = StagingStats(bytes=nbytes)
+    device_buf = ops.alloc_device(nbytes)
+    if nbytes == 0:
+        return device_buf, stats
+    chunk_bytes = max(1, min(chunk_bytes, nbytes))
+    starts = list(range(0, nbytes, chunk_bytes))
+    workers = max(1, min(workers, len(starts)))
+    ring_size = max(1, min(len(starts), workers * buffers_per_worker))
+    # The ring: (index, host tensor, byte view, event of the copy last issued from it or None).
+    ring: queue.Queue[tuple[int, Any, memoryview, Any]] = queue.Queue()
+    for i in range(ring_size):
+        host, view = ops.alloc_host(chunk_bytes)
+        ring.put((i, host, view, None))
+    stats.host_buffers = ring_size
+    lock = threading.Lock()
+    local = threading.local()
+
+    def one(start: int) -> None:
+        n = min(chunk_bytes, nbytes - start)
+        index, host, view, pending = ring.get()
+        try:
+            if pending is not None:
+                # The previous copy out of this buffer must finish before it is overwritten.
+                ops.wait(pending)
+            read(offset + start, view[:n])
+            stream = getattr(local, "stream", None)
+            if stream is None:
+                stream = local.stream = ops.new_stream()
+            event = ops.copy_async(device_buf, start, host, n, stream)
+        except BaseException:
+            ring.put((index, host, view, pending))
+            raise
+        ring.put((index, host, view, event))
+        with lock:
+            stats.chunks += 1
+            stats.reuse[index] = stats.reuse.get(index, 0) + 1
+
+    try:
+        if workers == 1:
+            for start in starts:
+                one(start)
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(one, starts))
+    finally:
+        # Every copy must have landed before the pinned buffers can be freed or reused, and
+        # before the tensors are used (also when a read failed half way).
+        ops.synchronize()
+    return device_buf, stats

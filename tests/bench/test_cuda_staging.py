@@ -1,0 +1,153 @@
+"""The pinned-buffer staging pipeline of ``_cuda_loader``, checked on CPU.
+
+A stand-in device runtime performs each "asynchronous" copy only when its event is waited on
+(or at ``synchronize``), as late as a real stream could. If the pipeline refilled a staging
+buffer before the copy out of it had completed, the stand-in would copy the wrong bytes and the
+comparison with a plain CPU load would fail.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pysafetensors import safe_open  # noqa: E402
+from pysafetensors._cuda_loader import stage_to_device  # noqa: E402
+from pysafetensors._devices import CPU  # noqa: E402
+from pysafetensors._sources import BufferSource  # noqa: E402
+
+
+class LateCopyOps:
+    """A CPU "device" whose copies complete as late as possible."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: list[dict[str, Any]] = []
+        self.host_allocs = 0
+        self.streams = 0
+        self.max_in_flight = 0
+
+    def alloc_device(self, nbytes: int) -> Any:
+        return torch.full((nbytes,), 0xEE, dtype=torch.uint8)
+
+    def alloc_host(self, nbytes: int) -> tuple[Any, memoryview]:
+        with self.lock:
+            self.host_allocs += 1
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf, memoryview(buf.numpy()).cast("B")
+
+    def new_stream(self) -> Any:
+        with self.lock:
+            self.streams += 1
+        return object()
+
+    def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
+        event = {"dst": dst, "off": dst_offset, "host": host, "n": nbytes, "done": False}
+        with self.lock:
+            self.pending.append(event)
+            self.max_in_flight = max(self.max_in_flight, len(self.pending))
+        return event
+
+    def _complete(self, event: dict[str, Any]) -> None:
+        if not event["done"]:
+            off, n = event["off"], event["n"]
+            event["dst"][off : off + n].copy_(event["host"][:n])
+            event["done"] = True
+
+    def wait(self, event: Any) -> None:
+        with self.lock:
+            self._complete(event)
+            self.pending.remove(event)
+
+    def synchronize(self) -> None:
+        with self.lock:
+            for event in self.pending:
+                self._complete(event)
+            self.pending.clear()
+
+
+def _data(n: int) -> bytes:
+    return np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "chunk", "workers"),
+    [(1000, 64, 1), (10_000, 256, 3), (65_536, 4096, 4), (100, 1000, 2), (4097, 4096, 2)],
+)
+def test_bytes_land_and_buffers_are_reused(nbytes: int, chunk: int, workers: int) -> None:
+    data = _data(nbytes + 7)
+    source = BufferSource(data)
+    ops = LateCopyOps()
+    dev, stats = stage_to_device(
+        source.readinto, 7, nbytes, ops, chunk_bytes=chunk, workers=workers
+    )
+    assert bytes(dev.numpy()) == data[7 : 7 + nbytes]
+    chunks = -(-nbytes // min(chunk, nbytes))
+    assert stats.chunks == chunks
+    # The ring is allocated once and never grows: at most two buffers per worker.
+    assert ops.host_allocs == stats.host_buffers <= 2 * workers
+    assert sum(stats.reuse.values()) == chunks
+    if chunks > 2 * workers:
+        assert max(stats.reuse.values()) > 1
+    assert ops.streams <= workers
+    assert not ops.pending
+
+
+def test_empty_range() -> None:
+    ops = LateCopyOps()
+    dev, stats = stage_to_device(BufferSource(b"abc").readinto, 0, 0, ops)
+    assert dev.numel() == 0 and stats.chunks == 0 and ops.host_allocs == 0
+
+
+def test_read_errors_propagate_and_leave_nothing_in_flight() -> None:
+    def bad_read(offset: int, view: memoryview) -> None:
+        if offset >= 300:
+            raise OSError(5, "I/O error")
+        view[:] = b"x" * len(view)
+
+    ops = LateCopyOps()
+    with pytest.raises(OSError):
+        stage_to_device(bad_read, 0, 1000, ops, chunk_bytes=100, workers=2)
+
+
+def test_adapter_loads_a_file_through_the_pipeline(tmp_path: Path) -> None:
+    from pysafetensors._torch_adapter import ADAPTER
+    from pysafetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(300, 70, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(17, generator=gen),
+        "c": torch.randint(0, 100, (5, 6, 7), generator=gen, dtype=torch.int64),
+        "d": torch.randn(2, 3, generator=gen).to(torch.float16),
+        "e": torch.zeros(0, 4),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, path)
+    with safe_open(path, "pt", backend="pread") as f:
+        want = f.get_tensors()
+        header = f.header
+        source = f._live()
+        items = [(i.name, i.dtype, i.shape, i.begin, i.end) for i in header.tensors.values()]
+        ops = LateCopyOps()
+        got = ADAPTER.to_device_many(source.readinto, header.data_start, items, CPU, ops=ops)
+        # A subset: only the covering range of the requested tensors is staged.
+        some = ADAPTER.to_device_many(
+            source.readinto, header.data_start, items[1:3], CPU, ops=LateCopyOps()
+        )
+    assert got is not None and some is not None
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape
+        assert torch.equal(
+            got[name].view(-1).view(torch.uint8), want[name].view(-1).view(torch.uint8)
+        )
+    for name in some:
+        assert torch.equal(some[name], want[name])
+    assert ops.host_allocs >= 1
