@@ -15,9 +15,11 @@ This module imports pysafetensors lazily, so atheris can instrument it first.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import shutil
 import struct
 import tempfile
 import zlib
@@ -126,6 +128,8 @@ def scratch_dir() -> str:
     if _SCRATCH is None:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         _SCRATCH = tempfile.mkdtemp(prefix="pysafetensors-fuzz-", dir=base)
+        # libFuzzer may exit without running this; test runs (the common case) clean up.
+        atexit.register(shutil.rmtree, _SCRATCH, True)
     return _SCRATCH
 
 
