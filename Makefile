@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all bench bench-quick check format clean
+.PHONY: venv demo test test-all bench bench-quick fuzz check format clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ bench: venv
 
 bench-quick: venv
 	$(PY) benchmarks/run.py --quick
+
+## The long coverage-guided fuzzing campaign (see fuzz/RESULTS.md).
+fuzz: venv
+	bash fuzz/run_long.sh
 
 check: venv
 	$(VENV)/bin/ruff check src tests
