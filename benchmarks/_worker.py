@@ -341,16 +341,14 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             def timed() -> Any:
                 fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    # One sequential stream of the same bytes, straight from tensor memory.
-                    for i in range(0, len(views), 1024):
-                        batch = views[i : i + 1024]
-                        while batch:
-                            n = os.writev(fd, batch)
-                            while batch and n >= batch[0].nbytes:
-                                n -= batch[0].nbytes
-                                batch.pop(0)
-                            if n:
-                                batch[0] = batch[0][n:]
+                    # One plain sequential stream of the same bytes, straight from tensor
+                    # memory, 4 MiB per write() (the fastest size measured on this machine).
+                    for view in views:
+                        for i in range(0, view.nbytes, 4 << 20):
+                            piece = view[i : i + (4 << 20)]
+                            done = 0
+                            while done < piece.nbytes:
+                                done += os.write(fd, piece[done:])
                     if durable:
                         os.fsync(fd)
                 finally:

@@ -40,6 +40,7 @@ from ._sources import (
     FileObjSource,
     MmapSource,
     PreadSource,
+    empty_bytes,
     read_ranges_into,
     worker_count,
 )
@@ -344,7 +345,7 @@ class safe_open:  # noqa: N801 - the reference's name
         view = source.view(start, info.nbytes) if self._backend == "mmap" else None
         if view is not None:
             return np.frombuffer(view, np.uint8)
-        buf = np.empty(info.nbytes, np.uint8)
+        buf = empty_bytes(info.nbytes)
         if info.nbytes:
             source.readinto(start, memoryview(buf))
         return buf
@@ -391,7 +392,7 @@ class safe_open:  # noqa: N801 - the reference's name
         if view is not None:
             buf = np.frombuffer(view, np.uint8)
         else:
-            buf = np.empty(size, np.uint8)
+            buf = empty_bytes(size)
             if size:
                 source.readinto(header.data_start, buf.data)
         return self._views(buf)
@@ -442,7 +443,7 @@ class safe_open:  # noqa: N801 - the reference's name
         plan = plan_slice(info.shape, info.dtype, index)
         check_representable(plan.shape, info.dtype, info.name)
         base = self._header.data_start + info.begin
-        buf = np.empty(plan.nbytes, np.uint8)
+        buf = empty_bytes(plan.nbytes)
         if plan.nbytes:
             view = source.view(base, info.nbytes) if self._backend == "mmap" else None
             if view is not None:
