@@ -57,11 +57,13 @@ from __future__ import annotations
 import gc
 import json
 import math
+import operator
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from itertools import repeat
+from typing import Any, Final, NamedTuple
 
 from ._dtypes import DTYPES, UINT64_MAX, DType, checked_nbits, dtype_from_code
 from ._errors import (
@@ -98,20 +100,21 @@ DESERIALIZE_PREFIX: Final = "Error while deserializing: "
 SERIALIZE_PREFIX: Final = "Error while serializing: "
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One validated header entry."""
+class TensorInfo(NamedTuple):
+    """One validated header entry.
+
+    A named tuple rather than a dataclass: headers can hold millions of entries, and a tuple is
+    built several times faster, which matters for opening large headers.
+    """
 
     name: str
-    """Tensor name."""
     dtype: DType
-    """Element type."""
+    #: Logical shape (for F4/F6 the element count, not the packed byte count).
     shape: tuple[int, ...]
-    """Logical shape (for F4/F6 the element count, not the packed byte count)."""
+    #: Start offset in the data buffer.
     begin: int
-    """Start offset in the data buffer."""
+    #: End offset (exclusive) in the data buffer.
     end: int
-    """End offset (exclusive) in the data buffer."""
 
     @property
     def nbytes(self) -> int:
@@ -705,7 +708,75 @@ def parse_header(
             gc.enable()
 
 
+# A key followed by whitespace before its colon: the fast path's key count cannot see it.
+_SPACED_COLON: Final = re.compile(r'"[ \t\n\r]+:')
+_PLAIN_DECODER: Final = json.JSONDecoder(parse_float=_NotInt, parse_constant=_reject_constant)
+_GET_FIELDS: Final = operator.itemgetter("dtype", "shape", "data_offsets")
+
+
+def _fast_entries(
+    text: str,
+) -> tuple[dict[str, str] | None, dict[str, tuple[DType, list[int], list[int]]]] | None:
+    """Parse an ordinary header with the C decoder alone, or return None.
+
+    Ordinary means what writers produce: no repeated keys, no unknown fields, no odd forms,
+    every value well typed. The exact path (``_Obj`` pairs, serde's order and messages) is
+    several times slower on large headers and only needed when something is unusual, so any
+    doubt returns None and the caller takes it.
+
+    Repeated keys are ruled out by counting: every key in the text is followed by ``":``
+    (``_SPACED_COLON`` excludes the spaced form), and a string can only add more such
+    sequences, never fewer. So if the text holds exactly as many ``":`` as the decoded objects
+    hold keys, no key was repeated and nothing was dropped by the plain ``dict``.
+    """
+    if _MAYBE_NEG_ZERO.search(text) or _MAYBE_SURROGATE.search(text) or _SPACED_COLON.search(text):
+        return None
+    try:
+        obj = _PLAIN_DECODER.decode(text)
+    except (ValueError, RecursionError):
+        return None
+    if type(obj) is not dict:
+        return None
+    metadata = obj.pop("__metadata__", None)
+    keys = len(obj) + 3 * len(obj)
+    if metadata is not None:
+        if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
+            return None
+        keys += 1 + len(metadata)
+    elif text.count('"__metadata__"'):
+        keys += 1  # written as null
+    if text.count('":') != keys:
+        return None
+    values = list(obj.values())
+    if set(map(type, values)) - {dict} or set(map(len, values)) - {3}:
+        return None
+    try:
+        fields = list(map(_GET_FIELDS, values))
+        dtypes = list(map(_BY_CODE.get, [f[0] for f in fields]))
+    except (KeyError, TypeError):  # a missing field, or an unhashable dtype value
+        return None
+    shapes = [f[1] for f in fields]
+    offsets = [f[2] for f in fields]
+    # filter(None, ...) tests identity-free truthiness in C; `None in dtypes` would call the
+    # dataclass __eq__ once per entry.
+    if len(list(filter(None, dtypes))) != len(dtypes):
+        return None
+    if set(map(type, shapes)) - {list} or set(map(type, offsets)) - {list}:
+        return None
+    if set(map(len, offsets)) != {2}:
+        return None
+    # Every number must be a plain int (bool is not) in [0, 2**64).
+    for flat in ([x for s in shapes for x in s], [x for o in offsets for x in o]):
+        if flat and (set(map(type, flat)) != {int} or min(flat) < 0 or max(flat) > UINT64_MAX):
+            return None
+    parsed = dict(zip(obj, zip(dtypes, shapes, offsets, strict=True), strict=True))
+    return metadata, parsed
+
+
 def _parse_text(text: str, header_size: int, data_size: int, prefix_text: str) -> Header:
+    fast = _fast_entries(text)
+    if fast is not None:
+        return _check_entries(fast[0], fast[1], header_size, data_size, prefix_text)
     obj = _decode_json(text, prefix_text)
     if not isinstance(obj, _Obj):
         raise _decode_error(
@@ -739,6 +810,72 @@ def _parse_text(text: str, header_size: int, data_size: int, prefix_text: str) -
     parsed: dict[str, tuple[DType, list[int], list[int]]] = {}
     for name, value in raw:
         parsed[name] = _parse_entry(name, value, prefix_text)
+    return _check_entries(metadata, parsed, header_size, data_size, prefix_text)
+
+
+def _check_entries_fast(
+    metadata: dict[str, str] | None,
+    parsed: dict[str, tuple[DType, list[int], list[int]]],
+    header_size: int,
+    data_size: int,
+) -> Header | None:
+    """Rules R6-R8 for a valid header, with list-level operations instead of a loop per entry.
+
+    Returns None as soon as anything is off (or unusual: ties in offsets, zero-size tensors
+    whose fold could overflow, sub-byte dtypes); the caller's per-entry loop then finds the
+    first failing tensor in offset order and reports it exactly.
+    """
+    names = list(parsed)
+    count = len(names)
+    if not count:
+        return None
+    values = list(parsed.values())
+    begins = [v[2][0] for v in values]
+    if len(set(begins)) != count:
+        return None  # zero-size tensors sharing an offset: ties need the name order
+    order = sorted(range(count), key=begins.__getitem__)
+    values = [values[i] for i in order]
+    names = [names[i] for i in order]
+    begins = [v[2][0] for v in values]
+    ends = [v[2][1] for v in values]
+    if begins[0] != 0 or begins[1:] != ends[:-1] or ends[-1] != data_size:
+        return None
+    shapes = [v[1] for v in values]
+    elements = list(map(math.prod, shapes))
+    if min(elements) == 0 and any(
+        len(s) > 1 for s, e in zip(shapes, elements, strict=True) if not e
+    ):
+        return None  # the left-to-right overflow check depends on where the zero is
+    bits = [v[0].bits for v in values]
+    if max(elements) * 64 > UINT64_MAX or any(b % 8 for b in bits):
+        return None
+    if [e * b // 8 for e, b in zip(elements, bits, strict=True)] != [
+        e - b for b, e in zip(begins, ends, strict=True)
+    ]:
+        return None
+    dtypes = [v[0] for v in values]
+    # tuple.__new__ straight from C: TensorInfo._make would add a Python call per entry.
+    infos = map(
+        tuple.__new__,
+        repeat(TensorInfo),
+        zip(names, dtypes, map(tuple, shapes), begins, ends, strict=True),
+    )
+    return Header(
+        tensors=dict(zip(names, infos, strict=True)), metadata=metadata, header_size=header_size
+    )
+
+
+def _check_entries(
+    metadata: dict[str, str] | None,
+    parsed: dict[str, tuple[DType, list[int], list[int]]],
+    header_size: int,
+    data_size: int,
+    prefix_text: str,
+) -> Header:
+    """Rules R6-R8 over deserialized entries, in offset order."""
+    fast = _check_entries_fast(metadata, parsed, header_size, data_size)
+    if fast is not None:
+        return fast
     entries = [
         (begin, end, name, dtype, shape) for name, (dtype, shape, (begin, end)) in parsed.items()
     ]
