@@ -240,12 +240,14 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "tensors; `moe`: 20,000 tiny tensors, the header is the point).",
         "",
         'Arms: **ours** = pysafetensors (`load_file(backend="pread")` for eager loads, '
-        '`load_file()` (mmap) for lazy, `safe_open(backend="pread").get_slice` for TP, '
+        '`load_file()` (mmap) for lazy, `safe_open(backend="pread").get_slice` for row splits, '
+        "`safe_open()` (mmap) `.get_slice` for column splits, "
         "`save_file`); **ref mmap** / **ref pread** = safetensors 0.8.0 with that backend "
         "(mmap results are `clone()`d where the operation asks for private memory); **torch** = "
         "`torch.load(mmap=True, weights_only=True)` (+ `clone()`) / `torch.save`; **ceiling** = "
         "`pread` into a reused, pre-faulted buffer (4 threads x 16 MiB) / `memcpy` between "
-        "pre-faulted buffers / plain `mmap` touch / one `writev` stream of the same bytes. "
+        "pre-faulted buffers / plain `mmap` touch / plain sequential 4 MiB `write`s of the "
+        "same bytes. "
         "**x ref** = ours / the faster reference backend in that row (ratio < 1: we are faster); "
         "**x ref mmap** = ours / the reference's default backend.",
         "",

@@ -41,6 +41,8 @@ __all__ = [
 
 #: Reads larger than this are split across threads.
 PARALLEL_CHUNK: Final = 16 << 20
+#: Smallest piece a read is split into for parallel threads.
+MIN_PARALLEL_CHUNK: Final = 2 << 20
 #: Threads used for one large read. Positioned reads release the GIL, so threads overlap the
 #: kernel's copies (and, for cold files, the device's queue).
 READ_THREADS: Final = max(2, min(8, (os.cpu_count() or 2) * 2))
@@ -202,7 +204,9 @@ class PreadSource:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         _check_range(self, offset, out.nbytes)
         total = out.nbytes
-        chunk = self.chunk_size
+        # Mid-sized reads (a row split of one tensor: a few MiB to a few tens of MiB) are split
+        # too, into at least MIN_PARALLEL_CHUNK pieces, so that both cores take page faults.
+        chunk = min(self.chunk_size, max(MIN_PARALLEL_CHUNK, total // self.threads))
         if total <= chunk * 2 or self.threads <= 1:
             self.pread_exact(offset, out)
             return
