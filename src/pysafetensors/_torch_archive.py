@@ -62,15 +62,21 @@ class FileBytes:
                 kind="Truncated",
                 offset=offset,
             )
-        out = bytearray()
-        while len(out) < length:
-            got = os.pread(self.fd, min(length - len(out), CHUNK), offset + len(out))
+        return bytes(self._read_array(offset, length))
+
+    def _read_array(self, offset: int, length: int) -> bytearray:
+        """Read into fresh memory with one copy (large ``bytearray`` comes from calloc'd pages)."""
+        out = bytearray(length)
+        view = memoryview(out)
+        done = 0
+        while done < length:
+            got = os.preadv(self.fd, [view[done : done + CHUNK]], offset + done)
             if not got:
                 raise CheckpointError("file shrank while reading", kind="Truncated", offset=offset)
-            out += got
-        return bytes(out)
+            done += got
+        return out
 
-    def chunks(self, offset: int, length: int, chunk: int = CHUNK) -> Iterator[bytes]:
+    def chunks(self, offset: int, length: int, chunk: int = CHUNK) -> Iterator[bytes | bytearray]:
         """Yield ``length`` bytes at ``offset`` in pieces of at most ``chunk`` bytes."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise CheckpointError(
@@ -81,7 +87,8 @@ class FileBytes:
         done = 0
         while done < length:
             n = min(chunk, length - done)
-            yield self.read(offset + done, n)
+            # A fresh buffer per piece: the writer may still hold the previous one in a batch.
+            yield self._read_array(offset + done, n)
             done += n
 
     def close(self) -> None:
@@ -127,7 +134,9 @@ class ZipView:
             raise _bad(f"member {name!r} fails its CRC-32 check")
         return data
 
-    def chunks(self, name: str, start: int, length: int, chunk: int = CHUNK) -> Iterator[bytes]:
+    def chunks(
+        self, name: str, start: int, length: int, chunk: int = CHUNK
+    ) -> Iterator[bytes | bytearray]:
         """Yield bytes ``start .. start+length`` of a member's inflated content."""
         m = self.members[name]
         if start < 0 or length < 0 or start + length > m.file_size:

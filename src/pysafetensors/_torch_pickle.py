@@ -737,7 +737,7 @@ class Checkpoint:
             for k, v in self.non_tensors.items()
         }
 
-    def storage_chunks(self, key: str, start: int, length: int) -> Iterator[bytes]:
+    def storage_chunks(self, key: str, start: int, length: int) -> Iterator[bytes | bytearray]:
         """Yield bytes ``start .. start+length`` of a storage, in bounded pieces."""
         loc = self._storages[key]
         if start < 0 or length < 0 or start + length > loc.nbytes:
@@ -750,7 +750,7 @@ class Checkpoint:
         else:
             yield from self._file.chunks(loc.offset + start, length)
 
-    def _crc_checked(self, member: str, length: int) -> Iterator[bytes]:
+    def _crc_checked(self, member: str, length: int) -> Iterator[bytes | bytearray]:
         assert self._zip is not None
         crc = 0
         for piece in self._zip.chunks(member, 0, length):
@@ -825,7 +825,7 @@ def _swap_unit(rec: TensorRecord) -> int:
     return rec.itemsize // 2 if rec.dtype.code == "C64" else rec.itemsize
 
 
-def _byteswap(piece: bytes, rec: TensorRecord) -> np.ndarray[Any, Any]:
+def _byteswap(piece: bytes | bytearray, rec: TensorRecord) -> np.ndarray[Any, Any]:
     unit = _swap_unit(rec)
     out: np.ndarray[Any, Any] = np.frombuffer(piece, dtype=f"<u{unit}").byteswap()
     return out.view(np.uint8)
@@ -837,9 +837,9 @@ def _byteswap_array(flat: np.ndarray[Any, Any], rec: TensorRecord) -> np.ndarray
     return out.view(flat.dtype)
 
 
-def _rechunk(pieces: Iterable[bytes], step: int) -> Iterator[bytes]:
+def _rechunk(pieces: Iterable[bytes | bytearray], step: int) -> Iterator[bytes | bytearray]:
     """Re-cut pieces so every piece but the last is a multiple of the element size."""
-    pending = b""
+    pending: bytes | bytearray = b""
     for piece in pieces:
         if pending:
             piece = pending + piece
