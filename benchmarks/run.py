@@ -234,6 +234,10 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "",
         "Machine: " + "; ".join(f"{k}: {v}" for k, v in m.items()),
         "",
+        "1-minute load average at start / end of the run: "
+        + " / ".join(str(x) for x in meta.get("loadavg_start_end", []))
+        + " (2 cores; the machine was shared with other sessions).",
+        "",
         "Files (random bytes, bf16): "
         + "; ".join(f"`{k}` {fmt_b(v)}" for k, v in sizes.items())
         + " (`llama`: LLaMA-7B-shaped, 4 layers + embeddings + head; `lora`: 1,000 small "
