@@ -48,6 +48,8 @@ from ._sources import (
 __all__ = ["SafeSlice", "TensorMeta", "open_source_for", "read_header", "safe_open"]
 
 BACKENDS: Final = ("mmap", "pread")
+#: How slices are read from sources without a memory map (see ``safe_open``).
+SLICE_READS: Final = ("exact", "coalesce")
 #: Bytes read speculatively when opening: one read usually brings the prefix and the header.
 _HEAD_GUESS: Final = 64 << 10
 #: numpy (2.x) and torch both refuse arrays of more than 64 dimensions.
@@ -129,16 +131,16 @@ def read_header(
     size = source.size
     guess = min(size, _HEAD_GUESS)
     head = np.empty(guess, np.uint8)
-    source.readinto(0, memoryview(head))
+    source.readinto(0, head.data)
     n = parse_header_length(
         head[:N_LEN].tobytes(), size, max_header_size=max_header_size, prefix_text=prefix_text
     )
     if N_LEN + n <= guess:
-        header_bytes = memoryview(head)[N_LEN : N_LEN + n]
+        header_bytes = head.data[N_LEN : N_LEN + n]
     else:
         rest = np.empty(n, np.uint8)
-        source.readinto(N_LEN, memoryview(rest))
-        header_bytes = memoryview(rest)
+        source.readinto(N_LEN, rest.data)
+        header_bytes = rest.data
     with gc_paused():
         return parse_header(header_bytes, size - N_LEN - n, prefix_text=prefix_text)
 
@@ -214,6 +216,11 @@ class safe_open:  # noqa: N801 - the reference's name
         device: Where tensors go (``"cpu"``, ``"cuda:0"``, ...; torch and paddle only).
         backend: ``"mmap"`` (zero-copy, copy-on-write views) or ``"pread"`` (fresh memory).
         max_header_size: Largest header accepted (100,000,000 bytes by default).
+        threads: Reader threads for parallel reads with ``backend="pread"``.
+        slice_reads: Without a memory map (pread, file objects, URLs): ``"exact"`` (default)
+            reads exactly the bytes a slice selects; ``"coalesce"`` reads the covering row blocks
+            of a fragmented selection (e.g. a column split) in a few large reads and picks the
+            bytes out in memory, trading extra bytes for far fewer reads.
         storage_options: For URLs: options for the remote source, e.g. ``{"headers":
             {"Authorization": "Bearer ..."}}`` for HTTP, ``{"endpoint_url": ...}`` for S3, or
             an fsspec filesystem's options.
@@ -249,6 +256,7 @@ class safe_open:  # noqa: N801 - the reference's name
         max_header_size: int = MAX_HEADER_SIZE,
         storage_options: dict[str, Any] | None = None,
         threads: int | None = None,
+        slice_reads: str = "exact",
     ) -> None:
         self._source: ByteSource | None = None
         if backend not in BACKENDS:
@@ -256,6 +264,12 @@ class safe_open:  # noqa: N801 - the reference's name
                 f'backend "{backend}" is invalid (expected one of: "mmap", "pread")',
                 kind="InvalidBackend",
             )
+        if slice_reads not in SLICE_READS:
+            raise SafetensorError(
+                f'slice_reads "{slice_reads}" is invalid (expected one of: "exact", "coalesce")',
+                kind="InvalidSliceReads",
+            )
+        self._slice_reads = slice_reads
         self._adapter: Adapter = get_adapter(framework)
         self._device: Device = self._adapter.check_device(device)
         self._backend = backend
@@ -347,7 +361,7 @@ class safe_open:  # noqa: N801 - the reference's name
             return np.frombuffer(view, np.uint8)
         buf = empty_bytes(info.nbytes)
         if info.nbytes:
-            source.readinto(start, memoryview(buf))
+            source.readinto(start, buf.data)
         return buf
 
     def get_tensor(self, name: str) -> Any:
@@ -464,7 +478,11 @@ class safe_open:  # noqa: N801 - the reference's name
                         pos += length
             else:
                 ranges = plan.coalesced()
-                if not gather_slice(source, base, info, plan, ranges, buf):
+                # "exact" (the default) reads exactly the selected bytes; "coalesce" may read
+                # whole row blocks of a fragmented selection in a few large reads instead.
+                if self._slice_reads != "coalesce" or not gather_slice(
+                    source, base, info, plan, ranges, buf
+                ):
                     absolute = [(base + off, length) for off, length in ranges]
                     read_ranges_into(source, absolute, buf.data)
         return self._adapter.from_bytes(buf, info.dtype, plan.shape, self._device)

@@ -197,8 +197,11 @@ class ShardedSafeOpen:
         *,
         backend: str = "mmap",
         max_header_size: int = MAX_HEADER_SIZE,
+        **options: Any,
     ) -> None:
         self._handles: dict[str, safe_open] = {}
+        # Per-shard reader options (threads=, slice_reads=, storage_options=) pass through.
+        self._options = options
         self._closed = True
         if backend not in BACKENDS:
             raise SafetensorError(
@@ -307,6 +310,7 @@ class ShardedSafeOpen:
                 device=self._device,
                 backend=self._backend,
                 max_header_size=self._max_header_size,
+                **self._options,
             )
             try:
                 if validate:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import raw_file
-from pysafetensors import SliceError, safe_open
+from pysafetensors import SafetensorError, SliceError, safe_open
 from pysafetensors._adapter import pack_subbyte
 from pysafetensors._dtypes import DTYPES
 from pysafetensors._slicing import plan_slice, render_index
@@ -215,7 +215,9 @@ def big(tmp_path_factory: Any) -> tuple[Path, np.ndarray]:
     return path, arr
 
 
-def _count_preads(path: Path, index: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[int]]:
+def _count_preads(
+    path: Path, index: Any, monkeypatch: pytest.MonkeyPatch, slice_reads: str = "exact"
+) -> tuple[Any, list[int]]:
     import pysafetensors._sources as sources
 
     calls: list[int] = []
@@ -226,7 +228,7 @@ def _count_preads(path: Path, index: Any, monkeypatch: pytest.MonkeyPatch) -> tu
         calls.append(n)
         return n
 
-    with safe_open(path, "np", backend="pread") as f:
+    with safe_open(path, "np", backend="pread", slice_reads=slice_reads) as f:
         # Only the slice's reads are counted, not the header's.
         monkeypatch.setattr(sources.os, "preadv", counting_preadv)
         got = f.get_slice("x")[index]
@@ -269,15 +271,38 @@ def test_pread_reads_exact_bytes(
         ((3, slice(0, 2000, 3)), 1),
     ],
 )
-def test_pread_dense_fragments_read_covering_rows(
+def test_pread_dense_fragments_read_exact_bytes_by_default(
     big: tuple[Path, np.ndarray], index: Any, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Dense fragmented selections are read as their covering rows (fewer, larger reads: a
-    deliberate trade-off of the reader), never more than those rows."""
+    """By default even dense fragmented selections read exactly the selected bytes."""
     path, arr = big
     got, calls = _count_preads(path, index, monkeypatch)
     np.testing.assert_array_equal(got, arr[index])
+    assert sum(calls) == arr[index].nbytes
+
+
+@pytest.mark.parametrize(
+    ("index", "rows"),
+    [
+        ((slice(None), slice(0, 1024)), 64),
+        ((slice(2, 6), slice(1, 3000, 2)), 4),
+        ((3, slice(0, 2000, 3)), 1),
+    ],
+)
+def test_pread_coalesce_reads_covering_rows(
+    big: tuple[Path, np.ndarray], index: Any, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``slice_reads="coalesce"`` dense fragmented selections are read as their covering
+    rows (fewer, larger reads), never more than those rows."""
+    path, arr = big
+    got, calls = _count_preads(path, index, monkeypatch, slice_reads="coalesce")
+    np.testing.assert_array_equal(got, arr[index])
     assert sum(calls) == rows * BIG[1] * 4
+
+
+def test_invalid_slice_reads_is_refused(big: tuple[Path, np.ndarray]) -> None:
+    with pytest.raises(SafetensorError, match='slice_reads "fast" is invalid'):
+        safe_open(big[0], "np", backend="pread", slice_reads="fast")
 
 
 def test_subbyte_slice_alignment_rules(tmp_path: Path) -> None:
