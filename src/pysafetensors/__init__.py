@@ -79,6 +79,7 @@ __all__ = [
     "serialize_file",
 ]
 
+
 # Show public names as pysafetensors.X in reprs and tracebacks.
 def _set_module() -> None:
     for name in __all__:
