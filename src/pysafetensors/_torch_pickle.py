@@ -12,8 +12,9 @@ is read from the storages until :meth:`Checkpoint.tensor_chunks` streams them, a
 offset and stride has by then been checked against the bytes really present.
 
 Formats: the zip format (``torch.save`` since 1.6, any pickle protocol, ``byteorder`` little or
-big) and the legacy stacked-pickle format (``_use_new_zipfile_serialization=False``). The 0.1.1
-tar format is refused with a clear error (the scanner still reads it).
+big), the legacy stacked-pickle format (``_use_new_zipfile_serialization=False``) and the 0.1.1
+tar format (members located from the tar headers and read in place: nothing is extracted, links,
+devices and duplicate members are refused, every record is checked against its member's size).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import struct
+import tarfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +57,11 @@ MAX_NDIM: Final = 64
 MAX_DIM: Final = 1 << 62
 #: Largest nesting of dicts/lists walked when flattening.
 MAX_DEPTH: Final = 64
+#: Tar checkpoints: the members torch's reader uses, and the most headers walked.
+_TAR_MEMBERS: Final = ("sys_info", "pickle", "storages", "tensors")
+MAX_TAR_MEMBERS: Final = 16
+#: Tar checkpoints: first window read for one record pickle (grown up to MAX_PICKLE_BYTES).
+_TAR_WINDOW: Final = 1 << 16
 
 # torch dtype attribute name -> (safetensors code or None, itemsize in bytes, why unsupported).
 _TORCH_DTYPES: Final[dict[str, tuple[str | None, int]]] = {
@@ -708,7 +715,7 @@ class Checkpoint:
 
     path: str
     format: str
-    """``"zip"`` or ``"legacy"``."""
+    """``"zip"``, ``"legacy"`` or ``"tar"``."""
     tensors: dict[str, TensorRecord]
     """Every tensor by dotted name, in file order (before deduplication)."""
     non_tensors: dict[str, Any]
@@ -874,7 +881,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, limits: Limits | None = Non
     """Parse and check a PyTorch checkpoint without reading any storage bytes.
 
     Args:
-        path: A ``torch.save`` file (zip or legacy format).
+        path: A ``torch.save`` file (zip, legacy or 0.1.1 tar format).
         limits: Pickle resource caps.
 
     Returns:
@@ -896,7 +903,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, limits: Limits | None = Non
         if kind == "pickle":
             return _load_legacy(file, limits)
         if kind == "tar":
-            raise _bad("the torch 0.1.1 tar checkpoint format is not supported for conversion")
+            return _load_tar(file, limits)
         raise _bad("not a PyTorch checkpoint (neither a zip nor a pickle)")
     except BaseException:
         file.close()
@@ -1059,6 +1066,239 @@ def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:
     tensors, leaves = _records(policy, graph.value, {k: v.nbytes for k, v in storages.items()})
     return Checkpoint(
         file.path, "legacy", tensors, leaves, "little", file, None, storages, graph.protocol
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The 0.1.1 tar format (torch.serialization._load's legacy_load, tarfile branch).
+# --------------------------------------------------------------------------------------------
+
+_TENSOR_CLASSES: Final = frozenset(
+    f"{t}Tensor"
+    for t in (
+        "Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool",
+    )
+)  # fmt: skip
+
+
+class _TablePolicy(_ValuePolicy):
+    """Records of the ``storages``/``tensors`` members: plain values plus storage/tensor classes."""
+
+    def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
+        """Allow ``torch[.cuda].<X>Storage`` and ``torch[.cuda].<X>Tensor`` only."""
+        full = f"{module}.{name}"
+        if opcode == "GLOBAL" or opcode == "STACK_GLOBAL":
+            if module in ("torch", "torch.cuda") and name in _STORAGE_CLASSES:
+                return Stand("storage", _STORAGE_CLASSES[name])
+            if module in ("torch", "torch.cuda") and name in _TENSOR_CLASSES:
+                return Stand("tensor_class", full)
+        raise _unsafe(f"global {full} is not on the allow-list of tar records", full, offset)
+
+
+class _TarGraphPolicy(TorchPolicy):
+    """The ``pickle`` member: persistent ids are keys of the storage and tensor tables."""
+
+    def __init__(self, objects: dict[int, StorageRef | TensorRef]) -> None:
+        super().__init__()
+        self.objects = objects
+
+    def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
+        """``int(pid)`` looked up in the tables, as torch's ``persistent_load`` does."""
+        if type(pid) is tuple:
+            raise _bad(
+                "pickled nn.Module classes (module persistent ids) are not supported", offset
+            )
+        if type(pid) is str and pid.isascii() and pid.isdigit() and len(pid) <= 40:
+            key = int(pid)
+        elif _is_int(pid):
+            key = pid
+        else:
+            raise _bad(f"unknown persistent id {_short(pid)} (at byte {offset})", offset)
+        found = self.objects.get(key)
+        if found is None:
+            raise _bad(f"persistent id {key} names no storage or tensor of the archive", offset)
+        return found
+
+
+def _tar_members(file: FileBytes) -> dict[str, tuple[int, int]]:
+    """``{name: (data offset, size)}`` from the tar headers; nothing is extracted."""
+    out: dict[str, tuple[int, int]] = {}
+    with os.fdopen(os.dup(file.fd), "rb") as fh:
+        try:
+            with tarfile.open(fileobj=fh, mode="r:") as tar:
+                for count, m in enumerate(tar, 1):
+                    if count > MAX_TAR_MEMBERS:
+                        raise _bad(f"tar checkpoint has over {MAX_TAR_MEMBERS} members")
+                    if m.name not in _TAR_MEMBERS:
+                        raise _bad(f"unexpected tar member {_short(m.name)}")
+                    if m.name in out:
+                        raise _bad(f"tar member {m.name!r} appears twice")
+                    if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+                        raise _bad(f"tar member {m.name!r} is not a regular file (link, device...)")
+                    if m.size < 0 or m.offset_data + m.size > file.size:
+                        raise CheckpointError(
+                            f"tar member {m.name!r} ({m.size} bytes at {m.offset_data}) runs "
+                            f"past the end of the {file.size}-byte file",
+                            kind="Truncated",
+                        )
+                    out[m.name] = (m.offset_data, m.size)
+        except CheckpointError:
+            raise
+        except (tarfile.TarError, EOFError, ValueError, OSError) as exc:
+            raise _bad(f"unreadable tar checkpoint ({exc})") from None
+    for name in ("pickle", "storages", "tensors"):
+        if name not in out:
+            raise _bad(f"tar checkpoint has no {name!r} member")
+    spans = sorted(out.values())
+    for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
+        if a + n > b:
+            raise _bad("tar members overlap")
+    return out
+
+
+def _run_at(
+    file: FileBytes, start: int, stop: int, policy: TorchPolicy, limits: Limits | None
+) -> tuple[Any, int]:
+    """Run the pickle at file offset ``start`` (inside a member ending at ``stop``).
+
+    Reads a small window and grows it while the stream runs past it, so the raw storage
+    bytes that follow are never loaded whole.
+    """
+    size = min(stop - start, _TAR_WINDOW)
+    while True:
+        data = file.read(start, size)
+        try:
+            res = Machine(data, policy, limits, base=start).run(0)
+        except CheckpointError as exc:
+            if exc.kind != "PickleError" or size >= min(stop - start, MAX_PICKLE_BYTES):
+                raise
+            size = min(stop - start, size * 8, MAX_PICKLE_BYTES)
+            continue
+        return res.value, start + res.end
+
+
+def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
+    members = _tar_members(file)
+    values = _ValuePolicy()
+    if "sys_info" in members:
+        start, size = members["sys_info"]
+        if size > MAX_PICKLE_BYTES:
+            raise _bad("tar sys_info member is too large")
+        info = Machine(file.read(start, size), values, limits, base=start).run(0).value
+        if type(info) is not dict or info.get("little_endian") is False:
+            raise _bad("tar sys_info is not a dict or declares big-endian storages (unsupported)")
+    table = _TablePolicy()
+    objects: dict[int, StorageRef | TensorRef] = {}
+    storages: dict[str, _StorageLoc] = {}
+
+    def new_key(key: Any, what: str) -> int:
+        if not _is_int(key) or key < 0:
+            raise _bad(f"tar {what} key {_short(key)} is not a non-negative int")
+        if key in objects:
+            raise _bad(f"tar {what} key {key} is used twice")
+        return int(key)
+
+    # storages: count, then per storage (key, location, storage_type) + int64 count + raw bytes,
+    # then a list of views (view_key, root_key, offset, numel) in elements.
+    start, size = members["storages"]
+    stop = start + size
+    count, pos = _run_at(file, start, stop, table, limits)
+    if not _is_int(count) or count < 0 or count > size:
+        raise _bad(f"tar storages: invalid storage count {_short(count)}")
+    for _ in range(count):
+        rec, pos = _run_at(file, pos, stop, table, limits)
+        if type(rec) is not tuple or len(rec) != 3:
+            raise _bad(f"tar storage record {_short(rec)} is not (key, location, type)")
+        key = new_key(rec[0], "storage")
+        stype = rec[2]
+        if type(rec[1]) is not str or not isinstance(stype, Stand) or stype.kind != "storage":
+            raise _bad(f"tar storage {key}: invalid location or storage type")
+        if pos + 8 > stop:
+            raise CheckpointError(f"tar storage {key}: record truncated", kind="Truncated")
+        (numel,) = struct.unpack("<q", file.read(pos, 8))
+        ref = StorageRef(str(key), stype.name, numel)
+        if numel < 0 or numel > MAX_DIM or pos + 8 + ref.nbytes > stop:
+            raise CheckpointError(
+                f"tar storage {key}: claims {numel} x torch.{stype.name}, but its member holds "
+                f"only {max(stop - pos - 8, 0)} more bytes",
+                kind="Truncated",
+            )
+        objects[key] = ref
+        storages[ref.key] = _StorageLoc(ref.nbytes, offset=pos + 8)
+        pos += 8 + ref.nbytes
+    views, pos = _run_at(file, pos, stop, table, limits)
+    if type(views) is not list:
+        raise _bad("tar storages: the view list is not a list")
+    for view in views:
+        if (
+            type(view) is not tuple
+            or len(view) != 4
+            or not all(_is_int(v) and 0 <= v <= MAX_DIM for v in view)
+        ):
+            raise _bad(f"tar storage view {_short(view)} is not four non-negative ints")
+        root = objects.get(view[1])
+        if not isinstance(root, StorageRef):
+            raise _bad(f"tar storage view {view[0]} has no root storage {view[1]}")
+        key = new_key(view[0], "storage view")
+        avail = root.view_size if root.view_size >= 0 else root.numel
+        if view[2] + view[3] > avail:
+            raise CheckpointError(
+                f"tar storage view {key} ({view[3]} elements at {view[2]}) reaches past its "
+                f"{avail}-element root",
+                kind="OutOfBounds",
+            )
+        objects[key] = StorageRef(
+            root.key, root.dtype, root.numel, root.view_offset + view[2], view[3]
+        )
+    if pos != stop:
+        raise _bad(f"tar storages: {stop - pos} bytes after the last record")
+
+    # tensors: count, then per tensor (key, storage_key, tensor_type) + int32 ndim + 4 pad bytes
+    # + ndim int64 sizes + ndim int64 strides + int64 storage offset.
+    start, size = members["tensors"]
+    stop = start + size
+    count, pos = _run_at(file, start, stop, table, limits)
+    if not _is_int(count) or count < 0 or count > size:
+        raise _bad(f"tar tensors: invalid tensor count {_short(count)}")
+    for _ in range(count):
+        rec, pos = _run_at(file, pos, stop, table, limits)
+        if type(rec) is not tuple or len(rec) != 3:
+            raise _bad(f"tar tensor record {_short(rec)} is not (key, storage, type)")
+        key = new_key(rec[0], "tensor")
+        storage = objects.get(rec[1]) if _is_int(rec[1]) else None
+        if not isinstance(storage, StorageRef):
+            raise _bad(f"tar tensor {key}: storage {_short(rec[1])} is not in the archive")
+        if pos + 8 > stop:
+            raise CheckpointError(f"tar tensor {key}: record truncated", kind="Truncated")
+        (ndim,) = struct.unpack("<i", file.read(pos, 4))
+        if ndim < 0 or ndim > MAX_NDIM:
+            raise _bad(f"tar tensor {key}: {ndim} dimensions")
+        need = 8 + 16 * ndim + 8
+        if pos + need > stop:
+            raise CheckpointError(f"tar tensor {key}: record truncated", kind="Truncated")
+        nums = struct.unpack(f"<{2 * ndim + 1}q", file.read(pos + 8, need - 8))
+        pos += need
+        size_t = _check_ints(nums[:ndim], "size", pos)
+        stride_t = _check_ints(nums[ndim : 2 * ndim], "stride", pos)
+        offset = nums[-1]
+        if offset < 0 or offset > MAX_DIM:
+            raise _bad(f"tar tensor {key}: storage offset {offset} is invalid")
+        offset += storage.view_offset
+        objects[key] = TensorRef(storage, offset, size_t, stride_t, storage.dtype)
+    if pos != stop:
+        raise _bad(f"tar tensors: {stop - pos} bytes after the last record")
+
+    start, size = members["pickle"]
+    if size > MAX_PICKLE_BYTES:
+        raise _bad("tar pickle member is too large")
+    data = file.read(start, size)
+    policy = _TarGraphPolicy(objects)
+    graph = Machine(data, policy, limits, base=start).run(0)
+    if graph.end != len(data):
+        raise _bad(f"tar pickle: {len(data) - graph.end} bytes after STOP")
+    tensors, leaves = _records(policy, graph.value, {k: v.nbytes for k, v in storages.items()})
+    return Checkpoint(
+        file.path, "tar", tensors, leaves, "little", file, None, storages, graph.protocol
     )
 
 

@@ -66,7 +66,7 @@ class ConversionReport:
     dst: str
     """The safetensors file written."""
     format: str
-    """Checkpoint format: ``"zip"`` or ``"legacy"``."""
+    """Checkpoint format: ``"zip"``, ``"legacy"`` or ``"tar"``."""
     tensors: list[str] = field(default_factory=list)
     """Names written, in checkpoint order."""
     total_size: int = 0
@@ -125,7 +125,7 @@ def convert_file(
     """Convert one PyTorch checkpoint to a safetensors file.
 
     Args:
-        src: A ``torch.save`` file (zip format, or the legacy format).
+        src: A ``torch.save`` file (zip format, the legacy format or the 0.1.1 tar format).
         dst: The safetensors file to write (atomically: nothing appears on failure).
         metadata: Extra ``__metadata__`` entries; they win over the ones the converter adds.
         keep_non_tensors: Store non-tensor leaves (``epoch``, config values...) as JSON
