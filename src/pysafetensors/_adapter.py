@@ -27,6 +27,7 @@ from ._writer import TensorData
 __all__ = [
     "Adapter",
     "NumpyAdapter",
+    "check_cpu_device",
     "get_adapter",
     "numpy_dtype",
     "pack_subbyte",
@@ -148,19 +149,33 @@ def _array_chunks(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
     return slabs
 
 
+def check_cpu_device(device: Any, framework: str, hint: str = "") -> Device:
+    """Parse ``device=`` for a framework whose loads always land on the CPU.
+
+    Args:
+        device: The caller's ``device=`` argument.
+        framework: The framework's name, for the message.
+        hint: Text appended to the message (how that framework places arrays instead).
+
+    Raises:
+        SafetensorError: Any device but the CPU (the reference's message, plus ``hint``).
+    """
+    dev = parse_device(device)
+    if dev.type != "cpu":
+        raise SafetensorError(
+            f"Device {dev} is not supported for framework {framework}{hint}",
+            kind="InvalidDevice",
+        )
+    return dev
+
+
 class NumpyAdapter:
     """numpy arrays; BF16, FP8, F4 and F6 through ml_dtypes."""
 
     framework = "numpy"
 
     def check_device(self, device: Any) -> Device:
-        dev = parse_device(device)
-        if dev.type != "cpu":
-            raise SafetensorError(
-                f"Device {dev} is not supported for framework {self.framework}",
-                kind="InvalidDevice",
-            )
-        return dev
+        return check_cpu_device(device, self.framework)
 
     def from_bytes(
         self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._adapter import NumpyAdapter, numpy_dtype
-from ._devices import Device, parse_device
+from ._adapter import NumpyAdapter, check_cpu_device, numpy_dtype
+from ._devices import Device
 from ._dtypes import DType
-from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._errors import DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -52,15 +52,12 @@ class JaxAdapter:
     framework = "flax"
 
     def check_device(self, device: Any) -> Device:
-        dev = parse_device(device)
-        if dev.type != "cpu":
-            # The reference refuses too; placement is jax's job (jax.device_put / sharding).
-            raise SafetensorError(
-                f"Device {dev} is not supported for framework {self.framework}; load on the CPU "
-                "and move the arrays with jax.device_put",
-                kind="InvalidDevice",
-            )
-        return dev
+        # The reference refuses too; placement is jax's job (jax.device_put / sharding).
+        return check_cpu_device(
+            device,
+            self.framework,
+            "; load on the CPU and move the arrays with jax.device_put",
+        )
 
     def from_bytes(
         self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device

@@ -16,10 +16,10 @@ from typing import Any, Final
 import mlx.core as mx
 import numpy as np
 
-from ._adapter import NumpyAdapter, numpy_dtype
-from ._devices import Device, parse_device
+from ._adapter import NumpyAdapter, check_cpu_device, numpy_dtype
+from ._devices import Device
 from ._dtypes import DTYPES, DType
-from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._errors import DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -63,14 +63,8 @@ class MlxAdapter:
     framework = "mlx"
 
     def check_device(self, device: Any) -> Device:
-        dev = parse_device(device)
-        if dev.type != "cpu":
-            # Unified memory: an MLX array has no device; the stream chooses where ops run.
-            raise SafetensorError(
-                f"Device {dev} is not supported for framework {self.framework}",
-                kind="InvalidDevice",
-            )
-        return dev
+        # Unified memory: an MLX array has no device; the stream chooses where ops run.
+        return check_cpu_device(device, self.framework)
 
     def from_bytes(
         self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device

@@ -14,10 +14,10 @@ from typing import Any, Final
 import numpy as np
 import tensorflow as tf
 
-from ._adapter import NumpyAdapter, numpy_dtype
-from ._devices import Device, parse_device
+from ._adapter import NumpyAdapter, check_cpu_device, numpy_dtype
+from ._devices import Device
 from ._dtypes import DType
-from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._errors import DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -42,15 +42,12 @@ class TensorFlowAdapter:
     framework = "tensorflow"
 
     def check_device(self, device: Any) -> Device:
-        dev = parse_device(device)
-        if dev.type != "cpu":
-            # As in the reference: placement is TensorFlow's job (`with tf.device(...)`).
-            raise SafetensorError(
-                f"Device {dev} is not supported for framework {self.framework}; load inside "
-                "`with tf.device(...)` to place the tensors",
-                kind="InvalidDevice",
-            )
-        return dev
+        # As in the reference: placement is TensorFlow's job (`with tf.device(...)`).
+        return check_cpu_device(
+            device,
+            self.framework,
+            "; load inside `with tf.device(...)` to place the tensors",
+        )
 
     def from_bytes(
         self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device
