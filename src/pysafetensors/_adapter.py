@@ -28,6 +28,8 @@ __all__ = [
     "Adapter",
     "NumpyAdapter",
     "check_cpu_device",
+    "invalid_tensor_error",
+    "non_contiguous_error",
     "get_adapter",
     "numpy_dtype",
     "pack_subbyte",
@@ -147,6 +149,30 @@ def _array_chunks(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
             yield part.reshape(-1).view(np.uint8)
 
     return slabs
+
+
+def invalid_tensor_error(
+    name: object, expected: str, value: object, prefix: str = SERIALIZE_PREFIX
+) -> SerializeError:
+    """The reference's error for a dict value of the wrong type (``Key `x` is invalid, ...``)."""
+    return SerializeError(
+        f"{prefix}Key `{name}` is invalid, expected {expected} but received {type(value)}",
+        kind="InvalidTensor",
+        tensor=str(name),
+    )
+
+
+def non_contiguous_error(name: object) -> SerializeError:
+    """The reference's error for a tensor that is not contiguous (torch and paddle refuse)."""
+    return SerializeError(
+        f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. "
+        "It either means you are trying to save tensors which are reference of each "
+        "other in which case it's recommended to save only the full tensors, and reslice "
+        "at load time, or simply call `.contiguous()` on your tensor to pack it before "
+        "saving.",
+        kind="NonContiguous",
+        tensor=str(name),
+    )
 
 
 def check_cpu_device(device: Any, framework: str, hint: str = "") -> Device:

@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._adapter import NumpyAdapter, check_cpu_device, numpy_dtype
+from ._adapter import NumpyAdapter, check_cpu_device, invalid_tensor_error, numpy_dtype
 from ._devices import Device
 from ._dtypes import DType
-from ._errors import DTypeNotSupportedError, SerializeError
-from ._format import SERIALIZE_PREFIX
+from ._errors import DTypeNotSupportedError
 from ._writer import TensorData
 
 __all__ = ["ADAPTER", "JaxAdapter"]
@@ -86,12 +85,7 @@ class JaxAdapter:
             return _NUMPY.to_data(name, np.asarray(tensor))
         if isinstance(tensor, (np.ndarray, np.generic)):
             return _NUMPY.to_data(name, tensor)
-        raise SerializeError(
-            f"{SERIALIZE_PREFIX}Key `{name}` is invalid, expected jax.Array or numpy.ndarray but "
-            f"received {type(tensor)}",
-            kind="InvalidTensor",
-            tensor=name,
-        )
+        raise invalid_tensor_error(name, "jax.Array or numpy.ndarray", tensor)
 
 
 ADAPTER: Final = JaxAdapter()

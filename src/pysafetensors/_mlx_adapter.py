@@ -16,7 +16,7 @@ from typing import Any, Final
 import mlx.core as mx
 import numpy as np
 
-from ._adapter import NumpyAdapter, check_cpu_device, numpy_dtype
+from ._adapter import NumpyAdapter, check_cpu_device, invalid_tensor_error, numpy_dtype
 from ._devices import Device
 from ._dtypes import DTYPES, DType
 from ._errors import DTypeNotSupportedError, SerializeError
@@ -81,12 +81,7 @@ class MlxAdapter:
         if isinstance(tensor, (np.ndarray, np.generic)):
             return _NUMPY.to_data(name, tensor)
         if not isinstance(tensor, mx.array):
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}Key `{name}` is invalid, expected mlx.core.array or "
-                f"numpy.ndarray but received {type(tensor)}",
-                kind="InvalidTensor",
-                tensor=name,
-            )
+            raise invalid_tensor_error(name, "mlx.core.array or numpy.ndarray", tensor)
         try:
             dtype = _FROM_MX[tensor.dtype]
         except KeyError:

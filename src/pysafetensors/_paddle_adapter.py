@@ -26,7 +26,7 @@ from typing import Any, Final
 import numpy as np
 import paddle
 
-from ._adapter import NumpyAdapter, numpy_dtype
+from ._adapter import NumpyAdapter, invalid_tensor_error, numpy_dtype
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType, dtype_from_name
 from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
@@ -128,12 +128,7 @@ class PaddleAdapter:
         if isinstance(tensor, (np.ndarray, np.generic)):
             return _NUMPY.to_data(name, tensor)
         if not isinstance(tensor, paddle.Tensor):
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}Key `{name}` is invalid, expected paddle.Tensor but received "
-                f"{type(tensor)}",
-                kind="InvalidTensor",
-                tensor=name,
-            )
+            raise invalid_tensor_error(name, "paddle.Tensor", tensor)
         type_name = str(tensor.dtype).rpartition(".")[2]
         try:
             dtype = dtype_from_name(type_name)

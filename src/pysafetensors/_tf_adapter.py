@@ -14,7 +14,7 @@ from typing import Any, Final
 import numpy as np
 import tensorflow as tf
 
-from ._adapter import NumpyAdapter, check_cpu_device, numpy_dtype
+from ._adapter import NumpyAdapter, check_cpu_device, invalid_tensor_error, numpy_dtype
 from ._devices import Device
 from ._dtypes import DType
 from ._errors import DTypeNotSupportedError, SerializeError
@@ -74,12 +74,7 @@ class TensorFlowAdapter:
             return _NUMPY.to_data(name, tensor.numpy())
         if isinstance(tensor, (np.ndarray, np.generic)):
             return _NUMPY.to_data(name, tensor)
-        raise SerializeError(
-            f"{SERIALIZE_PREFIX}Key `{name}` is invalid, expected tf.Tensor, tf.Variable or "
-            f"numpy.ndarray but received {type(tensor)}",
-            kind="InvalidTensor",
-            tensor=name,
-        )
+        raise invalid_tensor_error(name, "tf.Tensor, tf.Variable or numpy.ndarray", tensor)
 
 
 ADAPTER: Final = TensorFlowAdapter()

@@ -9,6 +9,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
+from ._adapter import invalid_tensor_error
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
 from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
@@ -204,12 +205,7 @@ class TorchAdapter:
 
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if not isinstance(tensor, torch.Tensor):
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}Key `{name}` is invalid, expected torch.Tensor but received "
-                f"{type(tensor)}",
-                kind="InvalidTensor",
-                tensor=name,
-            )
+            raise invalid_tensor_error(name, "torch.Tensor", tensor)
         try:
             dtype = _FROM_TORCH[tensor.dtype]
         except KeyError:

@@ -15,6 +15,7 @@ from typing import Any
 
 import paddle
 
+from ._adapter import invalid_tensor_error, non_contiguous_error
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
 from ._errors import SerializeError
 from ._paddle_adapter import ADAPTER
@@ -31,21 +32,9 @@ def _flatten(tensors: Any) -> Mapping[str, Any]:
         )
     for name, tensor in tensors.items():
         if not isinstance(tensor, paddle.Tensor):
-            raise SerializeError(
-                f"Key `{name}` is invalid, expected paddle.Tensor but received {type(tensor)}",
-                kind="InvalidTensor",
-                tensor=str(name),
-            )
+            raise invalid_tensor_error(name, "paddle.Tensor", tensor, prefix="")
         if not tensor.is_contiguous():
-            raise SerializeError(
-                f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. "
-                "It either means you are trying to save tensors which are reference of each "
-                "other in which case it's recommended to save only the full tensors, and reslice "
-                "at load time, or simply call `.contiguous()` on your tensor to pack it before "
-                "saving.",
-                kind="NonContiguous",
-                tensor=str(name),
-            )
+            raise non_contiguous_error(name)
     return tensors
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ._adapter import invalid_tensor_error, non_contiguous_error
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
 from ._errors import SerializeError, SharedTensorsError
 from ._sharding import save_model_sharded, save_sharded
@@ -143,11 +144,7 @@ def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
     sparse = []
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
-            raise SerializeError(
-                f"Key `{name}` is invalid, expected torch.Tensor but received {type(tensor)}",
-                kind="InvalidTensor",
-                tensor=str(name),
-            )
+            raise invalid_tensor_error(name, "torch.Tensor", tensor, prefix="")
         if tensor.layout != torch.strided:
             sparse.append(name)
     if sparse:
@@ -173,15 +170,7 @@ def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
                 tensor=str(name),
             )
         if not tensor.is_contiguous():
-            raise SerializeError(
-                f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. "
-                "It either means you are trying to save tensors which are reference of each "
-                "other in which case it's recommended to save only the full tensors, and reslice "
-                "at load time, or simply call `.contiguous()` on your tensor to pack it before "
-                "saving.",
-                kind="NonContiguous",
-                tensor=str(name),
-            )
+            raise non_contiguous_error(name)
     return tensors
 
 
