@@ -166,7 +166,8 @@ def open_source_for(
     Raises:
         OSError: The file cannot be opened (missing, a directory, no permission).
     """
-    if isinstance(filename, (bytes, bytearray, memoryview)) and not isinstance(filename, bytes):
+    # In-memory buffers (``bytes`` stays a path, as for os.open).
+    if isinstance(filename, (bytearray, memoryview)):
         return BufferSource(filename)
     if _is_fileobj(filename):
         fd = -1
