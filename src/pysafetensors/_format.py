@@ -773,7 +773,138 @@ def _fast_entries(
     return metadata, parsed
 
 
+# The compact form every mainstream writer emits (the reference, huggingface_hub, this
+# library): ``{"name":{"dtype":"BF16","shape":[8,16],"data_offsets":[0,256]},...}`` with
+# escape-free names, plain integers and space padding. Possessive quantifiers keep both
+# patterns linear-time whatever the input.
+_CANON_NUM: Final = r"(?:0|[1-9][0-9]*+)"
+_CANON_ENTRY: Final = (
+    r'"([^"\\\x00-\x1f]*+)":\{"dtype":"([A-Z0-9_]++)",'
+    r'"shape":\[((?:' + _CANON_NUM + r"(?:," + _CANON_NUM + r")*+)?)\],"
+    r'"data_offsets":\[(' + _CANON_NUM + r"),(" + _CANON_NUM + r")\]\}"
+)
+# Each match takes the separator before it, so that the matches tile the text (see below).
+_CANON_ENTRY_RE: Final = re.compile(r"([{,])" + _CANON_ENTRY)
+#: Characters of a match besides its captured groups.
+_CANON_FIXED: Final = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')
+_CANON_META_PREFIX: Final = '{"__metadata__":'
+#: A whole-byte dtype of each width, for the per-shape overflow check.
+_WIDEST: Final = {d.bits: d for d in DTYPES if d.bits % 8 == 0}
+
+
+def _canonical_header(text: str, header_size: int, data_size: int) -> Header | None:
+    """Parse and validate a header in the writers' compact form, or return None.
+
+    Large headers are almost always in this form, and for them the generic path's cost is the
+    Python objects it builds (a dict and two lists per entry, then a pass per rule). Here one
+    regex proves the whole text has the compact shape, a second pulls every entry out as
+    strings, and the rules run on whole columns with per-shape caching. Anything unusual
+    (escapes, other spacing, metadata not first, repeated names, zero-size tensors, entries
+    not in offset order, any rule failing) returns None, and the generic path decides and
+    words the error exactly as before.
+    """
+    metadata: dict[str, str] | None = None
+    if text.startswith(_CANON_META_PREFIX):
+        if "\\" in text:
+            return None  # escapes in metadata need the exact path's surrogate rules
+        try:
+            meta, end = _PLAIN_DECODER.raw_decode(text, len(_CANON_META_PREFIX))
+        except ValueError:
+            return None
+        if meta is not None:
+            if type(meta) is not dict or not all(type(v) is str for v in meta.values()):
+                return None
+            # Repeated metadata keys: as in _fast_entries, the key count must match.
+            if text.count('":', len(_CANON_META_PREFIX), end) != len(meta):
+                return None
+            metadata = meta
+        if text[end : end + 1] != ",":
+            return None
+        text = "{" + text[end + 1 :]
+    body = text.rstrip(" ")
+    if not body.endswith("]}}"):
+        return None
+    rows = _CANON_ENTRY_RE.findall(body)
+    if not rows:
+        return None
+    seps, names, codes, shape_texts, begin_texts, end_texts = zip(*rows, strict=True)
+    count = len(names)
+    # findall may skip characters it cannot match; the tiling proof instead of a second full
+    # regex pass: if the matches' lengths add up to all of `body` but one character, that one
+    # is the final "}" (a match ends with "]}", and `body` ends with "]}}"), so the matches
+    # are contiguous from index 0 and the text is "{" E ("," E)* "}" exactly.
+    matched = (
+        count * (_CANON_FIXED + 1)
+        + sum(map(len, names))
+        + sum(map(len, codes))
+        + sum(map(len, shape_texts))
+        + sum(map(len, begin_texts))
+        + sum(map(len, end_texts))
+    )
+    if matched != len(body) - 1 or seps[0] != "{" or seps.count(",") != count - 1:
+        return None
+    # Contiguity on the digit strings (canonical integers are equal exactly when their texts
+    # are), so only the ends need converting.
+    if begin_texts[0] != "0" or begin_texts[1:] != end_texts[:-1]:
+        return None
+    ends = list(map(int, end_texts))
+    if ends[-1] != data_size:
+        return None
+    begins = [0, *ends[:-1]]
+    # Checkpoints repeat a handful of dtypes and shapes, so both are converted once each.
+    dtype_of: dict[str, DType] = {}
+    for code in set(codes):
+        dtype = _BY_CODE.get(code)
+        if dtype is None or dtype.bits % 8:
+            return None  # unknown (the exact path words the error) or sub-byte
+        dtype_of[code] = dtype
+    widest = max(d.bits for d in dtype_of.values())
+    shape_of: dict[str, tuple[int, ...]] = {}
+    elements_of: dict[str, int] = {}
+    for shape_text in set(shape_texts):
+        shape = tuple(map(int, shape_text.split(","))) if shape_text else ()
+        # checked_nbits with the widest dtype bounds every entry of this shape; zero-size
+        # tensors are left to the generic path (ties in offsets need the name order).
+        nbits = checked_nbits(shape, _WIDEST[widest])
+        if not nbits:
+            return None
+        shape_of[shape_text] = shape
+        elements_of[shape_text] = nbits // widest
+    item_size = {code: dtype.bits // 8 for code, dtype in dtype_of.items()}
+    sizes = map(
+        operator.mul,
+        map(elements_of.__getitem__, shape_texts),
+        map(item_size.__getitem__, codes),
+    )
+    if list(sizes) != list(map(operator.sub, ends, begins)):
+        return None
+    infos = map(
+        tuple.__new__,
+        repeat(TensorInfo),
+        zip(
+            names,
+            map(dtype_of.__getitem__, codes),
+            map(shape_of.__getitem__, shape_texts),
+            begins,
+            ends,
+            strict=True,
+        ),
+    )
+    tensors = dict(zip(names, infos, strict=True))
+    if len(tensors) != count or "__metadata__" in tensors:
+        return None  # a repeated name (serde's last-wins order needs the exact path)
+    return Header(tensors=tensors, metadata=metadata, header_size=header_size)
+
+
 def _parse_text(text: str, header_size: int, data_size: int, prefix_text: str) -> Header:
+    canonical = _canonical_header(text, header_size, data_size)
+    if canonical is not None:
+        return canonical
+    return _parse_generic(text, header_size, data_size, prefix_text)
+
+
+def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str) -> Header:
+    """Any header: the C decoder when nothing is unusual, else serde's rules step by step."""
     fast = _fast_entries(text)
     if fast is not None:
         return _check_entries(fast[0], fast[1], header_size, data_size, prefix_text)

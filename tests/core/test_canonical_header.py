@@ -1,0 +1,154 @@
+"""The compact-header fast path agrees with the generic parser on every input.
+
+``_canonical_header`` may only ever return the generic parser's result or decline (None). The
+tests feed it headers written by the reference and by this library, then thousands of small
+corruptions of such headers: each must be declined, or parsed to exactly what the generic path
+returns, and never accepted where the generic path refuses.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pysafetensors import _format as fmt
+from pysafetensors._errors import SafetensorError
+from pysafetensors.numpy import save
+
+ref_np = pytest.importorskip("safetensors.numpy")
+
+
+def _split(blob: bytes) -> tuple[str, int, int]:
+    n = struct.unpack("<Q", blob[:8])[0]
+    return blob[8 : 8 + n].decode("utf-8"), n, len(blob) - 8 - n
+
+
+def _generic(text: str, n: int, data_size: int) -> Any:
+    try:
+        return fmt._parse_generic(text, n, data_size, "")
+    except SafetensorError as exc:
+        return type(exc)
+
+
+def _tensors(rng: random.Random) -> dict[str, np.ndarray]:
+    dtypes = [np.float32, np.float16, np.int8, np.int64, np.uint16, np.bool_, np.float64]
+    out = {}
+    for i in range(rng.randint(1, 12)):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 3)))
+        dt = rng.choice(dtypes)
+        out[f"layer.{i}.{rng.choice(['w', 'bias', 'weight', 'x' * 30])}"] = np.ones(shape, dt)
+    return out
+
+
+def _headers() -> list[bytes]:
+    rng = random.Random(1234)
+    blobs = []
+    for i in range(40):
+        tensors = _tensors(rng)
+        meta = {"format": "pt", "k": str(i)} if i % 3 == 0 else None
+        blobs.append(save(tensors, metadata=meta))
+        blobs.append(ref_np.save(tensors, metadata={"format": "np"} if i % 4 == 0 else None))
+    return blobs
+
+
+HEADERS = _headers()
+
+
+def test_writers_headers_take_the_fast_path_and_agree() -> None:
+    for blob in HEADERS:
+        text, n, data_size = _split(blob)
+        fast = fmt._canonical_header(text, n, data_size)
+        assert fast is not None, text
+        assert fast == fmt._parse_generic(text, n, data_size, "")
+        assert list(fast.tensors) == list(fmt._parse_generic(text, n, data_size, "").tensors)
+
+
+def test_metadata_only_first_and_exact() -> None:
+    blob = save({"a": np.zeros(2, np.float32)}, metadata={"x": "1", "y": "2"})
+    text, n, data_size = _split(blob)
+    header = fmt._canonical_header(text, n, data_size)
+    assert header is not None and header.metadata == {"x": "1", "y": "2"}
+    # A repeated metadata key (serde keeps the last) is left to the generic path.
+    dup = text.replace('"y":"2"', '"x":"2"')
+    assert fmt._canonical_header(dup, n, data_size) is None
+    assert fmt._parse_generic(dup, n, data_size, "").metadata == {"x": "2"}
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ('"shape":[', '"shape": ['),  # other spacing
+        ('{"dtype"', '{"dtype" '),
+        ('"data_offsets":[0,', '"data_offsets":[00,'),  # not a JSON integer
+        ('"F32"', '"F33"'),  # unknown dtype
+        ('"a"', '"b"'),  # a repeated name
+        ('"a"', '"__metadata__"'),
+    ],
+)
+def test_unusual_forms_are_declined(old: str, new: str) -> None:
+    blob = save({"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)})
+    text, n, data_size = _split(blob)
+    changed = text.replace(old, new, 1)
+    assert changed != text
+    assert fmt._canonical_header(changed, n, data_size) is None
+
+
+def test_zero_size_and_sub_byte_tensors_use_the_generic_path() -> None:
+    for tensors in ({"a": np.zeros((0, 3), np.float32), "b": np.ones(2, np.float32)},):
+        text, n, data_size = _split(save(tensors))
+        assert fmt._canonical_header(text, n, data_size) is None
+        assert fmt.parse_header(text.encode(), data_size).tensors.keys() == tensors.keys()
+
+
+ALPHABET = '{}[],:"0123456789 \\abF_\x01'
+
+
+def _mutate(text: str, rng: random.Random) -> str:
+    i = rng.randrange(len(text) + 1)
+    op = rng.randrange(4)
+    if op == 0:  # insert
+        return text[:i] + rng.choice(ALPHABET) + text[i:]
+    if op == 1 and i < len(text):  # delete
+        return text[:i] + text[i + 1 :]
+    if op == 2 and i < len(text):  # replace
+        return text[:i] + rng.choice(ALPHABET) + text[i + 1 :]
+    j = rng.randrange(len(text) + 1)  # move a span
+    a, b = sorted((i, j))
+    span = text[a:b][:12]
+    k = rng.randrange(len(text) + 1)
+    return text[:k] + span + text[k:]
+
+
+def test_corruptions_are_declined_or_agree() -> None:
+    rng = random.Random(99)
+    accepted = 0
+    for trial in range(6000):
+        text, n, data_size = _split(HEADERS[trial % len(HEADERS)])
+        for _ in range(rng.randint(1, 3)):
+            text = _mutate(text, rng)
+        # Keep the offsets' total plausible half the time, so that more mutants get far.
+        size = data_size if trial % 2 else data_size + rng.randint(-4, 4)
+        fast = fmt._canonical_header(text, n, size)
+        if fast is None:
+            continue
+        accepted += 1
+        slow = _generic(text, n, size)
+        assert fast == slow, text
+        assert list(fast.tensors) == list(slow.tensors)
+    # Some mutants (within names, digits that keep sizes consistent) stay valid.
+    assert accepted > 50
+
+
+def test_large_header_agrees() -> None:
+    tensors = {
+        f"model.layers.{i // 64}.experts.{i % 64}.w{i % 3}": np.ones((2, 3), np.float16)
+        for i in range(5000)
+    }
+    text, n, data_size = _split(save(tensors, metadata={"format": "pt"}))
+    fast = fmt._canonical_header(text, n, data_size)
+    assert fast is not None
+    assert fast == fmt._parse_generic(text, n, data_size, "")
