@@ -14,7 +14,6 @@ import os
 import stat
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -42,6 +41,7 @@ from ._sources import (
     PreadSource,
     empty_bytes,
     read_ranges_into,
+    run_parallel,
     worker_count,
 )
 
@@ -131,7 +131,10 @@ def read_header(
     size = source.size
     guess = min(size, _HEAD_GUESS)
     head = np.empty(guess, np.uint8)
-    source.readinto(0, head.data)
+    # One plain read: a header is parsed by one thread anyway, and starting the reader threads
+    # here would hold their stacks through the parse of a huge header.
+    read = getattr(source, "pread_exact", None) or source.readinto
+    read(0, head.data)
     n = parse_header_length(
         head[:N_LEN].tobytes(), size, max_header_size=max_header_size, prefix_text=prefix_text
     )
@@ -139,7 +142,7 @@ def read_header(
         header_bytes = head.data[N_LEN : N_LEN + n]
     else:
         rest = np.empty(n, np.uint8)
-        source.readinto(N_LEN, rest.data)
+        read(N_LEN, rest.data)
         header_bytes = rest.data
     with gc_paused():
         return parse_header(header_bytes, size - N_LEN - n, prefix_text=prefix_text)
@@ -585,11 +588,7 @@ def gather_slice(
         rows = scratch[:want].reshape(nrows, *inner)[::step]
         dest[j0:j1] = rows[(slice(None),) + tuple(rest)]
 
-    if len(blocks) == 1:
-        one(blocks[0])
-        return True
-    with ThreadPoolExecutor(max_workers=min(len(blocks), worker_count(source))) as pool:
-        list(pool.map(one, blocks))
+    run_parallel(one, blocks, worker_count(source))
     return True
 
 

@@ -1,0 +1,95 @@
+"""The kept reader threads: nested use, errors, forked children, and correct bytes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pysafetensors import _sources
+from pysafetensors._sources import PreadSource, run_parallel
+
+
+def test_items_run_on_reader_threads_and_nested_calls_run_inline() -> None:
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def inner(i: int) -> None:
+        with lock:
+            seen.append(threading.current_thread().name)
+
+    def outer(i: int) -> None:
+        # A split inside a split: must not wait on its own pool (that could deadlock).
+        run_parallel(inner, range(4), 2)
+
+    done = threading.Event()
+
+    def main() -> None:
+        run_parallel(outer, range(8), 2)
+        done.set()
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    assert done.wait(30), "nested run_parallel deadlocked"
+    assert len(seen) == 32
+    assert all(name.startswith("pysafetensors-read") for name in seen)
+
+
+def test_first_exception_propagates() -> None:
+    def fail(i: int) -> None:
+        if i == 3:
+            raise ValueError("boom at 3")
+
+    with pytest.raises(ValueError, match="boom at 3"):
+        run_parallel(fail, range(6), 2)
+
+
+def test_one_item_or_one_thread_runs_inline() -> None:
+    names: list[str] = []
+    run_parallel(lambda i: names.append(threading.current_thread().name), [1], 4)
+    run_parallel(lambda i: names.append(threading.current_thread().name), [1, 2], 1)
+    assert names == [threading.current_thread().name] * 3
+
+
+def _read_in_child(path: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    fd = os.open(path, os.O_RDONLY)
+    src = PreadSource(fd, path, threads=4, chunk_size=1 << 20)
+    out = np.empty(src.size, np.uint8)
+    src.readinto(0, out.data)
+    queue.put(out.tobytes() == Path(path).read_bytes())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_gets_fresh_threads(tmp_path: Path) -> None:
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 9 << 20, np.uint8).tobytes())
+    # Start the parent's pool first, so the child inherits a pool object without threads.
+    run_parallel(lambda i: None, range(4), 4)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_read_in_child, args=(str(path), queue))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert queue.get(timeout=5) is True
+
+
+@pytest.mark.parametrize("size", [1, (2 << 20) + 7, (4 << 20) + 4095, 37 << 20])
+def test_split_reads_give_the_file_bytes(tmp_path: Path, size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size + 100, np.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    src = PreadSource(fd, str(path), threads=4)
+    try:
+        out = np.empty(size, np.uint8)
+        src.readinto(50, out.data)
+        assert np.array_equal(out, data[50 : 50 + size])
+    finally:
+        src.close()
+    if size >= 4 << 20:
+        assert 4 in _sources._POOLS  # split across threads that are kept for the next read
