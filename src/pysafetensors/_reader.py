@@ -132,7 +132,11 @@ def read_header(
     guess = min(size, _HEAD_GUESS)
     head = np.empty(guess, np.uint8)
     # One plain read: a header is parsed by one thread anyway, and starting the reader threads
-    # here would hold their stacks through the parse of a huge header.
+    # here would hold their stacks through the parse of a huge header. Without readahead: the
+    # marker a readahead leaves would make the first partial read of the data pull in the
+    # readahead window after all.
+    if isinstance(source, PreadSource):
+        source = source.without_readahead()
     read = getattr(source, "pread_exact", None) or source.readinto
     read(0, head.data)
     n = parse_header_length(
@@ -481,6 +485,8 @@ class safe_open:  # noqa: N801 - the reference's name
                         buf[pos : pos + length] = whole[off : off + length]
                         pos += length
             else:
+                if plan.nbytes < info.nbytes and isinstance(source, PreadSource):
+                    source = source.without_readahead()  # only the selected bytes off disk
                 ranges = plan.coalesced()
                 # "exact" (the default) reads exactly the selected bytes; "coalesce" may read
                 # whole row blocks of a fragmented selection in a few large reads instead.
