@@ -79,3 +79,18 @@ def evict(path: str) -> float:
         except OSError:
             pass
     return residency(path)
+
+
+def warm_free_memory(nbytes: int) -> None:
+    """Touch and free ``nbytes`` of memory, so that the timed operation starts from used memory.
+
+    Same starting memory for every arm. On the VM measured, memory the guest has not touched
+    recently is slow to fault in the first time, most of all in large blocks: a 2 GiB
+    huge-page touch took 3-5 s where 4 KiB pages took 1 s, and page-cache writes (which use
+    large folios) of the same 2 GiB swung between 0.45 s and 2.8 s for the same code, with
+    whichever arm happened to draw untouched memory losing. numpy touches this scratch in
+    huge pages, so the blocks the operation then draws have been used. The operation runs
+    within a second or two of this call.
+    """
+    scratch = np.ones(nbytes, np.uint8)
+    del scratch

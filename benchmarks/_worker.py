@@ -387,6 +387,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         res_before = _cache.evict(path)
         if pt_path and arm == "torch":
             _cache.evict(pt_path)
+    if case.get("warm_memory", True) and op != "open":
+        _cache.warm_free_memory(os.path.getsize(path) * 5 // 4)
 
     before = proc_status()
     io0 = proc_io()

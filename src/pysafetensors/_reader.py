@@ -472,13 +472,15 @@ class safe_open:  # noqa: N801 - the reference's name
                 whole = np.frombuffer(view, np.uint8)
                 if len(plan.starts) == 1:
                     start = int(plan.starts[0])
-                    buf[:] = whole[start : start + plan.run_bytes]
+                    copy_in_parallel(buf, whole[start : start + plan.run_bytes], source)
                 elif info.dtype.bits % 8 == 0:
                     # A strided copy of the selection touches only the pages it lies on.
                     src_shape, index, dest_shape = byte_selection(
                         info.shape, info.dtype.bits // 8, plan
                     )
-                    buf.reshape(dest_shape)[...] = whole.reshape(src_shape)[index]
+                    copy_in_parallel(
+                        buf.reshape(dest_shape), whole.reshape(src_shape)[index], source
+                    )
                 else:
                     pos = 0
                     for off, length in plan.coalesced():
@@ -596,6 +598,32 @@ def gather_slice(
 
     run_parallel(one, blocks, worker_count(source))
     return True
+
+
+#: Copies out of a mapping smaller than this stay on the calling thread.
+_PARALLEL_COPY_MIN: Final = 4 << 20
+
+
+def copy_in_parallel(dest: np.ndarray, src: np.ndarray, source: ByteSource) -> None:
+    """``dest[...] = src``, split along the first axis across the reader threads.
+
+    A fresh destination costs a page fault per 4 KiB page, and faults (like the copy) run on
+    one core per thread: with both cores a row or column split copied out of a mapping takes
+    about half the time (the reference's torch ``clone`` copies with all cores too). numpy
+    releases the GIL for these copies.
+    """
+    rows = dest.shape[0] if dest.ndim else 0
+    threads = worker_count(source)
+    if dest.nbytes < _PARALLEL_COPY_MIN or rows < 2 or threads < 2:
+        dest[...] = src
+        return
+    pieces = min(rows, threads, dest.nbytes // (_PARALLEL_COPY_MIN // 2))
+    step = -(-rows // pieces)
+
+    def one(start: int) -> None:
+        dest[start : start + step] = src[start : start + step]
+
+    run_parallel(one, range(0, rows, step), threads)
 
 
 class SafeSlice:

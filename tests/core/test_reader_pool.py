@@ -93,3 +93,29 @@ def test_split_reads_give_the_file_bytes(tmp_path: Path, size: int) -> None:
         src.close()
     if size >= 4 << 20:
         assert 4 in _sources._POOLS  # split across threads that are kept for the next read
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        (slice(None), slice(0, 256)),  # a column split: a piece of every row
+        (slice(3, 1500), slice(100, 1900, 3)),
+        (slice(0, 700),),  # one contiguous run
+        (slice(None, None, 2), 5),
+    ],
+)
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_large_slices_copied_in_parallel_match_numpy(
+    tmp_path: Path, index: tuple[object, ...], backend: str
+) -> None:
+    import pysafetensors
+    from pysafetensors.numpy import save_file
+
+    data = np.random.default_rng(7).standard_normal((2048, 2048)).astype(np.float32)  # 16 MiB
+    path = tmp_path / "big.safetensors"
+    save_file({"w": data}, str(path))
+    with pysafetensors.safe_open(str(path), "np", backend=backend) as f:
+        got = f.get_slice("w")[index]
+    want = data[index]
+    assert got.shape == want.shape
+    assert np.array_equal(got, want)
