@@ -119,3 +119,68 @@ def test_large_slices_copied_in_parallel_match_numpy(
     want = data[index]
     assert got.shape == want.shape
     assert np.array_equal(got, want)
+
+
+# ------------------------------------------------------------------ read destinations
+
+
+def _check_destination(buf: np.ndarray, nbytes: int) -> None:
+    assert buf.dtype == np.uint8 and buf.shape == (nbytes,)
+    assert buf.flags.writeable and buf.flags.c_contiguous
+    buf[:: 1 << 20] = 7
+    buf[-1] = 9
+    assert buf[0] == 7 and buf[-1] == 9
+
+
+@pytest.mark.parametrize("mode", ["auto", True, False])
+def test_large_destinations_in_every_mode(monkeypatch: pytest.MonkeyPatch, mode: object) -> None:
+    monkeypatch.setattr(_sources, "HUGEPAGE_DESTINATIONS", mode)
+    nbytes = (80 << 20) + 123
+    _check_destination(_sources.empty_bytes(nbytes), nbytes)
+
+
+def test_slow_huge_pages_fall_back_after_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    steps: list[int] = []
+    real_mmap = _sources.mmap.mmap
+
+    class Counting(real_mmap):  # type: ignore[misc, valid-type]
+        def madvise(self, option: int, *args: int) -> None:
+            if option == _sources._MADV_POPULATE_WRITE:
+                steps.append(args[0])
+            super().madvise(option, *args)
+
+    monkeypatch.setattr(_sources.mmap, "mmap", Counting)
+    monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
+    nbytes = 256 << 20
+    buf = _sources._probed_hugepages(nbytes)
+    assert buf is not None
+    _check_destination(buf, nbytes)
+    # The first step, then at most a few more per thread before the switch to 4 KiB pages.
+    assert len(steps) < 3 + 2 * os.cpu_count()  # type: ignore[operator]
+    assert len(steps) < nbytes // _sources._POPULATE_STEP
+
+
+def test_destination_without_populate_support_uses_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_sources, "_MADV_POPULATE_WRITE", -12345)  # refused by the kernel
+    assert _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None
+    nbytes = _sources._HUGEPAGE_MIN + 1
+    buf = _sources.empty_bytes(nbytes)
+    _check_destination(buf, nbytes)
+    assert buf.base is None or not isinstance(buf.base, memoryview)
+
+
+def test_load_into_probed_destination_matches(tmp_path: Path) -> None:
+    import pysafetensors.numpy as st_np
+
+    data = {
+        "a": np.random.default_rng(1).standard_normal((3000, 3000)).astype(np.float32),
+        "b": np.arange(10, dtype=np.int64),
+    }
+    path = tmp_path / "m.safetensors"
+    st_np.save_file(data, str(path))
+    got = st_np.load_file(str(path), backend="pread")
+    for k, v in data.items():
+        assert np.array_equal(got[k], v)
+    del got  # the tensors keep the mapping alive until here
