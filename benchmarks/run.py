@@ -234,6 +234,12 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "",
         "Machine: " + "; ".join(f"{k}: {v}" for k, v in m.items()),
         "",
+        "Starting state: right before every timed operation except opens, the worker touches "
+        "and frees 1.25x the file's size of memory, so that every arm draws recently used "
+        "memory (on this VM, memory the guest has not touched recently faults in several times "
+        "slower, most of all as huge pages or large page-cache folios, and single runs of the "
+        "same code swung up to 4x with it; see `benchmarks/_cache.py`).",
+        "",
         "1-minute load average at start / end of the run: "
         + " / ".join(str(x) for x in meta.get("loadavg_start_end", []))
         + " (2 cores; the machine was shared with other sessions).",
