@@ -394,7 +394,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated ops or files to run")
     ap.add_argument("--out", default=None, help="folder for RESULTS.md and results.json")
     ap.add_argument("--work", default=os.path.join(HERE, "_work"), help="scratch folder")
+    ap.add_argument(
+        "--render",
+        action="store_true",
+        help="rewrite RESULTS.md from results.json (with the current NOTES.md); measure nothing",
+    )
     args = ap.parse_args(argv)
+    if args.render:
+        out_dir = args.out or HERE
+        with open(os.path.join(out_dir, "results.json")) as f:
+            saved = json.load(f)
+        if os.path.exists(NOTES_FILE):
+            with open(NOTES_FILE) as f:
+                saved["meta"]["notes"] = f.read()
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(saved, f, indent=1)
+        with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
+            f.write(render(saved["meta"], saved["summary"], saved["sizes"]))
+        return 0
     quick = args.quick
     reps = args.reps or (1 if quick else 5)
     work = os.path.join(args.work, "quick") if quick else args.work

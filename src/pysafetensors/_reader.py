@@ -413,6 +413,8 @@ class safe_open:  # noqa: N801 - the reference's name
         view = source.view(header.data_start, size) if self._backend == "mmap" else None
         if view is not None:
             buf = np.frombuffer(view, np.uint8)
+        elif isinstance(source, PreadSource):
+            buf = source.read_fresh(header.data_start, size)
         else:
             buf = empty_bytes(size)
             if size:

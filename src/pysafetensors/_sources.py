@@ -204,57 +204,89 @@ def _numpy_empty(nbytes: int, hugepages: bool) -> np.ndarray:
             setter(previous)
 
 
-def _probed_hugepages(nbytes: int) -> np.ndarray | None:
-    """A destination faulted in ahead of the reads, in huge pages for as long as they are fast.
+class _HugeRegion:
+    """A fresh anonymous mapping faulted in in huge pages for as long as they are fast.
 
     Whether a huge page is cheap depends on the machine's state, not on the code: on the VMs
     measured, huge pages drawn from memory the guest had used recently faulted in at 6-11 GB/s
-    (a 2 GiB warm load then took ~0.4 s instead of ~0.7 s), but drawn from memory it had not
+    (a 2 GiB warm load then took ~0.45 s instead of ~0.7 s), but drawn from memory it had not
     touched they crawled at ~0.5 GB/s (3-5 s for 2 GiB), and a process typically got some of
-    each, fast first. So the region is faulted in (``MADV_POPULATE_WRITE``) by the reader
-    threads in 4 MiB steps, each timed; after three slow steps in a row the rest of the region is
-    switched to 4 KiB pages (``MADV_NOHUGEPAGE``), which the reads then fault in as usual.
-    Faulting huge pages ahead of the reads, rather than inside them, was itself several times
-    faster. Returns None where this cannot be done (no ``MADV_POPULATE_WRITE``, not Linux).
+    each, fast first. So the region is faulted in (``MADV_POPULATE_WRITE``) in 4 MiB steps,
+    each timed; after three slow steps in a row the rest of the region is switched to 4 KiB
+    pages (``MADV_NOHUGEPAGE``), which reads then fault in as usual. Faulting huge pages in
+    ahead of a read, rather than inside it, was itself several times faster.
     """
-    if not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
-        return None
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-    try:
-        region = mmap.mmap(-1, nbytes, flags=flags)
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        return None
-    slow = threading.Event()
-    slow_steps = [0]  # consecutive slow steps (single hiccups happen in fast memory too)
 
-    def populate(start: int) -> None:
-        if slow.is_set():
-            return
-        length = min(_POPULATE_STEP, nbytes - start)
-        began = time.perf_counter()
-        region.madvise(_MADV_POPULATE_WRITE, start, length)
-        if length >= _HUGEPAGE_MIN_RATE * (time.perf_counter() - began):
-            slow_steps[0] = 0
-            return
-        slow_steps[0] += 1
-        if slow_steps[0] >= _SLOW_STEPS and not slow.is_set():
-            slow.set()
-            # Pages already faulted in stay huge; everything not yet faulted gets 4 KiB pages.
-            with contextlib.suppress(OSError):
-                region.madvise(mmap.MADV_NOHUGEPAGE)
+    def __init__(self, region: mmap.mmap, nbytes: int) -> None:
+        self._region = region
+        self.nbytes = nbytes
+        self._slow = threading.Event()
+        self._slow_steps = 0  # consecutive slow steps (single hiccups happen in fast memory too)
 
-    try:
-        populate(0)  # alone first: raises where the kernel lacks MADV_POPULATE_WRITE
-    except OSError:
-        region.close()
+    @classmethod
+    def create(cls, nbytes: int) -> _HugeRegion | None:
+        """A region whose first step is faulted in, or None where this cannot be done (no
+        ``MADV_POPULATE_WRITE``, not Linux)."""
+        if not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
+            return None
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+        try:
+            region = mmap.mmap(-1, nbytes, flags=flags)
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, ValueError):
+            return None
+        made = cls(region, nbytes)
+        try:
+            made.populate(0, min(nbytes, _POPULATE_STEP))
+        except OSError:
+            region.close()
+            return None
+        return made
+
+    def populate(self, start: int, length: int) -> None:
+        """Fault in ``[start, start + length)`` step by step, until the steps turn slow."""
+        end = min(self.nbytes, start + length)
+        while start < end and not self._slow.is_set():
+            step = min(_POPULATE_STEP, end - start)
+            began = time.perf_counter()
+            self._region.madvise(_MADV_POPULATE_WRITE, start, step)
+            start += step
+            if step >= _HUGEPAGE_MIN_RATE * (time.perf_counter() - began):
+                self._slow_steps = 0
+                continue
+            self._slow_steps += 1
+            if self._slow_steps >= _SLOW_STEPS and not self._slow.is_set():
+                self._slow.set()
+                # Pages already faulted in stay huge; all others get 4 KiB pages.
+                with contextlib.suppress(OSError):
+                    self._region.madvise(mmap.MADV_NOHUGEPAGE)
+
+    def array(self) -> np.ndarray:
+        """The region as a uint8 array (which keeps the mapping alive through the buffer
+        protocol; it is unmapped with the last view)."""
+        return np.frombuffer(self._region, np.uint8)
+
+
+def _huge_region(nbytes: int) -> _HugeRegion | None:
+    if HUGEPAGE_DESTINATIONS != "auto" or nbytes < _HUGEPAGE_MIN:
+        return None
+    return _HugeRegion.create(nbytes)
+
+
+def _probed_hugepages(nbytes: int) -> np.ndarray | None:
+    """A huge-page destination faulted in ahead of any read (by one thread per core), or None."""
+    region = _HugeRegion.create(nbytes)
+    if region is None:
         return None
     # One thread per core: the work is zeroing memory, and more threads than cores would
     # each see a fraction of a core and mistake it for slow pages.
     cores = max(1, min(READ_THREADS, os.cpu_count() or 1))
-    run_parallel(populate, range(_POPULATE_STEP, nbytes, _POPULATE_STEP), cores)
-    # The array keeps the mapping alive through the buffer protocol; unmapped with the last view.
-    return np.frombuffer(region, np.uint8)
+    run_parallel(
+        lambda start: region.populate(start, _POPULATE_STEP),
+        range(_POPULATE_STEP, nbytes, _POPULATE_STEP),
+        cores,
+    )
+    return region.array()
 
 
 def empty_bytes(nbytes: int) -> np.ndarray:
@@ -359,6 +391,36 @@ class PreadSource:
         return PreadSource(
             fd, self._name, size=self._size, threads=self.threads, chunk_size=self.chunk_size
         )
+
+    def read_fresh(self, offset: int, nbytes: int) -> np.ndarray:
+        """Read ``nbytes`` at ``offset`` into new memory, faulting it in as the reads go.
+
+        Each reader thread faults in its chunk of a huge-page destination (see
+        :class:`_HugeRegion`) right before reading into it, so on a cold file the faults overlap
+        the other threads' waits for the disk instead of preceding them.
+        """
+        _check_range(self, offset, nbytes)
+        region = _huge_region(nbytes)
+        if region is None:
+            buf = empty_bytes(nbytes)
+            if nbytes:
+                self.readinto(offset, buf.data)
+            return buf
+        buf = region.array()
+        out = buf.data
+
+        def one(chunk: tuple[int, int]) -> None:
+            start, length = chunk
+            region.populate(start, length)
+            self.pread_exact(offset + start, out[start : start + length])
+
+        chunk = min(self.chunk_size, max(MIN_PARALLEL_CHUNK, -(-nbytes // self.threads)))
+        run_parallel(
+            one,
+            [(start, min(chunk, nbytes - start)) for start in range(0, nbytes, chunk)],
+            self.threads,
+        )
+        return buf
 
     def readinto(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out

@@ -184,3 +184,24 @@ def test_load_into_probed_destination_matches(tmp_path: Path) -> None:
     for k, v in data.items():
         assert np.array_equal(got[k], v)
     del got  # the tensors keep the mapping alive until here
+
+
+@pytest.mark.parametrize("setting", ["auto", "auto-slow", False])
+def test_fresh_reads_fault_in_as_they_go_and_match(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | bool
+) -> None:
+    if setting == "auto-slow":
+        monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
+        setting = "auto"
+    monkeypatch.setattr(_sources, "HUGEPAGE_DESTINATIONS", setting)
+    size = _sources._HUGEPAGE_MIN + (5 << 20) + 17
+    data = np.random.default_rng(3).integers(0, 256, size + 4096, np.uint8)
+    path = tmp_path / "d.bin"
+    path.write_bytes(data.tobytes())
+    src = PreadSource(os.open(path, os.O_RDONLY), str(path), threads=3)
+    try:
+        got = src.read_fresh(100, size)
+    finally:
+        src.close()
+    assert got.flags.writeable
+    assert np.array_equal(got, data[100 : 100 + size])
