@@ -7,7 +7,7 @@ repetition and medians are reported. Writes ``benchmarks/RESULTS.md`` and
 
 Usage::
 
-    python benchmarks/run.py            # full run (~20 minutes on a 2-core VM)
+    python benchmarks/run.py            # full run (~25 minutes on a 2-core VM)
     python benchmarks/run.py --quick    # tiny files, 1 repetition, < 60 s
 """
 

@@ -52,7 +52,7 @@ READ_THREADS: Final = max(2, min(8, (os.cpu_count() or 2) * 2))
 _T = TypeVar("_T")
 # Reader threads live for the whole process, one pool per thread count: starting threads for
 # every read cost more than the reads themselves for tensors of a few MiB (a row split of a
-# 2 GiB file took 1.7x longer with a pool per read than with a kept one).
+# 2 GiB file took ~1.2x longer with a pool per read than with a kept one).
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 _WORKER = threading.local()
