@@ -237,29 +237,47 @@ class _HugeRegion:
             return None
         made = cls(region, nbytes)
         try:
-            made.populate(0, min(nbytes, _POPULATE_STEP))
+            made.populate(0, min(nbytes, _POPULATE_STEP), strict=True)
         except OSError:
             region.close()
             return None
         return made
 
-    def populate(self, start: int, length: int) -> None:
-        """Fault in ``[start, start + length)`` step by step, until the steps turn slow."""
+    def populate(self, start: int, length: int, *, strict: bool = False) -> None:
+        """Fault in ``[start, start + length)`` step by step, until the steps turn slow.
+
+        A failing step (``ENOMEM`` under a memory limit, a pending signal) ends the faulting
+        in, like slow steps do: the reads then fault pages in as usual and meet the same
+        condition where they would have anyway. ``strict`` raises instead (the first step,
+        which tells whether the kernel supports this at all).
+        """
         end = min(self.nbytes, start + length)
+        start -= start % mmap.PAGESIZE  # madvise wants page-aligned starts
         while start < end and not self._slow.is_set():
             step = min(_POPULATE_STEP, end - start)
             began = time.perf_counter()
-            self._region.madvise(_MADV_POPULATE_WRITE, start, step)
+            try:
+                self._region.madvise(_MADV_POPULATE_WRITE, start, step)
+            except OSError:
+                if strict:
+                    raise
+                self._give_up()
+                return
             start += step
             if step >= _HUGEPAGE_MIN_RATE * (time.perf_counter() - began):
                 self._slow_steps = 0
                 continue
             self._slow_steps += 1
-            if self._slow_steps >= _SLOW_STEPS and not self._slow.is_set():
-                self._slow.set()
-                # Pages already faulted in stay huge; all others get 4 KiB pages.
-                with contextlib.suppress(OSError):
-                    self._region.madvise(mmap.MADV_NOHUGEPAGE)
+            if self._slow_steps >= _SLOW_STEPS:
+                self._give_up()
+
+    def _give_up(self) -> None:
+        if self._slow.is_set():
+            return
+        self._slow.set()
+        # Pages already faulted in stay huge; all others get 4 KiB pages.
+        with contextlib.suppress(OSError):
+            self._region.madvise(mmap.MADV_NOHUGEPAGE)
 
     def array(self) -> np.ndarray:
         """The region as a uint8 array (which keeps the mapping alive through the buffer
@@ -415,6 +433,7 @@ class PreadSource:
             self.pread_exact(offset + start, out[start : start + length])
 
         chunk = min(self.chunk_size, max(MIN_PARALLEL_CHUNK, -(-nbytes // self.threads)))
+        chunk += -chunk % _POPULATE_STEP  # chunks start on step (and so page) boundaries
         run_parallel(
             one,
             [(start, min(chunk, nbytes - start)) for start in range(0, nbytes, chunk)],

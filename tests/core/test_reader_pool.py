@@ -205,3 +205,41 @@ def test_fresh_reads_fault_in_as_they_go_and_match(
         src.close()
     assert got.flags.writeable
     assert np.array_equal(got, data[100 : 100 + size])
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8, 13])
+def test_fresh_reads_with_odd_sizes_and_thread_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    # Chunk sizes from nbytes / threads are not page multiples; chunks must still start on
+    # page boundaries (an unaligned madvise is refused, which would cost the huge pages).
+    starts: list[int] = []
+    real = _sources._HugeRegion.populate
+
+    def recording(self: object, start: int, length: int, **kw: bool) -> None:
+        starts.append(start)
+        real(self, start, length, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_sources._HugeRegion, "populate", recording)
+    size = _sources._HUGEPAGE_MIN + 12345
+    data = np.random.default_rng(threads).integers(0, 256, size + 10, np.uint8)
+    path = tmp_path / "d.bin"
+    path.write_bytes(data.tobytes())
+    src = PreadSource(os.open(path, os.O_RDONLY), str(path), threads=threads, chunk_size=9 << 20)
+    try:
+        got = src.read_fresh(3, size)
+    finally:
+        src.close()
+    assert np.array_equal(got, data[3 : 3 + size])
+    assert all(start % 4096 == 0 for start in starts)
+
+
+def test_unaligned_populate_and_failing_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    region = _sources._HugeRegion.create(_sources._HUGEPAGE_MIN)
+    if region is None:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    region.populate(4097, 5 << 20, strict=True)  # an unaligned start is rounded down
+    monkeypatch.setattr(_sources, "_MADV_POPULATE_WRITE", -12345)  # every further step fails
+    region.populate(8 << 20, 8 << 20)  # gives up quietly: the reads fault pages in instead
+    assert region._slow.is_set()
+    _check_destination(region.array(), _sources._HUGEPAGE_MIN)
