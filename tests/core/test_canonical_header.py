@@ -152,3 +152,17 @@ def test_large_header_agrees() -> None:
     fast = fmt._canonical_header(text, n, data_size)
     assert fast is not None
     assert fast == fmt._parse_generic(text, n, data_size, "")
+
+
+@pytest.mark.parametrize("meta", ["{}", "null", '{"a":"b","c":""}'])
+def test_metadata_forms_agree(meta: str) -> None:
+    text = '{"__metadata__":' + meta + ',"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}  '
+    fast = fmt._canonical_header(text, len(text), 8)
+    assert fast is not None
+    assert fast == fmt._parse_generic(text, len(text), 8, "")
+
+
+def test_metadata_without_tensors_is_left_to_the_generic_path() -> None:
+    text = '{"__metadata__":{"a":"b"}}'
+    assert fmt._canonical_header(text, len(text), 0) is None
+    assert fmt.parse_header(text.encode(), 0).metadata == {"a": "b"}
