@@ -664,10 +664,15 @@ def mutate_file(data: bytes, rng: random.Random, byte_mutate: Callable[[bytes], 
         )
     elif op == 7 and names:  # drop an entry
         del obj[rng.choice(names)]
-    text = json.dumps(obj, ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass")
+    # Writers emit the compact form, which the reader parses on its own fast path; the
+    # spaced form exercises the generic parser. Both, so that both paths are fuzzed.
+    separators = (",", ":") if rng.random() < 0.6 else (", ", ": ")
+    text = json.dumps(obj, ensure_ascii=rng.random() < 0.5, separators=separators).encode(
+        "utf-8", "surrogatepass"
+    )
     if op in (3, 4) and rng.random() < 0.5 or op >= 8:
         fixed = repair(obj, rng)
         if fixed is not None:
             obj, body = fixed
-            text = json.dumps(obj).encode("utf-8", "surrogatepass")
+            text = json.dumps(obj, separators=separators).encode("utf-8", "surrogatepass")
     return frame(text, body, pad=rng.random() < 0.8)
