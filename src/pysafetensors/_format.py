@@ -54,13 +54,14 @@ W6  A padded header over ``max_header_size`` MUST be refused. A tensor named ``_
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
 import operator
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, Final, NamedTuple
@@ -343,8 +344,6 @@ _DECODER_SLOW: Final = json.JSONDecoder(
 # be inside a string; the slow path is still exact). Integers too large for u64 are left to the
 # C scanner and checked afterwards: a regex for long digit runs costs seconds on a 100 MB header.
 _MAYBE_NEG_ZERO: Final = re.compile(r"-0(?![0-9.eE])")
-#: Headers longer than this are parsed with the cyclic garbage collector paused.
-_PAUSE_GC_ABOVE: Final = 1 << 20
 _MAYBE_SURROGATE: Final = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
@@ -662,6 +661,25 @@ def _parse_metadata(value: Any, prefix_text: str, check_surrogates: bool) -> dic
     return dict(value)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small acyclic objects.
+
+    Parsing a header (and building one view per tensor) allocates thousands to millions of
+    objects; every 700 allocations trigger a collection, which rescans the growing heap again
+    and again (seconds for 500k tensors), and the first ones after ``import torch`` walk its
+    whole object graph (~0.1 s each on a small VM). Nothing built here is cyclic garbage.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def parse_header(
     header: bytes | memoryview,
     data_size: int,
@@ -696,22 +714,34 @@ def parse_header(
             kind="InvalidHeader",
             offset=N_LEN + exc.start,
         ) from None
-    # Parsing a large header allocates millions of small acyclic objects; the cyclic garbage
-    # collector would rescan the growing heap again and again (seconds for 500k tensors).
-    pause_gc = len(text) > _PAUSE_GC_ABOVE and gc.isenabled()
-    if pause_gc:
-        gc.disable()
-    try:
+    with gc_paused():
         return _parse_text(text, len(header), data_size, prefix_text)
-    finally:
-        if pause_gc:
-            gc.enable()
 
 
 # A key followed by whitespace before its colon: the fast path's key count cannot see it.
 _SPACED_COLON: Final = re.compile(r'"[ \t\n\r]+:')
 _PLAIN_DECODER: Final = json.JSONDecoder(parse_float=_NotInt, parse_constant=_reject_constant)
 _GET_FIELDS: Final = operator.itemgetter("dtype", "shape", "data_offsets")
+
+
+def _is_str_map(value: Any) -> bool:
+    """A decoded ``__metadata__`` that the fast paths can take as is: a dict of strings."""
+    return type(value) is dict and all(type(v) is str for v in value.values())
+
+
+def _tensor_infos(
+    names: Sequence[str],
+    dtypes: Iterable[DType],
+    shapes: Iterable[tuple[int, ...]],
+    begins: Iterable[int],
+    ends: Iterable[int],
+) -> dict[str, TensorInfo]:
+    """``{name: TensorInfo}`` from columns, in their order (repeated names: the last wins)."""
+    # tuple.__new__ straight from C: TensorInfo._make would add a Python call per entry.
+    infos = map(
+        tuple.__new__, repeat(TensorInfo), zip(names, dtypes, shapes, begins, ends, strict=True)
+    )
+    return dict(zip(names, infos, strict=True))
 
 
 def _fast_entries(
@@ -740,7 +770,7 @@ def _fast_entries(
     metadata = obj.pop("__metadata__", None)
     keys = len(obj) + 3 * len(obj)
     if metadata is not None:
-        if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
+        if not _is_str_map(metadata):
             return None
         keys += 1 + len(metadata)
     elif text.count('"__metadata__"'):
@@ -797,8 +827,8 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
 
     Large headers are almost always in this form, and for them the generic path's cost is the
     Python objects it builds (a dict and two lists per entry, then a pass per rule). Here one
-    regex proves the whole text has the compact shape, a second pulls every entry out as
-    strings, and the rules run on whole columns with per-shape caching. Anything unusual
+    regex pass pulls every entry out as strings, the lengths of the matches prove that they
+    tile the whole text, and the rules run on whole columns with per-shape caching. Anything unusual
     (escapes, other spacing, metadata not first, repeated names, zero-size tensors, entries
     not in offset order, any rule failing) returns None, and the generic path decides and
     words the error exactly as before.
@@ -812,7 +842,7 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
         except ValueError:
             return None
         if meta is not None:
-            if type(meta) is not dict or not all(type(v) is str for v in meta.values()):
+            if not _is_str_map(meta):
                 return None
             # Repeated metadata keys: as in _fast_entries, the key count must match.
             if text.count('":', len(_CANON_META_PREFIX), end) != len(meta):
@@ -878,19 +908,13 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
     )
     if list(sizes) != list(map(operator.sub, ends, begins)):
         return None
-    infos = map(
-        tuple.__new__,
-        repeat(TensorInfo),
-        zip(
-            names,
-            map(dtype_of.__getitem__, codes),
-            map(shape_of.__getitem__, shape_texts),
-            begins,
-            ends,
-            strict=True,
-        ),
+    tensors = _tensor_infos(
+        names,
+        map(dtype_of.__getitem__, codes),
+        map(shape_of.__getitem__, shape_texts),
+        begins,
+        ends,
     )
-    tensors = dict(zip(names, infos, strict=True))
     if len(tensors) != count or "__metadata__" in tensors:
         return None  # a repeated name (serde's last-wins order needs the exact path)
     return Header(tensors=tensors, metadata=metadata, header_size=header_size)
@@ -984,16 +1008,8 @@ def _check_entries_fast(
         e - b for b, e in zip(begins, ends, strict=True)
     ]:
         return None
-    dtypes = [v[0] for v in values]
-    # tuple.__new__ straight from C: TensorInfo._make would add a Python call per entry.
-    infos = map(
-        tuple.__new__,
-        repeat(TensorInfo),
-        zip(names, dtypes, map(tuple, shapes), begins, ends, strict=True),
-    )
-    return Header(
-        tensors=dict(zip(names, infos, strict=True)), metadata=metadata, header_size=header_size
-    )
+    tensors = _tensor_infos(names, [v[0] for v in values], map(tuple, shapes), begins, ends)
+    return Header(tensors=tensors, metadata=metadata, header_size=header_size)
 
 
 def _check_entries(

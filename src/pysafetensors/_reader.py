@@ -9,7 +9,6 @@ large tensors and for ``get_tensors()``, and reads only the bytes a slice select
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import stat
 import threading
@@ -29,6 +28,7 @@ from ._format import (
     N_LEN,
     Header,
     TensorInfo,
+    gc_paused,
     parse_header,
     parse_header_length,
 )
@@ -99,24 +99,6 @@ class TensorMeta:
     """``(begin, end)`` relative to the data buffer."""
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building many small acyclic objects.
-
-    Parsing a header and building one view per tensor allocate thousands of objects; each
-    700 allocations trigger a collection, and the first ones after ``import torch`` walk its
-    whole object graph (~0.1 s each on a small VM). Nothing built here is cyclic garbage.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def read_header(
     source: ByteSource,
     *,
@@ -148,8 +130,7 @@ def read_header(
         rest = np.empty(n, np.uint8)
         read(N_LEN, rest.data)
         header_bytes = rest.data
-    with gc_paused():
-        return parse_header(header_bytes, size - N_LEN - n, prefix_text=prefix_text)
+    return parse_header(header_bytes, size - N_LEN - n, prefix_text=prefix_text)
 
 
 def _is_fileobj(obj: Any) -> bool:
@@ -224,7 +205,6 @@ class safe_open:  # noqa: N801 - the reference's name
         device: Where tensors go (``"cpu"``, ``"cuda:0"``, ...; torch and paddle only).
         backend: ``"mmap"`` (zero-copy, copy-on-write views) or ``"pread"`` (fresh memory).
         max_header_size: Largest header accepted (100,000,000 bytes by default).
-        threads: Reader threads for parallel reads with ``backend="pread"``.
         slice_reads: Without a memory map (pread, file objects, URLs): ``"exact"`` (default)
             reads exactly the bytes a slice selects; ``"coalesce"`` reads the covering row blocks
             of a fragmented selection (e.g. a column split) in a few large reads and picks the
@@ -233,7 +213,7 @@ class safe_open:  # noqa: N801 - the reference's name
             {"Authorization": "Bearer ..."}}`` for HTTP, ``{"endpoint_url": ...}`` for S3, or
             an fsspec filesystem's options.
         threads: Reader threads for large positioned reads (``backend="pread"``: whole-file
-            loads and row-block slice reads); default ``min(8, 2 x cores)``. See
+            loads and split slice reads); default ``min(8, 2 x cores)``. See
             ``docs/performance.md``.
 
     Raises:
