@@ -40,6 +40,7 @@ from ._sources import (
     MmapSource,
     PreadSource,
     empty_bytes,
+    read_fresh,
     read_ranges_into,
     run_parallel,
     worker_count,
@@ -347,10 +348,7 @@ class safe_open:  # noqa: N801 - the reference's name
         view = source.view(start, info.nbytes) if self._backend == "mmap" else None
         if view is not None:
             return np.frombuffer(view, np.uint8)
-        buf = empty_bytes(info.nbytes)
-        if info.nbytes:
-            source.readinto(start, buf.data)
-        return buf
+        return read_fresh(source, start, info.nbytes)
 
     def get_tensor(self, name: str) -> Any:
         """Load one tensor in the framework chosen at open.
@@ -393,12 +391,8 @@ class safe_open:  # noqa: N801 - the reference's name
         view = source.view(header.data_start, size) if self._backend == "mmap" else None
         if view is not None:
             buf = np.frombuffer(view, np.uint8)
-        elif isinstance(source, PreadSource):
-            buf = source.read_fresh(header.data_start, size)
         else:
-            buf = empty_bytes(size)
-            if size:
-                source.readinto(header.data_start, buf.data)
+            buf = read_fresh(source, header.data_start, size)
         return self._views(buf)
 
     def _to_device(self, source: ByteSource, infos: list[TensorInfo]) -> dict[str, Any] | None:

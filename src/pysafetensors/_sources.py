@@ -36,6 +36,7 @@ __all__ = [
     "MmapSource",
     "PreadSource",
     "empty_bytes",
+    "read_fresh",
     "read_ranges_into",
     "run_parallel",
     "worker_count",
@@ -319,6 +320,25 @@ def empty_bytes(nbytes: int) -> np.ndarray:
     return _numpy_empty(nbytes, False)
 
 
+def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
+    """Read ``nbytes`` at ``offset`` of ``source`` into new memory.
+
+    From a :class:`PreadSource`, a large destination is a huge-page region that each reader
+    thread faults in (:class:`_HugeRegion`) right before reading its piece, so on a cold file
+    the faults overlap the other threads' waits for the disk instead of preceding them. Other
+    sources read into :func:`empty_bytes`.
+    """
+    region = _huge_region(nbytes) if isinstance(source, PreadSource) else None
+    if isinstance(source, PreadSource) and region is not None:
+        buf = region.array()
+        source.readinto(offset, buf.data, prepare=region.populate, align=_POPULATE_STEP)
+        return buf
+    buf = empty_bytes(nbytes)
+    if nbytes:
+        source.readinto(offset, buf.data)
+    return buf
+
+
 def worker_count(source: object) -> int:
     """Threads to use for parallel reads from ``source`` (its ``threads``, else the default)."""
     threads = getattr(source, "threads", None)
@@ -410,56 +430,44 @@ class PreadSource:
             fd, self._name, size=self._size, threads=self.threads, chunk_size=self.chunk_size
         )
 
-    def read_fresh(self, offset: int, nbytes: int) -> np.ndarray:
-        """Read ``nbytes`` at ``offset`` into new memory, faulting it in as the reads go.
+    def _split(self, total: int, align: int = 1) -> list[tuple[int, int]]:
+        """``(start, length)`` pieces of a ``total``-byte read, one per thread task.
 
-        Each reader thread faults in its chunk of a huge-page destination (see
-        :class:`_HugeRegion`) right before reading into it, so on a cold file the faults overlap
-        the other threads' waits for the disk instead of preceding them.
+        Mid-sized reads (a row split of one tensor: a few MiB to a few tens of MiB) are split
+        too, into at least MIN_PARALLEL_CHUNK pieces, so that both cores take page faults.
+        Pieces start on multiples of ``align``.
         """
-        _check_range(self, offset, nbytes)
-        region = _huge_region(nbytes)
-        if region is None:
-            buf = empty_bytes(nbytes)
-            if nbytes:
-                self.readinto(offset, buf.data)
-            return buf
-        buf = region.array()
-        out = buf.data
+        chunk = min(self.chunk_size, max(MIN_PARALLEL_CHUNK, -(-total // self.threads)))
+        chunk += -chunk % align
+        return [(start, min(chunk, total - start)) for start in range(0, total, chunk)]
 
-        def one(chunk: tuple[int, int]) -> None:
-            start, length = chunk
-            region.populate(start, length)
-            self.pread_exact(offset + start, out[start : start + length])
+    def readinto(
+        self,
+        offset: int,
+        out: memoryview,
+        *,
+        prepare: Callable[[int, int], None] | None = None,
+        align: int = 1,
+    ) -> None:
+        """Fill ``out`` from ``offset``, split across the reader threads when large.
 
-        chunk = min(self.chunk_size, max(MIN_PARALLEL_CHUNK, -(-nbytes // self.threads)))
-        chunk += -chunk % _POPULATE_STEP  # chunks start on step (and so page) boundaries
-        run_parallel(
-            one,
-            [(start, min(chunk, nbytes - start)) for start in range(0, nbytes, chunk)],
-            self.threads,
-        )
-        return buf
-
-    def readinto(self, offset: int, out: memoryview) -> None:
+        ``prepare(start, length)``, if given, runs on each piece of ``out`` right before the
+        read into it, on the thread that reads it (see :func:`read_fresh`); pieces then start
+        on multiples of ``align``.
+        """
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         _check_range(self, offset, out.nbytes)
-        total = out.nbytes
-        # Mid-sized reads (a row split of one tensor: a few MiB to a few tens of MiB) are split
-        # too, into at least MIN_PARALLEL_CHUNK pieces, so that both cores take page faults.
-        chunk = min(self.chunk_size, max(MIN_PARALLEL_CHUNK, -(-total // self.threads)))
-        if total <= chunk or self.threads <= 1:
-            self.pread_exact(offset, out)
-            return
-        chunks = [(start, min(chunk, total - start)) for start in range(0, total, chunk)]
-        # Threads take chunks in file order, so together they sweep the file front to back
+
+        def one(piece: tuple[int, int]) -> None:
+            start, length = piece
+            if prepare is not None:
+                prepare(start, length)
+            self.pread_exact(offset + start, out[start : start + length])
+
+        # Threads take pieces in file order, so together they sweep the file front to back
         # (kernel readahead keeps up on cold files) while their page faults on the fresh
         # destination and their kernel copies overlap.
-        run_parallel(
-            lambda c: self.pread_exact(offset + c[0], out[c[0] : c[0] + c[1]]),
-            chunks,
-            self.threads,
-        )
+        run_parallel(one, self._split(out.nbytes, align) if out.nbytes else [], self.threads)
 
     def view(self, offset: int, length: int) -> memoryview | None:
         return None

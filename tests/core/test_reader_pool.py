@@ -200,7 +200,7 @@ def test_fresh_reads_fault_in_as_they_go_and_match(
     path.write_bytes(data.tobytes())
     src = PreadSource(os.open(path, os.O_RDONLY), str(path), threads=3)
     try:
-        got = src.read_fresh(100, size)
+        got = _sources.read_fresh(src, 100, size)
     finally:
         src.close()
     assert got.flags.writeable
@@ -227,7 +227,7 @@ def test_fresh_reads_with_odd_sizes_and_thread_counts(
     path.write_bytes(data.tobytes())
     src = PreadSource(os.open(path, os.O_RDONLY), str(path), threads=threads, chunk_size=9 << 20)
     try:
-        got = src.read_fresh(3, size)
+        got = _sources.read_fresh(src, 3, size)
     finally:
         src.close()
     assert np.array_equal(got, data[3 : 3 + size])
