@@ -18,9 +18,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
+
+from ._sources import run_parallel
 
 __all__ = [
     "CHUNK_BYTES",
@@ -175,12 +176,7 @@ def stage_to_device(
             stats.reuse[index] = stats.reuse.get(index, 0) + 1
 
     try:
-        if workers == 1:
-            for start in starts:
-                one(start)
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                list(pool.map(one, starts))
+        run_parallel(one, starts, workers)
     finally:
         # Every copy must have landed before the pinned buffers can be freed or reused, and
         # before the tensors are used (also when a read failed half way).

@@ -1198,17 +1198,31 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
             raise _bad(f"tar {what} key {key} is used twice")
         return int(key)
 
-    # storages: count, then per storage (key, location, storage_type) + int64 count + raw bytes,
-    # then a list of views (view_key, root_key, offset, numel) in elements.
-    start, size = members["storages"]
-    stop = start + size
-    count, pos = _run_at(file, start, stop, table, limits)
-    if not _is_int(count) or count < 0 or count > size:
-        raise _bad(f"tar storages: invalid storage count {_short(count)}")
-    for _ in range(count):
+    def open_table(member: str, what: str) -> tuple[int, int, int]:
+        """The record count that starts a table member: ``(count, position, member end)``."""
+        start, size = members[member]
+        stop = start + size
+        count, pos = _run_at(file, start, stop, table, limits)
+        if not _is_int(count) or count < 0 or count > size:
+            raise _bad(f"tar {member}: invalid {what} count {_short(count)}")
+        return count, pos, stop
+
+    def record(pos: int, stop: int, what: str, fields: str) -> tuple[tuple[Any, ...], int]:
+        """One ``(key, ..., type)`` record pickle of a table member."""
         rec, pos = _run_at(file, pos, stop, table, limits)
         if type(rec) is not tuple or len(rec) != 3:
-            raise _bad(f"tar storage record {_short(rec)} is not (key, location, type)")
+            raise _bad(f"tar {what} record {_short(rec)} is not ({fields})")
+        return rec, pos
+
+    def close_table(member: str, pos: int, stop: int) -> None:
+        if pos != stop:
+            raise _bad(f"tar {member}: {stop - pos} bytes after the last record")
+
+    # storages: count, then per storage (key, location, storage_type) + int64 count + raw bytes,
+    # then a list of views (view_key, root_key, offset, numel) in elements.
+    count, pos, stop = open_table("storages", "storage")
+    for _ in range(count):
+        rec, pos = record(pos, stop, "storage", "key, location, type")
         key = new_key(rec[0], "storage")
         stype = rec[2]
         if type(rec[1]) is not str or not isinstance(stype, Stand) or stype.kind != "storage":
@@ -1250,20 +1264,13 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
         objects[key] = StorageRef(
             root.key, root.dtype, root.numel, root.view_offset + view[2], view[3]
         )
-    if pos != stop:
-        raise _bad(f"tar storages: {stop - pos} bytes after the last record")
+    close_table("storages", pos, stop)
 
     # tensors: count, then per tensor (key, storage_key, tensor_type) + int32 ndim + 4 pad bytes
     # + ndim int64 sizes + ndim int64 strides + int64 storage offset.
-    start, size = members["tensors"]
-    stop = start + size
-    count, pos = _run_at(file, start, stop, table, limits)
-    if not _is_int(count) or count < 0 or count > size:
-        raise _bad(f"tar tensors: invalid tensor count {_short(count)}")
+    count, pos, stop = open_table("tensors", "tensor")
     for _ in range(count):
-        rec, pos = _run_at(file, pos, stop, table, limits)
-        if type(rec) is not tuple or len(rec) != 3:
-            raise _bad(f"tar tensor record {_short(rec)} is not (key, storage, type)")
+        rec, pos = record(pos, stop, "tensor", "key, storage, type")
         key = new_key(rec[0], "tensor")
         storage = objects.get(rec[1]) if _is_int(rec[1]) else None
         if not isinstance(storage, StorageRef):
@@ -1285,8 +1292,7 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
             raise _bad(f"tar tensor {key}: storage offset {offset} is invalid")
         offset += storage.view_offset
         objects[key] = TensorRef(storage, offset, size_t, stride_t, storage.dtype)
-    if pos != stop:
-        raise _bad(f"tar tensors: {stop - pos} bytes after the last record")
+    close_table("tensors", pos, stop)
 
     start, size = members["pickle"]
     if size > MAX_PICKLE_BYTES:

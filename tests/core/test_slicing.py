@@ -263,14 +263,15 @@ def test_pread_reads_exact_bytes(
     assert len(calls) == expected_reads
 
 
-@pytest.mark.parametrize(
-    ("index", "rows"),
-    [
-        ((slice(None), slice(0, 1024)), 64),
-        ((slice(2, 6), slice(1, 3000, 2)), 4),
-        ((3, slice(0, 2000, 3)), 1),
-    ],
-)
+#: Fragmented but dense selections of ``big`` and the rows each one covers.
+DENSE_FRAGMENTS: list[tuple[Any, int]] = [
+    ((slice(None), slice(0, 1024)), 64),
+    ((slice(2, 6), slice(1, 3000, 2)), 4),
+    ((3, slice(0, 2000, 3)), 1),
+]
+
+
+@pytest.mark.parametrize(("index", "rows"), DENSE_FRAGMENTS)
 def test_pread_dense_fragments_read_exact_bytes_by_default(
     big: tuple[Path, np.ndarray], index: Any, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -281,14 +282,7 @@ def test_pread_dense_fragments_read_exact_bytes_by_default(
     assert sum(calls) == arr[index].nbytes
 
 
-@pytest.mark.parametrize(
-    ("index", "rows"),
-    [
-        ((slice(None), slice(0, 1024)), 64),
-        ((slice(2, 6), slice(1, 3000, 2)), 4),
-        ((3, slice(0, 2000, 3)), 1),
-    ],
-)
+@pytest.mark.parametrize(("index", "rows"), DENSE_FRAGMENTS)
 def test_pread_coalesce_reads_covering_rows(
     big: tuple[Path, np.ndarray], index: Any, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
