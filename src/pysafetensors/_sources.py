@@ -17,6 +17,7 @@ Remote sources (HTTP, S3, fsspec) live in ``_remote`` and implement the same pro
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import threading
@@ -28,6 +29,7 @@ from typing import IO, Any, Final, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from ._errors import SafetensorError
+from ._syscalls import mincore
 
 __all__ = [
     "BufferSource",
@@ -188,7 +190,16 @@ _HUGEPAGE_MIN_RATE: Final = 1e9
 #: Consecutive slow steps that switch the rest of a destination to 4 KiB pages.
 _SLOW_STEPS: Final = 3
 _MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; not exported by the mmap module
+_MADV_POPULATE_READ: Final = 22
 _POPULATE_STEP: Final = 4 << 20
+#: Mapped ranges at least this large are read into the page cache before a copy out of them,
+#: when mostly uncached (:meth:`MmapSource.prefetch`).
+PREFETCH_MIN: Final = 4 << 20
+#: Piece each reader thread populates at a time: on the disk measured, 2 MiB pieces on all
+#: reader threads kept the device busiest (4 MiB varied more, 8-16 MiB was slower than none).
+_PREFETCH_STEP: Final = 2 << 20
+#: A range with at least this fraction of its pages cached is copied from as it is.
+_PREFETCH_RESIDENT: Final = 0.5
 
 
 def _numpy_empty(nbytes: int, hugepages: bool) -> np.ndarray:
@@ -339,6 +350,19 @@ def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
     return buf
 
 
+def resident_fraction(address: int, length: int) -> float | None:
+    """Fraction of the pages of ``[address, address + length)`` (mapped memory) that are in
+    memory, or None where the kernel cannot say."""
+    if mincore is None or length <= 0:
+        return None
+    start = address - address % mmap.PAGESIZE
+    pages = -(-(address + length - start) // mmap.PAGESIZE)
+    vec = np.empty(pages, np.uint8)
+    if mincore(start, address + length - start, vec.ctypes.data) != 0:
+        return None
+    return float(np.count_nonzero(vec & 1)) / pages
+
+
 def worker_count(source: object) -> int:
     """Threads to use for parallel reads from ``source`` (its ``threads``, else the default)."""
     threads = getattr(source, "threads", None)
@@ -481,6 +505,13 @@ class PreadSource:
         self._fd = -1
 
 
+class PrefetchSupport:
+    """Whether :meth:`MmapSource.prefetch` may populate ranges (switched off for the process
+    the first time the kernel refuses, and settable to turn the prefetch off)."""
+
+    enabled: bool = hasattr(mmap.mmap, "madvise") and mincore is not None
+
+
 class MmapSource:
     """A private (copy-on-write) memory map of a whole file.
 
@@ -548,14 +579,43 @@ class MmapSource:
         self._check_not_truncated(offset, length)
         return self._view[offset : offset + length]
 
-    def advise(self, offset: int, length: int, advice: int) -> None:
-        """Pass an ``madvise`` hint for a range (no-op where unsupported)."""
-        if self._map is None or not hasattr(self._map, "madvise"):
-            return
-        page = mmap.PAGESIZE
-        start = offset - offset % page
-        with contextlib.suppress(OSError, ValueError):
-            self._map.madvise(advice, start, min(self._size - start, length + offset - start))
+    def prefetch(self, offset: int, length: int) -> bool:
+        """Read a mostly uncached range into the page cache ahead of a copy out of it.
+
+        A copy out of a cold mapping stops at every readahead window to wait for the disk,
+        one window at a time per copying thread. Populating the range first
+        (``MADV_POPULATE_READ``) in 2 MiB pieces on all reader threads keeps the device's queue
+        full: a cold 1/8 column split of a 2 GiB file (bytes from every other page) took
+        ~1.1 s instead of ~1.45 s, measured. A range already mostly cached (``mincore``) is
+        left alone: mapping all its pages would cost more than the copy's own faults.
+
+        Returns:
+            Whether the range was populated (False: small, mostly cached, or unsupported).
+        """
+        if self._map is None or length < PREFETCH_MIN or not PrefetchSupport.enabled:
+            return False
+        _check_range(self, offset, length)
+        self._check_not_truncated(offset, length)
+        address = np.frombuffer(self._view, np.uint8).ctypes.data
+        resident = resident_fraction(address + offset, length)
+        if resident is None or resident >= _PREFETCH_RESIDENT:
+            return False
+        mapping = self._map
+        start = offset - offset % mmap.PAGESIZE
+        end = offset + length
+
+        def populate(at: int) -> None:
+            mapping.madvise(_MADV_POPULATE_READ, at, min(_PREFETCH_STEP, end - at))
+
+        try:
+            run_parallel(populate, range(start, end, _PREFETCH_STEP), READ_THREADS)
+        except OSError as exc:
+            # Kernels before 5.14 refuse the advice (EINVAL): stop asking. Anything else (a
+            # file truncated meanwhile) is left to the copy, which checks and reports it.
+            if exc.errno == errno.EINVAL:
+                PrefetchSupport.enabled = False
+            return False
+        return True
 
     def close(self) -> None:
         # Tensors may still view the mapping; the map is unmapped when the last view dies.

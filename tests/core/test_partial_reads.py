@@ -7,6 +7,7 @@ another OS) the test skips rather than pass without measuring.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 import pysafetensors
-from pysafetensors._sources import PreadSource
+from pysafetensors import _sources
+from pysafetensors._sources import MmapSource, PreadSource
 from pysafetensors.numpy import save_file
 
 MiB = 1 << 20
@@ -88,3 +90,104 @@ def test_reopened_descriptor_is_the_same_file(tmp_path: Path) -> None:
     src.close()
     src2.close()
     assert exact._fd == -1 and exact2._fd == -1
+
+
+# Copies out of a cold mapping: the span is read into the page cache first, on all reader
+# threads (MmapSource.prefetch), when most of its pages are needed and few are cached.
+
+
+def _mapped_residency(path: Path) -> float:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = np.frombuffer(mm, np.uint8)
+        try:
+            fraction = _sources.resident_fraction(view.ctypes.data, len(view))
+        finally:
+            del view
+    if fraction is None:
+        pytest.skip("no mincore here")
+    return fraction
+
+
+@pytest.fixture
+def cold_matrix(cold_file: Path, tmp_path: Path) -> tuple[Path, np.ndarray]:
+    """A cold file holding one 16 MiB matrix of 8 KiB rows (the fixture above proved that
+    eviction works on this file system)."""
+    matrix = np.random.default_rng(1).integers(0, 255, (2048, 8192), np.uint8)
+    path = tmp_path / "matrix.safetensors"
+    save_file({"w": matrix}, str(path))
+    _evict(path)
+    if _mapped_residency(path) > 0.1:
+        pytest.skip("the file stayed cached")
+    return path, matrix
+
+
+@pytest.fixture
+def prefetch_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Record every MmapSource.prefetch call (length, whether it populated); the real method
+    runs."""
+    calls: list[tuple[int, bool]] = []
+    real = MmapSource.prefetch
+
+    def recording(self: MmapSource, offset: int, length: int) -> bool:
+        done = real(self, offset, length)
+        calls.append((length, done))
+        return done
+
+    monkeypatch.setattr(MmapSource, "prefetch", recording)
+    return calls
+
+
+def test_cold_column_split_of_a_mapping_is_read_in_first(
+    cold_matrix: tuple[Path, np.ndarray], prefetch_calls: list[tuple[int, bool]]
+) -> None:
+    if not _sources.PrefetchSupport.enabled:
+        pytest.skip("no MADV_POPULATE_READ or mincore here")
+    path, matrix = cold_matrix
+    with pysafetensors.safe_open(str(path), "np") as f:
+        got = f.get_slice("w")[:, :1024]  # 1 KiB of every 8 KiB row: every other page
+    assert np.array_equal(got, matrix[:, :1024])
+    span = 2047 * 8192 + 1024
+    assert prefetch_calls == [(span, True)]
+    assert _mapped_residency(path) > 0.9  # the whole span, not only the selected pages
+
+
+def test_sparse_selection_of_a_cold_mapping_is_not_read_in(
+    cold_matrix: tuple[Path, np.ndarray], prefetch_calls: list[tuple[int, bool]]
+) -> None:
+    path, matrix = cold_matrix
+    with pysafetensors.safe_open(str(path), "np") as f:
+        got = f.get_slice("w")[::64, :64]  # 32 rows: the span would be 4,000x the bytes
+    assert np.array_equal(got, matrix[::64, :64])
+    assert prefetch_calls == []
+
+
+def test_prefetch_leaves_cached_and_small_ranges_alone(tmp_path: Path) -> None:
+    path = tmp_path / "warm.bin"
+    path.write_bytes(os.urandom(8 * MiB))
+    path.read_bytes()  # cached
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        source = MmapSource(fd, str(path))
+    finally:
+        os.close(fd)
+    try:
+        assert not source.prefetch(0, 8 * MiB)  # cached already
+        assert not source.prefetch(0, _sources.PREFETCH_MIN - 1)  # too small to matter
+        with pytest.raises(pysafetensors.SafetensorError):
+            source.prefetch(4 * MiB, 8 * MiB)  # past the end: refused like any read
+    finally:
+        source.close()
+
+
+def test_kernel_refusing_the_prefetch_turns_it_off(
+    cold_matrix: tuple[Path, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not _sources.PrefetchSupport.enabled:
+        pytest.skip("no MADV_POPULATE_READ or mincore here")
+    monkeypatch.setattr(_sources.PrefetchSupport, "enabled", True)  # restored afterwards
+    monkeypatch.setattr(_sources, "_MADV_POPULATE_READ", -12345)  # EINVAL, as before 5.14
+    path, matrix = cold_matrix
+    with pysafetensors.safe_open(str(path), "np") as f:
+        got = f.get_slice("w")[:, 1024:2048]
+    assert np.array_equal(got, matrix[:, 1024:2048])  # the copy faulted the pages in itself
+    assert _sources.PrefetchSupport.enabled is False

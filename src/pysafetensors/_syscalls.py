@@ -1,0 +1,42 @@
+"""libc calls the ``os`` module does not expose: ``mincore`` and ``sync_file_range``.
+
+Both serve as hints or queries for speed only: where libc or the call is missing (not Linux, a
+libc without it), the name is None and callers do without.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, Final
+
+__all__ = ["SYNC_FILE_RANGE_WRITE", "mincore", "sync_file_range"]
+
+#: ``sync_file_range`` flag: start writeback of the range's dirty pages, do not wait.
+SYNC_FILE_RANGE_WRITE: Final = 2
+
+
+def _libc_function(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    if os.name != "posix":
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - depends on the libc
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+#: ``mincore(addr, length, vec)``: which pages of a mapping are in memory (bit 0 of each byte).
+mincore: Final = _libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+
+#: ``sync_file_range(fd, offset, nbytes, flags)`` (Linux only).
+sync_file_range: Final = (
+    _libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    if sys.platform.startswith("linux")
+    else None
+)
