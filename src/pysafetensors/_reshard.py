@@ -40,7 +40,7 @@ from ._sharding import (
     write_index,
 )
 from ._sources import ByteSource
-from ._writer import atomic_output
+from ._writer import Writeback, atomic_output
 
 __all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
 
@@ -212,9 +212,12 @@ def _write_one(
         while head:
             head = head[os.write(fd, head) :]
         base = len(layout.header)
+        writeback = Writeback(fd) if fsync else None
         for planned in layout.tensors:
             spath, off, info = by_name[planned.name]
             sources.copy(spath, off, fd, base + planned.begin, info.nbytes)
+            if writeback is not None:
+                writeback.wrote(base + planned.begin, info.nbytes)
             if progress is not None:
                 state[0] += info.nbytes
                 progress(state[0], state[1])

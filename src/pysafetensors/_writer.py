@@ -18,6 +18,7 @@ import contextlib
 import glob
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +27,11 @@ from typing import Any, Final
 from ._dtypes import DType
 from ._errors import SerializeError
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout
+from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 __all__ = [
     "TensorData",
+    "Writeback",
     "atomic_output",
     "layout_for",
     "serialize_to_bytes",
@@ -49,6 +52,10 @@ _IOV_MAX: Final = min(1024, getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX
 #: than plain appends in benchmarks/RESULTS.md (median of 5; the raw-write ceiling, which does
 #: not preallocate, was 3.7x faster than the preallocating writer).
 PREALLOCATE: bool = False
+
+#: A durable save hands its bytes to the disk in pieces of about this size as soon as they are
+#: written (:class:`Writeback`).
+WRITEBACK_STEP: Final = 16 << 20
 
 Chunks = Iterable[Any]  # buffer-protocol objects (bytes, memoryview, numpy arrays, ...)
 
@@ -112,8 +119,53 @@ def _ordered_chunks(
             )
 
 
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    """``writev`` until every byte of ``views`` is written (handles short writes)."""
+class Writeback:
+    """Starts the disk writing a durable save's bytes while later bytes are still being written.
+
+    A save with ``fsync`` otherwise leaves every page dirty until the final ``fsync``, which
+    then waits for the whole file to reach the disk. Asking for writeback of each ~16 MiB as
+    soon as it is written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait)
+    overlaps the disk with the rest of the writing: on the VM of ``benchmarks/RESULTS.md`` a
+    2 GiB write + ``fsync`` took 0.69-0.97 s this way against 1.10-1.38 s without (8 MiB steps
+    about the same, 32-64 MiB slower). Durability still comes from the final ``fsync``; this is
+    only a hint, and a no-op where the call is missing or refused.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._low = -1  # envelope of the bytes written since the last hand-over
+        self._high = -1
+        self._active = sync_file_range is not None
+
+    def wrote(self, offset: int, length: int) -> None:
+        """Note that ``[offset, offset + length)`` was written; hand it over when enough is."""
+        if not self._active or length <= 0:
+            return
+        with self._lock:
+            if self._low < 0:
+                self._low, self._high = offset, offset + length
+            else:
+                self._low = min(self._low, offset)
+                self._high = max(self._high, offset + length)
+            if self._high - self._low < WRITEBACK_STEP:
+                return
+            low, high = self._low, self._high
+            self._low = self._high = -1
+        # Pages of the envelope that were not written (out-of-order writers) are not dirty
+        # and cost nothing; pages already being written back are skipped by the kernel.
+        assert sync_file_range is not None
+        if sync_file_range(self._fd, low, high - low, SYNC_FILE_RANGE_WRITE) != 0:
+            self._active = False  # not supported on this file system: stop asking
+
+
+def _write_all(fd: int, views: list[memoryview]) -> int:
+    """``writev`` until every byte of ``views`` is written (handles short writes).
+
+    Returns:
+        The number of bytes written.
+    """
+    total = sum(v.nbytes for v in views)
     while views:
         n = os.writev(fd, views)
         while views and n >= views[0].nbytes:
@@ -121,16 +173,28 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views.pop(0)
         if n:
             views[0] = views[0][n:]
+    return total
 
 
-def write_layout(fd: int, layout: Layout, tensors: Sequence[TensorData]) -> None:
+def write_layout(
+    fd: int, layout: Layout, tensors: Sequence[TensorData], *, writeback: Writeback | None = None
+) -> None:
     """Write the header and every tensor's bytes to ``fd`` at its current position.
 
     Chunks are written directly from their memory (nothing is copied in user space), in
     ``writev`` calls of about ``_WRITEV_BYTES``: small chunks are gathered, large ones cut into
-    pieces of that size.
+    pieces of that size. ``writeback`` (durable saves) is told about every write.
     """
     by_name = {t.name: t for t in tensors}
+    pos = os.lseek(fd, 0, os.SEEK_CUR) if writeback is not None else 0
+
+    def flush(views: list[memoryview]) -> None:
+        nonlocal pos
+        written = _write_all(fd, views)
+        if writeback is not None:
+            writeback.wrote(pos, written)
+            pos += written
+
     batch: list[memoryview] = [memoryview(layout.header)]
     batch_bytes = len(layout.header)
     for _, view in _ordered_chunks(layout, by_name):
@@ -140,17 +204,17 @@ def write_layout(fd: int, layout: Layout, tensors: Sequence[TensorData]) -> None
             batch.append(view)
             batch_bytes += size
             if len(batch) >= _IOV_MAX or batch_bytes >= _WRITEV_BYTES:
-                _write_all(fd, batch)
+                flush(batch)
                 batch, batch_bytes = [], 0
             continue
         # Large chunks go out in pieces cut at fixed offsets from their own start (never
         # re-cut to fill a batch), which measured several times faster here.
         if batch:
-            _write_all(fd, batch)
+            flush(batch)
             batch, batch_bytes = [], 0
-        for pos in range(0, size, _WRITEV_BYTES):
-            _write_all(fd, [view[pos : pos + _WRITEV_BYTES]])
-    _write_all(fd, batch)
+        for start in range(0, size, _WRITEV_BYTES):
+            flush([view[start : start + _WRITEV_BYTES]])
+    flush(batch)
 
 
 def _umask() -> int:
@@ -244,7 +308,7 @@ def write_file(
             # Reserve the space up front: ENOSPC before writing anything.
             with contextlib.suppress(OSError, AttributeError):
                 os.posix_fallocate(fd, 0, layout.file_size)
-        write_layout(fd, layout, tensors)
+        write_layout(fd, layout, tensors, writeback=Writeback(fd) if fsync else None)
     return layout
 
 
