@@ -351,9 +351,9 @@ def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
 
 
 #: ``resident_fraction`` looks at this many windows of a long range...
-_RESIDENCY_WINDOWS: Final = 32
+_RESIDENCY_WINDOWS: Final = 8
 #: ... of this many pages each (mincore walks the page cache page by page: asking about all of
-#: a 2 GiB mapping took 30-40 ms, as long as a tenth of a warm column split).
+#: a 2 GiB mapping took 30-40 ms, as long as a fifth of a warm column split).
 _RESIDENCY_WINDOW_PAGES: Final = 8
 
 
@@ -361,7 +361,7 @@ def resident_fraction(address: int, length: int) -> float | None:
     """Estimated fraction of the pages of ``[address, address + length)`` (mapped memory) that
     are in memory, or None where the kernel cannot say.
 
-    Long ranges are sampled: 32 windows of 8 pages, evenly spread.
+    Long ranges are sampled: 8 windows of 8 pages, evenly spread.
     """
     if mincore is None or length <= 0:
         return None
