@@ -452,17 +452,20 @@ class safe_open:  # noqa: N801 - the reference's name
                     # Cold: read the span in ahead of the copy (most of its pages are needed,
                     # and readahead would fetch the rest anyway).
                     source.prefetch(base + first, span)
+                # The framework's own copy kernel where it has one (torch), else numpy on the
+                # reader threads.
+                copy = getattr(self._adapter, "copy_array", None) or (
+                    lambda dest, src: copy_in_parallel(dest, src, source)
+                )
                 if len(plan.starts) == 1:
                     start = int(plan.starts[0])
-                    copy_in_parallel(buf, whole[start : start + plan.run_bytes], source)
+                    copy(buf, whole[start : start + plan.run_bytes])
                 elif info.dtype.bits % 8 == 0:
                     # A strided copy of the selection touches only the pages it lies on.
                     src_shape, index, dest_shape = byte_selection(
                         info.shape, info.dtype.bits // 8, plan
                     )
-                    copy_in_parallel(
-                        buf.reshape(dest_shape), whole.reshape(src_shape)[index], source
-                    )
+                    copy(buf.reshape(dest_shape), whole.reshape(src_shape)[index])
                 else:
                     pos = 0
                     for off, length in plan.coalesced():

@@ -141,6 +141,17 @@ class TorchAdapter:
             tensor = tensor.to(device.torch_spec)
         return tensor
 
+    def copy_array(self, dest: np.ndarray, src: np.ndarray) -> None:
+        """``dest[...] = src`` with torch's copy kernel, on torch's own threads.
+
+        Used for slices copied out of a mapping: a TP=8 column split of a 2 GiB file (warm)
+        copied in 56-74 ms this way against 91-106 ms with numpy split across the reader
+        threads (numpy's strided byte copy ran at ~2/3 of torch's speed even without page
+        faults).
+        """
+        if dest.size:
+            torch.from_numpy(dest).copy_(torch.from_numpy(src))
+
     def from_bytes_many(
         self,
         buf: np.ndarray,

@@ -311,3 +311,31 @@ def test_subbyte_slice_alignment_rules(tmp_path: Path) -> None:
             f.get_slice("x")[:, 0:1]
         assert info.value.kind == "MisalignedSlice"
         assert "slicing for subbytes dtypes" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        (slice(None), slice(0, 512)),  # a TP column split: a strided copy
+        (slice(128, 640),),  # a row split: one contiguous run
+        (slice(1, None, 3), slice(100, 4000, 7)),  # steps in both dimensions
+        (slice(5, 5),),  # empty
+    ],
+)
+def test_large_mapped_slices_through_each_copy_kernel(tmp_path: Path, index: Any) -> None:
+    """The mmap backend copies with torch's kernel for "pt" and, above 4 MiB, with numpy on the
+    reader threads for "np"; both agree with numpy indexing and with the pread backend."""
+    torch = pytest.importorskip("torch")
+    from pysafetensors.numpy import save_file
+
+    matrix = np.random.default_rng(3).standard_normal((1024, 4096)).astype(np.float32)  # 16 MiB
+    path = tmp_path / "big.safetensors"
+    save_file({"w": matrix}, path)
+    want = matrix[index]
+    for backend in ("mmap", "pread"):
+        with safe_open(path, "np", backend=backend) as f:
+            assert np.array_equal(f.get_slice("w")[index], want), backend
+        with safe_open(path, "pt", backend=backend) as f:
+            got = f.get_slice("w")[index]
+            assert got.dtype == torch.float32 and got.is_contiguous()
+            assert np.array_equal(got.numpy(), want), backend
