@@ -136,11 +136,12 @@ class Writeback:
         self._lock = threading.Lock()
         self._low = -1  # envelope of the bytes written since the last hand-over
         self._high = -1
-        self._active = sync_file_range is not None
+        self._sync = sync_file_range  # None where the call is missing (not Linux)
 
     def wrote(self, offset: int, length: int) -> None:
         """Note that ``[offset, offset + length)`` was written; hand it over when enough is."""
-        if not self._active or length <= 0:
+        sync = self._sync  # read once: another writer thread may switch it off meanwhile
+        if sync is None or length <= 0:
             return
         with self._lock:
             if self._low < 0:
@@ -154,9 +155,8 @@ class Writeback:
             self._low = self._high = -1
         # Pages of the envelope that were not written (out-of-order writers) are not dirty
         # and cost nothing; pages already being written back are skipped by the kernel.
-        assert sync_file_range is not None
-        if sync_file_range(self._fd, low, high - low, SYNC_FILE_RANGE_WRITE) != 0:
-            self._active = False  # not supported on this file system: stop asking
+        if sync(self._fd, low, high - low, SYNC_FILE_RANGE_WRITE) != 0:
+            self._sync = None  # not supported on this file system: stop asking
 
 
 def _write_all(fd: int, views: list[memoryview]) -> int:

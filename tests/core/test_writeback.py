@@ -108,7 +108,7 @@ def test_refused_hand_over_stops_asking() -> None:
     try:
         writeback = _writer.Writeback(write_end)
         writeback.wrote(0, _writer.WRITEBACK_STEP)  # refused: no exception
-        assert writeback._active is False
+        assert writeback._sync is None
         writeback.wrote(0, _writer.WRITEBACK_STEP)  # and not asked again
     finally:
         os.close(read_end)
