@@ -22,7 +22,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Final, Protocol, TypeVar, runtime_checkable
 
@@ -384,6 +384,73 @@ def resident_fraction(address: int, length: int) -> float | None:
     return resident / (len(firsts) * window)
 
 
+#: Reads at least this large get a read-ahead thread when most of their range is uncached.
+READ_AHEAD_MIN: Final = 256 << 20
+#: Window of each ``POSIX_FADV_WILLNEED`` the read-ahead thread issues.
+_READ_AHEAD_STEP: Final = 2 << 20
+
+
+def mostly_uncached(fd: int, offset: int, nbytes: int) -> bool:
+    """Whether most of ``[offset, offset + nbytes)`` of a file is not in the page cache.
+
+    Sampled with ``mincore`` over a temporary mapping, which reads nothing; False where that
+    cannot be done.
+    """
+    if mincore is None or nbytes <= 0:
+        return False
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        with mmap.mmap(fd, offset + nbytes - start, offset=start, access=mmap.ACCESS_READ) as m:
+            view = np.frombuffer(m, np.uint8)
+            try:
+                fraction = resident_fraction(view.ctypes.data + offset - start, nbytes)
+            finally:
+                del view  # the mapping cannot close while exported
+    except (OSError, ValueError):
+        return False
+    return fraction is not None and fraction < _PREFETCH_RESIDENT
+
+
+@contextlib.contextmanager
+def read_ahead(fd: int, offset: int, nbytes: int) -> Iterator[None]:
+    """Keep the disk busy ahead of a large read of a cold file while the body runs.
+
+    The reader threads each wait for their own piece, and the kernel's readahead reads only a
+    window ahead of each, so between windows the disk idles. A separate thread asks for the
+    whole range in 2 MiB windows (``POSIX_FADV_WILLNEED``, which queues the reads and returns
+    once they are submitted), front to back at the disk's pace, and stops when the body ends.
+    A cold 2 GiB load took 1.14-1.41 s this way against 1.26-1.57 s without (six interleaved
+    pairs, five of them faster; 8 MiB windows were bimodal, up to 2.2 s). Warm or small reads
+    are left alone.
+    """
+    if (
+        nbytes < READ_AHEAD_MIN
+        or not hasattr(os, "posix_fadvise")
+        or not mostly_uncached(fd, offset, nbytes)
+    ):
+        yield
+        return
+    done = threading.Event()
+    end = offset + nbytes
+
+    def ask() -> None:
+        for at in range(offset, end, _READ_AHEAD_STEP):
+            if done.is_set():
+                return
+            try:
+                os.posix_fadvise(fd, at, min(_READ_AHEAD_STEP, end - at), os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
+
+    thread = threading.Thread(target=ask, name="pysafetensors-read-ahead", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def worker_count(source: object) -> int:
     """Threads to use for parallel reads from ``source`` (its ``threads``, else the default)."""
     threads = getattr(source, "threads", None)
@@ -510,9 +577,9 @@ class PreadSource:
             self.pread_exact(offset + start, out[start : start + length])
 
         # Threads take pieces in file order, so together they sweep the file front to back
-        # (kernel readahead keeps up on cold files) while their page faults on the fresh
-        # destination and their kernel copies overlap.
-        run_parallel(one, self._split(out.nbytes, align) if out.nbytes else [], self.threads)
+        # while their page faults on the fresh destination and their kernel copies overlap.
+        with read_ahead(self._fd, offset, out.nbytes):
+            run_parallel(one, self._split(out.nbytes, align) if out.nbytes else [], self.threads)
 
     def view(self, offset: int, length: int) -> memoryview | None:
         return None

@@ -191,3 +191,77 @@ def test_kernel_refusing_the_prefetch_turns_it_off(
         got = f.get_slice("w")[:, 1024:2048]
     assert np.array_equal(got, matrix[:, 1024:2048])  # the copy faulted the pages in itself
     assert _sources.PrefetchSupport.enabled is False
+
+
+# Large reads of a cold file: a read-ahead thread keeps the disk busy ahead of the readers
+# (read_ahead, POSIX_FADV_WILLNEED in 2 MiB windows). Exercised here on a 32 MiB file with the
+# size threshold lowered.
+
+
+@pytest.fixture
+def willneed_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every POSIX_FADV_WILLNEED as ``(offset, length)``; the real call runs."""
+    calls: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            calls.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    monkeypatch.setattr(_sources, "READ_AHEAD_MIN", 8 * MiB)
+    return calls
+
+
+def _read_ahead_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name == "pysafetensors-read-ahead"]
+
+
+def test_cold_eager_load_reads_ahead(
+    cold_file: Path, willneed_calls: list[tuple[int, int]]
+) -> None:
+    fd = os.open(cold_file, os.O_RDONLY)
+    try:
+        assert _sources.mostly_uncached(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    with pysafetensors.safe_open(str(cold_file), "np", backend="pread") as f:
+        got = f.get_tensors()
+    assert willneed_calls, "no read-ahead on a cold file"
+    first = willneed_calls[0][0]
+    for i, (offset, length) in enumerate(willneed_calls):
+        assert offset == first + i * 2 * MiB and 0 < length <= 2 * MiB  # front to back
+    assert _read_ahead_threads() == []  # stopped with the read
+    with pysafetensors.safe_open(str(cold_file), "np") as f:
+        for k, v in got.items():
+            assert np.array_equal(v, f.get_tensor(k))
+
+
+def test_warm_load_does_not_read_ahead(
+    cold_file: Path, willneed_calls: list[tuple[int, int]]
+) -> None:
+    cold_file.read_bytes()  # now cached
+    fd = os.open(cold_file, os.O_RDONLY)
+    try:
+        assert not _sources.mostly_uncached(fd, 0, os.fstat(fd).st_size)
+        assert not _sources.mostly_uncached(fd, 0, os.fstat(fd).st_size + MiB)  # past the end
+    finally:
+        os.close(fd)
+    with pysafetensors.safe_open(str(cold_file), "np", backend="pread") as f:
+        f.get_tensors()
+    assert willneed_calls == []
+
+
+def test_read_ahead_stops_when_the_read_fails(
+    cold_file: Path, willneed_calls: list[tuple[int, int]]
+) -> None:
+    fd = os.open(cold_file, os.O_RDONLY)
+    try:
+        with pytest.raises(RuntimeError), _sources.read_ahead(fd, 0, 32 * MiB):
+            raise RuntimeError("read failed")
+    finally:
+        os.close(fd)
+    assert _read_ahead_threads() == []
