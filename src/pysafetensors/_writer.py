@@ -39,11 +39,17 @@ __all__ = [
     "write_layout",
 ]
 
-#: Bytes per ``writev`` call. On the 2-core VM of benchmarks/RESULTS.md, 2 GiB saves to page
-#: cache ran faster in ~4 MiB calls than in 16 MiB or whole-tensor (up to 1 GiB) calls, and
-#: much faster when large tensors were cut at fixed offsets from their own start rather than
-#: re-cut to fill batches (the measurements were noisy; the direction was consistent).
+#: Small chunks are gathered into ``writev`` calls of about this many bytes, and durable saves
+#: cut large tensors into pieces of this size (so that :class:`Writeback` hands them to the
+#: disk early). Large tensors are cut at fixed offsets from their own start, never re-cut to
+#: fill a batch (several times faster in early measurements).
 _WRITEV_BYTES: Final = 4 << 20
+#: Saves to the page cache write a large tensor in calls of up to this size (whole tensors, in
+#: practice). Measured with every arm starting from recently used memory, 2 GiB saves took
+#: 434-460 ms this way against 453-677 ms in 4 MiB calls (6 interleaved runs; the reference,
+#: which writes whole tensors too, 436-440 ms). Earlier measurements without that warm-up had
+#: favoured 4 MiB calls, within their noise.
+_LARGE_WRITE_BYTES: Final = 1 << 30
 #: Buffers smaller than this are gathered into one ``writev`` with their neighbours.
 _IOV_MAX: Final = min(1024, getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024)
 
@@ -182,9 +188,11 @@ def write_layout(
     """Write the header and every tensor's bytes to ``fd`` at its current position.
 
     Chunks are written directly from their memory (nothing is copied in user space), in
-    ``writev`` calls of about ``_WRITEV_BYTES``: small chunks are gathered, large ones cut into
-    pieces of that size. ``writeback`` (durable saves) is told about every write.
+    ``writev`` calls: small chunks are gathered into calls of about ``_WRITEV_BYTES``, large
+    ones are written in pieces of up to ``_LARGE_WRITE_BYTES`` (``_WRITEV_BYTES`` for durable
+    saves). ``writeback`` (durable saves) is told about every write.
     """
+    piece = _WRITEV_BYTES if writeback is not None else _LARGE_WRITE_BYTES
     by_name = {t.name: t for t in tensors}
     pos = os.lseek(fd, 0, os.SEEK_CUR) if writeback is not None else 0
 
@@ -207,13 +215,12 @@ def write_layout(
                 flush(batch)
                 batch, batch_bytes = [], 0
             continue
-        # Large chunks go out in pieces cut at fixed offsets from their own start (never
-        # re-cut to fill a batch), which measured several times faster here.
+        # Large chunks go out on their own, in pieces cut at fixed offsets from their start.
         if batch:
             flush(batch)
             batch, batch_bytes = [], 0
-        for start in range(0, size, _WRITEV_BYTES):
-            flush([view[start : start + _WRITEV_BYTES]])
+        for start in range(0, size, piece):
+            flush([view[start : start + piece]])
     flush(batch)
 
 
