@@ -198,8 +198,9 @@ PREFETCH_MIN: Final = 4 << 20
 #: Piece each reader thread populates at a time: on the disk measured, 2 MiB pieces on all
 #: reader threads kept the device busiest (4 MiB varied more, 8-16 MiB was slower than none).
 _PREFETCH_STEP: Final = 2 << 20
-#: A range with at least this fraction of its pages cached is copied from as it is.
-_PREFETCH_RESIDENT: Final = 0.5
+#: A range with at least this fraction of its pages cached counts as cached: it is copied from
+#: as it is, with no read-in (mapped slices) and no read-ahead thread (large preads).
+_MOSTLY_RESIDENT: Final = 0.5
 
 
 def _numpy_empty(nbytes: int, hugepages: bool) -> np.ndarray:
@@ -357,6 +358,12 @@ _RESIDENCY_WINDOWS: Final = 8
 _RESIDENCY_WINDOW_PAGES: Final = 8
 
 
+def mapped_mostly_uncached(address: int, length: int) -> bool:
+    """Whether most (sampled) pages of mapped memory are not in memory; False if unknown."""
+    fraction = resident_fraction(address, length)
+    return fraction is not None and fraction < _MOSTLY_RESIDENT
+
+
 def resident_fraction(address: int, length: int) -> float | None:
     """Estimated fraction of the pages of ``[address, address + length)`` (mapped memory) that
     are in memory, or None where the kernel cannot say.
@@ -403,12 +410,11 @@ def mostly_uncached(fd: int, offset: int, nbytes: int) -> bool:
         with mmap.mmap(fd, offset + nbytes - start, offset=start, access=mmap.ACCESS_READ) as m:
             view = np.frombuffer(m, np.uint8)
             try:
-                fraction = resident_fraction(view.ctypes.data + offset - start, nbytes)
+                return mapped_mostly_uncached(view.ctypes.data + offset - start, nbytes)
             finally:
                 del view  # the mapping cannot close while exported
     except (OSError, ValueError):
         return False
-    return fraction is not None and fraction < _PREFETCH_RESIDENT
 
 
 @contextlib.contextmanager
@@ -685,8 +691,7 @@ class MmapSource:
         _check_range(self, offset, length)
         self._check_not_truncated(offset, length)
         address = np.frombuffer(self._view, np.uint8).ctypes.data
-        resident = resident_fraction(address + offset, length)
-        if resident is None or resident >= _PREFETCH_RESIDENT:
+        if not mapped_mostly_uncached(address + offset, length):
             return False
         mapping = self._map
         start = offset - offset % mmap.PAGESIZE
