@@ -1,21 +1,31 @@
 """GPU check for the pinned-buffer staging loader (run on a machine with a CUDA GPU).
 
-Not run by ``make bench``: no GPU was available where RESULTS.md was produced. The script
+Not run by ``make bench``. The script, each section recorded even when a later one fails:
 
-1. writes (or reuses) a random bf16 LLaMA-shaped file (``--gib`` GiB, default 2);
-2. checks correctness: every tensor loaded with ``device="cuda:N"`` by pysafetensors (both
-   backends, ``get_tensors`` and ``get_tensor``) equals the CPU load, byte for byte;
-3. measures GB/s, warm page cache, median of ``--reps`` in this process, each timed up to
-   ``torch.cuda.synchronize()``:
-   * pysafetensors ``load_file(..., device=dev, backend="pread")`` and ``backend="mmap"``;
-   * the reference ``safetensors.torch.load_file(..., device=dev)`` (mmap and pread backends);
-   * a plain pinned copy: the whole data region from one pinned host buffer to the device in
-     one ``copy_`` (the PCIe ceiling) and ``pread`` into a pinned buffer + copy (no overlap);
-4. prints a markdown table and writes ``gpu_results.json`` next to this script.
+1. **dtypes**: a small file of every dtype torch holds (scalars and empty tensors too), written
+   by pysafetensors, loaded to the device with ``load_file``, ``get_tensor`` and ``get_slice``
+   (both backends, device given as ``"cuda:N"``, ``"cuda"`` and ``N``) must equal the CPU load
+   byte for byte;
+2. **llama**: a random bf16 LLaMA-shaped file (``--gib`` GiB, default 2), every tensor loaded to
+   the device by pysafetensors (both backends, ``get_tensors`` and ``get_tensor``) and by the
+   reference must equal the CPU load;
+3. **warm**: GB/s with the file in the page cache, median of ``--reps``, each run timed up to
+   ``torch.cuda.synchronize()``, peak device memory per arm: pysafetensors (pread and mmap),
+   the reference (mmap and pread), and two ceilings: the whole data region in one pinned
+   ``copy_`` (the host-to-device link), and ``pread`` into pinned memory followed by that copy
+   (disk cache and link one after the other, no overlap);
+4. **sweep**: the staging pipeline alone (``stage_to_device`` over a pread source) for worker
+   counts and chunk sizes around the defaults;
+5. **cold**: pysafetensors (pread) and the reference (mmap) with the file dropped from the page
+   cache before each run (``posix_fadvise(DONTNEED)``, residency checked), when eviction works.
+
+It prints markdown tables and writes ``gpu_results.json`` and ``gpu_results.md`` into ``--out``
+(default: next to this script) after every section. ``--dry-run`` runs the same code on the
+CPU with a small file (the copies are CPU copies), to check the script itself without a GPU.
 
 Usage::
 
-    python benchmarks/gpu_check.py [--device cuda:0] [--gib 2] [--reps 5]
+    python benchmarks/gpu_check.py [--device cuda:0] [--gib 2] [--reps 5] [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,11 +36,83 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+MIB = 1 << 20
+
+
+class CpuOps:
+    """The staging pipeline's device runtime on the CPU, for ``--dry-run``."""
+
+    def alloc_device(self, nbytes: int) -> Any:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def alloc_host(self, nbytes: int) -> tuple[Any, memoryview]:
+        import torch
+
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf, memoryview(buf.numpy()).cast("B")
+
+    def new_stream(self) -> Any:
+        return None
+
+    def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
+        dst[dst_offset : dst_offset + nbytes].copy_(host[:nbytes])
+        return None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Report:
+    """Results by section, written out after each one."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.data: dict[str, Any] = {"sections": {}, "errors": []}
+        self.lines: list[str] = []
+
+    def add(self, section: str, value: Any, lines: list[str]) -> None:
+        self.data["sections"][section] = value
+        self.lines += [f"## {section}", "", *lines, ""]
+        print("\n".join([f"## {section}", "", *lines, ""]), flush=True)
+        self.save()
+
+    def error(self, section: str) -> None:
+        text = traceback.format_exc()
+        self.data["errors"].append({"section": section, "traceback": text})
+        self.lines += [f"## {section}: FAILED", "", "```", text, "```", ""]
+        print(f"## {section}: FAILED\n{text}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, "gpu_results.json"), "w") as f:
+            json.dump(self.data, f, indent=1)
+        with open(os.path.join(self.out, "gpu_results.md"), "w") as f:
+            f.write("\n".join(self.lines) + "\n")
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes (compared on the CPU)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def main() -> int:
@@ -39,110 +121,326 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--work", default=os.path.join(HERE, "_work"))
+    ap.add_argument("--out", default=HERE)
+    ap.add_argument("--dry-run", action="store_true", help="CPU only, to test the script")
     args = ap.parse_args()
 
+    import numpy as np
     import torch
 
-    if not torch.cuda.is_available():
+    dry = args.dry_run
+    if dry:
+        dev = "cpu"
+    elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)
         return 2
+    else:
+        dev = args.device
     import _cache
     import _files
+    import safetensors
     import safetensors.torch as ref
 
     import pysafetensors
     import pysafetensors.torch as ours
+    from pysafetensors._cuda_loader import CHUNK_BYTES, WORKERS, TorchCudaOps, stage_to_device
+    from pysafetensors._sources import PreadSource
 
-    layers = max(1, round((args.gib * 2**30 - 2 * 32000 * 4096 * 2) / (386 * 2**20)))
-    shapes = _files.llama_shapes(layers, _files.HIDDEN, _files.INTERMEDIATE, _files.VOCAB)
-    path = _files.ensure_file(args.work, f"gpu_llama_{layers}", shapes)
+    def sync() -> None:
+        if not dry:
+            torch.cuda.synchronize()
+
+    report = Report(args.out)
+    env = {
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "safetensors": safetensors.__version__,
+        "cpus": os.cpu_count(),
+        "device": dev,
+        "gpu": "dry run (CPU)" if dry else torch.cuda.get_device_name(torch.device(dev)),
+        "staging defaults": {"workers": WORKERS, "chunk_mib": CHUNK_BYTES // MIB},
+    }
+    report.add("environment", env, [f"- {k}: {v}" for k, v in env.items()])
+    failures: list[str] = []
+
+    # ------------------------------------------------------------------ dtypes
+    try:
+        path = os.path.join(args.work, "gpu_dtypes.safetensors")
+        os.makedirs(args.work, exist_ok=True)
+        g = torch.Generator().manual_seed(0)
+        tensors: dict[str, Any] = {}
+        for dt in (
+            torch.float64,
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+        ):
+            size = dt.itemsize
+            raw = torch.randint(0, 256, (37 * 53 * size,), dtype=torch.uint8, generator=g)
+            t = raw.view(dt).reshape(37, 53) if dt != torch.bool else raw.reshape(37, 53 * size) & 1
+            if dt == torch.bool:
+                t = t.bool()
+            name = str(dt).split(".")[-1]
+            tensors[name] = t
+            tensors[name + ".scalar"] = t.reshape(-1)[0].clone()
+            tensors[name + ".empty"] = t[:0]
+        ours.save_file(tensors, path)
+        cpu = ours.load_file(path)
+        checked = 0
+        index = dev.split(":")[-1] if ":" in dev else "0"
+        spellings: list[Any] = [dev] if dry else [dev, "cuda", int(index)]
+        for backend in ("pread", "mmap"):
+            for spelling in spellings:
+                got = ours.load_file(path, device=spelling, backend=backend)
+                for name, t in cpu.items():
+                    checked += 1
+                    if got[name].device.type != torch.device(dev).type or not same_bytes(
+                        got[name], t
+                    ):
+                        failures.append(f"dtypes {backend} {spelling!r} load_file {name}")
+            with pysafetensors.safe_open(path, "pt", device=dev, backend=backend) as f:
+                for name, t in cpu.items():
+                    checked += 2
+                    if not same_bytes(f.get_tensor(name), t):
+                        failures.append(f"dtypes {backend} get_tensor {name}")
+                    part = f.get_slice(name)[3:20, 5:40] if t.dim() == 2 else None
+                    if part is not None and not same_bytes(part, t[3:20, 5:40]):
+                        failures.append(f"dtypes {backend} get_slice {name}")
+        # A read that fails half way (the file shrank after it was opened) must raise a clear
+        # error after every copy already issued has landed, not hang or crash.
+        import shutil
+
+        shrunk = path + ".shrunk"
+        shutil.copyfile(path, shrunk)
+        with pysafetensors.safe_open(shrunk, "pt", device=dev, backend="pread") as f:
+            os.truncate(shrunk, os.path.getsize(shrunk) // 2)
+            try:
+                f.get_tensors()
+                failures.append("dtypes: a file that shrank after open loaded without error")
+            except pysafetensors.SafetensorError as exc:
+                print(f"shrunk file: {exc}")
+        checked += 1
+        bad = [x for x in failures if x.startswith("dtypes")]
+        report.add(
+            "dtypes",
+            {"checked": checked, "failures": bad},
+            [f"{checked} loads compared with the CPU load: " + ("OK" if not bad else f"{bad}")],
+        )
+    except Exception:
+        report.error("dtypes")
+
+    # ------------------------------------------------------------------ llama file
+    gib = 0.05 if dry else args.gib
+    layers = max(1, round((gib * 2**30 - 2 * 32000 * 4096 * 2) / (386 * 2**20)))
+    if dry:
+        shapes = _files.llama_shapes(2, 256, 688, 2000)
+    else:
+        shapes = _files.llama_shapes(layers, _files.HIDDEN, _files.INTERMEDIATE, _files.VOCAB)
+    t0 = time.perf_counter()
+    path = _files.ensure_file(args.work, f"gpu_llama_{len(shapes)}", shapes)
     size = os.path.getsize(path)
-    dev = args.device
-    _cache.warm(path)
-
-    # ---------------------------------------------------------------- correctness
-    cpu = ours.load_file(path, backend="pread")
-    failures = []
-    for backend in ("pread", "mmap"):
-        got = ours.load_file(path, device=dev, backend=backend)
-        with pysafetensors.safe_open(path, "pt", device=dev, backend=backend) as f:
-            single = {name: f.get_tensor(name) for name in list(f.keys())[:5]}
-        for name, t in cpu.items():
-            g = got[name]
-            if g.device != torch.device(dev) or g.dtype != t.dtype or g.shape != t.shape:
-                failures.append(f"{backend}:{name}: {g.device} {g.dtype} {tuple(g.shape)}")
-            elif not torch.equal(g.cpu().view(torch.int16), t.view(torch.int16)):
-                failures.append(f"{backend}:{name}: bytes differ")
-        for name, g in single.items():
-            if not torch.equal(g.cpu().view(torch.int16), cpu[name].view(torch.int16)):
-                failures.append(f"{backend}:get_tensor:{name}: bytes differ")
-        del got, single
-    ref_gpu = ref.load_file(path, device=dev)
-    for name, t in ref_gpu.items():
-        if not torch.equal(t.cpu().view(torch.int16), cpu[name].view(torch.int16)):
-            failures.append(f"reference disagrees on {name}")
-    del ref_gpu
-
-    # ---------------------------------------------------------------- throughput
     with open(path, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
     data_start, data_size = 8 + n, size - 8 - n
-    pinned = torch.empty(data_size, dtype=torch.uint8, pin_memory=True)
-    device_buf = torch.empty(data_size, dtype=torch.uint8, device=dev)
+    print(f"file: {size / 2**30:.2f} GiB, {len(shapes)} tensors ({time.perf_counter() - t0:.1f} s)")
+    _cache.warm(path)
 
-    def pinned_copy() -> Any:
-        device_buf.copy_(pinned, non_blocking=True)
+    try:
+        cpu = ours.load_file(path, backend="pread")
+        bad = []
+        for backend in ("pread", "mmap"):
+            got = ours.load_file(path, device=dev, backend=backend)
+            with pysafetensors.safe_open(path, "pt", device=dev, backend=backend) as f:
+                single = {name: f.get_tensor(name) for name in list(f.keys())[:5]}
+            for name, t in cpu.items():
+                if got[name].device != torch.device(dev) or not same_bytes(got[name], t):
+                    bad.append(f"llama {backend} load_file {name}")
+            for name, t in single.items():
+                if not same_bytes(t, cpu[name]):
+                    bad.append(f"llama {backend} get_tensor {name}")
+            del got, single
+        ref_dev = ref.load_file(path, device=dev)
+        for name, t in ref_dev.items():
+            if not same_bytes(t, cpu[name]):
+                bad.append(f"llama: the reference disagrees on {name}")
+        # (a loop variable would keep the last tensor, and with it a mapping, alive)
+        del ref_dev, cpu, t
+        failures += bad
+        report.add(
+            "llama correctness",
+            {"tensors": len(shapes), "bytes": data_size, "failures": bad},
+            [
+                f"{len(shapes)} tensors, {data_size / 2**30:.2f} GiB, both backends and the "
+                "reference against the CPU load: " + ("OK" if not bad else f"{bad[:20]}")
+            ],
+        )
+    except Exception:
+        report.error("llama correctness")
 
-    def pread_then_copy() -> Any:
-        view = memoryview(pinned.numpy())
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            done = 0
-            while done < data_size:
-                done += os.preadv(fd, [view[done:]], data_start + done)
-        finally:
-            os.close(fd)
-        device_buf.copy_(pinned, non_blocking=True)
-
-    arms: dict[str, Callable[[], Any]] = {
-        "pysafetensors pread": lambda: ours.load_file(path, device=dev, backend="pread"),
-        "pysafetensors mmap": lambda: ours.load_file(path, device=dev, backend="mmap"),
-        "reference mmap": lambda: ref.load_file(path, device=dev),
-        "reference pread": lambda: ref.load_file(path, device=dev, backend="pread"),
-        "ceiling: one pinned copy_": pinned_copy,
-        "pread into pinned, then copy_ (no overlap)": pread_then_copy,
-    }
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(args.reps):
-        for name, fn in arms.items():
-            _cache.warm(path)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            result = fn()
-            torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
-            del result
+    # ------------------------------------------------------------------ warm throughput
+    def timed(fn: Callable[[], Any], prepare: Callable[[], Any]) -> tuple[float, int]:
+        prepare()
+        sync()
+        if not dry:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        result = fn()
+        sync()
+        elapsed = time.perf_counter() - t0
+        peak = 0 if dry else torch.cuda.max_memory_allocated()
+        del result
+        if not dry:
             torch.cuda.empty_cache()
+        return elapsed, peak
 
-    props = torch.cuda.get_device_properties(torch.device(dev))
-    lines = [
-        f"GPU: {props.name}, torch {torch.__version__}, file {size / 2**30:.2f} GiB, warm cache, "
-        f"median of {args.reps}",
-        "",
-        "| arm | median s | GB/s | x reference (mmap) |",
-        "|---|---|---|---|",
-    ]
-    ref_med = statistics.median(times["reference mmap"])
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        lines.append(f"| {name} | {med:.3f} | {data_size / med / 1e9:.2f} | {med / ref_med:.2f}x |")
-    lines.append("")
-    lines.append("correctness: " + ("OK" if not failures else f"{len(failures)} FAILURES"))
-    lines += failures[:20]
-    print("\n".join(lines))
-    with open(os.path.join(HERE, "gpu_results.json"), "w") as f:
-        json.dump({"gpu": props.name, "times": times, "failures": failures}, f, indent=1)
-    return 1 if failures else 0
+    def table(times: dict[str, list[float]], peaks: dict[str, int], base: str) -> list[str]:
+        lines = [
+            "| arm | median s | min s | GB/s | x reference | peak device GiB |",
+            "|---|---|---|---|---|---|",
+        ]
+        base_med = statistics.median(times[base])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            lines.append(
+                f"| {name} | {med:.3f} | {min(ts):.3f} | {data_size / med / 1e9:.2f} | "
+                f"{med / base_med:.2f}x | {peaks.get(name, 0) / 2**30:.2f} |"
+            )
+        return lines
+
+    try:
+        bufs = {
+            "pinned": torch.empty(data_size, dtype=torch.uint8, pin_memory=not dry),
+            "device": torch.empty(data_size, dtype=torch.uint8, device=dev),
+        }
+        bufs["pinned"].numpy()[:] = 1
+
+        def pinned_copy() -> Any:
+            bufs["device"].copy_(bufs["pinned"], non_blocking=True)
+
+        def pread_then_copy() -> Any:
+            view = memoryview(bufs["pinned"].numpy())
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < data_size:
+                    done += os.preadv(fd, [view[done:]], data_start + done)
+            finally:
+                os.close(fd)
+            bufs["device"].copy_(bufs["pinned"], non_blocking=True)
+
+        arms: dict[str, Callable[[], Any]] = {
+            "pysafetensors pread": lambda: ours.load_file(path, device=dev, backend="pread"),
+            "pysafetensors mmap": lambda: ours.load_file(path, device=dev, backend="mmap"),
+            "reference mmap": lambda: ref.load_file(path, device=dev),
+            "reference pread": lambda: ref.load_file(path, device=dev, backend="pread"),
+            "ceiling: one pinned copy_": pinned_copy,
+            "pread into pinned, then copy_ (no overlap)": pread_then_copy,
+        }
+        for fn in arms.values():  # warm-up: CUDA context, allocator and pinned caches
+            timed(fn, lambda: _cache.warm(path))
+        times: dict[str, list[float]] = {k: [] for k in arms}
+        peaks: dict[str, int] = {}
+        for _ in range(args.reps):
+            for name, fn in arms.items():
+                elapsed, peak = timed(fn, lambda: _cache.warm(path))
+                times[name].append(elapsed)
+                peaks[name] = max(peaks.get(name, 0), peak)
+        report.add(
+            "warm",
+            {"times": times, "peak_device_bytes": peaks, "data_bytes": data_size},
+            [
+                f"warm page cache, median of {args.reps}, x the reference's mmap arm",
+                "",
+                *table(times, peaks, "reference mmap"),
+            ],
+        )
+        bufs.clear()
+    except Exception:
+        report.error("warm")
+
+    # ------------------------------------------------------------------ sweep
+    try:
+        ops: Any = CpuOps() if dry else TorchCudaOps(dev)
+        fd = os.open(path, os.O_RDONLY)
+        source = PreadSource(fd, path)
+        try:
+            sweep: dict[str, list[float]] = {}
+            for workers in (2, 4, 8, 16):
+                for chunk in (8, 16, 32):
+                    key = f"{workers} workers x {chunk} MiB"
+                    sweep[key] = []
+                    for _ in range(max(3, args.reps - 2)):
+                        elapsed, _peak = timed(
+                            lambda w=workers, c=chunk: stage_to_device(
+                                source.readinto,
+                                data_start,
+                                data_size,
+                                ops,
+                                chunk_bytes=c * MIB,
+                                workers=w,
+                            ),
+                            lambda: None,
+                        )
+                        sweep[key].append(elapsed)
+        finally:
+            source.close()
+        lines = ["| pipeline | median s | min s | GB/s |", "|---|---|---|---|"]
+        for key, ts in sweep.items():
+            med = statistics.median(ts)
+            lines.append(f"| {key} | {med:.3f} | {min(ts):.3f} | {data_size / med / 1e9:.2f} |")
+        report.add("sweep", sweep, ["stage_to_device over a pread source, warm", "", *lines])
+    except Exception:
+        report.error("sweep")
+
+    # ------------------------------------------------------------------ cold
+    try:
+        residency = _cache.evict(path)
+        if residency > 0.01:
+            report.add("cold", {"skipped": residency}, [f"eviction failed ({residency:.2f})"])
+        else:
+            cold_arms = {
+                "pysafetensors pread": arms["pysafetensors pread"],
+                "reference mmap": arms["reference mmap"],
+                "reference pread": arms["reference pread"],
+            }
+            cold: dict[str, list[float]] = {k: [] for k in cold_arms}
+            cold_peaks: dict[str, int] = {}
+            resid: list[float] = []
+            for _ in range(3):
+                for name, fn in cold_arms.items():
+                    elapsed, peak = timed(fn, lambda: resid.append(_cache.evict(path)))
+                    cold[name].append(elapsed)
+                    cold_peaks[name] = max(cold_peaks.get(name, 0), peak)
+            report.add(
+                "cold",
+                {"times": cold, "residency_before": resid},
+                [
+                    f"file dropped from the page cache before each run (residency at most "
+                    f"{max(resid):.3f}), median of 3",
+                    "",
+                    *table(cold, cold_peaks, "reference mmap"),
+                ],
+            )
+    except Exception:
+        report.error("cold")
+
+    report.add(
+        "verdict",
+        {"failures": failures, "errors": len(report.data["errors"])},
+        [
+            "correctness: " + ("OK" if not failures else f"{len(failures)} FAILURES"),
+            f"sections that failed: {len(report.data['errors'])}",
+        ],
+    )
+    return 1 if failures or report.data["errors"] else 0
 
 
 if __name__ == "__main__":
