@@ -143,7 +143,13 @@ def main() -> int:
 
     import pysafetensors
     import pysafetensors.torch as ours
-    from pysafetensors._cuda_loader import CHUNK_BYTES, WORKERS, TorchCudaOps, stage_to_device
+    from pysafetensors._cuda_loader import (
+        CHUNK_BYTES,
+        SPARE_BUFFERS,
+        WORKERS,
+        TorchCudaOps,
+        stage_to_device,
+    )
     from pysafetensors._sources import PreadSource
 
     def sync() -> None:
@@ -158,7 +164,11 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "device": dev,
         "gpu": "dry run (CPU)" if dry else torch.cuda.get_device_name(torch.device(dev)),
-        "staging defaults": {"workers": WORKERS, "chunk_mib": CHUNK_BYTES // MIB},
+        "staging defaults": {
+            "workers": WORKERS,
+            "chunk_mib": CHUNK_BYTES // MIB,
+            "buffers": WORKERS + SPARE_BUFFERS,
+        },
     }
     report.add("environment", env, [f"- {k}: {v}" for k, v in env.items()])
     failures: list[str] = []
@@ -289,13 +299,15 @@ def main() -> int:
     def timed(fn: Callable[[], Any], prepare: Callable[[], Any]) -> tuple[float, int]:
         prepare()
         sync()
+        base = 0
         if not dry:
             torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         result = fn()
         sync()
         elapsed = time.perf_counter() - t0
-        peak = 0 if dry else torch.cuda.max_memory_allocated()
+        peak = 0 if dry else torch.cuda.max_memory_allocated() - base
         del result
         if not dry:
             torch.cuda.empty_cache()
@@ -303,7 +315,7 @@ def main() -> int:
 
     def table(times: dict[str, list[float]], peaks: dict[str, int], base: str) -> list[str]:
         lines = [
-            "| arm | median s | min s | GB/s | x reference | peak device GiB |",
+            "| arm | median s | min s | GB/s | x reference | device GiB allocated |",
             "|---|---|---|---|---|---|",
         ]
         base_med = statistics.median(times[base])
@@ -373,23 +385,25 @@ def main() -> int:
         source = PreadSource(fd, path)
         try:
             sweep: dict[str, list[float]] = {}
-            for workers in (2, 4, 8, 16):
-                for chunk in (8, 16, 32):
-                    key = f"{workers} workers x {chunk} MiB"
-                    sweep[key] = []
-                    for _ in range(max(3, args.reps - 2)):
-                        elapsed, _peak = timed(
-                            lambda w=workers, c=chunk: stage_to_device(
-                                source.readinto,
-                                data_start,
-                                data_size,
-                                ops,
-                                chunk_bytes=c * MIB,
-                                workers=w,
-                            ),
-                            lambda: None,
-                        )
-                        sweep[key].append(elapsed)
+            configs = [(w, c, 2) for w in (4, 8, 12, 16) for c in (8, 16, 32)]
+            configs += [(16, 16, 16), (16, 32, 16)]  # two buffers per worker, for comparison
+            for workers, chunk, spare in configs:
+                key = f"{workers} workers x {chunk} MiB, {workers + spare} buffers"
+                sweep[key] = []
+                for _ in range(max(3, args.reps - 2)):
+                    elapsed, _peak = timed(
+                        lambda w=workers, c=chunk, sp=spare: stage_to_device(
+                            source.readinto,
+                            data_start,
+                            data_size,
+                            ops,
+                            chunk_bytes=c * MIB,
+                            workers=w,
+                            spare_buffers=sp,
+                        ),
+                        lambda: None,
+                    )
+                    sweep[key].append(elapsed)
         finally:
             source.close()
         lines = ["| pipeline | median s | min s | GB/s |", "|---|---|---|---|"]
@@ -408,6 +422,7 @@ def main() -> int:
         else:
             cold_arms = {
                 "pysafetensors pread": arms["pysafetensors pread"],
+                "pysafetensors mmap": arms["pysafetensors mmap"],
                 "reference mmap": arms["reference mmap"],
                 "reference pread": arms["reference pread"],
             }

@@ -90,10 +90,10 @@ def test_bytes_land_and_buffers_are_reused(nbytes: int, chunk: int, workers: int
     assert bytes(dev.numpy()) == data[7 : 7 + nbytes]
     chunks = -(-nbytes // min(chunk, nbytes))
     assert stats.chunks == chunks
-    # The ring is allocated once and never grows: at most two buffers per worker.
-    assert ops.host_allocs == stats.host_buffers <= 2 * workers
+    # The ring is allocated once and never grows: one buffer per worker and two spares.
+    assert ops.host_allocs == stats.host_buffers <= workers + 2
     assert sum(stats.reuse.values()) == chunks
-    if chunks > 2 * workers:
+    if chunks > workers + 2:
         assert max(stats.reuse.values()) > 1
     assert ops.streams <= workers
     assert not ops.pending

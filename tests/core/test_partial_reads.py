@@ -265,3 +265,39 @@ def test_read_ahead_stops_when_the_read_fails(
     finally:
         os.close(fd)
     assert _read_ahead_threads() == []
+
+
+# --- MmapSource.readinto copies by positioned reads, not out of the mapping
+
+
+def test_mapped_source_reads_into_memory_by_pread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy out of the mapping would hold the GIL and fault page by page; readinto goes
+    through ``preadv`` on the source's own descriptor and returns the file's bytes."""
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob.bin"
+    path.write_bytes(data)
+    calls: list[int] = []
+    real = os.preadv
+
+    def spy(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(fd)
+        return real(fd, buffers, offset)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        source = MmapSource(fd, str(path))
+    finally:
+        os.close(fd)  # the source keeps a descriptor of its own
+    monkeypatch.setattr(os, "preadv", spy)
+    out = bytearray(2 << 20)
+    source.readinto(12345, memoryview(out))
+    assert bytes(out) == data[12345 : 12345 + len(out)]
+    assert calls and all(c == source._fd for c in calls)
+    # A file cut short after opening is still refused before any read, with the same error.
+    os.truncate(path, 1 << 20)
+    with pytest.raises(pysafetensors.SafetensorError) as info:
+        source.readinto(12345, memoryview(out))
+    assert info.value.kind == "FileTruncated"
+    source.close()
