@@ -348,11 +348,21 @@ def main() -> int:
                 os.close(fd)
             bufs["device"].copy_(bufs["pinned"], non_blocking=True)
 
+        def each_tensor(module: Any, backend: str) -> Callable[[], Any]:
+            # The loop model loaders run: one get_tensor per name.
+            def run() -> Any:
+                with module.safe_open(path, "pt", device=dev, backend=backend) as f:
+                    return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+
+            return run
+
         arms: dict[str, Callable[[], Any]] = {
             "pysafetensors pread": lambda: ours.load_file(path, device=dev, backend="pread"),
             "pysafetensors mmap": lambda: ours.load_file(path, device=dev, backend="mmap"),
             "reference mmap": lambda: ref.load_file(path, device=dev),
             "reference pread": lambda: ref.load_file(path, device=dev, backend="pread"),
+            "pysafetensors get_tensor loop (pread)": each_tensor(pysafetensors, "pread"),
+            "reference get_tensor loop (mmap)": each_tensor(safetensors, "mmap"),
             "ceiling: one pinned copy_": pinned_copy,
             "pread into pinned, then copy_ (no overlap)": pread_then_copy,
         }

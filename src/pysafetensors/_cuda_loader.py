@@ -34,6 +34,9 @@ __all__ = [
 
 #: Bytes per chunk: large enough for full-speed reads and transfers, small enough to pipeline.
 CHUNK_BYTES: Final = 16 << 20
+#: Smallest chunk a range is split into so that every worker gets one (a single 32 MiB tensor
+#: loaded with ``get_tensor`` would otherwise be two chunks, for two of the workers).
+MIN_CHUNK_BYTES: Final = 2 << 20
 #: Worker threads, each with its own stream. From the page cache the work is the kernel's copy
 #: into pinned memory, one core per reading thread, and the link is far faster than one core
 #: (an H200 over PCIe 5 x16: 55 GB/s for one pinned copy, against ~5 GB/s per reading thread),
@@ -151,7 +154,10 @@ def stage_to_device(
     device_buf = ops.alloc_device(nbytes)
     if nbytes == 0:
         return device_buf, stats
-    chunk_bytes = max(1, min(chunk_bytes, nbytes))
+    # Ranges smaller than a chunk per worker are cut finer (down to MIN_CHUNK_BYTES), so that
+    # all workers read.
+    per_worker = max(MIN_CHUNK_BYTES, -(-nbytes // max(1, workers)))
+    chunk_bytes = max(1, min(chunk_bytes, nbytes, per_worker))
     starts = list(range(0, nbytes, chunk_bytes))
     workers = max(1, min(workers, len(starts)))
     ring_size = max(1, min(len(starts), workers + max(0, spare_buffers)))

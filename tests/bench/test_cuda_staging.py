@@ -151,3 +151,22 @@ def test_adapter_loads_a_file_through_the_pipeline(tmp_path: Path) -> None:
     for name in some:
         assert torch.equal(some[name], want[name])
     assert ops.host_allocs >= 1
+
+
+def test_a_range_smaller_than_a_chunk_per_worker_is_cut_finer() -> None:
+    """One 32 MiB tensor with 16 workers: 2 MiB chunks (16 of them), not two 16 MiB ones."""
+    from pysafetensors._cuda_loader import MIN_CHUNK_BYTES
+
+    nbytes = 16 * MIN_CHUNK_BYTES
+    data = _data(nbytes)
+    ops = LateCopyOps()
+    dev, stats = stage_to_device(
+        BufferSource(data).readinto, 0, nbytes, ops, chunk_bytes=8 * MIN_CHUNK_BYTES, workers=16
+    )
+    assert bytes(dev.numpy()) == data
+    assert stats.chunks == 16
+    # Never below the floor: a small range with many workers stays in MIN_CHUNK_BYTES pieces.
+    _, stats = stage_to_device(
+        BufferSource(data).readinto, 0, 3 * MIN_CHUNK_BYTES, LateCopyOps(), workers=16
+    )
+    assert stats.chunks == 3
