@@ -348,11 +348,18 @@ def main() -> int:
                 os.close(fd)
             bufs["device"].copy_(bufs["pinned"], non_blocking=True)
 
-        def each_tensor(module: Any, backend: str) -> Callable[[], Any]:
+        import pysafetensors._cuda_loader as loader
+
+        def each_tensor(module: Any, backend: str, min_chunk: int = 0) -> Callable[[], Any]:
             # The loop model loaders run: one get_tensor per name.
             def run() -> Any:
-                with module.safe_open(path, "pt", device=dev, backend=backend) as f:
-                    return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+                default = loader.MIN_CHUNK_BYTES
+                loader.MIN_CHUNK_BYTES = min_chunk or default  # type: ignore[misc]
+                try:
+                    with module.safe_open(path, "pt", device=dev, backend=backend) as f:
+                        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+                finally:
+                    loader.MIN_CHUNK_BYTES = default  # type: ignore[misc]
 
             return run
 
@@ -362,6 +369,12 @@ def main() -> int:
             "reference mmap": lambda: ref.load_file(path, device=dev),
             "reference pread": lambda: ref.load_file(path, device=dev, backend="pread"),
             "pysafetensors get_tensor loop (pread)": each_tensor(pysafetensors, "pread"),
+            "pysafetensors get_tensor loop, chunks >= 4 MiB": each_tensor(
+                pysafetensors, "pread", 4 * MIB
+            ),
+            "pysafetensors get_tensor loop, chunks >= 8 MiB": each_tensor(
+                pysafetensors, "pread", 8 * MIB
+            ),
             "reference get_tensor loop (mmap)": each_tensor(safetensors, "mmap"),
             "ceiling: one pinned copy_": pinned_copy,
             "pread into pinned, then copy_ (no overlap)": pread_then_copy,

@@ -90,6 +90,11 @@ class StagingStats:
     """Times each host buffer (by ring index) was filled."""
 
 
+#: Each thread's side streams, by device, kept across loads: model loaders call ``get_tensor``
+#: once per tensor, and the reader threads live for the whole process.
+_STREAMS = threading.local()
+
+
 class TorchCudaOps:
     """:class:`DeviceOps` over ``torch.cuda``: pinned buffers, side streams, events."""
 
@@ -107,7 +112,13 @@ class TorchCudaOps:
         return buf, memoryview(buf.numpy()).cast("B")
 
     def new_stream(self) -> Any:
-        return self._torch.cuda.Stream(device=self.device)
+        streams: dict[Any, Any] | None = getattr(_STREAMS, "by_device", None)
+        if streams is None:
+            streams = _STREAMS.by_device = {}
+        stream = streams.get(self.device)
+        if stream is None:
+            stream = streams[self.device] = self._torch.cuda.Stream(device=self.device)
+        return stream
 
     def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
         torch = self._torch
