@@ -142,6 +142,7 @@ def main() -> int:
     import safetensors.torch as ref
 
     import pysafetensors
+    import pysafetensors._cuda_loader as loader_defaults
     import pysafetensors.torch as ours
     from pysafetensors._cuda_loader import (
         CHUNK_BYTES,
@@ -167,6 +168,7 @@ def main() -> int:
         "staging defaults": {
             "workers": WORKERS,
             "chunk_mib": CHUNK_BYTES // MIB,
+            "min_chunk_mib": loader_defaults.MIN_CHUNK_BYTES // MIB,
             "buffers": WORKERS + SPARE_BUFFERS,
         },
     }
@@ -369,11 +371,11 @@ def main() -> int:
             "reference mmap": lambda: ref.load_file(path, device=dev),
             "reference pread": lambda: ref.load_file(path, device=dev, backend="pread"),
             "pysafetensors get_tensor loop (pread)": each_tensor(pysafetensors, "pread"),
-            "pysafetensors get_tensor loop, chunks >= 4 MiB": each_tensor(
-                pysafetensors, "pread", 4 * MIB
+            "pysafetensors get_tensor loop, chunks >= 2 MiB": each_tensor(
+                pysafetensors, "pread", 2 * MIB
             ),
-            "pysafetensors get_tensor loop, chunks >= 8 MiB": each_tensor(
-                pysafetensors, "pread", 8 * MIB
+            "pysafetensors get_tensor loop, chunks >= 16 MiB": each_tensor(
+                pysafetensors, "pread", 16 * MIB
             ),
             "reference get_tensor loop (mmap)": each_tensor(safetensors, "mmap"),
             "ceiling: one pinned copy_": pinned_copy,

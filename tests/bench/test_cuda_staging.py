@@ -154,7 +154,7 @@ def test_adapter_loads_a_file_through_the_pipeline(tmp_path: Path) -> None:
 
 
 def test_a_range_smaller_than_a_chunk_per_worker_is_cut_finer() -> None:
-    """One 32 MiB tensor with 16 workers: 2 MiB chunks (16 of them), not two 16 MiB ones."""
+    """A range of 16 chunk floors with 16 workers: 16 chunks, not two of the default size."""
     from pysafetensors._cuda_loader import MIN_CHUNK_BYTES
 
     nbytes = 16 * MIN_CHUNK_BYTES
