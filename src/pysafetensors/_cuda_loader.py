@@ -2,9 +2,9 @@
 
 The reference copies each tensor with one blocking host-to-device transfer after reading it, so
 the disk, the ``memcpy`` into pinned memory and the PCIe transfer take turns. Here the bytes of
-the requested tensors are read in chunks by a few worker threads, each chunk into one of a small
-ring of pinned host buffers, and copied to one device allocation with an asynchronous copy on
-the worker's own stream. A buffer goes back into the ring with the event of its copy, and is
+the requested tensors are read in chunks by worker threads (one per core, 4 to 16), each chunk
+into one of a ring of pinned host buffers, and copied to one device allocation with an
+asynchronous copy on the worker's own stream. A buffer goes back into the ring with the event of its copy, and is
 reused only once that event has completed, so chunk ``i + 1`` is read from disk while chunk
 ``i`` crosses the bus. Positioned reads release the GIL, so the threads really overlap.
 
@@ -41,8 +41,8 @@ CHUNK_BYTES: Final = 16 << 20
 MIN_CHUNK_BYTES: Final = 8 << 20
 #: Worker threads, each with its own stream. From the page cache the work is the kernel's copy
 #: into pinned memory, one core per reading thread, and the link is far faster than one core
-#: (an H200 over PCIe 5 x16: 55 GB/s for one pinned copy, against ~5 GB/s per reading thread),
-#: so one thread per core up to 16: 2 GiB at 19.7 GB/s with 4 threads, 30 GB/s with 16.
+#: (an H200 over PCIe 5 x16: 55 GB/s for one pinned copy), so one thread per core up to 16:
+#: staging 2 GiB ran at 15-20 GB/s with 4 threads, 25-30 GB/s with 16 (benchmarks/GPU.md).
 WORKERS: Final = max(4, min(16, os.cpu_count() or 4))
 #: Pinned buffers beyond one per worker. A buffer's copy to the device takes far less time than
 #: filling the next one (16 MiB: 0.3 ms over the link, ~3 ms to read), so a worker rarely waits
