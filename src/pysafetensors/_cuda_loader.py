@@ -4,9 +4,10 @@ The reference copies each tensor with one blocking host-to-device transfer after
 the disk, the ``memcpy`` into pinned memory and the PCIe transfer take turns. Here the bytes of
 the requested tensors are read in chunks by worker threads (one per core, 4 to 16), each chunk
 into one of a ring of pinned host buffers, and copied to one device allocation with an
-asynchronous copy on the worker's own stream. A buffer goes back into the ring with the event of its copy, and is
-reused only once that event has completed, so chunk ``i + 1`` is read from disk while chunk
-``i`` crosses the bus. Positioned reads release the GIL, so the threads really overlap.
+asynchronous copy on the worker's own stream. A buffer goes back into the ring with the event
+of its copy, and is reused only once that event has completed, so chunk ``i + 1`` is read from
+disk while chunk ``i`` crosses the bus. Positioned reads release the GIL, so the threads really
+overlap.
 
 The device is reached only through :class:`DeviceOps`; :class:`TorchCudaOps` is the real one and
 tests substitute a CPU stand-in to check the staging logic (bytes land where they should,
