@@ -142,9 +142,9 @@ def main() -> int:
     import safetensors.torch as ref
 
     import pysafetensors
-    import pysafetensors._cuda_loader as loader_defaults
+    import pysafetensors._cuda_staging as loader_defaults
     import pysafetensors.torch as ours
-    from pysafetensors._cuda_loader import (
+    from pysafetensors._cuda_staging import (
         CHUNK_BYTES,
         SPARE_BUFFERS,
         WORKERS,
@@ -350,7 +350,7 @@ def main() -> int:
                 os.close(fd)
             bufs["device"].copy_(bufs["pinned"], non_blocking=True)
 
-        import pysafetensors._cuda_loader as loader
+        import pysafetensors._cuda_staging as loader
 
         def each_tensor(module: Any, backend: str, min_chunk: int = 0) -> Callable[[], Any]:
             # The loop model loaders run: one get_tensor per name.

@@ -397,7 +397,7 @@ class safe_open:  # noqa: N801 - the reference's name
 
     def _to_device(self, source: ByteSource, infos: list[TensorInfo]) -> dict[str, Any] | None:
         """Load straight into an accelerator when the adapter can (torch + CUDA: pipelined
-        through pinned buffers, see ``_cuda_loader``); None means use the CPU path."""
+        through pinned buffers, see ``_cuda_staging``); None means use the CPU path."""
         if self._device.type == "cpu":
             return None
         loader = getattr(self._adapter, "to_device_many", None)

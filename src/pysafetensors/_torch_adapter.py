@@ -198,10 +198,10 @@ class TorchAdapter:
         if ops is None:
             if device.type != "cuda":
                 return None
-            from ._cuda_loader import TorchCudaOps
+            from ._cuda_staging import TorchCudaOps
 
             ops = TorchCudaOps(device.torch_spec)
-        from ._cuda_loader import stage_to_device
+        from ._cuda_staging import stage_to_device
 
         if not items:
             return {}
@@ -234,6 +234,14 @@ class TorchAdapter:
 
         def chunks() -> Iterator[Any]:
             t = source
+            ops = _device_ops(t.device)
+            if ops is not None:
+                # Through reused pinned buffers, piece by piece, overlapping the writes.
+                from ._cuda_staging import chunks_from_device
+
+                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                yield from chunks_from_device(flat, flat.numel(), ops)
+                return
             if t.device.type != "cpu":
                 t = t.to("cpu")
             if not t.is_contiguous():
@@ -247,6 +255,16 @@ class TorchAdapter:
             del t
 
         return TensorData(name, dtype, shape, chunks, keepalive=tensor)
+
+
+def _device_ops(device: torch.device) -> Any:
+    """The staging runtime that copies tensors on ``device`` to the host for a save (CUDA);
+    None where a plain ``.to("cpu")`` is used."""
+    if device.type == "cuda":
+        from ._cuda_staging import TorchCudaOps
+
+        return TorchCudaOps(device)
+    return None
 
 
 ADAPTER: Final = TorchAdapter()

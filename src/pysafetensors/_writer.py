@@ -77,7 +77,13 @@ class TensorData:
     shape: tuple[int, ...]
     """Logical shape."""
     chunks: Callable[[], Chunks]
-    """Returns the tensor's bytes (little-endian, row-major) as buffer chunks, in order."""
+    """Returns the tensor's bytes (little-endian, row-major) as buffer chunks, in order.
+
+    A producer may reuse a chunk's memory once the chunk after it is asked for (device tensors
+    are copied out through a ring of pinned buffers), except for chunks smaller than
+    ``_WRITEV_BYTES`` and a tensor's last chunk: consumers write every other chunk before
+    asking for the next, and may keep those two kinds (``write_layout`` gathers small ones).
+    """
     keepalive: Any = field(default=None, compare=False)
     """Anything that must stay alive while the chunks are read (e.g. the source tensor)."""
 

@@ -1,4 +1,4 @@
-"""The pinned-buffer staging pipeline of ``_cuda_loader``, checked on CPU.
+"""The pinned-buffer staging pipeline of ``_cuda_staging``, checked on CPU.
 
 A stand-in device runtime performs each "asynchronous" copy only when its event is waited on
 (or at ``synchronize``), as late as a real stream could. If the pipeline refilled a staging
@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pysafetensors import safe_open  # noqa: E402
-from pysafetensors._cuda_loader import stage_to_device  # noqa: E402
+from pysafetensors._cuda_staging import chunks_from_device, stage_to_device  # noqa: E402
 from pysafetensors._devices import CPU  # noqa: E402
 from pysafetensors._sources import BufferSource  # noqa: E402
 
@@ -32,6 +32,7 @@ class LateCopyOps:
         self.host_allocs = 0
         self.streams = 0
         self.max_in_flight = 0
+        self.producer_waits = 0
 
     def alloc_device(self, nbytes: int) -> Any:
         return torch.full((nbytes,), 0xEE, dtype=torch.uint8)
@@ -54,16 +55,35 @@ class LateCopyOps:
             self.max_in_flight = max(self.max_in_flight, len(self.pending))
         return event
 
+    def copy_to_host_async(
+        self, host: Any, src: Any, src_offset: int, nbytes: int, stream: Any
+    ) -> Any:
+        event = {"to_host": True, "host": host, "src": src, "off": src_offset, "n": nbytes}
+        event["done"] = False
+        with self.lock:
+            self.pending.append(event)
+            self.max_in_flight = max(self.max_in_flight, len(self.pending))
+        return event
+
+    def wait_for_producer(self, stream: Any) -> None:
+        with self.lock:
+            self.producer_waits += 1
+
     def _complete(self, event: dict[str, Any]) -> None:
         if not event["done"]:
             off, n = event["off"], event["n"]
-            event["dst"][off : off + n].copy_(event["host"][:n])
+            if event.get("to_host"):
+                event["host"][:n].copy_(event["src"][off : off + n])
+            else:
+                event["dst"][off : off + n].copy_(event["host"][:n])
             event["done"] = True
 
     def wait(self, event: Any) -> None:
         with self.lock:
             self._complete(event)
-            self.pending.remove(event)
+            # By identity (events hold tensors, which do not compare as booleans); waiting on
+            # an event a second time is allowed, as for CUDA events.
+            self.pending = [e for e in self.pending if e is not event]
 
     def synchronize(self) -> None:
         with self.lock:
@@ -155,7 +175,7 @@ def test_adapter_loads_a_file_through_the_pipeline(tmp_path: Path) -> None:
 
 def test_a_range_smaller_than_a_chunk_per_worker_is_cut_finer() -> None:
     """A range of 16 chunk floors with 16 workers: 16 chunks, not two of the default size."""
-    from pysafetensors._cuda_loader import MIN_CHUNK_BYTES
+    from pysafetensors._cuda_staging import MIN_CHUNK_BYTES
 
     nbytes = 16 * MIN_CHUNK_BYTES
     data = _data(nbytes)
@@ -170,3 +190,74 @@ def test_a_range_smaller_than_a_chunk_per_worker_is_cut_finer() -> None:
         BufferSource(data).readinto, 0, 3 * MIN_CHUNK_BYTES, LateCopyOps(), workers=16
     )
     assert stats.chunks == 3
+
+
+# --- saves: device tensors copied to the host piece by piece through a ring of pinned buffers
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "piece", "ring"), [(1000, 64, 3), (1000, 100, 3), (50, 64, 3), (4097, 1024, 2)]
+)
+def test_device_bytes_come_out_in_order_through_a_small_ring(
+    nbytes: int, piece: int, ring: int
+) -> None:
+    data = _data(nbytes)
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    ops = LateCopyOps()
+    got = b""
+    for view in chunks_from_device(src, nbytes, ops, piece_bytes=piece, ring=ring):
+        # Read each piece as the writer would, right when it is handed over.
+        got += bytes(view)
+    assert got == data
+    assert ops.host_allocs <= ring and ops.producer_waits == 1
+    assert not ops.pending
+
+
+def test_a_consumer_that_stops_early_leaves_no_copy_in_flight() -> None:
+    data = _data(10_000)
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    ops = LateCopyOps()
+    gen = chunks_from_device(src, len(data), ops, piece_bytes=1000, ring=3)
+    assert bytes(next(gen)) == data[:1000]
+    assert ops.pending  # the next pieces are in flight
+    gen.close()  # e.g. the write failed
+    assert not ops.pending
+
+
+def test_saving_device_tensors_through_the_ring_gives_the_reference_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter's device path end to end (CPU tensors routed through it): a tensor of five
+    16 MiB pieces reuses the three buffers; the file equals the reference's byte for byte."""
+    from safetensors.torch import save_file as ref_save_file
+
+    import pysafetensors._torch_adapter as adapter
+    from pysafetensors._cuda_staging import PIECE_BYTES, SAVE_RING
+    from pysafetensors.torch import save_file
+
+    stand_ins: list[LateCopyOps] = []
+
+    def ops_for(device: Any) -> LateCopyOps:
+        stand_ins.append(LateCopyOps())
+        return stand_ins[-1]
+
+    monkeypatch.setattr(adapter, "_device_ops", ops_for)
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randint(
+        -(2**15), 2**15, (5 * PIECE_BYTES // 2 - 7,), dtype=torch.int16, generator=gen
+    )
+    tensors = {
+        "big": big,
+        "small": torch.randn(33, 17, generator=gen),
+        "flags": torch.rand(100, generator=gen) > 0.5,
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 5),
+        "grad": torch.randn(8, 8, generator=gen, requires_grad=True),
+    }
+    ours, ref = tmp_path / "ours.safetensors", tmp_path / "ref.safetensors"
+    save_file(tensors, ours)
+    ref_save_file({k: v.detach().contiguous() for k, v in tensors.items()}, ref)
+    assert ours.read_bytes() == ref.read_bytes()
+    by_size = max(stand_ins, key=lambda o: o.host_allocs)
+    assert by_size.host_allocs == SAVE_RING
+    assert all(not o.pending for o in stand_ins)

@@ -1,4 +1,6 @@
-"""Loading into accelerator memory through reused pinned buffers, overlapping disk and transfer.
+"""Moving tensor bytes between files and accelerator memory through reused pinned buffers.
+
+**Loads** (:func:`stage_to_device`) overlap disk and transfer.
 
 The reference copies each tensor with one blocking host-to-device transfer after reading it, so
 the disk, the ``memcpy`` into pinned memory and the PCIe transfer take turns. Here the bytes of
@@ -8,6 +10,11 @@ asynchronous copy on the worker's own stream. A buffer goes back into the ring w
 of its copy, and is reused only once that event has completed, so chunk ``i + 1`` is read from
 disk while chunk ``i`` crosses the bus. Positioned reads release the GIL, so the threads really
 overlap.
+
+**Saves** of device tensors (:func:`chunks_from_device`) copy each tensor to the host in 16 MiB
+pieces through a ring of three pinned buffers, while the writer writes the piece before: no
+host copy of the whole tensor is made (a plain ``tensor.to("cpu")`` allocates and faults in one
+per tensor), so the extra host memory of a save stays at 48 MiB whatever the model size.
 
 The device is reached only through :class:`DeviceOps`; :class:`TorchCudaOps` is the real one and
 tests substitute a CPU stand-in to check the staging logic (bytes land where they should,
@@ -19,7 +26,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -27,9 +34,11 @@ from ._sources import run_parallel
 
 __all__ = [
     "CHUNK_BYTES",
+    "PIECE_BYTES",
     "DeviceOps",
     "StagingStats",
     "TorchCudaOps",
+    "chunks_from_device",
     "stage_to_device",
 ]
 
@@ -49,6 +58,12 @@ WORKERS: Final = max(4, min(16, os.cpu_count() or 4))
 #: filling the next one (16 MiB: 0.3 ms over the link, ~3 ms to read), so a worker rarely waits
 #: for one; two spares cover that, where two buffers per worker would pin twice the memory.
 SPARE_BUFFERS: Final = 2
+#: Bytes per piece of a device tensor copied to the host for a save. At least the writer's
+#: batching threshold (``_writer._WRITEV_BYTES``), so that every piece but a tensor's last is
+#: written before the next one is asked for, which is what lets the ring reuse its buffers.
+PIECE_BYTES: Final = 16 << 20
+#: Pinned buffers per device tensor being saved: one being written, two in flight.
+SAVE_RING: Final = 3
 
 
 class DeviceOps(Protocol):
@@ -70,8 +85,20 @@ class DeviceOps(Protocol):
         """Start copying ``host[:nbytes]`` to ``dst[dst_offset:]``; return its event."""
         ...
 
+    def copy_to_host_async(
+        self, host: Any, src: Any, src_offset: int, nbytes: int, stream: Any
+    ) -> Any:
+        """Start copying ``src[src_offset:][:nbytes]`` (device) to ``host[:nbytes]``; return
+        its event."""
+        ...
+
+    def wait_for_producer(self, stream: Any) -> None:
+        """Order ``stream`` after the work already queued on the current stream (the kernels
+        that computed the tensor being copied)."""
+        ...
+
     def wait(self, event: Any) -> None:
-        """Block until ``event`` (from :meth:`copy_async`) has completed."""
+        """Block until ``event`` (from a copy) has completed."""
         ...
 
     def synchronize(self) -> None:
@@ -130,6 +157,19 @@ class TorchCudaOps:
             event = torch.cuda.Event()
             event.record(stream)
         return event
+
+    def copy_to_host_async(
+        self, host: Any, src: Any, src_offset: int, nbytes: int, stream: Any
+    ) -> Any:
+        torch = self._torch
+        with torch.cuda.stream(stream):
+            host[:nbytes].copy_(src[src_offset : src_offset + nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def wait_for_producer(self, stream: Any) -> None:
+        stream.wait_stream(self._torch.cuda.current_stream(self.device))
 
     def wait(self, event: Any) -> None:
         event.synchronize()
@@ -211,3 +251,61 @@ def stage_to_device(
         # before the tensors are used (also when a read failed half way).
         ops.synchronize()
     return device_buf, stats
+
+
+def chunks_from_device(
+    src: Any,
+    nbytes: int,
+    ops: DeviceOps,
+    *,
+    piece_bytes: int = PIECE_BYTES,
+    ring: int = SAVE_RING,
+) -> Iterator[memoryview]:
+    """Yield the bytes of a device buffer in pieces, copied through a ring of pinned buffers.
+
+    The copies of the next pieces run while the consumer writes the current one. A piece's
+    buffer is refilled once the consumer asks for the piece after it, so a consumer must be
+    done with each piece by then, except with a tensor's last (see ``TensorData.chunks``).
+
+    Args:
+        src: A 1-D uint8 device buffer (the tensor's bytes).
+        nbytes: Bytes to yield (``src``'s length).
+        ops: The device runtime.
+        piece_bytes: Bytes per piece (and per pinned buffer).
+        ring: Pinned buffers.
+
+    Yields:
+        Byte views of pinned host memory, in order.
+    """
+    if nbytes <= 0:
+        return
+    piece = max(1, min(piece_bytes, nbytes))
+    starts = range(0, nbytes, piece)
+    stream = ops.new_stream()
+    ops.wait_for_producer(stream)
+    buffers = [ops.alloc_host(piece) for _ in range(max(1, min(ring, len(starts))))]
+    events: list[Any] = [None] * len(buffers)
+
+    def issue(i: int) -> None:
+        k = i % len(buffers)
+        start = starts[i]
+        events[k] = ops.copy_to_host_async(
+            buffers[k][0], src, start, min(piece, nbytes - start), stream
+        )
+
+    try:
+        for i in range(len(buffers)):
+            issue(i)
+        for i, start in enumerate(starts):
+            k = i % len(buffers)
+            ops.wait(events[k])
+            yield buffers[k][1][: min(piece, nbytes - start)]
+            if i + len(buffers) < len(starts):
+                issue(i + len(buffers))
+    finally:
+        # A consumer that stopped early (a failed write) leaves copies in flight into buffers
+        # about to be freed: let them land first (only these: other streams' work, a training
+        # step say, is not waited for).
+        for event in events:
+            if event is not None:
+                ops.wait(event)
