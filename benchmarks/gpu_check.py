@@ -403,6 +403,110 @@ def main() -> int:
     except Exception:
         report.error("warm")
 
+    # ------------------------------------------------------------------ saves from the device
+    def host_peak_reset() -> int:
+        # Resets VmHWM to the current RSS (Linux); returns the RSS then, in bytes.
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return -1
+        return status_kib("VmRSS") * 1024
+
+    def status_kib(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+        return 0
+
+    try:
+        import hashlib
+
+        held = {"device": ours.load_file(path, device=dev)}
+        on_host = {k: v.cpu() for k, v in held["device"].items()}
+        out_ours = os.path.join(args.work, "save_ours.safetensors")
+        out_ref = os.path.join(args.work, "save_ref.safetensors")
+        out_host = os.path.join(args.work, "save_host.safetensors")
+
+        def digest(p: str) -> str:
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while block := f.read(64 << 20):
+                    h.update(block)
+            return h.hexdigest()
+
+        ours.save_file(held["device"], out_ours)
+        ref.save_file(held["device"], out_ref)
+        ours.save_file(on_host, out_host)
+        same = digest(out_ours) == digest(out_ref) == digest(out_host) == digest(path)
+        if not same:
+            failures.append("save: files from device tensors differ from the reference's")
+        del on_host
+        save_arms: dict[str, Callable[[], Any]] = {
+            "pysafetensors save_file": lambda: ours.save_file(held["device"], out_ours),
+            "reference save_file": lambda: ref.save_file(held["device"], out_ref),
+            "pysafetensors save_file (durable)": lambda: ours.save_file(
+                held["device"], out_ours, fsync=True
+            ),
+            "reference save_file + fsync": lambda: (
+                ref.save_file(held["device"], out_ref),
+                os.fsync(fd := os.open(out_ref, os.O_RDONLY)),
+                os.close(fd),
+            ),
+        }
+
+        def fresh() -> None:
+            for p in (out_ours, out_ref):
+                if os.path.exists(p):
+                    os.unlink(p)
+            os.sync()
+
+        save_times: dict[str, list[float]] = {k: [] for k in save_arms}
+        host_extra: dict[str, int] = {}
+        for rep in range(args.reps):
+            for name, fn in save_arms.items():
+                if ("durable" in name or "fsync" in name) and rep >= 3:
+                    continue
+                fresh()
+                before = host_peak_reset()
+                elapsed, _peak = timed(fn, lambda: None)
+                save_times[name].append(elapsed)
+                if before >= 0:
+                    extra = status_kib("VmHWM") * 1024 - before
+                    host_extra[name] = max(host_extra.get(name, 0), extra)
+        lines = [
+            "| arm | median s | min s | GB/s | x reference | peak host memory added, MiB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, ts in save_times.items():
+            base = (
+                "reference save_file + fsync"
+                if "durable" in name or "fsync" in name
+                else ("reference save_file")
+            )
+            med = statistics.median(ts)
+            lines.append(
+                f"| {name} | {med:.3f} | {min(ts):.3f} | {data_size / med / 1e9:.2f} | "
+                f"{med / statistics.median(save_times[base]):.2f}x | "
+                f"{host_extra.get(name, -1) / MIB:.0f} |"
+            )
+        report.add(
+            "save from the device",
+            {"times": save_times, "host_extra_bytes": host_extra, "identical_files": same},
+            [
+                f"{len(held['device'])} CUDA tensors, {data_size / 2**30:.2f} GiB, to the page "
+                f"cache (durable: median of 3); files identical to the reference's and to a "
+                f"save of the CPU copies: {same}",
+                "",
+                *lines,
+            ],
+        )
+        held.clear()
+        fresh()
+    except Exception:
+        report.error("save from the device")
+
     # ------------------------------------------------------------------ sweep
     try:
         ops: Any = CpuOps() if dry else TorchCudaOps(dev)
