@@ -193,8 +193,15 @@ class BufferSource:
 #: ``True`` (numpy's default: always ask), ``False`` (never: 4 KiB pages).
 HUGEPAGE_DESTINATIONS: bool | str = "auto"
 _HUGEPAGE_LOCK = threading.Lock()
-#: Destinations at least this large are candidates for huge pages.
-_HUGEPAGE_MIN: Final = 64 << 20
+#: Destinations at least this large are candidates for huge pages. Tensor-parallel slices are
+#: mostly 4-32 MiB each: 256 MiB of row slices of a 2 GiB file took ~100 ms to read into 4 KiB
+#: pages (faulted in at ~2 GB/s) and ~70 ms into huge pages, measured.
+_HUGEPAGE_MIN: Final = 4 << 20
+#: Destinations smaller than this are too short to tell slow huge pages by their own steps
+#: (:data:`_SLOW_STEPS` of them): they use huge pages only while no destination has met slow
+#: ones in the last :data:`_SLOW_MEMORY_HOLD` seconds.
+_SELF_PROBED_MIN: Final = 64 << 20
+_SLOW_MEMORY_HOLD: Final = 5.0
 #: Fault-in rate (bytes/s, per thread) below which a step counts as slow: 4 KiB pages fault in
 #: at ~2 GB/s here, fast huge pages at 6-11 GB/s, slow ones at ~0.5 GB/s.
 _HUGEPAGE_MIN_RATE: Final = 1e9
@@ -240,6 +247,10 @@ class _HugeRegion:
     pages (``MADV_NOHUGEPAGE``), which reads then fault in as usual. Faulting huge pages in
     ahead of a read, rather than inside it, was itself several times faster.
     """
+
+    #: ``time.monotonic()`` until which small destinations skip huge pages (a destination met
+    #: slow ones; the next are likely drawn from the same memory).
+    slow_until: float = 0.0
 
     def __init__(self, region: mmap.mmap, nbytes: int) -> None:
         self._region = region
@@ -292,6 +303,10 @@ class _HugeRegion:
                 self._slow_steps = 0
                 continue
             self._slow_steps += 1
+            if self.nbytes < _SELF_PROBED_MIN or self._slow_steps >= _SLOW_STEPS:
+                # Slow memory, as far as this region can tell: the next small destinations
+                # start in 4 KiB pages.
+                _HugeRegion.slow_until = time.monotonic() + _SLOW_MEMORY_HOLD
             if self._slow_steps >= _SLOW_STEPS:
                 self._give_up()
 
@@ -309,8 +324,15 @@ class _HugeRegion:
         return np.frombuffer(self._region, np.uint8)
 
 
-def _huge_region(nbytes: int) -> _HugeRegion | None:
+def _hugepages_worth_trying(nbytes: int) -> bool:
+    """Whether a fresh destination of ``nbytes`` should start in huge pages ("auto" mode)."""
     if HUGEPAGE_DESTINATIONS != "auto" or nbytes < _HUGEPAGE_MIN:
+        return False
+    return nbytes >= _SELF_PROBED_MIN or time.monotonic() >= _HugeRegion.slow_until
+
+
+def _huge_region(nbytes: int) -> _HugeRegion | None:
+    if not _hugepages_worth_trying(nbytes):
         return None
     return _HugeRegion.create(nbytes)
 
@@ -336,7 +358,7 @@ def empty_bytes(nbytes: int) -> np.ndarray:
     mode = HUGEPAGE_DESTINATIONS
     if nbytes < (4 << 20) or mode is True:
         return np.empty(nbytes, np.uint8)
-    if mode == "auto" and nbytes >= _HUGEPAGE_MIN:
+    if _hugepages_worth_trying(nbytes):
         probed = _probed_hugepages(nbytes)
         if probed is not None:
             return probed

@@ -14,6 +14,12 @@ from pysafetensors import _sources
 from pysafetensors._sources import PreadSource, run_parallel
 
 
+@pytest.fixture(autouse=True)
+def _memory_not_marked_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts as if no destination had met slow huge pages (process-wide state)."""
+    monkeypatch.setattr(_sources._HugeRegion, "slow_until", 0.0)
+
+
 def test_items_run_on_reader_threads_and_nested_calls_run_inline() -> None:
     seen: list[str] = []
     lock = threading.Lock()
@@ -235,11 +241,49 @@ def test_fresh_reads_with_odd_sizes_and_thread_counts(
 
 
 def test_unaligned_populate_and_failing_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    region = _sources._HugeRegion.create(_sources._HUGEPAGE_MIN)
+    region = _sources._HugeRegion.create(_sources._SELF_PROBED_MIN)
     if region is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
     region.populate(4097, 5 << 20, strict=True)  # an unaligned start is rounded down
     monkeypatch.setattr(_sources, "_MADV_POPULATE_WRITE", -12345)  # every further step fails
     region.populate(8 << 20, 8 << 20)  # gives up quietly: the reads fault pages in instead
     assert region._slow.is_set()
-    _check_destination(region.array(), _sources._HUGEPAGE_MIN)
+    _check_destination(region.array(), _sources._SELF_PROBED_MIN)
+
+
+def _is_region(buf: np.ndarray) -> bool:
+    """Whether a destination is a huge-page region (an anonymous mapping), not numpy memory."""
+    return isinstance(buf.base, _sources.mmap.mmap) or (
+        buf.base is not None and isinstance(getattr(buf.base, "obj", None), _sources.mmap.mmap)
+    )
+
+
+def test_slice_sized_destinations_start_in_huge_pages() -> None:
+    """Tensor-parallel slices are mostly 4-32 MiB: they get huge-page regions too."""
+    if _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    nbytes = (8 << 20) + 5
+    buf = _sources.empty_bytes(nbytes)
+    _check_destination(buf, nbytes)
+    assert _is_region(buf)
+    assert not _is_region(_sources.empty_bytes((4 << 20) - 1))  # below the floor: numpy
+
+
+def test_after_slow_huge_pages_small_destinations_use_small_pages_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small region cannot tell slow memory by its own steps; one that met a slow step makes
+    the next small destinations skip huge pages for a few seconds. Large ones still probe."""
+    if _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
+    first = _sources.empty_bytes(8 << 20)
+    _check_destination(first, 8 << 20)
+    assert _is_region(first)  # it did not know yet
+    second = _sources.empty_bytes(8 << 20)
+    _check_destination(second, 8 << 20)
+    assert not _is_region(second)
+    large = _sources.empty_bytes(_sources._SELF_PROBED_MIN)
+    assert _is_region(large)  # probes, and falls back by itself
+    monkeypatch.setattr(_sources._HugeRegion, "slow_until", 0.0)  # the hold has passed
+    assert _is_region(_sources.empty_bytes(8 << 20))
