@@ -250,8 +250,9 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "tensors; `moe`: 20,000 tiny tensors, the header is the point).",
         "",
         'Arms: **ours** = pysafetensors (`load_file(backend="pread")` for eager loads, '
-        '`load_file()` (mmap) for lazy, `safe_open(backend="pread").get_slice` for row splits, '
-        "`safe_open()` (mmap) `.get_slice` for column splits, "
+        '`load_file()` (mmap) for lazy, `parallel.load_shard(backend="pread")` for row splits '
+        '(every part read at once into one buffer), `load_shard(backend="mmap")` (a `get_slice` '
+        "per tensor) for column splits, "
         "`save_file`); **ref mmap** / **ref pread** = safetensors 0.8.0 with that backend "
         "(mmap results are `clone()`d where the operation asks for private memory); **torch** = "
         "`torch.load(mmap=True, weights_only=True)` (+ `clone()`) / `torch.save`; **ceiling** = "

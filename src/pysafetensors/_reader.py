@@ -42,6 +42,7 @@ from ._sources import (
     empty_bytes,
     read_fresh,
     read_ranges_into,
+    read_runs_fresh,
     run_parallel,
     worker_count,
 )
@@ -432,6 +433,46 @@ class safe_open:  # noqa: N801 - the reference's name
         """A lazy view of one tensor that reads only what is indexed."""
         self._live()
         return SafeSlice(self, self._info(name))
+
+    def _read_slices(self, requests: list[tuple[str, Any]]) -> dict[str, Any]:
+        """``{name: get_slice(name)[index]}`` for many tensors at once (``load_shard``).
+
+        With the pread backend on the CPU, every request that is one contiguous byte run (a
+        split along rows, a whole tensor) is read into one shared destination in parallel
+        (:func:`read_runs_fresh`), the result tensors viewing it; the others are read one by
+        one as ``get_slice`` would.
+        """
+        source = self._live()
+        out: dict[str, Any] = {}
+        batched: list[tuple[str, TensorInfo, SlicePlan]] = []
+        for name, index in requests:
+            info = self._info(name)
+            if (
+                isinstance(source, PreadSource)
+                and self._device.type == "cpu"
+                and len(info.shape) <= MAX_NDIM
+            ):
+                plan = plan_slice(info.shape, info.dtype, index)
+                if len(plan.starts) == 1:
+                    check_representable(plan.shape, info.dtype, info.name)
+                    batched.append((name, info, plan))
+                    out[name] = None  # keeps the requested order
+                    continue
+            out[name] = self._read_slice(info, index)
+        if batched:
+            assert isinstance(source, PreadSource)  # only pread sources batch (above)
+            if any(plan.nbytes < info.nbytes for _, info, plan in batched):
+                source = source.without_readahead()  # only the selected bytes off disk
+            base = self._header.data_start
+            runs = [
+                (base + info.begin + int(plan.starts[0]), plan.nbytes) for _, info, plan in batched
+            ]
+            buf, offsets = read_runs_fresh(source, runs)
+            for (name, info, plan), at in zip(batched, offsets, strict=True):
+                out[name] = self._adapter.from_bytes(
+                    buf[at : at + plan.nbytes], info.dtype, plan.shape, self._device
+                )
+        return out
 
     def _read_slice(self, info: TensorInfo, index: Any) -> Any:
         source = self._live()

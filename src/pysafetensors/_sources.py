@@ -384,6 +384,46 @@ def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
     return buf
 
 
+def read_runs_fresh(
+    source: PreadSource, runs: Sequence[tuple[int, int]], align: int = 64
+) -> tuple[np.ndarray, list[int]]:
+    """Read several ``(offset, length)`` runs of a file into one new buffer, in parallel.
+
+    Each run starts at a multiple of ``align`` in the buffer, so that tensors viewing it are
+    aligned. One destination for all runs (huge pages faulted in by the thread that reads each
+    piece, as in :func:`read_fresh`) costs fewer page faults than one per run, and all runs
+    are read at once: a rank's rows of every tensor of a 2 GiB file (256 MiB in 39 runs of
+    4-32 MiB) took 50-71 ms this way against 77-104 ms one tensor at a time (10 runs each; in
+    the machine's slow spells, 147-166 ms against 204-225 ms).
+
+    Returns:
+        The buffer and the offset of each run in it.
+    """
+    offsets: list[int] = []
+    total = 0
+    for _, length in runs:
+        total += -total % align
+        offsets.append(total)
+        total += length
+    region = _huge_region(total)
+    buf = region.array() if region is not None else _numpy_empty(total, False)
+    pieces = [
+        (offset + at, dest + at, min(PARALLEL_CHUNK, length - at))
+        for (offset, length), dest in zip(runs, offsets, strict=True)
+        for at in range(0, length, PARALLEL_CHUNK)
+    ]
+    view = buf.data.cast("B")
+
+    def one(piece: tuple[int, int, int]) -> None:
+        offset, dest, length = piece
+        if region is not None:
+            region.populate(dest, length)
+        source.pread_exact(offset, view[dest : dest + length])
+
+    run_parallel(one, pieces, source.threads)
+    return buf, offsets
+
+
 #: ``resident_fraction`` looks at this many windows of a long range...
 _RESIDENCY_WINDOWS: Final = 8
 #: ... of this many pages each (mincore walks the page cache page by page: asking about all of

@@ -70,6 +70,20 @@ def test_row_slices_of_a_cold_file_read_only_their_bytes(cold_file: Path) -> Non
             assert np.array_equal(v, f.get_tensor(k)[0:64])
 
 
+def test_a_shard_of_a_cold_file_reads_only_its_bytes(cold_file: Path) -> None:
+    """load_shard reads every part into one destination at once; still only those bytes."""
+    from pysafetensors.parallel import load_shard
+
+    before = _read_bytes()
+    got = load_shard(str(cold_file), 1, 8, {"*": "rows"}, framework="np")
+    fetched = _read_bytes() - before
+    wanted = 8 * 64 * 8192
+    assert wanted <= fetched <= wanted + 256 * 1024, fetched
+    with pysafetensors.safe_open(str(cold_file), "np") as f:
+        for k, v in got.items():
+            assert np.array_equal(v, f.get_tensor(k)[64:128])
+
+
 def test_reopened_descriptor_is_the_same_file(tmp_path: Path) -> None:
     path = tmp_path / "x.bin"
     path.write_bytes(bytes(range(256)) * 64)

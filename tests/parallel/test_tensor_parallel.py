@@ -118,3 +118,35 @@ def test_plan_and_bytes_without_processes(tmp_path: Path) -> None:
                 assert np.array_equal(shard[name], want.numpy())
     plan = plan_shard({"w": [10, 4]}, 3, 4, {"w": "rows"})
     assert (plan["w"].start, plan["w"].stop, plan["w"].shard_shape) == (9, 10, (1, 4))
+
+
+def _root(a: np.ndarray) -> object:
+    """The object that owns an array's memory (the array itself when it owns it)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a if a.base is None else a.base
+
+
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+def test_parts_read_together_equal_get_slice(tmp_path: Path, backend: str) -> None:
+    """load_shard reads every one-run part (rows, whole tensors) into one buffer at once; every
+    part, of any rank (empty ones too), equals what get_slice gives, in file order."""
+    from pysafetensors import safe_open
+
+    model = tmp_path / "model.safetensors"
+    tensors = _model(model)
+    rules = {"*.q.weight": "rows", "*.o.weight": "columns", "*.conv.weight": -1}
+    for world_size in (4, 8):
+        shapes = {name: list(t.shape) for name, t in tensors.items()}
+        for rank in range(world_size):
+            plan = plan_shard(shapes, rank, world_size, rules)
+            shard = load_shard(model, rank, world_size, rules, framework="np", backend=backend)
+            with safe_open(model, "np", backend=backend) as f:
+                assert list(shard) == list(f.offset_keys())
+                for name, spec in plan.items():
+                    want = f.get_tensor(name) if spec.dim is None else f.get_slice(name)[spec.index]
+                    assert shard[name].dtype == want.dtype
+                    assert np.array_equal(shard[name].view(np.uint8), want.view(np.uint8))
+    shard = load_shard(model, 1, 4, rules, framework="np", backend=backend)
+    together = _root(shard["layer.q.weight"]) is _root(shard["layer.norm.weight"])
+    assert together == (backend == "pread")  # the mmap backend copies each part on its own
