@@ -458,7 +458,9 @@ class safe_open:  # noqa: N801 - the reference's name
                     batched.append((name, info, plan))
                     out[name] = None  # keeps the requested order
                     continue
-            out[name] = self._read_slice(info, index)
+            # As get_slice would, or get_tensor for a whole tensor (a view under mmap, the
+            # staging pipeline on a GPU).
+            out[name] = self.get_tensor(name) if index is ... else self._read_slice(info, index)
         if batched:
             assert isinstance(source, PreadSource)  # only pread sources batch (above)
             if any(plan.nbytes < info.nbytes for _, info, plan in batched):

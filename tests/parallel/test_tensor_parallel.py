@@ -150,3 +150,9 @@ def test_parts_read_together_equal_get_slice(tmp_path: Path, backend: str) -> No
     shard = load_shard(model, 1, 4, rules, framework="np", backend=backend)
     together = _root(shard["layer.q.weight"]) is _root(shard["layer.norm.weight"])
     assert together == (backend == "pread")  # the mmap backend copies each part on its own
+    if backend == "mmap":
+        # ... except whole tensors, which stay views of the mapping as from get_tensor.
+        norm = shard["layer.norm.weight"]
+        assert not norm.flags.owndata and _root(norm) is not _root(shard["layer.q.weight"])
+        with safe_open(model, "np") as f:
+            assert type(_root(norm)) is type(_root(f.get_tensor("layer.norm.weight")))
