@@ -123,6 +123,7 @@ def main() -> int:
     ap.add_argument("--work", default=os.path.join(HERE, "_work"))
     ap.add_argument("--out", default=HERE)
     ap.add_argument("--dry-run", action="store_true", help="CPU only, to test the script")
+    ap.add_argument("--correctness-only", action="store_true", help="skip the timings")
     args = ap.parse_args()
 
     import numpy as np
@@ -226,6 +227,25 @@ def main() -> int:
                     part = f.get_slice(name)[3:20, 5:40] if t.dim() == 2 else None
                     if part is not None and not same_bytes(part, t[3:20, 5:40]):
                         failures.append(f"dtypes {backend} get_slice {name}")
+        # Tensor-parallel parts on the device (rows, columns, whole tensors) equal the CPU's.
+        from pysafetensors.parallel import load_shard
+
+        def rule(name: str, shape: tuple[int, ...]) -> str:
+            if len(shape) < 2:
+                return "replicate"
+            return "rows" if name.startswith(("f", "b")) else "columns"
+
+        for backend in ("pread", "mmap"):
+            for rank in range(3):
+                on_dev = load_shard(
+                    path, rank, 3, rule, framework="pt", device=dev, backend=backend
+                )
+                on_cpu = load_shard(path, rank, 3, rule, framework="pt", backend=backend)
+                for name, t in on_cpu.items():
+                    checked += 1
+                    got = on_dev[name]
+                    if got.device.type != torch.device(dev).type or not same_bytes(got, t):
+                        failures.append(f"dtypes {backend} load_shard rank {rank} {name}")
         # A read that fails half way (the file shrank after it was opened) must raise a clear
         # error after every copy already issued has landed, not hang or crash.
         import shutil
@@ -296,6 +316,17 @@ def main() -> int:
         )
     except Exception:
         report.error("llama correctness")
+
+    if args.correctness_only:
+        report.add(
+            "verdict",
+            {"failures": failures, "errors": len(report.data["errors"])},
+            [
+                "correctness: " + ("OK" if not failures else f"{len(failures)} FAILURES"),
+                f"sections that failed: {len(report.data['errors'])}",
+            ],
+        )
+        return 1 if failures or report.data["errors"] else 0
 
     # ------------------------------------------------------------------ warm throughput
     def timed(fn: Callable[[], Any], prepare: Callable[[], Any]) -> tuple[float, int]:
