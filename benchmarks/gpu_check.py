@@ -4,8 +4,8 @@ Not run by ``make bench``. The script, each section recorded even when a later o
 
 1. **dtypes**: a small file of every dtype torch holds (scalars and empty tensors too), written
    by pysafetensors, loaded to the device with ``load_file``, ``get_tensor`` and ``get_slice``
-   (both backends, device given as ``"cuda:N"``, ``"cuda"`` and ``N``) must equal the CPU load
-   byte for byte;
+   (both backends, device given as ``"cuda:N"``, ``"cuda"`` and ``N``), and ``load_shard``
+   parts on the device, must equal the CPU load byte for byte;
 2. **llama**: a random bf16 LLaMA-shaped file (``--gib`` GiB, default 2), every tensor loaded to
    the device by pysafetensors (both backends, ``get_tensors`` and ``get_tensor``) and by the
    reference must equal the CPU load;
@@ -21,7 +21,8 @@ Not run by ``make bench``. The script, each section recorded even when a later o
 
 It prints markdown tables and writes ``gpu_results.json`` and ``gpu_results.md`` into ``--out``
 (default: next to this script) after every section. ``--dry-run`` runs the same code on the
-CPU with a small file (the copies are CPU copies), to check the script itself without a GPU.
+CPU with a small file (the copies are CPU copies), to check the script itself without a GPU;
+``--correctness-only`` stops after the two correctness sections.
 
 Usage::
 
