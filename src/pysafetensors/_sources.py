@@ -737,8 +737,9 @@ class MmapSource:
         a copy out of the mapping holds the GIL and takes a page fault per 4 KiB page not yet
         mapped, where ``preadv`` releases the GIL and copies straight from the page cache.
         Staging 2 GiB to a GPU from 4 threads: 5.2 GB/s out of the mapping, 17.6 GB/s by pread.
-        The bytes are the same: the descriptor is the mapped file's (a file replaced since
-        keeps its old inode for both).
+        The bytes are the file's, as in the mapping: the descriptor is the mapped file's (a
+        file replaced since keeps its old inode for both). Writes this process made into
+        views of the copy-on-write mapping are private to the mapping and not read here.
         """
         _check_range(self, offset, out.nbytes)
         self._check_not_truncated(offset, out.nbytes)
