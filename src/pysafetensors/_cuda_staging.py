@@ -39,6 +39,7 @@ __all__ = [
     "StagingStats",
     "TorchCudaOps",
     "chunks_from_device",
+    "stage_runs_to_device",
     "stage_to_device",
 ]
 
@@ -204,17 +205,59 @@ def stage_to_device(
     Returns:
         The device buffer and what the pipeline did.
     """
+    device_buf, _, stats = stage_runs_to_device(
+        read,
+        [(offset, nbytes)],
+        ops,
+        chunk_bytes=chunk_bytes,
+        workers=workers,
+        spare_buffers=spare_buffers,
+    )
+    return device_buf, stats
+
+
+def stage_runs_to_device(
+    read: Callable[[int, memoryview], None],
+    runs: list[tuple[int, int]],
+    ops: DeviceOps,
+    *,
+    align: int = 64,
+    chunk_bytes: int = CHUNK_BYTES,
+    workers: int = WORKERS,
+    spare_buffers: int = SPARE_BUFFERS,
+) -> tuple[Any, list[int], StagingStats]:
+    """Copy several ``(offset, nbytes)`` runs of a source into one new device buffer.
+
+    Each run lands at a multiple of ``align`` in the buffer (the first at 0), so that tensors
+    viewing it are aligned; all runs go through one pipeline (a tensor-parallel rank's rows of
+    every tensor, say). Arguments as for :func:`stage_to_device`.
+
+    Returns:
+        The device buffer, the offset of each run in it, and what the pipeline did.
+    """
+    offsets: list[int] = []
+    total = 0
+    for _, length in runs:
+        total += -total % align
+        offsets.append(total)
+        total += length
+    nbytes = sum(length for _, length in runs)
     stats = StagingStats(bytes=nbytes)
-    device_buf = ops.alloc_device(nbytes)
+    device_buf = ops.alloc_device(total)
     if nbytes == 0:
-        return device_buf, stats
+        return device_buf, offsets, stats
     # Ranges smaller than a chunk per worker are cut finer (down to MIN_CHUNK_BYTES), so that
     # all workers read.
     per_worker = max(MIN_CHUNK_BYTES, -(-nbytes // max(1, workers)))
     chunk_bytes = max(1, min(chunk_bytes, nbytes, per_worker))
-    starts = list(range(0, nbytes, chunk_bytes))
-    workers = max(1, min(workers, len(starts)))
-    ring_size = max(1, min(len(starts), workers + max(0, spare_buffers)))
+    # (source offset, destination offset, length) of every chunk, run by run.
+    chunks = [
+        (offset + at, dest + at, min(chunk_bytes, length - at))
+        for (offset, length), dest in zip(runs, offsets, strict=True)
+        for at in range(0, length, chunk_bytes)
+    ]
+    workers = max(1, min(workers, len(chunks)))
+    ring_size = max(1, min(len(chunks), workers + max(0, spare_buffers)))
     # The ring: (index, host tensor, byte view, event of the copy last issued from it or None).
     ring: queue.Queue[tuple[int, Any, memoryview, Any]] = queue.Queue()
     for i in range(ring_size):
@@ -224,18 +267,18 @@ def stage_to_device(
     lock = threading.Lock()
     local = threading.local()
 
-    def one(start: int) -> None:
-        n = min(chunk_bytes, nbytes - start)
+    def one(chunk: tuple[int, int, int]) -> None:
+        src, dest, n = chunk
         index, host, view, pending = ring.get()
         try:
             if pending is not None:
                 # The previous copy out of this buffer must finish before it is overwritten.
                 ops.wait(pending)
-            read(offset + start, view[:n])
+            read(src, view[:n])
             stream = getattr(local, "stream", None)
             if stream is None:
                 stream = local.stream = ops.new_stream()
-            event = ops.copy_async(device_buf, start, host, n, stream)
+            event = ops.copy_async(device_buf, dest, host, n, stream)
         except BaseException:
             ring.put((index, host, view, pending))
             raise
@@ -245,12 +288,12 @@ def stage_to_device(
             stats.reuse[index] = stats.reuse.get(index, 0) + 1
 
     try:
-        run_parallel(one, starts, workers)
+        run_parallel(one, chunks, workers)
     finally:
         # Every copy must have landed before the pinned buffers can be freed or reused, and
         # before the tensors are used (also when a read failed half way).
         ops.synchronize()
-    return device_buf, stats
+    return device_buf, offsets, stats
 
 
 def chunks_from_device(

@@ -437,44 +437,65 @@ class safe_open:  # noqa: N801 - the reference's name
     def _read_slices(self, requests: list[tuple[str, Any]]) -> dict[str, Any]:
         """``{name: get_slice(name)[index]}`` for many tensors at once (``load_shard``).
 
-        With the pread backend on the CPU, every request that is one contiguous byte run (a
-        split along rows, a whole tensor) is read into one shared destination in parallel
-        (:func:`read_runs_fresh`), the result tensors viewing it; the others are read one by
-        one as ``get_slice`` would.
+        Every request that is one contiguous byte run (a split along rows, a whole tensor) is
+        read together with the others: with the pread backend on the CPU into one shared
+        destination in parallel (:func:`read_runs_fresh`), on a CUDA device through one
+        staging pipeline (``to_device_runs``); the result tensors view that buffer. The other
+        requests, and every request where neither applies, are read one by one as
+        ``get_slice`` (or ``get_tensor``, for a whole tensor) would.
         """
         source = self._live()
+        on_cpu = self._device.type == "cpu"
+        to_device = None if on_cpu else getattr(self._adapter, "to_device_runs", None)
+        batching = (on_cpu and isinstance(source, PreadSource)) or to_device is not None
         out: dict[str, Any] = {}
-        batched: list[tuple[str, TensorInfo, SlicePlan]] = []
+        batched: list[tuple[str, TensorInfo, SlicePlan, Any]] = []
         for name, index in requests:
             info = self._info(name)
-            if (
-                isinstance(source, PreadSource)
-                and self._device.type == "cpu"
-                and len(info.shape) <= MAX_NDIM
-            ):
+            if batching and len(info.shape) <= MAX_NDIM:
                 plan = plan_slice(info.shape, info.dtype, index)
                 if len(plan.starts) == 1:
                     check_representable(plan.shape, info.dtype, info.name)
-                    batched.append((name, info, plan))
+                    batched.append((name, info, plan, index))
                     out[name] = None  # keeps the requested order
                     continue
-            # As get_slice would, or get_tensor for a whole tensor (a view under mmap, the
-            # staging pipeline on a GPU).
-            out[name] = self.get_tensor(name) if index is ... else self._read_slice(info, index)
-        if batched:
-            assert isinstance(source, PreadSource)  # only pread sources batch (above)
-            if any(plan.nbytes < info.nbytes for _, info, plan in batched):
-                source = source.without_readahead()  # only the selected bytes off disk
-            base = self._header.data_start
-            runs = [
-                (base + info.begin + int(plan.starts[0]), plan.nbytes) for _, info, plan in batched
-            ]
-            buf, offsets = read_runs_fresh(source, runs)
-            for (name, info, plan), at in zip(batched, offsets, strict=True):
-                out[name] = self._adapter.from_bytes(
-                    buf[at : at + plan.nbytes], info.dtype, plan.shape, self._device
+            out[name] = self._read_one(name, info, index)
+        if not batched:
+            return out
+        if any(plan.nbytes < info.nbytes for _, info, plan, _ in batched) and isinstance(
+            source, PreadSource
+        ):
+            source = source.without_readahead()  # only the selected bytes off disk
+        base = self._header.data_start
+        runs = [
+            (base + info.begin + int(plan.starts[0]), plan.nbytes) for _, info, plan, _ in batched
+        ]
+        if to_device is not None:
+            staged: dict[str, Any] | None = to_device(
+                source.readinto,
+                [
+                    (name, info.dtype, plan.shape, offset, nbytes)
+                    for (name, info, plan, _), (offset, nbytes) in zip(batched, runs, strict=True)
+                ],
+                self._device,
+            )
+            for name, info, _, index in batched:
+                out[name] = (
+                    staged[name] if staged is not None else self._read_one(name, info, index)
                 )
+            return out
+        assert isinstance(source, PreadSource)  # on the CPU only pread sources batch (above)
+        buf, offsets = read_runs_fresh(source, runs)
+        for (name, info, plan, _), at in zip(batched, offsets, strict=True):
+            out[name] = self._adapter.from_bytes(
+                buf[at : at + plan.nbytes], info.dtype, plan.shape, self._device
+            )
         return out
+
+    def _read_one(self, name: str, info: TensorInfo, index: Any) -> Any:
+        """As ``get_slice(name)[index]``, or ``get_tensor`` for a whole tensor (a view under
+        mmap, the staging pipeline on a GPU)."""
+        return self.get_tensor(name) if index is ... else self._read_slice(info, index)
 
     def _read_slice(self, info: TensorInfo, index: Any) -> Any:
         source = self._live()

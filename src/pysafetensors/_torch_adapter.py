@@ -214,6 +214,49 @@ class TorchAdapter:
         device_buf, _ = stage_to_device(read, offset + lo, hi - lo, ops)
         return carve(device_buf, ((n, d, s, b - lo, e - lo) for n, d, s, b, e in items))
 
+    def to_device_runs(
+        self,
+        read: Any,
+        items: list[tuple[str, DType, tuple[int, ...], int, int]],
+        device: Device,
+        *,
+        ops: Any = None,
+    ) -> dict[str, Any] | None:
+        """Load byte runs (parts of tensors) into a CUDA device through one staging pipeline.
+
+        Args:
+            read: ``read(offset, view)`` for the source (a byte source's ``readinto``).
+            items: ``(name, dtype, shape, offset, nbytes)``: each result's dtype and shape,
+                and the absolute offset and length of its bytes in the source.
+            device: The target device.
+            ops: The device runtime (tests pass a CPU stand-in); CUDA by default.
+
+        Returns:
+            The tensors, or None when this path does not apply (not CUDA).
+        """
+        if ops is None:
+            if device.type != "cuda":
+                return None
+            from ._cuda_staging import TorchCudaOps
+
+            ops = TorchCudaOps(device.torch_spec)
+        from ._cuda_staging import stage_runs_to_device
+
+        for _, dtype, shape, _, _ in items:
+            # Refuse what torch cannot hold before moving any byte.
+            torch_dtype(dtype)
+            _storage_shape(dtype, shape)
+        device_buf, offsets, _ = stage_runs_to_device(
+            read, [(offset, nbytes) for _, _, _, offset, nbytes in items], ops
+        )
+        return carve(
+            device_buf,
+            (
+                (name, dtype, shape, at, at + nbytes)
+                for (name, dtype, shape, _, nbytes), at in zip(items, offsets, strict=True)
+            ),
+        )
+
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if not isinstance(tensor, torch.Tensor):
             raise invalid_tensor_error(name, "torch.Tensor", tensor)

@@ -261,3 +261,70 @@ def test_saving_device_tensors_through_the_ring_gives_the_reference_bytes(
     by_size = max(stand_ins, key=lambda o: o.host_allocs)
     assert by_size.host_allocs == SAVE_RING
     assert all(not o.pending for o in stand_ins)
+
+
+# --- several runs (a tensor-parallel rank's parts) through one pipeline
+
+
+def test_several_runs_land_aligned_in_one_device_buffer() -> None:
+    from pysafetensors._cuda_staging import stage_runs_to_device
+
+    data = _data(50_000)
+    runs = [(10, 3000), (7000, 1), (9001, 20_000), (40_000, 0), (45_000, 4999)]
+    ops = LateCopyOps()
+    dev, offsets, stats = stage_runs_to_device(
+        BufferSource(data).readinto, runs, ops, chunk_bytes=4096, workers=3
+    )
+    assert offsets[0] == 0 and all(at % 64 == 0 for at in offsets)
+    got = dev.numpy()
+    for (offset, n), at in zip(runs, offsets, strict=True):
+        assert bytes(got[at : at + n]) == data[offset : offset + n]
+    assert stats.bytes == sum(n for _, n in runs)
+    assert ops.host_allocs == stats.host_buffers <= 3 + 2
+    assert not ops.pending
+
+
+def test_shard_parts_go_to_the_device_through_one_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_shard on a (stand-in) CUDA device: every row part and whole tensor is staged in
+    one pipeline run, and equals the CPU load_shard."""
+    from pysafetensors._devices import Device
+    from pysafetensors._torch_adapter import TorchAdapter
+    from pysafetensors.parallel import load_shard
+    from pysafetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(2)
+    tensors = {
+        "a": torch.randn(96, 70, generator=gen).to(torch.bfloat16),
+        "b": torch.randint(0, 100, (40, 6, 7), generator=gen, dtype=torch.int64),
+        "norm": torch.randn(33, generator=gen),
+        "flags": torch.rand(16, 3, generator=gen) > 0.5,
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, path)
+    rules = {"norm": "replicate", "*": "rows"}
+    want = load_shard(path, 1, 4, rules, framework="pt")
+
+    calls: list[int] = []
+    real = TorchAdapter.to_device_runs
+
+    def staged(self: Any, read: Any, items: Any, device: Any, *, ops: Any = None) -> Any:
+        calls.append(len(items))
+        return real(self, read, items, device, ops=LateCopyOps())
+
+    monkeypatch.setattr(TorchAdapter, "to_device_runs", staged)
+    real_open = safe_open.__init__
+
+    def on_device(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_open(self, *args, **kwargs)
+        self._device = Device("cuda", 0)  # as if opened with device="cuda:0"
+
+    monkeypatch.setattr(safe_open, "__init__", on_device)
+    for backend in ("pread", "mmap"):
+        got = load_shard(path, 1, 4, rules, framework="pt", backend=backend)
+        assert list(got) == list(want)
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape
+            assert torch.equal(got[name].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+    assert calls == [len(tensors), len(tensors)]
