@@ -253,7 +253,8 @@ def load_shard(
     they lie on). Replicated tensors are read whole. With ``backend="pread"`` on the CPU, every
     part that is one contiguous byte range (rows, whole tensors) is read at once, in parallel,
     into one buffer the parts view (faster than a ``get_slice`` loop: fewer page faults, all
-    reads in flight together).
+    reads in flight together); on a CUDA device (torch) those parts go through one run of the
+    pinned-buffer staging pipeline into one device buffer, with either backend.
 
     Args:
         path: A ``.safetensors`` file (path, URL or file object), or a model folder / index
