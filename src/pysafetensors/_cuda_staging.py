@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from ._sources import run_parallel
+from ._sources import lay_out_runs, run_parallel, run_pieces
 
 __all__ = [
     "CHUNK_BYTES",
@@ -235,12 +235,7 @@ def stage_runs_to_device(
     Returns:
         The device buffer, the offset of each run in it, and what the pipeline did.
     """
-    offsets: list[int] = []
-    total = 0
-    for _, length in runs:
-        total += -total % align
-        offsets.append(total)
-        total += length
+    offsets, total = lay_out_runs(runs, align)
     nbytes = sum(length for _, length in runs)
     stats = StagingStats(bytes=nbytes)
     device_buf = ops.alloc_device(total)
@@ -250,12 +245,7 @@ def stage_runs_to_device(
     # all workers read.
     per_worker = max(MIN_CHUNK_BYTES, -(-nbytes // max(1, workers)))
     chunk_bytes = max(1, min(chunk_bytes, nbytes, per_worker))
-    # (source offset, destination offset, length) of every chunk, run by run.
-    chunks = [
-        (offset + at, dest + at, min(chunk_bytes, length - at))
-        for (offset, length), dest in zip(runs, offsets, strict=True)
-        for at in range(0, length, chunk_bytes)
-    ]
+    chunks = run_pieces(runs, offsets, chunk_bytes)
     workers = max(1, min(workers, len(chunks)))
     ring_size = max(1, min(len(chunks), workers + max(0, spare_buffers)))
     # The ring: (index, host tensor, byte view, event of the copy last issued from it or None).

@@ -384,6 +384,30 @@ def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
     return buf
 
 
+def lay_out_runs(runs: Sequence[tuple[int, int]], align: int) -> tuple[list[int], int]:
+    """Where ``(offset, length)`` runs go when packed into one buffer, each at a multiple of
+    ``align`` (the first at 0): the offset of each, and the buffer's size."""
+    offsets: list[int] = []
+    total = 0
+    for _, length in runs:
+        total += -total % align
+        offsets.append(total)
+        total += length
+    return offsets, total
+
+
+def run_pieces(
+    runs: Sequence[tuple[int, int]], offsets: Sequence[int], piece: int
+) -> list[tuple[int, int, int]]:
+    """``(source offset, destination offset, length)`` of every piece of at most ``piece``
+    bytes of the runs, run by run (``offsets`` as from :func:`lay_out_runs`)."""
+    return [
+        (offset + at, dest + at, min(piece, length - at))
+        for (offset, length), dest in zip(runs, offsets, strict=True)
+        for at in range(0, length, piece)
+    ]
+
+
 def read_runs_fresh(
     source: PreadSource, runs: Sequence[tuple[int, int]], align: int = 64
 ) -> tuple[np.ndarray, list[int]]:
@@ -399,19 +423,10 @@ def read_runs_fresh(
     Returns:
         The buffer and the offset of each run in it.
     """
-    offsets: list[int] = []
-    total = 0
-    for _, length in runs:
-        total += -total % align
-        offsets.append(total)
-        total += length
+    offsets, total = lay_out_runs(runs, align)
     region = _huge_region(total)
     buf = region.array() if region is not None else _numpy_empty(total, False)
-    pieces = [
-        (offset + at, dest + at, min(PARALLEL_CHUNK, length - at))
-        for (offset, length), dest in zip(runs, offsets, strict=True)
-        for at in range(0, length, PARALLEL_CHUNK)
-    ]
+    pieces = run_pieces(runs, offsets, PARALLEL_CHUNK)
     view = buf.data.cast("B")
 
     def one(piece: tuple[int, int, int]) -> None:
