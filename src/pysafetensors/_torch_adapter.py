@@ -195,20 +195,14 @@ class TorchAdapter:
             The tensors, or None when this path does not apply (not CUDA) and the caller should
             use :meth:`from_bytes`.
         """
+        ops = _staging_ops(device, ops)
         if ops is None:
-            if device.type != "cuda":
-                return None
-            from ._cuda_staging import TorchCudaOps
-
-            ops = TorchCudaOps(device.torch_spec)
+            return None
         from ._cuda_staging import stage_to_device
 
         if not items:
             return {}
-        for _, dtype, shape, _, _ in items:
-            # Refuse what torch cannot hold before moving any byte.
-            torch_dtype(dtype)
-            _storage_shape(dtype, shape)
+        _refuse_unholdable(items)
         lo = min(begin for _, _, _, begin, _ in items)
         hi = max(end for _, _, _, _, end in items)
         device_buf, _ = stage_to_device(read, offset + lo, hi - lo, ops)
@@ -234,18 +228,12 @@ class TorchAdapter:
         Returns:
             The tensors, or None when this path does not apply (not CUDA).
         """
+        ops = _staging_ops(device, ops)
         if ops is None:
-            if device.type != "cuda":
-                return None
-            from ._cuda_staging import TorchCudaOps
-
-            ops = TorchCudaOps(device.torch_spec)
+            return None
         from ._cuda_staging import stage_runs_to_device
 
-        for _, dtype, shape, _, _ in items:
-            # Refuse what torch cannot hold before moving any byte.
-            torch_dtype(dtype)
-            _storage_shape(dtype, shape)
+        _refuse_unholdable(items)
         device_buf, offsets, _ = stage_runs_to_device(
             read, [(offset, nbytes) for _, _, _, offset, nbytes in items], ops
         )
@@ -300,9 +288,24 @@ class TorchAdapter:
         return TensorData(name, dtype, shape, chunks, keepalive=tensor)
 
 
+def _staging_ops(device: Device, ops: Any) -> Any:
+    """The runtime a load to ``device`` stages through: ``ops`` when given (tests pass a CPU
+    stand-in), else CUDA's for a CUDA device; None where staging does not apply."""
+    if ops is not None or device.type != "cuda":
+        return ops
+    return _device_ops(torch.device(device.torch_spec))
+
+
+def _refuse_unholdable(items: Iterable[tuple[str, DType, tuple[int, ...], int, int]]) -> None:
+    """Raise for a dtype or shape torch cannot hold, before any byte is moved."""
+    for _, dtype, shape, _, _ in items:
+        torch_dtype(dtype)
+        _storage_shape(dtype, shape)
+
+
 def _device_ops(device: torch.device) -> Any:
-    """The staging runtime that copies tensors on ``device`` to the host for a save (CUDA);
-    None where a plain ``.to("cpu")`` is used."""
+    """The staging runtime for ``device`` (CUDA), used by saves to copy tensors to the host and
+    by loads to copy bytes to the device; None where neither stages (a plain ``.to``)."""
     if device.type == "cuda":
         from ._cuda_staging import TorchCudaOps
 
