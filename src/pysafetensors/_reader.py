@@ -452,6 +452,7 @@ class safe_open:  # noqa: N801 - the reference's name
         batched: list[tuple[str, TensorInfo, SlicePlan, Any]] = []
         for name, index in requests:
             info = self._info(name)
+            plan = None
             if batching and len(info.shape) <= MAX_NDIM:
                 plan = plan_slice(info.shape, info.dtype, index)
                 if len(plan.starts) == 1:
@@ -459,7 +460,7 @@ class safe_open:  # noqa: N801 - the reference's name
                     batched.append((name, info, plan, index))
                     out[name] = None  # keeps the requested order
                     continue
-            out[name] = self._read_one(name, info, index)
+            out[name] = self._read_one(name, info, index, plan)
         if not batched:
             return out
         if any(plan.nbytes < info.nbytes for _, info, plan, _ in batched) and isinstance(
@@ -479,9 +480,9 @@ class safe_open:  # noqa: N801 - the reference's name
                 ],
                 self._device,
             )
-            for name, info, _, index in batched:
+            for name, info, plan, index in batched:
                 out[name] = (
-                    staged[name] if staged is not None else self._read_one(name, info, index)
+                    staged[name] if staged is not None else self._read_one(name, info, index, plan)
                 )
             return out
         assert isinstance(source, PreadSource)  # on the CPU only pread sources batch (above)
@@ -492,17 +493,20 @@ class safe_open:  # noqa: N801 - the reference's name
             )
         return out
 
-    def _read_one(self, name: str, info: TensorInfo, index: Any) -> Any:
+    def _read_one(
+        self, name: str, info: TensorInfo, index: Any, plan: SlicePlan | None = None
+    ) -> Any:
         """As ``get_slice(name)[index]``, or ``get_tensor`` for a whole tensor (a view under
-        mmap, the staging pipeline on a GPU)."""
-        return self.get_tensor(name) if index is ... else self._read_slice(info, index)
+        mmap, the staging pipeline on a GPU); ``plan`` if already computed for ``index``."""
+        return self.get_tensor(name) if index is ... else self._read_slice(info, index, plan)
 
-    def _read_slice(self, info: TensorInfo, index: Any) -> Any:
+    def _read_slice(self, info: TensorInfo, index: Any, plan: SlicePlan | None = None) -> Any:
         source = self._live()
         if len(info.shape) > MAX_NDIM:
             # The strided copy below reshapes to the full rank, which numpy caps.
             check_representable(info.shape, info.dtype, info.name)
-        plan = plan_slice(info.shape, info.dtype, index)
+        if plan is None:
+            plan = plan_slice(info.shape, info.dtype, index)
         check_representable(plan.shape, info.dtype, info.name)
         base = self._header.data_start + info.begin
         buf = empty_bytes(plan.nbytes)

@@ -151,10 +151,6 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
     return out
 
 
-def _bounds(r: range) -> tuple[int, int, int]:
-    return r.start, r.stop, r.step
-
-
 def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
     """Compute the result shape and byte runs of ``tensor[index]``.
 
@@ -209,7 +205,7 @@ def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
         rows = (
             np.array([s], np.int64)
             if isinstance(s, int)
-            else np.arange(*_bounds(s), dtype=np.int64)
+            else np.arange(s.start, s.stop, s.step, dtype=np.int64)
         )
         idx = rows * strides[d]
         starts = (idx[:, None] + starts[None, :]).reshape(-1)
