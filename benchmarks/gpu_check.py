@@ -160,6 +160,21 @@ def main() -> int:
             torch.cuda.synchronize()
 
     report = Report(args.out)
+    failures: list[str] = []
+
+    def verdict() -> int:
+        """Record the outcome; the exit status (1 on any failure or failed section)."""
+        errors = len(report.data["errors"])
+        report.add(
+            "verdict",
+            {"failures": failures, "errors": errors},
+            [
+                "correctness: " + ("OK" if not failures else f"{len(failures)} FAILURES"),
+                f"sections that failed: {errors}",
+            ],
+        )
+        return 1 if failures or errors else 0
+
     env = {
         "torch": torch.__version__,
         "numpy": np.__version__,
@@ -175,7 +190,6 @@ def main() -> int:
         },
     }
     report.add("environment", env, [f"- {k}: {v}" for k, v in env.items()])
-    failures: list[str] = []
 
     # ------------------------------------------------------------------ dtypes
     try:
@@ -319,15 +333,7 @@ def main() -> int:
         report.error("llama correctness")
 
     if args.correctness_only:
-        report.add(
-            "verdict",
-            {"failures": failures, "errors": len(report.data["errors"])},
-            [
-                "correctness: " + ("OK" if not failures else f"{len(failures)} FAILURES"),
-                f"sections that failed: {len(report.data['errors'])}",
-            ],
-        )
-        return 1 if failures or report.data["errors"] else 0
+        return verdict()
 
     # ------------------------------------------------------------------ warm throughput
     def timed(fn: Callable[[], Any], prepare: Callable[[], Any]) -> tuple[float, int]:
@@ -608,15 +614,7 @@ def main() -> int:
     except Exception:
         report.error("cold")
 
-    report.add(
-        "verdict",
-        {"failures": failures, "errors": len(report.data["errors"])},
-        [
-            "correctness: " + ("OK" if not failures else f"{len(failures)} FAILURES"),
-            f"sections that failed: {len(report.data['errors'])}",
-        ],
-    )
-    return 1 if failures or report.data["errors"] else 0
+    return verdict()
 
 
 if __name__ == "__main__":
