@@ -45,9 +45,20 @@ def residency(path: str) -> float:
         os.close(fd)
 
 
-def warm(path: str) -> float:
-    """Read the whole file through the page cache; return the residency afterwards."""
-    if residency(path) >= 0.999:
+def warm(path: str, *, refresh: bool = False) -> float:
+    """Read the whole file through the page cache; return the residency afterwards.
+
+    With ``refresh``, the file is dropped from the cache first and always read back, so that
+    every repetition starts from the same cache layout. Which layout the cache holds matters
+    for mapped loads: read back in one sequential sweep, the file sits in 2 MiB folios, which a
+    mapping maps 2 MiB per fault (a touch of every page of 2 GiB took 10-20 ms); after the
+    cache has been churned it can hold a mix of smaller folios (the same touch: 85-300 ms).
+    Without the refresh the layout was whatever the previous cells left, and every mapped arm
+    was bimodal with it.
+    """
+    if refresh:
+        evict(path)
+    elif residency(path) >= 0.999:
         return 1.0
     fd = os.open(path, os.O_RDONLY)
     try:

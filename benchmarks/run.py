@@ -238,7 +238,11 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "and frees 1.25x the file's size of memory, so that every arm draws recently used "
         "memory (on this VM, memory the guest has not touched recently faults in several times "
         "slower, most of all as huge pages or large page-cache folios, and single runs of the "
-        "same code swung up to 4x with it; see `benchmarks/_cache.py`).",
+        "same code swung up to 4x with it; see `benchmarks/_cache.py`). Warm: the file is "
+        "dropped from the page cache and read back sequentially before every repetition, so "
+        "that every arm starts from the same cache layout (2 MiB folios where memory allows; "
+        "the worker reports `file_pmd_mapped`, the bytes mapped 2 MiB at a time). Cold: "
+        "dropped, residency checked.",
         "",
         "1-minute load average at start / end of the run: "
         + " / ".join(str(x) for x in meta.get("loadavg_start_end", []))

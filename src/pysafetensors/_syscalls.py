@@ -1,6 +1,7 @@
-"""libc calls the ``os`` module does not expose: ``mincore`` and ``sync_file_range``.
+"""libc calls the ``os`` and ``mmap`` modules do not offer: ``mincore``, ``sync_file_range``
+and a ``madvise`` that lets other threads run.
 
-Both serve as hints or queries for speed only: where libc or the call is missing (not Linux, a
+All serve as hints or queries for speed only: where libc or the call is missing (not Linux, a
 libc without it), the name is None and callers do without.
 """
 
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["SYNC_FILE_RANGE_WRITE", "mincore", "sync_file_range"]
+__all__ = ["SYNC_FILE_RANGE_WRITE", "madvise", "mincore", "sync_file_range"]
 
 #: ``sync_file_range`` flag: start writeback of the range's dirty pages, do not wait.
 SYNC_FILE_RANGE_WRITE: Final = 2
@@ -40,3 +41,11 @@ sync_file_range: Final = (
     if sys.platform.startswith("linux")
     else None
 )
+
+#: ``madvise(addr, length, advice)``. ``mmap.mmap.madvise`` holds the GIL for the whole call,
+#: and the advice used here does the work of the call inside it (``MADV_POPULATE_WRITE`` zeroes
+#: the memory it faults in, ``MADV_POPULATE_READ`` waits for the disk), so threads asking for
+#: it took turns: two threads populating 512 MiB of huge pages ran at ~10 GB/s through
+#: ``mmap.madvise`` and at ~16.6 GB/s through this call, which releases the GIL (ctypes does for
+#: every foreign call).
+madvise: Final = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])

@@ -151,11 +151,17 @@ def prefetch_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
     return calls
 
 
+@pytest.mark.parametrize("libc_madvise", [True, False])
 def test_cold_column_split_of_a_mapping_is_read_in_first(
-    cold_matrix: tuple[Path, np.ndarray], prefetch_calls: list[tuple[int, bool]]
+    cold_matrix: tuple[Path, np.ndarray],
+    prefetch_calls: list[tuple[int, bool]],
+    monkeypatch: pytest.MonkeyPatch,
+    libc_madvise: bool,
 ) -> None:
     if not _sources.PrefetchSupport.enabled:
         pytest.skip("no MADV_POPULATE_READ or mincore here")
+    if not libc_madvise:  # the mmap module's madvise, where libc's cannot be called
+        monkeypatch.setattr(_sources, "madvise", None)
     path, matrix = cold_matrix
     with pysafetensors.safe_open(str(path), "np") as f:
         got = f.get_slice("w")[:, :1024]  # 1 KiB of every 8 KiB row: every other page

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import threading
@@ -149,23 +150,50 @@ def test_slow_huge_pages_fall_back_after_a_few_steps(monkeypatch: pytest.MonkeyP
     if _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
     steps: list[int] = []
-    real_mmap = _sources.mmap.mmap
+    real = _sources._madvise
 
-    class Counting(real_mmap):  # type: ignore[misc, valid-type]
-        def madvise(self, option: int, *args: int) -> None:
-            if option == _sources._MADV_POPULATE_WRITE:
-                steps.append(args[0])
-            super().madvise(option, *args)
+    def counting(mapping: object, address: int, start: int, length: int, advice: int) -> None:
+        if advice == _sources._MADV_POPULATE_WRITE:
+            steps.append(start)
+        real(mapping, address, start, length, advice)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_sources.mmap, "mmap", Counting)
+    monkeypatch.setattr(_sources, "_madvise", counting)
     monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
     nbytes = 256 << 20
     buf = _sources._probed_hugepages(nbytes)
     assert buf is not None
     _check_destination(buf, nbytes)
     # The first step, then at most a few more per thread before the switch to 4 KiB pages.
-    assert len(steps) < 3 + 2 * os.cpu_count()  # type: ignore[operator]
+    assert 1 <= len(steps) < 3 + 2 * os.cpu_count()  # type: ignore[operator]
     assert len(steps) < nbytes // _sources._POPULATE_STEP
+
+
+@pytest.mark.parametrize("libc_madvise", [True, False])
+def test_populate_through_libc_or_the_mmap_module(
+    monkeypatch: pytest.MonkeyPatch, libc_madvise: bool
+) -> None:
+    # libc's madvise (the GIL released while the kernel zeroes pages) where there is one, the
+    # mmap module's otherwise: the same pages either way.
+    if not libc_madvise:
+        monkeypatch.setattr(_sources, "madvise", None)
+    elif _sources.madvise is None:
+        pytest.skip("no libc madvise here")
+    nbytes = 24 << 20
+    buf = _sources._probed_hugepages(nbytes)
+    if buf is None:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    _check_destination(buf, nbytes)
+
+
+def test_refused_advice_raises_with_the_errno() -> None:
+    region = _sources.mmap.mmap(-1, 1 << 20)
+    try:
+        address = _sources._address_of(region)
+        with pytest.raises(OSError) as info:
+            _sources._madvise(region, address, 0, 1 << 20, -12345)
+        assert info.value.errno == errno.EINVAL
+    finally:
+        region.close()
 
 
 def test_destination_without_populate_support_uses_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
