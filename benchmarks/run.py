@@ -216,6 +216,8 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]
             "file_delta",
         ):
             med[field] = statistics.median(r[field] for r in ok)
+        # Older results lack it (added later); 0 there reads as "not recorded".
+        med["file_pmd_mapped"] = statistics.median(r.get("file_pmd_mapped", 0) for r in ok)
         med["min_seconds"] = min(r["seconds"] for r in ok)
         res = [r["residency_before"] for r in ok if r.get("residency_before") is not None]
         med["residency_before"] = statistics.median(res) if res else None
@@ -325,10 +327,14 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "Peak = VmHWM during the operation minus RSS before it; anon/file = change of RssAnon / "
         "RssFile across the operation with the result still alive (file-backed pages are "
         "reclaimable page cache mapped by the process; anonymous pages are private copies). "
-        "Read from disk = `/proc/self/io` `read_bytes` (cold rows only; warm reads hit the cache).",
+        "Read from disk = `/proc/self/io` `read_bytes` (cold rows only; warm reads hit the cache). "
+        "2 MiB-mapped = `FilePmdMapped` after the operation: how much of the file the process "
+        "maps with 2 MiB entries (one fault per 2 MiB; the rest is mapped 4-64 KiB per fault), "
+        "which depends on the page cache's folio sizes (see `docs/performance.md`).",
         "",
-        "| file | operation | cache | arm | peak RSS | anon | file-backed | read from disk |",
-        "|---|---|---|---|---|---|---|---|",
+        "| file | operation | cache | arm | peak RSS | anon | file-backed | 2 MiB-mapped "
+        "| read from disk |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for file, op, states, arms in PLAN:
         for state in states:
@@ -341,7 +347,8 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
                 rb = fmt_b(v["read_bytes"]) if state == "cold" else "-"
                 lines.append(
                     f"| {file} | {op} | {state} | {arm} | {fmt_b(v['peak_rss_delta'])} | "
-                    f"{fmt_b(v['anon_delta'])} | {fmt_b(v['file_delta'])} | {rb} |"
+                    f"{fmt_b(v['anon_delta'])} | {fmt_b(v['file_delta'])} | "
+                    f"{fmt_b(v.get('file_pmd_mapped', 0))} | {rb} |"
                 )
     errors = [k for k, v in summary.items() if v.get("n", 0) == 0]
     if errors:
@@ -412,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.exists(NOTES_FILE):
             with open(NOTES_FILE) as f:
                 saved["meta"]["notes"] = f.read()
+        # Recomputed from the raw runs, so that medians of fields added since are shown.
+        saved["summary"] = summarize(saved["raw"])
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(saved, f, indent=1)
         with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
