@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -20,12 +21,24 @@ __all__ = ["SYNC_FILE_RANGE_WRITE", "madvise", "mincore", "sync_file_range"]
 SYNC_FILE_RANGE_WRITE: Final = 2
 
 
-def _libc_function(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """libc, loaded once: ``find_library`` runs ``ldconfig`` (~2 ms) on every call."""
     if os.name != "posix":
         return None
     try:
-        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
-    except (OSError, AttributeError, TypeError):  # pragma: no cover - depends on the libc
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except (OSError, TypeError):  # pragma: no cover - depends on the libc
+        return None
+
+
+def _libc_function(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    libc = _libc()
+    if libc is None:
+        return None
+    try:
+        fn = getattr(libc, name)
+    except AttributeError:  # pragma: no cover - depends on the libc
         return None
     fn.argtypes = argtypes
     fn.restype = ctypes.c_int
