@@ -275,6 +275,11 @@ class TorchPolicy:
         full = f"{module}.{name}"
         if opcode in ("INST", "OBJ"):
             raise _unsafe(f"{opcode} opcode calling {full}", full, offset)
+        if "." in name or any(p.startswith("__") for p in (*module.split("."), name)):
+            # Unpicklers resolve a dotted name attribute by attribute (a way from an allowed
+            # function to builtins.eval); the table is matched exactly, but refuse outright so
+            # no future table entry or normalisation can ever match one.
+            raise _unsafe(f"global {full} uses a dotted or dunder name", full, offset)
         stand = _lookup(module, name)
         if stand is None:
             if (module, name) in _UNCONVERTIBLE:

@@ -35,7 +35,8 @@ from typing import Any, Final, Literal, cast
 
 from ._errors import SafetensorError
 from ._pickle_vm import Limits, Machine
-from ._torch_pickle import _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
+from ._torch_archive import MAX_DEFLATE_RATIO
+from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
 
 __all__ = ["GRADES", "Finding", "GlobalUse", "Grade", "ScanReport", "grade_global", "scan_file"]
 
@@ -66,7 +67,9 @@ _EXTRA_SAFE: Final = frozenset(
         "torch.per_channel_affine_float_qparams",
     }
 )
-# Modules (and their submodules) whose every name is dangerous.
+# Modules (and their submodules) whose every name is dangerous: code, processes, network, name
+# resolution, and file access (``posixpath.os``/``ntpath.os`` reach ``os``; pathlib and codecs
+# write files; archive modules unpack them).
 _DANGEROUS_MODULES: Final = frozenset(
     """os posix nt sys subprocess socket shutil pty runpy pickle _pickle pip ctypes asyncio
     importlib marshal types code codeop multiprocessing webbrowser requests urllib http httplib
@@ -78,7 +81,8 @@ _DANGEROUS_MODULES: Final = frozenset(
     torch.hub torch.utils.collect_env torch._dynamo torch.utils.bottleneck
     torch.utils.data.datapipes torch.fx torch.package torch._export torch.export
     torch.storage torch.distributed torch.utils.cpp_extension setuptools distutils yaml
-    jinja2 logging""".split()  # noqa: SIM905 - a word list reads better as text
+    jinja2 logging posixpath ntpath genericpath macpath pathlib codecs fileinput zipfile
+    tarfile gzip bz2 lzma mmap site sysconfig _sitebuiltins inspect""".split()  # noqa: SIM905 - a word list reads better as text
 )
 _DANGEROUS_NAMES: Final = frozenset(
     {"numpy.load", "numpy.loads", "numpy.fromfile", "pandas.read_pickle", "pandas.read_csv"}
@@ -99,16 +103,25 @@ _SAFE_BUILTINS: Final = frozenset({"set", "frozenset", "bytearray", "complex", "
 
 
 def grade_global(module: str, name: str) -> Grade:
-    """Grade one ``module.name`` global."""
+    """Grade one ``module.name`` global.
+
+    A dotted ``name`` is refused before any allow-list rule: unpicklers resolve it attribute by
+    attribute (``torch._utils`` + ``_rebuild_tensor.__builtins__.get`` is ``builtins.dict.get``
+    on the builtins of that module, a way to ``eval``), so no prefix or table match on the
+    first component says anything about the object reached. Dunder components are refused for
+    the same reason. Only exact table entries are ever ``safe``.
+    """
     module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
     full = f"{module}.{name}"
+    if "." in name or any(p.startswith("__") for p in name.split(".")):
+        return "dangerous"
+    if any(p.startswith("__") for p in module.split(".")) and module != "__main__":
+        return "dangerous"  # __builtins__-style lookups through a module path
     if module == "builtins":
         return "safe" if name in _SAFE_BUILTINS else "dangerous"
     if _lookup(module, name) is not None or (module, name) in _UNCONVERTIBLE:
         return "safe"
     if full in _EXTRA_SAFE:
-        return "safe"
-    if module == "torch._utils" and name.startswith("_rebuild_"):
         return "safe"
     if full in _DANGEROUS_NAMES or full in _NESTED_LOADERS:
         return "dangerous"
@@ -116,8 +129,6 @@ def grade_global(module: str, name: str) -> Grade:
     for i in range(1, len(parts) + 1):
         if ".".join(parts[:i]) in _DANGEROUS_MODULES:
             return "dangerous"
-    if any(p.startswith("__") for p in name.split(".")):
-        return "dangerous"  # dunder lookups (__builtins__, __globals__...) reach everything
     return "suspicious"
 
 
@@ -256,6 +267,8 @@ class _ScanPolicy:
                 for arg in args if type(args) is tuple else ():
                     if isinstance(arg, (bytes, bytearray)):
                         self._nested(bytes(arg), offset)
+            if full == "torch._tensor._rebuild_from_type_v2":
+                self._check_rebuild_func(args, offset)
         elif not isinstance(func, (_SymCall, _SymGlobal)):
             self.report._add(
                 "suspicious", f"{opcode} on a {type(func).__name__} value", self.where, offset
@@ -268,6 +281,25 @@ class _ScanPolicy:
         if opcode in ("OBJ", "NEWOBJ_EX"):
             self.report._add("suspicious", f"{opcode} opcode", self.where, offset)
         return _SymCall(func, args)
+
+    def _check_rebuild_func(self, args: Any, offset: int) -> None:
+        # _rebuild_from_type_v2(func, type, args, state) calls func(*args): torch only ever
+        # passes one of its rebuild functions. Anything else turns it into a call gadget.
+        func = args[0] if type(args) is tuple and args else None
+        if isinstance(func, _SymGlobal) and (
+            (func.module, func.name) in _REBUILDS
+            or (func.module == "torch._utils" and (func.module, func.name) in _UNCONVERTIBLE)
+        ):
+            return
+        what = "a computed object" if isinstance(func, _SymCall) else _text(func)
+        if isinstance(func, _SymGlobal):
+            what = f"{func.module}.{func.name}"
+        self.report._add(
+            "dangerous",
+            f"_rebuild_from_type_v2 calls {what}, not a tensor rebuild",
+            self.where,
+            offset,
+        )
 
     def _nested(self, data: bytes, offset: int) -> None:
         if self.depth >= MAX_NESTING:
@@ -541,10 +573,20 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo) -> bytes:
     if info.compress_type == zipfile.ZIP_STORED:
         return raw
     if info.compress_type == zipfile.ZIP_DEFLATED:
+        # The converter's zip bomb rule (threat-model-and-pickle.md §1.2): the declared ratio
+        # is checked before inflating anything, and the real output is capped at the same
+        # ratio, since the declared size may lie.
+        limit = MAX_DEFLATE_RATIO * max(info.compress_size, 1024)
+        if info.file_size > limit:
+            raise ValueError(
+                f"declares {info.file_size} bytes from {info.compress_size}: compression ratio "
+                f"over {MAX_DEFLATE_RATIO} (possible zip bomb); not inflated"
+            )
+        limit = min(limit, MAX_PICKLE_BYTES)
         dec = zlib.decompressobj(-15)
-        out = dec.decompress(raw, MAX_PICKLE_BYTES)
+        out = dec.decompress(raw, limit)
         if dec.unconsumed_tail:
-            raise ValueError(f"inflates past {MAX_PICKLE_BYTES} bytes")
+            raise ValueError(f"inflates past {limit} bytes (possible zip bomb)")
         return out
     raise ValueError(f"compression method {info.compress_type}")
 

@@ -155,3 +155,166 @@ def test_cli_convert(tmp_path: Path) -> None:
     assert not (tmp_path / "e.safetensors").exists() and not (tmp_path / "canary").exists()
     with zipfile.ZipFile(tmp_path / "m.bin") as zf:
         assert "archive/data.pkl" in zf.namelist()
+
+
+# -- dotted and dunder names (review: a "safe" grade for a working RCE) --------------------------
+
+
+def _su(text: str) -> bytes:
+    """SHORT_BINUNICODE, the opcode protocol 4 uses for STACK_GLOBAL operands."""
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw
+
+
+def _fromtype_rce(canary: Path) -> bytes:
+    """``_rebuild_from_type_v2(eval-via-__builtins__, Tensor, (code,), {})``: real torch runs it.
+
+    ``torch._utils`` + ``_rebuild_tensor.__builtins__.get`` resolves (protocol 4 dotted names)
+    to ``dict.get`` of that module's builtins, so ``get("eval")`` is ``builtins.eval``, and
+    ``_rebuild_from_type_v2`` calls its first argument with the code string.
+    """
+    code = f"__import__('pathlib').Path({str(canary)!r}).touch()"
+    return (
+        b"\x80\x04"
+        + _su("torch._tensor")
+        + _su("_rebuild_from_type_v2")
+        + b"\x93("
+        + _su("torch._utils")
+        + _su("_rebuild_tensor.__builtins__.get")
+        + b"\x93"
+        + _su("eval")
+        + b"\x85R"
+        + _su("torch")
+        + _su("Tensor")
+        + b"\x93"
+        + _su(code)
+        + b"\x85}tR."
+    )
+
+
+def test_dotted_and_dunder_names_are_dangerous_before_any_allow_rule() -> None:
+    # Each would match an allow-list entry or prefix rule on its first component.
+    assert grade_global("torch._utils", "_rebuild_tensor.__builtins__.get") == "dangerous"
+    assert grade_global("torch._utils", "_rebuild_tensor.__class__") == "dangerous"
+    assert grade_global("torch._utils", "_rebuild_tensor_v2.__globals__") == "dangerous"
+    assert grade_global("torch", "Size.__init__") == "dangerous"
+    assert grade_global("torch.nn", "parameter.Parameter") == "dangerous"
+    assert grade_global("numpy", "core.multiarray._reconstruct") == "dangerous"
+    assert grade_global("builtins", "set.__reduce__") == "dangerous"
+    assert grade_global("collections", "OrderedDict.fromkeys") == "dangerous"
+    assert grade_global("posixpath", "os.system") == "dangerous"
+    assert grade_global("torch.__builtins__", "eval") == "dangerous"
+    # No prefix rule any more: only exact table entries are safe.
+    assert grade_global("torch._utils", "_rebuild_xla_tensor") == "suspicious"
+    assert grade_global("torch._utils", "_rebuild_tensor_v3") == "safe"
+    assert grade_global("torch._utils", "_rebuild_sparse_tensor") == "safe"
+
+
+def test_file_and_path_modules_are_dangerous() -> None:
+    for module in ("posixpath", "ntpath", "genericpath", "pathlib", "codecs", "shutil"):
+        assert grade_global(module, "system") == "dangerous", module
+    assert grade_global("pathlib", "Path") == "dangerous"
+    assert grade_global("pathlib._local", "Path") == "dangerous"
+    assert grade_global("codecs", "open") == "dangerous"
+    # The protocol-2 bytes helper is a different module and stays allowed.
+    assert grade_global("_codecs", "encode") == "safe"
+
+
+def test_rebuild_from_type_rce_is_dangerous_and_refused(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    canary = tmp_path / "ran"
+    pkl = _fromtype_rce(canary)
+    with zipfile.ZipFile(tmp_path / "evil.pt", "w") as zf:
+        zf.writestr("archive/version", "3\n")
+        zf.writestr("archive/data.pkl", pkl)
+    report = scan_file(tmp_path / "evil.pt")
+    assert report.grade == "dangerous"
+    graded = {g.qualname: g.grade for g in report.globals}
+    assert graded["torch._utils._rebuild_tensor.__builtins__.get"] == "dangerous"
+    assert any(
+        "_rebuild_from_type_v2 calls a computed object" in f.message for f in report.findings
+    )
+    assert _cli("scan", str(tmp_path / "evil.pt")).returncode == 2
+    # The converter refuses it and runs nothing.
+    from pysafetensors._errors import UnsafePickleError
+    from pysafetensors.convert import convert_file
+
+    with pytest.raises(UnsafePickleError) as exc:
+        convert_file(tmp_path / "evil.pt", tmp_path / "evil.safetensors")
+    assert exc.value.global_name == "torch._utils._rebuild_tensor.__builtins__.get"
+    assert not canary.exists() and not (tmp_path / "evil.safetensors").exists()
+    # Proof that the payload is live: torch.load without weights_only runs it.
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import torch; torch.load({str(tmp_path / 'evil.pt')!r}, weights_only=False)",
+        ],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert canary.exists(), torch.__version__
+
+
+def test_converter_refuses_dotted_names_that_alias_allowed_ones(tmp_path: Path) -> None:
+    from pysafetensors._errors import UnsafePickleError
+    from pysafetensors.convert import convert_file
+
+    # torch.nn + parameter.Parameter is the allowed Parameter class reached by attribute walk.
+    sd = state_dict([("w", _su("torch.nn") + _su("parameter.Parameter") + b"\x93)R")])
+    make_zip(tmp_path / "d.pt", sd)
+    with pytest.raises(UnsafePickleError, match="dotted or dunder"):
+        convert_file(tmp_path / "d.pt", tmp_path / "d.safetensors")
+
+
+class _Sub:
+    """Set to a torch.Tensor subclass by the test below (torch is optional here)."""
+
+
+def test_rebuild_from_type_with_a_real_subclass_is_not_flagged(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    global _Sub
+    _Sub = type("_Sub", (torch.Tensor,), {"__module__": __name__, "__qualname__": "_Sub"})
+    torch.save({"w": torch.ones(3).as_subclass(_Sub)}, tmp_path / "s.pt")
+    report = scan_file(tmp_path / "s.pt")
+    # torch writes _rebuild_from_type_v2(_rebuild_tensor_v2, _Sub, ...): the rebuild function
+    # is accepted; only the user class is unknown.
+    assert "torch._tensor._rebuild_from_type_v2" in {g.qualname for g in report.globals}
+    assert report.findings == []
+    assert {g.qualname for g in report.globals if g.grade != "safe"} == {f"{__name__}._Sub"}
+    assert report.grade == "suspicious"
+
+
+def test_zip_bomb_is_refused_before_inflating(tmp_path: Path) -> None:
+    import tracemalloc
+
+    bomb_size = 64 << 20
+    with zipfile.ZipFile(tmp_path / "bomb.pt", "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/version", "3\n")
+        zf.writestr("archive/data.pkl", good_pickle() + bytes(bomb_size))
+    assert (tmp_path / "bomb.pt").stat().st_size < bomb_size // 500
+    tracemalloc.start()
+    try:
+        report = scan_file(tmp_path / "bomb.pt")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.grade == "suspicious"
+    assert any("compression ratio over 100" in f.message for f in report.findings)
+    assert peak < 8 << 20
+    # A central directory that lies about the inflated size: inflation stops at the same ratio.
+    raw = bytearray((tmp_path / "bomb.pt").read_bytes())
+    cd = raw.rfind(b"PK\x01\x02")  # the data.pkl entry is the last one
+    compressed = struct.unpack_from("<I", raw, cd + 20)[0]
+    struct.pack_into("<I", raw, cd + 24, compressed)
+    _write(tmp_path / "liar.pt", bytes(raw))
+    tracemalloc.start()
+    try:
+        report = scan_file(tmp_path / "liar.pt")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert any("possible zip bomb" in f.message for f in report.findings)
+    assert report.grade == "suspicious"
+    assert peak < 100 * compressed + (8 << 20)
