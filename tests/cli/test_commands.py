@@ -229,6 +229,46 @@ def test_diff(cli, cli_proc, example: Path, tmp_path: Path) -> None:
     assert r.json()["tensors"][0]["status"] == "close"
 
 
+def test_diff_non_finite_values_compare_exactly_in_both_orders(cli, tmp_path: Path) -> None:
+    inf, nan = np.inf, np.nan
+    # Pairs (a, b) and whether they are equal; each tensor holds one pair and a finite 1.0.
+    pairs = {
+        "pinf_ninf": (inf, -inf, False),
+        "five_inf": (5.0, inf, False),
+        "inf_nan": (inf, nan, False),
+        "nan_five": (nan, 5.0, False),
+        "inf_inf": (inf, inf, True),
+        "ninf_ninf": (-inf, -inf, True),
+        "nan_nan": (nan, nan, True),
+    }
+    fa, fb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({k: np.array([a, 1.0], np.float32) for k, (a, _, _) in pairs.items()}, str(fa))
+    save_file({k: np.array([b, 1.0], np.float32) for k, (_, b, _) in pairs.items()}, str(fb))
+    for first, second in ((fa, fb), (fb, fa)):
+        # Huge tolerances cannot make a non-finite difference pass.
+        for tol in ((), ("--atol", "1e300", "--rtol", "1e300")):
+            r = cli("diff", first, second, "--json", *tol)
+            assert r.code == 1, (first.name, tol)
+            rows = {t["name"]: t for t in r.json()["tensors"]}
+            for name, (_, _, equal) in pairs.items():
+                assert rows[name]["status"] == ("identical" if equal else "changed"), (name, tol)
+                if not equal:
+                    assert rows[name]["values"]["outside_tolerance"] == 1
+                    assert rows[name]["values"]["max_abs"] is None  # infinite difference
+    # A NaN with another payload is still NaN: equal, not a difference.
+    bits = np.array([0x7FC00001, 0x3F800000], np.uint32).view(np.float32)
+    save_file({"nan_nan": bits}, str(tmp_path / "c.safetensors"))
+    r = cli("diff", fa, tmp_path / "c.safetensors", "--json", "--filter", "nan_nan")
+    assert r.code == 0 and r.json()["tensors"][0]["values"]["differing"] == 0
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "-0.5", "abc", "inf", "-inf"])
+@pytest.mark.parametrize("option", ["--atol", "--rtol"])
+def test_diff_refuses_bad_tolerances(cli, example: Path, option: str, value: str) -> None:
+    r = cli("diff", example, example, f"{option}={value}")
+    assert r.code == 2 and option in r.err and "Traceback" not in r.err
+
+
 # ------------------------------------------------------------------------------------ stats
 
 

@@ -5,7 +5,9 @@ unless ``--no-values``, the values of tensors present in both with the same shap
 same dtype are compared byte for byte first (cheap, exact); when bytes differ, or the dtypes
 differ (say F32 against its BF16 cast), values are compared as float64 and the largest absolute
 and relative differences are reported. A tensor whose values all satisfy
-``|a - b| <= atol + rtol * |b|`` (NaN matching NaN) is "close", not "changed".
+``|a - b| <= atol + rtol * |b|`` is "close", not "changed". Non-finite values compare exactly,
+whatever the tolerances and in either order: NaN equals NaN, an infinity equals the same-sign
+infinity, and any other pair involving Inf or NaN differs beyond tolerance.
 
 Exit code: 0 when nothing changed beyond the tolerances, 1 when something did, 2 on errors.
 """
@@ -30,6 +32,7 @@ from ._common import (
     print_json,
     sanitize,
     to_float64,
+    tolerance,
 )
 
 SCHEMA: Final = "pysafetensors.diff/1"
@@ -47,8 +50,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument("a", metavar="A", help="file, model folder, index or URL")
     p.add_argument("b", metavar="B", help="file, model folder, index or URL")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
-    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--atol", type=tolerance, default=0.0, help="absolute tolerance (default 0)")
+    p.add_argument("--rtol", type=tolerance, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--no-values", action="store_true", help="compare headers only")
     add_filter_args(p)
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
@@ -85,20 +88,25 @@ def compare_values(
             identical = False
             va = to_float64(decode(a.dtype, raw_a))
             vb = to_float64(decode(b.dtype, raw_b))
-            both_nan = np.isnan(va) & np.isnan(vb)
-            diff = np.abs(va - vb)
-            # inf - inf is NaN: equal infinities are equal, anything else involving NaN differs.
-            diff[(va == vb) | both_nan] = 0.0
-            diff[np.isnan(diff)] = math.inf
-            ne = diff > 0
-            differ += int(ne.sum())
-            if not ne.any():
+            # Equal: same value, same-sign infinities, or NaN against NaN (whatever payload).
+            eq = (va == vb) | (np.isnan(va) & np.isnan(vb))
+            ne = ~eq
+            n_ne = int(ne.sum())
+            differ += n_ne
+            if not n_ne:
                 continue
+            diff = np.abs(va - vb)
+            diff[eq] = 0.0
+            # A difference involving Inf or NaN (inf vs -inf, 5 vs inf, inf vs NaN) is infinite
+            # and beyond any tolerance: atol + rtol*|inf| is inf or NaN and would let it pass,
+            # and only for one argument order.
+            nonfinite = ne & ~(np.isfinite(va) & np.isfinite(vb))
+            diff[nonfinite | np.isnan(diff)] = math.inf
             max_abs = max(max_abs, float(diff.max()))
             rel = np.where(ne, diff / np.abs(vb), 0.0)
             rel[np.isnan(rel)] = math.inf
             max_rel = max(max_rel, float(rel.max()))
-            outside += int((diff > atol + rtol * np.abs(vb)).sum())
+            outside += int(((diff > atol + rtol * np.abs(vb)) | nonfinite).sum())
     if identical:
         return {
             "identical": True,

@@ -43,6 +43,7 @@ __all__ = [
     "print_json",
     "sanitize",
     "to_float64",
+    "tolerance",
 ]
 
 #: Bytes read per step when streaming tensor data: a multiple of every element size and of the
@@ -60,6 +61,25 @@ class UsageError(SafetensorError):
     """Raised when the command line asks for something impossible (exit code 2)."""
 
     exit_code = 2
+
+
+def tolerance(text: str) -> float:
+    """``argparse`` type for ``--atol``/``--rtol``: a finite number ``>= 0``.
+
+    NaN would make every comparison false (so every difference "within tolerance"), a negative
+    tolerance makes equal values differ, and an infinite one cannot be written in the JSON
+    report: all are refused as usage errors (exit 2).
+    """
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text!r}")
+    return value
 
 
 def sanitize(text: str) -> str:
