@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from ._adapter import Adapter, get_adapter
+from ._errors import SerializeError
 from ._format import MAX_HEADER_SIZE
 from ._writer import TensorData, atomic_output, write_file
 
@@ -38,6 +39,7 @@ __all__ = [
     "DEFAULT_FILENAME_PATTERN",
     "MAX_SHARD_SIZE",
     "ShardPlan",
+    "check_filename_pattern",
     "index_filename",
     "index_json",
     "parse_size",
@@ -87,6 +89,58 @@ def parse_size(size: int | str) -> int:
         raise ValueError(f"Could not parse the size value from '{text}': {exc}") from exc
     # int(float * unit), not Decimal arithmetic: "1.1GB" must round the way the hub rounds.
     return int(value * SIZE_UNITS[unit])
+
+
+def _bad_pattern(pattern: str, why: str) -> SerializeError:
+    return SerializeError(f"invalid filename pattern {pattern!r}: {why}", kind="InvalidPattern")
+
+
+def check_filename_pattern(pattern: str, shards: int = 1) -> None:
+    """Refuse a file name pattern that could lose data or write outside the output folder.
+
+    The hub formats the pattern without checking it, so a pattern without ``{suffix}`` names
+    every shard the same and each overwrites the last, and ``../x{suffix}`` writes next to the
+    folder. Here the pattern must use no field but ``{suffix}``, must contain it when more
+    than one file results, and must give plain ``*.safetensors`` names (no path separator, not
+    absolute, not ``.``/``..``): the only shard names an index may hold.
+
+    Args:
+        pattern: A ``str.format`` pattern such as ``"model{suffix}.safetensors"``.
+        shards: How many files it must name.
+
+    Raises:
+        SerializeError: The pattern is refused (``kind="InvalidPattern"``; also a ValueError).
+    """
+    import string
+
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None]
+    except ValueError as exc:
+        raise _bad_pattern(pattern, str(exc)) from None
+    unknown = [f for f in fields if f != "suffix"]
+    if unknown:
+        raise _bad_pattern(pattern, f"unknown field {{{unknown[0]}}}; the only field is {{suffix}}")
+    if shards > 1 and not fields:
+        raise _bad_pattern(
+            pattern,
+            f"no {{suffix}} field, so all {shards} shards would get the same name and "
+            "overwrite each other",
+        )
+    try:
+        names = {pattern.format(suffix=""), pattern.format(suffix="-00001-of-00002")}
+    except (ValueError, IndexError, KeyError) as exc:  # format specs such as {suffix:d}
+        raise _bad_pattern(pattern, f"does not format ({exc})") from None
+    if shards > 1 and len(names) < 2:
+        raise _bad_pattern(pattern, "does not give distinct names for distinct shards")
+    for name in names:
+        if (
+            any(sep in name for sep in ("/", "\\", "\0"))
+            or os.path.isabs(name)
+            or re.match(r"[A-Za-z]:", name)
+        ):
+            raise _bad_pattern(pattern, "names must be plain file names inside the output folder")
+        if name in ("", ".", "..") or not name.endswith(".safetensors"):
+            raise _bad_pattern(pattern, "names must end in .safetensors")
 
 
 @dataclass(frozen=True)
@@ -168,6 +222,8 @@ def split_into_shards(
     if current:
         shard_list.append(current)
     count = len(shard_list)
+    # Before any name is made: a bad pattern would overwrite shards or escape the folder.
+    check_filename_pattern(filename_pattern, count)
 
     for keys in storage_id_to_tensors.values():
         for shard in shard_list:

@@ -397,3 +397,11 @@ def test_metadata_get_set_delete(cli, example: Path) -> None:
 def test_metadata_refuses_folders_and_urls(cli, sharded: Path) -> None:
     assert cli("metadata", "set", sharded, "a=b").code == 2
     assert cli("metadata", "set", "http://127.0.0.1:9/x.safetensors", "a=b").code == 2
+
+
+@pytest.mark.parametrize("reserve", ["-5", "-1", "abc", "1.5"])
+def test_metadata_set_refuses_bad_reserve(cli, example: Path, reserve: str) -> None:
+    before = example.read_bytes()
+    r = cli("metadata", "set", example, "notes=" + "x" * 500, f"--reserve={reserve}")
+    assert r.code == 2 and "--reserve" in r.err
+    assert example.read_bytes() == before

@@ -212,4 +212,70 @@ def test_cli_reshard_merge_extract(tmp_path: Path, capsys: pytest.CaptureFixture
         main(["-q", "extract", str(tmp_path / "src"), str(tmp_path / "x.safetensors"), "zz*"]) == 1
     )
     assert "matches" in capsys.readouterr().err
-    assert main(["-q", "reshard", str(tmp_path / "src"), str(tmp_path / "bad"), "-s", "5GiB"]) == 1
+    with pytest.raises(SystemExit) as usage:  # argparse: a usage error
+        main(["-q", "reshard", str(tmp_path / "src"), str(tmp_path / "bad"), "-s", "5GiB"])
+    assert usage.value.code == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def _cli_code(*args: str | os.PathLike[str]) -> int:
+    try:
+        return main([str(a) for a in args])
+    except SystemExit as exc:  # argparse usage errors
+        return int(exc.code or 0)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        ("x.safetensors", "overwrite each other"),
+        ("../x{suffix}.safetensors", "plain file names"),
+        ("/tmp/x{suffix}.safetensors", "plain file names"),
+        ("sub/x{suffix}.safetensors", "plain file names"),
+        ("C:x{suffix}.safetensors", "plain file names"),
+        ("{bad}{suffix}.safetensors", "unknown field {bad}"),
+        ("x{suffix}.bin", "end in .safetensors"),
+        ("x{suffix", "invalid filename pattern"),
+    ],
+)
+def test_cli_refuses_filename_patterns_that_lose_or_misplace_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pattern: str, why: str
+) -> None:
+    sd = {f"t{i}": np.full(100, i, np.float32) for i in range(6)}
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    out = tmp_path / "deep" / "out"
+    for cmd in (["reshard"], ["extract", "t*"]):
+        target = [str(tmp_path / "m.safetensors"), str(out)]
+        args = [cmd[0], *target, *cmd[1:], "-s", "1KB", "--filename-pattern", pattern]
+        assert _cli_code(*args) == 2
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err
+    # Nothing written anywhere: not in the output folder, not beside it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def test_library_refuses_a_pattern_without_suffix_only_when_sharded(tmp_path: Path) -> None:
+    sd = {f"t{i}": np.full(100, i, np.float32) for i in range(6)}
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    with pytest.raises(SafetensorError, match="overwrite each other") as exc:
+        reshard(
+            tmp_path / "m.safetensors", tmp_path / "out", 1000, filename_pattern="x.safetensors"
+        )
+    assert isinstance(exc.value, ValueError) and exc.value.kind == "InvalidPattern"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SafetensorError, match="overwrite each other"):
+        save_sharded(sd, tmp_path / "direct", 1000, filename_pattern="x.safetensors")
+    # One file results: a fixed name is fine.
+    reshard(tmp_path / "m.safetensors", tmp_path / "one", "1MB", filename_pattern="x.safetensors")
+    assert sorted(os.listdir(tmp_path / "one")) == ["x.safetensors"]
+    with safe_open(tmp_path / "one" / "x.safetensors", "np") as f:
+        assert sorted(f.keys()) == sorted(sd)
+
+
+@pytest.mark.parametrize("size", ["0", "-5", "-1KB", "0.0001KB", "5GiB", "abc"])
+def test_cli_refuses_shard_sizes(tmp_path: Path, size: str) -> None:
+    save_file({"t": np.zeros(4, np.float32)}, str(tmp_path / "m.safetensors"))
+    src = str(tmp_path / "m.safetensors")
+    assert _cli_code("-q", "reshard", src, tmp_path / "o", f"-s={size}") == 2
+    assert _cli_code("-q", "extract", src, tmp_path / "e", "t", f"--max-shard-size={size}") == 2
+    assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()

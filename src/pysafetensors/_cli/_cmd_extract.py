@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._cmd_reshard import add_shard_args, parse_size_arg, progress_for
+from ._cmd_reshard import add_shard_args, check_pattern, parse_size_arg, progress_for
 from ._common import Ui, sanitize
 
 
@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``extract``; returns the exit code."""
     from .._reshard import extract
 
+    if args.max_shard_size is not None:
+        check_pattern(args.filename_pattern)
     ui = Ui(args)
     with progress_for(ui, "extracting") as report:
         names = extract(

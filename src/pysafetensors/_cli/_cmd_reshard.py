@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._common import Ui, human_bytes, sanitize
+from ._common import Ui, UsageError, human_bytes, sanitize
 
 
 def register(subparsers: Any) -> None:
@@ -36,6 +36,7 @@ def add_shard_args(p: argparse.ArgumentParser, *, default: str | None) -> None:
     p.add_argument(
         "-s",
         "--max-shard-size",
+        type=shard_size,
         default=default,
         metavar="SIZE",
         help="limit per shard: bytes or decimal units TB/GB/MB/KB, e.g. 5GB, 500MB"
@@ -45,8 +46,24 @@ def add_shard_args(p: argparse.ArgumentParser, *, default: str | None) -> None:
         "--filename-pattern",
         default="model{suffix}.safetensors",
         metavar="PATTERN",
-        help="output file names, with a {suffix} field (default model{suffix}.safetensors)",
+        help="output file names: a plain *.safetensors name with a {suffix} field, which "
+        "becomes -00001-of-00003 (default model{suffix}.safetensors)",
     )
+
+
+def shard_size(text: str) -> str:
+    """``argparse`` type for ``--max-shard-size``: bytes or ``5GB``-style, more than 0."""
+    from .._sharding import parse_size
+
+    try:
+        n = parse_size(int(text) if text.strip().lstrip("+-").isdigit() else text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n <= 0:
+        # 0 would give every tensor a file of its own (and empty tensors none); a negative
+        # limit has no meaning.
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, not {text!r}")
+    return text
 
 
 def parse_size_arg(text: str | None) -> int | str | None:
@@ -54,6 +71,18 @@ def parse_size_arg(text: str | None) -> int | str | None:
     if text is None:
         return None
     return int(text) if text.strip().isdigit() else text
+
+
+def check_pattern(pattern: str) -> None:
+    """Refuse a ``--filename-pattern`` before anything is read or written (exit 2)."""
+    from .._errors import SerializeError
+    from .._sharding import check_filename_pattern
+
+    try:
+        # Checked as if sharded: whether one file results is only known after planning.
+        check_filename_pattern(pattern, shards=2)
+    except SerializeError as exc:
+        raise UsageError(f"--filename-pattern: {exc}") from None
 
 
 @contextlib.contextmanager
@@ -75,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``reshard``; returns the exit code."""
     from .._reshard import reshard
 
+    check_pattern(args.filename_pattern)
     ui = Ui(args)
     with progress_for(ui, "resharding") as report:
         plan = reshard(
