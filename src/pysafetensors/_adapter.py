@@ -27,6 +27,7 @@ from ._writer import TensorData
 __all__ = [
     "Adapter",
     "NumpyAdapter",
+    "as_array",
     "check_cpu_device",
     "invalid_tensor_error",
     "non_contiguous_error",
@@ -162,6 +163,19 @@ def invalid_tensor_error(
     )
 
 
+def as_array(name: str, value: Any, expected: str) -> np.ndarray:
+    """``np.asarray(value)`` for the frameworks whose reference ``save`` converts every value
+    that way (flax, mlx); values numpy cannot turn into numbers get the reference's error."""
+    if isinstance(value, (bool, int, float, complex, list, tuple)):
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError, OverflowError):
+            arr = None
+        if arr is not None and arr.dtype.kind in "biufc":
+            return arr
+    raise invalid_tensor_error(name, expected, value)
+
+
 def non_contiguous_error(name: object) -> SerializeError:
     """The reference's error for a tensor that is not contiguous (torch and paddle refuse)."""
     return SerializeError(
@@ -228,6 +242,10 @@ class NumpyAdapter:
                     kind="InvalidTensor",
                     tensor=name,
                 )
+        if type(tensor) is not np.ndarray:
+            # Subclasses (masked arrays, np.matrix, np.memmap) are saved as their plain data,
+            # as the reference does; their own reshape/view rules would get in the way.
+            tensor = tensor.view(np.ndarray)
         if tensor.dtype.kind in "OUSMm":
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "

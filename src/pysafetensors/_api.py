@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import builtins
 import ctypes
+import operator
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -12,7 +14,7 @@ import numpy as np
 
 from ._adapter import Adapter
 from ._dtypes import DType, dtype_from_code, dtype_from_name
-from ._errors import SafetensorError
+from ._errors import SafetensorError, SerializeError
 from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE
 from ._reader import read_header, safe_open
 from ._sources import BufferSource
@@ -41,20 +43,28 @@ class TensorSpec:
         data_len: Number of bytes.
 
     Raises:
-        SerializeError: Unknown dtype.
+        SerializeError: Unknown dtype, or a null ``data_ptr`` with a non-zero ``data_len``.
+        TypeError: A dimension, the pointer or the length is not an integer.
+        OverflowError: One of them is negative or does not fit 64 bits (the reference's
+            errors for the same arguments).
     """
 
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
 
     def __init__(self, *, dtype: str, shape: Any, data_ptr: int, data_len: int) -> None:
         dt = dtype_from_name(dtype)
-        dims = [int(d) for d in shape]
+        dims = [_unsigned(d, "shape") for d in shape]
         if dt.bits == 4 and dims:
             dims[-1] *= 2
         self._dtype: DType = dt
         self._shape = dims
-        self._data_ptr = int(data_ptr)
-        self._data_len = int(data_len)
+        self._data_ptr = _unsigned(data_ptr, "data_ptr")
+        self._data_len = _unsigned(data_len, "data_len")
+        if self._data_ptr == 0 and self._data_len:
+            # Reading it would crash the interpreter, not raise.
+            raise SerializeError(
+                f"data_ptr is null but data_len is {self._data_len}", kind="TensorInvalidInfo"
+            )
 
     @property
     def dtype(self) -> str:
@@ -91,6 +101,22 @@ class TensorSpec:
                 yield (ctypes.c_char * length).from_address(ptr)
 
         return TensorData(name, self._dtype, tuple(self._shape), chunks)
+
+
+def _unsigned(value: Any, argument: str) -> int:
+    """``value`` as a 64-bit unsigned integer, refused as the reference's binding refuses it."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"argument '{argument}': '{type(value).__name__}' object cannot be interpreted as an "
+            "integer"
+        ) from None
+    if number < 0:
+        raise OverflowError("can't convert negative int to unsigned")
+    if number >= 1 << 64:
+        raise OverflowError("int too big to convert")
+    return number
 
 
 def _spec_to_data(name: Any, value: Any) -> TensorData:
@@ -169,9 +195,15 @@ def serialize_file(
 
 
 def deserialize(
-    buffer: bytes | bytearray | memoryview, *, max_header_size: int = MAX_HEADER_SIZE
+    bytes: builtins.bytes | bytearray | memoryview,  # noqa: A002 - the reference's keyword
+    *,
+    max_header_size: int = MAX_HEADER_SIZE,
 ) -> list[tuple[str, dict[str, Any]]]:
     """Parse a whole file held in memory.
+
+    Args:
+        bytes: The file's bytes (any bytes-like object).
+        max_header_size: Largest header accepted.
 
     Returns:
         ``[(name, {"shape": [...], "dtype": "F32", "data": bytearray}), ...]`` in file order
@@ -181,9 +213,9 @@ def deserialize(
         HeaderError: The bytes are not a valid file (messages start with
             ``Error while deserializing: ``).
     """
-    source = BufferSource(buffer)
+    source = BufferSource(bytes)
     header = read_header(source, max_header_size=max_header_size, prefix_text=DESERIALIZE_PREFIX)
-    view = memoryview(buffer).cast("B")
+    view = memoryview(bytes).cast("B")
     start = header.data_start
     return [
         (

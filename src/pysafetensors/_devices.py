@@ -53,6 +53,8 @@ def parse_device(device: Any) -> Device:
     if isinstance(device, bool):
         raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
     if isinstance(device, int):
+        if device < 0:
+            raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
         return Device("anonymous", device)
     if not isinstance(device, str) and type(device).__name__ == "device":
         # torch.device: has .type and .index.

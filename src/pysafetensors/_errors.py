@@ -21,10 +21,15 @@ category they belong to, so ``except ValueError`` or ``except KeyError`` catch t
     ├── RemoteError(SafetensorError, OSError)             a remote source misbehaved
     │   ├── RemoteNotFoundError(RemoteError, FileNotFoundError)  no such object or bucket
     │   └── RemotePermissionError(RemoteError, PermissionError)  credentials refused
+    ├── WriteError(SafetensorError, OSError)              a save could not write its file
+    │   └── one per ``OSError`` subclass: WriteFileNotFoundError(WriteError,
+    │       FileNotFoundError), WritePermissionError, WriteIsADirectoryError, ...
     └── ClosedFileError(SafetensorError, ValueError)      a handle used after ``close()``
 
-``OSError`` from the operating system (missing file, permissions) passes through unwrapped, as
-with the reference.
+``OSError`` from the operating system while *reading* (missing file, permissions) passes through
+unwrapped. While *writing*, the reference wraps it (``Error while serializing: I/O error: ...``),
+so saves raise a :class:`WriteError`: a ``SafetensorError`` and the same ``OSError`` subclass
+(``FileNotFoundError``, ``PermissionError``, ...), with ``errno`` and ``filename`` set.
 
 Each error carries a ``kind`` naming the reference's error variant where there is one (for
 example ``"InvalidOffset"``), so tests and tools can compare outcomes across implementations
@@ -51,6 +56,8 @@ __all__ = [
     "TensorInfoError",
     "TensorNotFoundError",
     "UnsafePickleError",
+    "WriteError",
+    "write_error",
 ]
 
 
@@ -68,30 +75,38 @@ class SafetensorError(Exception):
 
     def __init__(
         self,
-        message: str,
-        *,
+        *args: object,
         kind: str | None = None,
         tensor: str | None = None,
         offset: int | None = None,
     ) -> None:
-        super().__init__(message)
+        # Any positional arguments, as for the reference's class (and ``Exception``): user code
+        # raises ``SafetensorError()`` or ``SafetensorError(msg, detail)`` too.
+        super().__init__(*args)
         self.kind = kind or type(self).__name__
         self.tensor = tensor
         self.offset = offset
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only attributes must survive pickling (multiprocessing sends errors back).
-        return (_rebuild_error, (type(self), str(self), self.kind, self.tensor, self.offset))
+        return (_rebuild_error, (type(self), self.args, self.kind, self.tensor, self.offset))
 
     def __str__(self) -> str:
         # KeyError subclasses would otherwise quote the message; keep one plain rendering.
-        return str(self.args[0]) if self.args else ""
+        if len(self.args) == 1:
+            return str(self.args[0])
+        return str(self.args) if self.args else ""
 
 
 def _rebuild_error(
-    cls: type[SafetensorError], message: str, kind: str, tensor: str | None, offset: int | None
+    cls: type[SafetensorError],
+    args: tuple[object, ...] | str,
+    kind: str,
+    tensor: str | None,
+    offset: int | None,
 ) -> SafetensorError:
-    return cls(message, kind=kind, tensor=tensor, offset=offset)
+    positional = args if isinstance(args, tuple) else (args,)
+    return cls(*positional, kind=kind, tensor=tensor, offset=offset)
 
 
 class HeaderError(SafetensorError, ValueError):
@@ -193,3 +208,81 @@ class ClosedFileError(SafetensorError, ValueError):
 
 class SharedTensorsError(SerializeError, RuntimeError):
     """Raised when tensors to be saved share memory (use ``save_model`` for tied weights)."""
+
+
+class WriteError(SafetensorError, OSError):
+    """Raised when a save cannot create, write or rename its file (an ``OSError`` underneath).
+
+    The subclass also derives from the ``OSError`` subclass of the cause, so ``except
+    FileNotFoundError`` and ``except SafetensorError`` both catch a save into a missing folder.
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_write_error,
+            (type(self), str(self), self.kind, self.errno, self.strerror, self.filename),
+        )
+
+
+def _rebuild_write_error(
+    cls: type[WriteError],
+    message: str,
+    kind: str,
+    errno: int | None,
+    strerror: str | None,
+    filename: str | None,
+) -> WriteError:
+    err = cls(message, kind=kind)
+    err.errno, err.strerror, err.filename = errno, strerror, filename
+    return err
+
+
+class WriteFileNotFoundError(WriteError, FileNotFoundError):
+    """A save's folder does not exist."""
+
+
+class WritePermissionError(WriteError, PermissionError):
+    """A save was refused permission."""
+
+
+class WriteIsADirectoryError(WriteError, IsADirectoryError):
+    """A save's target is a directory."""
+
+
+class WriteNotADirectoryError(WriteError, NotADirectoryError):
+    """A component of a save's path is not a directory."""
+
+
+class WriteFileExistsError(WriteError, FileExistsError):
+    """A save's target exists where it must not."""
+
+
+_WRITE_ERRORS: dict[type[OSError], type[WriteError]] = {
+    FileNotFoundError: WriteFileNotFoundError,
+    PermissionError: WritePermissionError,
+    IsADirectoryError: WriteIsADirectoryError,
+    NotADirectoryError: WriteNotADirectoryError,
+    FileExistsError: WriteFileExistsError,
+}
+
+
+def write_error(exc: OSError, path: str | None = None) -> WriteError:
+    """The :class:`WriteError` for an ``OSError`` a save ran into, in the reference's words.
+
+    Args:
+        exc: The error the operating system reported.
+        path: The file the save was writing (named rather than the temporary file or whatever
+            ``exc`` names); ``exc.filename`` when None.
+
+    Returns:
+        ``Error while serializing: I/O error: <reason> (os error N) at path "<path>"``, with the
+        ``errno``, ``strerror`` and ``filename`` of ``exc``; raise it ``from exc``.
+    """
+    cls = _WRITE_ERRORS.get(type(exc), WriteError)
+    where = path if path is not None else exc.filename
+    reason = exc.strerror or str(exc)
+    code = f" (os error {exc.errno})" if exc.errno is not None else ""
+    at = f' at path "{where}"' if where is not None else ""
+    err = cls(f"Error while serializing: I/O error: {reason}{code}{at}", kind="IoError")
+    err.errno, err.strerror, err.filename = exc.errno, exc.strerror, where
+    return err

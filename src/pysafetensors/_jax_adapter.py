@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._adapter import NumpyAdapter, check_cpu_device, invalid_tensor_error, numpy_dtype
+from ._adapter import NumpyAdapter, as_array, check_cpu_device, numpy_dtype
 from ._devices import Device
 from ._dtypes import DType
 from ._errors import DTypeNotSupportedError
@@ -85,7 +85,9 @@ class JaxAdapter:
             return _NUMPY.to_data(name, np.asarray(tensor))
         if isinstance(tensor, (np.ndarray, np.generic)):
             return _NUMPY.to_data(name, tensor)
-        raise invalid_tensor_error(name, "jax.Array or numpy.ndarray", tensor)
+        # The reference passes every value through np.asarray: Python numbers and nested lists
+        # are saved too (a float as an F64 scalar).
+        return _NUMPY.to_data(name, as_array(name, tensor, "jax.Array or numpy.ndarray"))
 
 
 ADAPTER: Final = JaxAdapter()

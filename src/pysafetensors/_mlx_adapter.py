@@ -16,7 +16,7 @@ from typing import Any, Final
 import mlx.core as mx
 import numpy as np
 
-from ._adapter import NumpyAdapter, check_cpu_device, invalid_tensor_error, numpy_dtype
+from ._adapter import NumpyAdapter, as_array, check_cpu_device, numpy_dtype
 from ._devices import Device
 from ._dtypes import DTYPES, DType
 from ._errors import DTypeNotSupportedError, SerializeError
@@ -81,7 +81,8 @@ class MlxAdapter:
         if isinstance(tensor, (np.ndarray, np.generic)):
             return _NUMPY.to_data(name, tensor)
         if not isinstance(tensor, mx.array):
-            raise invalid_tensor_error(name, "mlx.core.array or numpy.ndarray", tensor)
+            # As the reference: anything np.asarray takes (Python numbers, nested lists).
+            return _NUMPY.to_data(name, as_array(name, tensor, "mlx.core.array or numpy.ndarray"))
         try:
             dtype = _FROM_MX[tensor.dtype]
         except KeyError:

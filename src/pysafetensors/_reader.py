@@ -21,7 +21,13 @@ import numpy as np
 from ._adapter import Adapter, get_adapter
 from ._devices import Device
 from ._dtypes import DType
-from ._errors import ClosedFileError, SafetensorError, TensorInfoError, TensorNotFoundError
+from ._errors import (
+    ClosedFileError,
+    SafetensorError,
+    SliceError,
+    TensorInfoError,
+    TensorNotFoundError,
+)
 from ._format import (
     HEADER_PREFIX,
     MAX_HEADER_SIZE,
@@ -32,7 +38,7 @@ from ._format import (
     parse_header,
     parse_header_length,
 )
-from ._slicing import SlicePlan, plan_slice
+from ._slicing import SlicePlan, is_advanced, plan_slice, render_index, split_advanced
 from ._sources import (
     BufferSource,
     ByteSource,
@@ -278,6 +284,7 @@ class safe_open:  # noqa: N801 - the reference's name
             if isinstance(source, PreadSource):
                 source.threads = threads
         self._source = source
+        self._lease = _SourceLease(source)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ context and lifetime
@@ -289,10 +296,14 @@ class safe_open:  # noqa: N801 - the reference's name
         self.close()
 
     def close(self) -> None:
-        """Release the file. Tensors already returned stay valid."""
+        """Release the file. Tensors and slices already returned stay valid.
+
+        The file itself is closed once no slice (:meth:`get_slice`) still needs it, as with the
+        reference, whose slices keep the file open.
+        """
         source, self._source = self._source, None
         if source is not None:
-            source.close()
+            self._lease.release()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # never raise from a finalizer
@@ -430,9 +441,9 @@ class safe_open:  # noqa: N801 - the reference's name
             }
 
     def get_slice(self, name: str) -> SafeSlice:
-        """A lazy view of one tensor that reads only what is indexed."""
+        """A lazy view of one tensor that reads only what is indexed (also after ``close``)."""
         self._live()
-        return SafeSlice(self, self._info(name))
+        return SafeSlice(self, self._info(name), self._lease)
 
     def _read_slices(self, requests: list[tuple[str, Any]]) -> dict[str, Any]:
         """``{name: get_slice(name)[index]}`` for many tensors at once (``load_shard``).
@@ -500,14 +511,28 @@ class safe_open:  # noqa: N801 - the reference's name
         mmap, the staging pipeline on a GPU); ``plan`` if already computed for ``index``."""
         return self.get_tensor(name) if index is ... else self._read_slice(info, index, plan)
 
-    def _read_slice(self, info: TensorInfo, index: Any, plan: SlicePlan | None = None) -> Any:
-        source = self._live()
+    def _read_slice(
+        self,
+        info: TensorInfo,
+        index: Any,
+        plan: SlicePlan | None = None,
+        source: ByteSource | None = None,
+    ) -> Any:
+        if source is None:
+            source = self._live()
+        if plan is None and is_advanced(index):
+            return self._read_advanced(info, index, source)
         if len(info.shape) > MAX_NDIM:
             # The strided copy below reshapes to the full rank, which numpy caps.
             check_representable(info.shape, info.dtype, info.name)
         if plan is None:
             plan = plan_slice(info.shape, info.dtype, index)
         check_representable(plan.shape, info.dtype, info.name)
+        buf = self._read_plan(info, plan, source)
+        return self._adapter.from_bytes(buf, info.dtype, plan.shape, self._device)
+
+    def _read_plan(self, info: TensorInfo, plan: SlicePlan, source: ByteSource) -> np.ndarray:
+        """The bytes ``plan`` selects from ``info``'s data, in fresh memory."""
         base = self._header.data_start + info.begin
         buf = empty_bytes(plan.nbytes)
         if plan.nbytes:
@@ -550,7 +575,40 @@ class safe_open:  # noqa: N801 - the reference's name
                 ):
                     absolute = [(base + off, length) for off, length in ranges]
                     read_ranges_into(source, absolute, buf.data)
-        return self._adapter.from_bytes(buf, info.dtype, plan.shape, self._device)
+        return buf
+
+    def _read_advanced(self, info: TensorInfo, index: Any, source: ByteSource) -> Any:
+        """``tensor[index]`` for an index with ``None``, bools or index arrays (numpy rules).
+
+        Reads the smallest box that holds the selection, as a basic slice would, then picks the
+        elements out of its bytes in memory, so every framework gets numpy's (and torch's)
+        answer.
+        """
+        if info.dtype.bits % 8:
+            raise SliceError(
+                f"Error during slicing {render_index(index)} with shape {list(info.shape)}: "
+                f"index arrays, None and bools are not supported for the sub-byte dtype "
+                f"{info.dtype.code}",
+                kind="InvalidSlice",
+            )
+        box, pick = split_advanced(index, info.shape)
+        if len(info.shape) > MAX_NDIM:
+            check_representable(info.shape, info.dtype, info.name)
+        box_plan = plan_slice(info.shape, info.dtype, box)
+        check_representable(box_plan.shape, info.dtype, info.name)
+        data = self._read_plan(info, box_plan, source)
+        # One trailing axis of the element's bytes: numpy picks whole elements, whatever the
+        # dtype (bf16, float8, ... need no numpy dtype here).
+        cells = data.reshape((*box_plan.shape, info.dtype.bits // 8))
+        # torch places integer-indexed dimensions unlike numpy when they mix with index arrays
+        # (``t[0, :, [1, 4]]``): each framework picks with its own rules.
+        pick_cells = getattr(self._adapter, "pick_cells", None)
+        picked = np.ascontiguousarray(
+            cells[pick] if pick_cells is None else pick_cells(cells, pick)
+        )
+        shape = picked.shape[:-1]
+        check_representable(shape, info.dtype, info.name)
+        return self._adapter.from_bytes(picked.reshape(-1), info.dtype, shape, self._device)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())
@@ -690,9 +748,18 @@ class SafeSlice:
         ...     rows = f.get_slice("embed")[0:128]
     """
 
-    def __init__(self, handle: safe_open, info: TensorInfo) -> None:
+    def __init__(self, handle: safe_open, info: TensorInfo, lease: _SourceLease) -> None:
+        self._lease: _SourceLease | None = None
+        self._source = lease.acquire()
+        self._lease = lease
         self._handle = handle
         self._info = info
+
+    def __del__(self) -> None:
+        lease, self._lease = getattr(self, "_lease", None), None
+        if lease is not None:
+            with contextlib.suppress(Exception):  # never raise from a finalizer
+                lease.release()
 
     def get_shape(self) -> list[int]:
         """The tensor's full logical shape."""
@@ -718,4 +785,36 @@ class SafeSlice:
         return self._info.shape[0]
 
     def __getitem__(self, index: Any) -> Any:
-        return self._handle._read_slice(self._info, index)
+        return self._handle._read_slice(self._info, index, source=self._source)
+
+
+class _SourceLease:
+    """A handle's byte source, shared with its slices: closed when the last of them lets go.
+
+    The handle holds one use from open to ``close``; every :class:`SafeSlice` holds one for its
+    lifetime (a slice taken inside ``with safe_open(...)`` is still readable after the block,
+    as with the reference).
+    """
+
+    def __init__(self, source: ByteSource) -> None:
+        self._source: ByteSource | None = source
+        self._users = 1
+        self._lock = threading.Lock()
+
+    def acquire(self) -> ByteSource:
+        """One more user of the source."""
+        with self._lock:
+            if self._source is None:
+                raise ClosedFileError("File is closed", kind="FileClosed")
+            self._users += 1
+            return self._source
+
+    def release(self) -> None:
+        """One user fewer; the last one closes the source."""
+        with self._lock:
+            self._users -= 1
+            source = self._source if self._users == 0 else None
+            if source is not None:
+                self._source = None
+        if source is not None:
+            source.close()

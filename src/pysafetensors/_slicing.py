@@ -2,9 +2,13 @@
 
 Semantics (the same for every framework and backend):
 
-* An index is an int, a ``slice``, ``Ellipsis`` (at most one), ``()``, or a tuple of these.
-  An empty list selects nothing along the first dimension; non-empty lists (advanced indexing),
-  ``None`` (new axes), floats and strings are refused with :class:`SliceError`.
+* A basic index is an int, a ``slice``, ``Ellipsis`` (at most one), ``()``, or a tuple of
+  these; :func:`plan_slice` turns it into byte runs. An empty list selects nothing along the
+  first dimension. Floats and strings are refused with :class:`SliceError`.
+* Advanced items (``None``, bools, integer and boolean arrays or lists, torch tensors) follow
+  numpy's rules, which torch's indexing shares: :func:`split_advanced` turns such an index into
+  a basic one that reads the smallest box holding every selected element, and the index that
+  picks the result out of that box in memory.
 * Integers may be negative (wrapped once); an integer outside the dimension is an error, as in
   numpy. An integer removes its dimension.
 * Slices follow Python/numpy: bounds are clamped to the dimension and negative bounds count from
@@ -27,7 +31,7 @@ import numpy as np
 from ._dtypes import DType
 from ._errors import SliceError
 
-__all__ = ["SlicePlan", "plan_slice", "render_index"]
+__all__ = ["SlicePlan", "is_advanced", "plan_slice", "render_index", "split_advanced"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,8 @@ def render_index(index: Any) -> str:
             parts.append(text)
         elif item is Ellipsis:
             parts.append("...")
+        elif not isinstance(item, (bool, np.bool_)) and _as_int(item) is not None:
+            parts.append(str(_as_int(item)))  # np.int64(1) shows as 1, as in the reference
         else:
             parts.append(repr(item))
     return "[" + ", ".join(parts) + "]"
@@ -113,6 +119,8 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
             expanded.extend([slice(None)] * (ndim - explicit))
         else:
             expanded.append(item)
+    # Messages show the index with the ellipsis spelled out, as the reference does.
+    shown = render_index(tuple(expanded)) if ellipses else render_index(index)
     expanded.extend([slice(None)] * (ndim - len(expanded)))
 
     out: list[int | range] = []
@@ -134,16 +142,23 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
             start, stop, step = slice(item.start, item.stop, step).indices(size)
             out.append(range(start, max(start, stop), step))
             continue
-        value = _as_int(item)
+        # A bool is an int to Python but a mask to numpy and torch (get_slice hands bools to
+        # split_advanced); never read it as row 0 or 1.
+        value = None if isinstance(item, (bool, np.bool_)) else _as_int(item)
         if value is None:
             raise SliceError(
                 f"Unsupported slice index at position {dim}: expected slice, int, or ellipsis",
                 kind="InvalidSlice",
             )
         wrapped = value + size if value < 0 else value
-        if not 0 <= wrapped < size:
+        if wrapped < 0:
             raise SliceError(
-                f"Error during slicing {render_index(index)} with shape {list(shape)}: index "
+                f"Invalid index {value} for dimension {dim} of size {size}",
+                kind="SliceOutOfRange",
+            )
+        if wrapped >= size:
+            raise SliceError(
+                f"Error during slicing {shown} with shape {list(shape)}: index "
                 f"{value} out of bounds for tensor dimension #{dim} of size {size}",
                 kind="SliceOutOfRange",
             )
@@ -213,11 +228,150 @@ def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
     bits = dtype.bits
     if bits % 8 and ((run_elems * bits) % 8 or np.any((starts * bits) % 8)):
         raise SliceError(
-            "The slice is slicing for subbytes dtypes, and the slice does not end up at a "
-            f"byte boundary, this is invalid. (index {render_index(index)} on "
-            f"{dtype.code} {list(shape)})",
+            f"Error during slicing {render_index(index)} with shape {list(shape)}: The slice "
+            "is slicing for subbytes dtypes, and the slice does not end up at a byte boundary, "
+            f"this is invalid. (dtype {dtype.code})",
             kind="MisalignedSlice",
         )
     starts = starts * bits // 8
     run_bytes = run_elems * bits // 8
     return SlicePlan(out_shape, starts, run_bytes, run_bytes * len(starts), selection)
+
+
+def _advanced_item(item: Any) -> np.ndarray | None:
+    """``item`` as an index array when it is an advanced item (bool, array, list, tensor)."""
+    if item is None or item is Ellipsis or isinstance(item, slice):
+        return None
+    if isinstance(item, (bool, np.bool_)):
+        return np.asarray(item)
+    if isinstance(item, (list, tuple, np.ndarray)) or hasattr(item, "__array__"):
+        try:
+            arr = np.asarray(item)
+        except (ValueError, TypeError):  # ragged nesting
+            return np.asarray(item, dtype=object)
+        if arr.ndim == 0 and arr.dtype.kind in "iu":
+            return None  # a 0-d integer array (or tensor) is an integer
+        if isinstance(item, (list, tuple)) and arr.size == 0:
+            arr = arr.astype(np.int64)  # [] is an empty integer index, not float64
+        return arr
+    return None
+
+
+def is_advanced(index: Any) -> bool:
+    """Whether ``index`` needs :func:`split_advanced` (``None``, bools, arrays, lists).
+
+    An empty list on its own keeps its basic meaning (nothing along the first dimension), as
+    with the reference's slicer.
+    """
+    if isinstance(index, list) and not index:
+        return False
+    items = index if isinstance(index, tuple) else (index,)
+    return any(item is None or _advanced_item(item) is not None for item in items)
+
+
+def split_advanced(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:
+    """Split an advanced index into a box to read and the index that picks from the box.
+
+    ``tensor[index] == tensor[box][pick]`` (numpy semantics), where ``box`` has one slice per
+    dimension, spanning the smallest range that holds every element the index selects.
+
+    Raises:
+        SliceError: Out-of-range integers, masks of the wrong shape, or items of no index type.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    arrays = [_advanced_item(item) for item in items]
+    consumed = 0
+    for item, arr in zip(items, arrays, strict=True):
+        if item is None or item is Ellipsis:
+            continue
+        if arr is None:
+            consumed += 1
+        elif arr.dtype == np.bool_:
+            consumed += arr.ndim
+        else:
+            consumed += 1
+    ndim = len(shape)
+    if sum(1 for item in items if item is Ellipsis) > 1:
+        raise SliceError("Only one ellipsis (...) is allowed in slice index", kind="InvalidSlice")
+    if consumed > ndim:
+        raise SliceError(
+            f"Error during slicing {render_index(index)} with shape {list(shape)}: more slicing "
+            "indexes than dimensions in tensor",
+            kind="TooManySlices",
+        )
+    box: list[slice] = []
+    pick: list[Any] = []
+    for item, arr in zip(items, arrays, strict=True):
+        dim = len(box)
+        if item is Ellipsis:
+            box.extend([slice(None)] * (ndim - consumed))
+            pick.extend([slice(None)] * (ndim - consumed))
+        elif item is None:
+            pick.append(None)
+        elif arr is None:
+            if isinstance(item, slice):
+                box.append(item)
+                pick.append(slice(None))
+                continue
+            value = _as_int(item)
+            if value is None:
+                raise SliceError(
+                    f"Unsupported slice index at position {dim}: expected slice, int, ellipsis, "
+                    f"None, or an integer or boolean array (got {type(item).__name__})",
+                    kind="InvalidSlice",
+                )
+            size = shape[dim]
+            wrapped = value + size if value < 0 else value
+            if not 0 <= wrapped < size:
+                raise SliceError(
+                    f"Error during slicing {render_index(index)} with shape {list(shape)}: index "
+                    f"{value} out of bounds for tensor dimension #{dim} of size {size}",
+                    kind="SliceOutOfRange",
+                )
+            box.append(slice(wrapped, wrapped + 1))
+            pick.append(0)
+        elif arr.dtype == np.bool_ and arr.ndim == 0:
+            pick.append(bool(arr))  # a new axis of length 1 (True) or 0 (False)
+        elif arr.dtype == np.bool_:
+            dims = shape[dim : dim + arr.ndim]
+            if arr.shape != tuple(dims):
+                raise SliceError(
+                    f"Error during slicing {render_index(index)} with shape {list(shape)}: "
+                    f"boolean index of shape {list(arr.shape)} does not match dimensions "
+                    f"{list(dims)} starting at #{dim}",
+                    kind="InvalidSlice",
+                )
+            hits = np.nonzero(arr)
+            if hits[0].size:
+                crop = tuple(slice(int(h.min()), int(h.max()) + 1) for h in hits)
+            else:
+                crop = tuple(slice(0, 0) for _ in hits)
+            box.extend(crop)
+            pick.append(arr[crop])
+        elif arr.dtype.kind in "iu":
+            size = shape[dim]
+            values = arr.astype(np.int64)
+            bad = (values < -size) | (values >= size)
+            if bad.any():
+                value = int(values[bad][0])
+                raise SliceError(
+                    f"Error during slicing with shape {list(shape)}: index {value} out of "
+                    f"bounds for tensor dimension #{dim} of size {size}",
+                    kind="SliceOutOfRange",
+                )
+            values = np.where(values < 0, values + size, values)
+            if values.size:
+                low, high = int(values.min()), int(values.max())
+                box.append(slice(low, high + 1))
+                pick.append(values - low)
+            else:
+                box.append(slice(0, 0))
+                pick.append(values)
+        else:
+            raise SliceError(
+                f"Unsupported slice index at position {dim}: arrays used as indices must be of "
+                f"integer or boolean type (got {arr.dtype})",
+                kind="InvalidSlice",
+            )
+    box.extend([slice(None)] * (ndim - len(box)))
+    return tuple(box), tuple(pick)

@@ -141,6 +141,18 @@ class TorchAdapter:
             tensor = tensor.to(device.torch_spec)
         return tensor
 
+    def pick_cells(self, cells: np.ndarray, pick: tuple[Any, ...]) -> np.ndarray:
+        """``cells[pick]`` by torch's indexing rules (used by advanced ``get_slice`` indices).
+
+        ``cells`` holds one row of element bytes per element (a trailing byte axis), so the
+        result is the selected elements' bytes whatever the dtype.
+        """
+        index = tuple(
+            torch.from_numpy(item) if isinstance(item, np.ndarray) else item for item in pick
+        )
+        picked: np.ndarray = torch.from_numpy(cells)[index].numpy()
+        return picked
+
     def copy_array(self, dest: np.ndarray, src: np.ndarray) -> None:
         """``dest[...] = src`` with torch's copy kernel, on torch's own threads.
 

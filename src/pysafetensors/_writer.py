@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ._dtypes import DType
-from ._errors import SerializeError
+from ._errors import SafetensorError, SerializeError, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
@@ -265,10 +265,25 @@ def atomic_output(filename: str | os.PathLike[str], *, fsync: bool = False) -> I
     Yields:
         The file descriptor to write to. On any exception the temporary file is removed and the
         target is left untouched.
+
+    Raises:
+        WriteError: Creating, writing or renaming the file failed (an ``OSError`` raised in the
+            body is turned into one too, as the reference reports every I/O error of a save).
     """
     target = os.fspath(filename)
     if isinstance(target, bytes):  # pragma: no cover - typed as str
         target = os.fsdecode(target)
+    try:
+        with _atomic_output(target, fsync=fsync) as fd:
+            yield fd
+    except OSError as exc:
+        if isinstance(exc, SafetensorError):  # remote sources' errors, already ours
+            raise
+        raise write_error(exc, target) from exc
+
+
+@contextlib.contextmanager
+def _atomic_output(target: str, *, fsync: bool) -> Iterator[int]:
     folder = os.path.dirname(target) or "."
     _clean_stale_partials(target)
     tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.partial")

@@ -13,15 +13,28 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._adapter import invalid_tensor_error, non_contiguous_error
-from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from ._api import (
+    deserialize,
+    load_bytes_with,
+    load_file_with,
+    save_bytes_with,
+    save_file_with,
+    serialize,
+    serialize_file,
+)
+from ._devices import CPU
+from ._dtypes import dtype_from_code
 from ._errors import SerializeError, SharedTensorsError
+from ._reader import safe_open
 from ._sharding import save_model_sharded, save_sharded
-from ._torch_adapter import ADAPTER
+from ._torch_adapter import _TO_TORCH, ADAPTER
 
 __all__ = [
+    "deserialize",
     "load",
     "load_file",
     "load_model",
@@ -30,11 +43,41 @@ __all__ = [
     "save_model",
     "save_model_sharded",
     "save_sharded",
+    "safe_open",
+    "serialize",
+    "serialize_file",
     "storage_ptr",
     "storage_size",
 ]
 
 _DOCS = "https://huggingface.co/docs/safetensors/torch_shared_tensors"
+
+# The reference module's helper names, which other code (and the reference's own tests) import
+# from it: ``safe_open``, ``serialize``, ``serialize_file`` and ``deserialize`` above, and these.
+
+#: Format code to torch dtype (``"BF16"`` -> ``torch.bfloat16``), every dtype this torch has.
+_TYPES: dict[str, torch.dtype] = dict(_TO_TORCH)
+
+#: torch dtype to bytes per element (``float4_e2m1fn_x2`` holds two values in one byte).
+_SIZE: dict[torch.dtype, int] = {t: t.itemsize for t in _TYPES.values()}
+
+
+def _getdtype(dtype_str: str) -> torch.dtype:
+    """The torch dtype of a format code, as the reference's helper of that name."""
+    return _TYPES[dtype_str]
+
+
+def _view2torch(safeview: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, torch.Tensor]:
+    """Tensors from :func:`deserialize`'s ``(name, {"dtype", "shape", "data"})`` entries."""
+    return {
+        name: ADAPTER.from_bytes(
+            np.frombuffer(bytearray(view["data"]), np.uint8),
+            dtype_from_code(view["dtype"]),
+            tuple(view["shape"]),
+            CPU,
+        )
+        for name, view in safeview
+    }
 
 
 def storage_ptr(tensor: torch.Tensor) -> int:
@@ -156,10 +199,14 @@ def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
         )
     failing = [names for names in _find_shared_tensors(tensors) if len(names) > 1]
     if failing:
+        # The reference's text to the whitespace (an indented triple-quoted string there), so
+        # that code comparing messages sees no difference.
+        indent = "\n" + " " * 12
         raise SharedTensorsError(
-            "Some tensors share memory, this will lead to duplicate memory on disk and potential "
-            f"differences when loading them again: {failing}.\nA potential way to correctly save "
-            f"your model is to use `save_model`.\nMore information at {_DOCS}",
+            f"{indent}Some tensors share memory, this will lead to duplicate memory on disk and "
+            f"potential differences when loading them again: {failing}.{indent}A potential way "
+            f"to correctly save your model is to use `save_model`.{indent}More information at "
+            f"{_DOCS}{indent}",
             kind="SharedTensors",
         )
     for name, tensor in tensors.items():
@@ -272,11 +319,12 @@ def load_model(
     device: Any = "cpu",
     *,
     backend: str = "mmap",
-) -> tuple[list[str], list[str]]:
+) -> tuple[set[str], list[str]]:
     """Load a file into a model, restoring tied weights that :func:`save_model` dropped.
 
     Returns:
-        ``(missing, unexpected)`` key lists.
+        ``(missing, unexpected)``: the set of missing keys and the list of unexpected ones (the
+        reference's types).
 
     Raises:
         RuntimeError: ``strict`` and keys are missing or unexpected.
@@ -303,4 +351,4 @@ def load_model(
                 f'"{k}"' for k in sorted(unexpected)
             )
         raise RuntimeError(error)
-    return sorted(missing), unexpected
+    return missing, unexpected

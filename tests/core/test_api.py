@@ -56,8 +56,10 @@ def test_context_manager_and_closed(path: Path) -> None:
             call()
     with pytest.raises(ClosedFileError, match="File is closed"):
         f.get_tensor("zeta")
+    # Slices keep the file open, as with the reference (its slices hold the storage).
+    np.testing.assert_array_equal(s[1:3], np.arange(1, 3))
     with pytest.raises(ClosedFileError, match="File is closed"):
-        s[0:1]
+        f.get_slice("zeta")
     g = safe_open(path, "np")  # usable without `with`
     assert g.keys()
     g.close()
@@ -226,6 +228,10 @@ def test_load_model_strict_message(tmp_path: Path) -> None:
     assert "Missing key(s)" in str(info.value) and "Unexpected key(s)" in str(info.value)
     missing, unexpected = st_torch.load_model(Tied(), path, strict=False)
     assert "embed.weight" in missing and unexpected == ["other"]
+    # The reference's types: a set of missing keys, a list of unexpected ones.
+    ref = pytest.importorskip("safetensors.torch")
+    assert (missing, unexpected) == ref.load_model(Tied(), str(path), strict=False)
+    assert isinstance(missing, set) and isinstance(unexpected, list)
 
 
 def test_torch_metadata_argument_untouched(tmp_path: Path) -> None:

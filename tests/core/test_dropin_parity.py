@@ -1,0 +1,314 @@
+"""Drop-in details checked against the reference, side by side: slices outliving their handle,
+advanced slice indices, save I/O errors, ``TensorSpec`` argument checks, constructor and
+keyword names, device checks, ndarray subclasses, and exact message texts."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pysafetensors
+import pysafetensors.numpy as ours_np
+from pysafetensors import SafetensorError, SliceError, safe_open
+from pysafetensors._errors import WriteError
+
+ref = pytest.importorskip("safetensors")
+import safetensors.numpy as ref_np  # noqa: E402 - after the importorskip
+
+torch = pytest.importorskip("torch")
+import safetensors.torch as ref_torch  # noqa: E402
+
+import pysafetensors.torch as ours_torch  # noqa: E402
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return ("ok", call())
+    except BaseException as exc:  # noqa: BLE001 - comparing outcomes, whatever they are
+        return ("error", type(exc), str(exc))
+
+
+def _open_fds_on(path: Path) -> int:
+    count = 0
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{entry}") == str(path):
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "m.safetensors"
+    ref_torch.save_file(
+        {
+            "a": torch.arange(60, dtype=torch.float32).reshape(3, 4, 5),
+            "b": torch.arange(60, dtype=torch.float32).reshape(3, 4, 5).to(torch.bfloat16),
+        },
+        path,
+    )
+    return path
+
+
+# ------------------------------------------------------------------- slices outlive the handle
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_slice_outlives_its_handle_and_then_lets_the_file_go(
+    model: Path, framework: str, backend: str
+) -> None:
+    with ref.safe_open(str(model), framework) as f:
+        ref_slice = f.get_slice("a")
+    before = _open_fds_on(model)  # the reference's slice may hold the file too
+    with safe_open(model, framework, backend=backend) as g:
+        ours_slice = g.get_slice("a")
+        assert ours_slice.get_shape() == [3, 4, 5]
+    expected = ref_slice[1:, 2]
+    got = ours_slice[1:, 2]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    if backend == "pread" and sys.platform.startswith("linux"):
+        # The slice holds the file (partial reads use a second descriptor, readahead off).
+        assert _open_fds_on(model) > before
+        del ours_slice
+        assert _open_fds_on(model) == before  # the last user closed it
+    # A slice of a handle that was dropped without close() reads too.
+    lone = safe_open(model, framework, backend=backend).get_slice("a")
+    np.testing.assert_array_equal(np.asarray(lone[0, 0]), np.arange(5, dtype=np.float32))
+
+
+def test_closed_handle_still_refuses_new_slices(model: Path) -> None:
+    f = safe_open(model, "np")
+    f.close()
+    with pytest.raises(pysafetensors.ClosedFileError, match="^File is closed$"):
+        f.get_slice("a")
+
+
+# ----------------------------------------------------------------------- advanced indices
+
+ADVANCED: list[Any] = [
+    None,
+    (None,),
+    (0, None),
+    True,
+    False,
+    (True, 1),
+    [0, 2],
+    ([0, 2],),
+    ([0, 2], slice(None), [1, 1]),
+    (slice(None), [3, 0, -1]),
+    (0, slice(None), [1, 4]),  # numpy and torch place the result's dimensions differently
+    (np.array([[0, 1], [2, 0]]),),
+    (..., [0, 4]),
+    (..., None),
+    (None, ..., None, 1),
+    (slice(1, 3), None, [0, 3], slice(None, None, 2)),
+    ([],),
+    (np.array([], dtype=np.int64), 0),
+    (np.int64(1), None),
+]
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_torch_advanced_indices_match_torch(model: Path, backend: str) -> None:
+    full = ref_torch.load_file(model)
+    masks = [full["a"][:, :, 0] > 20, full["a"] > 30, full["a"][:, :, 0] > 1000]
+    with safe_open(model, "pt", backend=backend) as f:
+        for name in ("a", "b"):
+            s = f.get_slice(name)
+            for index in [*ADVANCED, *((m,) for m in masks), (torch.tensor([2, 0]),)]:
+                expected = full[name][index]
+                got = s[index]
+                assert got.dtype == expected.dtype and torch.equal(got, expected), index
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_numpy_advanced_indices_match_numpy(model: Path, backend: str) -> None:
+    full = ours_np.load_file(model)
+    masks = [full["a"][:, :, 0] > 20, full["a"] > 30]
+    with safe_open(model, "np", backend=backend) as f:
+        for name in ("a", "b"):
+            s = f.get_slice(name)
+            for index in [*ADVANCED, *((m,) for m in masks)]:
+                expected = full[name][index]
+                got = s[index]
+                assert got.shape == expected.shape and got.dtype == expected.dtype, index
+                assert got.tobytes() == expected.tobytes(), index
+
+
+def test_advanced_index_errors_are_slice_errors(model: Path) -> None:
+    with safe_open(model, "pt") as f:
+        s = f.get_slice("a")
+        with pytest.raises(SliceError, match="index 3 out of bounds for tensor dimension #0"):
+            s[[0, 3]]
+        with pytest.raises(SliceError, match="does not match dimensions"):
+            s[np.ones((2, 2), bool)]
+        with pytest.raises(SliceError, match="integer or boolean type"):
+            s[np.array([0.5])]
+        with pytest.raises(IndexError):  # SliceError is an IndexError, as torch's own error
+            s[[5]]
+
+
+def test_bool_is_an_axis_not_an_integer(model: Path) -> None:
+    # Python bools are ints; indexing with one must not silently select row 1.
+    with safe_open(model, "pt") as f:
+        assert tuple(f.get_slice("a")[True].shape) == (1, 3, 4, 5)
+        assert tuple(f.get_slice("a")[False].shape) == (0, 3, 4, 5)
+
+
+# ---------------------------------------------------------------------- slice error texts
+
+
+def test_slice_error_texts_match_the_reference(model: Path) -> None:
+    cases: list[Any] = [(-4,), (3,), (slice(None), 5), (..., 7), (np.int64(1), 9), (0, 0, 0, 0)]
+    with ref.safe_open(str(model), "np") as r, safe_open(model, "np") as o:
+        for index in cases:
+            theirs = _outcome(lambda i=index: r.get_slice("a")[i])
+            mine = _outcome(lambda i=index: o.get_slice("a")[i])
+            assert theirs[0] == mine[0] == "error"
+            assert mine[2].startswith(theirs[2]), (index, theirs[2], mine[2])
+
+
+# ----------------------------------------------------------------------------- save errors
+
+
+@pytest.mark.parametrize("kind", ["missing folder", "target is a folder"])
+def test_save_io_errors_are_safetensor_errors(tmp_path: Path, kind: str) -> None:
+    target = tmp_path / "nope" / "x.st" if kind == "missing folder" else tmp_path
+    with pytest.raises(ref.SafetensorError, match="Error while serializing: I/O error: "):
+        ref_np.save_file({"a": np.zeros(3)}, str(target))
+    expected_os = FileNotFoundError if kind == "missing folder" else IsADirectoryError
+    for save in (
+        lambda: ours_np.save_file({"a": np.zeros(3)}, target),
+        lambda: ours_torch.save_file({"a": torch.zeros(3)}, target),
+    ):
+        with pytest.raises(SafetensorError) as info:
+            save()
+        err = info.value
+        assert isinstance(err, WriteError) and isinstance(err, expected_os)
+        assert str(err).startswith("Error while serializing: I/O error: ")
+        assert f'at path "{target}"' in str(err)  # the target, not the temporary file
+        assert err.errno is not None and err.filename == str(target)
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and back.errno == err.errno and str(back) == str(err)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+
+
+# --------------------------------------------------------------------- TensorSpec arguments
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"shape": [-1]},
+        {"shape": [1 << 64]},
+        {"shape": [1.5]},
+        {"shape": [-1, -1]},
+        {"data_ptr": -1},
+        {"data_ptr": 1 << 64},
+        {"data_len": -1},
+        {"shape": [True, 1]},
+        {"shape": np.array([1])},
+    ],
+)
+def test_tensor_spec_checks_arguments_like_the_reference(change: dict[str, Any]) -> None:
+    data = np.zeros(1, np.float32)
+    args = {"dtype": "float32", "shape": [1], "data_ptr": data.ctypes.data, "data_len": 4}
+    args.update(change)
+    theirs = _outcome(lambda: ref.serialize({"x": ref.TensorSpec(**args)}))
+    mine = _outcome(lambda: pysafetensors.serialize({"x": pysafetensors.TensorSpec(**args)}))
+    if theirs[0] == "ok":
+        assert mine == theirs
+    else:
+        assert mine[0] == "error" and mine[1] is theirs[1] and mine[2] == theirs[2]
+
+
+def test_tensor_spec_refuses_a_null_pointer_instead_of_crashing() -> None:
+    # The reference dereferences it (the interpreter dies); we refuse.
+    with pytest.raises(pysafetensors.SerializeError, match="data_ptr is null"):
+        pysafetensors.TensorSpec(dtype="float32", shape=[1], data_ptr=0, data_len=4)
+    empty = pysafetensors.TensorSpec(dtype="float32", shape=[0], data_ptr=0, data_len=0)
+    assert pysafetensors.serialize({"x": empty}) == ref.serialize(
+        {"x": ref.TensorSpec(dtype="float32", shape=[0], data_ptr=0, data_len=0)}
+    )
+
+
+# -------------------------------------------------------------- names, keywords, constructors
+
+
+def test_safetensor_error_takes_any_arguments() -> None:
+    for args in [(), ("a", 1), ("only",)]:
+        mine, theirs = SafetensorError(*args), ref.SafetensorError(*args)
+        assert mine.args == theirs.args and str(mine) == str(theirs)
+        back = pickle.loads(pickle.dumps(mine))
+        assert back.args == mine.args
+
+
+def test_deserialize_bytes_keyword() -> None:
+    blob = ref_np.save({"a": np.arange(3, dtype=np.int16)})
+    assert pysafetensors.deserialize(bytes=blob) == [
+        (name, {**info, "data": bytearray(info["data"])}) for name, info in ref.deserialize(blob)
+    ]
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_negative_device_refused_at_open(model: Path, framework: str) -> None:
+    with pytest.raises(ref.SafetensorError) as theirs:
+        ref.safe_open(str(model), framework, device=-1)
+    with pytest.raises(SafetensorError) as mine:
+        safe_open(model, framework, device=-1)
+    assert str(mine.value) == str(theirs.value) == "device -1 is invalid"
+
+
+def test_ndarray_subclasses_save_their_data_like_the_reference() -> None:
+    values: list[np.ndarray] = [
+        np.ma.array([1, 2, 3], dtype=np.float32, mask=[0, 1, 0]),
+        np.asarray([[1, 2], [3, 4]], dtype=np.int16).view(np.memmap),
+    ]
+    for value in values:
+        assert ours_np.save({"a": value}) == ref_np.save({"a": value})
+
+
+def test_shared_tensor_message_is_the_reference_text() -> None:
+    a = torch.arange(6.0)
+    with pytest.raises(RuntimeError) as theirs:
+        ref_torch.save({"a": a, "b": a})
+    with pytest.raises(RuntimeError) as mine:
+        ours_torch.save({"a": a, "b": a})
+    # The group is a set: its order follows string hashing, the same in one process.
+    assert str(mine.value) == str(theirs.value)
+
+
+def test_torch_module_helper_names() -> None:
+    assert set(ref_torch._TYPES.items()) <= set(ours_torch._TYPES.items())
+    assert set(ref_torch._SIZE.items()) <= set(ours_torch._SIZE.items())
+    assert ours_torch._getdtype("BF16") is torch.bfloat16
+    blob = ref_torch.save({"a": torch.arange(6).reshape(2, 3), "e": torch.zeros(0, 2)})
+    mine = ours_torch._view2torch(ref.deserialize(blob))
+    theirs = ref_torch._view2torch(ref.deserialize(blob))
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert ours_torch.safe_open is pysafetensors.safe_open
+    for name in ("serialize", "serialize_file", "deserialize"):
+        assert getattr(ours_torch, name) is getattr(pysafetensors, name)
+
+
+@pytest.mark.parametrize("module", ["flax", "mlx"])
+def test_python_numbers_and_lists_save_like_the_reference(module: str) -> None:
+    pytest.importorskip("jax" if module == "flax" else "mlx.core")
+    import importlib
+
+    mine = importlib.import_module(f"pysafetensors.{module}")
+    theirs = importlib.import_module(f"safetensors.{module}")
+    for value in [1.0, 3, True, [1, 2], [[1.5]]]:
+        assert mine.save({"a": value}) == theirs.save({"a": value}), value
+    with pytest.raises(pysafetensors.SerializeError, match="Key `a` is invalid"):
+        mine.save({"a": "text"})
