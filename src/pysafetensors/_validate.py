@@ -519,7 +519,10 @@ def _validate_source(
     if n:
         source.readinto(N_LEN, memoryview(header))
     entries = _check_header(col, bytes(header), size - N_LEN - n)
-    if entries is not None and check_values:
+    # Values are read only from a structurally valid file: a truncated one would fail the reads
+    # (and its format error, already reported, is the answer).
+    valid = not any(p.severity == "error" for p in col.problems)
+    if entries is not None and check_values and valid:
         _check_values(col, source, N_LEN + n, entries, progress)
     return col.problems, entries
 
@@ -782,6 +785,14 @@ def validate(
     headers: dict[str, dict[str, tuple[int, int]] | None] = {}
     col = _Collector(model.index_path and os.path.basename(model.index_path), strict=strict)
     for path, label in zip(model.files, model.labels, strict=True):
+        if model.sharded and not _is_url(path) and os.path.isdir(path):
+            # A folder where the index names a shard: a problem of the model, not a failure
+            # to run (opening a folder for reading succeeds on Linux; reading it fails).
+            problems.append(
+                Problem("error", "ShardMissing", "shard path is a folder, not a file", label)
+            )
+            headers[label] = None
+            continue
         try:
             source = open_source_for(path, "pread")
         except FileNotFoundError:

@@ -177,6 +177,39 @@ def test_validate_strict_unaligned(cli, tmp_path: Path) -> None:
     assert "Unaligned" in codes and "UnalignedDataBuffer" in codes
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_validate_truncated_file_reports_the_format_problem(
+    cli, example: Path, sharded: Path, strict: bool
+) -> None:
+    flag = ["--strict"] if strict else []
+    size = example.stat().st_size
+    os.truncate(example, size - 1000)
+    r = cli("validate", example, *flag, "--json")
+    assert r.code == 1, r.err
+    codes = [p["code"] for p in r.json()["problems"] if p["severity"] == "error"]
+    assert codes == ["MetadataIncompleteBuffer"]
+    # A sharded model with a truncated shard: the same problem, named with the shard.
+    shard = sharded / "model-00001-of-00002.safetensors"
+    os.truncate(shard, shard.stat().st_size - 100)
+    r = cli("validate", sharded, *flag, "--json")
+    assert r.code == 1, r.err
+    errors = [p for p in r.json()["problems"] if p["severity"] == "error"]
+    assert [(p["code"], p["file"]) for p in errors] == [("MetadataIncompleteBuffer", shard.name)]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_validate_shard_path_that_is_a_folder_is_a_problem(
+    cli, sharded: Path, strict: bool
+) -> None:
+    shard = sharded / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    shard.mkdir()
+    r = cli("validate", sharded, *(["--strict"] if strict else []))
+    assert r.code == 1, r.err
+    assert "model-00002-of-00002.safetensors: error [ShardMissing]: shard path is a folder" in r.out
+    assert r.err == ""
+
+
 def test_exit_codes_for_usage_and_unreadable(cli, cli_proc, tmp_path: Path) -> None:
     r = cli_proc("validate", tmp_path / "missing.safetensors")
     assert r.code == 2 and r.err.startswith("error:") and "Traceback" not in r.err
