@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import http.client
 import os
+import posixpath
 import random
+import re
+import socket
 import ssl
 import threading
 import time
@@ -80,6 +83,8 @@ _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: Longest ``Retry-After`` honoured; beyond it the backoff schedule applies.
 _MAX_RETRY_AFTER: Final = 10.0
+#: Largest piece a body is read in while a ``deadline`` is set.
+_DEADLINE_CHUNK: Final = 1 << 20
 
 
 class RemoteStats:
@@ -179,13 +184,68 @@ def _as_bytes(out: memoryview) -> memoryview:
 
 
 def _redact(url: str) -> str:
-    """Drop credentials and the query string (signed URLs carry secrets there)."""
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc = f"{netloc}:{parts.port}"
+    """Drop credentials and the query string (signed URLs carry secrets there).
+
+    Never raises: it names the URL in error messages, including those about malformed URLs.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # an unbalanced '[' in the host, for one
+        base, query, _ = url.partition("?")
+        scheme, sep, rest = base.partition("#")[0].partition("://")
+        authority, slash, path = rest.partition("/")
+        return f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}" + (
+            "?..." if query else ""
+        )
+    # The netloc as written, less any user:password (parts.port would raise on a bad port).
+    netloc = parts.netloc.rpartition("@")[2]
     suffix = "?..." if parts.query else ""
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
+
+
+def url_path(url: str) -> str:
+    """The part of a URL that names the object, for tests on its name such as the suffix.
+
+    For ``http(s)://`` and fsspec URLs that is the path, without query string or fragment
+    (``.../model.safetensors.index.json?download=true`` is an index). For ``s3://`` it is
+    ``bucket/key`` whole, since S3 keys may contain ``?`` and ``#``.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in ("s3", "s3a"):
+        return rest
+    try:
+        return urllib.parse.urlsplit(url).path
+    except ValueError:
+        return url.partition("?")[0].partition("#")[0]
+
+
+def url_dirname(url: str) -> str:
+    """The URL of the folder holding the object ``url`` names, without query or fragment.
+
+    A query string belongs to one object (a signed URL's signature, ``?download=true``), so it
+    is not carried to the folder's other objects.
+    """
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() in ("http", "https"):
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError:
+            return posixpath.dirname(url)
+        return urllib.parse.urlunsplit(
+            (parts.scheme, parts.netloc, posixpath.dirname(parts.path), "", "")
+        )
+    return posixpath.dirname(url)
+
+
+def url_join(base: str, name: str) -> str:
+    """The URL of file ``name`` (a relative path, as in an index) in the folder ``base``.
+
+    For ``http(s)`` the name is percent-encoded, so that ``?``, ``#`` or ``%`` in a file name
+    stay part of the path; S3 keys and fsspec paths take names as they are.
+    """
+    if base.partition("://")[0].lower() in ("http", "https"):
+        name = urllib.parse.quote(name, safe="/")
+    return posixpath.join(base, name)
 
 
 _S = TypeVar("_S", bound="RemoteSource")
@@ -505,23 +565,52 @@ class RemoteSource:
 # ------------------------------------------------------------------------------------------ HTTP
 
 
-def _parse_content_range(value: str | None) -> tuple[int | None, int | None, int | None]:
-    """Parse ``bytes a-b/total`` (or ``bytes */total``); unknown parts are None."""
-    if not value:
-        return None, None, None
-    unit, _, rest = value.strip().partition(" ")
-    if unit.lower() != "bytes" or "/" not in rest:
-        return None, None, None
-    span, _, total_text = rest.partition("/")
-    total = int(total_text) if total_text.strip().isdigit() else None
-    first, sep, last = span.partition("-")
-    if sep and first.strip().isdigit() and last.strip().isdigit():
-        return int(first), int(last), total
-    return None, None, total
+#: ``bytes first-last/total``, ``bytes */total`` or ``bytes first-last/*`` (RFC 9110 14.4).
+#: ASCII digits only: ``str.isdigit`` also accepts ``"²"``, which ``int`` refuses.
+_CONTENT_RANGE: Final = re.compile(
+    r"[ \t]*bytes[ \t]+(?:(\d+)[ \t]*-[ \t]*(\d+)|\*)[ \t]*/[ \t]*(\d+|\*)[ \t]*",
+    re.ASCII | re.IGNORECASE,
+)
+_DECIMAL: Final = re.compile(r"[ \t]*(\d+)[ \t]*", re.ASCII)
 
 
-def _int_header(value: str | None) -> int | None:
-    return int(value) if value is not None and value.strip().isdigit() else None
+def _parse_content_range(
+    value: str | None, where: str
+) -> tuple[int | None, int | None, int | None]:
+    """Parse a ``Content-Range`` value; parts it does not give (or no header) are None.
+
+    Raises:
+        RemoteError: The header is present but malformed (kind ``InvalidResponse``).
+    """
+    if value is None:
+        return None, None, None
+    match = _CONTENT_RANGE.fullmatch(value)
+    if match is None:
+        raise RemoteError(
+            f"{where}: malformed Content-Range {value!r} (expected 'bytes first-last/total')",
+            kind="InvalidResponse",
+        )
+    first, last, total = match.groups()
+    return (
+        None if first is None else int(first),
+        None if last is None else int(last),
+        None if total == "*" else int(total),
+    )
+
+
+def _int_header(resp: http.client.HTTPResponse, name: str, where: str) -> int | None:
+    """The decimal value of header ``name``, or None when it is absent.
+
+    Raises:
+        RemoteError: The header is present but not a decimal number (kind ``InvalidResponse``).
+    """
+    value = resp.getheader(name)
+    if value is None:
+        return None
+    match = _DECIMAL.fullmatch(value)
+    if match is None:
+        raise RemoteError(f"{where}: malformed {name} {value!r}", kind="InvalidResponse")
+    return int(match.group(1))
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -541,6 +630,99 @@ _STALE: Final = (
 
 _Conn = http.client.HTTPConnection
 _Key = tuple[str, str, int]
+
+#: Left as they are in a request path: RFC 3986 ``pchar`` and ``/``, plus ``%`` so that escapes
+#: already in the URL are kept (a ``%`` that starts no escape is encoded first). Everything else
+#: (spaces, non-ASCII as UTF-8) is percent-encoded, as browsers and ``requests`` do.
+_PATH_SAFE: Final = "/:@!$&'()*+,;=%"
+_QUERY_SAFE: Final = _PATH_SAFE + "?"
+_STRAY_PERCENT: Final = re.compile(r"%(?![0-9A-Fa-f]{2})")
+#: ``urlsplit`` silently deletes tabs and line breaks, which would request another URL.
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+#: Of the caller's headers, the only ones sent where credentials may not go (see
+#: ``HTTPSource._headers_for``): everything else is assumed to possibly carry a secret.
+_PUBLIC_HEADERS: Final = frozenset({"user-agent", "accept", "accept-language", "cache-control"})
+
+
+def _quote(text: str, safe: str) -> str:
+    return urllib.parse.quote(_STRAY_PERCENT.sub("%25", text), safe=safe)
+
+
+def _parse_http_url(url: str) -> tuple[_Key, str]:
+    """Split an ``http(s)`` URL into its connection key and the request target to send.
+
+    The path and query are percent-encoded where needed (existing ``%XX`` escapes and reserved
+    characters are kept); the fragment is dropped, as browsers do.
+
+    Raises:
+        RemoteError: The URL cannot be requested (kind ``InvalidURL``): not http(s), no host,
+            a bad port, or control characters.
+    """
+    where = _redact(url)
+    if _CONTROL.search(url):
+        raise RemoteError(
+            f"{where!r}: the URL contains a control character (tab, line break...); "
+            "percent-encode it",
+            kind="InvalidURL",
+        )
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise RemoteError(f"{where}: invalid URL ({exc})", kind="InvalidURL") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise RemoteError(f"{where}: not an http(s) URL with a host", kind="InvalidURL")
+    key = (scheme, parts.hostname, port or (443 if scheme == "https" else 80))
+    target = _quote(parts.path or "/", _PATH_SAFE)
+    if parts.query:
+        target += "?" + _quote(parts.query, _QUERY_SAFE)
+    return key, target
+
+
+def _credentials_may_go(origin: _Key, key: _Key) -> bool:
+    """Whether headers meant for ``origin`` may be sent to ``key`` (scheme, host, port).
+
+    Only to the same scheme, host and port, or from ``http`` on port 80 to ``https`` on 443 of
+    the same host (an upgrade), as ``requests`` decides. Never to another host, to plain
+    ``http`` from ``https``, or to another port, where someone else may be listening.
+    """
+    if key == origin:
+        return True
+    (o_scheme, o_host, o_port), (scheme, host, port) = origin, key
+    return host == o_host and (o_scheme, o_port, scheme, port) == ("http", 80, "https", 443)
+
+
+class _Clock:
+    """The deadline of one request, applied to its socket before each blocking operation."""
+
+    __slots__ = ("deadline", "sock", "stop", "timeout")
+
+    def __init__(self, deadline: float, timeout: float) -> None:
+        self.deadline = deadline
+        self.timeout = timeout
+        self.stop = time.monotonic() + deadline
+        self.sock: socket.socket | None = None
+
+    def left(self) -> float:
+        """Seconds the next operation may take: ``timeout``, or less as the deadline nears.
+
+        Raises:
+            TimeoutError: The deadline has passed.
+        """
+        left = self.stop - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"deadline of {self.deadline:g} s exceeded")
+        return min(self.timeout, left)
+
+    def arm(self) -> None:
+        """Bound the next socket operation by the time left."""
+        if self.sock is not None:
+            self.sock.settimeout(self.left())
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed (a timeout then is the deadline's doing)."""
+        return time.monotonic() >= self.stop
 
 
 class _ConnectionPool:
@@ -601,15 +783,31 @@ class HTTPSource(RemoteSource):
     and the file is at most ``accept_full_body`` bytes, the whole body is kept in memory
     and no other request is made; a larger ``200`` is refused without reading it.
 
-    Redirects are followed (up to ``max_redirects``) and the final URL is reused for later
-    reads, since hubs redirect to a CDN; if that URL later answers 401/403/404 (signed URLs
-    expire), the original URL is resolved again once. ``Authorization`` and ``Cookie`` headers
-    are not sent to a different host.
+    Redirects are followed (up to ``max_redirects``, to ``http(s)`` URLs only) and the final URL
+    is reused for later reads, since hubs redirect to a CDN; if that URL later answers
+    401/403/404 (signed URLs expire), the original URL is resolved again once. ``headers`` are
+    meant for the original URL's scheme, host and port: on a redirect to another host, to
+    another port, or from ``https`` to ``http``, only ``User-Agent``, ``Accept``,
+    ``Accept-Language`` and ``Cache-Control`` of them are sent (``Authorization``, ``Cookie``
+    and any other header may carry credentials). An ``http`` to ``https`` upgrade on the
+    default ports keeps them.
+
+    The file must not change while open: every reply's ``ETag`` (or, from a server that sends
+    none, its ``Last-Modified``) and size must match those seen when it was opened.
+
+    Paths and query strings are percent-encoded where needed (spaces, non-ASCII); ``%XX``
+    escapes already in the URL are kept.
 
     Args:
         url: ``http://`` or ``https://`` URL. The query string is kept.
         headers: Extra request headers, e.g. ``{"Authorization": "Bearer ..."}``.
-        timeout: Seconds to wait for a connection or for data on it.
+        timeout: Seconds to wait for a connection, or for each read on it. It bounds every
+            socket operation, not a whole request: a server that keeps sending a few bytes
+            before each timeout runs out holds a request open indefinitely (see ``deadline``).
+        deadline: Seconds one request may take in all, from sending it to its last body byte
+            (None: no limit). A request past it fails as a timeout and is retried like one.
+            It must allow a ``part_size`` request at the slowest acceptable rate. While it is
+            set, bodies are read in pieces of at most 1 MiB, an extra copy.
         max_connections: Parallel requests for split or coalesced reads.
         part_size: Largest single request when a read is split.
         max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
@@ -624,7 +822,9 @@ class HTTPSource(RemoteSource):
     Raises:
         RemoteNotFoundError: 404 or 410.
         RemotePermissionError: 401 or 403.
-        RemoteError: Ranges not supported, too many redirects, other errors, or transient
+        RemoteError: Ranges not supported, too many redirects, a malformed URL (kind
+            ``InvalidURL``, at once), a compressed body (``ContentEncoding``), a malformed reply
+            (``InvalidResponse``), the file changed (``Changed``), other errors, or transient
             errors that persisted through the retries.
     """
 
@@ -634,6 +834,7 @@ class HTTPSource(RemoteSource):
         *,
         headers: Mapping[str, str] | None = None,
         timeout: float = 30.0,
+        deadline: float | None = None,
         max_connections: int = 8,
         part_size: int = DEFAULT_PART_SIZE,
         max_gap: int = DEFAULT_MAX_GAP,
@@ -644,9 +845,12 @@ class HTTPSource(RemoteSource):
         accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if url.partition("://")[0].lower() not in ("http", "https"):
             raise ValueError(f"not an http(s) URL: {_redact(url)}")
+        if deadline is not None and not deadline > 0:
+            raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
+        # Malformed URLs fail here, before any request and without retries.
+        origin_key, _ = _parse_http_url(url)
         super().__init__(
             _redact(url),
             max_connections=max_connections,
@@ -659,8 +863,12 @@ class HTTPSource(RemoteSource):
         )
         self._origin = url
         self._url = url
-        self._origin_host = parts.hostname
+        self._origin_key = origin_key
         self._headers = dict(headers or {})
+        self._timeout = timeout
+        self._deadline = deadline
+        # Validator of servers that send no ETag (``python -m http.server``, some CDNs).
+        self._modified: str | None = None
         self._max_redirects = max_redirects
         self._conns = _ConnectionPool(timeout, max_connections, ssl_context)
         try:
@@ -677,13 +885,13 @@ class HTTPSource(RemoteSource):
     def _release(self) -> None:
         self._conns.close()
 
-    def _headers_for(self, host: str, first: int, last: int) -> dict[str, str]:
-        headers = {k: v for k, v in self._headers.items()}
-        if host != self._origin_host:
-            # Credentials meant for the origin must not leak to a CDN or another site.
-            for key in list(headers):
-                if key.lower() in ("authorization", "cookie"):
-                    del headers[key]
+    def _headers_for(self, key: _Key, first: int, last: int) -> dict[str, str]:
+        headers = dict(self._headers)
+        if not _credentials_may_go(self._origin_key, key):
+            # Credentials meant for the origin must not leak to a CDN, another site, another
+            # port, or the network in clear text. Which custom headers carry secrets cannot be
+            # known (X-Api-Key, Private-Token, X-JFrog-Art-Api...), so only harmless ones stay.
+            headers = {k: v for k, v in headers.items() if k.lower() in _PUBLIC_HEADERS}
         headers["Range"] = f"bytes={first}-{last}"
         # A compressed body has no byte correspondence with the file: ask for none.
         headers["Accept-Encoding"] = "identity"
@@ -692,19 +900,32 @@ class HTTPSource(RemoteSource):
 
     def _send(
         self, url: str, first: int, last: int
-    ) -> tuple[http.client.HTTPResponse, _Conn, _Key]:
-        parts = urllib.parse.urlsplit(url)
-        scheme = parts.scheme
-        host = parts.hostname or ""
-        port = parts.port or (443 if scheme == "https" else 80)
-        key = (scheme, host, port)
-        target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
-        headers = self._headers_for(host, first, last)
+    ) -> tuple[http.client.HTTPResponse, _Conn, _Key, _Clock | None]:
+        key, target = _parse_http_url(url)
+        headers = self._headers_for(key, first, last)
         while True:
             conn, reused = self._conns.get(key)
+            clock = None
+            if self._deadline is not None:
+                clock = _Clock(self._deadline, self._timeout)
+                # Pooled connections carry the last request's shortened timeout: reset it.
+                conn.timeout = clock.left()
+                if conn.sock is not None:
+                    conn.sock.settimeout(conn.timeout)
             try:
                 conn.request("GET", target, headers=headers)
+                if clock is not None:
+                    # Kept for the body: a "Connection: close" reply detaches it from conn.
+                    clock.sock = conn.sock
+                    clock.arm()
                 resp = conn.getresponse()
+            except (http.client.InvalidURL, ValueError) as exc:
+                # http.client refused what we would send (a header value with a line break, a
+                # character outside Latin-1): no retry can fix that.
+                conn.close()
+                raise RemoteError(
+                    f"{self._name}: cannot send the request: {exc}", kind="InvalidRequest"
+                ) from exc
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 if reused and isinstance(exc, _STALE):
@@ -712,11 +933,19 @@ class HTTPSource(RemoteSource):
                     # not worth a retry's backoff. Try again on a fresh connection.
                     continue
                 self.stats.add(requests=1)
+                if clock is not None and clock.expired():
+                    raise self._past_deadline(clock, "before the reply") from exc
                 raise _Transient(
                     f"request to {self._name} failed: {exc!r}", "ConnectionError"
                 ) from exc
             self.stats.add(requests=1)
-            return resp, conn, key
+            return resp, conn, key, clock
+
+    def _past_deadline(self, clock: _Clock, when: str) -> _Transient:
+        return _Transient(
+            f"{self._name}: request took longer than the deadline of {clock.deadline:g} s ({when})",
+            "Timeout",
+        )
 
     def _finish(self, resp: http.client.HTTPResponse, conn: _Conn, key: _Key) -> None:
         """Return the connection to the pool if the response was consumed and allows it."""
@@ -739,7 +968,7 @@ class HTTPSource(RemoteSource):
         want = out.nbytes
         last = offset + want - 1
         for _ in range(self._max_redirects + 1):
-            resp, conn, key = self._send(url, offset, last)
+            resp, conn, key, clock = self._send(url, offset, last)
             status = resp.status
             if status in _REDIRECTS:
                 location = resp.getheader("Location")
@@ -751,9 +980,15 @@ class HTTPSource(RemoteSource):
                         kind="HTTPError",
                     )
                 url = urllib.parse.urljoin(url, location)
+                if url.partition("://")[0].lower() not in ("http", "https"):
+                    raise RemoteError(
+                        f"{self._name}: redirected ({status}) to {_redact(url)}, which is not "
+                        "an http(s) URL",
+                        kind="InvalidURL",
+                    )
                 continue
             try:
-                self._handle(resp, url, offset, out, probing)
+                self._handle(resp, url, offset, out, probing, clock)
             except BaseException:
                 conn.close()
                 raise
@@ -773,15 +1008,18 @@ class HTTPSource(RemoteSource):
         offset: int,
         out: memoryview,
         probing: bool,
+        clock: _Clock | None,
     ) -> None:
         status = resp.status
         where = _redact(url)
+        if status in (200, 206):
+            self._check_encoding(resp, where)
         if status == 206:
-            self._handle_partial(resp, where, offset, out, probing)
+            self._handle_partial(resp, where, offset, out, probing, clock)
         elif status == 200:
-            self._handle_whole(resp, where, offset, out, probing)
+            self._handle_whole(resp, where, offset, out, probing, clock)
         elif status == 416:
-            total = _parse_content_range(resp.getheader("Content-Range"))[2]
+            total = _parse_content_range(resp.getheader("Content-Range"), where)[2]
             if probing and total == 0:
                 # An empty file has no byte 0 to ask for; it is still a valid (empty) object.
                 self._size = 0
@@ -817,13 +1055,41 @@ class HTTPSource(RemoteSource):
         else:
             raise RemoteError(f"{where}: unexpected HTTP {status} {resp.reason}", kind="HTTPError")
 
-    def _check_etag(self, resp: http.client.HTTPResponse, where: str, probing: bool) -> None:
+    @staticmethod
+    def _check_encoding(resp: http.client.HTTPResponse, where: str) -> None:
+        # Every request says Accept-Encoding: identity. A server or proxy that compresses
+        # anyway sends bytes that are not the file's; a retry would get the same.
+        encoding = (resp.getheader("Content-Encoding") or "").strip()
+        if encoding and encoding.lower() != "identity":
+            raise RemoteError(
+                f"{where}: the server sent a body with Content-Encoding {encoding!r} although "
+                "the request asked for none (Accept-Encoding: identity); compressed bytes do not "
+                "match the file's byte ranges, so the file cannot be read from this server "
+                "(a compressing proxy or a server setting is the usual cause)",
+                kind="ContentEncoding",
+            )
+
+    def _check_validators(self, resp: http.client.HTTPResponse, where: str, probing: bool) -> None:
+        """Refuse a reply from another version of the file than the one opened.
+
+        The ETag decides when both the first reply and this one carry one; otherwise
+        Last-Modified does (servers such as ``python -m http.server`` send only that).
+        """
         etag = resp.getheader("ETag")
+        modified = resp.getheader("Last-Modified")
         if probing:
             self._etag = etag
-        elif etag and self._etag and etag != self._etag:
+            self._modified = modified
+        elif etag and self._etag:
+            if etag != self._etag:
+                raise RemoteError(
+                    f"{where} changed while open (ETag {self._etag} became {etag}); reopen it",
+                    kind="Changed",
+                )
+        elif modified and self._modified and modified != self._modified:
             raise RemoteError(
-                f"{where} changed while open (ETag {self._etag} became {etag}); reopen it",
+                f"{where} changed while open (Last-Modified {self._modified} became "
+                f"{modified}); reopen it",
                 kind="Changed",
             )
 
@@ -834,14 +1100,15 @@ class HTTPSource(RemoteSource):
         offset: int,
         out: memoryview,
         probing: bool,
+        clock: _Clock | None,
     ) -> None:
         if "multipart" in (resp.getheader("Content-Type") or ""):
             raise RemoteError(
                 f"{where}: server answered a single range with a multipart body",
                 kind="RangeNotSupported",
             )
-        first, last, total = _parse_content_range(resp.getheader("Content-Range"))
-        length = _int_header(resp.getheader("Content-Length"))
+        first, last, total = _parse_content_range(resp.getheader("Content-Range"), where)
+        length = _int_header(resp, "Content-Length", where)
         if probing:
             if first is None or last is None or total is None:
                 raise RemoteError(
@@ -876,26 +1143,46 @@ class HTTPSource(RemoteSource):
                 f"{where}: Content-Length {length} disagrees with the range of {want} bytes",
                 "Truncated",
             )
-        self._check_etag(resp, where, probing)
-        self._read_exact(resp, where, offset, out[:want])
+        self._check_validators(resp, where, probing)
+        self._read_exact(resp, where, offset, out[:want], clock)
         if probing:
             assert total is not None
             self._size = total
             self._head = bytes(out[:want])
 
     def _read_exact(
-        self, resp: http.client.HTTPResponse, where: str, offset: int, out: memoryview
+        self,
+        resp: http.client.HTTPResponse,
+        where: str,
+        offset: int,
+        out: memoryview,
+        clock: _Clock | None,
     ) -> None:
         done = 0
         total = out.nbytes
         try:
-            while done < total:
-                n = resp.readinto(out[done:])
-                if not n:
-                    break
-                done += n
+            if clock is None:
+                while done < total:
+                    n = resp.readinto(out[done:])
+                    if not n:
+                        break
+                    done += n
+            else:
+                # readinto fills its whole buffer, however slowly the bytes come; read1 returns
+                # after one receive, so the clock is checked between receives.
+                while done < total:
+                    clock.arm()
+                    chunk = resp.read1(min(total - done, _DEADLINE_CHUNK))
+                    if not chunk:
+                        break
+                    out[done : done + len(chunk)] = chunk
+                    done += len(chunk)
         except (OSError, http.client.HTTPException) as exc:
             self.stats.add(nbytes=done)
+            if clock is not None and clock.expired():
+                raise self._past_deadline(
+                    clock, f"after {done} of {total} bytes at offset {offset}"
+                ) from exc
             raise _Transient(
                 f"{where}: connection dropped after {done} of {total} bytes at offset {offset} "
                 f"({exc!r})",
@@ -915,10 +1202,11 @@ class HTTPSource(RemoteSource):
         offset: int,
         out: memoryview,
         probing: bool,
+        clock: _Clock | None,
     ) -> None:
         # The server ignored Range. Reading a large body to find our bytes would download the
         # whole file for every read; accept it only when the file is small, and only once.
-        length = _int_header(resp.getheader("Content-Length"))
+        length = _int_header(resp, "Content-Length", where)
         if (
             length is None
             or length > self._accept_full_body
@@ -932,8 +1220,8 @@ class HTTPSource(RemoteSource):
                 kind="RangeNotSupported",
             )
         body = bytearray(length)
-        self._read_exact(resp, where, 0, memoryview(body))
-        self._check_etag(resp, where, probing)
+        self._read_exact(resp, where, 0, memoryview(body), clock)
+        self._check_validators(resp, where, probing)
         self._cached_whole(bytes(body), length)
         want = out.nbytes if not probing else min(out.nbytes, max(0, length - offset))
         out[:want] = body[offset : offset + want]
@@ -1184,7 +1472,7 @@ class S3Source(RemoteSource):
         self, resp: Mapping[str, Any], body: Any, offset: int, out: memoryview, probing: bool
     ) -> None:
         where = self._name
-        first, last, total = _parse_content_range(resp.get("ContentRange"))
+        first, last, total = _parse_content_range(resp.get("ContentRange"), where)
         length = int(resp.get("ContentLength", -1))
         etag = resp.get("ETag")
         if first is None or last is None or total is None:

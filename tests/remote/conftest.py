@@ -6,7 +6,9 @@ endpoint, so the same botocore code path as AWS) and skip when moto or boto3 is 
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,6 +69,59 @@ def server(_range_server: RangeServer) -> RangeServer:
     """The loopback range server, with its log and faults cleared for this test."""
     _range_server.reset()
     return _range_server
+
+
+@pytest.fixture(scope="session")
+def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1: ``(certfile, keyfile)``, PEM."""
+    pytest.importorskip("cryptography")
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    root = tmp_path_factory.mktemp("tls")
+    certfile, keyfile = root / "cert.pem", root / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return certfile, keyfile
+
+
+@pytest.fixture
+def tls_server(data_dir: Path, tls_cert: tuple[Path, Path]) -> Iterator[RangeServer]:
+    """The range server over HTTPS (certificate: ``tls_cert``), for this test only."""
+    certfile, keyfile = tls_cert
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(certfile, keyfile)
+    server = RangeServer(data_dir, ssl_context=ctx)
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="session")

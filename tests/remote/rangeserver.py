@@ -14,27 +14,43 @@ bring their own. URLs are ``/<name>`` (well-behaved) or ``/<mode>/<name>``:
 ``redirect-other``     302 to ``/auth/<name>`` on ``localhost`` (another host name, same server)
 ``wrong-range``        206 whose Content-Range starts one byte late
 ``no-content-range``   206 with the right body and Content-Length but no Content-Range
+``redirect-to``        302 to ``redirect_base + "/" + name`` (another port, scheme or host)
+``gzip``               206 with a gzip-compressed body, despite ``Accept-Encoding: identity``
+``bad-length``         206 whose Content-Length is ``"²"`` (``str.isdigit`` says yes, ``int`` no)
+``bad-range``          206 whose Content-Range starts with ``"¹"``
+``no-etag``            no ETag, only Last-Modified (from the file's mtime), as
+                       ``python -m http.server`` does
+``trickle``            sends ranges not starting at byte 0 in 1 KiB pieces, ``TRICKLE_SECONDS``
+                       apart, as a stalled-but-alive server does
 
 Faults queued with :meth:`RangeServer.inject` (a status code, or ``"reset"`` to close the
 connection without answering) are served first, one per request, for any mode.
 
-Every request is logged with its path, Range header, status, body bytes and client port, so
-tests can assert exactly what went over the wire.
+Every request is logged with its path, Range header, status, body bytes, client port and
+Authorization header, so tests can assert exactly what went over the wire. Paths are
+percent-decoded to find the file, as real servers do; the log keeps them as sent.
+
+``RangeServer(root, ssl_context=ctx)`` serves HTTPS instead.
 """
 
 from __future__ import annotations
 
 import collections
+import email.utils
+import gzip
 import http.server
 import os
 import socket
+import ssl
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SLOW_SECONDS = 0.05
+TRICKLE_SECONDS = 0.05
 TOKEN = "Bearer letmein"
 MODES = frozenset(
     {
@@ -48,6 +64,12 @@ MODES = frozenset(
         "redirect-other",
         "wrong-range",
         "no-content-range",
+        "redirect-to",
+        "gzip",
+        "bad-length",
+        "bad-range",
+        "no-etag",
+        "trickle",
     }
 )
 
@@ -61,13 +83,17 @@ class Record:
     status: int
     nbytes: int
     client_port: int
+    authorization: str | None = None
 
 
 class RangeServer:
     """Serve a directory on 127.0.0.1 on a free port, in a background thread."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, ssl_context: ssl.SSLContext | None = None) -> None:
         self.root = root
+        self.scheme = "http" if ssl_context is None else "https"
+        #: Where ``redirect-to`` sends clients (scheme://host:port, no trailing slash).
+        self.redirect_base = ""
         self.log: list[Record] = []
         self.lock = threading.Lock()
         self.inflight = 0
@@ -78,12 +104,14 @@ class RangeServer:
         self.httpd.daemon_threads = True
         # Clients that reset connections on purpose would otherwise print tracebacks.
         self.httpd.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
+        if ssl_context is not None:
+            self.httpd.socket = ssl_context.wrap_socket(self.httpd.socket, server_side=True)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
-        return f"http://{host}:{self.port}/{path.lstrip('/')}"
+        return f"{self.scheme}://{host}:{self.port}/{path.lstrip('/')}"
 
     def inject(self, path: str, *faults: int | str) -> None:
         """Queue faults for the next requests to ``/path``."""
@@ -95,6 +123,7 @@ class RangeServer:
             self.log.clear()
             self.faults.clear()
             self.max_inflight = 0
+            self.redirect_base = ""
 
     def records(self, path: str | None = None) -> list[Record]:
         with self.lock:
@@ -128,7 +157,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _record(self, status: int, nbytes: int) -> None:
         with self.owner.lock:
             self.owner.log.append(
-                Record(self.path, self.headers.get("Range"), status, nbytes, self.client_address[1])
+                Record(
+                    self.path,
+                    self.headers.get("Range"),
+                    status,
+                    nbytes,
+                    self.client_address[1],
+                    self.headers.get("Authorization"),
+                )
             )
 
     def _plain(self, status: int, body: bytes = b"", **headers: str) -> None:
@@ -170,7 +206,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if isinstance(fault, int):
             self._plain(fault, b"injected fault\n", Retry_After="0")
             return
-        parts = self.path.split("?", 1)[0].lstrip("/").split("/", 1)
+        parts = urllib.parse.unquote(self.path.split("?", 1)[0]).lstrip("/").split("/", 1)
         mode = parts[0] if len(parts) == 2 and parts[0] in MODES else "ok"
         name = parts[1] if mode != "ok" else "/".join(parts)
         if mode == "missing":
@@ -188,6 +224,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if mode == "redirect-other":
             self._plain(302, b"", Location=f"http://localhost:{self.owner.port}/auth/{name}")
             return
+        if mode == "redirect-to":
+            self._plain(302, b"", Location=f"{self.owner.redirect_base}/{name}")
+            return
         if mode == "slow":
             time.sleep(SLOW_SECONDS)
         file = self.owner.root / name
@@ -198,6 +237,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         size = len(data)
         st = os.stat(file)
         etag = f'"{st.st_mtime_ns:x}-{size:x}"'
+        if mode == "no-etag":
+            etag = ""
         spec = self.headers.get("Range")
         if mode == "ignore-range" or not spec:
             self._send_body(200, data, etag)
@@ -208,31 +249,53 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         first, last = span
         body = data[first : last + 1]
+        if mode == "gzip":
+            body = gzip.compress(body)
         truncate = mode == "truncate" and first > 0
         sent = 0 if self.command == "HEAD" else len(body) // 2 if truncate else len(body)
         self._record(206, sent)
         self.send_response(206)
         if mode == "wrong-range":
             self.send_header("Content-Range", f"bytes {first + 1}-{last + 1}/{size}")
+        elif mode == "bad-range":
+            self.send_header("Content-Range", f"bytes \u00b9-{last}/{size}")
         elif mode != "no-content-range":
             self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", "\u00b2" if mode == "bad-length" else str(len(body)))
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", etag)
+        if etag:
+            self.send_header("ETag", etag)
+        self.send_header("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True))
+        if mode == "gzip":
+            self.send_header("Content-Encoding", "gzip")
         self.end_headers()
         if self.command == "HEAD":
+            return
+        if mode == "trickle" and first > 0:
+            self._trickle(body)
             return
         self.wfile.write(body[:sent])
         if truncate:
             self.wfile.flush()
             self.close_connection = True
 
+    def _trickle(self, body: bytes) -> None:
+        try:
+            for i in range(0, len(body), 1024):
+                self.wfile.write(body[i : i + 1024])
+                self.wfile.flush()
+                time.sleep(TRICKLE_SECONDS)
+        except OSError:
+            # The client gave up (its deadline), as the test wants.
+            self.close_connection = True
+
     def _send_body(self, status: int, data: bytes, etag: str) -> None:
         self._record(status, len(data) if self.command != "HEAD" else 0)
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
-        self.send_header("ETag", etag)
+        if etag:
+            self.send_header("ETag", etag)
         self.end_headers()
         if self.command == "HEAD":
             return

@@ -1,0 +1,255 @@
+"""HTTPSource against loopback servers that test its guards: where credentials go, URLs that
+need encoding or cannot work, malformed or compressed replies, files replaced on servers without
+ETags, and servers too slow for a deadline."""
+
+from __future__ import annotations
+
+import os
+import ssl
+import time
+from pathlib import Path
+
+import pytest
+
+from pysafetensors._errors import RemoteError
+from pysafetensors._remote import (
+    HTTPSource,
+    RemotePermissionError,
+    _credentials_may_go,
+    _parse_content_range,
+)
+
+from .rangeserver import TOKEN, TRICKLE_SECONDS, RangeServer
+
+FAST = {"backoff": 0.001}
+AUTH = {"Authorization": TOKEN, "Cookie": "session=1", "X-Api-Key": "k", "User-Agent": "ua"}
+
+
+def _read(src: HTTPSource, offset: int, length: int) -> bytes:
+    buf = bytearray(length)
+    src.readinto(offset, memoryview(buf))
+    return bytes(buf)
+
+
+# ------------------------------------------------------------------------------ credentials
+
+
+def test_credentials_follow_a_redirect_to_the_same_origin(server: RangeServer) -> None:
+    server.redirect_base = f"http://127.0.0.1:{server.port}"
+    with HTTPSource(server.url("redirect-to/auth/small.safetensors"), headers=AUTH) as src:
+        assert src.size > 0
+    assert server.records("auth/small.safetensors")[0].authorization == TOKEN
+
+
+def test_credentials_do_not_follow_a_redirect_to_another_port(
+    server: RangeServer, data_dir: Path
+) -> None:
+    other = RangeServer(data_dir)
+    try:
+        server.redirect_base = f"http://127.0.0.1:{other.port}"
+        with pytest.raises(RemotePermissionError, match="401"):
+            HTTPSource(server.url("redirect-to/auth/small.safetensors"), headers=AUTH)
+        (record,) = other.records("auth/small.safetensors")
+        assert record.authorization is None and record.status == 401
+    finally:
+        other.close()
+    assert server.records()[0].authorization == TOKEN  # the origin did get them
+
+
+def test_credentials_do_not_follow_a_downgrade_from_https_to_http(
+    tls_server: RangeServer, server: RangeServer, tls_cert: tuple[Path, Path]
+) -> None:
+    # The reviewer's case: https://host redirects to http://host (same host name); the token
+    # would cross the network in clear text.
+    tls_server.redirect_base = f"http://127.0.0.1:{server.port}"
+    ctx = ssl.create_default_context(cafile=str(tls_cert[0]))
+    with pytest.raises(RemotePermissionError, match="401"):
+        HTTPSource(
+            tls_server.url("redirect-to/auth/small.safetensors"), headers=AUTH, ssl_context=ctx
+        )
+    (record,) = server.records("auth/small.safetensors")
+    assert record.authorization is None
+    assert tls_server.records()[0].authorization == TOKEN
+
+
+def test_https_source_reads_over_tls(tls_server: RangeServer, tls_cert: tuple[Path, Path]) -> None:
+    ctx = ssl.create_default_context(cafile=str(tls_cert[0]))
+    with HTTPSource(tls_server.url("auth/small.safetensors"), headers=AUTH, ssl_context=ctx) as src:
+        assert src.size > 0
+
+
+def test_which_redirects_keep_credentials() -> None:
+    origin = ("https", "hub.example", 443)
+    assert _credentials_may_go(origin, ("https", "hub.example", 443))
+    assert not _credentials_may_go(origin, ("http", "hub.example", 80))  # downgrade
+    assert not _credentials_may_go(origin, ("https", "hub.example", 8443))  # other port
+    assert not _credentials_may_go(origin, ("https", "cdn.example", 443))  # other host
+    # An upgrade to https on the default ports is the same site (as requests decides).
+    assert _credentials_may_go(("http", "hub.example", 80), ("https", "hub.example", 443))
+    assert not _credentials_may_go(("http", "hub.example", 8080), ("https", "hub.example", 443))
+
+
+def test_only_harmless_headers_reach_another_origin() -> None:
+    src = HTTPSource.__new__(HTTPSource)
+    src._origin_key = ("https", "hub.example", 443)
+    src._headers = dict(AUTH)
+    same = src._headers_for(("https", "hub.example", 443), 0, 9)
+    other = src._headers_for(("https", "cdn.example", 443), 0, 9)
+    assert same["Authorization"] == TOKEN and same["X-Api-Key"] == "k"
+    assert set(other) == {"User-Agent", "Range", "Accept-Encoding"}
+    assert other["User-Agent"] == "ua"
+
+
+# ------------------------------------------------------------------------------------- URLs
+
+
+@pytest.mark.parametrize(
+    ("name", "url_name", "sent"),
+    [
+        ("a b é.bin", "a b é.bin", "/a%20b%20%C3%A9.bin"),  # raw: encoded once
+        ("a b é.bin", "a%20b%20%C3%A9.bin", "/a%20b%20%C3%A9.bin"),  # escapes kept, not doubled
+        ("100%.bin", "100%.bin", "/100%25.bin"),  # a '%' starting no escape is encoded
+        ("x;y=1,z.bin", "x;y=1,z.bin", "/x;y=1,z.bin"),  # reserved characters kept
+    ],
+)
+def test_paths_are_percent_encoded(
+    server: RangeServer, data_dir: Path, name: str, url_name: str, sent: str
+) -> None:
+    target = data_dir / name
+    target.write_bytes(b"0123456789" * 10)
+    try:
+        with HTTPSource(server.url(url_name) + "?sig=a b&x=%2F", head_bytes=4) as src:
+            assert _read(src, 50, 5) == b"01234"
+        paths = {r.path for r in server.records()}
+        assert paths == {sent + "?sig=a%20b&x=%2F"}
+    finally:
+        target.unlink()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:99999/x.safetensors",
+        "http://127.0.0.1:abc/x.safetensors",
+        "http://127.0.0.1:1/x.safetensors\r\nX-Injected: 1",
+        "http://[::1/x.safetensors",
+    ],
+)
+def test_malformed_urls_fail_at_once(url: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(url, retries=3, backoff=1.0)
+    assert info.value.kind == "InvalidURL"
+    assert time.monotonic() - started < 0.5  # no retry, no backoff
+
+
+def test_unsendable_header_fails_at_once(server: RangeServer) -> None:
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(
+            server.url("small.safetensors"), headers={"Authorization": "a\r\nX: y"}, backoff=1.0
+        )
+    assert info.value.kind == "InvalidRequest"
+    assert server.requests() == 0
+
+
+def test_redirect_to_another_scheme_is_refused(server: RangeServer) -> None:
+    server.redirect_base = "file:///etc"
+    with pytest.raises(RemoteError, match="not an http") as info:
+        HTTPSource(server.url("redirect-to/passwd"), backoff=1.0)
+    assert info.value.kind == "InvalidURL"
+    assert server.requests() == 1
+
+
+# -------------------------------------------------------------------------- malformed replies
+
+
+@pytest.mark.parametrize(
+    ("mode", "header"), [("bad-length", "Content-Length"), ("bad-range", "Content-Range")]
+)
+def test_non_ascii_digits_are_a_remote_error(server: RangeServer, mode: str, header: str) -> None:
+    # '²' and '¹' pass str.isdigit() but not int(): a RemoteError at once, not a ValueError.
+    with pytest.raises(RemoteError, match=f"malformed {header}") as info:
+        HTTPSource(server.url(f"{mode}/small.safetensors"), backoff=1.0)
+    assert info.value.kind == "InvalidResponse"
+    assert server.requests() == 1
+
+
+def test_content_range_forms() -> None:
+    assert _parse_content_range("bytes 0-9/100", "u") == (0, 9, 100)
+    assert _parse_content_range("Bytes  5 - 9 / * ", "u") == (5, 9, None)
+    assert _parse_content_range("bytes */100", "u") == (None, None, 100)
+    assert _parse_content_range(None, "u") == (None, None, None)
+    for bad in ("", "bytes 0-9", "items 0-9/100", "bytes 0-9/１００", "bytes -9/100"):
+        with pytest.raises(RemoteError):
+            _parse_content_range(bad, "u")
+
+
+def test_compressed_body_is_reported_at_once(server: RangeServer) -> None:
+    with pytest.raises(RemoteError, match="Content-Encoding 'gzip'") as info:
+        HTTPSource(server.url("gzip/model.safetensors"), backoff=1.0)
+    assert info.value.kind == "ContentEncoding"
+    assert server.requests() == 1
+
+
+# ---------------------------------------------------------------- files replaced on the server
+
+
+def _replace(path: Path, data: bytes, mtime: int) -> None:
+    path.write_bytes(data)
+    os.utime(path, (mtime, mtime))
+
+
+def test_replacement_without_etag_is_detected_by_last_modified(
+    server: RangeServer, data_dir: Path
+) -> None:
+    target = data_dir / "no-etag.bin"
+    _replace(target, b"a" * 200_000, 1_700_000_000)
+    try:
+        with HTTPSource(server.url("no-etag/no-etag.bin"), **FAST) as src:
+            assert _read(src, 100_000, 10) == b"a" * 10  # unchanged: fine
+            _replace(target, b"b" * 200_000, 1_700_000_100)  # same size, newer
+            with pytest.raises(RemoteError, match="Last-Modified") as info:
+                _read(src, 150_000, 10)
+            assert info.value.kind == "Changed"
+    finally:
+        target.unlink()
+
+
+# ------------------------------------------------------------------------------- deadlines
+
+
+def test_timeout_alone_does_not_stop_a_trickling_server(server: RangeServer) -> None:
+    # Each 1 KiB piece comes well within the socket timeout: the read goes on, slowly. This is
+    # what the documentation warns about, and what ``deadline`` is for.
+    with HTTPSource(server.url("trickle/blob.bin"), head_bytes=0, timeout=5) as src:
+        started = time.monotonic()
+        assert len(_read(src, 1, 4096)) == 4096
+        assert time.monotonic() - started >= 3 * TRICKLE_SECONDS
+
+
+def test_deadline_stops_a_trickling_server(server: RangeServer) -> None:
+    # 100 KiB at 1 KiB per TRICKLE_SECONDS would take 5 s.
+    with HTTPSource(
+        server.url("trickle/blob.bin"), head_bytes=0, timeout=5, deadline=0.5, retries=0
+    ) as src:
+        started = time.monotonic()
+        with pytest.raises(RemoteError, match="deadline of 0.5 s") as info:
+            _read(src, 1, 100 << 10)
+        elapsed = time.monotonic() - started
+    assert info.value.kind == "Timeout"
+    assert 0.4 < elapsed < 2.0
+
+
+def test_deadline_covers_the_wait_for_the_reply(server: RangeServer) -> None:
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(server.url("slow/small.safetensors"), deadline=0.01, retries=1, **FAST)
+    assert info.value.kind == "Timeout" and "after 2 attempts" in str(info.value)
+
+
+def test_reads_under_a_deadline_are_exact(server: RangeServer, data_dir: Path) -> None:
+    data = (data_dir / "blob.bin").read_bytes()
+    with HTTPSource(server.url("blob.bin"), deadline=30, part_size=1 << 20) as src:
+        assert _read(src, 12_345, 2_500_000) == data[12_345:2_512_345]
+        assert _read(src, 3, 7) == data[3:10]
+    with pytest.raises(ValueError, match="deadline"):
+        HTTPSource(server.url("blob.bin"), deadline=0)
