@@ -150,7 +150,10 @@ def _is_sharded_target(filename: Any) -> bool:
         return False
     path = os.fsdecode(os.fspath(filename))
     if "://" in path:
-        return path.endswith(".index.json")
+        from ._remote import url_path
+
+        # The path part only: ``.../model.safetensors.index.json?download=true`` is an index.
+        return url_path(path).endswith(".index.json")
     return path.endswith(".index.json") or os.path.isdir(path)
 
 
