@@ -29,7 +29,7 @@ from typing import Any, Final
 from ._errors import SafetensorError
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
 from ._reader import open_source_for
-from ._sharded import ShardedSafeOpen
+from ._sharded import ShardedSafeOpen, is_index_path
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
@@ -136,9 +136,11 @@ def _copy_from_source(source: ByteSource, src_off: int, dst_fd: int, dst_off: in
 class _Sources:
     """Source shards, each opened once for reading: an fd for local files, else a ByteSource."""
 
-    def __init__(self) -> None:
+    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
         self._fds: dict[str, int] = {}
         self._remote: dict[str, ByteSource] = {}
+        # For remote shards: the same headers/endpoint the index was read with.
+        self._storage_options = storage_options
 
     def open_all(self, paths: Iterable[str]) -> None:
         """Open every local source now: an output that replaces a source (resharding in
@@ -153,7 +155,7 @@ class _Sources:
         if "://" in path:
             source = self._remote.get(path)
             if source is None:
-                source = self._remote[path] = open_source_for(path, "pread")
+                source = self._remote[path] = open_source_for(path, "pread", self._storage_options)
             _copy_from_source(source, src_off, dst_fd, dst_off, n)
             return
         fd = self._fds.get(path)
@@ -170,7 +172,7 @@ class _Sources:
 
 
 def _source_order(src: ShardedSafeOpen) -> list[str]:
-    if src.path.endswith(".index.json"):
+    if is_index_path(src.path):
         return list(src.weight_map())
     return src.offset_keys()
 
@@ -179,7 +181,7 @@ def _user_metadata(src: ShardedSafeOpen, fmt: str) -> dict[str, Any]:
     """What a direct save would have been given as ``metadata``: the index's metadata without
     the computed keys, or a single file's metadata without its ``format``."""
     meta = src.index_metadata() or {}
-    if src.path.endswith(".index.json"):
+    if is_index_path(src.path):
         return {k: v for k, v in meta.items() if k not in _COMPUTED_KEYS}
     if meta.get("format") == fmt:
         del meta["format"]
@@ -236,6 +238,7 @@ def _rewrite(
     fsync: bool,
     max_header_size: int,
     progress: Progress | None,
+    storage_options: dict[str, Any] | None,
 ) -> ShardPlan:
     located = {name: src._locate(name) for name in names}
     sizes = {name: located[name][2].nbytes for name in names}
@@ -250,7 +253,7 @@ def _rewrite(
             count += n
         meta = {"total_parameters": count, **meta}
     state = [0, sum(sizes.values())]
-    sources = _Sources()
+    sources = _Sources(storage_options)
     try:
         sources.open_all(src.files())
         if max_shard_size is None:
@@ -317,6 +320,7 @@ def reshard(
     fsync: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
     progress: Progress | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ShardPlan:
     """Re-split a checkpoint (folder, index or single file) into shards of a new size.
 
@@ -334,6 +338,8 @@ def reshard(
         fsync: Make every file durable before returning.
         max_header_size: Largest header accepted, read and written.
         progress: Called as ``progress(bytes_done, bytes_total)`` after each tensor.
+        storage_options: For a URL source: options for the remote source of the index and
+            every shard (``{"headers": ...}``, ``{"endpoint_url": ...}``), as for ``safe_open``.
 
     Returns:
         The plan written.
@@ -344,7 +350,11 @@ def reshard(
     """
     out = os.fspath(output)
     with ShardedSafeOpen(
-        _folder_or_file(source), "numpy", backend="pread", max_header_size=max_header_size
+        _folder_or_file(source),
+        "numpy",
+        backend="pread",
+        max_header_size=max_header_size,
+        storage_options=_options(storage_options),
     ) as src:
         return _rewrite(
             src,
@@ -358,6 +368,7 @@ def reshard(
             fsync=fsync,
             max_header_size=max_header_size,
             progress=progress,
+            storage_options=_options(storage_options),
         )
 
 
@@ -370,18 +381,24 @@ def merge(
     fsync: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
     progress: Progress | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Merge a sharded checkpoint into one ``.safetensors`` file.
 
     The file's metadata is ``{"format": format, **metadata}``, where ``metadata`` defaults to
     the index's (without ``total_size``; values that are not strings become their JSON text).
+    ``storage_options`` are as for :func:`reshard`.
 
     Raises:
         SafetensorError: The source is invalid.
     """
     out = os.fspath(output)
     with ShardedSafeOpen(
-        _folder_or_file(source), "numpy", backend="pread", max_header_size=max_header_size
+        _folder_or_file(source),
+        "numpy",
+        backend="pread",
+        max_header_size=max_header_size,
+        storage_options=_options(storage_options),
     ) as src:
         _rewrite(
             src,
@@ -395,6 +412,7 @@ def merge(
             fsync=fsync,
             max_header_size=max_header_size,
             progress=progress,
+            storage_options=_options(storage_options),
         )
 
 
@@ -432,6 +450,7 @@ def extract(
     fsync: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
     progress: Progress | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Copy the tensors whose names match into a new file (or sharded folder).
 
@@ -447,6 +466,7 @@ def extract(
         fsync: Make the output durable.
         max_header_size: Largest header accepted.
         progress: As for :func:`reshard`.
+        storage_options: As for :func:`reshard`.
 
     Returns:
         The names extracted, in source order.
@@ -457,7 +477,11 @@ def extract(
     out = os.fspath(output)
     pats = list(patterns)
     with ShardedSafeOpen(
-        _folder_or_file(source), "numpy", backend="pread", max_header_size=max_header_size
+        _folder_or_file(source),
+        "numpy",
+        backend="pread",
+        max_header_size=max_header_size,
+        storage_options=_options(storage_options),
     ) as src:
         names = select_names(_source_order(src), pats, regex=regex)
         if not names:
@@ -476,8 +500,13 @@ def extract(
             fsync=fsync,
             max_header_size=max_header_size,
             progress=progress,
+            storage_options=_options(storage_options),
         )
         return names
+
+
+def _options(storage_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if storage_options is None else dict(storage_options)
 
 
 def _folder_or_file(source: str | os.PathLike[str]) -> str:

@@ -30,6 +30,7 @@ from ._adapter import get_adapter
 from ._errors import ClosedFileError, SafetensorError, TensorNotFoundError
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._reader import BACKENDS, SafeSlice, TensorMeta, open_source_for, safe_open
+from ._remote import url_dirname, url_join, url_path
 
 __all__ = [
     "INDEX_NAME",
@@ -64,7 +65,12 @@ def _is_url(path: str) -> bool:
 
 
 def _join(base: str, name: str) -> str:
-    return posixpath.join(base, name) if _is_url(base) else os.path.join(base, name)
+    return url_join(base, name) if _is_url(base) else os.path.join(base, name)
+
+
+def is_index_path(path: str) -> bool:
+    """Whether ``path`` names an index; for a URL, its path part does (``?download=true``)."""
+    return (url_path(path) if _is_url(path) else path).endswith(".index.json")
 
 
 def resolve_checkpoint(path: str) -> tuple[str, bool]:
@@ -78,7 +84,7 @@ def resolve_checkpoint(path: str) -> tuple[str, bool]:
         ShardIndexError: The folder holds several candidates and no rule picks one.
     """
     if _is_url(path) or not os.path.isdir(path):
-        return path, path.endswith(".index.json")
+        return path, is_index_path(path)
     for name, is_index in ((INDEX_NAME, True), (SINGLE_NAME, False)):
         candidate = os.path.join(path, name)
         if os.path.isfile(candidate):
@@ -121,8 +127,8 @@ def _check_shard_name(name: str, index: str) -> None:
         )
 
 
-def _read_bytes(path: str) -> bytes:
-    source = open_source_for(path, "pread")
+def _read_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes:
+    source = open_source_for(path, "pread", storage_options)
     try:
         if source.size > MAX_INDEX_SIZE:
             raise ShardIndexError(
@@ -137,8 +143,10 @@ def _read_bytes(path: str) -> bytes:
         source.close()
 
 
-def _parse_index(path: str) -> tuple[dict[str, str], dict[str, Any] | None]:
-    raw = _read_bytes(path)
+def _parse_index(
+    path: str, storage_options: dict[str, Any] | None = None
+) -> tuple[dict[str, str], dict[str, Any] | None]:
+    raw = _read_bytes(path, storage_options)
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -179,6 +187,10 @@ class ShardedSafeOpen:
         device: As for :class:`safe_open`.
         backend: ``"mmap"`` or ``"pread"``, used for every shard.
         max_header_size: Largest header accepted per shard.
+        **options: Reader options for every shard (``threads=``, ``slice_reads=``); for a URL,
+            ``storage_options=`` (headers, endpoint...) apply to the index and every shard.
+            Shards of an index URL are found next to it; its query string is not carried to
+            them (it belongs to the index: a signature, ``?download=true``).
 
     Raises:
         ShardIndexError: The index is malformed or the folder is ambiguous.
@@ -219,14 +231,19 @@ class ShardedSafeOpen:
         path = os.fsdecode(os.fspath(filename))
         target, is_index = resolve_checkpoint(path)
         self._path = target
-        self._base = posixpath.dirname(target) if _is_url(target) else os.path.dirname(target)
+        self._base = url_dirname(target) if _is_url(target) else os.path.dirname(target)
+        # A single file opened as a checkpoint is read from its own path (a URL keeps its
+        # query string and escapes), not rebuilt from its folder and name.
+        self._single: tuple[str, str] | None = None
         self._index_metadata: dict[str, Any] | None
         if is_index:
-            self._weight_map, self._index_metadata = _parse_index(target)
+            self._weight_map, self._index_metadata = _parse_index(
+                target, self._options.get("storage_options")
+            )
             self._shards = sorted(set(self._weight_map.values()))
             if not _is_url(target):
                 for shard in self._shards:
-                    if not os.path.isfile(_join(self._base, shard)):
+                    if not os.path.isfile(self._shard_path(shard)):
                         example = next(t for t, s in self._weight_map.items() if s == shard)
                         raise MissingShardError(
                             f"index {target!r} places tensors (e.g. {example!r}) in shard "
@@ -237,7 +254,12 @@ class ShardedSafeOpen:
             self._closed = False
         else:
             # A folder with one file: the file is its own index.
-            shard = posixpath.basename(target) if _is_url(target) else os.path.basename(target)
+            shard = (
+                posixpath.basename(url_path(target))
+                if _is_url(target)
+                else os.path.basename(target)
+            )
+            self._single = (shard, target)
             self._closed = False
             handle = self._open_shard(shard, validate=False)
             self._weight_map = dict.fromkeys(handle.offset_keys(), shard)
@@ -277,9 +299,14 @@ class ShardedSafeOpen:
         """The index (or single file) that was opened."""
         return self._path
 
+    def _shard_path(self, shard: str) -> str:
+        if self._single is not None and self._single[0] == shard:
+            return self._single[1]
+        return _join(self._base, shard)
+
     def files(self) -> list[str]:
         """Paths of the shards, in shard-name order."""
-        return [_join(self._base, s) for s in self._shards]
+        return [self._shard_path(s) for s in self._shards]
 
     def shard_of(self, name: str) -> str:
         """Path of the shard that holds ``name`` (per the index).
@@ -288,7 +315,7 @@ class ShardedSafeOpen:
             TensorNotFoundError: No tensor of that name.
         """
         self._live()
-        return _join(self._base, self._shard_name(name))
+        return self._shard_path(self._shard_name(name))
 
     def _shard_name(self, name: str) -> str:
         try:
@@ -305,7 +332,7 @@ class ShardedSafeOpen:
             if handle is not None:
                 return handle
             handle = safe_open(
-                _join(self._base, shard),
+                self._shard_path(shard),
                 self._framework,
                 device=self._device,
                 backend=self._backend,
@@ -354,7 +381,7 @@ class ShardedSafeOpen:
         handle = self._open_shard(shard)
         header = handle.header
         info = header.tensors[name]
-        return _join(self._base, shard), header.data_start + info.begin, info
+        return self._shard_path(shard), header.data_start + info.begin, info
 
     def validate(self) -> None:
         """Read every shard's header and check the whole checkpoint against the index.
@@ -369,9 +396,13 @@ class ShardedSafeOpen:
         data_bytes = 0
         for shard in self._shards:
             # Opened unchecked first, so that a tensor in two shards is reported as such.
-            path = _join(self._base, shard)
+            path = self._shard_path(shard)
             with safe_open(
-                path, "numpy", backend="pread", max_header_size=self._max_header_size
+                path,
+                "numpy",
+                backend="pread",
+                max_header_size=self._max_header_size,
+                storage_options=self._options.get("storage_options"),
             ) as raw:
                 for name, info in raw.header.tensors.items():
                     if name in seen:
@@ -384,7 +415,7 @@ class ShardedSafeOpen:
                     data_bytes += info.nbytes
             self._open_shard(shard)
         total = (self._index_metadata or {}).get("total_size")
-        if total is not None and self._path.endswith(".index.json"):
+        if total is not None and is_index_path(self._path):
             try:
                 declared = int(total)
             except (TypeError, ValueError):

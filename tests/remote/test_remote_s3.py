@@ -163,3 +163,25 @@ def test_store_ignoring_range_large_object_is_refused() -> None:
 def test_bad_url() -> None:
     with pytest.raises(ValueError):
         S3Source("s3://bucket-only")
+
+
+def test_sharded_index_uses_the_endpoint_from_storage_options(
+    moto_endpoint: str, tmp_path: Path
+) -> None:
+    # No AWS_ENDPOINT_URL in the environment (the fixture removes it): the index and every shard
+    # must be read through the endpoint given in storage_options, not from AWS.
+    import numpy as np
+
+    from pysafetensors import safe_open, save_sharded
+
+    sd = {f"t{i}": np.full(1000, i, np.float32) for i in range(4)}
+    plan = save_sharded(sd, tmp_path, "9KB")
+    assert plan.is_sharded
+    client = boto3.session.Session().client("s3", endpoint_url=moto_endpoint)
+    for path in tmp_path.iterdir():
+        client.put_object(Bucket=BUCKET, Key=f"ck/{path.name}", Body=path.read_bytes())
+    opts = {"endpoint_url": moto_endpoint}
+    with safe_open(_url("ck/model.safetensors.index.json"), "np", storage_options=opts) as f:
+        assert f.keys() == sorted(sd)
+        np.testing.assert_array_equal(f.get_tensor("t3"), sd["t3"])
+        f.validate()
