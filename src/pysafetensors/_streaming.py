@@ -27,7 +27,7 @@ from typing import Any, Final
 import numpy as np
 
 from ._dtypes import DType, checked_nbits, dtype_from_code, dtype_from_name
-from ._errors import ClosedFileError, SerializeError
+from ._errors import ClosedFileError, SafetensorError, SerializeError, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, TensorInfo, build_layout
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
@@ -128,7 +128,15 @@ def _payload(name: str, info: TensorInfo, data: Any) -> tuple[int, Iterator[memo
                 yield view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
         return nbits // 8, chunks()
-    view = memoryview(data)
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}a write to `{name}` got a {type(data).__name__}; expected bytes, "
+            "a buffer, a numpy array or a torch tensor",
+            kind="InvalidTensor",
+            tensor=name,
+        ) from None
     if not view.c_contiguous:
         raise SerializeError(
             f"{SERIALIZE_PREFIX}a write to `{name}` got a non-contiguous buffer", tensor=name
@@ -272,20 +280,53 @@ class StreamingWriter:
         """
         fd = self._live()
         info = self._info(name)
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}the offset of a write to `{name}` must be an int, got "
+                f"{type(offset).__name__}",
+                kind="OutOfRange",
+                tensor=name,
+            )
         length, chunks = _payload(name, info, data)
         with self._lock:
             self._reserve(info, offset, length)
+            cursor = self._cursor[name]
             self._cursor[name] = offset + length
         pos = self._data_start + info.begin + offset
         got = 0
-        for view in chunks:
-            if got + view.nbytes > length:
-                raise SerializeError(f"{SERIALIZE_PREFIX}internal error: chunk overrun")
-            self._pwrite_all(fd, view, pos + got)
-            got += view.nbytes
+        try:
+            for view in chunks:
+                if got + view.nbytes > length:
+                    raise SerializeError(f"{SERIALIZE_PREFIX}internal error: chunk overrun")
+                self._pwrite_all(fd, view, pos + got)
+                got += view.nbytes
+        except BaseException as exc:
+            # Nothing of a failed write counts as written (a full disk, a file size limit, a
+            # failing producer): the range may be written again, and close() will not commit
+            # a file with a hole in it.
+            with self._lock:
+                self._release(info, offset, offset + length)
+                if self._cursor[name] == offset + length:
+                    self._cursor[name] = cursor
+            if isinstance(exc, OSError) and not isinstance(exc, SafetensorError):
+                raise write_error(exc, self.filename) from exc
+            raise
         if self._writeback is not None:
             self._writeback.wrote(pos, got)
         return got
+
+    def _release(self, info: TensorInfo, start: int, end: int) -> None:
+        """Forget ``[start, end)`` of ``info``'s written ranges (a write that failed)."""
+        kept: list[list[int]] = []
+        for a, b in self._written[info.name]:
+            if b <= start or a >= end:
+                kept.append([a, b])
+                continue
+            if a < start:
+                kept.append([a, start])
+            if b > end:
+                kept.append([end, b])
+        self._written[info.name] = kept
 
     def write_chunk(self, name: str, data: Any) -> int:
         """Append to tensor ``name`` right after the last write to it (0 at first).

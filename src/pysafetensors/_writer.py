@@ -15,6 +15,7 @@ are removed by the next save to the same target. The result's permissions follow
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import secrets
@@ -23,6 +24,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 from ._dtypes import DType
 from ._errors import SafetensorError, SerializeError, write_error
@@ -246,16 +252,40 @@ def _fsync_dir(folder: str) -> None:
             os.close(dfd)
 
 
+def _lock_partial(fd: int) -> bool:
+    """Hold an exclusive ``flock`` on a temporary file: it is in use while the lock is held.
+
+    Returns:
+        False where the lock is taken by another open file (a live save), or cannot be taken
+        at all (no ``fcntl``, a file system without locks); True once it is ours.
+    """
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
 def _clean_stale_partials(target: str) -> None:
     """Remove temporary files an earlier, crashed save to ``target`` left behind."""
     folder, base = os.path.split(target)
     for stale in glob.glob(
         os.path.join(glob.escape(folder or "."), f".{glob.escape(base)}.*.partial")
     ):
-        # A concurrent save may own it; only files older than a minute are considered stale.
+        # A live save holds a lock on its temporary file (a streaming writer may sit idle for
+        # hours); a crashed one released it with its process. Files younger than a minute are
+        # left alone too, for file systems without locks.
         with contextlib.suppress(OSError):
-            if time.time() - os.stat(stale).st_mtime > 60:
-                os.unlink(stale)
+            if time.time() - os.stat(stale).st_mtime <= 60:
+                continue
+            fd = os.open(stale, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                if fcntl is None or _lock_partial(fd):
+                    os.unlink(stale)
+            finally:
+                os.close(fd)
 
 
 @contextlib.contextmanager
@@ -285,9 +315,13 @@ def atomic_output(filename: str | os.PathLike[str], *, fsync: bool = False) -> I
 @contextlib.contextmanager
 def _atomic_output(target: str, *, fsync: bool) -> Iterator[int]:
     folder = os.path.dirname(target) or "."
+    if os.path.isdir(target):
+        # Before any byte is written: a save of many GiB would otherwise fail only at the end.
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
     _clean_stale_partials(target)
     tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.partial")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    _lock_partial(fd)  # marks it live for _clean_stale_partials of other saves
     try:
         try:
             yield fd

@@ -191,6 +191,24 @@ def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
     return dim % ndim
 
 
+def _check_group(rank: Any, world_size: Any) -> None:
+    """Refuse a rank or group size that cannot be, before any tensor is looked at.
+
+    Raises:
+        ValueError: ``world_size`` < 1, or ``rank`` outside ``[0, world_size)``.
+        TypeError: Either is not an integer.
+    """
+    for what, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{what} must be an int, got {type(value).__name__}: {value!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank {rank} is not in a group of size {world_size} (0..{world_size - 1})"
+        )
+
+
 def plan_shard(
     shapes: Mapping[str, Sequence[int]],
     rank: int,
@@ -214,9 +232,11 @@ def plan_shard(
         Name to :class:`ShardSpec`, in the order of ``shapes``.
 
     Raises:
-        ValueError: A rule names a dimension the tensor lacks, or a split is uneven with
-            ``uneven="error"``.
+        ValueError: A rule names a dimension the tensor lacks, a split is uneven with
+            ``uneven="error"``, or ``rank`` is not in ``[0, world_size)``.
+        TypeError: ``rank`` or ``world_size`` is not an integer.
     """
+    _check_group(rank, world_size)
     plan = {}
     for name, raw_shape in shapes.items():
         shape = tuple(int(d) for d in raw_shape)
@@ -245,6 +265,7 @@ def load_shard(
     uneven: Uneven = "chunk",
     names: Iterable[str] | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load ``rank``'s shard of every tensor of a file or sharded model folder.
 
@@ -271,12 +292,14 @@ def load_shard(
         uneven: ``"chunk"``, ``"tensor_split"`` or ``"error"`` (see :func:`shard_range`).
         names: Load only these tensors (default: all, in file order).
         max_header_size: Largest header accepted.
+        storage_options: For URLs: as for ``safe_open`` (headers, credentials, endpoint).
 
     Returns:
         Name to this rank's part, in file order (or the order of ``names``).
 
     Raises:
-        ValueError: A rule cannot apply to a tensor (see :func:`plan_shard`).
+        ValueError: A rule cannot apply to a tensor, or the rank is not in the group (see
+            :func:`plan_shard`).
         TensorNotFoundError: A name in ``names`` is not in the file.
 
     Example:
@@ -284,8 +307,14 @@ def load_shard(
         >>> shard = load_shard("model.safetensors", dist.get_rank(), dist.get_world_size(),
         ...                    {"*.up.weight": "rows", "*.down.weight": "columns"})
     """
+    _check_group(rank, world_size)  # before opening anything
     with safe_open(
-        path, framework, device=device, backend=backend, max_header_size=max_header_size
+        path,
+        framework,
+        device=device,
+        backend=backend,
+        max_header_size=max_header_size,
+        storage_options=storage_options,
     ) as f:
         wanted = list(f.offset_keys()) if names is None else list(names)
         slices = {name: f.get_slice(name) for name in wanted}

@@ -156,3 +156,24 @@ def test_parts_read_together_equal_get_slice(tmp_path: Path, backend: str) -> No
         assert not norm.flags.owndata and _root(norm) is not _root(shard["layer.q.weight"])
         with safe_open(model, "np") as f:
             assert type(_root(norm)) is type(_root(f.get_tensor("layer.norm.weight")))
+
+
+def test_rank_and_world_size_checked_before_anything(tmp_path: Path) -> None:
+    # Even when every tensor is replicated (no split would notice), and naming no tensor.
+    model = tmp_path / "model.safetensors"
+    ptorch.save_file({"norm": torch.ones(4)}, model)
+    bad: list[tuple[Any, Any, type[Exception], str]] = [
+        (99, 0, ValueError, "world_size must be at least 1, got 0"),
+        (2, 2, ValueError, "rank 2 is not in a group of size 2"),
+        (-1, 2, ValueError, "rank -1 is not in a group of size 2"),
+        (0.5, 2, TypeError, "rank must be an int, got float"),
+        (0, True, TypeError, "world_size must be an int, got bool"),
+    ]
+    for rank, world, error, text in bad:
+        with pytest.raises(error, match=text):
+            load_shard(model, rank, world, {})
+        with pytest.raises(error, match=text):
+            plan_shard({"norm": [4]}, rank, world, {})
+    missing = tmp_path / "missing.safetensors"
+    with pytest.raises(ValueError, match="rank 3"):
+        load_shard(missing, 3, 2, {})  # refused before the file is opened

@@ -263,3 +263,81 @@ def test_streaming_write_larger_than_address_space(fast_dir: Path) -> None:
 
     assert out.stat().st_size == ref.stat().st_size > _LIMIT_AS
     assert digest(out) == digest(ref)
+
+
+def test_failed_write_is_not_counted_as_written(tmp_path: Path) -> None:
+    # A write the file system refuses half-way (a file size limit here; a full disk in real
+    # life) must not count: the range can be written again, and close() never commits a hole.
+    script = textwrap.dedent(
+        """
+        import os, resource, signal, sys
+        import numpy as np
+        from pysafetensors import SafetensorError, StreamingWriter
+        from pysafetensors.numpy import load_file
+
+        target = sys.argv[1]
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        w = StreamingWriter(target, {"a": ("U8", (4 << 20,))})
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+        try:
+            w.write("a", np.full(4 << 20, 7, np.uint8))
+        except SafetensorError as exc:
+            assert isinstance(exc, OSError) and exc.errno is not None, exc
+            assert target in str(exc), exc
+            print("refused:", exc)
+        else:
+            raise SystemExit("the write did not fail")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert w.missing() == {"a": 4 << 20}, w.missing()
+        w.write("a", np.full(4 << 20, 7, np.uint8))  # the same range again
+        w.close()
+        assert (load_file(target)["a"] == 7).all()
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "m.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
+
+
+def test_idle_writer_keeps_its_temporary_file(tmp_path: Path) -> None:
+    # Another save to the same target clears temporary files of crashed saves, not the one a
+    # live (locked) writer has been filling for more than a minute.
+    target = tmp_path / "m.safetensors"
+    w = StreamingWriter(target, {"a": ("U8", (8,))})
+    w.write("a", b"abcd")
+    (partial,) = tmp_path.glob(".m.safetensors.*.partial")
+    old = os.stat(partial).st_mtime - 3600
+    os.utime(partial, (old, old))
+    crashed = tmp_path / ".m.safetensors.0123456789ab.partial"  # no live owner
+    crashed.write_bytes(b"x")
+    os.utime(crashed, (old, old))
+    save_file({"b": np.zeros(2, np.uint8)}, target)
+    assert partial.exists() and not crashed.exists()
+    w.write("a", b"efgh", offset=4)
+    w.close()
+    assert target.read_bytes().endswith(b"abcdefgh")
+
+
+def test_writer_refuses_bad_targets_and_inputs_at_once(tmp_path: Path) -> None:
+    from pysafetensors._errors import WriteError
+
+    with pytest.raises(WriteError) as info:
+        StreamingWriter(tmp_path, {"a": ("U8", (8,))})
+    assert isinstance(info.value, IsADirectoryError) and str(tmp_path) in str(info.value)
+    with pytest.raises(WriteError) as info:
+        StreamingWriter(tmp_path / "no" / "m.safetensors", {"a": ("U8", (8,))})
+    assert isinstance(info.value, FileNotFoundError)
+    assert str(tmp_path / "no" / "m.safetensors") in str(info.value)
+    with StreamingWriter(tmp_path / "m.safetensors", {"a": ("U8", (8,))}) as w:
+        for data, offset in [("text", 0), ([1, 2], 0), (b"ab", 1.5)]:
+            with pytest.raises(SerializeError, match="`a`"):
+                w.write("a", data, offset)  # type: ignore[arg-type]
+        assert w.missing() == {"a": 8}
+        w.write("a", bytes(8))
