@@ -21,17 +21,20 @@ with ``{"format": "pt"}`` metadata, as the hub and transformers expect.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ._errors import CheckpointError, SafetensorError
+from ._errors import CheckpointError, SafetensorError, UnsafePickleError
 from ._format import N_LEN, parse_header, parse_header_length
 from ._torch_pickle import Checkpoint, TensorRecord, load_checkpoint, plan_shared
 from ._writer import TensorData, write_file
@@ -150,7 +153,43 @@ def convert_file(
     """
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     if os.path.exists(dst_s) and os.path.samefile(src_s, dst_s):
-        raise CheckpointError("source and destination are the same file")
+        raise CheckpointError(f"{src_s}: source and destination are the same file")
+    try:
+        return _convert_file(
+            src_s,
+            dst_s,
+            metadata=metadata,
+            keep_non_tensors=keep_non_tensors,
+            verify=verify,
+            progress=progress,
+            subtree=subtree,
+            fsync=fsync,
+        )
+    except (CheckpointError, UnsafePickleError) as exc:
+        # The reader's messages say what and where in the pickle or zip, not which file: in a
+        # folder of checkpoints (rng_state.pth next to the model) that is the first question.
+        raise _naming(exc, src_s) from None
+
+
+def _naming(exc: SafetensorError, path: str) -> SafetensorError:
+    """The same exception (type, kind, offset...) with ``path`` in front of its message."""
+    text = str(exc)
+    if not text.startswith(path):
+        exc.args = (f"{path}: {text}",)
+    return exc
+
+
+def _convert_file(
+    src_s: str,
+    dst_s: str,
+    *,
+    metadata: Mapping[str, str] | None,
+    keep_non_tensors: bool,
+    verify: bool,
+    progress: Progress | None,
+    subtree: str | None,
+    fsync: bool,
+) -> ConversionReport:
     with load_checkpoint(src_s) as ck:
         tensors, leaves = _select(ck.tensors, ck.non_tensors, subtree)
         dropped = plan_shared(tensors)
@@ -357,6 +396,11 @@ def convert_folder(
     ``model.safetensors`` and every other ``*.bin/*.pt/*.pth/*.ckpt`` becomes
     ``<stem>.safetensors``. Other files are not copied.
 
+    All or nothing: every input is checked to exist and open first, the outputs are written to
+    a temporary folder inside ``dst_dir`` and moved into place (the index last) only once every
+    file converted. On failure ``dst_dir`` keeps what it held (and is removed again if this
+    call created it), and the error names the checkpoint that failed.
+
     Args:
         src_dir: Folder holding the checkpoints.
         dst_dir: Folder for the results (created; may be ``src_dir``).
@@ -367,21 +411,26 @@ def convert_folder(
 
     Returns:
         A :class:`FolderReport`.
+
+    Raises:
+        UnsafePickleError: A checkpoint imports a global outside the allow-list (the message
+            starts with its path).
+        CheckpointError: An input is missing, broken or unsupported, or the index is invalid.
+        OSError: A file cannot be read or written.
     """
     src_s, dst_s = os.fspath(src_dir), os.fspath(dst_dir)
-    os.makedirs(dst_s, exist_ok=True)
     index_path = os.path.join(src_s, _INDEX_IN)
     index: dict[str, Any] | None = None
     if os.path.exists(index_path):
         if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
-            raise CheckpointError(f"{_INDEX_IN} is larger than {_MAX_INDEX_BYTES} bytes")
+            raise CheckpointError(f"{index_path} is larger than {_MAX_INDEX_BYTES} bytes")
         with open(index_path, encoding="utf-8") as fh:
             try:
                 index = json.load(fh)
             except (ValueError, RecursionError) as exc:
-                raise CheckpointError(f"{_INDEX_IN} is not valid JSON ({exc})") from None
+                raise CheckpointError(f"{index_path} is not valid JSON ({exc})") from None
         if type(index) is not dict or type(index.get("weight_map")) is not dict:
-            raise CheckpointError(f"{_INDEX_IN} has no weight_map object")
+            raise CheckpointError(f"{index_path} has no weight_map object")
         names = sorted({_check_shard_name(v) for v in index["weight_map"].values()})
     else:
         names = sorted(
@@ -389,44 +438,107 @@ def convert_folder(
             for n in os.listdir(src_s)
             if n.endswith(CHECKPOINT_SUFFIXES) and os.path.isfile(os.path.join(src_s, n))
         )
-    jobs = [(os.path.join(src_s, n), os.path.join(dst_s, safetensors_name(n))) for n in names]
-    outs = [d for _, d in jobs]
+    _check_inputs(src_s, names, index_path if index is not None else None)
+    outs = [safetensors_name(n) for n in names]
     if len(set(outs)) != len(outs):
         raise CheckpointError("two checkpoints would be written to the same safetensors file")
-    report = FolderReport()
+    created = not os.path.isdir(dst_s)
+    os.makedirs(dst_s, exist_ok=True)
+    # Everything is written to a private folder inside dst and moved into place only when
+    # every file converted: a failure midway leaves dst as it was, never a half model that
+    # looks valid (an index with missing shards, or only some of the files).
+    work = tempfile.mkdtemp(prefix=".pysafetensors-convert-", dir=dst_s)
+    ok = False
+    try:
+        jobs = [
+            (os.path.join(src_s, n), os.path.join(work, o))
+            for n, o in zip(names, outs, strict=True)
+        ]
+        results = _run_jobs(jobs, executor, progress, kwargs)
+        report = FolderReport(files=results)
+        index_tmp: str | None = None
+        if index is not None:
+            index_tmp = _write_index(index, results, work)
+        for r in results:
+            final = os.path.join(dst_s, os.path.basename(r.dst))
+            os.replace(r.dst, final)
+            r.dst = final
+        if index_tmp is not None:
+            # Last, so a reader never sees an index naming shards not yet in place.
+            report.index = os.path.join(dst_s, _INDEX_OUT)
+            os.replace(index_tmp, report.index)
+        ok = True
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not ok and created:
+            with contextlib.suppress(OSError):
+                os.rmdir(dst_s)  # only if empty: what we created, nothing else
+
+
+def _check_inputs(src_dir: str, names: list[str], index_path: str | None) -> None:
+    """Every checkpoint to convert exists and opens, before anything is written."""
+    missing = [n for n in names if not os.path.isfile(os.path.join(src_dir, n))]
+    if missing:
+        where = f"listed in {index_path}" if index_path else "in the folder"
+        raise CheckpointError(
+            f"{len(missing)} checkpoint file(s) {where} missing or not files: "
+            + ", ".join(repr(os.path.join(src_dir, n)) for n in missing[:5])
+        )
+    for n in names:
+        with open(os.path.join(src_dir, n), "rb"):  # PermissionError names the file
+            pass
+
+
+def _run_jobs(
+    jobs: list[tuple[str, str]],
+    executor: Executor | None,
+    progress: Callable[[str, int, int], None] | None,
+    kwargs: dict[str, Any],
+) -> list[ConversionReport]:
     results: list[ConversionReport] = []
     if executor is None:
         for i, (s, d) in enumerate(jobs):
             results.append(convert_file(s, d, **kwargs))
             if progress is not None:
                 progress(os.path.basename(s), i + 1, len(jobs))
-    else:
-        futures: list[Future[ConversionReport]] = [
-            executor.submit(convert_file, s, d, **kwargs) for s, d in jobs
-        ]
+        return results
+    futures: list[Future[ConversionReport]] = [
+        executor.submit(convert_file, s, d, **kwargs) for s, d in jobs
+    ]
+    try:
         for i, fut in enumerate(futures):
             results.append(fut.result())
             if progress is not None:
                 progress(os.path.basename(jobs[i][0]), i + 1, len(jobs))
-    report.files = results
-    if index is not None:
-        weight_map: dict[str, str] = {}
-        for r in results:
-            for name in r.tensors:
-                if name in weight_map:
-                    raise CheckpointError(f"tensor {name!r} appears in two shards")
-                weight_map[name] = os.path.basename(r.dst)
-        old_meta = index.get("metadata")
-        index_meta: dict[str, Any] = dict(old_meta) if type(old_meta) is dict else {}
-        index_meta["total_size"] = sum(r.total_size for r in results)
-        out_index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
-        report.index = os.path.join(dst_s, _INDEX_OUT)
-        tmp = report.index + ".partial"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(out_index, fh, indent=2, sort_keys=False)
-            fh.write("\n")
-        os.replace(tmp, report.index)
-    return report
+    except BaseException:
+        # Let running conversions finish before the caller removes their folder.
+        for fut in futures:
+            fut.cancel()
+        wait(futures)
+        raise
+    return results
+
+
+def _write_index(index: dict[str, Any], results: list[ConversionReport], folder: str) -> str:
+    weight_map: dict[str, str] = {}
+    for r in results:
+        for name in r.tensors:
+            if name in weight_map:
+                raise CheckpointError(
+                    f"tensor {name!r} appears in two shards ({weight_map[name]} and "
+                    f"{os.path.basename(r.src)})"
+                )
+            weight_map[name] = os.path.basename(r.dst)
+    old_meta = index.get("metadata")
+    index_meta: dict[str, Any] = dict(old_meta) if type(old_meta) is dict else {}
+    index_meta["total_size"] = sum(r.total_size for r in results)
+    out_index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
+    path = os.path.join(folder, _INDEX_OUT)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(out_index, fh, indent=2, sort_keys=False)
+        fh.write("\n")
+    return path
 
 
 # --------------------------------------------------------------------------------------------

@@ -258,6 +258,68 @@ def test_sharded_folder_with_index(tmp_path: Path) -> None:
                 assert torch.equal(loaded[k], v)
 
 
+def _sharded_src(src: Path) -> dict[str, dict[str, Any]]:
+    src.mkdir()
+    shards = {
+        "pytorch_model-00001-of-00002.bin": {"a.weight": torch.randn(40, 40)},
+        "pytorch_model-00002-of-00002.bin": {"b.weight": torch.randn(2, 4)},
+    }
+    weight_map = {}
+    for fname, part in shards.items():
+        torch.save(part, src / fname)
+        weight_map.update(dict.fromkeys(part, fname))
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return shards
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_folder_failing_midway_leaves_no_half_model(tmp_path: Path, workers: int | None) -> None:
+    from pysafetensors import CheckpointError
+
+    src = tmp_path / "src"
+    _sharded_src(src)
+    bad = src / "pytorch_model-00002-of-00002.bin"
+    bad.write_bytes(bad.read_bytes()[:-100])  # truncated: its zip directory is gone
+    executor = ThreadPoolExecutor(workers) if workers else None
+    dst = tmp_path / "dst"
+    with pytest.raises(CheckpointError) as exc:
+        convert_folder(src, dst, executor=executor)
+    assert str(exc.value).startswith(f"{bad}: ")
+    assert not dst.exists()  # created by the call, removed again: nothing half-written
+    # An existing output folder keeps what it held, and gets nothing new.
+    dst.mkdir()
+    (dst / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    with pytest.raises(CheckpointError):
+        convert_folder(src, dst, executor=executor)
+    assert sorted(p.name for p in dst.iterdir()) == ["model-00001-of-00002.safetensors"]
+    assert (dst / "model-00001-of-00002.safetensors").read_bytes() == b"old"
+
+
+def test_folder_checks_every_listed_shard_before_writing(tmp_path: Path) -> None:
+    from pysafetensors import CheckpointError
+
+    src = tmp_path / "src"
+    _sharded_src(src)
+    (src / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(CheckpointError, match=r"missing.*pytorch_model-00002-of-00002\.bin"):
+        convert_folder(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_folder_error_names_the_failing_file(tmp_path: Path) -> None:
+    from pysafetensors import UnsafePickleError
+
+    # A Trainer checkpoint folder: rng_state.pth pickles numpy arrays, which are refused.
+    torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    torch.save({"python": 1, "numpy": np.random.get_state()}, tmp_path / "rng_state.pth")
+    with pytest.raises(UnsafePickleError) as exc:
+        convert_folder(tmp_path, tmp_path / "out")
+    assert str(exc.value).startswith(f"{tmp_path / 'rng_state.pth'}: global numpy")
+    assert exc.value.global_name is not None and exc.value.global_name.startswith("numpy")
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "model.safetensors").exists()
+
+
 def test_single_folder_and_back_to_torch(tmp_path: Path) -> None:
     sd = {"x": torch.randn(3, 3), "y": torch.arange(4)}
     torch.save(sd, tmp_path / "pytorch_model.bin")
