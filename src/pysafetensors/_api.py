@@ -121,7 +121,10 @@ def _unsigned(value: Any, argument: str) -> int:
 
 def _spec_to_data(name: Any, value: Any) -> TensorData:
     if not isinstance(name, str):
-        raise TypeError(f"tensor names must be str, got {type(name).__name__}: {name!r}")
+        raise TypeError(
+            f"argument 'tensor_dict': '{type(name).__name__}' object is not an instance of 'str' "
+            f"(tensor name {name!r})"
+        )
     if isinstance(value, TensorSpec):
         return value.to_data(name)
     if isinstance(value, Mapping) and {"dtype", "shape", "data"} <= set(value):
@@ -142,8 +145,8 @@ def _spec_to_data(name: Any, value: Any) -> TensorData:
 def _check_dict(tensor_dict: Any) -> Mapping[Any, Any]:
     if not isinstance(tensor_dict, Mapping):
         raise TypeError(
-            f"argument 'tensor_dict': '{type(tensor_dict).__name__}' object cannot be converted "
-            "to 'PyDict'"
+            f"argument 'tensor_dict': '{type(tensor_dict).__name__}' object is not an instance "
+            "of 'dict'"
         )
     return tensor_dict
 
@@ -237,7 +240,10 @@ def _to_data(adapter: Adapter, tensors: Mapping[str, Any]) -> list[TensorData]:
     out = []
     for name, tensor in tensors.items():
         if not isinstance(name, str):
-            raise TypeError(f"tensor names must be str, got {type(name).__name__}: {name!r}")
+            raise TypeError(
+                f"argument 'tensor_dict': '{type(name).__name__}' object is not an instance of "
+                f"'str' (tensor name {name!r})"
+            )
         out.append(adapter.to_data(name, tensor))
     return out
 

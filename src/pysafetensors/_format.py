@@ -1094,8 +1094,7 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None
         return None
     if not isinstance(metadata, Mapping):
         raise TypeError(
-            f"argument 'metadata': '{type(metadata).__name__}' object cannot be converted to "
-            "'PyDict'"
+            f"argument 'metadata': '{type(metadata).__name__}' object is not an instance of 'dict'"
         )
     out: dict[str, str] = {}
     for key, value in metadata.items():
@@ -1111,7 +1110,10 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None
 
 def _check_name(name: object) -> str:
     if not isinstance(name, str):
-        raise TypeError(f"tensor names must be str, got {type(name).__name__}: {name!r}")
+        raise TypeError(
+            f"argument 'tensor_dict': '{type(name).__name__}' object is not an instance of 'str' "
+            f"(tensor name {name!r})"
+        )
     if name == "__metadata__":
         raise SerializeError(
             f"{SERIALIZE_PREFIX}a tensor cannot be named `__metadata__`: the name is reserved "

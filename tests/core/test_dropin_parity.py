@@ -312,3 +312,20 @@ def test_python_numbers_and_lists_save_like_the_reference(module: str) -> None:
         assert mine.save({"a": value}) == theirs.save({"a": value}), value
     with pytest.raises(pysafetensors.SerializeError, match="Key `a` is invalid"):
         mine.save({"a": "text"})
+
+
+def test_argument_type_errors_have_the_reference_texts() -> None:
+    calls = [
+        ("save", lambda m: m.save({"a": np.zeros(1)}, metadata=[1])),
+        ("save", lambda m: m.save({"a": np.zeros(1)}, metadata={"a": 1})),
+        ("save", lambda m: m.save({"a": np.zeros(1)}, metadata={1: "a"})),
+        ("save", lambda m: m.save({1: np.zeros(1)})),
+        ("serialize", lambda m: m.serialize([1])),
+    ]
+    for kind, call in calls:
+        if kind == "save":
+            theirs, mine = _outcome(lambda: call(ref_np)), _outcome(lambda: call(ours_np))
+        else:
+            theirs, mine = _outcome(lambda: call(ref)), _outcome(lambda: call(pysafetensors))
+        assert theirs[0] == mine[0] == "error" and mine[1] is theirs[1] is TypeError
+        assert mine[2].startswith(theirs[2]), (mine[2], theirs[2])
