@@ -1319,13 +1319,17 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
 
 
 def plan_shared(tensors: dict[str, TensorRecord]) -> dict[str, str]:
-    """Pick the tensors to drop because another one holds the same bytes.
+    """Pick the tensors to drop because another one is the very same tensor.
 
-    Follows ``safetensors.torch._remove_duplicate_names``: tensors are grouped by storage and
-    then by overlapping byte ranges; in each group of two or more, the lexicographically first
-    name whose tensor covers its whole storage is kept and the others are dropped. Where the
-    reference would raise (no tensor covers the storage), every name is kept as its own copy,
-    and so are views with torch's lazy ``neg``/``conj`` bits (their values differ).
+    Tensors are grouped as ``safetensors.torch._remove_duplicate_names`` groups them (by storage,
+    then by overlapping byte ranges), and within a group by view: dtype, shape, stride, storage
+    offset and neg/conj bits. In each view of two or more names that covers its whole storage,
+    the lexicographically first name is kept and the others are dropped (tied weights: the
+    reference's choice). Unlike the reference, other views of the storage are never dropped:
+    the reference drops every member of the group but one, so ``{"full": M, "row": M[2],
+    "T": M.t()}`` would keep ``T`` alone and ``full`` and ``row`` would come back with ``T``'s
+    values. They are written as copies, as are identical views that do not cover their storage
+    (the reference raises there).
 
     Returns:
         ``{dropped_name: kept_name}``.
@@ -1351,11 +1355,29 @@ def plan_shared(tensors: dict[str, TensorRecord]) -> dict[str, str]:
         for group in groups:
             if len(group) < 2:
                 continue
-            complete = sorted(n for n in group if tensors[n].is_complete)
-            if not complete:
-                continue
-            keep = complete[0]
+            views: dict[tuple[Any, ...], list[str]] = {}
             for n in sorted(group):
-                if n != keep:
-                    dropped[n] = keep
+                views.setdefault(_view_key(tensors[n]), []).append(n)
+            for same in views.values():
+                complete = [n for n in same if tensors[n].is_complete]
+                if len(same) < 2 or not complete:
+                    continue
+                keep = complete[0]
+                for n in same:
+                    if n != keep:
+                        dropped[n] = keep
     return dropped
+
+
+def _view_key(rec: TensorRecord) -> tuple[Any, ...]:
+    """What makes two records of one storage the same tensor (same elements, same values)."""
+    return (
+        rec.storage_key,
+        rec.dtype,
+        rec.torch_dtype,
+        rec.torch_shape,
+        rec.stride,
+        rec.storage_offset,
+        rec.neg,
+        rec.conj,
+    )

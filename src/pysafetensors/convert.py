@@ -13,10 +13,12 @@ Example::
     convert_file("pytorch_model.bin", "model.safetensors", verify=True)
     convert_folder("checkpoint-dir", "out-dir")   # sharded .bin + index too
 
-Shared storages (tied weights, views) are handled like the reference ``save_model``: the
-lexicographically first name whose tensor covers the whole storage is kept, the others are
-dropped and recorded as ``{dropped_name: kept_name}`` in ``__metadata__``. Every file is written
-with ``{"format": "pt"}`` metadata, as the hub and transformers expect.
+Tied weights (one tensor under several names) are written once: the lexicographically first
+name whose tensor covers the whole storage is kept, as the reference ``save_model`` picks it,
+and the other names of the very same view (dtype, shape, stride, offset) are dropped and
+recorded as ``{dropped_name: kept_name}`` in ``__metadata__``. Other views of the storage (a row,
+a transpose) are written as copies (see :func:`~pysafetensors._torch_pickle.plan_shared`).
+Every file is written with ``{"format": "pt"}`` metadata, as the hub and transformers expect.
 """
 
 from __future__ import annotations
@@ -295,25 +297,40 @@ def _verify_open(
         extra = sorted(set(header.tensors) - expected)[:5]
         missing = sorted(expected - set(header.tensors))[:5]
         raise _mismatch(f"names differ (extra {extra}, missing {missing})")
-    for name, info in header.tensors.items():
-        rec = tensors[name]
+    # Every requested name is checked, a dropped one against the tensor it is stored as: a
+    # dropped name whose values differ from its kept tensor's would otherwise pass unseen.
+    stored = {name: dropped.get(name, name) for name in tensors}
+    for name, rec in tensors.items():
+        info = header.tensors[stored[name]]
         if info.dtype != rec.dtype or info.shape != rec.shape:
-            raise _mismatch(f"{name}: {info.dtype.code}{list(info.shape)} written", name)
+            raise _mismatch(
+                f"{_as_stored(name, stored)}: {info.dtype.code}{list(info.shape)}", name
+            )
+    digests: dict[str, str] = {}
+
+    def ours(name: str) -> str:
+        key = stored[name]
+        if key not in digests:
+            info = header.tensors[key]
+            digests[key] = _digest(_output_chunks(dst, data_start + info.begin, info.nbytes))
+        return digests[key]
+
     reference = _torch_reference(ck.path, subtree)
     if reference is not None:
         if set(reference) != set(tensors):
             raise _mismatch("torch.load sees other tensor names than the converter")
-        for name, info in header.tensors.items():
-            theirs = reference[name]
-            ours = _digest(_output_chunks(dst, data_start + info.begin, info.nbytes))
-            if hashlib.sha256(theirs).hexdigest() != ours:
-                raise _mismatch(f"{name} differs from torch.load's tensor", name)
+        for name in tensors:
+            if hashlib.sha256(reference[name]).hexdigest() != ours(name):
+                raise _mismatch(f"{_as_stored(name, stored)} differs from torch.load's", name)
         return "torch"
-    for name, info in header.tensors.items():
-        ours = _digest(_output_chunks(dst, data_start + info.begin, info.nbytes))
-        if _digest(ck.tensor_chunks(tensors[name])) != ours:
-            raise _mismatch(f"{name} differs from the checkpoint", name)
+    for name, rec in tensors.items():
+        if _digest(ck.tensor_chunks(rec)) != ours(name):
+            raise _mismatch(f"{_as_stored(name, stored)} differs from the checkpoint", name)
     return "reader"
+
+
+def _as_stored(name: str, stored: dict[str, str]) -> str:
+    return name if stored[name] == name else f"{name} (stored as {stored[name]})"
 
 
 def _torch_reference(path: str, subtree: str | None) -> dict[str, bytes] | None:

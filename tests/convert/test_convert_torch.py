@@ -82,7 +82,8 @@ def _views(sd: dict[str, Any]) -> None:
     w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     sd["w"] = w
     sd["w_tied"] = w  # same tensor twice: dropped
-    sd["w_t"] = w.t()  # non-contiguous view of the same storage: dropped (reference rule)
+    sd["w_t"] = w.t()  # another view of the same storage: copied (the reference drops it)
+    sd["w_row"] = w[2]  # a row: copied
     other = torch.arange(30, dtype=torch.float32)
     sd["slice_offset"] = other[7:19].reshape(3, 4)  # offset view, storage not covered: kept
     sd["strided"] = torch.arange(40, dtype=torch.int64).reshape(5, 8)[::2, 1::3]
@@ -98,10 +99,8 @@ def _check(src: Path, dst: Path, expected: dict[str, Any]) -> dict[str, str]:
     assert meta["format"] == "pt"
     loaded = st_torch.load_file(str(dst))
     for name, ref in expected.items():
-        if name in meta and name not in names:
-            ref = expected[meta[name]]  # dropped: must alias the kept tensor's storage
-            continue
-        got = loaded[name]
+        # A dropped name must come back as its kept tensor, with its own values.
+        got = loaded[meta[name]] if name in meta and name not in names else loaded[name]
         assert _bytes(got) == _bytes(ref), name
         if ref.dtype != getattr(torch, "float4_e2m1fn_x2", None):
             assert got.dtype == ref.dtype, name
@@ -133,9 +132,10 @@ def test_real_torch_save(layout: str, tmp_path: Path) -> None:
     dst = tmp_path / "model.safetensors"
     report = convert_file(src, dst, verify=True)
     assert report.verified == ("torch" if proto == 2 else "reader")
-    assert report.dropped == {"w_t": "w", "w_tied": "w"}
+    assert report.dropped == {"w_tied": "w"}
     meta = _check(src, dst, _flat(ref))
-    assert meta["w_t"] == "w" and meta["w_tied"] == "w"
+    assert meta["w_tied"] == "w" and "w_t" not in meta
+    assert {"w_t", "w_row"} <= set(report.tensors)
     assert "slice_offset" in report.tensors and "strided" in report.tensors
 
 
@@ -159,6 +159,45 @@ def test_same_choice_as_reference_save_model(tmp_path: Path) -> None:
         assert ours == theirs
         for k in a.keys():  # noqa: SIM118 - safe_open is not a mapping
             assert torch.equal(a.get_tensor(k), b.get_tensor(k))
+
+
+def test_views_that_are_not_the_same_tensor_are_copied(tmp_path: Path) -> None:
+    m = torch.randn(6, 6)
+    sd = {"full": m, "row": m[2], "col": m[:, 1], "T": m.t(), "tied": m}
+    torch.save(sd, tmp_path / "v.pt")
+    report = convert_file(tmp_path / "v.pt", tmp_path / "v.safetensors", verify=True)
+    # The reference's save_model would keep "T" alone; only the identical view goes here.
+    assert report.dropped == {"tied": "full"}
+    assert sorted(report.tensors) == ["T", "col", "full", "row"]
+    loaded = st_torch.load_file(str(tmp_path / "v.safetensors"))
+    with safe_open(str(tmp_path / "v.safetensors"), "pt") as f:
+        meta = f.metadata()
+    for name, ref in sd.items():
+        got = loaded[name] if name in loaded else loaded[meta[name]]
+        assert torch.equal(got, ref), name
+
+
+def test_verify_checks_dropped_names_against_the_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pysafetensors import CheckpointError
+    from pysafetensors import convert as convert_mod
+
+    m = torch.randn(6, 6)
+    torch.save({"full": m, "row": m[2], "T": m.t()}, tmp_path / "v.pt")
+
+    def reference_rule(tensors: dict[str, Any]) -> dict[str, str]:
+        # safetensors.torch._remove_duplicate_names: the whole group goes to "T".
+        return {"full": "T", "row": "T"}
+
+    # Fault injection: the old, data-losing choice. --verify must catch it and remove the file.
+    monkeypatch.setattr(convert_mod, "plan_shared", reference_rule)
+    for torch_available in (True, False):
+        if not torch_available:
+            monkeypatch.setattr(convert_mod, "_torch_reference", lambda path, subtree: None)
+        with pytest.raises(CheckpointError, match=r"full \(stored as T\)|row \(stored as T\)"):
+            convert_file(tmp_path / "v.pt", tmp_path / "v.safetensors", verify=True)
+        assert not (tmp_path / "v.safetensors").exists()
 
 
 def test_big_endian_byteorder(tmp_path: Path) -> None:
