@@ -286,7 +286,9 @@ def numpy_index(full: np.ndarray, index: Any) -> np.ndarray | None:
     raw = full.view(f"u{full.dtype.itemsize}")
     try:
         return np.asarray(raw[index]).view(full.dtype)
-    except (IndexError, TypeError, ValueError, OverflowError):
+    except (IndexError, TypeError, ValueError, OverflowError, MemoryError):
+        # MemoryError: advanced indices on a zero-size tensor with a huge dimension; numpy
+        # cannot answer, and ours must refuse with its own error (checked by the caller).
         return None
 
 
@@ -308,7 +310,9 @@ def check_slice_result(
                 f"slice {index!r} of {full.dtype}{full.shape}: foreign {type(exc).__name__}: {exc}"
             ) from exc
         # Sub-byte dtypes: runs that split a byte, and advanced indices, are refused.
-        allowed = ("MisalignedSlice", "InvalidSlice") if is_advanced(index) else ("MisalignedSlice",)
+        allowed = (
+            ("MisalignedSlice", "InvalidSlice") if is_advanced(index) else ("MisalignedSlice",)
+        )
         if want is not None and not (packed and getattr(exc, "kind", "") in allowed):
             raise Violation(f"slice {index!r} of {full.dtype}{full.shape} refused: {exc}") from exc
         return

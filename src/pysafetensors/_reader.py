@@ -594,24 +594,34 @@ class safe_open:  # noqa: N801 - the reference's name
                 f"{info.dtype.code}",
                 kind="InvalidSlice",
             )
-        box, pick = split_advanced(index, info.shape)
+        split = split_advanced(index, info.shape)
         if len(info.shape) > MAX_NDIM:
             check_representable(info.shape, info.dtype, info.name)
-        box_plan = plan_slice(info.shape, info.dtype, box)
+        box_plan = plan_slice(info.shape, info.dtype, split.box)
         check_representable(box_plan.shape, info.dtype, info.name)
         data = self._read_plan(info, box_plan, source)
-        # One trailing axis of the element's bytes: numpy picks whole elements, whatever the
-        # dtype (bf16, float8, ... need no numpy dtype here).
-        cells = data.reshape((*box_plan.shape, info.dtype.bits // 8))
+        # Elements as integers of their width (every dtype has 1, 2, 4 or 8 bytes), so that the
+        # index applies to whole elements with the same positions as on the tensor itself.
+        cells = data.view(f"<i{info.dtype.bits // 8}").reshape(box_plan.shape)
         # torch places integer-indexed dimensions unlike numpy when they mix with index arrays
         # (``t[0, :, [1, 4]]``): each framework picks with its own rules.
         pick_cells = getattr(self._adapter, "pick_cells", None)
-        picked = np.ascontiguousarray(
-            cells[pick] if pick_cells is None else pick_cells(cells, pick)
-        )
-        shape = picked.shape[:-1]
+        try:
+            picked = np.ascontiguousarray(
+                cells[split.pick] if pick_cells is None else pick_cells(cells, split.pick)
+            )
+        except (IndexError, ValueError, MemoryError, RuntimeError) as exc:
+            if split.out_of_range is not None:
+                raise split.out_of_range from None
+            raise SliceError(
+                f"Error during slicing {render_index(index)} with shape {list(info.shape)}: {exc}",
+                kind="InvalidSlice",
+            ) from None
+        shape = picked.shape
         check_representable(shape, info.dtype, info.name)
-        return self._adapter.from_bytes(picked.reshape(-1), info.dtype, shape, self._device)
+        return self._adapter.from_bytes(
+            picked.reshape(-1).view(np.uint8), info.dtype, shape, self._device
+        )
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())

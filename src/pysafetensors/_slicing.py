@@ -31,7 +31,14 @@ import numpy as np
 from ._dtypes import DType
 from ._errors import SliceError
 
-__all__ = ["SlicePlan", "is_advanced", "plan_slice", "render_index", "split_advanced"]
+__all__ = [
+    "AdvancedSplit",
+    "SlicePlan",
+    "is_advanced",
+    "plan_slice",
+    "render_index",
+    "split_advanced",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,14 +276,30 @@ def is_advanced(index: Any) -> bool:
     return any(item is None or _advanced_item(item) is not None for item in items)
 
 
-def split_advanced(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:
+@dataclass(frozen=True, slots=True)
+class AdvancedSplit:
+    """An advanced index as a box to read and the index that picks the result out of it."""
+
+    box: tuple[slice, ...]
+    """One slice per dimension: the smallest range holding every selected element."""
+    pick: tuple[Any, ...]
+    """The index to apply to the box (same items and positions as the original, ``...``
+    included, so that numpy's and torch's placement rules give the same result)."""
+    out_of_range: SliceError | None
+    """An index value outside its dimension. numpy raises only if the selection is not empty
+    (its index arrays broadcast to something), so this is raised when picking fails."""
+
+
+def split_advanced(index: Any, shape: tuple[int, ...]) -> AdvancedSplit:
     """Split an advanced index into a box to read and the index that picks from the box.
 
-    ``tensor[index] == tensor[box][pick]`` (numpy semantics), where ``box`` has one slice per
-    dimension, spanning the smallest range that holds every element the index selects.
+    ``tensor[index] == tensor[box][pick]``, by numpy's rules or torch's alike, where ``box``
+    has one slice per dimension. Index values outside their dimension are replaced in ``pick``
+    by values outside the box, so that picking raises where indexing the whole tensor would.
 
     Raises:
-        SliceError: Out-of-range integers, masks of the wrong shape, or items of no index type.
+        SliceError: Masks of the wrong shape, items of no index type, too many indices, or
+            out-of-range integers where there are no index arrays.
     """
     items = index if isinstance(index, tuple) else (index,)
     arrays = [_advanced_item(item) for item in items]
@@ -299,13 +322,17 @@ def split_advanced(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...
             "indexes than dimensions in tensor",
             kind="TooManySlices",
         )
+    # With index arrays, integers are advanced indices too: numpy checks them only when the
+    # broadcast selection is not empty. Without, they are checked at once.
+    lazy = any(arr is not None and arr.ndim > 0 for arr in arrays)
+    out_of_range: SliceError | None = None
     box: list[slice] = []
     pick: list[Any] = []
     for item, arr in zip(items, arrays, strict=True):
         dim = len(box)
         if item is Ellipsis:
             box.extend([slice(None)] * (ndim - consumed))
-            pick.extend([slice(None)] * (ndim - consumed))
+            pick.append(Ellipsis)
         elif item is None:
             pick.append(None)
         elif arr is None:
@@ -322,14 +349,20 @@ def split_advanced(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...
                 )
             size = shape[dim]
             wrapped = value + size if value < 0 else value
-            if not 0 <= wrapped < size:
-                raise SliceError(
-                    f"Error during slicing {render_index(index)} with shape {list(shape)}: index "
-                    f"{value} out of bounds for tensor dimension #{dim} of size {size}",
-                    kind="SliceOutOfRange",
-                )
-            box.append(slice(wrapped, wrapped + 1))
-            pick.append(0)
+            if 0 <= wrapped < size:
+                box.append(slice(wrapped, wrapped + 1))
+                pick.append(0)
+                continue
+            error = SliceError(
+                f"Error during slicing {render_index(index)} with shape {list(shape)}: index "
+                f"{value} out of bounds for tensor dimension #{dim} of size {size}",
+                kind="SliceOutOfRange",
+            )
+            if not lazy:
+                raise error
+            out_of_range = out_of_range or error
+            box.append(slice(0, 0))
+            pick.append(0)  # outside the empty box
         elif arr.dtype == np.bool_ and arr.ndim == 0:
             pick.append(bool(arr))  # a new axis of length 1 (True) or 0 (False)
         elif arr.dtype == np.bool_:
@@ -353,20 +386,22 @@ def split_advanced(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...
             values = arr.astype(np.int64)
             bad = (values < -size) | (values >= size)
             if bad.any():
-                value = int(values[bad][0])
-                raise SliceError(
-                    f"Error during slicing with shape {list(shape)}: index {value} out of "
-                    f"bounds for tensor dimension #{dim} of size {size}",
+                out_of_range = out_of_range or SliceError(
+                    f"Error during slicing with shape {list(shape)}: index "
+                    f"{int(values[bad].flat[0])} out of bounds for tensor dimension #{dim} of "
+                    f"size {size}",
                     kind="SliceOutOfRange",
                 )
             values = np.where(values < 0, values + size, values)
-            if values.size:
-                low, high = int(values.min()), int(values.max())
+            good = values[~bad]
+            if good.size:
+                low, high = int(good.min()), int(good.max())
                 box.append(slice(low, high + 1))
-                pick.append(values - low)
+                # Bad values become the box's length: out of range there too, never wrapped.
+                pick.append(np.where(bad, high + 1 - low, values - low))
             else:
                 box.append(slice(0, 0))
-                pick.append(values)
+                pick.append(np.zeros_like(values))  # outside the empty box
         else:
             raise SliceError(
                 f"Unsupported slice index at position {dim}: arrays used as indices must be of "
@@ -374,4 +409,4 @@ def split_advanced(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...
                 kind="InvalidSlice",
             )
     box.extend([slice(None)] * (ndim - len(box)))
-    return tuple(box), tuple(pick)
+    return AdvancedSplit(tuple(box), tuple(pick), out_of_range)

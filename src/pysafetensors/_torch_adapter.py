@@ -144,8 +144,8 @@ class TorchAdapter:
     def pick_cells(self, cells: np.ndarray, pick: tuple[Any, ...]) -> np.ndarray:
         """``cells[pick]`` by torch's indexing rules (used by advanced ``get_slice`` indices).
 
-        ``cells`` holds one row of element bytes per element (a trailing byte axis), so the
-        result is the selected elements' bytes whatever the dtype.
+        ``cells`` holds the elements as integers of their width, so the result is the
+        selected elements' bits whatever the dtype.
         """
         index = tuple(
             torch.from_numpy(item) if isinstance(item, np.ndarray) else item for item in pick

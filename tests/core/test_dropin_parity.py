@@ -114,6 +114,9 @@ ADVANCED: list[Any] = [
     ([],),
     (np.array([], dtype=np.int64), 0),
     (np.int64(1), None),
+    # An ellipsis between index arrays separates them even when it stands for no dimension.
+    (slice(None), (1,), True, Ellipsis, [0]),
+    (slice(None, 0, 3), -1, Ellipsis, True, 0),
 ]
 
 
@@ -155,6 +158,22 @@ def test_advanced_index_errors_are_slice_errors(model: Path) -> None:
             s[np.array([0.5])]
         with pytest.raises(IndexError):  # SliceError is an IndexError, as torch's own error
             s[[5]]
+        # Out-of-range values never wrap around inside the box that is read.
+        with pytest.raises(SliceError, match="index -4 out of bounds for tensor dimension #0"):
+            s[[1, -4]]
+        with pytest.raises(SliceError, match="index 9 out of bounds for tensor dimension #1"):
+            s[0, [1, 9]]
+
+
+def test_empty_broadcast_selects_nothing_like_numpy(tmp_path: Path) -> None:
+    # numpy checks index values only when the index arrays broadcast to a non-empty selection.
+    path = tmp_path / "e.safetensors"
+    ours_np.save_file({"e": np.zeros((0, 8)), "a": np.arange(6.0).reshape(2, 3)}, path)
+    with safe_open(path, "np") as f:
+        assert f.get_slice("e")[[0], []].shape == np.zeros((0, 8))[[0], []].shape
+        assert f.get_slice("a")[[5], []].shape == (0,)
+        with pytest.raises(SliceError, match="index 5 out of bounds"):
+            f.get_slice("a")[[5], [0]]
 
 
 def test_bool_is_an_axis_not_an_integer(model: Path) -> None:
