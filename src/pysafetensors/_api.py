@@ -284,7 +284,15 @@ def load_bytes_with(
     }
 
 
-def load_file_with(framework: str, filename: Any, device: Any, backend: str) -> dict[str, Any]:
+def load_file_with(
+    framework: str,
+    filename: Any,
+    device: Any,
+    backend: str,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """``load_file`` for any framework."""
-    with safe_open(filename, framework, device=device, backend=backend) as f:
+    with safe_open(
+        filename, framework, device=device, backend=backend, storage_options=storage_options
+    ) as f:
         return f.get_tensors()

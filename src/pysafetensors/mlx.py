@@ -70,14 +70,17 @@ def load(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     return load_bytes_with(ADAPTER, data, "cpu")
 
 
-def load_file(filename: Any, *, backend: str = "mmap") -> dict[str, Any]:
+def load_file(
+    filename: Any, *, backend: str = "mmap", storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Load every tensor of a file (a path, URL or file object) as MLX arrays, in file order.
 
     Args:
         filename: What to read.
         backend: ``"mmap"`` or ``"pread"``.
+        storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
 
     Returns:
         Name to ``mx.array``.
     """
-    return load_file_with("mlx", filename, "cpu", backend)
+    return load_file_with("mlx", filename, "cpu", backend, storage_options)

@@ -62,11 +62,14 @@ def load(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
     return load_bytes_with(_ADAPTER, data, "cpu")
 
 
-def load_file(filename: Any, *, backend: str = "mmap") -> dict[str, np.ndarray]:
+def load_file(
+    filename: Any, *, backend: str = "mmap", storage_options: dict[str, Any] | None = None
+) -> dict[str, np.ndarray]:
     """Load every array of a file (a path, URL or file object), in file order.
 
     Args:
         filename: What to read.
         backend: ``"mmap"`` (zero-copy copy-on-write views) or ``"pread"`` (fresh memory).
+        storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
     """
-    return load_file_with("numpy", filename, "cpu", backend)
+    return load_file_with("numpy", filename, "cpu", backend, storage_options)

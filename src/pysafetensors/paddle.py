@@ -92,15 +92,22 @@ def load(data: bytes | bytearray | memoryview, device: Any = "cpu") -> dict[str,
     return load_bytes_with(ADAPTER, data, device)
 
 
-def load_file(filename: Any, device: Any = "cpu", *, backend: str = "mmap") -> dict[str, Any]:
+def load_file(
+    filename: Any,
+    device: Any = "cpu",
+    *,
+    backend: str = "mmap",
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Load every tensor of a file (a path, URL or file object) as Paddle tensors.
 
     Args:
         filename: What to read.
         device: ``"cpu"``, ``"gpu:0"``, ``"cuda:0"``, ...
         backend: ``"mmap"`` or ``"pread"``.
+        storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
 
     Returns:
         Name to ``paddle.Tensor``, in file order.
     """
-    return load_file_with("paddle", filename, device, backend)
+    return load_file_with("paddle", filename, device, backend, storage_options)

@@ -266,7 +266,11 @@ def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
 
 
 def load_file(
-    filename: Any, device: Any = "cpu", *, backend: str = "mmap"
+    filename: Any,
+    device: Any = "cpu",
+    *,
+    backend: str = "mmap",
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a file, in file order.
 
@@ -274,8 +278,9 @@ def load_file(
         filename: A path, URL or binary file object.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int, ...
         backend: ``"mmap"`` (copy-on-write views, zero-copy on CPU) or ``"pread"``.
+        storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
     """
-    return load_file_with("pt", filename, device, backend)
+    return load_file_with("pt", filename, device, backend, storage_options)
 
 
 def save_model(

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pysafetensors._errors import ClosedFileError, RemoteError, SafetensorError
@@ -435,3 +436,22 @@ def test_open_source_dispatches_http(server: RangeServer) -> None:
         src.close()
     with pytest.raises(ValueError):
         open_source("no-scheme.safetensors")
+
+
+def test_load_file_and_load_shard_take_storage_options(server: RangeServer, data_dir: Path) -> None:
+    import pysafetensors.numpy as pnp
+    import pysafetensors.torch as ptorch
+    from pysafetensors.parallel import load_shard
+
+    url = server.url("auth/small.safetensors")
+    options = {"headers": {"Authorization": TOKEN}}
+    local = pnp.load_file(data_dir / "small.safetensors")
+    with pytest.raises(RemotePermissionError):
+        pnp.load_file(url)
+    loaded = pnp.load_file(url, storage_options=options)
+    assert loaded.keys() == local.keys()
+    assert all(np.array_equal(loaded[k], local[k]) for k in local)
+    tensors = ptorch.load_file(url, storage_options=options)
+    assert np.array_equal(tensors["y"].numpy(), local["y"])
+    part = load_shard(url, 1, 3, {"y": "rows"}, framework="np", storage_options=options)
+    assert np.array_equal(part["y"], local["y"][1:2]) and np.array_equal(part["x"], local["x"])
