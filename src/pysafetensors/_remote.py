@@ -27,6 +27,7 @@ reader treats a URL exactly like a local file. What they add over local sources:
 
 from __future__ import annotations
 
+import base64
 import http.client
 import os
 import posixpath
@@ -201,6 +202,18 @@ def _redact(url: str) -> str:
     netloc = parts.netloc.rpartition("@")[2]
     suffix = "?..." if parts.query else ""
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
+
+
+def _basic_auth(url: str) -> str | None:
+    """``Basic <base64>`` for a URL's ``user:password@``, or None without one."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return None
+    if parts.username is None:
+        return None
+    pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+    return "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
 
 
 def url_path(url: str) -> str:
@@ -865,6 +878,10 @@ class HTTPSource(RemoteSource):
         self._url = url
         self._origin_key = origin_key
         self._headers = dict(headers or {})
+        basic = _basic_auth(url)
+        if basic is not None and not any(k.lower() == "authorization" for k in self._headers):
+            # user:password@host in the URL, as curl and requests take it (origin only).
+            self._headers["Authorization"] = basic
         self._timeout = timeout
         self._deadline = deadline
         # Validator of servers that send no ETag (``python -m http.server``, some CDNs).

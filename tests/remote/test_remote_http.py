@@ -455,3 +455,17 @@ def test_load_file_and_load_shard_take_storage_options(server: RangeServer, data
     assert np.array_equal(tensors["y"].numpy(), local["y"])
     part = load_shard(url, 1, 3, {"y": "rows"}, framework="np", storage_options=options)
     assert np.array_equal(part["y"], local["y"][1:2]) and np.array_equal(part["x"], local["x"])
+
+
+def test_user_and_password_in_the_url_become_basic_auth(server: RangeServer) -> None:
+    import base64
+
+    url = server.url("small.safetensors").replace("://", "://us%40er:p%3Ass@", 1)
+    with HTTPSource(url) as src:
+        assert src.size > 0 and "p%3Ass" not in src.name  # never shown in names or errors
+    sent = {r.authorization for r in server.records("small.safetensors")}
+    assert sent == {"Basic " + base64.b64encode(b"us@er:p:ss").decode()}
+    # An explicit header wins.
+    with HTTPSource(url, headers={"Authorization": TOKEN}):
+        pass
+    assert TOKEN in {r.authorization for r in server.records("small.safetensors")}
