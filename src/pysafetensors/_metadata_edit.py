@@ -101,7 +101,11 @@ def edit_metadata(
     """Change a file's ``__metadata__``, in place when the new header fits.
 
     Args:
-        path: A local safetensors file (it is validated first).
+        path: A local safetensors file (it is validated first). A symbolic link is followed:
+            the file it points to is edited, in place or rewritten beside it, and the link
+            stays (so every other link to that file, e.g. in a hub cache, sees the change). A
+            file with several hard links is shared only by an in-place edit; a rewrite gives
+            this name a new file and the other names keep the old one.
         set: Keys to add or overwrite.
         delete: Keys to remove.
         replace: Start from empty metadata instead of the file's (then ``set`` is the result).
@@ -125,21 +129,27 @@ def edit_metadata(
         >>> edit_metadata("model.safetensors", set={"format": "pt"})  # doctest: +SKIP
         True
     """
-    target = os.fspath(path)
+    given = os.fspath(path)
+    # A symbolic link is followed in both cases: an in-place edit writes through it anyway, so
+    # the rewrite goes to the file it points to too (beside that file), and the link stays a
+    # link. Replacing it with a regular file would break a hub cache snapshot's dedup.
+    target = os.path.realpath(given)
     updates = dict(set or {})
     _check_strings(updates)
     removals = list(delete)
     fd = os.open(target, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     try:
         source = PreadSource(fd, target, owns_fd=False)
-        header = read_header(source, max_header_size=max_header_size)
+        header = read_header(source, max_header_size=max_header_size, prefix_text=f"{given}: ")
         old = header.metadata
         metadata: dict[str, str] = {} if replace else dict(old or {})
         for key in removals:
             if key in metadata:
                 del metadata[key]
             elif not missing_ok and not replace:
-                raise SafetensorError(f"metadata has no key {key!r}", kind="MetadataKeyNotFound")
+                raise SafetensorError(
+                    f"{given}: metadata has no key {key!r}", kind="MetadataKeyNotFound"
+                )
         metadata.update(updates)
         # Keep "no metadata" distinct from "{}" only when the file had none and gains none.
         new_meta: dict[str, str] | None = metadata if (metadata or old is not None) else None
@@ -158,8 +168,8 @@ def edit_metadata(
         padded += b" " * ((max(0, reserve) + 7) // 8 * 8)
         if len(padded) > max_header_size:
             raise SerializeError(
-                f"{SERIALIZE_PREFIX}header too large ({len(padded)} bytes; the limit is "
-                f"{max_header_size})",
+                f"{SERIALIZE_PREFIX}{given}: header too large ({len(padded)} bytes; the limit "
+                f"is {max_header_size})",
                 kind="HeaderTooLarge",
             )
         parse_header(padded, data_size)

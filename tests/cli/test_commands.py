@@ -438,3 +438,31 @@ def test_metadata_set_refuses_bad_reserve(cli, example: Path, reserve: str) -> N
     r = cli("metadata", "set", example, "notes=" + "x" * 500, f"--reserve={reserve}")
     assert r.code == 2 and "--reserve" in r.err
     assert example.read_bytes() == before
+
+
+def test_metadata_set_through_a_symlink_edits_the_target_both_ways(cli, example: Path) -> None:
+    link = example.parent / "link.safetensors"
+    link.symlink_to(example.name)
+    size = example.stat().st_size
+    # In place (fits the padding), then a rewrite (grows the header): the link stays a link
+    # and both edits land in the file it points to.
+    r = cli("metadata", "delete", link, "source")
+    assert r.code == 0 and "in place" in r.out
+    r = cli("metadata", "set", link, "a=1")
+    assert r.code == 0 and "in place" in r.out
+    r = cli("metadata", "set", link, "notes=" + "y" * 2000)
+    assert r.code == 0 and "rewriting" in r.out
+    assert link.is_symlink() and os.readlink(link) == example.name
+    assert example.stat().st_size > size
+    assert cli("metadata", "get", example, "a").out == "1\n"
+    assert cli("metadata", "get", link, "notes").out == "y" * 2000 + "\n"
+    assert sorted(p.name for p in example.parent.iterdir()) == sorted([example.name, link.name])
+    assert cli("validate", example).code == 0
+
+
+def test_metadata_set_on_a_malformed_file_names_it(cli, tmp_path: Path) -> None:
+    bad = _malformed(tmp_path)
+    before = bad.read_bytes()
+    r = cli("metadata", "set", bad, "a=b")
+    assert r.code == 1 and r.err.startswith(f"error: {bad}: ")
+    assert bad.read_bytes() == before
