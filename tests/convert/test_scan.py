@@ -136,7 +136,9 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     assert _cli("scan", str(safe), str(sus)).returncode == 1
     res = _cli("scan", "--json", str(safe), str(sus), str(bad))
     assert res.returncode == 2
-    reports = json.loads(res.stdout)
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "pysafetensors.scan/1" and doc["grade"] == "dangerous"
+    reports = doc["files"]
     assert [r["grade"] for r in reports] == ["safe", "suspicious", "dangerous"]
     assert reports[2]["globals"][0]["qualname"] == "os.system"
     assert not (tmp_path / "c").exists()
@@ -318,3 +320,22 @@ def test_zip_bomb_is_refused_before_inflating(tmp_path: Path) -> None:
     assert any("possible zip bomb" in f.message for f in report.findings)
     assert report.grade == "suspicious"
     assert peak < 100 * compressed + (8 << 20)
+
+
+def test_cli_convert_usage_errors_json_schema_and_named_errors(tmp_path: Path) -> None:
+    make_zip(tmp_path / "m.bin", good_pickle())
+    src, out = str(tmp_path / "m.bin"), tmp_path / "sub" / "dir" / "m.safetensors"
+    for bad in (["--metadata", "novalue"], ["--metadata", "=x"], ["--workers", "0"]):
+        res = _cli("convert", src, str(out), *bad)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, bad
+    assert not out.exists()
+    # The output's folder is created, as every command creates what it writes into.
+    res = _cli("convert", src, str(out), "--json", "--metadata", "k=v")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "pysafetensors.convert/1" and doc["index"] is None
+    assert [f["tensors"] for f in doc["files"]] == [["w"]]
+    # A truncated zip: the error names the file.
+    (tmp_path / "t.bin").write_bytes((tmp_path / "m.bin").read_bytes()[:-30])
+    res = _cli("convert", str(tmp_path / "t.bin"), str(tmp_path / "t.safetensors"))
+    assert res.returncode == 1 and res.stderr.startswith(f"error: {tmp_path / 't.bin'}: ")

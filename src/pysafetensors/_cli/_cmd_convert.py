@@ -7,9 +7,13 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
+
+from ._common import UsageError, make_parent, print_json
 
 __all__ = ["register"]
+
+SCHEMA: Final = "pysafetensors.convert/1"
 
 
 def register(subparsers: Any) -> None:
@@ -44,9 +48,21 @@ def register(subparsers: Any) -> None:
         default=[],
         help="extra __metadata__ entry (repeatable)",
     )
-    p.add_argument("--workers", type=int, default=1, help="threads for folder conversion")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--workers", type=_workers, default=1, help="threads for folder conversion (>= 1)"
+    )
+    p.add_argument("--json", action="store_true", help=f"print the report as JSON ({SCHEMA})")
     p.set_defaults(func=run)
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {text!r}")
+    return value
 
 
 def _bar(args: argparse.Namespace) -> Callable[[int, int], None] | None:
@@ -85,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     meta: dict[str, str] = {}
     for item in args.metadata:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--metadata expects KEY=VALUE, got {item!r}")
+        if not sep or not key:
+            raise UsageError(f"--metadata expects KEY=VALUE, got {item!r}")
         meta[key] = value
     kwargs: dict[str, Any] = {
         "verify": args.verify,
@@ -94,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         "subtree": args.subtree,
         "metadata": meta or None,
     }
+    index = None
     if os.path.isdir(args.src):
         if args.workers > 1:
             from concurrent.futures import ThreadPoolExecutor
@@ -102,11 +119,19 @@ def run(args: argparse.Namespace) -> int:
                 folder = convert_folder(args.src, args.dst, executor=pool, **kwargs)
         else:
             folder = convert_folder(args.src, args.dst, **kwargs)
-        reports = folder.files
+        reports, index = folder.files, folder.index
     else:
+        make_parent(args.dst)
         reports = [convert_file(args.src, args.dst, progress=_bar(args), **kwargs)]
     if args.json:
-        print(json.dumps([r.__dict__ for r in reports], indent=2, default=str))
+        # Round-trip through json with default=str: non-tensor values of a checkpoint can be
+        # anything JSON-like; NaN/Infinity become null so the document stays strict JSON.
+        files = json.loads(
+            json.dumps([r.__dict__ for r in reports], default=str), parse_constant=lambda _: None
+        )
+        print_json(
+            {"schema": SCHEMA, "src": args.src, "dst": args.dst, "index": index, "files": files}
+        )
     elif not args.quiet:
         for r in reports:
             extra = f", {len(r.dropped)} shared dropped" if r.dropped else ""

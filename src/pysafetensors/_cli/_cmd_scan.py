@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["register"]
+
+SCHEMA: Final = "pysafetensors.scan/1"
 
 
 def register(subparsers: Any) -> None:
@@ -26,7 +28,7 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument("paths", metavar="PATH", nargs="+", help="files to scan")
-    p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    p.add_argument("--json", action="store_true", help=f"print the reports as JSON ({SCHEMA})")
     p.add_argument("-v", "--verbose", action="store_true", help="list safe globals too")
     p.set_defaults(func=run)
 
@@ -38,11 +40,17 @@ def _escape(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``scan``; returns 0, 1 or 2."""
-    from ..scan import scan_file
+    from ..scan import GRADES, scan_file
 
     reports = [scan_file(p) for p in args.paths]
     if args.json:
-        print(json.dumps([r.to_dict() for r in reports], indent=2))
+        worst = max((r.exit_code for r in reports), default=0)
+        doc = {
+            "schema": SCHEMA,
+            "grade": GRADES[worst],
+            "files": [r.to_dict() for r in reports],
+        }
+        print(json.dumps(doc, indent=2, ensure_ascii=True))
     else:
         for r in reports:
             print(f"{_escape(r.path)}: {r.grade} ({r.format}, {r.streams} pickle streams)")
