@@ -49,6 +49,7 @@ __all__ = [
     "KNOWN_FORMATS",
     "ModelFiles",
     "Problem",
+    "index_problems",
     "iter_tensor_chunks",
     "locate_model",
     "validate",
@@ -680,6 +681,25 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
             model.files.append(_join(index_path, shard))
     model.weight_map = clean
     return model
+
+
+def index_problems(
+    model: ModelFiles, headers: dict[str, dict[str, tuple[int, int]] | None]
+) -> list[Problem]:
+    """The errors ``validate`` reports for an index against its shards' headers.
+
+    For commands that open a sharded model and would otherwise trust whichever side they read
+    (the shards' headers): a tensor the index places in the wrong shard, lists but no shard
+    holds, or a shard holds but the index does not list.
+
+    Args:
+        model: What :func:`locate_model` found.
+        headers: Shard label to ``{tensor: (begin, end)}``.
+    """
+    col = _Collector(model.index_path and os.path.basename(model.index_path), strict=False)
+    if model.index_path is not None:
+        _check_index(model, headers, col)
+    return col.problems
 
 
 def _check_index(

@@ -15,7 +15,7 @@ import pytest
 
 from pysafetensors.numpy import load_file, save_file
 
-from .conftest import example_tensors, raw_file
+from .conftest import example_tensors, raw_file, write_sharded
 
 
 def test_console_script_runs(console_script: str, example: Path) -> None:
@@ -466,3 +466,100 @@ def test_metadata_set_on_a_malformed_file_names_it(cli, tmp_path: Path) -> None:
     r = cli("metadata", "set", bad, "a=b")
     assert r.code == 1 and r.err.startswith(f"error: {bad}: ")
     assert bad.read_bytes() == before
+
+
+# ------------------------------------------------------------------- consistency across commands
+
+
+def test_extract_bad_regex_is_a_usage_error(cli, example: Path, tmp_path: Path) -> None:
+    r = cli("extract", example, tmp_path / "out.safetensors", "-E", "(")
+    assert r.code == 2 and r.err.startswith("error: invalid --regex '('")
+    assert "Traceback" not in r.err and not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("bins", ["0", "-3", "1000001", "10000000000"])
+def test_stats_histogram_bins_are_bounded(cli, example: Path, bins: str) -> None:
+    r = cli("stats", example, f"--histogram={bins}")
+    assert r.code == 2 and "--histogram takes 1 to 1,000,000 bins" in r.err
+
+
+def _inconsistent_models(root: Path) -> dict[str, Path]:
+    """Sharded models whose index disagrees with the shards, one way each."""
+    names = list(example_tensors())
+    out = {}
+    for kind in ("wrong_shard", "listed_not_held", "held_not_listed"):
+        folder = write_sharded(root / kind, example_tensors(), [names[:2], names[2:]])
+        index_path = folder / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        wm = index["weight_map"]
+        if kind == "wrong_shard":
+            wm[names[0]] = "model-00002-of-00002.safetensors"
+        elif kind == "listed_not_held":
+            wm["ghost"] = "model-00001-of-00002.safetensors"
+        else:
+            del wm[names[-1]]
+        index_path.write_text(json.dumps(index))
+        out[kind] = folder
+    return out
+
+
+def test_inconsistent_index_warns_and_fails_every_command(cli, tmp_path: Path) -> None:
+    codes = {
+        "wrong_shard": "IndexWrongShard",
+        "listed_not_held": "IndexTensorMissing",
+        "held_not_listed": "IndexTensorUnlisted",
+    }
+    for kind, folder in _inconsistent_models(tmp_path).items():
+        code = codes[kind]
+        # Read-only commands still answer, but warn and exit 1 (diff: 2, its "cannot tell").
+        for cmd in (["inspect"], ["inspect", "--json"], ["hash"], ["stats"]):
+            r = cli(*cmd[:1], folder, *cmd[1:])
+            assert r.code == 1, (kind, cmd, r.err)
+            assert r.out and f"warning: {folder}: " in r.err and f"[{code}]" in r.err
+        r = cli("diff", folder, folder)
+        assert r.code == 2 and f"[{code}]" in r.err
+        # Commands that write a model refuse it, naming the problem, and write nothing.
+        for cmd in (
+            ["reshard", folder, tmp_path / "o1"],
+            ["merge", folder, tmp_path / "o2.safetensors"],
+            ["extract", folder, tmp_path / "o3.safetensors", "*"],
+            ["cast", folder, tmp_path / "o4", "--to", "bf16"],
+        ):
+            r = cli(*cmd)
+            assert r.code == 1 and r.err.startswith("error:"), (kind, cmd, r.err)
+            assert not Path(cmd[2]).exists()
+        assert cli("validate", folder).code == 1
+
+
+def test_truncated_shard_errors_name_the_shard(cli, sharded: Path, tmp_path: Path) -> None:
+    shard = sharded / "model-00002-of-00002.safetensors"
+    os.truncate(shard, shard.stat().st_size - 10)
+    for cmd in (
+        ["reshard", sharded, tmp_path / "o1"],
+        ["merge", sharded, tmp_path / "o2.safetensors"],
+        ["extract", sharded, tmp_path / "o3.safetensors", "*"],
+        ["inspect", sharded],
+        ["cast", sharded, tmp_path / "o4", "--to", "bf16"],
+    ):
+        r = cli(*cmd)
+        assert r.code == 1 and r.err.startswith(f"error: {shard.name}: incomplete metadata"), (
+            cmd,
+            r.err,
+        )
+
+
+def test_output_folders_are_created_by_every_command(cli, example: Path, sharded: Path) -> None:
+    base = example.parent / "new" / "deeper"
+    runs = {
+        "cast.safetensors": ["cast", example, None, "--to", "bf16"],
+        "merge.safetensors": ["merge", sharded, None],
+        "extract.safetensors": ["extract", sharded, None, "step"],
+        "reshard": ["reshard", sharded, None],
+        "extract-s": ["extract", sharded, None, "*", "-s", "1MB"],
+        "cast-sharded": ["cast", sharded, None, "--to", "bf16"],
+    }
+    for name, cmd in runs.items():
+        out = base / name
+        r = cli(*[out if a is None else a for a in cmd])
+        assert r.code == 0, (name, r.err)
+        assert out.exists(), name

@@ -25,7 +25,17 @@ import numpy as np
 from .._adapter import numpy_dtype
 from .._dtypes import DType, dtype_from_code
 from .._writer import TensorData, write_file
-from ._common import Model, TensorRef, Ui, UsageError, decode, name_filter, open_model, sanitize
+from ._common import (
+    Model,
+    TensorRef,
+    Ui,
+    UsageError,
+    decode,
+    make_parent,
+    name_filter,
+    open_model,
+    sanitize,
+)
 
 #: Targets a cast can produce (whole-byte floating types numpy/ml_dtypes can compute in).
 TARGETS: Final = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
@@ -127,12 +137,14 @@ def run(args: argparse.Namespace) -> int:
     ui = Ui(args)
     overflow: dict[str, int] = {}
     with open_model(args.target) as model:
+        model.refuse_inconsistent()  # as reshard/merge/extract: never write a model from it
         total = sum(t.nbytes for t in model.tensors.values())
         with ui.progress(total, "cast") as update:
             plan = _plan(model, args, overflow, update)
             written = 0
             if not model.sharded:
                 f = model.files[0]
+                make_parent(args.output)
                 layout = write_file(args.output, plan[f.label], f.header.metadata)
                 written = layout.file_size
                 data_bytes = {f.label: layout.data_size}

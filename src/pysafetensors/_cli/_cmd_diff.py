@@ -200,6 +200,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``diff``."""
     ui = Ui(args)
     with open_model(args.a) as ma, open_model(args.b) as mb:
+        # Compared: what the shards hold. An index that disagrees with them is warned about, and
+        # the exit code is then 2 (the answer cannot be trusted as "equal"/"different").
+        inconsistent = ma.warn_index() | mb.warn_index()
         total = (
             0
             if args.no_values
@@ -211,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
             result = diff_models(ma, mb, args, update)
     if args.json:
         print_json(result)
-        return 0 if result["equal"] else 1
+        return 2 if inconsistent else 0 if result["equal"] else 1
     ui.line(f"--- {sanitize(args.a)}", style="red")
     ui.line(f"+++ {sanitize(args.b)}", style="green")
     meta = result["metadata"]
@@ -259,4 +262,4 @@ def run(args: argparse.Namespace) -> int:
         + (", metadata differs" if any(meta.values()) else ""),
         style="bold",
     )
-    return 0 if result["equal"] else 1
+    return 2 if inconsistent else 0 if result["equal"] else 1

@@ -7,10 +7,11 @@ expressions searched anywhere in the name with ``--regex``. Bytes are copied fil
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from ._cmd_reshard import add_shard_args, check_pattern, parse_size_arg, progress_for
-from ._common import Ui, sanitize
+from ._common import Ui, UsageError, check_source, make_parent, sanitize
 
 
 def register(subparsers: Any) -> None:
@@ -36,8 +37,17 @@ def run(args: argparse.Namespace) -> int:
     """Run ``extract``; returns the exit code."""
     from .._reshard import extract
 
+    if args.regex:
+        for pattern in args.patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise UsageError(f"invalid --regex {pattern!r}: {exc}") from None
     if args.max_shard_size is not None:
         check_pattern(args.filename_pattern)
+    else:
+        make_parent(args.output)
+    check_source(args.source)
     ui = Ui(args)
     with progress_for(ui, "extracting") as report:
         names = extract(

@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     ui = Ui(args)
     accept = name_filter(args)
     with open_model(args.target) as model:
+        inconsistent = model.warn_index()
         total = sum(t.nbytes for t in model.tensors.values())
         with ui.progress(total, "hash") as update:
             result = hash_model(model, args.algorithm, accept, update)
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         if args.no_tensors:
             del result["tensors"]
         print_json(result)
-        return 0
+        return inconsistent
     algo = args.algorithm
     filtered = bool(args.filter or args.regex)
     ui.line(f"model   {algo}:{result['model']}" + ("  (filtered tensors)" if filtered else ""))
@@ -131,4 +132,4 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_tensors:
         for row in result["tensors"]:
             ui.line(f"tensor  {algo}:{row['digest']}  {sanitize(row['name'])}")
-    return 0
+    return inconsistent

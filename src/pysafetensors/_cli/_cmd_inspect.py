@@ -108,12 +108,15 @@ def run(args: argparse.Namespace) -> int:
     ui = Ui(args)
     accept = name_filter(args)
     with open_model(args.target) as model:
+        # The table lists what the shards hold; an index that disagrees is warned about and
+        # makes the exit code 1 (reshard/merge/extract refuse such a model).
+        inconsistent = model.warn_index()
         tensors = _sorted([t for t in model.tensors.values() if accept(t.name)], args.sort)
         if args.json:
             print_json(to_json(model, tensors))
-            return 0
+            return inconsistent
         _print_human(ui, model, tensors, show_tensors=not args.no_tensors)
-    return 0
+    return inconsistent
 
 
 def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors: bool) -> None:

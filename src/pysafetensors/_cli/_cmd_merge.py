@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ._cmd_reshard import progress_for
-from ._common import Ui, human_bytes, sanitize
+from ._common import Ui, check_source, human_bytes, make_parent, sanitize
 
 
 def register(subparsers: Any) -> None:
@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``merge``; returns the exit code."""
     from .._reshard import merge
 
+    check_source(args.source)
+    make_parent(args.output)
     ui = Ui(args)
     with progress_for(ui, "merging") as report:
         merge(args.source, args.output, progress=report)

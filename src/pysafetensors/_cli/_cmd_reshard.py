@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._common import Ui, UsageError, human_bytes, sanitize
+from ._common import Ui, UsageError, check_source, human_bytes, sanitize
 
 
 def register(subparsers: Any) -> None:
@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from .._reshard import reshard
 
     check_pattern(args.filename_pattern)
+    check_source(args.source)
     ui = Ui(args)
     with progress_for(ui, "resharding") as report:
         plan = reshard(

@@ -30,6 +30,8 @@ from ._common import (
 )
 
 SCHEMA: Final = "pysafetensors.stats/1"
+#: Most histogram bins (each an int64 counter).
+MAX_BINS: Final = 1_000_000
 #: Elements decoded per step; float64 copies of them bound the memory used (~32 MiB).
 _CHUNK_ELEMENTS: Final = 4 << 20
 
@@ -144,12 +146,14 @@ def run(args: argparse.Namespace) -> int:
     """Run ``stats``."""
     ui = Ui(args)
     accept = name_filter(args)
-    if args.histogram is not None and args.histogram < 1:
+    if args.histogram is not None and not 1 <= args.histogram <= MAX_BINS:
         from ._common import UsageError
 
-        raise UsageError("--histogram needs at least 1 bin")
+        # Each bin is an int64 counter per tensor: 10**10 bins would ask for 75 GiB.
+        raise UsageError(f"--histogram takes 1 to {MAX_BINS:,} bins, not {args.histogram:,}")
     results: list[tuple[TensorRef, Summary]] = []
     with open_model(args.target) as model:
+        inconsistent = model.warn_index()
         refs = [t for t in model.tensors.values() if accept(t.name)]
         total = sum(t.nbytes for t in refs) * (2 if args.histogram else 1)
         with ui.progress(total, "stats") as update:
@@ -166,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
                 ],
             }
         )
-        return 0
+        return inconsistent
     rows = []
     for ref, s in results:
         d = s.as_dict()
@@ -197,4 +201,4 @@ def run(args: argparse.Namespace) -> int:
         for i, c in enumerate(counts):
             bar = "#" * round(40 * c / peak)
             ui.line(f"  [{edges[i]:>11.4g}, {edges[i + 1]:>11.4g})  {int(c):>10,}  {bar}")
-    return 0
+    return inconsistent

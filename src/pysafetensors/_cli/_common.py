@@ -26,7 +26,7 @@ from .._errors import SafetensorError
 from .._format import Header
 from .._reader import open_source_for, read_header
 from .._sources import ByteSource
-from .._validate import ModelFiles, iter_tensor_chunks, locate_model
+from .._validate import ModelFiles, Problem, index_problems, iter_tensor_chunks, locate_model
 
 __all__ = [
     "CHUNK_BYTES",
@@ -38,7 +38,9 @@ __all__ = [
     "add_filter_args",
     "decode",
     "human_bytes",
+    "check_source",
     "human_count",
+    "make_parent",
     "open_model",
     "print_json",
     "sanitize",
@@ -61,6 +63,27 @@ class UsageError(SafetensorError):
     """Raised when the command line asks for something impossible (exit code 2)."""
 
     exit_code = 2
+
+
+def make_parent(path: str) -> None:
+    """Create the folder an output file goes into, with its parents (``mkdir -p``).
+
+    Every command creates what it writes into: output folders (``reshard``, sharded ``cast``
+    and ``extract -s``, folder ``convert``) and the folder of an output file alike.
+    """
+    if "://" not in path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def check_source(target: str) -> None:
+    """Open a model's headers before a command rewrites it, for errors that name the file.
+
+    ``reshard``/``merge``/``extract`` read through the library, whose header errors do not say
+    which shard failed; this reads every header the way ``inspect`` does (naming the file) and
+    refuses an index that disagrees with its shards, before anything is written.
+    """
+    with open_model(target) as model:
+        model.refuse_inconsistent()
 
 
 def tolerance(text: str) -> float:
@@ -211,6 +234,35 @@ class Model:
     located: ModelFiles
     files: list[ShardFile] = field(default_factory=list)
     tensors: dict[str, TensorRef] = field(default_factory=dict)
+    index_problems: list[Problem] = field(default_factory=list)
+    """Where the index disagrees with the shards (the tensors listed are the shards')."""
+
+    def warn_index(self) -> int:
+        """Print the index problems on stderr as warnings; 1 if there were any, else 0.
+
+        ``reshard``/``merge``/``extract`` refuse such a model; read-only commands still answer
+        (about the tensors the shards hold) but must not exit 0 as if the model were sound.
+        """
+        for p in self.index_problems:
+            where = f" (tensor {sanitize(repr(p.tensor))})" if p.tensor is not None else ""
+            print(
+                f"warning: {sanitize(self.target)}: {sanitize(p.file or '')} [{p.code}]{where}: "
+                f"{sanitize(p.message)} (run `pysafetensors validate`)",
+                file=sys.stderr,
+            )
+        return 1 if self.index_problems else 0
+
+    def refuse_inconsistent(self) -> None:
+        """Raise if the index disagrees with the shards (for commands that write a model)."""
+        if self.index_problems:
+            p = self.index_problems[0]
+            raise SafetensorError(
+                f"{self.target}: {p.file}: {p.message}"
+                + (f" (tensor {p.tensor!r})" if p.tensor is not None else "")
+                + f"; {len(self.index_problems)} problem(s), run `pysafetensors validate`",
+                kind=p.code,
+                tensor=p.tensor,
+            )
 
     @property
     def sharded(self) -> bool:
@@ -286,6 +338,14 @@ def open_model(target: str) -> Model:
                 model.tensors[info.name] = TensorRef(
                     info.name, info.dtype, info.shape, shard, info.begin, info.end
                 )
+        if located.sharded:
+            model.index_problems = index_problems(
+                located,
+                {
+                    f.label: {i.name: (i.begin, i.end) for i in f.header.tensors.values()}
+                    for f in model.files
+                },
+            )
     except BaseException:
         model.close()
         raise
