@@ -342,9 +342,8 @@ def test_argument_type_errors_have_the_reference_texts() -> None:
         ("serialize", lambda m: m.serialize([1])),
     ]
     for kind, call in calls:
-        if kind == "save":
-            theirs, mine = _outcome(lambda: call(ref_np)), _outcome(lambda: call(ours_np))
-        else:
-            theirs, mine = _outcome(lambda: call(ref)), _outcome(lambda: call(pysafetensors))
+        theirs_module, mine_module = (ref_np, ours_np) if kind == "save" else (ref, pysafetensors)
+        theirs = _outcome(lambda c=call, m=theirs_module: c(m))
+        mine = _outcome(lambda c=call, m=mine_module: c(m))
         assert theirs[0] == mine[0] == "error" and mine[1] is theirs[1] is TypeError
         assert mine[2].startswith(theirs[2]), (mine[2], theirs[2])
