@@ -33,7 +33,7 @@ from typing import Any, Final, TypeVar
 from ._adapter import Adapter, get_adapter
 from ._errors import SerializeError
 from ._format import MAX_HEADER_SIZE
-from ._writer import TensorData, atomic_output, write_file
+from ._writer import SaveGroup, TensorData, atomic_output, write_file
 
 __all__ = [
     "DEFAULT_FILENAME_PATTERN",
@@ -281,11 +281,12 @@ def write_index(
     *,
     filename_pattern: str = DEFAULT_FILENAME_PATTERN,
     fsync: bool = False,
+    group: SaveGroup | None = None,
 ) -> str:
-    """Write the index JSON atomically and return its path."""
+    """Write the index JSON atomically and return its path (renamed with ``group``, if any)."""
     path = os.path.join(os.fspath(folder), index_filename(filename_pattern))
     data = index_json(plan, metadata).encode("utf-8")
-    with atomic_output(path, fsync=fsync) as fd:
+    with atomic_output(path, fsync=fsync, group=group) as fd:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -476,28 +477,32 @@ def save_sharded(
     if not plan.is_sharded:
         per_file.update(meta)
     written = []
-    for filename, names in plan.filename_to_tensors.items():
-        shard = {name: state[name] for name in names}
-        if shard and all(_is_torch(v) for v in shard.values()):
-            from .torch import _flatten
+    # Every shard and the index are renamed into place together once all are written, so an
+    # interrupted save leaves the earlier checkpoint whole rather than mixed with new shards.
+    index_path = os.path.join(out, index_filename(filename_pattern)) if plan.is_sharded else None
+    with SaveGroup(fsync=fsync, seal=index_path) as group:
+        for filename, names in plan.filename_to_tensors.items():
+            shard = {name: state[name] for name in names}
+            if shard and all(_is_torch(v) for v in shard.values()):
+                from .torch import _flatten
 
-            # The reference's checks (sparse, meta, non-contiguous) with its messages.
-            _flatten(shard)
-        data: list[TensorData] = [_adapter_for(v).to_data(k, v) for k, v in shard.items()]
-        write_file(
-            os.path.join(out, filename),
-            data,
-            per_file,
-            fsync=fsync,
-            max_header_size=max_header_size,
-        )
-        written.append(filename)
-    if plan.is_sharded:
-        written.append(
-            os.path.basename(
-                write_index(out, plan, meta, filename_pattern=filename_pattern, fsync=fsync)
+                # The reference's checks (sparse, meta, non-contiguous) with its messages.
+                _flatten(shard)
+            data: list[TensorData] = [_adapter_for(v).to_data(k, v) for k, v in shard.items()]
+            write_file(
+                os.path.join(out, filename),
+                data,
+                per_file,
+                fsync=fsync,
+                max_header_size=max_header_size,
+                group=group,
             )
-        )
+            written.append(filename)
+        if plan.is_sharded:
+            index = write_index(
+                out, plan, meta, filename_pattern=filename_pattern, fsync=fsync, group=group
+            )
+            written.append(os.path.basename(index))
     if clean:
         remove_stale_files(out, filename_pattern, written)
     return plan

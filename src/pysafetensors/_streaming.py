@@ -33,11 +33,12 @@ from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
     ShardPlan,
+    index_filename,
     remove_stale_files,
     split_into_shards,
     write_index,
 )
-from ._writer import Writeback, atomic_output
+from ._writer import SaveGroup, Writeback, atomic_output
 
 __all__ = ["ShardedStreamingWriter", "StreamingWriter", "TensorDecl", "as_dtype"]
 
@@ -156,6 +157,8 @@ class StreamingWriter:
         metadata: ``__metadata__`` (str to str) or None.
         fsync: Make the file durable on close.
         max_header_size: Largest header accepted.
+        group: Leave the finished file to this :class:`~pysafetensors._writer.SaveGroup` on
+            ``close``, to be renamed into place with the group's other files.
 
     Raises:
         SerializeError: A declaration is invalid (as for any save).
@@ -176,6 +179,7 @@ class StreamingWriter:
         *,
         fsync: bool = False,
         max_header_size: int = MAX_HEADER_SIZE,
+        group: SaveGroup | None = None,
     ) -> None:
         self._fd = -1
         self._writeback: Writeback | None = None
@@ -189,7 +193,7 @@ class StreamingWriter:
         self._cursor: dict[str, int] = dict.fromkeys(self._infos, 0)
         self._lock = threading.Lock()
         self.filename = os.fspath(filename)
-        cm = atomic_output(self.filename, fsync=fsync)
+        cm = atomic_output(self.filename, fsync=fsync, group=group)
         fd = cm.__enter__()
         try:
             # A sparse file of the final size: writes may land anywhere, in any order.
@@ -472,6 +476,12 @@ class ShardedStreamingWriter:
         self._pattern = filename_pattern
         self._clean = clean
         self._fsync = fsync
+        self._group = SaveGroup(
+            fsync=fsync,
+            seal=os.path.join(self.folder, index_filename(filename_pattern))
+            if plan.is_sharded
+            else None,
+        )
         self._lock = threading.Lock()
         os.makedirs(self.folder, exist_ok=True)
 
@@ -497,6 +507,7 @@ class ShardedStreamingWriter:
                     self._decls[fname],
                     self._per_file,
                     fsync=self._fsync,
+                    group=self._group,
                 )
                 self._writers[fname] = writer
             return writer
@@ -548,18 +559,25 @@ class ShardedStreamingWriter:
             self._shard_writer(fname)  # shards holding only empty tensors
         written = []
         for fname in self._decls:
-            self._writers[fname].close()
+            self._writers[fname].close()  # finished, not yet renamed: see SaveGroup
             written.append(fname)
         self._closed = True
-        if self.plan.is_sharded:
-            index = write_index(
-                self.folder,
-                self.plan,
-                self._meta,
-                filename_pattern=self._pattern,
-                fsync=self._fsync,
-            )
-            written.append(os.path.basename(index))
+        try:
+            if self.plan.is_sharded:
+                index = write_index(
+                    self.folder,
+                    self.plan,
+                    self._meta,
+                    filename_pattern=self._pattern,
+                    fsync=self._fsync,
+                    group=self._group,
+                )
+                written.append(os.path.basename(index))
+            # Every shard and the index appear together, after all of them are complete.
+            self._group.commit()
+        except BaseException:
+            self._group.discard()
+            raise
         if self._clean:
             remove_stale_files(self.folder, self._pattern, written)
 
@@ -568,6 +586,7 @@ class ShardedStreamingWriter:
         self._closed = True
         for writer in self._writers.values():
             writer.abort()
+        self._group.discard()
 
     def __enter__(self) -> ShardedStreamingWriter:
         return self

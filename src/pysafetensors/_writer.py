@@ -38,6 +38,7 @@ from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 __all__ = [
     "TensorData",
     "Writeback",
+    "SaveGroup",
     "atomic_output",
     "layout_for",
     "serialize_to_bytes",
@@ -289,8 +290,16 @@ def _clean_stale_partials(target: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(filename: str | os.PathLike[str], *, fsync: bool = False) -> Iterator[int]:
+def atomic_output(
+    filename: str | os.PathLike[str], *, fsync: bool = False, group: SaveGroup | None = None
+) -> Iterator[int]:
     """Open a temporary sibling of ``filename`` for writing; rename it over ``filename`` on success.
+
+    Args:
+        filename: The target.
+        fsync: Make the file (and, once renamed, its directory entry) durable.
+        group: Leave the finished temporary file to ``group``, which renames it together with
+            the group's other files (:meth:`SaveGroup.commit`).
 
     Yields:
         The file descriptor to write to. On any exception the temporary file is removed and the
@@ -304,7 +313,7 @@ def atomic_output(filename: str | os.PathLike[str], *, fsync: bool = False) -> I
     if isinstance(target, bytes):  # pragma: no cover - typed as str
         target = os.fsdecode(target)
     try:
-        with _atomic_output(target, fsync=fsync) as fd:
+        with _atomic_output(target, fsync=fsync, group=group) as fd:
             yield fd
     except OSError as exc:
         if isinstance(exc, SafetensorError):  # remote sources' errors, already ours
@@ -313,7 +322,7 @@ def atomic_output(filename: str | os.PathLike[str], *, fsync: bool = False) -> I
 
 
 @contextlib.contextmanager
-def _atomic_output(target: str, *, fsync: bool) -> Iterator[int]:
+def _atomic_output(target: str, *, fsync: bool, group: SaveGroup | None = None) -> Iterator[int]:
     folder = os.path.dirname(target) or "."
     if os.path.isdir(target):
         # Before any byte is written: a save of many GiB would otherwise fail only at the end.
@@ -329,8 +338,18 @@ def _atomic_output(target: str, *, fsync: bool) -> Iterator[int]:
             os.fchmod(fd, 0o666 & ~_umask())
             if fsync:
                 os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        if group is not None:
+            if sync_file_range is not None and os.path.exists(target):
+                # ext4 starts writing a file out when it replaces another by rename
+                # (auto_da_alloc), which made each rename of the commit take milliseconds per
+                # MiB; start that writeback now, so that the commit's window stays short.
+                sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+            group._add(tmp, target, fd)  # still open: the lock keeps it from stale cleanup
+            return
+        os.close(fd)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -340,6 +359,108 @@ def _atomic_output(target: str, *, fsync: bool) -> Iterator[int]:
         _fsync_dir(folder)
 
 
+class SaveGroup:
+    """Files saved together (the shards and index of a checkpoint): renamed into place together.
+
+    Each file is written to its temporary sibling as with :func:`atomic_output`, but left there
+    until every file of the group is complete (and, with ``fsync``, durable); :meth:`commit`
+    then renames them all in the order they were finished, which takes milliseconds. So a save
+    that fails or is killed while writing leaves every earlier file of the folder as it was,
+    instead of a mix of new and old shards that still looks like one checkpoint.
+
+    Renames of several files cannot be one atomic step, so ``seal`` names the file that makes
+    the others one checkpoint (the index): its old version is deleted before anything is
+    renamed, and its new one renamed last. A crash in the milliseconds of :meth:`commit` then
+    leaves a folder without an index, which refuses to open (several shards, nothing saying
+    which belong together), rather than shards of two saves that load silently.
+
+    Args:
+        fsync: Make the renames durable (the folder is synced after deleting the old seal and
+            after the renames).
+        seal: The target whose presence vouches for the others, if any.
+    """
+
+    def __init__(self, *, fsync: bool = False, seal: str | None = None) -> None:
+        self._fsync = fsync
+        self._seal = seal
+        self._pending: list[tuple[str, str, int]] = []
+        self._lock = threading.Lock()
+        self.done = False
+        """True once committed or discarded."""
+
+    def _add(self, tmp: str, target: str, fd: int) -> None:
+        with self._lock:
+            if self.done:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise SerializeError(f"{SERIALIZE_PREFIX}the save group is already finished")
+            self._pending.append((tmp, target, fd))
+
+    def commit(self) -> list[str]:
+        """Rename every finished file over its target, in order.
+
+        Returns:
+            The targets, in the order they were renamed.
+
+        Raises:
+            WriteError: A rename failed; the files not renamed yet are discarded.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self.done = True
+        for _, _, fd in pending:
+            os.close(fd)
+        done: list[str] = []
+        folders: dict[str, None] = {}
+        if self._seal is not None:
+            sealed = [p for p in pending if p[1] == self._seal]
+            pending = [p for p in pending if p[1] != self._seal] + sealed
+        try:
+            if self._seal is not None and len(pending) > 1:
+                # No index while the shards change: a crash now shows, it does not mix.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._seal)
+                    if self._fsync:
+                        _fsync_dir(os.path.dirname(self._seal) or ".")
+            for tmp, target, _ in pending:
+                try:
+                    os.replace(tmp, target)
+                except OSError as exc:
+                    raise write_error(exc, target) from exc
+                done.append(target)
+                folders[os.path.dirname(target) or "."] = None
+        except BaseException:
+            for tmp, target, _ in pending:
+                if target not in done:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+            raise
+        if self._fsync:
+            for folder in folders:
+                _fsync_dir(folder)
+        return done
+
+    def discard(self) -> None:
+        """Delete every finished temporary file; the targets stay as they were."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self.done = True
+        for tmp, _, fd in pending:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def __enter__(self) -> SaveGroup:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None and not self.done:
+            self.commit()
+        else:
+            self.discard()
+
+
 def write_file(
     filename: str | os.PathLike[str],
     tensors: Sequence[TensorData],
@@ -347,6 +468,7 @@ def write_file(
     *,
     fsync: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
+    group: SaveGroup | None = None,
 ) -> Layout:
     """Write a safetensors file atomically.
 
@@ -356,6 +478,7 @@ def write_file(
         metadata: ``__metadata__`` or None.
         fsync: Make the file and its directory entry durable before returning.
         max_header_size: Largest header accepted.
+        group: Rename the file into place with the rest of ``group`` (see :class:`SaveGroup`).
 
     Returns:
         The layout written.
@@ -365,7 +488,7 @@ def write_file(
         OSError: The file cannot be written.
     """
     layout = layout_for(tensors, metadata, max_header_size=max_header_size)
-    with atomic_output(filename, fsync=fsync) as fd:
+    with atomic_output(filename, fsync=fsync, group=group) as fd:
         if PREALLOCATE and layout.file_size > (1 << 20):
             # Reserve the space up front: ENOSPC before writing anything.
             with contextlib.suppress(OSError, AttributeError):

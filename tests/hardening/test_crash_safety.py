@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import pysafetensors
 from pysafetensors import _writer
 from pysafetensors.numpy import save, save_file
 
@@ -185,3 +186,117 @@ def test_fsync_false_does_not_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(os, "fsync", spy)
     save_file({"a": np.arange(10)}, tmp_path / "fast.safetensors")
     assert spy.calls == []
+
+
+# ------------------------------------------------------------------------ sharded checkpoints
+
+_SHARDED_SAVER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from pysafetensors import save_sharded
+
+    folder, seed, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rng = np.random.default_rng(seed)
+    state = {}
+    for i in range(4):  # four shards: each a big tensor and its save's seed
+        state[f"w{i}"] = rng.integers(0, 256, size=size, dtype=np.uint8)
+        state[f"s{i}"] = np.array([seed], np.int64)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    save_sharded(state, folder, max_shard_size=size + 64)
+    print("done", flush=True)
+    """
+)
+
+
+def _seeds_in(folder: Path) -> set[int]:
+    """The seeds of the saves the folder's checkpoint comes from; empty if it does not open."""
+    from pysafetensors.numpy import load_file
+
+    try:
+        loaded = load_file(folder)
+    except pysafetensors.SafetensorError as exc:
+        # Killed while renaming: no index, so the folder refuses to open as a whole.
+        assert "several checkpoints" in str(exc), exc
+        assert not (folder / "model.safetensors.index.json").exists()
+        return set()
+    return {int(loaded[f"s{i}"][0]) for i in range(4)}
+
+
+def test_sigkill_during_sharded_save_never_mixes_checkpoints(tmp_path: Path) -> None:
+    """Eight kills at random instants of saving a 4-shard checkpoint over an earlier one.
+
+    The folder always loads as one checkpoint, the old or the new, never shards of both; a kill
+    during the few milliseconds of renames leaves it without an index, refusing to open.
+    """
+    folder, size = tmp_path / "ckpt", 4 << 20
+    subprocess.run(
+        [sys.executable, "-c", _SHARDED_SAVER, str(folder), "0", str(size)],
+        input="go\n",
+        text=True,
+        check=True,
+        capture_output=True,
+    )
+    rng = random.Random(99)
+    probe = subprocess.Popen(
+        [sys.executable, "-c", _SHARDED_SAVER, str(tmp_path / "probe"), "1", str(size)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert probe.stdout is not None and probe.stdin is not None
+    assert probe.stdout.readline().strip() == "ready"
+    start = time.perf_counter()
+    probe.stdin.write("go\n")
+    probe.stdin.flush()
+    assert probe.stdout.readline().strip() == "done"
+    window = (time.perf_counter() - start) * 1.2  # the save itself, from "go" to "done"
+    probe.wait(timeout=30)
+    outcomes: dict[str, int] = {"old": 0, "new": 0, "refuses to open": 0}
+    for i in range(1, 9):
+        before = _seeds_in(folder)
+        if not before:  # the previous kill hit the renames: start again from a whole save
+            subprocess.run(
+                [sys.executable, "-c", _SHARDED_SAVER, str(folder), "0", str(size)],
+                input="go\n",
+                text=True,
+                check=True,
+                capture_output=True,
+            )
+            before = {0}
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SHARDED_SAVER, str(folder), str(i), str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(rng.uniform(0, window))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        seeds = _seeds_in(folder)
+        assert len(seeds) <= 1, f"kill {i}: shards of several saves {seeds}"
+        assert seeds in (before, {i}, set())
+        outcomes["refuses to open" if not seeds else "old" if seeds == before else "new"] += 1
+    print(f"8 kills: {outcomes}")
+
+
+def test_failed_sharded_save_leaves_the_folder_as_it_was(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from pysafetensors import save_sharded
+
+    folder = tmp_path / "ckpt"
+    old = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}
+    save_sharded(old, folder, max_shard_size=1100)
+    snapshot = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert len(snapshot) == 5  # four shards and the index
+    new = {f"w{i}": torch.full((256,), 10.0 + i) for i in range(4)}
+    new["w3"] = torch.arange(512.0).reshape(256, 2)[:, 0]  # not contiguous: the last shard fails
+    with pytest.raises(pysafetensors.SerializeError):
+        save_sharded(new, folder, max_shard_size=1100, force_contiguous=False)
+    # Earlier shards were written, but none replaced its file: no mix of two checkpoints.
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == snapshot
