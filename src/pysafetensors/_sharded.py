@@ -27,7 +27,7 @@ from pathlib import PureWindowsPath
 from typing import Any, Final
 
 from ._adapter import get_adapter
-from ._errors import ClosedFileError, SafetensorError, TensorNotFoundError
+from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._reader import BACKENDS, SafeSlice, TensorMeta, open_source_for, safe_open
 from ._remote import url_dirname, url_join, url_path
@@ -331,14 +331,21 @@ class ShardedSafeOpen:
             handle = self._handles.get(shard)
             if handle is not None:
                 return handle
-            handle = safe_open(
-                self._shard_path(shard),
-                self._framework,
-                device=self._device,
-                backend=self._backend,
-                max_header_size=self._max_header_size,
-                **self._options,
-            )
+            path = self._shard_path(shard)
+            try:
+                handle = safe_open(
+                    path,
+                    self._framework,
+                    device=self._device,
+                    backend=self._backend,
+                    max_header_size=self._max_header_size,
+                    **self._options,
+                )
+            except HeaderError as exc:
+                # The header's own message says what is wrong, not in which of the shards.
+                raise type(exc)(
+                    f"shard {path!r}: {exc}", kind=exc.kind, tensor=exc.tensor, offset=exc.offset
+                ) from exc
             try:
                 if validate:
                     self._check_shard(shard, handle)

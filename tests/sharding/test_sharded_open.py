@@ -290,3 +290,16 @@ def test_index_with_sorted_keys_and_extra_metadata(tmp_path: Path) -> None:
         f.validate()
         assert f.metadata() == {"total_parameters": "123", "total_size": str(plan.total_size)}
         assert f.index_metadata() == {"total_parameters": 123, "total_size": plan.total_size}
+
+
+def test_a_broken_shard_is_named_in_the_error(tmp_path: Path) -> None:
+    from pysafetensors import OffsetError, save_sharded
+    from pysafetensors.numpy import load_file as np_load_file
+
+    save_sharded({f"w{i}": np.zeros(300, np.float32) for i in range(3)}, tmp_path, 1300)
+    shard = tmp_path / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])  # a truncated download
+    with pytest.raises(OffsetError) as info:
+        np_load_file(tmp_path)
+    assert str(info.value).startswith(f"shard {str(shard)!r}: Error while deserializing header")
+    assert info.value.kind == "MetadataIncompleteBuffer"
