@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import inspect
 import os
 import posixpath
 import random
@@ -1699,6 +1700,21 @@ class FsspecSource(RemoteSource):
 # -------------------------------------------------------------------------------------- dispatch
 
 
+def _check_options(cls: type, options: Mapping[str, Any], kind: str) -> None:
+    """Refuse storage options ``cls`` does not take, naming the ones it does (a misspelt
+    ``header=`` would otherwise surface as a bare "unexpected keyword argument")."""
+    params = inspect.signature(cls).parameters  # the constructor, less self
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = [n for n, p in params.items() if n not in ("self", "url") and p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(
+            f"unknown storage option{'s' if len(unknown) > 1 else ''} for {kind} URLs: "
+            f"{', '.join(map(repr, unknown))} (expected any of: {', '.join(known)})"
+        )
+
+
 def open_source(
     target: Any, *, storage_options: Mapping[str, Any] | None = None, **options: Any
 ) -> RemoteSource:
@@ -1719,7 +1735,7 @@ def open_source(
 
     Raises:
         ValueError: ``target`` is a string without a scheme.
-        TypeError: ``target`` is neither a string nor an OpenFile.
+        TypeError: ``target`` is neither a string nor an OpenFile, or an option is unknown.
     """
     merged = {**(storage_options or {}), **options}
     if isinstance(target, str):
@@ -1728,8 +1744,10 @@ def open_source(
         if not sep or not scheme:
             raise ValueError(f"not a URL (expected scheme://...): {target!r}")
         if scheme in ("http", "https"):
+            _check_options(HTTPSource, merged, "http(s)")
             return HTTPSource(target, **merged)
         if scheme in ("s3", "s3a"):
+            _check_options(S3Source, merged, "s3")
             return S3Source(target, **merged)
         return FsspecSource(target, **merged)
     if hasattr(target, "fs") and hasattr(target, "path"):

@@ -469,3 +469,11 @@ def test_user_and_password_in_the_url_become_basic_auth(server: RangeServer) -> 
     with HTTPSource(url, headers={"Authorization": TOKEN}):
         pass
     assert TOKEN in {r.authorization for r in server.records("small.safetensors")}
+
+
+def test_unknown_storage_options_are_named(server: RangeServer) -> None:
+    from pysafetensors import safe_open
+
+    with pytest.raises(TypeError, match=r"unknown storage option for http\(s\) URLs: 'header'"):
+        safe_open(server.url("small.safetensors"), "np", storage_options={"header": {}})
+    assert server.requests() == 0  # refused before any request
