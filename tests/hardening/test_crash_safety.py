@@ -59,6 +59,27 @@ def _partials(folder: Path, name: str) -> list[Path]:
     return sorted(folder.glob(f".{name}.*.partial"))
 
 
+def _launch(script: str, *args: object) -> subprocess.Popen[str]:
+    """Start a saver script, wait until it is ready, and let it go (returns it saving)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    return proc
+
+
+def _kill_after(proc: subprocess.Popen[str], delay: float) -> None:
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 def _kill_saves(tmp_path: Path, kills: int, size: int) -> None:
     target = tmp_path / "model.safetensors"
     target.write_bytes(_content(0, size))
@@ -71,19 +92,7 @@ def _kill_saves(tmp_path: Path, kills: int, size: int) -> None:
     for i in range(1, kills + 1):
         new = _sha(_content(i, size))
         before = _sha(target.read_bytes())
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _SAVER, str(target), str(i), str(size)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline().strip() == "ready"
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        time.sleep(rng.uniform(0, window))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        _kill_after(_launch(_SAVER, target, i, size), rng.uniform(0, window))
         after = target.read_bytes()
         digest = _sha(after)
         # Never a partial file under the target's name: the old bytes or the complete new ones.
@@ -231,53 +240,26 @@ def test_sigkill_during_sharded_save_never_mixes_checkpoints(tmp_path: Path) -> 
     during the few milliseconds of renames leaves it without an index, refusing to open.
     """
     folder, size = tmp_path / "ckpt", 4 << 20
-    subprocess.run(
-        [sys.executable, "-c", _SHARDED_SAVER, str(folder), "0", str(size)],
-        input="go\n",
-        text=True,
-        check=True,
-        capture_output=True,
-    )
+
+    def save_whole(target: Path, seed: int) -> float:
+        """Run a save to its end; its duration from "go" to "done"."""
+        proc = _launch(_SHARDED_SAVER, target, seed, size)
+        start = time.perf_counter()
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "done"
+        elapsed = time.perf_counter() - start
+        proc.wait(timeout=30)
+        return elapsed
+
+    save_whole(folder, 0)
+    window = save_whole(tmp_path / "probe", 1) * 1.2
     rng = random.Random(99)
-    probe = subprocess.Popen(
-        [sys.executable, "-c", _SHARDED_SAVER, str(tmp_path / "probe"), "1", str(size)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert probe.stdout is not None and probe.stdin is not None
-    assert probe.stdout.readline().strip() == "ready"
-    start = time.perf_counter()
-    probe.stdin.write("go\n")
-    probe.stdin.flush()
-    assert probe.stdout.readline().strip() == "done"
-    window = (time.perf_counter() - start) * 1.2  # the save itself, from "go" to "done"
-    probe.wait(timeout=30)
     outcomes: dict[str, int] = {"old": 0, "new": 0, "refuses to open": 0}
     for i in range(1, 9):
         before = _seeds_in(folder)
         if not before:  # the previous kill hit the renames: start again from a whole save
-            subprocess.run(
-                [sys.executable, "-c", _SHARDED_SAVER, str(folder), "0", str(size)],
-                input="go\n",
-                text=True,
-                check=True,
-                capture_output=True,
-            )
+            save_whole(folder, 0)
             before = {0}
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _SHARDED_SAVER, str(folder), str(i), str(size)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline().strip() == "ready"
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        time.sleep(rng.uniform(0, window))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        _kill_after(_launch(_SHARDED_SAVER, folder, i, size), rng.uniform(0, window))
         seeds = _seeds_in(folder)
         assert len(seeds) <= 1, f"kill {i}: shards of several saves {seeds}"
         assert seeds in (before, {i}, set())

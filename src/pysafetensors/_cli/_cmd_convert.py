@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Final
 
-from ._common import UsageError, make_parent, print_json
+from ._common import UsageError, make_parent, print_json, whole_number
 
 __all__ = ["register"]
 
@@ -49,20 +49,10 @@ def register(subparsers: Any) -> None:
         help="extra __metadata__ entry (repeatable)",
     )
     p.add_argument(
-        "--workers", type=_workers, default=1, help="threads for folder conversion (>= 1)"
+        "--workers", type=whole_number(1), default=1, help="threads for folder conversion (>= 1)"
     )
     p.add_argument("--json", action="store_true", help=f"print the report as JSON ({SCHEMA})")
     p.set_defaults(func=run)
-
-
-def _workers(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {text!r}")
-    return value
 
 
 def _bar(args: argparse.Namespace) -> Callable[[int, int], None] | None:

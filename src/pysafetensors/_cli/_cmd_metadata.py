@@ -11,7 +11,7 @@ import sys
 from typing import Any, Final
 
 from .._metadata_edit import edit_metadata
-from ._common import Ui, UsageError, open_model, print_json, sanitize
+from ._common import Ui, UsageError, open_model, print_json, sanitize, whole_number
 
 SCHEMA: Final = "pysafetensors.metadata/1"
 
@@ -42,7 +42,7 @@ def register(sub: Any) -> None:
     s.add_argument("--replace", action="store_true", help="drop every other key")
     s.add_argument(
         "--reserve",
-        type=_byte_count,
+        type=whole_number(0, "bytes"),
         default=0,
         metavar="BYTES",
         help="if the file must be rewritten, leave this much spare header room for later edits",
@@ -54,17 +54,6 @@ def register(sub: Any) -> None:
     d.add_argument("keys", nargs="+", metavar="KEY")
     d.add_argument("--missing-ok", action="store_true", help="ignore keys that are not present")
     d.set_defaults(func=run_delete)
-
-
-def _byte_count(text: str) -> int:
-    """``argparse`` type for ``--reserve``: a whole number of bytes, 0 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more bytes, not {text!r}")
-    return value
 
 
 def run_get(args: argparse.Namespace) -> int:

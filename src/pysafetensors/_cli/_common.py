@@ -105,6 +105,27 @@ def tolerance(text: str) -> float:
     return value
 
 
+def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
+    """An ``argparse`` type: a whole number of at least ``minimum`` (``unit`` names what it
+    counts in messages, e.g. ``"bytes"``); anything else is a usage error (exit 2)."""
+    import argparse
+
+    what = f"whole number of {unit}" if unit else "whole number"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {what}: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be {minimum}{' ' + unit if unit else ''} or more, not {text!r}"
+            )
+        return value
+
+    return parse
+
+
 def sanitize(text: str) -> str:
     r"""Escape characters that could control a terminal: ``"a\x1b[31m"`` -> ``"a\\x1b[31m"``."""
 
