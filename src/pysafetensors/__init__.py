@@ -28,6 +28,7 @@ from ._errors import (
     TensorInfoError,
     TensorNotFoundError,
     UnsafePickleError,
+    WriteError,
 )
 from ._format import MAX_HEADER_SIZE
 from ._metadata_edit import edit_metadata
@@ -67,6 +68,7 @@ __all__ = [
     "TensorNotFoundError",
     "TensorSpec",
     "UnsafePickleError",
+    "WriteError",
     "__version__",
     "deserialize",
     "edit_metadata",

@@ -16,7 +16,7 @@ from ._adapter import Adapter
 from ._dtypes import DType, dtype_from_code, dtype_from_name
 from ._errors import SafetensorError, SerializeError
 from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE
-from ._reader import read_header, safe_open
+from ._reader import check_representable, read_header, safe_open
 from ._sources import BufferSource
 from ._writer import TensorData, serialize_to_bytes, write_file
 
@@ -276,6 +276,9 @@ def load_bytes_with(
     dev = adapter.check_device(device)
     source = BufferSource(data)
     header = read_header(source, prefix_text=DESERIALIZE_PREFIX)
+    for info in header.tensors.values():
+        # Shapes no array can hold: our TensorInfoError (a ValueError), not numpy's or torch's.
+        check_representable(info.shape, info.dtype, info.name)
     # One private copy of the data buffer; every tensor views it (the reference copies too).
     buf = np.frombuffer(bytearray(memoryview(data).cast("B")[header.data_start :]), np.uint8)
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import struct
 from pathlib import Path
@@ -41,6 +42,13 @@ def test_zero_size_tensor_with_unrepresentable_shape(
         pytest.importorskip("torch")
     path = tmp_path / "f.safetensors"
     path.write_bytes(_file({"t": {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}}))
+    # Whole-file loads from bytes refuse the same way (not numpy's or torch's own errors).
+    load_bytes = importlib.import_module(
+        "pysafetensors.torch" if framework == "pt" else "pysafetensors.numpy"
+    ).load
+    with pytest.raises(TensorInfoError) as refused:
+        load_bytes(path.read_bytes())
+    assert refused.value.kind == kind and refused.value.tensor == "t"
     with safe_open(path, framework, backend=backend) as f:
         assert f.keys() == ["t"]  # the header is valid; only materialising is refused
         for call in (lambda: f.get_tensor("t"), f.get_tensors):
