@@ -169,6 +169,8 @@ class StreamingWriter:
         >>> with StreamingWriter(path, {"w": ("F32", (4, 2))}) as w:
         ...     w.write("w", np.ones((2, 2), np.float32))              # rows 0-1
         ...     w.write("w", np.zeros((2, 2), np.float32), offset=16)  # rows 2-3
+        16
+        16
     """
 
     def __init__(

@@ -55,8 +55,8 @@ def save(tensors: dict[str, Any], metadata: Mapping[str, str] | None = None) -> 
     Example:
         >>> import paddle
         >>> from pysafetensors.paddle import load, save
-        >>> load(save({"a": paddle.ones([2], dtype="bfloat16")}))["a"].dtype
-        paddle.bfloat16
+        >>> str(load(save({"a": paddle.ones([2], dtype="bfloat16")}))["a"].dtype)
+        'paddle.bfloat16'
     """
     return save_bytes_with(ADAPTER, _flatten(tensors), metadata)
 

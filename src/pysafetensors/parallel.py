@@ -303,9 +303,10 @@ def load_shard(
         TensorNotFoundError: A name in ``names`` is not in the file.
 
     Example:
-        >>> import torch.distributed as dist  # doctest: +SKIP
-        >>> shard = load_shard("model.safetensors", dist.get_rank(), dist.get_world_size(),
-        ...                    {"*.up.weight": "rows", "*.down.weight": "columns"})
+        >>> import torch.distributed as dist
+        >>> shard = load_shard(  # doctest: +SKIP
+        ...     "model.safetensors", dist.get_rank(), dist.get_world_size(),
+        ...     {"*.up.weight": "rows", "*.down.weight": "columns"})
     """
     _check_group(rank, world_size)  # before opening anything
     with safe_open(
