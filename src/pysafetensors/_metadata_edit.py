@@ -116,7 +116,8 @@ def edit_metadata(
         max_header_size: Largest header accepted, old or new.
 
     Returns:
-        True if the header was rewritten in place, False if the whole file was rewritten.
+        True if the header was rewritten in place (or nothing changed, and nothing was written),
+        False if the whole file was rewritten.
 
     Raises:
         HeaderError: The file is not a valid safetensors file.
@@ -153,6 +154,8 @@ def edit_metadata(
         metadata.update(updates)
         # Keep "no metadata" distinct from "{}" only when the file had none and gains none.
         new_meta: dict[str, str] | None = metadata if (metadata or old is not None) else None
+        if new_meta == old and list((new_meta or {}).items()) == list((old or {}).items()):
+            return True  # nothing changes (e.g. deleting absent keys with missing_ok)
         text = _header_bytes(header, new_meta)
         n = header.header_size
         data_size = source.size - N_LEN - n

@@ -563,3 +563,40 @@ def test_output_folders_are_created_by_every_command(cli, example: Path, sharded
         r = cli(*[out if a is None else a for a in cmd])
         assert r.code == 0, (name, r.err)
         assert out.exists(), name
+
+
+def test_every_option_is_documented() -> None:
+    """Each option of each subcommand appears in docs/cli.md or the README."""
+    import argparse
+
+    from pysafetensors._cli import build_parser
+
+    root = Path(__file__).resolve().parents[2]
+    docs = (root / "docs" / "cli.md").read_text(encoding="utf-8")
+    docs += (root / "README.md").read_text(encoding="utf-8")
+    parser = build_parser()
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for opt in sub._actions:
+                    longs = [s for s in opt.option_strings if s.startswith("--") and s != "--help"]
+                    if longs and not any(s in docs for s in longs):
+                        missing.append(f"{name} {longs[0]}")
+    assert missing == []
+
+
+def test_extract_pattern_needs_shards(cli, example: Path, tmp_path: Path) -> None:
+    out = tmp_path / "x.safetensors"
+    r = cli("extract", example, out, "model.*", "--filename-pattern", "x{suffix}.safetensors")
+    assert r.code == 2 and "needs -s" in r.err
+    assert not out.exists()
+
+
+def test_metadata_delete_of_absent_keys(cli, example: Path) -> None:
+    before = example.read_bytes()
+    r = cli("metadata", "delete", example, "nope")
+    assert r.code == 1 and "metadata has no key 'nope'" in r.err
+    r = cli("metadata", "delete", example, "nope", "--missing-ok")
+    assert r.code == 0 and "metadata unchanged (no such keys)" in r.out + r.err
+    assert example.read_bytes() == before  # nothing written

@@ -10,6 +10,7 @@ import argparse
 import re
 from typing import Any
 
+from .._sharding import DEFAULT_FILENAME_PATTERN
 from ._cmd_reshard import add_shard_args, check_pattern, parse_size_arg, progress_for
 from ._common import Ui, UsageError, check_source, make_parent, sanitize
 
@@ -45,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"invalid --regex {pattern!r}: {exc}") from None
     if args.max_shard_size is not None:
         check_pattern(args.filename_pattern)
+    elif args.filename_pattern != DEFAULT_FILENAME_PATTERN:
+        # One output file is named by OUTPUT; a pattern would be silently ignored.
+        raise UsageError("--filename-pattern names shards: it needs -s/--max-shard-size")
     else:
         make_parent(args.output)
     check_source(args.source)

@@ -10,7 +10,9 @@ import argparse
 import sys
 from typing import Any, Final
 
+from .._errors import SafetensorError
 from .._metadata_edit import edit_metadata
+from .._reader import safe_open
 from ._common import Ui, UsageError, open_model, print_json, sanitize, whole_number
 
 SCHEMA: Final = "pysafetensors.metadata/1"
@@ -115,6 +117,14 @@ def run_set(args: argparse.Namespace) -> int:
 def run_delete(args: argparse.Namespace) -> int:
     """Run ``metadata delete``."""
     _local_file(args.target)
+    try:
+        with safe_open(args.target, "numpy") as f:
+            present = [key for key in args.keys if key in (f.metadata() or {})]
+    except SafetensorError:
+        present = list(args.keys)  # edit_metadata reports what is wrong with the file
     in_place = edit_metadata(args.target, delete=args.keys, missing_ok=args.missing_ok)
+    if not present:  # only with --missing-ok: edit_metadata refuses absent keys otherwise
+        Ui(args).line(f"{sanitize(args.target)}: metadata unchanged (no such keys)")
+        return 0
     _report(Ui(args), args.target, in_place)
     return 0
