@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Final
 
-from ._common import UsageError, make_parent, print_json, whole_number
+from ._common import UsageError, make_parent, plural, print_json, whole_number
 
 __all__ = ["register"]
 
@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
             extra = f", {len(r.dropped)} shared dropped" if r.dropped else ""
             checked = f", verified ({r.verified})" if r.verified else ""
             print(
-                f"{r.src} -> {r.dst}: {len(r.tensors)} tensors, {r.total_size} bytes{extra}"
-                f"{checked}"
+                f"{r.src} -> {r.dst}: {plural(len(r.tensors), 'tensor')}, "
+                f"{r.total_size} bytes{extra}{checked}"
             )
             if r.non_tensors and not r.kept_non_tensors:
                 print(f"  skipped non-tensor values: {', '.join(list(r.non_tensors)[:10])}")

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._sharding import DEFAULT_FILENAME_PATTERN
 from ._cmd_reshard import add_shard_args, check_pattern, parse_size_arg, progress_for
-from ._common import Ui, UsageError, check_source, make_parent, sanitize
+from ._common import Ui, UsageError, check_source, make_parent, plural, sanitize
 
 
 def register(subparsers: Any) -> None:
@@ -66,5 +66,5 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for name in names:
             print(sanitize(name))
-    ui.note(f"extracted {len(names)} tensors to {sanitize(args.output)}")
+    ui.note(f"extracted {plural(len(names), 'tensor')} to {sanitize(args.output)}")
     return 0

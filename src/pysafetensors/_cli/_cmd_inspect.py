@@ -14,6 +14,7 @@ from ._common import (
     human_count,
     name_filter,
     open_model,
+    plural,
     print_json,
     sanitize,
 )
@@ -207,7 +208,7 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
     nbytes = sum(t.nbytes for t in tensors)
     ui.line()
     ui.line(
-        f"Total: {len(tensors)} tensors, {human_count(params)} parameters ({params:,}), "
+        f"Total: {plural(len(tensors), 'tensor')}, {human_count(params)} parameters ({params:,}), "
         f"{human_bytes(nbytes)} of data",
         style="bold",
     )

@@ -10,6 +10,8 @@ import argparse
 import json
 from typing import Any, Final
 
+from ._common import plural
+
 __all__ = ["register"]
 
 SCHEMA: Final = "pysafetensors.scan/1"
@@ -53,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, ensure_ascii=True))
     else:
         for r in reports:
-            print(f"{_escape(r.path)}: {r.grade} ({r.format}, {r.streams} pickle streams)")
+            streams = plural(r.streams, "pickle stream")
+            print(f"{_escape(r.path)}: {r.grade} ({r.format}, {streams})")
             if args.quiet:
                 continue
             seen: set[tuple[str, str]] = set()

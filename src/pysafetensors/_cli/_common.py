@@ -126,6 +126,11 @@ def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
     return parse
 
 
+def plural(n: int, word: str) -> str:
+    """``"1 tensor"``, ``"2 tensors"``: ``n`` and ``word``, with an ``s`` unless ``n`` is 1."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def sanitize(text: str) -> str:
     r"""Escape characters that could control a terminal: ``"a\x1b[31m"`` -> ``"a\\x1b[31m"``."""
 
