@@ -29,7 +29,7 @@ from typing import IO, Any, Final, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from ._errors import SafetensorError
+from ._errors import ClosedFileError, SafetensorError
 from ._syscalls import madvise, mincore
 
 __all__ = [
@@ -599,6 +599,11 @@ class PreadSource:
         self.chunk_size = chunk_size or PARALLEL_CHUNK
         self._exact: PreadSource | None = None
         self._exact_lock = threading.Lock()
+        # Reads in flight hold the descriptor open: close() from another thread must not let
+        # the number be reused by a file opened meanwhile (those reads would read that file).
+        self._state = threading.Lock()
+        self._users = 0
+        self._closing = False
 
     @property
     def size(self) -> int:
@@ -613,9 +618,32 @@ class PreadSource:
         """The file descriptor read from."""
         return self._fd
 
+    def _acquire(self) -> int:
+        """The descriptor, held open until the matching :meth:`_release`.
+
+        Raises:
+            ClosedFileError: The source was closed.
+        """
+        with self._state:
+            if self._closing or self._fd < 0:
+                raise ClosedFileError("File is closed", kind="FileClosed")
+            self._users += 1
+            return self._fd
+
+    def _release(self) -> None:
+        with self._state:
+            self._users -= 1
+            last = self._closing and self._users == 0
+        if last:
+            self._close_fd()
+
     def pread_exact(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` from ``offset`` with one thread (loops on short reads)."""
-        pread_exact(self._fd, self._name, offset, out)
+        fd = self._acquire()
+        try:
+            pread_exact(fd, self._name, offset, out)
+        finally:
+            self._release()
 
     def without_readahead(self) -> PreadSource:
         """This file through a second descriptor with kernel readahead off, for partial reads.
@@ -633,14 +661,21 @@ class PreadSource:
             return self._exact
 
     def _reopen_random(self) -> PreadSource | None:
-        if self._fd < 0 or not hasattr(os, "posix_fadvise"):
+        if not hasattr(os, "posix_fadvise"):
             return None
+        own = self._acquire()
         try:
-            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return self._reopen_random_from(own)
+        finally:
+            self._release()
+
+    def _reopen_random_from(self, own: int) -> PreadSource | None:
+        try:
+            fd = os.open(f"/proc/self/fd/{own}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return None
         try:
-            mine, theirs = os.fstat(self._fd), os.fstat(fd)
+            mine, theirs = os.fstat(own), os.fstat(fd)
             if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
                 os.close(fd)
                 return None
@@ -680,27 +715,43 @@ class PreadSource:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         _check_range(self, offset, out.nbytes)
 
-        def one(piece: tuple[int, int]) -> None:
-            start, length = piece
-            if prepare is not None:
-                prepare(start, length)
-            self.pread_exact(offset + start, out[start : start + length])
+        fd = self._acquire()  # one hold for the whole read, all threads
+        try:
 
-        # Threads take pieces in file order, so together they sweep the file front to back
-        # while their page faults on the fresh destination and their kernel copies overlap.
-        with read_ahead(self._fd, offset, out.nbytes):
-            run_parallel(one, self._split(out.nbytes, align) if out.nbytes else [], self.threads)
+            def one(piece: tuple[int, int]) -> None:
+                start, length = piece
+                if prepare is not None:
+                    prepare(start, length)
+                pread_exact(fd, self._name, offset + start, out[start : start + length])
+
+            # Threads take pieces in file order, so together they sweep the file front to back
+            # while their page faults on the fresh destination and their kernel copies overlap.
+            with read_ahead(fd, offset, out.nbytes):
+                pieces = self._split(out.nbytes, align) if out.nbytes else []
+                run_parallel(one, pieces, self.threads)
+        finally:
+            self._release()
 
     def view(self, offset: int, length: int) -> memoryview | None:
         return None
 
     def close(self) -> None:
+        """Close the file; reads in flight on other threads finish first (the last one closes
+        the descriptor), and later reads raise :class:`ClosedFileError`."""
         exact, self._exact = self._exact, None
         if exact is not None and exact is not self:
             exact.close()
-        if self._owns_fd and self._fd >= 0:
-            os.close(self._fd)
-        self._fd = -1
+        with self._state:
+            self._closing = True
+            idle = self._users == 0
+        if idle:
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        with self._state:
+            fd, self._fd = self._fd, -1
+        if self._owns_fd and fd >= 0:
+            os.close(fd)
 
 
 class PrefetchSupport:
