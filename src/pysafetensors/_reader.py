@@ -216,10 +216,12 @@ class safe_open:  # noqa: N801 - the reference's name
         device: Where tensors go (``"cpu"``, ``"cuda:0"``, ...; torch and paddle only).
         backend: ``"mmap"`` (zero-copy, copy-on-write views) or ``"pread"`` (fresh memory).
         max_header_size: Largest header accepted (100,000,000 bytes by default).
-        slice_reads: Without a memory map (pread, file objects, URLs): ``"exact"`` (default)
-            reads exactly the bytes a slice selects; ``"coalesce"`` reads the covering row blocks
-            of a fragmented selection (e.g. a column split) in a few large reads and picks the
-            bytes out in memory, trading extra bytes for far fewer reads.
+        slice_reads: With ``backend="pread"``: ``"coalesce"`` (default) reads a fragmented
+            selection (a column split, a strided slice) as its covering row blocks in a few large
+            reads and picks the bytes out in memory (selections under 1/64 of those rows are
+            read run by run); ``"exact"`` reads exactly the selected bytes, one read per run,
+            for storage where bytes cost more than requests. Coalescing was 3-5x faster warm and
+            cold for a 1/8 column split of a 32 MiB tensor, ~10x for ``[:, ::8]``.
         storage_options: For URLs: options for the remote source, e.g. ``{"headers":
             {"Authorization": "Bearer ..."}}`` for HTTP, ``{"endpoint_url": ...}`` for S3, or
             an fsspec filesystem's options.
@@ -255,7 +257,7 @@ class safe_open:  # noqa: N801 - the reference's name
         max_header_size: int = MAX_HEADER_SIZE,
         storage_options: dict[str, Any] | None = None,
         threads: int | None = None,
-        slice_reads: str = "exact",
+        slice_reads: str = "coalesce",
     ) -> None:
         self._source: ByteSource | None = None
         if backend not in BACKENDS:
@@ -570,13 +572,12 @@ class safe_open:  # noqa: N801 - the reference's name
             else:
                 if plan.nbytes < info.nbytes and isinstance(source, PreadSource):
                     source = source.without_readahead()  # only the selected bytes off disk
-                ranges = plan.coalesced()
-                # "exact" (the default) reads exactly the selected bytes; "coalesce" may read
-                # whole row blocks of a fragmented selection in a few large reads instead.
+                # "coalesce" (the default) may read whole row blocks of a fragmented selection
+                # in a few large reads; "exact" reads exactly the selected bytes.
                 if self._slice_reads != "coalesce" or not gather_slice(
-                    source, base, info, plan, ranges, buf
+                    source, base, info, plan, buf
                 ):
-                    absolute = [(base + off, length) for off, length in ranges]
+                    absolute = [(base + off, length) for off, length in plan.coalesced()]
                     read_ranges_into(source, absolute, buf.data)
         return buf
 
@@ -674,7 +675,6 @@ def gather_slice(
     base: int,
     info: TensorInfo,
     plan: SlicePlan,
-    ranges: list[tuple[int, int]],
     out: np.ndarray,
 ) -> bool:
     """Read a fragmented slice as blocks of whole rows and gather the selection from each.
@@ -683,15 +683,13 @@ def gather_slice(
     a very sparse selection, sub-byte dtypes, or a source without positioned reads.
     """
     shape = info.shape
-    if (
-        len(ranges) < 2
-        or info.dtype.bits % 8
-        or len(shape) < 2
-        or not isinstance(source, PreadSource)
-        or plan.nbytes // len(ranges) >= _GATHER_RUN_BYTES
-    ):
+    if info.dtype.bits % 8 or len(shape) < 2 or not isinstance(source, PreadSource):
         return False
-    first, last = ranges[0][0], ranges[-1][0] + ranges[-1][1]
+    # Counted without listing the runs (a strided slice has millions).
+    runs = plan.run_count()
+    if runs < 2 or plan.nbytes // runs >= _GATHER_RUN_BYTES:
+        return False
+    first, last = int(plan.starts[0]), int(plan.starts[-1]) + plan.run_bytes
     if plan.nbytes < (last - first) * _GATHER_MIN_DENSITY:
         return False
     row_bytes = info.nbytes // shape[0]

@@ -56,6 +56,13 @@ class SlicePlan:
     selection: tuple[int | slice, ...] = ()
     """The normalized index, one int or step>0 slice per dimension (for strided copies)."""
 
+    def run_count(self) -> int:
+        """How many runs :meth:`coalesced` would give, without building them."""
+        if self.nbytes == 0:
+            return 0
+        starts = self.starts
+        return 1 + int(np.count_nonzero(starts[1:] != starts[:-1] + self.run_bytes))
+
     def coalesced(self) -> list[tuple[int, int]]:
         """Runs as ``(offset, length)`` with touching runs merged: exactly the bytes needed."""
         if self.nbytes == 0:

@@ -266,15 +266,17 @@ def load_shard(
     names: Iterable[str] | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
     storage_options: dict[str, Any] | None = None,
+    slice_reads: str = "coalesce",
 ) -> dict[str, Any]:
     """Load ``rank``'s shard of every tensor of a file or sharded model folder.
 
     Each split tensor is read as ``get_slice`` would, so a rank reads only its own rows or
-    columns (with ``backend="pread"``, exactly those bytes; with ``"mmap"``, only the pages
-    they lie on). Replicated tensors are read whole. With ``backend="pread"`` on the CPU, every
-    part that is one contiguous byte range (rows, whole tensors) is read at once, in parallel,
-    into one buffer the parts view (faster than a ``get_slice`` loop: fewer page faults, all
-    reads in flight together); on a CUDA device (torch) those parts go through one run of the
+    columns (with ``backend="pread"``, its rows exactly and its columns as the rows' blocks,
+    or exactly with ``slice_reads="exact"``; with ``"mmap"``, only the pages they lie on).
+    Replicated tensors are read whole. With ``backend="pread"`` on the CPU, every part that is
+    one contiguous byte range (rows, whole tensors) is read at once, in parallel, into one
+    buffer the parts view (faster than a ``get_slice`` loop: fewer page faults, all reads in
+    flight together); on a CUDA device (torch) those parts go through one run of the
     pinned-buffer staging pipeline into one device buffer, with either backend.
 
     Args:
@@ -293,6 +295,8 @@ def load_shard(
         names: Load only these tensors (default: all, in file order).
         max_header_size: Largest header accepted.
         storage_options: For URLs: as for ``safe_open`` (headers, credentials, endpoint).
+        slice_reads: As for ``safe_open``: ``"coalesce"`` reads column splits as whole-row
+            blocks (fast), ``"exact"`` reads exactly each rank's bytes.
 
     Returns:
         Name to this rank's part, in file order (or the order of ``names``).
@@ -316,6 +320,7 @@ def load_shard(
         backend=backend,
         max_header_size=max_header_size,
         storage_options=storage_options,
+        slice_reads=slice_reads,
     ) as f:
         wanted = list(f.offset_keys()) if names is None else list(names)
         slices = {name: f.get_slice(name) for name in wanted}

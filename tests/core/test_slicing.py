@@ -216,8 +216,10 @@ def big(tmp_path_factory: Any) -> tuple[Path, np.ndarray]:
 
 
 def _count_preads(
-    path: Path, index: Any, monkeypatch: pytest.MonkeyPatch, slice_reads: str = "exact"
+    path: Path, index: Any, monkeypatch: pytest.MonkeyPatch, slice_reads: str | None = None
 ) -> tuple[Any, list[int]]:
+    """``get_slice("x")[index]`` with the pread backend (``slice_reads`` None: the default),
+    and the bytes of every positioned read it made."""
     import pysafetensors._sources as sources
 
     calls: list[int] = []
@@ -228,7 +230,8 @@ def _count_preads(
         calls.append(n)
         return n
 
-    with safe_open(path, "np", backend="pread", slice_reads=slice_reads) as f:
+    options = {} if slice_reads is None else {"slice_reads": slice_reads}
+    with safe_open(path, "np", backend="pread", **options) as f:
         # Only the slice's reads are counted, not the header's.
         monkeypatch.setattr(sources.os, "preadv", counting_preadv)
         got = f.get_slice("x")[index]
@@ -268,30 +271,38 @@ DENSE_FRAGMENTS: list[tuple[Any, int]] = [
     ((slice(None), slice(0, 1024)), 64),
     ((slice(2, 6), slice(1, 3000, 2)), 4),
     ((3, slice(0, 2000, 3)), 1),
+    ((slice(None), slice(None, None, 8)), 64),  # 32,768 runs of one element each
 ]
 
 
 @pytest.mark.parametrize(("index", "rows"), DENSE_FRAGMENTS)
-def test_pread_dense_fragments_read_exact_bytes_by_default(
+def test_pread_dense_fragments_read_exact_bytes_when_asked(
     big: tuple[Path, np.ndarray], index: Any, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """By default even dense fragmented selections read exactly the selected bytes."""
+    """With ``slice_reads="exact"`` even dense fragmented selections read exactly the selected
+    bytes."""
     path, arr = big
-    got, calls = _count_preads(path, index, monkeypatch)
+    got, calls = _count_preads(path, index, monkeypatch, slice_reads="exact")
     np.testing.assert_array_equal(got, arr[index])
     assert sum(calls) == arr[index].nbytes
 
 
 @pytest.mark.parametrize(("index", "rows"), DENSE_FRAGMENTS)
+@pytest.mark.parametrize("slice_reads", ["coalesce", None])
 def test_pread_coalesce_reads_covering_rows(
-    big: tuple[Path, np.ndarray], index: Any, rows: int, monkeypatch: pytest.MonkeyPatch
+    big: tuple[Path, np.ndarray],
+    index: Any,
+    rows: int,
+    slice_reads: str | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With ``slice_reads="coalesce"`` dense fragmented selections are read as their covering
-    rows (fewer, larger reads), never more than those rows."""
+    """By default (``slice_reads="coalesce"``) dense fragmented selections are read as their
+    covering rows, in a few large reads, never more than those rows."""
     path, arr = big
-    got, calls = _count_preads(path, index, monkeypatch, slice_reads="coalesce")
+    got, calls = _count_preads(path, index, monkeypatch, slice_reads=slice_reads)
     np.testing.assert_array_equal(got, arr[index])
     assert sum(calls) == rows * BIG[1] * 4
+    assert len(calls) <= max(1, rows * BIG[1] * 4 // (1 << 20)) + 1  # 8 MiB blocks, not runs
 
 
 def test_invalid_slice_reads_is_refused(big: tuple[Path, np.ndarray]) -> None:

@@ -54,7 +54,11 @@ def main() -> None:
 
     os.preadv, os.pread = counting_preadv, counting_pread  # type: ignore[assignment]
     try:
-        shard = load_shard(model, rank, world, RULES, framework="pt", uneven="chunk")
+        # "exact": every rank must read exactly its own bytes (the default coalesces column
+        # splits into whole-row reads, which the parent's byte accounting would count).
+        shard = load_shard(
+            model, rank, world, RULES, framework="pt", uneven="chunk", slice_reads="exact"
+        )
     finally:
         os.preadv, os.pread = real_preadv, real_pread  # type: ignore[assignment]
     assert reads, "no positioned reads were seen: the byte accounting below would be empty"
