@@ -137,8 +137,13 @@ class Result:
     """Names of the opcodes executed."""
 
 
-def _err(message: str, offset: int) -> CheckpointError:
-    return CheckpointError(f"pickle: {message} at byte {offset}", kind="PickleError", offset=offset)
+def _err(message: str, offset: int, kind: str = "PickleError") -> CheckpointError:
+    return CheckpointError(f"pickle: {message} at byte {offset}", kind=kind, offset=offset)
+
+
+#: The kind of errors where the stream runs out before the pickle ends (the bytes given may
+#: just be too few: a reader holding a prefix of the file can read more and try again).
+TRUNCATED: Final = "PickleTruncated"
 
 
 class Machine:
@@ -195,7 +200,7 @@ class Machine:
             # Bounds check before any slicing: lengths come from the attacker.
             nonlocal pos
             if n < 0 or pos + n > end:
-                raise _err(f"truncated: needs {n} bytes, {end - pos} left", base + at)
+                raise _err(f"truncated: needs {n} bytes, {end - pos} left", base + at, TRUNCATED)
             if frame_end >= 0 and pos < frame_end < pos + n:
                 policy.notice("an operand crosses the end of its FRAME", base + at)
             p = pos
@@ -206,7 +211,7 @@ class Machine:
             nonlocal pos
             nl = data.find(b"\n", pos, min(end, pos + lim.max_line))
             if nl < 0:
-                raise _err("unterminated text operand", base + at)
+                raise _err("unterminated text operand", base + at, TRUNCATED)
             out = data[pos:nl]
             pos = nl + 1
             return out
@@ -233,7 +238,7 @@ class Machine:
 
         while True:
             if pos >= end:
-                raise _err("stream ends without STOP", base + pos)
+                raise _err("stream ends without STOP", base + pos, TRUNCATED)
             at = pos
             op = data[pos]
             pos += 1
@@ -488,7 +493,7 @@ class Machine:
                 if frame_end >= 0 and pos < frame_end:
                     policy.notice("FRAME begins inside another frame", base + at)
                 if pos + n > end:
-                    raise _err(f"FRAME of {n} bytes runs past the end", base + at)
+                    raise _err(f"FRAME of {n} bytes runs past the end", base + at, TRUNCATED)
                 frame_end = pos + n
             elif op == 0x2E:  # STOP
                 if frame_end >= 0 and pos != frame_end:

@@ -19,6 +19,7 @@ devices and duplicate members are refused, every record is checked against its m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import numpy as np
 
 from ._dtypes import DType, dtype_from_code
 from ._errors import CheckpointError, UnsafePickleError
-from ._pickle_vm import Limits, Machine
+from ._pickle_vm import TRUNCATED, Limits, Machine, Result
 from ._torch_archive import CHUNK, FileBytes, ZipView, open_zip
 
 __all__ = [
@@ -60,7 +61,8 @@ MAX_DEPTH: Final = 64
 #: Tar checkpoints: the members torch's reader uses, and the most headers walked.
 _TAR_MEMBERS: Final = ("sys_info", "pickle", "storages", "tensors")
 MAX_TAR_MEMBERS: Final = 16
-#: Tar checkpoints: first window read for one record pickle (grown up to MAX_PICKLE_BYTES).
+#: First window read for one pickle of a tar or legacy checkpoint (grown up to
+#: MAX_PICKLE_BYTES).
 _TAR_WINDOW: Final = 1 << 16
 
 # torch dtype attribute name -> (safetensors code or None, itemsize in bytes, why unsupported).
@@ -1026,28 +1028,35 @@ def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
 
 
 def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:
-    # Bounded read of the leading pickles; the raw storages that follow are read on demand.
-    head_len = min(file.size, MAX_PICKLE_BYTES)
-    data = file.read(0, head_len)
+    # Each leading pickle is read through a small window grown as needed (_run_pickle_at); the
+    # raw storages that follow are read on demand. (Reading MAX_PICKLE_BYTES up front held up
+    # to 2 GiB, two copies, for pickles of a few hundred KiB.)
+    stop = file.size
     values = _ValuePolicy()
-    magic = Machine(data, values, limits).run(0)
+    magic = _run_pickle_at(file, 0, stop, values, limits)
     if type(magic.value) is not int or magic.value != LEGACY_MAGIC:
         raise _bad("not a PyTorch checkpoint: the first pickle is not the legacy magic number")
-    proto = Machine(data, values, limits).run(magic.end)
+    proto = _run_pickle_at(file, magic.end, stop, values, limits)
     if proto.value != LEGACY_PROTOCOL or type(proto.value) is not int:
         raise _bad(f"unsupported legacy protocol version {_short(proto.value)}")
-    info = Machine(data, values, limits).run(proto.end)
+    info = _run_pickle_at(file, proto.end, stop, values, limits)
     if type(info.value) is not dict or info.value.get("little_endian") is not True:
         raise _bad("legacy sys_info is missing or declares big-endian storages (unsupported)")
     policy = TorchPolicy(legacy=True)
-    graph = Machine(data, policy, limits).run(info.end)
-    keys_res = Machine(data, values, limits).run(graph.end)
+    graph = _run_pickle_at(file, info.end, stop, policy, limits)
+    keys_res = _run_pickle_at(file, graph.end, stop, values, limits)
     keys = keys_res.value
     if type(keys) is not list or not all(type(k) is str for k in keys):
         raise _bad("legacy storage key list is not a list of strings")
     if len(set(keys)) != len(keys):
         raise _bad("legacy storage key list names a key twice")
-    pos = keys_res.end
+    return _legacy_storages(file, policy, graph, keys, keys_res.end)
+
+
+def _legacy_storages(
+    file: FileBytes, policy: TorchPolicy, graph: Any, keys: list[str], pos: int
+) -> Checkpoint:
+    """Locate each storage record after the pickles (8-byte count, then the raw bytes)."""
     storages: dict[str, _StorageLoc] = {}
     for key in keys:
         ref = policy.storages.get(key)
@@ -1161,13 +1170,16 @@ def _tar_members(file: FileBytes) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _run_at(
-    file: FileBytes, start: int, stop: int, policy: TorchPolicy, limits: Limits | None
-) -> tuple[Any, int]:
-    """Run the pickle at file offset ``start`` (inside a member ending at ``stop``).
+def _run_pickle_at(
+    file: FileBytes, start: int, stop: int, policy: Any, limits: Limits | None
+) -> Result:
+    """Run the pickle at file offset ``start`` (inside a member or file ending at ``stop``).
 
-    Reads a small window and grows it while the stream runs past it, so the raw storage
-    bytes that follow are never loaded whole.
+    Reads a small window and grows it 8x at a time while the stream runs past it (up to
+    MAX_PICKLE_BYTES), so the raw storage bytes that follow are never loaded whole.
+
+    Returns:
+        The result, its ``end`` a file offset.
     """
     size = min(stop - start, _TAR_WINDOW)
     while True:
@@ -1175,11 +1187,20 @@ def _run_at(
         try:
             res = Machine(data, policy, limits, base=start).run(0)
         except CheckpointError as exc:
-            if exc.kind != "PickleError" or size >= min(stop - start, MAX_PICKLE_BYTES):
+            if exc.kind != TRUNCATED or size >= min(stop - start, MAX_PICKLE_BYTES):
                 raise
             size = min(stop - start, size * 8, MAX_PICKLE_BYTES)
             continue
-        return res.value, start + res.end
+        return dataclasses.replace(res, end=start + res.end)
+
+
+def _run_at(
+    file: FileBytes, start: int, stop: int, policy: TorchPolicy, limits: Limits | None
+) -> tuple[Any, int]:
+    """The value of the pickle at ``start`` and the file offset after it (see
+    :func:`_run_pickle_at`)."""
+    res = _run_pickle_at(file, start, stop, policy, limits)
+    return res.value, res.end
 
 
 def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:

@@ -383,3 +383,25 @@ def test_progress_and_parameters(tmp_path: Path) -> None:
     )
     assert seen and seen[-1][0] == seen[-1][1] == report.total_size
     assert set(report.tensors) == {"model.weight", "model.bias", "param"}
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_conversion_memory_stays_near_one_chunk(tmp_path: Path, zip_format: bool) -> None:
+    """Storage bytes stream through; the legacy format's leading pickles are read through a
+    small growing window (it read up to 1 GiB of the file up front, twice over)."""
+    import tracemalloc
+
+    state = {f"w{i}": torch.randn(1024, 2048) for i in range(8)}  # 64 MiB
+    src = tmp_path / "ckpt.bin"
+    torch.save(state, src, _use_new_zipfile_serialization=zip_format)
+    out = tmp_path / "out.safetensors"
+    tracemalloc.start()
+    try:
+        convert_file(src, out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 << 20, f"{peak >> 20} MiB traced"
+    with safe_open(str(out), "pt") as f:
+        for name, value in state.items():
+            assert torch.equal(f.get_tensor(name), value)
