@@ -320,7 +320,7 @@ def _verify_open(
         if set(reference) != set(tensors):
             raise _mismatch("torch.load sees other tensor names than the converter")
         for name in tensors:
-            if hashlib.sha256(reference[name]).hexdigest() != ours(name):
+            if reference[name] != ours(name):
                 raise _mismatch(f"{_as_stored(name, stored)} differs from torch.load's", name)
         return "torch"
     for name, rec in tensors.items():
@@ -333,27 +333,38 @@ def _as_stored(name: str, stored: dict[str, str]) -> str:
     return name if stored[name] == name else f"{name} (stored as {stored[name]})"
 
 
-def _torch_reference(path: str, subtree: str | None) -> dict[str, bytes] | None:
-    """Every tensor of ``path`` as torch's own safe loader sees it, or None without torch."""
+def _torch_reference(path: str, subtree: str | None) -> dict[str, str] | None:
+    """The SHA-256 of every tensor of ``path`` as torch's own safe loader sees it, or None
+    without torch.
+
+    Zip checkpoints are loaded with ``mmap=True`` (storages stay in the page cache, not in
+    private memory) and each tensor is hashed where it lies: verifying a 1.25 GiB checkpoint
+    held ~2.6 GiB when every tensor was loaded and copied to bytes first.
+    """
     try:
         import torch
     except ImportError:
         return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns about protocol-4 pickles
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
+    obj = None
+    for options in ({"mmap": True}, {}):  # mmap needs the zip format
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns about protocol-4 pickles
+                obj = torch.load(path, map_location="cpu", weights_only=True, **options)
+            break
+        except Exception:  # noqa: S112 - the next way, then our own reading (below)
+            continue
+    if obj is None:
         # e.g. protocol-4 pickles, which torch's weights_only unpickler does not support:
         # fall back to comparing with our own reading of the checkpoint.
         return None
-    out: dict[str, bytes] = {}
+    out: dict[str, str] = {}
     todo: list[tuple[str, Any]] = [("", obj)]
     while todo:
         prefix, value = todo.pop()
         if isinstance(value, torch.Tensor):
             t = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-            out[prefix] = t.view(torch.uint8).numpy().tobytes()
+            out[prefix] = hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
         elif isinstance(value, dict):
             todo.extend((f"{prefix}.{k}" if prefix else str(k), v) for k, v in value.items())
         elif isinstance(value, (list, tuple)):
