@@ -9,6 +9,7 @@ large tensors and for ``get_tensors()``, and reads only the bytes a slice select
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import stat
 import threading
@@ -40,6 +41,7 @@ from ._format import (
 )
 from ._slicing import SlicePlan, is_advanced, plan_slice, render_index, split_advanced
 from ._sources import (
+    MAX_READ_THREADS,
     BufferSource,
     ByteSource,
     FileObjSource,
@@ -281,13 +283,18 @@ class safe_open:  # noqa: N801 - the reference's name
             source.close()
             raise
         if threads is not None:
-            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            try:
+                count = -1 if isinstance(threads, bool) else operator.index(threads)
+            except TypeError:
+                count = -1
+            if count < 1:
                 source.close()
                 raise SafetensorError(
                     f"threads must be a positive integer, got {threads!r}", kind="InvalidThreads"
                 )
             if isinstance(source, PreadSource):
-                source.threads = threads
+                # More than the process keeps would only queue: see MAX_READ_THREADS.
+                source.threads = min(count, MAX_READ_THREADS)
         self._source = source
         self._lease = _SourceLease(source)
         self._lock = threading.Lock()

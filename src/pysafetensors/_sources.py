@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, Final, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -33,6 +33,7 @@ from ._errors import ClosedFileError, SafetensorError
 from ._syscalls import madvise, mincore
 
 __all__ = [
+    "MAX_READ_THREADS",
     "BufferSource",
     "ByteSource",
     "FileObjSource",
@@ -41,6 +42,7 @@ __all__ = [
     "empty_bytes",
     "read_fresh",
     "read_ranges_into",
+    "reader_thread_count",
     "run_parallel",
     "worker_count",
 ]
@@ -53,11 +55,17 @@ MIN_PARALLEL_CHUNK: Final = 2 << 20
 #: kernel's copies (and, for cold files, the device's queue).
 READ_THREADS: Final = max(2, min(8, (os.cpu_count() or 2) * 2))
 
+#: The most reader threads a process keeps, whatever ``threads=`` asks for.
+MAX_READ_THREADS: Final = 64
+
 _T = TypeVar("_T")
-# Reader threads live for the whole process, one pool per thread count: starting threads for
-# every read cost more than the reads themselves for tensors of a few MiB (a row split of a
-# 2 GiB file took ~1.2x longer with a pool per read than with a kept one).
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+# Reader threads live for the whole process, in one pool as large as the largest thread count
+# asked for so far (at most MAX_READ_THREADS): starting threads for every read cost more than
+# the reads themselves for tensors of a few MiB (a row split of a 2 GiB file took ~1.2x longer
+# with a pool per read than with a kept one). A call asking for fewer threads runs that many
+# workers in the shared pool. (One pool per thread count kept every count ever asked for.)
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
 _POOLS_LOCK = threading.Lock()
 _WORKER = threading.local()
 
@@ -66,22 +74,34 @@ def _mark_worker() -> None:
     _WORKER.active = True
 
 
-def _pool(threads: int) -> ThreadPoolExecutor:
+def _submit(task: Callable[[], None], copies: int) -> list[Future[None]]:
+    """Run ``copies`` of ``task`` in the shared pool, grown first (replaced by a larger one)
+    to at least ``copies`` workers. Submitting under the lock: a pool being replaced is never
+    handed out, so nothing is submitted to one that was shut down."""
+    global _POOL, _POOL_SIZE
     with _POOLS_LOCK:
-        pool = _POOLS.get(threads)
-        if pool is None:
-            pool = _POOLS[threads] = ThreadPoolExecutor(
-                max_workers=threads,
+        if _POOL is None or copies > _POOL_SIZE:
+            old = _POOL
+            _POOL = ThreadPoolExecutor(
+                max_workers=copies,
                 thread_name_prefix="pysafetensors-read",
                 initializer=_mark_worker,
             )
-        return pool
+            _POOL_SIZE = copies
+            if old is not None:
+                old.shutdown(wait=False)  # its threads finish their work, then exit
+        return [_POOL.submit(task) for _ in range(copies)]
+
+
+def reader_thread_count() -> int:
+    """How many reader threads the process may keep now (the shared pool's size)."""
+    return _POOL_SIZE
 
 
 def _forget_pools() -> None:
-    # A forked child has the pool objects but not their threads.
-    global _POOLS_LOCK
-    _POOLS.clear()
+    # A forked child has the pool object but not its threads.
+    global _POOL, _POOL_SIZE, _POOLS_LOCK
+    _POOL, _POOL_SIZE = None, 0
     _POOLS_LOCK = threading.Lock()
 
 
@@ -92,17 +112,42 @@ if hasattr(os, "register_at_fork"):
 def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) -> None:
     """Call ``fn`` on every item using up to ``threads`` kept reader threads.
 
-    Runs inline when there is one item, one thread, or when called from a reader thread itself
-    (a read split inside a read already running in parallel): waiting on the same pool from
-    one of its own workers could deadlock. The first exception raised by ``fn`` propagates.
+    Items are taken in order by however many workers run (so reads sweep a file front to
+    back). Runs inline when there is one item, one thread, or when called from a reader thread
+    itself (a read split inside a read already running in parallel): waiting on the same pool
+    from one of its own workers could deadlock. The first exception raised by ``fn``
+    propagates, and the workers take no new item after it.
     """
     work = list(items)
-    if len(work) <= 1 or threads <= 1 or getattr(_WORKER, "active", False):
+    threads = min(threads, MAX_READ_THREADS, len(work))
+    if threads <= 1 or getattr(_WORKER, "active", False):
         for item in work:
             fn(item)
         return
-    for _ in _pool(threads).map(fn, work):
-        pass
+    pending = iter(work)
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def worker() -> None:
+        while not failed.is_set():
+            with lock:
+                item = next(pending, _DONE)
+            if item is _DONE:
+                return
+            try:
+                fn(item)  # type: ignore[arg-type]
+            except BaseException:
+                failed.set()
+                raise
+
+    futures = _submit(worker, threads)
+    errors = [f.exception() for f in futures]  # waits for every worker
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+_DONE: Final = object()
 
 
 @runtime_checkable

@@ -6,6 +6,7 @@ import errno
 import multiprocessing
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,7 @@ def test_split_reads_give_the_file_bytes(tmp_path: Path, size: int) -> None:
     finally:
         src.close()
     if size >= 4 << 20:
-        assert 4 in _sources._POOLS  # split across threads that are kept for the next read
+        assert _sources.reader_thread_count() >= 4  # threads kept for the next read
 
 
 @pytest.mark.parametrize(
@@ -315,3 +316,51 @@ def test_after_slow_huge_pages_small_destinations_use_small_pages_for_a_while(
     assert _is_region(large)  # probes, and falls back by itself
     monkeypatch.setattr(_sources._HugeRegion, "slow_until", 0.0)  # the hold has passed
     assert _is_region(_sources.empty_bytes(8 << 20))
+
+
+def test_one_pool_whatever_thread_counts_are_asked_for() -> None:
+    """Each distinct ``threads=`` used to keep a pool of its own for the life of the process."""
+    for threads in (2, 3, 5, 7, 9, 3, 2):
+        run_parallel(lambda i: None, range(16), threads)
+    size = _sources.reader_thread_count()
+    assert size >= 9
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # replaced pools' threads exit once idle
+        alive = [t for t in threading.enumerate() if t.name.startswith("pysafetensors-read")]
+        if len(alive) <= size:
+            break
+        time.sleep(0.05)
+    assert len(alive) <= size
+
+
+def test_fewer_threads_than_the_pool_limit_concurrency() -> None:
+    run_parallel(lambda i: None, range(16), 8)  # the pool has at least 8 workers now
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def item(i: int) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.01)
+        with lock:
+            running -= 1
+
+    run_parallel(item, range(12), 2)
+    assert most == 2
+
+
+def test_huge_thread_counts_are_capped() -> None:
+    seen: set[str] = set()
+    lock = threading.Lock()
+
+    def item(i: int) -> None:
+        with lock:
+            seen.add(threading.current_thread().name)
+        time.sleep(0.002)
+
+    run_parallel(item, range(500), 10**6)
+    assert len(seen) <= _sources.MAX_READ_THREADS
+    assert _sources.reader_thread_count() <= _sources.MAX_READ_THREADS
