@@ -223,7 +223,7 @@ class safe_open:  # noqa: N801 - the reference's name
             reads and picks the bytes out in memory (selections under 1/64 of those rows are
             read run by run); ``"exact"`` reads exactly the selected bytes, one read per run,
             for storage where bytes cost more than requests. Coalescing was 3-5x faster warm and
-            cold for a 1/8 column split of a 32 MiB tensor, ~10x for ``[:, ::8]``.
+            cold for a 1/8 column split of a 32 MiB tensor; ``[:, ::8]`` took 13 ms against 6.2 s.
         storage_options: For URLs: options for the remote source, e.g. ``{"headers":
             {"Authorization": "Bearer ..."}}`` for HTTP, ``{"endpoint_url": ...}`` for S3, or
             an fsspec filesystem's options.
