@@ -47,6 +47,7 @@ from ._sources import (
     FileObjSource,
     MmapSource,
     PreadSource,
+    Shared,
     empty_bytes,
     read_fresh,
     read_ranges_into,
@@ -296,7 +297,8 @@ class safe_open:  # noqa: N801 - the reference's name
                 # More than the process keeps would only queue: see MAX_READ_THREADS.
                 source.threads = min(count, MAX_READ_THREADS)
         self._source = source
-        self._lease = _SourceLease(source)
+        # Shared with the handle's slices, which keep the file open after close() (see SafeSlice).
+        self._lease: Shared[ByteSource] = Shared(source, _close_source)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ context and lifetime
@@ -315,7 +317,7 @@ class safe_open:  # noqa: N801 - the reference's name
         """
         source, self._source = self._source, None
         if source is not None:
-            self._lease.release()
+            self._lease.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # never raise from a finalizer
@@ -766,8 +768,8 @@ class SafeSlice:
         ...     rows = f.get_slice("embed")[0:128]
     """
 
-    def __init__(self, handle: safe_open, info: TensorInfo, lease: _SourceLease) -> None:
-        self._lease: _SourceLease | None = None
+    def __init__(self, handle: safe_open, info: TensorInfo, lease: Shared[ByteSource]) -> None:
+        self._lease: Shared[ByteSource] | None = None
         self._source = lease.acquire()
         self._lease = lease
         self._handle = handle
@@ -806,33 +808,5 @@ class SafeSlice:
         return self._handle._read_slice(self._info, index, source=self._source)
 
 
-class _SourceLease:
-    """A handle's byte source, shared with its slices: closed when the last of them lets go.
-
-    The handle holds one use from open to ``close``; every :class:`SafeSlice` holds one for its
-    lifetime (a slice taken inside ``with safe_open(...)`` is still readable after the block,
-    as with the reference).
-    """
-
-    def __init__(self, source: ByteSource) -> None:
-        self._source: ByteSource | None = source
-        self._users = 1
-        self._lock = threading.Lock()
-
-    def acquire(self) -> ByteSource:
-        """One more user of the source."""
-        with self._lock:
-            if self._source is None:
-                raise ClosedFileError("File is closed", kind="FileClosed")
-            self._users += 1
-            return self._source
-
-    def release(self) -> None:
-        """One user fewer; the last one closes the source."""
-        with self._lock:
-            self._users -= 1
-            source = self._source if self._users == 0 else None
-            if source is not None:
-                self._source = None
-        if source is not None:
-            source.close()
+def _close_source(source: ByteSource) -> None:
+    source.close()

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, Any, Final, Protocol, TypeVar, runtime_checkable
+from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -39,6 +39,7 @@ __all__ = [
     "FileObjSource",
     "MmapSource",
     "PreadSource",
+    "Shared",
     "empty_bytes",
     "read_fresh",
     "read_ranges_into",
@@ -618,6 +619,52 @@ def worker_count(source: object) -> int:
     return max(1, int(threads)) if threads else READ_THREADS
 
 
+class Shared(Generic[_T]):
+    """A resource used by several holders, closed once it was asked to close and none holds it.
+
+    A pread source's descriptor is held by each read in flight (so that ``close`` on another
+    thread cannot hand its number to a file opened meanwhile), and a handle's byte source by
+    each of its slices (which stay readable after the handle is closed, as with the reference).
+    """
+
+    def __init__(self, value: _T, on_close: Callable[[_T], object]) -> None:
+        self._value = value
+        self._on_close = on_close
+        self._holders = 0
+        self._closing = False
+        self._lock = threading.Lock()
+
+    def acquire(self) -> _T:
+        """The resource, held until the matching :meth:`release`.
+
+        Raises:
+            ClosedFileError: :meth:`close` was called.
+        """
+        with self._lock:
+            if self._closing:
+                raise ClosedFileError("File is closed", kind="FileClosed")
+            self._holders += 1
+            return self._value
+
+    def release(self) -> None:
+        """Let go of one hold; the last one after :meth:`close` closes the resource."""
+        with self._lock:
+            self._holders -= 1
+            last = self._closing and self._holders == 0
+        if last:
+            self._on_close(self._value)
+
+    def close(self) -> None:
+        """Close now if nobody holds the resource, else when the last holder lets go."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            idle = self._holders == 0
+        if idle:
+            self._on_close(self._value)
+
+
 class PreadSource:
     """Positioned reads from a file descriptor into caller memory.
 
@@ -646,9 +693,7 @@ class PreadSource:
         self._exact_lock = threading.Lock()
         # Reads in flight hold the descriptor open: close() from another thread must not let
         # the number be reused by a file opened meanwhile (those reads would read that file).
-        self._state = threading.Lock()
-        self._users = 0
-        self._closing = False
+        self._held = Shared(fd, self._close_fd)
 
     @property
     def size(self) -> int:
@@ -669,18 +714,10 @@ class PreadSource:
         Raises:
             ClosedFileError: The source was closed.
         """
-        with self._state:
-            if self._closing or self._fd < 0:
-                raise ClosedFileError("File is closed", kind="FileClosed")
-            self._users += 1
-            return self._fd
+        return self._held.acquire()
 
     def _release(self) -> None:
-        with self._state:
-            self._users -= 1
-            last = self._closing and self._users == 0
-        if last:
-            self._close_fd()
+        self._held.release()
 
     def pread_exact(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` from ``offset`` with one thread (loops on short reads)."""
@@ -786,15 +823,10 @@ class PreadSource:
         exact, self._exact = self._exact, None
         if exact is not None and exact is not self:
             exact.close()
-        with self._state:
-            self._closing = True
-            idle = self._users == 0
-        if idle:
-            self._close_fd()
+        self._held.close()
 
-    def _close_fd(self) -> None:
-        with self._state:
-            fd, self._fd = self._fd, -1
+    def _close_fd(self, fd: int) -> None:
+        self._fd = -1
         if self._owns_fd and fd >= 0:
             os.close(fd)
 
