@@ -63,6 +63,9 @@ def run_get(args: argparse.Namespace) -> int:
     ui = Ui(args)
     with open_model(args.target) as model:
         meta = model.metadata
+        # As inspect/hash/stats: answer, but not with exit 0 for a model whose index disagrees
+        # with its shards.
+        status = model.warn_index()
     if args.key is not None:
         if meta is None or args.key not in meta:
             raise UsageError(f"no metadata key {sanitize(args.key)!r} in {sanitize(args.target)}")
@@ -73,17 +76,17 @@ def run_get(args: argparse.Namespace) -> int:
             sys.stdout.write(value + "\n")
         else:
             ui.line(sanitize(value))
-        return 0
+        return status
     if args.json:
         print_json({"schema": SCHEMA, "target": args.target, "metadata": meta})
-        return 0
+        return status
     if not meta:
         ui.note("no metadata" if meta is None else "empty metadata")
-        return 0
+        return status
     width = max(len(sanitize(k)) for k in meta)
     for key, value in meta.items():
         ui.line(f"{sanitize(key).ljust(width)}  {sanitize(value)}")
-    return 0
+    return status
 
 
 def _local_file(target: str) -> None:
