@@ -512,12 +512,9 @@ def test_inconsistent_index_warns_and_fails_every_command(cli, tmp_path: Path) -
     for kind, folder in _inconsistent_models(tmp_path).items():
         code = codes[kind]
         # Read-only commands still answer, but warn and exit 1 (diff: 2, its "cannot tell").
-        for cmd in (["inspect"], ["inspect", "--json"], ["hash"], ["stats"], ["metadata", "get"]):
-            r = (
-                cli(*cmd[:2], folder, *cmd[2:])
-                if cmd[0] == "metadata"
-                else cli(cmd[0], folder, *cmd[1:])
-            )
+        read_only = [["inspect"], ["inspect", "--json"], ["hash"], ["stats"], ["metadata", "get"]]
+        for cmd in read_only:
+            r = cli(*cmd, folder) if cmd[0] == "metadata" else cli(cmd[0], folder, *cmd[1:])
             assert r.code == 1, (kind, cmd, r.err)
             assert r.out and f"warning: {folder}: " in r.err and f"[{code}]" in r.err
         r = cli("diff", folder, folder)
