@@ -57,6 +57,16 @@ def _check_strings(values: Mapping[str, str]) -> None:
                 f"metadata keys and values must be str, got {type(key).__name__}: "
                 f"{type(value).__name__} for {key!r}"
             )
+        for text in (key, value):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                # A lone surrogate: no UTF-8 header can hold it (nothing is written).
+                raise SerializeError(
+                    f"{SERIALIZE_PREFIX}metadata {key!r}: {text!r} is not valid Unicode text "
+                    "(a lone surrogate)",
+                    kind="InvalidMetadata",
+                ) from None
 
 
 def _copy_range(src: int, dst: int, offset: int, count: int, dst_offset: int) -> None:
@@ -137,7 +147,7 @@ def edit_metadata(
     target = os.path.realpath(given)
     updates = dict(set or {})
     _check_strings(updates)
-    removals = list(delete)
+    removals = [delete] if isinstance(delete, str) else list(delete)  # one key, not letters
     fd = os.open(target, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     try:
         source = PreadSource(fd, target, owns_fd=False)

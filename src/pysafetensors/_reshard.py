@@ -34,13 +34,14 @@ from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
     ShardPlan,
+    index_filename,
     parse_size,
     remove_stale_files,
     split_into_shards,
     write_index,
 )
 from ._sources import ByteSource
-from ._writer import Writeback, atomic_output
+from ._writer import SaveGroup, Writeback, atomic_output
 
 __all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
 
@@ -203,12 +204,13 @@ def _write_one(
     max_header_size: int,
     progress: Progress | None,
     state: list[int],
+    group: SaveGroup | None = None,
 ) -> None:
     by_name = {info.name: (spath, off, info) for spath, off, info in infos}
     layout = build_layout(
         ((i.name, i.dtype, i.shape) for _, _, i in infos), metadata, max_header_size=max_header_size
     )
-    with atomic_output(path, fsync=fsync) as fd:
+    with atomic_output(path, fsync=fsync, group=group) as fd:
         os.ftruncate(fd, layout.file_size)
         head = memoryview(layout.header)
         while head:
@@ -286,21 +288,28 @@ def _rewrite(
         if not plan.is_sharded:
             per_file.update(_as_header_metadata(meta))
         written = []
-        for fname, shard_names in plan.filename_to_tensors.items():
-            _write_one(
-                os.path.join(out, fname),
-                [located[n] for n in shard_names],
-                per_file,
-                sources,
-                fsync=fsync,
-                max_header_size=max_header_size,
-                progress=progress,
-                state=state,
-            )
-            written.append(fname)
-        if plan.is_sharded:
-            index = write_index(out, plan, meta, filename_pattern=filename_pattern, fsync=fsync)
-            written.append(os.path.basename(index))
+        # All files are renamed into place together at the end (see SaveGroup): a reshard that
+        # fails or is killed midway, in place above all, leaves the earlier checkpoint whole.
+        seal = os.path.join(out, index_filename(filename_pattern)) if plan.is_sharded else None
+        with SaveGroup(fsync=fsync, seal=seal) as group:
+            for fname, shard_names in plan.filename_to_tensors.items():
+                _write_one(
+                    os.path.join(out, fname),
+                    [located[n] for n in shard_names],
+                    per_file,
+                    sources,
+                    fsync=fsync,
+                    max_header_size=max_header_size,
+                    progress=progress,
+                    state=state,
+                    group=group,
+                )
+                written.append(fname)
+            if plan.is_sharded:
+                index = write_index(
+                    out, plan, meta, filename_pattern=filename_pattern, fsync=fsync, group=group
+                )
+                written.append(os.path.basename(index))
         if clean:
             remove_stale_files(out, filename_pattern, written)
         return plan
@@ -346,9 +355,12 @@ def reshard(
 
     Raises:
         SafetensorError: The source is invalid.
-        ValueError: ``max_shard_size`` does not parse.
+        ValueError: ``max_shard_size`` does not parse or is not more than 0 bytes.
     """
     out = os.fspath(output)
+    if max_shard_size is None or parse_size(max_shard_size) <= 0:
+        # None would write one file named like the folder; 0 one shard per tensor.
+        raise ValueError(f"max_shard_size must be more than 0 bytes, got {max_shard_size!r}")
     with ShardedSafeOpen(
         _folder_or_file(source),
         "numpy",
@@ -430,7 +442,9 @@ def select_names(
     Raises:
         re.error: A regular expression does not compile.
     """
-    pats = list(patterns)
+    # One string is one pattern (iterating it would make every character a pattern, and "*"
+    # among them would select everything).
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
     if regex:
         compiled = [re.compile(p) for p in pats]
         return [n for n in names if any(c.search(n) for c in compiled)]
@@ -475,7 +489,9 @@ def extract(
         SafetensorError: No tensor matches (kind ``NoMatch``), or the source is invalid.
     """
     out = os.fspath(output)
-    pats = list(patterns)
+    # One string is one pattern (iterating it would make every character a pattern, and "*"
+    # among them would select everything).
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
     with ShardedSafeOpen(
         _folder_or_file(source),
         "numpy",

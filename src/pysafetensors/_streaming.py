@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import operator
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -84,9 +85,31 @@ def _declare(name: Any, value: Any) -> TensorDecl:
         data = _adapter_for(value).to_data(str(name), value)
         return str(name), data.dtype, data.shape
     if hasattr(value, "dtype") and hasattr(value, "shape"):  # TensorMeta, SafeSlice
-        return str(name), as_dtype(value.dtype), tuple(int(d) for d in value.shape)
+        return str(name), as_dtype(value.dtype), _dims(name, value.shape)
     dtype, shape = value
-    return str(name), as_dtype(dtype), tuple(int(d) for d in shape)
+    return str(name), as_dtype(dtype), _dims(name, shape)
+
+
+def _dims(name: Any, shape: Any) -> tuple[int, ...]:
+    """A declared shape as non-negative ints (2.5 was taken as 2, True as 1, -1 failed only
+    at close)."""
+    dims = []
+    for d in shape:
+        if isinstance(d, (bool, np.bool_)):
+            d = None
+        try:
+            value = operator.index(d)
+        except TypeError:
+            value = -1
+        if value < 0:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` is declared with shape {list(shape)}: "
+                "dimensions must be non-negative integers",
+                kind="TensorInvalidInfo",
+                tensor=str(name),
+            )
+        dims.append(value)
+    return tuple(dims)
 
 
 def _declarations(tensors: Any) -> list[TensorDecl]:

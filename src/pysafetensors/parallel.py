@@ -38,6 +38,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias, TypeVar
 
+from ._errors import SafetensorError
 from ._format import MAX_HEADER_SIZE
 from ._reader import safe_open
 from ._validate import Problem, validate
@@ -400,14 +401,17 @@ def _call_noting(fn: Callable[[_T], _R], item: _T) -> _R:
 def _validate_one(
     target: str | os.PathLike[str], strict: bool = False, check_values: bool | None = None
 ) -> list[Problem]:
-    """:func:`~pysafetensors._validate.validate` one target; OSError becomes a Problem.
+    """:func:`~pysafetensors._validate.validate` one target; a target that cannot be opened
+    (missing, unreadable, an ambiguous folder, a malformed path) becomes one Problem, so that
+    one bad target does not stop a batch.
 
     Module level so that process pools can pickle it.
     """
     try:
         return validate(target, strict=strict, check_values=check_values)
-    except OSError as exc:
-        return [Problem("error", "FileNotReadable", f"{type(exc).__name__}: {exc}")]
+    except (OSError, ValueError, SafetensorError) as exc:
+        kind = getattr(exc, "kind", None) or "FileNotReadable"
+        return [Problem("error", kind, f"{type(exc).__name__}: {exc}")]
 
 
 def validate_files(
@@ -468,14 +472,18 @@ def hash_files(
     Args:
         paths: Local files.
         executor: Any ``concurrent.futures.Executor``; ``None`` hashes them one by one here.
-        algorithm: Any ``hashlib`` algorithm name.
+        algorithm: Any ``hashlib`` algorithm name with a fixed digest size.
 
     Returns:
         Path (as given, via ``os.fspath``) to hex digest, in input order.
 
     Raises:
         OSError: A file cannot be read.
+        ValueError: The algorithm is unknown or has no fixed size (``shake_128``).
     """
+    probe = hashlib.new(algorithm)  # an unknown name fails here, before any file is read
+    if probe.digest_size == 0:
+        raise ValueError(f"{algorithm!r} has no fixed digest size (shake_*); pick another")
     items = list(paths)
     digests = map_files(functools.partial(_hash_one, algorithm=algorithm), items, executor)
     return {os.fspath(p): d for p, d in zip(items, digests, strict=True)}

@@ -119,3 +119,18 @@ def test_edit_metadata_errors(tmp_path: Path) -> None:
     with pytest.raises(HeaderError):
         pysafetensors.edit_metadata(bad, set={"a": "b"})
     assert bad.read_bytes() == content  # a file that fails validation is never written
+
+
+def test_edit_metadata_argument_handling(tmp_path: Path) -> None:
+    from pysafetensors import SerializeError, edit_metadata, safe_open
+    from pysafetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.ones(2)}, path, metadata={"key": "v", "k": "single letter"})
+    edit_metadata(path, delete="key")  # one key, not the letters k, e, y
+    with safe_open(path, "np") as f:
+        assert f.metadata() == {"k": "single letter"}
+    before = path.read_bytes()
+    with pytest.raises(SerializeError, match="lone surrogate"):
+        edit_metadata(path, set={"bad": "\ud800"})
+    assert path.read_bytes() == before

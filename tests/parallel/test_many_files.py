@@ -109,3 +109,21 @@ def test_load_shard_from_a_sharded_folder(tmp_path: Path) -> None:
             assert all(np.array_equal(p[name], full) for p in parts)
         else:
             assert np.array_equal(np.concatenate([p[name] for p in parts], axis=1), full)
+
+
+def test_validate_files_reports_unopenable_targets_instead_of_stopping(tmp_path: Path) -> None:
+    from pysafetensors.numpy import save_file
+    from pysafetensors.parallel import hash_files, validate_files
+
+    ambiguous = tmp_path / "two"
+    ambiguous.mkdir()
+    save_file({"a": np.ones(2)}, ambiguous / "x.safetensors")
+    save_file({"a": np.ones(2)}, ambiguous / "y.safetensors")
+    good = tmp_path / "ok.safetensors"
+    save_file({"a": np.ones(2)}, good)
+    found = validate_files([ambiguous, "bad\0path", good])
+    assert found[str(good)] == []
+    assert [p.code for p in found[str(ambiguous)]] == ["AmbiguousFolder"]
+    assert [p.code for p in found["bad\0path"]] == ["FileNotReadable"]
+    with pytest.raises(ValueError, match="no fixed digest size"):
+        hash_files([good], algorithm="shake_128")

@@ -279,3 +279,35 @@ def test_cli_refuses_shard_sizes(tmp_path: Path, size: str) -> None:
     assert _cli_code("-q", "reshard", src, tmp_path / "o", f"-s={size}") == 2
     assert _cli_code("-q", "extract", src, tmp_path / "e", "t", f"--max-shard-size={size}") == 2
     assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()
+
+
+def test_in_place_reshard_failing_midway_leaves_the_checkpoint(tmp_path: Path) -> None:
+    """Every new file is renamed into place only once all are written (SaveGroup): an in-place
+    reshard that stops after its first shard used to leave a folder that no longer opened, with
+    a tensor stored nowhere."""
+    from pysafetensors.numpy import load_file
+
+    state = {k: np.full(1000, i, np.float32) for i, k in enumerate(("a", "b", "c"))}
+    save_sharded(state, tmp_path, max_shard_size=9000)  # [a, b] and [c]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def fail_after_first_shard(done: int, total: int) -> None:
+        if done > 4000:  # the first new shard ([a], 4000 bytes) is complete: in the second
+            raise KeyboardInterrupt  # as Ctrl-C mid-copy
+
+    with pytest.raises(KeyboardInterrupt):
+        reshard(tmp_path, tmp_path, max_shard_size=7000, progress=fail_after_first_shard)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    loaded = load_file(tmp_path)
+    assert all(np.array_equal(loaded[k], v) for k, v in state.items())
+
+
+def test_python_api_argument_checks(tmp_path: Path) -> None:
+    save_sharded({"layers.0.w": np.ones(4), "layers.1.w": np.zeros(4)}, tmp_path / "m", 40)
+    # One string is one pattern, not one pattern per character ("*" would match everything).
+    names = extract(tmp_path / "m", tmp_path / "x.safetensors", "layers.0.*")
+    assert names == ["layers.0.w"]
+    for size in (None, 0, "0KB", -1):
+        with pytest.raises(ValueError, match="more than 0 bytes"):
+            reshard(tmp_path / "m", tmp_path / "r", max_shard_size=size)  # type: ignore[arg-type]
+    assert not (tmp_path / "r").exists()

@@ -341,3 +341,14 @@ def test_writer_refuses_bad_targets_and_inputs_at_once(tmp_path: Path) -> None:
                 w.write("a", data, offset)  # type: ignore[arg-type]
         assert w.missing() == {"a": 8}
         w.write("a", bytes(8))
+
+
+@pytest.mark.parametrize("shape", [(2.5,), (True,), (-1,), ("3",)])
+def test_declared_shapes_must_be_non_negative_integers(tmp_path: Path, shape: tuple) -> None:
+    for make in (
+        lambda: StreamingWriter(tmp_path / "m.safetensors", {"a": ("F32", shape)}),
+        lambda: ShardedStreamingWriter(tmp_path / "s", {"a": ("F32", shape)}),
+    ):
+        with pytest.raises(SerializeError, match="dimensions must be non-negative integers"):
+            make()
+    assert not any(tmp_path.iterdir()) or not list(tmp_path.glob("**/*.safetensors"))
