@@ -134,7 +134,10 @@ def convert_file(
         dst: The safetensors file to write (atomically: nothing appears on failure).
         metadata: Extra ``__metadata__`` entries; they win over the ones the converter adds.
         keep_non_tensors: Store non-tensor leaves (``epoch``, config values...) as JSON
-            strings in the metadata, under their dotted names.
+            strings in the metadata, under their dotted names. Only JSON values survive as they
+            are: bytes become ``"<N bytes>"``, other objects ``"<TypeName>"``, NaN and
+            infinities strings, and lists or dicts over 1,000 items are cut short with
+            ``"..."`` (a record of what was there, not a way to restore it).
         verify: Reload the result and compare every tensor, with
             ``torch.load(weights_only=True)`` when torch is importable and can read the file,
             otherwise with our own reading of the checkpoint. A mismatch removes ``dst``.
@@ -583,7 +586,9 @@ def to_torch_bin(
         src: The safetensors file.
         dst: The ``.bin``/``.pt`` file to write (atomically).
         restore_shared: For metadata entries ``{dropped: kept}`` naming a tensor of the file
-            (as :func:`convert_file` writes them), add ``dropped`` back as the same tensor.
+            (as :func:`convert_file` and ``save_model`` write them), add ``dropped`` back as the
+            same tensor. Any entry whose value is a tensor name counts (``"format"`` excepted),
+            so use it on files those functions wrote.
 
     Returns:
         The tensor names written.
@@ -613,7 +618,7 @@ def to_torch_bin(
         state[name] = t
     if restore_shared and header.metadata:
         for dropped, kept in header.metadata.items():
-            if dropped not in state and kept in state:
+            if dropped != "format" and dropped not in state and kept in state:
                 state[dropped] = state[kept]
     tmp = f"{dst_s}.partial"
     try:
