@@ -34,11 +34,9 @@ from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
     ShardPlan,
-    index_filename,
     parse_size,
-    remove_stale_files,
     split_into_shards,
-    write_index,
+    write_checkpoint,
 )
 from ._sources import ByteSource
 from ._writer import SaveGroup, Writeback, atomic_output
@@ -287,31 +285,31 @@ def _rewrite(
         per_file: dict[str, str] = {"format": fmt}
         if not plan.is_sharded:
             per_file.update(_as_header_metadata(meta))
-        written = []
+
+        def write_shard(path: str, shard_names: list[str], group: SaveGroup) -> None:
+            _write_one(
+                path,
+                [located[n] for n in shard_names],
+                per_file,
+                sources,
+                fsync=fsync,
+                max_header_size=max_header_size,
+                progress=progress,
+                state=state,
+                group=group,
+            )
+
         # All files are renamed into place together at the end (see SaveGroup): a reshard that
         # fails or is killed midway, in place above all, leaves the earlier checkpoint whole.
-        seal = os.path.join(out, index_filename(filename_pattern)) if plan.is_sharded else None
-        with SaveGroup(fsync=fsync, seal=seal) as group:
-            for fname, shard_names in plan.filename_to_tensors.items():
-                _write_one(
-                    os.path.join(out, fname),
-                    [located[n] for n in shard_names],
-                    per_file,
-                    sources,
-                    fsync=fsync,
-                    max_header_size=max_header_size,
-                    progress=progress,
-                    state=state,
-                    group=group,
-                )
-                written.append(fname)
-            if plan.is_sharded:
-                index = write_index(
-                    out, plan, meta, filename_pattern=filename_pattern, fsync=fsync, group=group
-                )
-                written.append(os.path.basename(index))
-        if clean:
-            remove_stale_files(out, filename_pattern, written)
+        write_checkpoint(
+            out,
+            plan,
+            meta,
+            write_shard,
+            filename_pattern=filename_pattern,
+            fsync=fsync,
+            clean=clean,
+        )
         return plan
     finally:
         sources.close()

@@ -47,6 +47,7 @@ __all__ = [
     "save_model_sharded",
     "save_sharded",
     "split_into_shards",
+    "write_checkpoint",
     "write_index",
 ]
 
@@ -293,6 +294,39 @@ def write_index(
     return path
 
 
+def write_checkpoint(
+    folder: str,
+    plan: ShardPlan,
+    metadata: Mapping[str, Any] | None,
+    write_shard: Callable[[str, list[str], SaveGroup], None],
+    *,
+    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+    fsync: bool = False,
+    clean: bool = True,
+) -> None:
+    """Write every shard of ``plan`` and its index, then put them in place together.
+
+    ``write_shard(path, names, group)`` writes one file through ``group``; the index follows.
+    All are renamed into place together once all are written (:class:`SaveGroup`, the old index
+    removed first), so an interrupted save leaves the earlier checkpoint whole rather than
+    mixed with new shards. Then, with ``clean``, files of an earlier save with the same pattern
+    that this one did not write are deleted.
+    """
+    written = []
+    seal = os.path.join(folder, index_filename(filename_pattern)) if plan.is_sharded else None
+    with SaveGroup(fsync=fsync, seal=seal) as group:
+        for filename, names in plan.filename_to_tensors.items():
+            write_shard(os.path.join(folder, filename), names, group)
+            written.append(filename)
+        if plan.is_sharded:
+            index = write_index(
+                folder, plan, metadata, filename_pattern=filename_pattern, fsync=fsync, group=group
+            )
+            written.append(os.path.basename(index))
+    if clean:
+        remove_stale_files(folder, filename_pattern, written)
+
+
 def remove_stale_files(
     folder: str | os.PathLike[str],
     filename_pattern: str,
@@ -476,35 +510,26 @@ def save_sharded(
     per_file: dict[str, str] = {"format": format}
     if not plan.is_sharded:
         per_file.update(meta)
-    written = []
-    # Every shard and the index are renamed into place together once all are written, so an
-    # interrupted save leaves the earlier checkpoint whole rather than mixed with new shards.
-    index_path = os.path.join(out, index_filename(filename_pattern)) if plan.is_sharded else None
-    with SaveGroup(fsync=fsync, seal=index_path) as group:
-        for filename, names in plan.filename_to_tensors.items():
-            shard = {name: state[name] for name in names}
-            if shard and all(_is_torch(v) for v in shard.values()):
-                from .torch import _flatten
 
-                # The reference's checks (sparse, meta, non-contiguous) with its messages.
-                _flatten(shard)
-            data: list[TensorData] = [_adapter_for(v).to_data(k, v) for k, v in shard.items()]
-            write_file(
-                os.path.join(out, filename),
-                data,
-                per_file,
-                fsync=fsync,
-                max_header_size=max_header_size,
-                group=group,
-            )
-            written.append(filename)
-        if plan.is_sharded:
-            index = write_index(
-                out, plan, meta, filename_pattern=filename_pattern, fsync=fsync, group=group
-            )
-            written.append(os.path.basename(index))
-    if clean:
-        remove_stale_files(out, filename_pattern, written)
+    def write_shard(path: str, names: list[str], group: SaveGroup) -> None:
+        shard = {name: state[name] for name in names}
+        if shard and all(_is_torch(v) for v in shard.values()):
+            from .torch import _flatten
+
+            # The reference's checks (sparse, meta, non-contiguous) with its messages.
+            _flatten(shard)
+        data: list[TensorData] = [_adapter_for(v).to_data(k, v) for k, v in shard.items()]
+        write_file(path, data, per_file, fsync=fsync, max_header_size=max_header_size, group=group)
+
+    write_checkpoint(
+        out,
+        plan,
+        meta,
+        write_shard,
+        filename_pattern=filename_pattern,
+        fsync=fsync,
+        clean=clean,
+    )
     return plan
 
 
