@@ -536,14 +536,20 @@ class safe_open:  # noqa: N801 - the reference's name
             source = self._live()
         if plan is None and is_advanced(index):
             return self._read_advanced(info, index, source)
+        plan = self._checked_plan(info, index, plan)
+        buf = self._read_plan(info, plan, source)
+        return self._adapter.from_bytes(buf, info.dtype, plan.shape, self._device)
+
+    @staticmethod
+    def _checked_plan(info: TensorInfo, index: Any, plan: SlicePlan | None = None) -> SlicePlan:
+        """``plan`` (else ``plan_slice(index)``), refusing shapes no array can hold."""
         if len(info.shape) > MAX_NDIM:
-            # The strided copy below reshapes to the full rank, which numpy caps.
+            # The strided copy of _read_plan reshapes to the full rank, which numpy caps.
             check_representable(info.shape, info.dtype, info.name)
         if plan is None:
             plan = plan_slice(info.shape, info.dtype, index)
         check_representable(plan.shape, info.dtype, info.name)
-        buf = self._read_plan(info, plan, source)
-        return self._adapter.from_bytes(buf, info.dtype, plan.shape, self._device)
+        return plan
 
     def _read_plan(self, info: TensorInfo, plan: SlicePlan, source: ByteSource) -> np.ndarray:
         """The bytes ``plan`` selects from ``info``'s data, in fresh memory."""
@@ -605,10 +611,7 @@ class safe_open:  # noqa: N801 - the reference's name
                 kind="InvalidSlice",
             )
         split = split_advanced(index, info.shape)
-        if len(info.shape) > MAX_NDIM:
-            check_representable(info.shape, info.dtype, info.name)
-        box_plan = plan_slice(info.shape, info.dtype, split.box)
-        check_representable(box_plan.shape, info.dtype, info.name)
+        box_plan = self._checked_plan(info, split.box)
         data = self._read_plan(info, box_plan, source)
         # Elements as integers of their width (every dtype has 1, 2, 4 or 8 bytes), so that the
         # index applies to whole elements with the same positions as on the tensor itself.

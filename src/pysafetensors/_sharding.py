@@ -40,6 +40,7 @@ __all__ = [
     "MAX_SHARD_SIZE",
     "ShardPlan",
     "check_filename_pattern",
+    "checkpoint_group",
     "index_filename",
     "index_json",
     "parse_size",
@@ -294,6 +295,15 @@ def write_index(
     return path
 
 
+def checkpoint_group(
+    folder: str, plan: ShardPlan, filename_pattern: str, *, fsync: bool = False
+) -> SaveGroup:
+    """The :class:`SaveGroup` a checkpoint's files are renamed into place with, sealed by its
+    index when it has one (the old index goes first, the new one last)."""
+    seal = os.path.join(folder, index_filename(filename_pattern)) if plan.is_sharded else None
+    return SaveGroup(fsync=fsync, seal=seal)
+
+
 def write_checkpoint(
     folder: str,
     plan: ShardPlan,
@@ -303,18 +313,22 @@ def write_checkpoint(
     filename_pattern: str = DEFAULT_FILENAME_PATTERN,
     fsync: bool = False,
     clean: bool = True,
+    group: SaveGroup | None = None,
 ) -> None:
     """Write every shard of ``plan`` and its index, then put them in place together.
 
-    ``write_shard(path, names, group)`` writes one file through ``group``; the index follows.
-    All are renamed into place together once all are written (:class:`SaveGroup`, the old index
-    removed first), so an interrupted save leaves the earlier checkpoint whole rather than
-    mixed with new shards. Then, with ``clean``, files of an earlier save with the same pattern
-    that this one did not write are deleted.
+    ``write_shard(path, names, group)`` writes (or finishes) one file through ``group``; the
+    index follows. All are renamed into place together once all are written (:class:`SaveGroup`,
+    the old index removed first), so an interrupted save leaves the earlier checkpoint whole
+    rather than mixed with new shards; on failure the group's files are discarded. Then, with
+    ``clean``, files of an earlier save with the same pattern that this one did not write are
+    deleted. ``group``: one made earlier with :func:`checkpoint_group` (a streaming writer's
+    shards join it as they are opened).
     """
     written = []
-    seal = os.path.join(folder, index_filename(filename_pattern)) if plan.is_sharded else None
-    with SaveGroup(fsync=fsync, seal=seal) as group:
+    if group is None:
+        group = checkpoint_group(folder, plan, filename_pattern, fsync=fsync)
+    with group:
         for filename, names in plan.filename_to_tensors.items():
             write_shard(os.path.join(folder, filename), names, group)
             written.append(filename)

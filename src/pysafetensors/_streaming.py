@@ -34,10 +34,9 @@ from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
     ShardPlan,
-    index_filename,
-    remove_stale_files,
+    checkpoint_group,
     split_into_shards,
-    write_index,
+    write_checkpoint,
 )
 from ._writer import SaveGroup, Writeback, atomic_output
 
@@ -95,10 +94,8 @@ def _dims(name: Any, shape: Any) -> tuple[int, ...]:
     at close)."""
     dims = []
     for d in shape:
-        if isinstance(d, (bool, np.bool_)):
-            d = None
         try:
-            value = operator.index(d)
+            value = -1 if isinstance(d, (bool, np.bool_)) else operator.index(d)
         except TypeError:
             value = -1
         if value < 0:
@@ -501,12 +498,8 @@ class ShardedStreamingWriter:
         self._pattern = filename_pattern
         self._clean = clean
         self._fsync = fsync
-        self._group = SaveGroup(
-            fsync=fsync,
-            seal=os.path.join(self.folder, index_filename(filename_pattern))
-            if plan.is_sharded
-            else None,
-        )
+        # Every shard joins it when opened, and close() renames them with the index.
+        self._group = checkpoint_group(self.folder, plan, filename_pattern, fsync=fsync)
         self._lock = threading.Lock()
         os.makedirs(self.folder, exist_ok=True)
 
@@ -582,29 +575,22 @@ class ShardedStreamingWriter:
             )
         for fname in self._decls:
             self._shard_writer(fname)  # shards holding only empty tensors
-        written = []
-        for fname in self._decls:
-            self._writers[fname].close()  # finished, not yet renamed: see SaveGroup
-            written.append(fname)
         self._closed = True
-        try:
-            if self.plan.is_sharded:
-                index = write_index(
-                    self.folder,
-                    self.plan,
-                    self._meta,
-                    filename_pattern=self._pattern,
-                    fsync=self._fsync,
-                    group=self._group,
-                )
-                written.append(os.path.basename(index))
-            # Every shard and the index appear together, after all of them are complete.
-            self._group.commit()
-        except BaseException:
-            self._group.discard()
-            raise
-        if self._clean:
-            remove_stale_files(self.folder, self._pattern, written)
+        writers = {os.path.join(self.folder, f): w for f, w in self._writers.items()}
+
+        def finish(path: str, names: list[str], group: SaveGroup) -> None:
+            writers[path].close()  # complete; renamed with the rest of the group
+
+        write_checkpoint(
+            self.folder,
+            self.plan,
+            self._meta,
+            finish,
+            filename_pattern=self._pattern,
+            fsync=self._fsync,
+            clean=self._clean,
+            group=self._group,
+        )
 
     def abort(self) -> None:
         """Discard every shard not yet committed."""
