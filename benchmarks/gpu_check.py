@@ -441,6 +441,143 @@ def main() -> int:
     except Exception:
         report.error("warm")
 
+    # ------------------------------------------------------------------ tensor-parallel parts
+    try:
+        from pysafetensors.parallel import load_shard
+
+        tp = 8
+
+        def tp_rule(along: str) -> Callable[[str, tuple[int, ...]], str]:
+            def rule(name: str, shape: tuple[int, ...]) -> str:
+                # 1-D tensors (norms) are replicated in a column split, as in make bench.
+                if along == "rows":
+                    return "rows"
+                return "columns" if len(shape) >= 2 else "replicate"
+
+            return rule
+
+        def tp_key(shape: list[int], along: str) -> tuple[slice, ...]:
+            if along == "rows" or len(shape) == 1:
+                if along == "columns":
+                    return (slice(None),)
+                return (slice(0, -(-shape[0] // tp)),)
+            return (slice(None), slice(0, -(-shape[1] // tp)))
+
+        def ref_parts(along: str) -> Callable[[], Any]:
+            def run() -> Any:
+                with safetensors.safe_open(path, "pt", device=dev) as f:
+                    return {
+                        name: f.get_slice(name)[tp_key(f.get_slice(name).get_shape(), along)]
+                        for name in f.keys()  # noqa: SIM118
+                    }
+
+            return run
+
+        tp_arms: dict[str, Callable[[], Any]] = {}
+        for along in ("rows", "columns"):
+            for backend in ("pread", "mmap"):
+                tp_arms[f"{along}: pysafetensors load_shard ({backend})"] = (
+                    lambda a=along, b=backend: load_shard(
+                        path, 0, tp, tp_rule(a), framework="pt", device=dev, backend=b
+                    )
+                )
+            tp_arms[f"{along}: reference get_slice loop"] = ref_parts(along)
+        # Correctness first: every arm's parts equal, byte for byte.
+        tp_bytes: dict[str, int] = {}
+        tp_bad: list[str] = []
+        for along in ("rows", "columns"):
+            want = ref_parts(along)()
+            tp_bytes[along] = sum(t.numel() * t.element_size() for t in want.values())
+            for backend in ("pread", "mmap"):
+                got = load_shard(
+                    path, 0, tp, tp_rule(along), framework="pt", device=dev, backend=backend
+                )
+                for name, t in want.items():
+                    if not same_bytes(got[name], t):
+                        tp_bad.append(f"tp {along} {backend} {name}")
+            del want, got
+        failures += tp_bad
+        for fn in tp_arms.values():
+            timed(fn, lambda: _cache.warm(path))
+        tp_times: dict[str, list[float]] = {k: [] for k in tp_arms}
+        for _ in range(args.reps):
+            for name, fn in tp_arms.items():
+                elapsed, _peak = timed(fn, lambda: _cache.warm(path))
+                tp_times[name].append(elapsed)
+        lines = [
+            "| arm | median s | min s | GiB on the device | x reference |",
+            "|---|---|---|---|---|",
+        ]
+        for name, ts in tp_times.items():
+            along = name.split(":")[0]
+            med = statistics.median(ts)
+            base = statistics.median(tp_times[f"{along}: reference get_slice loop"])
+            lines.append(
+                f"| {name} | {med:.3f} | {min(ts):.3f} | {tp_bytes[along] / 2**30:.3f} | "
+                f"{med / base:.2f}x |"
+            )
+        # The first call of a process also pays for its pinned buffers (torch caches them
+        # afterwards): the column split once per fresh process, CUDA already initialised.
+        first_call = (
+            "import sys, time, torch\n"
+            "sys.path.insert(0, 'src')\n"
+            "import safetensors\n"
+            "from pysafetensors.parallel import load_shard\n"
+            "path, dev, arm = sys.argv[1:4]\n"
+            "torch.zeros(1, device=dev); torch.cuda.synchronize()\n"
+            "rule = lambda n, s: 'columns' if len(s) >= 2 else 'replicate'\n"
+            "key = lambda s: ((slice(None),) if len(s) == 1\n"
+            "                 else (slice(None), slice(0, s[1] // 8)))\n"
+            "t0 = time.perf_counter()\n"
+            "if arm == 'reference':\n"
+            "    with safetensors.safe_open(path, 'pt', device=dev) as f:\n"
+            "        r = {k: f.get_slice(k)[key(f.get_slice(k).get_shape())] for k in f.keys()}\n"
+            "else:\n"
+            "    r = load_shard(path, 0, 8, rule, framework='pt', device=dev, backend=arm)\n"
+            "torch.cuda.synchronize()\n"
+            "print(time.perf_counter() - t0)\n"
+        )
+        fresh_times: dict[str, list[float]] = {}
+        if not dry:
+            import subprocess
+
+            root = os.path.dirname(HERE)
+            for _ in range(3):
+                for arm in ("mmap", "pread", "reference"):
+                    _cache.warm(path)
+                    done = subprocess.run(
+                        [sys.executable, "-c", first_call, path, dev, arm],
+                        cwd=root,
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
+                    fresh_times.setdefault(arm, []).append(float(done.stdout.split()[-1]))
+            base = statistics.median(fresh_times["reference"])
+            lines += [
+                "",
+                "columns, first call of a fresh process (median of 3):",
+                "",
+                "| arm | median s | x reference |",
+                "|---|---|---|",
+                *(
+                    f"| {arm} | {statistics.median(ts):.3f} | {statistics.median(ts) / base:.2f}x |"
+                    for arm, ts in fresh_times.items()
+                ),
+            ]
+        report.add(
+            "tensor-parallel",
+            {"times": tp_times, "bytes": tp_bytes, "failures": tp_bad, "first_call": fresh_times},
+            [
+                f"rank 0 of {tp} to the device, warm, median of {args.reps}; parts equal to "
+                "the reference's: " + ("OK" if not tp_bad else f"{tp_bad[:10]}"),
+                "",
+                *lines,
+            ],
+        )
+    except Exception:
+        report.error("tensor-parallel")
+
     # ------------------------------------------------------------------ saves from the device
     def host_peak_reset() -> int:
         # Resets VmHWM to the current RSS (Linux); returns the RSS then, in bytes.

@@ -39,6 +39,7 @@ __all__ = [
     "StagingStats",
     "TorchCudaOps",
     "chunks_from_device",
+    "gather_to_device",
     "stage_runs_to_device",
     "stage_to_device",
 ]
@@ -65,6 +66,9 @@ SPARE_BUFFERS: Final = 2
 PIECE_BYTES: Final = 16 << 20
 #: Pinned buffers per device tensor being saved: one being written, two in flight.
 SAVE_RING: Final = 3
+#: Pinned buffers a gathered part (a column split) goes through: one being filled, two in
+#: flight to the device.
+GATHER_RING: Final = 3
 
 
 class DeviceOps(Protocol):
@@ -284,6 +288,72 @@ def stage_runs_to_device(
         # before the tensors are used (also when a read failed half way).
         ops.synchronize()
     return device_buf, offsets, stats
+
+
+def gather_to_device(
+    fill: Callable[[int, int, memoryview], None],
+    rows: int,
+    row_bytes: int,
+    ops: DeviceOps,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    ring: int = GATHER_RING,
+) -> tuple[Any, StagingStats]:
+    """Copy a part assembled on the host, block of rows by block, into one new device buffer.
+
+    For selections that are not one byte run (a column split reads a piece of every row):
+    ``fill(first, end, view)`` writes rows ``first`` to ``end`` of the part (their bytes, row
+    after row) into ``view``, one of a ring of pinned buffers, on the calling thread (the
+    gather itself runs on several cores: torch's copy out of a mapping, or the reader threads'
+    positioned reads). The block's asynchronous copy to the device then runs while the next
+    block is gathered. The pinned memory stays at ``ring`` buffers of about ``chunk_bytes``
+    whatever the part's size, where a plain ``.to(device)`` needs the whole part in pageable
+    memory first and then makes one blocking, driver-staged transfer (on an H200 a TP=8 column
+    split of a 2 GiB file went to the device in about 33 ms this way against 83 ms).
+
+    Args:
+        fill: ``fill(first, end, view)`` writes rows ``[first, end)`` of the part into ``view``.
+        rows: Rows of the part (its first dimension).
+        row_bytes: Bytes per row.
+        ops: The device runtime.
+        chunk_bytes: Bytes per block (at least one row).
+        ring: Pinned buffers.
+
+    Returns:
+        The device buffer (``rows * row_bytes`` bytes) and what the pipeline did.
+    """
+    nbytes = rows * row_bytes
+    stats = StagingStats(bytes=nbytes)
+    device_buf = ops.alloc_device(nbytes)
+    if nbytes == 0:
+        return device_buf, stats
+    per_block = max(1, min(rows, chunk_bytes // max(1, row_bytes)))
+    buffers: list[list[Any]] = []  # [host tensor, byte view, event of its last copy or None]
+    stream = ops.new_stream()
+    # The fresh device buffer may reuse memory that work queued on the current stream still
+    # uses: the copies on the side stream wait for that work.
+    ops.wait_for_producer(stream)
+    try:
+        for number, first in enumerate(range(0, rows, per_block)):
+            end = min(rows, first + per_block)
+            slot = number % max(1, ring)
+            if slot == len(buffers):
+                buffers.append([*ops.alloc_host(per_block * row_bytes), None])
+            host, view, pending = buffers[slot]
+            if pending is not None:
+                # The copy out of this buffer must finish before it is refilled.
+                ops.wait(pending)
+            n = (end - first) * row_bytes
+            fill(first, end, view[:n])
+            buffers[slot][2] = ops.copy_async(device_buf, first * row_bytes, host, n, stream)
+            stats.chunks += 1
+            stats.reuse[slot] = stats.reuse.get(slot, 0) + 1
+    finally:
+        # Every copy must have landed before the buffers are freed and the part is used (also
+        # when a fill failed half way).
+        ops.synchronize()
+    stats.host_buffers = len(buffers)
+    return device_buf, stats
 
 
 def chunks_from_device(

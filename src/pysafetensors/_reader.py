@@ -537,8 +537,41 @@ class safe_open:  # noqa: N801 - the reference's name
         if plan is None and is_advanced(index):
             return self._read_advanced(info, index, source)
         plan = self._checked_plan(info, index, plan)
+        if self._device.type != "cpu":
+            gathered = self._gather_to_device(info, plan, source)
+            if gathered is not None:
+                return gathered
         buf = self._read_plan(info, plan, source)
         return self._adapter.from_bytes(buf, info.dtype, plan.shape, self._device)
+
+    def _gather_to_device(self, info: TensorInfo, plan: SlicePlan, source: ByteSource) -> Any:
+        """A fragmented selection (a column split) for a CUDA device: gathered block of rows
+        by block into reused pinned buffers whose copies to the device overlap the next
+        block's gather (``_cuda_staging.gather_to_device``); None where that does not apply
+        (one byte run, an empty or sub-byte selection, rows too large to stage, not CUDA)."""
+        gather = getattr(self._adapter, "gather_to_device", None)
+        first = plan.selection[0] if plan.selection else None
+        if (
+            gather is None
+            or len(plan.starts) < 2
+            or info.dtype.bits % 8
+            or not isinstance(first, slice)
+        ):
+            return None
+        rows = plan.shape[0]
+        row_bytes = plan.nbytes // rows
+        if row_bytes > _STAGED_ROW_MAX:
+            return None
+        start, step = first.start, first.step
+        rest = plan.selection[1:]
+
+        def fill(begin: int, end: int, view: memoryview) -> None:
+            # The part's rows [begin, end) are the tensor's rows start + i * step.
+            rows_index = slice(start + begin * step, start + (end - 1) * step + 1, step)
+            block = plan_slice(info.shape, info.dtype, (rows_index, *rest))
+            self._read_plan(info, block, source, out=np.frombuffer(view, np.uint8))
+
+        return gather(fill, rows, row_bytes, info.dtype, plan.shape, self._device)
 
     @staticmethod
     def _checked_plan(info: TensorInfo, index: Any, plan: SlicePlan | None = None) -> SlicePlan:
@@ -551,10 +584,17 @@ class safe_open:  # noqa: N801 - the reference's name
         check_representable(plan.shape, info.dtype, info.name)
         return plan
 
-    def _read_plan(self, info: TensorInfo, plan: SlicePlan, source: ByteSource) -> np.ndarray:
-        """The bytes ``plan`` selects from ``info``'s data, in fresh memory."""
+    def _read_plan(
+        self,
+        info: TensorInfo,
+        plan: SlicePlan,
+        source: ByteSource,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The bytes ``plan`` selects from ``info``'s data, in fresh memory or into ``out``
+        (``plan.nbytes`` bytes, uint8)."""
         base = self._header.data_start + info.begin
-        buf = empty_bytes(plan.nbytes)
+        buf = empty_bytes(plan.nbytes) if out is None else out
         if plan.nbytes:
             view = source.view(base, info.nbytes) if self._backend == "mmap" else None
             if view is not None:
@@ -736,6 +776,10 @@ def gather_slice(
     run_parallel(one, blocks, worker_count(source))
     return True
 
+
+#: Rows of a fragmented selection larger than this go to a device by one plain copy: staging
+#: them through pinned buffers would pin a few of them at once.
+_STAGED_ROW_MAX: Final = 64 << 20
 
 #: Copies out of a mapping smaller than this stay on the calling thread.
 _PARALLEL_COPY_MIN: Final = 4 << 20

@@ -257,6 +257,47 @@ class TorchAdapter:
             ),
         )
 
+    def gather_to_device(
+        self,
+        fill: Any,
+        rows: int,
+        row_bytes: int,
+        dtype: DType,
+        shape: tuple[int, ...],
+        device: Device,
+        *,
+        ops: Any = None,
+        chunk_bytes: int | None = None,
+    ) -> Any | None:
+        """Gather a fragmented selection (a column split) into a CUDA device, block of rows
+        by block through reused pinned buffers (see ``_cuda_staging.gather_to_device``).
+
+        Args:
+            fill: ``fill(first, end, view)`` writes rows ``[first, end)`` of the part into
+                ``view``.
+            rows: The part's rows (``shape[0]``).
+            row_bytes: Bytes per row.
+            dtype: The part's dtype.
+            shape: The part's shape.
+            device: The target device.
+            ops: The device runtime (tests pass a CPU stand-in); CUDA by default.
+            chunk_bytes: Bytes per block (default ``_cuda_staging.CHUNK_BYTES``).
+
+        Returns:
+            The part, or None when this path does not apply (not CUDA).
+        """
+        ops = _staging_ops(device, ops)
+        if ops is None:
+            return None
+        from ._cuda_staging import CHUNK_BYTES, gather_to_device
+
+        nbytes = rows * row_bytes
+        _refuse_unholdable([("", dtype, shape, 0, nbytes)])
+        device_buf, _ = gather_to_device(
+            fill, rows, row_bytes, ops, chunk_bytes=chunk_bytes or CHUNK_BYTES
+        )
+        return carve(device_buf, [("", dtype, shape, 0, nbytes)])[""]
+
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if not isinstance(tensor, torch.Tensor):
             raise invalid_tensor_error(name, "torch.Tensor", tensor)

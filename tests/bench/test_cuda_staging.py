@@ -328,3 +328,118 @@ def test_shard_parts_go_to_the_device_through_one_pipeline(
             assert got[name].dtype == t.dtype and got[name].shape == t.shape
             assert torch.equal(got[name].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
     assert calls == [len(tensors), len(tensors)]
+
+
+# --- fragmented selections (column splits) gathered through a ring of pinned buffers
+
+
+@pytest.mark.parametrize(
+    ("rows", "row_bytes", "chunk"), [(100, 24, 64), (7, 1000, 2500), (1, 9, 4)]
+)
+def test_gathered_blocks_land_in_order_and_reuse_the_ring(
+    rows: int, row_bytes: int, chunk: int
+) -> None:
+    """Each block is filled into a buffer only after the copy out of it completed (the
+    stand-in copies as late as it can, so an early refill would land the wrong bytes)."""
+    from pysafetensors._cuda_staging import GATHER_RING, gather_to_device
+
+    data = _data(rows * row_bytes)
+    filled: list[tuple[int, int]] = []
+
+    def fill(first: int, end: int, view: memoryview) -> None:
+        filled.append((first, end))
+        view[:] = data[first * row_bytes : end * row_bytes]
+
+    ops = LateCopyOps()
+    dev, stats = gather_to_device(fill, rows, row_bytes, ops, chunk_bytes=chunk)
+    assert bytes(dev.numpy()) == data
+    per_block = max(1, chunk // row_bytes)
+    assert filled == [(j, min(rows, j + per_block)) for j in range(0, rows, per_block)]
+    assert stats.chunks == len(filled)
+    assert ops.host_allocs == stats.host_buffers == min(GATHER_RING, len(filled))
+    assert ops.producer_waits == 1
+    assert not ops.pending
+
+
+def test_a_failed_gather_raises_and_leaves_nothing_in_flight() -> None:
+    from pysafetensors._cuda_staging import gather_to_device
+
+    def fill(first: int, end: int, view: memoryview) -> None:
+        if first >= 30:
+            raise OSError("disk gone")
+        view[:] = bytes(len(view))
+
+    ops = LateCopyOps()
+    with pytest.raises(OSError, match="disk gone"):
+        gather_to_device(fill, 50, 10, ops, chunk_bytes=100)
+    assert not ops.pending
+
+
+def test_column_splits_go_to_the_device_through_the_gather_ring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get_slice and load_shard column parts on a (stand-in) CUDA device, both backends, in
+    blocks of a few rows: equal to the CPU's, byte for byte. A part that is one byte run (the
+    replicated norm) goes through the staging pipeline instead."""
+    from pysafetensors._devices import Device
+    from pysafetensors._torch_adapter import TorchAdapter
+    from pysafetensors.parallel import load_shard
+    from pysafetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = {
+        "w": torch.randn(96, 70, generator=gen).to(torch.bfloat16),
+        "cube": torch.randint(0, 100, (13, 6, 8), generator=gen, dtype=torch.int64),
+        "flags": torch.rand(16, 12, generator=gen) > 0.5,
+        "norm": torch.randn(33, generator=gen),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, path)
+    rules = {"norm": "replicate", "*": "columns"}
+    want_shard = load_shard(path, 1, 4, rules, framework="pt")
+    indices = {
+        "w": (slice(3, 90, 2), slice(5, 40)),
+        "cube": (slice(None), 2, slice(1, 7, 3)),
+        "flags": (slice(None), slice(0, 12, 5)),
+        "norm": (slice(0, 33, 4),),
+    }
+    with safe_open(path, "pt") as f:
+        want_slices = {name: f.get_slice(name)[index] for name, index in indices.items()}
+
+    calls: list[tuple[int, int]] = []
+    real = TorchAdapter.gather_to_device
+
+    def staged(self: Any, fill: Any, rows: int, row_bytes: int, *args: Any) -> Any:
+        calls.append((rows, row_bytes))
+        return real(self, fill, rows, row_bytes, *args, ops=LateCopyOps(), chunk_bytes=300)
+
+    monkeypatch.setattr(TorchAdapter, "gather_to_device", staged)
+    real_runs = TorchAdapter.to_device_runs
+
+    def runs(self: Any, read: Any, items: Any, device: Any, *, ops: Any = None) -> Any:
+        return real_runs(self, read, items, device, ops=LateCopyOps())
+
+    monkeypatch.setattr(TorchAdapter, "to_device_runs", runs)
+    real_open = safe_open.__init__
+
+    def on_device(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_open(self, *args, **kwargs)
+        self._device = Device("cuda", 0)  # as if opened with device="cuda:0"
+
+    monkeypatch.setattr(safe_open, "__init__", on_device)
+
+    def same(a: Any, b: Any) -> bool:
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+    for backend in ("pread", "mmap"):
+        calls.clear()
+        got = load_shard(path, 1, 4, rules, framework="pt", backend=backend)
+        assert list(got) == list(want_shard)
+        assert all(same(got[name], t) for name, t in want_shard.items())
+        # Every split tensor went through the ring; the replicated norm (one run) did not.
+        assert len(calls) == 3
+        calls.clear()
+        with safe_open(path, "pt", backend=backend) as f:
+            for name, index in indices.items():
+                assert same(f.get_slice(name)[index], want_slices[name]), (backend, name)
+        assert calls == [(44, 70), (13, 16), (16, 3), (9, 4)]
