@@ -284,13 +284,11 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             return out
 
         if arm == "pysafetensors":
-            # The library's tensor-parallel loader. Row splits are one contiguous range per
-            # tensor: all read at once into one buffer by parallel positioned reads
-            # (backend="pread"). Column splits need a piece of every row: the default mmap
-            # backend copies just those bytes and faults only the pages they lie on.
+            # The library's tensor-parallel loader with its default backend ("auto"). Row
+            # splits are one contiguous range per tensor: all read at once into one buffer by
+            # parallel positioned reads. Column splits need a piece of every row: they are
+            # copied out of a mapping, which faults only the pages they lie on.
             from pysafetensors.parallel import load_shard
-
-            backend = "pread" if along == "rows" else "mmap"
 
             def rule(name: str, shape: tuple[int, ...]) -> str:
                 # As tp_index: 1-D tensors (norms) are replicated in a column split.
@@ -298,9 +296,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
                     return "rows"
                 return "columns" if len(shape) >= 2 else "replicate"
 
-            timed = lambda: load_shard(  # noqa: E731
-                path, 0, TP, rule, framework="pt", backend=backend
-            )
+            timed = lambda: load_shard(path, 0, TP, rule, framework="pt")  # noqa: E731
         elif arm == "ref_mmap":
             timed = lambda: sliced(lambda: safetensors.safe_open(path, "pt"), True)  # noqa: E731
         elif arm == "ref_pread":

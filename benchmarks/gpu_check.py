@@ -250,7 +250,7 @@ def main() -> int:
                 return "replicate"
             return "rows" if name.startswith(("f", "b")) else "columns"
 
-        for backend in ("pread", "mmap"):
+        for backend in ("auto", "pread", "mmap"):
             for rank in range(3):
                 on_dev = load_shard(
                     path, rank, 3, rule, framework="pt", device=dev, backend=backend
@@ -475,7 +475,8 @@ def main() -> int:
 
         tp_arms: dict[str, Callable[[], Any]] = {}
         for along in ("rows", "columns"):
-            for backend in ("pread", "mmap"):
+            # "auto" (the default) reads rows as "pread" does, columns as "mmap" does.
+            for backend in ("auto", "pread", "mmap") if along == "columns" else ("pread", "mmap"):
                 tp_arms[f"{along}: pysafetensors load_shard ({backend})"] = (
                     lambda a=along, b=backend: load_shard(
                         path, 0, tp, tp_rule(a), framework="pt", device=dev, backend=b
@@ -488,7 +489,7 @@ def main() -> int:
         for along in ("rows", "columns"):
             want = ref_parts(along)()
             tp_bytes[along] = sum(t.numel() * t.element_size() for t in want.values())
-            for backend in ("pread", "mmap"):
+            for backend in ("auto", "pread", "mmap"):
                 got = load_shard(
                     path, 0, tp, tp_rule(along), framework="pt", device=dev, backend=backend
                 )
@@ -543,7 +544,7 @@ def main() -> int:
 
             root = os.path.dirname(HERE)
             for _ in range(3):
-                for arm in ("mmap", "pread", "reference"):
+                for arm in ("auto", "pread", "reference"):
                     _cache.warm(path)
                     done = subprocess.run(
                         [sys.executable, "-c", first_call, path, dev, arm],

@@ -290,70 +290,83 @@ def stage_runs_to_device(
     return device_buf, offsets, stats
 
 
+#: ``fill(first, end, view)``: writes rows ``[first, end)`` of a part into ``view``.
+Fill = Callable[[int, int, memoryview], None]
+
+
 def gather_to_device(
-    fill: Callable[[int, int, memoryview], None],
-    rows: int,
-    row_bytes: int,
+    parts: list[tuple[Fill, int, int]],
     ops: DeviceOps,
     *,
+    align: int = 64,
     chunk_bytes: int = CHUNK_BYTES,
     ring: int = GATHER_RING,
-) -> tuple[Any, StagingStats]:
-    """Copy a part assembled on the host, block of rows by block, into one new device buffer.
+) -> tuple[Any, list[int], StagingStats]:
+    """Copy parts assembled on the host, block of rows by block, into one new device buffer.
 
-    For selections that are not one byte run (a column split reads a piece of every row):
-    ``fill(first, end, view)`` writes rows ``first`` to ``end`` of the part (their bytes, row
-    after row) into ``view``, one of a ring of pinned buffers, on the calling thread (the
-    gather itself runs on several cores: torch's copy out of a mapping, or the reader threads'
-    positioned reads). The block's asynchronous copy to the device then runs while the next
-    block is gathered. The pinned memory stays at ``ring`` buffers of about ``chunk_bytes``
-    whatever the part's size, where a plain ``.to(device)`` needs the whole part in pageable
-    memory first and then makes one blocking, driver-staged transfer (on an H200 a TP=8 column
-    split of a 2 GiB file went to the device in about 33 ms this way against 83 ms).
+    For selections that are not one byte run (a column split reads a piece of every row). Each
+    part is ``(fill, rows, row_bytes)``: ``fill(first, end, view)`` writes the part's rows
+    ``first`` to ``end`` (their bytes, row after row) into ``view``, one of a ring of pinned
+    buffers, on the calling thread (the gather itself runs on several cores: torch's copy out
+    of a mapping, or the reader threads' positioned reads). The block's asynchronous copy to
+    the device then runs while the next block is gathered, and the parts of one call (a
+    tensor-parallel rank's column splits) share the ring and one final synchronisation. The
+    pinned memory stays at ``ring`` buffers of about ``chunk_bytes`` whatever the parts' size,
+    where a plain ``.to(device)`` needs the whole part in pageable memory first and then makes
+    one blocking, driver-staged transfer (on an H200 a TP=8 column split of a 2 GiB file took
+    ~85 ms that way).
 
     Args:
-        fill: ``fill(first, end, view)`` writes rows ``[first, end)`` of the part into ``view``.
-        rows: Rows of the part (its first dimension).
-        row_bytes: Bytes per row.
+        parts: ``(fill, rows, row_bytes)`` of each part.
         ops: The device runtime.
+        align: Each part lands at a multiple of this in the buffer (the first at 0).
         chunk_bytes: Bytes per block (at least one row).
         ring: Pinned buffers.
 
     Returns:
-        The device buffer (``rows * row_bytes`` bytes) and what the pipeline did.
+        The device buffer, the offset of each part in it, and what the pipeline did.
     """
-    nbytes = rows * row_bytes
-    stats = StagingStats(bytes=nbytes)
-    device_buf = ops.alloc_device(nbytes)
-    if nbytes == 0:
-        return device_buf, stats
-    per_block = max(1, min(rows, chunk_bytes // max(1, row_bytes)))
+    offsets, total = lay_out_runs([(0, rows * row_bytes) for _, rows, row_bytes in parts], align)
+    stats = StagingStats(bytes=sum(rows * row_bytes for _, rows, row_bytes in parts))
+    device_buf = ops.alloc_device(total)
+    # (part, first row, end row) of every block, part by part.
+    blocks: list[tuple[int, int, int]] = []
+    block_bytes = 0
+    for number, (_, rows, row_bytes) in enumerate(parts):
+        if rows * row_bytes == 0:
+            continue
+        per_block = max(1, min(rows, chunk_bytes // max(1, row_bytes)))
+        block_bytes = max(block_bytes, per_block * row_bytes)
+        blocks += [(number, j, min(rows, j + per_block)) for j in range(0, rows, per_block)]
+    if not blocks:
+        return device_buf, offsets, stats
     buffers: list[list[Any]] = []  # [host tensor, byte view, event of its last copy or None]
     stream = ops.new_stream()
     # The fresh device buffer may reuse memory that work queued on the current stream still
     # uses: the copies on the side stream wait for that work.
     ops.wait_for_producer(stream)
     try:
-        for number, first in enumerate(range(0, rows, per_block)):
-            end = min(rows, first + per_block)
+        for number, (part, first, end) in enumerate(blocks):
+            fill, _, row_bytes = parts[part]
             slot = number % max(1, ring)
             if slot == len(buffers):
-                buffers.append([*ops.alloc_host(per_block * row_bytes), None])
+                buffers.append([*ops.alloc_host(block_bytes), None])
             host, view, pending = buffers[slot]
             if pending is not None:
                 # The copy out of this buffer must finish before it is refilled.
                 ops.wait(pending)
             n = (end - first) * row_bytes
             fill(first, end, view[:n])
-            buffers[slot][2] = ops.copy_async(device_buf, first * row_bytes, host, n, stream)
+            at = offsets[part] + first * row_bytes
+            buffers[slot][2] = ops.copy_async(device_buf, at, host, n, stream)
             stats.chunks += 1
             stats.reuse[slot] = stats.reuse.get(slot, 0) + 1
     finally:
-        # Every copy must have landed before the buffers are freed and the part is used (also
-        # when a fill failed half way).
+        # Every copy must have landed before the buffers are freed and the parts are used
+        # (also when a fill failed half way).
         ops.synchronize()
     stats.host_buffers = len(buffers)
-    return device_buf, stats
+    return device_buf, offsets, stats
 
 
 def chunks_from_device(

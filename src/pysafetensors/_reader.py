@@ -13,7 +13,7 @@ import operator
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -475,6 +475,7 @@ class safe_open:  # noqa: N801 - the reference's name
         batching = (on_cpu and isinstance(source, PreadSource)) or to_device is not None
         out: dict[str, Any] = {}
         batched: list[tuple[str, TensorInfo, SlicePlan, Any]] = []
+        gathered: list[tuple[str, TensorInfo, SlicePlan, tuple[Fill, int, int]]] = []
         for name, index in requests:
             info = self._info(name)
             plan = None
@@ -485,7 +486,18 @@ class safe_open:  # noqa: N801 - the reference's name
                     batched.append((name, info, plan, index))
                     out[name] = None  # keeps the requested order
                     continue
+                part = None if to_device is None else self._gather_part(info, plan, source)
+                if part is not None:
+                    check_representable(plan.shape, info.dtype, info.name)
+                    gathered.append((name, info, plan, part))
+                    out[name] = None
+                    continue
             out[name] = self._read_one(name, info, index, plan)
+        if gathered:
+            # Column splits to a CUDA device: one ring of pinned buffers for all of them.
+            parts = self._gather_to_device(gathered)
+            for name, info, plan, _ in gathered:
+                out[name] = parts[name] if parts is not None else self._read_plain(info, plan)
         if not batched:
             return out
         if any(plan.nbytes < info.nbytes for _, info, plan, _ in batched) and isinstance(
@@ -537,22 +549,30 @@ class safe_open:  # noqa: N801 - the reference's name
         if plan is None and is_advanced(index):
             return self._read_advanced(info, index, source)
         plan = self._checked_plan(info, index, plan)
-        if self._device.type != "cpu":
-            gathered = self._gather_to_device(info, plan, source)
+        part = self._gather_part(info, plan, source) if self._device.type != "cpu" else None
+        if part is not None:
+            gathered = self._gather_to_device([(info.name, info, plan, part)])
             if gathered is not None:
-                return gathered
-        buf = self._read_plan(info, plan, source)
+                return gathered[info.name]
+        return self._read_plain(info, plan, source)
+
+    def _read_plain(
+        self, info: TensorInfo, plan: SlicePlan, source: ByteSource | None = None
+    ) -> Any:
+        """The checked ``plan``'s bytes read into fresh host memory, then to the device."""
+        buf = self._read_plan(info, plan, self._live() if source is None else source)
         return self._adapter.from_bytes(buf, info.dtype, plan.shape, self._device)
 
-    def _gather_to_device(self, info: TensorInfo, plan: SlicePlan, source: ByteSource) -> Any:
-        """A fragmented selection (a column split) for a CUDA device: gathered block of rows
-        by block into reused pinned buffers whose copies to the device overlap the next
-        block's gather (``_cuda_staging.gather_to_device``); None where that does not apply
-        (one byte run, an empty or sub-byte selection, rows too large to stage, not CUDA)."""
-        gather = getattr(self._adapter, "gather_to_device", None)
+    def _gather_part(
+        self, info: TensorInfo, plan: SlicePlan, source: ByteSource
+    ) -> tuple[Fill, int, int] | None:
+        """How a fragmented selection (a column split) is gathered for a CUDA device, block of
+        rows by block (``_cuda_staging.gather_to_device``): ``(fill, rows, row_bytes)``; None
+        where that does not apply (one byte run, an empty or sub-byte selection, rows too
+        large to stage, a framework without the path)."""
         first = plan.selection[0] if plan.selection else None
         if (
-            gather is None
+            getattr(self._adapter, "gather_to_device", None) is None
             or len(plan.starts) < 2
             or info.dtype.bits % 8
             or not isinstance(first, slice)
@@ -571,7 +591,21 @@ class safe_open:  # noqa: N801 - the reference's name
             block = plan_slice(info.shape, info.dtype, (rows_index, *rest))
             self._read_plan(info, block, source, out=np.frombuffer(view, np.uint8))
 
-        return gather(fill, rows, row_bytes, info.dtype, plan.shape, self._device)
+        return fill, rows, row_bytes
+
+    def _gather_to_device(
+        self, parts: list[tuple[str, TensorInfo, SlicePlan, tuple[Fill, int, int]]]
+    ) -> dict[str, Any] | None:
+        """Gather parts (from :meth:`_gather_part`) into the device through one ring of
+        pinned buffers and one final synchronisation; None where the device is not CUDA."""
+        gathered: dict[str, Any] | None = self._adapter.gather_to_device(  # type: ignore[attr-defined]
+            [
+                (name, fill, rows, row_bytes, info.dtype, plan.shape)
+                for name, info, plan, (fill, rows, row_bytes) in parts
+            ],
+            self._device,
+        )
+        return gathered
 
     @staticmethod
     def _checked_plan(info: TensorInfo, index: Any, plan: SlicePlan | None = None) -> SlicePlan:
@@ -776,6 +810,9 @@ def gather_slice(
     run_parallel(one, blocks, worker_count(source))
     return True
 
+
+#: ``fill(first, end, view)``: writes rows ``[first, end)`` of a gathered part into ``view``.
+Fill = Callable[[int, int, memoryview], None]
 
 #: Rows of a fragmented selection larger than this go to a device by one plain copy: staging
 #: them through pinned buffers would pin a few of them at once.

@@ -259,44 +259,47 @@ class TorchAdapter:
 
     def gather_to_device(
         self,
-        fill: Any,
-        rows: int,
-        row_bytes: int,
-        dtype: DType,
-        shape: tuple[int, ...],
+        parts: list[tuple[str, Any, int, int, DType, tuple[int, ...]]],
         device: Device,
         *,
         ops: Any = None,
         chunk_bytes: int | None = None,
-    ) -> Any | None:
-        """Gather a fragmented selection (a column split) into a CUDA device, block of rows
-        by block through reused pinned buffers (see ``_cuda_staging.gather_to_device``).
+    ) -> dict[str, Any] | None:
+        """Gather fragmented selections (column splits) into a CUDA device, block of rows by
+        block through reused pinned buffers (see ``_cuda_staging.gather_to_device``).
 
         Args:
-            fill: ``fill(first, end, view)`` writes rows ``[first, end)`` of the part into
-                ``view``.
-            rows: The part's rows (``shape[0]``).
-            row_bytes: Bytes per row.
-            dtype: The part's dtype.
-            shape: The part's shape.
+            parts: ``(name, fill, rows, row_bytes, dtype, shape)`` of each part, where
+                ``fill(first, end, view)`` writes rows ``[first, end)`` into ``view``.
             device: The target device.
             ops: The device runtime (tests pass a CPU stand-in); CUDA by default.
             chunk_bytes: Bytes per block (default ``_cuda_staging.CHUNK_BYTES``).
 
         Returns:
-            The part, or None when this path does not apply (not CUDA).
+            The parts by name, or None when this path does not apply (not CUDA).
         """
         ops = _staging_ops(device, ops)
         if ops is None:
             return None
         from ._cuda_staging import CHUNK_BYTES, gather_to_device
 
-        nbytes = rows * row_bytes
-        _refuse_unholdable([("", dtype, shape, 0, nbytes)])
-        device_buf, _ = gather_to_device(
-            fill, rows, row_bytes, ops, chunk_bytes=chunk_bytes or CHUNK_BYTES
+        items = [
+            (name, dtype, shape, 0, rows * row_bytes)
+            for name, _, rows, row_bytes, dtype, shape in parts
+        ]
+        _refuse_unholdable(items)
+        device_buf, offsets, _ = gather_to_device(
+            [(fill, rows, row_bytes) for _, fill, rows, row_bytes, _, _ in parts],
+            ops,
+            chunk_bytes=chunk_bytes or CHUNK_BYTES,
         )
-        return carve(device_buf, [("", dtype, shape, 0, nbytes)])[""]
+        return carve(
+            device_buf,
+            (
+                (name, dtype, shape, at, at + nbytes)
+                for (name, dtype, shape, _, nbytes), at in zip(items, offsets, strict=True)
+            ),
+        )
 
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if not isinstance(tensor, torch.Tensor):

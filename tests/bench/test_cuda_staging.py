@@ -334,29 +334,45 @@ def test_shard_parts_go_to_the_device_through_one_pipeline(
 
 
 @pytest.mark.parametrize(
-    ("rows", "row_bytes", "chunk"), [(100, 24, 64), (7, 1000, 2500), (1, 9, 4)]
+    ("shapes", "chunk"),
+    [([(100, 24)], 64), ([(7, 1000)], 2500), ([(1, 9)], 4), ([(30, 7), (0, 5), (9, 100)], 50)],
 )
 def test_gathered_blocks_land_in_order_and_reuse_the_ring(
-    rows: int, row_bytes: int, chunk: int
+    shapes: list[tuple[int, int]], chunk: int
 ) -> None:
     """Each block is filled into a buffer only after the copy out of it completed (the
-    stand-in copies as late as it can, so an early refill would land the wrong bytes)."""
+    stand-in copies as late as it can, so an early refill would land the wrong bytes); the
+    parts of one call share the ring and land aligned in one buffer."""
     from pysafetensors._cuda_staging import GATHER_RING, gather_to_device
 
-    data = _data(rows * row_bytes)
-    filled: list[tuple[int, int]] = []
+    datas = [_data(rows * row_bytes + 1)[: rows * row_bytes] for rows, row_bytes in shapes]
+    filled: list[tuple[int, int, int]] = []
 
-    def fill(first: int, end: int, view: memoryview) -> None:
-        filled.append((first, end))
-        view[:] = data[first * row_bytes : end * row_bytes]
+    def filler(part: int) -> Any:
+        row_bytes = shapes[part][1]
+
+        def fill(first: int, end: int, view: memoryview) -> None:
+            filled.append((part, first, end))
+            view[:] = datas[part][first * row_bytes : end * row_bytes]
+
+        return fill
 
     ops = LateCopyOps()
-    dev, stats = gather_to_device(fill, rows, row_bytes, ops, chunk_bytes=chunk)
-    assert bytes(dev.numpy()) == data
-    per_block = max(1, chunk // row_bytes)
-    assert filled == [(j, min(rows, j + per_block)) for j in range(0, rows, per_block)]
-    assert stats.chunks == len(filled)
-    assert ops.host_allocs == stats.host_buffers == min(GATHER_RING, len(filled))
+    parts = [(filler(i), rows, row_bytes) for i, (rows, row_bytes) in enumerate(shapes)]
+    dev, offsets, stats = gather_to_device(parts, ops, chunk_bytes=chunk)
+    got = dev.numpy()
+    assert offsets[0] == 0 and all(at % 64 == 0 for at in offsets)
+    for data, at in zip(datas, offsets, strict=True):
+        assert bytes(got[at : at + len(data)]) == data
+    blocks = [
+        (i, j, min(rows, j + max(1, chunk // row_bytes)))
+        for i, (rows, row_bytes) in enumerate(shapes)
+        if rows * row_bytes
+        for j in range(0, rows, max(1, chunk // row_bytes))
+    ]
+    assert filled == blocks
+    assert stats.chunks == len(blocks)
+    assert ops.host_allocs == stats.host_buffers == min(GATHER_RING, len(blocks))
     assert ops.producer_waits == 1
     assert not ops.pending
 
@@ -371,7 +387,7 @@ def test_a_failed_gather_raises_and_leaves_nothing_in_flight() -> None:
 
     ops = LateCopyOps()
     with pytest.raises(OSError, match="disk gone"):
-        gather_to_device(fill, 50, 10, ops, chunk_bytes=100)
+        gather_to_device([(fill, 50, 10)], ops, chunk_bytes=100)
     assert not ops.pending
 
 
@@ -406,12 +422,12 @@ def test_column_splits_go_to_the_device_through_the_gather_ring(
     with safe_open(path, "pt") as f:
         want_slices = {name: f.get_slice(name)[index] for name, index in indices.items()}
 
-    calls: list[tuple[int, int]] = []
+    calls: list[list[tuple[int, int]]] = []
     real = TorchAdapter.gather_to_device
 
-    def staged(self: Any, fill: Any, rows: int, row_bytes: int, *args: Any) -> Any:
-        calls.append((rows, row_bytes))
-        return real(self, fill, rows, row_bytes, *args, ops=LateCopyOps(), chunk_bytes=300)
+    def staged(self: Any, parts: Any, device: Any) -> Any:
+        calls.append([(rows, row_bytes) for _, _, rows, row_bytes, _, _ in parts])
+        return real(self, parts, device, ops=LateCopyOps(), chunk_bytes=300)
 
     monkeypatch.setattr(TorchAdapter, "gather_to_device", staged)
     real_runs = TorchAdapter.to_device_runs
@@ -436,10 +452,11 @@ def test_column_splits_go_to_the_device_through_the_gather_ring(
         got = load_shard(path, 1, 4, rules, framework="pt", backend=backend)
         assert list(got) == list(want_shard)
         assert all(same(got[name], t) for name, t in want_shard.items())
-        # Every split tensor went through the ring; the replicated norm (one run) did not.
-        assert len(calls) == 3
+        # The split tensors went through one ring together; the replicated norm (one run) did
+        # not.
+        assert calls == [[(13, 128), (96, 36), (16, 3)]]  # in file order
         calls.clear()
         with safe_open(path, "pt", backend=backend) as f:
             for name, index in indices.items():
                 assert same(f.get_slice(name)[index], want_slices[name]), (backend, name)
-        assert calls == [(44, 70), (13, 16), (16, 3), (9, 4)]
+        assert calls == [[(44, 70)], [(13, 16)], [(16, 3)], [(9, 4)]]

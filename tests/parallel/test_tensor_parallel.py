@@ -158,6 +158,54 @@ def test_parts_read_together_equal_get_slice(tmp_path: Path, backend: str) -> No
             assert type(_root(norm)) is type(_root(f.get_tensor("layer.norm.weight")))
 
 
+def test_auto_backend_maps_a_local_files_column_splits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default backend reads one-run parts (rows, whole tensors, a split after size-1
+    dimensions) by positioned reads and copies column splits out of a mapping; file objects,
+    URLs and slice_reads="exact" read everything by positioned reads. The parts are the
+    same either way."""
+    import io
+
+    import pysafetensors.parallel as parallel
+
+    model = tmp_path / "model.safetensors"
+    tensors = _model(model)
+    ptorch.save_file({"lead": torch.arange(24.0).reshape(1, 4, 6)}, tmp_path / "lead.safetensors")
+    rules = {"*.q.weight": "rows", "*.o.weight": "columns", "*.conv.weight": -1}
+    opened: list[str] = []
+    real = parallel.safe_open
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        opened.append(kwargs["backend"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(parallel, "safe_open", spy)
+    want = load_shard(model, 1, 4, rules, framework="np", backend="pread")
+    assert opened == ["pread"]
+    cases: list[tuple[Any, dict[str, Any], list[str]]] = [
+        (model, {}, ["pread", "mmap"]),
+        (str(model), {}, ["pread", "mmap"]),
+        (io.BytesIO(model.read_bytes()), {}, ["pread"]),
+        (model, {"slice_reads": "exact"}, ["pread"]),
+    ]
+    for path, options, backends in cases:
+        opened.clear()
+        got = load_shard(path, 1, 4, rules, framework="np", **options)
+        assert opened == backends, (path, options)
+        assert list(got) == list(want)
+        for name, part in want.items():
+            assert np.array_equal(got[name].view(np.uint8), part.view(np.uint8)), name
+    opened.clear()
+    rows_only = load_shard(model, 0, 2, {"*": "rows"}, framework="np")
+    assert opened == ["pread"]
+    assert np.array_equal(rows_only["layer.o.weight"], tensors["layer.o.weight"][:20].numpy())
+    opened.clear()
+    lead = load_shard(tmp_path / "lead.safetensors", 1, 2, {"lead": 1}, framework="np")
+    assert opened == ["pread"]  # (1, 4, 6) split along dim 1 is one run
+    assert np.array_equal(lead["lead"], np.arange(24.0).reshape(1, 4, 6)[:, 2:])
+
+
 def test_rank_and_world_size_checked_before_anything(tmp_path: Path) -> None:
     # Even when every tensor is replicated (no split would notice), and naming no tensor.
     model = tmp_path / "model.safetensors"
