@@ -14,9 +14,15 @@ Not run by ``make bench``. The script, each section recorded even when a later o
    the reference (mmap and pread), and two ceilings: the whole data region in one pinned
    ``copy_`` (the host-to-device link), and ``pread`` into pinned memory followed by that copy
    (disk cache and link one after the other, no overlap);
-4. **sweep**: the staging pipeline alone (``stage_to_device`` over a pread source) for worker
+4. **tensor-parallel**: rank 0 of 8, rows and columns, ``load_shard`` to the device with each
+   backend (``auto``, ``pread``, ``mmap``) against the reference's ``get_slice`` loop on the
+   device: parts equal, then timed warm, and the column split's first call in fresh processes
+   (which pays for pinning its buffers);
+5. **saves**: the 2 GiB of device tensors saved by both libraries, to the page cache and
+   durable, files compared by SHA-256, peak host memory added;
+6. **sweep**: the staging pipeline alone (``stage_to_device`` over a pread source) for worker
    counts and chunk sizes around the defaults;
-5. **cold**: pysafetensors (pread) and the reference (mmap) with the file dropped from the page
+7. **cold**: pysafetensors (pread) and the reference (mmap) with the file dropped from the page
    cache before each run (``posix_fadvise(DONTNEED)``, residency checked), when eviction works.
 
 It prints markdown tables and writes ``gpu_results.json`` and ``gpu_results.md`` into ``--out``
