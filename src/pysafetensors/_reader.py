@@ -13,13 +13,14 @@ import operator
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
 from ._adapter import Adapter, get_adapter
+from ._cuda_staging import Fill
 from ._devices import Device
 from ._dtypes import DType
 from ._errors import (
@@ -810,9 +811,6 @@ def gather_slice(
     run_parallel(one, blocks, worker_count(source))
     return True
 
-
-#: ``fill(first, end, view)``: writes rows ``[first, end)`` of a gathered part into ``view``.
-Fill = Callable[[int, int, memoryview], None]
 
 #: Rows of a fragmented selection larger than this go to a device by one plain copy: staging
 #: them through pinned buffers would pin a few of them at once.
