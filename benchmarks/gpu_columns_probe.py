@@ -87,7 +87,10 @@ def ref_cpu():
         return {k: f.get_slice(k)[key(f.get_slice(k).get_shape())] for k in f.keys()}  # noqa: SIM118 - the reference is not iterable
 
 
-def pinned_gather(threads):
+def by_hand(threads, move):
+    """Every part cut out of a numpy mapping of the file, moved by ``move(part)``, with
+    ``threads`` torch threads."""
+
     def run():
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -97,22 +100,33 @@ def pinned_gather(threads):
                 b, e = info["data_offsets"]
                 shape = info["shape"]
                 src = torch.from_numpy(mm[base + b : base + e]).view(torch.bfloat16).reshape(shape)
-                part = src[key(shape)]
-                host = torch.empty(part.shape, dtype=part.dtype, pin_memory=not dry)
-                host.copy_(part)
-                if dry:
-                    out[k] = host
-                else:
-                    with torch.cuda.stream(stream):
-                        d = torch.empty(part.shape, dtype=part.dtype, device=dev)
-                        d.copy_(host, non_blocking=True)
-                    out[k] = d
+                out[k] = move(src[key(shape)])
             sync()
             return out
         finally:
             torch.set_num_threads(old)
 
     return run
+
+
+def through_pinned(part):
+    # Gathered into pinned memory, then an asynchronous copy on a side stream.
+    host = torch.empty(part.shape, dtype=part.dtype, pin_memory=not dry)
+    host.copy_(part)
+    if dry:
+        return host
+    with torch.cuda.stream(stream):
+        d = torch.empty(part.shape, dtype=part.dtype, device=dev)
+        d.copy_(host, non_blocking=True)
+    return d
+
+
+def pinned_gather(threads):
+    return by_hand(threads, through_pinned)
+
+
+def pageable_to(threads):
+    return by_hand(threads, lambda part: part.contiguous().to(dev))
 
 
 def whole_then_slice():
@@ -123,25 +137,6 @@ def whole_then_slice():
             out[k] = t[key(list(t.shape))].contiguous()
             del t
     return out
-
-
-def pageable_to(threads):
-    def run():
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            out = {}
-            for k, info in header.items():
-                b, e = info["data_offsets"]
-                shape = info["shape"]
-                src = torch.from_numpy(mm[base + b : base + e]).view(torch.bfloat16).reshape(shape)
-                out[k] = src[key(shape)].contiguous().to(dev)
-            sync()
-            return out
-        finally:
-            torch.set_num_threads(old)
-
-    return run
 
 
 arms = {

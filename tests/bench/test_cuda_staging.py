@@ -284,13 +284,34 @@ def test_several_runs_land_aligned_in_one_device_buffer() -> None:
     assert not ops.pending
 
 
+def _stand_in_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = None) -> None:
+    """Open every file as if on ``"cuda:0"``, with the staging pipeline's copies done by a
+    stand-in (``calls`` gets the number of runs of each pipeline run)."""
+    from pysafetensors._devices import Device
+    from pysafetensors._torch_adapter import TorchAdapter
+
+    real = TorchAdapter.to_device_runs
+
+    def staged(self: Any, read: Any, items: Any, device: Any, *, ops: Any = None) -> Any:
+        if calls is not None:
+            calls.append(len(items))
+        return real(self, read, items, device, ops=LateCopyOps())
+
+    monkeypatch.setattr(TorchAdapter, "to_device_runs", staged)
+    real_open = safe_open.__init__
+
+    def on_device(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_open(self, *args, **kwargs)
+        self._device = Device("cuda", 0)  # as if opened with device="cuda:0"
+
+    monkeypatch.setattr(safe_open, "__init__", on_device)
+
+
 def test_shard_parts_go_to_the_device_through_one_pipeline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """load_shard on a (stand-in) CUDA device: every row part and whole tensor is staged in
     one pipeline run, and equals the CPU load_shard."""
-    from pysafetensors._devices import Device
-    from pysafetensors._torch_adapter import TorchAdapter
     from pysafetensors.parallel import load_shard
     from pysafetensors.torch import save_file
 
@@ -307,20 +328,7 @@ def test_shard_parts_go_to_the_device_through_one_pipeline(
     want = load_shard(path, 1, 4, rules, framework="pt")
 
     calls: list[int] = []
-    real = TorchAdapter.to_device_runs
-
-    def staged(self: Any, read: Any, items: Any, device: Any, *, ops: Any = None) -> Any:
-        calls.append(len(items))
-        return real(self, read, items, device, ops=LateCopyOps())
-
-    monkeypatch.setattr(TorchAdapter, "to_device_runs", staged)
-    real_open = safe_open.__init__
-
-    def on_device(self: Any, *args: Any, **kwargs: Any) -> None:
-        real_open(self, *args, **kwargs)
-        self._device = Device("cuda", 0)  # as if opened with device="cuda:0"
-
-    monkeypatch.setattr(safe_open, "__init__", on_device)
+    _stand_in_cuda(monkeypatch, calls)
     for backend in ("pread", "mmap"):
         got = load_shard(path, 1, 4, rules, framework="pt", backend=backend)
         assert list(got) == list(want)
@@ -397,7 +405,6 @@ def test_column_splits_go_to_the_device_through_the_gather_ring(
     """get_slice and load_shard column parts on a (stand-in) CUDA device, both backends, in
     blocks of a few rows: equal to the CPU's, byte for byte. A part that is one byte run (the
     replicated norm) goes through the staging pipeline instead."""
-    from pysafetensors._devices import Device
     from pysafetensors._torch_adapter import TorchAdapter
     from pysafetensors.parallel import load_shard
     from pysafetensors.torch import save_file
@@ -430,19 +437,7 @@ def test_column_splits_go_to_the_device_through_the_gather_ring(
         return real(self, parts, device, ops=LateCopyOps(), chunk_bytes=300)
 
     monkeypatch.setattr(TorchAdapter, "gather_to_device", staged)
-    real_runs = TorchAdapter.to_device_runs
-
-    def runs(self: Any, read: Any, items: Any, device: Any, *, ops: Any = None) -> Any:
-        return real_runs(self, read, items, device, ops=LateCopyOps())
-
-    monkeypatch.setattr(TorchAdapter, "to_device_runs", runs)
-    real_open = safe_open.__init__
-
-    def on_device(self: Any, *args: Any, **kwargs: Any) -> None:
-        real_open(self, *args, **kwargs)
-        self._device = Device("cuda", 0)  # as if opened with device="cuda:0"
-
-    monkeypatch.setattr(safe_open, "__init__", on_device)
+    _stand_in_cuda(monkeypatch)
 
     def same(a: Any, b: Any) -> bool:
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
