@@ -13,7 +13,7 @@ import operator
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -460,17 +460,49 @@ class safe_open:  # noqa: N801 - the reference's name
         self._live()
         return SafeSlice(self, self._info(name), self._lease)
 
-    def _read_slices(self, requests: list[tuple[str, Any]]) -> dict[str, Any]:
+    def _read_slices(
+        self, requests: list[tuple[str, Any]], *, map_fragmented: bool = False
+    ) -> dict[str, Any]:
         """``{name: get_slice(name)[index]}`` for many tensors at once (``load_shard``).
 
         Every request that is one contiguous byte run (a split along rows, a whole tensor) is
         read together with the others: with the pread backend on the CPU into one shared
         destination in parallel (:func:`read_runs_fresh`), on a CUDA device through one
-        staging pipeline (``to_device_runs``); the result tensors view that buffer. The other
-        requests, and every request where neither applies, are read one by one as
-        ``get_slice`` (or ``get_tensor``, for a whole tensor) would.
+        staging pipeline (``to_device_runs``); the result tensors view that buffer. On a CUDA
+        device the fragmented requests (column splits) go through one gather ring
+        (:meth:`_gather_to_device`). The other requests, and every request where neither
+        applies, are read one by one as ``get_slice`` (or ``get_tensor``, for a whole tensor)
+        would.
+
+        With ``map_fragmented``, a pread handle on a local file copies the fragmented requests
+        out of a mapping of the same open file (:meth:`PreadSource.mapped`), which touches only
+        the pages they lie on, instead of reading whole rows.
         """
         source = self._live()
+        maps: list[MmapSource] = []
+
+        def fragmented_source() -> ByteSource:
+            # The mapping is made at the first request that needs it, and only one.
+            if not (map_fragmented and isinstance(source, PreadSource)):
+                return source
+            if not maps:
+                maps.append(source.mapped())
+            return maps[0]
+
+        try:
+            return self._read_requests(requests, source, fragmented_source)
+        finally:
+            for mapping in maps:
+                mapping.close()
+
+    def _read_requests(
+        self,
+        requests: list[tuple[str, Any]],
+        source: ByteSource,
+        fragmented_source: Callable[[], ByteSource],
+    ) -> dict[str, Any]:
+        """The body of :meth:`_read_slices`; ``fragmented_source()`` gives the source the
+        fragmented requests are read from."""
         on_cpu = self._device.type == "cpu"
         to_device = None if on_cpu else getattr(self._adapter, "to_device_runs", None)
         batching = (on_cpu and isinstance(source, PreadSource)) or to_device is not None
@@ -487,18 +519,26 @@ class safe_open:  # noqa: N801 - the reference's name
                     batched.append((name, info, plan, index))
                     out[name] = None  # keeps the requested order
                     continue
-                part = None if to_device is None else self._gather_part(info, plan, source)
+                fragmented = fragmented_source() if len(plan.starts) > 1 else source
+                part = None if to_device is None else self._gather_part(info, plan, fragmented)
                 if part is not None:
                     check_representable(plan.shape, info.dtype, info.name)
                     gathered.append((name, info, plan, part))
                     out[name] = None
+                    continue
+                if fragmented is not source:
+                    out[name] = self._read_slice(info, index, plan, source=fragmented)
                     continue
             out[name] = self._read_one(name, info, index, plan)
         if gathered:
             # Column splits to a CUDA device: one ring of pinned buffers for all of them.
             parts = self._gather_to_device(gathered)
             for name, info, plan, _ in gathered:
-                out[name] = parts[name] if parts is not None else self._read_plain(info, plan)
+                out[name] = (
+                    parts[name]
+                    if parts is not None
+                    else self._read_plain(info, plan, fragmented_source())
+                )
         if not batched:
             return out
         if any(plan.nbytes < info.nbytes for _, info, plan, _ in batched) and isinstance(
@@ -631,7 +671,8 @@ class safe_open:  # noqa: N801 - the reference's name
         base = self._header.data_start + info.begin
         buf = empty_bytes(plan.nbytes) if out is None else out
         if plan.nbytes:
-            view = source.view(base, info.nbytes) if self._backend == "mmap" else None
+            mapped = self._backend == "mmap" or isinstance(source, MmapSource)
+            view = source.view(base, info.nbytes) if mapped else None
             if view is not None:
                 whole = np.frombuffer(view, np.uint8)
                 first = int(plan.starts[0])

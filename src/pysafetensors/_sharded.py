@@ -501,6 +501,21 @@ class ShardedSafeOpen:
         self._live()
         return self._open_shard(self._shard_name(name)).get_slice(name)
 
+    def _read_slices(
+        self, requests: list[tuple[str, Any]], *, map_fragmented: bool = False
+    ) -> dict[str, Any]:
+        """``{name: get_slice(name)[index]}`` for many tensors (``load_shard``): each shard's
+        requests read together by that shard's ``safe_open._read_slices``, in request order."""
+        self._live()
+        by_shard: dict[str, list[tuple[str, Any]]] = {}
+        for name, index in requests:
+            by_shard.setdefault(self._shard_name(name), []).append((name, index))
+        got: dict[str, Any] = {}
+        for shard, group in by_shard.items():
+            handle = self._open_shard(shard)
+            got.update(handle._read_slices(group, map_fragmented=map_fragmented))
+        return {name: got[name] for name, _ in requests}
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())
 

@@ -727,6 +727,16 @@ class PreadSource:
         finally:
             self._release()
 
+    def mapped(self) -> MmapSource:
+        """A copy-on-write mapping of the same open file (the same inode, also if its path has
+        been replaced since this source was opened), for copies of selections that need a
+        piece of every row. The caller closes it."""
+        fd = self._acquire()
+        try:
+            return MmapSource(fd, self._name, size=self._size)
+        finally:
+            self._release()
+
     def without_readahead(self) -> PreadSource:
         """This file through a second descriptor with kernel readahead off, for partial reads.
 

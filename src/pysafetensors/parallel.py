@@ -281,11 +281,13 @@ def load_shard(
     pipeline into one device buffer, and column splits are gathered block by block into
     reused pinned buffers whose copies overlap the next block's gather.
 
-    By default (``backend="auto"``) a local file's column splits, which need a piece of every
-    row, are copied out of a read-only mapping of it, touching only the pages they lie on,
-    instead of reading whole rows: a TP=8 column split of a 2 GiB file took 87 ms instead of
-    262 ms on 2 cores, 44 ms instead of 162 ms to an H200 (``benchmarks/GPU.md``). URLs, file
-    objects and ``slice_reads="exact"`` read every part by positioned reads.
+    By default (``backend="auto"``) a local file is read by positioned reads, and its column
+    splits, which need a piece of every row, are copied out of a mapping of the same open file
+    (so of the same file even if its path is replaced meanwhile), touching only the pages they
+    lie on, instead of reading whole rows: a TP=8 column split of a 2 GiB file took 87 ms
+    instead of 262 ms on 2 cores, 27 ms instead of 130-162 ms to an H200
+    (``benchmarks/GPU.md``). URLs, file objects without a descriptor and
+    ``slice_reads="exact"`` read every part by positioned reads.
 
     Args:
         path: A ``.safetensors`` file (path, URL or file object), or a model folder / index
@@ -322,56 +324,31 @@ def load_shard(
         ...     {"*.up.weight": "rows", "*.down.weight": "columns"})
     """
     _check_group(rank, world_size)  # before opening anything
-    map_columns = False
-    if backend == "auto":
-        map_columns = slice_reads != "exact" and _local_path(path)
-        backend = "pread"
-    opener = functools.partial(
-        safe_open,
+    # "auto" reads by positioned reads and maps the same open file for the column splits.
+    map_fragmented = backend == "auto" and slice_reads != "exact"
+    with safe_open(
         path,
         framework,
         device=device,
+        backend="pread" if backend == "auto" else backend,
         max_header_size=max_header_size,
         storage_options=storage_options,
         slice_reads=slice_reads,
-    )
-    with opener(backend=backend) as f:
+    ) as f:
         wanted = list(f.offset_keys()) if names is None else list(names)
-        shapes = {name: f.get_slice(name).get_shape() for name in wanted}
+        slices = {name: f.get_slice(name) for name in wanted}
+        shapes = {name: sl.get_shape() for name, sl in slices.items()}
         plan = plan_shard(shapes, rank, world_size, rules, default=default, uneven=uneven)
-        mapped = {n: spec for n, spec in plan.items() if map_columns and not _one_run(spec)}
-        parts = _read_parts(f, {n: spec for n, spec in plan.items() if n not in mapped})
-    if mapped:
-        with opener(backend="mmap") as g:
-            parts.update(_read_parts(g, mapped))
-    return {name: parts[name] for name in plan}
-
-
-def _local_path(path: Any) -> bool:
-    """Whether ``path`` names a local file or folder (not a URL or a file object)."""
-    return isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
-
-
-def _one_run(spec: ShardSpec) -> bool:
-    """Whether a part is one contiguous byte range of its tensor (a row split, a whole tensor,
-    or a split after dimensions of size 1)."""
-    if spec.dim is None or (spec.start, spec.stop) == (0, spec.shape[spec.dim]):
-        return True
-    return all(size == 1 for size in spec.shape[: spec.dim])
-
-
-def _read_parts(handle: Any, plan: Mapping[str, ShardSpec]) -> dict[str, Any]:
-    """Read the parts ``plan`` names from an open file: all at once where the handle can (one
-    destination, read in parallel: ``SafeOpen._read_slices``), else one by one."""
-    many = getattr(handle, "_read_slices", None)
-    requests = [(name, ... if spec.dim is None else spec.index) for name, spec in plan.items()]
-    if many is not None:
-        result: dict[str, Any] = many(requests)
-        return result
-    return {
-        name: handle.get_tensor(name) if index is ... else handle.get_slice(name)[index]
-        for name, index in requests
-    }
+        requests = [(name, ... if spec.dim is None else spec.index) for name, spec in plan.items()]
+        many = getattr(f, "_read_slices", None)
+        if many is not None:
+            # All parts at once: one destination, read in parallel (see safe_open._read_slices).
+            result: dict[str, Any] = many(requests, map_fragmented=map_fragmented)
+            return result
+        return {
+            name: f.get_tensor(name) if index is ... else slices[name][index]
+            for name, index in requests
+        }
 
 
 # ---------------------------------------------------------------------------------- many files

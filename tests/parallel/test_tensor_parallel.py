@@ -161,49 +161,81 @@ def test_parts_read_together_equal_get_slice(tmp_path: Path, backend: str) -> No
 def test_auto_backend_maps_a_local_files_column_splits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The default backend reads one-run parts (rows, whole tensors, a split after size-1
-    dimensions) by positioned reads and copies column splits out of a mapping; file objects,
-    URLs and slice_reads="exact" read everything by positioned reads. The parts are the
-    same either way."""
+    """The default backend reads by positioned reads and copies the column splits (parts that
+    are not one byte run) out of one mapping of the same open file, made only when a part
+    needs it; file objects without a descriptor, URLs and slice_reads="exact" map nothing.
+    Sharded folders do the same shard by shard. The parts are the same every way."""
     import io
 
-    import pysafetensors.parallel as parallel
+    from pysafetensors._sources import PreadSource
 
     model = tmp_path / "model.safetensors"
     tensors = _model(model)
     ptorch.save_file({"lead": torch.arange(24.0).reshape(1, 4, 6)}, tmp_path / "lead.safetensors")
+    folder = tmp_path / "sharded"
+    ptorch.save_sharded(tensors, folder, max_shard_size=4_000)
+    assert len(list(folder.glob("*.safetensors"))) > 1
     rules = {"*.q.weight": "rows", "*.o.weight": "columns", "*.conv.weight": -1}
-    opened: list[str] = []
-    real = parallel.safe_open
+    mapped: list[str] = []
+    real = PreadSource.mapped
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        opened.append(kwargs["backend"])
-        return real(*args, **kwargs)
+    def spy(self: PreadSource) -> Any:
+        mapped.append(self.name)
+        return real(self)
 
-    monkeypatch.setattr(parallel, "safe_open", spy)
+    monkeypatch.setattr(PreadSource, "mapped", spy)
     want = load_shard(model, 1, 4, rules, framework="np", backend="pread")
-    assert opened == ["pread"]
-    cases: list[tuple[Any, dict[str, Any], list[str]]] = [
-        (model, {}, ["pread", "mmap"]),
-        (str(model), {}, ["pread", "mmap"]),
-        (io.BytesIO(model.read_bytes()), {}, ["pread"]),
-        (model, {"slice_reads": "exact"}, ["pread"]),
-    ]
-    for path, options, backends in cases:
-        opened.clear()
-        got = load_shard(path, 1, 4, rules, framework="np", **options)
-        assert opened == backends, (path, options)
-        assert list(got) == list(want)
-        for name, part in want.items():
-            assert np.array_equal(got[name].view(np.uint8), part.view(np.uint8)), name
-    opened.clear()
+    assert mapped == []
+    with open(model, "rb") as fh:
+        cases: list[tuple[Any, dict[str, Any], int]] = [
+            (model, {}, 1),
+            (str(model), {}, 1),
+            (fh, {}, 1),
+            (io.BytesIO(model.read_bytes()), {}, 0),
+            (model, {"slice_reads": "exact"}, 0),
+            (model, {"backend": "mmap"}, 0),
+            (folder, {}, len(list(folder.glob("*.safetensors")))),
+        ]
+        for path, options, maps in cases:
+            mapped.clear()
+            got = load_shard(path, 1, 4, rules, framework="np", **options)
+            assert len(mapped) <= maps and (maps == 0) == (not mapped), (path, options, mapped)
+            assert sorted(got) == sorted(want)
+            for name, part in want.items():
+                assert np.array_equal(got[name].view(np.uint8), part.view(np.uint8)), name
+    mapped.clear()
     rows_only = load_shard(model, 0, 2, {"*": "rows"}, framework="np")
-    assert opened == ["pread"]
+    assert mapped == []  # nothing needed a mapping
     assert np.array_equal(rows_only["layer.o.weight"], tensors["layer.o.weight"][:20].numpy())
-    opened.clear()
     lead = load_shard(tmp_path / "lead.safetensors", 1, 2, {"lead": 1}, framework="np")
-    assert opened == ["pread"]  # (1, 4, 6) split along dim 1 is one run
+    assert mapped == []  # (1, 4, 6) split along dim 1 is one run
     assert np.array_equal(lead["lead"], np.arange(24.0).reshape(1, 4, 6)[:, 2:])
+
+
+def test_auto_backend_reads_one_file_even_if_its_path_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every part comes from the file that was opened: a file put in its place by os.replace
+    during the load (a checkpoint being re-saved) is not mixed in, column splits included."""
+    import pysafetensors.parallel as parallel
+
+    model = tmp_path / "model.safetensors"
+    tensors = _model(model)
+    newer = tmp_path / "newer.safetensors"
+    ptorch.save_file({k: v + 1 for k, v in tensors.items()}, newer)
+    rules = {"*.q.weight": "rows", "*.o.weight": "columns", "*.conv.weight": -1}
+    want = load_shard(model, 1, 4, rules, framework="np", backend="pread")
+    real = parallel.plan_shard
+
+    def replaced_after_planning(*args: Any, **kwargs: Any) -> Any:
+        plan = real(*args, **kwargs)
+        os.replace(newer, model)  # after the header was read, before any part is
+        return plan
+
+    monkeypatch.setattr(parallel, "plan_shard", replaced_after_planning)
+    got = load_shard(model, 1, 4, rules, framework="np")
+    for name, part in want.items():
+        assert np.array_equal(got[name].view(np.uint8), part.view(np.uint8)), name
 
 
 def test_rank_and_world_size_checked_before_anything(tmp_path: Path) -> None:
