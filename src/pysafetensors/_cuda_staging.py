@@ -311,7 +311,8 @@ def gather_to_device(
     of a mapping, or the reader threads' positioned reads). The block's asynchronous copy to
     the device then runs while the next block is gathered, and the parts of one call (a
     tensor-parallel rank's column splits) share the ring and one final synchronisation. The
-    pinned memory stays at ``ring`` buffers of about ``chunk_bytes`` whatever the parts' size,
+    pinned memory stays at ``ring`` buffers of about ``chunk_bytes`` (or of one row, where a
+    row is larger; the reader stages no row over 64 MiB) whatever the parts' size,
     where a plain ``.to(device)`` needs the whole part in pageable memory first and then makes
     one blocking, driver-staged transfer (on an H200 a TP=8 column split of a 2 GiB file took
     ~85 ms that way).

@@ -475,25 +475,32 @@ class safe_open:  # noqa: N801 - the reference's name
         would.
 
         With ``map_fragmented``, a pread handle on a local file copies the fragmented requests
-        out of a mapping of the same open file (:meth:`PreadSource.mapped`), which touches only
-        the pages they lie on, instead of reading whole rows.
+        out of a mapping of the same open file (:meth:`PreadSource.mapped`), copying only their
+        bytes, instead of reading whole rows (by positioned reads where the file cannot be
+        mapped).
         """
         source = self._live()
-        maps: list[MmapSource] = []
+        maps: list[ByteSource] = []
 
         def fragmented_source() -> ByteSource:
             # The mapping is made at the first request that needs it, and only one.
             if not (map_fragmented and isinstance(source, PreadSource)):
                 return source
             if not maps:
-                maps.append(source.mapped())
+                try:
+                    maps.append(source.mapped())
+                except (OSError, ValueError):
+                    # A filesystem without mmap, or no address space or commit left for the
+                    # mapping: read whole rows instead.
+                    maps.append(source)
             return maps[0]
 
         try:
             return self._read_requests(requests, source, fragmented_source)
         finally:
             for mapping in maps:
-                mapping.close()
+                if mapping is not source:
+                    mapping.close()
 
     def _read_requests(
         self,

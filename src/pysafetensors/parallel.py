@@ -274,20 +274,21 @@ def load_shard(
     Each split tensor is read as ``get_slice`` would, so a rank reads only its own rows or
     columns (by positioned reads, its rows exactly and its columns as the rows' blocks, or
     exactly with ``slice_reads="exact"``; out of a mapping, only the pages they lie on).
-    Replicated tensors are read whole. Every part that is one contiguous byte range (rows,
-    whole tensors) is read by positioned reads at once, in parallel, into one buffer the parts
-    view (faster than a ``get_slice`` loop: fewer page faults, all reads in flight together);
-    on a CUDA device (torch) those parts go through one run of the pinned-buffer staging
-    pipeline into one device buffer, and column splits are gathered block by block into
-    reused pinned buffers whose copies overlap the next block's gather.
+    Replicated tensors are read whole. From a local file read by positioned reads (the
+    default; each shard of a folder alike), every part that is one contiguous byte range (rows,
+    whole tensors) is read at once, in parallel, into one buffer the parts view (faster than a
+    ``get_slice`` loop: fewer page faults, all reads in flight together). On a CUDA device
+    (torch) those parts go through one run of the pinned-buffer staging pipeline into one
+    device buffer, with either backend, and the column splits are gathered block by block
+    into reused pinned buffers whose copies overlap the next block's gather.
 
     By default (``backend="auto"``) a local file is read by positioned reads, and its column
     splits, which need a piece of every row, are copied out of a mapping of the same open file
-    (so of the same file even if its path is replaced meanwhile), touching only the pages they
-    lie on, instead of reading whole rows: a TP=8 column split of a 2 GiB file took 87 ms
-    instead of 262 ms on 2 cores, 27 ms instead of 130-162 ms to an H200
-    (``benchmarks/GPU.md``). URLs, file objects without a descriptor and
-    ``slice_reads="exact"`` read every part by positioned reads.
+    (so of the same file even if its path is replaced meanwhile), copying only their bytes,
+    instead of reading whole rows (which it falls back to where the file cannot be mapped): a
+    TP=8 column split of a 2 GiB file took 87 ms instead of 262 ms on 2 cores, 27 ms instead
+    of 130-162 ms to an H200 (``benchmarks/GPU.md``). URLs, file objects without a descriptor
+    and ``slice_reads="exact"`` read every part by positioned reads.
 
     Args:
         path: A ``.safetensors`` file (path, URL or file object), or a model folder / index

@@ -212,6 +212,32 @@ def test_auto_backend_maps_a_local_files_column_splits(
     assert np.array_equal(lead["lead"], np.arange(24.0).reshape(1, 4, 6)[:, 2:])
 
 
+def test_auto_backend_reads_whole_rows_where_the_file_cannot_be_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem without mmap (ENODEV), or no address space for the mapping: the column
+    splits are read by positioned reads instead, the same bytes."""
+    import errno
+
+    from pysafetensors._sources import PreadSource
+
+    model = tmp_path / "model.safetensors"
+    _model(model)
+    rules = {"*.q.weight": "rows", "*.o.weight": "columns", "*.conv.weight": -1}
+    want = load_shard(model, 1, 4, rules, framework="np", backend="pread")
+    tries: list[int] = []
+
+    def unmappable(self: PreadSource) -> Any:
+        tries.append(1)
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(PreadSource, "mapped", unmappable)
+    got = load_shard(model, 1, 4, rules, framework="np")
+    assert tries == [1]  # tried once, not once per part
+    for name, part in want.items():
+        assert np.array_equal(got[name].view(np.uint8), part.view(np.uint8)), name
+
+
 def test_auto_backend_reads_one_file_even_if_its_path_is_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
