@@ -457,3 +457,50 @@ def test_column_splits_go_to_the_device_through_the_gather_ring(
             for name, index in indices.items():
                 assert same(f.get_slice(name)[index], want_slices[name]), (backend, name)
         assert calls == [[(44, 70)], [(13, 16)], [(16, 3)], [(9, 4)]]
+
+
+def test_a_sharded_folders_parts_go_to_the_device_shard_by_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_shard of a sharded folder on a (stand-in) CUDA device: each shard's row parts go
+    through one staging run and its column splits through one gather ring; every part equals
+    the CPU load_shard's, with the default backend and both others."""
+    from pysafetensors._torch_adapter import TorchAdapter
+    from pysafetensors.parallel import load_shard
+    from pysafetensors.torch import save_sharded
+
+    gen = torch.Generator().manual_seed(4)
+    tensors = {
+        f"layer{i}.{kind}": torch.randn(40, 24, generator=gen).to(torch.bfloat16)
+        for i in range(3)
+        for kind in ("up", "down")
+    } | {"norm": torch.randn(24, generator=gen)}
+    folder = tmp_path / "model"
+    save_sharded(tensors, folder, max_shard_size=4000)
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) >= 3
+    rules = {"*.up": "rows", "*.down": "columns", "norm": "replicate"}
+    want = load_shard(folder, 1, 2, rules, framework="pt", backend="pread")
+
+    gathers: list[list[str]] = []
+    real = TorchAdapter.gather_to_device
+
+    def staged(self: Any, parts: Any, device: Any) -> Any:
+        gathers.append([name for name, *_ in parts])
+        return real(self, parts, device, ops=LateCopyOps(), chunk_bytes=256)
+
+    monkeypatch.setattr(TorchAdapter, "gather_to_device", staged)
+    runs: list[int] = []
+    _stand_in_cuda(monkeypatch, runs)
+    for backend in ("auto", "pread", "mmap"):
+        gathers.clear()
+        runs.clear()
+        got = load_shard(folder, 1, 2, rules, framework="pt", backend=backend)
+        assert sorted(got) == sorted(want)
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape
+            assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), (backend, name)
+        # One gather per shard that holds column splits, one staging run per shard with rows.
+        assert sorted(n for group in gathers for n in group) == [f"layer{i}.down" for i in range(3)]
+        assert len(gathers) <= len(shards) and len(runs) <= len(shards)
+        assert sum(runs) == 4  # three row parts and the norm
