@@ -426,6 +426,12 @@ def merge(
         )
 
 
+def _pattern_list(patterns: Iterable[str]) -> list[str]:
+    # One string is one pattern (iterating it would make every character a pattern, and "*"
+    # among them would select everything).
+    return [patterns] if isinstance(patterns, str) else list(patterns)
+
+
 def select_names(
     names: Iterable[str], patterns: Iterable[str], *, regex: bool = False
 ) -> list[str]:
@@ -440,9 +446,7 @@ def select_names(
     Raises:
         re.error: A regular expression does not compile.
     """
-    # One string is one pattern (iterating it would make every character a pattern, and "*"
-    # among them would select everything).
-    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    pats = _pattern_list(patterns)
     if regex:
         compiled = [re.compile(p) for p in pats]
         return [n for n in names if any(c.search(n) for c in compiled)]
@@ -487,9 +491,7 @@ def extract(
         SafetensorError: No tensor matches (kind ``NoMatch``), or the source is invalid.
     """
     out = os.fspath(output)
-    # One string is one pattern (iterating it would make every character a pattern, and "*"
-    # among them would select everything).
-    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    pats = _pattern_list(patterns)
     with ShardedSafeOpen(
         _folder_or_file(source),
         "numpy",

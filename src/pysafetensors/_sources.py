@@ -719,23 +719,26 @@ class PreadSource:
     def _release(self) -> None:
         self._held.release()
 
-    def pread_exact(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` from ``offset`` with one thread (loops on short reads)."""
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[int]:
+        """The descriptor, held open for the ``with`` block (see :meth:`_acquire`)."""
         fd = self._acquire()
         try:
-            pread_exact(fd, self._name, offset, out)
+            yield fd
         finally:
             self._release()
+
+    def pread_exact(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` with one thread (loops on short reads)."""
+        with self._holding() as fd:
+            pread_exact(fd, self._name, offset, out)
 
     def mapped(self) -> MmapSource:
         """A copy-on-write mapping of the same open file (the same inode, also if its path has
         been replaced since this source was opened), for copies of selections that need a
         piece of every row. The caller closes it."""
-        fd = self._acquire()
-        try:
+        with self._holding() as fd:
             return MmapSource(fd, self._name, size=self._size)
-        finally:
-            self._release()
 
     def without_readahead(self) -> PreadSource:
         """This file through a second descriptor with kernel readahead off, for partial reads.
@@ -755,26 +758,20 @@ class PreadSource:
     def _reopen_random(self) -> PreadSource | None:
         if not hasattr(os, "posix_fadvise"):
             return None
-        own = self._acquire()
-        try:
-            return self._reopen_random_from(own)
-        finally:
-            self._release()
-
-    def _reopen_random_from(self, own: int) -> PreadSource | None:
-        try:
-            fd = os.open(f"/proc/self/fd/{own}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return None
-        try:
-            mine, theirs = os.fstat(own), os.fstat(fd)
-            if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+        with self._holding() as own:
+            try:
+                fd = os.open(f"/proc/self/fd/{own}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                return None
+            try:
+                mine, theirs = os.fstat(own), os.fstat(fd)
+                if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+                    os.close(fd)
+                    return None
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            except OSError:
                 os.close(fd)
                 return None
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        except OSError:
-            os.close(fd)
-            return None
         return PreadSource(
             fd, self._name, size=self._size, threads=self.threads, chunk_size=self.chunk_size
         )
@@ -807,8 +804,7 @@ class PreadSource:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         _check_range(self, offset, out.nbytes)
 
-        fd = self._acquire()  # one hold for the whole read, all threads
-        try:
+        with self._holding() as fd:  # one hold for the whole read, all threads
 
             def one(piece: tuple[int, int]) -> None:
                 start, length = piece
@@ -821,8 +817,6 @@ class PreadSource:
             with read_ahead(fd, offset, out.nbytes):
                 pieces = self._split(out.nbytes, align) if out.nbytes else []
                 run_parallel(one, pieces, self.threads)
-        finally:
-            self._release()
 
     def view(self, offset: int, length: int) -> memoryview | None:
         return None

@@ -249,13 +249,7 @@ class TorchAdapter:
         device_buf, offsets, _ = stage_runs_to_device(
             read, [(offset, nbytes) for _, _, _, offset, nbytes in items], ops
         )
-        return carve(
-            device_buf,
-            (
-                (name, dtype, shape, at, at + nbytes)
-                for (name, dtype, shape, _, nbytes), at in zip(items, offsets, strict=True)
-            ),
-        )
+        return _carve_laid_out(device_buf, items, offsets)
 
     def gather_to_device(
         self,
@@ -293,13 +287,7 @@ class TorchAdapter:
             ops,
             chunk_bytes=chunk_bytes or CHUNK_BYTES,
         )
-        return carve(
-            device_buf,
-            (
-                (name, dtype, shape, at, at + nbytes)
-                for (name, dtype, shape, _, nbytes), at in zip(items, offsets, strict=True)
-            ),
-        )
+        return _carve_laid_out(device_buf, items, offsets)
 
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if not isinstance(tensor, torch.Tensor):
@@ -342,6 +330,22 @@ class TorchAdapter:
             del t
 
         return TensorData(name, dtype, shape, chunks, keepalive=tensor)
+
+
+def _carve_laid_out(
+    device_buf: Any,
+    items: list[tuple[str, DType, tuple[int, ...], int, int]],
+    offsets: list[int],
+) -> dict[str, Any]:
+    """Tensors viewing a staging run's buffer: item ``i`` (``(name, dtype, shape, _,
+    nbytes)``) at ``offsets[i]``, as the pipeline laid them out."""
+    return carve(
+        device_buf,
+        (
+            (name, dtype, shape, at, at + nbytes)
+            for (name, dtype, shape, _, nbytes), at in zip(items, offsets, strict=True)
+        ),
+    )
 
 
 def _staging_ops(device: Device, ops: Any) -> Any:
