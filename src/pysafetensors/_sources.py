@@ -646,6 +646,13 @@ class Shared(Generic[_T]):
             self._holders += 1
             return self._value
 
+    # ``with shared as value:`` holds it for the block (a class context manager: reads of a
+    # few bytes each, millions for a strided slice, pay no generator frame).
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
     def release(self) -> None:
         """Let go of one hold; the last one after :meth:`close` closes the resource."""
         with self._lock:
@@ -719,25 +726,16 @@ class PreadSource:
     def _release(self) -> None:
         self._held.release()
 
-    @contextlib.contextmanager
-    def _holding(self) -> Iterator[int]:
-        """The descriptor, held open for the ``with`` block (see :meth:`_acquire`)."""
-        fd = self._acquire()
-        try:
-            yield fd
-        finally:
-            self._release()
-
     def pread_exact(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` from ``offset`` with one thread (loops on short reads)."""
-        with self._holding() as fd:
+        with self._held as fd:
             pread_exact(fd, self._name, offset, out)
 
     def mapped(self) -> MmapSource:
         """A copy-on-write mapping of the same open file (the same inode, also if its path has
         been replaced since this source was opened), for copies of selections that need a
         piece of every row. The caller closes it."""
-        with self._holding() as fd:
+        with self._held as fd:
             return MmapSource(fd, self._name, size=self._size)
 
     def without_readahead(self) -> PreadSource:
@@ -758,7 +756,7 @@ class PreadSource:
     def _reopen_random(self) -> PreadSource | None:
         if not hasattr(os, "posix_fadvise"):
             return None
-        with self._holding() as own:
+        with self._held as own:
             try:
                 fd = os.open(f"/proc/self/fd/{own}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError:
@@ -804,7 +802,7 @@ class PreadSource:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         _check_range(self, offset, out.nbytes)
 
-        with self._holding() as fd:  # one hold for the whole read, all threads
+        with self._held as fd:  # one hold for the whole read, all threads
 
             def one(piece: tuple[int, int]) -> None:
                 start, length = piece
