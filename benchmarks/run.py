@@ -256,9 +256,9 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "tensors; `moe`: 20,000 tiny tensors, the header is the point).",
         "",
         'Arms: **ours** = pysafetensors (`load_file(backend="pread")` for eager loads, '
-        '`load_file()` (mmap) for lazy, `parallel.load_shard(backend="pread")` for row splits '
-        '(every part read at once into one buffer), `load_shard(backend="mmap")` (a `get_slice` '
-        "per tensor) for column splits, "
+        "`load_file()` (mmap) for lazy, `parallel.load_shard()` (its default backend, "
+        '`"auto"`) for tensor-parallel parts: row parts are read at once into one buffer by '
+        "positioned reads, column parts are copied out of a mapping of the same open file, "
         "`save_file`); **ref mmap** / **ref pread** = safetensors 0.8.0 with that backend "
         "(mmap results are `clone()`d where the operation asks for private memory); **torch** = "
         "`torch.load(mmap=True, weights_only=True)` (+ `clone()`) / `torch.save`; **ceiling** = "
