@@ -16,8 +16,8 @@ Not run by ``make bench``. The script, each section recorded even when a later o
    (disk cache and link one after the other, no overlap);
 4. **tensor-parallel**: rank 0 of 8, rows and columns, ``load_shard`` to the device with each
    backend (``auto``, ``pread``, ``mmap``) against the reference's ``get_slice`` loop on the
-   device: parts equal, then timed warm, and the column split's first call in fresh processes
-   (which pays for pinning its buffers);
+   device: parts equal, then timed warm, and the first call of a fresh process (which pays for
+   pinning its buffers) of the column split and of a whole-file ``load_file``;
 5. **saves**: the 2 GiB of device tensors saved by both libraries, to the page cache and
    durable, files compared by SHA-256, peak host memory added;
 6. **sweep**: the staging pipeline alone (``stage_to_device`` over a pread source) for worker
@@ -524,19 +524,25 @@ def main() -> int:
                 f"{med / base:.2f}x |"
             )
         # The first call of a process also pays for its pinned buffers (torch caches them
-        # afterwards): the column split once per fresh process, CUDA already initialised.
+        # afterwards): the column split and a whole-file load once per fresh process, CUDA
+        # already initialised.
         first_call = (
             "import sys, time, torch\n"
             "sys.path.insert(0, 'src')\n"
-            "import safetensors\n"
+            "import safetensors, safetensors.torch\n"
+            "import pysafetensors.torch\n"
             "from pysafetensors.parallel import load_shard\n"
-            "path, dev, arm = sys.argv[1:4]\n"
+            "path, dev, op, arm = sys.argv[1:5]\n"
             "torch.zeros(1, device=dev); torch.cuda.synchronize()\n"
             "rule = lambda n, s: 'columns' if len(s) >= 2 else 'replicate'\n"
             "key = lambda s: ((slice(None),) if len(s) == 1\n"
             "                 else (slice(None), slice(0, s[1] // 8)))\n"
             "t0 = time.perf_counter()\n"
-            "if arm == 'reference':\n"
+            "if op == 'load' and arm == 'reference':\n"
+            "    r = safetensors.torch.load_file(path, device=dev)\n"
+            "elif op == 'load':\n"
+            "    r = pysafetensors.torch.load_file(path, device=dev, backend=arm)\n"
+            "elif arm == 'reference':\n"
             "    with safetensors.safe_open(path, 'pt', device=dev) as f:\n"
             "        r = {k: f.get_slice(k)[key(f.get_slice(k).get_shape())] for k in f.keys()}\n"
             "else:\n"
@@ -544,34 +550,43 @@ def main() -> int:
             "torch.cuda.synchronize()\n"
             "print(time.perf_counter() - t0)\n"
         )
-        fresh_times: dict[str, list[float]] = {}
+        fresh_times: dict[str, dict[str, list[float]]] = {}
         if not dry:
             import subprocess
 
             root = os.path.dirname(HERE)
+            fresh_arms = {
+                "columns": ("auto", "pread", "reference"),
+                "load": ("pread", "mmap", "reference"),
+            }
             for _ in range(3):
-                for arm in ("auto", "pread", "reference"):
-                    _cache.warm(path)
-                    done = subprocess.run(
-                        [sys.executable, "-c", first_call, path, dev, arm],
-                        cwd=root,
-                        capture_output=True,
-                        text=True,
-                        check=True,
-                    )
-                    fresh_times.setdefault(arm, []).append(float(done.stdout.split()[-1]))
-            base = statistics.median(fresh_times["reference"])
-            lines += [
-                "",
-                "columns, first call of a fresh process (median of 3):",
-                "",
-                "| arm | median s | x reference |",
-                "|---|---|---|",
-                *(
-                    f"| {arm} | {statistics.median(ts):.3f} | {statistics.median(ts) / base:.2f}x |"
-                    for arm, ts in fresh_times.items()
-                ),
-            ]
+                for op, op_arms in fresh_arms.items():
+                    for arm in op_arms:
+                        _cache.warm(path)
+                        done = subprocess.run(
+                            [sys.executable, "-c", first_call, path, dev, op, arm],
+                            cwd=root,
+                            capture_output=True,
+                            text=True,
+                            check=True,
+                        )
+                        fresh_times.setdefault(op, {}).setdefault(arm, []).append(
+                            float(done.stdout.split()[-1])
+                        )
+            for op, what in (("columns", "columns"), ("load", "whole-file load_file")):
+                base = statistics.median(fresh_times[op]["reference"])
+                lines += [
+                    "",
+                    f"{what}, first call of a fresh process (median of 3):",
+                    "",
+                    "| arm | median s | x reference |",
+                    "|---|---|---|",
+                    *(
+                        f"| {arm} | {statistics.median(ts):.3f} | "
+                        f"{statistics.median(ts) / base:.2f}x |"
+                        for arm, ts in fresh_times[op].items()
+                    ),
+                ]
         report.add(
             "tensor-parallel",
             {"times": tp_times, "bytes": tp_bytes, "failures": tp_bad, "first_call": fresh_times},

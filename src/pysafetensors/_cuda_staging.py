@@ -23,8 +23,8 @@ buffers are reused, nothing is overwritten before its copy completed) without a 
 
 from __future__ import annotations
 
+import collections
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -118,7 +118,8 @@ class StagingStats:
     chunks: int = 0
     """Chunks copied."""
     host_buffers: int = 0
-    """Pinned buffers allocated (the ring size); each is reused for many chunks."""
+    """Pinned buffers allocated (at most the ring size: the ring is pinned as the workers
+    need it); each is reused for many chunks."""
     bytes: int = 0
     """Bytes transferred."""
     reuse: dict[int, int] = field(default_factory=dict)
@@ -251,19 +252,16 @@ def stage_runs_to_device(
     chunk_bytes = max(1, min(chunk_bytes, nbytes, per_worker))
     chunks = run_pieces(runs, offsets, chunk_bytes)
     workers = max(1, min(workers, len(chunks)))
-    ring_size = max(1, min(len(chunks), workers + max(0, spare_buffers)))
-    # The ring: (index, host tensor, byte view, event of the copy last issued from it or None).
-    ring: queue.Queue[tuple[int, Any, memoryview, Any]] = queue.Queue()
-    for i in range(ring_size):
-        host, view = ops.alloc_host(chunk_bytes)
-        ring.put((i, host, view, None))
-    stats.host_buffers = ring_size
+    ring = _GrowingRing(ops, chunk_bytes, max(1, min(len(chunks), workers + max(0, spare_buffers))))
     lock = threading.Lock()
     local = threading.local()
 
     def one(chunk: tuple[int, int, int]) -> None:
         src, dest, n = chunk
-        index, host, view, pending = ring.get()
+        taken = ring.take()
+        if taken is None:
+            return  # no buffer could be pinned: the worker that tried raises the error
+        index, host, view, pending = taken
         try:
             if pending is not None:
                 # The previous copy out of this buffer must finish before it is overwritten.
@@ -274,9 +272,9 @@ def stage_runs_to_device(
                 stream = local.stream = ops.new_stream()
             event = ops.copy_async(device_buf, dest, host, n, stream)
         except BaseException:
-            ring.put((index, host, view, pending))
+            ring.give((index, host, view, pending))
             raise
-        ring.put((index, host, view, event))
+        ring.give((index, host, view, event))
         with lock:
             stats.chunks += 1
             stats.reuse[index] = stats.reuse.get(index, 0) + 1
@@ -287,7 +285,77 @@ def stage_runs_to_device(
         # Every copy must have landed before the pinned buffers can be freed or reused, and
         # before the tensors are used (also when a read failed half way).
         ops.synchronize()
+        stats.host_buffers = ring.made
     return device_buf, offsets, stats
+
+
+#: A ring entry: (index, host tensor, byte view, event of the copy last issued from it or None).
+_Slot = tuple[int, Any, memoryview, Any]
+
+
+class _GrowingRing:
+    """The staging workers' pinned buffers, pinned as the workers need them, one at a time.
+
+    Pinning is slow the first time a process asks for it: ``cudaHostAlloc`` took ~0.9 ms per
+    MiB on an H200, so the 288 MiB ring of 16 workers took ~0.25 s (``benchmarks/GPU.md``,
+    "First calls"), while torch's caching host allocator makes later rings nearly free. Pinned
+    all up front, the ring held back every read of a process's first load for that long. Here
+    a worker that finds no free buffer pins one if no other worker is pinning, and otherwise
+    waits for one to come back: the first chunk is read as soon as the first buffer exists,
+    the others are pinned while chunks flow through those already made, and a load that
+    finishes early pins fewer. Free buffers are reused oldest first (the copy out of the
+    oldest is the likeliest to have completed).
+
+    Where pinning fails once some buffers exist (a limit on locked memory, say), the ring stops
+    growing and the load goes on with those; where the first fails, its worker raises and the
+    waiting workers give up (:meth:`take` returns None).
+    """
+
+    def __init__(self, ops: DeviceOps, nbytes: int, size: int) -> None:
+        self._ops = ops
+        self._nbytes = nbytes
+        self._size = size  # 0 once the first pinning failed
+        self._free: collections.deque[_Slot] = collections.deque()
+        self._cond = threading.Condition()
+        self._pinning = False
+        self.made = 0
+
+    def take(self) -> _Slot | None:
+        """A buffer for the next chunk: a free one, a newly pinned one, or the next returned;
+        None when none can be had."""
+        with self._cond:
+            while not self._free:
+                if self._size == 0:
+                    return None
+                if not self._pinning and self.made < self._size:
+                    self._pinning = True
+                    break
+                self._cond.wait()
+            else:
+                return self._free.popleft()
+        try:
+            host, view = self._ops.alloc_host(self._nbytes)
+        except BaseException as exc:
+            with self._cond:
+                self._pinning = False
+                self._size = self.made  # stop growing; go on with the buffers there are
+                self._cond.notify_all()
+                if self.made == 0 or not isinstance(exc, Exception):
+                    raise
+            return self.take()
+        with self._cond:
+            self._pinning = False
+            index = self.made
+            self.made += 1
+            # A waiting worker may now pin the next buffer.
+            self._cond.notify_all()
+        return index, host, view, None
+
+    def give(self, slot: _Slot) -> None:
+        """Return a buffer (with the event of the copy last issued from it)."""
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
 
 
 #: ``fill(first, end, view)``: writes rows ``[first, end)`` of a part into ``view``.

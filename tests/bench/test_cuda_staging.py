@@ -9,6 +9,7 @@ comparison with a plain CPU load would fail.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,8 @@ def test_bytes_land_and_buffers_are_reused(nbytes: int, chunk: int, workers: int
     assert bytes(dev.numpy()) == data[7 : 7 + nbytes]
     chunks = -(-nbytes // min(chunk, nbytes))
     assert stats.chunks == chunks
-    # The ring is allocated once and never grows: one buffer per worker and two spares.
-    assert ops.host_allocs == stats.host_buffers <= workers + 2
+    # The ring is pinned as the workers need it, up to one buffer per worker and two spares.
+    assert 1 <= ops.host_allocs == stats.host_buffers <= workers + 2
     assert sum(stats.reuse.values()) == chunks
     if chunks > workers + 2:
         assert max(stats.reuse.values()) > 1
@@ -134,6 +135,101 @@ def test_read_errors_propagate_and_leave_nothing_in_flight() -> None:
     ops = LateCopyOps()
     with pytest.raises(OSError):
         stage_to_device(bad_read, 0, 1000, ops, chunk_bytes=100, workers=2)
+
+
+class SlowPinOps(LateCopyOps):
+    """Pinning takes a while (as a process's first ``cudaHostAlloc`` calls do), and may fail
+    from the ``fail_from``-th buffer on; reads and pinnings are logged in order."""
+
+    def __init__(self, pin_seconds: float = 0.0, fail_from: int | None = None) -> None:
+        super().__init__()
+        self.pin_seconds = pin_seconds
+        self.fail_from = fail_from
+        self.log: list[str] = []
+        self.pinning_now = 0
+        self.most_pinning_at_once = 0
+
+    def alloc_host(self, nbytes: int) -> tuple[Any, memoryview]:
+        with self.lock:
+            self.pinning_now += 1
+            self.most_pinning_at_once = max(self.most_pinning_at_once, self.pinning_now)
+            failing = self.fail_from is not None and self.host_allocs + 1 >= self.fail_from
+        try:
+            time.sleep(self.pin_seconds)
+            if failing:
+                raise RuntimeError("CUDA error: out of memory (pinned)")
+            made = super().alloc_host(nbytes)
+        finally:
+            with self.lock:
+                self.pinning_now -= 1
+        with self.lock:
+            self.log.append("pinned")
+        return made
+
+    def logged_read(self, source: BufferSource) -> Any:
+        def read(offset: int, view: memoryview) -> None:
+            time.sleep(0.002)  # long enough that one buffer cannot serve every worker
+            source.readinto(offset, view)
+            with self.lock:
+                self.log.append("read")
+
+        return read
+
+
+def test_reads_start_before_the_ring_is_pinned() -> None:
+    """The first chunk is read as soon as one buffer is pinned, and buffers are pinned one at
+    a time while the others flow (a process's first load no longer waits for the whole ring)."""
+    nbytes, chunk, workers = 64 * 1024, 1024, 4
+    data = _data(nbytes)
+    ops = SlowPinOps(pin_seconds=0.02)
+    dev, stats = stage_to_device(
+        ops.logged_read(BufferSource(data)), 0, nbytes, ops, chunk_bytes=chunk, workers=workers
+    )
+    assert bytes(dev.numpy()) == data
+    assert ops.most_pinning_at_once == 1
+    assert ops.log[0] == "pinned"
+    last_pin = max(i for i, what in enumerate(ops.log) if what == "pinned")
+    assert "read" in ops.log[:last_pin], ops.log[:10]
+    assert stats.chunks == nbytes // chunk
+    assert 1 <= stats.host_buffers <= workers + 2
+    assert not ops.pending
+
+
+def test_a_load_goes_on_with_the_buffers_pinned_before_pinning_failed() -> None:
+    nbytes = 40 * 1000
+    data = _data(nbytes)
+    ops = SlowPinOps(fail_from=3)
+    source = BufferSource(data)
+
+    def slow_read(offset: int, view: memoryview) -> None:
+        time.sleep(0.005)  # every worker wants a buffer of its own
+        source.readinto(offset, view)
+
+    dev, stats = stage_to_device(slow_read, 0, nbytes, ops, chunk_bytes=1000, workers=4)
+    assert bytes(dev.numpy()) == data
+    assert stats.host_buffers == ops.host_allocs == 2
+    assert sum(stats.reuse.values()) == 40
+    assert not ops.pending
+
+
+def test_a_first_pinning_failure_is_raised_without_a_hang() -> None:
+    ops = SlowPinOps(pin_seconds=0.01, fail_from=1)
+    result: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            stage_to_device(
+                BufferSource(_data(8000)).readinto, 0, 8000, ops, chunk_bytes=1000, workers=4
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            result.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the staging workers hung after the first pinning failed"
+    assert len(result) == 1 and "out of memory" in str(result[0])
+    assert ops.host_allocs == 0 and not ops.pending
 
 
 def test_adapter_loads_a_file_through_the_pipeline(tmp_path: Path) -> None:
