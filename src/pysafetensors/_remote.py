@@ -82,6 +82,8 @@ DEFAULT_ACCEPT_FULL_BODY: Final = 1 << 20
 
 _USER_AGENT: Final = "pysafetensors"
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
+#: Bytes of a redirect's body read to keep its connection for reuse; a longer body closes it.
+_REDIRECT_BODY_MAX: Final = 64 << 10
 _TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: Longest ``Retry-After`` honoured; beyond it the backoff schedule applies.
 _MAX_RETRY_AFTER: Final = 10.0
@@ -990,7 +992,10 @@ class HTTPSource(RemoteSource):
             status = resp.status
             if status in _REDIRECTS:
                 location = resp.getheader("Location")
-                resp.read()
+                # A short body is read so that the connection can be reused; a longer one
+                # (or an endless chunked one) is not read at all past this: the connection is
+                # closed instead (_finish), never the whole body held in memory.
+                resp.read(_REDIRECT_BODY_MAX)
                 self._finish(resp, conn, key)
                 if not location:
                     raise RemoteError(

@@ -29,7 +29,7 @@ from typing import Any, Final
 from ._errors import SafetensorError
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
 from ._reader import open_source_for
-from ._sharded import ShardedSafeOpen, is_index_path
+from ._sharded import ShardedSafeOpen, _is_url, is_index_path
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
@@ -177,14 +177,61 @@ def _source_order(src: ShardedSafeOpen) -> list[str]:
 
 
 def _user_metadata(src: ShardedSafeOpen, fmt: str) -> dict[str, Any]:
-    """What a direct save would have been given as ``metadata``: the index's metadata without
-    the computed keys, or a single file's metadata without its ``format``."""
-    meta = src.index_metadata() or {}
-    if is_index_path(src.path):
-        return {k: v for k, v in meta.items() if k not in _COMPUTED_KEYS}
-    if meta.get("format") == fmt:
+    """What a direct save would have been given as ``metadata``: the index's metadata, or a
+    single file's without its ``format``, in both cases without the keys an index computes (a
+    file's own ``total_size`` key would otherwise replace the index's, user keys winning as in
+    the hub, and the index would declare a size its shards do not hold)."""
+    meta = {k: v for k, v in (src.index_metadata() or {}).items() if k not in _COMPUTED_KEYS}
+    if not is_index_path(src.path) and meta.get("format") == fmt:
         del meta["format"]
     return meta
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _refuse_output_over_source(
+    src: ShardedSafeOpen, out: str, *, op: str, sharded: bool, whole: bool
+) -> None:
+    """Refuse an output that would replace part of the source checkpoint with less than it.
+
+    Sources are read from descriptors opened before anything is written, so the write itself
+    would succeed; what it leaves behind would not: a single output file renamed over a shard
+    leaves an index naming tensors that are gone, and a sharded output in an index's own folder
+    replaces that index (and cleans its shards). ``whole``: the output holds every tensor of a
+    single-file source (a merge of a file onto itself, which loses nothing).
+    """
+    if sharded:
+        folder = os.path.dirname(src.path) or "."
+        if (
+            is_index_path(src.path)
+            and not _is_url(src.path)
+            and os.path.isdir(out)
+            and _same_file(out, folder)
+        ):
+            raise SafetensorError(
+                f"{op}: the output folder {out!r} holds the source checkpoint {src.path!r}; "
+                "writing there would replace it with part of it. Write to another folder.",
+                kind="OutputIsSource",
+            )
+        return
+    if not os.path.exists(out):
+        return
+    sources = [src.path, *src.files()] if is_index_path(src.path) else [src.path]
+    for path in sources:
+        if _is_url(path) or not _same_file(out, path):
+            continue
+        if whole and not is_index_path(src.path):
+            return
+        raise SafetensorError(
+            f"{op}: the output {out!r} is the source checkpoint's file {path!r}; writing it "
+            "would destroy the checkpoint. Write to another path.",
+            kind="OutputIsSource",
+        )
 
 
 def _as_header_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
@@ -337,8 +384,9 @@ def reshard(
             source file is opened before anything is written, and each output file replaces
             its namesake atomically.
         max_shard_size: New limit per shard (bytes, or ``"5GB"``-style decimal units).
-        metadata: User metadata for the output; by default the source's (index metadata
-            without ``total_size``, or a single file's metadata without ``format``).
+        metadata: User metadata for the output; by default the source's (index metadata,
+            or a single file's metadata without ``format``; without ``total_size`` and
+            ``total_parameters`` in both cases, which are computed for the output).
         filename_pattern: Output file name pattern with a ``{suffix}`` field.
         format: Value of the ``format`` header key in every output file.
         clean: Delete stale files of an earlier save with the same pattern in ``output``.
@@ -400,7 +448,8 @@ def merge(
     ``storage_options`` are as for :func:`reshard`.
 
     Raises:
-        SafetensorError: The source is invalid.
+        SafetensorError: The source is invalid, or ``output`` is one of its files (kind
+            ``OutputIsSource``: writing it would leave the index naming tensors that are gone).
     """
     out = os.fspath(output)
     with ShardedSafeOpen(
@@ -410,6 +459,7 @@ def merge(
         max_header_size=max_header_size,
         storage_options=_options(storage_options),
     ) as src:
+        _refuse_output_over_source(src, out, op="merge", sharded=False, whole=True)
         _rewrite(
             src,
             _source_order(src),
@@ -488,7 +538,9 @@ def extract(
         The names extracted, in source order.
 
     Raises:
-        SafetensorError: No tensor matches (kind ``NoMatch``), or the source is invalid.
+        SafetensorError: No tensor matches (kind ``NoMatch``), the source is invalid, or the
+            output would replace part of the source (kind ``OutputIsSource``: one of its
+            files, or, sharded, an index's own folder).
     """
     out = os.fspath(output)
     pats = _pattern_list(patterns)
@@ -504,6 +556,9 @@ def extract(
             raise SafetensorError(
                 f"no tensor of {src.path!r} matches {', '.join(map(repr, pats))}", kind="NoMatch"
             )
+        _refuse_output_over_source(
+            src, out, op="extract", sharded=max_shard_size is not None, whole=False
+        )
         _rewrite(
             src,
             names,

@@ -149,9 +149,11 @@ def _parse_index(
     raw = _read_bytes(path, storage_options)
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise ShardIndexError(
-            f"index {path!r} is not valid JSON: {exc}", kind="InvalidIndex"
+            f"index {path!r} is not valid JSON: {why}", kind="InvalidIndex"
         ) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise ShardIndexError(
@@ -425,7 +427,7 @@ class ShardedSafeOpen:
         if total is not None and is_index_path(self._path):
             try:
                 declared = int(total)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # "total_size": 1e400 reads as inf
                 declared = -1
             if declared != data_bytes or isinstance(total, bool):
                 raise ShardIndexError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -89,6 +90,10 @@ def parse_size(size: int | str) -> int:
         value = float(text[:-2].strip())
     except ValueError as exc:
         raise ValueError(f"Could not parse the size value from '{text}': {exc}") from exc
+    if not math.isfinite(value):
+        # int() of an infinite size is OverflowError, which argparse and callers catching
+        # ValueError would not report as a bad size.
+        raise ValueError(f"Could not parse the size value from '{text}': not a finite number")
     # int(float * unit), not Decimal arithmetic: "1.1GB" must round the way the hub rounds.
     return int(value * SIZE_UNITS[unit])
 

@@ -115,8 +115,18 @@ def _declarations(tensors: Any) -> list[TensorDecl]:
     if isinstance(tensors, Mapping):
         return [_declare(k, v) for k, v in tensors.items()]
     out = []
+    seen: set[str] = set()
     for item in tensors:
         name, dtype, shape = item
+        if name in seen:
+            # Checked here for every writer: the sharded one plans shards by name, and a
+            # repeated declaration would silently replace the first.
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor name `{name}` appears twice",
+                kind="DuplicateName",
+                tensor=name,
+            )
+        seen.add(name)
         out.append(_declare(name, (dtype, shape)))
     return out
 

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import re
-import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import PureWindowsPath
@@ -42,6 +40,7 @@ from ._format import (
     parse_header,
     parse_header_length,
 )
+from ._remote import url_dirname, url_join
 from ._sources import ByteSource
 
 __all__ = [
@@ -596,11 +595,10 @@ def _read_small(target: str, limit: int) -> bytes:
 
 
 def _join(base: str, name: str) -> str:
+    """The shard ``name`` next to the index ``base``. For a URL, as ``safe_open`` resolves
+    it: the index's query string (a signature, ``?download=true``) is not passed on."""
     if _is_url(base):
-        parsed = urllib.parse.urlsplit(base)
-        folder = posixpath.dirname(parsed.path)
-        path = posixpath.join(folder, urllib.parse.quote(name))
-        return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, parsed.query, ""))
+        return url_join(url_dirname(base), name)
     return os.path.join(os.path.dirname(base), name)
 
 
@@ -645,8 +643,10 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
 
     try:
         obj = json.loads(_read_small(index_path, limit))
-    except (ValueError, UnicodeDecodeError) as exc:
-        bad("IndexInvalid", f"index is not valid JSON: {exc}")
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        bad("IndexInvalid", f"index is not valid JSON: {why}")
         return model
     if not isinstance(obj, dict):
         bad("IndexInvalid", "index is not a JSON object")

@@ -601,3 +601,17 @@ def test_metadata_delete_of_absent_keys(cli, example: Path) -> None:
     r = cli("metadata", "delete", example, "nope", "--missing-ok")
     assert r.code == 0 and "metadata unchanged (no such keys)" in r.out + r.err
     assert example.read_bytes() == before  # nothing written
+
+
+def test_running_out_of_memory_is_one_line(
+    cli, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The machine running out (a process memory limit) is reported like every failure."""
+    from pysafetensors._cli import _cmd_hash
+
+    def exhausted(args: object) -> int:
+        raise MemoryError
+
+    monkeypatch.setattr(_cmd_hash, "run", exhausted)
+    r = cli("hash", example)
+    assert r.code == 1 and r.err == "error: out of memory\n" and "Traceback" not in r.err

@@ -135,6 +135,33 @@ def test_remote_sharded_index(cli, http_server: RangeHTTPServer, http_root: Path
     assert cli("hash", url, "--json").json()["model"] == local
 
 
+def test_remote_index_query_is_not_passed_to_shards(
+    cli, http_server: RangeHTTPServer, http_root: Path
+) -> None:
+    """A query string (a signature, ``?download=true``) belongs to the index's URL alone, as
+    ``safe_open`` treats it; ``inspect``/``validate``/``hash`` sent it to every shard."""
+    url = f"{http_server.url}/sharded/model.safetensors.index.json?download=true&sig=SECRET"
+    before = len(http_server.log)
+    assert cli("validate", url).code == 0
+    assert cli("inspect", url, "--json").json()["sharded"]
+    assert cli("hash", url, "--json").code == 0
+    shard_paths = [
+        p for p, _, _ in http_server.log[before:] if p.endswith(".safetensors") or "-of-" in p
+    ]
+    assert shard_paths, http_server.log[before:]
+    assert all("SECRET" not in p and "?" not in p for p in shard_paths), shard_paths
+
+
+def test_deeply_nested_index_is_one_error(cli, sharded: Path) -> None:
+    index = sharded / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {}, "metadata": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    for command in ("inspect", "validate", "hash", "stats"):
+        r = cli(command, sharded)
+        assert r.code in (1, 2), (command, r.code)
+        assert r.err.startswith("error:") or "IndexInvalid" in r.out + r.err, (command, r.err)
+        assert "Traceback" not in r.err and "nested too deeply" in r.out + r.err, (command, r.err)
+
+
 def test_remote_missing_is_exit_2(cli, http_server: RangeHTTPServer) -> None:
     r = cli("validate", f"{http_server.url}/nope.safetensors")
     assert r.code == 2 and r.err.startswith("error:")

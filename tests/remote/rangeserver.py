@@ -15,6 +15,8 @@ bring their own. URLs are ``/<name>`` (well-behaved) or ``/<mode>/<name>``:
 ``wrong-range``        206 whose Content-Range starts one byte late
 ``no-content-range``   206 with the right body and Content-Length but no Content-Range
 ``redirect-to``        302 to ``redirect_base + "/" + name`` (another port, scheme or host)
+``redirect-endless``   302 to ``/<name>`` whose chunked body never ends (until the client
+                       hangs up, or ``ENDLESS_SECONDS``)
 ``gzip``               206 with a gzip-compressed body, despite ``Accept-Encoding: identity``
 ``bad-length``         206 whose Content-Length is ``"²"`` (``str.isdigit`` says yes, ``int`` no)
 ``bad-range``          206 whose Content-Range starts with ``"¹"``
@@ -51,6 +53,7 @@ from typing import Any
 
 SLOW_SECONDS = 0.05
 TRICKLE_SECONDS = 0.05
+ENDLESS_SECONDS = 20.0
 TOKEN = "Bearer letmein"
 MODES = frozenset(
     {
@@ -65,6 +68,7 @@ MODES = frozenset(
         "wrong-range",
         "no-content-range",
         "redirect-to",
+        "redirect-endless",
         "gzip",
         "bad-length",
         "bad-range",
@@ -178,6 +182,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
+    def _endless_redirect(self, location: str) -> None:
+        self._record(302, 0)
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.close_connection = True
+        if self.command == "HEAD":
+            return
+        chunk = b"%x\r\n%s\r\n" % (1 << 16, b"x" * (1 << 16))
+        deadline = time.monotonic() + ENDLESS_SECONDS
+        try:
+            while time.monotonic() < deadline:
+                self.wfile.write(chunk)
+        except OSError:
+            pass  # the client hung up, as it should
+
     def do_HEAD(self) -> None:
         self.do_GET()
 
@@ -223,6 +244,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if mode == "redirect-other":
             self._plain(302, b"", Location=f"http://localhost:{self.owner.port}/auth/{name}")
+            return
+        if mode == "redirect-endless":
+            self._endless_redirect(f"/{name}")
             return
         if mode == "redirect-to":
             self._plain(302, b"", Location=f"{self.owner.redirect_base}/{name}")

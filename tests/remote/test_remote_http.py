@@ -371,6 +371,23 @@ def test_redirect_is_followed_once_then_reused(server: RangeServer, data_dir: Pa
     assert server.requests("redirect/blob.bin") == 1
 
 
+def test_a_redirect_body_is_not_read_to_its_end(server: RangeServer, data_dir: Path) -> None:
+    """A redirect whose body never ends: the redirect is followed after a bounded read of the
+    body (which closes that connection), where reading the whole body hung, buffering it all."""
+    data = (data_dir / "blob.bin").read_bytes()
+    result: list[bytes] = []
+
+    def open_and_read() -> None:
+        with HTTPSource(server.url("redirect-endless/blob.bin")) as src:
+            result.append(_read(src, 1000, 10))
+
+    reader = threading.Thread(target=open_and_read, daemon=True)
+    reader.start()
+    reader.join(timeout=15)
+    assert not reader.is_alive(), "the client kept reading a redirect's endless body"
+    assert result == [data[1000:1010]]
+
+
 def test_credentials_are_not_sent_to_another_host(server: RangeServer) -> None:
     # 127.0.0.1 redirects to localhost: the Authorization header stays behind, so the target
     # (which requires it) answers 401.

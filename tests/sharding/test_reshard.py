@@ -272,7 +272,9 @@ def test_library_refuses_a_pattern_without_suffix_only_when_sharded(tmp_path: Pa
         assert sorted(f.keys()) == sorted(sd)
 
 
-@pytest.mark.parametrize("size", ["0", "-5", "-1KB", "0.0001KB", "5GiB", "abc"])
+@pytest.mark.parametrize(
+    "size", ["0", "-5", "-1KB", "0.0001KB", "5GiB", "abc", "infGB", "1e400KB", "nanGB"]
+)
 def test_cli_refuses_shard_sizes(tmp_path: Path, size: str) -> None:
     save_file({"t": np.zeros(4, np.float32)}, str(tmp_path / "m.safetensors"))
     src = str(tmp_path / "m.safetensors")
@@ -311,3 +313,51 @@ def test_python_api_argument_checks(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="more than 0 bytes"):
             reshard(tmp_path / "m", tmp_path / "r", max_shard_size=size)  # type: ignore[arg-type]
     assert not (tmp_path / "r").exists()
+
+
+def test_outputs_that_would_replace_part_of_the_source_are_refused(tmp_path: Path) -> None:
+    """A single output file renamed over a shard left an index naming tensors that were gone
+    (extract lost them for good); a sharded extract into the index's own folder would replace
+    the checkpoint with part of it."""
+    sd = {f"layers.{i}.weight": np.full((64, 64), i, np.float32) for i in range(4)}
+    save_sharded(sd, tmp_path / "ck", "20KB")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()}
+    shard = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.endswith(".safetensors"))[
+        1
+    ]
+    attempts = [
+        lambda: extract(tmp_path / "ck", tmp_path / "ck" / shard, "layers.0*"),
+        lambda: merge(tmp_path / "ck", tmp_path / "ck" / shard),
+        lambda: merge(tmp_path / "ck", tmp_path / "ck" / "model.safetensors.index.json"),
+        lambda: extract(tmp_path / "ck", tmp_path / "ck", "layers.0*", max_shard_size="20KB"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(SafetensorError) as info:
+            attempt()
+        assert info.value.kind == "OutputIsSource"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before
+    # The same through the command line: one line, exit 1, nothing written.
+    assert _cli_code("-q", "merge", tmp_path / "ck", tmp_path / "ck" / shard) == 1
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before
+    # Outputs beside the source, or a merge of one file onto itself (which loses nothing).
+    merge(tmp_path / "ck", tmp_path / "ck" / "merged.safetensors")
+    extract(tmp_path / "ck", tmp_path / "ck" / "part.safetensors", "layers.0*")
+    save_file(sd, str(tmp_path / "one.safetensors"))
+    merge(tmp_path / "one.safetensors", tmp_path / "one.safetensors")
+    with pytest.raises(SafetensorError, match="would destroy"):
+        extract(tmp_path / "one.safetensors", tmp_path / "one.safetensors", "layers.0*")
+    with safe_open(tmp_path / "ck", "np") as f:
+        f.validate()
+    with safe_open(tmp_path / "one.safetensors", "np") as f:
+        assert sorted(f.keys()) == sorted(sd)
+
+
+def test_a_file_s_own_total_size_key_does_not_replace_the_index_s(tmp_path: Path) -> None:
+    sd = {"a": np.ones((64, 64), np.float32), "b": np.zeros((64, 64), np.float16)}
+    meta = {"format": "pt", "x": "1", "total_size": "5", "total_parameters": "9"}
+    save_file(sd, str(tmp_path / "m.safetensors"), metadata=meta)
+    reshard(tmp_path / "m.safetensors", tmp_path / "out", "10KB")
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["metadata"] == {"total_size": 24576, "total_parameters": 8192, "x": "1"}
+    with safe_open(tmp_path / "out", "np") as f:
+        f.validate()

@@ -208,6 +208,14 @@ def test_total_size_mismatch(tmp_path: Path) -> None:
         with pytest.raises(ShardIndexError, match="total_size") as info:
             f.validate()
         assert info.value.kind == "TotalSizeMismatch"
+    # 1e400 reads as an infinite float: a mismatch, not an OverflowError.
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace('"total_size": 7', '"total_size": 1e400'))
+    assert "1e400" in index.read_text()
+    with safe_open(tmp_path, "np") as f:
+        with pytest.raises(ShardIndexError, match="total_size") as info:
+            f.validate()
+        assert info.value.kind == "TotalSizeMismatch"
     _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, total_size=64)
     with safe_open(tmp_path, "np") as f:
         f.validate()
@@ -239,6 +247,7 @@ def test_unsafe_shard_names(tmp_path: Path, bad: str) -> None:
         '{"metadata": {}}',
         '{"weight_map": {"a": 3}}',
         '{"weight_map": {}, "metadata": []}',
+        '{"weight_map": {}, "metadata": ' + "[" * 100_000 + "]" * 100_000 + "}",
     ],
 )
 def test_malformed_index(tmp_path: Path, text: str) -> None:

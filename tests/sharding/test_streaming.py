@@ -352,3 +352,17 @@ def test_declared_shapes_must_be_non_negative_integers(tmp_path: Path, shape: tu
         with pytest.raises(SerializeError, match="dimensions must be non-negative integers"):
             make()
     assert not any(tmp_path.iterdir()) or not list(tmp_path.glob("**/*.safetensors"))
+
+
+def test_a_repeated_declaration_is_refused_by_both_writers(tmp_path: Path) -> None:
+    from pysafetensors import ShardedStreamingWriter, StreamingWriter
+
+    decls = [("a", "F32", (2,)), ("a", "F32", (3,))]
+    for make in (
+        lambda: ShardedStreamingWriter(tmp_path / "d", decls),
+        lambda: StreamingWriter(tmp_path / "x.safetensors", decls),
+    ):
+        with pytest.raises(SerializeError, match="`a` appears twice") as info:
+            make()
+        assert info.value.kind == "DuplicateName"
+    assert sorted(os.listdir(tmp_path)) == []

@@ -101,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, exc, trouble or exc.exit_code)
     except (ValueError, TypeError, KeyError) as exc:
         return _fail(args, exc, trouble or 1)
+    except MemoryError:
+        # Inputs are bounded where the library can tell; this is the machine running out (a
+        # process limit, say): one line, as for every other failure.
+        return _fail(args, MemoryError("out of memory"), trouble or 1)
     except KeyboardInterrupt:
         return 130
 
