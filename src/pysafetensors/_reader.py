@@ -67,6 +67,8 @@ _HEAD_GUESS: Final = 64 << 10
 #: numpy (2.x) and torch both refuse arrays of more than 64 dimensions.
 MAX_NDIM: Final = 64
 _INTP_MAX: Final = (1 << 63) - 1
+#: Smallest tensor a numpy ``get_tensor`` under mmap maps privately; smaller ones are copied.
+_PRIVATE_MAP_MIN: Final = 1 << 20
 
 
 def check_representable(shape: tuple[int, ...], dtype: DType, name: str) -> None:
@@ -355,9 +357,10 @@ class safe_open:  # noqa: N801 - the reference's name
         return None if meta is None else dict(meta)
 
     def _info(self, name: str) -> TensorInfo:
+        check_tensor_name(name)
         try:
             return self._header.tensors[name]
-        except (KeyError, TypeError):
+        except KeyError:
             raise TensorNotFoundError(
                 f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
             ) from None
@@ -370,9 +373,28 @@ class safe_open:  # noqa: N801 - the reference's name
 
     # ---------------------------------------------------------------------------- tensor data
 
+    def _mapped(self, source: ByteSource, offset: int, length: int) -> memoryview | None:
+        """``length`` bytes at ``offset`` as mapped memory (mmap backend), else None (the
+        caller reads them into fresh memory). For adapters that ask for it (numpy), bytes of
+        this call's own: a mapping of its own, or a copy out of the handle's mapping for ranges
+        under :data:`_PRIVATE_MAP_MIN` (a copy costs less than a mapping, and a loop over many
+        small tensors would otherwise use up the process's mappings, 65,530 by default on
+        Linux) and where no mapping can be made."""
+        if self._backend != "mmap":
+            return None
+        if getattr(self._adapter, "private_per_call", False) and isinstance(source, MmapSource):
+            if length >= _PRIVATE_MAP_MIN:
+                try:
+                    return source.private_view(offset, length)
+                except OSError:  # ENOMEM: out of mappings or address space
+                    pass
+            shared = source.view(offset, length)
+            return None if shared is None else memoryview(bytearray(shared))
+        return source.view(offset, length)
+
     def _raw(self, source: ByteSource, info: TensorInfo) -> np.ndarray:
         start = self._header.data_start + info.begin
-        view = source.view(start, info.nbytes) if self._backend == "mmap" else None
+        view = self._mapped(source, start, info.nbytes)
         if view is not None:
             return np.frombuffer(view, np.uint8)
         return read_fresh(source, start, info.nbytes)
@@ -415,7 +437,7 @@ class safe_open:  # noqa: N801 - the reference's name
             return staged
         # Sources that can map memory (mmap) hand out views of the mapping; all others (pread,
         # file objects, remote) read the whole data buffer at once, in parallel, into one buffer.
-        view = source.view(header.data_start, size) if self._backend == "mmap" else None
+        view = self._mapped(source, header.data_start, size)
         if view is not None:
             buf = np.frombuffer(view, np.uint8)
         else:
@@ -782,6 +804,19 @@ _GATHER_RUN_BYTES: Final = 256 << 10
 _GATHER_MIN_DENSITY: Final = 1 / 64
 #: Rows are read and gathered in blocks of about this size, each by one worker thread.
 _GATHER_BLOCK: Final = 8 << 20
+
+
+def check_tensor_name(name: object) -> None:
+    """Refuse a tensor name that is not a ``str`` with the reference's argument error, word for
+    word (a wrong type, not a tensor that is not found).
+
+    Raises:
+        TypeError: ``name`` is not a ``str``.
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"argument 'name': '{type(name).__name__}' object is not an instance of 'str'"
+        )
 
 
 def byte_selection(

@@ -29,7 +29,14 @@ from typing import Any, Final
 from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
 from ._format import MAX_HEADER_SIZE, TensorInfo
-from ._reader import BACKENDS, SafeSlice, TensorMeta, open_source_for, safe_open
+from ._reader import (
+    BACKENDS,
+    SafeSlice,
+    TensorMeta,
+    check_tensor_name,
+    open_source_for,
+    safe_open,
+)
 from ._remote import url_dirname, url_join, url_path
 
 __all__ = [
@@ -320,9 +327,10 @@ class ShardedSafeOpen:
         return self._shard_path(self._shard_name(name))
 
     def _shard_name(self, name: str) -> str:
+        check_tensor_name(name)
         try:
             return self._weight_map[name]
-        except (KeyError, TypeError):
+        except KeyError:
             raise TensorNotFoundError(
                 f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
             ) from None

@@ -921,6 +921,22 @@ class MmapSource:
         self._check_not_truncated(offset, length)
         return self._view[offset : offset + length]
 
+    def private_view(self, offset: int, length: int) -> memoryview | None:
+        """Like :meth:`view`, over a new copy-on-write mapping of the range: writes through it
+        stay out of this source's mapping and out of every other private view.
+
+        None for a closed source (as :meth:`view` would fail for it).
+        """
+        _check_range(self, offset, length)
+        self._check_not_truncated(offset, length)
+        if self._fd < 0 or length == 0:
+            return self.view(offset, length)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(
+            self._fd, offset + length - start, access=mmap.ACCESS_COPY, offset=start
+        )
+        return memoryview(mapping)[offset - start :]
+
     def prefetch(self, offset: int, length: int) -> bool:
         """Read a mostly uncached range into the page cache ahead of a copy out of it.
 

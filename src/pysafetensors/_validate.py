@@ -645,8 +645,8 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
         obj = json.loads(_read_small(index_path, limit))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        bad("IndexInvalid", f"index is not valid JSON: {why}")
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        bad("IndexInvalid", f"index is not valid JSON: {reason}")
         return model
     if not isinstance(obj, dict):
         bad("IndexInvalid", "index is not a JSON object")

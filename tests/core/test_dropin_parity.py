@@ -347,3 +347,46 @@ def test_argument_type_errors_have_the_reference_texts() -> None:
         mine = _outcome(lambda c=call, m=mine_module: c(m))
         assert theirs[0] == mine[0] == "error" and mine[1] is theirs[1] is TypeError
         assert mine[2].startswith(theirs[2]), (mine[2], theirs[2])
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_edits_to_a_loaded_tensor_show_where_the_reference_s_do(
+    model: Path, framework: str
+) -> None:
+    """numpy arrays are the reference's copies, so an edit never shows in a later read of the
+    same handle; torch tensors view the handle's one mapping in both libraries, so it does
+    (and never in the file, nor in another handle)."""
+
+    def reads_after_an_edit(lib: Any) -> tuple[list[float], list[float], list[float]]:
+        with lib.safe_open(model, framework) as f:
+            first = f.get_tensor("a")
+            first *= 10
+            again = f.get_tensor("a").reshape(-1)[:3].tolist()
+            every = {k: f.get_tensor(k) for k in f.keys()}["a"].reshape(-1)[:3].tolist()  # noqa: SIM118 - the reference is not iterable
+        with lib.safe_open(model, framework) as f:
+            fresh = f.get_tensor("a").reshape(-1)[:3].tolist()
+        return again, every, fresh
+
+    assert reads_after_an_edit(pysafetensors) == reads_after_an_edit(ref)
+    if framework == "np":
+        with safe_open(model, "np") as f:
+            all_at_once = f.get_tensors()
+            all_at_once["a"][:] = 7
+            assert f.get_tensors()["a"].reshape(-1)[:3].tolist() == [0.0, 1.0, 2.0]
+            assert all_at_once["a"].flags.writeable
+
+
+@pytest.mark.parametrize("method", ["get_tensor", "get_slice"])
+def test_a_name_that_is_not_a_str_is_the_reference_s_type_error(
+    model: Path, method: str, tmp_path: Path
+) -> None:
+    from pysafetensors import save_sharded
+
+    with ref.safe_open(model, "pt") as f:
+        theirs = _outcome(lambda: getattr(f, method)(1))
+    assert theirs[0] == "error" and theirs[1] is TypeError
+    with ours_torch.safe_open(model, "pt") as f:
+        assert _outcome(lambda: getattr(f, method)(1)) == theirs
+    save_sharded({"a": np.zeros(3)}, tmp_path / "folder", 10)
+    with safe_open(tmp_path / "folder", "np") as f:
+        assert _outcome(lambda: getattr(f, method)(1)) == theirs
