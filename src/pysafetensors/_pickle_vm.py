@@ -82,6 +82,10 @@ class Limits:
     """Bytes of one LONG1/LONG4 (int() of huge numbers is quadratic)."""
     max_line: int = 1 << 20
     """Bytes of one text-protocol argument line."""
+    max_key_depth: int = 100
+    """Nesting of tuples in a dict key or set item (hashing one recurses without a guard)."""
+    max_key_items: int = 1_000_000
+    """Items hashing one dict key or set item visits, shared tuples counted each time."""
 
 
 class Policy(Protocol):
@@ -230,11 +234,57 @@ class Machine:
             return stack.pop()
 
         def hashable(key: Any, at: int) -> Any:
+            if type(key) is tuple:
+                check_key_tuple(key, at)
             try:
                 hash(key)
             except TypeError:
                 return policy.unhashable(key, base + at)
             return key
+
+        # Tuples hash their items recursively in C, with no depth guard (a key nested a million
+        # tuples deep crashed the process) and no memory of shared items (``t = (t, t)`` a
+        # hundred times over is 2**100 items to hash). Every tuple used as a key is measured
+        # first, iteratively, each distinct tuple once: its height and how many items hashing
+        # it visits.
+        measured: dict[int, tuple[tuple[Any, ...], int, int]] = {}  # id: (tuple, height, items)
+
+        def check_key_tuple(key: tuple[Any, ...], at: int) -> None:
+            todo: list[tuple[tuple[Any, ...], int, bool]] = [(key, 1, False)]
+            while todo:
+                t, depth, children_done = todo.pop()
+                if id(t) in measured:
+                    continue
+                if not children_done:
+                    todo.append((t, depth, True))
+                    for x in t:
+                        if type(x) is not tuple:
+                            continue
+                        known = measured.get(id(x))
+                        below = depth + (known[1] if known is not None else 1)
+                        if below > lim.max_key_depth:
+                            raise _err(
+                                f"a dict key or set item nests tuples over {lim.max_key_depth} "
+                                "deep",
+                                base + at,
+                            )
+                        if known is None:
+                            todo.append((x, depth + 1, False))
+                    continue
+                height, items = 1, len(t)
+                for x in t:
+                    if type(x) is tuple:
+                        _, h, n = measured[id(x)]
+                        height = max(height, h + 1)
+                        items += n
+                if items > lim.max_key_items:
+                    raise _err(
+                        f"a dict key or set item holds over {lim.max_key_items} items in its "
+                        "nested tuples (counting shared ones each time they occur)",
+                        base + at,
+                    )
+                # The tuple is kept with its measure: its id stays its own while the entry lives.
+                measured[id(t)] = (t, height, items)
 
         while True:
             if pos >= end:

@@ -58,6 +58,21 @@ MAX_NDIM: Final = 64
 MAX_DIM: Final = 1 << 62
 #: Largest nesting of dicts/lists walked when flattening.
 MAX_DEPTH: Final = 64
+#: Most names (tensors and other values) one state dict flattens to. Shared sub-dicts are
+#: walked once per path to them, so a small pickle can name 2**60 entries without this.
+MAX_ENTRIES: Final = 1_000_000
+#: Most characters in all those names together (a long key reused at every level of the
+#: nesting would otherwise make each name megabytes long).
+MAX_NAME_CHARS: Final = 64 << 20
+#: Values rendered in all the non-tensor leaves of one checkpoint together, and in one leaf
+#: (reports and metadata show the rest as "...").
+MAX_LEAF_NODES: Final = 1_000_000
+MAX_NODES_PER_LEAF: Final = 10_000
+#: An expanded tensor (stride 0: torch stores one copy of a repeated value) is written out in
+#: full; one that would write more than this many bytes and over MAX_EXPANSION times what it
+#: stores is refused (a 1.5 KB checkpoint asked for 256 GiB).
+EXPANSION_FLOOR: Final = 256 << 20
+MAX_EXPANSION: Final = 64
 #: Tar checkpoints: the members torch's reader uses, and the most headers walked.
 _TAR_MEMBERS: Final = ("sys_info", "pickle", "storages", "tensors")
 MAX_TAR_MEMBERS: Final = 16
@@ -420,12 +435,46 @@ class TorchPolicy:
 
 
 def _short(value: Any) -> str:
-    # repr of hostile values can be huge or deeply nested; keep messages bounded.
-    try:
-        text = repr(value)
-    except RecursionError:
-        text = f"<{type(value).__name__}>"
+    # repr of hostile values can be huge, deeply nested or share parts many times over (a
+    # tuple doubled 40 times is 2**40 items to print): render a bounded outline instead.
+    text = _outline(value, 3)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _outline(value: Any, levels: int) -> str:
+    """``repr(value)`` for small values; at most 8 items per container, ``levels`` deep."""
+    kind = type(value)
+    if kind in (str, bytes, bytearray):
+        return repr(value[:80]) + ("..." if len(value) > 80 else "")
+    if value is None or kind in (bool, float, complex):
+        return repr(value)
+    if kind is int:
+        return repr(value) if value.bit_length() <= 256 else "<int>"
+    if isinstance(value, (tuple, list, set, frozenset, dict)):
+        if levels <= 0:
+            return "..."
+        if isinstance(value, dict):
+            pairs = list(zip(range(9), value.items(), strict=False))
+            parts = [f"{_outline(k, levels - 1)}: {_outline(v, levels - 1)}" for _, (k, v) in pairs]
+        else:
+            parts = [_outline(v, levels - 1) for _, v in zip(range(9), value, strict=False)]
+        if len(parts) > 8:
+            parts[8:] = ["..."]
+        inner = ", ".join(parts)
+        if isinstance(value, tuple):
+            body = f"({inner},)" if len(parts) == 1 else f"({inner})"
+        elif isinstance(value, list):
+            body = f"[{inner}]"
+        else:
+            body = "{" + inner + "}"
+        if kind in (set, frozenset) and not parts:
+            return f"{kind.__name__}()"
+        if kind in (tuple, list, dict, set):
+            return body
+        return f"{kind.__name__}({body})"
+    if isinstance(value, (Stand, StorageRef, TensorRef)):
+        return repr(value)
+    return f"<{kind.__name__}>"
 
 
 def _lookup(module: str, name: str) -> Stand | None:
@@ -591,20 +640,39 @@ def _key_text(key: Any) -> str:
     raise _bad(f"state dict key of type {type(key).__name__} cannot name a tensor")
 
 
-def _jsonable(value: Any, depth: int = 0) -> Any:
-    """A JSON-ready rendering of a non-tensor leaf (bounded; for reports and metadata)."""
-    if value is None or type(value) in (bool, int, str):
+def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> Any:
+    """A JSON-ready rendering of a non-tensor leaf (for reports and metadata), bounded: at most
+    16 levels, 1000 items per container, and ``budget[0]`` values in all (default
+    :data:`MAX_NODES_PER_LEAF`), decremented as they are rendered; past it, ``"..."``. A leaf
+    that shares containers renders them once per occurrence, so the total needs the cap."""
+    if budget is None:
+        budget = [MAX_NODES_PER_LEAF]
+    if budget[0] <= 0:
+        return "..."
+    budget[0] -= 1
+    if value is None or type(value) in (bool, str):
         return value
+    if type(value) is int:
+        return value if value.bit_length() <= 256 else _short(value)
     if type(value) is float:
         return value if math.isfinite(value) else str(value)
     if depth > 16:
         return "..."
     if type(value) in (list, tuple, set, frozenset):
-        items = list(value)
-        out = [_jsonable(v, depth + 1) for v in items[:1000]]
-        return out + ["..."] if len(items) > 1000 else out
+        out = []
+        for i, v in enumerate(value):
+            if i == 1000 or budget[0] <= 0:
+                out.append("...")
+                break
+            out.append(_jsonable(v, budget, depth + 1))
+        return out
     if type(value) is dict:
-        return {_safe_key(k): _jsonable(v, depth + 1) for k, v in list(value.items())[:1000]}
+        rendered: dict[str, Any] = {}
+        for i, (k, v) in enumerate(value.items()):
+            if i == 1000 or budget[0] <= 0:
+                break
+            rendered[_safe_key(k)] = _jsonable(v, budget, depth + 1)
+        return rendered
     if isinstance(value, Stand):
         return f"<{value.name}>"
     if isinstance(value, (bytes, bytearray)):
@@ -641,6 +709,7 @@ def _ordered(
     # Depth-first in key order, iteratively: an explicit stack of iterators.
     stack: list[tuple[str, Iterator[tuple[Any, Any]], int]] = [("", iter(root.items()), 0)]
     on_path: list[int] = [id(root)]
+    entries = chars = 0
     while stack:
         prefix, it, depth = stack[-1]
         nxt = next(it, None)
@@ -650,6 +719,15 @@ def _ordered(
             continue
         key, value = nxt
         name = f"{prefix}.{_key_text(key)}" if prefix else _key_text(key)
+        # Shared sub-dicts are walked once per path to them: bound the names and their text.
+        entries += 1
+        chars += len(name)
+        if entries > MAX_ENTRIES:
+            raise _bad(
+                f"state dict has over {MAX_ENTRIES} entries (shared parts count once per path)"
+            )
+        if chars > MAX_NAME_CHARS:
+            raise _bad(f"state dict names are over {MAX_NAME_CHARS} characters in all")
         if isinstance(value, TensorRef):
             tensors.append((name, value))
             continue
@@ -936,7 +1014,14 @@ def _records(
     for name in leaves:
         if name in out:
             raise _bad(f"a tensor and another value share the name {name!r}")
-    return out, {k: _jsonable(v) for k, v in leaves.items()}
+    total = [MAX_LEAF_NODES]
+    rendered: dict[str, Any] = {}
+    for k, v in leaves.items():
+        budget = [min(MAX_NODES_PER_LEAF, max(1, total[0]))]
+        before = budget[0]
+        rendered[k] = _jsonable(v, budget) if total[0] > 0 else "..."
+        total[0] -= before - budget[0]
+    return out, rendered
 
 
 def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
@@ -959,6 +1044,19 @@ def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
                 f"tensor {name!r} (offset {ref.offset}, size {list(ref.size)}, stride "
                 f"{list(ref.stride)}) reaches past the end of its {storage_nbytes}-byte storage",
                 kind="OutOfBounds",
+                tensor=name,
+            )
+    out_bytes = numel * itemsize
+    if out_bytes > EXPANSION_FLOOR:
+        start = ref.offset
+        stop = start + 1 + sum((s - 1) * st for s, st in zip(ref.size, ref.stride, strict=False))
+        stored = (stop - start) * itemsize
+        if out_bytes > MAX_EXPANSION * stored:
+            raise CheckpointError(
+                f"tensor {name!r} is an expanded view (size {list(ref.size)}, stride "
+                f"{list(ref.stride)}): written out it would be {out_bytes} bytes from "
+                f"{stored} stored, over {MAX_EXPANSION} times as many; refusing it",
+                kind="ExpandedTensor",
                 tensor=name,
             )
     shape = ref.size

@@ -310,6 +310,30 @@ def _self_list() -> bytes:
     return P.PROTO2 + b"}" + P.u("a") + b"]q\x09" + tensor() + b"ah\x09as."
 
 
+def _deep_tuple_key() -> bytes:
+    # {((((...)))): None}, a million tuples deep: hashing the key recursed in C to a crash.
+    return P.PROTO2 + b"})" + b"\x85" * 1_000_000 + b"Ns."
+
+
+def _doubled_tuple_key(times: int) -> bytes:
+    # t = (t, t), ``times`` times over, then {t: None}: 2**times items to hash.
+    return P.PROTO2 + b")q\x00" + b"2\x86q\x00" * times + b"0}h\x00Ns."
+
+
+def _shared_dicts(levels: int) -> bytes:
+    # d = {"a": d, "b": d}, ``levels`` times over a tensor: 2**levels names to flatten.
+    out = P.PROTO2 + b"}q\x00" + P.u("x") + tensor() + b"s0"
+    for _ in range(levels):
+        out += b"}(" + P.u("a") + b"h\x00" + P.u("b") + b"h\x00uq\x000"
+    return out + b"h\x00."
+
+
+def _repr_bomb() -> bytes:
+    # OrderedDict((t,)) with t = (t, t) forty times: refused, and the message used to print
+    # all 2**40 items of the argument.
+    return P.PROTO2 + P.g("collections", "OrderedDict") + b")q\x00" + b"2\x86q\x00" * 40 + b"\x85R."
+
+
 U = UnsafePickleError
 C = CheckpointError
 
@@ -546,6 +570,15 @@ CASES: list[Case] = [
     ),
     Case("nested_too_deep", _zip_with(lambda c: _nested_dicts(100)), C),
     Case("self_referencing_list", _zip_with(lambda c: _self_list()), C),
+    Case("deep_tuple_key", _zip_with(lambda c: _deep_tuple_key()), C),
+    Case("doubled_tuple_key", _zip_with(lambda c: _doubled_tuple_key(60)), C),
+    Case("shared_dicts_2_to_the_60", _zip_with(lambda c: _shared_dicts(60)), C),
+    Case("repr_bomb_in_message", _zip_with(lambda c: _repr_bomb()), C),
+    Case(
+        "expanded_to_256_gib",
+        _zip_with(lambda c: state_dict([("w", tensor(size=(1 << 36,), stride=(0,)))])),
+        C,
+    ),
     Case("legacy_bad_magic", lambda p, c: make_legacy(p, magic=P.PROTO2 + P.i(7) + b"."), C),
     Case(
         "legacy_truncated_record",
