@@ -33,6 +33,7 @@ from ._errors import (
 from ._format import MAX_HEADER_SIZE
 from ._metadata_edit import edit_metadata
 from ._reader import SafeSlice, TensorMeta, safe_open
+from ._reader import _safe_open_handle as _safe_open_handle  # the reference exports it too
 from ._reshard import extract, merge, reshard
 from ._sharded import MissingShardError, ShardedSafeOpen, ShardIndexError
 from ._sharding import ShardPlan, save_sharded

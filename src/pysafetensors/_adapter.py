@@ -304,10 +304,14 @@ def get_adapter(framework: str) -> Adapter:
     """Return the adapter for a framework name as ``safe_open`` accepts it.
 
     Raises:
+        TypeError: ``framework`` is not a ``str`` (the reference's argument error).
         SafetensorError: The name is unknown.
         ModuleNotFoundError: The framework is not installed.
     """
-    if not isinstance(framework, str) or framework not in _ADAPTER_MODULES:
+    if not isinstance(framework, str):
+        what = "'None' is" if framework is None else f"'{type(framework).__name__}' object is"
+        raise TypeError(f"argument 'framework': {what} not an instance of 'str'")
+    if framework not in _ADAPTER_MODULES:
         raise SafetensorError(f"framework {framework} is invalid", kind="InvalidFramework")
     module_name = _ADAPTER_MODULES[framework]
     if module_name is None:

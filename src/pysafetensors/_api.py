@@ -55,6 +55,12 @@ class TensorSpec:
         dt = dtype_from_name(dtype)
         dims = [_unsigned(d, "shape") for d in shape]
         if dt.bits == 4 and dims:
+            if dims[-1] * 2 >= 1 << 64:
+                # The reference's checked multiply, and its message.
+                raise SerializeError(
+                    f"F4 last-dim {dims[-1]} doubled to logical shape overflows usize",
+                    kind="ValidationOverflow",
+                )
             dims[-1] *= 2
         self._dtype: DType = dt
         self._shape = dims

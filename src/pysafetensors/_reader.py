@@ -806,6 +806,20 @@ _GATHER_MIN_DENSITY: Final = 1 / 64
 _GATHER_BLOCK: Final = 8 << 20
 
 
+def _safe_open_handle(
+    f: Any, framework: str, device: Any = "cpu", *, backend: str = "mmap"
+) -> safe_open:
+    """The reference's entry point for an open file object: like it, this checks that ``f`` has
+    ``fileno`` and opens ``f.name`` by path. (``safe_open`` itself reads file objects directly,
+    ``io.BytesIO`` and other streams without a path included.)
+
+    Raises:
+        AttributeError: ``f`` has no ``fileno`` or no ``name``, with the reference's message.
+    """
+    f.fileno  # noqa: B018 - the reference's check, and its AttributeError
+    return safe_open(f.name, framework, device=device, backend=backend)
+
+
 def check_tensor_name(name: object) -> None:
     """Refuse a tensor name that is not a ``str`` with the reference's argument error, word for
     word (a wrong type, not a tensor that is not found).

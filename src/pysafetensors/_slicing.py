@@ -222,10 +222,15 @@ def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
             run_elems *= 1 if isinstance(s, int) else len(s)
             lead = k - 1
 
+    # Offsets are computed in bytes where elements are whole bytes, and in place: a selection
+    # of one element per run (``[:, 0]``) has as many runs as elements, and each temporary the
+    # size of ``starts`` would add 8 bytes per selected element to the peak.
+    bits = dtype.bits
+    unit = bits // 8 if bits % 8 == 0 else 1
     base = 0
     if lead < len(sel) and lead < k:
         s = sel[lead]
-        base = (s if isinstance(s, int) else s.start) * strides[lead]
+        base = (s if isinstance(s, int) else s.start) * strides[lead] * unit
     starts = np.array([base], dtype=np.int64)
     for d in range(lead - 1, -1, -1):
         s = sel[d]
@@ -236,18 +241,22 @@ def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
             if isinstance(s, int)
             else np.arange(s.start, s.stop, s.step, dtype=np.int64)
         )
-        idx = rows * strides[d]
-        starts = (idx[:, None] + starts[None, :]).reshape(-1)
+        rows *= strides[d] * unit
+        if len(starts) == 1:
+            rows += starts[0]
+            starts = rows
+        else:
+            starts = (rows[:, None] + starts[None, :]).reshape(-1)
 
-    bits = dtype.bits
-    if bits % 8 and ((run_elems * bits) % 8 or np.any((starts * bits) % 8)):
-        raise SliceError(
-            f"Error during slicing {render_index(index)} with shape {list(shape)}: The slice "
-            "is slicing for subbytes dtypes, and the slice does not end up at a byte boundary, "
-            f"this is invalid. (dtype {dtype.code})",
-            kind="MisalignedSlice",
-        )
-    starts = starts * bits // 8
+    if bits % 8:
+        if (run_elems * bits) % 8 or np.any((starts * bits) % 8):
+            raise SliceError(
+                f"Error during slicing {render_index(index)} with shape {list(shape)}: The "
+                "slice is slicing for subbytes dtypes, and the slice does not end up at a byte "
+                f"boundary, this is invalid. (dtype {dtype.code})",
+                kind="MisalignedSlice",
+            )
+        starts = starts * bits // 8
     run_bytes = run_elems * bits // 8
     return SlicePlan(out_shape, starts, run_bytes, run_bytes * len(starts), selection)
 

@@ -7,15 +7,37 @@ write). Non-contiguous and big-endian arrays are written correctly, a slab at a 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from ._adapter import NumpyAdapter
-from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from ._adapter import NumpyAdapter, numpy_dtype
+from ._api import (
+    TensorSpec,
+    deserialize,
+    load_bytes_with,
+    load_file_with,
+    save_bytes_with,
+    save_file_with,
+    serialize,
+    serialize_file,
+)
+from ._dtypes import DTYPES
+from ._errors import DTypeNotSupportedError
+from ._reader import safe_open
 
-__all__ = ["load", "load_file", "save", "save_file"]
+__all__ = [
+    "deserialize",
+    "load",
+    "load_file",
+    "safe_open",
+    "save",
+    "save_file",
+    "serialize",
+    "serialize_file",
+]
 
 _ADAPTER = NumpyAdapter()
 
@@ -73,3 +95,75 @@ def load_file(
         storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
     """
     return load_file_with("numpy", filename, "cpu", backend, storage_options)
+
+
+# The reference module's helpers, for code that imports them from ``safetensors.numpy`` (its
+# ``safe_open``, ``serialize``, ``serialize_file`` and ``deserialize`` are re-exported above).
+
+
+def _numpy_types() -> dict[str, Any]:
+    types: dict[str, Any] = {}
+    for dtype in DTYPES:
+        if dtype.packed or dtype.numpy is None:
+            continue  # F4/F6 are unpacked one value per byte; their code names no numpy type
+        try:
+            types[dtype.code] = bool if dtype.code == "BOOL" else numpy_dtype(dtype).type
+        except DTypeNotSupportedError:
+            continue  # an ml_dtypes without this type
+    return types
+
+
+#: Format code to numpy scalar type: the reference's table, plus BF16 and the FP8 types
+#: through ml_dtypes.
+_TYPES: dict[str, Any] = _numpy_types()
+
+
+def _getdtype(dtype_str: str) -> Any:
+    """The numpy type of a format code (``"F32"`` -> ``numpy.float32``).
+
+    Raises:
+        KeyError: Not a code of :data:`_TYPES`.
+    """
+    return _TYPES[dtype_str]
+
+
+def _view2np(safeview: Iterable[tuple[str, Mapping[str, Any]]]) -> dict[str, np.ndarray]:
+    """Arrays over ``deserialize``'s ``(name, {"dtype", "shape", "data"})`` items."""
+    return {
+        k: np.frombuffer(v["data"], dtype=_getdtype(v["dtype"])).reshape(v["shape"])
+        for k, v in safeview
+    }
+
+
+def _is_little_endian(tensor: np.ndarray) -> bool:
+    """Whether an array's bytes are little-endian (native order on a little-endian host).
+
+    Raises:
+        ValueError: An unknown byte-order character.
+    """
+    byteorder = tensor.dtype.byteorder
+    if byteorder == "=":
+        return sys.byteorder == "little"
+    if byteorder in ("|", "<"):
+        return True
+    if byteorder == ">":
+        return False
+    raise ValueError(f"Unexpected byte order {byteorder}")
+
+
+def _flatten(tensor_dict: Mapping[str, np.ndarray], keep_alive_buffer: list[Any]) -> dict[str, Any]:
+    """``{name: TensorSpec}`` over the arrays' memory (big-endian ones byte-swapped into copies
+    appended to ``keep_alive_buffer``), as ``serialize`` takes them."""
+    flattened: dict[str, Any] = {}
+    for k, v in tensor_dict.items():
+        tensor = v
+        if not _is_little_endian(tensor):
+            tensor = tensor.byteswap(inplace=False)
+            keep_alive_buffer.append(tensor)
+        flattened[k] = TensorSpec(
+            dtype=tensor.dtype.name,
+            shape=tensor.shape,
+            data_ptr=tensor.ctypes.data,
+            data_len=tensor.nbytes,
+        )
+    return flattened

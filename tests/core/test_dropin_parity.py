@@ -390,3 +390,57 @@ def test_a_name_that_is_not_a_str_is_the_reference_s_type_error(
     save_sharded({"a": np.zeros(3)}, tmp_path / "folder", 10)
     with safe_open(tmp_path / "folder", "np") as f:
         assert _outcome(lambda: getattr(f, method)(1)) == theirs
+
+
+def test_numpy_module_names_and_helpers_match_the_reference(tmp_path: Path) -> None:
+    public = {k for k in dir(ref_np) if not k.startswith("__")}
+    ours_names = set(dir(ours_np))
+    helpers = {"_TYPES", "_getdtype", "_view2np", "_is_little_endian", "_flatten"}
+    reexports = {"safe_open", "serialize", "serialize_file", "deserialize"}
+    assert helpers | reexports <= ours_names
+    assert helpers | reexports <= public
+    # The reference's table, entry for entry (ours adds BF16 and the FP8 types).
+    assert all(ours_np._TYPES[k] is v for k, v in ref_np._TYPES.items())
+    arrays = {"x": np.arange(6, dtype=">f4").reshape(2, 3), "y": np.ones(2, np.int16)}
+    keep: list[Any] = []
+    assert pysafetensors.serialize(ours_np._flatten(arrays, keep)) == ref.serialize(
+        ref_np._flatten(arrays, [])
+    )
+    assert len(keep) == 1  # the byte-swapped copy of the big-endian array
+    data = ours_np.serialize(ours_np._flatten(arrays, []))
+    got = ours_np._view2np(ours_np.deserialize(data))
+    assert all(np.array_equal(got[k], v) for k, v in arrays.items())
+    assert ours_np._is_little_endian(np.zeros(1, "<f4"))
+    assert not ours_np._is_little_endian(np.zeros(1, ">f4"))
+    with ours_np.safe_open(_write(tmp_path), "np") as f:
+        assert f.keys() == ["w"]
+
+
+def _write(tmp_path: Path) -> Path:
+    path = tmp_path / "w.safetensors"
+    ref_np.save_file({"w": np.ones(3)}, path)
+    return path
+
+
+def test_safe_open_handle_behaves_as_the_reference_s(tmp_path: Path) -> None:
+    import io
+
+    path = _write(tmp_path)
+    with open(path, "rb") as fh, pysafetensors._safe_open_handle(fh, "np") as f:
+        assert f.get_tensor("w").tolist() == [1.0, 1.0, 1.0]
+    for bad in (io.BytesIO(b"x"), object()):
+        theirs = _outcome(lambda b=bad: ref._safe_open_handle(b, "np"))
+        mine = _outcome(lambda b=bad: pysafetensors._safe_open_handle(b, "np"))
+        assert mine == theirs and mine[1] is AttributeError
+
+
+def test_framework_and_f4_spec_errors_match_the_reference(model: Path) -> None:
+    for framework in (None, 1):
+        theirs = _outcome(lambda fw=framework: ref.safe_open(model, fw))
+        mine = _outcome(lambda fw=framework: safe_open(model, fw))
+        assert mine == theirs and mine[1] is TypeError
+    spec = {"dtype": "float4_e2m1fn_x2", "shape": [2**63], "data_ptr": 1, "data_len": 6}
+    theirs = _outcome(lambda: ref.TensorSpec(**spec))
+    mine = _outcome(lambda: pysafetensors.TensorSpec(**spec))
+    assert theirs[0] == mine[0] == "error" and mine[2] == theirs[2]
+    assert issubclass(mine[1], SafetensorError)
