@@ -11,10 +11,13 @@ Each global is graded from an allow-list:
   errors, unreadable members, frame violations, calls of computed objects...).
 
 Files are parsed the way their victims would parse them: every pickle stream of a file (legacy
-checkpoints are five pickles plus raw data; extra streams after STOP are scanned), every zip
-member that looks like a pickle by content whatever its name (CRC, flag bits and local-name
-mismatches are ignored, as torch's reader ignores them), the members of 0.1.1 tar checkpoints,
-and pickles nested inside ``pickle.loads``/``torch.load``-style calls.
+checkpoints are five pickles plus raw data; extra streams after STOP are scanned), every
+``*.pkl`` zip member, and any other member that starts a pickle which imports or calls
+something, whatever its name (CRC, flag bits and local-name mismatches are ignored, as torch's
+reader ignores them), the members of 0.1.1 tar checkpoints, and pickles nested inside
+``pickle.loads``/``torch.load``-style calls. Any opcode may start a pickle, as in CPython's
+unpickler, and Python 2 names are read as CPython reads them below protocol 3
+(``commands.getoutput`` is ``subprocess.getoutput``).
 
 Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully analysable),
 2 dangerous.
@@ -22,6 +25,7 @@ Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully ana
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import mmap
 import os
@@ -34,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal, cast
 
 from ._errors import SafetensorError
-from ._pickle_vm import Limits, Machine
+from ._pickle_vm import OPNAMES, TRUNCATED, Limits, Machine
 from ._torch_archive import MAX_DEFLATE_RATIO
 from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
 
@@ -49,6 +53,20 @@ _RANK: Final = {g: i for i, g in enumerate(GRADES)}
 MAX_PICKLE_BYTES: Final = 1 << 30
 #: How deep pickles nested in calls are followed.
 MAX_NESTING: Final = 3
+#: Nested pickles scanned per file: a pickle can pass the same payload to ``pickle.loads`` a
+#: million times through the memo, each call a full scan of it (and of what it nests).
+MAX_NESTED_SCANS: Final = 256
+#: Pickle streams analysed per buffer: a file of ``N.`` repeated is hundreds of millions of
+#: streams, no real checkpoint has more than a handful.
+MAX_STREAMS: Final = 10_000
+#: Globals and findings listed per report (each list): a 300 MB pickle of ``GLOBAL; POP`` pairs
+#: is 25 million records, gigabytes of memory. The grades of the unlisted ones still count.
+MAX_LISTED: Final = 100_000
+#: Bytes of a zip member read first to decide whether it starts with a pickle: the window grows
+#: only while the pickle runs past it, so multi-GB tensor members are never copied whole.
+_PROBE_WINDOW: Final = 1 << 16
+#: The message prefix of a stream that could not be parsed.
+_PARSE_FAILED: Final = "pickle could not be fully parsed"
 
 _EXTRA_SAFE: Final = frozenset(
     {
@@ -172,11 +190,14 @@ class ScanReport:
     findings: list[Finding] = field(default_factory=list)
     streams: int = 0
     """Pickle streams analysed."""
+    _unlisted: int = field(default=0, repr=False, compare=False)
+    """The worst rank of globals and findings over :data:`MAX_LISTED`, not kept."""
+    _nested_scans: int = field(default=0, repr=False, compare=False)
 
     @property
     def grade(self) -> Grade:
         """The worst grade of any global or finding (``safe`` when there are none)."""
-        worst = 0
+        worst = self._unlisted
         for g in self.globals:
             worst = max(worst, _RANK[g.grade])
         for f in self.findings:
@@ -200,7 +221,39 @@ class ScanReport:
         }
 
     def _add(self, grade: Grade, message: str, where: str, offset: int | None = None) -> None:
-        self.findings.append(Finding(grade, message, where, offset))
+        if len(self.findings) < MAX_LISTED:
+            self.findings.append(Finding(grade, message, where, offset))
+            return
+        self._over_cap(grade, where)
+
+    def _add_global(self, use: GlobalUse) -> None:
+        if len(self.globals) < MAX_LISTED:
+            self.globals.append(use)
+            return
+        self._over_cap(use.grade, use.where)
+
+    def _over_cap(self, grade: Grade, where: str) -> None:
+        # Only the grade is kept. One finding past the cap says the lists are cut; no real
+        # checkpoint gets near it (pickles memoize their globals), so it is suspicious itself.
+        if self._unlisted == 0:
+            self.findings.append(
+                Finding(
+                    "suspicious",
+                    f"more than {MAX_LISTED} globals or findings: the rest are not listed, "
+                    "their grades still count",
+                    where,
+                )
+            )
+        self._unlisted = max(self._unlisted, _RANK[grade], _RANK["suspicious"])
+
+    def _merge(self, other: ScanReport) -> None:
+        for g in other.globals:
+            self._add_global(g)
+        for f in other.findings:
+            self._add(f.grade, f.message, f.where, f.offset)
+        self._unlisted = max(self._unlisted, other._unlisted)
+        self.streams += other.streams
+        self._nested_scans += other._nested_scans
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,22 +284,58 @@ class _Opaque:
     __slots__ = ()
 
 
+def _py2_name(module: str, name: str) -> tuple[str, str]:
+    """The name CPython's ``Unpickler.find_class`` imports for a protocol 0-2 pickle.
+
+    With ``fix_imports`` (the default, and what ``torch.load`` uses) and ``proto < 3`` it maps
+    Python 2 names through ``_compat_pickle``: ``commands.getoutput`` is
+    ``subprocess.getoutput``, ``cPickle.loads`` is ``pickle.loads``.
+    """
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 class _ScanPolicy:
-    def __init__(self, report: ScanReport, where: str, depth: int) -> None:
+    def __init__(
+        self, report: ScanReport, where: str, depth: int, data: bytes = b"", start: int = 0
+    ) -> None:
         self.report = report
         self.where = where
         self.depth = depth
+        self.data = data
         self.pids: list[Any] = []
+        self.truncated = False
+        """Whether the stream failed because its bytes ran out (a bigger window may parse)."""
+        # The unpickler's protocol starts at 0 and is whatever the last PROTO said; it decides
+        # whether Python 2 names are mapped (CPython: ``self.proto < 3 and self.fix_imports``).
+        self.protocol = 0
+        if start + 1 < len(data) and data[start] == 0x80:
+            self.protocol = data[start + 1]
+        # Nested payloads already scanned, by identity (the memo hands out the same object);
+        # the objects are kept so that their ids stay theirs.
+        self.nested_seen: dict[int, Any] = {}
 
     def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
+        written = f"{module}.{name}"
+        if self.protocol < 3:
+            module, name = _py2_name(module, name)
         grade = grade_global(module, name)
-        self.report.globals.append(GlobalUse(module, name, grade, self.where, offset, opcode))
+        self.report._add_global(GlobalUse(module, name, grade, self.where, offset, opcode))
+        if grade != "safe" and f"{module}.{name}" != written:
+            self.report._add(
+                grade,
+                f"{written} is read as {module}.{name} (a Python 2 name in a protocol "
+                f"{self.protocol} pickle)",
+                self.where,
+                offset,
+            )
         if opcode == "INST" and grade == "safe":
             self.report._add("suspicious", f"INST opcode on {module}.{name}", self.where, offset)
         return _SymGlobal(module, name)
 
     def bad_stack_global(self, module: Any, name: Any, offset: int) -> Any:
-        self.report.globals.append(
+        self.report._add_global(
             GlobalUse(_text(module), _text(name), "dangerous", self.where, offset, "STACK_GLOBAL")
         )
         self.report._add(
@@ -266,7 +355,7 @@ class _ScanPolicy:
             if full in _NESTED_LOADERS:
                 for arg in args if type(args) is tuple else ():
                     if isinstance(arg, (bytes, bytearray)):
-                        self._nested(bytes(arg), offset)
+                        self._nested(arg, offset)
             if full == "torch._tensor._rebuild_from_type_v2":
                 self._check_rebuild_func(args, offset)
         elif not isinstance(func, (_SymCall, _SymGlobal)):
@@ -301,12 +390,21 @@ class _ScanPolicy:
             offset,
         )
 
-    def _nested(self, data: bytes, offset: int) -> None:
+    def _nested(self, arg: bytes | bytearray, offset: int) -> None:
         if self.depth >= MAX_NESTING:
             self.report._add("suspicious", "nested pickles too deep", self.where, offset)
             return
         self.report._add("dangerous", "a nested pickle is loaded by a call", self.where, offset)
-        _scan_bytes(self.report, data, f"{self.where}>nested@{offset}", self.depth + 1)
+        if id(arg) in self.nested_seen:
+            return  # the same payload again: its globals are listed already
+        self.nested_seen[id(arg)] = arg
+        if self.report._nested_scans >= MAX_NESTED_SCANS:
+            self.report._add(
+                "suspicious", f"more than {MAX_NESTED_SCANS} nested pickles", self.where, offset
+            )
+            return
+        self.report._nested_scans += 1
+        _scan_bytes(self.report, bytes(arg), f"{self.where}>nested@{offset}", self.depth + 1)
 
     def build(self, obj: Any, state: Any, offset: int) -> Any:
         if isinstance(obj, _SymGlobal):
@@ -350,6 +448,10 @@ class _ScanPolicy:
         return raw.decode("utf-8", "surrogateescape")
 
     def notice(self, message: str, offset: int) -> None:
+        # The machine reports every PROTO after the first as a notice at its offset, just
+        # before it takes effect: that is how the unpickler's current protocol is followed.
+        if offset + 1 < len(self.data) and self.data[offset] == 0x80:
+            self.protocol = self.data[offset + 1]
         self.report._add("suspicious", message, self.where, offset)
 
 
@@ -367,25 +469,31 @@ def _text(value: Any) -> str:
 
 
 def _looks_like_pickle(data: bytes, pos: int = 0) -> bool:
+    """Whether CPython's unpickler would run the first opcode at ``pos``.
+
+    The unpickler takes any opcode first (``M\x01\x00`` is the protocol 1 pickle of 1, and a
+    leading ``BININT2; POP`` hides a GLOBAL from a list of usual first opcodes), and PROTO
+    anywhere; only PROTO checks its operand. So every opcode counts.
+    """
     if pos >= len(data):
         return False
     b = data[pos]
     if b == 0x80:
         return pos + 1 < len(data) and data[pos + 1] <= 5
-    # Protocol 0/1 pickles start with an ordinary opcode.
-    return b in b"(}]cN)KJIXVSUTFGLi"
+    return b in OPNAMES
 
 
 def _run_stream(
     report: ScanReport, data: bytes, pos: int, where: str, depth: int
 ) -> tuple[int | None, _ScanPolicy]:
     """Scan one stream; return its end, or None if it could not be parsed."""
-    policy = _ScanPolicy(report, where, depth)
+    policy = _ScanPolicy(report, where, depth, data, pos)
     report.streams += 1
     try:
         result = Machine(data, policy, Limits()).run(pos)
     except SafetensorError as exc:
-        report._add("suspicious", f"pickle could not be fully parsed: {exc}", where, exc.offset)
+        policy.truncated = getattr(exc, "kind", None) == TRUNCATED
+        report._add("suspicious", f"{_PARSE_FAILED}: {exc}", where, exc.offset)
         return None, policy
     return result.end, policy
 
@@ -395,6 +503,14 @@ def _scan_streams(report: ScanReport, data: bytes, where: str, depth: int, start
     pos: int | None = start
     n = 0
     while pos is not None and pos < len(data):
+        if n >= MAX_STREAMS:
+            report._add(
+                "suspicious",
+                f"more than {MAX_STREAMS} pickle streams: the rest are not analysed",
+                where,
+                pos,
+            )
+            return
         if not _looks_like_pickle(data, pos):
             report._add(
                 "suspicious",
@@ -431,11 +547,15 @@ def _legacy_records(
     return pos
 
 
-def _scan_pickle_file(report: ScanReport, data: bytes, where: str, depth: int) -> None:
-    """A raw pickle or a legacy checkpoint: five pickles, raw records, maybe more pickles."""
+def _scan_pickle_file(report: ScanReport, data: bytes, where: str, depth: int) -> bool:
+    """A raw pickle or a legacy checkpoint: five pickles, raw records, maybe more pickles.
+
+    Returns:
+        Whether the first stream parsed up to its STOP.
+    """
     pos, _ = _run_stream(report, data, 0, where, depth)
     if pos is None:
-        return
+        return False
     try:
         first = Machine(data, _Values(), Limits()).run(0).value
     except SafetensorError:
@@ -447,7 +567,7 @@ def _scan_pickle_file(report: ScanReport, data: bytes, where: str, depth: int) -
         for i in range(1, 5):
             if pos is None or not _looks_like_pickle(data, pos):
                 report._add("suspicious", "legacy checkpoint with missing pickles", where, pos)
-                return
+                return True
             start = pos
             pos, policy = _run_stream(report, data, pos, f"{where}#{i}", depth)
             if i == 4 and pos is not None:
@@ -458,14 +578,15 @@ def _scan_pickle_file(report: ScanReport, data: bytes, where: str, depth: int) -
             if i == 3:
                 pids = policy.pids
         if pos is None:
-            return
+            return True
         end = _legacy_records(report, data, pos, keys, pids, where)
         if end is None:
             report._add("suspicious", "could not follow the legacy storage records", where, pos)
-            return
+            return True
         pos = end
     if pos < len(data):
         _scan_streams(report, data, where, depth, pos)
+    return True
 
 
 class _Values(_ScanPolicy):
@@ -493,20 +614,60 @@ def _scan_bytes(report: ScanReport, data: bytes, where: str, depth: int) -> None
     if len(data) >= 262 and data[257:262] == b"ustar":
         if report.format == "unknown":
             report.format = "tar"
+        # A tar's first bytes are a member name, which can be a pickle as well: pickle.load
+        # of the file runs it.
+        if _probe(report, data, where, depth, keep_clean=False):
+            report._add("suspicious", "a tar file that is also a pickle", where, 0)
         _scan_tar(report, data, where, depth)
         return
+    if depth == 0 and len(data) >= 10 and data[8:9] == b"{":
+        (n,) = struct.unpack_from("<Q", data, 0)
+        if 8 + n <= len(data):
+            # A safetensors file holds no pickle, but its first bytes (the header length) are
+            # often a valid opcode, and they can start a pickle that imports or calls before
+            # failing: graded by what such a pickle would do, not by the file's shape.
+            if not _probe(report, data, where, depth, keep_clean=False):
+                report.format = "safetensors"
+                return
+            report.format = "pickle"
+            report._add("suspicious", "a safetensors-shaped file that is also a pickle", where, 0)
+            return
     if _looks_like_pickle(data):
         if report.format == "unknown":
             report.format = "pickle"
         _scan_pickle_file(report, data, where, depth)
         return
-    if depth == 0 and len(data) >= 10 and data[8:9] == b"{":
-        (n,) = struct.unpack_from("<Q", data, 0)
-        if 8 + n <= len(data):
-            # A safetensors file holds no pickle; its header is validated by the reader.
-            report.format = "safetensors"
-            return
     report._add("suspicious", "not a pickle, zip or tar file", where, 0)
+
+
+def _probe(report: ScanReport, data: bytes, where: str, depth: int, *, keep_clean: bool) -> bool:
+    """Scan bytes that may or may not be meant as a pickle; keep the result if it matters.
+
+    See :func:`_keep_probe`. Returns whether the result was kept.
+    """
+    if not _looks_like_pickle(data):
+        return False
+    parsed = ScanReport(report.path)
+    first_ok = _scan_pickle_file(parsed, data, where, depth)
+    return _keep_probe(report, parsed, first_ok, keep_clean=keep_clean)
+
+
+def _keep_probe(
+    report: ScanReport, parsed: ScanReport, first_ok: bool, *, keep_clean: bool
+) -> bool:
+    """Merge ``parsed`` into ``report`` when the pickle it scanned matters; return whether.
+
+    It matters when it imports anything or does something dangerous before it stops, whether
+    it parses to the end or not (the unpickler acts on each opcode as it reads it), or, with
+    ``keep_clean``, when its first stream parses to STOP. Bytes that only fail to parse are
+    dropped: the unpickler raises on them having imported and called nothing.
+    """
+    active = bool(parsed.globals) or parsed._unlisted > 0
+    active = active or any(f.grade == "dangerous" for f in parsed.findings)
+    if active or (keep_clean and first_ok):
+        report._merge(parsed)
+        return True
+    return False
 
 
 def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
@@ -529,25 +690,56 @@ def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
         if any(n in info.filename for n in ("constants.pkl",)) or "/code/" in info.filename:
             report._add("dangerous", "TorchScript archive (torch.jit.load runs its code)", member)
         try:
-            content = _zip_member(data, info)
+            _scan_member(report, data, info, member, depth)
         except (ValueError, zlib.error, struct.error) as exc:
             report._add("suspicious", f"member could not be read ({exc})", member)
-            continue
-        if not _looks_like_pickle(content):
-            continue
-        rel = info.filename.split("/", 1)[-1]
-        is_storage = rel.startswith("data/") and rel[5:].isdigit()
-        if is_storage:
-            # Raw tensor bytes that happen to start like a pickle: torch never unpickles
-            # them; report them only if they really are a clean pickle.
-            probe = ScanReport(report.path)
-            _scan_streams(probe, content, member, depth)
-            if not any(f.message.startswith("pickle could not") for f in probe.findings):
-                report.globals.extend(probe.globals)
-                report.findings.extend(probe.findings)
-                report.streams += probe.streams
-            continue
+
+
+def _scan_member(
+    report: ScanReport, data: bytes, info: zipfile.ZipInfo, member: str, depth: int
+) -> None:
+    """One zip member: a pickle by name is always scanned, any other one when it acts.
+
+    ``*.pkl`` members (``data.pkl``, ``constants.pkl``) are what torch unpickles: they are
+    scanned whatever their first byte, so one that does not parse is suspicious, never
+    skipped. Any other member (tensor bytes, ``version``, a pickle under another name) is
+    kept when it starts a pickle that imports or calls something (someone may unpickle it),
+    or, outside ``data/N`` tensor members, when it is a pickle that parses. Tensor bytes
+    often start with an opcode by chance and are never unpickled by torch, so a harmless
+    prefix of them is not reported.
+    """
+    base = info.filename.rsplit("/", 1)[-1]
+    if base.lower().endswith(".pkl"):
+        content, complete = _zip_member(data, info, MAX_PICKLE_BYTES)
+        if not complete:
+            report._add("suspicious", f"pickle over {MAX_PICKLE_BYTES} bytes; not analysed", member)
+            return
         _scan_pickle_file(report, content, member, depth)
+        return
+    rel = info.filename.split("/", 1)[-1]
+    is_storage = rel.startswith("data/") and rel[5:].isdigit()
+    # Only the bytes the first stream needs are read: a multi-GB tensor member is not copied
+    # to find that its first opcode is not followed by a valid one.
+    window = _PROBE_WINDOW
+    while True:
+        content, complete = _zip_member(data, info, window)
+        if not _looks_like_pickle(content):
+            return
+        end, policy = _run_stream(ScanReport(report.path), content, 0, member, depth)
+        if end is None and policy.truncated and not complete and window < MAX_PICKLE_BYTES:
+            window = min(window * 8, MAX_PICKLE_BYTES)
+            continue
+        break
+    parsed = ScanReport(report.path)
+    if end is not None and not complete:
+        # The first stream parsed: later streams may follow anywhere in the member.
+        content, complete = _zip_member(data, info, MAX_PICKLE_BYTES)
+    if not complete:
+        parsed._add(
+            "suspicious", f"only the first {len(content)} bytes of the member analysed", member
+        )
+    first_ok = _scan_pickle_file(parsed, content, member, depth)
+    _keep_probe(report, parsed, first_ok, keep_clean=not is_storage)
 
 
 def _fileobj(data: bytes) -> Any:
@@ -558,8 +750,11 @@ def _fileobj(data: bytes) -> Any:
     return io.BytesIO(data)
 
 
-def _zip_member(data: bytes, info: zipfile.ZipInfo) -> bytes:
-    """A member's bytes read like torch's reader: no CRC, flag or local-name checks."""
+def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, bool]:
+    """The first ``limit`` bytes of a member, and whether that is all of it.
+
+    Read like torch's reader: no CRC, flag or local-name checks.
+    """
     hdr = info.header_offset
     if hdr + 30 > len(data) or data[hdr : hdr + 4] != b"PK\x03\x04":
         raise ValueError("no local header")
@@ -569,25 +764,27 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo) -> bytes:
         raise ValueError("encrypted member")
     if start + info.compress_size > len(data):
         raise ValueError("member runs past the end of the file")
-    raw = data[start : start + info.compress_size]
     if info.compress_type == zipfile.ZIP_STORED:
-        return raw
+        return data[start : start + min(info.compress_size, limit)], info.compress_size <= limit
+    raw = data[start : start + info.compress_size]
     if info.compress_type == zipfile.ZIP_DEFLATED:
         # The converter's zip bomb rule (threat-model-and-pickle.md §1.2): the declared ratio
         # is checked before inflating anything, and the real output is capped at the same
         # ratio, since the declared size may lie.
-        limit = MAX_DEFLATE_RATIO * max(info.compress_size, 1024)
-        if info.file_size > limit:
+        cap = MAX_DEFLATE_RATIO * max(info.compress_size, 1024)
+        if info.file_size > cap:
             raise ValueError(
                 f"declares {info.file_size} bytes from {info.compress_size}: compression ratio "
                 f"over {MAX_DEFLATE_RATIO} (possible zip bomb); not inflated"
             )
-        limit = min(limit, MAX_PICKLE_BYTES)
+        # One byte over what is wanted tells whether there is more.
         dec = zlib.decompressobj(-15)
-        out = dec.decompress(raw, limit)
-        if dec.unconsumed_tail:
-            raise ValueError(f"inflates past {limit} bytes (possible zip bomb)")
-        return out
+        out = dec.decompress(raw, min(limit, cap) + 1)
+        if len(out) > cap:
+            raise ValueError(f"inflates past {cap} bytes (possible zip bomb)")
+        if len(out) > limit:
+            return out[:limit], False
+        return out, True
     raise ValueError(f"compression method {info.compress_type}")
 
 
@@ -631,7 +828,10 @@ def _scan_tar_table(report: ScanReport, data: bytes, where: str, depth: int, ten
     if pos is None or type(count) is not int or count < 0:
         report._add("suspicious", "could not follow the tar records", where, 0)
         return
-    for _ in range(count):
+    for i in range(count):
+        if i >= MAX_STREAMS:
+            report._add("suspicious", f"more than {MAX_STREAMS} tar records", where, pos)
+            return
         start = pos
         pos, policy = _run_stream(report, data, pos, where, depth)
         if pos is None:
@@ -644,7 +844,12 @@ def _scan_tar_table(report: ScanReport, data: bytes, where: str, depth: int, ten
                     raise ValueError
                 pos += 8 + 16 * ndim + 8
             else:
+                # (key, location, storage class): every part comes from the file, checked.
+                if type(args) is not tuple or len(args) < 3:
+                    raise ValueError
                 stype = args[2]
+                if not isinstance(stype, _SymGlobal) or stype.name not in _STORAGE_CLASSES:
+                    raise ValueError
                 itemsize = _TORCH_DTYPES[_STORAGE_CLASSES[stype.name]][1]
                 (n,) = struct.unpack_from("<q", data, pos)
                 if n < 0:
@@ -666,9 +871,25 @@ class _Records(_Values):
 
 
 def scan_bytes(data: bytes, name: str = "<bytes>") -> ScanReport:
-    """Scan an in-memory file (see :func:`scan_file`)."""
+    """Scan an in-memory file (see :func:`scan_file`); never raises on its content.
+
+    Args:
+        data: The file's bytes.
+        name: What the report calls it.
+
+    Returns:
+        A :class:`ScanReport`.
+    """
     report = ScanReport(name)
-    _scan_bytes(report, data, os.path.basename(name) or name, 0)
+    where = os.path.basename(name) or name
+    try:
+        _scan_bytes(report, data, where, 0)
+    except Exception as exc:  # noqa: BLE001 - hostile input must give a verdict, not a crash
+        # A scanner bug or exhaustion on hostile bytes: the file was not fully analysed,
+        # which is never safe. What was found before stays in the report.
+        report._add(
+            "suspicious", f"scan stopped by an internal error ({type(exc).__name__}: {exc})", where
+        )
     return report
 
 
@@ -692,7 +913,7 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> Sca
         report = ScanReport(p)
         report._add("suspicious", f"file larger than {max_bytes} bytes; not analysed", p)
         return report
-    if size > MAX_PICKLE_BYTES and not _is_zip(p):
+    if size > MAX_PICKLE_BYTES and not _is_zip_or_safetensors(p):
         report = ScanReport(p)
         report._add("suspicious", "file too large to analyse as a pickle", p)
         return report
@@ -704,12 +925,34 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> Sca
             return scan_bytes(cast(bytes, mm), p)
 
 
-def _is_zip(path: str) -> bool:
+def _is_zip_or_safetensors(path: str) -> bool:
+    # Both are read in place through the mapping, touching only their pickles (a safetensors
+    # file only as far as its first bytes parse as one): a 10 GB model is not "too large".
     with open(path, "rb") as fh:
-        head = fh.read(4)
-    return head == b"PK\x03\x04"
+        head = fh.read(9)
+    return head[:4] == b"PK\x03\x04" or head[8:9] == b"{"
 
 
 def scan_files(paths: Iterable[str | os.PathLike[str]]) -> list[ScanReport]:
-    """Scan several files."""
-    return [scan_file(p) for p in paths]
+    """Scan several files, each to its own report, whatever happens to the others.
+
+    A file that cannot be read (missing, a folder, no permission) or scanned gets a report of
+    format ``error`` with one ``suspicious`` finding that says why, instead of an exception
+    that would leave the other files unreported.
+
+    Args:
+        paths: The files.
+
+    Returns:
+        One :class:`ScanReport` per path, in order.
+    """
+    reports = []
+    for path in paths:
+        try:
+            reports.append(scan_file(path))
+        except Exception as exc:  # noqa: BLE001 - one file's failure is that file's verdict
+            p = os.fspath(path)
+            report = ScanReport(p, format="error")
+            report._add("suspicious", f"could not be scanned ({type(exc).__name__}: {exc})", p)
+            reports.append(report)
+    return reports

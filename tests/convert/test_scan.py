@@ -339,3 +339,297 @@ def test_cli_convert_usage_errors_json_schema_and_named_errors(tmp_path: Path) -
     (tmp_path / "t.bin").write_bytes((tmp_path / "m.bin").read_bytes()[:-30])
     res = _cli("convert", str(tmp_path / "t.bin"), str(tmp_path / "t.safetensors"))
     assert res.returncode == 1 and res.stderr.startswith(f"error: {tmp_path / 't.bin'}: ")
+
+
+# -- review: first opcodes, member selection, Python 2 names, crashes, caps ----------------------
+
+
+def _touch(canary: Path) -> bytes:
+    """``os.system("touch canary")`` as a protocol 0 REDUCE, then STOP."""
+    return b"cos\nsystem\n(S'touch " + str(canary).encode() + b"'\ntR."
+
+
+# Each first opcode pushes one value that POP drops: CPython runs the GLOBAL and REDUCE after it.
+_FIRST_OPS = [b"M\x01\x00", b"\x88", b"\x89", b"\x8c\x01a", b"C\x01a", b"\x8f", b"G" + bytes(8)]
+
+
+def test_every_opcode_may_start_a_pickle(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    for i, first in enumerate(_FIRST_OPS):
+        canary = tmp_path / f"ran{i}"
+        pkl = first + b"0" + _touch(canary)
+        with zipfile.ZipFile(tmp_path / f"e{i}.pt", "w") as zf:
+            zf.writestr("archive/data.pkl", pkl)
+            zf.writestr("archive/version", "3\n")
+        report = scan_file(tmp_path / f"e{i}.pt")
+        assert report.grade == "dangerous", first
+        assert [g.qualname for g in report.globals] == ["os.system"], first
+        bare = scan_file(_write(tmp_path / f"e{i}.pkl", pkl))
+        assert (bare.grade, bare.format) == ("dangerous", "pickle"), first
+    assert _cli("scan", str(tmp_path / "e0.pt")).returncode == 2
+    # The payloads are live: torch.load without weights_only runs every one of them.
+    code = "import sys, torch\nfor p in sys.argv[1:]: torch.load(p, weights_only=False)"
+    paths = [str(tmp_path / f"e{i}.pt") for i in range(len(_FIRST_OPS))]
+    subprocess.run(
+        [sys.executable, "-c", code, *paths], capture_output=True, timeout=120, check=False
+    )
+    assert all((tmp_path / f"ran{i}").exists() for i in range(len(_FIRST_OPS))), torch.__version__
+
+
+def test_protocol_1_pickles_of_plain_values_are_safe(tmp_path: Path) -> None:
+    for value in (300, True, "s", b"b", 1.5, {1, 2}):
+        for proto in (0, 1, 2, 5):
+            report = scan_file(_write(tmp_path / "v.pkl", pickle.dumps(value, protocol=proto)))
+            assert (report.grade, report.format) == ("safe", "pickle"), (value, proto)
+            assert report.findings == []
+
+
+def test_pickle_member_that_does_not_parse_is_not_safe(tmp_path: Path) -> None:
+    # A FRAME then POP with nothing to pop: CPython fails there too, but a data.pkl that is not
+    # a pickle is never "safe", whatever its first byte.
+    for i, pkl in enumerate([b"\x95" + bytes(8) + b"0" + _touch(tmp_path / "c"), b"\x00junk"]):
+        make_zip(tmp_path / f"b{i}.pt", pkl)
+        report = scan_file(tmp_path / f"b{i}.pt")
+        assert report.grade == "suspicious", pkl
+        assert any("could not be fully parsed" in f.message for f in report.findings)
+
+
+def test_any_member_that_starts_an_acting_pickle_is_scanned(tmp_path: Path) -> None:
+    evil_prefix = b"M\x01\x000" + _touch(tmp_path / "c")[:-1] + b"\x00garbage"
+    # Under a tensor name and under any other name, with a first opcode outside the usual ones
+    # and garbage after the REDUCE: the unpickler runs os.system before it fails.
+    for name in ("archive/data/0", "archive/extra.bin"):
+        make_zip(tmp_path / "m.pt", good_pickle(), storages={}, extra={name: evil_prefix})
+        report = scan_file(tmp_path / "m.pt")
+        assert report.grade == "dangerous", name
+        assert any(g.where.endswith(name) and g.qualname == "os.system" for g in report.globals)
+    # Tensor bytes that merely start with an opcode are not reported.
+    make_zip(tmp_path / "t.pt", good_pickle(), storages={"0": b"N." + bytes(14)})
+    assert scan_file(tmp_path / "t.pt").grade == "safe"
+
+
+def test_large_tensor_members_are_not_copied(tmp_path: Path) -> None:
+    import tracemalloc
+
+    size = 48 << 20
+    # 'K' is BININT1: a valid first opcode, so the member is probed, not skipped by its byte.
+    make_zip(tmp_path / "big.pt", good_pickle(), storages={"0": b"K" + bytes(size - 1)})
+    tracemalloc.start()
+    try:
+        report = scan_file(tmp_path / "big.pt")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.grade == "safe"
+    assert peak < 8 << 20
+
+
+def test_safetensors_shaped_pickle_is_graded_as_a_pickle(tmp_path: Path) -> None:
+    # BINBYTES whose 4-byte length and payload make bytes 0-7 a plausible header length and
+    # byte 8 a '{': pickle.load runs the rest of the file.
+    head = b"B" + struct.pack("<I", 4) + b"\x00\x00\x00{" + b"0"
+    body = head + _touch(tmp_path / "c")
+    n = struct.unpack_from("<Q", body)[0]
+    data = body + b" " * (8 + n - len(body))
+    report = scan_file(_write(tmp_path / "x.safetensors", data))
+    assert report.grade == "dangerous"
+    assert [g.qualname for g in report.globals] == ["os.system"]
+
+
+def test_real_safetensors_files_stay_safe(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    from pysafetensors.numpy import save_file
+
+    # Header lengths whose low byte is each pickle opcode in turn.
+    for pad in range(0, 256, 7):
+        save_file({"w": np.zeros(3, np.float32)}, tmp_path / "m.safetensors", {"p": "x" * pad})
+        report = scan_file(tmp_path / "m.safetensors")
+        assert (report.grade, report.format) == ("safe", "safetensors"), pad
+
+
+def test_tar_whose_name_is_a_pickle(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    name = _touch(tmp_path / "c").decode()
+    with tarfile.open(tmp_path / "t.pt", "w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo(name[:99])
+        data = pickle.dumps({}, protocol=2)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    raw = (tmp_path / "t.pt").read_bytes()
+    assert raw.startswith(name.encode()[:99])
+    report = scan_file(tmp_path / "t.pt")
+    assert report.format == "tar" and report.grade == "dangerous"
+
+
+def _tar_members(path: Path, members: dict[str, bytes]) -> Path:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_tar_record_with_a_string_storage_class_is_a_finding(tmp_path: Path) -> None:
+    for stype in ("FloatStorage", 7, None):
+        storages = pickle.dumps(1, 2) + pickle.dumps((0, "cpu", stype), 2)
+        members = {"storages": storages, "tensors": pickle.dumps(0, 2), "pickle": b"\x80\x02}."}
+        report = scan_file(_tar_members(tmp_path / "t.pt", members))
+        assert report.grade == "suspicious", stype
+        assert any("could not follow the tar records" in f.message for f in report.findings)
+
+
+def test_cli_reports_every_file_when_one_cannot_be_scanned(tmp_path: Path) -> None:
+    bad = _write(tmp_path / "bad.pkl", P.PROTO2 + payload("os", "system", tmp_path / "c") + b".")
+    missing = tmp_path / "missing.pkl"
+    res = _cli("scan", str(missing), str(tmp_path), str(bad))
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert f"{missing}: suspicious (error" in res.stdout
+    assert f"{bad}: dangerous" in res.stdout
+    res = _cli("scan", "--json", str(missing), str(bad))
+    doc = json.loads(res.stdout)
+    assert [(r["format"], r["grade"]) for r in doc["files"]] == [
+        ("error", "suspicious"),
+        ("pickle", "dangerous"),
+    ]
+    assert "FileNotFoundError" in doc["files"][0]["findings"][0]["message"]
+    assert res.returncode == 2
+
+
+def test_scanner_errors_become_findings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import pysafetensors.scan as scan
+
+    def boom(*args: object) -> None:
+        raise RecursionError("deep")
+
+    monkeypatch.setattr(scan, "_scan_pickle_file", boom)
+    report = scan.scan_bytes(pickle.dumps(1), "x.pkl")
+    assert report.grade == "suspicious"
+    assert "internal error (RecursionError: deep)" in report.findings[0].message
+
+
+def test_python2_names_are_mapped_below_protocol_3() -> None:
+    from pysafetensors.scan import scan_bytes
+
+    getoutput = b"ccommands\ngetoutput\nX\x02\x00\x00\x00id\x85R."
+    for proto in (b"", b"\x80\x01", b"\x80\x02"):
+        report = scan_bytes(proto + getoutput)
+        assert report.grade == "dangerous", proto
+        assert [g.qualname for g in report.globals] == ["subprocess.getoutput"]
+        assert any("commands.getoutput is read as subprocess" in f.message for f in report.findings)
+    # CPython maps only while the protocol is under 3 (find_class: proto < 3 and fix_imports).
+    for proto in (b"\x80\x03", b"\x80\x04", b"\x80\x05"):
+        report = scan_bytes(proto + getoutput)
+        assert [(g.qualname, g.grade) for g in report.globals] == [
+            ("commands.getoutput", "suspicious")
+        ]
+    # The protocol is the last PROTO seen before the global, as the unpickler's self.proto.
+    assert scan_bytes(b"\x80\x04\x80\x02" + getoutput).globals[0].grade == "dangerous"
+    assert scan_bytes(b"\x80\x02\x80\x04" + getoutput).globals[0].grade == "suspicious"
+    assert scan_bytes(b"\x80\x02N0\x80\x04" + getoutput).globals[0].grade == "suspicious"
+    assert scan_bytes(b"\x80\x04N0\x80\x01" + getoutput).globals[0].grade == "dangerous"
+    # NAME_MAPPING too: __builtin__.reduce is functools.reduce.
+    report = scan_bytes(b"\x80\x02c__builtin__\nreduce\n.")
+    assert [(g.qualname, g.grade) for g in report.globals] == [("functools.reduce", "dangerous")]
+    # Python 2 names of safe globals stay safe.
+    assert scan_bytes(b"\x80\x02c__builtin__\nset\n)R.").grade == "safe"
+
+
+def test_python2_loader_names_have_their_payload_scanned() -> None:
+    from pysafetensors.scan import scan_bytes
+
+    inner = b"\x80\x02cos\nsystem\nX\x02\x00\x00\x00id\x85R."
+    outer = b"\x80\x02ccPickle\nloads\nC" + bytes([len(inner)]) + inner + b"\x85R."
+    assert pickle.loads.__name__ == "loads"  # (pickle.loads(outer) would run `id`)
+    report = scan_bytes(outer)
+    assert report.grade == "dangerous"
+    assert [g.qualname for g in report.globals] == ["pickle.loads", "os.system"]
+    assert ">nested@" in report.globals[1].where
+
+
+def test_nested_payloads_are_scanned_once() -> None:
+    import time
+
+    from pysafetensors.scan import scan_bytes
+
+    def calls(inner: bytes, n: int) -> bytes:
+        # loads(inner) n times over, the function and the bytes from the memo.
+        head = b"\x80\x02cpickle\nloads\nq\x01B" + struct.pack("<I", len(inner)) + inner
+        return head + b"q\x020" + b"h\x01h\x02\x85R0" * n + b"N."
+
+    level = b"\x80\x02cos\nsystem\nX\x02\x00\x00\x00id\x85R."
+    for _ in range(3):
+        level = calls(level, 300)
+    t0 = time.monotonic()
+    report = scan_bytes(level)
+    assert time.monotonic() - t0 < 10
+    assert report.grade == "dangerous"
+    assert "os.system" in {g.qualname for g in report.globals}
+
+
+def test_listed_globals_are_capped_but_still_graded() -> None:
+    from pysafetensors.scan import MAX_LISTED, scan_bytes
+
+    data = b"cmylib\nA\n0" * (MAX_LISTED + 10) + b"cos\nsystem\n0N."
+    report = scan_bytes(data)
+    assert len(report.globals) == MAX_LISTED
+    assert report.grade == "dangerous"
+    assert any(f.message.startswith(f"more than {MAX_LISTED}") for f in report.findings)
+    assert len(report.to_dict()["globals"]) == MAX_LISTED
+
+
+def test_stream_count_is_capped() -> None:
+    from pysafetensors.scan import MAX_STREAMS, scan_bytes
+
+    report = scan_bytes(b"N." * (MAX_STREAMS * 3))
+    assert report.streams <= MAX_STREAMS + 1  # the first stream, then at most MAX_STREAMS more
+    assert report.grade == "suspicious"
+
+
+def test_large_safetensors_file_is_not_too_large(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    np = pytest.importorskip("numpy")
+    import pysafetensors.scan as scan
+    from pysafetensors.numpy import save_file
+
+    save_file({"w": np.zeros(1 << 16, np.float32)}, tmp_path / "m.safetensors")
+    # Over the pickle size limit, as a multi-GB model is over the real one.
+    monkeypatch.setattr(scan, "MAX_PICKLE_BYTES", 1 << 16)
+    report = scan.scan_file(tmp_path / "m.safetensors")
+    assert (report.grade, report.format) == ("safe", "safetensors")
+
+
+def test_mutated_checkpoints_never_raise(tmp_path: Path) -> None:
+    """A short seeded mutation fuzz: every mutant gets a report, never an exception."""
+    import random
+
+    from pysafetensors.scan import scan_bytes
+
+    make_zip(tmp_path / "z.pt", good_pickle())
+    make_legacy(tmp_path / "l.pt")
+    storages = pickle.dumps(1, 2) + pickle.dumps((0, "cpu", None), 2) + struct.pack("<q", 0)
+    _tar_members(tmp_path / "t.pt", {"storages": storages, "pickle": good_pickle()})
+    seeds = [(tmp_path / n).read_bytes() for n in ("z.pt", "l.pt", "t.pt")]
+    tokens = [b"\x80\x02", b"\x95", b"(", b"R", b"\x93", b"0", b"\x00\x00\x00\x80", b"PK\x05\x06"]
+    rng = random.Random(1234)
+    for _ in range(1500):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 4)):
+            p = rng.randrange(len(data))
+            k = rng.random()
+            if k < 0.5:
+                data[p] = rng.randrange(256)
+            elif k < 0.8:
+                data[p : p + 2] = rng.choice(tokens)
+            else:
+                del data[p : p + rng.randint(1, 16)]
+        report = scan_bytes(bytes(data), "m.pt")
+        assert report.grade in ("safe", "suspicious", "dangerous")
+        assert not any("internal error" in f.message for f in report.findings), report.findings

@@ -42,9 +42,11 @@ def _escape(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``scan``; returns 0, 1 or 2."""
-    from ..scan import GRADES, scan_file
+    from ..scan import GRADES, scan_files
 
-    reports = [scan_file(p) for p in args.paths]
+    # Each file gets its verdict even when another cannot be read or scanned: a traceback on
+    # the first bad path would hide a dangerous file listed after it.
+    reports = scan_files(args.paths)
     if args.json:
         worst = max((r.exit_code for r in reports), default=0)
         doc = {
