@@ -124,6 +124,10 @@ class Policy(Protocol):
     def notice(self, message: str, offset: int) -> None:
         """Report an oddity that is not fatal (duplicate PROTO, frame violations...)."""
 
+    def proto(self, protocol: int, offset: int) -> None:
+        """A PROTO opcode: the stream's protocol is ``protocol`` from here on (names of
+        Python 2 modules are read differently below protocol 3)."""
+
 
 @dataclass(slots=True)
 class Result:
@@ -537,6 +541,7 @@ class Machine:
                     raise _err(f"unsupported pickle protocol {proto}", base + at)
                 if at != start:
                     policy.notice("PROTO not at the start of the stream", base + at)
+                policy.proto(proto, base + at)
                 protocol = proto
             elif op == 0x95:  # FRAME
                 n = _U8.unpack_from(data, take(8, at))[0]

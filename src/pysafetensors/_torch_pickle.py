@@ -403,6 +403,9 @@ class TorchPolicy:
         """Anything odd in the stream structure is refused (torch never writes it)."""
         raise _bad(f"pickle: {message} at byte {offset}", offset)
 
+    def proto(self, protocol: int, offset: int) -> None:
+        """Nothing depends on it: names are matched as written (unknown ones are refused)."""
+
     # -- rebuilds --------------------------------------------------------------------------
     def make_tensor(
         self, args: tuple[Any, ...], dtype: str | None, metadata: Any, at: int

@@ -297,21 +297,17 @@ def _py2_name(module: str, name: str) -> tuple[str, str]:
 
 
 class _ScanPolicy:
-    def __init__(
-        self, report: ScanReport, where: str, depth: int, data: bytes = b"", start: int = 0
-    ) -> None:
+    def __init__(self, report: ScanReport, where: str, depth: int) -> None:
         self.report = report
         self.where = where
         self.depth = depth
-        self.data = data
         self.pids: list[Any] = []
         self.truncated = False
         """Whether the stream failed because its bytes ran out (a bigger window may parse)."""
-        # The unpickler's protocol starts at 0 and is whatever the last PROTO said; it decides
-        # whether Python 2 names are mapped (CPython: ``self.proto < 3 and self.fix_imports``).
+        # The unpickler's protocol starts at 0 and is whatever the last PROTO said (the machine
+        # reports each, see proto()); it decides whether Python 2 names are mapped (CPython:
+        # ``self.proto < 3 and self.fix_imports``).
         self.protocol = 0
-        if start + 1 < len(data) and data[start] == 0x80:
-            self.protocol = data[start + 1]
         # Nested payloads already scanned, by identity (the memo hands out the same object);
         # the objects are kept so that their ids stay theirs.
         self.nested_seen: dict[int, Any] = {}
@@ -448,11 +444,10 @@ class _ScanPolicy:
         return raw.decode("utf-8", "surrogateescape")
 
     def notice(self, message: str, offset: int) -> None:
-        # The machine reports every PROTO after the first as a notice at its offset, just
-        # before it takes effect: that is how the unpickler's current protocol is followed.
-        if offset + 1 < len(self.data) and self.data[offset] == 0x80:
-            self.protocol = self.data[offset + 1]
         self.report._add("suspicious", message, self.where, offset)
+
+    def proto(self, protocol: int, offset: int) -> None:
+        self.protocol = protocol
 
 
 def _text(value: Any) -> str:
@@ -487,7 +482,7 @@ def _run_stream(
     report: ScanReport, data: bytes, pos: int, where: str, depth: int
 ) -> tuple[int | None, _ScanPolicy]:
     """Scan one stream; return its end, or None if it could not be parsed."""
-    policy = _ScanPolicy(report, where, depth, data, pos)
+    policy = _ScanPolicy(report, where, depth)
     report.streams += 1
     try:
         result = Machine(data, policy, Limits()).run(pos)
