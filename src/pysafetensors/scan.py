@@ -51,6 +51,8 @@ _RANK: Final = {g: i for i, g in enumerate(GRADES)}
 
 #: Largest pickle (file or member) analysed; bigger ones are reported as not analysable.
 MAX_PICKLE_BYTES: Final = 1 << 30
+#: The first pickle of a legacy (pre-zip) ``torch.save`` checkpoint.
+_LEGACY_MAGIC: Final = 0x1950A86A20F9469CFC6C
 #: How deep pickles nested in calls are followed.
 MAX_NESTING: Final = 3
 #: Nested pickles scanned per file: a pickle can pass the same payload to ``pickle.loads`` a
@@ -555,7 +557,7 @@ def _scan_pickle_file(report: ScanReport, data: bytes, where: str, depth: int) -
         first = Machine(data, _Values(), Limits()).run(0).value
     except SafetensorError:
         first = None
-    if first == 0x1950A86A20F9469CFC6C and type(first) is int:
+    if first == _LEGACY_MAGIC and type(first) is int:
         report.format = "legacy" if depth == 0 else report.format
         keys: Any = None
         pids: list[Any] = []
@@ -908,7 +910,7 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> Sca
         report = ScanReport(p)
         report._add("suspicious", f"file larger than {max_bytes} bytes; not analysed", p)
         return report
-    if size > MAX_PICKLE_BYTES and not _is_zip_or_safetensors(p):
+    if size > MAX_PICKLE_BYTES and not _is_zip_or_safetensors(p) and not _is_legacy(p):
         report = ScanReport(p)
         report._add("suspicious", "file too large to analyse as a pickle", p)
         return report
@@ -926,6 +928,19 @@ def _is_zip_or_safetensors(path: str) -> bool:
     with open(path, "rb") as fh:
         head = fh.read(9)
     return head[:4] == b"PK\x03\x04" or head[8:9] == b"{"
+
+
+def _is_legacy(path: str) -> bool:
+    # A legacy (pre-zip) checkpoint is five small pickles, then raw storage bytes: it is read
+    # in place through the mapping like a zip, however large its storages are. Recognised by
+    # its first pickle, the format's magic number.
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+    try:
+        first = Machine(head, _Values(), Limits()).run(0).value
+    except SafetensorError:
+        return False
+    return type(first) is int and first == _LEGACY_MAGIC
 
 
 def scan_files(paths: Iterable[str | os.PathLike[str]]) -> list[ScanReport]:

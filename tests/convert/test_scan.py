@@ -633,3 +633,26 @@ def test_mutated_checkpoints_never_raise(tmp_path: Path) -> None:
         report = scan_bytes(bytes(data), "m.pt")
         assert report.grade in ("safe", "suspicious", "dangerous")
         assert not any("internal error" in f.message for f in report.findings), report.findings
+
+
+def test_legacy_checkpoints_over_the_pickle_limit_are_scanned_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A legacy checkpoint is small pickles then raw storages: one larger than the limit for a
+    plain pickle (1 GiB; 512 bytes here) is read through the mapping, not called too large."""
+    torch = pytest.importorskip("torch")
+    from pysafetensors import scan
+
+    monkeypatch.setattr(scan, "MAX_PICKLE_BYTES", 512)
+    path = tmp_path / "l.pt"
+    torch.save({"w": torch.ones(1000)}, path, _use_new_zipfile_serialization=False)
+    assert path.stat().st_size > 512
+    report = scan_file(path)
+    assert (report.grade, report.format, report.streams) == ("safe", "legacy", 5)
+    # Made dangerous after its magic number, it is graded by what it does.
+    evil = P.PROTO2 + payload("os", "system", tmp_path / "c") + b"."
+    make_legacy(tmp_path / "evil.pt", graph=evil)
+    assert scan_file(tmp_path / "evil.pt").grade == "dangerous"
+    # A plain pickle that large is still not analysed.
+    big = _write(tmp_path / "big.pkl", pickle.dumps(list(range(1000)), protocol=2))
+    assert [f.message for f in scan_file(big).findings] == ["file too large to analyse as a pickle"]
