@@ -177,14 +177,16 @@ def edit_metadata(
             if fsync:
                 os.fsync(fd)
             return True
-        padded = text + b" " * (-len(text) % 8)
-        padded += b" " * ((max(0, reserve) + 7) // 8 * 8)
-        if len(padded) > max_header_size:
+        # The size is checked before the padding is made: ``reserve`` comes from the caller
+        # (the command line's --reserve) and may be any number.
+        size = len(text) + (-len(text) % 8) + (max(0, reserve) + 7) // 8 * 8
+        if size > max_header_size:
             raise SerializeError(
-                f"{SERIALIZE_PREFIX}{given}: header too large ({len(padded)} bytes; the limit "
+                f"{SERIALIZE_PREFIX}{given}: header too large ({size} bytes; the limit "
                 f"is {max_header_size})",
                 kind="HeaderTooLarge",
             )
+        padded = text + b" " * (size - len(text))
         parse_header(padded, data_size)
         mode = stat.S_IMODE(os.fstat(fd).st_mode)
         with atomic_output(target, fsync=fsync) as out:

@@ -85,6 +85,13 @@ def _declare(name: Any, value: Any) -> TensorDecl:
         return str(name), data.dtype, data.shape
     if hasattr(value, "dtype") and hasattr(value, "shape"):  # TensorMeta, SafeSlice
         return str(name), as_dtype(value.dtype), _dims(name, value.shape)
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}tensor `{name}` is declared as {type(value).__name__} "
+            f"{value!r:.60}: expected (dtype, shape), an array or a tensor",
+            kind="TensorInvalidInfo",
+            tensor=str(name),
+        )
     dtype, shape = value
     return str(name), as_dtype(dtype), _dims(name, shape)
 
@@ -93,6 +100,13 @@ def _dims(name: Any, shape: Any) -> tuple[int, ...]:
     """A declared shape as non-negative ints (2.5 was taken as 2, True as 1, -1 failed only
     at close)."""
     dims = []
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}tensor `{name}` is declared with shape {shape!r:.60}: expected "
+            "a sequence of non-negative integers",
+            kind="TensorInvalidInfo",
+            tensor=str(name),
+        )
     for d in shape:
         try:
             value = -1 if isinstance(d, (bool, np.bool_)) else operator.index(d)
@@ -224,6 +238,12 @@ class StreamingWriter:
         self._written: dict[str, list[list[int]]] = {name: [] for name in self._infos}
         self._cursor: dict[str, int] = dict.fromkeys(self._infos, 0)
         self._lock = threading.Lock()
+        # Writes between reserving their range and finishing it: close() and abort() wait for
+        # them (a close that did not committed a file whose reserved bytes were never written,
+        # and the write then went to whatever file reused the closed descriptor).
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._stopping = False
         self.filename = os.fspath(filename)
         cm = atomic_output(self.filename, fsync=fsync, group=group)
         fd = cm.__enter__()
@@ -314,7 +334,7 @@ class StreamingWriter:
                 write (nothing is written then).
             ClosedFileError: The writer was closed.
         """
-        fd = self._live()
+        self._live()
         info = self._info(name)
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise SerializeError(
@@ -325,13 +345,22 @@ class StreamingWriter:
             )
         length, chunks = _payload(name, info, data)
         with self._lock:
+            if self._cm is None or self._stopping:
+                raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
+            fd = self._fd
             self._reserve(info, offset, length)
             cursor = self._cursor[name]
             self._cursor[name] = offset + length
+            self._inflight += 1
         pos = self._data_start + info.begin + offset
         got = 0
         try:
             for view in chunks:
+                if self._stopping:
+                    raise ClosedFileError(
+                        f"the streaming writer was aborted during a write to `{name}`",
+                        kind="FileClosed",
+                    )
                 if got + view.nbytes > length:
                     raise SerializeError(f"{SERIALIZE_PREFIX}internal error: chunk overrun")
                 self._pwrite_all(fd, view, pos + got)
@@ -347,6 +376,11 @@ class StreamingWriter:
             if isinstance(exc, OSError) and not isinstance(exc, SafetensorError):
                 raise write_error(exc, self.filename) from exc
             raise
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.notify_all()
         if self._writeback is not None:
             self._writeback.wrote(pos, got)
         return got
@@ -380,13 +414,17 @@ class StreamingWriter:
     # ------------------------------------------------------------------------------ status
 
     def missing(self) -> dict[str, int]:
-        """Tensors with unwritten bytes, and how many bytes each still lacks."""
-        out = {}
+        """Tensors with unwritten bytes, and how many bytes each still lacks (bytes of writes
+        in progress count as written)."""
         with self._lock:
-            for name, info in self._infos.items():
-                done = sum(end - start for start, end in self._written[name])
-                if done != info.nbytes:
-                    out[name] = info.nbytes - done
+            return self._missing()
+
+    def _missing(self) -> dict[str, int]:
+        out = {}
+        for name, info in self._infos.items():
+            done = sum(end - start for start, end in self._written[name])
+            if done != info.nbytes:
+                out[name] = info.nbytes - done
         return out
 
     @property
@@ -408,28 +446,40 @@ class StreamingWriter:
             SerializeError: Some bytes were never written (kind ``Incomplete``); the writer
                 stays open so they can still be written, or :meth:`abort` can discard it.
         """
-        if self._cm is None:
-            return
-        missing = self.missing()
-        if missing:
-            listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
-            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}cannot finish {self.filename!r}: unwritten bytes in "
-                f"{listed}{more}",
-                kind="Incomplete",
-                tensor=next(iter(missing)),
-            )
-        cm, self._cm = self._cm, None
+        with self._lock:
+            if self._cm is None:
+                return
+            # Writes in progress in other threads finish first (or fail, and then their bytes
+            # count as missing).
+            while self._inflight:
+                self._idle.wait()
+            missing = self._missing()
+            if missing:
+                listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
+                more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+                raise SerializeError(
+                    f"{SERIALIZE_PREFIX}cannot finish {self.filename!r}: unwritten bytes in "
+                    f"{listed}{more}",
+                    kind="Incomplete",
+                    tensor=next(iter(missing)),
+                )
+            cm, self._cm = self._cm, None
         cm.__exit__(None, None, None)
 
     def abort(self) -> None:
-        """Discard: delete the temporary file; the target is left as it was."""
-        cm, self._cm = self._cm, None
-        if cm is not None:
-            exc = _Discard()
-            with contextlib.suppress(_Discard):
-                cm.__exit__(_Discard, exc, None)
+        """Discard: delete the temporary file; the target is left as it was. Writes in progress
+        in other threads stop at their next chunk (with ``ClosedFileError``) and are waited
+        for, so that none writes after the file is gone."""
+        with self._lock:
+            if self._cm is None:
+                return
+            self._stopping = True
+            while self._inflight:
+                self._idle.wait()
+            cm, self._cm = self._cm, None
+        exc = _Discard()
+        with contextlib.suppress(_Discard):
+            cm.__exit__(_Discard, exc, None)
 
     def __enter__(self) -> StreamingWriter:
         return self
@@ -454,7 +504,9 @@ class ShardedStreamingWriter:
     """Stream a sharded checkpoint: shards planned up front, one writer each, index last.
 
     The split is the hub's (greedy in declaration order; see :mod:`pysafetensors._sharding`),
-    so the result is byte-identical to :func:`~pysafetensors.save_sharded` of the same tensors.
+    so the result is byte-identical to :func:`~pysafetensors.save_sharded` of the same tensors,
+    except for torch tensors that share memory: ``save_sharded`` writes such a group once
+    (recording the dropped names in the metadata), while every declared tensor is written here.
     Each shard's temporary file is created on the first write to it; nothing replaces an
     existing file until :meth:`close` has checked that every byte of every shard was written.
 
@@ -483,9 +535,15 @@ class ShardedStreamingWriter:
     ) -> None:
         self._writers: dict[str, StreamingWriter] = {}
         self._closed = False
+        self._sizes: dict[str, int] = {}
         decls = _declarations(tensors)
         by_name = {d[0]: d for d in decls}
-        sizes = {name: (checked_nbits(shape, dt) or 0) // 8 for name, dt, shape in decls}
+        # The checks a single-file writer makes (sizes that overflow, among others), before any
+        # shard is planned: an overflowing size counted as 0 went unnoticed until another
+        # tensor's shard was opened.
+        checked = {info.name: info.nbytes for info in build_layout(decls, None).tensors}
+        sizes = {name: checked[name] for name, _, _ in decls}  # in declaration order
+        self._sizes = sizes
         plan = split_into_shards(
             sizes,
             get_storage_size=lambda n: n,
@@ -560,10 +618,9 @@ class ShardedStreamingWriter:
             if writer is not None:
                 out.update(writer.missing())
                 continue
-            for name, dtype, shape in decls:
-                size = (checked_nbits(shape, dtype) or 0) // 8
-                if size:
-                    out[name] = size
+            for name, _, _ in decls:
+                if self._sizes[name]:
+                    out[name] = self._sizes[name]
         return out
 
     def close(self) -> None:

@@ -301,11 +301,29 @@ class TorchAdapter:
                 kind="UnknownDtype",
                 tensor=name,
             ) from None
+        if tensor.layout != torch.strided:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` is a {tensor.layout} tensor; make it dense "
+                "with `.to_dense()` before saving",
+                kind="SparseTensor",
+                tensor=name,
+            )
+        if tensor.device.type == "meta":
+            raise SerializeError(
+                f"Cannot copy out of meta tensor `{name}`; it has no data",
+                kind="MetaTensor",
+                tensor=name,
+            )
         shape = tuple(tensor.shape)
         if dtype.bits == 4:
             # float4_e2m1fn_x2 holds two values per element: the logical last dim doubles.
             shape = (*shape[:-1], shape[-1] * 2) if shape else shape
         source = tensor
+        if tensor.is_conj() or tensor.is_neg():
+            # A lazy conjugate or negative view: its memory holds the values before the
+            # conjugation/negation, which is what writing that memory would save (the reference
+            # does: silently wrong values). Resolved into a copy instead.
+            source = tensor.resolve_conj().resolve_neg()
 
         def chunks() -> Iterator[Any]:
             t = source

@@ -31,12 +31,15 @@ from __future__ import annotations
 import fnmatch
 import functools
 import hashlib
+import operator
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias, TypeVar
+
+import numpy as np
 
 from ._errors import SafetensorError
 from ._format import MAX_HEADER_SIZE
@@ -92,8 +95,9 @@ def shard_range(size: int, rank: int, world_size: int, uneven: Uneven = "chunk")
         ``(start, stop)`` with ``0 <= start <= stop <= size``.
 
     Raises:
-        ValueError: Bad rank or world size, unknown ``uneven``, or an uneven split with
+        ValueError: Bad rank, world size or size, unknown ``uneven``, or an uneven split with
             ``uneven="error"``.
+        TypeError: ``rank`` or ``world_size`` is not an int (a bool is not).
 
     Example:
         >>> [shard_range(10, r, 4) for r in range(4)]
@@ -101,8 +105,9 @@ def shard_range(size: int, rank: int, world_size: int, uneven: Uneven = "chunk")
         >>> [shard_range(10, r, 4, "tensor_split") for r in range(4)]
         [(0, 3), (3, 6), (6, 8), (8, 10)]
     """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    _check_group(rank, world_size)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"size must be a non-negative int, got {size!r}")
     if uneven == "chunk":
         block = -(-size // world_size)
         return min(rank * block, size), min((rank + 1) * block, size)
@@ -179,8 +184,8 @@ def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
                 "'replicate' or a dimension number)"
             )
         dim = _SPLIT_NAMES[split]
-    elif isinstance(split, int) and not isinstance(split, bool):
-        dim = split
+    elif not isinstance(split, (bool, np.bool_)) and hasattr(split, "__index__"):
+        dim = operator.index(split)  # numpy integers too
     else:
         raise TypeError(f"tensor {name!r}: a split must be a str or an int, not {split!r}")
     ndim = len(shape)

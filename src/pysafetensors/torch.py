@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -125,13 +125,20 @@ def _filter_shared_not_shared(
     return filtered
 
 
+#: Save errors that ``save_model`` adds its ``force_contiguous`` hint to, as the reference adds
+#: it to its ``ValueError``s (non-contiguous, sparse, not a tensor).
+_CONTIGUITY_HINTED: Final = frozenset({"NonContiguous", "SparseTensor", "InvalidTensor"})
+
+
 def _find_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[set[str]]:
     """Groups of names whose tensors share memory (singletons for the rest)."""
     groups: dict[tuple[Any, int, int], set[str]] = defaultdict(set)
     for name, tensor in state_dict.items():
         if tensor.device != torch.device("meta") and storage_ptr(tensor) and storage_size(tensor):
             groups[(tensor.device, storage_ptr(tensor), storage_size(tensor))].add(name)
-    ordered = sorted(groups.values(), key=lambda s: sorted(s))
+    # The reference's ``sorted`` of the sets, which compares them by inclusion: disjoint groups
+    # keep their first name's order in the dict, and so do its error messages.
+    ordered = sorted(groups.values())
     return _filter_shared_not_shared(ordered, state_dict)
 
 
@@ -309,6 +316,8 @@ def save_model(
     except SharedTensorsError:
         raise
     except SerializeError as exc:
+        if exc.kind not in _CONTIGUITY_HINTED:
+            raise  # a meta tensor or an unstorable dtype: the hint would mislead
         raise SerializeError(
             f"{exc} Or use save_model(..., force_contiguous=True), read the docs for potential "
             "caveats.",

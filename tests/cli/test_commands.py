@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -615,3 +616,66 @@ def test_running_out_of_memory_is_one_line(
     monkeypatch.setattr(_cmd_hash, "run", exhausted)
     r = cli("hash", example)
     assert r.code == 1 and r.err == "error: out of memory\n" and "Traceback" not in r.err
+
+
+def test_diff_compares_integers_exactly(cli, tmp_path: Path) -> None:
+    """float64 holds integers exactly only up to 2**53: 2**53 and 2**53 + 1 compared as floats
+    were 'identical' (exit 0) although the files differ."""
+    save_file({"x": np.array([2**53, 5], np.int64)}, str(tmp_path / "a.safetensors"))
+    save_file({"x": np.array([2**53 + 1, 5], np.int64)}, str(tmp_path / "b.safetensors"))
+    save_file({"x": np.array([2**64 - 1], np.uint64)}, str(tmp_path / "u.safetensors"))
+    save_file({"x": np.array([-1], np.int64)}, str(tmp_path / "i.safetensors"))
+    r = cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--json")
+    assert r.code == 1
+    (tensor,) = r.json()["tensors"]
+    assert tensor["values"]["differing"] == 1 and tensor["values"]["max_abs"] == 1.0
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert cli("diff", a, b, "--atol", "1").code == 0
+    assert cli("diff", tmp_path / "u.safetensors", tmp_path / "i.safetensors").code == 1
+
+
+def test_stats_of_values_near_the_float64_maximum(cli, tmp_path: Path) -> None:
+    save_file({"x": np.array([1.7e308, 1.7e308])}, str(tmp_path / "big.safetensors"))
+    save_file({"x": np.array([-1.7e308, 1.7e308])}, str(tmp_path / "wide.safetensors"))
+    save_file({"x": np.array([1e200, -1e200, 3.0])}, str(tmp_path / "sq.safetensors"))
+    (big,) = cli("stats", tmp_path / "big.safetensors", "--json").json()["tensors"]
+    assert (big["mean"], big["std"]) == (1.7e308, 0.0)
+    (sq,) = cli("stats", tmp_path / "sq.safetensors", "--json").json()["tensors"]
+    assert sq["std"] == pytest.approx(np.std(np.array([1e200, -1e200, 3.0]) / 1e200) * 1e200)
+    r = cli("stats", tmp_path / "wide.safetensors", "--histogram", "4", "--json")
+    assert r.code == 0
+    (wide,) = r.json()["tensors"]
+    assert wide["histogram"]["counts"] == [1, 0, 0, 1]
+    assert wide["histogram"]["edges"][0] == -1.7e308 and wide["histogram"]["edges"][-1] == 1.7e308
+
+
+def test_a_sharded_cast_that_fails_midway_leaves_the_checkpoint(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each cast shard used to be renamed into place as soon as it was written: a failure in a
+    later shard (a full disk) left a checkpoint of mixed dtypes that validated and loaded."""
+    from pysafetensors import save_sharded
+    from pysafetensors._cli import _cmd_cast
+
+    save_sharded({f"t{i}": np.full(1000, i, np.float32) for i in range(3)}, tmp_path / "ck", 5000)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()}
+    real = _cmd_cast.write_file
+    calls = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_cmd_cast, "write_file", failing)
+    assert cli("cast", tmp_path / "ck", tmp_path / "ck", "--to", "F64").code == 2
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before
+    monkeypatch.setattr(_cmd_cast, "write_file", real)
+    assert cli("cast", tmp_path / "ck", tmp_path / "ck", "--to", "F64").code == 0
+    assert all(v.dtype == np.float64 for v in load_file(str(tmp_path / "ck")).values())
+
+
+def test_metadata_reserve_is_checked_before_it_is_allocated(cli, example: Path) -> None:
+    r = cli("metadata", "set", example, "k=" + "v" * 2000, "--reserve", str(1 << 62))
+    assert r.code == 1 and "header too large" in r.err and "memory" not in r.err

@@ -444,3 +444,48 @@ def test_framework_and_f4_spec_errors_match_the_reference(model: Path) -> None:
     mine = _outcome(lambda: pysafetensors.TensorSpec(**spec))
     assert theirs[0] == mine[0] == "error" and mine[2] == theirs[2]
     assert issubclass(mine[1], SafetensorError)
+
+
+def test_lazy_conjugate_and_negative_views_are_saved_with_their_values(tmp_path: Path) -> None:
+    """A view whose memory holds the values before ``conj()``/negation: written as it is (the
+    reference does) the file holds the wrong values; here the view is resolved first."""
+    conj = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    neg = torch.tensor([1.0, 2.0])._neg_view()
+    assert conj.is_conj() and neg.is_neg()
+    loaded = ours_torch.load(ours_torch.save({"c": conj, "n": neg}))
+    assert torch.equal(loaded["c"], conj.resolve_conj())
+    assert loaded["n"].tolist() == [-1.0, -2.0]
+    ours_torch.save_file({"c": conj}, tmp_path / "c.safetensors")
+    assert torch.equal(ref_torch.load_file(tmp_path / "c.safetensors")["c"], conj.resolve_conj())
+
+
+def test_shared_tensor_groups_come_in_the_reference_s_order() -> None:
+    u, v = torch.ones(2), torch.zeros(2)
+    shared = {"z1": u, "z2": u, "a1": v, "a2": v}
+    assert ours_torch._find_shared_tensors(shared) == ref_torch._find_shared_tensors(shared)
+    theirs = _outcome(lambda: ref_torch.save(shared))
+    mine = _outcome(lambda: ours_torch.save(shared))
+    assert mine[2] == theirs[2]
+    w, x = torch.zeros(4), torch.ones(4)
+    partial = {"z1": w[:2], "z2": w[1:], "a": x[:2]}
+    theirs = _outcome(lambda: ref_torch._remove_duplicate_names(partial))
+    mine = _outcome(lambda: ours_torch._remove_duplicate_names(partial))
+    assert mine[2] == theirs[2]
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # inside the reference
+def test_save_model_hints_at_force_contiguous_only_where_it_helps(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        meta_model = torch.nn.Linear(2, 2)
+    with pytest.raises(SafetensorError) as info:
+        ours_torch.save_model(meta_model, tmp_path / "m.safetensors")
+    assert "force_contiguous" not in str(info.value) and info.value.kind == "MetaTensor"
+    sparse = torch.nn.Module()
+    sparse.register_buffer("s", torch.ones(2).to_sparse())
+    theirs = _outcome(
+        lambda: ref_torch.save_model(sparse, tmp_path / "r.safetensors", force_contiguous=False)
+    )
+    mine = _outcome(
+        lambda: ours_torch.save_model(sparse, tmp_path / "s.safetensors", force_contiguous=False)
+    )
+    assert "force_contiguous=True" in mine[2] and mine[2] == theirs[2]

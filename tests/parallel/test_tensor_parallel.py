@@ -283,3 +283,18 @@ def test_rank_and_world_size_checked_before_anything(tmp_path: Path) -> None:
     missing = tmp_path / "missing.safetensors"
     with pytest.raises(ValueError, match="rank 3"):
         load_shard(missing, 3, 2, {})  # refused before the file is opened
+
+
+def test_shard_range_checks_its_arguments_as_plan_shard_does() -> None:
+    from pysafetensors.parallel import plan_shard, shard_range
+
+    for size in (-5, 10.0):
+        with pytest.raises(ValueError, match="size must be a non-negative int"):
+            shard_range(size, 0, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="world_size must be an int"):
+        shard_range(10, 0, True)
+    with pytest.raises(ValueError, match="size must be a non-negative int"):
+        plan_shard({"a": [-5]}, 0, 2, {"a": "rows"})
+    # A numpy integer names a dimension as an int does.
+    spec = plan_shard({"a": [4, 6]}, 1, 2, {"a": np.int64(1)})["a"]
+    assert (spec.dim, spec.start, spec.stop) == (1, 3, 6)

@@ -9,8 +9,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +25,7 @@ from pysafetensors import (
     StreamingWriter,
     save_sharded,
 )
-from pysafetensors.numpy import save_file
+from pysafetensors.numpy import load_file, save_file
 
 from .conftest import assert_same_tree
 
@@ -366,3 +369,90 @@ def test_a_repeated_declaration_is_refused_by_both_writers(tmp_path: Path) -> No
             make()
         assert info.value.kind == "DuplicateName"
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def _slow_pwrites(monkeypatch: pytest.MonkeyPatch, started: threading.Event) -> None:
+    from pysafetensors import _streaming
+
+    original = _streaming.StreamingWriter._pwrite_all
+
+    def slow(fd: int, view: memoryview, pos: int) -> None:
+        started.set()
+        time.sleep(0.2)
+        original(fd, view, pos)
+
+    monkeypatch.setattr(_streaming.StreamingWriter, "_pwrite_all", staticmethod(slow))
+
+
+def test_close_waits_for_a_write_in_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The range of a write is reserved before its bytes are written: close() in another
+    thread committed the file without them (zeros), and the write then went to whatever file
+    reused the closed descriptor."""
+    w = StreamingWriter(tmp_path / "x.safetensors", {"a": ("F32", (4,))})
+    started = threading.Event()
+    _slow_pwrites(monkeypatch, started)
+    writer = threading.Thread(target=lambda: w.write("a", np.arange(4, dtype=np.float32)))
+    writer.start()
+    assert started.wait(10)
+    w.close()  # waits for the write
+    writer.join()
+    assert load_file(str(tmp_path / "x.safetensors"))["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_abort_stops_a_write_in_progress_and_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = np.asfortranarray(np.ones((64, 64), np.float32))  # written in several pieces
+    w = StreamingWriter(tmp_path / "x.safetensors", {"a": ("F32", (64, 64))})
+    started = threading.Event()
+    _slow_pwrites(monkeypatch, started)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            w.write("a", values)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert started.wait(10)
+    w.abort()
+    writer.join()
+    # Stopped at its next piece (ClosedFileError), or finished its only piece first; never a
+    # write to a closed (or reused) descriptor.
+    assert all(isinstance(e, ClosedFileError) for e in errors), errors
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ClosedFileError):
+        w.write("a", values)
+
+
+@pytest.mark.parametrize("declared", [5, "F32", ("F32", 3), ("F32",), None])
+def test_malformed_declarations_name_the_tensor(tmp_path: Path, declared: Any) -> None:
+    for make in (StreamingWriter, ShardedStreamingWriter):
+        with pytest.raises(SerializeError, match="tensor `a`") as info:
+            make(tmp_path / "out", {"a": declared})
+        assert info.value.kind == "TensorInvalidInfo"
+    assert os.listdir(tmp_path) == []
+
+
+def test_sharded_writer_refuses_sizes_that_overflow_at_once(tmp_path: Path) -> None:
+    with pytest.raises(SerializeError, match="overflow") as info:
+        ShardedStreamingWriter(tmp_path / "d", {"a": ("F32", (2**62, 4)), "b": ("F32", (2,))})
+    assert info.value.tensor == "a"
+    assert not (tmp_path / "d").exists()
+
+
+def test_meta_and_sparse_writes_are_serialize_errors(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    with StreamingWriter(tmp_path / "x.safetensors", {"a": ("F32", (2,))}) as w:
+        for bad, kind in (
+            (torch.ones(2, device="meta"), "MetaTensor"),
+            (torch.ones(2).to_sparse(), "SparseTensor"),
+        ):
+            with pytest.raises(SerializeError, match="`a`") as info:
+                w.write("a", bad)
+            assert info.value.kind == kind
+        w.write("a", torch.ones(2))

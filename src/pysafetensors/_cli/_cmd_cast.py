@@ -24,7 +24,7 @@ import numpy as np
 
 from .._adapter import numpy_dtype
 from .._dtypes import DType, dtype_from_code
-from .._writer import TensorData, write_file
+from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from ._common import (
     Model,
     TensorRef,
@@ -151,13 +151,22 @@ def run(args: argparse.Namespace) -> int:
             else:
                 os.makedirs(args.output, exist_ok=True)
                 data_bytes = {}
-                for f in model.files:
-                    layout = write_file(
-                        os.path.join(args.output, f.label), plan[f.label], f.header.metadata
-                    )
-                    written += layout.file_size
-                    data_bytes[f.label] = layout.data_size
-                _write_index(model, args.output, data_bytes)
+                index = _index_target(model, args.output)
+                # Every shard and the index are renamed into place together once all are
+                # written (as sharded saves are): a cast that fails midway, into its own folder
+                # above all, leaves the earlier checkpoint whole instead of a mix of dtypes.
+                with SaveGroup(seal=index) as group:
+                    for f in model.files:
+                        layout = write_file(
+                            os.path.join(args.output, f.label),
+                            plan[f.label],
+                            f.header.metadata,
+                            group=group,
+                        )
+                        written += layout.file_size
+                        data_bytes[f.label] = layout.data_size
+                    if index is not None:
+                        _write_index(model, index, data_bytes, group)
         before = sum(t.nbytes for t in model.tensors.values())
         after = sum(data_bytes.values())
         converted = sum(
@@ -172,16 +181,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_index(model: Model, folder: str, data_bytes: dict[str, int]) -> None:
+def _index_target(model: Model, folder: str) -> str | None:
+    """Where the output's index goes (named as the source's), or None without one."""
     index_path = model.located.index_path
     if index_path is None:
-        return
+        return None
+    return os.path.join(folder, index_path.rsplit("/", 1)[-1])
+
+
+def _write_index(model: Model, path: str, data_bytes: dict[str, int], group: SaveGroup) -> None:
     index = dict(model.located.index or {})
     meta = dict(index.get("metadata") or {})
     meta["total_size"] = sum(data_bytes.values())
     index["metadata"] = meta
-    name = index_path.rsplit("/", 1)[-1]
-    from .._writer import atomic_output
-
-    with atomic_output(os.path.join(folder, name)) as fd:
-        os.write(fd, (json.dumps(index, indent=2) + "\n").encode("utf-8"))
+    with atomic_output(path, group=group) as fd:
+        view = memoryview((json.dumps(index, indent=2) + "\n").encode("utf-8"))
+        while view:
+            view = view[os.write(fd, view) :]

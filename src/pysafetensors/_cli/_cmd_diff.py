@@ -70,6 +70,37 @@ def _element_chunks(ref: TensorRef) -> Iterator[np.ndarray]:
         yield buf
 
 
+def _integer(code: str) -> bool:
+    return code[0] in "IU"
+
+
+def _integer_differences(
+    ia: np.ndarray, ib: np.ndarray, atol: float, rtol: float
+) -> tuple[int, float, float, int]:
+    """Differing count, max abs and rel difference, and count outside tolerance, exactly.
+
+    float64 holds integers exactly only up to 2**53 (``2**53`` and ``2**53 + 1`` compared as
+    floats are equal), so integer tensors are compared as integers, and the differing elements
+    (usually few) measured with Python's exact integers.
+    """
+    if ia.dtype == ib.dtype or np.promote_types(ia.dtype, ib.dtype) != np.float64:
+        ne = ia != ib
+    else:
+        # uint64 against a signed type promotes to float64 in numpy: compare through Python.
+        pairs = zip(ia.tolist(), ib.tolist(), strict=True)
+        ne = np.array([int(x) != int(y) for x, y in pairs], bool)
+    n_ne = int(ne.sum())
+    if not n_ne:
+        return 0, 0.0, 0.0, 0
+    xa, xb = ia[ne].tolist(), ib[ne].tolist()
+    diffs = [abs(int(x) - int(y)) for x, y in zip(xa, xb, strict=True)]
+    big = float(max(diffs))
+    rel = max((d / abs(y) if y else math.inf) for d, y in zip(diffs, xb, strict=True))
+    # Python compares an int with a float exactly.
+    out = sum(1 for d, y in zip(diffs, xb, strict=True) if d > atol + rtol * abs(y))
+    return n_ne, big, rel, out
+
+
 def compare_values(
     a: TensorRef, b: TensorRef, atol: float, rtol: float, progress: Callable[[int], None]
 ) -> dict[str, Any]:
@@ -86,6 +117,15 @@ def compare_values(
             if same_dtype and np.array_equal(raw_a, raw_b):
                 continue
             identical = False
+            if _integer(a.dtype.code) and _integer(b.dtype.code):
+                n_ne, big, rel_big, out = _integer_differences(
+                    decode(a.dtype, raw_a), decode(b.dtype, raw_b), atol, rtol
+                )
+                differ += n_ne
+                outside += out
+                max_abs = max(max_abs, big)
+                max_rel = max(max_rel, rel_big)
+                continue
             va = to_float64(decode(a.dtype, raw_a))
             vb = to_float64(decode(b.dtype, raw_b))
             # Equal: same value, same-sign infinities, or NaN against NaN (whatever payload).

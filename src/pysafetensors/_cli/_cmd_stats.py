@@ -58,6 +58,10 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+#: Magnitude from which running sums are taken over scaled values (below it, as they are).
+_SCALE_FROM: Final = 1e150
+
+
 @dataclass(slots=True)
 class Summary:
     """Running statistics of one tensor."""
@@ -72,6 +76,10 @@ class Summary:
     inf: int = 0
     zeros: int = 0
     histogram: dict[str, list[float]] | None = field(default=None)
+    scale: float = 1.0
+    """``m2`` is kept divided by ``scale**2``, and sums are taken over values divided by it:
+    finite float64 values near the type's maximum overflowed the mean and the sum of squares
+    (two values of 1.7e308 gave a mean of inf and a std of NaN)."""
 
     def add(self, values: np.ndarray) -> None:
         """Merge a chunk of float64 values (Chan et al.'s pairwise update)."""
@@ -85,14 +93,21 @@ class Summary:
         n = finite.size
         if not n:
             return
-        mean = float(finite.mean())
-        m2 = float(((finite - mean) ** 2).sum())
-        self.min = min(self.min, float(finite.min()))
-        self.max = max(self.max, float(finite.max()))
+        lo, hi = float(finite.min()), float(finite.max())
+        self.min = min(self.min, lo)
+        self.max = max(self.max, hi)
+        big = max(abs(lo), abs(hi))
+        if big > max(self.scale, _SCALE_FROM):
+            self.m2 *= (self.scale / big) ** 2
+            self.scale = big
+        scale = self.scale
+        scaled = finite / scale if scale != 1.0 else finite
+        mean_s = float(scaled.mean())
+        m2 = float(((scaled - mean_s) ** 2).sum())
         total = self.finite + n
-        delta = mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += m2 + delta * delta * self.finite * n / total
+        delta_s = mean_s - self.mean / scale
+        self.mean += delta_s * n / total * scale
+        self.m2 += m2 + delta_s * delta_s * self.finite * n / total
         self.finite = total
 
     def as_dict(self) -> dict[str, Any]:
@@ -103,7 +118,7 @@ class Summary:
             "min": self.min if has else None,
             "max": self.max if has else None,
             "mean": self.mean if has else None,
-            "std": math.sqrt(self.m2 / self.finite) if has else None,
+            "std": self.scale * math.sqrt(self.m2 / self.finite) if has else None,
             "nan": self.nan,
             "inf": self.inf,
             "zeros": self.zeros,
@@ -129,7 +144,11 @@ def tensor_stats(ref: TensorRef, bins: int | None, progress: Callable[[int], Non
         if bins and s.finite:
             lo, hi = s.min, s.max
             counts = np.zeros(bins, np.int64)
-            edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+            top = hi if hi > lo else lo + 1.0
+            if math.isfinite(top - lo):
+                edges = np.linspace(lo, top, bins + 1)
+            else:  # the range itself overflows: halve the ends (exact), space, double back
+                edges = np.linspace(lo / 2, top / 2, bins + 1) * 2
             for nbytes, values in _values(ref):
                 finite = values[np.isfinite(values)]
                 counts += np.histogram(finite, bins=edges)[0]
