@@ -20,7 +20,7 @@ import numpy as np
 
 from ._devices import Device, parse_device
 from ._dtypes import DType, dtype_from_name
-from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError, not_an_instance
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -309,8 +309,7 @@ def get_adapter(framework: str) -> Adapter:
         ModuleNotFoundError: The framework is not installed.
     """
     if not isinstance(framework, str):
-        what = "'None' is" if framework is None else f"'{type(framework).__name__}' object is"
-        raise TypeError(f"argument 'framework': {what} not an instance of 'str'")
+        raise not_an_instance("framework", framework)
     if framework not in _ADAPTER_MODULES:
         raise SafetensorError(f"framework {framework} is invalid", kind="InvalidFramework")
     module_name = _ADAPTER_MODULES[framework]

@@ -286,3 +286,10 @@ def write_error(exc: OSError, path: str | None = None) -> WriteError:
     err = cls(f"Error while serializing: I/O error: {reason}{code}{at}", kind="IoError")
     err.errno, err.strerror, err.filename = exc.errno, exc.strerror, where
     return err
+
+
+def not_an_instance(argument: str, value: object, expected: str = "str") -> TypeError:
+    """The reference's error for an argument of the wrong type, word for word (its bindings'
+    text: ``'None' is`` for None, ``'int' object is`` for anything else)."""
+    what = "'None' is" if value is None else f"'{type(value).__name__}' object is"
+    return TypeError(f"argument '{argument}': {what} not an instance of '{expected}'")

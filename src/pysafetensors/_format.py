@@ -74,6 +74,7 @@ from ._errors import (
     SafetensorError,
     SerializeError,
     TensorInfoError,
+    not_an_instance,
 )
 
 __all__ = [
@@ -1093,17 +1094,12 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
-        raise TypeError(
-            f"argument 'metadata': '{type(metadata).__name__}' object is not an instance of 'dict'"
-        )
+        raise not_an_instance("metadata", metadata, "dict")
     out: dict[str, str] = {}
     for key, value in metadata.items():
         for item in (key, value):
             if not isinstance(item, str):
-                raise TypeError(
-                    f"argument 'metadata': '{type(item).__name__}' object is not an instance of "
-                    "'str'"
-                )
+                raise not_an_instance("metadata", item)
         out[key] = value
     return out
 

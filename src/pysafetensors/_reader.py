@@ -29,6 +29,7 @@ from ._errors import (
     SliceError,
     TensorInfoError,
     TensorNotFoundError,
+    not_an_instance,
 )
 from ._format import (
     HEADER_PREFIX,
@@ -266,6 +267,8 @@ class safe_open:  # noqa: N801 - the reference's name
         slice_reads: str = "coalesce",
     ) -> None:
         self._source: ByteSource | None = None
+        if not isinstance(backend, str):
+            raise not_an_instance("backend", backend)
         if backend not in BACKENDS:
             raise SafetensorError(
                 f'backend "{backend}" is invalid (expected one of: "mmap", "pread")',
@@ -828,9 +831,7 @@ def check_tensor_name(name: object) -> None:
         TypeError: ``name`` is not a ``str``.
     """
     if not isinstance(name, str):
-        raise TypeError(
-            f"argument 'name': '{type(name).__name__}' object is not an instance of 'str'"
-        )
+        raise not_an_instance("name", name)
 
 
 def byte_selection(

@@ -489,3 +489,15 @@ def test_save_model_hints_at_force_contiguous_only_where_it_helps(tmp_path: Path
         lambda: ours_torch.save_model(sparse, tmp_path / "s.safetensors", force_contiguous=False)
     )
     assert "force_contiguous=True" in mine[2] and mine[2] == theirs[2]
+
+
+def test_none_arguments_have_the_reference_s_type_errors(model: Path) -> None:
+    calls = [
+        (lambda m: m.load_file(model, backend=None), "load_file"),
+        (lambda m: m.save({"a": torch.ones(1)}, metadata={"k": None}), "save"),
+        (lambda m: m.save({"a": torch.ones(1)}, metadata={"k": 1}), "save"),
+    ]
+    for call, _ in calls:
+        theirs = _outcome(lambda c=call: c(ref_torch))
+        mine = _outcome(lambda c=call: c(ours_torch))
+        assert mine == theirs and mine[1] is TypeError
