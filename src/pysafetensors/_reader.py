@@ -409,7 +409,13 @@ class safe_open:  # noqa: N801 - the reference's name
             TensorNotFoundError: No tensor of that name.
             ClosedFileError: The handle was closed.
         """
-        source = self._live()
+        # The source is held for the whole read: a close() from another thread meanwhile
+        # waits for it (it emptied a mapping under a read in progress, which then returned
+        # uninitialised memory instead of raising).
+        with self._lease as source:
+            return self._get_tensor(source, name)
+
+    def _get_tensor(self, source: ByteSource, name: str) -> Any:
         info = self._info(name)
         check_representable(info.shape, info.dtype, info.name)
         staged = self._to_device(source, [info])
@@ -427,7 +433,10 @@ class safe_open:  # noqa: N801 - the reference's name
         a view of the one mapping. Either way the views are built in one pass over the header
         (see :meth:`_views`), which keeps files of thousands of small tensors cheap.
         """
-        source = self._live()
+        with self._lease as source:  # held for the whole read, as in get_tensor
+            return self._get_tensors(source)
+
+    def _get_tensors(self, source: ByteSource) -> dict[str, Any]:
         header = self._header
         tensors = header.tensors
         if not tensors:
@@ -504,7 +513,12 @@ class safe_open:  # noqa: N801 - the reference's name
         bytes, instead of reading whole rows (by positioned reads where the file cannot be
         mapped).
         """
-        source = self._live()
+        with self._lease as source:  # held for the whole read, as in get_tensor
+            return self._read_slices_from(source, requests, map_fragmented)
+
+    def _read_slices_from(
+        self, source: ByteSource, requests: list[tuple[str, Any]], map_fragmented: bool
+    ) -> dict[str, Any]:
         maps: list[ByteSource] = []
 
         def fragmented_source() -> ByteSource:

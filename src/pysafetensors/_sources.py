@@ -493,7 +493,10 @@ def read_runs_fresh(
     """
     offsets, total = lay_out_runs(runs, align)
     region = _huge_region(total)
-    buf = region.array() if region is not None else _numpy_empty(total, False)
+    # Without a probed region: numpy's own huge pages where asked for (True), else 4 KiB pages.
+    buf = (
+        region.array() if region is not None else _numpy_empty(total, HUGEPAGE_DESTINATIONS is True)
+    )
     pieces = run_pieces(runs, offsets, PARALLEL_CHUNK)
     view = buf.data.cast("B")
 
@@ -751,6 +754,9 @@ class PreadSource:
         with self._exact_lock:
             if self._exact is None:
                 self._exact = self._reopen_random() or self
+            # The handle's threads= may be set after the reopen (read_header makes it first).
+            self._exact.threads = self.threads
+            self._exact.chunk_size = self.chunk_size
             return self._exact
 
     def _reopen_random(self) -> PreadSource | None:
@@ -918,8 +924,14 @@ class MmapSource:
 
     def view(self, offset: int, length: int) -> memoryview | None:
         _check_range(self, offset, length)
+        self._closed_check(length)
         self._check_not_truncated(offset, length)
         return self._view[offset : offset + length]
+
+    def _closed_check(self, length: int) -> None:
+        # A closed source has an empty view: slicing it would hand out 0 bytes for a tensor.
+        if self._map is None and length:
+            raise ClosedFileError("File is closed", kind="FileClosed")
 
     def private_view(self, offset: int, length: int) -> memoryview | None:
         """Like :meth:`view`, over a new copy-on-write mapping of the range: writes through it
@@ -928,13 +940,13 @@ class MmapSource:
         None for a closed source (as :meth:`view` would fail for it).
         """
         _check_range(self, offset, length)
+        self._closed_check(length)
         self._check_not_truncated(offset, length)
-        if self._fd < 0 or length == 0:
+        fd = self._fd  # once: a concurrent close() sets it to -1
+        if fd < 0 or length == 0:
             return self.view(offset, length)
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(
-            self._fd, offset + length - start, access=mmap.ACCESS_COPY, offset=start
-        )
+        mapping = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_COPY, offset=start)
         return memoryview(mapping)[offset - start :]
 
     def prefetch(self, offset: int, length: int) -> bool:

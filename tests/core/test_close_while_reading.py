@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -89,3 +91,45 @@ def test_close_racing_readers_never_returns_another_files_bytes(
         churner.join()
     assert wrong == []
     assert outcomes["ok"] + outcomes["closed"] == 40 * 6
+
+
+@pytest.mark.parametrize("framework", ["pt", "np"])
+def test_close_during_a_mapped_get_tensor_waits_for_it(
+    tmp_path: Path, framework: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() from another thread emptied the mapping under a get_tensor in progress, which
+    then returned uninitialised memory (torch) or zeros (numpy, >= 1 MiB) instead of the data."""
+    from pysafetensors import _reader
+
+    values = np.arange(512 * 512, dtype=np.float32).reshape(512, 512) + 1
+    path = tmp_path / "m.safetensors"
+    save_file({"w": values}, str(path))
+    entered = threading.Event()
+    original = _reader.safe_open._raw
+
+    def slow_raw(self: Any, source: Any, info: Any) -> Any:
+        entered.set()
+        time.sleep(0.2)
+        return original(self, source, info)
+
+    monkeypatch.setattr(_reader.safe_open, "_raw", slow_raw)
+    f = safe_open(path, framework, backend="mmap")
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(f.get_tensor("w")))
+    reader.start()
+    assert entered.wait(10)
+    f.close()
+    reader.join()
+    assert np.array_equal(np.asarray(got[0]), values)
+    with pytest.raises(ClosedFileError):
+        f.get_tensor("w")
+
+
+def test_a_closed_mapping_refuses_views_instead_of_handing_out_nothing(tmp_path: Path) -> None:
+    save_file({"w": np.ones((512, 512), np.float32)}, str(tmp_path / "m.safetensors"))
+    f = safe_open(tmp_path / "m.safetensors", "np", backend="mmap")
+    source = f._source
+    f.close()
+    for call in (lambda: source.view(8, 1024), lambda: source.private_view(8, 1 << 20)):
+        with pytest.raises(ClosedFileError):
+            call()

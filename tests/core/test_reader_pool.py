@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pysafetensors import _sources
+from pysafetensors import _sources, safe_open
 from pysafetensors._sources import PreadSource, run_parallel
+from pysafetensors.numpy import save_file
 
 
 @pytest.fixture(autouse=True)
@@ -364,3 +365,33 @@ def test_huge_thread_counts_are_capped() -> None:
     run_parallel(item, range(500), 10**6)
     assert len(seen) <= _sources.MAX_READ_THREADS
     assert _sources.reader_thread_count() <= _sources.MAX_READ_THREADS
+
+
+@pytest.mark.parametrize("threads", [1, 2, 17])
+def test_threads_reach_the_partial_read_source(tmp_path: Path, threads: int) -> None:
+    """Split slices read through a second descriptor (readahead off), made while the header
+    was read, before threads= was applied: it kept the default count."""
+    save_file({"w": np.zeros((100, 60), np.int32)}, str(tmp_path / "m.safetensors"))
+    with safe_open(tmp_path / "m.safetensors", "np", backend="pread", threads=threads) as f:
+        source = f._source
+        assert source.threads == source.without_readahead().threads == threads
+        assert f.get_slice("w")[:, :30].shape == (100, 30)
+
+
+def test_hugepage_destinations_true_reaches_batched_part_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pysafetensors.parallel import load_shard
+
+    save_file({"w": np.ones((64, 1024), np.float32)}, str(tmp_path / "m.safetensors"))
+    asked: list[bool] = []
+    real = _sources._numpy_empty
+
+    def spy(nbytes: int, hugepages: bool) -> np.ndarray:
+        asked.append(hugepages)
+        return real(nbytes, hugepages)
+
+    monkeypatch.setattr(_sources, "_numpy_empty", spy)
+    monkeypatch.setattr(_sources, "HUGEPAGE_DESTINATIONS", True)
+    part = load_shard(tmp_path / "m.safetensors", 0, 2, {"w": "rows"}, framework="np")
+    assert part["w"].shape == (32, 1024) and asked and all(asked)
