@@ -187,6 +187,29 @@ def _as_bytes(out: memoryview) -> memoryview:
     return out if out.format == "B" and out.ndim == 1 else out.cast("B")
 
 
+def _refused_request(exc: Exception, headers: Mapping[str, str]) -> str:
+    """Why http.client refused to send a request, without the header values it quotes."""
+    bad = [k for k, v in headers.items() if not _sendable_header(k, v)]
+    if bad:
+        return (
+            f"the value of header {', '.join(map(repr, bad))} has a line break or a character "
+            "outside Latin-1"
+        )
+    if isinstance(exc, http.client.InvalidURL):
+        return "the URL is not valid"
+    return f"{type(exc).__name__} (the request's headers or URL)"
+
+
+def _sendable_header(name: str, value: str) -> bool:
+    try:
+        name.encode("latin-1")
+        str(value).encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    text = f"{name}{value}"
+    return "\r" not in text and "\n" not in text
+
+
 def _redact(url: str) -> str:
     """Drop credentials and the query string (signed URLs carry secrets there).
 
@@ -941,11 +964,13 @@ class HTTPSource(RemoteSource):
                 resp = conn.getresponse()
             except (http.client.InvalidURL, ValueError) as exc:
                 # http.client refused what we would send (a header value with a line break, a
-                # character outside Latin-1): no retry can fix that.
+                # character outside Latin-1): no retry can fix that. Its message quotes the
+                # offending value, which may be a credential: name the headers, not the values.
                 conn.close()
                 raise RemoteError(
-                    f"{self._name}: cannot send the request: {exc}", kind="InvalidRequest"
-                ) from exc
+                    f"{self._name}: cannot send the request: {_refused_request(exc, headers)}",
+                    kind="InvalidRequest",
+                ) from None
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 if reused and isinstance(exc, _STALE):

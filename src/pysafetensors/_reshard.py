@@ -29,7 +29,7 @@ from typing import Any, Final
 from ._errors import SafetensorError
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
 from ._reader import open_source_for
-from ._sharded import ShardedSafeOpen, _is_url, is_index_path
+from ._sharded import ShardedSafeOpen, _is_url, _shown, is_index_path
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
@@ -135,11 +135,19 @@ def _copy_from_source(source: ByteSource, src_off: int, dst_fd: int, dst_off: in
 class _Sources:
     """Source shards, each opened once for reading: an fd for local files, else a ByteSource."""
 
-    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        storage_options: dict[str, Any] | None = None,
+        remote_source: Callable[[str], ByteSource] | None = None,
+    ) -> None:
         self._fds: dict[str, int] = {}
         self._remote: dict[str, ByteSource] = {}
         # For remote shards: the same headers/endpoint the index was read with.
         self._storage_options = storage_options
+        # The source a remote shard's header was read through (its version pinned by ETag):
+        # a second connection opened here learnt the object anew, so a shard replaced
+        # mid-copy was read at the old header's offsets, silently.
+        self._remote_source = remote_source
 
     def open_all(self, paths: Iterable[str]) -> None:
         """Open every local source now: an output that replaces a source (resharding in
@@ -152,6 +160,9 @@ class _Sources:
         if not n:
             return
         if "://" in path:
+            if self._remote_source is not None:
+                _copy_from_source(self._remote_source(path), src_off, dst_fd, dst_off, n)
+                return
             source = self._remote.get(path)
             if source is None:
                 source = self._remote[path] = open_source_for(path, "pread", self._storage_options)
@@ -214,7 +225,7 @@ def _refuse_output_over_source(
             and _same_file(out, folder)
         ):
             raise SafetensorError(
-                f"{op}: the output folder {out!r} holds the source checkpoint {src.path!r}; "
+                f"{op}: the output folder {out!r} holds the source checkpoint {_shown(src.path)}; "
                 "writing there would replace it with part of it. Write to another folder.",
                 kind="OutputIsSource",
             )
@@ -300,7 +311,7 @@ def _rewrite(
             count += n
         meta = {"total_parameters": count, **meta}
     state = [0, sum(sizes.values())]
-    sources = _Sources(storage_options)
+    sources = _Sources(storage_options, src._source_at)
     try:
         sources.open_all(src.files())
         if max_shard_size is None:
@@ -554,7 +565,8 @@ def extract(
         names = select_names(_source_order(src), pats, regex=regex)
         if not names:
             raise SafetensorError(
-                f"no tensor of {src.path!r} matches {', '.join(map(repr, pats))}", kind="NoMatch"
+                f"no tensor of {_shown(src.path)} matches {', '.join(map(repr, pats))}",
+                kind="NoMatch",
             )
         _refuse_output_over_source(
             src, out, op="extract", sharded=max_shard_size is not None, whole=False

@@ -37,7 +37,8 @@ from ._reader import (
     open_source_for,
     safe_open,
 )
-from ._remote import url_dirname, url_join, url_path
+from ._remote import _redact, url_dirname, url_join, url_path
+from ._sources import ByteSource
 
 __all__ = [
     "INDEX_NAME",
@@ -69,6 +70,12 @@ class MissingShardError(SafetensorError, FileNotFoundError):
 
 def _is_url(path: str) -> bool:
     return "://" in path
+
+
+def _shown(path: str) -> str:
+    """A path or URL for an error message: a URL without its credentials and query string
+    (user:password, a signed URL's signature)."""
+    return repr(_redact(path) if _is_url(path) else path)
 
 
 def _join(base: str, name: str) -> str:
@@ -105,13 +112,15 @@ def resolve_checkpoint(path: str) -> tuple[str, bool]:
         return os.path.join(path, files[0]), False
     if not indexes and not files:
         raise MissingShardError(
-            f"no safetensors checkpoint in folder {path!r}: expected {INDEX_NAME}, {SINGLE_NAME}, "
+            f"no safetensors checkpoint in folder {_shown(path)}: expected {INDEX_NAME}, "
+            f"{SINGLE_NAME}, "
             "a single *.safetensors.index.json or a single *.safetensors",
             kind="NoCheckpoint",
         )
     found = ", ".join(indexes + files)
     raise ShardIndexError(
-        f"folder {path!r} holds several checkpoints and no {INDEX_NAME} or {SINGLE_NAME} says "
+        f"folder {_shown(path)} holds several checkpoints and no {INDEX_NAME} or {SINGLE_NAME} "
+        "says "
         f"which to open: {found}; pass the index or file path instead",
         kind="AmbiguousFolder",
     )
@@ -139,7 +148,7 @@ def _read_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes:
     try:
         if source.size > MAX_INDEX_SIZE:
             raise ShardIndexError(
-                f"index {path!r} is {source.size} bytes; the limit is {MAX_INDEX_SIZE}",
+                f"index {_shown(path)} is {source.size} bytes; the limit is {MAX_INDEX_SIZE}",
                 kind="InvalidIndex",
             )
         buf = bytearray(source.size)
@@ -160,18 +169,18 @@ def _parse_index(
         # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise ShardIndexError(
-            f"index {path!r} is not valid JSON: {why}", kind="InvalidIndex"
+            f"index {_shown(path)} is not valid JSON: {why}", kind="InvalidIndex"
         ) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise ShardIndexError(
-            f'index {path!r} must be a JSON object with a "weight_map" object',
+            f'index {_shown(path)} must be a JSON object with a "weight_map" object',
             kind="InvalidIndex",
         )
     weight_map: dict[str, str] = {}
     for tensor, shard in obj["weight_map"].items():
         if not isinstance(shard, str):
             raise ShardIndexError(
-                f"index {path!r}: weight_map[{tensor!r}] must be a file name, got "
+                f"index {_shown(path)}: weight_map[{tensor!r}] must be a file name, got "
                 f"{type(shard).__name__}",
                 kind="InvalidIndex",
                 tensor=tensor,
@@ -181,7 +190,7 @@ def _parse_index(
     metadata = obj.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise ShardIndexError(
-            f'index {path!r}: "metadata" must be an object, got {type(metadata).__name__}',
+            f'index {_shown(path)}: "metadata" must be an object, got {type(metadata).__name__}',
             kind="InvalidIndex",
         )
     return weight_map, metadata
@@ -255,7 +264,7 @@ class ShardedSafeOpen:
                     if not os.path.isfile(self._shard_path(shard)):
                         example = next(t for t, s in self._weight_map.items() if s == shard)
                         raise MissingShardError(
-                            f"index {target!r} places tensors (e.g. {example!r}) in shard "
+                            f"index {_shown(target)} places tensors (e.g. {example!r}) in shard "
                             f"{shard!r}, which does not exist in {self._base!r}",
                             kind="MissingShard",
                             tensor=example,
@@ -354,7 +363,10 @@ class ShardedSafeOpen:
             except HeaderError as exc:
                 # The header's own message says what is wrong, not in which of the shards.
                 raise type(exc)(
-                    f"shard {path!r}: {exc}", kind=exc.kind, tensor=exc.tensor, offset=exc.offset
+                    f"shard {_shown(path)}: {exc}",
+                    kind=exc.kind,
+                    tensor=exc.tensor,
+                    offset=exc.offset,
                 ) from exc
             try:
                 if validate:
@@ -371,26 +383,34 @@ class ShardedSafeOpen:
             placed = self._weight_map.get(name)
             if placed is None:
                 raise ShardIndexError(
-                    f"shard {shard!r} holds tensor {name!r}, which index {self._path!r} does "
+                    f"shard {shard!r} holds tensor {name!r}, which index {_shown(self._path)} does "
                     "not list",
                     kind="UnindexedTensor",
                     tensor=name,
                 )
             if placed != shard:
                 raise ShardIndexError(
-                    f"tensor {name!r} is in shard {shard!r} but index {self._path!r} places it "
-                    f"in {placed!r}",
+                    f"tensor {name!r} is in shard {shard!r} but index {_shown(self._path)} places "
+                    f"it in {placed!r}",
                     kind="TensorInTwoShards",
                     tensor=name,
                 )
         for name, placed in self._weight_map.items():
             if placed == shard and name not in present:
                 raise ShardIndexError(
-                    f"index {self._path!r} places tensor {name!r} in shard {shard!r}, which "
+                    f"index {_shown(self._path)} places tensor {name!r} in shard {shard!r}, which "
                     "does not contain it",
                     kind="TensorNotInShard",
                     tensor=name,
                 )
+
+    def _source_at(self, path: str) -> ByteSource:
+        """The open source of the shard at ``path`` (as :meth:`files` names it): the one its
+        header was read through, so its bytes are that version's."""
+        for shard in self._shards:
+            if self._shard_path(shard) == path:
+                return self._open_shard(shard)._live()
+        raise KeyError(path)
 
     def _locate(self, name: str) -> tuple[str, int, TensorInfo]:
         """Where a tensor's bytes are: ``(shard path, file offset, header entry)``."""
@@ -439,7 +459,7 @@ class ShardedSafeOpen:
                 declared = -1
             if declared != data_bytes or isinstance(total, bool):
                 raise ShardIndexError(
-                    f"index {self._path!r} declares total_size {total!r} but its shards hold "
+                    f"index {_shown(self._path)} declares total_size {total!r} but its shards hold "
                     f"{data_bytes} bytes of tensor data",
                     kind="TotalSizeMismatch",
                 )

@@ -494,3 +494,41 @@ def test_unknown_storage_options_are_named(server: RangeServer) -> None:
     with pytest.raises(TypeError, match=r"unknown storage option for http\(s\) URLs: 'header'"):
         safe_open(server.url("small.safetensors"), "np", storage_options={"header": {}})
     assert server.requests() == 0  # refused before any request
+
+
+def test_a_remote_reshard_reads_the_shard_versions_it_planned_from(
+    server: RangeServer, data_dir: Path, tmp_path: Path
+) -> None:
+    """Reshard copied remote shards through connections of its own, which learnt each object
+    anew: a shard replaced midway was copied at the old header's offsets, silently."""
+    import json
+    import os
+
+    from pysafetensors import reshard
+    from pysafetensors.numpy import save_file
+
+    folder = data_dir / "rs"
+    folder.mkdir(exist_ok=True)
+    save_file({"p": np.arange(1000, dtype=np.float32)}, str(folder / "s1.safetensors"))
+    # Larger than the bytes an open fetches with the header, so the copy reads it again.
+    save_file({"r": np.full(100_000, 1.0, np.float32)}, str(folder / "s2.safetensors"))
+    other = {"r": np.full(100_000, 9.0, np.float32), "zz": np.zeros(10)}  # another layout
+    save_file(other, str(folder / "s2v2.safetensors"))
+    index = {"weight_map": {"p": "s1.safetensors", "r": "s2.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    swapped = [False]
+
+    def swap_after_the_first_tensor(done: int, total: int) -> None:
+        if not swapped[0]:
+            swapped[0] = True
+            os.replace(folder / "s2v2.safetensors", folder / "s2.safetensors")
+
+    with pytest.raises(RemoteError) as info:
+        reshard(
+            server.url("rs/model.safetensors.index.json"),
+            tmp_path / "out",
+            max_shard_size="1GB",
+            progress=swap_after_the_first_tensor,
+        )
+    assert info.value.kind == "Changed"
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

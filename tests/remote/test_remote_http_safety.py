@@ -157,6 +157,37 @@ def test_unsendable_header_fails_at_once(server: RangeServer) -> None:
     assert server.requests() == 0
 
 
+@pytest.mark.parametrize("value", ["Bearer SECRET\r\nX: y", "Bearer SECRET\u20ac"])
+def test_an_unsendable_header_s_value_is_not_quoted(server: RangeServer, value: str) -> None:
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(server.url("small.safetensors"), headers={"Authorization": value})
+    assert "'Authorization'" in str(info.value)
+    assert "SECRET" not in str(info.value) and info.value.__cause__ is None
+
+
+def test_sharded_errors_do_not_show_credentials_or_signatures(
+    server: RangeServer, data_dir: Path
+) -> None:
+    import json
+
+    from pysafetensors import ShardIndexError, safe_open
+
+    folder = data_dir / "leak"
+    folder.mkdir(exist_ok=True)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"nope": "small.safetensors"}})
+    )
+    (folder / "small.safetensors").write_bytes((data_dir / "small.safetensors").read_bytes())
+    (folder / "bad.safetensors.index.json").write_text("{not json")
+    base = server.url("leak/").replace("http://", "http://user:hunter2@")
+    for name in ("model", "bad"):
+        url = f"{base}{name}.safetensors.index.json?sig=SECRET"
+        with pytest.raises(ShardIndexError) as info, safe_open(url, "np") as f:
+            f.validate()
+        text = str(info.value)
+        assert "hunter2" not in text and "SECRET" not in text, text
+
+
 def test_redirect_to_another_scheme_is_refused(server: RangeServer) -> None:
     server.redirect_base = "file:///etc"
     with pytest.raises(RemoteError, match="not an http") as info:
