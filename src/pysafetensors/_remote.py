@@ -1409,7 +1409,15 @@ class S3Source(RemoteSource):
             retries={"max_attempts": 4, "mode": "standard"},
             signature_version=botocore.UNSIGNED if anon else None,
         )
-        kwargs: dict[str, Any] = {"config": config, **client_kwargs}
+        kwargs: dict[str, Any] = dict(client_kwargs)
+        given = kwargs.get("config")
+        # A user's Config (timeouts, say) is merged over ours rather than replacing it: as a
+        # whole it dropped anon=True (requests were then signed, or failed without
+        # credentials), the connection pool size and the retry settings.
+        kwargs["config"] = config.merge(given) if given is not None else config
+        if anon:
+            # Anonymous means unsigned, whatever the given Config says.
+            kwargs["config"] = kwargs["config"].merge(Config(signature_version=botocore.UNSIGNED))
         if endpoint:
             kwargs.setdefault("endpoint_url", endpoint)
         if region_name:

@@ -185,3 +185,19 @@ def test_sharded_index_uses_the_endpoint_from_storage_options(
         assert f.keys() == sorted(sd)
         np.testing.assert_array_equal(f.get_tensor("t3"), sd["t3"])
         f.validate()
+
+
+def test_a_given_client_config_is_merged_not_replacing_anonymous_access() -> None:
+    """client_kwargs={"config": Config(read_timeout=5)} replaced the library's Config whole:
+    anon=True was lost (requests signed, or refused without credentials), and with it the pool
+    size and retry settings."""
+    import botocore
+    from botocore.config import Config
+
+    client = S3Source._make_client(
+        "http://127.0.0.1:9", "us-east-1", True, 32, {"config": Config(read_timeout=5)}
+    )
+    config = client.meta.config
+    assert config.signature_version is botocore.UNSIGNED
+    assert config.read_timeout == 5 and config.max_pool_connections == 32
+    assert config.retries == {"mode": "standard", "total_max_attempts": 5}  # our max_attempts=4
