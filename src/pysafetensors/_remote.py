@@ -1539,6 +1539,12 @@ class S3Source(RemoteSource):
                     f"({length} bytes); ranged reads are not supported there",
                     kind="RangeNotSupported",
                 )
+            if not probing and (
+                length != self._size or (etag and self._etag and etag != self._etag)
+            ):
+                # Another version of the object (as for ranged replies, and as the HTTP source
+                # checks a whole body): its bytes must not be read at this version's offsets.
+                raise RemoteError(f"{where} changed while open; reopen it", kind="Changed")
             whole = bytearray(length)
             self._read_body(body, memoryview(whole), offset)
             if probing:

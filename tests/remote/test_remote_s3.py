@@ -201,3 +201,37 @@ def test_a_given_client_config_is_merged_not_replacing_anonymous_access() -> Non
     assert config.signature_version is botocore.UNSIGNED
     assert config.read_timeout == 5 and config.max_pool_connections == 32
     assert config.retries == {"mode": "standard", "total_max_attempts": 5}  # our max_attempts=4
+
+
+def test_a_whole_body_of_another_version_is_refused() -> None:
+    """A store that ignores Range sends the whole object; a different version of it (other
+    size, other ETag) was read at the first version's offsets and changed the source's size."""
+    import io
+    import re
+
+    v1 = bytes(range(256)) * 1000
+    v2 = bytes([7]) * 200_000
+
+    class ReplacedObject:
+        calls = 0
+
+        def get_object(self, Bucket: str, Key: str, Range: str) -> dict[str, Any]:  # noqa: N803
+            ReplacedObject.calls += 1
+            match = re.match(r"bytes=(\d+)-(\d+)", Range)
+            assert match is not None
+            a, b = map(int, match.groups())
+            if ReplacedObject.calls == 1:
+                b = min(b, len(v1) - 1)
+                return {
+                    "Body": io.BytesIO(v1[a : b + 1]),
+                    "ContentRange": f"bytes {a}-{b}/{len(v1)}",
+                    "ContentLength": b - a + 1,
+                    "ETag": '"v1"',
+                }
+            return {"Body": io.BytesIO(v2), "ContentLength": len(v2), "ETag": '"v2"'}
+
+    src = S3Source(_url("k"), client=ReplacedObject(), head_bytes=1024)
+    with pytest.raises(RemoteError) as info:
+        src.readinto(100_000, memoryview(bytearray(100)))
+    assert info.value.kind == "Changed"
+    assert src.size == len(v1)
