@@ -1496,7 +1496,13 @@ class S3Source(RemoteSource):
                 return
             raise self._error(exc, offset, probing) from exc
         except bexc.BotoCoreError as exc:
-            raise self._error(exc, offset, probing) from exc
+            # botocore already retried the request itself (its max_attempts): a timeout or a
+            # dropped connection here is final, not a truncated body for our retries (which
+            # multiplied botocore's: ~20 minutes against a stalled endpoint at the defaults).
+            error = self._error(exc, offset, probing)
+            if isinstance(error, _Transient):
+                error = RemoteError(f"{self._name}: {exc}", kind="ConnectionError")
+            raise error from exc
         body = resp["Body"]
         try:
             self._consume(resp, body, offset, out, probing)

@@ -235,3 +235,20 @@ def test_a_whole_body_of_another_version_is_refused() -> None:
         src.readinto(100_000, memoryview(bytearray(100)))
     assert info.value.kind == "Changed"
     assert src.size == len(v1)
+
+
+def test_a_request_botocore_gave_up_on_is_not_retried_again() -> None:
+    """botocore retries a request itself; a timeout raised by get_object was retried again
+    here, multiplying the attempts (about 20 minutes against a stalled endpoint)."""
+    from botocore.exceptions import ReadTimeoutError
+
+    class Stalled:
+        calls = 0
+
+        def get_object(self, **kwargs: Any) -> dict[str, Any]:
+            Stalled.calls += 1
+            raise ReadTimeoutError(endpoint_url="http://127.0.0.1:9")
+
+    with pytest.raises(RemoteError) as info:
+        S3Source(_url("k"), client=Stalled(), backoff=0.01)
+    assert info.value.kind == "ConnectionError" and Stalled.calls == 1
