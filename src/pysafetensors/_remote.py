@@ -187,6 +187,15 @@ def _as_bytes(out: memoryview) -> memoryview:
     return out if out.format == "B" and out.ndim == 1 else out.cast("B")
 
 
+_URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+@")
+
+
+def _scrubbed(exc: BaseException) -> str:
+    """An exception's text without ``user:password@`` in the URLs it quotes (botocore names
+    the endpoint URL as given, credentials included)."""
+    return _URL_CREDENTIALS.sub(r"\1", str(exc))
+
+
 def _refused_request(exc: Exception, headers: Mapping[str, str]) -> str:
     """Why http.client refused to send a request, without the header values it quotes."""
     bad = [k for k, v in headers.items() if not _sendable_header(k, v)]
@@ -1459,7 +1468,7 @@ class S3Source(RemoteSource):
             return RemoteError(f"{where}: {code or status}: {message}", kind="HTTPError")
         if isinstance(exc, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
             return RemotePermissionError(
-                f"{where}: no usable AWS credentials ({exc}); set AWS_ACCESS_KEY_ID and "
+                f"{where}: no usable AWS credentials ({_scrubbed(exc)}); set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, configure a profile, or pass anon=True",
                 kind="PermissionDenied",
             )
@@ -1472,9 +1481,9 @@ class S3Source(RemoteSource):
                 bexc.ConnectionClosedError,
             ),
         ):
-            return _Transient(f"{where}: transfer interrupted: {exc}", "Truncated")
+            return _Transient(f"{where}: transfer interrupted: {_scrubbed(exc)}", "Truncated")
         # Endpoint unreachable and the like: botocore already retried.
-        return RemoteError(f"{where}: {exc}", kind="ConnectionError")
+        return RemoteError(f"{where}: {_scrubbed(exc)}", kind="ConnectionError")
 
     def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
         bexc = self._botoexc
@@ -1501,7 +1510,7 @@ class S3Source(RemoteSource):
             # multiplied botocore's: ~20 minutes against a stalled endpoint at the defaults).
             error = self._error(exc, offset, probing)
             if isinstance(error, _Transient):
-                error = RemoteError(f"{self._name}: {exc}", kind="ConnectionError")
+                error = RemoteError(f"{self._name}: {_scrubbed(exc)}", kind="ConnectionError")
             raise error from exc
         body = resp["Body"]
         try:

@@ -252,3 +252,18 @@ def test_a_request_botocore_gave_up_on_is_not_retried_again() -> None:
     with pytest.raises(RemoteError) as info:
         S3Source(_url("k"), client=Stalled(), backoff=0.01)
     assert info.value.kind == "ConnectionError" and Stalled.calls == 1
+
+
+def test_credentials_in_an_endpoint_url_stay_out_of_messages() -> None:
+    """botocore quotes the endpoint URL as given, user:password included."""
+    from botocore.config import Config
+
+    quick = Config(connect_timeout=0.5, retries={"max_attempts": 1})
+    with pytest.raises(RemoteError) as info:
+        S3Source(
+            _url("k"),
+            endpoint_url="http://user:hunter2@127.0.0.1:9",
+            client_kwargs={"config": quick},
+            anon=True,
+        )
+    assert "hunter2" not in str(info.value)
