@@ -112,6 +112,16 @@ def make_zip(
             zf.writestr(name, data)
 
 
+def write_tar(path: Path, members: dict[str, bytes]) -> Path:
+    """Write a tar file of ``members`` (name to bytes), as torch 0.1's checkpoints are."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
 def good_pickle() -> bytes:
     return state_dict([("w", tensor())])
 

@@ -9,12 +9,34 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pysafetensors.scan import grade_global, scan_file
 
-from .corpus import LEGACY_MAGIC, P, good_pickle, make_legacy, make_zip, payload, state_dict
+from .corpus import (
+    LEGACY_MAGIC,
+    P,
+    good_pickle,
+    make_legacy,
+    make_zip,
+    payload,
+    state_dict,
+    write_tar,
+)
+
+
+def _scan_with_peak(path: Path) -> tuple[Any, int]:
+    """The report, and the most memory Python allocated at once while scanning."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        report = scan_file(path)
+        return report, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -289,19 +311,12 @@ def test_rebuild_from_type_with_a_real_subclass_is_not_flagged(tmp_path: Path) -
 
 
 def test_zip_bomb_is_refused_before_inflating(tmp_path: Path) -> None:
-    import tracemalloc
-
     bomb_size = 64 << 20
     with zipfile.ZipFile(tmp_path / "bomb.pt", "w", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("archive/version", "3\n")
         zf.writestr("archive/data.pkl", good_pickle() + bytes(bomb_size))
     assert (tmp_path / "bomb.pt").stat().st_size < bomb_size // 500
-    tracemalloc.start()
-    try:
-        report = scan_file(tmp_path / "bomb.pt")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    report, peak = _scan_with_peak(tmp_path / "bomb.pt")
     assert report.grade == "suspicious"
     assert any("compression ratio over 100" in f.message for f in report.findings)
     assert peak < 8 << 20
@@ -311,12 +326,7 @@ def test_zip_bomb_is_refused_before_inflating(tmp_path: Path) -> None:
     compressed = struct.unpack_from("<I", raw, cd + 20)[0]
     struct.pack_into("<I", raw, cd + 24, compressed)
     _write(tmp_path / "liar.pt", bytes(raw))
-    tracemalloc.start()
-    try:
-        report = scan_file(tmp_path / "liar.pt")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    report, peak = _scan_with_peak(tmp_path / "liar.pt")
     assert any("possible zip bomb" in f.message for f in report.findings)
     assert report.grade == "suspicious"
     assert peak < 100 * compressed + (8 << 20)
@@ -409,17 +419,10 @@ def test_any_member_that_starts_an_acting_pickle_is_scanned(tmp_path: Path) -> N
 
 
 def test_large_tensor_members_are_not_copied(tmp_path: Path) -> None:
-    import tracemalloc
-
     size = 48 << 20
     # 'K' is BININT1: a valid first opcode, so the member is probed, not skipped by its byte.
     make_zip(tmp_path / "big.pt", good_pickle(), storages={"0": b"K" + bytes(size - 1)})
-    tracemalloc.start()
-    try:
-        report = scan_file(tmp_path / "big.pt")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    report, peak = _scan_with_peak(tmp_path / "big.pt")
     assert report.grade == "safe"
     assert peak < 8 << 20
 
@@ -463,23 +466,11 @@ def test_tar_whose_name_is_a_pickle(tmp_path: Path) -> None:
     assert report.format == "tar" and report.grade == "dangerous"
 
 
-def _tar_members(path: Path, members: dict[str, bytes]) -> Path:
-    import io
-    import tarfile
-
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
 def test_tar_record_with_a_string_storage_class_is_a_finding(tmp_path: Path) -> None:
     for stype in ("FloatStorage", 7, None):
         storages = pickle.dumps(1, 2) + pickle.dumps((0, "cpu", stype), 2)
         members = {"storages": storages, "tensors": pickle.dumps(0, 2), "pickle": b"\x80\x02}."}
-        report = scan_file(_tar_members(tmp_path / "t.pt", members))
+        report = scan_file(write_tar(tmp_path / "t.pt", members))
         assert report.grade == "suspicious", stype
         assert any("could not follow the tar records" in f.message for f in report.findings)
 
@@ -615,7 +606,7 @@ def test_mutated_checkpoints_never_raise(tmp_path: Path) -> None:
     make_zip(tmp_path / "z.pt", good_pickle())
     make_legacy(tmp_path / "l.pt")
     storages = pickle.dumps(1, 2) + pickle.dumps((0, "cpu", None), 2) + struct.pack("<q", 0)
-    _tar_members(tmp_path / "t.pt", {"storages": storages, "pickle": good_pickle()})
+    write_tar(tmp_path / "t.pt", {"storages": storages, "pickle": good_pickle()})
     seeds = [(tmp_path / n).read_bytes() for n in ("z.pt", "l.pt", "t.pt")]
     tokens = [b"\x80\x02", b"\x95", b"(", b"R", b"\x93", b"0", b"\x00\x00\x00\x80", b"PK\x05\x06"]
     rng = random.Random(1234)

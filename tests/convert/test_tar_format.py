@@ -28,6 +28,8 @@ from pysafetensors._errors import CheckpointError, UnsafePickleError  # noqa: E4
 from pysafetensors._torch_pickle import load_checkpoint  # noqa: E402
 from pysafetensors.convert import convert_file  # noqa: E402
 
+from .corpus import write_tar  # noqa: E402
+
 _STORAGE_TYPES = {
     torch.float32: torch.FloatStorage,
     torch.int64: torch.LongStorage,
@@ -131,15 +133,6 @@ def _members(**over: bytes) -> dict[str, bytes]:
     return out
 
 
-def _write_tar(path: Path, members: dict[str, bytes]) -> Path:
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
 _ORACLE = """
 import json, sys, torch
 sd = torch.load(sys.argv[1], weights_only=False)
@@ -170,7 +163,7 @@ def _torch_oracle(path: Path) -> dict[str, Any]:
 
 
 def test_tar_checkpoint_converts_like_torch_load(tmp_path: Path) -> None:
-    src = _write_tar(tmp_path / "old.pt", _members())
+    src = write_tar(tmp_path / "old.pt", _members())
     expected = _torch_oracle(src)
     assert set(expected) == {"w", "view", "ints.x", "bf16", "scalar"}
 
@@ -206,7 +199,7 @@ def test_tar_checkpoint_converts_like_torch_load(tmp_path: Path) -> None:
 
 
 def _refused(tmp_path: Path, members: dict[str, bytes], exc: type[Exception], what: str) -> None:
-    src = _write_tar(tmp_path / "bad.pt", members)
+    src = write_tar(tmp_path / "bad.pt", members)
     _refused_file(tmp_path, src, exc, what)
 
 
@@ -219,7 +212,7 @@ def _refused_file(tmp_path: Path, src: Path, exc: type[Exception], what: str) ->
 
 
 def test_truncated_archive_refused(tmp_path: Path) -> None:
-    src = _write_tar(tmp_path / "bad.pt", _members())
+    src = write_tar(tmp_path / "bad.pt", _members())
     with open(src, "rb") as fh:
         data = fh.read()
     # Cut inside the last member (storages): its header claims more bytes than remain.
