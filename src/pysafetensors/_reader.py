@@ -755,7 +755,7 @@ class safe_open:  # noqa: N801 - the reference's name
                     source, base, info, plan, buf
                 ):
                     absolute = [(base + off, length) for off, length in plan.coalesced()]
-                    read_ranges_into(source, absolute, buf.data)
+                    read_ranges_into(source, absolute, buf.data, exact=self._slice_reads == "exact")
         return buf
 
     def _read_advanced(self, info: TensorInfo, index: Any, source: ByteSource) -> Any:

@@ -380,7 +380,9 @@ class RemoteSource:
         _check_range(self, offset, out.nbytes)
         self.readinto_many([(offset, out.nbytes)], out)
 
-    def readinto_many(self, ranges: Sequence[tuple[int, int]], out: memoryview) -> None:
+    def readinto_many(
+        self, ranges: Sequence[tuple[int, int]], out: memoryview, *, max_gap: int | None = None
+    ) -> None:
         """Read several ``(offset, length)`` ranges back to back into ``out``.
 
         Ranges whose gap is below ``max_gap`` are merged into one request (the gap bytes are
@@ -391,6 +393,8 @@ class RemoteSource:
         Args:
             ranges: ``(offset, length)`` pairs, in the order their bytes go into ``out``.
             out: Buffer of exactly the total length.
+            max_gap: This call's merge distance instead of the source's (0: only touching
+                ranges share a request, so exactly their bytes are fetched).
 
         Raises:
             ValueError: ``out`` does not hold exactly the total length.
@@ -410,7 +414,8 @@ class RemoteSource:
             raise ValueError(f"ranges cover {pos} bytes but the buffer holds {out.nbytes}")
         items = self._serve_from_head(items, out)
         if items:
-            self._run(self._plan(items, out), out)
+            gap = self._max_gap if max_gap is None else max_gap
+            self._run(self._plan(items, out, gap), out)
 
     def prefetch_head(self, nbytes: int) -> memoryview:
         """Make sure the first ``nbytes`` (bounded by the size) are cached; return them.
@@ -424,7 +429,7 @@ class RemoteSource:
             if len(head) < nbytes:
                 extra = bytearray(nbytes - len(head))
                 view = memoryview(extra)
-                self._run(self._plan([_Item(len(head), 0, len(extra))], view), view)
+                self._run(self._plan([_Item(len(head), 0, len(extra))], view, self._max_gap), view)
                 head = self._head = head + bytes(extra)
         return memoryview(head)[:nbytes]
 
@@ -519,13 +524,13 @@ class RemoteSource:
                 rest.append(it)
         return rest
 
-    def _plan(self, items: list[_Item], out: memoryview) -> list[_Part]:
-        """Group ranges by proximity, then cut each group into balanced parts."""
+    def _plan(self, items: list[_Item], out: memoryview, max_gap: int) -> list[_Part]:
+        """Group ranges closer than ``max_gap``, then cut each group into balanced parts."""
         items = sorted(items, key=lambda it: it.offset)
         groups: list[list[_Item]] = []
         end = -1
         for it in items:
-            if groups and it.offset - end <= self._max_gap:
+            if groups and it.offset - end <= max_gap:
                 groups[-1].append(it)
                 end = max(end, it.offset + it.length)
             else:

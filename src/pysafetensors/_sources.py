@@ -1050,19 +1050,23 @@ class FileObjSource:
 
 
 def read_ranges_into(
-    source: ByteSource, ranges: Sequence[tuple[int, int]], out: memoryview
+    source: ByteSource, ranges: Sequence[tuple[int, int]], out: memoryview, *, exact: bool = False
 ) -> None:
     """Read several ``(offset, length)`` ranges back to back into ``out``.
 
     Ranges are read in parallel threads when the source is a :class:`PreadSource` and there is
     enough work; otherwise one after another. A source with a ``readinto_many`` method (the
-    remote ones) is handed all ranges at once.
+    remote ones) is handed all ranges at once; with ``exact`` it fetches only their bytes
+    (no merging across gaps).
     """
     out = out.cast("B") if out.format != "B" else out
     many = getattr(source, "readinto_many", None)
     if many is not None:
         # Remote sources coalesce nearby ranges into few requests and fetch them in parallel.
-        many(ranges, out)
+        if exact:
+            many(ranges, out, max_gap=0)
+        else:
+            many(ranges, out)
         return
     total = sum(length for _, length in ranges)
     if total != out.nbytes:
