@@ -225,11 +225,11 @@ class NumpyAdapter:
     """numpy arrays; BF16, FP8, F4 and F6 through ml_dtypes."""
 
     framework = "numpy"
-    #: Every call under the mmap backend gets arrays over a mapping of its own (copy-on-write,
-    #: still no copy of the bytes): the reference copies each numpy array it hands out, so an
-    #: edit to one never shows in a later ``get_tensor``, which one mapping shared by all of a
-    #: handle's calls would allow. (torch tensors share the handle's mapping, as the
-    #: reference's do.)
+    #: Under the mmap backend every call gets bytes of its own: ``get_tensor`` a copy, and
+    #: ``get_tensors`` a copy-on-write mapping of that call's own. The reference copies each
+    #: numpy array it hands out, so an edit to one never shows in a later read, which one
+    #: mapping shared by all of a handle's calls would allow. (torch tensors share the
+    #: handle's mapping, as the reference's do.)
     private_per_call = True
 
     def check_device(self, device: Any) -> Device:

@@ -397,6 +397,11 @@ class safe_open:  # noqa: N801 - the reference's name
 
     def _raw(self, source: ByteSource, info: TensorInfo) -> np.ndarray:
         start = self._header.data_start + info.begin
+        if getattr(self._adapter, "private_per_call", False):
+            # numpy: a copy per call, as the reference makes. A mapping per tensor (zero-copy)
+            # kept a duplicated descriptor open per array (mmap dups it): a dict of 1,000
+            # large tensors exhausted the process's descriptors.
+            return read_fresh(source, start, info.nbytes)
         view = self._mapped(source, start, info.nbytes)
         if view is not None:
             return np.frombuffer(view, np.uint8)

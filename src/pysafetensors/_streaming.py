@@ -365,6 +365,9 @@ class StreamingWriter:
                     raise SerializeError(f"{SERIALIZE_PREFIX}internal error: chunk overrun")
                 self._pwrite_all(fd, view, pos + got)
                 got += view.nbytes
+            if self._writeback is not None:
+                # Still counted in flight: close() cannot have closed the descriptor yet.
+                self._writeback.wrote(pos, got)
         except BaseException as exc:
             # Nothing of a failed write counts as written (a full disk, a file size limit, a
             # failing producer): the range may be written again, and close() will not commit
@@ -381,8 +384,6 @@ class StreamingWriter:
                 self._inflight -= 1
                 if not self._inflight:
                     self._idle.notify_all()
-        if self._writeback is not None:
-            self._writeback.wrote(pos, got)
         return got
 
     def _release(self, info: TensorInfo, start: int, end: int) -> None:
@@ -453,6 +454,8 @@ class StreamingWriter:
             # count as missing).
             while self._inflight:
                 self._idle.wait()
+            if self._cm is None:
+                return  # another close() or abort() finished it while this one waited
             missing = self._missing()
             if missing:
                 listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
@@ -476,6 +479,8 @@ class StreamingWriter:
             self._stopping = True
             while self._inflight:
                 self._idle.wait()
+            if self._cm is None:
+                return  # another close() or abort() finished it while this one waited
             cm, self._cm = self._cm, None
         exc = _Discard()
         with contextlib.suppress(_Discard):

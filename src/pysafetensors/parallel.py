@@ -106,7 +106,8 @@ def shard_range(size: int, rank: int, world_size: int, uneven: Uneven = "chunk")
         [(0, 3), (3, 6), (6, 8), (8, 10)]
     """
     _check_group(rank, world_size)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+    rank, world_size, size = operator.index(rank), operator.index(world_size), _integer(size)
+    if size < 0:
         raise ValueError(f"size must be a non-negative int, got {size!r}")
     if uneven == "chunk":
         block = -(-size // world_size)
@@ -197,6 +198,17 @@ def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
     return dim % ndim
 
 
+def _integer(value: Any, what: str = "size") -> int:
+    """``value`` as an int: Python and numpy integers, not bools.
+
+    Raises:
+        TypeError: Not an integer.
+    """
+    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}: {value!r}")
+    return operator.index(value)
+
+
 def _check_group(rank: Any, world_size: Any) -> None:
     """Refuse a rank or group size that cannot be, before any tensor is looked at.
 
@@ -204,9 +216,8 @@ def _check_group(rank: Any, world_size: Any) -> None:
         ValueError: ``world_size`` < 1, or ``rank`` outside ``[0, world_size)``.
         TypeError: Either is not an integer.
     """
-    for what, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{what} must be an int, got {type(value).__name__}: {value!r}")
+    rank = _integer(rank, "rank")
+    world_size = _integer(world_size, "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:

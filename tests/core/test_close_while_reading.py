@@ -133,3 +133,14 @@ def test_a_closed_mapping_refuses_views_instead_of_handing_out_nothing(tmp_path:
     for call in (lambda: source.view(8, 1024), lambda: source.private_view(8, 1 << 20)):
         with pytest.raises(ClosedFileError):
             call()
+
+
+def test_numpy_arrays_hold_no_file_descriptors(tmp_path: Path) -> None:
+    """A private mapping per numpy get_tensor kept a duplicated descriptor per array alive (mmap
+    dups it): a dict of 1,000 large tensors exhausted the process's descriptors."""
+    save_file({f"t{i}": np.full(1 << 18, i, np.float32) for i in range(40)}, str(tmp_path / "m.st"))
+    before = len(os.listdir("/proc/self/fd"))
+    with safe_open(tmp_path / "m.st", "np") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert len(os.listdir("/proc/self/fd")) <= before + 1
+    assert all(kept[f"t{i}"][0] == i for i in range(40))

@@ -288,9 +288,12 @@ def test_rank_and_world_size_checked_before_anything(tmp_path: Path) -> None:
 def test_shard_range_checks_its_arguments_as_plan_shard_does() -> None:
     from pysafetensors.parallel import plan_shard, shard_range
 
-    for size in (-5, 10.0):
-        with pytest.raises(ValueError, match="size must be a non-negative int"):
-            shard_range(size, 0, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="size must be a non-negative int"):
+        shard_range(-5, 0, 2)
+    with pytest.raises(TypeError, match="size must be an int"):
+        shard_range(10.0, 0, 2)  # type: ignore[arg-type]
+    # numpy integers are integers (they were taken before the checks, and stay so).
+    assert shard_range(np.int64(10), np.int64(1), np.int64(4)) == (3, 6)
     with pytest.raises(TypeError, match="world_size must be an int"):
         shard_range(10, 0, True)
     with pytest.raises(ValueError, match="size must be a non-negative int"):

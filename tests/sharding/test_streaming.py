@@ -456,3 +456,32 @@ def test_meta_and_sparse_writes_are_serialize_errors(tmp_path: Path) -> None:
                 w.write("a", bad)
             assert info.value.kind == kind
         w.write("a", torch.ones(2))
+
+
+def test_two_closes_waiting_on_one_write_finish_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both passed the closed check, waited for the write, and the second then called
+    __exit__ on None (AttributeError)."""
+    w = StreamingWriter(tmp_path / "x.safetensors", {"a": ("F32", (4,))}, fsync=True)
+    started = threading.Event()
+    _slow_pwrites(monkeypatch, started)
+    writer = threading.Thread(target=lambda: w.write("a", np.zeros(4, np.float32)))
+    writer.start()
+    assert started.wait(10)
+    errors: list[BaseException] = []
+
+    def finish(how: str) -> None:
+        try:
+            getattr(w, how)()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    others = [threading.Thread(target=finish, args=(how,)) for how in ("close", "close")]
+    for t in others:
+        t.start()
+    writer.join()
+    for t in others:
+        t.join()
+    assert errors == [] and w.closed
+    assert load_file(str(tmp_path / "x.safetensors"))["a"].tolist() == [0.0] * 4
