@@ -68,7 +68,8 @@ _HEAD_GUESS: Final = 64 << 10
 #: numpy (2.x) and torch both refuse arrays of more than 64 dimensions.
 MAX_NDIM: Final = 64
 _INTP_MAX: Final = (1 << 63) - 1
-#: Smallest tensor a numpy ``get_tensor`` under mmap maps privately; smaller ones are copied.
+#: Smallest data region a numpy ``get_tensors`` under mmap maps privately; smaller ones are
+#: copied (a copy costs less than a mapping).
 _PRIVATE_MAP_MIN: Final = 1 << 20
 
 
@@ -378,11 +379,10 @@ class safe_open:  # noqa: N801 - the reference's name
 
     def _mapped(self, source: ByteSource, offset: int, length: int) -> memoryview | None:
         """``length`` bytes at ``offset`` as mapped memory (mmap backend), else None (the
-        caller reads them into fresh memory). For adapters that ask for it (numpy), bytes of
-        this call's own: a mapping of its own, or a copy out of the handle's mapping for ranges
-        under :data:`_PRIVATE_MAP_MIN` (a copy costs less than a mapping, and a loop over many
-        small tensors would otherwise use up the process's mappings, 65,530 by default on
-        Linux) and where no mapping can be made."""
+        caller reads them into fresh memory). For adapters that ask for it (numpy, whose
+        ``get_tensors`` comes here; its ``get_tensor`` copies, see :meth:`_raw`), bytes of this
+        call's own: a mapping of its own, or a copy out of the handle's mapping for ranges under
+        :data:`_PRIVATE_MAP_MIN` and where no mapping can be made."""
         if self._backend != "mmap":
             return None
         if getattr(self._adapter, "private_per_call", False) and isinstance(source, MmapSource):

@@ -540,17 +540,15 @@ class ShardedStreamingWriter:
     ) -> None:
         self._writers: dict[str, StreamingWriter] = {}
         self._closed = False
-        self._sizes: dict[str, int] = {}
         decls = _declarations(tensors)
         by_name = {d[0]: d for d in decls}
         # The checks a single-file writer makes (sizes that overflow, among others), before any
         # shard is planned: an overflowing size counted as 0 went unnoticed until another
         # tensor's shard was opened.
         checked = {info.name: info.nbytes for info in build_layout(decls, None).tensors}
-        sizes = {name: checked[name] for name, _, _ in decls}  # in declaration order
-        self._sizes = sizes
+        self._sizes = {name: checked[name] for name, _, _ in decls}  # in declaration order
         plan = split_into_shards(
-            sizes,
+            self._sizes,
             get_storage_size=lambda n: n,
             filename_pattern=filename_pattern,
             max_shard_size=max_shard_size,

@@ -105,8 +105,8 @@ def shard_range(size: int, rank: int, world_size: int, uneven: Uneven = "chunk")
         >>> [shard_range(10, r, 4, "tensor_split") for r in range(4)]
         [(0, 3), (3, 6), (6, 8), (8, 10)]
     """
-    _check_group(rank, world_size)
-    rank, world_size, size = operator.index(rank), operator.index(world_size), _integer(size)
+    rank, world_size = _check_group(rank, world_size)
+    size = _integer(size)
     if size < 0:
         raise ValueError(f"size must be a non-negative int, got {size!r}")
     if uneven == "chunk":
@@ -185,7 +185,7 @@ def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
                 "'replicate' or a dimension number)"
             )
         dim = _SPLIT_NAMES[split]
-    elif not isinstance(split, (bool, np.bool_)) and hasattr(split, "__index__"):
+    elif _is_integer(split):
         dim = operator.index(split)  # numpy integers too
     else:
         raise TypeError(f"tensor {name!r}: a split must be a str or an int, not {split!r}")
@@ -198,19 +198,25 @@ def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
     return dim % ndim
 
 
+def _is_integer(value: Any) -> bool:
+    """Python and numpy integers, not bools."""
+    return not isinstance(value, (bool, np.bool_)) and hasattr(value, "__index__")
+
+
 def _integer(value: Any, what: str = "size") -> int:
-    """``value`` as an int: Python and numpy integers, not bools.
+    """``value`` as an int (see :func:`_is_integer`).
 
     Raises:
         TypeError: Not an integer.
     """
-    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+    if not _is_integer(value):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}: {value!r}")
     return operator.index(value)
 
 
-def _check_group(rank: Any, world_size: Any) -> None:
-    """Refuse a rank or group size that cannot be, before any tensor is looked at.
+def _check_group(rank: Any, world_size: Any) -> tuple[int, int]:
+    """Refuse a rank or group size that cannot be, before any tensor is looked at; return
+    both as ints.
 
     Raises:
         ValueError: ``world_size`` < 1, or ``rank`` outside ``[0, world_size)``.
@@ -224,6 +230,7 @@ def _check_group(rank: Any, world_size: Any) -> None:
         raise ValueError(
             f"rank {rank} is not in a group of size {world_size} (0..{world_size - 1})"
         )
+    return rank, world_size
 
 
 def plan_shard(
