@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import struct
@@ -164,6 +165,28 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     assert [r["grade"] for r in reports] == ["safe", "suspicious", "dangerous"]
     assert reports[2]["globals"][0]["qualname"] == "os.system"
     assert not (tmp_path / "c").exists()
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, to see what a user's terminal would get."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_convert_progress_waits_a_second_on_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # convert shares the other commands' bar: nothing for work under a second (it printed a
+    # bar, or a bare "converting: 100%" line without tqdm, at once).
+    from pysafetensors._cli import main
+
+    make_zip(tmp_path / "m.bin", good_pickle())
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["convert", str(tmp_path / "m.bin"), str(tmp_path / "m.safetensors")]) == 0
+    assert terminal.getvalue() == ""
+    assert (tmp_path / "m.safetensors").exists()
 
 
 def test_cli_convert(tmp_path: Path) -> None:

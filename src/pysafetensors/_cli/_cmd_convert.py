@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from collections.abc import Callable
 from typing import Any, Final
 
-from ._common import UsageError, make_parent, plural, print_json, whole_number
+from ._cmd_reshard import progress_for
+from ._common import Ui, UsageError, make_parent, plural, print_json, whole_number
 
 __all__ = ["register"]
 
@@ -55,35 +54,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _bar(args: argparse.Namespace) -> Callable[[int, int], None] | None:
-    if getattr(args, "quiet", False) or not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        state = {"last": -1}
-
-        def plain(done: int, total: int) -> None:
-            pct = 100 * done // total if total else 100
-            if pct != state["last"]:
-                state["last"] = pct
-                end = "\n" if done >= total else ""
-                print(f"\rconverting: {pct:3d}%", end=end, file=sys.stderr, flush=True)
-
-        return plain
-    bar: Any = None
-
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, leave=False)
-        bar.update(done - bar.n)
-        if done >= total:
-            bar.close()
-
-    return update
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``convert``; returns the exit code."""
     from ..convert import convert_file, convert_folder
@@ -112,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         reports, index = folder.files, folder.index
     else:
         make_parent(args.dst)
-        reports = [convert_file(args.src, args.dst, progress=_bar(args), **kwargs)]
+        # The same bar as every other command: after a second of work, on a terminal only.
+        with progress_for(Ui(args), "converting") as report:
+            reports = [convert_file(args.src, args.dst, progress=report, **kwargs)]
     if args.json:
         # Round-trip through json with default=str: non-tensor values of a checkpoint can be
         # anything JSON-like; NaN/Infinity become null so the document stays strict JSON.
