@@ -13,6 +13,7 @@ from ._api import TensorSpec, deserialize, serialize, serialize_file
 from ._errors import (
     CheckpointError,
     ClosedFileError,
+    DeviceError,
     DTypeNotSupportedError,
     HeaderDecodeError,
     HeaderError,
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "MAX_HEADER_SIZE",
     "ClosedFileError",
+    "DeviceError",
     "DTypeNotSupportedError",
     "HeaderDecodeError",
     "HeaderError",

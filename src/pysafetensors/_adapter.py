@@ -176,16 +176,17 @@ def invalid_tensor_error(
 
 
 def as_array(name: str, value: Any, expected: str) -> np.ndarray:
-    """``np.asarray(value)`` for the frameworks whose reference ``save`` converts every value
-    that way (flax, mlx); values numpy cannot turn into numbers get the reference's error."""
-    if isinstance(value, (bool, int, float, complex, list, tuple)):
-        try:
-            arr = np.asarray(value)
-        except (ValueError, TypeError, OverflowError):
-            arr = None
-        if arr is not None and arr.dtype.kind in "biufc":
-            return arr
-    raise invalid_tensor_error(name, expected, value)
+    """``np.asarray(value)``, as the reference's flax and mlx ``save`` convert every value.
+
+    Anything numpy converts is taken (Python numbers and lists, other frameworks' tensors,
+    flax ``nnx.Param``, memoryviews); what it turns into an array of a dtype safetensors cannot
+    store (``object``, strings) is refused later with the reference's "Unknown dtype" text, and
+    a value numpy refuses outright gets the reference's invalid-key error.
+    """
+    try:
+        return np.asarray(value)
+    except Exception:  # noqa: BLE001 - any failure of a foreign __array__ means "not a tensor"
+        raise invalid_tensor_error(name, expected, value) from None
 
 
 def non_contiguous_error(name: object) -> SerializeError:
@@ -264,14 +265,11 @@ class NumpyAdapter:
             # Subclasses (masked arrays, np.matrix, np.memmap) are saved as their plain data,
             # as the reference does; their own reshape/view rules would get in the way.
             tensor = tensor.view(np.ndarray)
-        if tensor.dtype.kind in "OUSMm":
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "
-                "cannot store",
-                kind="UnknownDtype",
-                tensor=name,
-            )
-        dtype = _numpy_to_dtype(tensor.dtype)
+        try:
+            dtype = _numpy_to_dtype(tensor.dtype)
+        except SerializeError as exc:
+            # The reference's text (by numpy's dtype name: "object", "str96"), and the tensor.
+            raise SerializeError(f"{exc} (tensor `{name}`)", kind=exc.kind, tensor=name) from None
         shape = tuple(tensor.shape)
         if dtype.packed:
             arr = tensor

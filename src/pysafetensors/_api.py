@@ -14,7 +14,7 @@ import numpy as np
 
 from ._adapter import Adapter
 from ._dtypes import DType, dtype_from_code, dtype_from_name
-from ._errors import SafetensorError, SerializeError
+from ._errors import SafetensorError, SerializeError, not_an_instance
 from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE
 from ._reader import check_representable, read_header, safe_open
 from ._sources import BufferSource
@@ -278,7 +278,8 @@ def load_bytes_with(
 ) -> dict[str, Any]:
     """``load`` for any framework: tensors own a private copy of the bytes."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"expected bytes, got {type(data).__name__}")
+        # The reference's text (we also take bytearray and memoryview, which it refuses).
+        raise not_an_instance("bytes", data, "bytes")
     dev = adapter.check_device(device)
     source = BufferSource(data)
     header = read_header(source, prefix_text=DESERIALIZE_PREFIX)

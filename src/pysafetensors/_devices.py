@@ -66,10 +66,13 @@ def parse_device(device: Any) -> Device:
     if kind not in DEVICE_TYPES:
         raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
     if not sep:
-        return Device(kind, None if kind == "cpu" else 0)
+        # The CPU and MPS have no index (the reference prints both as bare names).
+        return Device(kind, None if kind in ("cpu", "mps") else 0)
     if not rest.isdigit():
         raise ValueError("invalid digit found in string")
     index = int(rest)
-    if kind == "mps" and index != 0:
-        raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+    if kind == "mps":
+        if index != 0:
+            raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+        return Device(kind)
     return Device(kind, index)

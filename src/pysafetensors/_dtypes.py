@@ -91,7 +91,36 @@ _BY_CODE: Final = {d.code: d for d in DTYPES}
 # Accept both the reference's TensorSpec names and numpy names (they differ only for bool/F6).
 _BY_NAME: Final = {**{d.numpy: d for d in DTYPES if d.numpy}, **{d.name: d for d in DTYPES}}
 
-_SUPPORTED_NAMES: Final = ", ".join(d.name for d in DTYPES if d.torch or d.numpy)
+# The reference's "Supported dtypes" list, in its order; the F6 types, which only we can write
+# (from ml_dtypes arrays), come last.
+_REFERENCE_ORDER: Final = [
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "complex64",
+]
+_SUPPORTED_NAMES: Final = ", ".join(
+    sorted(
+        (d.name for d in DTYPES if d.torch or d.numpy),
+        key=lambda name: (_REFERENCE_ORDER.index(name) if name in _REFERENCE_ORDER else 99, name),
+    )
+)
 
 
 def dtype_from_code(code: str) -> DType:

@@ -200,6 +200,11 @@ class RemotePermissionError(RemoteError, PermissionError):
     """Raised when a remote store refuses the credentials (HTTP 401/403, S3 AccessDenied)."""
 
 
+class DeviceError(SafetensorError, ValueError):
+    """Raised when the requested device is not available to the framework (a CPU-only build,
+    no GPU). Also a ``ValueError``, as Paddle's own refusal is."""
+
+
 class ClosedFileError(SafetensorError, ValueError):
     """Raised when a handle is used after it was closed."""
 

@@ -12,7 +12,10 @@ reference; unlike the reference we say so with a :class:`UserWarning`.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
+from types import FrameType
 from typing import Any, Final
 
 import jax
@@ -28,6 +31,17 @@ from ._writer import TensorData
 __all__ = ["ADAPTER", "JaxAdapter"]
 
 _NUMPY: Final = NumpyAdapter()
+_PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package, so that a warning points at
+    the user's line whichever API (``load``, ``load_file``, ``get_tensor``...) led here."""
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 @functools.cache
@@ -73,7 +87,7 @@ class JaxAdapter:
                 "(values may lose precision or wrap); set jax.config.update('jax_enable_x64', "
                 "True) to keep them 64-bit",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=_caller_stacklevel(),
             )
         # jnp.asarray copies into a jax buffer, so views of a memory map are not kept alive.
         return jnp.asarray(_NUMPY.from_bytes(buf, dtype, shape, device))

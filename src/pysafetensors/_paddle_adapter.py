@@ -9,9 +9,10 @@ Writing: bytes come straight from ``Tensor.data_ptr()`` (CPU, made contiguous if
 reference's Paddle module, so every Paddle dtype safetensors can hold is written without a
 numpy detour.
 
-Paddle dtypes are resolved by name from the one table in ``_dtypes``. ``paddle.uint16`` is an
-alias of ``paddle.bfloat16``, so U16 is refused rather than loaded as bfloat16 (the reference's
-quirk); F8_E8M0, the FNUZ float8s, F4 and F6 have no Paddle dtype and are refused too.
+Paddle dtypes are resolved by name from the one table in ``_dtypes``, by the dtype's own
+``name``: ``str(paddle.uint16)`` says ``paddle.bfloat16``, so U16 would otherwise be taken for
+BF16 (the reference can neither load U16 nor save ``paddle.uint16``). F8_E8M0, the FNUZ
+float8s, F4 and F6 have no Paddle dtype and are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any, Final
@@ -29,7 +31,7 @@ import paddle
 from ._adapter import NumpyAdapter, invalid_tensor_error, numpy_dtype
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType, dtype_from_name
-from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._errors import DeviceError, DTypeNotSupportedError, SafetensorError, SerializeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -39,10 +41,19 @@ _NUMPY: Final = NumpyAdapter()
 _VERSION: Final[str] = str(getattr(paddle, "__version__", "?"))
 
 
+def _type_name(paddle_type: Any) -> str:
+    """A Paddle dtype's own name (``uint16``), which ``str`` misreports for UINT16 as
+    ``paddle.bfloat16``."""
+    name = getattr(paddle_type, "name", None)
+    if isinstance(name, str):
+        return name.lower()
+    return str(paddle_type).rpartition(".")[2]
+
+
 def _resolve(name: str) -> Any:
-    """``paddle.<name>`` if it is really that dtype (``paddle.uint16`` is bfloat16 in disguise)."""
+    """``paddle.<name>`` if this Paddle has that very dtype."""
     value = getattr(paddle, name, None)
-    if value is None or str(value) != f"paddle.{name}":
+    if value is None or _type_name(value) != name:
         return None
     return value
 
@@ -51,6 +62,8 @@ def _resolve(name: str) -> Any:
 _TO_PADDLE: Final[dict[str, Any]] = {
     d.code: _resolve(d.name) for d in DTYPES if not d.packed and _resolve(d.name) is not None
 }
+#: The text of a Paddle place object.
+_PLACE: Final = re.compile(r"Place\((cpu|gpu:\d+)\)")
 #: Signed integer carriers by byte width (``to_tensor`` takes every signed width).
 _CARRIER: Final[dict[int, Any]] = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -78,7 +91,7 @@ def _native(dtype: DType) -> bool:
         made = paddle.to_tensor(np.zeros(1, numpy_dtype(dtype)))
     except Exception:  # noqa: BLE001 - Paddle reports unknown numpy types as ValueError/TypeError
         return False
-    return str(made.dtype) == f"paddle.{dtype.name}"
+    return _type_name(made.dtype) == dtype.name
 
 
 def _place(device: Device) -> str:
@@ -95,12 +108,18 @@ class PaddleAdapter:
     framework = "paddle"
 
     def check_device(self, device: Any) -> Device:
+        if not isinstance(device, (str, int, type(None))):
+            # Paddle's place objects (paddle.CPUPlace(), paddle.CUDAPlace(1)), as Paddle takes
+            # them: by their text, "Place(cpu)" / "Place(gpu:1)".
+            place = _PLACE.fullmatch(str(device))
+            if place is not None:
+                device = place[1]
         if isinstance(device, str) and device.partition(":")[0] == "gpu":
             # Paddle's own spelling of a CUDA place.
             device = "cuda" + device[3:]
         dev = parse_device(device)
         if dev.type in ("cuda", "anonymous") and not paddle.device.is_compiled_with_cuda():
-            raise SafetensorError(
+            raise DeviceError(
                 f"device {dev} was requested but Paddle {_VERSION} was built without "
                 "CUDA; use device='cpu'",
                 kind="InvalidDevice",
@@ -129,7 +148,7 @@ class PaddleAdapter:
             return _NUMPY.to_data(name, tensor)
         if not isinstance(tensor, paddle.Tensor):
             raise invalid_tensor_error(name, "paddle.Tensor", tensor)
-        type_name = str(tensor.dtype).rpartition(".")[2]
+        type_name = _type_name(tensor.dtype)
         try:
             dtype = dtype_from_name(type_name)
         except SerializeError:

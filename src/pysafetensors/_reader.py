@@ -327,8 +327,12 @@ class safe_open:  # noqa: N801 - the reference's name
             self._lease.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # never raise from a finalizer
+        # Never raise from a finalizer; try/except, not contextlib.suppress, because at
+        # interpreter exit this module's globals may already be gone.
+        try:  # noqa: SIM105
             self.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
     def _live(self) -> ByteSource:
         source = self._source
@@ -990,8 +994,10 @@ class SafeSlice:
     def __del__(self) -> None:
         lease, self._lease = getattr(self, "_lease", None), None
         if lease is not None:
-            with contextlib.suppress(Exception):  # never raise from a finalizer
+            try:  # noqa: SIM105 - never raise from a finalizer (nor need a global at exit)
                 lease.release()
+            except Exception:  # noqa: BLE001, S110
+                pass
 
     def get_shape(self) -> list[int]:
         """The tensor's full logical shape."""

@@ -17,7 +17,6 @@ a single ``*.safetensors``; otherwise an error that lists what the folder holds.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import posixpath
@@ -302,9 +301,11 @@ class ShardedSafeOpen:
             handle.close()
 
     def __del__(self) -> None:
-        # Never raise from a finalizer.
-        with contextlib.suppress(Exception):
+        # Never raise from a finalizer (nor need a module global: at exit they may be gone).
+        try:  # noqa: SIM105
             self.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
     def _live(self) -> None:
         if self._closed:

@@ -998,8 +998,11 @@ class MmapSource:
             os.close(fd)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Never raise from a finalizer (nor need a module global: at exit they may be gone).
+        try:  # noqa: SIM105
             self.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
 
 class FileObjSource:

@@ -17,11 +17,13 @@ front with the hub's splitter, one writer per shard, and the index is written la
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import operator
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -190,6 +192,19 @@ def _payload(name: str, info: TensorInfo, data: Any) -> tuple[int, Iterator[memo
     return view.nbytes, iter((view,))
 
 
+#: Writers neither closed nor aborted. Those still open when the interpreter exits are aborted
+#: then, while modules still work (a finalizer during teardown could not remove the temporary
+#: file, and printed errors): a writer left open is an abandoned one.
+_OPEN_WRITERS: Final[weakref.WeakSet[StreamingWriter]] = weakref.WeakSet()
+
+
+@atexit.register
+def _abort_open_writers() -> None:
+    for writer in list(_OPEN_WRITERS):
+        with contextlib.suppress(Exception):
+            writer.abort()
+
+
 class StreamingWriter:
     """Write one safetensors file tensor by tensor, chunk by chunk, in any order.
 
@@ -256,6 +271,7 @@ class StreamingWriter:
             raise
         self._cm = cm
         self._fd = fd
+        _OPEN_WRITERS.add(self)
         # Durable writers start the disk on each ~16 MiB written, so closing waits less.
         self._writeback = Writeback(fd) if fsync else None
 
@@ -467,6 +483,7 @@ class StreamingWriter:
                     tensor=next(iter(missing)),
                 )
             cm, self._cm = self._cm, None
+        _OPEN_WRITERS.discard(self)
         cm.__exit__(None, None, None)
 
     def abort(self) -> None:
@@ -482,6 +499,7 @@ class StreamingWriter:
             if self._cm is None:
                 return  # another close() or abort() finished it while this one waited
             cm, self._cm = self._cm, None
+        _OPEN_WRITERS.discard(self)
         exc = _Discard()
         with contextlib.suppress(_Discard):
             cm.__exit__(_Discard, exc, None)
@@ -500,9 +518,12 @@ class StreamingWriter:
             raise
 
     def __del__(self) -> None:
-        # Never commit from a finalizer: an unclosed writer is an abandoned one.
-        with contextlib.suppress(Exception):
+        # Never commit from a finalizer: an unclosed writer is an abandoned one. (try/except:
+        # at interpreter exit this module's globals, contextlib among them, may be gone.)
+        try:  # noqa: SIM105
             self.abort()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
 
 class ShardedStreamingWriter:

@@ -69,12 +69,23 @@ class TensorFlowAdapter:
                 kind="SparseTensor",
                 tensor=name,
             )
-        if isinstance(tensor, (tf.Tensor, tf.Variable)):
-            # .numpy() copies the tensor to host memory; the copy is what gets written.
-            return _NUMPY.to_data(name, tensor.numpy())
         if isinstance(tensor, (np.ndarray, np.generic)):
             return _NUMPY.to_data(name, tensor)
-        raise invalid_tensor_error(name, "tf.Tensor, tf.Variable or numpy.ndarray", tensor)
+        expected = "tf.Tensor, tf.Variable or numpy.ndarray"
+        if isinstance(tensor, tf.RaggedTensor):
+            raise invalid_tensor_error(name, expected, tensor)
+        # The reference calls .numpy() on every value, so anything with one is saved: tf.Tensor
+        # and tf.Variable (a copy in host memory is what gets written), and Keras 3 variables,
+        # which are neither.
+        to_numpy = getattr(tensor, "numpy", None)
+        if callable(to_numpy):
+            try:
+                array = to_numpy()
+            except Exception:  # noqa: BLE001 - a failing foreign .numpy() means "not a tensor"
+                array = None
+            if isinstance(array, (np.ndarray, np.generic)):
+                return _NUMPY.to_data(name, array)
+        raise invalid_tensor_error(name, expected, tensor)
 
 
 ADAPTER: Final = TensorFlowAdapter()

@@ -12,7 +12,7 @@ import torch
 from ._adapter import invalid_tensor_error
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
-from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError
+from ._errors import DeviceError, DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -109,7 +109,7 @@ class TorchAdapter:
     def check_device(self, device: Any) -> Device:
         dev = parse_device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise SafetensorError(
+            raise DeviceError(
                 f"device {dev} was requested but torch {torch.__version__} sees no CUDA device "
                 "(CPU-only build or no GPU); use device='cpu'",
                 kind="InvalidDevice",
@@ -117,7 +117,7 @@ class TorchAdapter:
         if dev.type == "mps" and not (
             hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
         ):
-            raise SafetensorError(
+            raise DeviceError(
                 f"device {dev} was requested but MPS is not available", kind="InvalidDevice"
             )
         return dev

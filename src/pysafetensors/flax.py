@@ -13,10 +13,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
+from . import numpy
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
 from ._jax_adapter import ADAPTER
+from ._reader import safe_open
 
-__all__ = ["load", "load_file", "save", "save_file"]
+__all__ = ["load", "load_file", "numpy", "safe_open", "save", "save_file"]
 
 
 def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -85,3 +90,18 @@ def load_file(
         Name to ``jax.Array``.
     """
     return load_file_with("flax", filename, "cpu", backend, storage_options)
+
+
+# The reference's helpers, for code that imports them from safetensors.flax.
+def _np2jnp(numpy_dict: dict[str, Any]) -> dict[str, Any]:
+    """The reference's helper: each array replaced by a jax array, in place."""
+    for k, v in numpy_dict.items():
+        numpy_dict[k] = jnp.array(v)
+    return numpy_dict
+
+
+def _jnp2np(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The reference's helper: each value replaced by a numpy array, in place."""
+    for k, v in tensors.items():
+        tensors[k] = np.asarray(v)
+    return tensors

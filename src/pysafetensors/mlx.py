@@ -12,10 +12,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
+from . import numpy
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
 from ._mlx_adapter import ADAPTER
+from ._reader import safe_open
 
-__all__ = ["load", "load_file", "save", "save_file"]
+__all__ = ["load", "load_file", "numpy", "safe_open", "save", "save_file"]
 
 
 def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -84,3 +89,16 @@ def load_file(
         Name to ``mx.array``.
     """
     return load_file_with("mlx", filename, "cpu", backend, storage_options)
+
+
+# The reference's helpers, for code that imports them from safetensors.mlx.
+def _np2mx(numpy_dict: dict[str, Any]) -> dict[str, Any]:
+    """The reference's helper: each array replaced by an MLX array, in place."""
+    for k, v in numpy_dict.items():
+        numpy_dict[k] = mx.array(v)
+    return numpy_dict
+
+
+def _mx2np(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """The reference's helper: a new dict of numpy arrays."""
+    return {k: np.asarray(v) for k, v in tensors.items()}

@@ -2,25 +2,56 @@
 
 Tensors are written straight from their memory and read onto any place (``"cpu"``, ``"gpu:0"``;
 ``"cuda:N"`` is accepted and mapped to ``gpu:N``). bfloat16, F8_E4M3, F8_E5M2, U32 and U64 work in
-both directions. Differences from the reference: U16 is refused instead of being loaded as
-bfloat16 (``paddle.uint16`` is an alias of ``paddle.bfloat16``), the Paddle version is not
-compared as a string, and the same code path serves every Paddle version.
+both directions, and so does U16, as ``paddle.uint16``. Differences from the reference: U16 is
+``paddle.uint16`` (the reference loads it as bfloat16 and cannot save ``paddle.uint16``, whose
+``str`` says ``paddle.bfloat16``), place objects and ``"gpu:N"`` are taken wherever a device is,
+the Paddle version is not compared as a string, and the same code path serves every Paddle
+version.
+
+The module also has the reference's re-exports and helpers (``safe_open``, ``numpy``,
+``serialize``, ``serialize_file``, ``deserialize``, ``TensorSpec``, ``_TYPES``, ``_SIZE``,
+``NPDTYPES``, ``_getdtype``, ``_view2paddle``, ``_to_ndarray``, ``_np2paddle``,
+``_paddle2np``), so code that imports them from ``safetensors.paddle`` keeps working.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import paddle
 
-from ._adapter import invalid_tensor_error, non_contiguous_error
-from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from . import numpy
+from ._adapter import invalid_tensor_error, non_contiguous_error, numpy_dtype
+from ._api import (
+    TensorSpec,
+    deserialize,
+    load_bytes_with,
+    load_file_with,
+    save_bytes_with,
+    save_file_with,
+    serialize,
+    serialize_file,
+)
+from ._dtypes import dtype_from_code
 from ._errors import SerializeError
-from ._paddle_adapter import ADAPTER
+from ._paddle_adapter import _TO_PADDLE, ADAPTER
+from ._reader import safe_open
 
-__all__ = ["load", "load_file", "save", "save_file"]
+__all__ = [
+    "TensorSpec",
+    "deserialize",
+    "load",
+    "load_file",
+    "numpy",
+    "safe_open",
+    "save",
+    "save_file",
+    "serialize",
+    "serialize_file",
+]
 
 
 def _flatten(tensors: Any) -> Mapping[str, Any]:
@@ -30,9 +61,12 @@ def _flatten(tensors: Any) -> Mapping[str, Any]:
             f"Expected a dict of [str, paddle.Tensor] but received {type(tensors)}",
             kind="InvalidTensor",
         )
+    # Every value's type first, then contiguity: the reference's order, so the same dict gets
+    # the same error.
     for name, tensor in tensors.items():
         if not isinstance(tensor, paddle.Tensor):
             raise invalid_tensor_error(name, "paddle.Tensor", tensor, prefix="")
+    for name, tensor in tensors.items():
         if not tensor.is_contiguous():
             raise non_contiguous_error(name)
     return tensors
@@ -111,3 +145,66 @@ def load_file(
         Name to ``paddle.Tensor``, in file order.
     """
     return load_file_with("paddle", filename, device, backend, storage_options)
+
+
+# The reference's module-level names, for code that imports them from safetensors.paddle.
+_TYPES: dict[str, Any] = dict(_TO_PADDLE)
+"""Format code to Paddle dtype, for every dtype this Paddle can hold."""
+
+_SIZE: dict[Any, int] = {t: dtype_from_code(c).bits // 8 for c, t in _TYPES.items()}
+"""Paddle dtype to its width in bytes."""
+
+NPDTYPES: dict[Any, Any] = {
+    t: numpy_dtype(dtype_from_code(c)) if c != "BF16" else np.float16 for c, t in _TYPES.items()
+}
+"""Paddle dtype to a numpy type of the same width (bfloat16 as float16, as the reference)."""
+
+
+def _getdtype(dtype_str: str) -> Any:
+    """The Paddle dtype of a format code (``"F32"`` -> ``paddle.float32``).
+
+    Raises:
+        KeyError: Not a code of :data:`_TYPES`.
+    """
+    return _TYPES[dtype_str]
+
+
+def _view2paddle(safeview: Iterable[tuple[str, Mapping[str, Any]]], device: Any) -> dict[str, Any]:
+    """Tensors from :func:`deserialize`'s ``(name, {"dtype", "shape", "data"})`` entries."""
+    dev = ADAPTER.check_device(device)
+    return {
+        name: ADAPTER.from_bytes(
+            np.frombuffer(bytearray(view["data"]), np.uint8),
+            dtype_from_code(view["dtype"]),
+            tuple(view["shape"]),
+            dev,
+        )
+        for name, view in safeview
+    }
+
+
+def _to_ndarray(tensor: Any, name: str) -> tuple[np.ndarray, Any]:
+    """A tensor's bytes as a uint8 array (a copy, little-endian) and the tensor, as the
+    reference's helper returns them.
+
+    Raises:
+        SerializeError: The tensor is not contiguous, or its dtype cannot be stored.
+    """
+    _flatten({name: tensor})
+    data = ADAPTER.to_data(name, tensor)
+    raw = b"".join(bytes(chunk) for chunk in data.chunks())
+    return np.frombuffer(bytearray(raw), np.uint8), tensor
+
+
+def _np2paddle(numpy_dict: dict[str, Any], device: Any = "cpu") -> dict[str, Any]:
+    """The reference's helper: each array replaced by a Paddle tensor on ``device``, in place."""
+    for k, v in numpy_dict.items():
+        numpy_dict[k] = paddle.to_tensor(v, place=device)
+    return numpy_dict
+
+
+def _paddle2np(paddle_dict: dict[str, Any]) -> dict[str, Any]:
+    """The reference's helper: each tensor replaced by a numpy array, in place."""
+    for k, v in paddle_dict.items():
+        paddle_dict[k] = v.detach().cpu().numpy()
+    return paddle_dict

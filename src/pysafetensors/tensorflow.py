@@ -13,10 +13,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import tensorflow as tf
+
+from . import numpy
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from ._reader import safe_open
 from ._tf_adapter import ADAPTER
 
-__all__ = ["load", "load_file", "save", "save_file"]
+__all__ = ["load", "load_file", "numpy", "safe_open", "save", "save_file"]
 
 
 def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -86,3 +90,18 @@ def load_file(
         Name to ``tf.Tensor``.
     """
     return load_file_with("tf", filename, "cpu", backend, storage_options)
+
+
+# The reference's helpers, for code that imports them from safetensors.tensorflow.
+def _np2tf(numpy_dict: dict[str, Any]) -> dict[str, Any]:
+    """The reference's helper: each array replaced by a TensorFlow tensor, in place."""
+    for k, v in numpy_dict.items():
+        numpy_dict[k] = tf.convert_to_tensor(v)
+    return numpy_dict
+
+
+def _tf2np(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The reference's helper: each value replaced by a numpy array, in place."""
+    for k, v in tensors.items():
+        tensors[k] = v.numpy()
+    return tensors

@@ -18,6 +18,7 @@ import torch
 
 from ._adapter import invalid_tensor_error, non_contiguous_error
 from ._api import (
+    TensorSpec,
     deserialize,
     load_bytes_with,
     load_file_with,
@@ -34,6 +35,7 @@ from ._sharding import save_model_sharded, save_sharded
 from ._torch_adapter import _TO_TORCH, ADAPTER
 
 __all__ = [
+    "TensorSpec",
     "deserialize",
     "load",
     "load_file",
@@ -65,6 +67,25 @@ _SIZE: dict[torch.dtype, int] = {t: t.itemsize for t in _TYPES.values()}
 def _getdtype(dtype_str: str) -> torch.dtype:
     """The torch dtype of a format code, as the reference's helper of that name."""
     return _TYPES[dtype_str]
+
+
+# The reference's names for the dtypes older torch builds lack (None where this one does).
+_float8_e4m3fn = getattr(torch, "float8_e4m3fn", None)
+_float8_e4m3fnuz = getattr(torch, "float8_e4m3fnuz", None)
+_float8_e5m2 = getattr(torch, "float8_e5m2", None)
+_float8_e5m2fnuz = getattr(torch, "float8_e5m2fnuz", None)
+_float8_e8m0 = getattr(torch, "float8_e8m0fnu", None)
+_float4_e2m1_x2 = getattr(torch, "float4_e2m1fn_x2", None)
+
+
+def _to_ndarray(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes (row-major, little-endian) as a uint8 array, as the reference's helper.
+
+    Raises:
+        SerializeError: The tensor cannot be stored (sparse, meta, an unknown dtype).
+    """
+    data = ADAPTER.to_data("tensor", tensor)
+    return np.frombuffer(bytearray(b"".join(bytes(c) for c in data.chunks())), np.uint8)
 
 
 def _view2torch(safeview: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ pytest.importorskip("safetensors.flax")
 
 import pysafetensors.flax as pflax  # noqa: E402
 import pysafetensors.numpy as pnp  # noqa: E402
+from pysafetensors import SerializeError  # noqa: E402
 
 from .cases import same_bits, sample  # noqa: E402
 from .suite import FrameworkSuite  # noqa: E402
@@ -86,3 +87,50 @@ def test_bf16_and_fp8_values() -> None:
     for name, value in tensors.items():
         assert loaded[name].dtype == value.dtype
         assert same_bits(np.asarray(loaded[name]), np.asarray(value))
+
+
+def test_save_takes_whatever_np_asarray_takes_as_the_reference() -> None:
+    import safetensors.flax as ref
+    from flax import nnx
+
+    torch = pytest.importorskip("torch")
+    values = {
+        "param": lambda: nnx.Param(jnp.ones(2)),  # flax NNX state values
+        "torch": lambda: torch.arange(3, dtype=torch.float32),
+        "range": lambda: range(3),
+        "view": lambda: memoryview(b"ab"),
+        "float": lambda: 1.5,
+    }
+    for name, make in values.items():
+        # Fresh dicts: the reference replaces the values of the one it is given.
+        assert pflax.save({name: make()}) == ref.save({name: make()}), name
+    # What numpy turns into an array of objects or strings: the reference's text.
+    with pytest.raises(SerializeError, match='Unknown dtype "object"'):
+        pflax.save({"a": None})
+    with pytest.raises(SerializeError, match='Unknown dtype "str96"'):
+        pflax.save({"a": "abc"})
+
+
+def test_the_reference_modules_names() -> None:
+    import pysafetensors
+    from pysafetensors.flax import _jnp2np, _np2jnp, numpy, safe_open
+
+    assert safe_open is pysafetensors.safe_open and numpy is pnp
+    arrays = _np2jnp({"a": np.ones(2, np.float32)})
+    assert isinstance(arrays["a"], jax.Array)
+    assert isinstance(_jnp2np(arrays)["a"], np.ndarray)
+
+
+def test_x64_warning_points_at_the_callers_line(tmp_path: Any) -> None:
+    from pysafetensors import safe_open
+
+    jax.config.update("jax_enable_x64", False)
+    path = tmp_path / "i.safetensors"
+    pnp.save_file({"i": np.arange(3, dtype=np.int64)}, path)
+    with pytest.warns(UserWarning, match="jax_enable_x64") as caught:
+        pflax.load(pnp.save({"i": np.arange(3, dtype=np.int64)}))
+        pflax.load_file(path)
+        with safe_open(path, "flax") as f:
+            f.get_tensor("i")
+            f.get_slice("i")[:2]
+    assert {w.filename for w in caught} == {__file__}

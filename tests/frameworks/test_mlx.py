@@ -80,3 +80,21 @@ def test_readable_by_mx_load(tmp_path: Any) -> None:
     got = mx.load(str(path))
     assert mx.array_equal(got["a"], x["a"]).item()
     assert got["b"].dtype == mx.bfloat16
+
+
+def test_save_takes_other_frameworks_arrays_as_the_reference() -> None:
+    import safetensors.mlx as ref
+
+    torch = pytest.importorskip("torch")
+    for make in (lambda: torch.arange(3, dtype=torch.float32), lambda: range(4), lambda: 2.5):
+        assert pmlx.save({"a": make()}) == ref.save({"a": make()})
+
+
+def test_the_reference_modules_names() -> None:
+    import pysafetensors
+    from pysafetensors.mlx import _mx2np, _np2mx, numpy, safe_open
+
+    assert safe_open is pysafetensors.safe_open and numpy is pnp
+    arrays = _np2mx({"a": np.ones(2, np.float32)})
+    assert isinstance(arrays["a"], mx.array)
+    assert isinstance(_mx2np(arrays)["a"], np.ndarray)

@@ -21,7 +21,7 @@ from pysafetensors import SafetensorError  # noqa: E402
 from .cases import same_bits, sample  # noqa: E402
 from .suite import FrameworkSuite  # noqa: E402
 
-_CODES = "BOOL U8 I8 F8_E5M2 F8_E4M3 I16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
+_CODES = "BOOL U8 I8 F8_E5M2 F8_E4M3 I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
 _CARRIER = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
@@ -29,10 +29,11 @@ class TestPaddle(FrameworkSuite):
     module = "paddle"
     aliases = ("paddle",)
     supported = frozenset(_CODES.split())
-    # The reference's Paddle tables have no U32/U64 (and its numpy-based load has no C64).
-    ref_load_file = supported - {"U32", "U64"}
-    ref_load = supported - {"U32", "U64", "C64"}
-    ref_save = supported - {"U32", "U64"}
+    # The reference's Paddle tables have no U32/U64 (and its numpy-based load has no C64); it
+    # loads U16 as bfloat16 (load_file) or not at all (load), and cannot save paddle.uint16.
+    ref_load_file = supported - {"U16", "U32", "U64"}
+    ref_load = supported - {"U16", "U32", "U64", "C64"}
+    ref_save = supported - {"U16", "U32", "U64"}
 
     def to_fw(self, arr: np.ndarray) -> Any:
         # Built from raw bits with Paddle's own view, not through our adapter.
@@ -44,21 +45,29 @@ class TestPaddle(FrameworkSuite):
         from pysafetensors._adapter import numpy_dtype
         from pysafetensors._dtypes import dtype_from_name
 
-        npdt = numpy_dtype(dtype_from_name(str(tensor.dtype).rpartition(".")[2]))
+        # By the dtype's name: str(paddle.uint16) is "paddle.bfloat16".
+        npdt = numpy_dtype(dtype_from_name(tensor.dtype.name.lower()))
         raw = np.frombuffer(ppaddle.save({"t": tensor}), np.uint8)
         # Read the bytes back with the numpy loader: independent of Paddle's numpy() quirks.
         return pnp.load(raw.tobytes())["t"].view(npdt)
 
 
-def test_u16_refused_instead_of_loaded_as_bfloat16(tmp_path: Any) -> None:
+def test_u16_is_paddle_uint16_not_bfloat16(tmp_path: Any) -> None:
     import safetensors.paddle as ref
 
     path = tmp_path / "u16.safetensors"
-    pnp.save_file({"x": np.arange(4, dtype=np.uint16)}, path)
-    with pytest.raises(TypeError, match="U16"):
-        ppaddle.load_file(path)
+    values = np.array([1, 2, 300, 65535], dtype=np.uint16)
+    pnp.save_file({"x": values}, path)
+    x = ppaddle.load_file(path)["x"]
+    assert x.dtype == paddle.uint16 and x.dtype != paddle.bfloat16
+    np.testing.assert_array_equal(x.numpy(), values)
     # The reference's quirk (format-and-api.md §3): its mmap path loads U16 as bfloat16.
     assert ref.load_file(str(path))["x"].dtype == paddle.bfloat16
+    # A paddle.uint16 tensor (whose str() says paddle.bfloat16) is saved as U16, not as BF16
+    # with its integer bits (the reference raises KeyError).
+    data = ppaddle.save({"x": paddle.cast(paddle.to_tensor([1, 2, 300]), paddle.uint16)})
+    assert b'"dtype":"U16"' in data
+    np.testing.assert_array_equal(pnp.load(data)["x"], [1, 2, 300])
 
 
 def test_non_contiguous_refused_like_the_reference() -> None:
@@ -95,3 +104,63 @@ def test_bf16_and_fp8_values() -> None:
         np.asarray(loaded["bf"].view(paddle.int16).numpy()),
         np.asarray(tensors["bf"].view(paddle.int16).numpy()),
     )
+
+
+def test_type_errors_come_before_contiguity_as_in_the_reference() -> None:
+    import safetensors.paddle as ref
+
+    t = paddle.transpose(paddle.arange(6, dtype="float32").reshape([2, 3]), [1, 0])
+    if t.is_contiguous():
+        pytest.skip("this Paddle materializes transposes")
+    tensors = {"a": t, "b": 1.0}
+    with pytest.raises(ValueError, match="Key `b` is invalid"):
+        ref.save(dict(tensors))
+    with pytest.raises(ValueError, match="Key `b` is invalid"):
+        ppaddle.save(tensors)
+
+
+def test_place_objects_and_unavailable_devices() -> None:
+    from pysafetensors import DeviceError
+
+    data = pnp.save({"x": np.arange(3, dtype=np.float32)})
+    x = ppaddle.load(data, device=paddle.CPUPlace())["x"]
+    assert x.place.is_cpu_place()
+    if not paddle.device.is_compiled_with_cuda():
+        # A ValueError, as Paddle's own refusal (and the reference's) is.
+        with pytest.raises(ValueError, match="without CUDA") as caught:
+            ppaddle.load(data, device="gpu:0")
+        assert isinstance(caught.value, DeviceError)
+
+
+def test_the_reference_modules_names() -> None:
+    import pysafetensors
+    from pysafetensors.paddle import (
+        _SIZE,
+        _TYPES,
+        NPDTYPES,
+        TensorSpec,
+        _getdtype,
+        _np2paddle,
+        _paddle2np,
+        _to_ndarray,
+        _view2paddle,
+        deserialize,
+        numpy,
+        safe_open,
+        serialize,
+        serialize_file,
+    )
+
+    assert safe_open is pysafetensors.safe_open and numpy is pnp
+    assert serialize is pysafetensors.serialize and deserialize is pysafetensors.deserialize
+    assert serialize_file is pysafetensors.serialize_file and TensorSpec is pysafetensors.TensorSpec
+    assert _getdtype("BF16") == paddle.bfloat16 and _TYPES["U16"] == paddle.uint16
+    assert _SIZE[paddle.float32] == 4 and NPDTYPES[paddle.bfloat16] is np.float16
+    t = paddle.to_tensor([1.0, 2.0], dtype="float32")
+    raw, same = _to_ndarray(t, "t")
+    assert same is t and raw.tobytes() == np.array([1.0, 2.0], np.float32).tobytes()
+    back = _view2paddle(deserialize(ppaddle.save({"t": t})), "cpu")
+    np.testing.assert_array_equal(back["t"].numpy(), [1.0, 2.0])
+    arrays = _paddle2np({"t": t})
+    assert isinstance(arrays["t"], np.ndarray)
+    assert isinstance(_np2paddle(arrays)["t"], paddle.Tensor)

@@ -54,6 +54,36 @@ def test_sparse_refused() -> None:
         ptf.save({"s": sparse})
 
 
+def test_keras_variables_saved_as_the_reference_saves_them() -> None:
+    # Keras 3 variables are neither tf.Tensor nor tf.Variable; the reference calls .numpy() on
+    # every value, so they are saved (every Keras model's weights are such variables).
+    import safetensors.tensorflow as ref
+
+    keras = pytest.importorskip("keras")
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    assert not isinstance(layer.kernel, (tf.Tensor, tf.Variable))
+    data = ptf.save({"kernel": layer.kernel, "bias": layer.bias})
+    assert data == ref.save({"kernel": layer.kernel, "bias": layer.bias})
+    np.testing.assert_array_equal(ptf.load(data)["kernel"].numpy(), layer.kernel.numpy())
+
+
+def test_ragged_refused() -> None:
+    with pytest.raises(ValueError, match="Key `r` is invalid"):
+        ptf.save({"r": tf.ragged.constant([[1], [2, 3]])})
+
+
+def test_the_reference_modules_names() -> None:
+    import pysafetensors
+    import pysafetensors.numpy as pnp
+    from pysafetensors.tensorflow import _np2tf, _tf2np, numpy, safe_open
+
+    assert safe_open is pysafetensors.safe_open and numpy is pnp
+    tensors = _np2tf({"a": np.ones(2, np.float32)})
+    assert isinstance(tensors["a"], tf.Tensor)
+    assert isinstance(_tf2np(tensors)["a"], np.ndarray)
+
+
 def test_reference_mutates_the_dict_and_we_do_not() -> None:
     import safetensors.tensorflow as ref
 
