@@ -98,3 +98,18 @@ def test_the_reference_modules_names() -> None:
     arrays = _np2mx({"a": np.ones(2, np.float32)})
     assert isinstance(arrays["a"], mx.array)
     assert isinstance(_mx2np(arrays)["a"], np.ndarray)
+
+
+def test_views_are_saved_in_row_major_order() -> None:
+    # The reference writes an mx.array's raw memory: a transpose comes out in the wrong order,
+    # a broadcast or reversed array with heap bytes past it.
+    base = mx.arange(12, dtype=mx.float32).reshape(3, 4)
+    views = {
+        "transposed": base.T,
+        "strided": base[:, ::2],
+        "reversed": base[::-1],
+        "broadcast": mx.broadcast_to(mx.array([1.0, 2.0]), (3, 2)),
+    }
+    loaded = pnp.load(pmlx.save(views))
+    for name, view in views.items():
+        np.testing.assert_array_equal(loaded[name], np.asarray(view), err_msg=name)
