@@ -1,29 +1,43 @@
-"""Editing ``__metadata__`` of an existing file: in place when it fits, else an atomic rewrite.
+"""Editing ``__metadata__`` of an existing file: in place when that is safe, else an atomic rewrite.
 
 The header sits before the data, and ``data_offsets`` count from the end of the header, so the
-header can only change in place if its new JSON fits in the old header region of ``N`` bytes:
-then the region is rewritten, padded with spaces to the same ``N`` (trailing JSON whitespace is
-legal, rule R5), and every tensor byte stays where it is. That is one ``pwrite`` followed by an
-``fsync``; a crash in between can leave a torn header only if the kernel splits the write across
-pages and loses part of it, a window far smaller than rewriting gigabytes (SwarmUI #50,
-lora-inspector #5 ask for exactly this).
+header can only change in place if its length ``N`` stays. Two ways of doing that:
+
+* **The metadata slot** (the default): the ``__metadata__`` object and the JSON whitespace after
+  it. A new metadata object that fits there replaces the old one, padded with spaces (JSON
+  whitespace between tokens, which every JSON parser and the reference accept); every other
+  byte of the header and the file stays. When the bytes that change lie within one 4 KiB page,
+  as they do for the metadata at the start of an ordinary header, the change is one ``pwrite``
+  within one page of the page cache, which the kernel copies whole: a process killed during the
+  edit leaves the old header or the new one, never a mix (it stops a larger write between pages
+  when a fatal signal is pending, which tears a header that spans several).
+* **The whole header** (``in_place=True`` only): the header re-serialized into the old ``N``
+  bytes, padded with spaces at the end. This can edit a header of any size without rewriting the
+  file, but a write spanning several pages that is interrupted leaves a broken header.
 
 Otherwise the file is rewritten through :func:`~pysafetensors._writer.atomic_output` (temporary
-sibling, then ``os.replace``): a new header, then the data buffer copied with
-``os.copy_file_range`` (kernel-side, reflinked on filesystems that can), falling back to plain
-reads and writes. The old file's permission bits are kept. ``reserve`` adds spare padding to a
-rewritten header so that later edits fit in place.
+sibling, permissions and owner of the old file, then ``os.replace``): a new header, then the
+data buffer copied with ``os.copy_file_range`` (kernel-side, reflinked on filesystems that can),
+falling back to plain reads and writes. Without ``reserve`` the rewritten header is the one the
+reference would write for the same tensors and metadata; ``reserve`` leaves that many spaces
+after the metadata object, so that later edits fit its slot. Metadata edited in place keeps the
+header's length, so the file is not byte-identical to a fresh save of the same tensors (its
+JSON is padded with spaces where a fresh save would have none).
+
+SwarmUI #50 and lora-inspector #5 ask for metadata edits that do not rewrite gigabytes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import mmap
 import os
-import stat
+import re
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Final
+
+import numpy as np
 
 from ._errors import SafetensorError, SerializeError
 from ._format import MAX_HEADER_SIZE, N_LEN, SERIALIZE_PREFIX, Header, parse_header
@@ -36,18 +50,77 @@ __all__ = ["edit_metadata"]
 _COPY_CHUNK = 64 << 20
 
 
-def _header_bytes(header: Header, metadata: Mapping[str, str] | None) -> bytes:
-    """The JSON of ``header`` with new metadata; tensor entries keep their offsets and order."""
-    obj: dict[str, Any] = {}
-    if metadata is not None:
-        obj["__metadata__"] = dict(metadata)
-    for info in header.tensors.values():
-        obj[info.name] = {
+def _metadata_json(metadata: Mapping[str, str]) -> bytes:
+    return json.dumps(dict(metadata), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _header_bytes(header: Header, metadata: Mapping[str, str] | None, slack: int = 0) -> bytes:
+    """The JSON of ``header`` with new metadata; tensor entries keep their offsets and order.
+
+    ``slack`` spaces follow the metadata object (room for later edits in its slot).
+    """
+    entries = {
+        info.name: {
             "dtype": info.dtype.code,
             "shape": list(info.shape),
             "data_offsets": [info.begin, info.end],
         }
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        for info in header.tensors.values()
+    }
+    body = json.dumps(entries, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    if metadata is None:
+        return body
+    head = b'{"__metadata__":' + _metadata_json(metadata) + b" " * slack
+    return head + (b"," + body[1:] if entries else b"}")
+
+
+_WS: Final = re.compile(r"[ \t\n\r]*")
+_DECODER: Final = json.JSONDecoder()
+
+
+def _metadata_slot(region: bytes) -> tuple[int, int] | None:
+    """Byte span of the ``__metadata__`` value and the whitespace after it in a header region,
+    or None when there is none (no metadata, or an odd header)."""
+    try:
+        text = region.decode("utf-8")
+        i = _WS.match(text).end()  # type: ignore[union-attr]
+        if text[i] != "{":
+            return None
+        i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
+        while text[i] == '"':
+            key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+            i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            if text[i] != ":":
+                return None
+            i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
+            value_start = i
+            _, i = _DECODER.raw_decode(text, i)
+            i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            if key == "__metadata__":
+                # In bytes: the text before it may hold multi-byte characters.
+                start = len(text[:value_start].encode("utf-8"))
+                return start, start + len(text[value_start:i].encode("utf-8"))
+            if text[i] != ",":
+                return None
+            i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
+    except (ValueError, IndexError):
+        return None
+    return None
+
+
+def _changed_span(old: bytes, new: bytes) -> tuple[int, int] | None:
+    """First and one-past-last index where two equally long byte strings differ."""
+    diff = np.flatnonzero(np.frombuffer(old, np.uint8) != np.frombuffer(new, np.uint8))
+    if diff.size == 0:
+        return None
+    return int(diff[0]), int(diff[-1]) + 1
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def _check_strings(values: Mapping[str, str]) -> None:
@@ -107,8 +180,9 @@ def edit_metadata(
     reserve: int = 0,
     fsync: bool = True,
     max_header_size: int = MAX_HEADER_SIZE,
+    in_place: bool | None = None,
 ) -> bool:
-    """Change a file's ``__metadata__``, in place when the new header fits.
+    """Change a file's ``__metadata__``: in place when that is safe, else by an atomic rewrite.
 
     Args:
         path: A local safetensors file (it is validated first). A symbolic link is followed:
@@ -117,13 +191,19 @@ def edit_metadata(
             file with several hard links is shared only by an in-place edit; a rewrite gives
             this name a new file and the other names keep the old one.
         set: Keys to add or overwrite.
-        delete: Keys to remove.
+        delete: Keys to remove (a key named twice is removed once).
         replace: Start from empty metadata instead of the file's (then ``set`` is the result).
         missing_ok: Ignore ``delete`` keys that are not present instead of raising.
-        reserve: Extra padding bytes to leave in the header when the file must be rewritten,
-            so that later edits can happen in place.
+        reserve: Spaces to leave after the metadata object when the file must be rewritten,
+            so that later edits fit in place.
         fsync: Make the change durable before returning.
         max_header_size: Largest header accepted, old or new.
+        in_place: ``None`` (the default): in place only when the new metadata fits the old
+            one's slot and the bytes that change lie within one 4 KiB page (a process killed
+            during the edit then leaves the old header or the new one), else a rewrite.
+            ``True``: in place whenever the new header fits the old one's ``N`` bytes, even
+            across pages (fast on huge files; an interrupted multi-page write leaves a broken
+            header). ``False``: always rewrite.
 
     Returns:
         True if the header was rewritten in place (or nothing changed, and nothing was written),
@@ -147,7 +227,8 @@ def edit_metadata(
     target = os.path.realpath(given)
     updates = dict(set or {})
     _check_strings(updates)
-    removals = [delete] if isinstance(delete, str) else list(delete)  # one key, not letters
+    # One key, not its letters; a key named twice is removed once.
+    removals = list(dict.fromkeys([delete] if isinstance(delete, str) else delete))
     fd = os.open(target, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     try:
         source = PreadSource(fd, target, owns_fd=False)
@@ -166,37 +247,85 @@ def edit_metadata(
         new_meta: dict[str, str] | None = metadata if (metadata or old is not None) else None
         if new_meta == old and list((new_meta or {}).items()) == list((old or {}).items()):
             return True  # nothing changes (e.g. deleting absent keys with missing_ok)
-        text = _header_bytes(header, new_meta)
         n = header.header_size
         data_size = source.size - N_LEN - n
-        if len(text) <= n:
-            region = text + b" " * (n - len(text))
-            # The gate: never write a header the strict reader would refuse.
-            parse_header(region, data_size)
-            os.pwrite(fd, region, N_LEN)
-            if fsync:
-                os.fsync(fd)
-            return True
-        # The size is checked before the padding is made: ``reserve`` comes from the caller
-        # (the command line's --reserve) and may be any number.
-        size = len(text) + (-len(text) % 8) + (max(0, reserve) + 7) // 8 * 8
+        if in_place is not False:
+            region = _in_place_region(source, header, new_meta, whole=in_place is True)
+            if region is not None:
+                new_region, start, end = region
+                # The gate: never write a header the strict reader would refuse, or one that
+                # does not say exactly what was asked.
+                checked = parse_header(new_region, data_size)
+                if checked.metadata != new_meta or list(checked.tensors.values()) != list(
+                    header.tensors.values()
+                ):  # pragma: no cover - a defect of the slot logic, caught before writing
+                    raise SafetensorError(
+                        f"{given}: internal error: the edited header does not read back as "
+                        "intended; nothing was written",
+                        kind="InternalError",
+                    )
+                same_page = (N_LEN + start) // _PAGE == (N_LEN + end - 1) // _PAGE
+                if in_place is True or same_page:
+                    _pwrite_all(fd, new_region[start:end], N_LEN + start)
+                    if fsync:
+                        os.fsync(fd)
+                    return True
+        # The size is checked before the slack is made: ``reserve`` comes from the caller (the
+        # command line's --reserve) and may be any number.
+        slack = max(0, reserve) if new_meta is not None else 0
+        size = len(_header_bytes(header, new_meta)) + slack
+        size += -size % 8
         if size > max_header_size:
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}{given}: header too large ({size} bytes; the limit "
                 f"is {max_header_size})",
                 kind="HeaderTooLarge",
             )
+        text = _header_bytes(header, new_meta, slack=slack)
         padded = text + b" " * (size - len(text))
         parse_header(padded, data_size)
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        with atomic_output(target, fsync=fsync) as out:
+        with atomic_output(target, fsync=fsync, like=os.fstat(fd)) as out:
             prefix = struct.pack("<Q", len(padded)) + padded
             view = memoryview(prefix)
             while view:
                 view = view[os.write(out, view) :]
             _copy_range(fd, out, N_LEN + n, data_size, len(prefix))
-        with contextlib.suppress(OSError):
-            os.chmod(target, mode)
         return False
     finally:
         os.close(fd)
+
+
+#: The unit the kernel copies a write in, stopping between units for a fatal signal.
+_PAGE: Final = mmap.PAGESIZE
+
+
+def _in_place_region(
+    source: PreadSource, header: Header, metadata: dict[str, str] | None, *, whole: bool
+) -> tuple[bytes, int, int] | None:
+    """The header region with new metadata in the same ``N`` bytes, and the span that changed.
+
+    First the metadata slot (the old object and the whitespace after it); with ``whole``, else
+    the whole header re-serialized and padded at the end. None when neither fits.
+    """
+    n = header.header_size
+    buf = bytearray(n)
+    source.readinto(N_LEN, memoryview(buf))
+    old = bytes(buf)
+    slot = _metadata_slot(old) if metadata is not None else None
+    new: bytes | None = None
+    if slot is not None:
+        assert metadata is not None
+        start, end = slot
+        value = _metadata_json(metadata)
+        if len(value) <= end - start:
+            new = old[:start] + value + b" " * (end - start - len(value)) + old[end:]
+    if new is None and whole:
+        text = _header_bytes(header, metadata)
+        if len(text) <= n:
+            new = text + b" " * (n - len(text))
+    if new is None:
+        return None
+    span = _changed_span(old, new)
+    if span is None:  # pragma: no cover - an unchanged header returned earlier
+        return None
+    return new, span[0], span[1]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from ._adapter import Adapter, get_adapter
-from ._errors import SerializeError
+from ._errors import SerializeError, write_error
 from ._format import MAX_HEADER_SIZE
 from ._writer import SaveGroup, TensorData, atomic_output, write_file
 
@@ -525,7 +525,10 @@ def save_sharded(
             tensor_to_filename={},
         )
     out = os.fspath(folder)
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:  # e.g. a file where the folder should be
+        raise write_error(exc, out) from exc
     per_file: dict[str, str] = {"format": format}
     if not plan.is_sharded:
         per_file.update(meta)

@@ -63,6 +63,9 @@ def as_dtype(value: Any) -> DType:
     """
     if isinstance(value, DType):
         return value
+    if value is None:
+        # np.dtype(None) is float64: a missing dtype must not become one.
+        raise SerializeError(f"{SERIALIZE_PREFIX}None is not a dtype", kind="UnknownDtype")
     if isinstance(value, str):
         with contextlib.suppress(Exception):
             return dtype_from_code(value)
@@ -82,6 +85,9 @@ def as_dtype(value: Any) -> DType:
 def _declare(name: Any, value: Any) -> TensorDecl:
     from ._sharding import _adapter_for, _is_torch
 
+    if _is_torch(value) and value.is_meta:
+        # Only the dtype and shape are wanted: a meta tensor has no data to convert.
+        return str(name), as_dtype(value.dtype), _dims(name, value.shape)
     if isinstance(value, np.ndarray) or _is_torch(value):
         data = _adapter_for(value).to_data(str(name), value)
         return str(name), data.dtype, data.shape
@@ -129,11 +135,36 @@ def _declarations(tensors: Any) -> list[TensorDecl]:
     """Normalise ``{name: (dtype, shape)}``, ``{name: array_or_meta}`` or ``[(name, dtype,
     shape)]``."""
     if isinstance(tensors, Mapping):
+        for name in tensors:
+            if not isinstance(name, str):
+                raise SerializeError(
+                    f"{SERIALIZE_PREFIX}a tensor is declared with a name of type "
+                    f"{type(name).__name__} ({name!r:.60}): tensor names are str",
+                    kind="TensorInvalidInfo",
+                )
         return [_declare(k, v) for k, v in tensors.items()]
+    if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__iter__"):
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}tensors are declared as {type(tensors).__name__}: expected "
+            "{name: (dtype, shape)}, {name: array} or [(name, dtype, shape), ...]",
+            kind="TensorInvalidInfo",
+        )
     out = []
     seen: set[str] = set()
-    for item in tensors:
+    for index, item in enumerate(tensors):
+        if isinstance(item, (str, bytes)) or not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}declaration {index} is {item!r:.60}: expected "
+                "(name, dtype, shape)",
+                kind="TensorInvalidInfo",
+            )
         name, dtype, shape = item
+        if not isinstance(name, str):
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}declaration {index} has a name of type "
+                f"{type(name).__name__} ({name!r:.60}): tensor names are str",
+                kind="TensorInvalidInfo",
+            )
         if name in seen:
             # Checked here for every writer: the sharded one plans shards by name, and a
             # repeated declaration would silently replace the first.
@@ -593,7 +624,10 @@ class ShardedStreamingWriter:
         # Every shard joins it when opened, and close() renames them with the index.
         self._group = checkpoint_group(self.folder, plan, filename_pattern, fsync=fsync)
         self._lock = threading.Lock()
-        os.makedirs(self.folder, exist_ok=True)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as exc:  # e.g. a file where the folder should be
+            raise write_error(exc, self.folder) from exc
 
     def _writer(self, name: str) -> StreamingWriter:
         if self._closed:

@@ -19,6 +19,7 @@ import errno
 import glob
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -291,7 +292,11 @@ def _clean_stale_partials(target: str) -> None:
 
 @contextlib.contextmanager
 def atomic_output(
-    filename: str | os.PathLike[str], *, fsync: bool = False, group: SaveGroup | None = None
+    filename: str | os.PathLike[str],
+    *,
+    fsync: bool = False,
+    group: SaveGroup | None = None,
+    like: os.stat_result | None = None,
 ) -> Iterator[int]:
     """Open a temporary sibling of ``filename`` for writing; rename it over ``filename`` on success.
 
@@ -300,6 +305,10 @@ def atomic_output(
         fsync: Make the file (and, once renamed, its directory entry) durable.
         group: Leave the finished temporary file to ``group``, which renames it together with
             the group's other files (:meth:`SaveGroup.commit`).
+        like: The status of a file this one replaces in its stead (a rewrite of it): its
+            permission bits, and where allowed its owner and group, are given to the temporary
+            file before the rename, so that the file never shows other permissions under the
+            name. Without it, permissions follow the umask.
 
     Yields:
         The file descriptor to write to. On any exception the temporary file is removed and the
@@ -313,7 +322,7 @@ def atomic_output(
     if isinstance(target, bytes):  # pragma: no cover - typed as str
         target = os.fsdecode(target)
     try:
-        with _atomic_output(target, fsync=fsync, group=group) as fd:
+        with _atomic_output(target, fsync=fsync, group=group, like=like) as fd:
             yield fd
     except OSError as exc:
         if isinstance(exc, SafetensorError):  # remote sources' errors, already ours
@@ -322,7 +331,9 @@ def atomic_output(
 
 
 @contextlib.contextmanager
-def _atomic_output(target: str, *, fsync: bool, group: SaveGroup | None = None) -> Iterator[int]:
+def _atomic_output(
+    target: str, *, fsync: bool, group: SaveGroup | None = None, like: os.stat_result | None = None
+) -> Iterator[int]:
     folder = os.path.dirname(target) or "."
     if os.path.isdir(target):
         # Before any byte is written: a save of many GiB would otherwise fail only at the end.
@@ -334,8 +345,19 @@ def _atomic_output(target: str, *, fsync: bool, group: SaveGroup | None = None) 
     try:
         try:
             yield fd
-            # Permissions follow the umask, as for any file the user creates.
-            os.fchmod(fd, 0o666 & ~_umask())
+            if like is None:
+                # Permissions follow the umask, as for any file the user creates.
+                os.fchmod(fd, 0o666 & ~_umask())
+            else:
+                if hasattr(os, "fchown") and (like.st_uid, like.st_gid) != (
+                    os.geteuid(),
+                    os.getegid(),
+                ):
+                    # Only root may give a file away (and a user only to a group of theirs);
+                    # where it is refused, the file stays ours, as with any rewrite.
+                    with contextlib.suppress(OSError):
+                        os.fchown(fd, like.st_uid, like.st_gid)
+                os.fchmod(fd, stat.S_IMODE(like.st_mode))
             if fsync:
                 os.fsync(fd)
         except BaseException:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import stat
 import struct
 from pathlib import Path
 
@@ -104,6 +106,72 @@ def test_edit_metadata_exported_and_in_place(tmp_path: Path) -> None:
     assert pysafetensors.edit_metadata(path, set={"only": "this"}, replace=True) is True
     with pysafetensors.safe_open(path, "np") as f:
         assert f.metadata() == {"only": "this"}
+
+
+def test_edit_metadata_in_place_only_within_one_page_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref_np = pytest.importorskip("safetensors.numpy")
+    tensors = {f"layer.{i}.weight": np.full((4, 4), i, np.float32) for i in range(300)}
+    path = tmp_path / "m.safetensors"
+    ref_np.save_file(tensors, str(path), metadata={"k": "a" * 100})
+    before = path.read_bytes()
+    n = struct.unpack("<Q", before[:8])[0]
+    assert n > 3 * 4096  # a header of several pages, the metadata at its start
+    writes: list[tuple[int, int]] = []
+    real_pwrite = os.pwrite
+
+    def record(fd: int, data: bytes, offset: int) -> int:
+        writes.append((offset, len(data)))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", record)
+    # Shorter: the new object and spaces replace the old one in its slot, one small write.
+    assert pysafetensors.edit_metadata(path, set={"k": "b" * 40}) is True
+    after = path.read_bytes()
+    assert len(writes) == 1 and writes[0][1] <= 110 and writes[0][0] // 4096 == 0
+    start, length = writes[0]
+    assert after[:start] == before[:start] and after[start + length :] == before[start + length :]
+    with ref_np.safe_open(str(path), "np") as f:  # the reference reads it
+        assert f.metadata() == {"k": "b" * 40}
+    # A key named twice is deleted once (it was "metadata has no key").
+    assert pysafetensors.edit_metadata(path, delete=["k", "k"]) is True
+    # Larger than the slot: every tensor entry would move, across pages: an atomic rewrite,
+    # byte-identical to the reference's save of the same tensors and metadata.
+    writes.clear()
+    assert pysafetensors.edit_metadata(path, set={"k": "c" * 500}) is False
+    expected = tmp_path / "expected.safetensors"
+    ref_np.save_file(tensors, str(expected), metadata={"k": "c" * 500})
+    assert path.read_bytes() == expected.read_bytes()
+    # Asked for, the whole header is rewritten in place when it fits its N bytes.
+    assert pysafetensors.edit_metadata(path, set={"k": "d" * 10}, in_place=True) is True
+    assert pysafetensors.edit_metadata(path, set={"k": "e" * 200}, in_place=True) is True
+    assert path.stat().st_size == expected.stat().st_size
+    # And never, when asked not to.
+    assert pysafetensors.edit_metadata(path, set={"k": "f"}, in_place=False) is False
+    with pysafetensors.safe_open(path, "np") as f:
+        assert f.metadata() == {"k": "f"}
+        np.testing.assert_array_equal(f.get_tensor("layer.299.weight"), tensors["layer.299.weight"])
+
+
+def test_edit_metadata_rewrite_keeps_permissions_from_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The rewritten file had the umask's permissions until a chmod after the rename: a private
+    # file was briefly world-readable (and stayed so if the process died in between).
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, str(path), metadata={"k": "v"})
+    os.chmod(path, 0o600)
+    seen: list[int] = []
+    real_replace = os.replace
+
+    def replace(src: str, dst: str) -> None:
+        real_replace(src, dst)
+        seen.append(stat.S_IMODE(os.stat(dst).st_mode))
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert pysafetensors.edit_metadata(path, set={"k": "w" * 300}) is False
+    assert seen == [0o600] and stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
 def test_edit_metadata_errors(tmp_path: Path) -> None:

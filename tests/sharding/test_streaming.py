@@ -485,3 +485,48 @@ def test_two_closes_waiting_on_one_write_finish_once(
         t.join()
     assert errors == [] and w.closed
     assert load_file(str(tmp_path / "x.safetensors"))["a"].tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [[("a", "F32")], [(["a"], "F32", (3,))], ["abc"], [("a", "F32", (2,), "x")], 5, None, "abc"],
+)
+def test_malformed_declaration_lists_are_serialize_errors(tmp_path: Path, declared: Any) -> None:
+    # They raised ValueError/TypeError from unpacking, or read "abc" as a declaration of `a`.
+    for make in (StreamingWriter, ShardedStreamingWriter):
+        with pytest.raises(SerializeError) as info:
+            make(tmp_path / "out", declared)
+        assert info.value.kind == "TensorInvalidInfo"
+    assert os.listdir(tmp_path) == []
+
+
+def test_declarations_refuse_none_dtypes_and_non_str_names(tmp_path: Path) -> None:
+    # np.dtype(None) is float64: a missing dtype silently declared an F64 tensor.
+    with pytest.raises(SerializeError, match="None is not a dtype") as info:
+        StreamingWriter(tmp_path / "n.safetensors", {"a": (None, (2,))})
+    assert info.value.kind == "UnknownDtype"
+    with pytest.raises(SerializeError, match="tensor names are str"):
+        StreamingWriter(tmp_path / "n.safetensors", {1: ("F32", (2,))})
+    assert os.listdir(tmp_path) == []
+
+
+def test_meta_tensors_declare_dtype_and_shape(tmp_path: Path) -> None:
+    # Declaring reads no data, so a meta tensor (a model built on the meta device) declares
+    # its tensor; it failed with "Cannot copy out of meta tensor".
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "m.safetensors"
+    with StreamingWriter(path, {"m": torch.empty(3, 4, dtype=torch.bfloat16, device="meta")}) as w:
+        w.write("m", torch.ones(3, 4, dtype=torch.bfloat16))
+    from pysafetensors.torch import load_file as load_torch
+
+    assert torch.equal(load_torch(path)["m"], torch.ones(3, 4, dtype=torch.bfloat16))
+
+
+def test_a_file_where_the_folder_should_be_is_a_write_error(tmp_path: Path) -> None:
+    from pysafetensors import WriteError, save_sharded
+
+    (tmp_path / "afile").write_bytes(b"x")
+    with pytest.raises(WriteError, match="afile"):
+        ShardedStreamingWriter(tmp_path / "afile", {"a": ("F32", (2,))})
+    with pytest.raises(WriteError, match="afile"):
+        save_sharded({"a": np.zeros(2, np.float32)}, tmp_path / "afile")

@@ -49,13 +49,33 @@ def register(sub: Any) -> None:
         metavar="BYTES",
         help="if the file must be rewritten, leave this much spare header room for later edits",
     )
+    _in_place_arg(s)
     s.set_defaults(func=run_set)
 
     d = actions.add_parser("delete", help="remove keys")
     d.add_argument("target", metavar="FILE", help="a local .safetensors file")
     d.add_argument("keys", nargs="+", metavar="KEY")
     d.add_argument("--missing-ok", action="store_true", help="ignore keys that are not present")
+    _in_place_arg(d)
     d.set_defaults(func=run_delete)
+
+
+#: --in-place choices and the edit_metadata argument each stands for.
+_IN_PLACE: Final = {"auto": None, "always": True, "never": False}
+
+
+def _in_place_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--in-place",
+        choices=list(_IN_PLACE),
+        default="auto",
+        help=(
+            "auto: in place when the change stays within one 4 KiB page (a killed edit leaves "
+            "the old or the new header), else an atomic rewrite; always: in place whenever the "
+            "header fits (no rewrite of a large file; an interrupted edit across pages can "
+            "break the header); never: always rewrite"
+        ),
+    )
 
 
 def run_get(args: argparse.Namespace) -> int:
@@ -99,7 +119,7 @@ def _local_file(target: str) -> None:
 
 
 def _report(ui: Ui, target: str, in_place: bool) -> None:
-    how = "in place" if in_place else "by rewriting the file (the header grew)"
+    how = "in place" if in_place else "by rewriting the file"
     ui.line(f"{sanitize(target)}: metadata updated {how}")
 
 
@@ -112,7 +132,13 @@ def run_set(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise UsageError(f"expected KEY=VALUE, got {sanitize(pair)!r}")
         updates[key] = value
-    in_place = edit_metadata(args.target, set=updates, replace=args.replace, reserve=args.reserve)
+    in_place = edit_metadata(
+        args.target,
+        set=updates,
+        replace=args.replace,
+        reserve=args.reserve,
+        in_place=_IN_PLACE[args.in_place],
+    )
     _report(Ui(args), args.target, in_place)
     return 0
 
@@ -125,7 +151,12 @@ def run_delete(args: argparse.Namespace) -> int:
             present = [key for key in args.keys if key in (f.metadata() or {})]
     except SafetensorError:
         present = list(args.keys)  # edit_metadata reports what is wrong with the file
-    in_place = edit_metadata(args.target, delete=args.keys, missing_ok=args.missing_ok)
+    in_place = edit_metadata(
+        args.target,
+        delete=args.keys,
+        missing_ok=args.missing_ok,
+        in_place=_IN_PLACE[args.in_place],
+    )
     if not present:  # only with --missing-ok: edit_metadata refuses absent keys otherwise
         Ui(args).line(f"{sanitize(args.target)}: metadata unchanged (no such keys)")
         return 0
