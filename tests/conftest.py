@@ -6,8 +6,11 @@ a test needs them (no writer in between to fix them up).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,3 +59,16 @@ def write_raw_fixture(tmp_path: Any) -> Any:
         return path
 
     return write
+
+
+@pytest.fixture(name="range_server_class", scope="session")
+def range_server_class_fixture() -> Any:
+    """The loopback HTTP range server of the remote tests (``tests/remote/rangeserver.py``),
+    for tests elsewhere; loaded by path, since ``tests/`` is no package."""
+    path = Path(__file__).parent / "remote" / "rangeserver.py"
+    spec = importlib.util.spec_from_file_location("_shared_rangeserver", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.RangeServer

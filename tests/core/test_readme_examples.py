@@ -9,7 +9,6 @@ blocks, checks compare the results with what the README's comments promise.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -121,17 +120,6 @@ def readme_blocks() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
 
 
-def _range_server(root: Path) -> Any:
-    # The loopback server lives with the remote tests; load it by path (tests/ is no package).
-    path = Path(__file__).parents[1] / "remote" / "rangeserver.py"
-    spec = importlib.util.spec_from_file_location("_readme_rangeserver", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.RangeServer(root)
-
-
 def test_every_check_and_preamble_names_a_block() -> None:
     blocks = readme_blocks()
     assert len(blocks) >= 10
@@ -139,7 +127,7 @@ def test_every_check_and_preamble_names_a_block() -> None:
         assert sum(key in block for block in blocks) == 1, f"{key!r} is in no or several blocks"
 
 
-def test_readme_python_examples_run(tmp_path: Path) -> None:
+def test_readme_python_examples_run(tmp_path: Path, range_server_class: Any) -> None:
     served = tmp_path / "served"
     served.mkdir()
     rng = np.random.default_rng(0)
@@ -147,7 +135,7 @@ def test_readme_python_examples_run(tmp_path: Path) -> None:
         {"embed.weight": rng.standard_normal((20_000, 16)).astype(np.float32)},
         served / "model.safetensors",
     )
-    server = _range_server(served)
+    server = range_server_class(served)
     try:
         program = []
         for block in readme_blocks():

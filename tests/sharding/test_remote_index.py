@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -13,22 +11,11 @@ import numpy as np
 from pysafetensors import reshard, safe_open, save_sharded
 
 
-def _range_server_class() -> Any:
-    # The loopback server lives with the remote tests; load it by path (tests/ is no package).
-    path = Path(__file__).parents[1] / "remote" / "rangeserver.py"
-    spec = importlib.util.spec_from_file_location("_sharding_rangeserver", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.RangeServer
-
-
-def test_open_index_over_http(tmp_path: Path) -> None:
+def test_open_index_over_http(tmp_path: Path, range_server_class: Any) -> None:
     sd = {f"t{i}": np.full(1000, i, np.float32) for i in range(6)}
     plan = save_sharded(sd, tmp_path, "9KB", metadata={"k": "v"})
     assert plan.is_sharded
-    server = _range_server_class()(tmp_path)
+    server = range_server_class(tmp_path)
     try:
         url = server.url("model.safetensors.index.json")
         with safe_open(url, "np") as f:
@@ -49,11 +36,13 @@ def _sharded(tmp_path: Path) -> tuple[dict[str, np.ndarray], Any]:
     return sd, plan
 
 
-def test_index_behind_auth_gets_the_storage_options(tmp_path: Path) -> None:
+def test_index_behind_auth_gets_the_storage_options(
+    tmp_path: Path, range_server_class: Any
+) -> None:
     # The server's /auth/<name> serves <name>, with 401 unless the token is sent: the index and
     # every shard (found next to the index, so under /auth/ too) need the storage options.
     sd, plan = _sharded(tmp_path)
-    server = _range_server_class()(tmp_path)
+    server = range_server_class(tmp_path)
     opts = {"headers": {"Authorization": "Bearer letmein"}}
     try:
         url = server.url("auth/model.safetensors.index.json")
@@ -67,9 +56,9 @@ def test_index_behind_auth_gets_the_storage_options(tmp_path: Path) -> None:
         server.close()
 
 
-def test_reshard_a_remote_index_behind_auth(tmp_path: Path) -> None:
+def test_reshard_a_remote_index_behind_auth(tmp_path: Path, range_server_class: Any) -> None:
     sd, _ = _sharded(tmp_path)
-    server = _range_server_class()(tmp_path)
+    server = range_server_class(tmp_path)
     try:
         reshard(
             server.url("auth/model.safetensors.index.json"),
@@ -85,10 +74,10 @@ def test_reshard_a_remote_index_behind_auth(tmp_path: Path) -> None:
         assert (f.metadata() or {})["k"] == "v"
 
 
-def test_index_url_with_a_query_string(tmp_path: Path) -> None:
+def test_index_url_with_a_query_string(tmp_path: Path, range_server_class: Any) -> None:
     # The hub's "?download=true": still an index, and its query belongs to it alone.
     sd, plan = _sharded(tmp_path)
-    server = _range_server_class()(tmp_path)
+    server = range_server_class(tmp_path)
     try:
         url = server.url("auth/model.safetensors.index.json?download=true")
         opts = {"headers": {"Authorization": "Bearer letmein"}}
@@ -103,13 +92,13 @@ def test_index_url_with_a_query_string(tmp_path: Path) -> None:
         server.close()
 
 
-def test_shard_names_are_encoded_in_urls(tmp_path: Path) -> None:
+def test_shard_names_are_encoded_in_urls(tmp_path: Path, range_server_class: Any) -> None:
     sd = {"a": np.arange(4, dtype=np.float32), "b": np.arange(6, dtype=np.float32)}
     folder = tmp_path / "m"
     plan = save_sharded(sd, folder, 30, filename_pattern="mod èle#{suffix}.safetensors")
     assert plan.is_sharded
     index = next(p.name for p in folder.iterdir() if p.name.endswith(".index.json"))
-    server = _range_server_class()(tmp_path)
+    server = range_server_class(tmp_path)
     try:
         # The index URL is written encoded ('#' would start a fragment); the shard names inside
         # it are plain file names, encoded when joined to the URL.
