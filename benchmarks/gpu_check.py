@@ -74,10 +74,19 @@ class CpuOps:
         dst[dst_offset : dst_offset + nbytes].copy_(host[:nbytes])
         return None
 
+    def producer_event(self) -> Any:
+        return None
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def wait_for_producer(self, stream: Any) -> None:
+        pass
+
     def wait(self, event: Any) -> None:
         pass
 
-    def synchronize(self) -> None:
+    def synchronize(self, streams: Any) -> None:
         pass
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -102,12 +102,22 @@ class DeviceOps(Protocol):
         that computed the tensor being copied)."""
         ...
 
+    def producer_event(self) -> Any:
+        """An event marking the work queued so far on the calling thread's current stream
+        (for streams of other threads to wait on, see :meth:`wait_event`)."""
+        ...
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Order ``stream`` after ``event``, without blocking the host."""
+        ...
+
     def wait(self, event: Any) -> None:
         """Block until ``event`` (from a copy) has completed."""
         ...
 
-    def synchronize(self) -> None:
-        """Block until all work on all streams has completed."""
+    def synchronize(self, streams: Iterable[Any]) -> None:
+        """Block until the work queued on ``streams`` has completed (only theirs: other work
+        on the device, a training step or another thread's load, is not waited for)."""
         ...
 
 
@@ -177,11 +187,20 @@ class TorchCudaOps:
     def wait_for_producer(self, stream: Any) -> None:
         stream.wait_stream(self._torch.cuda.current_stream(self.device))
 
+    def producer_event(self) -> Any:
+        event = self._torch.cuda.Event()
+        event.record(self._torch.cuda.current_stream(self.device))
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
     def wait(self, event: Any) -> None:
         event.synchronize()
 
-    def synchronize(self) -> None:
-        self._torch.cuda.synchronize(self.device)
+    def synchronize(self, streams: Iterable[Any]) -> None:
+        for stream in streams:
+            stream.synchronize()
 
 
 def stage_to_device(
@@ -254,7 +273,13 @@ def stage_runs_to_device(
     workers = max(1, min(workers, len(chunks)))
     ring = _GrowingRing(ops, chunk_bytes, max(1, min(len(chunks), workers + max(0, spare_buffers))))
     lock = threading.Lock()
-    local = threading.local()
+    local = threading.local()  # per call: each worker's stream waits for the producer once
+    # The fresh device buffer may reuse memory that work queued on the caller's stream still
+    # uses (the allocator hands a freed block straight back to its stream): the copies on
+    # the workers' streams wait for that work. The event is taken here, on the caller's
+    # thread, whose current stream it is.
+    producer = ops.producer_event()
+    used: list[Any] = []  # the streams this call copied on, to wait for at the end
 
     def one(chunk: tuple[int, int, int]) -> None:
         src, dest, n = chunk
@@ -270,6 +295,9 @@ def stage_runs_to_device(
             stream = getattr(local, "stream", None)
             if stream is None:
                 stream = local.stream = ops.new_stream()
+                ops.wait_event(stream, producer)
+                with lock:
+                    used.append(stream)
             event = ops.copy_async(device_buf, dest, host, n, stream)
         except BaseException:
             ring.give((index, host, view, pending))
@@ -284,7 +312,7 @@ def stage_runs_to_device(
     finally:
         # Every copy must have landed before the pinned buffers can be freed or reused, and
         # before the tensors are used (also when a read failed half way).
-        ops.synchronize()
+        ops.synchronize(used)
         stats.host_buffers = ring.made
     return device_buf, offsets, stats
 
@@ -433,7 +461,7 @@ def gather_to_device(
     finally:
         # Every copy must have landed before the buffers are freed and the parts are used
         # (also when a fill failed half way).
-        ops.synchronize()
+        ops.synchronize([stream])
     stats.host_buffers = len(buffers)
     return device_buf, offsets, stats
 

@@ -117,7 +117,10 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
     back). Runs inline when there is one item, one thread, or when called from a reader thread
     itself (a read split inside a read already running in parallel): waiting on the same pool
     from one of its own workers could deadlock. The first exception raised by ``fn``
-    propagates, and the workers take no new item after it.
+    propagates, and the workers take no new item after it. If the caller is interrupted
+    while it waits (``KeyboardInterrupt``), the workers take no new item either, and the
+    interrupt is raised only once every worker has returned: callers clean up after the
+    work (free buffers, synchronise a device) and must not do so while it still runs.
     """
     work = list(items)
     threads = min(threads, MAX_READ_THREADS, len(work))
@@ -142,7 +145,18 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
                 raise
 
     futures = _submit(worker, threads)
-    errors = [f.exception() for f in futures]  # waits for every worker
+    interrupted: BaseException | None = None
+    errors = []
+    for future in futures:
+        while True:
+            try:
+                errors.append(future.exception())  # waits for this worker
+                break
+            except BaseException as exc:  # noqa: BLE001 - an interrupt while waiting
+                failed.set()
+                interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
     for error in errors:
         if error is not None:
             raise error

@@ -371,8 +371,13 @@ def _carve_laid_out(
 def _staging_ops(device: Device, ops: Any) -> Any:
     """The runtime a load to ``device`` stages through: ``ops`` when given (tests pass a CPU
     stand-in), else CUDA's for a CUDA device; None where staging does not apply."""
-    if ops is not None or device.type != "cuda":
+    if ops is not None:
         return ops
+    if device.type == "anonymous" and torch.cuda.is_available():
+        # A bare integer is torch's current accelerator: CUDA's when there is CUDA.
+        return _device_ops(torch.device("cuda", device.index or 0))
+    if device.type != "cuda":
+        return None
     return _device_ops(torch.device(device.torch_spec))
 
 

@@ -25,18 +25,45 @@ from pysafetensors._sources import BufferSource  # noqa: E402
 
 
 class LateCopyOps:
-    """A CPU "device" whose copies complete as late as possible."""
+    """A CPU "device" whose copies complete as late as possible.
 
-    def __init__(self) -> None:
+    With ``producer_fill`` set, every fresh device buffer still has a write of that byte
+    queued on the caller's stream (as when the allocator hands back a block that kernels
+    queued earlier still use): it lands when a stream is ordered after the caller's work
+    (``wait_event`` / ``wait_for_producer``), else as late as possible, after every copy.
+    """
+
+    def __init__(self, producer_fill: int | None = None) -> None:
         self.lock = threading.Lock()
         self.pending: list[dict[str, Any]] = []
         self.host_allocs = 0
         self.streams = 0
         self.max_in_flight = 0
         self.producer_waits = 0
+        self.stream_waits = 0
+        self.producer_fill = producer_fill
+        self.producer_writes: list[Any] = []
 
     def alloc_device(self, nbytes: int) -> Any:
-        return torch.full((nbytes,), 0xEE, dtype=torch.uint8)
+        buf = torch.full((nbytes,), 0xEE, dtype=torch.uint8)
+        if self.producer_fill is not None:
+            with self.lock:
+                self.producer_writes.append(buf)
+        return buf
+
+    def _land_producer_writes(self) -> None:
+        for buf in self.producer_writes:
+            buf.fill_(self.producer_fill)
+        self.producer_writes.clear()
+
+    def producer_event(self) -> Any:
+        return {"producer": True}
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        assert event.get("producer")
+        with self.lock:
+            self.stream_waits += 1
+            self._land_producer_writes()
 
     def alloc_host(self, nbytes: int) -> tuple[Any, memoryview]:
         with self.lock:
@@ -69,6 +96,7 @@ class LateCopyOps:
     def wait_for_producer(self, stream: Any) -> None:
         with self.lock:
             self.producer_waits += 1
+            self._land_producer_writes()
 
     def _complete(self, event: dict[str, Any]) -> None:
         if not event["done"]:
@@ -86,11 +114,15 @@ class LateCopyOps:
             # an event a second time is allowed, as for CUDA events.
             self.pending = [e for e in self.pending if e is not event]
 
-    def synchronize(self) -> None:
+    def synchronize(self, streams: Any) -> None:
         with self.lock:
+            self.synced_streams = len(list(streams))
             for event in self.pending:
                 self._complete(event)
             self.pending.clear()
+            # Work queued on the caller's stream that no copy was ordered after: it may run
+            # last, over the copied bytes.
+            self._land_producer_writes()
 
 
 def _data(n: int) -> bytes:
@@ -118,6 +150,20 @@ def test_bytes_land_and_buffers_are_reused(nbytes: int, chunk: int, workers: int
         assert max(stats.reuse.values()) > 1
     assert ops.streams <= workers
     assert not ops.pending
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_copies_wait_for_work_queued_on_the_callers_stream(workers: int) -> None:
+    # A fresh device buffer may be memory that kernels queued earlier on the caller's stream
+    # still write: every worker's stream must be ordered after them, or those writes land over
+    # the loaded bytes (the copies ran on side streams that waited for nothing).
+    data = _data(10_000)
+    ops = LateCopyOps(producer_fill=0xAA)
+    dev, _ = stage_to_device(
+        BufferSource(data).readinto, 0, len(data), ops, chunk_bytes=1000, workers=workers
+    )
+    assert bytes(dev.numpy()) == data
+    assert 1 <= ops.stream_waits <= workers
 
 
 def test_empty_range() -> None:

@@ -395,3 +395,37 @@ def test_hugepage_destinations_true_reaches_batched_part_reads(
     monkeypatch.setattr(_sources, "HUGEPAGE_DESTINATIONS", True)
     part = load_shard(tmp_path / "m.safetensors", 0, 2, {"w": "rows"}, framework="np")
     assert part["w"].shape == (32, 1024) and asked and all(asked)
+
+
+def test_an_interrupt_while_waiting_returns_only_after_the_workers() -> None:
+    # Ctrl-C in the waiting caller left the workers reading and issuing device copies while
+    # the caller's cleanup (freeing buffers, synchronising the device) ran: the interrupt is
+    # now raised once every worker has returned, and they take no new item after it.
+    import signal
+
+    running = 0
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def work(item: int) -> None:
+        nonlocal running
+        with lock:
+            running += 1
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+            done.append(item)
+
+    # A real signal: it interrupts the caller's blocking wait, as Ctrl-C does.
+    timer = threading.Timer(0.12, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_parallel(work, range(200), 4)
+        with lock:
+            assert running == 0  # nobody still at work when the interrupt arrives
+            finished = len(done)
+        time.sleep(0.2)
+        assert len(done) == finished < 200  # and nobody started anything afterwards
+    finally:
+        timer.cancel()
