@@ -347,6 +347,39 @@ def main() -> int:
     except Exception:
         report.error("llama correctness")
 
+    if not dry:
+        try:
+            # A load into memory that kernels queued earlier on the current stream still write:
+            # the allocator hands a freed block straight back to its stream, so the staging
+            # copies (on side streams) must be ordered after that work, or it lands over them.
+            bad = []
+            with pysafetensors.safe_open(path, "pt") as f_cpu:
+                name = f_cpu.keys()[0]
+                expected = f_cpu.get_tensor(name)
+            nbytes = expected.numel() * expected.element_size()
+            with pysafetensors.safe_open(path, "pt", device=dev) as f:
+                for attempt in range(3):
+                    scratch = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                    torch.cuda._sleep(200_000_000)  # the GPU busy for a while on this stream
+                    scratch.fill_(7)  # queued after the sleep, into the block freed next
+                    del scratch
+                    got = f.get_tensor(name)
+                    torch.cuda.synchronize()
+                    if not same_bytes(got, expected):
+                        bad.append(f"stream order: attempt {attempt} of {name}")
+                    del got
+            failures += bad
+            report.add(
+                "stream order",
+                {"failures": bad},
+                [
+                    "loads after pending writes into freed memory: "
+                    + ("OK" if not bad else f"{bad}")
+                ],
+            )
+        except Exception:
+            report.error("stream order")
+
     if args.correctness_only:
         return verdict()
 
