@@ -8,7 +8,9 @@ Not run by ``make bench``. The script, each section recorded even when a later o
    parts on the device, must equal the CPU load byte for byte;
 2. **llama**: a random bf16 LLaMA-shaped file (``--gib`` GiB, default 2), every tensor loaded to
    the device by pysafetensors (both backends, ``get_tensors`` and ``get_tensor``) and by the
-   reference must equal the CPU load;
+   reference must equal the CPU load; then, three times, a tensor loaded into device memory
+   just freed while a write into it was still queued on the current stream (behind a GPU
+   sleep) must come back intact (the staging copies wait for that work: **stream order**);
 3. **warm**: GB/s with the file in the page cache, median of ``--reps``, each run timed up to
    ``torch.cuda.synchronize()``, peak device memory per arm: pysafetensors (pread and mmap),
    the reference (mmap and pread), and two ceilings: the whole data region in one pinned
@@ -28,7 +30,7 @@ Not run by ``make bench``. The script, each section recorded even when a later o
 It prints markdown tables and writes ``gpu_results.json`` and ``gpu_results.md`` into ``--out``
 (default: next to this script) after every section. ``--dry-run`` runs the same code on the
 CPU with a small file (the copies are CPU copies), to check the script itself without a GPU;
-``--correctness-only`` stops after the two correctness sections.
+``--correctness-only`` stops after the correctness sections.
 
 Usage::
 
