@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -136,6 +137,9 @@ class StagingStats:
     """Times each host buffer (by ring index) was filled."""
 
 
+#: Whether the fallback to pageable staging buffers was reported (once per process).
+_PAGEABLE_WARNED = False
+
 #: Each thread's side streams, by device, kept across loads: model loaders call ``get_tensor``
 #: once per tensor, and the reader threads live for the whole process.
 _STREAMS = threading.local()
@@ -154,7 +158,24 @@ class TorchCudaOps:
         return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
 
     def alloc_host(self, nbytes: int) -> tuple[Any, memoryview]:
-        buf = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        torch = self._torch
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            # Page-locked memory is scarce in some places (WSL2, containers with a low
+            # RLIMIT_MEMLOCK): stage through ordinary memory instead, which a plain .to()
+            # would use anyway. A copy from pageable memory returns once its source was read,
+            # so the buffer's reuse rules still hold; it is only slower.
+            global _PAGEABLE_WARNED
+            if not _PAGEABLE_WARNED:
+                _PAGEABLE_WARNED = True
+                warnings.warn(
+                    f"pinned host memory unavailable ({exc}); staging through ordinary "
+                    "memory (slower)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            buf = torch.empty(nbytes, dtype=torch.uint8)
         return buf, memoryview(buf.numpy()).cast("B")
 
     def new_stream(self) -> Any:

@@ -646,3 +646,39 @@ def test_a_sharded_folders_parts_go_to_the_device_shard_by_shard(
         assert sorted(n for group in gathers for n in group) == [f"layer{i}.down" for i in range(3)]
         assert len(gathers) <= len(shards) and len(runs) <= len(shards)
         assert sum(runs) == 4  # three row parts and the norm
+
+
+def test_staging_buffers_fall_back_to_ordinary_memory_when_pinning_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Loads and saves raised where page-locked memory is scarce, although a plain .to() works.
+    from pysafetensors import _cuda_staging
+    from pysafetensors._cuda_staging import TorchCudaOps
+
+    real_empty = torch.empty
+
+    def no_pinning(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinning)
+    monkeypatch.setattr(_cuda_staging, "_PAGEABLE_WARNED", False)
+    ops = TorchCudaOps("cuda:0")
+    with pytest.warns(RuntimeWarning, match="pinned host memory unavailable"):
+        buf, view = ops.alloc_host(64)
+    assert buf.numel() == 64 and len(view) == 64 and not buf.is_pinned()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per process
+        ops.alloc_host(64)
+
+
+def test_save_pieces_are_at_least_the_writers_batch() -> None:
+    # A smaller piece would let the writer hold a pinned buffer, batched, that the ring is
+    # about to refill (the chunk contract of TensorData.chunks).
+    from pysafetensors import _writer
+    from pysafetensors._cuda_staging import PIECE_BYTES
+
+    assert PIECE_BYTES >= _writer._WRITEV_BYTES
