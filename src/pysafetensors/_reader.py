@@ -218,7 +218,8 @@ class safe_open:  # noqa: N801 - the reference's name
     """Open a safetensors file lazily: the header now, tensors when asked for.
 
     Args:
-        filename: A path, an ``http(s)://``/``s3://``/fsspec URL, or an open binary file object.
+        filename: A path, an ``http(s)://``/``s3://``/fsspec URL, an open binary file object, or
+            an in-memory buffer (``bytearray``/``memoryview``: read, never viewed).
         framework: ``"pt"``/``"torch"``/``"pytorch"``, ``"np"``/``"numpy"``, ``"jax"``/``"flax"``,
             ``"tf"``/``"tensorflow"``, ``"mlx"`` or ``"paddle"``.
         device: Where tensors go (``"cpu"``, ``"cuda:0"``, ...; torch and paddle only).
@@ -387,7 +388,9 @@ class safe_open:  # noqa: N801 - the reference's name
         ``get_tensors`` comes here; its ``get_tensor`` copies, see :meth:`_raw`), bytes of this
         call's own: a mapping of its own, or a copy out of the handle's mapping for ranges under
         :data:`_PRIVATE_MAP_MIN` and where no mapping can be made."""
-        if self._backend != "mmap":
+        if self._backend != "mmap" or isinstance(source, BufferSource):
+            # An in-memory buffer is the caller's: a view of it would change with it (and
+            # writes to a tensor would change it, or crash on read-only memory). Copied.
             return None
         if getattr(self._adapter, "private_per_call", False) and isinstance(source, MmapSource):
             if length >= _PRIVATE_MAP_MIN:

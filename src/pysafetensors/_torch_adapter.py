@@ -161,8 +161,14 @@ class TorchAdapter:
         threads (numpy's strided byte copy ran at ~2/3 of torch's speed even without page
         faults).
         """
-        if dest.size:
-            torch.from_numpy(dest).copy_(torch.from_numpy(src))
+        if not dest.size:
+            return
+        if not src.flags.writeable:
+            # torch warns about (and cannot mark) read-only arrays, e.g. a read-only buffer
+            # handed to safe_open; numpy copies those.
+            np.copyto(dest, src)
+            return
+        torch.from_numpy(dest).copy_(torch.from_numpy(src))
 
     def from_bytes_many(
         self,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import hashlib
+import math
 import operator
 import os
 import re
@@ -41,6 +42,7 @@ from typing import Any, Final, Literal, TypeAlias, TypeVar
 
 import numpy as np
 
+from ._dtypes import dtype_from_code
 from ._errors import SafetensorError
 from ._format import MAX_HEADER_SIZE
 from ._reader import safe_open
@@ -233,6 +235,61 @@ def _check_group(rank: Any, world_size: Any) -> tuple[int, int]:
     return rank, world_size
 
 
+def _check_options(rules: Any, default: Any, uneven: Any) -> None:
+    """Refuse malformed ``rules``, ``default`` and ``uneven`` up front, whatever the tensors
+    (a typo was caught only if some tensor happened to use it).
+
+    Raises:
+        TypeError: ``rules`` is not a mapping, a sequence of pairs or a callable.
+        ValueError: ``default`` or ``uneven`` is not one of their values.
+    """
+    if isinstance(rules, (str, bytes)) or not (
+        callable(rules) or isinstance(rules, (Mapping, Sequence))
+    ):
+        raise TypeError(
+            "rules must be a mapping of patterns to splits, a sequence of (pattern, split) "
+            f"pairs or a callable, not {type(rules).__name__}: {rules!r:.60}"
+        )
+    if not callable(rules) and not isinstance(rules, Mapping):
+        for pair in rules:
+            if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+                raise TypeError(f"rules: {pair!r:.60} is not a (pattern, split) pair")
+    if uneven not in ("chunk", "tensor_split", "error"):
+        raise ValueError(f"uneven must be 'chunk', 'tensor_split' or 'error', not {uneven!r}")
+    if not (default in ("rows", "columns", "replicate") or _is_integer(default)):
+        raise ValueError(
+            f"default must be 'rows', 'columns', 'replicate' or a dimension, not {default!r}"
+        )
+
+
+def _check_byte_aligned(
+    plan: Mapping[str, ShardSpec], bits: Mapping[str, int], world_size: int, uneven: Uneven
+) -> None:
+    """Refuse a split of a sub-byte tensor (F4, F6) whose boundaries fall inside a byte, on
+    every rank alike (the ranks whose own part happened to be aligned loaded it, the others
+    failed: a distributed job then hangs at its next collective).
+
+    Raises:
+        ValueError: Some rank's part of a sub-byte tensor does not start or end on a byte.
+    """
+    for name, spec in plan.items():
+        width = bits[name]
+        if spec.dim is None or width % 8 == 0:
+            continue
+        size = spec.shape[spec.dim]
+        inner = math.prod(spec.shape[spec.dim + 1 :])
+        for rank in range(world_size):
+            for bound in shard_range(size, rank, world_size, uneven):
+                if bound * inner * width % 8:
+                    raise ValueError(
+                        f"tensor {name!r} of shape {list(spec.shape)} holds {width}-bit values "
+                        f"packed into bytes: split {world_size} ways along dimension "
+                        f"{spec.dim}, rank {rank}'s part would begin or end inside a byte "
+                        f"(at index {bound}); split it along another dimension, or replicate "
+                        "it"
+                    )
+
+
 def plan_shard(
     shapes: Mapping[str, Sequence[int]],
     rank: int,
@@ -257,13 +314,16 @@ def plan_shard(
 
     Raises:
         ValueError: A rule names a dimension the tensor lacks, a split is uneven with
-            ``uneven="error"``, or ``rank`` is not in ``[0, world_size)``.
-        TypeError: ``rank`` or ``world_size`` is not an integer.
+            ``uneven="error"``, ``rank`` is not in ``[0, world_size)``, or ``default`` or
+            ``uneven`` is unknown.
+        TypeError: ``rank``, ``world_size`` or a dimension is not an integer, or ``rules`` is
+            not a mapping, a sequence of pairs or a callable.
     """
     _check_group(rank, world_size)
+    _check_options(rules, default, uneven)
     plan = {}
     for name, raw_shape in shapes.items():
-        shape = tuple(int(d) for d in raw_shape)
+        shape = tuple(_integer(d, f"tensor {name!r}: a dimension") for d in raw_shape)
         dim = _split_dim(name, shape, _match_rule(name, shape, rules, default))
         if dim is None:
             plan[name] = ShardSpec(name, shape, None, 0, shape[0] if shape else 0)
@@ -337,9 +397,14 @@ def load_shard(
         Name to this rank's part, in file order (or the order of ``names``).
 
     Raises:
-        ValueError: A rule cannot apply to a tensor, or the rank is not in the group (see
-            :func:`plan_shard`).
+        ValueError: A rule cannot apply to a tensor (no such dimension, an uneven split with
+            ``uneven="error"``, a packed F4/F6 tensor whose parts would split a byte), the rank
+            is not in the group, or ``default``/``uneven`` is unknown (see :func:`plan_shard`).
+        TypeError: ``rank``/``world_size`` are not integers, or ``rules``/``names`` are
+            malformed (a str where pairs or names are expected).
         TensorNotFoundError: A name in ``names`` is not in the file.
+        SafetensorError: The file is malformed, or ``backend``/``slice_reads`` is unknown.
+        OSError: The file cannot be read.
 
     Example:
         >>> import torch.distributed as dist
@@ -348,6 +413,9 @@ def load_shard(
         ...     {"*.up.weight": "rows", "*.down.weight": "columns"})
     """
     _check_group(rank, world_size)  # before opening anything
+    _check_options(rules, default, uneven)
+    if isinstance(names, (str, bytes)):
+        raise TypeError(f"names must be an iterable of tensor names, not one name: {names!r:.60}")
     # "auto" reads by positioned reads and maps the same open file for the column splits.
     map_fragmented = backend == "auto" and slice_reads != "exact"
     with safe_open(
@@ -363,6 +431,8 @@ def load_shard(
         slices = {name: f.get_slice(name) for name in wanted}
         shapes = {name: sl.get_shape() for name, sl in slices.items()}
         plan = plan_shard(shapes, rank, world_size, rules, default=default, uneven=uneven)
+        bits = {name: dtype_from_code(sl.get_dtype()).bits for name, sl in slices.items()}
+        _check_byte_aligned(plan, bits, world_size, uneven)
         requests = [(name, ... if spec.dim is None else spec.index) for name, spec in plan.items()]
         many = getattr(f, "_read_slices", None)
         if many is not None:
@@ -469,7 +539,8 @@ def validate_files(
 
     Returns:
         Target (as given, via ``os.fspath``) to its problems, in input order; an empty list
-        means valid. A target that cannot be opened gets one ``FileNotReadable`` error.
+        means valid. A target that cannot be opened gets one error, whose kind is the
+        exception's (``NoCheckpoint`` for a folder without one, ...) or ``FileNotReadable``.
 
     Example:
         >>> from concurrent.futures import ProcessPoolExecutor

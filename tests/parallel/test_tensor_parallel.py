@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 
 import pysafetensors.torch as ptorch  # noqa: E402
+from pysafetensors.numpy import save_file  # noqa: E402
 from pysafetensors.parallel import load_shard, plan_shard, shard_range  # noqa: E402
 
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -301,3 +302,60 @@ def test_shard_range_checks_its_arguments_as_plan_shard_does() -> None:
     # A numpy integer names a dimension as an int does.
     spec = plan_shard({"a": [4, 6]}, 1, 2, {"a": np.int64(1)})["a"]
     assert (spec.dim, spec.start, spec.stop) == (1, 3, 6)
+
+
+def test_packed_splits_inside_a_byte_are_refused_on_every_rank(tmp_path: Path) -> None:
+    # F4 packs two values per byte: split 3 ways along columns of 8, ranks 0 and 1 would end
+    # mid-byte. Rank 2's part was aligned and loaded while the others failed (a job then hangs
+    # at its next collective); now every rank refuses, naming the tensor.
+    import ml_dtypes
+
+    path = tmp_path / "f4.safetensors"
+    values = np.zeros((4, 8), ml_dtypes.float4_e2m1fn)
+    save_file({"layers.0.w": values}, path)
+    for rank in range(3):
+        with pytest.raises(ValueError, match="'layers.0.w'.*inside a byte"):
+            load_shard(path, rank, 3, {"*": "columns"}, framework="np")
+    # Along rows (whole bytes per row) and in even column parts it works.
+    assert load_shard(path, 1, 2, {"*": "columns"}, framework="np")["layers.0.w"].shape == (4, 4)
+    assert load_shard(path, 2, 4, {"*": "rows"}, framework="np")["layers.0.w"].shape == (1, 8)
+
+
+def test_malformed_options_are_refused_whatever_the_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a.norm.weight": np.ones(4, np.float32)}, path)
+    # Only replicated tensors: typos in uneven/default were not noticed.
+    with pytest.raises(ValueError, match="uneven"):
+        load_shard(path, 0, 2, {"*": "replicate"}, framework="np", uneven="bogus")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="default"):
+        load_shard(path, 0, 2, {"*": "replicate"}, framework="np", default="bogus")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="rules"):
+        load_shard(path, 0, 2, "rows", framework="np")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="rules"):
+        load_shard(path, 0, 2, None, framework="np")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="names"):
+        load_shard(path, 0, 2, {}, framework="np", names="a.norm.weight")
+    with pytest.raises(TypeError, match="dimension"):
+        plan_shard({"a": [4.7]}, 0, 2, {"*": "rows"})  # was silently 4
+
+
+def test_in_memory_buffers_are_copied_not_viewed() -> None:
+    # With the mmap backend, tensors from a bytearray viewed the caller's buffer: writing to a
+    # part changed the buffer (and every later load from it); a read-only buffer made torch
+    # warn that writing to the tensor was undefined.
+    import warnings
+
+    from pysafetensors import safe_open
+    from pysafetensors.numpy import load, save
+
+    data = bytearray(save({"w": np.arange(16, dtype=np.float32).reshape(4, 4)}))
+    for framework in ("pt", "np"):
+        with safe_open(data, framework) as f:
+            f.get_tensor("w")[0, 0] = 99
+        load_shard(data, 0, 2, {"*": "columns"}, framework, backend="mmap")["w"][0, 0] = 77
+        assert load(bytes(data))["w"][0, 0] == 0
+    frozen = memoryview(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        part = load_shard(frozen, 0, 2, {"*": "columns"}, "pt", backend="mmap")["w"]
+    assert part.tolist() == [[0.0, 1.0], [4.0, 5.0], [8.0, 9.0], [12.0, 13.0]]
