@@ -188,19 +188,18 @@ class TorchCudaOps:
         return stream
 
     def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
-        torch = self._torch
-        with torch.cuda.stream(stream):
-            dst[dst_offset : dst_offset + nbytes].copy_(host[:nbytes], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+        return self._copy_on(stream, dst[dst_offset : dst_offset + nbytes], host[:nbytes])
 
     def copy_to_host_async(
         self, host: Any, src: Any, src_offset: int, nbytes: int, stream: Any
     ) -> Any:
+        return self._copy_on(stream, host[:nbytes], src[src_offset : src_offset + nbytes])
+
+    def _copy_on(self, stream: Any, dst: Any, src: Any) -> Any:
+        """``dst.copy_(src)`` queued on ``stream``; the event of its completion."""
         torch = self._torch
         with torch.cuda.stream(stream):
-            host[:nbytes].copy_(src[src_offset : src_offset + nbytes], non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return event
