@@ -185,8 +185,9 @@ def as_array(name: str, value: Any, expected: str) -> np.ndarray:
     """
     try:
         return np.asarray(value)
-    except Exception:  # noqa: BLE001 - any failure of a foreign __array__ means "not a tensor"
-        raise invalid_tensor_error(name, expected, value) from None
+    except Exception as exc:  # any failure of a foreign __array__ means "not a tensor"
+        # Chained: the cause says why (torch's "requires grad ... use detach()", ...).
+        raise invalid_tensor_error(name, expected, value) from exc
 
 
 def non_contiguous_error(name: object) -> SerializeError:

@@ -1,25 +1,31 @@
 """Editing ``__metadata__`` of an existing file: in place when that is safe, else an atomic rewrite.
 
 The header sits before the data, and ``data_offsets`` count from the end of the header, so the
-header can only change in place if its length ``N`` stays. Two ways of doing that:
+header can only change in place if its length ``N`` stays. Two candidates:
 
-* **The metadata slot** (the default): the ``__metadata__`` object and the JSON whitespace after
-  it. A new metadata object that fits there replaces the old one, padded with spaces (JSON
-  whitespace between tokens, which every JSON parser and the reference accept); every other
-  byte of the header and the file stays. When the bytes that change lie within one 4 KiB page,
-  as they do for the metadata at the start of an ordinary header, the change is one ``pwrite``
-  within one page of the page cache, which the kernel copies whole: a process killed during the
-  edit leaves the old header or the new one, never a mix (it stops a larger write between pages
-  when a fatal signal is pending, which tears a header that spans several).
-* **The whole header** (``in_place=True`` only): the header re-serialized into the old ``N``
-  bytes, padded with spaces at the end. This can edit a header of any size without rewriting the
-  file, but a write spanning several pages that is interrupted leaves a broken header.
+* **The metadata slot**: the ``__metadata__`` object and the JSON whitespace after it. A new
+  metadata object that fits there replaces the old one, padded with spaces (JSON whitespace
+  between tokens, which every JSON parser and the reference accept); every other byte of the
+  header and the file stays.
+* **The whole header**: re-serialized into the old ``N`` bytes, padded with spaces at the end
+  (this uses the spare room at the end of a header, where earlier edits and other writers
+  leave it).
+
+By default a candidate is written only when the bytes that change lie within one page (4 KiB
+on most machines), as they do for metadata at the start of an ordinary header: one ``pwrite``
+within one page of the page cache, which the kernel copies whole, so a process killed during the
+edit leaves the old header or the new one, never a mix (the kernel stops a longer write between
+pages when a fatal signal is pending, which tears a header that spans several). Power loss is
+another matter: a disk need not write even one page atomically. With ``in_place=True`` a
+candidate that spans pages is written too: no rewrite of a large file, but an interrupted write
+leaves a broken header.
 
 Otherwise the file is rewritten through :func:`~pysafetensors._writer.atomic_output` (temporary
 sibling, permissions and owner of the old file, then ``os.replace``): a new header, then the
 data buffer copied with ``os.copy_file_range`` (kernel-side, reflinked on filesystems that can),
 falling back to plain reads and writes. Without ``reserve`` the rewritten header is the one the
-reference would write for the same tensors and metadata; ``reserve`` leaves that many spaces
+reference would write for the same tensors and metadata (with at most one metadata key: the
+reference orders several at random) in its layout; ``reserve`` leaves that many spaces
 after the metadata object, so that later edits fit its slot. Metadata edited in place keeps the
 header's length, so the file is not byte-identical to a fresh save of the same tensors (its
 JSON is padded with spaces where a fresh save would have none).
@@ -220,6 +226,8 @@ def edit_metadata(
         >>> edit_metadata("model.safetensors", set={"format": "pt"})  # doctest: +SKIP
         True
     """
+    if not (in_place is None or in_place is True or in_place is False):
+        raise TypeError(f"in_place must be None, True or False, not {in_place!r}")
     given = os.fspath(path)
     # A symbolic link is followed in both cases: an in-place edit writes through it anyway, so
     # the rewrite goes to the file it points to too (beside that file), and the link stays a
@@ -304,28 +312,34 @@ def _in_place_region(
 ) -> tuple[bytes, int, int] | None:
     """The header region with new metadata in the same ``N`` bytes, and the span that changed.
 
-    First the metadata slot (the old object and the whitespace after it); with ``whole``, else
-    the whole header re-serialized and padded at the end. None when neither fits.
+    Two candidates: the new metadata object in the old one's slot (the object and the spaces
+    after it), and the whole header re-serialized and padded at the end (which uses spare room
+    at the end of the header, where older edits and other writers leave it). The first whose
+    change lies within one page wins; with ``whole``, else the first that fits at all. None
+    when none qualifies.
     """
     n = header.header_size
     buf = bytearray(n)
     source.readinto(N_LEN, memoryview(buf))
     old = bytes(buf)
+    candidates: list[bytes] = []
     slot = _metadata_slot(old) if metadata is not None else None
-    new: bytes | None = None
     if slot is not None:
         assert metadata is not None
         start, end = slot
         value = _metadata_json(metadata)
         if len(value) <= end - start:
-            new = old[:start] + value + b" " * (end - start - len(value)) + old[end:]
-    if new is None and whole:
-        text = _header_bytes(header, metadata)
-        if len(text) <= n:
-            new = text + b" " * (n - len(text))
-    if new is None:
-        return None
-    span = _changed_span(old, new)
-    if span is None:  # pragma: no cover - an unchanged header returned earlier
-        return None
-    return new, span[0], span[1]
+            candidates.append(old[:start] + value + b" " * (end - start - len(value)) + old[end:])
+    text = _header_bytes(header, metadata)
+    if len(text) <= n:
+        candidates.append(text + b" " * (n - len(text)))
+    fallback = None
+    for new in candidates:
+        span = _changed_span(old, new)
+        if span is None:  # pragma: no cover - an unchanged header returned earlier
+            continue
+        if (N_LEN + span[0]) // _PAGE == (N_LEN + span[1] - 1) // _PAGE:
+            return new, span[0], span[1]
+        if whole and fallback is None:
+            fallback = new, span[0], span[1]
+    return fallback

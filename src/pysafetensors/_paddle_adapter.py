@@ -43,11 +43,15 @@ _VERSION: Final[str] = str(getattr(paddle, "__version__", "?"))
 
 def _type_name(paddle_type: Any) -> str:
     """A Paddle dtype's own name (``uint16``), which ``str`` misreports for UINT16 as
-    ``paddle.bfloat16``."""
+    ``paddle.bfloat16``. Only names of the dtype table count: the ``VarType`` dtypes of older
+    Paddles and static graphs are named ``FP32``, ``BF16``..., which ``str`` gets right."""
     name = getattr(paddle_type, "name", None)
-    if isinstance(name, str):
+    if isinstance(name, str) and name.lower() in _DTYPE_NAMES:
         return name.lower()
     return str(paddle_type).rpartition(".")[2]
+
+
+_DTYPE_NAMES: Final = frozenset(d.name for d in DTYPES)
 
 
 def _resolve(name: str) -> Any:

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -120,7 +120,8 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
     propagates, and the workers take no new item after it. If the caller is interrupted
     while it waits (``KeyboardInterrupt``), the workers take no new item either, and the
     interrupt is raised only once every worker has returned: callers clean up after the
-    work (free buffers, synchronise a device) and must not do so while it still runs.
+    work (free buffers, synchronise a device) and must not do so while it still runs. A
+    second interrupt is raised at once (a read that hangs must stay interruptible).
     """
     work = list(items)
     threads = min(threads, MAX_READ_THREADS, len(work))
@@ -152,9 +153,13 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
             try:
                 errors.append(future.exception())  # waits for this worker
                 break
-            except BaseException as exc:  # noqa: BLE001 - an interrupt while waiting
+            except CancelledError:
+                break
+            except BaseException as exc:
+                if interrupted is not None:
+                    raise  # a second interrupt: the caller insists (a read that hangs)
                 failed.set()
-                interrupted = interrupted or exc
+                interrupted = exc
     if interrupted is not None:
         raise interrupted
     for error in errors:

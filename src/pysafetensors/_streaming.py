@@ -87,7 +87,12 @@ def _declare(name: Any, value: Any) -> TensorDecl:
 
     if _is_torch(value) and value.is_meta:
         # Only the dtype and shape are wanted: a meta tensor has no data to convert.
-        return str(name), as_dtype(value.dtype), _dims(name, value.shape)
+        dtype, shape = as_dtype(value.dtype), _dims(name, value.shape)
+        if dtype.bits == 4 and shape:
+            # float4_e2m1fn_x2 holds two values per element: the logical last dim doubles,
+            # as for a real tensor (the torch adapter's rule).
+            shape = (*shape[:-1], shape[-1] * 2)
+        return str(name), dtype, shape
     if isinstance(value, np.ndarray) or _is_torch(value):
         data = _adapter_for(value).to_data(str(name), value)
         return str(name), data.dtype, data.shape
@@ -227,13 +232,28 @@ def _payload(name: str, info: TensorInfo, data: Any) -> tuple[int, Iterator[memo
 #: then, while modules still work (a finalizer during teardown could not remove the temporary
 #: file, and printed errors): a writer left open is an abandoned one.
 _OPEN_WRITERS: Final[weakref.WeakSet[StreamingWriter]] = weakref.WeakSet()
+_OPEN_WRITERS_LOCK = threading.Lock()
 
 
 @atexit.register
 def _abort_open_writers() -> None:
-    for writer in list(_OPEN_WRITERS):
+    with _OPEN_WRITERS_LOCK:
+        writers = list(_OPEN_WRITERS)
+    for writer in writers:
         with contextlib.suppress(Exception):
             writer.abort()
+
+
+def _disown_writers() -> None:
+    # A forked child must not abort (delete the temporary files of) its parent's writers when
+    # it exits: they are the parent's.
+    global _OPEN_WRITERS_LOCK
+    _OPEN_WRITERS_LOCK = threading.Lock()
+    _OPEN_WRITERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_writers)
 
 
 class StreamingWriter:
@@ -302,7 +322,9 @@ class StreamingWriter:
             raise
         self._cm = cm
         self._fd = fd
-        _OPEN_WRITERS.add(self)
+        self._pid = os.getpid()  # a forked child's copy is not the writer: see __del__
+        with _OPEN_WRITERS_LOCK:
+            _OPEN_WRITERS.add(self)
         # Durable writers start the disk on each ~16 MiB written, so closing waits less.
         self._writeback = Writeback(fd) if fsync else None
 
@@ -514,7 +536,8 @@ class StreamingWriter:
                     tensor=next(iter(missing)),
                 )
             cm, self._cm = self._cm, None
-        _OPEN_WRITERS.discard(self)
+        with _OPEN_WRITERS_LOCK:
+            _OPEN_WRITERS.discard(self)
         cm.__exit__(None, None, None)
 
     def abort(self) -> None:
@@ -530,7 +553,8 @@ class StreamingWriter:
             if self._cm is None:
                 return  # another close() or abort() finished it while this one waited
             cm, self._cm = self._cm, None
-        _OPEN_WRITERS.discard(self)
+        with _OPEN_WRITERS_LOCK:
+            _OPEN_WRITERS.discard(self)
         exc = _Discard()
         with contextlib.suppress(_Discard):
             cm.__exit__(_Discard, exc, None)
@@ -550,9 +574,11 @@ class StreamingWriter:
 
     def __del__(self) -> None:
         # Never commit from a finalizer: an unclosed writer is an abandoned one. (try/except:
-        # at interpreter exit this module's globals, contextlib among them, may be gone.)
-        try:  # noqa: SIM105
-            self.abort()
+        # at interpreter exit this module's globals, contextlib among them, may be gone.) A
+        # forked child's copy leaves the parent's temporary file alone.
+        try:
+            if getattr(self, "_pid", None) == os.getpid():
+                self.abort()
         except Exception:  # noqa: BLE001, S110
             pass
 

@@ -81,8 +81,9 @@ class TensorFlowAdapter:
         if callable(to_numpy):
             try:
                 array = to_numpy()
-            except Exception:  # noqa: BLE001 - a failing foreign .numpy() means "not a tensor"
-                array = None
+            except Exception as exc:  # a failing foreign .numpy() means "not a tensor"
+                # Chained: the cause says why (torch's "requires grad ... use detach()", ...).
+                raise invalid_tensor_error(name, expected, tensor) from exc
             if isinstance(array, (np.ndarray, np.generic)):
                 return _NUMPY.to_data(name, array)
         raise invalid_tensor_error(name, expected, tensor)

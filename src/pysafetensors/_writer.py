@@ -342,6 +342,7 @@ def _atomic_output(
     tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.partial")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     _lock_partial(fd)  # marks it live for _clean_stale_partials of other saves
+    owner = os.getpid()
     try:
         try:
             yield fd
@@ -353,10 +354,13 @@ def _atomic_output(
                     os.geteuid(),
                     os.getegid(),
                 ):
-                    # Only root may give a file away (and a user only to a group of theirs);
-                    # where it is refused, the file stays ours, as with any rewrite.
-                    with contextlib.suppress(OSError):
+                    # Only root may give a file away, and a user only to a group of theirs:
+                    # the group alone where the owner cannot be kept, else the file stays ours.
+                    try:
                         os.fchown(fd, like.st_uid, like.st_gid)
+                    except OSError:
+                        with contextlib.suppress(OSError):
+                            os.fchown(fd, -1, like.st_gid)
                 os.fchmod(fd, stat.S_IMODE(like.st_mode))
             if fsync:
                 os.fsync(fd)
@@ -374,8 +378,14 @@ def _atomic_output(
         os.close(fd)
         os.replace(tmp, target)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        # Not in a forked child that inherited this save (its copy of the generator is
+        # finalized when the child exits): the file is the parent's, still being written.
+        # (try/except: when finalized at interpreter exit, module globals may be gone.)
+        try:
+            if os.getpid() == owner:
+                os.unlink(tmp)
+        except Exception:  # noqa: BLE001, S110
+            pass
         raise
     if fsync:
         _fsync_dir(folder)

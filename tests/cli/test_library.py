@@ -154,6 +154,53 @@ def test_edit_metadata_in_place_only_within_one_page_unless_asked(
         np.testing.assert_array_equal(f.get_tensor("layer.299.weight"), tensors["layer.299.weight"])
 
 
+def test_edit_metadata_uses_spare_room_at_the_end_of_a_small_header(tmp_path: Path) -> None:
+    # Room left at the end of the header (by an earlier --reserve, or another writer) serves a
+    # growing edit in place when the whole header is one page: it was rewritten.
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, str(path), metadata={"k": "v"})
+    content = path.read_bytes()
+    n = struct.unpack("<Q", content[:8])[0]
+    header = content[8 : 8 + n] + b" " * 256
+    path.write_bytes(struct.pack("<Q", len(header)) + header + content[8 + n :])
+    inode = path.stat().st_ino
+    assert pysafetensors.edit_metadata(path, set={"k": "w" * 100}) is True
+    assert path.stat().st_ino == inode
+    with pysafetensors.safe_open(path, "np") as f:
+        assert f.metadata() == {"k": "w" * 100}
+
+
+def test_edit_metadata_keeps_the_group_where_the_owner_cannot_be_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One fchown(uid, gid) refused (a user cannot give a file away) also dropped the group,
+    # which a user may set to one of theirs: the owner and its group lost access to a 0660 file.
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, str(path), metadata={"k": "v"})
+    st = path.stat()
+    calls: list[tuple[int, int]] = []
+
+    def fchown(fd: int, uid: int, gid: int) -> None:
+        calls.append((uid, gid))
+        if uid != -1:
+            raise PermissionError(1, "Operation not permitted")
+
+    real_fstat = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:
+        result = real_fstat(fd)
+        if fd >= 0 and stat.S_ISREG(result.st_mode) and result.st_ino == st.st_ino:
+            values = list(result)
+            values[4], values[5] = st.st_uid + 1, st.st_gid + 1  # someone else's file
+            return os.stat_result(values)
+        return result
+
+    monkeypatch.setattr(os, "fchown", fchown)
+    monkeypatch.setattr(os, "fstat", fstat)
+    assert pysafetensors.edit_metadata(path, set={"k": "w" * 300}) is False
+    assert calls == [(st.st_uid + 1, st.st_gid + 1), (-1, st.st_gid + 1)]
+
+
 def test_edit_metadata_rewrite_keeps_permissions_from_the_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

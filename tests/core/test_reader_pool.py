@@ -429,3 +429,27 @@ def test_an_interrupt_while_waiting_returns_only_after_the_workers() -> None:
         assert len(done) == finished < 200  # and nobody started anything afterwards
     finally:
         timer.cancel()
+
+
+def test_a_second_interrupt_is_raised_at_once() -> None:
+    # The first Ctrl-C waits for the workers to finish their current item; a read that hangs
+    # must still be interruptible, so a second one is raised without waiting.
+    import signal
+
+    release = threading.Event()
+
+    def work(item: int) -> None:
+        release.wait(10)  # a read that does not return
+
+    timers = [threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)) for delay in (0.1, 0.3)]
+    for timer in timers:
+        timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_parallel(work, range(8), 4)
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        for timer in timers:
+            timer.cancel()

@@ -164,3 +164,14 @@ def test_the_reference_modules_names() -> None:
     arrays = _paddle2np({"t": t})
     assert isinstance(arrays["t"], np.ndarray)
     assert isinstance(_np2paddle(arrays)["t"], paddle.Tensor)
+
+
+def test_vartype_dtypes_are_named_by_their_text() -> None:
+    # The VarType dtypes of static graphs (and older Paddles) are named FP32, BF16...: taking
+    # .name for them refused every float; their str() is right.
+    from pysafetensors._paddle_adapter import _type_name
+
+    var_type = paddle.base.core.VarDesc.VarType
+    assert _type_name(var_type.FP32) == "float32"
+    assert _type_name(var_type.BF16) == "bfloat16"
+    assert _type_name(paddle.uint16) == "uint16"  # whose str() says paddle.bfloat16

@@ -530,3 +530,40 @@ def test_a_file_where_the_folder_should_be_is_a_write_error(tmp_path: Path) -> N
         ShardedStreamingWriter(tmp_path / "afile", {"a": ("F32", (2,))})
     with pytest.raises(WriteError, match="afile"):
         save_sharded({"a": np.zeros(2, np.float32)}, tmp_path / "afile")
+
+
+def test_packed_meta_tensors_declare_their_logical_shape(tmp_path: Path) -> None:
+    # float4_e2m1fn_x2 holds two values per element: a meta tensor of it was declared at half
+    # its size, and writing the real tensor then overran the declaration.
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    path = tmp_path / "f4.safetensors"
+    meta = torch.empty(3, 4, dtype=torch.float4_e2m1fn_x2, device="meta")
+    real = torch.zeros(3, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with StreamingWriter(path, {"x": meta}) as w:
+        assert [(t.dtype.code, t.shape) for t in w.layout.tensors] == [("F4", (3, 8))]
+        w.write("x", real)
+
+
+def test_a_forked_child_leaves_its_parents_writer_alone(tmp_path: Path) -> None:
+    # At exit a child aborted the writers it inherited (atexit, or their finalizers), deleting
+    # the parent's temporary file: the parent's close() then failed.
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        import numpy as np
+        from pysafetensors import StreamingWriter
+        w = StreamingWriter({str(tmp_path / "p.safetensors")!r}, {{"a": ("F32", (2,))}})
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: atexit handlers and finalizers run
+        os.waitpid(pid, 0)
+        w.write("a", np.ones(2, np.float32))
+        w.close()
+        print("closed")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "closed", run.stderr
+    assert load_file(tmp_path / "p.safetensors")["a"].tolist() == [1.0, 1.0]
