@@ -679,3 +679,23 @@ def test_a_sharded_cast_that_fails_midway_leaves_the_checkpoint(
 def test_metadata_reserve_is_checked_before_it_is_allocated(cli, example: Path) -> None:
     r = cli("metadata", "set", example, "k=" + "v" * 2000, "--reserve", str(1 << 62))
     assert r.code == 1 and "header too large" in r.err and "memory" not in r.err
+
+
+def test_metadata_in_place_choices(cli, example: Path) -> None:
+    inode = example.stat().st_ino
+    r = cli("metadata", "set", example, "source=x", "--in-place", "never")
+    assert r.code == 0 and "by rewriting the file" in r.out
+    assert example.stat().st_ino != inode
+    inode = example.stat().st_ino
+    # A shorter value fits the metadata's place, within one page: in place by default.
+    r = cli("metadata", "delete", example, "source")
+    assert r.code == 0 and "in place" in r.out and example.stat().st_ino == inode
+    # Fits the room the deletion left: in place.
+    r = cli("metadata", "set", example, "k=v", "--in-place", "always")
+    assert r.code == 0 and "in place" in r.out and example.stat().st_ino == inode
+    r = cli("metadata", "set", example, "k=v", "--in-place", "sometimes")
+    assert r.code == 2
+    assert cli("metadata", "get", example, "--json").json()["metadata"] == {
+        "format": "pt",
+        "k": "v",
+    }
