@@ -37,6 +37,7 @@ from ._reader import (
     safe_open,
 )
 from ._remote import _redact, url_dirname, url_join, url_path
+from ._sharding import declared_total_size
 from ._sources import ByteSource
 
 __all__ = [
@@ -453,17 +454,16 @@ class ShardedSafeOpen:
                     data_bytes += info.nbytes
             self._open_shard(shard)
         total = (self._index_metadata or {}).get("total_size")
-        if total is not None and is_index_path(self._path):
-            try:
-                declared = int(total)
-            except (TypeError, ValueError, OverflowError):  # "total_size": 1e400 reads as inf
-                declared = -1
-            if declared != data_bytes or isinstance(total, bool):
-                raise ShardIndexError(
-                    f"index {_shown(self._path)} declares total_size {total!r} but its shards hold "
-                    f"{data_bytes} bytes of tensor data",
-                    kind="TotalSizeMismatch",
-                )
+        if (
+            total is not None
+            and is_index_path(self._path)
+            and declared_total_size(total) != data_bytes
+        ):
+            raise ShardIndexError(
+                f"index {_shown(self._path)} declares total_size {total!r} but its shards hold "
+                f"{data_bytes} bytes of tensor data",
+                kind="TotalSizeMismatch",
+            )
 
     # ------------------------------------------------------------------------ header access
 

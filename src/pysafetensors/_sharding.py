@@ -262,6 +262,22 @@ def split_into_shards(
     )
 
 
+def declared_total_size(value: Any) -> int | None:
+    """An index's ``total_size`` as the integer it declares, or None when it declares none
+    that can be (a bool, a fraction, ``1e400``, text that is not digits). The reader's
+    ``validate()`` and the command line's ``validate`` share this one rule.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
 def index_filename(filename_pattern: str = DEFAULT_FILENAME_PATTERN) -> str:
     """The index's file name for a pattern: ``model.safetensors.index.json`` by default."""
     return filename_pattern.format(suffix="") + ".index.json"

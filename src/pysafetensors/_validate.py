@@ -41,6 +41,7 @@ from ._format import (
     parse_header_length,
 )
 from ._remote import url_dirname, url_join
+from ._sharding import declared_total_size
 from ._sources import ByteSource
 
 __all__ = [
@@ -137,15 +138,54 @@ def _metadata_problem(value: Any) -> str | None:
     return None
 
 
-def _key_offset(text: str, name: str) -> int | None:
-    """File offset of a tensor's key in the header, for locating header problems."""
-    needle = json.dumps(name, ensure_ascii=False)
-    pos = text.find(needle + ":")
-    if pos < 0:
-        pos = text.find(needle)
-    if pos < 0:
-        return None
-    return N_LEN + len(text[:pos].encode("utf-8"))
+_WS: Final = re.compile(r"[ \t\n\r]*")
+
+
+class _KeyOffsets:
+    """File offsets of the header's top-level keys, for locating header problems.
+
+    Built once, on first use, by one pass over the top-level object (keys decoded as JSON, so
+    escaped names are found, and never a match inside metadata or a tensor's fields); a search
+    per problem re-read the text before each match, which made validating a header with tens of
+    thousands of reportable names take minutes.
+    """
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._offsets: dict[str, int] | None = None
+
+    def __call__(self, name: str) -> int | None:
+        if self._offsets is None:
+            self._offsets = self._scan()
+        return self._offsets.get(name)
+
+    def _scan(self) -> dict[str, int]:
+        text = self._text
+        offsets: dict[str, int] = {}
+        done_chars, done_bytes = 0, 0  # bytes of text[:done_chars], advanced as keys are found
+        decoder = json.JSONDecoder()
+        try:
+            i = _WS.match(text).end()  # type: ignore[union-attr]
+            if text[i] != "{":
+                return offsets
+            i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
+            while text[i] == '"':
+                start = i
+                key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+                done_bytes += len(text[done_chars:start].encode("utf-8", "surrogatepass"))
+                done_chars = start
+                offsets.setdefault(key, N_LEN + done_bytes)
+                i = _WS.match(text, i).end()  # type: ignore[union-attr]
+                if text[i] != ":":
+                    break
+                _, i = decoder.raw_decode(text, _WS.match(text, i + 1).end())  # type: ignore[union-attr]
+                i = _WS.match(text, i).end()  # type: ignore[union-attr]
+                if text[i] != ",":
+                    break
+                i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
+        except (ValueError, IndexError, RecursionError):
+            pass  # keys found so far keep their offsets; the others have none
+        return offsets
 
 
 def _check_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry] | None:
@@ -170,7 +210,10 @@ def _check_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry
     if gate is None:
         col.problems.extend(p for p in walk.problems if p.severity != "error")
         return entries
-    if not any(p.code == gate.kind for p in errors):
+    # The reader's reason, unless the walk reported it (the same code, about the same tensor):
+    # some problems only the strict parser sees (a lone surrogate in a name, nesting past its
+    # limit), and another error of the same code elsewhere must not hide them.
+    if not any(p.code == gate.kind and gate.tensor in (None, p.tensor) for p in errors):
         col.problems.append(
             Problem("error", gate.kind, str(gate), col.file, gate.tensor, gate.offset)
         )
@@ -205,6 +248,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
             "InvalidHeaderDeserialization", "invalid JSON in header: expected a map", offset=N_LEN
         )
         return None
+    key_offset = _KeyOffsets(text)
     pairs = _pairs(obj)
     counts: dict[str, int] = {}
     for key, _ in pairs:
@@ -213,14 +257,14 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
         col.error(
             "InvalidHeaderDeserialization",
             "invalid JSON in header: duplicate field `__metadata__`",
-            offset=_key_offset(text, "__metadata__"),
+            offset=key_offset("__metadata__"),
         )
     for name in sorted(k for k, n in counts.items() if n > 1 and k != "__metadata__"):
         col.warn(
             "DuplicateTensorName",
             f"tensor name {name!r} appears {counts[name]} times; readers keep the last entry",
             tensor=name,
-            offset=_key_offset(text, name),
+            offset=key_offset(name),
         )
     if text[:1] in (" ", "\t", "\r", "\n"):
         col.warn(
@@ -239,7 +283,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 col.error(
                     "InvalidHeaderDeserialization",
                     f"invalid JSON in header: {bad} (in __metadata__)",
-                    offset=_key_offset(text, name),
+                    offset=key_offset(name),
                 )
             elif value is not None:
                 metadata = dict(value)
@@ -248,7 +292,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
             dtype, shape, (begin, end) = _parse_entry(name, value, "")
         except HeaderError as exc:
             message = str(exc).removesuffix(f" (tensor `{name}`)")
-            col.error(exc.kind, message, tensor=name, offset=_key_offset(text, name))
+            col.error(exc.kind, message, tensor=name, offset=key_offset(name))
             continue
         # A repeated name: the last entry wins, as in the reference.
         parsed[name] = _Entry(name, dtype, tuple(shape), begin, end)
@@ -260,7 +304,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 "SuspiciousName",
                 "tensor name contains control or bidirectional-override characters",
                 tensor=name,
-                offset=_key_offset(text, name),
+                offset=key_offset(name),
             )
 
     # R6/R7: the same walk as the strict parser, but a failure is recorded and the walk goes on
@@ -642,7 +686,9 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
         model.problems.append(Problem("error", code, message, label, tensor, None))
 
     try:
-        obj = json.loads(_read_small(index_path, limit))
+        # Decoded as the reader decodes it: strict UTF-8 (json.loads of bytes would also take
+        # UTF-16/32 and a byte-order mark, which the reader refuses).
+        obj = json.loads(_read_small(index_path, limit).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
@@ -757,8 +803,9 @@ def _check_index(
         )
         if total is None:
             col.warn("IndexNoTotalSize", "index metadata has no `total_size`")
-        elif isinstance(total, bool) or not isinstance(total, (int, float)) or total != actual:
-            col.warn(
+        elif declared_total_size(total) != actual:
+            # An error, as for the reader's validate(): an index that lies about its size.
+            col.error(
                 "IndexTotalSize",
                 f"index total_size is {total!r} but the listed tensors hold {actual} bytes",
             )

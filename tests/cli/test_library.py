@@ -83,6 +83,49 @@ def test_validator_collects_many_problems() -> None:
     assert all(p.offset is not None for p in problems if p.tensor in ("b", "c"))
 
 
+def test_validator_locates_each_tensor_by_its_own_key() -> None:
+    # Offsets came from the first textual match of `"name":`: a tensor named "dtype" was
+    # placed at the first tensor's dtype field, a tensor named like a metadata key inside the
+    # metadata, and an escaped name nowhere.
+    text = (
+        '{"__metadata__":{"t":"v"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+        '"dtype":{"dtype":"X","shape":[1],"data_offsets":[4,5]},'
+        '"t":{"dtype":"Y","shape":[1],"data_offsets":[5,6]},'
+        '"\\u00e9":{"dtype":"Z","shape":[1],"data_offsets":[6,7]}}'
+    )
+    data = raw_file(text.encode(), bytes(7))
+    problems = {p.tensor: p.offset for p in validate_source(BufferSource(data)) if p.tensor}
+    for name, key in (("dtype", '"dtype":{"dtype":"X"'), ("t", '"t":{'), ("\u00e9", '"\\u00e9"')):
+        assert problems[name] == 8 + text.encode().index(key.encode()), name
+
+
+def test_validator_keeps_the_readers_reason_beside_another_of_its_code() -> None:
+    # A problem only the strict parser sees (nesting past its limit in tensor `e`) was dropped
+    # when the walk had found another error of the same code (the unknown dtype of `t`).
+    deep = "[" * 130 + "]" * 130
+    text = (
+        '{"e":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"x":' + deep + "},"
+        '"t":{"dtype":"X","shape":[1],"data_offsets":[0,1]}}'
+    )
+    problems = validate_source(BufferSource(raw_file(text.encode(), bytes(1))))
+    found = {(p.code, p.tensor) for p in problems}
+    assert ("InvalidHeaderDeserialization", "e") in found, problems
+
+
+def test_validator_reads_an_index_as_strictly_as_the_reader(tmp_path: Path) -> None:
+    # json.loads of bytes takes a byte-order mark (and UTF-16): validate said OK where
+    # safe_open refuses the folder.
+    from pysafetensors import ShardIndexError, save_sharded
+    from pysafetensors._validate import validate
+
+    save_sharded({f"t{i}": np.zeros(1000, np.float32) for i in range(4)}, tmp_path, "5KB")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(b"\xef\xbb\xbf" + index.read_bytes())
+    with pytest.raises(ShardIndexError):
+        pysafetensors.safe_open(tmp_path, "np")
+    assert [p.code for p in validate(str(tmp_path)) if p.severity == "error"] == ["IndexInvalid"]
+
+
 def test_edit_metadata_exported_and_in_place(tmp_path: Path) -> None:
     assert "edit_metadata" in pysafetensors.__all__
     path = tmp_path / "m.safetensors"

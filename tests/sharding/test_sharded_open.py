@@ -219,6 +219,28 @@ def test_total_size_mismatch(tmp_path: Path) -> None:
     _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, total_size=64)
     with safe_open(tmp_path, "np") as f:
         f.validate()
+    # One rule with the command line's validate: an integer, or an integral float or digits;
+    # a fraction (int() made 64.5 into 64) or other text is no total size.
+    from pysafetensors._validate import validate
+
+    for total, ok in (
+        (64.0, True),
+        ("64", True),
+        (64.5, False),
+        ("64 bytes", False),
+        (True, False),
+    ):
+        text = index.read_text().replace('"total_size": 64', f'"total_size": {json.dumps(total)}')
+        index.write_text(text)
+        with safe_open(tmp_path, "np") as f:
+            if ok:
+                f.validate()
+            else:
+                with pytest.raises(ShardIndexError, match="total_size"):
+                    f.validate()
+        codes = [p.code for p in validate(str(tmp_path)) if p.severity == "error"]
+        assert codes == ([] if ok else ["IndexTotalSize"]), (total, codes)
+        _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, total_size=64)
 
 
 @pytest.mark.parametrize(
