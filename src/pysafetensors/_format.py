@@ -681,6 +681,41 @@ def gc_paused() -> Iterator[None]:
         gc.enable()
 
 
+_JSON_WS: Final = re.compile(r"[ \t\n\r]*")
+
+
+def top_level_members(text: str) -> Iterator[tuple[str, int, int, int]]:
+    """The members of a header's top-level JSON object, in document order, by position.
+
+    Yields ``(key, key_start, value_start, end)`` as character indices of ``text``: where the
+    key's opening quote is, where its value begins, and where the whitespace after the value
+    ends (at the ``,`` or ``}`` that follows). Keys are decoded (escapes resolved) and repeated
+    ones yielded each time. Stops quietly where the text is not such an object, so a caller
+    locating problems in a malformed header keeps what was found before them.
+    """
+    decoder = json.JSONDecoder()
+    try:
+        i = _JSON_WS.match(text).end()  # type: ignore[union-attr]
+        if text[i] != "{":
+            return
+        i = _JSON_WS.match(text, i + 1).end()  # type: ignore[union-attr]
+        while text[i] == '"':
+            key_start = i
+            key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+            i = _JSON_WS.match(text, i).end()  # type: ignore[union-attr]
+            if text[i] != ":":
+                return
+            value_start = _JSON_WS.match(text, i + 1).end()  # type: ignore[union-attr]
+            _, i = decoder.raw_decode(text, value_start)
+            i = _JSON_WS.match(text, i).end()  # type: ignore[union-attr]
+            yield key, key_start, value_start, i
+            if text[i] != ",":
+                return
+            i = _JSON_WS.match(text, i + 1).end()  # type: ignore[union-attr]
+    except (ValueError, IndexError, RecursionError):
+        return
+
+
 def parse_header(
     header: bytes | memoryview,
     data_size: int,

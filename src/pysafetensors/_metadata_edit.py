@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import re
 import struct
 from collections.abc import Iterable, Mapping
 from typing import Final
@@ -46,7 +45,14 @@ from typing import Final
 import numpy as np
 
 from ._errors import SafetensorError, SerializeError
-from ._format import MAX_HEADER_SIZE, N_LEN, SERIALIZE_PREFIX, Header, parse_header
+from ._format import (
+    MAX_HEADER_SIZE,
+    N_LEN,
+    SERIALIZE_PREFIX,
+    Header,
+    parse_header,
+    top_level_members,
+)
 from ._reader import read_header
 from ._sources import PreadSource
 from ._writer import atomic_output
@@ -80,37 +86,18 @@ def _header_bytes(header: Header, metadata: Mapping[str, str] | None, slack: int
     return head + (b"," + body[1:] if entries else b"}")
 
 
-_WS: Final = re.compile(r"[ \t\n\r]*")
-_DECODER: Final = json.JSONDecoder()
-
-
 def _metadata_slot(region: bytes) -> tuple[int, int] | None:
     """Byte span of the ``__metadata__`` value and the whitespace after it in a header region,
     or None when there is none (no metadata, or an odd header)."""
     try:
         text = region.decode("utf-8")
-        i = _WS.match(text).end()  # type: ignore[union-attr]
-        if text[i] != "{":
-            return None
-        i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
-        while text[i] == '"':
-            key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
-            i = _WS.match(text, i).end()  # type: ignore[union-attr]
-            if text[i] != ":":
-                return None
-            i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
-            value_start = i
-            _, i = _DECODER.raw_decode(text, i)
-            i = _WS.match(text, i).end()  # type: ignore[union-attr]
-            if key == "__metadata__":
-                # In bytes: the text before it may hold multi-byte characters.
-                start = len(text[:value_start].encode("utf-8"))
-                return start, start + len(text[value_start:i].encode("utf-8"))
-            if text[i] != ",":
-                return None
-            i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
-    except (ValueError, IndexError):
+    except UnicodeDecodeError:
         return None
+    for key, _, value_start, end in top_level_members(text):
+        if key == "__metadata__":
+            # In bytes: the text before it may hold multi-byte characters.
+            start = len(text[:value_start].encode("utf-8"))
+            return start, start + len(text[value_start:end].encode("utf-8"))
     return None
 
 

@@ -39,6 +39,7 @@ from ._format import (
     _parse_entry,
     parse_header,
     parse_header_length,
+    top_level_members,
 )
 from ._remote import url_dirname, url_join
 from ._sharding import declared_total_size
@@ -138,9 +139,6 @@ def _metadata_problem(value: Any) -> str | None:
     return None
 
 
-_WS: Final = re.compile(r"[ \t\n\r]*")
-
-
 class _KeyOffsets:
     """File offsets of the header's top-level keys, for locating header problems.
 
@@ -163,28 +161,10 @@ class _KeyOffsets:
         text = self._text
         offsets: dict[str, int] = {}
         done_chars, done_bytes = 0, 0  # bytes of text[:done_chars], advanced as keys are found
-        decoder = json.JSONDecoder()
-        try:
-            i = _WS.match(text).end()  # type: ignore[union-attr]
-            if text[i] != "{":
-                return offsets
-            i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
-            while text[i] == '"':
-                start = i
-                key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
-                done_bytes += len(text[done_chars:start].encode("utf-8", "surrogatepass"))
-                done_chars = start
-                offsets.setdefault(key, N_LEN + done_bytes)
-                i = _WS.match(text, i).end()  # type: ignore[union-attr]
-                if text[i] != ":":
-                    break
-                _, i = decoder.raw_decode(text, _WS.match(text, i + 1).end())  # type: ignore[union-attr]
-                i = _WS.match(text, i).end()  # type: ignore[union-attr]
-                if text[i] != ",":
-                    break
-                i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]
-        except (ValueError, IndexError, RecursionError):
-            pass  # keys found so far keep their offsets; the others have none
+        for key, start, _, _ in top_level_members(text):
+            done_bytes += len(text[done_chars:start].encode("utf-8", "surrogatepass"))
+            done_chars = start
+            offsets.setdefault(key, N_LEN + done_bytes)
         return offsets
 
 
