@@ -273,7 +273,8 @@ def declared_total_size(value: Any) -> int | None:
         return value
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else None
-    if isinstance(value, str) and value.isascii() and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 30:
+        # (No size has 30 digits; int() refuses over 4,300 with a ValueError.)
         return int(value)
     return None
 

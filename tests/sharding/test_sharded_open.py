@@ -229,6 +229,7 @@ def test_total_size_mismatch(tmp_path: Path) -> None:
         (64.5, False),
         ("64 bytes", False),
         (True, False),
+        ("1" * 5000, False),  # int() refuses it with a ValueError, which escaped both
     ):
         text = index.read_text().replace('"total_size": 64', f'"total_size": {json.dumps(total)}')
         index.write_text(text)
