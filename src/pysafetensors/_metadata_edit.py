@@ -54,12 +54,11 @@ from ._format import (
     top_level_members,
 )
 from ._reader import read_header
+from ._reshard import copy_range
 from ._sources import PreadSource
-from ._writer import atomic_output
+from ._writer import atomic_output, pwrite_all
 
 __all__ = ["edit_metadata"]
-
-_COPY_CHUNK = 64 << 20
 
 
 def _metadata_json(metadata: Mapping[str, str]) -> bytes:
@@ -109,13 +108,6 @@ def _changed_span(old: bytes, new: bytes) -> tuple[int, int] | None:
     return int(diff[0]), int(diff[-1]) + 1
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
 def _check_strings(values: Mapping[str, str]) -> None:
     for key, value in values.items():
         if not isinstance(key, str) or not isinstance(value, str):
@@ -133,34 +125,6 @@ def _check_strings(values: Mapping[str, str]) -> None:
                     "(a lone surrogate)",
                     kind="InvalidMetadata",
                 ) from None
-
-
-def _copy_range(src: int, dst: int, offset: int, count: int, dst_offset: int) -> None:
-    """Copy ``count`` bytes from ``src`` at ``offset`` to ``dst`` at ``dst_offset``."""
-    copy = getattr(os, "copy_file_range", None)
-    done = 0
-    while done < count and copy is not None:
-        try:
-            n = copy(src, dst, min(count - done, 1 << 30), offset + done, dst_offset + done)
-        except OSError:
-            # EXDEV, ENOSYS, EINVAL on some filesystems: fall back to plain copies below.
-            break
-        if n <= 0:
-            break
-        done += n
-    while done < count:
-        chunk = os.pread(src, min(_COPY_CHUNK, count - done), offset + done)
-        if not chunk:
-            raise SafetensorError(
-                f"file ended while copying its data ({done} of {count} bytes copied)",
-                kind="ShortRead",
-                offset=offset + done,
-            )
-        view = memoryview(chunk)
-        while view:
-            written = os.pwrite(dst, view, dst_offset + done)
-            view = view[written:]
-            done += written
 
 
 def edit_metadata(
@@ -259,12 +223,11 @@ def edit_metadata(
                         "intended; nothing was written",
                         kind="InternalError",
                     )
-                same_page = (N_LEN + start) // _PAGE == (N_LEN + end - 1) // _PAGE
-                if in_place is True or same_page:
-                    _pwrite_all(fd, new_region[start:end], N_LEN + start)
-                    if fsync:
-                        os.fsync(fd)
-                    return True
+                # Within one page, or across pages because in_place=True asked for it.
+                pwrite_all(fd, new_region[start:end], N_LEN + start)
+                if fsync:
+                    os.fsync(fd)
+                return True
         # The size is checked before the slack is made: ``reserve`` comes from the caller (the
         # command line's --reserve) and may be any number.
         slack = max(0, reserve) if new_meta is not None else 0
@@ -281,10 +244,8 @@ def edit_metadata(
         parse_header(padded, data_size)
         with atomic_output(target, fsync=fsync, like=os.fstat(fd)) as out:
             prefix = struct.pack("<Q", len(padded)) + padded
-            view = memoryview(prefix)
-            while view:
-                view = view[os.write(out, view) :]
-            _copy_range(fd, out, N_LEN + n, data_size, len(prefix))
+            pwrite_all(out, prefix, 0)
+            copy_range(fd, N_LEN + n, out, len(prefix), data_size)
         return False
     finally:
         os.close(fd)

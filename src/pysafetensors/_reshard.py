@@ -39,7 +39,7 @@ from ._sharding import (
     write_checkpoint,
 )
 from ._sources import ByteSource
-from ._writer import SaveGroup, Writeback, atomic_output
+from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all
 
 __all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
 
@@ -112,9 +112,7 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, length: int
         n = os.preadv(src_fd, [view[:want]], src_off + done)
         if n <= 0:
             raise _short(src_off + done, length - done)
-        put = 0
-        while put < n:
-            put += os.pwrite(dst_fd, view[put:n], dst_off + done + put)
+        pwrite_all(dst_fd, view[:n], dst_off + done)
         done += n
 
 
@@ -126,9 +124,7 @@ def _copy_from_source(source: ByteSource, src_off: int, dst_fd: int, dst_off: in
     while done < n:
         want = min(len(buf), n - done)
         source.readinto(src_off + done, view[:want])
-        put = 0
-        while put < want:
-            put += os.pwrite(dst_fd, view[put:want], dst_off + done + put)
+        pwrite_all(dst_fd, view[:want], dst_off + done)
         done += want
 
 

@@ -40,14 +40,11 @@ from ._sharding import (
     split_into_shards,
     write_checkpoint,
 )
-from ._writer import SaveGroup, Writeback, atomic_output
+from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all
 
 __all__ = ["ShardedStreamingWriter", "StreamingWriter", "TensorDecl", "as_dtype"]
 
 TensorDecl = tuple[str, DType, tuple[int, ...]]
-
-#: Largest single pwrite; Linux moves at most about 2 GiB per call anyway.
-_PWRITE_MAX: Final = 1 << 30
 
 
 class _Discard(Exception):
@@ -86,13 +83,12 @@ def _declare(name: Any, value: Any) -> TensorDecl:
     from ._sharding import _adapter_for, _is_torch
 
     if _is_torch(value) and value.is_meta:
-        # Only the dtype and shape are wanted: a meta tensor has no data to convert.
-        dtype, shape = as_dtype(value.dtype), _dims(name, value.shape)
-        if dtype.bits == 4 and shape:
-            # float4_e2m1fn_x2 holds two values per element: the logical last dim doubles,
-            # as for a real tensor (the torch adapter's rule).
-            shape = (*shape[:-1], shape[-1] * 2)
-        return str(name), dtype, shape
+        # Only the dtype and shape are wanted: a meta tensor has no data to convert. Its shape
+        # is the file's by the torch adapter's rule (float4_e2m1fn_x2 packs two values).
+        from ._torch_adapter import logical_shape
+
+        dtype = as_dtype(value.dtype)
+        return str(name), dtype, logical_shape(dtype, _dims(name, value.shape))
     if isinstance(value, np.ndarray) or _is_torch(value):
         data = _adapter_for(value).to_data(str(name), value)
         return str(name), data.dtype, data.shape
@@ -136,17 +132,22 @@ def _dims(name: Any, shape: Any) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def _check_name(name: Any, where: str) -> None:
+    """Refuse a declared name that is not a str (``where`` says which declaration)."""
+    if not isinstance(name, str):
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}{where} with a name of type {type(name).__name__} "
+            f"({name!r:.60}): tensor names are str",
+            kind="TensorInvalidInfo",
+        )
+
+
 def _declarations(tensors: Any) -> list[TensorDecl]:
     """Normalise ``{name: (dtype, shape)}``, ``{name: array_or_meta}`` or ``[(name, dtype,
     shape)]``."""
     if isinstance(tensors, Mapping):
         for name in tensors:
-            if not isinstance(name, str):
-                raise SerializeError(
-                    f"{SERIALIZE_PREFIX}a tensor is declared with a name of type "
-                    f"{type(name).__name__} ({name!r:.60}): tensor names are str",
-                    kind="TensorInvalidInfo",
-                )
+            _check_name(name, "a tensor is declared")
         return [_declare(k, v) for k, v in tensors.items()]
     if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__iter__"):
         raise SerializeError(
@@ -164,12 +165,7 @@ def _declarations(tensors: Any) -> list[TensorDecl]:
                 kind="TensorInvalidInfo",
             )
         name, dtype, shape = item
-        if not isinstance(name, str):
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}declaration {index} has a name of type "
-                f"{type(name).__name__} ({name!r:.60}): tensor names are str",
-                kind="TensorInvalidInfo",
-            )
+        _check_name(name, f"declaration {index} is given")
         if name in seen:
             # Checked here for every writer: the sharded one plans shards by name, and a
             # repeated declaration would silently replace the first.
@@ -316,7 +312,7 @@ class StreamingWriter:
         try:
             # A sparse file of the final size: writes may land anywhere, in any order.
             os.ftruncate(fd, self.layout.file_size)
-            self._pwrite_all(fd, memoryview(self.layout.header), 0)
+            pwrite_all(fd, self.layout.header, 0)
         except BaseException as exc:
             cm.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -329,12 +325,6 @@ class StreamingWriter:
         self._writeback = Writeback(fd) if fsync else None
 
     # ------------------------------------------------------------------------------ writing
-
-    @staticmethod
-    def _pwrite_all(fd: int, view: memoryview, pos: int) -> None:
-        done = 0
-        while done < view.nbytes:
-            done += os.pwrite(fd, view[done : done + _PWRITE_MAX], pos + done)
 
     def _info(self, name: str) -> TensorInfo:
         try:
@@ -432,7 +422,7 @@ class StreamingWriter:
                     )
                 if got + view.nbytes > length:
                     raise SerializeError(f"{SERIALIZE_PREFIX}internal error: chunk overrun")
-                self._pwrite_all(fd, view, pos + got)
+                pwrite_all(fd, view, pos + got)
                 got += view.nbytes
             if self._writeback is not None:
                 # Still counted in flight: close() cannot have closed the descriptor yet.

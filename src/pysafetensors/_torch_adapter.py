@@ -43,6 +43,14 @@ def torch_dtype(dtype: DType) -> Any:
         ) from None
 
 
+def logical_shape(dtype: DType, torch_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The file's shape for a torch tensor's (the inverse of :func:`_storage_shape`):
+    ``float4_e2m1fn_x2`` holds two values per element, so the last dimension doubles."""
+    if dtype.bits == 4 and torch_shape:
+        return (*torch_shape[:-1], torch_shape[-1] * 2)
+    return torch_shape
+
+
 def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
     """torch's shape for a logical shape: F4 is stored as packed pairs along the last dim."""
     if dtype.bits != 4:
@@ -322,10 +330,7 @@ class TorchAdapter:
                 kind="MetaTensor",
                 tensor=name,
             )
-        shape = tuple(tensor.shape)
-        if dtype.bits == 4:
-            # float4_e2m1fn_x2 holds two values per element: the logical last dim doubles.
-            shape = (*shape[:-1], shape[-1] * 2) if shape else shape
+        shape = logical_shape(dtype, tuple(tensor.shape))
         source = tensor
         if tensor.is_conj() or tensor.is_neg():
             # A lazy conjugate or negative view: its memory holds the values before the

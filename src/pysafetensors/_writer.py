@@ -196,6 +196,18 @@ def _write_all(fd: int, views: list[memoryview]) -> int:
     return total
 
 
+#: Largest single pwrite; Linux moves at most about 2 GiB per call anyway.
+_PWRITE_MAX: Final = 1 << 30
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """``pwrite`` all of ``data`` at ``offset`` (a call may write less than it was given)."""
+    view = memoryview(data)
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done : done + _PWRITE_MAX], offset + done)
+
+
 def write_layout(
     fd: int, layout: Layout, tensors: Sequence[TensorData], *, writeback: Writeback | None = None
 ) -> None:

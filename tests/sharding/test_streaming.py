@@ -374,14 +374,14 @@ def test_a_repeated_declaration_is_refused_by_both_writers(tmp_path: Path) -> No
 def _slow_pwrites(monkeypatch: pytest.MonkeyPatch, started: threading.Event) -> None:
     from pysafetensors import _streaming
 
-    original = _streaming.StreamingWriter._pwrite_all
+    original = _streaming.pwrite_all
 
     def slow(fd: int, view: memoryview, pos: int) -> None:
         started.set()
         time.sleep(0.2)
         original(fd, view, pos)
 
-    monkeypatch.setattr(_streaming.StreamingWriter, "_pwrite_all", staticmethod(slow))
+    monkeypatch.setattr(_streaming, "pwrite_all", slow)
 
 
 def test_close_waits_for_a_write_in_progress(
