@@ -20,7 +20,7 @@ import pysafetensors
 from pysafetensors import safe_open
 from pysafetensors.numpy import load_file, save_file
 
-# A small LLaMA-shaped decoder: 4 layers, hidden 1024, MLP 2816, vocab 32000, bf16 (~150 MB).
+# A small LLaMA-shaped decoder: 4 layers, hidden 1024, MLP 2816, vocab 32000, bf16 (~234 MB).
 HIDDEN, MLP, VOCAB, LAYERS, HEADS = 1024, 2816, 32000, 4, 16
 
 

@@ -170,6 +170,19 @@ class Layout:
 # --------------------------------------------------------------------------------------- reading
 
 
+def _other_format(prefix: bytes) -> str | None:
+    """What a file whose first bytes are ``prefix`` looks like, where that is a format people
+    mistake for safetensors (their first bytes make an absurd header length)."""
+    convert = "; `pysafetensors convert` converts PyTorch checkpoints"
+    if prefix.startswith(b"PK\x03\x04"):
+        return f"a zip archive, as torch.save writes them, not a safetensors file{convert}"
+    if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return f"a pickle, as older torch.save writes them, not a safetensors file{convert}"
+    if prefix.startswith(b"GGUF"):
+        return "a GGUF file, not a safetensors file"
+    return None
+
+
 def parse_header_length(
     prefix: bytes,
     file_size: int,
@@ -197,9 +210,15 @@ def parse_header_length(
         )
     (n,) = struct.unpack("<Q", prefix[:N_LEN])
     if n > max_header_size:
+        other = _other_format(prefix)
+        advice = (
+            f"): the file starts like {other}"
+            if other
+            else ", raise it with max_header_size= if the file is trusted)"
+        )
         raise HeaderSizeError(
             f"{prefix_text}header too large (the length prefix declares {n} bytes; the limit is "
-            f"{max_header_size}, raise it with max_header_size= if the file is trusted)",
+            f"{max_header_size}{advice}",
             kind="HeaderTooLarge",
             offset=0,
         )

@@ -18,22 +18,26 @@ the file's data order.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
-import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
-from ._errors import SafetensorError
+from ._errors import SafetensorError, write_error
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
 from ._reader import open_source_for
 from ._sharded import ShardedSafeOpen, _is_url, _shown, is_index_path
 from ._sharding import (
+    COMPUTED_KEYS,
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
     ShardPlan,
+    as_header_metadata,
+    index_filename,
+    model_metadata,
     parse_size,
     split_into_shards,
     write_checkpoint,
@@ -45,8 +49,6 @@ __all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
 
 #: Bytes per step of the fallback copies (and per progress report).
 COPY_CHUNK: Final = 8 << 20
-#: Index metadata keys that describe the tensors, recomputed rather than copied.
-_COMPUTED_KEYS: Final = ("total_size", "total_parameters")
 # copy_file_range refuses some pairs of files (different filesystems on old kernels, special
 # files); these errors mean "use another way", anything else is a real I/O error.
 _FALLBACK_ERRNOS: Final = frozenset(
@@ -183,15 +185,21 @@ def _source_order(src: ShardedSafeOpen) -> list[str]:
     return src.offset_keys()
 
 
-def _user_metadata(src: ShardedSafeOpen, fmt: str) -> dict[str, Any]:
-    """What a direct save would have been given as ``metadata``: the index's metadata, or a
-    single file's without its ``format``, in both cases without the keys an index computes (a
-    file's own ``total_size`` key would otherwise replace the index's, user keys winning as in
-    the hub, and the index would declare a size its shards do not hold)."""
-    meta = {k: v for k, v in (src.index_metadata() or {}).items() if k not in _COMPUTED_KEYS}
-    if not is_index_path(src.path) and meta.get("format") == fmt:
-        del meta["format"]
-    return meta
+def _source_metadata(src: ShardedSafeOpen, fmt: str | None) -> tuple[str, dict[str, Any]]:
+    """The ``format`` and the metadata a direct save of the source's tensors would have been
+    given: the model's metadata (:func:`model_metadata`: what every shard agrees on, then the
+    index's) without ``format`` and without the keys an index computes (a file's own
+    ``total_size`` key would otherwise replace the index's, user keys winning as in the hub, and
+    the index would declare a size its shards do not hold). The format is ``fmt`` where given,
+    else the source's own (a TensorFlow or Flax checkpoint stays one), else ``"pt"``."""
+    meta = model_metadata(
+        src.shard_metadata(), src.index_metadata() if is_index_path(src.path) else None
+    )
+    meta = {k: v for k, v in (meta or {}).items() if k not in COMPUTED_KEYS}
+    own = meta.pop("format", None)
+    if fmt is None:
+        fmt = own if isinstance(own, str) else "pt"
+    return fmt, meta
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -241,11 +249,6 @@ def _refuse_output_over_source(
         )
 
 
-def _as_header_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
-    # A header holds strings only; index metadata may hold any JSON value.
-    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
-
-
 def _write_one(
     path: str,
     infos: list[tuple[str, int, TensorInfo]],
@@ -287,7 +290,7 @@ def _rewrite(
     max_shard_size: int | str | None,
     metadata: Mapping[str, Any] | None,
     filename_pattern: str,
-    fmt: str,
+    fmt: str | None,
     clean: bool,
     fsync: bool,
     max_header_size: int,
@@ -296,7 +299,8 @@ def _rewrite(
 ) -> ShardPlan:
     located = {name: src._locate(name) for name in names}
     sizes = {name: located[name][2].nbytes for name in names}
-    meta = dict(_user_metadata(src, fmt) if metadata is None else metadata)
+    fmt, own = _source_metadata(src, fmt)
+    meta = dict(own if metadata is None else metadata)
     if "total_parameters" in (src.index_metadata() or {}) and metadata is None:
         # transformers v5 records it; recompute it for the tensors actually written.
         count = 0
@@ -311,7 +315,7 @@ def _rewrite(
     try:
         sources.open_all(src.files())
         if max_shard_size is None:
-            header_meta = {"format": fmt, **_as_header_metadata(meta)}
+            header_meta = {"format": fmt, **as_header_metadata(meta)}
             _write_one(
                 out,
                 [located[n] for n in names],
@@ -335,10 +339,13 @@ def _rewrite(
         )
         if not plan.filename_to_tensors:
             plan = ShardPlan({"total_size": 0}, {filename_pattern.format(suffix=""): []}, {})
+        if os.path.exists(out) and not os.path.isdir(out):
+            not_a_folder = NotADirectoryError(errno.ENOTDIR, "the output is a file, not a folder")
+            raise write_error(not_a_folder, out)
         os.makedirs(out, exist_ok=True)
         per_file: dict[str, str] = {"format": fmt}
         if not plan.is_sharded:
-            per_file.update(_as_header_metadata(meta))
+            per_file.update(as_header_metadata(meta))
 
         def write_shard(path: str, shard_names: list[str], group: SaveGroup) -> None:
             _write_one(
@@ -364,9 +371,32 @@ def _rewrite(
             fsync=fsync,
             clean=clean,
         )
+        if clean:
+            _remove_replaced_source(src, out, plan, filename_pattern)
         return plan
     finally:
         sources.close()
+
+
+def _remove_replaced_source(
+    src: ShardedSafeOpen, out: str, plan: ShardPlan, filename_pattern: str
+) -> None:
+    """After a sharded checkpoint was resharded into its own folder, delete its files that
+    the new one did not replace (another ``filename_pattern``'s index and shards): left there,
+    the folder would hold two checkpoints and still open as the old one. The old index goes
+    first, so that a crash midway leaves shards that do not open as a checkpoint."""
+    if not is_index_path(src.path) or _is_url(src.path):
+        return
+    folder = os.path.dirname(src.path) or "."
+    if not _same_file(out, folder):
+        return
+    written = set(plan.filename_to_tensors)
+    if plan.is_sharded:
+        written.add(index_filename(filename_pattern))
+    for path in [src.path, *src.files()]:
+        if os.path.relpath(path, folder) not in written:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def reshard(
@@ -376,7 +406,7 @@ def reshard(
     *,
     metadata: Mapping[str, Any] | None = None,
     filename_pattern: str = DEFAULT_FILENAME_PATTERN,
-    format: str = "pt",  # noqa: A002 - the metadata key's name
+    format: str | None = None,  # noqa: A002 - the metadata key's name
     clean: bool = True,
     fsync: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
@@ -391,12 +421,15 @@ def reshard(
             source file is opened before anything is written, and each output file replaces
             its namesake atomically.
         max_shard_size: New limit per shard (bytes, or ``"5GB"``-style decimal units).
-        metadata: User metadata for the output; by default the source's (index metadata,
-            or a single file's metadata without ``format``; without ``total_size`` and
-            ``total_parameters`` in both cases, which are computed for the output).
+        metadata: User metadata for the output; by default the source's model metadata (the
+            entries every source file agrees on, then the index's) without ``format``,
+            ``total_size`` and ``total_parameters`` (computed for the output).
         filename_pattern: Output file name pattern with a ``{suffix}`` field.
-        format: Value of the ``format`` header key in every output file.
-        clean: Delete stale files of an earlier save with the same pattern in ``output``.
+        format: Value of the ``format`` header key in every output file; by default the
+            source's own (``"tf"`` stays ``"tf"``), else ``"pt"``.
+        clean: Delete stale files of an earlier save with the same pattern in ``output``;
+            resharding a sharded checkpoint into its own folder also deletes its files the
+            new one did not replace (its index and shards under another pattern).
         fsync: Make every file durable before returning.
         max_header_size: Largest header accepted, read and written.
         progress: Called as ``progress(bytes_done, bytes_total)`` after each tensor.
@@ -442,7 +475,7 @@ def merge(
     output: str | os.PathLike[str],
     *,
     metadata: Mapping[str, Any] | None = None,
-    format: str = "pt",  # noqa: A002 - the metadata key's name
+    format: str | None = None,  # noqa: A002 - the metadata key's name
     fsync: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
     progress: Progress | None = None,
@@ -451,7 +484,9 @@ def merge(
     """Merge a sharded checkpoint into one ``.safetensors`` file.
 
     The file's metadata is ``{"format": format, **metadata}``, where ``metadata`` defaults to
-    the index's (without ``total_size``; values that are not strings become their JSON text).
+    the source's model metadata (what every shard agrees on, then the index's; without
+    ``total_size``; values that are not strings become their JSON text) and ``format`` to the
+    source's own (else ``"pt"``), so that ``diff`` finds the merge equal to its source.
     ``storage_options`` are as for :func:`reshard`.
 
     Raises:
@@ -519,7 +554,7 @@ def extract(
     max_shard_size: int | str | None = None,
     metadata: Mapping[str, Any] | None = None,
     filename_pattern: str = DEFAULT_FILENAME_PATTERN,
-    format: str = "pt",  # noqa: A002 - the metadata key's name
+    format: str | None = None,  # noqa: A002 - the metadata key's name
     fsync: bool = False,
     max_header_size: int = MAX_HEADER_SIZE,
     progress: Progress | None = None,
@@ -533,9 +568,9 @@ def extract(
         patterns: Globs (or regular expressions with ``regex=True``); see :func:`select_names`.
         regex: Read patterns as regular expressions.
         max_shard_size: Write a sharded folder with this limit instead of one file.
-        metadata: User metadata; by default the source's.
+        metadata: User metadata; by default the source's (as for :func:`reshard`).
         filename_pattern: Output pattern when sharded.
-        format: Value of the ``format`` header key.
+        format: Value of the ``format`` header key; by default the source's, else ``"pt"``.
         fsync: Make the output durable.
         max_header_size: Largest header accepted.
         progress: As for :func:`reshard`.

@@ -497,6 +497,12 @@ class ShardedSafeOpen:
         self._live()
         return None if self._index_metadata is None else dict(self._index_metadata)
 
+    def shard_metadata(self) -> list[dict[str, str] | None]:
+        """Each shard's own ``__metadata__``, in shard-name order (reads every shard's header;
+        for a single file, its metadata)."""
+        self._live()
+        return [self._open_shard(shard).metadata() for shard in self._shards]
+
     def weight_map(self) -> dict[str, str]:
         """Tensor name to shard file name, in the index's order."""
         self._live()

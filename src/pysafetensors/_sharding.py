@@ -37,13 +37,16 @@ from ._format import MAX_HEADER_SIZE
 from ._writer import SaveGroup, TensorData, atomic_output, write_file
 
 __all__ = [
+    "COMPUTED_KEYS",
     "DEFAULT_FILENAME_PATTERN",
     "MAX_SHARD_SIZE",
     "ShardPlan",
+    "as_header_metadata",
     "check_filename_pattern",
     "checkpoint_group",
     "index_filename",
     "index_json",
+    "model_metadata",
     "parse_size",
     "remove_stale_files",
     "save_model_sharded",
@@ -130,8 +133,7 @@ def check_filename_pattern(pattern: str, shards: int = 1) -> None:
     if shards > 1 and not fields:
         raise _bad_pattern(
             pattern,
-            f"no {{suffix}} field, so all {shards} shards would get the same name and "
-            "overwrite each other",
+            "no {suffix} field, so every shard would get the same name and overwrite each other",
         )
     try:
         names = {pattern.format(suffix=""), pattern.format(suffix="-00001-of-00002")}
@@ -277,6 +279,48 @@ def declared_total_size(value: Any) -> int | None:
         # (No size has 30 digits; int() refuses over 4,300 with a ValueError.)
         return int(value)
     return None
+
+
+#: Index metadata keys that describe how the bytes are split, recomputed by every writer.
+COMPUTED_KEYS: Final = ("total_size", "total_parameters")
+
+
+def model_metadata(
+    shards: Iterable[Mapping[str, str] | None],
+    index: Mapping[str, Any] | None,
+    *,
+    computed: bool = True,
+) -> dict[str, Any] | None:
+    """A model's metadata as one file would hold it: the rule ``merge`` writes by, ``diff``
+    compares by and ``metadata get`` shows.
+
+    Args:
+        shards: Each file's ``__metadata__`` (one for a single file).
+        index: The index's ``metadata`` (None for a single file), JSON values as they are.
+        computed: Keep the index's ``total_size`` and ``total_parameters``; without them, a
+            sharded model and its merge into one file have the same metadata.
+
+    Returns:
+        The entries every file agrees on, then the index's (which win over a file's); None when
+        neither files nor index have metadata.
+    """
+    metas = list(shards)
+    common: dict[str, Any] | None = None
+    if any(m is not None for m in metas):
+        common = dict(metas[0] or {})
+        for m in metas[1:]:
+            common = {k: v for k, v in common.items() if (m or {}).get(k) == v}
+    if index is None:
+        return common
+    return {
+        **(common or {}),
+        **{k: v for k, v in index.items() if computed or k not in COMPUTED_KEYS},
+    }
+
+
+def as_header_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
+    """Metadata as a header holds it: strings, other JSON values of an index as their text."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
 
 
 def index_filename(filename_pattern: str = DEFAULT_FILENAME_PATTERN) -> str:

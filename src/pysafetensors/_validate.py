@@ -30,11 +30,12 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
-from ._dtypes import DType, checked_nbits
+from ._dtypes import DType, checked_nbits, dtype_from_code
 from ._errors import HeaderError, SafetensorError
 from ._format import (
     MAX_HEADER_SIZE,
     N_LEN,
+    _all_u64,
     _decode_json,
     _parse_entry,
     parse_header,
@@ -97,6 +98,23 @@ class Problem:
             "tensor": self.tensor,
             "offset": self.offset,
         }
+
+
+#: The dtype an entry that failed to parse is counted with (see _walk_header).
+_PLAIN_BYTES: Final = dtype_from_code("U8")
+
+
+def _salvaged_offsets(value: Any) -> tuple[int, int] | None:
+    """A failed entry's ``data_offsets``, where they are two unsigned 64-bit integers."""
+    if isinstance(value, dict):
+        offsets = value.get("data_offsets")
+    elif isinstance(value, list) and len(value) >= 3:
+        offsets = value[2]  # serde's sequence form: dtype, shape, data_offsets
+    else:
+        return None
+    if type(offsets) is not list or len(offsets) != 2 or not _all_u64(offsets):
+        return None
+    return offsets[0], offsets[1]
 
 
 @dataclass(slots=True)
@@ -273,6 +291,15 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
         except HeaderError as exc:
             message = str(exc).removesuffix(f" (tensor `{name}`)")
             col.error(exc.kind, message, tensor=name, offset=key_offset(name))
+            offsets = _salvaged_offsets(value)
+            if offsets is not None:
+                # Its bytes are still its own: counted as plain bytes (U8, a size its offsets
+                # always match) by the coverage walk and the index check, so that an unknown
+                # dtype is one problem, not also trailing bytes or a tensor missing from its
+                # shard. Not ok: no value checks.
+                begin, end = offsets
+                size = max(0, end - begin)
+                parsed[name] = _Entry(name, _PLAIN_BYTES, (size,), begin, end, ok=False)
             continue
         # A repeated name: the last entry wins, as in the reference.
         parsed[name] = _Entry(name, dtype, tuple(shape), begin, end)
@@ -774,20 +801,34 @@ def _check_index(
             )
     meta = (model.index or {}).get("metadata")
     total = meta.get("total_size") if isinstance(meta, dict) else None
-    if all(h is not None for h in headers.values()):
-        actual = sum(
-            end - begin
-            for shard, tensors in headers.items()
-            for tensor, (begin, end) in (tensors or {}).items()
-            if weight_map.get(tensor) == shard
-        )
-        if total is None:
-            col.warn("IndexNoTotalSize", "index metadata has no `total_size`")
-        elif declared_total_size(total) != actual:
+    sizes = {
+        tensor: end - begin
+        for tensors in headers.values()
+        for tensor, (begin, end) in (tensors or {}).items()
+    }
+    if total is None:
+        col.warn("IndexNoTotalSize", "index metadata has no `total_size`")
+    elif all(h is not None for h in headers.values()):
+        # Each listed tensor counts where it is held, in whichever shard. Where the index and
+        # the shards name different tensors (reported above) the right total is unknown, but
+        # bounded: at least the listed tensors that exist, at most those and the unlisted
+        # ones (no bound when a listed tensor is missing). Only a total outside that range is
+        # a problem of its own, not a repeat of the ones above.
+        low = sum(n for t, n in sizes.items() if t in weight_map)
+        unlisted = sum(n for t, n in sizes.items() if t not in weight_map)
+        missing = any(t not in sizes for t in weight_map)
+        declared = declared_total_size(total)
+        if declared is None or declared < low or (not missing and declared > low + unlisted):
+            if missing:
+                held = f"at least {low} bytes"
+            elif unlisted:
+                held = f"{low} bytes ({low + unlisted} with the unlisted ones)"
+            else:
+                held = f"{low} bytes"
             # An error, as for the reader's validate(): an index that lies about its size.
             col.error(
                 "IndexTotalSize",
-                f"index total_size is {total!r} but the listed tensors hold {actual} bytes",
+                f"index total_size is {total!r} but the listed tensors hold {held}",
             )
     if model.index_path is not None and not _is_url(model.index_path):
         folder = os.path.dirname(model.index_path)

@@ -456,7 +456,8 @@ def convert_folder(
     Raises:
         UnsafePickleError: A checkpoint imports a global outside the allow-list (the message
             starts with its path).
-        CheckpointError: An input is missing, broken or unsupported, or the index is invalid.
+        CheckpointError: An input is missing, broken or unsupported, the index is invalid, or
+            the folder holds nothing to convert.
         OSError: A file cannot be read or written.
     """
     src_s, dst_s = os.fspath(src_dir), os.fspath(dst_dir)
@@ -478,6 +479,12 @@ def convert_folder(
             n
             for n in os.listdir(src_s)
             if n.endswith(CHECKPOINT_SUFFIXES) and os.path.isfile(os.path.join(src_s, n))
+        )
+    if not names:
+        # An empty result would look like success for a mistyped folder.
+        raise CheckpointError(
+            f"{src_s}: nothing to convert (no {_INDEX_IN} and no "
+            f"{', '.join('*' + s for s in CHECKPOINT_SUFFIXES)} files)"
         )
     _check_inputs(src_s, names, index_path if index is not None else None)
     outs = [safetensors_name(n) for n in names]

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Inspect, validate, compare, convert and edit safetensors files. TARGET is a "
             ".safetensors file, a model folder or *.safetensors.index.json (sharded), or an "
-            "http(s):// URL (only the bytes needed are fetched)."
+            "http(s):// or s3:// URL (only the bytes needed are fetched)."
         ),
     )
     parser.add_argument("--version", action="version", version=f"pysafetensors {__version__}")

@@ -114,6 +114,8 @@ def _plan(
         sources = {dtype_from_code(c.strip().upper()) for c in args.sources.split(",") if c.strip()}
     except Exception as exc:
         raise UsageError(f"--from: {exc}") from None
+    if not sources:
+        raise UsageError(f"--from names no dtype ({args.sources!r}); give codes such as F32,F16")
     target = dtype_from_code(args.to)
     accept = name_filter(args)
     per_file: dict[str, list[TensorData]] = {f.label: [] for f in model.files}
@@ -173,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
             1 for ts in plan.values() for t in ts if t.dtype != model.tensors[t.name].dtype
         )
     for name, count in overflow.items():
-        ui.note(f"warning: {count} finite values of {sanitize(name)} became Inf/NaN in {args.to}")
-    ui.line(
+        ui.warn(f"{count} finite values of {sanitize(name)} became Inf/NaN in {args.to}")
+    ui.done(
         f"{sanitize(args.output)}: cast {converted} of {len(model.tensors)} tensors to {args.to}; "
         f"data {before:,} -> {after:,} bytes ({written:,} bytes written)"
     )

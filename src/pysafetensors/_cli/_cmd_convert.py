@@ -8,7 +8,7 @@ import os
 from typing import Any, Final
 
 from ._cmd_reshard import progress_for
-from ._common import Ui, UsageError, make_parent, plural, print_json, whole_number
+from ._common import Ui, UsageError, make_parent, plural, print_json, sanitize, whole_number
 
 __all__ = ["register"]
 
@@ -99,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
             extra = f", {len(r.dropped)} shared dropped" if r.dropped else ""
             checked = f", verified ({r.verified})" if r.verified else ""
             print(
-                f"{r.src} -> {r.dst}: {plural(len(r.tensors), 'tensor')}, "
+                f"{sanitize(r.src)} -> {sanitize(r.dst)}: {plural(len(r.tensors), 'tensor')}, "
                 f"{r.total_size} bytes{extra}{checked}"
             )
             if r.non_tensors and not r.kept_non_tensors:
-                print(f"  skipped non-tensor values: {', '.join(list(r.non_tensors)[:10])}")
+                # Names from the checkpoint: escaped, as every name printed from a file.
+                skipped = ", ".join(sanitize(str(k)) for k in list(r.non_tensors)[:10])
+                print(f"  skipped non-tensor values: {skipped}")
     return 0

@@ -169,8 +169,10 @@ def diff_models(
 ) -> dict[str, Any]:
     """The ``pysafetensors.diff/1`` document."""
     accept = name_filter(args)
-    meta_a = ma.metadata or {}
-    meta_b = mb.metadata or {}
+    # Compared as one file would hold it: a sharded model equals its merge, and the index's
+    # own keys count (its total_size, which the tensors' bytes decide, does not).
+    meta_a = ma.model_metadata(computed=False) or {}
+    meta_b = mb.model_metadata(computed=False) or {}
     metadata = {
         "added": {k: v for k, v in meta_b.items() if k not in meta_a},
         "removed": {k: v for k, v in meta_a.items() if k not in meta_b},

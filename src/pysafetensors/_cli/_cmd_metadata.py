@@ -81,14 +81,19 @@ def _in_place_arg(parser: argparse.ArgumentParser) -> None:
 def run_get(args: argparse.Namespace) -> int:
     """Run ``metadata get``."""
     ui = Ui(args)
+    if args.raw and args.key is None:
+        raise UsageError("--raw prints one value: name its KEY")
     with open_model(args.target) as model:
-        meta = model.metadata
+        meta = model.model_metadata()
         # As inspect/hash/stats: answer, but not with exit 0 for a model whose index disagrees
         # with its shards.
         status = model.warn_index()
     if args.key is not None:
         if meta is None or args.key not in meta:
-            raise UsageError(f"no metadata key {sanitize(args.key)!r} in {sanitize(args.target)}")
+            # As `metadata delete` says it (exit 1: a negative answer, not a usage error).
+            raise SafetensorError(
+                f"{args.target}: metadata has no key {args.key!r}", kind="MetadataKeyNotFound"
+            )
         value = meta[args.key]
         if args.json:
             print_json({"schema": SCHEMA, "target": args.target, "key": args.key, "value": value})
@@ -120,7 +125,7 @@ def _local_file(target: str) -> None:
 
 def _report(ui: Ui, target: str, in_place: bool) -> None:
     how = "in place" if in_place else "by rewriting the file"
-    ui.line(f"{sanitize(target)}: metadata updated {how}")
+    ui.done(f"{sanitize(target)}: metadata updated {how}")
 
 
 def run_set(args: argparse.Namespace) -> int:
@@ -158,7 +163,7 @@ def run_delete(args: argparse.Namespace) -> int:
         in_place=_IN_PLACE[args.in_place],
     )
     if not present:  # only with --missing-ok: edit_metadata refuses absent keys otherwise
-        Ui(args).line(f"{sanitize(args.target)}: metadata unchanged (no such keys)")
+        Ui(args).done(f"{sanitize(args.target)}: metadata unchanged (no such keys)")
         return 0
     _report(Ui(args), args.target, in_place)
     return 0

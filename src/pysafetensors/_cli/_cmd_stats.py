@@ -144,17 +144,30 @@ def tensor_stats(ref: TensorRef, bins: int | None, progress: Callable[[int], Non
         if bins and s.finite:
             lo, hi = s.min, s.max
             counts = np.zeros(bins, np.int64)
-            top = hi if hi > lo else lo + 1.0
-            if math.isfinite(top - lo):
-                edges = np.linspace(lo, top, bins + 1)
+            if hi <= lo:
+                # One value: numpy's own choice, bins around it ([v - 0.5, v + 0.5]).
+                lo, hi = lo - 0.5, hi + 0.5
+            if math.isfinite(hi - lo):
+                edges = np.linspace(lo, hi, bins + 1)
             else:  # the range itself overflows: halve the ends (exact), space, double back
-                edges = np.linspace(lo / 2, top / 2, bins + 1) * 2
+                edges = np.linspace(lo / 2, hi / 2, bins + 1) * 2
             for nbytes, values in _values(ref):
                 finite = values[np.isfinite(values)]
                 counts += np.histogram(finite, bins=edges)[0]
                 progress(nbytes)
             s.histogram = {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
     return s
+
+
+def _edge_labels(edges: list[float]) -> list[str]:
+    """The edges as short text, with as many significant digits as tell neighbours apart
+    (four where that is enough; ``[1000, 1000)`` said nothing for bins of width 0.1)."""
+    labels = [f"{e:.4g}" for e in edges]
+    for digits in range(5, 18):
+        if len(set(labels)) == len(labels):
+            break
+        labels = [f"{e:.{digits}g}" for e in edges]
+    return labels
 
 
 def _fmt(value: float | None) -> str:
@@ -215,9 +228,11 @@ def run(args: argparse.Namespace) -> int:
         ui.line()
         ui.line(f"{sanitize(ref.name)}:", style="bold")
         counts = s.histogram["counts"]
-        edges = s.histogram["edges"]
+        labels = _edge_labels(s.histogram["edges"])
         peak = max(counts) or 1
         for i, c in enumerate(counts):
             bar = "#" * round(40 * c / peak)
-            ui.line(f"  [{edges[i]:>11.4g}, {edges[i + 1]:>11.4g})  {int(c):>10,}  {bar}")
+            # numpy's bins are half-open except the last, which holds the maximum.
+            close = "]" if i == len(counts) - 1 else ")"
+            ui.line(f"  [{labels[i]:>11}, {labels[i + 1]:>11}{close}  {int(c):>10,}  {bar}")
     return inconsistent

@@ -25,6 +25,7 @@ from .._dtypes import DType
 from .._errors import SafetensorError
 from .._format import Header
 from .._reader import open_source_for, read_header
+from .._sharding import as_header_metadata, model_metadata
 from .._sources import ByteSource
 from .._validate import ModelFiles, Problem, index_problems, iter_tensor_chunks, locate_model
 
@@ -70,9 +71,16 @@ def make_parent(path: str) -> None:
 
     Every command creates what it writes into: output folders (``reshard``, sharded ``cast``
     and ``extract -s``, folder ``convert``) and the folder of an output file alike.
+
+    Raises:
+        UsageError: ``path`` names a folder (it ends with a separator, or is one).
     """
-    if "://" not in path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if "://" in path:
+        return
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        # Written as a file, it would fail with "No such file or directory" or "Is a directory".
+        raise UsageError(f"the output {sanitize(path)!r} is a folder; name the file to write")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def check_source(target: str) -> None:
@@ -315,6 +323,15 @@ class Model:
         meta = index.get("metadata") if index else None
         return meta if isinstance(meta, dict) else None
 
+    def model_metadata(self, *, computed: bool = True) -> dict[str, str] | None:
+        """The model's metadata as one file would hold it (the entries every file agrees on,
+        then the index's; see :func:`model_metadata`): what ``metadata get`` shows and, without
+        the index's computed ``total_size``/``total_parameters``, what ``diff`` compares."""
+        meta = model_metadata(
+            [f.header.metadata for f in self.files], self.index_metadata, computed=computed
+        )
+        return None if meta is None else as_header_metadata(meta)
+
     def close(self) -> None:
         """Close every file."""
         for f in self.files:
@@ -497,6 +514,17 @@ class Ui:
         """An informational line on stderr, unless ``--quiet``."""
         if not self.quiet:
             print(text, file=sys.stderr)
+
+    def done(self, text: str) -> None:
+        """What a command that writes did (one line on stdout), unless ``--quiet``."""
+        if not self.quiet:
+            self.line(text)
+
+    @staticmethod
+    def warn(text: str) -> None:
+        """``warning: text`` on stderr, also with ``--quiet`` (a warning is not
+        informational output: it says something may be wrong)."""
+        print(f"warning: {text}", file=sys.stderr)
 
 
 def _isatty(stream: Any) -> bool:

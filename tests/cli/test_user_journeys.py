@@ -1,0 +1,266 @@
+"""The command line as a user meets it: a sharded model's metadata, resharding in place,
+quiet runs, follow-on problems, outputs that name folders, and other traps a new user hit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pysafetensors import merge, reshard, safe_open
+from pysafetensors.numpy import save_file
+
+from .conftest import example_tensors, raw_file
+
+
+def _set_index_metadata(folder: Path, **entries: object) -> None:
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"].update(entries)
+    index_path.write_text(json.dumps(index))
+
+
+# ------------------------------------------------------------- a sharded model's metadata
+
+
+def test_diff_compares_the_index_metadata(cli, sharded: Path, tmp_path: Path) -> None:
+    _set_index_metadata(sharded, producer="me")
+    other = tmp_path / "other"
+    shutil.copytree(sharded, other)
+    _set_index_metadata(other, producer="someone-else", license="gpl")
+    r = cli("diff", sharded, other)
+    assert r.code == 1 and "metadata differs" in r.out
+    assert "~ metadata producer: 'me' -> 'someone-else'" in r.out
+    assert "+ metadata license: gpl" in r.out
+    doc = cli("diff", sharded, other, "--json").json()
+    assert doc["equal"] is False
+
+
+def test_a_sharded_model_equals_its_merge(cli, sharded: Path, tmp_path: Path) -> None:
+    # The index's own keys go into the merged header; its total_size does not.
+    _set_index_metadata(sharded, producer="me", layers=2)
+    merged = tmp_path / "merged.safetensors"
+    merge(sharded, merged)
+    with safe_open(merged, "np") as f:
+        assert f.metadata() == {"format": "pt", "producer": "me", "layers": "2"}
+    r = cli("diff", sharded, merged)
+    assert r.code == 0, r.out
+    assert cli("diff", merged, sharded).code == 0
+
+
+def test_metadata_get_shows_the_model_s_metadata(cli, sharded: Path) -> None:
+    _set_index_metadata(sharded, producer="me")
+    total = json.loads((sharded / "model.safetensors.index.json").read_text())["metadata"][
+        "total_size"
+    ]
+    doc = cli("metadata", "get", sharded, "--json").json()
+    # What every shard agrees on, then the index's (as safe_open(folder).metadata() has it).
+    assert doc["metadata"] == {"format": "pt", "total_size": str(total), "producer": "me"}
+    assert cli("metadata", "get", sharded, "producer").out == "me\n"
+    index = sharded / "model.safetensors.index.json"
+    assert cli("metadata", "get", index, "total_size").out == f"{total}\n"
+
+
+def test_shard_metadata_lists_each_file_s_own(sharded: Path) -> None:
+    with safe_open(sharded, "np") as f:
+        assert f.shard_metadata() == [{"format": "pt"}, {"format": "pt"}]
+
+
+# ------------------------------------------------------------------------- reshard, format
+
+
+def test_reshard_in_place_with_another_pattern_replaces_the_checkpoint(cli, sharded: Path) -> None:
+    before = {n: np.asarray(v) for n, v in example_tensors().items()}
+    r = cli("reshard", sharded, sharded, "-s", "2KB", "--filename-pattern", "w{suffix}.safetensors")
+    assert r.code == 0, r.err
+    names = sorted(p.name for p in sharded.iterdir())
+    # The old index and shards are gone: the folder is one checkpoint, the new one.
+    assert all(n.startswith("w") for n in names), names
+    assert "w.safetensors.index.json" in names
+    assert cli("validate", "--strict", sharded).code == 0
+    with safe_open(sharded, "np") as f:
+        assert f.path.endswith("w.safetensors.index.json")
+        for name, value in before.items():
+            np.testing.assert_array_equal(f.get_tensor(name), value)
+
+
+def test_reshard_into_another_folder_leaves_the_source_alone(sharded: Path, tmp_path: Path) -> None:
+    before = sorted(p.name for p in sharded.iterdir())
+    reshard(sharded, tmp_path / "out", "2KB", filename_pattern="w{suffix}.safetensors")
+    assert sorted(p.name for p in sharded.iterdir()) == before
+
+
+@pytest.mark.parametrize("fmt", ["tf", "flax", "mlx"])
+def test_reshard_and_merge_keep_the_source_format(fmt: str, tmp_path: Path) -> None:
+    source = tmp_path / "model.safetensors"
+    save_file(example_tensors(), str(source), metadata={"format": fmt, "source": "x"})
+    plan = reshard(source, tmp_path / "out", "2KB")
+    assert plan.is_sharded
+    with safe_open(tmp_path / "out", "np") as f:
+        assert f.shard_metadata() == [{"format": fmt}] * len(plan.filename_to_tensors)
+        assert f.index_metadata() == {"total_size": plan.metadata["total_size"], "source": "x"}
+    merge(tmp_path / "out", tmp_path / "merged.safetensors")
+    with safe_open(tmp_path / "merged.safetensors", "np") as f:
+        assert f.metadata() == {"format": fmt, "source": "x"}
+    # An explicit format still wins.
+    merge(tmp_path / "out", tmp_path / "pt.safetensors", format="pt")
+    with safe_open(tmp_path / "pt.safetensors", "np") as f:
+        assert f.metadata() == {"format": "pt", "source": "x"}
+
+
+def test_filename_pattern_error_does_not_invent_a_shard_count(cli, sharded: Path, tmp_path) -> None:
+    r = cli("reshard", sharded, tmp_path / "x", "-s", "1KB", "--filename-pattern", "a.safetensors")
+    assert r.code == 2
+    assert "no {suffix} field, so every shard would get the same name" in r.err
+
+
+# ------------------------------------------------------------------------------ outputs
+
+
+def test_reshard_onto_a_file_is_a_clear_error(cli, sharded: Path, example: Path) -> None:
+    before = example.read_bytes()
+    r = cli("reshard", sharded, example, "-s", "1MB")
+    assert r.code == 2
+    assert r.err.startswith("error: Error while serializing: I/O error: the output is a file")
+    assert str(example) in r.err and example.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", ["cast", "merge", "extract"])
+def test_an_output_file_named_as_a_folder_is_a_usage_error(
+    cli, command: str, example: Path, tmp_path: Path
+) -> None:
+    out = f"{tmp_path / 'newdir'}/"
+    extra = {"cast": ["--to", "f16"], "merge": [], "extract": ["*"]}[command]
+    r = cli(command, example, out, *extra)
+    assert (
+        r.code == 2 and r.err == f"error: the output '{out}' is a folder; name the file to write\n"
+    )
+    assert not (tmp_path / "newdir").exists()
+
+
+def test_convert_of_a_folder_with_nothing_to_convert_fails(cli, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "README.md").write_text("hello")
+    r = cli("convert", tmp_path / "empty", tmp_path / "out")
+    assert r.code == 1 and "nothing to convert" in r.err and "*.bin" in r.err
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------- quiet and warnings
+
+
+def test_quiet_keeps_warnings_and_drops_informational_lines(cli, tmp_path: Path) -> None:
+    source = tmp_path / "big.safetensors"
+    save_file({"big": np.array([1e5, 7e4, 1.0], np.float32)}, str(source))
+    r = cli("-q", "cast", source, tmp_path / "f8.safetensors", "--to", "F8_E4M3")
+    assert r.code == 0 and r.out == ""
+    assert r.err == "warning: 2 finite values of big became Inf/NaN in F8_E4M3\n"
+    r = cli("cast", source, tmp_path / "f8b.safetensors", "--to", "F8_E4M3")
+    assert "cast 1 of 1 tensors to F8_E4M3" in r.out and r.err.startswith("warning: ")
+    r = cli("-q", "metadata", "set", source, "a=b")
+    assert r.code == 0 and r.out == "" and r.err == ""
+    with safe_open(source, "np") as f:
+        assert f.metadata() == {"a": "b"}
+
+
+def test_convert_escapes_non_tensor_names(cli, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(2), "\x1b]0;pwned\x07": 5}, ckpt)
+    r = cli("convert", ckpt, tmp_path / "out.safetensors")
+    assert r.code == 0, r.err
+    assert "skipped non-tensor values: \\x1b]0;pwned\\x07" in r.out
+    assert "\x1b" not in r.out
+
+
+# --------------------------------------------------------------------- no invented problems
+
+
+def test_an_unknown_dtype_is_one_problem(cli, tmp_path: Path) -> None:
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "c": {"dtype": "X99", "shape": [2], "data_offsets": [8, 16]},
+        "d": ["X98", [2], [16, 24]],  # serde's sequence form
+    }
+    path = tmp_path / "unknown.safetensors"
+    path.write_bytes(raw_file(header, bytes(24)))
+    doc = cli("validate", path, "--json").json()
+    assert [(p["code"], p["tensor"]) for p in doc["problems"]] == [
+        ("InvalidHeaderDeserialization", "c"),
+        ("InvalidHeaderDeserialization", "d"),
+    ]
+
+
+def test_an_index_with_a_tensor_in_the_wrong_shard_has_a_right_total(cli, sharded: Path) -> None:
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "model-00002-of-00002.safetensors"
+    index_path.write_text(json.dumps(index))
+    doc = cli("validate", sharded, "--json").json()
+    assert [p["code"] for p in doc["problems"]] == ["IndexWrongShard"]
+    # A total outside what the shards can hold is still its own problem.
+    index["metadata"]["total_size"] = 1
+    index_path.write_text(json.dumps(index))
+    doc = cli("validate", sharded, "--json").json()
+    assert {p["code"] for p in doc["problems"]} == {"IndexWrongShard", "IndexTotalSize"}
+
+
+# -------------------------------------------------------------------------- small traps
+
+
+def test_cast_from_nothing_is_a_usage_error(cli, example: Path, tmp_path: Path) -> None:
+    r = cli("cast", example, tmp_path / "o.safetensors", "--to", "bf16", "--from", ",")
+    assert r.code == 2 and "--from names no dtype" in r.err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_metadata_raw_needs_a_key(cli, example: Path) -> None:
+    r = cli("metadata", "get", example, "--raw")
+    assert r.code == 2 and "--raw prints one value" in r.err
+
+
+def test_stats_histogram_bins_are_labelled_as_counted(cli, tmp_path: Path) -> None:
+    path = tmp_path / "h.safetensors"
+    save_file(
+        {"const": np.full(4, 1000, np.int64), "fine": np.array([1000.0, 1000.1], np.float64)},
+        str(path),
+    )
+    doc = cli("stats", path, "--json", "--histogram", "2").json()
+    const = next(t for t in doc["tensors"] if t["name"] == "const")
+    assert const["histogram"] == {"edges": [999.5, 1000.0, 1000.5], "counts": [0, 4]}
+    out = cli("stats", path, "-f", "fine", "--histogram", "2").out
+    # Labels tell neighbouring edges apart; the last bin is closed (it holds the maximum).
+    assert f"[{'1000':>11}, {'1000.05':>11}){1:>12}" in out
+    assert f"[{'1000.05':>11}, {'1000.1':>11}]{1:>12}" in out
+
+
+def test_a_torch_checkpoint_is_named_as_one(cli, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    for name, legacy in (("model.bin", False), ("legacy.pt", True)):
+        path = tmp_path / name
+        torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=not legacy)
+        r = cli("inspect", path)
+        kind = "a pickle" if legacy else "a zip archive"
+        assert r.code == 1 and f"the file starts like {kind}" in r.err, r.err
+        assert "`pysafetensors convert` converts PyTorch checkpoints" in r.err
+        assert "max_header_size=" not in r.err
+
+
+def test_scan_of_python_source_is_not_dangerous(cli, tmp_path: Path) -> None:
+    # "import a, b" reads as opcode INST with module "mport a, b": nothing can import that.
+    path = tmp_path / "tool.py"
+    path.write_text("import os, json\nfrom pathlib import Path\n")
+    r = cli("scan", path)
+    assert r.code == 1 and ": suspicious" in r.out
+
+
+def test_header_length_prefix_alone_still_suggests_the_limit(tmp_path: Path) -> None:
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(Exception, match="raise it with max_header_size= if the file is trusted"):
+        safe_open(path, "np")
