@@ -86,6 +86,12 @@ class Limits:
     """Nesting of tuples in a dict key or set item (hashing one recurses without a guard)."""
     max_key_items: int = 1_000_000
     """Items hashing one dict key or set item visits, shared tuples counted each time."""
+    max_containers: int = 5_000_000
+    """Tuples, lists, dicts and sets built. Items put into a container leave the stack, so
+    the stack cap bounds nothing there, and a one-byte EMPTY_SET is a 216-byte set: 20 million
+    of them in a list took 4.4 GiB."""
+    max_items: int = 50_000_000
+    """Items put into containers, in all."""
 
 
 class Policy(Protocol):
@@ -230,7 +236,18 @@ class Machine:
                 raise _err("no MARK on the stack", base + at)
             items = stack
             stack = marks.pop()
+            grow(1, len(items), at)  # a container of them, or items put into one
             return items
+
+        built = [0, 0]  # containers, items
+
+        def grow(containers: int, items: int, at: int) -> None:
+            built[0] += containers
+            built[1] += items
+            if built[0] > lim.max_containers:
+                raise _err(f"pickle builds over {lim.max_containers} containers", base + at)
+            if built[1] > lim.max_items:
+                raise _err(f"pickle puts over {lim.max_items} items in containers", base + at)
 
         def pop(at: int) -> Any:
             if not stack:
@@ -326,11 +343,14 @@ class Machine:
                 items = pop_mark(at)
                 stack.append(tuple(items))
             elif op == 0x85:  # TUPLE1
+                grow(1, 1, at)
                 stack.append((pop(at),))
             elif op == 0x86:  # TUPLE2
+                grow(1, 2, at)
                 b = pop(at)
                 stack.append((pop(at), b))
             elif op == 0x87:  # TUPLE3
+                grow(1, 3, at)
                 c = pop(at)
                 b = pop(at)
                 stack.append((pop(at), b, c))
@@ -362,12 +382,16 @@ class Machine:
             elif op == 0x4E:  # NONE
                 stack.append(None)
             elif op == 0x7D:  # EMPTY_DICT
+                grow(1, 0, at)
                 stack.append({})
             elif op == 0x5D:  # EMPTY_LIST
+                grow(1, 0, at)
                 stack.append([])
             elif op == 0x8F:  # EMPTY_SET
+                grow(1, 0, at)
                 stack.append(set())
             elif op == 0x73:  # SETITEM
+                grow(0, 1, at)
                 v = pop(at)
                 k = pop(at)
                 target = _top(stack, base + at)
@@ -386,6 +410,7 @@ class Machine:
                 else:
                     policy.mutate(target, "SETITEMS", items, base + at)
             elif op == 0x61:  # APPEND
+                grow(0, 1, at)
                 v = pop(at)
                 target = _top(stack, base + at)
                 if type(target) is list:

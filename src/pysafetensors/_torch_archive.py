@@ -9,13 +9,16 @@ DEFLATE only.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
+
+import numpy as np
 
 from ._errors import CheckpointError
 
@@ -50,18 +53,47 @@ class FileBytes:
             os.close(self.fd)
             raise
 
-    def read(self, offset: int, length: int) -> bytes:
-        """Return exactly ``length`` bytes at ``offset``.
+    @classmethod
+    def from_fd(cls, fd: int, path: str) -> FileBytes:
+        """Take ownership of an open descriptor (``path`` only names it in messages)."""
+        self = cls.__new__(cls)
+        self.path, self.fd = path, fd
+        try:
+            self.size = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+        return self
+
+    def mapped(self, offset: int, length: int) -> np.ndarray[Any, Any]:
+        """``length`` bytes at ``offset`` as a read-only array over a mapping of the file.
 
         Raises:
             CheckpointError: The range is not inside the file.
         """
+        self._check(offset, length)
+        aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(
+            self.fd, offset + length - aligned, offset=aligned, access=mmap.ACCESS_READ
+        )
+        # The array keeps the mapping alive; it is unmapped when the array goes.
+        return np.frombuffer(mapping, np.uint8, length, offset - aligned)
+
+    def _check(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise CheckpointError(
                 f"truncated file: needs bytes {offset}..{offset + length}, file has {self.size}",
                 kind="Truncated",
                 offset=offset,
             )
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Return exactly ``length`` bytes at ``offset``.
+
+        Raises:
+            CheckpointError: The range is not inside the file.
+        """
+        self._check(offset, length)
         return bytes(self._read_array(offset, length))
 
     def _read_array(self, offset: int, length: int) -> bytearray:
@@ -78,12 +110,7 @@ class FileBytes:
 
     def chunks(self, offset: int, length: int, chunk: int = CHUNK) -> Iterator[bytes | bytearray]:
         """Yield ``length`` bytes at ``offset`` in pieces of at most ``chunk`` bytes."""
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise CheckpointError(
-                f"truncated file: needs bytes {offset}..{offset + length}, file has {self.size}",
-                kind="Truncated",
-                offset=offset,
-            )
+        self._check(offset, length)
         done = 0
         while done < length:
             n = min(chunk, length - done)
@@ -113,7 +140,14 @@ class ZipMember:
     file_size: int
     """Bytes after inflation."""
     crc: int
-    """CRC-32 from the central directory."""
+    """CRC-32 from the central directory (0: not computed)."""
+
+    def crc_matches(self, crc: int) -> bool:
+        """Whether the content's CRC-32 ``crc`` is the recorded one. A recorded 0 is "not
+        computed": torch.save writes it with
+        ``torch.utils.serialization.config.save.compute_crc32 = False``, and torch.load reads
+        such files (it never checks the CRCs)."""
+        return self.crc in (0, crc)
 
 
 class ZipView:
@@ -130,7 +164,7 @@ class ZipView:
         if m.file_size > limit:
             raise _bad(f"member {name!r} is {m.file_size} bytes, over the {limit} limit")
         data = b"".join(self.chunks(name, 0, m.file_size))
-        if check_crc and zlib.crc32(data) != m.crc:
+        if check_crc and not m.crc_matches(zlib.crc32(data)):
             raise _bad(f"member {name!r} fails its CRC-32 check")
         return data
 

@@ -25,6 +25,8 @@ import math
 import os
 import struct
 import tarfile
+import tempfile
+import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -495,6 +497,7 @@ def _lookup(module: str, name: str) -> Stand | None:
 
 _SIMPLE: Final[dict[str, Stand]] = {
     "collections.OrderedDict": Stand("odict", "collections.OrderedDict"),
+    "collections.Counter": Stand("counter", "collections.Counter"),
     "torch.Size": Stand("size", "torch.Size"),
     "torch.device": Stand("device", "torch.device"),
     "torch.Tensor": Stand("tensor_type", "torch.Tensor"),
@@ -588,8 +591,8 @@ def _h_rebuild(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
         return p.make_tensor(args[:4], dtype.name, meta, at)
     if name in ("_rebuild_parameter", "_rebuild_parameter_with_state") and n in (3, 4):
         _empty_hooks(args[2], at)
-        if n == 4 and args[3] not in (None, {}, ((), {})):
-            raise _bad("parameter with extra Python state", at)
+        if n == 4:
+            _attribute_state(args[3], at)
         if not isinstance(args[0], TensorRef):
             raise _bad("parameter without a tensor", at)
         return args[0]
@@ -597,15 +600,40 @@ def _h_rebuild(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
         func, new_type, inner, state = args
         if not isinstance(new_type, Stand) or new_type.kind != "tensor_type":
             raise _unsafe(f"tensor subclass {_short(new_type)}", None, at)
-        if state not in (None, {}) or type(inner) is not tuple:
-            raise _bad("tensor subclass with Python state", at)
+        if type(inner) is not tuple:
+            raise _bad(f"_rebuild_from_type_v2 with arguments {_short(inner)}", at)
+        _attribute_state(state, at)
         if not isinstance(func, Stand) or func.kind != "rebuild":
             raise _unsafe(f"_rebuild_from_type_v2 calling {_short(func)}", None, at)
         return _h_rebuild(p, func, inner, at)
     raise _bad(f"{name} called with {n} arguments", at)
 
 
+def _attribute_state(state: Any, at: int) -> None:
+    """Accept the Python attributes of a tensor or Parameter (``t.tag = "x"``), which torch
+    pickles as the state of ``_rebuild_from_type_v2``/``_rebuild_parameter_with_state``: its
+    ``__dict__``, or ``(__dict__, slots)``. A safetensors file holds no such attributes, so
+    they are not kept, as no save of safetensors keeps them; their values were built by this
+    machine from allowed globals only."""
+    if state is None or type(state) is dict:
+        return
+    if type(state) is tuple and len(state) == 2 and all(type(s) is dict for s in state):
+        return
+    raise _bad(f"tensor with Python state {_short(state)}", at)
+
+
+def _h_counter(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # collections.Counter (an LR scheduler's milestones; on torch's weights_only allow-list)
+    # pickles as Counter(dict): kept as the dict it holds.
+    if args == ():
+        return {}
+    if len(args) == 1 and type(args[0]) is dict:
+        return dict(args[0])
+    raise _bad(f"Counter called with {_short(args)}", at)
+
+
 _HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], Any]]] = {
+    "counter": _h_counter,
     "odict": _h_odict,
     "size": _h_size,
     "device": _h_device,
@@ -641,6 +669,13 @@ def _key_text(key: Any) -> str:
     if type(key) in (int, bool) or key is None:
         return str(key)
     raise _bad(f"state dict key of type {type(key).__name__} cannot name a tensor")
+
+
+def _leaf_key_text(key: Any) -> str:
+    """The name part of a key under which no tensor lies: any hashable value, in outline."""
+    if type(key) in (str, int, bool) or key is None:
+        return _key_text(key)
+    return _short(key)
 
 
 def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> Any:
@@ -721,7 +756,11 @@ def _ordered(
             on_path.pop()
             continue
         key, value = nxt
-        name = f"{prefix}.{_key_text(key)}" if prefix else _key_text(key)
+        # Only a name that leads to a tensor must be one a safetensors file can hold; a float
+        # or tuple key of a config value is shown in outline.
+        holds = isinstance(value, TensorRef) or id(value) in contains
+        text = _key_text(key) if holds else _leaf_key_text(key)
+        name = f"{prefix}.{text}" if prefix else text
         # Shared sub-dicts are walked once per path to them: bound the names and their text.
         entries += 1
         chars += len(name)
@@ -814,6 +853,8 @@ class Checkpoint:
     _zip: ZipView | None = field(repr=False)
     _storages: dict[str, _StorageLoc] = field(repr=False)
     pickle_protocol: int = 2
+    _spilled: dict[str, FileBytes] = field(default_factory=dict, repr=False)
+    """DEFLATE members inflated into temporary files, by member name."""
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -822,8 +863,11 @@ class Checkpoint:
         self.close()
 
     def close(self) -> None:
-        """Close the underlying file."""
+        """Close the underlying file (and any inflated storage)."""
         self._file.close()
+        for spilled in self._spilled.values():
+            spilled.close()
+        self._spilled.clear()
 
     def non_tensor_metadata(self) -> dict[str, str]:
         """Non-tensor leaves rendered as JSON strings (for ``__metadata__``)."""
@@ -832,18 +876,47 @@ class Checkpoint:
             for k, v in self.non_tensors.items()
         }
 
+    def _located(self, key: str) -> tuple[FileBytes, int, str | None]:
+        """Where a storage's bytes lie as they are: ``(file, offset, member to CRC-check)``.
+
+        A DEFLATE member (torch never writes one) is inflated once, CRC-checked, into an
+        unlinked temporary file: reading its tensors one by one re-inflated it from its start
+        each time (137 ms per 4-byte tensor of a 20 MB member, hours for 100,000 of them).
+        """
+        loc = self._storages[key]
+        if self._zip is None or loc.member is None:
+            return self._file, loc.offset, None
+        member = self._zip.members[loc.member]
+        if member.method == zipfile.ZIP_STORED:
+            return self._file, member.data_offset, loc.member
+        spilled = self._spilled.get(loc.member)
+        if spilled is None:
+            spilled = self._spilled[loc.member] = self._inflate(loc.member)
+        return spilled, 0, None
+
+    def _inflate(self, member: str) -> FileBytes:
+        assert self._zip is not None
+        fd, path = tempfile.mkstemp(prefix=".pysafetensors-inflate-")
+        try:
+            os.unlink(path)  # nothing to clean up however this process ends
+            with open(fd, "wb", closefd=False) as out:
+                size = self._zip.members[member].file_size
+                for piece in self._crc_checked(member, size):
+                    out.write(piece)
+            return FileBytes.from_fd(os.dup(fd), path)
+        finally:
+            os.close(fd)
+
     def storage_chunks(self, key: str, start: int, length: int) -> Iterator[bytes | bytearray]:
         """Yield bytes ``start .. start+length`` of a storage, in bounded pieces."""
         loc = self._storages[key]
         if start < 0 or length < 0 or start + length > loc.nbytes:
             raise _bad(f"read past the end of storage {key}")
-        if self._zip is not None and loc.member is not None:
-            if start == 0 and length == loc.nbytes:
-                yield from self._crc_checked(loc.member, length)
-            else:
-                yield from self._zip.chunks(loc.member, start, length)
+        file, base, member = self._located(key)
+        if member is not None and start == 0 and length == loc.nbytes:
+            yield from self._crc_checked(member, length)
         else:
-            yield from self._file.chunks(loc.offset + start, length)
+            yield from file.chunks(base + start, length)
 
     def _crc_checked(self, member: str, length: int) -> Iterator[bytes | bytearray]:
         assert self._zip is not None
@@ -851,11 +924,24 @@ class Checkpoint:
         for piece in self._zip.chunks(member, 0, length):
             crc = zlib.crc32(piece, crc)
             yield piece
-        if crc != self._zip.members[member].crc:
+        if not self._zip.members[member].crc_matches(crc):
             raise CheckpointError(f"zip member {member!r} fails its CRC-32 check", kind="ZipError")
 
+    def _span(self, key: str, start: int, length: int) -> np.ndarray[Any, Any]:
+        """Bytes ``start .. start+length`` of a storage as a read-only uint8 array: read into
+        memory when small, else a read-only mapping of the file (page cache, not the heap:
+        a transposed gigabyte needs its whole span at once)."""
+        loc = self._storages[key]
+        if start < 0 or length < 0 or start + length > loc.nbytes:
+            raise _bad(f"read past the end of storage {key}")
+        file, base, _ = self._located(key)
+        if length <= CHUNK:
+            return np.frombuffer(file.read(base + start, length), np.uint8)
+        return file.mapped(base + start, length)
+
     def tensor_chunks(self, rec: TensorRecord) -> Iterator[Any]:
-        """Yield a tensor's little-endian row-major bytes (numpy arrays or bytes)."""
+        """Yield a tensor's little-endian row-major bytes (numpy arrays or bytes), each piece
+        about :data:`CHUNK` bytes or less."""
         if rec.numel == 0:
             return
         swap = self.byteorder == "big" and rec.itemsize > 1
@@ -865,36 +951,54 @@ class Checkpoint:
             for piece in _rechunk(self.storage_chunks(rec.storage_key, start, stop - start), step):
                 yield _byteswap(piece, rec) if swap else piece
             return
-        yield _as_bytes_array(self.tensor_array(rec))
-
-    def tensor_array(self, rec: TensorRecord) -> np.ndarray[Any, Any]:
-        """The tensor as a contiguous numpy array of its real dtype (ml_dtypes for bf16/fp8)."""
-        np_dtype = numpy_dtype(rec.dtype)
-        start, stop = rec.span
-        raw = b"".join(self.storage_chunks(rec.storage_key, start, stop - start))
+        # A strided view (transposed, sliced, expanded, conj/neg): gathered block by block out
+        # of the bytes it spans, so memory holds the span and one block, never the written-out
+        # tensor (an expanded view writes up to 64 times its span).
         unit = np.dtype(f"<u{rec.itemsize}") if rec.itemsize in (1, 2, 4, 8) else None
         if unit is None:  # pragma: no cover - every supported torch dtype has 1..8 bytes
             raise _bad(f"unsupported element size {rec.itemsize}")
-        flat = np.frombuffer(raw, dtype=unit)
-        if self.byteorder == "big" and rec.itemsize > 1:
-            flat = _byteswap_array(flat, rec)
-        if rec.numel == 0:
-            arr = np.zeros(rec.torch_shape, dtype=unit)
-        else:
-            arr = np.lib.stride_tricks.as_strided(
-                flat,
-                shape=rec.torch_shape,
-                strides=tuple(s * rec.itemsize for s in rec.stride),
-                writeable=False,
-            )
-        out = np.ascontiguousarray(arr).view(np_dtype)
-        if rec.dtype.code == "F4":
-            out = out.reshape(rec.torch_shape)
-        if rec.conj:
-            out = np.conjugate(out)
-        if rec.neg:
-            out = np.negative(out)
-        return out
+        flat = self._span(rec.storage_key, start, stop - start).view(unit)
+        view = np.lib.stride_tricks.as_strided(
+            flat,
+            shape=rec.torch_shape,
+            strides=tuple(st * rec.itemsize for st in rec.stride),
+            writeable=False,
+        )
+        np_dtype = numpy_dtype(rec.dtype)
+        for index in _blocks(rec.torch_shape, rec.itemsize):
+            block = np.ascontiguousarray(view[index])
+            if swap:
+                block = _byteswap_array(block, rec)
+            values = block.view(np_dtype)
+            if rec.conj:
+                values = np.conjugate(values)
+            if rec.neg:
+                values = np.negative(values)
+            yield _as_bytes_array(values)
+
+    def tensor_array(self, rec: TensorRecord) -> np.ndarray[Any, Any]:
+        """The whole tensor in memory, as a contiguous array of its real dtype (ml_dtypes for
+        bf16/fp8) and torch's shape."""
+        pieces = [np.frombuffer(piece, np.uint8) for piece in self.tensor_chunks(rec)]
+        raw = np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)
+        return raw.view(numpy_dtype(rec.dtype)).reshape(rec.torch_shape)
+
+
+def _blocks(shape: tuple[int, ...], itemsize: int) -> Iterator[tuple[int | slice, ...]]:
+    """Indices that cut an array of ``shape`` into row-major blocks of about :data:`CHUNK`
+    bytes: runs along the first axis whose slices are small enough, every index before it."""
+    if not shape:
+        yield ()
+        return
+    axis = 0
+    inner = math.prod(shape[1:]) * itemsize
+    while inner > CHUNK and axis < len(shape) - 1:
+        axis += 1
+        inner = math.prod(shape[axis + 1 :]) * itemsize
+    per = max(1, CHUNK // max(1, inner))
+    for lead in np.ndindex(*shape[:axis]):
+        for i in range(0, shape[axis], per):
+            yield (*lead, slice(i, min(i + per, shape[axis])))
 
 
 def numpy_dtype(dtype: DType) -> np.dtype[Any]:
@@ -1014,6 +1118,7 @@ def _records(
         except UnicodeEncodeError:
             raise _bad(f"tensor name {name!r} is not valid Unicode") from None
         out[name] = _record(ref, sizes, name)
+    _check_total_expansion(out, sizes)
     for name in leaves:
         if name in out:
             raise _bad(f"a tensor and another value share the name {name!r}")
@@ -1025,6 +1130,24 @@ def _records(
         rendered[k] = _jsonable(v, budget) if total[0] > 0 else "..."
         total[0] -= before - budget[0]
     return out, rendered
+
+
+def _check_total_expansion(records: dict[str, TensorRecord], sizes: dict[str, int]) -> None:
+    """Refuse expanded tensors that together would write far more than the checkpoint
+    stores: each is bounded by :func:`_record`, but a thousand of them from one 4-byte storage
+    would still fill a disk (a 1.7 KB file wrote 2 GiB with eight)."""
+    extra = 0
+    for rec in records.values():
+        start, stop = rec.span
+        extra += max(0, rec.nbytes - (stop - start))
+    stored = sum(sizes.values())
+    limit = max(EXPANSION_FLOOR, MAX_EXPANSION * stored)
+    if extra > limit:
+        raise CheckpointError(
+            f"expanded tensors (stride 0) would write {extra} bytes beyond the {stored} bytes "
+            f"the checkpoint stores, over {limit}; refusing them",
+            kind="ExpandedTensor",
+        )
 
 
 def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:

@@ -184,6 +184,15 @@ def _naming(exc: SafetensorError, path: str) -> SafetensorError:
     return exc
 
 
+def _utf8_or_escaped(text: str) -> str:
+    """``text``, or where it holds lone surrogates (no UTF-8 for them), with them escaped."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _convert_file(
     src_s: str,
     dst_s: str,
@@ -197,17 +206,22 @@ def _convert_file(
 ) -> ConversionReport:
     with load_checkpoint(src_s) as ck:
         tensors, leaves = _select(ck.tensors, ck.non_tensors, subtree)
-        dropped = plan_shared(tensors)
         meta: dict[str, str] = {"format": "pt"}
         meta.update(metadata or {})
-        for name, keep in dropped.items():
-            meta.setdefault(name, keep)  # never override what the caller gave
+        # A tied name that is also a metadata key ("format", or one the caller gave) cannot be
+        # recorded as {dropped: kept}: it is written as a tensor of its own instead of lost.
+        dropped = {n: k for n, k in plan_shared(tensors).items() if n not in meta}
+        meta.update(dropped)
         report = ConversionReport(src_s, dst_s, ck.format, dropped=dropped, non_tensors=leaves)
         if keep_non_tensors:
             for name, value in leaves.items():
-                if name not in meta:
-                    meta[name] = json.dumps(value, ensure_ascii=False)
-                    report.kept_non_tensors.append(name)
+                # A pickle may hold lone surrogates, which no header can: such names are
+                # written with their escapes, such values as ASCII JSON (which reads back the same).
+                key = _utf8_or_escaped(name)
+                if key not in meta:
+                    text = json.dumps(value, ensure_ascii=False)
+                    meta[key] = text if _utf8_or_escaped(text) == text else json.dumps(value)
+                    report.kept_non_tensors.append(key)
         kept = {n: r for n, r in tensors.items() if n not in dropped}
         total = sum(r.nbytes for r in kept.values())
         done = 0
