@@ -299,6 +299,25 @@ _ADAPTER_MODULES: Final = {
 _NUMPY: Final = NumpyAdapter()
 
 
+class LazyModule:
+    """A module imported at the first use of one of its attributes.
+
+    The framework adapters hold their framework this way: opening a file with
+    ``framework="tf"`` to read its metadata does not import TensorFlow (3 s here), as the
+    reference does not until a tensor is made.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        module = importlib.import_module(self._name)
+        return getattr(module, attribute)
+
+    def __repr__(self) -> str:
+        return f"<module {self._name!r}, imported at first use>"
+
+
 def get_adapter(framework: str) -> Adapter:
     """Return the adapter for a framework name as ``safe_open`` accepts it.
 

@@ -52,8 +52,10 @@ class TensorSpec:
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
 
     def __init__(self, *, dtype: str, shape: Any, data_ptr: int, data_len: int) -> None:
+        if not isinstance(dtype, str):
+            raise not_an_instance("dtype", dtype)
         dt = dtype_from_name(dtype)
-        dims = [_unsigned(d, "shape") for d in shape]
+        dims = [_unsigned(d, "shape") for d in _sequence(shape, "shape")]
         if dt.bits == 4 and dims:
             if dims[-1] * 2 >= 1 << 64:
                 # The reference's checked multiply, and its message.
@@ -107,6 +109,16 @@ class TensorSpec:
                 yield (ctypes.c_char * length).from_address(ptr)
 
         return TensorData(name, self._dtype, tuple(self._shape), chunks)
+
+
+def _sequence(value: Any, argument: str) -> Any:
+    """``value`` where the reference's binding takes it as a ``Vec`` (an object with the
+    sequence protocol, not a str), else its ``TypeError``, word for word."""
+    if isinstance(value, str):
+        raise TypeError(f"argument '{argument}': Can't extract `str` to `Vec`")
+    if isinstance(value, Mapping) or not hasattr(type(value), "__getitem__"):
+        raise not_an_instance(argument, value, "Sequence")
+    return value
 
 
 def _unsigned(value: Any, argument: str) -> int:

@@ -53,7 +53,7 @@ def parse_device(device: Any) -> Device:
     if isinstance(device, bool):
         raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
     if isinstance(device, int):
-        if device < 0:
+        if not 0 <= device < 1 << 64:  # the reference's usize
             raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
         return Device("anonymous", device)
     if not isinstance(device, str) and type(device).__name__ == "device":
@@ -68,11 +68,29 @@ def parse_device(device: Any) -> Device:
     if not sep:
         # The CPU and MPS have no index (the reference prints both as bare names).
         return Device(kind, None if kind in ("cpu", "mps") else 0)
-    if not rest.isdigit():
-        raise ValueError("invalid digit found in string")
-    index = int(rest)
+    index = _rust_usize(rest)
     if kind == "mps":
         if index != 0:
-            raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+            raise SafetensorError(
+                f"device {device} is invalid: only mps or mps:0 is supported", kind="InvalidDevice"
+            )
         return Device(kind)
     return Device(kind, index)
+
+
+def _rust_usize(text: str) -> int:
+    """``text`` parsed as Rust's ``usize::from_str`` parses it (a leading ``+``, ASCII digits
+    only), with its errors' words.
+
+    Raises:
+        ValueError: Empty, not digits, or over 64 bits, as in the reference.
+    """
+    if not text:
+        raise ValueError("cannot parse integer from empty string")
+    digits = text[1:] if text[0] == "+" else text
+    if not digits or not all("0" <= c <= "9" for c in digits):
+        raise ValueError("invalid digit found in string")
+    value = int(digits)
+    if value >= 1 << 64:
+        raise ValueError("number too large to fit in target type")
+    return value

@@ -76,6 +76,7 @@ from ._errors import (
     TensorInfoError,
     not_an_instance,
 )
+from ._serde_syntax import first_syntax_error
 
 __all__ = [
     "DESERIALIZE_PREFIX",
@@ -389,6 +390,9 @@ def _describe(value: Any) -> str:
     if isinstance(value, bool):
         return f"boolean `{str(value).lower()}`"
     if isinstance(value, int):
+        if not -(1 << 63) <= value <= UINT64_MAX:
+            # serde_json reads an integer outside i64/u64 as an f64.
+            return f"floating point `{float(value)!r}`"
         return f"integer `{value}`"
     if isinstance(value, _NotInt):
         return f"floating point `{value.render()}`"
@@ -436,15 +440,55 @@ def _serde_syntax_message(exc: json.JSONDecodeError) -> str:
     return msg  # pragma: no cover - every message of the stdlib scanner is mapped above
 
 
+class _TrailingCharacters(HeaderDecodeError):
+    """The header's value is well formed but something follows it. serde deserializes the
+    value before it looks past it, so a type error in the value comes first: ``value`` is it,
+    for the caller to check before raising this."""
+
+    value: Any = None
+
+    def as_raised(self) -> HeaderDecodeError:
+        """The same error as the public class users catch and compare types with."""
+        return HeaderDecodeError(str(self), kind=self.kind, offset=self.offset)
+
+
+def _serde_syntax_error(
+    text: str, exc: json.JSONDecodeError, decoder: json.JSONDecoder, prefix_text: str
+) -> HeaderDecodeError:
+    """The error serde_json reports first for a header ``json`` found malformed: its syntax
+    error, in its words and at its position (:mod:`_serde_syntax`), unless it would meet a
+    type error first (it deserializes as it parses)."""
+    if text.lstrip(" \t\n\r")[:1] == "[":
+        # The top level is read as a map: a sequence is refused before it is parsed.
+        return _decode_error(prefix_text, "invalid type: sequence, expected struct HashMetadata")
+    raw = text.encode("utf-8", "surrogatepass")
+    found = first_syntax_error(raw)
+    if found is None:  # pragma: no cover - both parsers refuse the same documents
+        return _decode_error(
+            prefix_text, f"{_serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}"
+        )
+    if found.typed:
+        # __metadata__ is deserialized where it stands: a type error there comes first.
+        where = " (in __metadata__)" if found.message.endswith("a string") else ""
+        return _decode_error(prefix_text, found.message + where)
+    if found.message == "trailing characters":
+        trailing = _TrailingCharacters(
+            f"{prefix_text}invalid JSON in header: {found}",
+            kind="InvalidHeaderDeserialization",
+            offset=N_LEN,
+        )
+        start = len(text) - len(text.lstrip(" \t\n\r"))
+        trailing.value = decoder.raw_decode(text, start)[0]
+        return trailing
+    return _decode_error(prefix_text, str(found))
+
+
 def _decode_json(text: str, prefix_text: str) -> Any:
     decoder = _DECODER_SLOW if _MAYBE_NEG_ZERO.search(text) else _DECODER
     try:
         return decoder.decode(text)
     except json.JSONDecodeError as exc:
-        raise _decode_error(
-            prefix_text,
-            f"{_serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}",
-        ) from None
+        raise _serde_syntax_error(text, exc, decoder, prefix_text) from None
     except ValueError as exc:  # raised by our number and constant hooks
         detail = str(exc)
         if "integer string conversion" in detail:
@@ -987,8 +1031,18 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
     fast = _fast_entries(text)
     if fast is not None:
         return _check_entries(fast[0], fast[1], header_size, data_size, prefix_text)
-    obj = _decode_json(text, prefix_text)
+    trailing: _TrailingCharacters | None = None
+    try:
+        obj = _decode_json(text, prefix_text)
+    except _TrailingCharacters as exc:
+        obj, trailing = exc.value, exc
     if not isinstance(obj, _Obj):
+        if isinstance(obj, str) and _MAYBE_SURROGATE.search(text):
+            # serde parses a top-level string before refusing its type: a lone surrogate in
+            # it is the error it meets first.
+            found = first_syntax_error(text.encode("utf-8", "surrogatepass"))
+            if found is not None and not found.typed and found.message != "trailing characters":
+                raise _decode_error(prefix_text, str(found))
         raise _decode_error(
             prefix_text, f"invalid type: {_describe(obj)}, expected struct HashMetadata"
         )
@@ -997,6 +1051,25 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
     # Pass 1, as serde streams the top-level object: __metadata__ is deserialized where it
     # stands; every other entry is only parsed (buffered), which already refuses lone
     # surrogates and nesting past the recursion limit.
+    try:
+        metadata, raw = _stream_pass(obj, prefix_text, check_surrogates)
+    except HeaderDecodeError as exc:
+        raise _serde_first(text, exc, prefix_text) from None
+
+    # Pass 2: the buffered entries become TensorInfo in document order (so an earlier entry
+    # of a repeated name must be valid too), and the last entry of a name wins.
+    parsed: dict[str, tuple[DType, list[int], list[int]]] = {}
+    for name, value in raw:
+        parsed[name] = _parse_entry(name, value, prefix_text)
+    if trailing is not None:
+        raise trailing.as_raised()
+    return _check_entries(metadata, parsed, header_size, data_size, prefix_text)
+
+
+def _stream_pass(
+    obj: _Obj, prefix_text: str, check_surrogates: bool
+) -> tuple[dict[str, str] | None, list[tuple[str, Any]]]:
+    """Pass 1 of :func:`_parse_generic`: ``(metadata, buffered entries)``."""
     metadata: dict[str, str] | None = None
     seen_metadata = False
     raw: list[tuple[str, Any]] = []
@@ -1014,13 +1087,19 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
         if problem:
             raise _decode_error(prefix_text, problem, name)
         raw.append((name, value))
+    return metadata, raw
 
-    # Pass 2: the buffered entries become TensorInfo in document order (so an earlier entry
-    # of a repeated name must be valid too), and the last entry of a name wins.
-    parsed: dict[str, tuple[DType, list[int], list[int]]] = {}
-    for name, value in raw:
-        parsed[name] = _parse_entry(name, value, prefix_text)
-    return _check_entries(metadata, parsed, header_size, data_size, prefix_text)
+
+def _serde_first(text: str, exc: HeaderDecodeError, prefix_text: str) -> HeaderDecodeError:
+    """``exc`` (a problem pass 1 found while streaming the header) as serde words and places
+    it: which of a lone surrogate's two messages applies, and where, needs its escapes."""
+    found = first_syntax_error(text.encode("utf-8", "surrogatepass"))
+    if found is None or found.message == "trailing characters":  # pragma: no cover
+        return exc
+    if found.typed:
+        where = " (in __metadata__)" if found.message.endswith("a string") else ""
+        return _decode_error(prefix_text, found.message + where)
+    return _decode_error(prefix_text, str(found), exc.tensor)
 
 
 def _check_entries_fast(

@@ -18,15 +18,17 @@ import warnings
 from types import FrameType
 from typing import Any, Final
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ._adapter import NumpyAdapter, as_array, check_cpu_device, numpy_dtype
+from ._adapter import LazyModule, NumpyAdapter, as_array, check_cpu_device, numpy_dtype
 from ._devices import Device
 from ._dtypes import DType
 from ._errors import DTypeNotSupportedError
 from ._writer import TensorData
+
+# Imported at first use: opening a file to read its header does not import the framework.
+jax: Any = LazyModule("jax")
+jnp: Any = LazyModule("jax.numpy")
 
 __all__ = ["ADAPTER", "JaxAdapter"]
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-import mlx.core as mx
 import numpy as np
 
-from ._adapter import NumpyAdapter, as_array, check_cpu_device, numpy_dtype
+from ._adapter import LazyModule, NumpyAdapter, as_array, check_cpu_device, numpy_dtype
 from ._devices import Device
 from ._dtypes import DTYPES, DType
 from ._errors import DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
+
+# Imported at first use: opening a file to read its header does not import the framework.
+mx: Any = LazyModule("mlx.core")
 
 __all__ = ["ADAPTER", "MlxAdapter"]
 

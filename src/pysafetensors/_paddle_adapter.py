@@ -26,14 +26,16 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 import numpy as np
-import paddle
 
-from ._adapter import NumpyAdapter, invalid_tensor_error, numpy_dtype
+from ._adapter import LazyModule, NumpyAdapter, invalid_tensor_error, numpy_dtype
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType, dtype_from_name
 from ._errors import DeviceError, DTypeNotSupportedError, SafetensorError, SerializeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
+
+# Imported at first use: opening a file to read its header does not import the framework.
+paddle: Any = LazyModule("paddle")
 
 __all__ = ["ADAPTER", "PaddleAdapter", "paddle_dtype"]
 

@@ -93,6 +93,11 @@ def render_index(index: Any) -> str:
             parts.append("...")
         elif not isinstance(item, (bool, np.bool_)) and _as_int(item) is not None:
             parts.append(str(_as_int(item)))  # np.int64(1) shows as 1, as in the reference
+        elif isinstance(item, (list, np.ndarray)) or type(item).__name__ == "Tensor":
+            # An index array, in outline: a message must not print a million indices.
+            flat = np.asarray(item).reshape(-1)
+            shown = [str(v) for v in flat[:8].tolist()] + (["..."] if flat.size > 8 else [])
+            parts.append("[" + ", ".join(shown) + "]")
         else:
             parts.append(repr(item))
     return "[" + ", ".join(parts) + "]"
@@ -113,7 +118,11 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
         if index:
             raise SliceError("Non empty lists are not implemented", kind="InvalidSlice")
         if ndim == 0:
-            raise SliceError("more slicing indexes than dimensions in tensor", kind="TooManySlices")
+            raise SliceError(
+                "Error during slicing [0:0] with shape []: more slicing indexes than dimensions "
+                "in tensor",
+                kind="TooManySlices",
+            )
         selected: list[int | range] = [range(0)]
         selected.extend(range(d) for d in shape[1:])
         return selected
@@ -121,27 +130,19 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
     if ellipses > 1:
         raise SliceError("Only one ellipsis (...) is allowed in slice index", kind="InvalidSlice")
     explicit = len(items) - ellipses
-    if explicit > ndim:
-        raise SliceError(
-            f"Error during slicing {render_index(index)} with shape {list(shape)}: more slicing "
-            "indexes than dimensions in tensor",
-            kind="TooManySlices",
-        )
     expanded: list[Any] = []
     for item in items:
         if item is Ellipsis:
-            expanded.extend([slice(None)] * (ndim - explicit))
+            expanded.extend([slice(None)] * max(0, ndim - explicit))
         else:
             expanded.append(item)
     # Messages show the index with the ellipsis spelled out, as the reference does.
     shown = render_index(tuple(expanded)) if ellipses else render_index(index)
-    expanded.extend([slice(None)] * (ndim - len(expanded)))
-
-    out: list[int | range] = []
-    for dim, (item, size) in enumerate(zip(expanded, shape, strict=True)):
+    # As the reference: every item's type and step is checked (at its position once the
+    # ellipsis is spelled out) before their number is.
+    for dim, item in enumerate(expanded):
         if isinstance(item, slice):
-            bounds = [item.start, item.stop, item.step]
-            for bound in bounds:
+            for bound in (item.start, item.stop, item.step):
                 if bound is not None and _as_int(bound) is None:
                     raise SliceError(
                         f"Unsupported slice index at position {dim}: expected slice, int, or "
@@ -153,30 +154,47 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
                 raise SliceError(
                     f"Slice step must be a positive integer, got {step}", kind="InvalidSlice"
                 )
-            start, stop, step = slice(item.start, item.stop, step).indices(size)
-            out.append(range(start, max(start, stop), step))
-            continue
         # A bool is an int to Python but a mask to numpy and torch (get_slice hands bools to
         # split_advanced); never read it as row 0 or 1.
-        value = None if isinstance(item, (bool, np.bool_)) else _as_int(item)
-        if value is None:
+        elif isinstance(item, (bool, np.bool_)) or _as_int(item) is None:
             raise SliceError(
                 f"Unsupported slice index at position {dim}: expected slice, int, or ellipsis",
                 kind="InvalidSlice",
             )
+    if len(expanded) > ndim:
+        raise SliceError(
+            f"Error during slicing {shown} with shape {list(shape)}: more slicing "
+            "indexes than dimensions in tensor",
+            kind="TooManySlices",
+        )
+    expanded.extend([slice(None)] * (ndim - len(expanded)))
+
+    out: list[int | range] = []
+    for dim, (item, size) in enumerate(zip(expanded, shape, strict=True)):
+        if isinstance(item, slice):
+            step = 1 if item.step is None else operator.index(item.step)
+            start, stop, step = slice(item.start, item.stop, step).indices(size)
+            out.append(range(start, max(start, stop), step))
+            continue
+        value = operator.index(item)
         wrapped = value + size if value < 0 else value
         if wrapped < 0:
             raise SliceError(
                 f"Invalid index {value} for dimension {dim} of size {size}",
                 kind="SliceOutOfRange",
             )
-        if wrapped >= size:
+        out.append(wrapped)
+    # As the reference: indices past the end are checked last dimension first, once every
+    # negative one has been.
+    for dim in reversed(range(ndim)):
+        picked, size = out[dim], shape[dim]
+        if isinstance(picked, int) and picked >= size:
             raise SliceError(
                 f"Error during slicing {shown} with shape {list(shape)}: index "
-                f"{value} out of bounds for tensor dimension #{dim} of size {size}",
+                f"{operator.index(expanded[dim])} out of bounds for tensor dimension #{dim} of "
+                f"size {size}",
                 kind="SliceOutOfRange",
             )
-        out.append(wrapped)
     return out
 
 
@@ -403,7 +421,7 @@ def split_advanced(index: Any, shape: tuple[int, ...]) -> AdvancedSplit:
             bad = (values < -size) | (values >= size)
             if bad.any():
                 out_of_range = out_of_range or SliceError(
-                    f"Error during slicing with shape {list(shape)}: index "
+                    f"Error during slicing {render_index(index)} with shape {list(shape)}: index "
                     f"{int(values[bad].flat[0])} out of bounds for tensor dimension #{dim} of "
                     f"size {size}",
                     kind="SliceOutOfRange",

@@ -12,14 +12,16 @@ import functools
 from typing import Any, Final
 
 import numpy as np
-import tensorflow as tf
 
-from ._adapter import NumpyAdapter, check_cpu_device, invalid_tensor_error, numpy_dtype
+from ._adapter import LazyModule, NumpyAdapter, check_cpu_device, invalid_tensor_error, numpy_dtype
 from ._devices import Device
 from ._dtypes import DType
 from ._errors import DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
+
+# Imported at first use: opening a file to read its header does not import the framework.
+tf: Any = LazyModule("tensorflow")
 
 __all__ = ["ADAPTER", "TensorFlowAdapter"]
 

@@ -188,12 +188,36 @@ def test_bool_is_an_axis_not_an_integer(model: Path) -> None:
 
 def test_slice_error_texts_match_the_reference(model: Path) -> None:
     cases: list[Any] = [(-4,), (3,), (slice(None), 5), (..., 7), (np.int64(1), 9), (0, 0, 0, 0)]
+    # The ellipsis spelled out in messages, and every item's type and step checked (at its
+    # position once spelled out) before their number.
+    cases += [(..., 5, 5), (0, ..., 9), (5, ...), (slice(0, 1), ..., 1, 1, 1), (..., "a")]
+    cases += [(0, 1.5), (slice(None, None, 0),), (..., slice(None, None, -1)), (0, 0, 0, "a")]
+    # Negative indices first, then those past the end from the last dimension back.
+    cases += [(5, 5, 0), (5, 5, 5), (2, 7, 0), (-9, 9, 9), (9, -9), (1, -5, 9)]
     with ref.safe_open(str(model), "np") as r, safe_open(model, "np") as o:
         for index in cases:
             theirs = _outcome(lambda i=index: r.get_slice("a")[i])
             mine = _outcome(lambda i=index: o.get_slice("a")[i])
             assert theirs[0] == mine[0] == "error"
             assert mine[2].startswith(theirs[2]), (index, theirs[2], mine[2])
+
+
+def test_slice_error_texts_of_a_0_d_tensor_match_the_reference(tmp_path: Path) -> None:
+    path = tmp_path / "scalar.safetensors"
+    ref_np.save_file({"c": np.array(1.0, np.float32), "b": np.zeros(7, np.float32)}, str(path))
+    cases: list[tuple[str, Any]] = [
+        ("c", "a"), ("c", 1.0), ("c", slice(None, None, -1)), ("c", (..., 0)), ("c", []),
+        ("b", (1, ..., 2)),
+    ]  # fmt: skip
+    with ref.safe_open(str(path), "np") as r, safe_open(path, "np") as o:
+        for name, index in cases:
+            theirs = _outcome(lambda n=name, i=index: r.get_slice(n)[i])
+            mine = _outcome(lambda n=name, i=index: o.get_slice(n)[i])
+            assert theirs[0] == mine[0] == "error"
+            assert mine[2] == theirs[2], (name, index, theirs[2], mine[2])
+    with safe_open(path, "np") as o, pytest.raises(SliceError) as out_of_range:
+        o.get_slice("b")[[10]]  # index arrays are ours (the reference refuses lists)
+    assert str(out_of_range.value).startswith("Error during slicing [[10]] with shape [7]: ")
 
 
 # ----------------------------------------------------------------------------- save errors
@@ -236,6 +260,12 @@ def test_save_io_errors_are_safetensor_errors(tmp_path: Path, kind: str) -> None
         {"data_len": -1},
         {"shape": [True, 1]},
         {"shape": np.array([1])},
+        {"shape": "ab"},
+        {"shape": None},
+        {"shape": 3},
+        {"shape": {"a": 1}},
+        {"dtype": None},
+        {"dtype": 5},
     ],
 )
 def test_tensor_spec_checks_arguments_like_the_reference(change: dict[str, Any]) -> None:
@@ -276,6 +306,17 @@ def test_deserialize_bytes_keyword() -> None:
     assert pysafetensors.deserialize(bytes=blob) == [
         (name, {**info, "data": bytearray(info["data"])}) for name, info in ref.deserialize(blob)
     ]
+
+
+@pytest.mark.parametrize(
+    "device", [1 << 64, 1 << 70, "cuda:", "cuda:x", "cuda:18446744073709551616", "mps:1", "cuda:²"]
+)
+def test_device_texts_match_the_reference(model: Path, device: Any) -> None:
+    theirs = _outcome(lambda: ref.safe_open(str(model), "pt", device=device))
+    mine = _outcome(lambda: safe_open(model, "pt", device=device))
+    assert theirs[0] == mine[0] == "error"
+    assert mine[2] == theirs[2]
+    assert issubclass(mine[1], ValueError) == issubclass(theirs[1], ValueError)
 
 
 @pytest.mark.parametrize("framework", ["np", "pt"])

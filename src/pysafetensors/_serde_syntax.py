@@ -1,0 +1,378 @@
+"""serde_json's first syntax error in a header, in its words and at its position.
+
+The reference parses headers with serde_json (``from_str``). Python's ``json`` finds the same
+malformed headers malformed, but describes them in its own words, at its own positions (in
+characters, where serde counts bytes), and sometimes at another spot: serde says ``key must be
+a string`` for ``{"a":1,]``, ``EOF while parsing a list`` for ``[1``, ``invalid number`` for
+``1.``, ``expected ident`` for ``tru``. This module walks a header the way serde_json's
+parser does (``SliceRead`` with UTF-8 validation, the recursion limit of 128) and reports the
+first error it would, so that a refused file reads the same here as there. It runs only once
+a header is known to be malformed; a valid header never comes here.
+
+Pure: no I/O, no state between calls.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["SyntaxErrorAt", "first_syntax_error"]
+
+#: serde_json's ``remaining_depth`` at the start: the 128th nested container is refused.
+_RECURSION_LIMIT: Final = 128
+_WHITESPACE: Final = b" \t\n\r"
+_DIGITS: Final = frozenset(b"0123456789")
+_HEX: Final = frozenset(b"0123456789abcdefABCDEF")
+#: Bytes a string runs over without a decision: not a quote, a backslash or a control byte.
+_PLAIN_RUN: Final = re.compile(rb'[^"\\\x00-\x1f]*')
+
+
+@dataclass(frozen=True, slots=True)
+class SyntaxErrorAt:
+    """One serde_json syntax error."""
+
+    message: str
+    """serde_json's ``ErrorCode`` text, e.g. ``"expected `,` or `]`"``."""
+    line: int
+    column: int
+    """1-based line; column in bytes, as serde counts them."""
+    typed: bool = False
+    """A type error in ``__metadata__``: serde deserializes it where it stands (a map of
+    strings), so such an error comes before any syntax error after it. Its ``message`` ends
+    with what was expected (``a map``, ``a string``)."""
+
+    def __str__(self) -> str:
+        return f"{self.message} at line {self.line} column {self.column}"
+
+
+class _Found(Exception):  # noqa: N818 - an internal signal, not an error users see
+    def __init__(self, message: str, index: int, typed: bool = False) -> None:
+        self.message = message
+        self.index = index
+        self.typed = typed
+
+
+def _position(data: bytes, index: int) -> tuple[int, int]:
+    """serde_json's ``position_of_index``: line of ``index``, and bytes since its start."""
+    start = data.rfind(b"\n", 0, index) + 1
+    return data.count(b"\n", 0, start) + 1, index - start
+
+
+class _Walk:
+    """serde_json's parser over ``data``, keeping only what decides its errors."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.n = len(data)
+        self.pos = 0
+        self.remaining_depth = _RECURSION_LIMIT
+
+    # serde's two ways to place an error: after what it consumed, or at what it peeked.
+    def error(self, message: str) -> _Found:
+        return _Found(message, self.pos)
+
+    def peek_error(self, message: str) -> _Found:
+        return _Found(message, min(self.pos + 1, self.n))
+
+    def whitespace(self) -> int | None:
+        data, n, pos = self.data, self.n, self.pos
+        while pos < n and data[pos] in _WHITESPACE:
+            pos += 1
+        self.pos = pos
+        return data[pos] if pos < n else None
+
+    def peek(self) -> int | None:
+        return self.data[self.pos] if self.pos < self.n else None
+
+    def next_byte(self) -> int | None:
+        if self.pos >= self.n:
+            return None
+        self.pos += 1
+        return self.data[self.pos - 1]
+
+    # ------------------------------------------------------------------------------ scalars
+    def ident(self, rest: bytes) -> None:
+        for expected in rest:
+            got = self.next_byte()
+            if got is None:
+                raise self.error("EOF while parsing a value")
+            if got != expected:
+                raise self.error("expected ident")
+
+    def number(self) -> None:
+        # parse_integer (after an optional '-', already eaten)
+        first = self.next_byte()
+        if first is None:
+            raise self.error("EOF while parsing a value")
+        if first == 0x30:  # '0': only one leading zero
+            if self.peek() in _DIGITS:
+                raise self.peek_error("invalid number")
+        elif first in _DIGITS:
+            while self.peek() in _DIGITS:
+                self.pos += 1
+        else:
+            raise self.error("invalid number")
+        # parse_number
+        if self.peek() == 0x2E:  # '.'
+            self.pos += 1
+            start = self.pos
+            while self.peek() in _DIGITS:
+                self.pos += 1
+            if self.pos == start:
+                if self.peek() is not None:
+                    raise self.peek_error("invalid number")
+                raise self.peek_error("EOF while parsing a value")
+        if self.peek() in (0x65, 0x45):  # 'e', 'E'
+            self.pos += 1
+            if self.peek() in (0x2B, 0x2D):  # '+', '-'
+                self.pos += 1
+            digit = self.next_byte()
+            if digit is None:
+                raise self.error("EOF while parsing a value")
+            if digit not in _DIGITS:
+                raise self.error("invalid number")
+            while self.peek() in _DIGITS:
+                self.pos += 1
+
+    def string(self) -> int:
+        """A string after its opening quote; returns where its content starts."""
+        start = self.pos
+        data = self.data
+        while True:
+            match = _PLAIN_RUN.match(data, self.pos)
+            assert match is not None  # the pattern matches the empty string
+            self.pos = match.end()
+            if self.pos == self.n:
+                raise self.error("EOF while parsing a string")
+            byte = data[self.pos]
+            self.pos += 1
+            if byte == 0x22:  # '"'
+                return start
+            if byte == 0x5C:  # '\\'
+                self.escape()
+            else:
+                raise self.error("control character (\\u0000-\\u001F) found while parsing a string")
+
+    def escape(self) -> None:
+        byte = self.next_byte()
+        if byte is None:
+            raise self.error("EOF while parsing a string")
+        if byte in b'"\\/bfnrt':
+            return
+        if byte != 0x75:  # 'u'
+            raise self.error("invalid escape")
+        unit = self.hex4()
+        if 0xDC00 <= unit <= 0xDFFF:
+            raise self.error("lone leading surrogate in hex escape")
+        if not 0xD800 <= unit <= 0xDBFF:
+            return
+        # A leading surrogate: a trailing one must follow as \uXXXX.
+        for expected in (0x5C, 0x75):
+            byte = self.peek()
+            if byte is None:
+                raise self.error("EOF while parsing a string")
+            self.pos += 1
+            if byte != expected:
+                raise self.error("unexpected end of hex escape")
+        if not 0xDC00 <= self.hex4() <= 0xDFFF:
+            raise self.error("lone leading surrogate in hex escape")
+
+    def hex4(self) -> int:
+        if self.n - self.pos < 4:
+            self.pos = self.n
+            raise self.error("EOF while parsing a string")
+        digits = self.data[self.pos : self.pos + 4]
+        self.pos += 4
+        if not all(d in _HEX for d in digits):
+            raise self.error("invalid escape")
+        return int(digits, 16)
+
+    # ------------------------------------------------------------------------------- values
+    def value(self) -> str | None:
+        """One value at the cursor: ``"seq"``/``"map"`` when a container opened, else None."""
+        byte = self.whitespace()
+        if byte is None:
+            raise self.peek_error("EOF while parsing a value")
+        if byte in (0x6E, 0x74, 0x66):  # n, t, f
+            self.pos += 1
+            self.ident({0x6E: b"ull", 0x74: b"rue", 0x66: b"alse"}[byte])
+            return None
+        if byte == 0x2D:  # '-'
+            self.pos += 1
+            self.number()
+            return None
+        if byte in _DIGITS:
+            self.number()
+            return None
+        if byte == 0x22:
+            self.pos += 1
+            self.string()
+            return None
+        if byte in (0x5B, 0x7B):  # '[', '{'
+            self.remaining_depth -= 1
+            if self.remaining_depth == 0:
+                raise self.peek_error("recursion limit exceeded")
+            self.pos += 1
+            return "seq" if byte == 0x5B else "map"
+        raise self.peek_error("expected value")
+
+    def typed_value(self, expected: str) -> str | None:
+        """A value of ``__metadata__`` (``expected`` "a map": null or a map) or of one of its
+        entries ("a string"), refused by type as soon as serde would: a sequence or map
+        unread, a scalar once parsed. Returns ``"map"`` when the metadata map opened."""
+        byte = self.whitespace()
+        start = self.pos
+        if byte == 0x22:  # '"'
+            if expected == "a string":
+                self.pos += 1
+                self.string()
+                return None
+            found = "string " + _json_text(self.data, start, self)
+        elif byte == 0x6E and expected == "a map":  # null: no metadata
+            self.value()
+            return None
+        elif byte == 0x7B and expected == "a map":
+            return self.value()
+        elif byte == 0x7B:
+            raise _Found(f"invalid type: map, expected {expected}", self.pos, typed=True)
+        elif byte == 0x5B:  # '['
+            raise _Found(f"invalid type: sequence, expected {expected}", self.pos, typed=True)
+        elif byte in (0x6E, 0x74, 0x66) or byte == 0x2D or byte in _DIGITS:
+            self.value()
+            found = _scalar_text(self.data[start : self.pos])
+        else:
+            self.value()  # raises serde's error for what is there
+            raise AssertionError  # pragma: no cover
+        raise _Found(f"invalid type: {found}, expected {expected}", self.pos, typed=True)
+
+    def document(self) -> None:
+        """Walk the whole document."""
+        # Open containers, innermost last: [kind, first element still to come, is __metadata__].
+        stack: list[list[object]] = []
+        seen_metadata = False
+        opened = self.value()
+        if opened is not None:
+            stack.append([opened, True, False])
+        while stack:
+            top = stack[-1]
+            byte = self.whitespace()
+            if top[0] == "seq":
+                if byte is None:
+                    raise self.peek_error("EOF while parsing a list")
+                if byte == 0x5D:  # ']'
+                    self.pos += 1
+                    self.remaining_depth += 1
+                    stack.pop()
+                    continue
+                if top[1]:
+                    top[1] = False
+                elif byte == 0x2C:  # ','
+                    self.pos += 1
+                    after = self.whitespace()
+                    if after == 0x5D:
+                        raise self.peek_error("trailing comma")
+                    if after is None:
+                        raise self.peek_error("EOF while parsing a value")
+                else:
+                    raise self.peek_error("expected `,` or `]`")
+                opened = self.value()
+            else:
+                if byte is None:
+                    raise self.peek_error("EOF while parsing an object")
+                if byte == 0x7D:  # '}'
+                    self.pos += 1
+                    self.remaining_depth += 1
+                    stack.pop()
+                    continue
+                if top[1]:
+                    top[1] = False
+                    if byte != 0x22:
+                        raise self.peek_error("key must be a string")
+                elif byte == 0x2C:
+                    self.pos += 1
+                    after = self.whitespace()
+                    if after == 0x7D:
+                        raise self.peek_error("trailing comma")
+                    if after is None:
+                        raise self.peek_error("EOF while parsing a value")
+                    if after != 0x22:
+                        raise self.peek_error("key must be a string")
+                else:
+                    raise self.peek_error("expected `,` or `}`")
+                self.pos += 1  # the key's opening quote
+                key_start = self.string()
+                is_metadata = len(stack) == 1 and _is_metadata_key(self.data[key_start : self.pos])
+                if is_metadata and seen_metadata:
+                    raise _Found("duplicate field `__metadata__`", self.pos, typed=True)
+                colon = self.whitespace()
+                if colon is None:
+                    raise self.peek_error("EOF while parsing an object")
+                if colon != 0x3A:  # ':'
+                    raise self.peek_error("expected `:`")
+                self.pos += 1
+                if is_metadata:
+                    seen_metadata = True
+                    opened = self.typed_value("a map")
+                    if opened is not None:
+                        stack.append([opened, True, True])
+                    continue
+                opened = self.typed_value("a string") if top[2] else self.value()
+            if opened is not None:
+                stack.append([opened, True, False])
+
+
+def _json_text(data: bytes, start: int, walk: _Walk) -> str:
+    """The string at ``start`` (its opening quote), parsed by ``walk``, as serde shows it."""
+    import json
+
+    walk.pos = start + 1
+    walk.string()
+    text = json.loads(data[start : walk.pos].decode("utf-8", "surrogatepass"))
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _scalar_text(literal: bytes) -> str:
+    """serde's ``Unexpected`` for a number or literal: integers within i64/u64 as integers
+    (``-0`` is the float ``-0.0``), everything else as its f64."""
+    if literal in (b"null", b"true", b"false"):
+        return "null" if literal == b"null" else f"boolean `{literal.decode()}`"
+    text = literal.decode()
+    if re.fullmatch(r"-?\d+", text):
+        value = int(text)
+        if -(1 << 63) <= value <= (1 << 64) - 1 and text != "-0":
+            return f"integer `{value}`"
+    return f"floating point `{float(text)!r}`"
+
+
+def _is_metadata_key(raw: bytes) -> bool:
+    """Whether a key (its bytes from after the opening quote through the colon) decodes to
+    ``__metadata__``, escapes included."""
+    import json
+
+    quoted = raw[: raw.rindex(b'"') + 1]
+    if b"\\" not in quoted:
+        return quoted == b'__metadata__"'
+    try:
+        return bool(json.loads(b'"' + quoted) == "__metadata__")
+    except ValueError:  # pragma: no cover - the walk checked the string already
+        return False
+
+
+def first_syntax_error(data: bytes) -> SyntaxErrorAt | None:
+    """serde_json's first syntax error in ``data`` (a header's bytes), or None.
+
+    Type errors are not looked for (a document can be well formed and still not a header);
+    nor are numbers out of f64 range, which the caller finds as it decodes. After the
+    top-level value, anything but whitespace is ``trailing characters``.
+    """
+    walk = _Walk(data)
+    try:
+        walk.document()
+        if walk.whitespace() is not None:
+            raise walk.peek_error("trailing characters")
+    except _Found as found:
+        line, column = _position(data, found.index)
+        return SyntaxErrorAt(found.message, line, column, found.typed)
+    return None

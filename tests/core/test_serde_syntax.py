@@ -1,0 +1,141 @@
+"""Malformed headers are refused in the reference's words: serde_json's first error, its text
+and (for syntax errors) its line and column, also where Python's ``json`` words or places the
+problem differently, and type errors that serde meets before a later syntax error.
+
+Type errors keep their documented form here (the tensor or ``__metadata__`` named instead of a
+position; docs/differences.md).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import struct
+
+import pytest
+
+import pysafetensors
+from pysafetensors._serde_syntax import first_syntax_error
+
+ref = pytest.importorskip("safetensors")
+
+_POSITION = re.compile(r" at line \d+ column \d+$")
+_OUR_PLACE = re.compile(r" \((tensor `.*`|in __metadata__)\)$")
+
+
+def _file(header: str) -> bytes:
+    raw = header.encode("utf-8", "surrogatepass")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _message(load: object, data: bytes) -> str | None:
+    try:
+        load(data)  # type: ignore[operator]
+    except Exception as exc:  # noqa: BLE001 - both libraries' errors are compared as text
+        return str(exc)
+    return None
+
+
+def _same(header: str) -> tuple[str | None, str | None] | None:
+    """None when both refuse ``header`` alike (or both accept it), else both messages."""
+    data = _file(header)
+    theirs, ours = _message(ref.deserialize, data), _message(pysafetensors.deserialize, data)
+    if theirs is None or ours is None:
+        return None if theirs == ours else (theirs, ours)
+    if ours == theirs or ours.startswith(theirs) or "invalid JSON in header" not in theirs:
+        return None  # (offset and size errors have tests of their own)
+    # A type error: the same words, placed by name instead of by column.
+    positioned = _POSITION.search(theirs) and not _POSITION.search(ours)
+    if positioned and _OUR_PLACE.sub("", ours) == _POSITION.sub("", theirs):
+        return None
+    return theirs, ours
+
+
+CASES = [
+    # serde's own words where Python's differ
+    '{"__metadata__":{"a":"b",c":"d"}}',  # key must be a string
+    '{"t":{"dtype":"U8","shape":[1x],"data_offsets":[0,1]}}',  # expected `,` or `]`
+    '{"__metadata__":{"a":"b"}',  # EOF while parsing an object
+    '{"t":{"dtype":"U8","shape":[1',  # EOF while parsing a list
+    '{"__metadata__":tru}',  # expected ident
+    '{"t":{"dtype":"U8","shape":[1.],"data_offsets":[0,1]}}',  # invalid number
+    '{"t":{"dtype":"U8","shape":[-],"data_offsets":[0,1]}}',
+    '{"t":{"dtype":"U8","shape":[1e],"data_offsets":[0,1]}}',
+    '{"a":1e+}',
+    '{"a":01}',
+    '{"t":{"dtype":"U8","shape":[1,},"data_offsets":[0,1]}}',  # expected value
+    '{"__metadata__":{"a":"b",]}',
+    '{"x":' + "[" * 200,  # recursion limit exceeded
+    '{"a":"\\u12x4"}',
+    '{"a":"\\q"}',
+    '{"a":"x\x01"}',
+    '{"é":1,]',  # columns count bytes
+    '{"a":[1,2]\n,\n"b":}',  # and lines
+    # lone surrogates: which of serde's two messages, and where
+    '{"__metadata__":{"\\ud800":"b"},"t":}',
+    '{"a":"\\ud800\\u0041"}',
+    '{"a":"\\ud800x"}',
+    '{"a":"\\udc00"}',
+    '"\\ud800"',
+    # type errors serde meets before the syntax error after them
+    "5{}",
+    '"x":1}',
+    "[1,}",
+    '{"t":{"dtype":"XX","shape":[1],"data_offsets":[0,1]}}}',
+    '{"t":{"dtype":"U8","shape":[1]}} x',
+    '{"__metadata__":{"a":1},"u":}',
+    '{"__metadata__":{"a":null}}',
+    '{"__metadata__":{"a":true,',
+    '{"__metadata__":{"a":-0,',
+    '{"__metadata__":{"a":1.5e3,',
+    '{"__metadata__":[1,',
+    '{"__metadata__":7 x',
+    '{"__metadata__":"s" x',
+    '{"__metadata__":{"a":{',
+    '{"__metadata__":{},"__metadata__":x',
+    '{"__metadata__":{"a":"b"} x',
+    '{"__metadata__":nul',
+    # integers outside i64/u64 are f64 to serde
+    '{"__metadata__":18446744073709551616}',
+    '{"__metadata__":{"a":-9223372036854775809}}',
+]
+
+
+@pytest.mark.parametrize("header", CASES)
+def test_refused_in_the_reference_s_words(header: str) -> None:
+    assert _same(header) is None, _same(header)
+
+
+_BASE = (
+    '{"__metadata__":{"format":"pt","x":"y\\n"},'
+    '"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
+    '"b":{"dtype":"I8","shape":[3],"data_offsets":[16,19]}}'
+)
+_PIECES = [*'{}[]",:0123456789-+.eE \t\ntruefalsnul\\/aA\x00\x01', "\\u", "\\ud800", "-0", "é"]
+
+
+def test_random_edits_are_refused_in_the_reference_s_words() -> None:
+    rng = random.Random(20261130)
+    differ = []
+    for _ in range(1500):
+        text = list(_BASE)
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(text) + 1)
+            op = rng.random()
+            if op < 0.35 and text:
+                del text[min(i, len(text) - 1)]
+            elif op < 0.7:
+                text.insert(i, rng.choice(_PIECES))
+            elif text:
+                text[min(i, len(text) - 1)] = rng.choice(_PIECES)
+        header = "".join(text)
+        found = _same(header)
+        if found is not None:
+            differ.append((header, found))
+    assert not differ, differ[:5]
+
+
+def test_a_valid_document_has_no_syntax_error() -> None:
+    assert first_syntax_error(_BASE.encode()) is None
+    assert first_syntax_error(b'  {"a": [1, -0.5e-3, true, null, "\\ud83d\\ude00"]}\n') is None
