@@ -264,3 +264,21 @@ def test_header_length_prefix_alone_still_suggests_the_limit(tmp_path: Path) -> 
     path.write_bytes(struct.pack("<Q", 10**12) + b"{}")
     with pytest.raises(Exception, match="raise it with max_header_size= if the file is trusted"):
         safe_open(path, "np")
+
+
+def test_output_closed_early_exits_as_sigpipe_quietly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "many.safetensors"
+    save_file({f"tensor.{i:05d}": np.zeros(1, np.float32) for i in range(3000)}, str(path))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pysafetensors", "inspect", str(path), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(100)  # `| head -c 100`
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and err == b""

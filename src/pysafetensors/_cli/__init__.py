@@ -91,10 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         return int(code or 0)
     except BrokenPipeError:
-        # The reader went away (`| head`): stop quietly, without a second error at exit.
+        # The reader went away (`| head`): stop quietly, without a second error at exit, and
+        # exit as a process killed by SIGPIPE would (128 + 13), not with 1 ("problems").
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return 141
     except OSError as exc:  # includes RemoteError: the target cannot be read
         return _fail(args, exc, 2)
     except SafetensorError as exc:
