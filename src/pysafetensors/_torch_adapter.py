@@ -109,6 +109,40 @@ def carve(
     return out
 
 
+def carve_host(
+    buf: np.ndarray, items: Iterable[tuple[str, DType, tuple[int, ...], int, int]]
+) -> dict[str, Any]:
+    """Tensors over byte ranges of one writable host buffer, each with a storage of its own
+    bytes (``torch.frombuffer``), none copied.
+
+    As the reference's: a tensor's storage is the tensor. Views of one storage (as
+    :func:`carve` makes them) are shared tensors to ``save_model``, the hub's
+    ``save_torch_state_dict`` and its shard sizing, and ``torch.save`` of one of them writes
+    the whole buffer. The buffer lives as long as any of its tensors. A tensor whose offset is
+    not a multiple of its element size is copied; one that packs several values per byte (F4)
+    is viewed from its bytes.
+    """
+    memory = buf.data  # the buffer protocol over buf, as torch.frombuffer takes it
+    out: dict[str, Any] = {}
+    for name, dtype, shape, begin, end in items:
+        tdtype = torch_dtype(dtype)
+        storage_shape = _storage_shape(dtype, shape)
+        size = dtype.bits // 8 if dtype.bits % 8 == 0 else 0
+        if end == begin:
+            out[name] = torch.empty(storage_shape, dtype=tdtype)
+        elif size == 0 or begin % size:
+            raw = torch.frombuffer(memory, dtype=torch.uint8, count=end - begin, offset=begin)
+            if size:
+                raw = raw.clone()
+            out[name] = (raw if tdtype is torch.uint8 else raw.view(tdtype)).reshape(storage_shape)
+        else:
+            count = (end - begin) // size
+            out[name] = torch.frombuffer(memory, dtype=tdtype, count=count, offset=begin).view(
+                storage_shape
+            )
+    return out
+
+
 class TorchAdapter:
     """torch tensors, CPU or any device torch knows."""
 
@@ -197,7 +231,7 @@ class TorchAdapter:
             }
         if not buf.flags.writeable:
             buf = buf.copy()
-        return carve(torch.from_numpy(buf), items)
+        return carve_host(buf, items)
 
     def to_device_many(
         self,

@@ -611,3 +611,26 @@ def test_handles_left_open_at_exit_print_nothing(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stderr == "", run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_loaded_tensors_have_storages_of_their_own(tmp_path: Path, backend: str) -> None:
+    # As the reference's: saving what was just loaded must not see shared tensors, and the
+    # hub's shard sizing and torch.save see each tensor alone.
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(4)}
+    state["h"] = torch.ones(3, dtype=torch.float16)  # an odd offset for the next tensor
+    state["i"] = torch.arange(5, dtype=torch.int64)
+    path = tmp_path / "m.safetensors"
+    ref_torch.save_file(state, str(path))
+    for loaded in (ours_torch.load_file(path, backend=backend), ref_torch.load_file(str(path))):
+        for name, tensor in loaded.items():
+            assert tensor.untyped_storage().nbytes() == tensor.nbytes, name
+            assert torch.equal(tensor, state[name])
+    loaded = ours_torch.load_file(path, backend=backend)
+    module = torch.nn.Module()
+    for name, tensor in loaded.items():
+        module.register_buffer(name, tensor)
+    ours_torch.save_model(module, tmp_path / "again.safetensors")
+    pysafetensors.save_sharded(loaded, tmp_path / "sharded", max_shard_size="5KB")
+    again = ours_torch.load_file(tmp_path / "sharded")
+    assert all(torch.equal(again[k], v) for k, v in state.items())
