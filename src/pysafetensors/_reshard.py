@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -296,6 +297,7 @@ def _rewrite(
     max_header_size: int,
     progress: Progress | None,
     storage_options: dict[str, Any] | None,
+    source_is_folder: bool = False,
 ) -> ShardPlan:
     located = {name: src._locate(name) for name in names}
     sizes = {name: located[name][2].nbytes for name in names}
@@ -372,31 +374,57 @@ def _rewrite(
             clean=clean,
         )
         if clean:
-            _remove_replaced_source(src, out, plan, filename_pattern)
+            _remove_replaced_source(src, out, plan, filename_pattern, whole_folder=source_is_folder)
         return plan
     finally:
         sources.close()
 
 
 def _remove_replaced_source(
-    src: ShardedSafeOpen, out: str, plan: ShardPlan, filename_pattern: str
+    src: ShardedSafeOpen, out: str, plan: ShardPlan, filename_pattern: str, *, whole_folder: bool
 ) -> None:
-    """After a sharded checkpoint was resharded into its own folder, delete its files that
-    the new one did not replace (another ``filename_pattern``'s index and shards): left there,
-    the folder would hold two checkpoints and still open as the old one. The old index goes
-    first, so that a crash midway leaves shards that do not open as a checkpoint."""
-    if not is_index_path(src.path) or _is_url(src.path):
+    """After a checkpoint was resharded into its own folder, delete its files that the new one
+    did not replace (another ``filename_pattern``'s index and shards): left there, the folder
+    would hold two checkpoints and still open as the old one. The old index goes first, so
+    that a crash midway leaves shards that do not open as a checkpoint. A file that another
+    index of the folder names stays (two checkpoints may share shards); a single-file source
+    goes only when the folder itself was the source (``whole_folder``), not a file named in
+    it."""
+    if _is_url(src.path):
         return
     folder = os.path.dirname(src.path) or "."
     if not _same_file(out, folder):
         return
+    if not is_index_path(src.path) and not whole_folder:
+        return
     written = set(plan.filename_to_tensors)
     if plan.is_sharded:
         written.add(index_filename(filename_pattern))
-    for path in [src.path, *src.files()]:
-        if os.path.relpath(path, folder) not in written:
+    doomed = [src.path, *src.files()] if is_index_path(src.path) else [src.path]
+    doomed = [p for p in doomed if os.path.relpath(p, folder) not in written]
+    if not doomed:
+        return
+    kept = _named_by_other_indexes(folder, {os.path.basename(src.path), *written})
+    for path in doomed:
+        if os.path.relpath(path, folder) not in kept:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
+
+
+def _named_by_other_indexes(folder: str, skip: set[str]) -> set[str]:
+    """Shard names that the folder's other ``*.index.json`` files list (unreadable ones name
+    nothing: this only spares files, never deletes one)."""
+    named: set[str] = set()
+    for name in os.listdir(folder):
+        if not name.endswith(".index.json") or name in skip:
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as fh:
+                weight_map = json.load(fh).get("weight_map", {})
+            named.update(v for v in weight_map.values() if isinstance(v, str))
+        except (OSError, ValueError, AttributeError, RecursionError):
+            continue
+    return {os.path.normpath(n) for n in named}
 
 
 def reshard(
@@ -467,6 +495,7 @@ def reshard(
             max_header_size=max_header_size,
             progress=progress,
             storage_options=_options(storage_options),
+            source_is_folder=os.path.isdir(os.fspath(source)),
         )
 
 

@@ -25,16 +25,19 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
+import numpy as np
+
 from ._adapter import Adapter, get_adapter
 from ._errors import SerializeError, write_error
 from ._format import MAX_HEADER_SIZE
-from ._writer import SaveGroup, TensorData, atomic_output, write_file
+from ._writer import SaveGroup, TensorData, atomic_output, remove_stale_partial, write_file
 
 __all__ = [
     "COMPUTED_KEYS",
@@ -69,8 +72,9 @@ T = TypeVar("T")
 def parse_size(size: int | str) -> int:
     """Turn a shard size into bytes exactly as the hub does.
 
-    An int is a byte count. A string is read as a number followed by a two-letter decimal unit
-    (``TB``, ``GB``, ``MB``, ``KB``, any case); the number may be fractional (``"1.5GB"``).
+    A number is a byte count (a fractional one rounds down; a bool is refused). A string is
+    read as a number followed by a two-letter decimal unit (``TB``, ``GB``, ``MB``, ``KB``, any
+    case); the number may be fractional (``"1.5GB"``).
 
     Raises:
         ValueError: The unit is not one of the four, or the number does not parse.
@@ -79,10 +83,14 @@ def parse_size(size: int | str) -> int:
         >>> parse_size("1.5GB")
         1500000000
     """
-    if isinstance(size, int) and not isinstance(size, bool):
-        return size
+    if isinstance(size, numbers.Real) and not isinstance(size, (bool, np.bool_)):
+        # The hub compares sizes with any number it is given (8e3, numpy integers): sizes are
+        # whole bytes, so a fractional limit is its floor.
+        if not math.isfinite(size):
+            raise ValueError(f"max_shard_size must be a finite number of bytes, got {size!r}")
+        return math.floor(size)
     if not isinstance(size, str):
-        raise TypeError(f"max_shard_size must be an int or a str, got {type(size).__name__}")
+        raise TypeError(f"max_shard_size must be a number or a str, got {type(size).__name__}")
     text = size.strip()
     unit = text[-2:].upper()
     if unit not in SIZE_UNITS:
@@ -362,12 +370,15 @@ def write_index(
 
 
 def checkpoint_group(
-    folder: str, plan: ShardPlan, filename_pattern: str, *, fsync: bool = False
+    folder: str, plan: ShardPlan, filename_pattern: str, *, fsync: bool = False, clean: bool = True
 ) -> SaveGroup:
     """The :class:`SaveGroup` a checkpoint's files are renamed into place with, sealed by its
-    index when it has one (the old index goes first, the new one last)."""
-    seal = os.path.join(folder, index_filename(filename_pattern)) if plan.is_sharded else None
-    return SaveGroup(fsync=fsync, seal=seal)
+    index when it has one (the old index goes first, the new one last); a single file
+    retires the old index first (with ``clean``: the files of the earlier save go)."""
+    index = os.path.join(folder, index_filename(filename_pattern))
+    if plan.is_sharded:
+        return SaveGroup(fsync=fsync, seal=index)
+    return SaveGroup(fsync=fsync, retire=index if clean else None)
 
 
 def write_checkpoint(
@@ -393,7 +404,7 @@ def write_checkpoint(
     """
     written = []
     if group is None:
-        group = checkpoint_group(folder, plan, filename_pattern, fsync=fsync)
+        group = checkpoint_group(folder, plan, filename_pattern, fsync=fsync, clean=clean)
     with group:
         for filename, names in plan.filename_to_tensors.items():
             write_shard(os.path.join(folder, filename), names, group)
@@ -405,6 +416,10 @@ def write_checkpoint(
             written.append(os.path.basename(index))
     if clean:
         remove_stale_files(folder, filename_pattern, written)
+
+
+#: A save's temporary file: ``.<target name>.<12 hex digits>.partial`` (see ``_writer``).
+_PARTIAL: Final = re.compile(r"\.(.+)\.[0-9a-f]{12}\.partial")
 
 
 def remove_stale_files(
@@ -426,7 +441,17 @@ def remove_stale_files(
     )
     kept = set(keep)
     removed = []
-    for name in sorted(os.listdir(folder)):
+    # Index files first: an index left behind by an interrupted cleanup would still name
+    # (and open as) shards that are half gone.
+    names = sorted(os.listdir(folder), key=lambda n: (not n.endswith(".index.json"), n))
+    for name in names:
+        leftover = _PARTIAL.fullmatch(name)
+        if leftover is not None and regex.fullmatch(leftover.group(1)):
+            # A crashed save's temporary file of this pattern (a save to another shard count
+            # never targets its name again, so nothing else would remove it).
+            if remove_stale_partial(os.path.join(folder, name)):
+                removed.append(name)
+            continue
         if name in kept or not regex.fullmatch(name):
             continue
         with contextlib.suppress(FileNotFoundError):

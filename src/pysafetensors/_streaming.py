@@ -40,7 +40,7 @@ from ._sharding import (
     split_into_shards,
     write_checkpoint,
 )
-from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all
+from ._writer import SaveGroup, Writeback, allow_descriptors, atomic_output, pwrite_all
 
 __all__ = ["ShardedStreamingWriter", "StreamingWriter", "TensorDecl", "as_dtype"]
 
@@ -303,7 +303,12 @@ class StreamingWriter:
         # Writes between reserving their range and finishing it: close() and abort() wait for
         # them (a close that did not committed a file whose reserved bytes were never written,
         # and the write then went to whatever file reused the closed descriptor).
-        self._inflight = 0
+        # One token per write, with the thread writing: not a count, so that an interrupt
+        # (Ctrl-C) at any point of a write leaves it right (a count raised just before the
+        # write's `try` stayed raised, and close() then waited for ever). close() and abort()
+        # wait only for other threads' writes: one of their own thread can only be one that
+        # an interrupt cut short, even inside its `finally`.
+        self._inflight: dict[object, int] = {}
         self._idle = threading.Condition(self._lock)
         self._stopping = False
         self.filename = os.fspath(filename)
@@ -403,17 +408,20 @@ class StreamingWriter:
                 tensor=name,
             )
         length, chunks = _payload(name, info, data)
-        with self._lock:
-            if self._cm is None or self._stopping:
-                raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
-            fd = self._fd
-            self._reserve(info, offset, length)
-            cursor = self._cursor[name]
-            self._cursor[name] = offset + length
-            self._inflight += 1
-        pos = self._data_start + info.begin + offset
+        token = object()
+        reserved = False
         got = 0
         try:
+            with self._lock:
+                if self._cm is None or self._stopping:
+                    raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
+                fd = self._fd
+                cursor = self._cursor[name]
+                self._reserve(info, offset, length)
+                reserved = True
+                self._cursor[name] = offset + length
+                self._inflight[token] = threading.get_ident()
+            pos = self._data_start + info.begin + offset
             for view in chunks:
                 if self._stopping:
                     raise ClosedFileError(
@@ -431,19 +439,25 @@ class StreamingWriter:
             # Nothing of a failed write counts as written (a full disk, a file size limit, a
             # failing producer): the range may be written again, and close() will not commit
             # a file with a hole in it.
-            with self._lock:
-                self._release(info, offset, offset + length)
-                if self._cursor[name] == offset + length:
-                    self._cursor[name] = cursor
+            if reserved:
+                with self._lock:
+                    self._release(info, offset, offset + length)
+                    if self._cursor[name] == offset + length:
+                        self._cursor[name] = cursor
             if isinstance(exc, OSError) and not isinstance(exc, SafetensorError):
                 raise write_error(exc, self.filename) from exc
             raise
         finally:
             with self._lock:
-                self._inflight -= 1
+                self._inflight.pop(token, None)
                 if not self._inflight:
                     self._idle.notify_all()
         return got
+
+    def _writes_elsewhere(self) -> bool:
+        """Whether writes of other threads are in flight (called with the lock held)."""
+        me = threading.get_ident()
+        return any(thread != me for thread in self._inflight.values())
 
     def _release(self, info: TensorInfo, start: int, end: int) -> None:
         """Forget ``[start, end)`` of ``info``'s written ranges (a write that failed)."""
@@ -511,7 +525,7 @@ class StreamingWriter:
                 return
             # Writes in progress in other threads finish first (or fail, and then their bytes
             # count as missing).
-            while self._inflight:
+            while self._writes_elsewhere():
                 self._idle.wait()
             if self._cm is None:
                 return  # another close() or abort() finished it while this one waited
@@ -538,7 +552,7 @@ class StreamingWriter:
             if self._cm is None:
                 return
             self._stopping = True
-            while self._inflight:
+            while self._writes_elsewhere():
                 self._idle.wait()
             if self._cm is None:
                 return  # another close() or abort() finished it while this one waited
@@ -638,7 +652,9 @@ class ShardedStreamingWriter:
         self._clean = clean
         self._fsync = fsync
         # Every shard joins it when opened, and close() renames them with the index.
-        self._group = checkpoint_group(self.folder, plan, filename_pattern, fsync=fsync)
+        self._group = checkpoint_group(
+            self.folder, plan, filename_pattern, fsync=fsync, clean=clean
+        )
         self._lock = threading.Lock()
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -662,6 +678,10 @@ class ShardedStreamingWriter:
         with self._lock:
             writer = self._writers.get(fname)
             if writer is None:
+                if len(self._writers) % 128 == 127:
+                    # Each shard begun stays open until close (writes come in any order):
+                    # thousands of shards need that many descriptors.
+                    allow_descriptors(len(self._writers) + 384)
                 writer = StreamingWriter(
                     os.path.join(self.folder, fname),
                     self._decls[fname],

@@ -288,18 +288,25 @@ def _clean_stale_partials(target: str) -> None:
     for stale in glob.glob(
         os.path.join(glob.escape(folder or "."), f".{glob.escape(base)}.*.partial")
     ):
-        # A live save holds a lock on its temporary file (a streaming writer may sit idle for
-        # hours); a crashed one released it with its process. Files younger than a minute are
-        # left alone too, for file systems without locks.
-        with contextlib.suppress(OSError):
-            if time.time() - os.stat(stale).st_mtime <= 60:
-                continue
-            fd = os.open(stale, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                if fcntl is None or _lock_partial(fd):
-                    os.unlink(stale)
-            finally:
-                os.close(fd)
+        remove_stale_partial(stale)
+
+
+def remove_stale_partial(path: str) -> bool:
+    """Delete the temporary file ``path`` if a crashed save left it; whether it did."""
+    # A live save holds a lock on its temporary file (a streaming writer may sit idle for
+    # hours); a crashed one released it with its process. Files younger than a minute are
+    # left alone too, for file systems without locks.
+    with contextlib.suppress(OSError):
+        if time.time() - os.stat(path).st_mtime <= 60:
+            return False
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if fcntl is None or _lock_partial(fd):
+                os.unlink(path)
+                return True
+        finally:
+            os.close(fd)
+    return False
 
 
 @contextlib.contextmanager
@@ -403,6 +410,36 @@ def _atomic_output(
         _fsync_dir(folder)
 
 
+def _descriptor_budget() -> int:
+    """How many finished files of a group may keep their descriptors: all but a margin of
+    the soft limit on open descriptors."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
+        return 512
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    return max(16, soft - 256)
+
+
+def allow_descriptors(count: int) -> None:
+    """Raise the soft limit on open descriptors to ``count`` (at most the hard limit) where
+    it is lower; where it cannot be raised, the save fails as it would have."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < count:
+            ceiling = count if hard == resource.RLIM_INFINITY else min(count, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, ceiling), hard))
+    except (OSError, ValueError):
+        pass
+
+
 class SaveGroup:
     """Files saved together (the shards and index of a checkpoint): renamed into place together.
 
@@ -422,11 +459,17 @@ class SaveGroup:
         fsync: Make the renames durable (the folder is synced after deleting the old seal and
             after the renames).
         seal: The target whose presence vouches for the others, if any.
+        retire: A file of the folder's previous save that this one does not replace but
+            that would vouch for the previous save's other files (its index, when the new
+            save is a single file): deleted before anything is renamed.
     """
 
-    def __init__(self, *, fsync: bool = False, seal: str | None = None) -> None:
+    def __init__(
+        self, *, fsync: bool = False, seal: str | None = None, retire: str | None = None
+    ) -> None:
         self._fsync = fsync
         self._seal = seal
+        self._retire = retire
         self._pending: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
         self.done = False
@@ -439,6 +482,16 @@ class SaveGroup:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise SerializeError(f"{SERIALIZE_PREFIX}the save group is already finished")
+            # Every finished file keeps its descriptor (and so its lock, which tells other
+            # saves' clean-ups it is in use) until the commit. A save of 1,500 shards ran out
+            # of descriptors under the common limit of 1,024: the soft limit is raised as the
+            # group grows, and past what it allows, files are kept without their descriptor.
+            held = sum(1 for p in self._pending if p[2] >= 0)
+            if held and held % 128 == 0:
+                allow_descriptors(held + 256)
+            if held >= _descriptor_budget():
+                os.close(fd)
+                fd = -1
             self._pending.append((tmp, target, fd))
 
     def commit(self) -> list[str]:
@@ -454,7 +507,8 @@ class SaveGroup:
             pending, self._pending = self._pending, []
             self.done = True
         for _, _, fd in pending:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         done: list[str] = []
         folders: dict[str, None] = {}
         if self._seal is not None:
@@ -467,6 +521,13 @@ class SaveGroup:
                     os.unlink(self._seal)
                     if self._fsync:
                         _fsync_dir(os.path.dirname(self._seal) or ".")
+            if self._retire is not None:
+                # An index this save replaces with a single file: gone first, or a crash
+                # before the old shards are cleaned up leaves the old index in charge.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._retire)
+                    if self._fsync:
+                        _fsync_dir(os.path.dirname(self._retire) or ".")
             for tmp, target, _ in pending:
                 try:
                     os.replace(tmp, target)
@@ -491,7 +552,8 @@ class SaveGroup:
             pending, self._pending = self._pending, []
             self.done = True
         for tmp, _, fd in pending:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 

@@ -1,0 +1,197 @@
+"""Sharded saves at their limits: thousands of shards under a small descriptor limit, a
+single file replacing a sharded checkpoint when the clean-up is cut short, an interrupt at
+any line of a streaming write, leftovers of crashed saves, other indexes sharing shards, the
+hub's numeric shard sizes, and loading many shards."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pysafetensors._sharding as sharding
+import pysafetensors._streaming as streaming
+from pysafetensors import StreamingWriter, reshard, safe_open, save_sharded
+from pysafetensors.numpy import load_file, save_file
+
+
+def _tensors(n: int, size: int = 1000) -> dict[str, np.ndarray]:
+    return {f"t{i}": np.full(size, i, np.float32) for i in range(n)}
+
+
+def test_thousands_of_shards_under_a_small_descriptor_limit(tmp_path: Path) -> None:
+    # Soft and hard limit 256: past the budget, finished shards give up their descriptors.
+    code = textwrap.dedent(
+        f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        import numpy as np
+        from pysafetensors import save_sharded
+        from pysafetensors.numpy import load_file
+        state = {{f"t{{i}}": np.full(1000, i, np.float32) for i in range(600)}}
+        plan = save_sharded(state, {str(tmp_path)!r}, max_shard_size="4KB")
+        assert len(plan.filename_to_tensors) == 600
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
+    loaded = load_file(tmp_path)
+    assert all(float(loaded[k][0]) == float(v[0]) for k, v in _tensors(600).items())
+
+
+def test_a_single_file_replacing_shards_wins_even_if_clean_up_is_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_sharded(_tensors(3), tmp_path, max_shard_size="4KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    new = {k: v + 100 for k, v in _tensors(3).items()}
+
+    def interrupted(path: str) -> None:
+        raise KeyboardInterrupt  # the first deletion of the clean-up
+
+    monkeypatch.setattr(sharding.os, "remove", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_sharded(new, tmp_path, max_shard_size="1GB")
+    monkeypatch.undo()
+    # The old index went before the new file was renamed in: the folder opens as the new save.
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    loaded = load_file(tmp_path)
+    assert all(np.array_equal(loaded[k], v) for k, v in new.items())
+
+
+def _write_lines() -> list[int]:
+    source, start = inspect.getsourcelines(streaming.StreamingWriter.write)
+    # From the write's taking of the lock on: every line where an interrupt could land.
+    body = next(i for i, line in enumerate(source) if "self._lock" in line)
+    return [start + i for i in range(body, len(source)) if source[i].strip()]
+
+
+@pytest.mark.parametrize("line", _write_lines())
+def test_an_interrupt_at_any_line_of_a_write_leaves_the_writer_closable(
+    tmp_path: Path, line: int
+) -> None:
+    code = streaming.StreamingWriter.write.__code__
+    fired = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+
+        def local(f: Any, ev: str, a: Any) -> Any:
+            if ev == "line" and f.f_lineno == line and not fired:
+                fired.append(line)
+                raise KeyboardInterrupt  # as if Ctrl-C arrived right here
+            return local
+
+        return local
+
+    path = tmp_path / "x.safetensors"
+    outcome: list[str] = []
+
+    def run() -> None:
+        try:
+            with StreamingWriter(path, {"w": ("F32", (4,))}) as w:
+                sys.settrace(tracer)
+                try:
+                    w.write("w", np.arange(4, dtype=np.float32))
+                finally:
+                    sys.settrace(None)
+            outcome.append("closed")
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), f"close/abort hung after an interrupt at line {line}"
+    if outcome == ["closed"]:  # the line was not reached, or came after the write's work
+        assert np.array_equal(load_file(path)["w"], np.arange(4, dtype=np.float32))
+    else:
+        assert outcome == ["interrupted"] and not path.exists()
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
+
+
+def test_crashed_saves_leave_no_temporary_files_behind(tmp_path: Path) -> None:
+    save_sharded(_tensors(4), tmp_path, max_shard_size="4KB")
+    # What a save killed before its commit leaves: hidden temporary files of its shards.
+    stale = tmp_path / ".model-00003-of-00004.safetensors.0123456789ab.partial"
+    stale.write_bytes(b"x" * 100)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    young = tmp_path / ".model-00004-of-00004.safetensors.ba9876543210.partial"
+    young.write_bytes(b"x")  # perhaps a live save on a file system without locks: kept
+    save_sharded(_tensors(2), tmp_path, max_shard_size="4KB")
+    assert not stale.exists() and young.exists()
+
+
+def test_reshard_in_place_spares_shards_another_index_uses(tmp_path: Path) -> None:
+    save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "s1.safetensors"))
+    save_file({"b": np.ones(4, np.float32)}, str(tmp_path / "s2.safetensors"))
+    index = {
+        "metadata": {"total_size": 32},
+        "weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"},
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    encoder = {"metadata": {"total_size": 16}, "weight_map": {"a": "s1.safetensors"}}
+    (tmp_path / "encoder.safetensors.index.json").write_text(json.dumps(encoder))
+    reshard(
+        tmp_path / "model.safetensors.index.json",
+        tmp_path,
+        20,
+        filename_pattern="new{suffix}.safetensors",
+    )
+    assert (tmp_path / "s1.safetensors").exists() and not (tmp_path / "s2.safetensors").exists()
+    with safe_open(tmp_path / "encoder.safetensors.index.json", "np") as f:
+        assert f.get_tensor("a").tolist() == [1.0] * 4
+
+
+def test_reshard_of_a_folder_s_single_file_replaces_it(tmp_path: Path) -> None:
+    save_file(_tensors(3), str(tmp_path / "model.safetensors"))
+    reshard(tmp_path, tmp_path, "4KB", filename_pattern="other{suffix}.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()
+    with safe_open(tmp_path, "np") as f:
+        assert f.path.endswith("other.safetensors.index.json")
+    # A file named as the source (not its folder) is not deleted.
+    save_file(_tensors(3), str(tmp_path / "extra.safetensors"))
+    reshard(tmp_path / "extra.safetensors", tmp_path / "out", "4KB")
+    reshard(
+        tmp_path / "extra.safetensors", tmp_path, "4KB", filename_pattern="x{suffix}.safetensors"
+    )
+    assert (tmp_path / "extra.safetensors").exists()
+
+
+@pytest.mark.parametrize("size", [8e3, 8000.0, np.int64(8000), 8000.9])
+def test_numeric_shard_sizes_as_the_hub_takes_them(tmp_path: Path, size: Any) -> None:
+    plan = save_sharded(_tensors(4), tmp_path, max_shard_size=size)
+    assert len(plan.filename_to_tensors) == 2
+    with pytest.raises(ValueError, match="finite"):
+        save_sharded(_tensors(4), tmp_path / "x", max_shard_size=float("inf"))
+    with pytest.raises(TypeError):
+        save_sharded(_tensors(4), tmp_path / "y", max_shard_size=True)
+
+
+def test_many_shards_load_and_each_is_checked_against_the_index(tmp_path: Path) -> None:
+    state = _tensors(300, 10)
+    save_sharded(state, tmp_path, max_shard_size=40)
+    with safe_open(tmp_path, "np") as f:
+        assert all(np.array_equal(f.get_tensor(k), v) for k, v in state.items())
+        assert f._by_shard is not None and len(f._by_shard) == 300  # built once, per shard
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["t5"] = index["weight_map"]["t6"]
+    index_path.write_text(json.dumps(index))
+    with safe_open(tmp_path, "np") as f, pytest.raises(Exception, match="t5"):
+        f.get_tensor("t6")
+        f.get_tensor("t5")
