@@ -1041,7 +1041,15 @@ class HTTPSource(RemoteSource):
                         f"{self._name}: redirect ({status}) without a Location header",
                         kind="HTTPError",
                     )
-                url = urllib.parse.urljoin(url, location)
+                try:
+                    url = urllib.parse.urljoin(url, location)
+                    urllib.parse.urlsplit(url).port  # noqa: B018 - a malformed host or port
+                except ValueError as exc:
+                    raise RemoteError(
+                        f"{self._name}: redirect ({status}) to a malformed URL "
+                        f"{_redact(location)} ({exc})",
+                        kind="InvalidURL",
+                    ) from None
                 if url.partition("://")[0].lower() not in ("http", "https"):
                     raise RemoteError(
                         f"{self._name}: redirected ({status}) to {_redact(url)}, which is not "

@@ -141,6 +141,13 @@ def _check_shard_name(name: str, index: str) -> None:
             f"index {index!r} names shard {name!r}, which is not a .safetensors file",
             kind="UnsafeShardName",
         )
+    if "://" in name:
+        # Joined to a local folder it would still read as a URL: a local checkpoint must
+        # never make the loader fetch from the network.
+        raise ShardIndexError(
+            f"index {index!r} names shard {name!r}, which looks like a URL, not a file name",
+            kind="UnsafeShardName",
+        )
 
 
 def _read_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes:

@@ -624,6 +624,8 @@ def _unsafe_shard_name(name: str) -> str | None:
         return "NUL in name"
     if not name.endswith(".safetensors"):
         return "not a .safetensors file"
+    if "://" in name:
+        return "a URL, not a file name (a local index must not make a loader fetch)"
     return None
 
 

@@ -125,8 +125,7 @@ _SAFE_BUILTINS: Final = frozenset({"set", "frozenset", "bytearray", "complex", "
 def grade_global(module: str, name: str) -> Grade:
     """Grade one ``module.name`` global.
 
-    A module that is not a dotted Python name cannot be imported, so it is only suspicious. A
-    dotted ``name`` is refused before any allow-list rule: unpicklers resolve it attribute by
+    A dotted ``name`` is refused before any allow-list rule: unpicklers resolve it attribute by
     attribute (``torch._utils`` + ``_rebuild_tensor.__builtins__.get`` is ``builtins.dict.get``
     on the builtins of that module, a way to ``eval``), so no prefix or table match on the
     first component says anything about the object reached. Dunder components are refused for
@@ -134,11 +133,6 @@ def grade_global(module: str, name: str) -> Grade:
     """
     module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
     full = f"{module}.{name}"
-    if not all(part.isidentifier() for part in module.split(".")):
-        # find_class imports the module before it looks at the name, and no module has such a
-        # name: nothing can be reached (text that parses as INST, e.g. a Python source file
-        # whose "import a, b" reads as opcode `i`, module "mport a, b").
-        return "suspicious"
     if "." in name or any(p.startswith("__") for p in name.split(".")):
         return "dangerous"
     if any(p.startswith("__") for p in module.split(".")) and module != "__main__":

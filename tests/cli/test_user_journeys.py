@@ -251,12 +251,15 @@ def test_a_torch_checkpoint_is_named_as_one(cli, tmp_path: Path) -> None:
         assert "max_header_size=" not in r.err
 
 
-def test_scan_of_python_source_is_not_dangerous(cli, tmp_path: Path) -> None:
-    # "import a, b" reads as opcode INST with module "mport a, b": nothing can import that.
-    path = tmp_path / "tool.py"
-    path.write_text("import os, json\nfrom pathlib import Path\n")
+def test_scan_grades_attribute_chains_through_any_module_name_dangerous(
+    cli, tmp_path: Path
+) -> None:
+    # A folder named "my-data" in the working directory is an importable namespace package:
+    # a module name that is not an identifier proves nothing.
+    path = tmp_path / "chain.pkl"
+    path.write_bytes(b"\x80\x04cmy-data\n__spec__.loader.__class__.__init__.__globals__\n.")
     r = cli("scan", path)
-    assert r.code == 1 and ": suspicious" in r.out
+    assert r.code == 2 and ": dangerous" in r.out
 
 
 def test_header_length_prefix_alone_still_suggests_the_limit(tmp_path: Path) -> None:
@@ -282,3 +285,59 @@ def test_output_closed_early_exits_as_sigpipe_quietly(tmp_path: Path) -> None:
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141 and err == b""
+
+
+def test_output_never_shows_url_credentials_or_signatures(cli, http_server) -> None:
+    base = f"{http_server.url}/sharded/model.safetensors.index.json"
+    secret = base.replace("http://", "http://user:PASSWD@") + "?X-Amz-Signature=QSECRET"
+    for command in (
+        ["inspect", secret],
+        ["inspect", secret, "--json"],
+        ["validate", secret],
+        ["validate", secret, "--json"],
+        ["hash", secret],
+        ["stats", secret, "--json"],
+        ["metadata", "get", secret, "--json"],
+        ["diff", secret, secret],
+    ):
+        r = cli(*command)
+        assert r.code in (0, 1), (command, r.err)
+        assert "PASSWD" not in r.out + r.err and "QSECRET" not in r.out + r.err, command
+
+
+def test_a_local_index_naming_a_url_is_refused(tmp_path: Path) -> None:
+    from pysafetensors import ShardIndexError
+
+    save_file({"a": np.ones(2, np.float32)}, str(tmp_path / "s.safetensors"))
+    index = {"metadata": {"total_size": 8}, "weight_map": {"a": "http://127.0.0.1:9/x.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ShardIndexError, match="looks like a URL"):
+        safe_open(tmp_path, "np")
+
+
+def test_a_malformed_redirect_is_a_remote_error(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    from pysafetensors import RemoteError
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's API
+            self.send_response(302)
+            self.send_header("Location", "http://[::1/x.safetensors")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/m.safetensors"
+        with pytest.raises(RemoteError, match="redirect \\(302\\) to a malformed URL"):
+            safe_open(url, "np")
+    finally:
+        server.shutdown()
+        server.server_close()

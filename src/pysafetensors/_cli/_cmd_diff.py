@@ -31,6 +31,7 @@ from ._common import (
     open_model,
     print_json,
     sanitize,
+    shown,
     to_float64,
     tolerance,
 )
@@ -257,8 +258,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
         return 2 if inconsistent else 0 if result["equal"] else 1
-    ui.line(f"--- {sanitize(args.a)}", style="red")
-    ui.line(f"+++ {sanitize(args.b)}", style="green")
+    ui.line(f"--- {sanitize(shown(args.a))}", style="red")
+    ui.line(f"+++ {sanitize(shown(args.b))}", style="green")
     meta = result["metadata"]
     for key, value in meta["removed"].items():
         ui.line(f"- metadata {sanitize(key)}: {sanitize(value)}", style="red")

@@ -17,6 +17,7 @@ from ._common import (
     plural,
     print_json,
     sanitize,
+    shown,
 )
 
 SCHEMA: Final = "pysafetensors.inspect/1"
@@ -68,7 +69,7 @@ def to_json(model: Model, tensors: list[TensorRef]) -> dict[str, Any]:
         "schema": SCHEMA,
         "target": model.target,
         "sharded": model.sharded,
-        "index": model.located.index_path,
+        "index": shown(model.located.index_path) if model.located.index_path else None,
         "index_metadata": model.index_metadata,
         "metadata": model.metadata,
         "files": [

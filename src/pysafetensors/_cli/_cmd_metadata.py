@@ -13,7 +13,7 @@ from typing import Any, Final
 from .._errors import SafetensorError
 from .._metadata_edit import edit_metadata
 from .._reader import safe_open
-from ._common import Ui, UsageError, open_model, print_json, sanitize, whole_number
+from ._common import Ui, UsageError, open_model, print_json, sanitize, shown, whole_number
 
 SCHEMA: Final = "pysafetensors.metadata/1"
 
@@ -92,18 +92,21 @@ def run_get(args: argparse.Namespace) -> int:
         if meta is None or args.key not in meta:
             # As `metadata delete` says it (exit 1: a negative answer, not a usage error).
             raise SafetensorError(
-                f"{args.target}: metadata has no key {args.key!r}", kind="MetadataKeyNotFound"
+                f"{shown(args.target)}: metadata has no key {args.key!r}",
+                kind="MetadataKeyNotFound",
             )
         value = meta[args.key]
         if args.json:
-            print_json({"schema": SCHEMA, "target": args.target, "key": args.key, "value": value})
+            print_json(
+                {"schema": SCHEMA, "target": shown(args.target), "key": args.key, "value": value}
+            )
         elif args.raw:
             sys.stdout.write(value + "\n")
         else:
             ui.line(sanitize(value))
         return status
     if args.json:
-        print_json({"schema": SCHEMA, "target": args.target, "metadata": meta})
+        print_json({"schema": SCHEMA, "target": shown(args.target), "metadata": meta})
         return status
     if not meta:
         ui.note("no metadata" if meta is None else "empty metadata")

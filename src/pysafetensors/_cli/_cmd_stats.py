@@ -26,6 +26,7 @@ from ._common import (
     open_model,
     print_json,
     sanitize,
+    shown,
     to_float64,
 )
 
@@ -195,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(
             {
                 "schema": SCHEMA,
-                "target": args.target,
+                "target": shown(args.target),
                 "tensors": [
                     {"name": r.name, "dtype": r.dtype.code, "shape": list(r.shape), **s.as_dict()}
                     for r, s in results

@@ -7,7 +7,7 @@ import os
 from typing import Any, Final
 
 from .._validate import Problem, locate_model, validate
-from ._common import Ui, print_json, sanitize
+from ._common import Ui, print_json, sanitize, shown
 
 SCHEMA: Final = "pysafetensors.validate/1"
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(
             {
                 "schema": SCHEMA,
-                "target": args.target,
+                "target": shown(args.target),
                 "strict": args.strict,
                 "valid": not problems,
                 "errors": errors,
@@ -74,13 +74,14 @@ def run(args: argparse.Namespace) -> int:
         ui.line(_line(p), style="red" if p.severity == "error" else "yellow")
     if problems:
         ui.line(
-            f"{sanitize(args.target)}: {errors} error{'s' * (errors != 1)}, "
+            f"{sanitize(shown(args.target))}: {errors} error{'s' * (errors != 1)}, "
             f"{warnings} warning{'s' * (warnings != 1)}",
             style="bold",
         )
         return 1
     what = f"{len(located.files)} files" if located.sharded else "file"
     ui.line(
-        f"{sanitize(args.target)}: OK ({what} valid{', strict' if args.strict else ''})", "green"
+        f"{sanitize(shown(args.target))}: OK ({what} valid{', strict' if args.strict else ''})",
+        "green",
     )
     return 0

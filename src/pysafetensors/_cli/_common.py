@@ -42,6 +42,7 @@ __all__ = [
     "check_source",
     "human_count",
     "make_parent",
+    "shown",
     "open_model",
     "print_json",
     "sanitize",
@@ -64,6 +65,16 @@ class UsageError(SafetensorError):
     """Raised when the command line asks for something impossible (exit code 2)."""
 
     exit_code = 2
+
+
+def shown(target: str) -> str:
+    """A target as output shows it: a URL without its credentials and query string (a
+    password or a signed URL's signature must not reach the terminal, logs or JSON)."""
+    if "://" not in target:
+        return target
+    from .._remote import _redact
+
+    return _redact(target)
 
 
 def make_parent(path: str) -> None:
@@ -280,7 +291,8 @@ class Model:
         for p in self.index_problems:
             where = f" (tensor {sanitize(repr(p.tensor))})" if p.tensor is not None else ""
             print(
-                f"warning: {sanitize(self.target)}: {sanitize(p.file or '')} [{p.code}]{where}: "
+                f"warning: {sanitize(self.target)}: {sanitize(self.label(p.file or ''))} "
+                f"[{p.code}]{where}: "
                 f"{sanitize(p.message)} (run `pysafetensors validate`)",
                 file=sys.stderr,
             )
@@ -291,12 +303,19 @@ class Model:
         if self.index_problems:
             p = self.index_problems[0]
             raise SafetensorError(
-                f"{self.target}: {p.file}: {p.message}"
+                f"{self.target}: {self.label(p.file or '')}: {p.message}"
                 + (f" (tensor {p.tensor!r})" if p.tensor is not None else "")
                 + f"; {len(self.index_problems)} problem(s), run `pysafetensors validate`",
                 kind=p.code,
                 tensor=p.tensor,
             )
+
+    def label(self, label: str) -> str:
+        """A file's label as output shows it: without a URL's query string (a signature)."""
+        if "://" not in self.target:
+            return label
+        base, query, _ = label.partition("?")
+        return base + ("?..." if query else "")
 
     @property
     def sharded(self) -> bool:
@@ -359,7 +378,7 @@ def open_model(target: str) -> Model:
             f"{first.file}: {first.message} (run `pysafetensors validate` for every problem)",
             kind=first.code,
         )
-    model = Model(target, located)
+    model = Model(shown(target), located)
     try:
         for path, label in zip(located.files, located.labels, strict=True):
             source = open_source_for(path, "pread")
@@ -368,7 +387,7 @@ def open_model(target: str) -> Model:
             except BaseException:
                 source.close()
                 raise
-            shard = ShardFile(label, path, source, header)
+            shard = ShardFile(shown(label), path, source, header)
             model.files.append(shard)
             for info in header.tensors.values():
                 if info.name in model.tensors:
