@@ -311,7 +311,12 @@ class LazyModule:
         self._name = name
 
     def __getattr__(self, attribute: str) -> Any:
-        module = importlib.import_module(self._name)
+        name = self.__dict__.get("_name")
+        if name is None:
+            # Copying or unpickling looks attributes up on an instance whose __dict__ is not
+            # filled yet (reading self._name here recursed).
+            raise AttributeError(attribute)
+        module = importlib.import_module(name)
         return getattr(module, attribute)
 
     def __repr__(self) -> str:

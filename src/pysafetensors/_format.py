@@ -453,7 +453,7 @@ class _TrailingCharacters(HeaderDecodeError):
 
 
 def _serde_syntax_error(
-    text: str, exc: json.JSONDecodeError, decoder: json.JSONDecoder, prefix_text: str
+    text: str, fallback: str, decoder: json.JSONDecoder, prefix_text: str
 ) -> HeaderDecodeError:
     """The error serde_json reports first for a header ``json`` found malformed: its syntax
     error, in its words and at its position (:mod:`_serde_syntax`), unless it would meet a
@@ -462,11 +462,9 @@ def _serde_syntax_error(
         # The top level is read as a map: a sequence is refused before it is parsed.
         return _decode_error(prefix_text, "invalid type: sequence, expected struct HashMetadata")
     raw = text.encode("utf-8", "surrogatepass")
-    found = first_syntax_error(raw)
-    if found is None:  # pragma: no cover - both parsers refuse the same documents
-        return _decode_error(
-            prefix_text, f"{_serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}"
-        )
+    found = first_syntax_error(raw, _serde_number_in_range)
+    if found is None:  # a header too large to walk (see WALK_LIMIT): Python's words
+        return _decode_error(prefix_text, fallback)
     if found.typed:
         # __metadata__ is deserialized where it stands: a type error there comes first.
         where = " (in __metadata__)" if found.message.endswith("a string") else ""
@@ -488,15 +486,18 @@ def _decode_json(text: str, prefix_text: str) -> Any:
     try:
         return decoder.decode(text)
     except json.JSONDecodeError as exc:
-        raise _serde_syntax_error(text, exc, decoder, prefix_text) from None
+        fallback = f"{_serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}"
+        raise _serde_syntax_error(text, fallback, decoder, prefix_text) from None
     except ValueError as exc:  # raised by our number and constant hooks
         detail = str(exc)
         if "integer string conversion" in detail:
             # Python refuses > 4300 digits; serde reads such a literal as an f64 and overflows.
             detail = "number out of range"
-        raise _decode_error(prefix_text, detail) from None
+        # NaN, Infinity, a number out of range, or a lone surrogate before them: serde's first
+        # problem, where it places it.
+        raise _serde_syntax_error(text, detail, decoder, prefix_text) from None
     except RecursionError:
-        raise _decode_error(prefix_text, "recursion limit exceeded") from None
+        raise _serde_syntax_error(text, "recursion limit exceeded", decoder, prefix_text) from None
 
 
 def _u64(value: Any) -> bool:
@@ -1094,7 +1095,7 @@ def _serde_first(text: str, exc: HeaderDecodeError, prefix_text: str) -> HeaderD
     """``exc`` (a problem pass 1 found while streaming the header) as serde words and places
     it: which of a lone surrogate's two messages applies, and where, needs its escapes."""
     found = first_syntax_error(text.encode("utf-8", "surrogatepass"))
-    if found is None or found.message == "trailing characters":  # pragma: no cover
+    if found is None or found.message == "trailing characters":  # too large to walk
         return exc
     if found.typed:
         where = " (in __metadata__)" if found.message.endswith("a string") else ""

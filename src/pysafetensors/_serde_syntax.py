@@ -15,10 +15,11 @@ Pure: no I/O, no state between calls.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["SyntaxErrorAt", "first_syntax_error"]
+__all__ = ["WALK_LIMIT", "SyntaxErrorAt", "first_syntax_error"]
 
 #: serde_json's ``remaining_depth`` at the start: the 128th nested container is refused.
 _RECURSION_LIMIT: Final = 128
@@ -63,8 +64,9 @@ def _position(data: bytes, index: int) -> tuple[int, int]:
 class _Walk:
     """serde_json's parser over ``data``, keeping only what decides its errors."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, number_in_range: Callable[[str], bool] | None) -> None:
         self.data = data
+        self.number_in_range = number_in_range
         self.n = len(data)
         self.pos = 0
         self.remaining_depth = _RECURSION_LIMIT
@@ -102,6 +104,14 @@ class _Walk:
                 raise self.error("expected ident")
 
     def number(self) -> None:
+        start = self.pos - 1 if self.pos and self.data[self.pos - 1] == 0x2D else self.pos
+        self.digits()
+        if self.number_in_range is not None and not self.number_in_range(
+            self.data[start : self.pos].decode("ascii")
+        ):
+            raise self.error("number out of range")
+
+    def digits(self) -> None:
         # parse_integer (after an optional '-', already eaten)
         first = self.next_byte()
         if first is None:
@@ -360,14 +370,25 @@ def _is_metadata_key(raw: bytes) -> bool:
         return False
 
 
-def first_syntax_error(data: bytes) -> SyntaxErrorAt | None:
-    """serde_json's first syntax error in ``data`` (a header's bytes), or None.
+#: Headers walked at most: the walk costs ~0.7 us a byte in Python, so a malformed header of
+#: 100 MB would take over a minute to refuse. Larger ones keep Python's wording and position.
+WALK_LIMIT: Final = 1 << 20
 
-    Type errors are not looked for (a document can be well formed and still not a header);
-    nor are numbers out of f64 range, which the caller finds as it decodes. After the
-    top-level value, anything but whitespace is ``trailing characters``.
+
+def first_syntax_error(
+    data: bytes, number_in_range: Callable[[str], bool] | None = None
+) -> SyntaxErrorAt | None:
+    """serde_json's first syntax error in ``data`` (a header's bytes), or None (also for a
+    header over :data:`WALK_LIMIT` bytes, which is not walked).
+
+    Type errors are not looked for (a document can be well formed and still not a header),
+    but for ``__metadata__``'s (see :attr:`SyntaxErrorAt.typed`); numbers are checked with
+    ``number_in_range`` (serde's f64 conversion) where given. After the top-level value,
+    anything but whitespace is ``trailing characters``.
     """
-    walk = _Walk(data)
+    if len(data) > WALK_LIMIT:
+        return None
+    walk = _Walk(data, number_in_range)
     try:
         walk.document()
         if walk.whitespace() is not None:

@@ -161,6 +161,12 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
                 f"Unsupported slice index at position {dim}: expected slice, int, or ellipsis",
                 kind="InvalidSlice",
             )
+        elif dim < ndim and operator.index(item) + shape[dim] < 0:
+            # Negative indices are resolved as the items are read, in order.
+            raise SliceError(
+                f"Invalid index {operator.index(item)} for dimension {dim} of size {shape[dim]}",
+                kind="SliceOutOfRange",
+            )
     if len(expanded) > ndim:
         raise SliceError(
             f"Error during slicing {shown} with shape {list(shape)}: more slicing "

@@ -194,6 +194,8 @@ def test_slice_error_texts_match_the_reference(model: Path) -> None:
     cases += [(0, 1.5), (slice(None, None, 0),), (..., slice(None, None, -1)), (0, 0, 0, "a")]
     # Negative indices first, then those past the end from the last dimension back.
     cases += [(5, 5, 0), (5, 5, 5), (2, 7, 0), (-9, 9, 9), (9, -9), (1, -5, 9)]
+    # ... a negative one in item order, before a later item's type or step is looked at.
+    cases += [(-4, slice(None, None, 0)), (-4, "x"), (4, -5, 1.0)]
     with ref.safe_open(str(model), "np") as r, safe_open(model, "np") as o:
         for index in cases:
             theirs = _outcome(lambda i=index: r.get_slice("a")[i])

@@ -96,6 +96,14 @@ CASES = [
     '{"__metadata__":{},"__metadata__":x',
     '{"__metadata__":{"a":"b"} x',
     '{"__metadata__":nul',
+    # what Python's json refuses through our hooks or its own recursion limit
+    '{"a": Infinity}',
+    '{"a": -Infinity}',
+    '{"a": NaN}',
+    '{"\\ud800": 1, "a": NaN}',
+    '{"a": [1e400]}',
+    '{"a":' + "[" * 130 + "1e400",
+    '{"a":' + "[" * 3000 + "]" * 3000 + "}",
     # integers outside i64/u64 are f64 to serde
     '{"__metadata__":18446744073709551616}',
     '{"__metadata__":{"a":-9223372036854775809}}',
@@ -139,3 +147,23 @@ def test_random_edits_are_refused_in_the_reference_s_words() -> None:
 def test_a_valid_document_has_no_syntax_error() -> None:
     assert first_syntax_error(_BASE.encode()) is None
     assert first_syntax_error(b'  {"a": [1, -0.5e-3, true, null, "\\ud83d\\ude00"]}\n') is None
+
+
+def test_a_header_too_large_to_walk_keeps_python_s_words_quickly() -> None:
+    from pysafetensors._serde_syntax import WALK_LIMIT
+
+    header = "[" + "0," * (WALK_LIMIT // 2 + 10) + "]"  # a trailing comma, past the limit
+    assert first_syntax_error(header.encode()) is None
+    with pytest.raises(pysafetensors.SafetensorError, match="invalid JSON in header"):
+        pysafetensors.deserialize(_file('{"a":' + header[:-1] + "x]}"))
+
+
+def test_lazy_modules_copy_and_pickle() -> None:
+    import copy
+    import pickle
+
+    from pysafetensors._adapter import LazyModule
+
+    lazy = LazyModule("json")
+    for clone in (copy.copy(lazy), copy.deepcopy(lazy), pickle.loads(pickle.dumps(lazy))):
+        assert clone.dumps([1]) == "[1]"

@@ -1,7 +1,8 @@
 """``pysafetensors merge``: merge a sharded checkpoint into one ``.safetensors`` file.
 
 Tensor bytes are copied file to file, never decoded; the output is byte-identical to saving the
-same tensors in one ``save_file`` call with ``{"format": "pt", ...index metadata}``.
+same tensors in one ``save_file`` call with the model's metadata (what every shard agrees on,
+then the index's; the source's ``format``, else ``"pt"``).
 """
 
 from __future__ import annotations
