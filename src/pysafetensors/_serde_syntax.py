@@ -257,6 +257,30 @@ class _Walk:
             raise AssertionError  # pragma: no cover
         raise _Found(f"invalid type: {found}, expected {expected}", self.pos, typed=True)
 
+    def next_item(self, top: list[object], close: int, what: str, separators: str) -> bool:
+        """Between items of the open container ``top`` (serde's ``has_next_element`` and
+        ``has_next_key``): True when it closes here (its ``close`` byte eaten), else False at
+        its next item."""
+        byte = self.whitespace()
+        if byte is None:
+            raise self.peek_error(f"EOF while parsing {what}")
+        if byte == close:
+            self.pos += 1
+            self.remaining_depth += 1
+            return True
+        if top[1]:
+            top[1] = False
+            return False
+        if byte != 0x2C:  # ','
+            raise self.peek_error(f"expected {separators}")
+        self.pos += 1
+        after = self.whitespace()
+        if after == close:
+            raise self.peek_error("trailing comma")
+        if after is None:
+            raise self.peek_error("EOF while parsing a value")
+        return False
+
     def document(self) -> None:
         """Walk the whole document."""
         # Open containers, innermost last: [kind, first element still to come, is __metadata__].
@@ -267,50 +291,17 @@ class _Walk:
             stack.append([opened, True, False])
         while stack:
             top = stack[-1]
-            byte = self.whitespace()
             if top[0] == "seq":
-                if byte is None:
-                    raise self.peek_error("EOF while parsing a list")
-                if byte == 0x5D:  # ']'
-                    self.pos += 1
-                    self.remaining_depth += 1
+                if self.next_item(top, 0x5D, "a list", "`,` or `]`"):
                     stack.pop()
                     continue
-                if top[1]:
-                    top[1] = False
-                elif byte == 0x2C:  # ','
-                    self.pos += 1
-                    after = self.whitespace()
-                    if after == 0x5D:
-                        raise self.peek_error("trailing comma")
-                    if after is None:
-                        raise self.peek_error("EOF while parsing a value")
-                else:
-                    raise self.peek_error("expected `,` or `]`")
                 opened = self.value()
             else:
-                if byte is None:
-                    raise self.peek_error("EOF while parsing an object")
-                if byte == 0x7D:  # '}'
-                    self.pos += 1
-                    self.remaining_depth += 1
+                if self.next_item(top, 0x7D, "an object", "`,` or `}`"):
                     stack.pop()
                     continue
-                if top[1]:
-                    top[1] = False
-                    if byte != 0x22:
-                        raise self.peek_error("key must be a string")
-                elif byte == 0x2C:
-                    self.pos += 1
-                    after = self.whitespace()
-                    if after == 0x7D:
-                        raise self.peek_error("trailing comma")
-                    if after is None:
-                        raise self.peek_error("EOF while parsing a value")
-                    if after != 0x22:
-                        raise self.peek_error("key must be a string")
-                else:
-                    raise self.peek_error("expected `,` or `}`")
+                if self.peek() != 0x22:
+                    raise self.peek_error("key must be a string")
                 self.pos += 1  # the key's opening quote
                 key_start = self.string()
                 is_metadata = len(stack) == 1 and _is_metadata_key(self.data[key_start : self.pos])
