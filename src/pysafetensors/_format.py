@@ -76,7 +76,7 @@ from ._errors import (
     TensorInfoError,
     not_an_instance,
 )
-from ._serde_syntax import first_syntax_error
+from ._serde_syntax import SyntaxErrorAt, first_syntax_error
 
 __all__ = [
     "DESERIALIZE_PREFIX",
@@ -465,10 +465,6 @@ def _serde_syntax_error(
     found = first_syntax_error(raw, _serde_number_in_range)
     if found is None:  # a header too large to walk (see WALK_LIMIT): Python's words
         return _decode_error(prefix_text, fallback)
-    if found.typed:
-        # __metadata__ is deserialized where it stands: a type error there comes first.
-        where = " (in __metadata__)" if found.message.endswith("a string") else ""
-        return _decode_error(prefix_text, found.message + where)
     if found.message == "trailing characters":
         trailing = _TrailingCharacters(
             f"{prefix_text}invalid JSON in header: {found}",
@@ -478,7 +474,19 @@ def _serde_syntax_error(
         start = len(text) - len(text.lstrip(" \t\n\r"))
         trailing.value = decoder.raw_decode(text, start)[0]
         return trailing
-    return _decode_error(prefix_text, str(found))
+    return _walked_error(found, prefix_text)
+
+
+def _walked_error(
+    found: SyntaxErrorAt, prefix_text: str, tensor: str | None = None
+) -> HeaderDecodeError:
+    """The error for serde's first problem as the walk found it: a syntax error with its line
+    and column; a type error in ``__metadata__`` (deserialized where it stands, so it comes
+    first) worded as the other metadata type errors are."""
+    if found.typed:
+        where = " (in __metadata__)" if found.message.endswith("a string") else ""
+        return _decode_error(prefix_text, found.message + where)
+    return _decode_error(prefix_text, str(found), tensor)
 
 
 def _decode_json(text: str, prefix_text: str) -> Any:
@@ -1043,7 +1051,7 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
             # it is the error it meets first.
             found = first_syntax_error(text.encode("utf-8", "surrogatepass"))
             if found is not None and not found.typed and found.message != "trailing characters":
-                raise _decode_error(prefix_text, str(found))
+                raise _walked_error(found, prefix_text)
         raise _decode_error(
             prefix_text, f"invalid type: {_describe(obj)}, expected struct HashMetadata"
         )
@@ -1097,10 +1105,7 @@ def _serde_first(text: str, exc: HeaderDecodeError, prefix_text: str) -> HeaderD
     found = first_syntax_error(text.encode("utf-8", "surrogatepass"))
     if found is None or found.message == "trailing characters":  # too large to walk
         return exc
-    if found.typed:
-        where = " (in __metadata__)" if found.message.endswith("a string") else ""
-        return _decode_error(prefix_text, found.message + where)
-    return _decode_error(prefix_text, str(found), exc.tensor)
+    return _walked_error(found, prefix_text, exc.tensor)
 
 
 def _check_entries_fast(

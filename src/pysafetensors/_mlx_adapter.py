@@ -11,6 +11,7 @@ MLX dtypes are resolved by name from the one table in ``_dtypes`` (``mx.bool_`` 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Final
 
 import numpy as np
@@ -35,20 +36,25 @@ def _mx_attr(name: str) -> Any:
     return getattr(mx, name, None) or getattr(mx, name + "_", None)
 
 
-# Resolved once from the shared table; types this MLX lacks (float8, float6, float4) are absent.
-_TO_MX: Final[dict[str, Any]] = {
-    d.code: _mx_attr(d.numpy)
-    for d in DTYPES
-    if d.numpy and not d.packed and isinstance(_mx_attr(d.numpy), mx.Dtype)
-}
-_FROM_MX: Final[dict[Any, DType]] = {_TO_MX[d.code]: d for d in DTYPES if d.code in _TO_MX}
-#: Unsigned integer carriers by byte width: the bits cross numpy <-> MLX unchanged as these.
-_CARRIER: Final[dict[int, tuple[Any, Any]]] = {
-    1: (np.uint8, mx.uint8),
-    2: (np.uint16, mx.uint16),
-    4: (np.uint32, mx.uint32),
-    8: (np.uint64, mx.uint64),
-}
+@functools.cache
+def _tables() -> tuple[dict[str, Any], dict[Any, DType], dict[int, tuple[Any, Any]]]:
+    """``(code -> mx dtype, mx dtype -> DType, byte width -> (numpy, mx) unsigned carrier)``,
+    resolved once, at first use (building them imports MLX), from the shared table; types this
+    MLX lacks (float8, float6, float4) are absent. The carriers take the bits across numpy <->
+    MLX unchanged."""
+    to_mx = {
+        d.code: _mx_attr(d.numpy)
+        for d in DTYPES
+        if d.numpy and not d.packed and isinstance(_mx_attr(d.numpy), mx.Dtype)
+    }
+    from_mx = {to_mx[d.code]: d for d in DTYPES if d.code in to_mx}
+    carriers = {
+        1: (np.uint8, mx.uint8),
+        2: (np.uint16, mx.uint16),
+        4: (np.uint32, mx.uint32),
+        8: (np.uint64, mx.uint64),
+    }
+    return to_mx, from_mx, carriers
 
 
 def _refuse(dtype: DType) -> DTypeNotSupportedError:
@@ -71,10 +77,10 @@ class MlxAdapter:
     def from_bytes(
         self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device
     ) -> Any:
-        target = _TO_MX.get(dtype.code)
+        target = _tables()[0].get(dtype.code)
         if target is None:
             raise _refuse(dtype)
-        np_carrier, mx_carrier = _CARRIER[dtype.bits // 8]
+        np_carrier, mx_carrier = _tables()[2][dtype.bits // 8]
         # mx.array copies, so views of a memory map are not kept alive.
         bits = mx.array(_NUMPY.from_bytes(buf, dtype, shape, device).view(np_carrier))
         return bits if target == mx_carrier else bits.view(target)
@@ -86,7 +92,7 @@ class MlxAdapter:
             # As the reference: anything np.asarray takes (Python numbers, nested lists).
             return _NUMPY.to_data(name, as_array(name, tensor, "mlx.core.array or numpy.ndarray"))
         try:
-            dtype = _FROM_MX[tensor.dtype]
+            dtype = _tables()[1][tensor.dtype]
         except KeyError:
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "
@@ -94,7 +100,7 @@ class MlxAdapter:
                 kind="UnknownDtype",
                 tensor=name,
             ) from None
-        np_carrier, mx_carrier = _CARRIER[dtype.bits // 8]
+        np_carrier, mx_carrier = _tables()[2][dtype.bits // 8]
         bits = tensor if tensor.dtype == mx_carrier else tensor.view(mx_carrier)
         # np.asarray reads the MLX buffer without a copy (it evaluates lazy arrays first).
         return _NUMPY.to_data(name, np.asarray(bits).view(numpy_dtype(dtype)))

@@ -40,7 +40,11 @@ paddle: Any = LazyModule("paddle")
 __all__ = ["ADAPTER", "PaddleAdapter", "paddle_dtype"]
 
 _NUMPY: Final = NumpyAdapter()
-_VERSION: Final[str] = str(getattr(paddle, "__version__", "?"))
+
+
+def _version() -> str:
+    """This Paddle's version, for messages (looked up then: reading it imports Paddle)."""
+    return str(getattr(paddle, "__version__", "?"))
 
 
 def _type_name(paddle_type: Any) -> str:
@@ -64,10 +68,15 @@ def _resolve(name: str) -> Any:
     return value
 
 
-# Resolved once from the shared table; dtypes this Paddle lacks are simply absent.
-_TO_PADDLE: Final[dict[str, Any]] = {
-    d.code: _resolve(d.name) for d in DTYPES if not d.packed and _resolve(d.name) is not None
-}
+@functools.cache
+def to_paddle() -> dict[str, Any]:
+    """Dtype code to this Paddle's dtype, resolved once from the shared table, at first use
+    (resolving imports Paddle); dtypes this Paddle lacks are simply absent."""
+    return {
+        d.code: _resolve(d.name) for d in DTYPES if not d.packed and _resolve(d.name) is not None
+    }
+
+
 #: The text of a Paddle place object.
 _PLACE: Final = re.compile(r"Place\((cpu|gpu:\d+)\)")
 #: Signed integer carriers by byte width (``to_tensor`` takes every signed width).
@@ -81,10 +90,10 @@ def paddle_dtype(dtype: DType) -> Any:
         DTypeNotSupportedError: Paddle has no such dtype.
     """
     try:
-        return _TO_PADDLE[dtype.code]
+        return to_paddle()[dtype.code]
     except KeyError:
         raise DTypeNotSupportedError(
-            f"Dtype not understood: {dtype.code} (Paddle {_VERSION} has no such "
+            f"Dtype not understood: {dtype.code} (Paddle {_version()} has no such "
             "dtype; load it with framework='numpy' instead)",
             kind="DtypeNotUnderstood",
         ) from None
@@ -126,7 +135,7 @@ class PaddleAdapter:
         dev = parse_device(device)
         if dev.type in ("cuda", "anonymous") and not paddle.device.is_compiled_with_cuda():
             raise DeviceError(
-                f"device {dev} was requested but Paddle {_VERSION} was built without "
+                f"device {dev} was requested but Paddle {_version()} was built without "
                 "CUDA; use device='cpu'",
                 kind="InvalidDevice",
             )

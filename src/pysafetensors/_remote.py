@@ -219,6 +219,12 @@ def _sendable_header(name: str, value: str) -> bool:
     return "\r" not in text and "\n" not in text
 
 
+def shown_location(path: str) -> str:
+    """A path or URL as messages and output show it: a URL without its credentials and query
+    string (a password or a signed URL's signature must not reach a terminal, logs or JSON)."""
+    return _redact(path) if "://" in path else path
+
+
 def _redact(url: str) -> str:
     """Drop credentials and the query string (signed URLs carry secrets there).
 

@@ -36,7 +36,7 @@ from ._reader import (
     open_source_for,
     safe_open,
 )
-from ._remote import _redact, url_dirname, url_join, url_path
+from ._remote import shown_location, url_dirname, url_join, url_path
 from ._sharding import declared_total_size
 from ._sources import ByteSource
 
@@ -75,7 +75,7 @@ def _is_url(path: str) -> bool:
 def _shown(path: str) -> str:
     """A path or URL for an error message: a URL without its credentials and query string
     (user:password, a signed URL's signature)."""
-    return repr(_redact(path) if _is_url(path) else path)
+    return repr(shown_location(path))
 
 
 def _join(base: str, name: str) -> str:

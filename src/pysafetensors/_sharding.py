@@ -37,7 +37,14 @@ import numpy as np
 from ._adapter import Adapter, get_adapter
 from ._errors import SerializeError, write_error
 from ._format import MAX_HEADER_SIZE
-from ._writer import SaveGroup, TensorData, atomic_output, remove_stale_partial, write_file
+from ._writer import (
+    SaveGroup,
+    TensorData,
+    atomic_output,
+    partial_target,
+    remove_stale_partial,
+    write_file,
+)
 
 __all__ = [
     "COMPUTED_KEYS",
@@ -418,10 +425,6 @@ def write_checkpoint(
         remove_stale_files(folder, filename_pattern, written)
 
 
-#: A save's temporary file: ``.<target name>.<12 hex digits>.partial`` (see ``_writer``).
-_PARTIAL: Final = re.compile(r"\.(.+)\.[0-9a-f]{12}\.partial")
-
-
 def remove_stale_files(
     folder: str | os.PathLike[str],
     filename_pattern: str,
@@ -445,8 +448,8 @@ def remove_stale_files(
     # (and open as) shards that are half gone.
     names = sorted(os.listdir(folder), key=lambda n: (not n.endswith(".index.json"), n))
     for name in names:
-        leftover = _PARTIAL.fullmatch(name)
-        if leftover is not None and regex.fullmatch(leftover.group(1)):
+        target = partial_target(name)
+        if target is not None and regex.fullmatch(target):
             # A crashed save's temporary file of this pattern (a save to another shard count
             # never targets its name again, so nothing else would remove it).
             if remove_stale_partial(os.path.join(folder, name)):

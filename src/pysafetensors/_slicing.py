@@ -176,20 +176,14 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
     expanded.extend([slice(None)] * (ndim - len(expanded)))
 
     out: list[int | range] = []
-    for dim, (item, size) in enumerate(zip(expanded, shape, strict=True)):
+    for item, size in zip(expanded, shape, strict=True):
         if isinstance(item, slice):
             step = 1 if item.step is None else operator.index(item.step)
             start, stop, step = slice(item.start, item.stop, step).indices(size)
             out.append(range(start, max(start, stop), step))
             continue
-        value = operator.index(item)
-        wrapped = value + size if value < 0 else value
-        if wrapped < 0:
-            raise SliceError(
-                f"Invalid index {value} for dimension {dim} of size {size}",
-                kind="SliceOutOfRange",
-            )
-        out.append(wrapped)
+        value = operator.index(item)  # not below -size: refused above
+        out.append(value + size if value < 0 else value)
     # As the reference: indices past the end are checked last dimension first, once every
     # negative one has been.
     for dim in reversed(range(ndim)):

@@ -876,14 +876,17 @@ class Checkpoint:
             for k, v in self.non_tensors.items()
         }
 
-    def _located(self, key: str) -> tuple[FileBytes, int, str | None]:
-        """Where a storage's bytes lie as they are: ``(file, offset, member to CRC-check)``.
+    def _located(self, key: str, start: int, length: int) -> tuple[FileBytes, int, str | None]:
+        """Where bytes ``start .. start+length`` of a storage lie as they are: ``(file, offset
+        of the storage, member to CRC-check)``, refusing a range past the storage's end.
 
         A DEFLATE member (torch never writes one) is inflated once, CRC-checked, into an
         unlinked temporary file: reading its tensors one by one re-inflated it from its start
         each time (137 ms per 4-byte tensor of a 20 MB member, hours for 100,000 of them).
         """
         loc = self._storages[key]
+        if start < 0 or length < 0 or start + length > loc.nbytes:
+            raise _bad(f"read past the end of storage {key}")
         if self._zip is None or loc.member is None:
             return self._file, loc.offset, None
         member = self._zip.members[loc.member]
@@ -909,11 +912,8 @@ class Checkpoint:
 
     def storage_chunks(self, key: str, start: int, length: int) -> Iterator[bytes | bytearray]:
         """Yield bytes ``start .. start+length`` of a storage, in bounded pieces."""
-        loc = self._storages[key]
-        if start < 0 or length < 0 or start + length > loc.nbytes:
-            raise _bad(f"read past the end of storage {key}")
-        file, base, member = self._located(key)
-        if member is not None and start == 0 and length == loc.nbytes:
+        file, base, member = self._located(key, start, length)
+        if member is not None and start == 0 and length == self._storages[key].nbytes:
             yield from self._crc_checked(member, length)
         else:
             yield from file.chunks(base + start, length)
@@ -931,10 +931,7 @@ class Checkpoint:
         """Bytes ``start .. start+length`` of a storage as a read-only uint8 array: read into
         memory when small, else a read-only mapping of the file (page cache, not the heap:
         a transposed gigabyte needs its whole span at once)."""
-        loc = self._storages[key]
-        if start < 0 or length < 0 or start + length > loc.nbytes:
-            raise _bad(f"read past the end of storage {key}")
-        file, base, _ = self._located(key)
+        file, base, _ = self._located(key, start, length)
         if length <= CHUNK:
             return np.frombuffer(file.read(base + start, length), np.uint8)
         return file.mapped(base + start, length)

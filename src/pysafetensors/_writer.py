@@ -18,6 +18,7 @@ import contextlib
 import errno
 import glob
 import os
+import re
 import secrets
 import stat
 import threading
@@ -291,6 +292,16 @@ def _clean_stale_partials(target: str) -> None:
         remove_stale_partial(stale)
 
 
+#: A save's temporary file: ``.<target name>.<12 hex digits>.partial`` (see _atomic_output).
+_PARTIAL: Final = re.compile(r"\.(.+)\.[0-9a-f]{12}\.partial")
+
+
+def partial_target(name: str) -> str | None:
+    """The target file name whose save's temporary file ``name`` is, if it is one."""
+    found = _PARTIAL.fullmatch(name)
+    return None if found is None else found.group(1)
+
+
 def remove_stale_partial(path: str) -> bool:
     """Delete the temporary file ``path`` if a crashed save left it; whether it did."""
     # A live save holds a lock on its temporary file (a streaming writer may sit idle for
@@ -359,6 +370,7 @@ def _atomic_output(
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
     _clean_stale_partials(target)
     tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.partial")
+    # (The name's form is what partial_target() reads back.)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     _lock_partial(fd)  # marks it live for _clean_stale_partials of other saves
     owner = os.getpid()

@@ -37,7 +37,7 @@ from ._api import (
 )
 from ._dtypes import dtype_from_code
 from ._errors import SerializeError
-from ._paddle_adapter import _TO_PADDLE, ADAPTER
+from ._paddle_adapter import ADAPTER, to_paddle
 from ._reader import safe_open
 
 __all__ = [
@@ -148,7 +148,7 @@ def load_file(
 
 
 # The reference's module-level names, for code that imports them from safetensors.paddle.
-_TYPES: dict[str, Any] = dict(_TO_PADDLE)
+_TYPES: dict[str, Any] = dict(to_paddle())
 """Format code to Paddle dtype, for every dtype this Paddle can hold."""
 
 _SIZE: dict[Any, int] = {t: dtype_from_code(c).bits // 8 for c, t in _TYPES.items()}

@@ -25,6 +25,7 @@ from .._dtypes import DType
 from .._errors import SafetensorError
 from .._format import Header
 from .._reader import open_source_for, read_header
+from .._remote import shown_location as shown
 from .._sharding import as_header_metadata, model_metadata
 from .._sources import ByteSource
 from .._validate import ModelFiles, Problem, index_problems, iter_tensor_chunks, locate_model
@@ -65,16 +66,6 @@ class UsageError(SafetensorError):
     """Raised when the command line asks for something impossible (exit code 2)."""
 
     exit_code = 2
-
-
-def shown(target: str) -> str:
-    """A target as output shows it: a URL without its credentials and query string (a
-    password or a signed URL's signature must not reach the terminal, logs or JSON)."""
-    if "://" not in target:
-        return target
-    from .._remote import _redact
-
-    return _redact(target)
 
 
 def make_parent(path: str) -> None:
@@ -311,9 +302,10 @@ class Model:
             )
 
     def label(self, label: str) -> str:
-        """A file's label as output shows it: without a URL's query string (a signature)."""
-        if "://" not in self.target:
-            return label
+        """A file's label as output shows it: a URL as :func:`shown` shows it, and a remote
+        model's file name without its query string (a signature)."""
+        if "://" in label or "://" not in self.target:
+            return shown(label)
         base, query, _ = label.partition("?")
         return base + ("?..." if query else "")
 
