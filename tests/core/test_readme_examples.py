@@ -68,6 +68,7 @@ assert (missing, unexpected) == (set(), [])
 with safe_open("ckpt", framework="pt") as _f:
     assert _f.metadata() == {"total_size": "2097152", "producer": "me"}
     assert _f.shard_of("layers.3.weight") == "ckpt/model-00002-of-00003.safetensors"
+    assert _f.shard_metadata() == [{"format": "pt"}] * 3
 assert torch.equal(w, state_dict["layers.3.weight"])
 assert torch.equal(rows, state_dict["layers.5.weight"][:16])
 assert sorted(tensors) == sorted(state_dict)
