@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -73,74 +73,85 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def carve(
-    base: Any, items: Iterable[tuple[str, DType, tuple[int, ...], int, int]]
-) -> dict[str, Any]:
-    """Tensors viewing a 1-D uint8 tensor ``base`` (CPU or device) at byte ranges.
+# A tensor to cut from a buffer: (name, dtype, shape, begin, end), byte offsets.
+Item = tuple[str, DType, tuple[int, ...], int, int]
 
-    One typed view of ``base`` per dtype, then one ``as_strided`` per tensor. A tensor whose
-    offset is not a multiple of its element size (legal, if unusual) or whose dtype packs
-    several values per byte is cut out of ``base`` and viewed on its own (copied if misaligned).
+
+def _carve_items(
+    items: Iterable[Item],
+    cut_bytes: Callable[[int, int], Any],
+    cut_typed: Callable[[Any, int, int, int, tuple[int, ...]], Any],
+) -> dict[str, Any]:
+    """The per-tensor cases both carvers share, over ``(name, dtype, shape, begin, end)``.
+
+    A tensor whose dtype packs several values per byte (F4), or whose offset is not a multiple
+    of its element size (legal, if unusual), is cut as bytes (``cut_bytes(begin, end)``, a
+    uint8 tensor) and viewed on its own; a misaligned one is copied first, since a typed view
+    needs aligned memory. Every other tensor is ``cut_typed(tdtype, size, begin, end, shape)``.
     """
-    typed: dict[Any, Any] = {}
     out: dict[str, Any] = {}
-    total = base.numel()
     for name, dtype, shape, begin, end in items:
         tdtype = torch_dtype(dtype)
         storage_shape = _storage_shape(dtype, shape)
         size = dtype.bits // 8 if dtype.bits % 8 == 0 else 0
         if size == 0 or begin % size:
-            raw = base[begin:end]
-            if size and begin % size:
+            raw = cut_bytes(begin, end)
+            if size:
                 raw = raw.clone()
             out[name] = (raw if tdtype is torch.uint8 else raw.view(tdtype)).reshape(storage_shape)
-            continue
+        else:
+            out[name] = cut_typed(tdtype, size, begin, end, storage_shape)
+    return out
+
+
+def carve(base: Any, items: Iterable[Item]) -> dict[str, Any]:
+    """Tensors viewing a 1-D uint8 tensor ``base`` (CPU or device) at byte ranges.
+
+    One typed view of ``base`` per dtype, then one ``as_strided`` per tensor: all of them views
+    of ``base``'s storage (a device allocation cannot be split into storages of its own).
+    """
+    typed: dict[Any, Any] = {}
+    total = base.numel()
+
+    def cut_typed(tdtype: Any, size: int, begin: int, end: int, shape: tuple[int, ...]) -> Any:
         view = typed.get(tdtype)
         if view is None:
             usable = base[: total - total % size]
             if usable.numel() == 0:
                 # Nothing to view (only empty tensors): torch refuses to retype a 0-byte view.
-                view = typed[tdtype] = torch.empty(0, dtype=tdtype, device=base.device)
+                view = torch.empty(0, dtype=tdtype, device=base.device)
             else:
-                view = typed[tdtype] = usable if tdtype is torch.uint8 else usable.view(tdtype)
-        out[name] = torch.as_strided(
-            view, storage_shape, _contiguous_strides(storage_shape), begin // size
-        )
-    return out
+                view = usable if tdtype is torch.uint8 else usable.view(tdtype)
+            typed[tdtype] = view
+        return torch.as_strided(view, shape, _contiguous_strides(shape), begin // size)
+
+    return _carve_items(items, lambda begin, end: base[begin:end], cut_typed)
 
 
-def carve_host(
-    buf: np.ndarray, items: Iterable[tuple[str, DType, tuple[int, ...], int, int]]
-) -> dict[str, Any]:
+def carve_host(buf: np.ndarray, items: Iterable[Item]) -> dict[str, Any]:
     """Tensors over byte ranges of one writable host buffer, each with a storage of its own
     bytes (``torch.frombuffer``), none copied.
 
     As the reference's: a tensor's storage is the tensor. Views of one storage (as
     :func:`carve` makes them) are shared tensors to ``save_model``, the hub's
     ``save_torch_state_dict`` and its shard sizing, and ``torch.save`` of one of them writes
-    the whole buffer. The buffer lives as long as any of its tensors. A tensor whose offset is
-    not a multiple of its element size is copied; one that packs several values per byte (F4)
-    is viewed from its bytes.
+    the whole buffer. The buffer lives as long as any of its tensors.
     """
     memory = buf.data  # the buffer protocol over buf, as torch.frombuffer takes it
-    out: dict[str, Any] = {}
-    for name, dtype, shape, begin, end in items:
-        tdtype = torch_dtype(dtype)
-        storage_shape = _storage_shape(dtype, shape)
-        size = dtype.bits // 8 if dtype.bits % 8 == 0 else 0
+
+    # torch.frombuffer refuses zero bytes, so empty tensors are made, not cut.
+    def cut_bytes(begin: int, end: int) -> Any:
         if end == begin:
-            out[name] = torch.empty(storage_shape, dtype=tdtype)
-        elif size == 0 or begin % size:
-            raw = torch.frombuffer(memory, dtype=torch.uint8, count=end - begin, offset=begin)
-            if size:
-                raw = raw.clone()
-            out[name] = (raw if tdtype is torch.uint8 else raw.view(tdtype)).reshape(storage_shape)
-        else:
-            count = (end - begin) // size
-            out[name] = torch.frombuffer(memory, dtype=tdtype, count=count, offset=begin).view(
-                storage_shape
-            )
-    return out
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(memory, dtype=torch.uint8, count=end - begin, offset=begin)
+
+    def cut_typed(tdtype: Any, size: int, begin: int, end: int, shape: tuple[int, ...]) -> Any:
+        if end == begin:
+            return torch.empty(shape, dtype=tdtype)
+        count = (end - begin) // size
+        return torch.frombuffer(memory, dtype=tdtype, count=count, offset=begin).view(shape)
+
+    return _carve_items(items, cut_bytes, cut_typed)
 
 
 class TorchAdapter:
@@ -215,13 +226,13 @@ class TorchAdapter:
     def from_bytes_many(
         self,
         buf: np.ndarray,
-        items: Iterable[tuple[str, DType, tuple[int, ...], int, int]],
+        items: Iterable[Item],
         device: Device,
     ) -> dict[str, Any]:
         """Build many tensors viewing one buffer: ``(name, dtype, shape, begin, end)``.
 
-        One ``torch.from_numpy`` and one typed view per dtype, then a single ``as_strided`` per
-        tensor: about half the per-tensor cost of :meth:`from_bytes`, which matters for files of
+        On the CPU each tensor is one ``torch.frombuffer`` over its bytes (:func:`carve_host`):
+        about half the per-tensor cost of :meth:`from_bytes`, which matters for files of
         thousands of small tensors (LoRA, MoE).
         """
         if device.type != "cpu":
@@ -237,7 +248,7 @@ class TorchAdapter:
         self,
         read: Any,
         offset: int,
-        items: list[tuple[str, DType, tuple[int, ...], int, int]],
+        items: list[Item],
         device: Device,
         *,
         ops: Any = None,
@@ -271,7 +282,7 @@ class TorchAdapter:
     def to_device_runs(
         self,
         read: Any,
-        items: list[tuple[str, DType, tuple[int, ...], int, int]],
+        items: list[Item],
         device: Device,
         *,
         ops: Any = None,
@@ -399,7 +410,7 @@ class TorchAdapter:
 
 def _carve_laid_out(
     device_buf: Any,
-    items: list[tuple[str, DType, tuple[int, ...], int, int]],
+    items: list[Item],
     offsets: list[int],
 ) -> dict[str, Any]:
     """Tensors viewing a staging run's buffer: item ``i`` (``(name, dtype, shape, _,
@@ -426,7 +437,7 @@ def _staging_ops(device: Device, ops: Any) -> Any:
     return _device_ops(torch.device(device.torch_spec))
 
 
-def _refuse_unholdable(items: Iterable[tuple[str, DType, tuple[int, ...], int, int]]) -> None:
+def _refuse_unholdable(items: Iterable[Item]) -> None:
     """Raise for a dtype or shape torch cannot hold, before any byte is moved."""
     for _, dtype, shape, _, _ in items:
         torch_dtype(dtype)
