@@ -22,7 +22,6 @@ import os
 import posixpath
 import threading
 from collections.abc import Iterator
-from pathlib import PureWindowsPath
 from typing import Any, Final
 
 from ._adapter import get_adapter
@@ -37,7 +36,7 @@ from ._reader import (
     safe_open,
 )
 from ._remote import shown_location, url_dirname, url_join, url_path
-from ._sharding import declared_total_size
+from ._sharding import declared_total_size, unsafe_shard_name
 from ._sources import ByteSource
 
 __all__ = [
@@ -126,27 +125,14 @@ def resolve_checkpoint(path: str) -> tuple[str, bool]:
     )
 
 
-def _check_shard_name(name: str, index: str) -> None:
-    # Parsed as a Windows path on every OS so that drive letters, UNC and backslash tricks are
-    # caught too (the hub's rule): an index must never point outside its folder.
-    win = PureWindowsPath(name)
-    if not name or win.drive or win.root or ".." in win.parts or name.startswith("/"):
+def _check_shard_name(name: str, index: str, tensor: str) -> None:
+    why = unsafe_shard_name(name)
+    if why is not None:
         raise ShardIndexError(
-            f"index {index!r} names shard {name!r}, which is not a relative path inside the "
-            "index's folder",
+            f"index {_shown(index)} names shard {name!r} for tensor {tensor!r}, which is refused "
+            f"({why}): an index may name only .safetensors files inside its own folder",
             kind="UnsafeShardName",
-        )
-    if not name.endswith(".safetensors"):
-        raise ShardIndexError(
-            f"index {index!r} names shard {name!r}, which is not a .safetensors file",
-            kind="UnsafeShardName",
-        )
-    if "://" in name:
-        # Joined to a local folder it would still read as a URL: a local checkpoint must
-        # never make the loader fetch from the network.
-        raise ShardIndexError(
-            f"index {index!r} names shard {name!r}, which looks like a URL, not a file name",
-            kind="UnsafeShardName",
+            tensor=tensor,
         )
 
 
@@ -192,7 +178,7 @@ def _parse_index(
                 kind="InvalidIndex",
                 tensor=tensor,
             )
-        _check_shard_name(shard, path)
+        _check_shard_name(shard, path, tensor)
         weight_map[tensor] = shard
     metadata = obj.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):

@@ -30,6 +30,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import PureWindowsPath
 from typing import Any, Final, TypeVar
 
 import numpy as np
@@ -293,6 +294,32 @@ def declared_total_size(value: Any) -> int | None:
     if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 30:
         # (No size has 30 digits; int() refuses over 4,300 with a ValueError.)
         return int(value)
+    return None
+
+
+def unsafe_shard_name(name: str) -> str | None:
+    """Why a shard name an index lists must not be opened, or None if it may be.
+
+    Index entries are untrusted: an index may name only ``.safetensors`` files inside its own
+    folder. Names are also parsed as Windows paths on every OS, so drive letters, UNC paths and
+    backslash tricks are caught too (the hub's rule). The reader and the command line's
+    ``validate`` share this one rule.
+    """
+    if not name:
+        return "empty name"
+    win = PureWindowsPath(name)
+    if name.startswith(("/", "\\")) or win.drive or win.is_absolute() or os.path.isabs(name):
+        return "absolute path or drive"
+    if ".." in re.split(r"[\\/]", name):
+        return "`..` in path"
+    if "\x00" in name:
+        return "NUL in name"
+    if not name.endswith(".safetensors"):
+        return "not a .safetensors file"
+    if "://" in name:
+        # Joined to a local folder it would still read as a URL: a local checkpoint must
+        # never make a loader fetch from the network.
+        return "looks like a URL, not a file name"
     return None
 
 

@@ -25,7 +25,6 @@ import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import PureWindowsPath
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -43,7 +42,7 @@ from ._format import (
     top_level_members,
 )
 from ._remote import url_dirname, url_join
-from ._sharding import declared_total_size
+from ._sharding import declared_total_size, unsafe_shard_name
 from ._sources import ByteSource
 
 __all__ = [
@@ -610,25 +609,6 @@ def _is_url(target: str) -> bool:
     return "://" in target
 
 
-def _unsafe_shard_name(name: str) -> str | None:
-    """Why an index's shard name must not be opened, or None if it is fine (pitfall 11)."""
-    if not name:
-        return "empty name"
-    win = PureWindowsPath(name)
-    if name.startswith(("/", "\\")) or win.drive or win.is_absolute() or os.path.isabs(name):
-        return "absolute path"
-    parts = re.split(r"[\\/]", name)
-    if ".." in parts:
-        return "`..` in path"
-    if "\x00" in name:
-        return "NUL in name"
-    if not name.endswith(".safetensors"):
-        return "not a .safetensors file"
-    if "://" in name:
-        return "a URL, not a file name (a local index must not make a loader fetch)"
-    return None
-
-
 def _read_small(target: str, limit: int) -> bytes:
     if _is_url(target):
         from ._remote import open_source
@@ -724,7 +704,7 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
                 tensor,
             )
             continue
-        why = _unsafe_shard_name(shard)
+        why = unsafe_shard_name(shard)
         if why is not None:
             if shard not in refused:
                 bad("UnsafeShardName", f"refusing shard name {shard!r}: {why}", tensor)

@@ -315,6 +315,23 @@ def test_a_local_index_naming_a_url_is_refused(tmp_path: Path) -> None:
         safe_open(tmp_path, "np")
 
 
+def test_a_refused_shard_name_of_a_remote_index_hides_the_credentials(
+    http_root: Path, http_server
+) -> None:
+    from pysafetensors import ShardIndexError
+
+    folder = http_root / "unsafe-shard-name"
+    folder.mkdir()
+    index = {"metadata": {}, "weight_map": {"a": "../model.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    url = f"{http_server.url}/unsafe-shard-name/model.safetensors.index.json"
+    secret = url.replace("http://", "http://user:PASSWD@") + "?X-Amz-Signature=QSECRET"
+    with pytest.raises(ShardIndexError, match=r"refused \(`..` in path\)") as info:
+        safe_open(secret, "np")
+    assert info.value.tensor == "a"
+    assert "PASSWD" not in str(info.value) and "QSECRET" not in str(info.value)
+
+
 def test_a_malformed_redirect_is_a_remote_error(tmp_path: Path) -> None:
     import http.server
     import threading

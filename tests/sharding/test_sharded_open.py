@@ -19,6 +19,7 @@ from pysafetensors import (
     safe_open,
     save_sharded,
 )
+from pysafetensors._validate import validate
 from pysafetensors.numpy import load_file, save_file
 
 
@@ -221,8 +222,6 @@ def test_total_size_mismatch(tmp_path: Path) -> None:
         f.validate()
     # One rule with the command line's validate: an integer, or an integral float or digits;
     # a fraction (int() made 64.5 into 64) or other text is no total size.
-    from pysafetensors._validate import validate
-
     for total, ok in (
         (64.0, True),
         ("64", True),
@@ -260,6 +259,17 @@ def test_unsafe_shard_names(tmp_path: Path, bad: str) -> None:
     with pytest.raises(ShardIndexError) as info:
         safe_open(tmp_path, "np")
     assert info.value.kind == "UnsafeShardName"
+    assert info.value.tensor == "a"
+    assert f"names shard {bad!r} for tensor 'a', which is refused (" in str(info.value)
+    # The command line's validate refuses the same names by the same rule.
+    codes = [p.code for p in validate(str(tmp_path)) if p.severity == "error"]
+    assert "UnsafeShardName" in codes
+
+
+def test_shard_names_with_nul_are_refused_by_the_reader_too(tmp_path: Path) -> None:
+    _write_index(tmp_path, {"a": "s\x00.safetensors"})
+    with pytest.raises(ShardIndexError, match=r"refused \(NUL in name\)"):
+        safe_open(tmp_path, "np")
 
 
 @pytest.mark.parametrize(
