@@ -273,6 +273,14 @@ def url_path(url: str) -> str:
         return url.partition("?")[0].partition("#")[0]
 
 
+def shown_name(path: str) -> str:
+    """The file name of a path or URL, as labels and output names show it: a URL's without its
+    query string (a signed URL's signature) or fragment."""
+    if "://" in path:
+        return posixpath.basename(url_path(path))
+    return os.path.basename(path)
+
+
 def url_dirname(url: str) -> str:
     """The URL of the folder holding the object ``url`` names, without query or fragment.
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import threading
 from collections.abc import Iterator
 from typing import Any, Final
@@ -35,7 +34,7 @@ from ._reader import (
     open_source_for,
     safe_open,
 )
-from ._remote import shown_location, url_dirname, url_join, url_path
+from ._remote import shown_location, shown_name, url_dirname, url_join, url_path
 from ._sharding import declared_total_size, unsafe_shard_name
 from ._sources import ByteSource
 
@@ -266,11 +265,7 @@ class ShardedSafeOpen:
             self._closed = False
         else:
             # A folder with one file: the file is its own index.
-            shard = (
-                posixpath.basename(url_path(target))
-                if _is_url(target)
-                else os.path.basename(target)
-            )
+            shard = shown_name(target)
             self._single = (shard, target)
             self._closed = False
             handle = self._open_shard(shard, validate=False)

@@ -41,7 +41,7 @@ from ._format import (
     parse_header_length,
     top_level_members,
 )
-from ._remote import url_dirname, url_join
+from ._remote import shown_location, shown_name, url_dirname, url_join
 from ._sharding import declared_total_size, unsafe_shard_name
 from ._sources import ByteSource
 
@@ -615,7 +615,9 @@ def _read_small(target: str, limit: int) -> bytes:
 
         with open_source(target) as src:
             if src.size > limit:
-                raise SafetensorError(f"{target}: index is {src.size} bytes, over {limit}")
+                raise SafetensorError(
+                    f"{shown_location(target)}: index is {src.size} bytes, over {limit}"
+                )
             buf = bytearray(src.size)
             if src.size:
                 src.readinto(0, memoryview(buf))
@@ -669,7 +671,7 @@ def locate_model(
 
 def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
     model = ModelFiles(target, [], [], index_path=index_path)
-    label = index_path.rsplit("/", 1)[-1] if _is_url(index_path) else os.path.basename(index_path)
+    label = shown_name(index_path)
 
     def bad(code: str, message: str, tensor: str | None = None) -> None:
         model.problems.append(Problem("error", code, message, label, tensor, None))
@@ -731,7 +733,7 @@ def index_problems(
         model: What :func:`locate_model` found.
         headers: Shard label to ``{tensor: (begin, end)}``.
     """
-    col = _Collector(model.index_path and os.path.basename(model.index_path), strict=False)
+    col = _Collector(model.index_path and shown_name(model.index_path), strict=False)
     if model.index_path is not None:
         _check_index(model, headers, col)
     return col.problems
@@ -853,7 +855,7 @@ def validate(
     model = locate_model(target)
     problems = list(model.problems)
     headers: dict[str, dict[str, tuple[int, int]] | None] = {}
-    col = _Collector(model.index_path and os.path.basename(model.index_path), strict=strict)
+    col = _Collector(model.index_path and shown_name(model.index_path), strict=strict)
     for path, label in zip(model.files, model.labels, strict=True):
         if model.sharded and not _is_url(path) and os.path.isdir(path):
             # A folder where the index names a shard: a problem of the model, not a failure

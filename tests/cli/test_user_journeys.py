@@ -4,6 +4,7 @@ quiet runs, follow-on problems, outputs that name folders, and other traps a new
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -303,6 +304,25 @@ def test_output_never_shows_url_credentials_or_signatures(cli, http_server) -> N
         r = cli(*command)
         assert r.code in (0, 1), (command, r.err)
         assert "PASSWD" not in r.out + r.err and "QSECRET" not in r.out + r.err, command
+
+
+def test_labels_and_outputs_of_a_signed_index_url_drop_its_query(
+    cli, http_root: Path, http_server, tmp_path: Path
+) -> None:
+    folder = http_root / "invalid-index"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text("{bad")
+    broken = f"{http_server.url}/invalid-index/model.safetensors.index.json?X-Amz-Signature=QSECRET"
+    for command in (["validate", broken], ["validate", broken, "--json"]):
+        r = cli(*command)
+        assert r.code == 1 and "IndexInvalid" in r.out, (command, r.out, r.err)
+        assert "QSECRET" not in r.out + r.err, command
+    # A file written from a signed URL is named as the object, not with the query appended.
+    signed = f"{http_server.url}/sharded/model.safetensors.index.json?X-Amz-Signature=QSECRET"
+    out = tmp_path / "cast"
+    r = cli("cast", signed, str(out), "--to", "F16")
+    assert r.code == 0, r.err
+    assert (out / "model.safetensors.index.json").is_file(), sorted(os.listdir(out))
 
 
 def test_a_local_index_naming_a_url_is_refused(tmp_path: Path) -> None:

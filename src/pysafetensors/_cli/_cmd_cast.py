@@ -24,6 +24,7 @@ import numpy as np
 
 from .._adapter import numpy_dtype
 from .._dtypes import DType, dtype_from_code
+from .._remote import shown_name
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from ._common import (
     Model,
@@ -188,7 +189,7 @@ def _index_target(model: Model, folder: str) -> str | None:
     index_path = model.located.index_path
     if index_path is None:
         return None
-    return os.path.join(folder, index_path.rsplit("/", 1)[-1])
+    return os.path.join(folder, shown_name(index_path))
 
 
 def _write_index(model: Model, path: str, data_bytes: dict[str, int], group: SaveGroup) -> None:
