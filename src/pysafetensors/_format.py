@@ -76,6 +76,7 @@ from ._errors import (
     TensorInfoError,
     not_an_instance,
 )
+from ._serde_number import number_in_range, unexpected_number
 from ._serde_syntax import SyntaxErrorAt, first_syntax_error
 
 __all__ = [
@@ -262,72 +263,9 @@ class _NotInt:
     def __repr__(self) -> str:
         return self.text
 
-    def render(self) -> str:
-        """The value as serde prints it in ``invalid type: floating point `...```."""
-        return repr(float(self.text))
-
-
-# serde_json's decimal-to-f64 conversion (no `float_roundtrip` feature): the significand keeps
-# as many leading digits as fit in a u64, the rest only move the exponent, and the result is
-# ``significand * 10**exp`` in f64 arithmetic with the powers of ten from a table. It is not
-# correctly rounded, so its overflow boundary differs from Python's float(): for example
-# 1.7976931348623158e308 is "number out of range" there but finite here.
-_U64_DIV10: Final = UINT64_MAX // 10
-_U64_MOD10: Final = UINT64_MAX % 10
-_I32_MAX: Final = 2**31 - 1
-_POW10: Final = tuple(float(f"1e{k}") for k in range(309))
-_NUMBER: Final = re.compile(r"-?(\d+)(?:\.(\d+))?(?:[eE]([+-]?\d+))?")
-
-
-def _serde_number_in_range(text: str) -> bool:
-    """Whether serde_json accepts a number literal that it parses as f64 (no overflow)."""
-    match = _NUMBER.fullmatch(text)
-    if match is None:  # pragma: no cover - the JSON scanner only hands over valid literals
-        return False
-    int_digits, frac_digits, exp_text = match.group(1), match.group(2) or "", match.group(3)
-    significand = 0
-    exponent = 0
-    overflowed = False
-    for ch in int_digits:
-        digit = ord(ch) - 48
-        if (
-            overflowed
-            or significand > _U64_DIV10
-            or (significand == _U64_DIV10 and digit > _U64_MOD10)
-        ):
-            overflowed = True
-            exponent += 1
-        else:
-            significand = significand * 10 + digit
-    for ch in frac_digits:
-        digit = ord(ch) - 48
-        if (
-            overflowed
-            or significand > _U64_DIV10
-            or (significand == _U64_DIV10 and digit > _U64_MOD10)
-        ):
-            overflowed = True  # further fraction digits are dropped
-            continue
-        significand = significand * 10 + digit
-        exponent -= 1
-    if exp_text is not None:
-        digits = exp_text.lstrip("+-").lstrip("0") or "0"
-        negative = exp_text.startswith("-")
-        if len(digits) > 10 or int(digits) > _I32_MAX:
-            # serde's exponent overflow: out of range for a nonzero significand and a positive
-            # exponent, zero otherwise.
-            return negative or significand == 0
-        explicit = -int(digits) if negative else int(digits)
-        exponent = max(-_I32_MAX - 1, min(_I32_MAX, exponent + explicit))
-    if exponent < 0:
-        return True  # division only ever underflows
-    if exponent >= len(_POW10):
-        return significand == 0
-    return math.isfinite(float(significand) * _POW10[exponent])
-
 
 def _parse_float(text: str) -> _NotInt:
-    if not _serde_number_in_range(text):
+    if not number_in_range(text):
         raise ValueError("number out of range")
     return _NotInt(text)
 
@@ -338,7 +276,7 @@ def _parse_int(text: str) -> int | _NotInt:
     if text == "-0":
         return _NotInt(text)
     if len(text) > 19:
-        if not _serde_number_in_range(text):
+        if not number_in_range(text):
             raise ValueError("number out of range")
         value = int(text)
         if value > UINT64_MAX or value < -(1 << 63):
@@ -390,17 +328,23 @@ def _describe(value: Any) -> str:
     if isinstance(value, bool):
         return f"boolean `{str(value).lower()}`"
     if isinstance(value, int):
-        if not -(1 << 63) <= value <= UINT64_MAX:
-            # serde_json reads an integer outside i64/u64 as an f64.
-            return f"floating point `{float(value)!r}`"
-        return f"integer `{value}`"
+        return unexpected_number(str(value))
     if isinstance(value, _NotInt):
-        return f"floating point `{value.render()}`"
+        return unexpected_number(value.text)
     if isinstance(value, str):
         return f"string {json.dumps(value, ensure_ascii=False)}"
     if isinstance(value, list):
         return "sequence"
     return "map"
+
+
+def _unexpected(value: Any, expected: str, *, invalid: str = "type") -> str:
+    """serde's error for a value it cannot take: ``invalid type: <value>, expected <what>``; or
+    ``number out of range`` for an integer too large even for an f64, which serde_json refuses
+    while parsing, before any type is checked."""
+    if type(value) is int and not number_in_range(str(value)):
+        return "number out of range"
+    return f"invalid {invalid}: {_describe(value)}, expected {expected}"
 
 
 def _serde_syntax_message(exc: json.JSONDecodeError) -> str:
@@ -462,7 +406,7 @@ def _serde_syntax_error(
         # The top level is read as a map: a sequence is refused before it is parsed.
         return _decode_error(prefix_text, "invalid type: sequence, expected struct HashMetadata")
     raw = text.encode("utf-8", "surrogatepass")
-    found = first_syntax_error(raw, _serde_number_in_range)
+    found = first_syntax_error(raw)
     if found is None:  # a header too large to walk (see WALK_LIMIT): Python's words
         return _decode_error(prefix_text, fallback)
     if found.message == "trailing characters":
@@ -593,9 +537,9 @@ def _parse_dtype(value: Any) -> DType | str:
             return "invalid value: map, expected map with a single key"
         ((code, inner),) = value.items()
         if code in _CODES and inner is not None:
-            return f"invalid type: {_describe(inner)}, expected unit"
+            return _unexpected(inner, "unit")
     elif not isinstance(code, str):
-        return f"invalid type: {_describe(value)}, expected string or map"
+        return _unexpected(value, "string or map")
     try:
         return dtype_from_code(code)
     except SafetensorError:
@@ -606,9 +550,9 @@ def _big_int_problem(item: int) -> str | None:
     """serde_json reads integers outside u64/i64 as f64: out of range, or not an integer."""
     if -(1 << 63) <= item <= UINT64_MAX:
         return None
-    if not _serde_number_in_range(str(item)):
+    if not number_in_range(str(item)):
         return "number out of range"
-    return f"invalid type: floating point `{float(item)!r}`"
+    return f"invalid type: {unexpected_number(str(item))}"
 
 
 def _usize_problem(item: Any) -> str | None:
@@ -623,13 +567,13 @@ def _usize_problem(item: Any) -> str | None:
         big = _big_int_problem(item)
         if big:
             return f"{big}, expected usize" if big.startswith("invalid") else big
-        return f"invalid value: {_describe(item)}, expected usize"
-    return f"invalid type: {_describe(item)}, expected usize"
+        return _unexpected(item, "usize", invalid="value")
+    return _unexpected(item, "usize")
 
 
 def _parse_shape(value: Any) -> list[int] | str:
     if not isinstance(value, list):
-        return f"invalid type: {_describe(value)}, expected a sequence"
+        return _unexpected(value, "a sequence")
     for item in value:
         problem = _usize_problem(item)
         if problem:
@@ -640,7 +584,7 @@ def _parse_shape(value: Any) -> list[int] | str:
 def _parse_offsets(value: Any) -> list[int] | str:
     # A (usize, usize) tuple: serde reads two elements, then complains about the length.
     if not isinstance(value, list):
-        return f"invalid type: {_describe(value)}, expected a tuple of size 2"
+        return _unexpected(value, "a tuple of size 2")
     for item in value[:2]:
         problem = _usize_problem(item)
         if problem:
@@ -710,9 +654,7 @@ def _parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[i
             if field not in found:
                 raise _decode_error(prefix_text, f"missing field `{field}`", name)
     else:
-        raise _decode_error(
-            prefix_text, f"invalid type: {_describe(value)}, expected struct TensorInfo", name
-        )
+        raise _decode_error(prefix_text, _unexpected(value, "struct TensorInfo"), name)
     return found["dtype"], found["shape"], found["data_offsets"]
 
 
@@ -720,13 +662,13 @@ def _parse_metadata(value: Any, prefix_text: str, check_surrogates: bool) -> dic
     if value is None:
         return None
     if not isinstance(value, _Obj):
-        raise _decode_error(prefix_text, f"invalid type: {_describe(value)}, expected a map")
+        raise _decode_error(prefix_text, _unexpected(value, "a map"))
     # serde reads __metadata__ as it streams: each key, then its value, in document order;
     # with repeated keys every value must be a string and the last one wins.
     for key, item in value.pairs():
         problem = _surrogate_message(key) if check_surrogates else None
         if problem is None and not isinstance(item, str):
-            problem = f"invalid type: {_describe(item)}, expected a string"
+            problem = _unexpected(item, "a string")
         if problem is None and check_surrogates:
             problem = _surrogate_message(item)
         if problem:
@@ -1052,9 +994,7 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
             found = first_syntax_error(text.encode("utf-8", "surrogatepass"))
             if found is not None and not found.typed and found.message != "trailing characters":
                 raise _walked_error(found, prefix_text)
-        raise _decode_error(
-            prefix_text, f"invalid type: {_describe(obj)}, expected struct HashMetadata"
-        )
+        raise _decode_error(prefix_text, _unexpected(obj, "struct HashMetadata"))
     check_surrogates = _MAYBE_SURROGATE.search(text) is not None
 
     # Pass 1, as serde streams the top-level object: __metadata__ is deserialized where it

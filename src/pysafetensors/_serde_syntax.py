@@ -15,9 +15,10 @@ Pure: no I/O, no state between calls.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
+
+from ._serde_number import number_in_range, unexpected_number
 
 __all__ = ["WALK_LIMIT", "SyntaxErrorAt", "first_syntax_error"]
 
@@ -64,9 +65,8 @@ def _position(data: bytes, index: int) -> tuple[int, int]:
 class _Walk:
     """serde_json's parser over ``data``, keeping only what decides its errors."""
 
-    def __init__(self, data: bytes, number_in_range: Callable[[str], bool] | None) -> None:
+    def __init__(self, data: bytes) -> None:
         self.data = data
-        self.number_in_range = number_in_range
         self.n = len(data)
         self.pos = 0
         self.remaining_depth = _RECURSION_LIMIT
@@ -106,9 +106,7 @@ class _Walk:
     def number(self) -> None:
         start = self.pos - 1 if self.pos and self.data[self.pos - 1] == 0x2D else self.pos
         self.digits()
-        if self.number_in_range is not None and not self.number_in_range(
-            self.data[start : self.pos].decode("ascii")
-        ):
+        if not number_in_range(self.data[start : self.pos].decode("ascii")):
             raise self.error("number out of range")
 
     def digits(self) -> None:
@@ -335,16 +333,10 @@ def _json_text(data: bytes, start: int, walk: _Walk) -> str:
 
 
 def _scalar_text(literal: bytes) -> str:
-    """serde's ``Unexpected`` for a number or literal: integers within i64/u64 as integers
-    (``-0`` is the float ``-0.0``), everything else as its f64."""
+    """serde's ``Unexpected`` for a number or literal the walk has checked."""
     if literal in (b"null", b"true", b"false"):
         return "null" if literal == b"null" else f"boolean `{literal.decode()}`"
-    text = literal.decode()
-    if re.fullmatch(r"-?\d+", text):
-        value = int(text)
-        if -(1 << 63) <= value <= (1 << 64) - 1 and text != "-0":
-            return f"integer `{value}`"
-    return f"floating point `{float(text)!r}`"
+    return unexpected_number(literal.decode())
 
 
 def _is_metadata_key(raw: bytes) -> bool:
@@ -366,20 +358,18 @@ def _is_metadata_key(raw: bytes) -> bool:
 WALK_LIMIT: Final = 1 << 20
 
 
-def first_syntax_error(
-    data: bytes, number_in_range: Callable[[str], bool] | None = None
-) -> SyntaxErrorAt | None:
+def first_syntax_error(data: bytes) -> SyntaxErrorAt | None:
     """serde_json's first syntax error in ``data`` (a header's bytes), or None (also for a
     header over :data:`WALK_LIMIT` bytes, which is not walked).
 
     Type errors are not looked for (a document can be well formed and still not a header),
-    but for ``__metadata__``'s (see :attr:`SyntaxErrorAt.typed`); numbers are checked with
-    ``number_in_range`` (serde's f64 conversion) where given. After the top-level value,
+    but for ``__metadata__``'s (see :attr:`SyntaxErrorAt.typed`); numbers are checked as
+    serde converts them (:mod:`._serde_number`). After the top-level value,
     anything but whitespace is ``trailing characters``.
     """
     if len(data) > WALK_LIMIT:
         return None
-    walk = _Walk(data, number_in_range)
+    walk = _Walk(data)
     try:
         walk.document()
         if walk.whitespace() is not None:

@@ -115,6 +115,63 @@ def test_refused_in_the_reference_s_words(header: str) -> None:
     assert _same(header) is None, _same(header)
 
 
+# Numbers: serde_json's own decimal-to-f64 conversion (not correctly rounded past 19 digits)
+# and its text for an f64 (ryu: ``1e-9``, ``0.00001``), where Python's float() and repr() differ.
+NUMBERS = [
+    "1" + "0" * 42,  # 9.999999999999999e+41 to serde
+    "123456789012345678901234",
+    "-" + "9" * 25,
+    "4" * 400,  # out of range (float() of it raised OverflowError)
+    "1.7976931348623158e308",  # out of range to serde, finite to Python
+    "1e-5",
+    "-1.234e-5",
+    "885776732306999549E-22",
+    "-7.1512433275524304e-9",
+    "2.5e-6",
+    "1e16",
+    "1" + "0" * 25 + ".5e-300",
+    "0e99999999999",
+    "1e-99999999999",
+    "-0",
+]
+_PLACES = [
+    '{"t":{"dtype":%s,"shape":[1],"data_offsets":[0,1]}}',
+    '{"t":{"dtype":{"U8":%s},"shape":[1],"data_offsets":[0,1]}}',
+    '{"t":{"dtype":"U8","shape":[%s],"data_offsets":[0,1]}}',
+    '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,%s]}}',
+    '{"t":%s}',
+    '{"__metadata__":{"a":%s}}',
+    '{"__metadata__":%s}',
+    "%s",
+]
+
+
+@pytest.mark.parametrize("place", _PLACES)
+@pytest.mark.parametrize("number", NUMBERS)
+def test_numbers_are_read_and_shown_as_serde_does(number: str, place: str) -> None:
+    assert _same(place % number) is None, _same(place % number)
+
+
+def test_random_numbers_are_read_and_shown_as_serde_does() -> None:
+    rng = random.Random(20261201)
+
+    def digits(n: int) -> str:
+        return str(rng.randint(1, 9)) + "".join(rng.choice("0123456789") for _ in range(n - 1))
+
+    differ = []
+    for _ in range(1500):
+        number = rng.choice(["", "-"]) + digits(rng.choice([1, 3, 16, 17, 19, 20, 21, 25, 40, 310]))
+        if rng.random() < 0.5:
+            number += "." + digits(rng.choice([1, 5, 17, 25]))
+        if rng.random() < 0.6:
+            number += rng.choice(["e", "E-", "e+"]) + str(rng.randint(0, 330))
+        header = rng.choice(_PLACES) % number
+        found = _same(header)
+        if found is not None:
+            differ.append((header, found))
+    assert not differ, differ[:5]
+
+
 _BASE = (
     '{"__metadata__":{"format":"pt","x":"y\\n"},'
     '"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
