@@ -164,6 +164,14 @@ def _array_chunks(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
     return slabs
 
 
+def _type_name(value: object) -> str:
+    """A value's type as messages name it: ``list``, ``torch.Tensor``, ``jaxlib...ArrayImpl``."""
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def invalid_tensor_error(
     name: object, expected: str, value: object, prefix: str = SERIALIZE_PREFIX
 ) -> SerializeError:
@@ -257,8 +265,8 @@ class NumpyAdapter:
                 tensor = np.asarray(tensor)
             else:
                 raise SerializeError(
-                    f"{SERIALIZE_PREFIX}tensor `{name}` is a {type(tensor).__name__}, expected "
-                    "a numpy.ndarray",
+                    f"{SERIALIZE_PREFIX}tensor `{name}` is of type {_type_name(tensor)}, "
+                    "expected a numpy.ndarray",
                     kind="InvalidTensor",
                     tensor=name,
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -52,6 +53,16 @@ def parse_device(device: Any) -> Device:
         return CPU
     if isinstance(device, bool):
         raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+    if not isinstance(device, (int, str)) and hasattr(type(device), "__index__"):
+        # numpy integers and other int-likes: the reference takes whatever has __index__, and
+        # names a refused one by its repr (np.int64(-1)).
+        try:
+            as_int = operator.index(device)
+        except TypeError:
+            as_int = -1
+        if not 0 <= as_int < 1 << 64:
+            raise SafetensorError(f"device {device!r} is invalid", kind="InvalidDevice")
+        device = as_int
     if isinstance(device, int):
         if not 0 <= device < 1 << 64:  # the reference's usize
             raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
@@ -61,7 +72,7 @@ def parse_device(device: Any) -> Device:
         index = getattr(device, "index", None)
         return parse_device(str(device.type) + ("" if index is None else f":{index}"))
     if not isinstance(device, str):
-        raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+        raise SafetensorError(f"device {device!r} is invalid", kind="InvalidDevice")
     kind, sep, rest = device.partition(":")
     if kind not in DEVICE_TYPES:
         raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")

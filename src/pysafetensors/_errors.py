@@ -38,6 +38,10 @@ without parsing messages.
 
 from __future__ import annotations
 
+import errno
+import os
+from typing import Any
+
 __all__ = [
     "CheckpointError",
     "ClosedFileError",
@@ -298,3 +302,29 @@ def not_an_instance(argument: str, value: object, expected: str = "str") -> Type
     text: ``'None' is`` for None, ``'int' object is`` for anything else)."""
     what = "'None' is" if value is None else f"'{type(value).__name__}' object is"
     return TypeError(f"argument '{argument}': {what} not an instance of '{expected}'")
+
+
+def path_argument(value: Any, argument: str = "filename") -> str:
+    """A path argument as a str (``os.fspath``, bytes decoded), or the reference's ``TypeError``
+    for a value that is no path (``argument 'filename': expected str, bytes or os.PathLike
+    object, not int``)."""
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise TypeError(
+            f"argument '{argument}': expected str, bytes or os.PathLike object, not "
+            f"{type(value).__name__}"
+        ) from None
+    return os.fsdecode(path) if isinstance(path, bytes) else path
+
+
+def nul_in_path(path: str, *, writing: bool) -> OSError:
+    """The error for a path with a NUL byte, which no OS file name holds (Python's own is a
+    ``ValueError`` that neither ``except OSError`` nor ``except SafetensorError`` catches): as
+    the reference, not found when reading and an invalid argument (a :class:`WriteError`, by
+    way of :func:`write_error`) when writing."""
+    if writing:
+        return OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+    return FileNotFoundError(
+        errno.ENOENT, "No such file or directory (a file name cannot hold a NUL byte)", path
+    )

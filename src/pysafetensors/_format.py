@@ -1169,7 +1169,9 @@ def _check_entries(
 # --------------------------------------------------------------------------------------- writing
 
 
-def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None:
+def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None:
+    """A copy of the metadata to write, checked as the reference checks its ``metadata``
+    argument (a mapping of str to str, or None), in its words."""
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
@@ -1179,6 +1181,9 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None
         for item in (key, value):
             if not isinstance(item, str):
                 raise not_an_instance("metadata", item)
+            # A lone surrogate: the reference's UnicodeEncodeError, placed in this string (not
+            # in the whole header, as encoding the header would place it).
+            item.encode("utf-8")
         out[key] = value
     return out
 
@@ -1232,7 +1237,7 @@ def build_layout(
             header is too large.
         TypeError: Names or metadata are not strings.
     """
-    meta = _check_metadata(metadata)
+    meta = check_metadata(metadata)
     items: list[tuple[str, DType, tuple[int, ...]]] = []
     for name, dtype, shape in specs:
         shape_t = tuple(map(int, shape))

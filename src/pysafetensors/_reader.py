@@ -30,6 +30,8 @@ from ._errors import (
     TensorInfoError,
     TensorNotFoundError,
     not_an_instance,
+    nul_in_path,
+    path_argument,
 )
 from ._format import (
     HEADER_PREFIX,
@@ -190,9 +192,9 @@ def open_source_for(
         if backend == "mmap":
             return MmapSource(fd, name)
         return PreadSource(fd, name, owns_fd=False)
-    path = os.fspath(filename)
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
+    path = path_argument(filename)
+    if "\x00" in path:
+        raise nul_in_path(path, writing=False)
     if "://" in path:
         from ._remote import open_source
 

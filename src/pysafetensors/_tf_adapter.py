@@ -75,7 +75,12 @@ class TensorFlowAdapter:
             return _NUMPY.to_data(name, tensor)
         expected = "tf.Tensor, tf.Variable or numpy.ndarray"
         if isinstance(tensor, tf.RaggedTensor):
-            raise invalid_tensor_error(name, expected, tensor)
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` is ragged (rows of different lengths); "
+                "convert it with .to_tensor() first",
+                kind="RaggedTensor",
+                tensor=name,
+            )
         # The reference calls .numpy() on every value, so anything with one is saved: tf.Tensor
         # and tf.Variable (a copy in host memory is what gets written), and Keras 3 variables,
         # which are neither.
@@ -88,6 +93,10 @@ class TensorFlowAdapter:
                 raise invalid_tensor_error(name, expected, tensor) from exc
             if isinstance(array, (np.ndarray, np.generic)):
                 return _NUMPY.to_data(name, array)
+            if isinstance(array, bytes):
+                # A 0-d tf.string: refused as a string tensor of any other shape is, whose
+                # .numpy() is an object array ("Unknown dtype").
+                return _NUMPY.to_data(name, np.asarray(array, dtype=object))
         raise invalid_tensor_error(name, expected, tensor)
 
 

@@ -30,6 +30,7 @@ from ._api import (
 from ._devices import CPU
 from ._dtypes import dtype_from_code
 from ._errors import SerializeError, SharedTensorsError
+from ._format import check_metadata
 from ._reader import safe_open
 from ._sharding import save_model_sharded, save_sharded
 from ._torch_adapter import _TO_TORCH, ADAPTER
@@ -323,7 +324,7 @@ def save_model(
     :func:`load_model` can restore the ties. The caller's metadata dict is not modified.
     """
     state_dict = dict(model.state_dict())
-    meta = dict(metadata) if metadata is not None else None
+    meta = check_metadata(metadata)  # before adding to it: a str or list is refused, as there
     for kept, dropped in _remove_duplicate_names(state_dict).items():
         for name in dropped:
             if meta is None:

@@ -69,8 +69,20 @@ def test_keras_variables_saved_as_the_reference_saves_them() -> None:
 
 
 def test_ragged_refused() -> None:
-    with pytest.raises(ValueError, match="Key `r` is invalid"):
+    from pysafetensors import SerializeError
+
+    with pytest.raises(SerializeError, match=r"tensor `r` is ragged .* \.to_tensor\(\)") as info:
         ptf.save({"r": tf.ragged.constant([[1], [2, 3]])})
+    assert info.value.tensor == "r"
+
+
+@pytest.mark.parametrize("value", [b"abc", [b"a", b"bc"]])
+def test_string_tensors_are_refused_as_an_unknown_dtype(value: Any) -> None:
+    # Whatever the shape (the reference's 0-d case fails with an AttributeError).
+    from pysafetensors import SerializeError
+
+    with pytest.raises(SerializeError, match='Unknown dtype "object"'):
+        ptf.save({"s": tf.constant(value)})
 
 
 def test_the_reference_modules_names() -> None:

@@ -141,8 +141,12 @@ def moto_endpoint(data_dir: Path) -> Iterator[str]:
     # Keep a developer's real configuration out of the tests.
     for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         os.environ.pop(key, None)
-    os.environ["AWS_CONFIG_FILE"] = os.devnull
-    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+    # An empty file of our own, not os.devnull: where /dev/null is a plain file (some
+    # containers), whatever another process just wrote to it is not a valid config.
+    empty = data_dir / "aws-empty-config"
+    empty.write_text("")
+    os.environ["AWS_CONFIG_FILE"] = str(empty)
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(empty)
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
