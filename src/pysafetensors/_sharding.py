@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import PureWindowsPath
@@ -404,15 +405,16 @@ def write_index(
 
 
 def checkpoint_group(
-    folder: str, plan: ShardPlan, filename_pattern: str, *, fsync: bool = False, clean: bool = True
+    folder: str, plan: ShardPlan, filename_pattern: str, *, fsync: bool = False
 ) -> SaveGroup:
     """The :class:`SaveGroup` a checkpoint's files are renamed into place with, sealed by its
     index when it has one (the old index goes first, the new one last); a single file
-    retires the old index first (with ``clean``: the files of the earlier save go)."""
+    retires the old index first, also without ``clean`` (which keeps the earlier save's
+    shards): left in place, the index would still be what the folder opens as."""
     index = os.path.join(folder, index_filename(filename_pattern))
     if plan.is_sharded:
         return SaveGroup(fsync=fsync, seal=index)
-    return SaveGroup(fsync=fsync, retire=index if clean else None)
+    return SaveGroup(fsync=fsync, retire=index)
 
 
 def write_checkpoint(
@@ -438,7 +440,7 @@ def write_checkpoint(
     """
     written = []
     if group is None:
-        group = checkpoint_group(folder, plan, filename_pattern, fsync=fsync, clean=clean)
+        group = checkpoint_group(folder, plan, filename_pattern, fsync=fsync)
     with group:
         for filename, names in plan.filename_to_tensors.items():
             write_shard(os.path.join(folder, filename), names, group)
@@ -494,8 +496,22 @@ def remove_stale_files(
 
 
 def _is_torch(value: Any) -> bool:
-    # Checked by module name so that numpy-only callers never import torch.
-    return type(value).__module__.split(".", 1)[0] == "torch"
+    # By module name first, so that numpy-only callers never import torch; then by class, for
+    # subclasses defined elsewhere (a model's own Parameter, bitsandbytes' Params4bit, ...),
+    # which can exist only once torch is imported.
+    if type(value).__module__.split(".", 1)[0] == "torch":
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _contiguous(value: Any) -> Any:
+    """A torch tensor made contiguous; anything else as it is. A sparse tensor is left as it
+    is too: torch refuses to make it contiguous (a RuntimeError), and the writer's checks
+    refuse it with the reference's words."""
+    if _is_torch(value) and value.layout == sys.modules["torch"].strided:
+        return value.contiguous()
+    return value
 
 
 def torch_storage_size(tensor: Any) -> int:
@@ -526,10 +542,10 @@ def _adapter_for(value: Any) -> Adapter:
     return get_adapter("pt" if _is_torch(value) else "numpy")
 
 
-def _data_size(value: Any) -> int:
+def _data_size(name: str, value: Any) -> int:
     if _is_torch(value):
         return torch_storage_size(value)
-    data = _adapter_for(value).to_data("tensor", value)
+    data = _adapter_for(value).to_data(name, value)
     nbits = 1
     for dim in data.shape:
         nbits *= dim
@@ -599,7 +615,9 @@ def save_sharded(
             transformers model, its ``_tied_weights_keys``).
         format: The value of the ``format`` header key.
         clean: Delete files of an earlier save with the same pattern that this save did not
-            write (done after the new files are in place).
+            write (done after the new files are in place). Without it the earlier shards stay,
+            but a single file saved over a sharded checkpoint still removes the old index,
+            which would otherwise remain what the folder opens as.
         fsync: Make every file durable before returning.
         max_header_size: Largest header accepted per shard.
 
@@ -624,10 +642,12 @@ def save_sharded(
     state = dict(tensors)
     state = _drop_shared(state, meta, shared_tensors_to_discard)
     if force_contiguous:
-        state = {k: v.contiguous() if _is_torch(v) else v for k, v in state.items()}
+        state = {k: _contiguous(v) for k, v in state.items()}
+    # Sized by name first, so that a value no adapter takes is refused naming its tensor.
+    sizes = {id(v): _data_size(k, v) for k, v in state.items()}
     plan = split_into_shards(
         state,
-        get_storage_size=_data_size,
+        get_storage_size=lambda value: sizes[id(value)],
         get_storage_id=_storage_id,
         filename_pattern=filename_pattern,
         max_shard_size=limit,

@@ -604,7 +604,8 @@ class ShardedStreamingWriter:
         metadata: User metadata: in the header of a single file, else in the index.
         filename_pattern: File name pattern with a ``{suffix}`` field.
         format: Value of the ``format`` header key written in every shard.
-        clean: After committing, delete files of an earlier save with the same pattern.
+        clean: After committing, delete files of an earlier save with the same pattern (a
+            single file replacing a sharded checkpoint removes its index either way).
         fsync: Make every file durable on close.
     """
 
@@ -652,9 +653,7 @@ class ShardedStreamingWriter:
         self._clean = clean
         self._fsync = fsync
         # Every shard joins it when opened, and close() renames them with the index.
-        self._group = checkpoint_group(
-            self.folder, plan, filename_pattern, fsync=fsync, clean=clean
-        )
+        self._group = checkpoint_group(self.folder, plan, filename_pattern, fsync=fsync)
         self._lock = threading.Lock()
         try:
             os.makedirs(self.folder, exist_ok=True)

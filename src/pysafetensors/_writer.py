@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import hashlib
 import os
 import re
 import secrets
@@ -251,10 +252,27 @@ def write_layout(
     flush(batch)
 
 
+_UMASK_LOCK: Final = threading.Lock()
+
+
 def _umask() -> int:
-    # os.umask can only be read by setting it; do it once and put it back at once.
-    mask = os.umask(0)
-    os.umask(mask)
+    """The process's umask, read without changing it where the OS shows it (Linux 4.7+).
+
+    ``os.umask`` can only read it by setting it: the mask belongs to the whole process, so for
+    that moment every other thread creates files world-writable, and two saves interleaving
+    their set-and-restore could leave it at 0 for good. The fallback is serialized for the
+    second reason; the first remains where ``/proc`` does not show the mask.
+    """
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0)
+        os.umask(mask)
     return mask
 
 
@@ -284,20 +302,46 @@ def _lock_partial(fd: int) -> bool:
 
 
 def _clean_stale_partials(target: str) -> None:
-    """Remove temporary files an earlier, crashed save to ``target`` left behind."""
+    """Remove temporary files an earlier, crashed save to ``target`` left behind (its own
+    only: a user's ``.model.safetensors.notes.partial``, or the temporary files of
+    ``model.safetensors`` when saving ``model``, match the pattern but are not)."""
     folder, base = os.path.split(target)
+    stem = partial_stem(base)
     for stale in glob.glob(
-        os.path.join(glob.escape(folder or "."), f".{glob.escape(base)}.*.partial")
+        os.path.join(glob.escape(folder or "."), f".{glob.escape(stem)}.*.partial")
     ):
-        remove_stale_partial(stale)
+        if partial_target(os.path.basename(stale)) == stem:
+            remove_stale_partial(stale)
 
 
-#: A save's temporary file: ``.<target name>.<12 hex digits>.partial`` (see _atomic_output).
-_PARTIAL: Final = re.compile(r"\.(.+)\.[0-9a-f]{12}\.partial")
+#: A save's temporary file: ``.<stem>.<12 hex digits>.partial`` (see _atomic_output).
+_PARTIAL: Final = re.compile(r"\.(.+)\.[0-9a-f]{12}\.partial", re.DOTALL)
+#: The longest file name most file systems hold, in bytes (ext4, XFS, btrfs, tmpfs, NTFS).
+_NAME_MAX: Final = 255
+#: Bytes of a temporary file's name that are not its stem: ``.`` and ``.<12 hex>.partial``.
+_PARTIAL_EXTRA: Final = 1 + 1 + 12 + len(".partial")
+
+
+def partial_stem(base: str) -> str:
+    """The part of a temporary file's name that stands for the target file named ``base``.
+
+    The name itself where the temporary name then fits in :data:`_NAME_MAX` bytes; a longer
+    one (up to 255 bytes is a valid target) is cut, and a hash of the whole name appended so
+    that two long names sharing a beginning still have stems of their own.
+    """
+    room = _NAME_MAX - _PARTIAL_EXTRA
+    if len(os.fsencode(base)) <= room:
+        return base
+    digest = hashlib.sha256(os.fsencode(base)).hexdigest()[:16]
+    stem = base[: room - 17]
+    while len(os.fsencode(stem)) > room - 17:  # multi-byte characters
+        stem = stem[:-1]
+    return f"{stem}~{digest}"
 
 
 def partial_target(name: str) -> str | None:
-    """The target file name whose save's temporary file ``name`` is, if it is one."""
+    """The stem (:func:`partial_stem`: the target's name, unless that is very long) of the
+    target whose save's temporary file ``name`` is, if it is one."""
     found = _PARTIAL.fullmatch(name)
     return None if found is None else found.group(1)
 
@@ -369,7 +413,8 @@ def _atomic_output(
         # Before any byte is written: a save of many GiB would otherwise fail only at the end.
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
     _clean_stale_partials(target)
-    tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.partial")
+    stem = partial_stem(os.path.basename(target))
+    tmp = os.path.join(folder, f".{stem}.{secrets.token_hex(6)}.partial")
     # (The name's form is what partial_target() reads back.)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     _lock_partial(fd)  # marks it live for _clean_stale_partials of other saves

@@ -385,3 +385,37 @@ def test_serialize_matches_reference_tensorspec() -> None:
             metadata=meta,
         )
         assert ours == theirs
+
+
+def test_saves_read_the_umask_without_changing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # os.umask(0) would make every file other threads create meanwhile world-writable.
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("the umask can be read without setting it only where /proc shows it")
+    old = os.umask(0o027)
+    try:
+
+        def refuse(mask: int) -> int:
+            raise AssertionError("a save changed the process's umask")
+
+        monkeypatch.setattr(os, "umask", refuse)
+        save_file({"x": np.zeros(2)}, tmp_path / "f.safetensors")
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    assert (tmp_path / "f.safetensors").stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("length", [233, 234, 255])
+def test_names_up_to_the_file_system_s_limit_save(tmp_path: Path, length: int) -> None:
+    # The temporary file's name is longer than the target's; it must still fit.
+    from pysafetensors import StreamingWriter
+
+    name = "n" * (length - len(".safetensors")) + ".safetensors"
+    save_file({"x": np.arange(3)}, tmp_path / name)
+    assert load_file(tmp_path / name)["x"].tolist() == [0, 1, 2]
+    with StreamingWriter(tmp_path / name, {"y": ("I64", [2])}) as w:
+        w.write("y", np.arange(2))
+    assert load_file(tmp_path / name)["y"].tolist() == [0, 1]
+    assert os.listdir(tmp_path) == [name]

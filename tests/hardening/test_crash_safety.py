@@ -342,3 +342,31 @@ def test_sigkill_during_metadata_edit_leaves_old_or_new_header(tmp_path: Path) -
     big = _kill_edits(tmp_path, "a" * 8_000_000, "b" * 4_000_000, rounds=8)
     small = _kill_edits(tmp_path, "a" * 100, "b" * 50, rounds=4)
     print(big, small)
+
+
+def test_only_the_target_s_own_partials_are_cleaned(tmp_path: Path) -> None:
+    old = time.time() - 3600
+    notes = tmp_path / ".m.safetensors.my notes.partial"  # a user's file, not a save's
+    longer = tmp_path / ".m.safetensors.0123456789ab.partial"  # a crashed save of m.safetensors
+    own = tmp_path / ".m.0123456789ab.partial"  # a crashed save of m
+    for path in (notes, longer, own):
+        path.write_bytes(b"x")
+        os.utime(path, (old, old))
+    save_file({"a": np.arange(2)}, tmp_path / "m")
+    assert notes.exists() and longer.exists() and not own.exists()
+    save_file({"a": np.arange(2)}, tmp_path / "m.safetensors")
+    assert notes.exists() and not longer.exists()
+
+
+def test_a_crashed_save_to_a_long_name_is_cleaned_too(tmp_path: Path) -> None:
+    name = "w" * 243 + ".safetensors"  # 255 bytes: the longest name, and a valid target
+    stem = _writer.partial_stem(name)
+    assert len(f".{stem}.0123456789ab.partial".encode()) <= 255
+    left = tmp_path / f".{stem}.0123456789ab.partial"
+    left.write_bytes(b"debris")
+    old = time.time() - 3600
+    os.utime(left, (old, old))
+    save_file({"a": np.arange(2)}, tmp_path / name)
+    assert sorted(os.listdir(tmp_path)) == [name]
+    # Two long names sharing their beginning have stems of their own.
+    assert _writer.partial_stem(name) != _writer.partial_stem("w" * 243 + ".safetensorz")

@@ -195,3 +195,50 @@ def test_many_shards_load_and_each_is_checked_against_the_index(tmp_path: Path) 
     with safe_open(tmp_path, "np") as f, pytest.raises(Exception, match="t5"):
         f.get_tensor("t6")
         f.get_tensor("t5")
+
+
+def test_a_single_file_over_shards_without_clean_is_what_the_folder_opens_as(
+    tmp_path: Path,
+) -> None:
+    save_sharded(_tensors(3), tmp_path, max_shard_size=5000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    save_sharded({"new": np.ones(2, np.float32)}, tmp_path, clean=False)
+    # The old shards stay (clean=False), but the old index no longer decides what opens.
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    assert (tmp_path / "model-00001-of-00003.safetensors").exists()
+    assert list(load_file(tmp_path)) == ["new"]
+
+
+def test_torch_tensor_subclasses_defined_elsewhere_are_torch_tensors(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+
+    class MyParam(torch.nn.Parameter):  # as bitsandbytes' Params4bit, torchao's tensors
+        pass
+
+    value = MyParam(torch.arange(4, dtype=torch.float32))
+    save_sharded({"w": value}, tmp_path / "s")
+    with StreamingWriter(tmp_path / "w.safetensors", {"w": ("F32", [4])}) as w:
+        w.write("w", value)
+    for path in (tmp_path / "s", tmp_path / "w.safetensors"):
+        assert load_file(path)["w"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_value_no_adapter_takes_is_refused_naming_its_tensor(tmp_path: Path) -> None:
+    from pysafetensors import SerializeError
+
+    with pytest.raises(SerializeError, match="tensor `bad` is of type list") as info:
+        save_sharded({"ok": np.ones(2), "bad": [1, 2]}, tmp_path)
+    assert info.value.tensor == "bad"
+
+
+@pytest.mark.parametrize("force_contiguous", [True, False])
+def test_sparse_torch_tensors_are_refused_in_the_reference_s_words(
+    tmp_path: Path, force_contiguous: bool
+) -> None:
+    torch = pytest.importorskip("torch")
+    from pysafetensors import SerializeError
+
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(SerializeError, match=r"sparse tensors: `\['w'\]`"):
+        save_sharded({"w": sparse}, tmp_path, force_contiguous=force_contiguous)
+    assert os.listdir(tmp_path) == []
