@@ -276,6 +276,16 @@ def _umask() -> int:
     return mask
 
 
+def _replaced_mode(target: str) -> int | None:
+    """The permission bits of the regular file a save replaces, or None (no file, or a link or
+    something else, which the save replaces with a file of its own)."""
+    try:
+        info = os.lstat(target)
+    except OSError:
+        return None
+    return info.st_mode & 0o777 if stat.S_ISREG(info.st_mode) else None
+
+
 def _fsync_dir(folder: str) -> None:
     with contextlib.suppress(OSError):
         dfd = os.open(folder, os.O_RDONLY)
@@ -423,8 +433,10 @@ def _atomic_output(
         try:
             yield fd
             if like is None:
-                # Permissions follow the umask, as for any file the user creates.
-                os.fchmod(fd, 0o666 & ~_umask())
+                # As open(target, "w") would leave them: a replaced file's permissions (a
+                # user's chmod 600 survives a save), else the umask's for a new file.
+                mode = _replaced_mode(target)
+                os.fchmod(fd, 0o666 & ~_umask() if mode is None else mode)
             else:
                 if hasattr(os, "fchown") and (like.st_uid, like.st_gid) != (
                     os.geteuid(),

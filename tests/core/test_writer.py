@@ -419,3 +419,21 @@ def test_names_up_to_the_file_system_s_limit_save(tmp_path: Path, length: int) -
         w.write("y", np.arange(2))
     assert load_file(tmp_path / name)["y"].tolist() == [0, 1]
     assert os.listdir(tmp_path) == [name]
+
+
+def test_a_replaced_file_keeps_its_permissions(tmp_path: Path) -> None:
+    path = tmp_path / "f.safetensors"
+    save_file({"x": np.zeros(2)}, path)
+    os.chmod(path, 0o600)  # a user keeping their weights private
+    save_file({"x": np.ones(2)}, path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    # A link is replaced by a file of the save's own (as the reference), with umask permissions.
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(path)
+    old = os.umask(0o022)
+    try:
+        save_file({"x": np.ones(3)}, link)
+    finally:
+        os.umask(old)
+    assert not link.is_symlink() and link.stat().st_mode & 0o777 == 0o644
+    assert path.stat().st_mode & 0o777 == 0o600 and load_file(path)["x"].tolist() == [1, 1]
