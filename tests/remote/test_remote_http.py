@@ -134,18 +134,16 @@ def test_large_range_is_split_into_parallel_parts(server: RangeServer, data_dir:
     with HTTPSource(server.url("slow/blob.bin"), part_size=part, head_bytes=0) as src:
         server.reset()
         src.stats.reset()
-        t0 = time.perf_counter()
         assert _read(src, offset, length) == data[offset : offset + length]
-        elapsed = time.perf_counter() - t0
         assert src.stats.requests == 8
         assert src.stats.bytes_fetched == length
     records = server.records("slow/blob.bin")
     assert len(records) == 8
     expected = {f"bytes={offset + k * part}-{offset + (k + 1) * part - 1}" for k in range(8)}
     assert {r.range for r in records} == expected
-    # Each request waits SLOW_SECONDS on the server; in series that would take 8 times as long.
+    # Each request waits SLOW_SECONDS on the server, so requests overlap only if they are sent
+    # in parallel: the server counts them (no wall-clock bound: timing belongs to benchmarks).
     assert server.max_inflight >= 4
-    assert elapsed < 8 * SLOW_SECONDS
 
 
 def test_parts_are_balanced(server: RangeServer) -> None:
