@@ -26,6 +26,7 @@ from ._errors import CheckpointError, SafetensorError
 
 __all__ = [
     "MARK_OPS",
+    "Budget",
     "Limits",
     "Machine",
     "Policy",
@@ -87,11 +88,19 @@ class Limits:
     max_key_items: int = 1_000_000
     """Items hashing one dict key or set item visits, shared tuples counted each time."""
     max_containers: int = 5_000_000
-    """Tuples, lists, dicts and sets built. Items put into a container leave the stack, so
-    the stack cap bounds nothing there, and a one-byte EMPTY_SET is a 216-byte set: 20 million
-    of them in a list took 4.4 GiB."""
+    """Tuples, lists, dicts and sets built, and results of the policy's calls. Items put into a
+    container leave the stack, so the stack cap bounds nothing there, and a one-byte EMPTY_SET
+    is a 216-byte set: 20 million of them in a list took 4.4 GiB."""
     max_items: int = 50_000_000
-    """Items put into containers, in all."""
+    """Items put into containers, in all (by the opcodes and by the policy's calls)."""
+    max_copied_bytes: int = 256 << 20
+    """Bytes the policy's calls copy in all (``bytearray(b)``, ``_codecs.encode(s)``...). The
+    stream's own operands are bounded by its length, but a call on a value from the memo costs
+    five bytes of the stream however large the value: a 4 MiB ``bytes`` copied 400 times was
+    1.6 GiB from a 4 MiB pickle."""
+    max_hash_items: int = 50_000_000
+    """Items visited hashing dict keys and set items, in all. A tuple does not keep its hash:
+    a key of a million items, set a million times over, is 10**12 items to hash."""
 
 
 class Policy(Protocol):
@@ -160,6 +169,110 @@ def _err(message: str, offset: int, kind: str = "PickleError") -> CheckpointErro
 TRUNCATED: Final = "PickleTruncated"
 
 
+class Budget:
+    """What one :class:`Machine` has built, against its :class:`Limits`.
+
+    The machine charges what its opcodes build. A policy's calls build from values the stream
+    hands them (a ``torch.Size`` copies a list, ``bytearray`` copies bytes, ``OrderedDict``
+    hashes keys): they charge what they build here before building it, and hash stream values
+    only through :meth:`hashable`, so the limits hold whatever the calls do. Offsets are
+    absolute (the ``base`` of the machine already added).
+    """
+
+    __slots__ = ("limits", "policy", "containers", "items", "copied", "hashed", "_measured")
+
+    def __init__(self, limits: Limits, policy: Policy) -> None:
+        self.limits = limits
+        self.policy = policy
+        self.containers = 0
+        self.items = 0
+        self.copied = 0
+        self.hashed = 0
+        # Tuples already measured, by id: (the tuple, its height, items hashing it visits).
+        # The tuple is kept with its measure, so its id stays its own while the entry lives.
+        self._measured: dict[int, tuple[tuple[Any, ...], int, int]] = {}
+
+    def grow(self, containers: int, items: int, offset: int) -> None:
+        """Charge ``containers`` new containers (or call results) holding ``items`` items."""
+        self.containers += containers
+        self.items += items
+        if self.containers > self.limits.max_containers:
+            raise _err(f"pickle builds over {self.limits.max_containers} containers", offset)
+        if self.items > self.limits.max_items:
+            raise _err(f"pickle puts over {self.limits.max_items} items in containers", offset)
+
+    def copy(self, nbytes: int, offset: int) -> None:
+        """Charge ``nbytes`` bytes that a call copies (before it copies them)."""
+        self.copied += nbytes
+        if self.copied > self.limits.max_copied_bytes:
+            raise _err(
+                f"calls of allowed globals copy over {self.limits.max_copied_bytes} bytes in all",
+                offset,
+            )
+
+    def hashable(self, key: Any, offset: int) -> Any:
+        """``key``, once hashing it is known to be safe and within the budget, or the
+        policy's replacement for an unhashable key."""
+        items = self._measure(key, offset) if type(key) is tuple else 1
+        self.hashed += items
+        if self.hashed > self.limits.max_hash_items:
+            raise _err(
+                f"hashing dict keys and set items visits over {self.limits.max_hash_items} "
+                "items in all",
+                offset,
+            )
+        try:
+            hash(key)
+        except TypeError:
+            return self.policy.unhashable(key, offset)
+        return key
+
+    def _measure(self, key: tuple[Any, ...], offset: int) -> int:
+        """How many items hashing ``key`` visits; refuses one nested too deep or too large.
+
+        Tuples hash their items recursively in C, with no depth guard (a key nested a million
+        tuples deep crashed the process) and no memory of shared items (``t = (t, t)`` a hundred
+        times over is 2**100 items to hash). Every tuple used as a key is measured first,
+        iteratively, each distinct tuple once: its height and how many items hashing it visits.
+        """
+        lim = self.limits
+        measured = self._measured
+        todo: list[tuple[tuple[Any, ...], int, bool]] = [(key, 1, False)]
+        while todo:
+            t, depth, children_done = todo.pop()
+            if id(t) in measured:
+                continue
+            if not children_done:
+                todo.append((t, depth, True))
+                for x in t:
+                    if type(x) is not tuple:
+                        continue
+                    known = measured.get(id(x))
+                    below = depth + (known[1] if known is not None else 1)
+                    if below > lim.max_key_depth:
+                        raise _err(
+                            f"a dict key or set item nests tuples over {lim.max_key_depth} deep",
+                            offset,
+                        )
+                    if known is None:
+                        todo.append((x, depth + 1, False))
+                continue
+            height, items = 1, len(t)
+            for x in t:
+                if type(x) is tuple:
+                    _, h, n = measured[id(x)]
+                    height = max(height, h + 1)
+                    items += n
+            if items > lim.max_key_items:
+                raise _err(
+                    f"a dict key or set item holds over {lim.max_key_items} items in its "
+                    "nested tuples (counting shared ones each time they occur)",
+                    offset,
+                )
+            measured[id(t)] = (t, height, items)
+        return measured[id(key)][2]
+
+
 class Machine:
     """Run pickle streams from ``data`` under ``policy``.
 
@@ -177,6 +290,8 @@ class Machine:
         self.policy = policy
         self.limits = limits or Limits()
         self.base = base
+        self.budget = Budget(self.limits, policy)
+        """What the streams this machine runs have built; the policy's calls charge it too."""
 
     def run(self, start: int = 0) -> Result:
         """Run the stream that begins at ``start`` up to its STOP.
@@ -239,15 +354,10 @@ class Machine:
             grow(1, len(items), at)  # a container of them, or items put into one
             return items
 
-        built = [0, 0]  # containers, items
+        budget = self.budget
 
         def grow(containers: int, items: int, at: int) -> None:
-            built[0] += containers
-            built[1] += items
-            if built[0] > lim.max_containers:
-                raise _err(f"pickle builds over {lim.max_containers} containers", base + at)
-            if built[1] > lim.max_items:
-                raise _err(f"pickle puts over {lim.max_items} items in containers", base + at)
+            budget.grow(containers, items, base + at)
 
         def pop(at: int) -> Any:
             if not stack:
@@ -255,57 +365,7 @@ class Machine:
             return stack.pop()
 
         def hashable(key: Any, at: int) -> Any:
-            if type(key) is tuple:
-                check_key_tuple(key, at)
-            try:
-                hash(key)
-            except TypeError:
-                return policy.unhashable(key, base + at)
-            return key
-
-        # Tuples hash their items recursively in C, with no depth guard (a key nested a million
-        # tuples deep crashed the process) and no memory of shared items (``t = (t, t)`` a
-        # hundred times over is 2**100 items to hash). Every tuple used as a key is measured
-        # first, iteratively, each distinct tuple once: its height and how many items hashing
-        # it visits.
-        measured: dict[int, tuple[tuple[Any, ...], int, int]] = {}  # id: (tuple, height, items)
-
-        def check_key_tuple(key: tuple[Any, ...], at: int) -> None:
-            todo: list[tuple[tuple[Any, ...], int, bool]] = [(key, 1, False)]
-            while todo:
-                t, depth, children_done = todo.pop()
-                if id(t) in measured:
-                    continue
-                if not children_done:
-                    todo.append((t, depth, True))
-                    for x in t:
-                        if type(x) is not tuple:
-                            continue
-                        known = measured.get(id(x))
-                        below = depth + (known[1] if known is not None else 1)
-                        if below > lim.max_key_depth:
-                            raise _err(
-                                f"a dict key or set item nests tuples over {lim.max_key_depth} "
-                                "deep",
-                                base + at,
-                            )
-                        if known is None:
-                            todo.append((x, depth + 1, False))
-                    continue
-                height, items = 1, len(t)
-                for x in t:
-                    if type(x) is tuple:
-                        _, h, n = measured[id(x)]
-                        height = max(height, h + 1)
-                        items += n
-                if items > lim.max_key_items:
-                    raise _err(
-                        f"a dict key or set item holds over {lim.max_key_items} items in its "
-                        "nested tuples (counting shared ones each time they occur)",
-                        base + at,
-                    )
-                # The tuple is kept with its measure: its id stays its own while the entry lives.
-                measured[id(t)] = (t, height, items)
+            return budget.hashable(key, base + at)
 
         while True:
             if pos >= end:

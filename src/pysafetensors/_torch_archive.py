@@ -3,8 +3,8 @@
 ``zipfile`` is used only to parse the central directory. Every member's bytes are located by
 reading its local header ourselves and checking the result against the file size and against
 every other member (``threat-model-and-pickle.md`` §4): no ``ZipFile.read``/``extract`` on
-untrusted members, no overlapping or duplicate entries, no prepended data, STORED or bounded
-DEFLATE only.
+untrusted members, no overlapping or duplicate entries, no prepended data, one central directory
+read alike by ``zipfile`` and torch's reader (miniz), STORED or bounded DEFLATE only.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ MAX_NAME: Final = 4096
 
 _LOCAL: Final = struct.Struct("<4sHHHHHIIIHH")
 _EOCD_SIG: Final = b"PK\x05\x06"
+_EOCD: Final = struct.Struct("<4sHHHHIIH")
+_ZIP64_LOCATOR: Final = struct.Struct("<4sIQI")
+_ZIP64_EOCD: Final = struct.Struct("<4sQHHIIQQQQ")
 
 
 def _bad(message: str, offset: int | None = None) -> CheckpointError:
@@ -222,6 +225,48 @@ def _find_eocd(file: FileBytes) -> int:
     raise _bad("no end-of-central-directory record at the end of the file")
 
 
+def _stated_directory(file: FileBytes, eocd: int) -> tuple[int, int, int, int]:
+    """The central directory as the end records state it, read as torch's reader (miniz)
+    reads them: ``(entries, size, offset, where the end records begin)``.
+
+    Python's ``zipfile`` trusts the end records less: it assumes the directory ends where they
+    begin and shifts every offset by the difference ("data prepended to the archive"). When
+    the two disagree they read two different directories (a second one hidden in front of the
+    end records), so torch.load and this reader would see different members: refused.
+    """
+    sig, disk, cd_disk, n_here, n_total, cd_size, cd_offset, _ = _EOCD.unpack(
+        file.read(eocd, _EOCD.size)
+    )
+    start = eocd
+    loc_at = eocd - _ZIP64_LOCATOR.size
+    if loc_at >= 0 and file.read(loc_at, 4) == b"PK\x06\x07":
+        _, loc_disk, rec_at, disks = _ZIP64_LOCATOR.unpack(file.read(loc_at, _ZIP64_LOCATOR.size))
+        # zipfile reads the zip64 record just before the locator; miniz where the locator says.
+        expected = loc_at - _ZIP64_EOCD.size
+        if rec_at != expected or expected < 0 or loc_disk != 0 or disks > 1:
+            raise _bad(
+                f"zip64 end-of-directory locator points at byte {rec_at}, not at the record "
+                f"right before it (byte {expected})",
+                loc_at,
+            )
+        rec = _ZIP64_EOCD.unpack(file.read(rec_at, _ZIP64_EOCD.size))
+        if rec[0] != b"PK\x06\x06":
+            raise _bad("zip64 end-of-directory locator without its record", rec_at)
+        disk, cd_disk, n_here, n_total, cd_size, cd_offset = rec[4:]
+        start = rec_at
+    if disk or cd_disk or n_here != n_total:
+        raise _bad("zip archive spans several disks")
+    if cd_offset + cd_size != start:
+        raise _bad(
+            f"the end-of-directory record places the central directory at byte {cd_offset} "
+            f"({cd_size} bytes), but {start - cd_offset - cd_size:+d} bytes lie between it and "
+            "the record: readers disagree on which directory the archive has (another one may "
+            "be hidden there); refusing",
+            eocd,
+        )
+    return n_total, cd_size, cd_offset, start
+
+
 def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True) -> ZipView:
     """Validate a zip container and locate every member.
 
@@ -238,6 +283,11 @@ def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
     if file.size < 4 or file.read(0, 4) != b"PK\x03\x04":
         raise _bad("not a zip checkpoint: the file does not start with a local file header")
     eocd = _find_eocd(file)
+    if file.read(eocd + 4, file.size - eocd - 4).find(_EOCD_SIG) >= 0:
+        # zipfile takes the last signature of the file's tail as the end record, whatever
+        # its comment length says; _find_eocd the last one whose comment ends the file.
+        raise _bad("a second end-of-central-directory signature after the end record", eocd)
+    entries, _, _, _ = _stated_directory(file, eocd)
     try:
         with open(file.path, "rb") as fh, zipfile.ZipFile(fh) as zf:
             infos = zf.infolist()
@@ -247,6 +297,14 @@ def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
         raise _bad(f"unsupported zip ({exc})") from None
     if len(infos) > MAX_ENTRIES:
         raise _bad(f"{len(infos)} zip entries, over the {MAX_ENTRIES} limit")
+    if len(infos) != entries:
+        # miniz reads as many entries as the end record counts; zipfile every entry in the
+        # directory's stated size.
+        raise _bad(
+            f"the end-of-directory record counts {entries} members, the central directory "
+            f"holds {len(infos)}",
+            eocd,
+        )
     members: dict[str, ZipMember] = {}
     order: list[str] = []
     ranges: list[tuple[int, int, str]] = []

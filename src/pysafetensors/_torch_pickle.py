@@ -36,7 +36,7 @@ import numpy as np
 
 from ._dtypes import DType, dtype_from_code
 from ._errors import CheckpointError, UnsafePickleError
-from ._pickle_vm import TRUNCATED, Limits, Machine, Result
+from ._pickle_vm import TRUNCATED, Budget, Limits, Machine, Result
 from ._torch_archive import CHUNK, FileBytes, ZipView, open_zip
 
 __all__ = [
@@ -241,6 +241,13 @@ class TensorRecord:
         return self.storage_offset == 0 and self.nbytes == self.storage_nbytes
 
 
+def _machine(data: bytes, policy: TorchPolicy, limits: Limits | None, base: int = 0) -> Machine:
+    """A machine over ``data`` whose budget ``policy``'s calls charge too."""
+    machine = Machine(data, policy, limits, base=base)
+    policy.budget = machine.budget
+    return machine
+
+
 def _unsafe(message: str, name: str | None, offset: int) -> UnsafePickleError:
     return UnsafePickleError(
         f"{message} (at byte {offset} of the pickle)",
@@ -286,6 +293,11 @@ class TorchPolicy:
         self.legacy = legacy
         self.storages: dict[str, StorageRef] = {}
         self.tensors: list[TensorRef] = []
+        self.views: dict[str, StorageRef] = {}
+        """Legacy storage views by view key (torch builds each once, see :meth:`persistent`)."""
+        self.budget = Budget(Limits(), self)
+        """What the calls build is charged here: the budget of the machine running the
+        stream (bound by :func:`_machine`)."""
 
     # -- globals ---------------------------------------------------------------------------
     def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
@@ -330,6 +342,9 @@ class TorchPolicy:
         handler = _HANDLERS.get(func.kind)
         if handler is None:
             raise _unsafe(f"{func.name} is not callable", func.name, offset)
+        # Every call builds something (a tensor record, a copy): a call of values from the memo
+        # is five bytes of the stream, so count its result as the machine counts containers.
+        self.budget.grow(1, 0, offset)
         return handler(self, func, args, offset)
 
     def build(self, obj: Any, state: Any, offset: int) -> Any:
@@ -361,9 +376,13 @@ class TorchPolicy:
         ref = StorageRef(key, stype.name, numel)
         known = self.storages.get(key)
         if known is None:
+            if key in self.views:
+                raise _bad(f"storage key {key} is also the key of a storage view", offset)
             self.storages[key] = ref
         elif known != ref:
             raise _bad(f"storage {key} declared twice with different type or size", offset)
+        else:
+            ref = known  # the same object each time: repeated ids build nothing
         if self.legacy and pid[5] is not None:
             view = pid[5]
             if (
@@ -374,7 +393,19 @@ class TorchPolicy:
                 or view[1] + view[2] > numel
             ):
                 raise _bad(f"invalid legacy storage view {_short(view)}", offset)
-            return StorageRef(key, stype.name, numel, view[1], view[2])
+            # torch's legacy persistent_load builds a view once per view key and hands that
+            # same view to every later id naming the key, whatever offset and size they say.
+            # Do the same (rebuilding each from its own offset wrote other values than
+            # torch.load returns). A view key that is also a storage key is ambiguous there
+            # (one table holds both): refused.
+            cached = self.views.get(view[0])
+            if cached is not None:
+                return cached
+            if view[0] in self.storages:
+                raise _bad(f"storage view key {_short(view[0])} is also a storage key", offset)
+            self.budget.grow(1, 0, offset)
+            made = self.views[view[0]] = StorageRef(key, stype.name, numel, view[1], view[2])
+            return made
         return ref
 
     # -- everything else is refused --------------------------------------------------------
@@ -483,6 +514,21 @@ def _outline(value: Any, levels: int) -> str:
 
 
 def _lookup(module: str, name: str) -> Stand | None:
+    # One stand-in per allowed name (a STACK_GLOBAL of two memo strings is five bytes of the
+    # stream: it must not build a new object each time).
+    known = _STANDS.get((module, name))
+    if known is None:
+        known = _make_stand(module, name)
+        if known is not None:
+            _STANDS[(module, name)] = known
+    return known
+
+
+#: Stand-ins made so far, by (module, name); only allowed names, so a finite table.
+_STANDS: Final[dict[tuple[str, str], Stand]] = {}
+
+
+def _make_stand(module: str, name: str) -> Stand | None:
     if (module, name) in _REBUILDS:
         return Stand("rebuild", name)
     if module in ("torch", "torch.cuda") and name in _STORAGE_CLASSES:
@@ -510,30 +556,42 @@ _SIMPLE: Final[dict[str, Stand]] = {
 }
 
 
+# The handlers build from values the stream hands them, and one value from the memo can be
+# handed again and again for five bytes each time: each charges what it builds to the machine's
+# budget before building it (items copied, bytes copied), and hashes stream values only through
+# the budget's depth- and size-checked ``hashable`` (a tuple nested 200,000 deep as an
+# OrderedDict key or set item crashed the interpreter in C).
+
+
 def _h_odict(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     if args == ():
         return {}
     if len(args) == 1 and type(args[0]) is list:
+        pairs = args[0]
+        p.budget.grow(0, len(pairs), at)
         out: dict[Any, Any] = {}
-        for pair in args[0]:
+        for pair in pairs:
             if type(pair) not in (tuple, list) or len(pair) != 2:
                 raise _bad("OrderedDict items are not pairs", at)
-            try:
-                out[pair[0]] = pair[1]
-            except TypeError:
-                raise _bad("unhashable OrderedDict key", at) from None
+            out[p.budget.hashable(pair[0], at)] = pair[1]
         return out
     raise _bad(f"OrderedDict called with {_short(args)}", at)
 
 
 def _h_size(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     if len(args) == 1 and type(args[0]) in (tuple, list):
+        if type(args[0]) is tuple:
+            return args[0]  # tuple(t) is t: nothing built
+        p.budget.grow(0, len(args[0]), at)
         return tuple(args[0])
     raise _bad(f"torch.Size called with {_short(args)}", at)
 
 
 def _h_device(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     if 1 <= len(args) <= 2 and type(args[0]) is str and (len(args) == 1 or _is_int(args[1])):
+        if len(args) == 2 and not -(1 << 63) <= args[1] < 1 << 63:
+            raise _bad(f"torch.device index {_short(args[1])} is not a 64-bit integer", at)
+        p.budget.copy(len(args[0]), at)
         return ":".join(str(a) for a in args)
     raise _bad(f"torch.device called with {_short(args)}", at)
 
@@ -542,10 +600,9 @@ def _h_set(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     items = args[0] if len(args) == 1 and type(args[0]) in (list, tuple) else None
     if args and items is None:
         raise _bad(f"{f.name} called with {_short(args)}", at)
-    try:
-        values = set(items or ())
-    except TypeError:
-        raise _bad("unhashable set item", at) from None
+    items = items or ()
+    p.budget.grow(0, len(items), at)
+    values = {p.budget.hashable(x, at) for x in items}
     return frozenset(values) if f.name.endswith("frozenset") else values
 
 
@@ -553,25 +610,28 @@ def _h_bytearray(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> An
     if args == ():
         return bytearray()
     if len(args) == 1 and type(args[0]) is bytes:
+        p.budget.copy(len(args[0]), at)
         return bytearray(args[0])
     raise _bad(f"bytearray called with {_short(args)}", at)
 
 
 def _h_complex(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     if len(args) == 2 and all(type(a) in (int, float) for a in args):
-        return complex(args[0], args[1])
+        try:
+            return complex(args[0], args[1])
+        except OverflowError:
+            raise _bad(f"complex called with {_short(args)}: too large for a float", at) from None
     raise _bad(f"complex called with {_short(args)}", at)
 
 
 def _h_encode(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     # The protocol-2 way to pickle bytes: _codecs.encode(text, "latin1"). Nothing else.
-    if (
-        len(args) == 2
-        and type(args[0]) is str
-        and args[1] in ("latin1", "latin-1")
-        and all(ord(c) < 256 for c in args[0])
-    ):
-        return args[0].encode("latin-1")
+    if len(args) == 2 and type(args[0]) is str and args[1] in ("latin1", "latin-1"):
+        p.budget.copy(len(args[0]), at)
+        try:
+            return args[0].encode("latin-1")
+        except UnicodeEncodeError:
+            pass  # a character over U+00FF: not what pickle writes
     raise _unsafe(f"_codecs.encode called with {_short(args)}", "_codecs.encode", at)
 
 
@@ -628,7 +688,8 @@ def _h_counter(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     if args == ():
         return {}
     if len(args) == 1 and type(args[0]) is dict:
-        return dict(args[0])
+        p.budget.grow(0, len(args[0]), at)
+        return dict(args[0])  # keys keep their hashes: none is hashed again
     raise _bad(f"Counter called with {_short(args)}", at)
 
 
@@ -663,9 +724,20 @@ class _ValuePolicy(TorchPolicy):
 # --------------------------------------------------------------------------------------------
 
 
-def _key_text(key: Any) -> str:
+#: Most digits of an integer key that names a tensor (str() of a longer one is refused by
+#: Python, or quadratic where that limit is lifted; no real state dict has one).
+MAX_KEY_DIGITS: Final = 100
+
+
+def _key_text(key: Any, prefix: str = "") -> str:
     if type(key) is str:
         return key
+    if type(key) is int and key.bit_length() > MAX_KEY_DIGITS * 3:  # > 10**90
+        where = f" under {prefix!r}" if prefix else " at the top level"
+        raise _bad(
+            f"state dict key{where} is an integer of about {key.bit_length() * 3 // 10} "
+            f"digits; a key over {MAX_KEY_DIGITS} digits cannot name a tensor"
+        )
     if type(key) in (int, bool) or key is None:
         return str(key)
     raise _bad(f"state dict key of type {type(key).__name__} cannot name a tensor")
@@ -673,8 +745,10 @@ def _key_text(key: Any) -> str:
 
 def _leaf_key_text(key: Any) -> str:
     """The name part of a key under which no tensor lies: any hashable value, in outline."""
-    if type(key) in (str, int, bool) or key is None:
+    if type(key) in (str, bool) or key is None:
         return _key_text(key)
+    if type(key) is int and key.bit_length() <= MAX_KEY_DIGITS * 3:
+        return str(key)
     return _short(key)
 
 
@@ -759,7 +833,7 @@ def _ordered(
         # Only a name that leads to a tensor must be one a safetensors file can hold; a float
         # or tuple key of a config value is shown in outline.
         holds = isinstance(value, TensorRef) or id(value) in contains
-        text = _key_text(key) if holds else _leaf_key_text(key)
+        text = _key_text(key, prefix) if holds else _leaf_key_text(key)
         name = f"{prefix}.{text}" if prefix else text
         # Shared sub-dicts are walked once per path to them: bound the names and their text.
         entries += 1
@@ -955,11 +1029,13 @@ class Checkpoint:
         if unit is None:  # pragma: no cover - every supported torch dtype has 1..8 bytes
             raise _bad(f"unsupported element size {rec.itemsize}")
         flat = self._span(rec.storage_key, start, stop - start).view(unit)
+        # A dimension of size 1 never steps, so its stride is any number torch was given
+        # (up to MAX_DIM, over what numpy's strides hold): 0 here. Every other stride is
+        # inside the span, checked by _record.
+        dims = zip(rec.torch_shape, rec.stride, strict=True)
+        strides = tuple(0 if s == 1 else st * rec.itemsize for s, st in dims)
         view = np.lib.stride_tricks.as_strided(
-            flat,
-            shape=rec.torch_shape,
-            strides=tuple(st * rec.itemsize for st in rec.stride),
-            writeable=False,
+            flat, shape=rec.torch_shape, strides=strides, writeable=False
         )
         np_dtype = numpy_dtype(rec.dtype)
         for index in _blocks(rec.torch_shape, rec.itemsize):
@@ -1227,7 +1303,7 @@ def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
         byteorder = raw.decode()
     data = zv.read(pkl, limit=MAX_PICKLE_BYTES)
     policy = TorchPolicy()
-    result = Machine(data, policy, limits).run(0)
+    result = _machine(data, policy, limits).run(0)
     if result.end != len(data):
         raise _bad(f"{pkl}: {len(data) - result.end} bytes after STOP")
     storages: dict[str, _StorageLoc] = {}
@@ -1355,32 +1431,94 @@ class _TarGraphPolicy(TorchPolicy):
         return found
 
 
+#: Tar header blocks, and what headers (PAX records, GNU long names) may hold in all.
+BLOCK_SIZE: Final = 512
+MAX_TAR_HEADER_BYTES: Final = 1 << 20
+MAX_TAR_HEADER_READS: Final = 16 * MAX_TAR_MEMBERS
+
+
+class _TarHeaderReader:
+    """The file as ``tarfile`` reads it to list members: reads only, each checked first.
+
+    ``tarfile`` reads a PAX or GNU long-name record with one ``read(size)`` of the size its
+    header claims (8 GiB in a 1.5 KB file: MemoryError; 2**80: OverflowError). Members' data is
+    never read through here (it is located, then read in place), so every read is header
+    bytes: each must lie inside the file, and all of them together are capped.
+    """
+
+    def __init__(self, file: FileBytes) -> None:
+        self.file = file
+        self.name = file.path
+        self.pos = 0
+        self.total = 0
+        self.reads = 0
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.file.size}[whence]
+        if base + pos < 0:
+            raise _bad(f"tar checkpoint seeks before the start of the file ({base + pos})")
+        self.pos = base + pos
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        at = self.pos
+        if n is None or n < 0:
+            raise _bad(f"tar checkpoint: a read to the end of the file at byte {at}")
+        self.total += n
+        self.reads += 1
+        if at + n > self.file.size and n > BLOCK_SIZE:
+            raise CheckpointError(
+                f"tar checkpoint: an extended header (a PAX record or GNU long name) claims "
+                f"{n} bytes at byte {at}, past the end of the {self.file.size}-byte file",
+                kind="Truncated",
+                offset=at,
+            )
+        if self.total > MAX_TAR_HEADER_BYTES or self.reads > MAX_TAR_HEADER_READS:
+            raise _bad(
+                f"tar checkpoint: its headers (with PAX records and GNU long names) take over "
+                f"{MAX_TAR_HEADER_BYTES} bytes or {MAX_TAR_HEADER_READS} reads (one of {n} "
+                f"bytes at byte {at})",
+                at,
+            )
+        if at >= self.file.size:
+            return b""
+        got = self.file.read(at, min(n, self.file.size - at))
+        self.pos += len(got)
+        return got
+
+
 def _tar_members(file: FileBytes) -> dict[str, tuple[int, int]]:
     """``{name: (data offset, size)}`` from the tar headers; nothing is extracted."""
     out: dict[str, tuple[int, int]] = {}
-    with os.fdopen(os.dup(file.fd), "rb") as fh:
-        try:
-            with tarfile.open(fileobj=fh, mode="r:") as tar:
-                for count, m in enumerate(tar, 1):
-                    if count > MAX_TAR_MEMBERS:
-                        raise _bad(f"tar checkpoint has over {MAX_TAR_MEMBERS} members")
-                    if m.name not in _TAR_MEMBERS:
-                        raise _bad(f"unexpected tar member {_short(m.name)}")
-                    if m.name in out:
-                        raise _bad(f"tar member {m.name!r} appears twice")
-                    if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
-                        raise _bad(f"tar member {m.name!r} is not a regular file (link, device...)")
-                    if m.size < 0 or m.offset_data + m.size > file.size:
-                        raise CheckpointError(
-                            f"tar member {m.name!r} ({m.size} bytes at {m.offset_data}) runs "
-                            f"past the end of the {file.size}-byte file",
-                            kind="Truncated",
-                        )
-                    out[m.name] = (m.offset_data, m.size)
-        except CheckpointError:
-            raise
-        except (tarfile.TarError, EOFError, ValueError, OSError) as exc:
-            raise _bad(f"unreadable tar checkpoint ({exc})") from None
+    reader: Any = _TarHeaderReader(file)
+    try:
+        with tarfile.open(fileobj=reader, mode="r:") as tar:
+            for count, m in enumerate(tar, 1):
+                if count > MAX_TAR_MEMBERS:
+                    raise _bad(f"tar checkpoint has over {MAX_TAR_MEMBERS} members")
+                if m.name not in _TAR_MEMBERS:
+                    raise _bad(f"unexpected tar member {_short(m.name)}")
+                if m.name in out:
+                    raise _bad(f"tar member {m.name!r} appears twice")
+                if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or m.sparse is not None:
+                    raise _bad(
+                        f"tar member {m.name!r} is not a regular file (link, device, sparse...)"
+                    )
+                if m.size < 0 or m.offset_data + m.size > file.size:
+                    raise CheckpointError(
+                        f"tar member {m.name!r} ({m.size} bytes at {m.offset_data}) runs "
+                        f"past the end of the {file.size}-byte file",
+                        kind="Truncated",
+                    )
+                out[m.name] = (m.offset_data, m.size)
+    except CheckpointError:
+        raise
+    except (tarfile.TarError, EOFError, ValueError, OSError, OverflowError, RecursionError) as exc:
+        # Numbers of malformed headers; tarfile's own recursion over chained PAX records.
+        raise _bad(f"unreadable tar checkpoint ({type(exc).__name__}: {exc})") from None
     for name in ("pickle", "storages", "tensors"):
         if name not in out:
             raise _bad(f"tar checkpoint has no {name!r} member")
@@ -1406,7 +1544,7 @@ def _run_pickle_at(
     while True:
         data = file.read(start, size)
         try:
-            res = Machine(data, policy, limits, base=start).run(0)
+            res = _machine(data, policy, limits, base=start).run(0)
         except CheckpointError as exc:
             if exc.kind != TRUNCATED or size >= min(stop - start, MAX_PICKLE_BYTES):
                 raise
@@ -1431,7 +1569,7 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
         start, size = members["sys_info"]
         if size > MAX_PICKLE_BYTES:
             raise _bad("tar sys_info member is too large")
-        info = Machine(file.read(start, size), values, limits, base=start).run(0).value
+        info = _machine(file.read(start, size), values, limits, base=start).run(0).value
         if type(info) is not dict or info.get("little_endian") is False:
             raise _bad("tar sys_info is not a dict or declares big-endian storages (unsupported)")
     table = _TablePolicy()
@@ -1439,8 +1577,8 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
     storages: dict[str, _StorageLoc] = {}
 
     def new_key(key: Any, what: str) -> int:
-        if not _is_int(key) or key < 0:
-            raise _bad(f"tar {what} key {_short(key)} is not a non-negative int")
+        if not _is_int(key) or key < 0 or key > MAX_DIM:
+            raise _bad(f"tar {what} key {_short(key)} is not a non-negative 63-bit int")
         if key in objects:
             raise _bad(f"tar {what} key {key} is used twice")
         return int(key)
@@ -1546,7 +1684,7 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
         raise _bad("tar pickle member is too large")
     data = file.read(start, size)
     policy = _TarGraphPolicy(objects)
-    graph = Machine(data, policy, limits, base=start).run(0)
+    graph = _machine(data, policy, limits, base=start).run(0)
     if graph.end != len(data):
         raise _bad(f"tar pickle: {len(data) - graph.end} bytes after STOP")
     tensors, leaves = _records(policy, graph.value, {k: v.nbytes for k, v in storages.items()})
