@@ -341,6 +341,9 @@ class Machine:
             nl = data.find(b"\n", pos, min(end, pos + lim.max_line))
             if nl < 0:
                 raise _err("unterminated text operand", base + at, TRUNCATED)
+            if frame_end >= 0 and pos < frame_end <= nl:
+                # CPython reads a line past its frame from the bytes after the frame.
+                policy.notice("an operand crosses the end of its FRAME", base + at)
             out = data[pos:nl]
             pos = nl + 1
             return out

@@ -6,9 +6,11 @@ through the memo are just the stack values they are (``threat-model-and-pickle.m
 Each global is graded from an allow-list:
 
 * ``safe``: what the torch-free converter (and torch's ``weights_only`` loader) accepts;
-* ``dangerous``: known code-running, file, network or name-resolving callables;
+* ``dangerous``: known code-running, file, network or name-resolving callables, and files that
+  two readers would read as different programs (an operand running past the end of its FRAME,
+  a zip whose central directory torch's reader and ``zipfile`` find in different places);
 * ``suspicious``: everything else, and anything the scanner could not fully analyse (parse
-  errors, unreadable members, frame violations, calls of computed objects...).
+  errors, unreadable members, calls of computed objects...).
 
 Files are parsed the way their victims would parse them: every pickle stream of a file (legacy
 checkpoints are five pickles plus raw data; extra streams after STOP are scanned), every
@@ -17,7 +19,8 @@ something, whatever its name (CRC, flag bits and local-name mismatches are ignor
 reader ignores them), the members of 0.1.1 tar checkpoints, and pickles nested inside
 ``pickle.loads``/``torch.load``-style calls. Any opcode may start a pickle, as in CPython's
 unpickler, and Python 2 names are read as CPython reads them below protocol 3
-(``commands.getoutput`` is ``subprocess.getoutput``).
+(``commands.getoutput`` is ``subprocess.getoutput``). A file is read in every way a loader may
+read it (zip, tar as ``tarfile`` recognises one, pickle), graded by the worst.
 
 Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully analysable),
 2 dangerous.
@@ -26,7 +29,6 @@ Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully ana
 from __future__ import annotations
 
 import _compat_pickle
-import io
 import mmap
 import os
 import struct
@@ -120,6 +122,28 @@ _NESTED_LOADERS: Final = frozenset(
     }
 )
 _SAFE_BUILTINS: Final = frozenset({"set", "frozenset", "bytearray", "complex", "slice"})
+# The pickle machine's notices about FRAME boundaries that CPython itself reads in two ways. With
+# bytes (``pickle.loads``, or a buffered file and a frame under 8 KiB) its C unpickler reads on
+# linearly, as this scanner does; with a file it reads frames into a buffer of their own
+# (``torch.load`` of a zip member reads from an ``io.BytesIO``; a buffered file does it for
+# frames of 8 KiB and more), and an operand that runs past that buffer is read from the bytes
+# after the frame while what was left in the frame is dropped. ``frame(b"g1") + b"2\n"`` is
+# GET 12 one way and GET 2 the other. No pickler writes any of these, and a scanner cannot grade
+# two programs as one: they are dangerous.
+_FRAME_DESYNC: Final = {
+    "an operand crosses the end of its FRAME": (
+        "CPython and this scanner would read different programs (a file reader drops the rest "
+        "of the frame and reads the operand from the bytes after it)"
+    ),
+    "FRAME begins inside another frame": (
+        "CPython reads the bytes from here on differently from a file and from bytes (the "
+        "pure-Python unpickler refuses it), so they cannot be graded as one program"
+    ),
+    "STOP inside a FRAME that announces more bytes": (
+        "a file reader starts the next pickle after the frame, this scanner and pickle.loads "
+        "right after the STOP, so the streams that follow cannot be graded as one program"
+    ),
+}
 
 
 def grade_global(module: str, name: str) -> Grade:
@@ -446,6 +470,10 @@ class _ScanPolicy:
         return raw.decode("utf-8", "surrogateescape")
 
     def notice(self, message: str, offset: int) -> None:
+        why = _FRAME_DESYNC.get(message)
+        if why is not None:
+            self.report._add("dangerous", f"{message}: {why}", self.where, offset)
+            return
         self.report._add("suspicious", message, self.where, offset)
 
     def proto(self, protocol: int, offset: int) -> None:
@@ -597,44 +625,83 @@ class _Values(_ScanPolicy):
 
 
 def _scan_bytes(report: ScanReport, data: bytes, where: str, depth: int) -> None:
-    """Scan bytes of unknown kind (a file, a member, a nested payload)."""
+    """Scan bytes of unknown kind (a file, a member, a nested payload).
+
+    Every reading that some loader may apply is scanned, never only the first that matches:
+    ``torch.load`` reads a file that starts with a local header as a zip, tries any other file
+    as a tar first (``tarfile`` takes any block with a valid header checksum, old V7 headers
+    without ``ustar`` included) and unpickles it when that fails, and ``pickle.load`` reads any
+    file from its first byte. A file that is several of these at once is graded by the worst.
+    """
+    containers: list[str] = []
     zip_at_0 = data[:4] == b"PK\x03\x04"
+    pickled = False  # whether the bytes were scanned as a pickle from their first byte
     if zip_at_0 or b"PK\x05\x06" in data[-(22 + 0xFFFF) :]:
+        containers.append("zip")
         if report.format == "unknown":
             report.format = "zip"
         if not zip_at_0 and _looks_like_pickle(data):
             # A pickle prepended to a zip: both sides are read by someone.
             report._add("suspicious", "data before the zip archive", where, 0)
             _scan_pickle_file(report, data, where, depth)
+            pickled = True
         _scan_zip(report, data, where, depth)
-        return
-    if len(data) >= 262 and data[257:262] == b"ustar":
+    if _is_tar(data):
+        containers.append("tar")
         if report.format == "unknown":
             report.format = "tar"
-        # A tar's first bytes are a member name, which can be a pickle as well: pickle.load
-        # of the file runs it.
-        if _probe(report, data, where, depth, keep_clean=False):
-            report._add("suspicious", "a tar file that is also a pickle", where, 0)
         _scan_tar(report, data, where, depth)
-        return
-    if depth == 0 and len(data) >= 10 and data[8:9] == b"{":
+    if len(containers) > 1:
+        report._add("suspicious", "a file that is both a zip and a tar archive", where, 0)
+    safetensors = depth == 0 and len(data) >= 10 and data[8:9] == b"{"
+    if safetensors:
         (n,) = struct.unpack_from("<Q", data, 0)
-        if 8 + n <= len(data):
-            # A safetensors file holds no pickle, but its first bytes (the header length) are
-            # often a valid opcode, and they can start a pickle that imports or calls before
-            # failing: graded by what such a pickle would do, not by the file's shape.
-            if not _probe(report, data, where, depth, keep_clean=False):
-                report.format = "safetensors"
-                return
-            report.format = "pickle"
-            report._add("suspicious", "a safetensors-shaped file that is also a pickle", where, 0)
+        safetensors = 8 + n <= len(data)
+    if containers:
+        if safetensors:
+            report._add(
+                "suspicious", f"a safetensors-shaped file that is also a {containers[0]}", where, 0
+            )
+        # A tar's first bytes are a member name, and a zip may have anything before it: they
+        # can be a pickle as well, which pickle.load of the file (and torch.load, when
+        # tarfile refuses the file after all) runs. A file that starts with a zip local header
+        # starts with PERSID, which every unpickler without persistent_load refuses at once,
+        # and torch.load reads it as a zip.
+        if not pickled and not zip_at_0 and _probe(report, data, where, depth, keep_clean=False):
+            report._add("suspicious", f"a {containers[0]} file that is also a pickle", where, 0)
+        return
+    if safetensors:
+        # A safetensors file holds no pickle, but its first bytes (the header length) are
+        # often a valid opcode, and they can start a pickle that imports or calls before
+        # failing: graded by what such a pickle would do, not by the file's shape.
+        if not _probe(report, data, where, depth, keep_clean=False):
+            report.format = "safetensors"
             return
+        report.format = "pickle"
+        report._add("suspicious", "a safetensors-shaped file that is also a pickle", where, 0)
+        return
     if _looks_like_pickle(data):
         if report.format == "unknown":
             report.format = "pickle"
         _scan_pickle_file(report, data, where, depth)
         return
     report._add("suspicious", "not a pickle, zip or tar file", where, 0)
+
+
+def _is_tar(data: bytes) -> bool:
+    """Whether ``tarfile`` (and so ``torch.load``'s first attempt) takes ``data`` for a tar.
+
+    ``tarfile`` accepts a first block whose header checksum is right, whatever else it holds:
+    old V7 headers have no ``ustar`` magic, and the file's first bytes (the first member's
+    name) can be anything. This is the check ``tarfile.open`` makes on the first block.
+    """
+    if len(data) < tarfile.BLOCKSIZE:
+        return False
+    try:
+        tarfile.TarInfo.frombuf(bytes(data[: tarfile.BLOCKSIZE]), "utf-8", "surrogateescape")
+    except (tarfile.HeaderError, ValueError, OverflowError):
+        return False
+    return True
 
 
 def _probe(report: ScanReport, data: bytes, where: str, depth: int, *, keep_clean: bool) -> bool:
@@ -667,13 +734,59 @@ def _keep_probe(
     return False
 
 
+class _BoundedFile:
+    """A read-only file over bytes or a mapping (up to ``end``) whose reads never ask for more
+    than is left.
+
+    ``tarfile`` reads a PAX or GNU long-name record with one ``read(size)`` of the size its
+    header claims: a buffered file allocates all of it first (8 GiB for a 1 KiB file), and an
+    mmap's ``read`` raises ``OverflowError`` on sizes past 2**63.
+    """
+
+    def __init__(self, data: bytes, end: int | None = None) -> None:
+        self._data = data
+        self._end = len(data) if end is None else min(end, len(data))
+        self._pos = 0
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = max(self._end - self._pos, 0)
+        n = left if n is None or n < 0 else min(n, left)
+        out = bytes(self._data[self._pos : self._pos + n])
+        self._pos += n
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 1:
+            offset += self._pos
+        elif whence == 2:
+            offset += self._end
+        if offset < 0:
+            raise OSError("negative seek position")
+        self._pos = offset
+        return offset
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+
 def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
+    eocd = _miniz_eocd(data)
     try:
-        with zipfile.ZipFile(_fileobj(data)) as zf:
+        # zipfile is shown the file up to the end record torch's reader uses: a signature after
+        # it (in the archive comment) is where zipfile would look, and not torch.
+        view = _BoundedFile(data, len(data) if eocd is None else eocd + _EOCD.size)
+        with zipfile.ZipFile(cast(Any, view)) as zf:
             infos = zf.infolist()
+            start = zf.start_dir
     except Exception as exc:  # zipfile raises many types on hostile input
         report._add("suspicious", f"unreadable zip directory ({exc})", where)
         return
+    problem = None if eocd is None else _directory_disagreement(data, eocd, start)
+    if problem:
+        report._add("dangerous", problem, where)
     names = [i.filename for i in infos]
     if len(set(names)) != len(names):
         report._add("suspicious", "duplicate zip member names", where)
@@ -690,6 +803,80 @@ def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
             _scan_member(report, data, info, member, depth)
         except (ValueError, zlib.error, struct.error) as exc:
             report._add("suspicious", f"member could not be read ({exc})", member)
+
+
+_EOCD: Final = struct.Struct("<4sHHHHIIH")
+_EOCD64_LOCATOR: Final = struct.Struct("<4sIQI")
+_EOCD64: Final = struct.Struct("<4sQHHIIQQQQ")
+
+
+def _miniz_eocd(data: bytes) -> int | None:
+    """Where the end record is that torch's zip reader (miniz) uses, if it finds one.
+
+    miniz takes the last signature with a whole record after it, searching back about 64 KiB
+    from the end in blocks of 4 KiB. ``zipfile`` takes the last signature in the last 64 KiB
+    and refuses the file when no whole record follows it (a signature in the comment).
+    """
+    tail_at = max(len(data) - (_EOCD.size + 0xFFFF + 4096), 0)
+    tail = bytes(data[tail_at:])
+    idx = tail.rfind(b"PK\x05\x06")
+    while idx >= 0 and len(tail) - idx < _EOCD.size:
+        idx = tail.rfind(b"PK\x05\x06", 0, idx + 3)
+    return None if idx < 0 else tail_at + idx
+
+
+def _directory_disagreement(data: bytes, eocd: int, zipfile_start: int) -> str | None:
+    """Why torch's zip reader and Python's ``zipfile`` may read different members, if they may.
+
+    torch reads zips with miniz, which takes the central directory at the offset its end
+    record (at ``eocd``) states, or the zip64 record's, which miniz finds through the locator.
+    ``zipfile`` assumes the directory ends right before the end records and, when the stated
+    offset says otherwise, takes the difference for data prepended to the archive and shifts
+    every offset by it. A file with two directories, one where the end record points and one
+    right before it, is two archives: the scanner would list one, torch load the other. Real
+    archives have no such gap (``zipfile_start`` is where ``zipfile`` read the directory).
+    """
+    _, _, _, _, _, size, offset, _ = _EOCD.unpack(bytes(data[eocd : eocd + _EOCD.size]))
+    plain = (offset, size)
+    zipfile_view, records = plain, 0
+    if eocd >= _EOCD64_LOCATOR.size + _EOCD64.size:
+        sig, _, located, _ = _EOCD64_LOCATOR.unpack(bytes(data[eocd - _EOCD64_LOCATOR.size : eocd]))
+        if sig == b"PK\x06\x07":
+            # zipfile reads the zip64 record right before the locator; miniz where the locator
+            # points (newer versions try right before it first). Each falls back on the plain
+            # record when its zip64 record has no signature.
+            before = eocd - _EOCD64_LOCATOR.size - _EOCD64.size
+            z64 = _zip64_view(data, before)
+            zipfile_view = z64 or plain
+            if (_zip64_view(data, located) or plain) != zipfile_view:
+                return (
+                    f"the zip64 end record is read at offset {before} by Python's zipfile and "
+                    f"at offset {located} by torch's reader (miniz), and they place the "
+                    "central directory differently: they may see different members"
+                )
+            if z64 is not None:
+                records = _EOCD64_LOCATOR.size + _EOCD64.size
+    offset, size = zipfile_view
+    gap = eocd - records - size - offset
+    if gap != 0 or zipfile_start != offset:
+        return (
+            f"the zip's end record places the central directory at offset {offset}, and "
+            f"{gap} bytes lie between its end and the end record: torch's reader (miniz) reads "
+            f"the directory at the stated offset, Python's zipfile at offset {zipfile_start} "
+            "(it takes the gap for data prepended to the archive and shifts every offset by "
+            "it), so the two may see different members"
+        )
+    return None
+
+
+def _zip64_view(data: bytes, at: int) -> tuple[int, int] | None:
+    """(directory offset, directory size) of a zip64 end record at ``at``, if one is there."""
+    if at < 0 or at + _EOCD64.size > len(data):
+        return None
+    rec = _EOCD64.unpack(bytes(data[at : at + _EOCD64.size]))
+    if rec[0] != b"PK\x06\x06":
+        return None
+    return rec[9], rec[8]
 
 
 def _scan_member(
@@ -739,14 +926,6 @@ def _scan_member(
     _keep_probe(report, parsed, first_ok, keep_clean=not is_storage)
 
 
-def _fileobj(data: bytes) -> Any:
-    # An mmap is already a seekable file object; bytes need a wrapper.
-    if isinstance(data, mmap.mmap):
-        data.seek(0)
-        return data
-    return io.BytesIO(data)
-
-
 def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, bool]:
     """The first ``limit`` bytes of a member, and whether that is all of it.
 
@@ -787,7 +966,7 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, 
 
 def _scan_tar(report: ScanReport, data: bytes, where: str, depth: int) -> None:
     try:
-        with tarfile.open(fileobj=_fileobj(data), mode="r:") as tar:
+        with tarfile.open(fileobj=cast(Any, _BoundedFile(data)), mode="r:") as tar:
             _scan_tar_members(report, tar, where, depth)
     except (tarfile.TarError, EOFError, ValueError, OSError) as exc:
         report._add("suspicious", f"unreadable tar ({exc})", where)
