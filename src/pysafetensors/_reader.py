@@ -99,7 +99,7 @@ def check_representable(shape: tuple[int, ...], dtype: DType, name: str) -> None
         if extent > _INTP_MAX:
             raise TensorInfoError(
                 f"tensor `{name}` ({dtype.code} {list(shape)}) has no data but its strides "
-                "overflow 63 bits, so no framework can represent its shape",
+                "overflow 63 bits: numpy cannot hold its shape, nor torch.empty make it",
                 kind="ShapeTooLarge",
                 tensor=name,
             )
