@@ -304,11 +304,13 @@ class Machine:
             return self._run(start)
         except SafetensorError:
             raise
-        except RecursionError:
-            raise _err("structure nested too deeply", self.base + start) from None
+        except RecursionError as exc:
+            at = self.base + _opcode_offset(exc, start)
+            raise _err("structure nested too deeply", at) from None
         except (ValueError, TypeError, OverflowError, UnicodeError, struct.error) as exc:
             # Number parsing and text decoding of hostile operands; one error class out.
-            raise _err(f"invalid operand ({exc})", self.base + start) from None
+            at = self.base + _opcode_offset(exc, start)
+            raise _err(f"invalid operand ({exc})", at) from None
 
     def _run(self, start: int) -> Result:  # noqa: C901 - one flat opcode switch reads best
         data = self.data
@@ -651,6 +653,21 @@ class Machine:
                 raise _err("stack over the limit", base + at)
             if len(memo) > lim.max_memo:
                 raise _err("memo over the limit", base + at)
+
+
+def _opcode_offset(exc: BaseException, start: int) -> int:
+    """Where the opcode that raised ``exc`` begins: the ``at`` of the machine's loop, read from
+    the traceback (the loop does not store it anywhere, which would cost every opcode a
+    store); ``start`` if the traceback does not show it."""
+    tb = exc.__traceback__
+    found = start
+    while tb is not None:
+        if tb.tb_frame.f_code is Machine._run.__code__:
+            at = tb.tb_frame.f_locals.get("at")
+            if type(at) is int:
+                found = at
+        tb = tb.tb_next
+    return found
 
 
 def _top(stack: list[Any], offset: int) -> Any:

@@ -516,3 +516,12 @@ def test_a_legacy_view_key_that_is_a_storage_key_is_refused(tmp_path: Path) -> N
     _legacy_view_file(src, [("a", "0", 4)])
     with pytest.raises(SafetensorError, match="also a storage key"):
         convert_file(src, tmp_path / "out.safetensors")
+
+
+@pytest.mark.parametrize("operand", [b"Iabc\n", b"V\\u12\n", b"F1e999x\n"])
+def test_a_bad_operand_is_placed_at_its_opcode(operand: bytes) -> None:
+    # Errors the operand's parser raises name the opcode's byte, not the stream's start.
+    data = P.PROTO2 + b"K\x01K\x02" + operand + b"."
+    with pytest.raises(CheckpointError, match=r"invalid operand .* at byte 6$") as info:
+        Machine(data, TorchPolicy()).run(0)
+    assert info.value.offset == 6
