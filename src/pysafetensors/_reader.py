@@ -923,23 +923,50 @@ def gather_slice(
         out.reshape(dest_shape)[...] = row.reshape(inner)[rest]
         return True
     start, _, step = sel0.indices(shape[0])
-    count = plan.shape[0]
     dest = out.reshape(dest_shape)
-    per_block = max(1, _GATHER_BLOCK // max(1, row_bytes * step))
-    blocks = [(j, min(count, j + per_block)) for j in range(0, count, per_block)]
+    # A block: (byte offset of its first row, rows to read, step between the rows kept, shape
+    # of a row, the selection within a row, where the kept rows go).
+    blocks: list[tuple[int, int, int, tuple[int, ...], tuple[Any, ...], np.ndarray]] = []
+    if row_bytes <= _GATHER_BLOCK:
+        per_block = max(1, _GATHER_BLOCK // max(1, row_bytes * step))
+        for j0 in range(0, plan.shape[0], per_block):
+            j1 = min(plan.shape[0], j0 + per_block)
+            at = base + (start + j0 * step) * row_bytes
+            blocks.append((at, (j1 - j0 - 1) * step + 1, step, inner, rest, dest[j0:j1]))
+    else:
+        # Rows too large to buffer (a fused-experts weight split along its last dimension:
+        # each reader thread held a 112 MiB row for a 14 MiB share of it): each selected row
+        # is gathered in blocks of its second dimension, or the runs are read one by one.
+        sel1 = rest[0] if rest else None
+        if not isinstance(sel1, slice) or len(inner) < 2:
+            return False
+        sub_bytes = row_bytes // inner[0]
+        if sub_bytes > _GATHER_BLOCK:
+            return False
+        start1, _, step1 = sel1.indices(inner[0])
+        count1 = len(range(start1, sel1.indices(inner[0])[1], step1))
+        per_block = max(1, _GATHER_BLOCK // max(1, sub_bytes * step1))
+        for j in range(plan.shape[0]):
+            row_at = base + (start + j * step) * row_bytes
+            for k0 in range(0, count1, per_block):
+                k1 = min(count1, k0 + per_block)
+                at = row_at + (start1 + k0 * step1) * sub_bytes
+                nsub = (k1 - k0 - 1) * step1 + 1
+                blocks.append((at, nsub, step1, inner[1:], rest[1:], dest[j, k0:k1]))
     local = threading.local()
 
-    def one(block: tuple[int, int]) -> None:
-        j0, j1 = block
-        r0 = start + j0 * step
-        nrows = (j1 - j0 - 1) * step + 1
-        want = nrows * row_bytes
+    def one(block: tuple[int, int, int, tuple[int, ...], tuple[Any, ...], np.ndarray]) -> None:
+        at, nrows, every, row_shape, within, target = block
+        unit = 1
+        for dim in row_shape:
+            unit *= dim
+        want = nrows * unit
         scratch = getattr(local, "buf", None)
         if scratch is None or scratch.nbytes < want:
             scratch = local.buf = np.empty(max(want, _GATHER_BLOCK), np.uint8)
-        read(base + r0 * row_bytes, scratch.data[:want])
-        rows = scratch[:want].reshape(nrows, *inner)[::step]
-        dest[j0:j1] = rows[(slice(None),) + tuple(rest)]
+        read(at, scratch.data[:want])
+        rows = scratch[:want].reshape(nrows, *row_shape)[::every]
+        target[...] = rows[(slice(None),) + within]
 
     if isinstance(source, PreadSource):
         read = source.pread_exact

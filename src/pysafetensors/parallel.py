@@ -2,7 +2,8 @@
 
 Tensor-parallel loading
     :func:`load_shard` gives one rank of a tensor-parallel group its part of every tensor,
-    reading only that part's bytes (``get_slice`` turns the part into byte runs). Rules map
+    reading that part's bytes (``get_slice`` turns the part into byte runs; a column split
+    reads the rows it lies in, see :func:`load_shard`). Rules map
     tensor-name patterns to a split::
 
         rules = {
@@ -313,9 +314,9 @@ def plan_shard(
         Name to :class:`ShardSpec`, in the order of ``shapes``.
 
     Raises:
-        ValueError: A rule names a dimension the tensor lacks, a split is uneven with
-            ``uneven="error"``, ``rank`` is not in ``[0, world_size)``, or ``default`` or
-            ``uneven`` is unknown.
+        ValueError: A shape has a negative dimension, a rule names a dimension the tensor
+            lacks, a split is uneven with ``uneven="error"``, ``rank`` is not in
+            ``[0, world_size)``, or ``default`` or ``uneven`` is unknown.
         TypeError: ``rank``, ``world_size`` or a dimension is not an integer, or ``rules`` is
             not a mapping, a sequence of pairs or a callable.
     """
@@ -324,6 +325,8 @@ def plan_shard(
     plan = {}
     for name, raw_shape in shapes.items():
         shape = tuple(_integer(d, f"tensor {name!r}: a dimension") for d in raw_shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {list(shape)} has a negative dimension")
         dim = _split_dim(name, shape, _match_rule(name, shape, rules, default))
         if dim is None:
             plan[name] = ShardSpec(name, shape, None, 0, shape[0] if shape else 0)
@@ -356,7 +359,9 @@ def load_shard(
 
     Each split tensor is read as ``get_slice`` would, so a rank reads only its own rows or
     columns (by positioned reads, its rows exactly and its columns as the rows' blocks, or
-    exactly with ``slice_reads="exact"``; out of a mapping, only the pages they lie on).
+    exactly with ``slice_reads="exact"``; out of a mapping, only the pages they lie on, but a
+    tensor's span not yet cached is read in whole first, which the disk serves faster than
+    the pages one by one).
     Replicated tensors are read whole. From a local file read by positioned reads (the
     default; each shard of a folder alike), every part that is one contiguous byte range (rows,
     whole tensors) is read at once, in parallel, into one buffer the parts view (faster than a

@@ -321,3 +321,40 @@ def test_mapped_source_reads_into_memory_by_pread(
         source.readinto(12345, memoryview(out))
     assert info.value.kind == "FileTruncated"
     source.close()
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        (slice(None), slice(None), slice(8, 16)),  # a column split of a fused-experts weight
+        (slice(1, 3), slice(2, 30, 3), slice(0, 24, 5)),
+        (slice(None, None, 2), slice(5, 6), slice(20, 24)),
+        (slice(None), 7, slice(0, 8)),  # an int in the second dimension: run by run
+        (2, slice(None), slice(3, 9)),
+    ],
+)
+def test_slices_of_rows_too_large_to_buffer_read_their_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, index: tuple[object, ...]
+) -> None:
+    # With rows over the gather block, each reader thread held a whole row (a 112 MiB row of
+    # an (8, 14336, 4096) BF16 weight for a 14 MiB share of it); they are now gathered in
+    # blocks of their second dimension. A small block makes these rows "too large".
+    from pysafetensors import _reader
+
+    monkeypatch.setattr(_reader, "_GATHER_BLOCK", 1024)
+    rng = np.random.default_rng(5)
+    value = rng.standard_normal((4, 40, 32)).astype(np.float32)  # rows of 5 KiB
+    path = tmp_path / "w.safetensors"
+    save_file({"w": value}, path)
+    reads: list[int] = []
+    real = PreadSource.pread_exact
+
+    def counted(self: PreadSource, offset: int, view: memoryview) -> None:
+        reads.append(len(view))
+        real(self, offset, view)
+
+    with pysafetensors.safe_open(path, "np", backend="pread") as f:
+        monkeypatch.setattr(PreadSource, "pread_exact", counted)
+        part = f.get_slice("w")[index]
+    np.testing.assert_array_equal(part, value[index])
+    assert max(reads, default=0) <= 1024, "no read buffers a whole 5 KiB row"

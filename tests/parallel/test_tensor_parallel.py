@@ -297,8 +297,10 @@ def test_shard_range_checks_its_arguments_as_plan_shard_does() -> None:
     assert shard_range(np.int64(10), np.int64(1), np.int64(4)) == (3, 6)
     with pytest.raises(TypeError, match="world_size must be an int"):
         shard_range(10, 0, True)
-    with pytest.raises(ValueError, match="size must be a non-negative int"):
-        plan_shard({"a": [-5]}, 0, 2, {"a": "rows"})
+    # A negative dimension is refused wherever it is, also in a dimension not split.
+    for shape in ([-5], [3, -1]):
+        with pytest.raises(ValueError, match="has a negative dimension"):
+            plan_shard({"a": shape}, 0, 2, {"a": "rows"})
     # A numpy integer names a dimension as an int does.
     spec = plan_shard({"a": [4, 6]}, 1, 2, {"a": np.int64(1)})["a"]
     assert (spec.dim, spec.start, spec.stop) == (1, 3, 6)
