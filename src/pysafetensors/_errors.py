@@ -328,3 +328,20 @@ def nul_in_path(path: str, *, writing: bool) -> OSError:
     return FileNotFoundError(
         errno.ENOENT, "No such file or directory (a file name cannot hold a NUL byte)", path
     )
+
+
+def input_path(value: Any, argument: str = "filename") -> str:
+    """A path to read from (:func:`path_argument`); one with a NUL byte is not found."""
+    path = path_argument(value, argument)
+    if "\x00" in path:
+        raise nul_in_path(path, writing=False)
+    return path
+
+
+def output_path(value: Any, argument: str = "filename") -> str:
+    """A path to write to (:func:`path_argument`); one with a NUL byte is a :class:`WriteError`
+    (an invalid argument), as any save's I/O failure."""
+    path = path_argument(value, argument)
+    if "\x00" in path:
+        raise write_error(nul_in_path(path, writing=True), path)
+    return path

@@ -87,10 +87,11 @@ class Limits:
     """Nesting of tuples in a dict key or set item (hashing one recurses without a guard)."""
     max_key_items: int = 1_000_000
     """Items hashing one dict key or set item visits, shared tuples counted each time."""
-    max_containers: int = 5_000_000
+    max_containers: int = 8_000_000
     """Tuples, lists, dicts and sets built, and results of the policy's calls. Items put into a
     container leave the stack, so the stack cap bounds nothing there, and a one-byte EMPTY_SET
-    is a 216-byte set: 20 million of them in a list took 4.4 GiB."""
+    is a 216-byte set: 20 million of them in a list took 4.4 GiB (8 million: 1.7 GiB). A real
+    checkpoint builds six a tensor, so 1.3 million tensors fit in one pickle."""
     max_items: int = 50_000_000
     """Items put into containers, in all (by the opcodes and by the policy's calls)."""
     max_copied_bytes: int = 256 << 20

@@ -29,9 +29,8 @@ from ._errors import (
     SliceError,
     TensorInfoError,
     TensorNotFoundError,
+    input_path,
     not_an_instance,
-    nul_in_path,
-    path_argument,
 )
 from ._format import (
     HEADER_PREFIX,
@@ -192,9 +191,7 @@ def open_source_for(
         if backend == "mmap":
             return MmapSource(fd, name)
         return PreadSource(fd, name, owns_fd=False)
-    path = path_argument(filename)
-    if "\x00" in path:
-        raise nul_in_path(path, writing=False)
+    path = input_path(filename)
     if "://" in path:
         from ._remote import open_source
 

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
-from ._errors import SafetensorError, write_error
+from ._errors import SafetensorError, input_path, output_path, write_error
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
 from ._reader import open_source_for
 from ._sharded import ShardedSafeOpen, _is_url, _shown, is_index_path
@@ -471,7 +471,7 @@ def reshard(
         SafetensorError: The source is invalid.
         ValueError: ``max_shard_size`` does not parse or is not more than 0 bytes.
     """
-    out = os.fspath(output)
+    out = output_path(output, "output")
     if max_shard_size is None or parse_size(max_shard_size) <= 0:
         # None would write one file named like the folder; 0 one shard per tensor.
         raise ValueError(f"max_shard_size must be more than 0 bytes, got {max_shard_size!r}")
@@ -495,7 +495,7 @@ def reshard(
             max_header_size=max_header_size,
             progress=progress,
             storage_options=_options(storage_options),
-            source_is_folder=os.path.isdir(os.fspath(source)),
+            source_is_folder=os.path.isdir(input_path(source, "source")),
         )
 
 
@@ -522,7 +522,7 @@ def merge(
         SafetensorError: The source is invalid, or ``output`` is one of its files (kind
             ``OutputIsSource``: writing it would leave the index naming tensors that are gone).
     """
-    out = os.fspath(output)
+    out = output_path(output, "output")
     with ShardedSafeOpen(
         _folder_or_file(source),
         "numpy",
@@ -613,7 +613,7 @@ def extract(
             output would replace part of the source (kind ``OutputIsSource``: one of its
             files, or, sharded, an index's own folder).
     """
-    out = os.fspath(output)
+    out = output_path(output, "output")
     pats = _pattern_list(patterns)
     with ShardedSafeOpen(
         _folder_or_file(source),
@@ -655,4 +655,4 @@ def _options(storage_options: Mapping[str, Any] | None) -> dict[str, Any] | None
 def _folder_or_file(source: str | os.PathLike[str]) -> str:
     # ShardedSafeOpen resolves folders and indexes; a plain file is opened as a one-file folder
     # would be, so every source goes through the same code.
-    return os.fsdecode(os.fspath(source))
+    return input_path(source, "source")

@@ -39,28 +39,23 @@ def serde_f64(text: str) -> float | None:
     significand = 0
     exponent = 0
     overflowed = False
-    for ch in int_digits:  # parse_integer, then parse_long_integer once the u64 is full
-        digit = ord(ch) - 48
-        if (
-            overflowed
-            or significand > _U64_DIV10
-            or (significand == _U64_DIV10 and digit > _U64_MOD10)
-        ):
-            overflowed = True
-            exponent += 1
-        else:
-            significand = significand * 10 + digit
-    for ch in frac_digits:  # parse_decimal: digits past a full u64 are dropped
-        digit = ord(ch) - 48
-        if (
-            overflowed
-            or significand > _U64_DIV10
-            or (significand == _U64_DIV10 and digit > _U64_MOD10)
-        ):
-            overflowed = True
-            continue
-        significand = significand * 10 + digit
-        exponent -= 1
+    # parse_integer, then parse_long_integer once the u64 is full: further integer digits
+    # only raise the exponent; parse_decimal: fraction digits past a full u64 are dropped.
+    for is_fraction, digits in ((False, int_digits), (True, frac_digits)):
+        for ch in digits:
+            digit = ord(ch) - 48
+            if (
+                overflowed
+                or significand > _U64_DIV10
+                or (significand == _U64_DIV10 and digit > _U64_MOD10)
+            ):
+                overflowed = True
+                if not is_fraction:
+                    exponent += 1
+            else:
+                significand = significand * 10 + digit
+                if is_fraction:
+                    exponent -= 1
     if exp_text is not None:  # parse_exponent
         digits = exp_text.lstrip("+-").lstrip("0") or "0"
         exp_negative = exp_text.startswith("-")

@@ -37,12 +37,13 @@ from typing import Any, Final, TypeVar
 import numpy as np
 
 from ._adapter import Adapter, get_adapter
-from ._errors import SerializeError, write_error
+from ._errors import SerializeError, output_path, write_error
 from ._format import MAX_HEADER_SIZE
 from ._writer import (
     SaveGroup,
     TensorData,
     atomic_output,
+    partial_stem,
     partial_target,
     remove_stale_partial,
     write_file,
@@ -476,9 +477,15 @@ def remove_stale_files(
     # Index files first: an index left behind by an interrupted cleanup would still name
     # (and open as) shards that are half gone.
     names = sorted(os.listdir(folder), key=lambda n: (not n.endswith(".index.json"), n))
+    # A name too long to stand whole in its temporary files' names stands there as a cut stem
+    # (partial_stem), which the pattern does not match: known by the names of this pattern
+    # present, or just written.
+    cut_stems = {
+        stem for n in (*names, *kept) if regex.fullmatch(n) and (stem := partial_stem(n)) != n
+    }
     for name in names:
         target = partial_target(name)
-        if target is not None and regex.fullmatch(target):
+        if target is not None and (regex.fullmatch(target) or target in cut_stems):
             # A crashed save's temporary file of this pattern (a save to another shard count
             # never targets its name again, so nothing else would remove it).
             if remove_stale_partial(os.path.join(folder, name)):
@@ -643,8 +650,9 @@ def save_sharded(
     state = _drop_shared(state, meta, shared_tensors_to_discard)
     if force_contiguous:
         state = {k: _contiguous(v) for k, v in state.items()}
-    # Sized by name first, so that a value no adapter takes is refused naming its tensor.
-    sizes = {id(v): _data_size(k, v) for k, v in state.items()}
+    # Sized by name first, so that a value no adapter takes is refused naming its tensor
+    # (strings are skipped by the split, as the hub skips them).
+    sizes = {id(v): _data_size(k, v) for k, v in state.items() if not isinstance(v, str)}
     plan = split_into_shards(
         state,
         get_storage_size=lambda value: sizes[id(value)],
@@ -660,7 +668,7 @@ def save_sharded(
             filename_to_tensors={filename_pattern.format(suffix=""): []},
             tensor_to_filename={},
         )
-    out = os.fspath(folder)
+    out = output_path(folder, "folder")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:  # e.g. a file where the folder should be

@@ -30,7 +30,7 @@ from typing import Any, Final
 import numpy as np
 
 from ._dtypes import DType, checked_nbits, dtype_from_code, dtype_from_name
-from ._errors import ClosedFileError, SafetensorError, SerializeError, path_argument, write_error
+from ._errors import ClosedFileError, SafetensorError, SerializeError, output_path, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, TensorInfo, build_layout
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
@@ -311,7 +311,7 @@ class StreamingWriter:
         self._inflight: dict[object, int] = {}
         self._idle = threading.Condition(self._lock)
         self._stopping = False
-        self.filename = path_argument(filename)
+        self.filename = output_path(filename)
         cm = atomic_output(self.filename, fsync=fsync, group=group)
         fd = cm.__enter__()
         try:
@@ -640,7 +640,7 @@ class ShardedStreamingWriter:
             plan = ShardPlan({"total_size": 0}, {filename_pattern.format(suffix=""): []}, {})
         self.plan: ShardPlan = plan
         """The split: file names, and which tensor goes where."""
-        self.folder = path_argument(folder, "folder")
+        self.folder = output_path(folder, "folder")
         self._meta = dict(metadata) if metadata is not None else {}
         per_file = {"format": format}
         if not plan.is_sharded:

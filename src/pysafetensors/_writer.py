@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 from ._dtypes import DType
-from ._errors import SafetensorError, SerializeError, nul_in_path, path_argument, write_error
+from ._errors import SafetensorError, SerializeError, output_path, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
@@ -402,10 +402,8 @@ def atomic_output(
         WriteError: Creating, writing or renaming the file failed (an ``OSError`` raised in the
             body is turned into one too, as the reference reports every I/O error of a save).
     """
-    target = path_argument(filename)
+    target = output_path(filename)
     try:
-        if "\x00" in target:
-            raise nul_in_path(target, writing=True)
         with _atomic_output(target, fsync=fsync, group=group, like=like) as fd:
             yield fd
     except OSError as exc:

@@ -36,7 +36,7 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ._errors import CheckpointError, SafetensorError, UnsafePickleError
+from ._errors import CheckpointError, SafetensorError, UnsafePickleError, input_path, output_path
 from ._format import N_LEN, parse_header, parse_header_length
 from ._torch_pickle import Checkpoint, TensorRecord, load_checkpoint, plan_shared
 from ._writer import TensorData, write_file
@@ -156,7 +156,7 @@ def convert_file(
         SafetensorError: Other problems with the output (e.g. invalid metadata).
         OSError: A file cannot be read or written.
     """
-    src_s, dst_s = os.fspath(src), os.fspath(dst)
+    src_s, dst_s = input_path(src, "src"), output_path(dst, "dst")
     if os.path.exists(dst_s) and os.path.samefile(src_s, dst_s):
         raise CheckpointError(f"{src_s}: source and destination are the same file")
     try:
@@ -292,7 +292,7 @@ def verify_conversion(
     Raises:
         CheckpointError: A tensor is missing, extra, or differs.
     """
-    with load_checkpoint(os.fspath(src)) as ck:
+    with load_checkpoint(input_path(src, "src")) as ck:
         tensors, _ = _select(ck.tensors, ck.non_tensors, subtree)
         return _verify_open(ck, tensors, plan_shared(tensors), os.fspath(dst), subtree)
 
@@ -474,7 +474,7 @@ def convert_folder(
             the folder holds nothing to convert.
         OSError: A file cannot be read or written.
     """
-    src_s, dst_s = os.fspath(src_dir), os.fspath(dst_dir)
+    src_s, dst_s = input_path(src_dir, "src_dir"), output_path(dst_dir, "dst_dir")
     index_path = os.path.join(src_s, _INDEX_IN)
     index: dict[str, Any] | None = None
     if os.path.exists(index_path):
@@ -630,7 +630,7 @@ def to_torch_bin(
     """
     import torch
 
-    src_s, dst_s = os.fspath(src), os.fspath(dst)
+    src_s, dst_s = input_path(src, "src"), output_path(dst, "dst")
     header, data_start = _read_output(src_s)
     state: dict[str, Any] = {}
     for name, info in header.tensors.items():

@@ -525,3 +525,25 @@ def test_a_bad_operand_is_placed_at_its_opcode(operand: bytes) -> None:
     with pytest.raises(CheckpointError, match=r"invalid operand .* at byte 6$") as info:
         Machine(data, TorchPolicy()).run(0)
     assert info.value.offset == 6
+
+
+def test_real_checkpoints_of_over_a_million_tensors_fit_the_container_budget(
+    tmp_path: Path,
+) -> None:
+    # The budget bounds hostile pickles; it must not refuse what torch.save writes. Measured
+    # on 5,000 tensors (views of one storage, as a large state dict's small tensors can be),
+    # then scaled: 1.25 million tensors converted before every call counted as a container.
+    torch = pytest.importorskip("torch")
+    import zipfile as zf
+
+    storage = torch.arange(5000, dtype=torch.float32)
+    path = tmp_path / "many.pt"
+    torch.save({f"t{i}": storage[i : i + 1] for i in range(5000)}, path)
+    with zf.ZipFile(path) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+        data = archive.read(name)
+    machine = _machine(data, TorchPolicy(), Limits())
+    assert len(machine.run(0).value) == 5000
+    per_tensor = machine.budget.containers / 5000
+    assert per_tensor <= 6.5
+    assert Limits().max_containers / per_tensor >= 1_250_000

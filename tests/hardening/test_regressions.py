@@ -129,3 +129,46 @@ def test_numpy_bool_normalisation_is_not_a_slice_bug(tmp_path: Path) -> None:
     with safe_open(path, "np") as f:
         assert f.get_slice("t")[()].view(np.uint8) == 3
         assert f.get_tensor("t").view(np.uint8) == 3
+
+
+def _path_calls(ok: Path) -> dict[str, Any]:
+    """Every entry point taking a path, as ``name: (call taking the path, writes?)``."""
+    import pysafetensors as ps
+    from pysafetensors.convert import convert_file, convert_folder
+
+    one = {"a": np.ones(2, np.float32)}
+    spec = {"a": ("F32", [2])}
+    return {
+        "save_sharded": (lambda p: ps.save_sharded(one, p), True),
+        "ShardedStreamingWriter": (lambda p: ps.ShardedStreamingWriter(p, spec), True),
+        "StreamingWriter": (lambda p: ps.StreamingWriter(p, spec), True),
+        "reshard output": (lambda p: ps.reshard(ok, p), True),
+        "merge output": (lambda p: ps.merge(ok, p), True),
+        "extract output": (lambda p: ps.extract(ok, p, ["a"]), True),
+        "convert_file dst": (lambda p: convert_file(ok.parent / "ck.pt", p), True),
+        "reshard source": (lambda p: ps.reshard(p, ok.parent / "out"), False),
+        "edit_metadata": (lambda p: ps.edit_metadata(p, {"k": "v"}), False),
+        "convert_file src": (lambda p: convert_file(p, ok.parent / "out.safetensors"), False),
+        "convert_folder src": (lambda p: convert_folder(p, ok.parent / "outdir"), False),
+    }
+
+
+@pytest.mark.parametrize("entry", list(_path_calls(Path("x"))))
+def test_every_path_argument_is_checked_as_a_path(tmp_path: Path, entry: str) -> None:
+    # A NUL in a path was a bare ValueError ("embedded null byte") that neither
+    # `except OSError` nor `except SafetensorError` catches; a value that is no path, the
+    # os.fspath TypeError without the argument's name.
+    from pysafetensors import WriteError
+    from pysafetensors.numpy import save_file
+
+    torch = pytest.importorskip("torch")
+    ok = tmp_path / "ok.safetensors"
+    save_file({"a": np.ones(2, np.float32)}, ok)
+    torch.save({"a": torch.ones(2)}, tmp_path / "ck.pt")
+    call, writes = _path_calls(ok)[entry]
+    bad = str(tmp_path / "a\x00b")
+    expected: type[Exception] = WriteError if writes else FileNotFoundError
+    with pytest.raises(expected, match="NUL|Invalid argument"):
+        call(bad)
+    with pytest.raises(TypeError, match=r"argument '\w+': expected str, bytes or os.PathLike"):
+        call(12)

@@ -242,3 +242,24 @@ def test_sparse_torch_tensors_are_refused_in_the_reference_s_words(
     with pytest.raises(SerializeError, match=r"sparse tensors: `\['w'\]`"):
         save_sharded({"w": sparse}, tmp_path, force_contiguous=force_contiguous)
     assert os.listdir(tmp_path) == []
+
+
+def test_string_values_are_skipped_as_the_hub_skips_them(tmp_path: Path) -> None:
+    # bitsandbytes state dicts hold strings next to the tensors.
+    save_sharded({"w": np.ones(2, np.float32), "q": "bitsandbytes__nf4"}, tmp_path)
+    assert list(load_file(tmp_path)) == ["w"]
+
+
+def test_crashed_partials_of_long_shard_names_go_with_the_old_shards(tmp_path: Path) -> None:
+    from pysafetensors._writer import partial_stem
+
+    pattern = "m" * 215 + "{suffix}.safetensors"  # shard names too long to stand whole
+    state = {"a": np.ones(64, np.float32), "b": np.ones(64, np.float32)}
+    save_sharded(state, tmp_path, max_shard_size=300, filename_pattern=pattern)
+    shard = "m" * 215 + "-00001-of-00002.safetensors"
+    assert (tmp_path / shard).exists() and partial_stem(shard) != shard
+    left = tmp_path / f".{partial_stem(shard)}.0123456789ab.partial"
+    left.write_bytes(b"debris of a crashed save")
+    os.utime(left, (1e9, 1e9))
+    save_sharded(state, tmp_path, max_shard_size=10**6, filename_pattern=pattern)
+    assert sorted(os.listdir(tmp_path)) == ["m" * 215 + ".safetensors"]
