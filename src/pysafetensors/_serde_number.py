@@ -73,6 +73,23 @@ def serde_f64(text: str) -> float | None:
     return -value if negative else value
 
 
+def exponent_overflow_at(text: str) -> int | None:
+    """Where in the JSON number ``text`` serde_json's exponent overflows an i32: the index of
+    the digit it stops at (its error's position), or None where it does not."""
+    mark = max(text.find("e"), text.find("E"))
+    if mark < 0:
+        return None
+    at = mark + 1
+    if at < len(text) and text[at] in "+-":
+        at += 1
+    exponent = 0
+    for index in range(at, len(text)):
+        exponent = exponent * 10 + ord(text[index]) - 48
+        if exponent > _I32_MAX:
+            return index
+    return None
+
+
 def _from_parts(significand: int, exponent: int) -> float | None:
     """serde_json's ``f64_from_parts`` (without ``float_roundtrip``), sign aside."""
     value = float(significand)

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from ._serde_number import number_in_range, unexpected_number
+from ._serde_number import exponent_overflow_at, number_in_range, unexpected_number
 
 __all__ = ["WALK_LIMIT", "SyntaxErrorAt", "first_syntax_error"]
 
@@ -106,8 +106,11 @@ class _Walk:
     def number(self) -> None:
         start = self.pos - 1 if self.pos and self.data[self.pos - 1] == 0x2D else self.pos
         self.digits()
-        if not number_in_range(self.data[start : self.pos].decode("ascii")):
-            raise self.error("number out of range")
+        text = self.data[start : self.pos].decode("ascii")
+        if not number_in_range(text):
+            # serde stops at the exponent digit that overflows an i32, else after the number.
+            at = exponent_overflow_at(text)
+            raise _Found("number out of range", self.pos if at is None else start + at + 1)
 
     def digits(self) -> None:
         # parse_integer (after an optional '-', already eaten)
