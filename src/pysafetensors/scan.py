@@ -16,11 +16,13 @@ Files are parsed the way their victims would parse them: every pickle stream of 
 checkpoints are five pickles plus raw data; extra streams after STOP are scanned), every
 ``*.pkl`` zip member, and any other member that starts a pickle which imports or calls
 something, whatever its name (CRC, flag bits and local-name mismatches are ignored, as torch's
-reader ignores them), the members of 0.1.1 tar checkpoints, and pickles nested inside
-``pickle.loads``/``torch.load``-style calls. Any opcode may start a pickle, as in CPython's
-unpickler, and Python 2 names are read as CPython reads them below protocol 3
-(``commands.getoutput`` is ``subprocess.getoutput``). A file is read in every way a loader may
-read it (zip, tar as ``tarfile`` recognises one, pickle), graded by the worst.
+reader ignores them), except tensor storages (``data/N``), raw bytes torch never unpickles,
+which are only reported (suspicious) when they are one whole pickle that imports; the members
+of 0.1.1 tar checkpoints, and pickles nested inside ``pickle.loads``/``torch.load``-style
+calls. Any opcode may start a pickle, as in CPython's unpickler, and Python 2 names are read as
+CPython reads them below protocol 3 (``commands.getoutput`` is ``subprocess.getoutput``). A
+file is read in every way a loader may read it (zip, tar as ``tarfile`` recognises one,
+pickle), graded by the worst.
 
 Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully analysable),
 2 dangerous.
@@ -886,11 +888,10 @@ def _scan_member(
 
     ``*.pkl`` members (``data.pkl``, ``constants.pkl``) are what torch unpickles: they are
     scanned whatever their first byte, so one that does not parse is suspicious, never
-    skipped. Any other member (tensor bytes, ``version``, a pickle under another name) is
-    kept when it starts a pickle that imports or calls something (someone may unpickle it),
-    or, outside ``data/N`` tensor members, when it is a pickle that parses. Tensor bytes
-    often start with an opcode by chance and are never unpickled by torch, so a harmless
-    prefix of them is not reported.
+    skipped. Tensor storages (``data/N``) are raw bytes that torch reads and never unpickles:
+    see :func:`_grade_storage`. Any other member (``version``, a pickle under another name) is
+    kept when it starts a pickle that imports or calls something (someone may unpickle it), or
+    when it is a pickle that parses.
     """
     base = info.filename.rsplit("/", 1)[-1]
     if base.lower().endswith(".pkl"):
@@ -901,7 +902,8 @@ def _scan_member(
         _scan_pickle_file(report, content, member, depth)
         return
     rel = info.filename.split("/", 1)[-1]
-    is_storage = rel.startswith("data/") and rel[5:].isdigit()
+    key = rel[5:]
+    is_storage = rel.startswith("data/") and key.isascii() and key.isdigit()
     # Only the bytes the first stream needs are read: a multi-GB tensor member is not copied
     # to find that its first opcode is not followed by a valid one.
     window = _PROBE_WINDOW
@@ -909,11 +911,15 @@ def _scan_member(
         content, complete = _zip_member(data, info, window)
         if not _looks_like_pickle(content):
             return
-        end, policy = _run_stream(ScanReport(report.path), content, 0, member, depth)
+        first = ScanReport(report.path)
+        end, policy = _run_stream(first, content, 0, member, depth)
         if end is None and policy.truncated and not complete and window < MAX_PICKLE_BYTES:
             window = min(window * 8, MAX_PICKLE_BYTES)
             continue
         break
+    if is_storage:
+        _grade_storage(report, first, whole=complete and end == len(content), where=member)
+        return
     parsed = ScanReport(report.path)
     if end is not None and not complete:
         # The first stream parsed: later streams may follow anywhere in the member.
@@ -923,7 +929,36 @@ def _scan_member(
             "suspicious", f"only the first {len(content)} bytes of the member analysed", member
         )
     first_ok = _scan_pickle_file(parsed, content, member, depth)
-    _keep_probe(report, parsed, first_ok, keep_clean=not is_storage)
+    _keep_probe(report, parsed, first_ok, keep_clean=True)
+
+
+def _grade_storage(report: ScanReport, first: ScanReport, *, whole: bool, where: str) -> None:
+    """Grade a tensor storage member (``data/N``) by the first pickle stream read from it.
+
+    torch.load reads storages as raw tensor bytes and never unpickles them (of a checkpoint's
+    members it unpickles ``data.pkl`` only), and raw bytes often start with an opcode that
+    imports: EXT1, EXT2 and EXT4 are bytes 0x82-0x84, so about one float32 storage in 85
+    starts with one. A prefix that imports and then fails is no sign of anything there, and a
+    storage is never graded dangerous: nothing in it runs. Only a storage that is one whole
+    pickle (its first stream ends at a STOP that is its last byte) importing or calling
+    something is reported, as suspicious: torch.save never writes one, and random tensor
+    bytes practically never are one.
+    """
+    if not whole:
+        return
+    dangerous = [f.message for f in first.findings if f.grade == "dangerous"]
+    if not (first.globals or first._unlisted or dangerous):
+        return
+    names = sorted({g.qualname for g in first.globals})
+    detail = f"importing {', '.join(names[:5])}" + (" ..." if len(names) > 5 else "")
+    report._add(
+        "suspicious",
+        f"a tensor storage member is a whole pickle ({detail if names else dangerous[0]}): "
+        "torch.load reads it as raw tensor bytes and never unpickles it, but torch.save never "
+        "writes one",
+        where,
+        0,
+    )
 
 
 def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, bool]:

@@ -429,16 +429,64 @@ def test_pickle_member_that_does_not_parse_is_not_safe(tmp_path: Path) -> None:
 
 def test_any_member_that_starts_an_acting_pickle_is_scanned(tmp_path: Path) -> None:
     evil_prefix = b"M\x01\x000" + _touch(tmp_path / "c")[:-1] + b"\x00garbage"
-    # Under a tensor name and under any other name, with a first opcode outside the usual ones
-    # and garbage after the REDUCE: the unpickler runs os.system before it fails.
-    for name in ("archive/data/0", "archive/extra.bin"):
-        make_zip(tmp_path / "m.pt", good_pickle(), storages={}, extra={name: evil_prefix})
-        report = scan_file(tmp_path / "m.pt")
-        assert report.grade == "dangerous", name
-        assert any(g.where.endswith(name) and g.qualname == "os.system" for g in report.globals)
+    # Under any name but a tensor storage's, with a first opcode outside the usual ones and
+    # garbage after the REDUCE: the unpickler runs os.system before it fails.
+    make_zip(tmp_path / "m.pt", good_pickle(), extra={"archive/extra.bin": evil_prefix})
+    report = scan_file(tmp_path / "m.pt")
+    assert report.grade == "dangerous"
+    assert any(g.where.endswith("extra.bin") and g.qualname == "os.system" for g in report.globals)
     # Tensor bytes that merely start with an opcode are not reported.
     make_zip(tmp_path / "t.pt", good_pickle(), storages={"0": b"N." + bytes(14)})
     assert scan_file(tmp_path / "t.pt").grade == "safe"
+
+
+def test_tensor_storages_are_raw_bytes_torch_never_unpickles(tmp_path: Path) -> None:
+    # A storage that starts a pickle which imports and then fails is what random tensor bytes
+    # look like (EXT1-4 are bytes 0x82-0x84): torch.load never unpickles data/N, so not a
+    # finding. A storage that is one whole pickle ending at its last byte is suspicious, never
+    # dangerous, and its globals are not among the file's (nothing imports them).
+    canary = tmp_path / "c"
+    for data in (b"M\x01\x000" + _touch(canary)[:-1] + b"\x00garbage", b"\x82\x01" + bytes(10)):
+        make_zip(tmp_path / "p.pt", good_pickle(), storages={"0": data})
+        report = scan_file(tmp_path / "p.pt")
+        assert (report.grade, report.findings) == ("safe", []), data
+    for data, detail in ((_touch(canary), "importing os.system"), (b"\x82\x01.", "EXT opcode")):
+        make_zip(tmp_path / "w.pt", good_pickle(), storages={"0": data})
+        report = scan_file(tmp_path / "w.pt")
+        assert report.grade == "suspicious", data
+        assert "os.system" not in {g.qualname for g in report.globals}
+        (finding,) = report.findings
+        assert finding.where.endswith("archive/data/0") and detail in finding.message
+    # A whole pickle with trailing bytes, or one that runs on past a window, is not whole.
+    make_zip(tmp_path / "x.pt", good_pickle(), storages={"0": _touch(canary) + b"\x00"})
+    assert scan_file(tmp_path / "x.pt").grade == "safe"
+    # Only data/N is a storage: the same bytes under another name are a pickle someone may load.
+    make_zip(tmp_path / "o.pt", good_pickle(), extra={"archive/data/x": _touch(canary)})
+    assert scan_file(tmp_path / "o.pt").grade == "dangerous"
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_real_checkpoints_of_random_tensors_are_safe(tmp_path: Path, protocol: int) -> None:
+    # Random float32 storages start with EXT1/EXT2/EXT4 (0x82-0x84) one time in 85 and with
+    # GLOBAL ('c') one in 256: 4 of 56 such torch.save files were graded dangerous. The first
+    # tensors are set so that their storages start with those bytes whatever the seed.
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(20240601)
+    leads = (0x82, 0x83, 0x84, ord("c"), ord("i"))
+    state = {}
+    for i, lead in enumerate(leads):
+        raw = bytes([lead]) + b"\n\x01\x3f" + bytes([lead]) + b"\n\n\x3f" + b"\x2e\n\n\x3f"
+        state[f"lead{i}"] = torch.frombuffer(bytearray(raw), dtype=torch.float32).clone()
+    state.update({f"t{i}": torch.randn(3) for i in range(500)})
+    path = tmp_path / f"random{protocol}.pt"
+    torch.save(state, path, pickle_protocol=protocol)
+    with zipfile.ZipFile(path) as zf:
+        firsts = {zf.read(n)[0] for n in zf.namelist() if n.split("/")[-2:-1] == ["data"]}
+    assert firsts >= set(leads)
+    report = scan_file(path)
+    assert (report.grade, report.format, report.findings) == ("safe", "zip", []), report.findings
+    # A genuine checkpoint (weights_only refuses the FRAME opcode of protocols 4 and 5).
+    assert torch.equal(torch.load(path, weights_only=False)["lead0"], state["lead0"])
 
 
 def test_large_tensor_members_are_not_copied(tmp_path: Path) -> None:
