@@ -14,15 +14,16 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
 from ._errors import CheckpointError
+from ._zip_directory import EOCD_SIG, ZIP64_EOCD, end_records
 
-__all__ = ["FileBytes", "ZipMember", "ZipView", "open_zip"]
+__all__ = ["BoundedFile", "FileBytes", "ZipMember", "ZipView", "open_zip"]
 
 #: Chunk size used when streaming storage bytes.
 CHUNK: Final = 16 << 20
@@ -34,10 +35,6 @@ MAX_ENTRIES: Final = 1_000_000
 MAX_NAME: Final = 4096
 
 _LOCAL: Final = struct.Struct("<4sHHHHHIIIHH")
-_EOCD_SIG: Final = b"PK\x05\x06"
-_EOCD: Final = struct.Struct("<4sHHHHIIH")
-_ZIP64_LOCATOR: Final = struct.Struct("<4sIQI")
-_ZIP64_EOCD: Final = struct.Struct("<4sQHHIIQQQQ")
 
 
 def _bad(message: str, offset: int | None = None) -> CheckpointError:
@@ -128,6 +125,50 @@ class FileBytes:
             self.fd = -1
 
 
+class BoundedFile:
+    """A read-only file object over ``size`` bytes whose reads never ask for more than is left.
+
+    ``tarfile`` reads a PAX or GNU long-name record with one ``read(size)`` of the size its
+    header claims: a buffered file allocates all of it first (8 GiB for a 1 KiB file), and an
+    mmap's ``read`` raises ``OverflowError`` on sizes past 2**63. Here a read is cut to the
+    bytes left before ``size``, then served by ``read_at(offset, n)``, which is only asked for
+    ranges inside ``0 .. size``. Subclasses refuse reads by overriding :meth:`_check_read`.
+    """
+
+    def __init__(self, read_at: Callable[[int, int], bytes], size: int) -> None:
+        self._read_at = read_at
+        self._size = size
+        self._pos = 0
+
+    def read(self, n: int | None = -1) -> bytes:
+        at = self._pos
+        self._check_read(at, n)
+        left = max(self._size - at, 0)
+        n = left if n is None or n < 0 else min(n, left)
+        out = self._read_at(at, n) if n else b""
+        self._pos += len(out)
+        return out
+
+    def _check_read(self, at: int, n: int | None) -> None:
+        """Raise if a read of ``n`` bytes at ``at`` is refused (all are, here, accepted)."""
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        pos = offset + {0: 0, 1: self._pos, 2: self._size}[whence]
+        if pos < 0:
+            raise self._seek_error(pos)
+        self._pos = pos
+        return pos
+
+    def _seek_error(self, pos: int) -> Exception:
+        return OSError(f"negative seek position {pos}")
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+
 @dataclass(frozen=True, slots=True)
 class ZipMember:
     """One member, located and checked."""
@@ -215,13 +256,13 @@ def _find_eocd(file: FileBytes) -> int:
     """Return the offset of the end-of-central-directory record, which must end the file."""
     tail_len = min(file.size, 22 + 0xFFFF)
     tail = file.read(file.size - tail_len, tail_len)
-    idx = tail.rfind(_EOCD_SIG)
+    idx = tail.rfind(EOCD_SIG)
     while idx >= 0:
         if idx + 22 <= len(tail):
             comment_len = struct.unpack_from("<H", tail, idx + 20)[0]
             if idx + 22 + comment_len == len(tail):
                 return file.size - tail_len + idx
-        idx = tail.rfind(_EOCD_SIG, 0, idx)
+        idx = tail.rfind(EOCD_SIG, 0, idx)
     raise _bad("no end-of-central-directory record at the end of the file")
 
 
@@ -234,37 +275,31 @@ def _stated_directory(file: FileBytes, eocd: int) -> tuple[int, int, int, int]:
     the two disagree they read two different directories (a second one hidden in front of the
     end records), so torch.load and this reader would see different members: refused.
     """
-    sig, disk, cd_disk, n_here, n_total, cd_size, cd_offset, _ = _EOCD.unpack(
-        file.read(eocd, _EOCD.size)
-    )
-    start = eocd
-    loc_at = eocd - _ZIP64_LOCATOR.size
-    if loc_at >= 0 and file.read(loc_at, 4) == b"PK\x06\x07":
-        _, loc_disk, rec_at, disks = _ZIP64_LOCATOR.unpack(file.read(loc_at, _ZIP64_LOCATOR.size))
+    records = end_records(file.read, file.size, eocd)
+    if records.locator is not None:
         # zipfile reads the zip64 record just before the locator; miniz where the locator says.
-        expected = loc_at - _ZIP64_EOCD.size
-        if rec_at != expected or expected < 0 or loc_disk != 0 or disks > 1:
+        loc_at, rec_at = records.locator, records.located
+        expected = loc_at - ZIP64_EOCD.size
+        if rec_at != expected or expected < 0 or records.locator_spans_disks:
             raise _bad(
                 f"zip64 end-of-directory locator points at byte {rec_at}, not at the record "
                 f"right before it (byte {expected})",
                 loc_at,
             )
-        rec = _ZIP64_EOCD.unpack(file.read(rec_at, _ZIP64_EOCD.size))
-        if rec[0] != b"PK\x06\x06":
+        if records.miniz.records != rec_at:
             raise _bad("zip64 end-of-directory locator without its record", rec_at)
-        disk, cd_disk, n_here, n_total, cd_size, cd_offset = rec[4:]
-        start = rec_at
-    if disk or cd_disk or n_here != n_total:
+    stated = records.miniz
+    if stated.spans_disks:
         raise _bad("zip archive spans several disks")
-    if cd_offset + cd_size != start:
+    if stated.offset + stated.size != stated.records:
         raise _bad(
-            f"the end-of-directory record places the central directory at byte {cd_offset} "
-            f"({cd_size} bytes), but {start - cd_offset - cd_size:+d} bytes lie between it and "
-            "the record: readers disagree on which directory the archive has (another one may "
-            "be hidden there); refusing",
+            f"the end-of-directory record places the central directory at byte {stated.offset} "
+            f"({stated.size} bytes), but {stated.records - stated.offset - stated.size:+d} bytes "
+            "lie between it and the record: readers disagree on which directory the archive "
+            "has (another one may be hidden there); refusing",
             eocd,
         )
-    return n_total, cd_size, cd_offset, start
+    return stated.entries, stated.size, stated.offset, stated.records
 
 
 def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True) -> ZipView:
@@ -283,7 +318,7 @@ def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
     if file.size < 4 or file.read(0, 4) != b"PK\x03\x04":
         raise _bad("not a zip checkpoint: the file does not start with a local file header")
     eocd = _find_eocd(file)
-    if file.read(eocd + 4, file.size - eocd - 4).find(_EOCD_SIG) >= 0:
+    if file.read(eocd + 4, file.size - eocd - 4).find(EOCD_SIG) >= 0:
         # zipfile takes the last signature of the file's tail as the end record, whatever
         # its comment length says; _find_eocd the last one whose comment ends the file.
         raise _bad("a second end-of-central-directory signature after the end record", eocd)

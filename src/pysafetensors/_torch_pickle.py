@@ -37,7 +37,7 @@ import numpy as np
 from ._dtypes import DType, dtype_from_code
 from ._errors import CheckpointError, UnsafePickleError
 from ._pickle_vm import TRUNCATED, Budget, Limits, Machine, Result
-from ._torch_archive import CHUNK, FileBytes, ZipView, open_zip
+from ._torch_archive import CHUNK, BoundedFile, FileBytes, ZipView, open_zip
 
 __all__ = [
     "Checkpoint",
@@ -1437,7 +1437,7 @@ MAX_TAR_HEADER_BYTES: Final = 1 << 20
 MAX_TAR_HEADER_READS: Final = 16 * MAX_TAR_MEMBERS
 
 
-class _TarHeaderReader:
+class _TarHeaderReader(BoundedFile):
     """The file as ``tarfile`` reads it to list members: reads only, each checked first.
 
     ``tarfile`` reads a PAX or GNU long-name record with one ``read(size)`` of the size its
@@ -1447,32 +1447,23 @@ class _TarHeaderReader:
     """
 
     def __init__(self, file: FileBytes) -> None:
-        self.file = file
+        super().__init__(file.read, file.size)
         self.name = file.path
-        self.pos = 0
         self.total = 0
         self.reads = 0
 
-    def tell(self) -> int:
-        return self.pos
+    def _seek_error(self, pos: int) -> Exception:
+        return _bad(f"tar checkpoint seeks before the start of the file ({pos})")
 
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.file.size}[whence]
-        if base + pos < 0:
-            raise _bad(f"tar checkpoint seeks before the start of the file ({base + pos})")
-        self.pos = base + pos
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        at = self.pos
+    def _check_read(self, at: int, n: int | None) -> None:
         if n is None or n < 0:
             raise _bad(f"tar checkpoint: a read to the end of the file at byte {at}")
         self.total += n
         self.reads += 1
-        if at + n > self.file.size and n > BLOCK_SIZE:
+        if at + n > self._size and n > BLOCK_SIZE:
             raise CheckpointError(
                 f"tar checkpoint: an extended header (a PAX record or GNU long name) claims "
-                f"{n} bytes at byte {at}, past the end of the {self.file.size}-byte file",
+                f"{n} bytes at byte {at}, past the end of the {self._size}-byte file",
                 kind="Truncated",
                 offset=at,
             )
@@ -1483,11 +1474,6 @@ class _TarHeaderReader:
                 f"bytes at byte {at})",
                 at,
             )
-        if at >= self.file.size:
-            return b""
-        got = self.file.read(at, min(n, self.file.size - at))
-        self.pos += len(got)
-        return got
 
 
 def _tar_members(file: FileBytes) -> dict[str, tuple[int, int]]:

@@ -43,8 +43,9 @@ from typing import Any, Final, Literal, cast
 
 from ._errors import SafetensorError
 from ._pickle_vm import OPNAMES, TRUNCATED, Limits, Machine
-from ._torch_archive import MAX_DEFLATE_RATIO
+from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile
 from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
+from ._zip_directory import EOCD, EOCD_SIG, ZIP64_EOCD, end_records
 
 __all__ = ["GRADES", "Finding", "GlobalUse", "Grade", "ScanReport", "grade_global", "scan_file"]
 
@@ -736,42 +737,10 @@ def _keep_probe(
     return False
 
 
-class _BoundedFile:
-    """A read-only file over bytes or a mapping (up to ``end``) whose reads never ask for more
-    than is left.
-
-    ``tarfile`` reads a PAX or GNU long-name record with one ``read(size)`` of the size its
-    header claims: a buffered file allocates all of it first (8 GiB for a 1 KiB file), and an
-    mmap's ``read`` raises ``OverflowError`` on sizes past 2**63.
-    """
-
-    def __init__(self, data: bytes, end: int | None = None) -> None:
-        self._data = data
-        self._end = len(data) if end is None else min(end, len(data))
-        self._pos = 0
-
-    def read(self, n: int | None = -1) -> bytes:
-        left = max(self._end - self._pos, 0)
-        n = left if n is None or n < 0 else min(n, left)
-        out = bytes(self._data[self._pos : self._pos + n])
-        self._pos += n
-        return out
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        if whence == 1:
-            offset += self._pos
-        elif whence == 2:
-            offset += self._end
-        if offset < 0:
-            raise OSError("negative seek position")
-        self._pos = offset
-        return offset
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seekable(self) -> bool:
-        return True
+def _bounded(data: bytes, end: int | None = None) -> BoundedFile:
+    """A file over bytes or a mapping, up to ``end``, for ``tarfile`` and ``zipfile``."""
+    size = len(data) if end is None else min(end, len(data))
+    return BoundedFile(lambda at, n: bytes(data[at : at + n]), size)
 
 
 def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
@@ -779,7 +748,7 @@ def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
     try:
         # zipfile is shown the file up to the end record torch's reader uses: a signature after
         # it (in the archive comment) is where zipfile would look, and not torch.
-        view = _BoundedFile(data, len(data) if eocd is None else eocd + _EOCD.size)
+        view = _bounded(data, None if eocd is None else eocd + EOCD.size)
         with zipfile.ZipFile(cast(Any, view)) as zf:
             infos = zf.infolist()
             start = zf.start_dir
@@ -807,11 +776,6 @@ def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
             report._add("suspicious", f"member could not be read ({exc})", member)
 
 
-_EOCD: Final = struct.Struct("<4sHHHHIIH")
-_EOCD64_LOCATOR: Final = struct.Struct("<4sIQI")
-_EOCD64: Final = struct.Struct("<4sQHHIIQQQQ")
-
-
 def _miniz_eocd(data: bytes) -> int | None:
     """Where the end record is that torch's zip reader (miniz) uses, if it finds one.
 
@@ -819,11 +783,11 @@ def _miniz_eocd(data: bytes) -> int | None:
     from the end in blocks of 4 KiB. ``zipfile`` takes the last signature in the last 64 KiB
     and refuses the file when no whole record follows it (a signature in the comment).
     """
-    tail_at = max(len(data) - (_EOCD.size + 0xFFFF + 4096), 0)
+    tail_at = max(len(data) - (EOCD.size + 0xFFFF + 4096), 0)
     tail = bytes(data[tail_at:])
-    idx = tail.rfind(b"PK\x05\x06")
-    while idx >= 0 and len(tail) - idx < _EOCD.size:
-        idx = tail.rfind(b"PK\x05\x06", 0, idx + 3)
+    idx = tail.rfind(EOCD_SIG)
+    while idx >= 0 and len(tail) - idx < EOCD.size:
+        idx = tail.rfind(EOCD_SIG, 0, idx + 3)
     return None if idx < 0 else tail_at + idx
 
 
@@ -838,47 +802,24 @@ def _directory_disagreement(data: bytes, eocd: int, zipfile_start: int) -> str |
     right before it, is two archives: the scanner would list one, torch load the other. Real
     archives have no such gap (``zipfile_start`` is where ``zipfile`` read the directory).
     """
-    _, _, _, _, _, size, offset, _ = _EOCD.unpack(bytes(data[eocd : eocd + _EOCD.size]))
-    plain = (offset, size)
-    zipfile_view, records = plain, 0
-    if eocd >= _EOCD64_LOCATOR.size + _EOCD64.size:
-        sig, _, located, _ = _EOCD64_LOCATOR.unpack(bytes(data[eocd - _EOCD64_LOCATOR.size : eocd]))
-        if sig == b"PK\x06\x07":
-            # zipfile reads the zip64 record right before the locator; miniz where the locator
-            # points (newer versions try right before it first). Each falls back on the plain
-            # record when its zip64 record has no signature.
-            before = eocd - _EOCD64_LOCATOR.size - _EOCD64.size
-            z64 = _zip64_view(data, before)
-            zipfile_view = z64 or plain
-            if (_zip64_view(data, located) or plain) != zipfile_view:
-                return (
-                    f"the zip64 end record is read at offset {before} by Python's zipfile and "
-                    f"at offset {located} by torch's reader (miniz), and they place the "
-                    "central directory differently: they may see different members"
-                )
-            if z64 is not None:
-                records = _EOCD64_LOCATOR.size + _EOCD64.size
-    offset, size = zipfile_view
-    gap = eocd - records - size - offset
-    if gap != 0 or zipfile_start != offset:
+    records = end_records(lambda at, n: bytes(data[at : at + n]), len(data), eocd)
+    miniz, view = records.miniz, records.zipfile
+    if records.locator is not None and (miniz.offset, miniz.size) != (view.offset, view.size):
         return (
-            f"the zip's end record places the central directory at offset {offset}, and "
+            f"the zip64 end record is read at offset {records.locator - ZIP64_EOCD.size} by "
+            f"Python's zipfile and at offset {records.located} by torch's reader (miniz), and "
+            "they place the central directory differently: they may see different members"
+        )
+    gap = view.records - view.size - view.offset
+    if gap != 0 or zipfile_start != view.offset:
+        return (
+            f"the zip's end record places the central directory at offset {view.offset}, and "
             f"{gap} bytes lie between its end and the end record: torch's reader (miniz) reads "
             f"the directory at the stated offset, Python's zipfile at offset {zipfile_start} "
             "(it takes the gap for data prepended to the archive and shifts every offset by "
             "it), so the two may see different members"
         )
     return None
-
-
-def _zip64_view(data: bytes, at: int) -> tuple[int, int] | None:
-    """(directory offset, directory size) of a zip64 end record at ``at``, if one is there."""
-    if at < 0 or at + _EOCD64.size > len(data):
-        return None
-    rec = _EOCD64.unpack(bytes(data[at : at + _EOCD64.size]))
-    if rec[0] != b"PK\x06\x06":
-        return None
-    return rec[9], rec[8]
 
 
 def _scan_member(
@@ -1001,7 +942,7 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, 
 
 def _scan_tar(report: ScanReport, data: bytes, where: str, depth: int) -> None:
     try:
-        with tarfile.open(fileobj=cast(Any, _BoundedFile(data)), mode="r:") as tar:
+        with tarfile.open(fileobj=cast(Any, _bounded(data)), mode="r:") as tar:
             _scan_tar_members(report, tar, where, depth)
     except (tarfile.TarError, EOFError, ValueError, OSError) as exc:
         report._add("suspicious", f"unreadable tar ({exc})", where)
