@@ -10,6 +10,7 @@ import io
 import struct
 import tarfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,30 @@ def write_tar(path: Path, members: dict[str, bytes]) -> Path:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return path
+
+
+ZIP_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+ZIP_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+ZIP_END = struct.Struct("<4sHHHHIIH")
+
+
+def zip_local(name: str, data: bytes) -> bytes:
+    """A STORED member's local header (UTF-8 name, CRC computed) followed by its bytes."""
+    n, crc, size = name.encode(), zlib.crc32(data), len(data)
+    return ZIP_LOCAL.pack(b"PK\x03\x04", 20, 0, 0, 0, 0x21, crc, size, size, len(n), 0) + n + data
+
+
+def zip_central(name: str, data: bytes, offset: int) -> bytes:
+    """The central directory entry of :func:`zip_local`'s member, its local header at ``offset``."""
+    n, crc, size = name.encode(), zlib.crc32(data), len(data)
+    fields = (20, 20, 0, 0, 0, 0x21, crc, size, size, len(n), 0, 0, 0, 0, 0, offset)
+    return ZIP_CENTRAL.pack(b"PK\x01\x02", *fields) + n
+
+
+def zip_end(entries: int, size: int, offset: int, comment: bytes = b"") -> bytes:
+    """An end-of-central-directory record: ``entries`` members in a directory of ``size`` bytes
+    at ``offset``, then ``comment``."""
+    return ZIP_END.pack(b"PK\x05\x06", 0, 0, entries, entries, size, offset, len(comment)) + comment
 
 
 def good_pickle() -> bytes:

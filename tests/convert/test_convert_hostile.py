@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tarfile
 import zipfile
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from pysafetensors._pickle_vm import Limits, Machine
 from pysafetensors._torch_pickle import TorchPolicy, _machine
 from pysafetensors.convert import convert_file
 
-from .corpus import P, make_zip, state_dict, tensor
+from .corpus import P, make_zip, state_dict, tensor, zip_central, zip_end, zip_local
 
 _CHILD = """
 import resource, sys
@@ -321,62 +320,6 @@ def test_sparse_tar_members_are_refused(tmp_path: Path) -> None:
 # -- zip directories ---------------------------------------------------------------------------
 
 
-def _local(name: str, data: bytes) -> bytes:
-    n = name.encode()
-    return (
-        struct.pack(
-            "<4sHHHHHIIIHH",
-            b"PK\x03\x04",
-            20,
-            0,
-            0,
-            0,
-            0x21,
-            zlib.crc32(data),
-            len(data),
-            len(data),
-            len(n),
-            0,
-        )  # fmt: skip
-        + n
-        + data
-    )
-
-
-def _central(name: str, data: bytes, offset: int) -> bytes:
-    n = name.encode()
-    return (
-        struct.pack(
-            "<4sHHHHHHIIIHHHHHII",
-            b"PK\x01\x02",
-            20,
-            20,
-            0,
-            0,
-            0,
-            0x21,
-            zlib.crc32(data),
-            len(data),
-            len(data),
-            len(n),
-            0,
-            0,
-            0,
-            0,
-            0,
-            offset,
-        )  # fmt: skip
-        + n
-    )
-
-
-def _eocd(entries: int, size: int, offset: int, comment: bytes = b"") -> bytes:
-    return (
-        struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, entries, entries, size, offset, len(comment))
-        + comment
-    )
-
-
 def _members(value: float) -> dict[str, bytes]:
     pkl = state_dict([("w", tensor())])
     return {
@@ -396,14 +339,14 @@ def test_a_zip_with_a_second_hidden_directory_is_refused(tmp_path: Path) -> None
     for tag, members in (("A", a), ("B", b)):
         for name, data in members.items():
             offsets[(tag, name)] = len(blob)
-            blob += _local(name, data)
+            blob += zip_local(name, data)
         if tag == "A":
-            blob += _local("archive/pad", bytes(600))
-    cd_a = b"".join(_central(n, d, offsets[("A", n)]) for n, d in a.items())
-    cd_b = b"".join(_central(n, d, offsets[("B", n)] - len(cd_a)) for n, d in b.items())
+            blob += zip_local("archive/pad", bytes(600))
+    cd_a = b"".join(zip_central(n, d, offsets[("A", n)]) for n, d in a.items())
+    cd_b = b"".join(zip_central(n, d, offsets[("B", n)] - len(cd_a)) for n, d in b.items())
     assert len(cd_a) == len(cd_b)
     src = tmp_path / "dual.pt"
-    src.write_bytes(blob + cd_a + cd_b + _eocd(len(a), len(cd_a), len(blob)))
+    src.write_bytes(blob + cd_a + cd_b + zip_end(len(a), len(cd_a), len(blob)))
     with zipfile.ZipFile(src) as z:  # zipfile reads B
         assert z.read("archive/data/0") == struct.pack("<4f", *[2.0] * 4)
     with pytest.raises(CheckpointError, match="readers disagree"):
@@ -414,9 +357,9 @@ def test_a_zip_with_a_second_hidden_directory_is_refused(tmp_path: Path) -> None
 def _plain_zip(members: dict[str, bytes], *, extra_entries: int = 0, comment: bytes = b"") -> bytes:
     blob, cd = b"", b""
     for name, data in members.items():
-        cd += _central(name, data, len(blob))
-        blob += _local(name, data)
-    return blob + cd + _eocd(len(members) - extra_entries, len(cd), len(blob), comment)
+        cd += zip_central(name, data, len(blob))
+        blob += zip_local(name, data)
+    return blob + cd + zip_end(len(members) - extra_entries, len(cd), len(blob), comment)
 
 
 def test_a_plain_hand_made_zip_converts(tmp_path: Path) -> None:

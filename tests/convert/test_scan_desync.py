@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tarfile
 import zipfile
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,17 @@ import pytest
 
 from pysafetensors.scan import scan_bytes, scan_file
 
-from .corpus import LEGACY_INFO, LEGACY_MAGIC, LEGACY_PROTO, P, payload
+from .corpus import (
+    LEGACY_INFO,
+    LEGACY_MAGIC,
+    LEGACY_PROTO,
+    ZIP_END,
+    P,
+    payload,
+    zip_central,
+    zip_end,
+    zip_local,
+)
 
 
 def _load(paths: list[Path], load: str) -> None:
@@ -184,23 +193,8 @@ def test_frames_that_end_at_opcode_boundaries_stay_safe(tmp_path: Path) -> None:
 # Zip central directories.
 # --------------------------------------------------------------------------------------------
 
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
-_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
-_END = struct.Struct("<4sHHHHIIH")
 _END64 = struct.Struct("<4sQHHIIQQQQ")
 _LOCATOR = struct.Struct("<4sIQI")
-
-
-def _local(name: str, data: bytes) -> bytes:
-    n, crc = name.encode(), zlib.crc32(data)
-    head = _LOCAL.pack(b"PK\x03\x04", 20, 0, 0, 0, 0x21, crc, len(data), len(data), len(n), 0)
-    return head + n + data
-
-
-def _central(name: str, data: bytes, offset: int) -> bytes:
-    n, crc, size = name.encode(), zlib.crc32(data), len(data)
-    fields = (20, 20, 0, 0, 0, 0x21, crc, size, size, len(n), 0, 0, 0, 0, 0, offset)
-    return _CENTRAL.pack(b"PK\x01\x02", *fields) + n
 
 
 def _dual_directory_zip(canary: Path) -> bytes:
@@ -214,14 +208,14 @@ def _dual_directory_zip(canary: Path) -> bytes:
         ("good", "archive/data.pkl", good),
     ]:
         offs[key] = len(blob)
-        blob += _local(name, data)
-    cd_a = _central("archive/data.pkl", evil, offs["evil"])
-    cd_a += _central("archive/version", b"3\n", offs["ver"])
+        blob += zip_local(name, data)
+    cd_a = zip_central("archive/data.pkl", evil, offs["evil"])
+    cd_a += zip_central("archive/version", b"3\n", offs["ver"])
     shift = len(cd_a)  # zipfile adds the gap to every offset of directory B
-    cd_b = _central("archive/data.pkl", good, offs["good"] - shift)
-    cd_b += _central("archive/version", b"3\n", offs["ver"] - shift)
+    cd_b = zip_central("archive/data.pkl", good, offs["good"] - shift)
+    cd_b += zip_central("archive/version", b"3\n", offs["ver"] - shift)
     assert len(cd_b) == shift
-    return blob + cd_a + cd_b + _END.pack(b"PK\x05\x06", 0, 0, 2, 2, shift, len(blob), 0)
+    return blob + cd_a + cd_b + zip_end(2, shift, len(blob))
 
 
 def test_zip_with_two_central_directories_is_dangerous(tmp_path: Path) -> None:
@@ -259,7 +253,7 @@ def test_zip64_locator_pointing_at_another_record(tmp_path: Path) -> None:
     out = d[:at_a] + renamed + _END64.pack(*rec[:8], len(renamed), at_a)
     out += cd + _END64.pack(*rec[:8], len(cd), at_b)
     out += _LOCATOR.pack(b"PK\x06\x07", 0, at_a + len(renamed), 1)
-    out += _END.pack(b"PK\x05\x06", 0, 0, rec[6], rec[7], len(cd), at_b, 0)
+    out += ZIP_END.pack(b"PK\x05\x06", 0, 0, rec[6], rec[7], len(cd), at_b, 0)
     report = scan_bytes(out)
     assert report.grade == "dangerous"
     assert any("zip64 end record" in f.message for f in report.findings)
@@ -332,7 +326,7 @@ def _v7_safetensors_shaped(canary: Path) -> bytes:
 
 def _tar_with_end_record(canary: Path) -> bytes:
     """A ustar checkpoint with an empty zip end record appended (torch reads it as a tar)."""
-    return bytes(_tar_bytes(canary, ("A", b""))) + _END.pack(b"PK\x05\x06", 0, 0, 0, 0, 0, 0, 0)
+    return bytes(_tar_bytes(canary, ("A", b""))) + zip_end(0, 0, 0)
 
 
 @pytest.mark.parametrize("build", [_v7_polyglot, _v7_safetensors_shaped, _tar_with_end_record])
