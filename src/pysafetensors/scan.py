@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal, cast
 
-from ._errors import SafetensorError
+from ._errors import SafetensorError, input_path
 from ._pickle_vm import OPNAMES, TRUNCATED, Limits, Machine
 from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile
 from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
@@ -1059,7 +1059,7 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> Sca
     Raises:
         OSError: The file cannot be read.
     """
-    p = os.fspath(path)
+    p = input_path(path, "path")
     size = os.path.getsize(p)
     if size > max_bytes:
         report = ScanReport(p)
@@ -1116,7 +1116,11 @@ def scan_files(paths: Iterable[str | os.PathLike[str]]) -> list[ScanReport]:
         try:
             reports.append(scan_file(path))
         except Exception as exc:  # noqa: BLE001 - one file's failure is that file's verdict
-            p = os.fspath(path)
+            p = (
+                os.fsdecode(os.fspath(path))
+                if isinstance(path, (str, bytes, os.PathLike))
+                else repr(path)
+            )
             report = ScanReport(p, format="error")
             report._add("suspicious", f"could not be scanned ({type(exc).__name__}: {exc})", p)
             reports.append(report)

@@ -135,6 +135,7 @@ def _path_calls(ok: Path) -> dict[str, Any]:
     """Every entry point taking a path, as ``name: (call taking the path, writes?)``."""
     import pysafetensors as ps
     from pysafetensors.convert import convert_file, convert_folder
+    from pysafetensors.scan import scan_file
 
     one = {"a": np.ones(2, np.float32)}
     spec = {"a": ("F32", [2])}
@@ -150,6 +151,7 @@ def _path_calls(ok: Path) -> dict[str, Any]:
         "edit_metadata": (lambda p: ps.edit_metadata(p, {"k": "v"}), False),
         "convert_file src": (lambda p: convert_file(p, ok.parent / "out.safetensors"), False),
         "convert_folder src": (lambda p: convert_folder(p, ok.parent / "outdir"), False),
+        "scan_file": (lambda p: scan_file(p), False),
     }
 
 
