@@ -94,29 +94,33 @@ def test_deep_tuples_hashed_by_calls_are_refused_not_crashing(tmp_path: Path, pk
 # -- what the calls build: memory amplification ------------------------------------------------
 
 
-def test_torch_size_copies_count_against_the_item_budget(tmp_path: Path) -> None:
+def _size_copies() -> bytes:
     # torch.Size(L) with L a list of a million items, called 400 times from the memo (five
     # bytes each): 400 million items, 3 GiB, from a 2 MB file.
-    pkl = P.PROTO2 + P.g("torch", "Size") + b"q\x00]" + b"Na" * 1_000_000 + b"q\x0100"
-    pkl += b"}" + P.u("junk") + b"]" + b"h\x00h\x01\x85Ra" * 400 + b"s" + P.u("w") + tensor()
-    src = tmp_path / "size.pt"
-    make_zip(src, pkl + b"s.")
-    result, peak = _convert_in_child(src)
-    assert result.startswith("CheckpointError"), result
-    assert "over 50000000 items" in result
-    assert peak < 768, f"{peak} MiB"
+    return P.PROTO2 + P.g("torch", "Size") + b"q\x00]" + b"Na" * 1_000_000 + b"q\x0100"
 
 
-def test_bytearray_copies_count_against_the_copy_budget(tmp_path: Path) -> None:
+def _bytearray_copies() -> bytes:
     # bytearray(B) with B 4 MiB of bytes, 400 times: 1.6 GiB from a 4 MiB file.
     blob = b"B" + struct.pack("<I", 4 << 20) + bytes(4 << 20)
-    pkl = P.PROTO2 + P.g("builtins", "bytearray") + b"q\x00" + blob + b"q\x0100"
-    pkl += b"}" + P.u("junk") + b"]" + b"h\x00h\x01\x85Ra" * 400 + b"s" + P.u("w") + tensor()
-    src = tmp_path / "bytes.pt"
+    return P.PROTO2 + P.g("builtins", "bytearray") + b"q\x00" + blob + b"q\x0100"
+
+
+@pytest.mark.parametrize(
+    ("head", "message"),
+    [(_size_copies, "over 50000000 items"), (_bytearray_copies, "copy over 268435456 bytes")],
+)
+def test_copies_made_by_calls_count_against_the_budget(
+    tmp_path: Path, head: Any, message: str
+) -> None:
+    # The memo's function and argument (slots 0 and 1) called 400 times, each result kept.
+    pkl = head() + b"}" + P.u("junk") + b"]" + b"h\x00h\x01\x85Ra" * 400
+    pkl += b"s" + P.u("w") + tensor()
+    src = tmp_path / "copies.pt"
     make_zip(src, pkl + b"s.")
     result, peak = _convert_in_child(src)
     assert result.startswith("CheckpointError"), result
-    assert "copy over 268435456 bytes" in result
+    assert message in result
     assert peak < 768, f"{peak} MiB"
 
 
