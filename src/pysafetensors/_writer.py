@@ -538,6 +538,7 @@ class SaveGroup:
         self._seal = seal
         self._retire = retire
         self._pending: list[tuple[str, str, int]] = []
+        self._held = 0  # pending files that still hold their descriptor
         self._lock = threading.Lock()
         self.done = False
         """True once committed or discarded."""
@@ -553,12 +554,14 @@ class SaveGroup:
             # saves' clean-ups it is in use) until the commit. A save of 1,500 shards ran out
             # of descriptors under the common limit of 1,024: the soft limit is raised as the
             # group grows, and past what it allows, files are kept without their descriptor.
-            held = sum(1 for p in self._pending if p[2] >= 0)
+            held = self._held
             if held and held % 128 == 0:
                 allow_descriptors(held + 256)
             if held >= _descriptor_budget():
                 os.close(fd)
                 fd = -1
+            else:
+                self._held += 1
             self._pending.append((tmp, target, fd))
 
     def commit(self) -> list[str]:
@@ -571,7 +574,7 @@ class SaveGroup:
             WriteError: A rename failed; the files not renamed yet are discarded.
         """
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending, self._pending, self._held = self._pending, [], 0
             self.done = True
         for _, _, fd in pending:
             if fd >= 0:
@@ -584,17 +587,11 @@ class SaveGroup:
         try:
             if self._seal is not None and len(pending) > 1:
                 # No index while the shards change: a crash now shows, it does not mix.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._seal)
-                    if self._fsync:
-                        _fsync_dir(os.path.dirname(self._seal) or ".")
+                self._remove_first(self._seal)
             if self._retire is not None:
                 # An index this save replaces with a single file: gone first, or a crash
                 # before the old shards are cleaned up leaves the old index in charge.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._retire)
-                    if self._fsync:
-                        _fsync_dir(os.path.dirname(self._retire) or ".")
+                self._remove_first(self._retire)
             for tmp, target, _ in pending:
                 try:
                     os.replace(tmp, target)
@@ -613,10 +610,17 @@ class SaveGroup:
                 _fsync_dir(folder)
         return done
 
+    def _remove_first(self, path: str) -> None:
+        """Delete ``path`` (if there) before any rename, durably with ``fsync``."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            if self._fsync:
+                _fsync_dir(os.path.dirname(path) or ".")
+
     def discard(self) -> None:
         """Delete every finished temporary file; the targets stay as they were."""
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending, self._pending, self._held = self._pending, [], 0
             self.done = True
         for tmp, _, fd in pending:
             if fd >= 0:
