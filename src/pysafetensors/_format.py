@@ -76,7 +76,7 @@ from ._errors import (
     TensorInfoError,
     not_an_instance,
 )
-from ._serde_number import number_in_range, unexpected_number
+from ._serde_number import number_in_range, serde_integer, unexpected_number
 from ._serde_syntax import SyntaxErrorAt, first_syntax_error
 
 __all__ = [
@@ -275,14 +275,14 @@ def _parse_int(text: str) -> int | _NotInt:
     # overflow), so neither is an integer there.
     if text == "-0":
         return _NotInt(text)
-    if len(text) > 19:
-        if not number_in_range(text):
-            raise ValueError("number out of range")
-        value = int(text)
-        if value > UINT64_MAX or value < -(1 << 63):
-            return _NotInt(text)
+    if len(text) <= 19:
+        return int(text)  # at most 19 digits: within u64 or i64 whatever they are
+    value = serde_integer(text)
+    if value is not None:
         return value
-    return int(text)
+    if not number_in_range(text):
+        raise ValueError("number out of range")
+    return _NotInt(text)
 
 
 def _reject_constant(name: str) -> Any:

@@ -107,7 +107,7 @@ def _from_parts(significand: int, exponent: int) -> float | None:
     return value / _POW10[down]
 
 
-def _integer(text: str) -> int | None:
+def serde_integer(text: str) -> int | None:
     """``text`` as the integer serde_json keeps it as (i64 or u64), or None for an f64."""
     # (Length first: int() of over 4,300 digits raises, and no u64 has over 20.)
     if len(text) <= 21 and text != "-0" and _INTEGER.fullmatch(text):
@@ -119,7 +119,7 @@ def _integer(text: str) -> int | None:
 
 def number_in_range(text: str) -> bool:
     """Whether serde_json accepts the JSON number ``text`` (no f64 overflow)."""
-    return _integer(text) is not None or serde_f64(text) is not None
+    return serde_integer(text) is not None or serde_f64(text) is not None
 
 
 def unexpected_number(text: str) -> str:
@@ -129,7 +129,7 @@ def unexpected_number(text: str) -> str:
     Raises:
         ValueError: serde_json refuses the number as out of range.
     """
-    value = _integer(text)
+    value = serde_integer(text)
     if value is not None:
         return f"integer `{value}`"
     as_float = serde_f64(text)
