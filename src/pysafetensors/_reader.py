@@ -9,6 +9,7 @@ large tensors and for ``get_tensors()``, and reads only the bytes a slice select
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import os
 import stat
@@ -940,8 +941,8 @@ def gather_slice(
         sub_bytes = row_bytes // inner[0]
         if sub_bytes > _GATHER_BLOCK:
             return False
-        start1, _, step1 = sel1.indices(inner[0])
-        count1 = len(range(start1, sel1.indices(inner[0])[1], step1))
+        start1, stop1, step1 = sel1.indices(inner[0])
+        count1 = len(range(start1, stop1, step1))
         per_block = max(1, _GATHER_BLOCK // max(1, sub_bytes * step1))
         for j in range(plan.shape[0]):
             row_at = base + (start + j * step) * row_bytes
@@ -954,10 +955,7 @@ def gather_slice(
 
     def one(block: tuple[int, int, int, tuple[int, ...], tuple[Any, ...], np.ndarray]) -> None:
         at, nrows, every, row_shape, within, target = block
-        unit = 1
-        for dim in row_shape:
-            unit *= dim
-        want = nrows * unit
+        want = nrows * math.prod(row_shape)
         scratch = getattr(local, "buf", None)
         if scratch is None or scratch.nbytes < want:
             scratch = local.buf = np.empty(max(want, _GATHER_BLOCK), np.uint8)
