@@ -263,6 +263,26 @@ def _check_options(rules: Any, default: Any, uneven: Any) -> None:
         )
 
 
+def _first_bad_ranks(size: int, world_size: int, uneven: Uneven) -> list[int]:
+    """The ranks whose bounds decide whether every boundary of a split is byte-aligned.
+
+    The boundaries of every rule are at most two arithmetic progressions from 0: ``k * block``
+    (capped at ``size`` for ``"chunk"``); ``r * (base + 1)`` up to rank ``extra``, then steps
+    of ``base`` (``"tensor_split"``). A progression from an aligned start is aligned all along
+    iff its step is, so its first misaligned bound, if any, is its first step: rank 0's end, or
+    rank ``extra``'s end. The one other bound is ``size`` itself, the end of the first rank
+    that reaches it. So these few ranks, in order, find the first rank a loop over all of them
+    would (world sizes can be in the millions).
+    """
+    ranks = {0, world_size - 1}
+    if uneven == "chunk" and size:
+        block = -(-size // world_size)
+        ranks.add(min(world_size - 1, -(-size // block) - 1))
+    elif uneven == "tensor_split":
+        ranks.add(min(world_size - 1, size % world_size))
+    return sorted(ranks)
+
+
 def _check_byte_aligned(
     plan: Mapping[str, ShardSpec], bits: Mapping[str, int], world_size: int, uneven: Uneven
 ) -> None:
@@ -279,7 +299,7 @@ def _check_byte_aligned(
             continue
         size = spec.shape[spec.dim]
         inner = math.prod(spec.shape[spec.dim + 1 :])
-        for rank in range(world_size):
+        for rank in _first_bad_ranks(size, world_size, uneven):
             for bound in shard_range(size, rank, world_size, uneven):
                 if bound * inner * width % 8:
                     raise ValueError(

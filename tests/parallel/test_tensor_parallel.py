@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -361,3 +362,46 @@ def test_in_memory_buffers_are_copied_not_viewed() -> None:
         warnings.simplefilter("error")
         part = load_shard(frozen, 0, 2, {"*": "columns"}, "pt", backend="mmap")["w"]
     assert part.tolist() == [[0.0, 1.0], [4.0, 5.0], [8.0, 9.0], [12.0, 13.0]]
+
+
+def _first_unaligned_by_every_rank(
+    size: int, inner: int, width: int, world_size: int, uneven: str
+) -> tuple[int, int] | None:
+    from pysafetensors.parallel import shard_range
+
+    for rank in range(world_size):
+        for bound in shard_range(size, rank, world_size, uneven):  # type: ignore[arg-type]
+            if bound * inner * width % 8:
+                return rank, bound
+    return None
+
+
+def test_packed_split_check_names_the_first_bad_rank_without_visiting_all() -> None:
+    # The check looks at a few ranks only (the bounds are arithmetic progressions): it must
+    # name the same first rank and bound a loop over every rank finds.
+    from pysafetensors.parallel import ShardSpec, _check_byte_aligned
+
+    cases = 0
+    for uneven in ("chunk", "tensor_split"):
+        for width in (4, 6):
+            for inner in (1, 2, 3, 4):
+                for size in range(40):
+                    for world_size in range(1, 13):
+                        want = _first_unaligned_by_every_rank(
+                            size, inner, width, world_size, uneven
+                        )
+                        spec = ShardSpec("t", (size, inner), 0, 0, 0)
+                        try:
+                            _check_byte_aligned({"t": spec}, {"t": width}, world_size, uneven)  # type: ignore[arg-type]
+                            got = None
+                        except ValueError as exc:
+                            m = re.search(r"rank (\d+)'s part .* \(at index (\d+)\)", str(exc))
+                            assert m is not None
+                            got = (int(m.group(1)), int(m.group(2)))
+                        assert got == want, (uneven, width, inner, size, world_size)
+                        cases += got is not None
+    assert cases > 1000  # the refusals were exercised, not only the aligned splits
+    # A world size in the millions is answered at once (it looped over every rank: 12 s).
+    spec = ShardSpec("t", (3 * 10**7 + 1, 1), 0, 0, 0)
+    with pytest.raises(ValueError, match=r"rank \d+'s part"):
+        _check_byte_aligned({"t": spec}, {"t": 4}, 10**7, "tensor_split")
