@@ -40,6 +40,7 @@ from ._sharding import (
     index_filename,
     model_metadata,
     parse_size,
+    pattern_family,
     split_into_shards,
     write_checkpoint,
 )
@@ -211,29 +212,25 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _refuse_output_over_source(
-    src: ShardedSafeOpen, out: str, *, op: str, sharded: bool, whole: bool
+    src: ShardedSafeOpen,
+    out: str,
+    *,
+    op: str,
+    sharded: bool,
+    whole: bool,
+    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
 ) -> None:
     """Refuse an output that would replace part of the source checkpoint with less than it.
 
     Sources are read from descriptors opened before anything is written, so the write itself
     would succeed; what it leaves behind would not: a single output file renamed over a shard
     leaves an index naming tensors that are gone, and a sharded output in an index's own folder
-    replaces that index (and cleans its shards). ``whole``: the output holds every tensor of a
-    single-file source (a merge of a file onto itself, which loses nothing).
+    replaces that index (and cleans its shards). ``whole``: the output holds every tensor of
+    the source (a merge or a reshard), which loses nothing where the source is the whole
+    checkpoint there.
     """
     if sharded:
-        folder = os.path.dirname(src.path) or "."
-        if (
-            is_index_path(src.path)
-            and not _is_url(src.path)
-            and os.path.isdir(out)
-            and _same_file(out, folder)
-        ):
-            raise SafetensorError(
-                f"{op}: the output folder {out!r} holds the source checkpoint {_shown(src.path)}; "
-                "writing there would replace it with part of it. Write to another folder.",
-                kind="OutputIsSource",
-            )
+        _refuse_sharded_output_over_source(src, out, op=op, whole=whole, pattern=filename_pattern)
         return
     if not os.path.exists(out):
         return
@@ -248,6 +245,49 @@ def _refuse_output_over_source(
             "would destroy the checkpoint. Write to another path.",
             kind="OutputIsSource",
         )
+
+
+def _refuse_sharded_output_over_source(
+    src: ShardedSafeOpen, out: str, *, op: str, whole: bool, pattern: str
+) -> None:
+    """The sharded case of :func:`_refuse_output_over_source`.
+
+    A sharded save into a folder replaces, or cleans up, every file there of its pattern's
+    family (single file, shards, index). A source file among them is lost unless the output
+    holds the whole checkpoint that file belongs to: an extract never does (it writes part of
+    the source), a reshard does unless its source is one shard of a larger checkpoint there
+    (the folder's index names it), which would leave that shard's tensors only.
+    """
+    if _is_url(src.path) or not os.path.isdir(out):
+        return
+    folder = os.path.dirname(src.path) or "."
+    if not _same_file(out, folder):
+        return
+    if is_index_path(src.path):
+        if whole:
+            return  # resharding a checkpoint in place: every file is rewritten or kept
+        raise SafetensorError(
+            f"{op}: the output folder {out!r} holds the source checkpoint {_shown(src.path)}; "
+            "writing there would replace it with part of it. Write to another folder.",
+            kind="OutputIsSource",
+        )
+    name = os.path.basename(src.path)
+    if not pattern_family(pattern).fullmatch(name):
+        return  # not a name the save writes or cleans up: the source stays
+    a_shard = name in _named_by_other_indexes(folder, set())
+    if whole and not a_shard:
+        return  # the folder's single-file checkpoint, resharded in place
+    what = (
+        "one shard of the checkpoint there"
+        if a_shard
+        else "a file the sharded output would replace or delete"
+    )
+    raise SafetensorError(
+        f"{op}: the source {_shown(src.path)} is {what}; writing the output into {out!r} "
+        f"would leave only {'its' if whole else 'part of its'} tensors. Write to another "
+        "folder" + (", or reshard the whole checkpoint (its folder or index)." if whole else "."),
+        kind="OutputIsSource",
+    )
 
 
 def _write_one(
@@ -482,6 +522,9 @@ def reshard(
         max_header_size=max_header_size,
         storage_options=_options(storage_options),
     ) as src:
+        _refuse_output_over_source(
+            src, out, op="reshard", sharded=True, whole=True, filename_pattern=filename_pattern
+        )
         return _rewrite(
             src,
             _source_order(src),
@@ -629,7 +672,12 @@ def extract(
                 kind="NoMatch",
             )
         _refuse_output_over_source(
-            src, out, op="extract", sharded=max_shard_size is not None, whole=False
+            src,
+            out,
+            op="extract",
+            sharded=max_shard_size is not None,
+            whole=False,
+            filename_pattern=filename_pattern,
         )
         _rewrite(
             src,

@@ -455,6 +455,15 @@ def write_checkpoint(
         remove_stale_files(folder, filename_pattern, written)
 
 
+def pattern_family(filename_pattern: str) -> re.Pattern[str]:
+    """The names a save with ``filename_pattern`` writes, replaces or cleans up: its single
+    file, its shards (``-NNNNN-of-NNNNN``) and its index (``fullmatch`` them)."""
+    prefix, _, suffix = filename_pattern.partition("{suffix}")
+    return re.compile(
+        re.escape(prefix) + r"(-\d{5}-of-\d{5})?" + re.escape(suffix) + r"(\.index\.json)?"
+    )
+
+
 def remove_stale_files(
     folder: str | os.PathLike[str],
     filename_pattern: str,
@@ -468,10 +477,7 @@ def remove_stale_files(
     Returns:
         The names removed.
     """
-    prefix, _, suffix = filename_pattern.partition("{suffix}")
-    regex = re.compile(
-        re.escape(prefix) + r"(-\d{5}-of-\d{5})?" + re.escape(suffix) + r"(\.index\.json)?"
-    )
+    regex = pattern_family(filename_pattern)
     kept = set(keep)
     removed = []
     # Index files first: an index left behind by an interrupted cleanup would still name

@@ -16,7 +16,7 @@ import pytest
 from pysafetensors import SafetensorError, extract, merge, reshard, safe_open, save_sharded
 from pysafetensors import _reshard as reshard_mod
 from pysafetensors._cli import main
-from pysafetensors.numpy import save_file
+from pysafetensors.numpy import load_file, save_file
 
 from .conftest import assert_same_tree
 
@@ -287,7 +287,6 @@ def test_in_place_reshard_failing_midway_leaves_the_checkpoint(tmp_path: Path) -
     """Every new file is renamed into place only once all are written (SaveGroup): an in-place
     reshard that stops after its first shard used to leave a folder that no longer opened, with
     a tensor stored nowhere."""
-    from pysafetensors.numpy import load_file
 
     state = {k: np.full(1000, i, np.float32) for i, k in enumerate(("a", "b", "c"))}
     save_sharded(state, tmp_path, max_shard_size=9000)  # [a, b] and [c]
@@ -350,6 +349,54 @@ def test_outputs_that_would_replace_part_of_the_source_are_refused(tmp_path: Pat
         f.validate()
     with safe_open(tmp_path / "one.safetensors", "np") as f:
         assert sorted(f.keys()) == sorted(sd)
+
+
+def test_sharded_outputs_over_a_file_source_in_their_folder_are_refused(tmp_path: Path) -> None:
+    """A sharded extract from a folder's single file, or from one shard, into that folder
+    (the CLI's ``extract D D 'x*' -s 1MB``) deleted the source once the new checkpoint was in
+    place; resharding one shard into its folder replaced the whole checkpoint with that
+    shard's tensors. Resharding the folder's single file, or the whole checkpoint, in place
+    still works."""
+    sd = {f"layers.{i}.weight": np.full((64, 64), i, np.float32) for i in range(4)}
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file(sd, str(single / "model.safetensors"))
+    ck = tmp_path / "ck"
+    save_sharded(sd, ck, "20KB")
+    shard = ck / "model-00001-of-00004.safetensors"
+    assert shard.exists()
+
+    def tree(folder: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    before = {single: tree(single), ck: tree(ck)}
+    attempts = [
+        lambda: extract(single, single, "layers.0*", max_shard_size="20KB"),
+        lambda: extract(single / "model.safetensors", single, "layers.0*", max_shard_size="20KB"),
+        lambda: extract(shard, ck, "layers.0*", max_shard_size="20KB"),
+        lambda: reshard(shard, ck, "5KB"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(SafetensorError, match="Write to another folder") as info:
+            attempt()
+        assert info.value.kind == "OutputIsSource"
+    assert {single: tree(single), ck: tree(ck)} == before
+    # The command line says so in one line, exit 1.
+    assert _cli_code("-q", "extract", single, single, "layers.0*", "-s", "20KB") == 1
+    assert tree(single) == before[single]
+    # A file outside the pattern's names stays, and is read from.
+    save_file(sd, str(single / "other.safetensors"))
+    extract(single / "other.safetensors", single, "layers.1*", max_shard_size="20KB")
+    assert sorted(load_file(single)) == ["layers.1.weight"]
+    assert (single / "other.safetensors").exists()
+    # In place: the folder's single file into shards, and a sharded checkpoint resharded.
+    save_file(sd, str(single / "model.safetensors"))
+    reshard(single / "model.safetensors", single, "20KB")
+    reshard(ck, ck, "40KB")
+    for folder in (single, ck):
+        loaded = load_file(folder)
+        assert sorted(loaded) == sorted(sd)
+        assert all(np.array_equal(loaded[k], v) for k, v in sd.items())
 
 
 def test_a_file_s_own_total_size_key_does_not_replace_the_index_s(tmp_path: Path) -> None:
