@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any, Final
@@ -35,7 +36,7 @@ from ._reader import (
     safe_open,
 )
 from ._remote import shown_location, shown_name, url_dirname, url_join, url_path
-from ._sharding import declared_total_size, unsafe_shard_name
+from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource
 
 __all__ = [
@@ -55,15 +56,18 @@ MAX_INDEX_SIZE: Final = MAX_HEADER_SIZE
 
 
 class ShardIndexError(SafetensorError, ValueError):
-    """Raised when an index is malformed or disagrees with its shards, or a folder is ambiguous.
+    """Raised when an index is malformed or disagrees with its shards, a folder is ambiguous,
+    or the checkpoint was saved again while open.
 
     ``kind`` says which: ``InvalidIndex``, ``UnsafeShardName``, ``TensorNotInShard``,
-    ``TensorInTwoShards``, ``UnindexedTensor``, ``TotalSizeMismatch``, ``AmbiguousFolder``.
+    ``TensorInTwoShards``, ``UnindexedTensor``, ``TotalSizeMismatch``, ``AmbiguousFolder``,
+    ``CheckpointChanged``.
     """
 
 
 class MissingShardError(SafetensorError, FileNotFoundError):
-    """Raised when a shard named by an index, or any checkpoint in a folder, does not exist."""
+    """Raised when a shard named by an index, or any checkpoint in a folder, does not exist,
+    or a folder holds shards without their index (kind ``MissingIndex``)."""
 
 
 def _is_url(path: str) -> bool:
@@ -83,6 +87,10 @@ def _join(base: str, name: str) -> str:
 def is_index_path(path: str) -> bool:
     """Whether ``path`` names an index; for a URL, its path part does (``?download=true``)."""
     return (url_path(path) if _is_url(path) else path).endswith(".index.json")
+
+
+#: A shard's file name as the hub's pattern makes them: ``<stem>-00002-of-00005.safetensors``.
+_SHARD_NAME: Final = re.compile(r"(.*)-\d{5}-of-(\d{5})\.safetensors")
 
 
 def resolve_checkpoint(path: str) -> tuple[str, bool]:
@@ -106,6 +114,18 @@ def resolve_checkpoint(path: str) -> tuple[str, bool]:
     if len(indexes) == 1:
         return os.path.join(path, indexes[0]), True
     files = [n for n in names if n.endswith(".safetensors")]
+    shards = [m for n in files if (m := _SHARD_NAME.fullmatch(n)) and int(m.group(2)) > 1]
+    if files and not indexes and len(shards) == len(files):
+        # Shards of a larger checkpoint without its index (written last): a save interrupted
+        # while its files were renamed into place, or a partial download. One of them alone
+        # would otherwise open as the whole model, silently missing the other shards' tensors.
+        listed = ", ".join(m.group(0) for m in shards[:5]) + (" ..." if len(shards) > 5 else "")
+        raise MissingShardError(
+            f"folder {_shown(path)} holds shards of a checkpoint ({listed}) but no index: the "
+            "checkpoint is incomplete (a save or download that did not finish?); pass one "
+            "shard's path to open that file alone",
+            kind="MissingIndex",
+        )
     if len(files) == 1 and not indexes:
         return os.path.join(path, files[0]), False
     if not indexes and not files:
@@ -178,7 +198,7 @@ def _parse_index(
                 tensor=tensor,
             )
         _check_shard_name(shard, path, tensor)
-        weight_map[tensor] = shard
+        weight_map[tensor] = normal_shard_name(shard)
     metadata = obj.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise ShardIndexError(
@@ -186,6 +206,37 @@ def _parse_index(
             kind="InvalidIndex",
         )
     return weight_map, metadata
+
+
+def _file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one version of a file from another: a file renamed over it, or rewritten."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _read_index(
+    path: str, storage_options: dict[str, Any] | None
+) -> tuple[dict[str, str], dict[str, Any] | None, tuple[int, ...] | None]:
+    """:func:`_parse_index`, and for a local index the identity of the version read (None for
+    a URL). Read again if it changed while being read (a save renaming a new one in)."""
+    if _is_url(path):
+        return (*_parse_index(path, storage_options), None)
+    for _ in range(3):
+        try:
+            before: tuple[int, ...] | None = _file_identity(os.stat(path))
+        except OSError:
+            before = None  # reading it says what is wrong (or it was just being replaced)
+        weight_map, metadata = _parse_index(path, storage_options)
+        try:
+            after = _file_identity(os.stat(path))
+        except OSError:
+            continue
+        if after == before:
+            return weight_map, metadata, after
+    raise ShardIndexError(
+        f"index {_shown(path)} kept changing while it was read (a save in progress?); open it "
+        "again once the save is done",
+        kind="CheckpointChanged",
+    )
 
 
 class ShardedSafeOpen:
@@ -247,8 +298,10 @@ class ShardedSafeOpen:
         # query string and escapes), not rebuilt from its folder and name.
         self._single: tuple[str, str] | None = None
         self._index_metadata: dict[str, Any] | None
+        # The local index's identity when read, checked again as each shard is opened.
+        self._index_identity: tuple[int, ...] | None = None
         if is_index:
-            self._weight_map, self._index_metadata = _parse_index(
+            self._weight_map, self._index_metadata, self._index_identity = _read_index(
                 target, self._options.get("storage_options")
             )
             self._shards = sorted(set(self._weight_map.values()))
@@ -360,6 +413,7 @@ class ShardedSafeOpen:
                     offset=exc.offset,
                 ) from exc
             try:
+                self._check_index_unchanged(shard)
                 if validate:
                     self._check_shard(shard, handle)
             except BaseException:
@@ -367,6 +421,29 @@ class ShardedSafeOpen:
                 raise
             self._handles[shard] = handle
             return handle
+
+    def _check_index_unchanged(self, shard: str) -> None:
+        """Refuse a shard opened after the checkpoint was saved again over the one opened.
+
+        Shards are opened as their tensors are first read, and a save renames new shards over
+        old ones (the trainer's periodic re-save, same names and layout): one handle, or a
+        ``load_file`` running meanwhile, read some shards of each save, and nothing told. A
+        save removes or replaces the index before it renames any shard (ours, the hub's), so a
+        shard opened while the index is still the one read is the old save's: the check
+        comes after the shard is opened.
+        """
+        if self._index_identity is None:
+            return
+        try:
+            now = _file_identity(os.stat(self._path))
+        except OSError:
+            now = None
+        if now != self._index_identity:
+            raise ShardIndexError(
+                f"checkpoint {_shown(self._path)} was saved again (or is being saved) since it was "
+                f"opened: shard {shard!r} may hold the new save's tensors. Open it again.",
+                kind="CheckpointChanged",
+            )
 
     def _check_shard(self, shard: str, handle: safe_open) -> None:
         present = handle.header.tensors

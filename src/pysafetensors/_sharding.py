@@ -27,6 +27,7 @@ import json
 import math
 import numbers
 import os
+import posixpath
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -325,6 +326,12 @@ def unsafe_shard_name(name: str) -> str | None:
     return None
 
 
+def normal_shard_name(name: str) -> str:
+    """One spelling per shard an index names: ``./x`` and ``a//x`` are ``x`` and ``a/x``
+    (transformers and the hub open them as one file), not shards holding the same tensors."""
+    return posixpath.normpath(name)
+
+
 #: Index metadata keys that describe how the bytes are split, recomputed by every writer.
 COMPUTED_KEYS: Final = ("total_size", "total_parameters")
 
@@ -409,12 +416,15 @@ def checkpoint_group(
     folder: str, plan: ShardPlan, filename_pattern: str, *, fsync: bool = False
 ) -> SaveGroup:
     """The :class:`SaveGroup` a checkpoint's files are renamed into place with, sealed by its
-    index when it has one (the old index goes first, the new one last); a single file
-    retires the old index first, also without ``clean`` (which keeps the earlier save's
-    shards): left in place, the index would still be what the folder opens as."""
+    index when it has one (the old index goes first, the new one last). Each form retires
+    the other's entry point first, also without ``clean`` (which keeps the earlier save's
+    files): a single file the old index, which would still be what the folder opens as; shards
+    the old single file, which transformers opens before any index (a crash before the
+    clean-up, or ``clean=False``, left it loading the old weights there)."""
     index = os.path.join(folder, index_filename(filename_pattern))
     if plan.is_sharded:
-        return SaveGroup(fsync=fsync, seal=index)
+        single = os.path.join(folder, filename_pattern.format(suffix=""))
+        return SaveGroup(fsync=fsync, seal=index, retire=single)
     return SaveGroup(fsync=fsync, retire=index)
 
 

@@ -42,7 +42,7 @@ from ._format import (
     top_level_members,
 )
 from ._remote import shown_location, shown_name, url_dirname, url_join
-from ._sharding import declared_total_size, unsafe_shard_name
+from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource
 
 __all__ = [
@@ -712,6 +712,7 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
                 bad("UnsafeShardName", f"refusing shard name {shard!r}: {why}", tensor)
                 refused.add(shard)
             continue
+        shard = normal_shard_name(shard)
         clean[tensor] = shard
         if shard not in model.labels:
             model.labels.append(shard)

@@ -527,8 +527,8 @@ class SaveGroup:
             after the renames).
         seal: The target whose presence vouches for the others, if any.
         retire: A file of the folder's previous save that this one does not replace but
-            that would vouch for the previous save's other files (its index, when the new
-            save is a single file): deleted before anything is renamed.
+            that loaders would still open (its index, when the new save is a single file; its
+            single file, when the new save is sharded): deleted before anything is renamed.
     """
 
     def __init__(
@@ -589,8 +589,9 @@ class SaveGroup:
                 # No index while the shards change: a crash now shows, it does not mix.
                 self._remove_first(self._seal)
             if self._retire is not None:
-                # An index this save replaces with a single file: gone first, or a crash
-                # before the old shards are cleaned up leaves the old index in charge.
+                # An index this save replaces with a single file (or a single file it
+                # replaces with shards): gone first, or a crash before the clean-up, or
+                # clean=False, leaves the old entry point in charge.
                 self._remove_first(self._retire)
             for tmp, target, _ in pending:
                 try:

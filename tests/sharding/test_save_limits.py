@@ -21,7 +21,7 @@ import pytest
 
 import pysafetensors._sharding as sharding
 import pysafetensors._streaming as streaming
-from pysafetensors import StreamingWriter, reshard, safe_open, save_sharded
+from pysafetensors import MissingShardError, StreamingWriter, reshard, safe_open, save_sharded
 from pysafetensors.numpy import load_file, save_file
 
 
@@ -263,3 +263,65 @@ def test_crashed_partials_of_long_shard_names_go_with_the_old_shards(tmp_path: P
     os.utime(left, (1e9, 1e9))
     save_sharded(state, tmp_path, max_shard_size=10**6, filename_pattern=pattern)
     assert sorted(os.listdir(tmp_path)) == ["m" * 215 + ".safetensors"]
+
+
+def _interrupt_renames_after(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """Ctrl-C in the middle of a commit: the ``count + 1``-th rename never happens."""
+    real = os.replace
+    done = [0]
+
+    def replace(src: Any, dst: Any) -> None:
+        if done[0] == count:
+            raise KeyboardInterrupt
+        done[0] += 1
+        real(src, dst)
+
+    monkeypatch.setattr(sharding.os, "replace", replace)  # the same os module everywhere
+
+
+def test_shards_without_their_index_do_not_open_as_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A first sharded save interrupted after its first rename left one shard, which the
+    # folder lookup opened as the whole model: half the tensors, no error.
+    sd = _tensors(4)
+    with monkeypatch.context() as m:
+        _interrupt_renames_after(m, 1)
+        with pytest.raises(KeyboardInterrupt):
+            save_sharded(sd, tmp_path, max_shard_size=5000)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["model-00001-of-00004.safetensors"]
+    for attempt in (lambda: load_file(tmp_path), lambda: safe_open(tmp_path, "np")):
+        with pytest.raises(MissingShardError, match="but no index") as info:
+            attempt()
+        assert info.value.kind == "MissingIndex"
+    # The shard's own path still opens that file; a 1-of-1 "shard" is a whole checkpoint.
+    assert len(load_file(tmp_path / left[0])) == 1
+    one = tmp_path / "one"
+    one.mkdir()
+    save_file(sd, one / "model-00001-of-00001.safetensors")
+    assert sorted(load_file(one)) == sorted(sd)
+
+
+def test_shards_over_a_single_file_retire_it_before_the_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The old model.safetensors stayed until the clean-up (for good with clean=False), and
+    # transformers opens it before any index: the old weights, silently.
+    old = {"w": np.zeros(4, np.float32)}
+    save_sharded(old, tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    save_sharded(_tensors(3), tmp_path, max_shard_size=5000, clean=False)
+    assert not (tmp_path / "model.safetensors").exists()
+    assert sorted(load_file(tmp_path)) == sorted(_tensors(3))
+    # Interrupted before the index: the folder refuses to open, rather than opening the old
+    # single file (or one new shard) as the model.
+    save_sharded(old, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    with monkeypatch.context() as m:
+        _interrupt_renames_after(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            save_sharded(_tensors(3), tmp_path, max_shard_size=5000)
+    assert not (tmp_path / "model.safetensors").exists()
+    with pytest.raises(MissingShardError, match="but no index"):
+        load_file(tmp_path)

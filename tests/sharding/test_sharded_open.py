@@ -345,3 +345,33 @@ def test_a_broken_shard_is_named_in_the_error(tmp_path: Path) -> None:
         np_load_file(tmp_path)
     assert str(info.value).startswith(f"shard {str(shard)!r}: Error while deserializing header")
     assert info.value.kind == "MetadataIncompleteBuffer"
+
+
+def test_a_checkpoint_saved_again_while_open_is_not_read_as_a_mix(tmp_path: Path) -> None:
+    # Shards open as their tensors are first read: after a re-save with the same names and
+    # layout (a trainer's periodic save), the handle read the new save's later shards beside
+    # the old save's earlier ones, with no error.
+    def state(gen: int) -> dict[str, np.ndarray]:
+        return {f"layer.{i}.w": np.full(1000, gen, np.int32) for i in range(6)}
+
+    save_sharded(state(1), tmp_path, max_shard_size="9KB")
+    with safe_open(tmp_path, "np") as f:
+        assert f.get_tensor("layer.0.w")[0] == 1
+        save_sharded(state(2), tmp_path, max_shard_size="9KB")
+        assert f.get_tensor("layer.1.w")[0] == 1  # a shard already open stays its version
+        with pytest.raises(ShardIndexError, match="saved again") as info:
+            f.get_tensor("layer.5.w")
+        assert info.value.kind == "CheckpointChanged"
+    with safe_open(tmp_path, "np") as f:
+        assert {int(f.get_tensor(k)[0]) for k in f} == {2}
+
+
+def test_one_shard_under_two_spellings_is_one_shard(tmp_path: Path) -> None:
+    # "x" and "./x" name one file (transformers and the hub load it); the tensors were
+    # refused as being in two shards.
+    save_file({"a": A, "b": B}, tmp_path / "x.safetensors")
+    _write_index(tmp_path, {"a": "x.safetensors", "b": "./x.safetensors"})
+    loaded = load_file(tmp_path)
+    assert sorted(loaded) == ["a", "b"]
+    with safe_open(tmp_path, "np") as f:
+        assert f.files() == [str(tmp_path / "x.safetensors")]
