@@ -817,13 +817,16 @@ def _fast_entries(
         return None
     if type(obj) is not dict:
         return None
+    # Whether the key is there, not whether the text holds its spelling: a name ending in
+    # \"__metadata__ holds that too, and counting it hid a repeated field.
+    has_metadata = "__metadata__" in obj
     metadata = obj.pop("__metadata__", None)
     keys = len(obj) + 3 * len(obj)
     if metadata is not None:
         if not _is_str_map(metadata):
             return None
         keys += 1 + len(metadata)
-    elif text.count('"__metadata__"'):
+    elif has_metadata:
         keys += 1  # written as null
     if text.count('":') != keys:
         return None
@@ -857,7 +860,9 @@ def _fast_entries(
 # library): ``{"name":{"dtype":"BF16","shape":[8,16],"data_offsets":[0,256]},...}`` with
 # escape-free names, plain integers and space padding. Possessive quantifiers keep both
 # patterns linear-time whatever the input.
-_CANON_NUM: Final = r"(?:0|[1-9][0-9]*+)"
+# At most 20 digits (u64's): longer numbers are the generic path's to refuse, and int() of
+# over 4,300 digits raises a plain ValueError.
+_CANON_NUM: Final = r"(?:0|[1-9][0-9]{0,19}+)"
 _CANON_ENTRY: Final = (
     r'"([^"\\\x00-\x1f]*+)":\{"dtype":"([A-Z0-9_]++)",'
     r'"shape":\[((?:' + _CANON_NUM + r"(?:," + _CANON_NUM + r")*+)?)\],"
@@ -889,7 +894,7 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
             return None  # escapes in metadata need the exact path's surrogate rules
         try:
             meta, end = _PLAIN_DECODER.raw_decode(text, len(_CANON_META_PREFIX))
-        except ValueError:
+        except (ValueError, RecursionError):  # the generic path words both
             return None
         if meta is not None:
             if not _is_str_map(meta):
@@ -1009,10 +1014,30 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
     # of a repeated name must be valid too), and the last entry of a name wins.
     parsed: dict[str, tuple[DType, list[int], list[int]]] = {}
     for name, value in raw:
-        parsed[name] = _parse_entry(name, value, prefix_text)
+        try:
+            parsed[name] = _parse_entry(name, value, prefix_text)
+        except HeaderDecodeError:
+            _raise_buffered_problem(raw, text, prefix_text, check_surrogates)
+            raise
     if trailing is not None:
         raise trailing.as_raised()
     return _check_entries(metadata, parsed, header_size, data_size, prefix_text)
+
+
+def _raise_buffered_problem(
+    raw: list[tuple[str, Any]], text: str, prefix_text: str, check_surrogates: bool
+) -> None:
+    """Raise the first problem serde meets while buffering the entries, if any.
+
+    serde buffers every entry before it converts any, so a number out of range or nesting
+    past the limit anywhere in the document comes before any entry's type error. Pass 1 walks
+    only unknown fields (:func:`_scan_entry`); on the way to a type error, every entry is
+    walked whole, in document order.
+    """
+    for name, value in raw:
+        problem = _scan(value, check_surrogates, 1)
+        if problem:
+            raise _serde_first(text, _decode_error(prefix_text, problem, name), prefix_text)
 
 
 def _stream_pass(

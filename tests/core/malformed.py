@@ -641,6 +641,82 @@ CASES: tuple[Case, ...] = (
     Case("zero-dim-ok", _one(_t("F32", "[0,5]", "[0,0]"), b""), None, ""),
     Case("bool-byte-2-ok", _one(_t("BOOL", "[2]", "[0,2]"), b"\x02\x00"), None, ""),
     Case("float-nan-data-ok", _one(_t("F32", "[1]", "[0,4]"), b"\x00\x00\xc0\x7f"), None, ""),
+    # --- found by differential fuzzing -----------------------------------------------------
+    # A name ending in \"__metadata__ holds the text "__metadata__" without the key being
+    # there: the fast path counted it as a null __metadata__ and missed a repeated field.
+    Case(
+        "dup-field-beside-metadata-like-name",
+        raw_file(
+            (
+                '{"\\"__metadata__":'
+                + _t("U8", "[0]", "[0,0]")
+                + ',"t":'
+                + _t("F32", "[1]", "[0,1]", ',"dtype":"U8"')
+                + "}"
+            ).encode(),
+            b"a",
+        ),
+        _J,
+        "duplicate field `dtype`",
+    ),
+    Case(
+        "dup-name-earlier-invalid-beside-metadata-like-name",
+        raw_file(
+            (
+                '{"\\"__metadata__":'
+                + _t("U8", "[0]", "[0,0]")
+                + ',"t":{},"t":'
+                + _t("U8", "[1]", "[0,1]")
+                + "}"
+            ).encode(),
+            b"a",
+        ),
+        _J,
+        "missing field `dtype`",
+    ),
+    # int() refuses over 4,300 digits with a plain ValueError.
+    Case(
+        "offset-4301-digits",
+        _one(_t("U8", "[1]", f"[0,{'1' * 4301}]"), b"a"),
+        _J,
+        "number out of range",
+    ),
+    Case(
+        "shape-4301-digits",
+        _one(_t("U8", f"[{'1' * 4301}]", "[0,1]"), b"a"),
+        _J,
+        "number out of range",
+    ),
+    # serde buffers every entry before converting any: a number out of range or nesting past
+    # the limit anywhere comes before any entry's type error.
+    Case(
+        "type-error-then-big-number",
+        _one(_t("b", "[]", f"[0,{'1' * 400}]")),
+        _J,
+        "number out of range",
+    ),
+    Case(
+        "nesting-in-dtype",
+        _one(_t(_nest(130), "[]", "[0,0]").replace('"[', "[").replace(']"', "]")),
+        _J,
+        "recursion limit exceeded",
+    ),
+    Case(
+        "type-error-then-nesting-in-a-later-entry",
+        raw_file(
+            (
+                '{"a":' + _t("x", "[]", "[0,0]") + ',"b":' + _t("U8", _nest(130), "[0,0]") + "}"
+            ).encode()
+        ),
+        _J,
+        "recursion limit exceeded",
+    ),
+    Case(
+        "metadata-nested-1000",
+        raw_file(('{"__metadata__":' + _nest(1000) + "}").encode()),
+        _J,
+        "invalid type: sequence, expected a map",
+    ),
 )
 
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
