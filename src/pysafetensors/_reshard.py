@@ -260,21 +260,26 @@ def _refuse_sharded_output_over_source(
     """
     if _is_url(src.path) or not os.path.isdir(out):
         return
-    folder = os.path.dirname(src.path) or "."
-    if not _same_file(out, folder):
-        return
     if is_index_path(src.path):
-        if whole:
+        if whole or not _same_file(out, os.path.dirname(src.path) or "."):
             return  # resharding a checkpoint in place: every file is rewritten or kept
         raise SafetensorError(
             f"{op}: the output folder {out!r} holds the source checkpoint {_shown(src.path)}; "
             "writing there would replace it with part of it. Write to another folder.",
             kind="OutputIsSource",
         )
-    name = os.path.basename(src.path)
-    if not pattern_family(pattern).fullmatch(name):
-        return  # not a name the save writes or cleans up: the source stays
-    a_shard = name in _named_by_other_indexes(folder, set())
+    # The source as the folder names it, if it does: by identity, so that a path through a
+    # symlink or another hard link is the same file.
+    family = pattern_family(pattern)
+    names = [
+        n
+        for n in sorted(os.listdir(out))
+        if family.fullmatch(n) and _same_file(os.path.join(out, n), src.path)
+    ]
+    if not names:
+        return  # not a file the save writes or cleans up: the source stays
+    name = names[0]
+    a_shard = name in _named_by_other_indexes(out, set())
     if whole and not a_shard:
         return  # the folder's single-file checkpoint, resharded in place
     what = (

@@ -376,6 +376,17 @@ def test_sharded_outputs_over_a_file_source_in_their_folder_are_refused(tmp_path
         lambda: extract(shard, ck, "layers.0*", max_shard_size="20KB"),
         lambda: reshard(shard, ck, "5KB"),
     ]
+    # The same files reached through a symlink or a hard link elsewhere.
+    (tmp_path / "link.safetensors").symlink_to(shard)
+    os.link(shard, tmp_path / "hard.safetensors")
+    (tmp_path / "single-link.safetensors").symlink_to(single / "model.safetensors")
+    attempts += [
+        lambda: reshard(tmp_path / "link.safetensors", ck, "5KB"),
+        lambda: reshard(tmp_path / "hard.safetensors", ck, "5GB"),
+        lambda: extract(
+            tmp_path / "single-link.safetensors", single, "layers.0*", max_shard_size="20KB"
+        ),
+    ]
     for attempt in attempts:
         with pytest.raises(SafetensorError, match="Write to another folder") as info:
             attempt()
