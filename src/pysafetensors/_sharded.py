@@ -38,6 +38,7 @@ from ._reader import (
 from ._remote import shown_location, shown_name, url_dirname, url_join, url_path
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource
+from ._writer import allow_descriptors
 
 __all__ = [
     "INDEX_NAME",
@@ -273,6 +274,7 @@ class ShardedSafeOpen:
         **options: Any,
     ) -> None:
         self._handles: dict[str, safe_open] = {}
+        self._opening: dict[str, threading.Lock] = {}  # one per shard being opened
         self._by_shard: dict[str, list[str]] | None = None  # the index's tensors per shard
         # Per-shard reader options (threads=, slice_reads=, storage_options=) pass through.
         self._options = options
@@ -390,37 +392,55 @@ class ShardedSafeOpen:
 
     def _open_shard(self, shard: str, *, validate: bool = True) -> safe_open:
         self._live()
+        handle = self._handles.get(shard)
+        if handle is not None:
+            return handle
+        # One lock per shard, not the handle's: opening a remote shard can take the network's
+        # time, and reads from shards already open (or opening others) must not wait for it.
         with self._lock:
+            opening = self._opening.setdefault(shard, threading.Lock())
+        with opening:
             handle = self._handles.get(shard)
             if handle is not None:
                 return handle
-            path = self._shard_path(shard)
-            try:
-                handle = safe_open(
-                    path,
-                    self._framework,
-                    device=self._device,
-                    backend=self._backend,
-                    max_header_size=self._max_header_size,
-                    **self._options,
-                )
-            except HeaderError as exc:
-                # The header's own message says what is wrong, not in which of the shards.
-                raise type(exc)(
-                    f"shard {_shown(path)}: {exc}",
-                    kind=exc.kind,
-                    tensor=exc.tensor,
-                    offset=exc.offset,
-                ) from exc
+            handle = self._new_shard_handle(shard)
             try:
                 self._check_index_unchanged(shard)
                 if validate:
-                    self._check_shard(shard, handle)
+                    with self._lock:  # _check_shard builds the per-shard table once
+                        self._check_shard(shard, handle)
+                with self._lock:
+                    self._live()  # closed meanwhile: this handle would never be closed
+                    self._handles[shard] = handle
             except BaseException:
                 handle.close()
                 raise
-            self._handles[shard] = handle
             return handle
+
+    def _new_shard_handle(self, shard: str) -> safe_open:
+        path = self._shard_path(shard)
+        if len(self._handles) >= 64 and not _is_url(path):
+            # Each open shard holds a descriptor or two (a second for partial reads) until the
+            # handle is closed: a checkpoint of 1,500 shards ran out of them under the common
+            # soft limit of 1,024.
+            allow_descriptors(2 * len(self._handles) + 256)
+        try:
+            return safe_open(
+                path,
+                self._framework,
+                device=self._device,
+                backend=self._backend,
+                max_header_size=self._max_header_size,
+                **self._options,
+            )
+        except HeaderError as exc:
+            # The header's own message says what is wrong, not in which of the shards.
+            raise type(exc)(
+                f"shard {_shown(path)}: {exc}",
+                kind=exc.kind,
+                tensor=exc.tensor,
+                offset=exc.offset,
+            ) from exc
 
     def _check_index_unchanged(self, shard: str) -> None:
         """Refuse a shard opened after the checkpoint was saved again over the one opened.
@@ -603,7 +623,17 @@ class ShardedSafeOpen:
         self._live()
         out: dict[str, Any] = {}
         for shard in self._shards:
-            out.update(self._open_shard(shard).get_tensors())
+            was_open = shard in self._handles
+            handle = self._open_shard(shard)
+            out.update(handle.get_tensors())
+            if not was_open:
+                # Done with it (its tensors stay valid): a load of hundreds of shards held a
+                # descriptor, and for URLs a connection pool and threads, per shard until the
+                # end. A later read reopens it, checked against the index as the first open.
+                with self._lock:
+                    if self._handles.get(shard) is handle:
+                        del self._handles[shard]
+                handle.close()
         return out
 
     def get_slice(self, name: str) -> SafeSlice:

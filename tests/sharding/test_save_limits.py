@@ -51,6 +51,32 @@ def test_thousands_of_shards_under_a_small_descriptor_limit(tmp_path: Path) -> N
     assert all(float(loaded[k][0]) == float(v[0]) for k, v in _tensors(600).items())
 
 
+def test_hundreds_of_shards_load_under_a_small_descriptor_limit(tmp_path: Path) -> None:
+    # Every shard opened stayed open until the handle closed: load_file of 600 shards ran out
+    # of descriptors under a limit of 256 (and of 1,500 under the common 1,024). Now load_file
+    # closes each shard once read, and a handle that keeps them raises the soft limit.
+    save_sharded(_tensors(600), tmp_path, max_shard_size="4KB")
+    checks = {
+        (256, 256): f"""
+            from pysafetensors.numpy import load_file
+            assert len(load_file({str(tmp_path)!r})) == 600
+            assert len(load_file({str(tmp_path)!r}, backend="pread")) == 600
+            """,
+        (256, 4096): f"""
+            from pysafetensors import safe_open
+            with safe_open({str(tmp_path)!r}, "np", backend="pread") as f:
+                assert sorted(int(f.get_tensor(k)[0]) for k in f.keys()) == list(range(600))
+            """,
+    }
+    for limits, check in checks.items():
+        code = f"import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, {limits})\n"
+        code += textwrap.dedent(check) + "print('ok')\n"
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0 and out.stdout.strip() == "ok", (limits, out.stderr[-2000:])
+
+
 def test_a_single_file_replacing_shards_wins_even_if_clean_up_is_cut_short(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

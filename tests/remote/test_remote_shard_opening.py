@@ -1,0 +1,102 @@
+"""Opening a remote shard does not hold up reads from the checkpoint's other shards."""
+
+from __future__ import annotations
+
+import http.server
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pysafetensors import safe_open, save_sharded
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Files of one folder with single ranges; requests for ``hold`` wait for ``release``."""
+
+    root: Path
+    hold: str
+    release: threading.Event
+    held = threading.Event()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def do_GET(self) -> None:
+        name = self.path.lstrip("/").split("?", 1)[0]
+        if name == self.hold:
+            self.held.set()
+            self.release.wait(60)
+        data = (self.root / name).read_bytes()
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if match is None:
+            self.send_response(200)
+            body = data
+        else:
+            first = int(match.group(1))
+            last = min(int(match.group(2) or len(data) - 1), len(data) - 1)
+            body = data[first : last + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("ETag", '"v1"')
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def held_server(tmp_path: Path) -> Iterator[tuple[str, threading.Event, threading.Event]]:
+    sd = {f"layer.{i}.w": np.full(1000, i, np.int32) for i in range(4)}
+    save_sharded(sd, tmp_path, max_shard_size="5KB")
+    release = threading.Event()
+    handler = type(
+        "Held",
+        (_Handler,),
+        {
+            "root": tmp_path,
+            "hold": "model-00002-of-00004.safetensors",
+            "release": release,
+            "held": threading.Event(),
+        },
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", handler.held, release
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_reads_go_on_while_another_shard_is_opening(
+    held_server: tuple[str, threading.Event, threading.Event],
+) -> None:
+    # The handle's lock was held while a shard opened over the network: one slow (or dead)
+    # shard server stalled every read of the handle, shards already open included.
+    base, held, release = held_server
+    with safe_open(f"{base}/model.safetensors.index.json", "np") as f:
+        assert f.get_tensor("layer.0.w")[0] == 0  # shard 1 open
+        opener = threading.Thread(target=f.get_tensor, args=("layer.1.w",))
+        opener.start()
+        assert held.wait(30)  # shard 2's open is now waiting on the server
+        reads: list[int] = []
+        reader = threading.Thread(
+            target=lambda: reads.extend(
+                int(f.get_tensor(name)[0]) for name in ("layer.0.w", "layer.2.w")
+            )
+        )
+        reader.start()
+        reader.join(30)
+        # Done while shard 2's server still holds its request: neither the open shard nor
+        # opening another waited for it.
+        assert not reader.is_alive() and reads == [0, 2]
+        assert not release.is_set()
+        release.set()
+        opener.join(30)
+        assert f.get_tensor("layer.1.w")[0] == 1
