@@ -28,6 +28,7 @@ reader treats a URL exactly like a local file. What they add over local sources:
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import inspect
 import os
@@ -761,15 +762,32 @@ def _credentials_may_go(origin: _Key, key: _Key) -> bool:
 
 
 class _Clock:
-    """The deadline of one request, applied to its socket before each blocking operation."""
+    """The deadline of one request.
 
-    __slots__ = ("deadline", "sock", "stop", "timeout")
+    Two things enforce it. Each body read gets a socket timeout of at most the time left
+    (:meth:`arm`). And :data:`_WATCHDOG` shuts the request's socket down when the deadline
+    passes, since http.client reads a status line, headers, chunk sizes and a redirect's body
+    with many receives of its own, each of which a trickling server can keep within the socket
+    timeout. Once the watchdog has fired, whatever was read is discarded (a shut-down read may
+    end a header or chunk-size line early, which http.client takes as complete): the request
+    fails as a timeout and its connection is closed. :meth:`done` ends the watch, before the
+    connection may go back to the pool, so that it never shuts down a pooled connection.
+    """
 
-    def __init__(self, deadline: float, timeout: float) -> None:
+    __slots__ = ("conn", "deadline", "fired", "finished", "lock", "sock", "stop", "timeout")
+
+    def __init__(self, deadline: float, timeout: float | None, conn: _Conn) -> None:
         self.deadline = deadline
         self.timeout = timeout
         self.stop = time.monotonic() + deadline
+        #: The connection, whose socket the watchdog shuts down (it may still be connecting).
+        self.conn: _Conn | None = conn
+        #: Its socket once the request is sent: a "Connection: close" reply detaches it from conn.
         self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.fired = False
+        self.finished = False
+        _WATCHDOG.watch(self)
 
     def left(self) -> float:
         """Seconds the next operation may take: ``timeout``, or less as the deadline nears.
@@ -778,9 +796,9 @@ class _Clock:
             TimeoutError: The deadline has passed.
         """
         left = self.stop - time.monotonic()
-        if left <= 0:
+        if left <= 0 or self.fired:
             raise TimeoutError(f"deadline of {self.deadline:g} s exceeded")
-        return min(self.timeout, left)
+        return left if self.timeout is None else min(self.timeout, left)
 
     def arm(self) -> None:
         """Bound the next socket operation by the time left."""
@@ -789,7 +807,109 @@ class _Clock:
 
     def expired(self) -> bool:
         """Whether the deadline has passed (a timeout then is the deadline's doing)."""
-        return time.monotonic() >= self.stop
+        return self.fired or time.monotonic() >= self.stop
+
+    def fire(self) -> bool:
+        """Shut the request's socket down: the watchdog calls this at the deadline.
+
+        Returns:
+            Whether to call again shortly: the connection has no socket yet (connecting).
+        """
+        with self.lock:
+            if self.finished:
+                return False
+            self.fired = True
+            sock = self.sock
+            if sock is None and self.conn is not None:
+                sock = self.conn.sock
+            if sock is None:
+                return True
+            # The plain socket's shutdown, also for TLS: it ends a read blocked in another
+            # thread (SSLSocket.shutdown would first drop the TLS object under it). OSError:
+            # already closed.
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            return False
+
+    def done(self) -> bool:
+        """End the watch. Idempotent.
+
+        Returns:
+            Whether the watchdog fired: what was read since may be cut short, and the
+            connection must not be reused.
+        """
+        with self.lock:
+            first = not self.finished
+            self.finished = True
+            self.conn = self.sock = None
+            fired = self.fired
+        if first:
+            _WATCHDOG.forget(self)
+        return fired
+
+
+class _Watchdog:
+    """One daemon thread that shuts down the sockets of requests past their deadline.
+
+    It holds only the requests in flight (a few per connection), sleeping until the earliest
+    deadline among them; a request that ends first is simply dropped.
+    """
+
+    #: How soon a request still connecting when its deadline passed is looked at again.
+    RECHECK: Final = 0.05
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._due: dict[_Clock, float] = {}
+        self._next = float("inf")
+        self._thread: threading.Thread | None = None
+
+    def watch(self, clock: _Clock) -> None:
+        with self._cond:
+            self._due[clock] = clock.stop
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="pysafetensors-deadline", daemon=True
+                )
+                self._thread.start()
+            elif clock.stop < self._next:
+                self._cond.notify()
+
+    def forget(self, clock: _Clock) -> None:
+        with self._cond:
+            self._due.pop(clock, None)
+
+    def _loop(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                while True:
+                    now = time.monotonic()
+                    due = [c for c, t in self._due.items() if t <= now]
+                    if due:
+                        for clock in due:
+                            del self._due[clock]
+                        self._next = float("inf")
+                        break
+                    self._next = min(self._due.values(), default=float("inf"))
+                    # A bounded wait: Condition.wait refuses an infinite timeout.
+                    cond.wait(min(self._next - now, 3600.0))
+            again = [clock for clock in due if clock.fire()]
+            if again:
+                with cond:
+                    recheck = time.monotonic() + self.RECHECK
+                    for clock in again:
+                        if not clock.finished:
+                            self._due[clock] = recheck
+
+
+_WATCHDOG: Final = _Watchdog()
+if hasattr(os, "register_at_fork"):
+    # A forked child has none of the parent's threads, and may inherit the lock held.
+    os.register_at_fork(after_in_child=_WATCHDOG._reset)
 
 
 class _ConnectionPool:
@@ -978,7 +1098,7 @@ class HTTPSource(RemoteSource):
             conn, reused = self._conns.get(key)
             clock = None
             if self._deadline is not None:
-                clock = _Clock(self._deadline, self._timeout)
+                clock = _Clock(self._deadline, self._timeout, conn)
                 # Pooled connections carry the last request's shortened timeout: reset it.
                 conn.timeout = clock.left()
                 if conn.sock is not None:
@@ -990,28 +1110,42 @@ class HTTPSource(RemoteSource):
                     clock.sock = conn.sock
                     clock.arm()
                 resp = conn.getresponse()
-            except (http.client.InvalidURL, ValueError) as exc:
-                # http.client refused what we would send (a header value with a line break, a
-                # character outside Latin-1): no retry can fix that. Its message quotes the
-                # offending value, which may be a credential: name the headers, not the values.
+            except (OSError, http.client.HTTPException, ValueError) as exc:
                 conn.close()
-                raise RemoteError(
-                    f"{self._name}: cannot send the request: {_refused_request(exc, headers)}",
-                    kind="InvalidRequest",
-                ) from None
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                if reused and isinstance(exc, _STALE):
+                # A read the watchdog cut short can fail in any way: the deadline decides.
+                late = clock is not None and (clock.done() or clock.expired())
+                if not late and isinstance(exc, (http.client.InvalidURL, ValueError)):
+                    # http.client refused what we would send (a header value with a line
+                    # break, a character outside Latin-1): no retry can fix that. Its message
+                    # quotes the offending value, which may be a credential: name the headers,
+                    # not the values.
+                    raise RemoteError(
+                        f"{self._name}: cannot send the request: {_refused_request(exc, headers)}",
+                        kind="InvalidRequest",
+                    ) from None
+                if reused and not late and isinstance(exc, _STALE):
                     # The server closed an idle keep-alive connection: not a failure, and
                     # not worth a retry's backoff. Try again on a fresh connection.
                     continue
                 self.stats.add(requests=1)
-                if clock is not None and clock.expired():
+                if late:
+                    assert clock is not None
                     raise self._past_deadline(clock, "before the reply") from exc
                 raise _Transient(
                     f"request to {self._name} failed: {exc!r}", "ConnectionError"
                 ) from exc
+            except BaseException:
+                conn.close()
+                if clock is not None:
+                    clock.done()
+                raise
             self.stats.add(requests=1)
+            if clock is not None and clock.fired:
+                # The status line or headers were cut short by the watchdog, and may look
+                # complete to http.client.
+                conn.close()
+                clock.done()
+                raise self._past_deadline(clock, "before the reply")
             return resp, conn, key, clock
 
     def _past_deadline(self, clock: _Clock, when: str) -> _Transient:
@@ -1020,9 +1154,16 @@ class HTTPSource(RemoteSource):
             "Timeout",
         )
 
-    def _finish(self, resp: http.client.HTTPResponse, conn: _Conn, key: _Key) -> None:
-        """Return the connection to the pool if the response was consumed and allows it."""
-        if resp.isclosed() and not resp.will_close:
+    def _finish(
+        self, resp: http.client.HTTPResponse, conn: _Conn, key: _Key, clock: _Clock | None
+    ) -> None:
+        """Return the connection to the pool if the response was consumed and allows it.
+
+        The request's deadline watch ends first: the watchdog must not shut down a connection
+        in the pool, and a connection it shut down is not reused.
+        """
+        fired = clock is not None and clock.done()
+        if not fired and resp.isclosed() and not resp.will_close:
             self._conns.put(key, conn)
         else:
             conn.close()
@@ -1045,11 +1186,14 @@ class HTTPSource(RemoteSource):
             status = resp.status
             if status in _REDIRECTS:
                 location = resp.getheader("Location")
-                # A short body is read so that the connection can be reused; a longer one
-                # (or an endless chunked one) is not read at all past this: the connection is
-                # closed instead (_finish), never the whole body held in memory.
-                resp.read(_REDIRECT_BODY_MAX)
-                self._finish(resp, conn, key)
+                try:
+                    self._skip_body(resp, clock)
+                except BaseException:
+                    conn.close()
+                    if clock is not None:
+                        clock.done()
+                    raise
+                self._finish(resp, conn, key, clock)
                 if not location:
                     raise RemoteError(
                         f"{self._name}: redirect ({status}) without a Location header",
@@ -1075,8 +1219,10 @@ class HTTPSource(RemoteSource):
                 self._handle(resp, url, offset, out, probing, clock)
             except BaseException:
                 conn.close()
+                if clock is not None:
+                    clock.done()
                 raise
-            self._finish(resp, conn, key)
+            self._finish(resp, conn, key, clock)
             if probing or url != self._url:
                 # Later reads go straight to where the server sent us.
                 self._url = url
@@ -1084,6 +1230,29 @@ class HTTPSource(RemoteSource):
         raise RemoteError(
             f"{self._name}: more than {self._max_redirects} redirects", kind="TooManyRedirects"
         )
+
+    def _skip_body(self, resp: http.client.HTTPResponse, clock: _Clock | None) -> None:
+        """Read a redirect's body, which is not needed, so that the connection can be reused.
+
+        A short body is read; a longer one (or an endless chunked one) is not read past
+        ``_REDIRECT_BODY_MAX``: the connection is closed instead (_finish), never the whole
+        body held in memory. A body that fails to arrive only costs the connection, unless the
+        request's deadline passed meanwhile.
+
+        Raises:
+            _Transient: The deadline passed (kind ``Timeout``).
+        """
+        try:
+            if clock is not None:
+                clock.arm()
+            resp.read(_REDIRECT_BODY_MAX)
+        except (OSError, http.client.HTTPException) as exc:
+            if clock is not None and clock.expired():
+                raise self._past_deadline(clock, "reading a redirect's body") from exc
+            resp.close()
+            return
+        if clock is not None and clock.fired:
+            raise self._past_deadline(clock, "reading a redirect's body")
 
     def _handle(
         self,
@@ -1273,6 +1442,10 @@ class HTTPSource(RemoteSource):
                 "Truncated",
             ) from exc
         self.stats.add(nbytes=done)
+        if clock is not None and clock.fired:
+            # A chunk-size line cut short by the watchdog reads as a valid one (or as the end
+            # of the body): nothing read under a fired deadline is kept.
+            raise self._past_deadline(clock, f"after {done} of {total} bytes at offset {offset}")
         if done < total:
             raise _Transient(
                 f"{where}: response truncated: got {done} of {total} bytes at offset {offset}",
