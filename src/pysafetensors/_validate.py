@@ -654,7 +654,8 @@ def locate_model(
     path = os.fspath(target)
     if _is_url(path):
         if not path.split("?", 1)[0].endswith(".index.json"):
-            return ModelFiles(path, [path], [path])
+            # The label is what messages and reports show: never a password or a signature.
+            return ModelFiles(path, [path], [shown_location(path)])
         return _from_index(path, path, max_index_size)
     if os.path.isdir(path):
         # The same folder rules as safe_open(folder), so every tool opens the same files.

@@ -24,6 +24,7 @@ Every file is written with ``{"format": "pt"}`` metadata, as the hub and transfo
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -157,6 +158,7 @@ def convert_file(
         OSError: A file cannot be read or written.
     """
     src_s, dst_s = input_path(src, "src"), output_path(dst, "dst")
+    _refuse_url(src_s)
     if os.path.exists(dst_s) and os.path.samefile(src_s, dst_s):
         raise CheckpointError(f"{src_s}: source and destination are the same file")
     try:
@@ -174,6 +176,19 @@ def convert_file(
         # The reader's messages say what and where in the pickle or zip, not which file: in a
         # folder of checkpoints (rng_state.pth next to the model) that is the first question.
         raise _naming(exc, src_s) from None
+
+
+def _refuse_url(path: str) -> None:
+    """Refuse a URL as a source, naming it without credentials or query string (a password
+    or a signed URL's signature must not reach messages): checkpoints are read locally."""
+    if "://" in path:
+        from ._remote import shown_location
+
+        raise FileNotFoundError(
+            errno.ENOENT,
+            "URLs are not supported; download the checkpoint and convert the local file",
+            shown_location(path),
+        )
 
 
 def _naming(exc: SafetensorError, path: str) -> SafetensorError:
@@ -475,6 +490,7 @@ def convert_folder(
         OSError: A file cannot be read or written.
     """
     src_s, dst_s = input_path(src_dir, "src_dir"), output_path(dst_dir, "dst_dir")
+    _refuse_url(src_s)
     index_path = os.path.join(src_s, _INDEX_IN)
     index: dict[str, Any] | None = None
     if os.path.exists(index_path):

@@ -31,6 +31,7 @@ Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully ana
 from __future__ import annotations
 
 import _compat_pickle
+import errno
 import mmap
 import os
 import struct
@@ -43,6 +44,7 @@ from typing import Any, Final, Literal, cast
 
 from ._errors import SafetensorError, input_path
 from ._pickle_vm import OPNAMES, TRUNCATED, Limits, Machine
+from ._remote import shown_location
 from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile
 from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
 from ._zip_directory import EOCD, EOCD_SIG, ZIP64_EOCD, end_records
@@ -1060,6 +1062,13 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> Sca
         OSError: The file cannot be read.
     """
     p = input_path(path, "path")
+    if "://" in p:
+        # Named without credentials or query string (a signed URL's signature).
+        raise FileNotFoundError(
+            errno.ENOENT,
+            "URLs are not supported; download the file and scan the local copy",
+            shown_location(p),
+        )
     size = os.path.getsize(p)
     if size > max_bytes:
         report = ScanReport(p)
@@ -1116,7 +1125,7 @@ def scan_files(paths: Iterable[str | os.PathLike[str]]) -> list[ScanReport]:
         try:
             reports.append(scan_file(path))
         except Exception as exc:  # noqa: BLE001 - one file's failure is that file's verdict
-            p = (
+            p = shown_location(
                 os.fsdecode(os.fspath(path))
                 if isinstance(path, (str, bytes, os.PathLike))
                 else repr(path)

@@ -302,12 +302,9 @@ class Model:
             )
 
     def label(self, label: str) -> str:
-        """A file's label as output shows it: a URL as :func:`shown` shows it, and a remote
-        model's file name without its query string (a signature)."""
-        if "://" in label or "://" not in self.target:
-            return shown(label)
-        base, query, _ = label.partition("?")
-        return base + ("?..." if query else "")
+        """A file's label as output shows it: a URL without credentials or query string
+        (:func:`shown`); a shard's name from the index as it is (it carries no secret)."""
+        return shown(label)
 
     @property
     def sharded(self) -> bool:
