@@ -424,12 +424,11 @@ def _serde_syntax_error(
 def _walked_error(
     found: SyntaxErrorAt, prefix_text: str, tensor: str | None = None
 ) -> HeaderDecodeError:
-    """The error for serde's first problem as the walk found it: a syntax error with its line
-    and column; a type error in ``__metadata__`` (deserialized where it stands, so it comes
-    first) worded as the other metadata type errors are."""
+    """The error for serde's first problem as the walk found it, with its line and column: a
+    syntax error, or a type error in ``__metadata__`` (deserialized where it stands, so it
+    comes first), which also says it is in ``__metadata__``."""
     if found.typed:
-        where = " (in __metadata__)" if found.message.endswith("a string") else ""
-        return _decode_error(prefix_text, found.message + where)
+        return _decode_error(prefix_text, f"{found} (in __metadata__)")
     return _decode_error(prefix_text, str(found), tensor)
 
 
