@@ -88,8 +88,6 @@ _REDIRECT_BODY_MAX: Final = 64 << 10
 _TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: Longest ``Retry-After`` honoured; beyond it the backoff schedule applies.
 _MAX_RETRY_AFTER: Final = 10.0
-#: Largest piece a body is read in while a ``deadline`` is set.
-_DEADLINE_CHUNK: Final = 1 << 20
 
 
 class RemoteStats:
@@ -993,8 +991,7 @@ class HTTPSource(RemoteSource):
             before each timeout runs out holds a request open indefinitely (see ``deadline``).
         deadline: Seconds one request may take in all, from sending it to its last body byte
             (None: no limit). A request past it fails as a timeout and is retried like one.
-            It must allow a ``part_size`` request at the slowest acceptable rate. While it is
-            set, bodies are read in pieces of at most 1 MiB, an extra copy.
+            It must allow a ``part_size`` request at the slowest acceptable rate.
         max_connections: Parallel requests for split or coalesced reads.
         part_size: Largest single request when a read is split.
         max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
@@ -1414,22 +1411,15 @@ class HTTPSource(RemoteSource):
         done = 0
         total = out.nbytes
         try:
-            if clock is None:
-                while done < total:
-                    n = resp.readinto(out[done:])
-                    if not n:
-                        break
-                    done += n
-            else:
-                # readinto fills its whole buffer, however slowly the bytes come; read1 returns
-                # after one receive, so the clock is checked between receives.
-                while done < total:
+            while done < total:
+                if clock is not None:
+                    # Each receive within the time left; the watchdog ends a read that goes on
+                    # past the deadline (readinto fills its buffer however slowly bytes come).
                     clock.arm()
-                    chunk = resp.read1(min(total - done, _DEADLINE_CHUNK))
-                    if not chunk:
-                        break
-                    out[done : done + len(chunk)] = chunk
-                    done += len(chunk)
+                n = resp.readinto(out[done:])
+                if not n:
+                    break
+                done += n
         except (OSError, http.client.HTTPException) as exc:
             self.stats.add(nbytes=done)
             if clock is not None and clock.expired():

@@ -160,3 +160,38 @@ def test_deadline_ends_an_endless_chunk_size_line(
     error, elapsed = _open_past_deadline(server.url())
     assert error.kind == "Timeout", error
     assert elapsed < DEADLINE + 5
+
+
+def test_a_connection_the_deadline_did_not_end_is_reused(
+    raw: Callable[[Script], RawServer], data_dir: Path
+) -> None:
+    # Requests well within their deadline: the watchdog must leave their connections alone.
+    data = (data_dir / "small.safetensors").read_bytes()
+    ports: list[int] = []
+
+    def script(conn: socket.socket, request: bytes) -> None:
+        ports.append(conn.getpeername()[1])
+        while request:
+            first, last = _requested_range(request)
+            last = min(last, len(data) - 1)
+            body = data[first : last + 1]
+            conn.sendall(
+                b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes %d-%d/%d\r\n"
+                b'Content-Length: %d\r\nETag: "1"\r\n\r\n%s'
+                % (first, last, len(data), len(body), body)
+            )
+            request = b""
+            while b"\r\n\r\n" not in request:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                request += more
+
+    server = raw(script)
+    with HTTPSource(server.url(), deadline=0.3, head_bytes=8, retries=0) as src:
+        for offset in (8, 20, 40):
+            time.sleep(0.4)  # past the previous request's deadline
+            buf = bytearray(10)
+            src.readinto(offset, memoryview(buf))
+            assert bytes(buf) == data[offset : offset + 10]
+    assert server.requests == 1 and len(ports) == 1
