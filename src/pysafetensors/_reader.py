@@ -430,12 +430,39 @@ class safe_open:  # noqa: N801 - the reference's name
     def _get_tensor(self, source: ByteSource, name: str) -> Any:
         info = self._info(name)
         check_representable(info.shape, info.dtype, info.name)
-        staged = self._to_device(source, [info])
-        if staged is not None:
-            return staged[name]
-        return self._adapter.from_bytes(
-            self._raw(source, info), info.dtype, info.shape, self._device
-        )
+        with self._reading(info):
+            staged = self._to_device(source, [info])
+            if staged is not None:
+                return staged[name]
+            return self._adapter.from_bytes(
+                self._raw(source, info), info.dtype, info.shape, self._device
+            )
+
+    @contextlib.contextmanager
+    def _reading(self, info: TensorInfo | None) -> Iterator[None]:
+        """Name the tensor (``info``, else the one holding the error's offset) in a read error
+        that does not say which (a remote 404, a file cut short): the source knows only bytes."""
+        try:
+            yield
+        except SafetensorError as exc:
+            # Errors of the bytes' source only: the others (a bad slice, ...) name their own.
+            if exc.tensor is None and (isinstance(exc, OSError) or exc.kind in _READ_ERRORS):
+                if info is None and exc.offset is not None:
+                    at = exc.offset - self._header.data_start
+                    info = next(
+                        (i for i in self._header.tensors.values() if i.begin <= at < i.end), None
+                    )
+                if info is not None:
+                    begin = self._header.data_start + info.begin
+                    exc.tensor = info.name
+                    if exc.offset is None:
+                        exc.offset = begin
+                    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+                        exc.args = (
+                            f"{exc.args[0]} (reading tensor {info.name!r}, file bytes "
+                            f"{begin}-{begin + info.nbytes})",
+                        )
+            raise
 
     def get_tensors(self) -> dict[str, Any]:
         """Load every tensor, in file order.
@@ -445,7 +472,7 @@ class safe_open:  # noqa: N801 - the reference's name
         a view of the one mapping. Either way the views are built in one pass over the header
         (see :meth:`_views`), which keeps files of thousands of small tensors cheap.
         """
-        with self._lease as source:  # held for the whole read, as in get_tensor
+        with self._lease as source, self._reading(None):  # held for the whole read
             return self._get_tensors(source)
 
     def _get_tensors(self, source: ByteSource) -> dict[str, Any]:
@@ -822,6 +849,8 @@ class safe_open:  # noqa: N801 - the reference's name
         return name in self._header.tensors
 
 
+#: Kinds of read errors a byte source raises without knowing which tensor it was reading.
+_READ_ERRORS: Final = frozenset({"FileTruncated", "ShortRead", "OutOfBounds"})
 #: A mapped slice whose bytes are at least 1/this of the span they lie in is read in ahead of
 #: its copy when the span is mostly uncached (a 1/8 column split is 1/8 of its span).
 _PREFETCH_DENSITY: Final = 16
@@ -1050,7 +1079,8 @@ class SafeSlice:
         return self._info.shape[0]
 
     def __getitem__(self, index: Any) -> Any:
-        return self._handle._read_slice(self._info, index, source=self._source)
+        with self._handle._reading(self._info):
+            return self._handle._read_slice(self._info, index, source=self._source)
 
 
 def _close_source(source: ByteSource) -> None:
