@@ -31,10 +31,13 @@ import base64
 import contextlib
 import http.client
 import inspect
+import math
+import operator
 import os
 import posixpath
 import random
 import re
+import reprlib
 import socket
 import ssl
 import threading
@@ -43,7 +46,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, SupportsIndex, TypeVar
 
 from ._errors import (
     ClosedFileError,
@@ -309,6 +312,124 @@ def url_join(base: str, name: str) -> str:
     return posixpath.join(base, name)
 
 
+# ------------------------------------------------------------------------------------- options
+
+
+def _shown_value(value: object) -> str:
+    """An option's value as error messages quote it: its repr, shortened, and its type."""
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
+
+
+def _int_option(name: str, value: object, minimum: int) -> int:
+    """Check an integer option (numpy integers are fine, bool and float are not).
+
+    Raises:
+        TypeError: ``value`` is not an integer.
+        ValueError: It is below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"{name} must be an integer, got {_shown_value(value)}")
+    number = operator.index(value)
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def _seconds_option(name: str, value: object, *, limit: bool = True) -> float | None:
+    """Check a duration in seconds.
+
+    With ``limit`` (a timeout, a deadline) it must be above 0; None or infinity mean no limit
+    and give None. Otherwise (a delay) it must be finite and >= 0.
+
+    Raises:
+        TypeError: ``value`` is not a number.
+        ValueError: It is out of range or NaN.
+    """
+    if value is None and limit:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {_shown_value(value)}")
+    seconds = float(value)
+    if limit:
+        if not seconds > 0:  # NaN too
+            raise ValueError(
+                f"{name} must be a positive number of seconds (or None for no limit), got {value!r}"
+            )
+        return None if math.isinf(seconds) else seconds
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+def _optional_str(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a string or None, got {_shown_value(value)}")
+
+
+def _headers_option(headers: object) -> dict[str, str]:
+    """Check the ``headers`` option; return a copy.
+
+    Values are never quoted in messages: they are often credentials.
+
+    Raises:
+        TypeError: Not a mapping of strings to strings.
+        ValueError: A ``Range`` header (each read sets its own), an ``Accept-Encoding`` other
+            than ``identity`` (a compressed body has no byte correspondence with the file), or
+            two names that differ only in case (both would be sent).
+    """
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise TypeError(
+            f"headers must be a mapping of header names to values, got {type(headers).__name__}"
+        )
+    seen: dict[str, str] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str):
+            raise TypeError(f"headers: a header name must be a string, got {_shown_value(name)}")
+        if not isinstance(value, str):
+            raise TypeError(
+                f"headers: the value of {name!r} must be a string, got {type(value).__name__}"
+            )
+        lower = name.lower()
+        if lower in seen:
+            raise ValueError(
+                f"headers: {seen[lower]!r} and {name!r} name the same header (names are not "
+                "case-sensitive); give it once"
+            )
+        seen[lower] = name
+        if lower == "range":
+            raise ValueError(
+                f"headers: {name!r} cannot be set; every read sends the Range it needs"
+            )
+        if lower == "accept-encoding" and value.strip().lower() != "identity":
+            raise ValueError(
+                f"headers: {name!r} can only be 'identity': a compressed body does not match "
+                "the file's byte ranges"
+            )
+    return dict(headers)
+
+
+def _check_common(
+    *,
+    max_connections: object,
+    part_size: object,
+    max_gap: object,
+    head_bytes: object,
+    retries: object,
+    backoff: object,
+    accept_full_body: object,
+) -> None:
+    """Check the options every remote source takes (see :class:`RemoteSource`)."""
+    _int_option("max_connections", max_connections, 1)
+    _int_option("part_size", part_size, 1)
+    _int_option("max_gap", max_gap, 0)
+    _int_option("head_bytes", head_bytes, 0)
+    _int_option("retries", retries, 0)
+    _seconds_option("backoff", backoff, limit=False)
+    _int_option("accept_full_body", accept_full_body, 0)
+
+
 _S = TypeVar("_S", bound="RemoteSource")
 
 
@@ -331,19 +452,23 @@ class RemoteSource:
         backoff: float = 0.2,
         accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
     ) -> None:
-        if max_connections < 1 or part_size < 1 or max_gap < 0 or head_bytes < 0 or retries < 0:
-            raise ValueError(
-                "max_connections and part_size must be >= 1; max_gap, head_bytes and "
-                "retries must be >= 0"
-            )
+        _check_common(
+            max_connections=max_connections,
+            part_size=part_size,
+            max_gap=max_gap,
+            head_bytes=head_bytes,
+            retries=retries,
+            backoff=backoff,
+            accept_full_body=accept_full_body,
+        )
         self._name = name
-        self._max_connections = max_connections
-        self._part_size = part_size
-        self._max_gap = max_gap
-        self._head_bytes = head_bytes
-        self._retries = retries
-        self._backoff = backoff
-        self._accept_full_body = accept_full_body
+        self._max_connections = operator.index(max_connections)
+        self._part_size = operator.index(part_size)
+        self._max_gap = operator.index(max_gap)
+        self._head_bytes = operator.index(head_bytes)
+        self._retries = operator.index(retries)
+        self._backoff = float(backoff)
+        self._accept_full_body = operator.index(accept_full_body)
         self._size = -1
         # The first bytes of the object; all of it when a server ignored Range on a small file.
         # Replaced, never mutated, so readers need no lock.
@@ -482,12 +607,19 @@ class RemoteSource:
         """Release backend resources (connections, clients)."""
 
     def _open(self) -> None:
-        """Learn the size and cache the first ``head_bytes`` with one request."""
+        """Learn the size and cache the first ``head_bytes`` with one request.
+
+        A ``head_bytes`` above ``part_size`` is fetched as a first part, which tells the size,
+        then the rest of it that the object holds: the buffer for the first request is
+        allocated before the size is known.
+        """
         # A range of at least one byte: the reply's Content-Range is what tells the size.
-        probe = bytearray(max(self._head_bytes, 1))
+        probe = bytearray(max(min(self._head_bytes, self._part_size), 1))
         self._fetch(0, memoryview(probe), probing=True)
         if self._head_bytes == 0 and len(self._head) < self._size:
             self._head = b""  # honour "cache nothing" (unless the server sent the whole file)
+        elif len(self._head) < min(self._head_bytes, self._size):
+            self.prefetch_head(self._head_bytes)
 
     def _fetch(self, offset: int, out: memoryview, probing: bool = False) -> None:
         """Call :meth:`_fetch_once` with bounded retries and exponential backoff with jitter."""
@@ -918,7 +1050,9 @@ class _ConnectionPool:
     pool, so this only caps how many idle connections are kept.
     """
 
-    def __init__(self, timeout: float, keep: int, ssl_context: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, timeout: float | None, keep: int, ssl_context: ssl.SSLContext | None
+    ) -> None:
         self._timeout = timeout
         self._keep = keep
         self._ssl = ssl_context
@@ -985,17 +1119,22 @@ class HTTPSource(RemoteSource):
 
     Args:
         url: ``http://`` or ``https://`` URL. The query string is kept.
-        headers: Extra request headers, e.g. ``{"Authorization": "Bearer ..."}``.
-        timeout: Seconds to wait for a connection, or for each read on it. It bounds every
-            socket operation, not a whole request: a server that keeps sending a few bytes
-            before each timeout runs out holds a request open indefinitely (see ``deadline``).
+        headers: Extra request headers, e.g. ``{"Authorization": "Bearer ..."}``; names and
+            values are strings. A ``User-Agent`` replaces the library's. ``Range`` cannot be
+            given, nor an ``Accept-Encoding`` other than ``identity``.
+        timeout: Seconds to wait for a connection, or for each read on it (None: no limit).
+            It bounds every socket operation, not a whole request: a server that keeps sending
+            a few bytes before each timeout runs out holds a request open indefinitely (see
+            ``deadline``).
         deadline: Seconds one request may take in all, from sending it to its last body byte
-            (None: no limit). A request past it fails as a timeout and is retried like one.
+            (None: no limit), status line and headers included: when it passes the request's
+            socket is shut down. A request past it fails as a timeout and is retried like one.
             It must allow a ``part_size`` request at the slowest acceptable rate.
         max_connections: Parallel requests for split or coalesced reads.
         part_size: Largest single request when a read is split.
         max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
-        head_bytes: Bytes fetched and cached when opening (0: only learn the size).
+        head_bytes: Bytes fetched and cached when opening (0: only learn the size); at most
+            the file's size is kept.
         retries: Repeats after transient failures (5xx, 429, resets, truncated bodies).
         backoff: First retry delay in seconds; doubles each time, with jitter.
         max_redirects: Redirects followed per request.
@@ -1004,6 +1143,8 @@ class HTTPSource(RemoteSource):
         ssl_context: TLS settings for ``https`` (default: system trust store).
 
     Raises:
+        TypeError: An option of the wrong type (a string for a number, say).
+        ValueError: An option out of range, or a header that cannot be given (see ``headers``).
         RemoteNotFoundError: 404 or 410.
         RemotePermissionError: 401 or 403.
         RemoteError: Ranges not supported, too many redirects, a malformed URL (kind
@@ -1017,7 +1158,7 @@ class HTTPSource(RemoteSource):
         url: str,
         *,
         headers: Mapping[str, str] | None = None,
-        timeout: float = 30.0,
+        timeout: float | None = 30.0,
         deadline: float | None = None,
         max_connections: int = 8,
         part_size: int = DEFAULT_PART_SIZE,
@@ -1029,10 +1170,20 @@ class HTTPSource(RemoteSource):
         accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"an http(s) URL must be a string, got {type(url).__name__}")
         if url.partition("://")[0].lower() not in ("http", "https"):
             raise ValueError(f"not an http(s) URL: {_redact(url)}")
-        if deadline is not None and not deadline > 0:
-            raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
+        # Options are checked before anything is sent: a bad one must not surface later as a
+        # failed request, or as a crash in the middle of a retry.
+        own_headers = _headers_option(headers)
+        timeout = _seconds_option("timeout", timeout)
+        deadline = _seconds_option("deadline", deadline)
+        max_redirects = _int_option("max_redirects", max_redirects, 0)
+        if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+            raise TypeError(
+                f"ssl_context must be an ssl.SSLContext or None, got {type(ssl_context).__name__}"
+            )
         # Malformed URLs fail here, before any request and without retries.
         origin_key, _ = _parse_http_url(url)
         super().__init__(
@@ -1048,7 +1199,7 @@ class HTTPSource(RemoteSource):
         self._origin = url
         self._url = url
         self._origin_key = origin_key
-        self._headers = dict(headers or {})
+        self._headers = own_headers
         basic = _basic_auth(url)
         if basic is not None and not any(k.lower() == "authorization" for k in self._headers):
             # user:password@host in the URL, as curl and requests take it (origin only).
@@ -1080,10 +1231,17 @@ class HTTPSource(RemoteSource):
             # port, or the network in clear text. Which custom headers carry secrets cannot be
             # known (X-Api-Key, Private-Token, X-JFrog-Art-Api...), so only harmless ones stay.
             headers = {k: v for k, v in headers.items() if k.lower() in _PUBLIC_HEADERS}
+        # The caller's User-Agent replaces ours, whatever its case. Range and Accept-Encoding
+        # are ours alone (the options refuse a Range, and any Accept-Encoding but identity).
+        own = {k.lower() for k in headers}
+        headers = {
+            k: v for k, v in headers.items() if k.lower() not in ("range", "accept-encoding")
+        }
         headers["Range"] = f"bytes={first}-{last}"
         # A compressed body has no byte correspondence with the file: ask for none.
         headers["Accept-Encoding"] = "identity"
-        headers.setdefault("User-Agent", _USER_AGENT)
+        if "user-agent" not in own:
+            headers["User-Agent"] = _USER_AGENT
         return headers
 
     def _send(
@@ -1533,6 +1691,8 @@ class S3Source(RemoteSource):
 
     Raises:
         ImportError: boto3 is not installed.
+        TypeError: An option of the wrong type.
+        ValueError: Not an ``s3://bucket/key`` URL, or an option out of range.
         RemoteNotFoundError: NoSuchKey, NoSuchBucket.
         RemotePermissionError: AccessDenied, InvalidAccessKeyId, missing credentials...
         RemoteError: Anything else the store or the connection reports.
@@ -1555,7 +1715,21 @@ class S3Source(RemoteSource):
         retries: int = 3,
         backoff: float = 0.2,
     ) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"an s3:// URL must be a string, got {type(url).__name__}")
         self._bucket, self._key = _split_s3_url(url)
+        for option, value in (
+            ("endpoint_url", endpoint_url),
+            ("region_name", region_name),
+            ("version_id", version_id),
+        ):
+            _optional_str(option, value)
+        if not isinstance(anon, bool):
+            raise TypeError(f"anon must be True or False, got {_shown_value(anon)}")
+        if client_kwargs is not None and not isinstance(client_kwargs, Mapping):
+            raise TypeError(
+                f"client_kwargs must be a mapping or None, got {type(client_kwargs).__name__}"
+            )
         super().__init__(
             f"s3://{self._bucket}/{self._key}",
             max_connections=max_connections,
@@ -1583,7 +1757,11 @@ class S3Source(RemoteSource):
                 endpoint_url, region_name, anon, max_connections, client_kwargs or {}
             )
         )
-        self._open()
+        try:
+            self._open()
+        except BaseException:
+            self.close()  # a head_bytes above part_size may have started worker threads
+            raise
 
     @staticmethod
     def _make_client(
@@ -1833,6 +2011,15 @@ class FsspecSource(RemoteSource):
         backoff: float = 0.2,
         **storage_options: Any,
     ) -> None:
+        _check_common(
+            max_connections=max_connections,
+            part_size=part_size,
+            max_gap=max_gap,
+            head_bytes=head_bytes,
+            retries=retries,
+            backoff=backoff,
+            accept_full_body=DEFAULT_ACCEPT_FULL_BODY,
+        )
         if fs is not None:
             path = str(target)
         elif isinstance(target, str):
