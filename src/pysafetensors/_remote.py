@@ -231,20 +231,41 @@ def _redact(url: str) -> str:
     """Drop credentials and the query string (signed URLs carry secrets there).
 
     Never raises: it names the URL in error messages, including those about malformed URLs.
+    A URL that does not parse, or whose port is not a number, shows nothing before the last
+    ``@`` after its scheme: a password with an unencoded ``/``, ``?`` or ``#`` ends the
+    authority early (``http://user:pa/ss@host/f`` parses as host ``user`` and port ``pa``),
+    leaving the rest of the password in what would be shown as path, query or fragment.
     """
     try:
         parts = urllib.parse.urlsplit(url)
-    except ValueError:  # an unbalanced '[' in the host, for one
-        base, query, _ = url.partition("?")
-        scheme, sep, rest = base.partition("#")[0].partition("://")
-        authority, slash, path = rest.partition("/")
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:  # that, or an unbalanced '[' in the host
+        scheme, sep, rest = url.partition("://")
+        if sep and "@" in rest:
+            rest = rest.rpartition("@")[2]
+        base, query, _ = rest.partition("?")
+        authority, slash, path = base.partition("#")[0].partition("/")
         return f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}" + (
             "?..." if query else ""
         )
-    # The netloc as written, less any user:password (parts.port would raise on a bad port).
+    # The netloc as written, less any user:password.
     netloc = parts.netloc.rpartition("@")[2]
     suffix = "?..." if parts.query else ""
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
+
+
+def _invalid_url(url: str, exc: ValueError) -> str:
+    """Why ``url`` does not parse, without quoting it: urllib's messages quote the port or
+    the host as parsed, which for a password with an unencoded ``/``, ``?`` or ``#`` is part
+    of the password."""
+    reason = (
+        "the port is not a number from 0 to 65535"
+        if str(exc).startswith("Port ")
+        else "the host cannot be parsed"
+    )
+    if "@" in url:
+        reason += "; a user name or password with '/', '?', '#' or '@' must be percent-encoded"
+    return f"invalid URL ({reason})"
 
 
 def _basic_auth(url: str) -> str | None:
@@ -867,7 +888,7 @@ def _parse_http_url(url: str) -> tuple[_Key, str]:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise RemoteError(f"{where}: invalid URL ({exc})", kind="InvalidURL") from None
+        raise RemoteError(f"{where}: {_invalid_url(url, exc)}", kind="InvalidURL") from None
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
         raise RemoteError(f"{where}: not an http(s) URL with a host", kind="InvalidURL")
@@ -1359,8 +1380,8 @@ class HTTPSource(RemoteSource):
                     urllib.parse.urlsplit(url).port  # noqa: B018 - a malformed host or port
                 except ValueError as exc:
                     raise RemoteError(
-                        f"{self._name}: redirect ({status}) to a malformed URL "
-                        f"{_redact(location)} ({exc})",
+                        f"{self._name}: redirect ({status}) to {_redact(location)}: "
+                        f"{_invalid_url(location, exc)}",
                         kind="InvalidURL",
                     ) from None
                 if url.partition("://")[0].lower() not in ("http", "https"):
