@@ -46,7 +46,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final, SupportsIndex, TypeVar
+from typing import Any, Final, NoReturn, SupportsIndex, TypeVar
 
 from ._errors import (
     ClosedFileError,
@@ -196,6 +196,42 @@ def _scrubbed(exc: BaseException) -> str:
     """An exception's text without ``user:password@`` in the URLs it quotes (botocore names
     the endpoint URL as given, credentials included)."""
     return _URL_CREDENTIALS.sub(r"\1", str(exc))
+
+
+def _url_userinfo(url: str) -> str:
+    """The ``user:password`` a URL carries before its host ('' when none), as :func:`_redact`
+    drops it: in a URL that does not parse (or has no ``://``), everything up to the last
+    ``@``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rpartition("@")[0]
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        return rest.rpartition("@")[0]
+    return parts.netloc.rpartition("@")[0]
+
+
+def _quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
+    """Whether ``exc``, or any exception it chains to, quotes a URL with credentials or one of
+    ``secrets``: in its message, its arguments or (botocore's) keyword arguments."""
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        e = pending.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        texts = [str(e), repr(e.args)]
+        kwargs = getattr(e, "kwargs", None)
+        if isinstance(kwargs, Mapping):
+            texts.extend(map(str, kwargs.values()))
+        for text in texts:
+            if _URL_CREDENTIALS.search(text) or any(s and s in text for s in secrets):
+                return True
+        pending.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return False
 
 
 def _refused_request(exc: Exception, headers: Mapping[str, str]) -> str:
@@ -1771,13 +1807,44 @@ class S3Source(RemoteSource):
                 "(or pass an fsspec URL with s3fs installed through FsspecSource)"
             ) from exc
         self._botoexc: Any = botocore.exceptions
-        self._client = (
-            client
-            if client is not None
-            else self._make_client(
-                endpoint_url, region_name, anon, max_connections, client_kwargs or {}
-            )
+        # Recent botocore reads these variables itself; reading them here also covers old ones.
+        endpoint = (
+            endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
         )
+        given_endpoint = (client_kwargs or {}).get("endpoint_url")
+        given_endpoint = given_endpoint if isinstance(given_endpoint, str) else None
+        if client is not None:
+            given_endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None)
+            given_endpoint = given_endpoint if isinstance(given_endpoint, str) else None
+            endpoint = None
+        #: Credentials in the endpoint URL: botocore's exceptions quote the URL as given (the
+        #: messages here are cleaned of them, and an exception quoting them is not chained).
+        secrets: list[str] = []
+        for url_given in (endpoint, given_endpoint):
+            info = _url_userinfo(url_given) if url_given else ""
+            password = info.partition(":")[2]
+            # The password alone too, where it is long enough not to match ordinary text.
+            secrets.extend(x for x in (info, password if len(password) >= 4 else "") if x)
+        self._secrets = tuple(secrets)
+        if client is None:
+            failure: Exception | None = None
+            try:
+                client = self._make_client(
+                    endpoint, region_name, anon, max_connections, client_kwargs or {}
+                )
+            except Exception as exc:
+                if not self._quotes_secret(exc):
+                    raise
+                failure = exc
+            if failure is not None:
+                # Outside the except clause: not even as __context__.
+                raise ValueError(
+                    f"{self._name}: the S3 endpoint URL (shown without its credentials) was "
+                    f"refused: {self._clean(failure)}"
+                ) from None
+        self._client = client
         try:
             self._open()
         except BaseException:
@@ -1786,7 +1853,7 @@ class S3Source(RemoteSource):
 
     @staticmethod
     def _make_client(
-        endpoint_url: str | None,
+        endpoint: str | None,
         region_name: str | None,
         anon: bool,
         max_connections: int,
@@ -1796,12 +1863,6 @@ class S3Source(RemoteSource):
         import botocore
         from botocore.config import Config
 
-        # Recent botocore reads these variables itself; reading them here also covers old ones.
-        endpoint = (
-            endpoint_url
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-        )
         config = Config(
             max_pool_connections=max(10, max_connections),
             retries={"max_attempts": 4, "mode": "standard"},
@@ -1823,6 +1884,24 @@ class S3Source(RemoteSource):
         # A private session: the default one is not safe to build clients from concurrently.
         return boto3.session.Session().client("s3", **kwargs)
 
+    def _clean(self, exc: BaseException | str) -> str:
+        """An exception's text without the endpoint's credentials."""
+        text = _scrubbed(exc) if isinstance(exc, BaseException) else exc
+        for secret in self._secrets:
+            text = text.replace(secret + "@", "").replace(secret, "...")
+        return text
+
+    def _quotes_secret(self, exc: BaseException) -> bool:
+        return _quotes_secret(exc, self._secrets)
+
+    def _raise(self, error: Exception, cause: BaseException) -> NoReturn:
+        """Raise ``error`` chained to ``cause``, unless ``cause`` quotes credentials (then a
+        traceback, ``logging.exception`` or ``--debug`` would print them). Call it outside an
+        ``except`` clause, or the cause is chained anyway as ``__context__``."""
+        if self._quotes_secret(cause):
+            raise error from None
+        raise error from cause
+
     def _error(self, exc: Exception, offset: int, probing: bool) -> Exception:
         """Translate a botocore exception into a RemoteError or a _Transient."""
         bexc = self._botoexc
@@ -1831,7 +1910,7 @@ class S3Source(RemoteSource):
             err = exc.response.get("Error", {})
             code = str(err.get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-            message = str(err.get("Message", "")) or code
+            message = self._clean(str(err.get("Message", "")) or code)
             if code in _S3_MISSING or status == 404:
                 what = "bucket" if code == "NoSuchBucket" else "object"
                 return RemoteNotFoundError(
@@ -1857,8 +1936,9 @@ class S3Source(RemoteSource):
             return RemoteError(f"{where}: {code or status}: {message}", kind="HTTPError")
         if isinstance(exc, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
             return RemotePermissionError(
-                f"{where}: no usable AWS credentials ({_scrubbed(exc)}); set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, configure a profile, or pass anon=True",
+                f"{where}: no usable AWS credentials ({self._clean(exc)}); set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, configure a profile, or pass "
+                "anon=True",
                 kind="PermissionDenied",
             )
         if isinstance(
@@ -1870,9 +1950,9 @@ class S3Source(RemoteSource):
                 bexc.ConnectionClosedError,
             ),
         ):
-            return _Transient(f"{where}: transfer interrupted: {_scrubbed(exc)}", "Truncated")
+            return _Transient(f"{where}: transfer interrupted: {self._clean(exc)}", "Truncated")
         # Endpoint unreachable and the like: botocore already retried.
-        return RemoteError(f"{where}: {_scrubbed(exc)}", kind="ConnectionError")
+        return RemoteError(f"{where}: {self._clean(exc)}", kind="ConnectionError")
 
     def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
         bexc = self._botoexc
@@ -1884,30 +1964,40 @@ class S3Source(RemoteSource):
         if self._version_id:
             kwargs["VersionId"] = self._version_id
         self.stats.add(requests=1)
+        # Failures are raised after their except clause, so that one quoting the endpoint's
+        # credentials is not chained (see _raise).
+        failure: Exception | None = None
+        empty = False
         try:
             resp = self._client.get_object(**kwargs)
         except bexc.ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
-            if probing and code == "InvalidRange":
-                # An empty object has no byte 0; ask for its size instead.
-                self._probe_empty()
-                return
-            raise self._error(exc, offset, probing) from exc
+            # An empty object has no byte 0; ask for its size instead.
+            empty = probing and code == "InvalidRange"
+            failure = None if empty else exc
         except bexc.BotoCoreError as exc:
-            # botocore already retried the request itself (its max_attempts): a timeout or a
-            # dropped connection here is final, not a truncated body for our retries (which
-            # multiplied botocore's: ~20 minutes against a stalled endpoint at the defaults).
-            error = self._error(exc, offset, probing)
-            if isinstance(error, _Transient):
-                error = RemoteError(f"{self._name}: {_scrubbed(exc)}", kind="ConnectionError")
-            raise error from exc
+            failure = exc
+        if empty:
+            self._probe_empty()
+            return
+        if failure is not None:
+            error = self._error(failure, offset, probing)
+            if isinstance(failure, bexc.BotoCoreError) and isinstance(error, _Transient):
+                # botocore already retried the request itself (its max_attempts): a timeout or
+                # a dropped connection here is final, not a truncated body for our retries
+                # (which multiplied botocore's: ~20 minutes against a stalled endpoint at the
+                # defaults).
+                error = RemoteError(f"{self._name}: {self._clean(failure)}", kind="ConnectionError")
+            self._raise(error, failure)
         body = resp["Body"]
         try:
             self._consume(resp, body, offset, out, probing)
         except bexc.BotoCoreError as exc:
-            raise self._error(exc, offset, probing) from exc
+            failure = exc
         finally:
             body.close()
+        if failure is not None:
+            self._raise(self._error(failure, offset, probing), failure)
 
     def _probe_empty(self) -> None:
         bexc = self._botoexc
@@ -1915,10 +2005,13 @@ class S3Source(RemoteSource):
         if self._version_id:
             kwargs["VersionId"] = self._version_id
         self.stats.add(requests=1)
+        failure: Exception | None = None
         try:
             resp = self._client.head_object(**kwargs)
         except (bexc.ClientError, bexc.BotoCoreError) as exc:
-            raise self._error(exc, 0, True) from exc
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, 0, True), failure)
         size = int(resp.get("ContentLength", 0))
         if size != 0:
             raise RemoteError(

@@ -1,14 +1,18 @@
 """Credentials in URLs stay out of errors: in a password with an unencoded ``/``, ``?`` or
 ``#`` (which ends the URL's authority early, so the rest of it looks like a path, query or
-fragment)."""
+fragment), and in the exceptions an S3 error chains to (botocore quotes the endpoint URL as
+given)."""
 
 from __future__ import annotations
+
+import socket
+import traceback
 
 import pytest
 
 from pysafetensors import safe_open
 from pysafetensors._errors import RemoteError
-from pysafetensors._remote import HTTPSource, shown_location
+from pysafetensors._remote import HTTPSource, S3Source, shown_location
 
 from .rangeserver import RangeServer
 
@@ -18,6 +22,18 @@ SECRET_PARTS = ("pa55", "w0rdXYZ")
 
 def _shows_secret(text: str) -> bool:
     return USER in text or any(part in text for part in SECRET_PARTS)
+
+
+def _everything_printed(exc: BaseException) -> str:
+    """What a traceback shows, plus every exception reachable through the chain."""
+    texts = ["".join(traceback.format_exception(exc))]
+    pending: list[BaseException | None] = [exc.__cause__, exc.__context__]
+    while pending:
+        e = pending.pop()
+        if e is not None:
+            texts.append("".join(traceback.format_exception(e)))
+            pending.extend([e.__cause__, e.__context__])
+    return "\n".join(texts)
 
 
 @pytest.mark.parametrize("sep", ["/", "?", "#"])
@@ -46,3 +62,51 @@ def test_well_formed_urls_are_shown_as_before() -> None:
     assert shown_location("http://u:p@host:8080/a@b/f?sig=1") == "http://host:8080/a@b/f?..."
     assert shown_location("https://host/x#frag") == "https://host/x"
     assert shown_location("s3://bucket/key@1") == "s3://bucket/key@1"
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _s3_options(endpoint: str) -> dict[str, object]:
+    config = pytest.importorskip("botocore.config")
+    return {
+        "endpoint_url": endpoint,
+        "client_kwargs": {
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+            "region_name": "us-east-1",
+            "config": config.Config(connect_timeout=1, retries={"max_attempts": 1}),
+        },
+    }
+
+
+@pytest.mark.parametrize("port", ["closed", "not-a-number"])
+def test_an_s3_endpoint_s_password_is_not_chained(port: str) -> None:
+    pytest.importorskip("boto3")
+    where = str(_closed_port()) if port == "closed" else "xx"
+    endpoint = f"http://{USER}:{SECRET_PARTS[0]}{SECRET_PARTS[1]}@127.0.0.1:{where}"
+    with pytest.raises(RemoteError) as info:
+        S3Source("s3://bucket/x.safetensors", **_s3_options(endpoint))  # type: ignore[arg-type]
+    assert not _shows_secret(str(info.value)), info.value
+    assert "127.0.0.1" in str(info.value)
+    assert not _shows_secret(_everything_printed(info.value))
+
+
+def test_a_malformed_s3_endpoint_is_refused_without_its_password() -> None:
+    pytest.importorskip("boto3")
+    endpoint = f"htp:/{USER}:{SECRET_PARTS[0]}{SECRET_PARTS[1]}@"
+    with pytest.raises(ValueError, match="S3 endpoint") as info:
+        S3Source("s3://bucket/x.safetensors", **_s3_options(endpoint))  # type: ignore[arg-type]
+    assert not _shows_secret(_everything_printed(info.value))
+
+
+def test_an_s3_error_without_credentials_keeps_its_cause() -> None:
+    # Chains are cut only where they would show a secret.
+    pytest.importorskip("boto3")
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(RemoteError) as info:
+        S3Source("s3://bucket/x.safetensors", **_s3_options(endpoint))  # type: ignore[arg-type]
+    assert info.value.__cause__ is not None
