@@ -301,7 +301,7 @@ def _invalid_url(url: str, exc: ValueError) -> str:
     )
     if "@" in url:
         reason += "; a user name or password with '/', '?', '#' or '@' must be percent-encoded"
-    return f"invalid URL ({reason})"
+    return reason
 
 
 def _basic_auth(url: str) -> str | None:
@@ -924,7 +924,9 @@ def _parse_http_url(url: str) -> tuple[_Key, str]:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise RemoteError(f"{where}: {_invalid_url(url, exc)}", kind="InvalidURL") from None
+        raise RemoteError(
+            f"{where}: invalid URL ({_invalid_url(url, exc)})", kind="InvalidURL"
+        ) from None
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
         raise RemoteError(f"{where}: not an http(s) URL with a host", kind="InvalidURL")
@@ -1416,8 +1418,8 @@ class HTTPSource(RemoteSource):
                     urllib.parse.urlsplit(url).port  # noqa: B018 - a malformed host or port
                 except ValueError as exc:
                     raise RemoteError(
-                        f"{self._name}: redirect ({status}) to {_redact(location)}: "
-                        f"{_invalid_url(location, exc)}",
+                        f"{self._name}: redirect ({status}) to a malformed URL "
+                        f"{_redact(location)} ({_invalid_url(location, exc)})",
                         kind="InvalidURL",
                     ) from None
                 if url.partition("://")[0].lower() not in ("http", "https"):
