@@ -21,6 +21,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,9 +39,12 @@ __all__ = [
     "ByteSource",
     "FileObjSource",
     "MmapSource",
+    "NotRegularFileError",
     "PreadSource",
     "Shared",
+    "check_regular",
     "empty_bytes",
+    "open_regular_file",
     "read_fresh",
     "read_ranges_into",
     "reader_thread_count",
@@ -195,6 +199,64 @@ class ByteSource(Protocol):
     def close(self) -> None:
         """Release the resources held by the source."""
         ...
+
+
+class NotRegularFileError(OSError):
+    """A path names a FIFO, socket or device where a file was expected (``errno`` EINVAL)."""
+
+
+def _special_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+def check_regular(path: str, mode: int) -> None:
+    """Raise unless ``mode`` (``st_mode`` of ``path``) is a regular file.
+
+    Raises:
+        IsADirectoryError: A folder.
+        NotRegularFileError: A FIFO, socket or device.
+    """
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+    if not stat.S_ISREG(mode):
+        raise NotRegularFileError(errno.EINVAL, f"{_special_kind(mode)}, not a regular file", path)
+
+
+def open_regular_file(path: str) -> int:
+    """Open a local file for reading; return its descriptor (the caller closes it).
+
+    Opened with ``O_NONBLOCK``: ``open(2)`` of a FIFO for reading waits for a writer, for ever
+    when none comes, so a FIFO among a model's files (or a folder's files) hung every command.
+    The descriptor's type is checked with ``fstat`` (not a ``stat`` before opening, which a
+    path swapped meanwhile would defeat); only a regular file is returned, in blocking mode.
+    A device (``/dev/zero``, a terminal) is refused as well: its size is not its content.
+
+    Raises:
+        IsADirectoryError: ``path`` is a folder.
+        NotRegularFileError: ``path`` is a FIFO, socket or device.
+        OSError: ``path`` cannot be opened.
+    """
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(
+        path,
+        os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0),
+    )
+    try:
+        check_regular(path, os.fstat(fd).st_mode)
+        if nonblock:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def pread_exact(fd: int, name: str, offset: int, out: memoryview) -> None:

@@ -43,7 +43,7 @@ from ._format import (
 )
 from ._remote import shown_location, shown_name, url_dirname, url_join
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
-from ._sources import ByteSource
+from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
 
 __all__ = [
     "HUB_MAX_HEADER_SIZE",
@@ -53,6 +53,7 @@ __all__ = [
     "index_problems",
     "iter_tensor_chunks",
     "locate_model",
+    "open_model_file",
     "validate",
     "validate_source",
 ]
@@ -609,6 +610,27 @@ def _is_url(target: str) -> bool:
     return "://" in target
 
 
+def open_model_file(path: str) -> ByteSource:
+    """Open one file of a model for positioned reads: a URL through the remote sources, a local
+    path only if it is a regular file (:func:`open_regular_file`: a FIFO would block the open
+    for ever).
+
+    Raises:
+        NotRegularFileError: A local path names a FIFO, socket or device.
+        OSError: The file cannot be opened.
+    """
+    if _is_url(path):
+        from ._reader import open_source_for
+
+        return open_source_for(path, "pread")
+    fd = open_regular_file(path)
+    try:
+        return PreadSource(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_small(target: str, limit: int) -> bytes:
     if _is_url(target):
         from ._remote import open_source
@@ -622,7 +644,7 @@ def _read_small(target: str, limit: int) -> bytes:
             if src.size:
                 src.readinto(0, memoryview(buf))
             return bytes(buf)
-    with open(target, "rb") as f:
+    with open(open_regular_file(target), "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise SafetensorError(f"{target}: index is over {limit} bytes")
@@ -852,8 +874,6 @@ def validate(
         >>> for p in validate("model.safetensors", strict=True):  # doctest: +SKIP
         ...     print(p.severity, p.code, p.tensor, p.offset, p.message)
     """
-    from ._reader import open_source_for
-
     model = locate_model(target)
     problems = list(model.problems)
     headers: dict[str, dict[str, tuple[int, int]] | None] = {}
@@ -868,11 +888,17 @@ def validate(
             headers[label] = None
             continue
         try:
-            source = open_source_for(path, "pread")
+            source = open_model_file(path)
         except FileNotFoundError:
             if not model.sharded:
                 raise
             problems.append(Problem("error", "ShardMissing", "shard file not found", label))
+            headers[label] = None
+            continue
+        except NotRegularFileError as exc:
+            if not model.sharded:
+                raise
+            problems.append(Problem("error", "ShardMissing", f"shard is {exc.strerror}", label))
             headers[label] = None
             continue
         try:

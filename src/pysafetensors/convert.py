@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -39,6 +40,7 @@ from typing import Any, Final
 
 from ._errors import CheckpointError, SafetensorError, UnsafePickleError, input_path, output_path
 from ._format import N_LEN, parse_header, parse_header_length
+from ._sources import check_regular, open_regular_file
 from ._torch_pickle import Checkpoint, TensorRecord, load_checkpoint, plan_shared
 from ._writer import TensorData, write_file
 
@@ -159,6 +161,8 @@ def convert_file(
     """
     src_s, dst_s = input_path(src, "src"), output_path(dst, "dst")
     _refuse_url(src_s)
+    # The checkpoint reader opens the path itself, blocking: a FIFO would wait for a writer.
+    _refuse_special(src_s)
     if os.path.exists(dst_s) and os.path.samefile(src_s, dst_s):
         raise CheckpointError(f"{src_s}: source and destination are the same file")
     try:
@@ -189,6 +193,19 @@ def _refuse_url(path: str) -> None:
             "URLs are not supported; download the checkpoint and convert the local file",
             shown_location(path),
         )
+
+
+def _refuse_special(path: str) -> None:
+    """Refuse a FIFO, socket or device (a folder is left to the reader's own error).
+
+    Opening a FIFO for reading waits for a writer, for ever when none comes: the type is
+    checked without opening it (``stat``; a path swapped for a FIFO between this check and the
+    reader's open is not covered).
+    """
+    with contextlib.suppress(FileNotFoundError):  # the reader's error names the file
+        mode = os.stat(path).st_mode
+        if not stat.S_ISDIR(mode):
+            check_regular(path, mode)
 
 
 def _naming(exc: SafetensorError, path: str) -> SafetensorError:
@@ -496,7 +513,7 @@ def convert_folder(
     if os.path.exists(index_path):
         if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
             raise CheckpointError(f"{index_path} is larger than {_MAX_INDEX_BYTES} bytes")
-        with open(index_path, encoding="utf-8") as fh:
+        with open(open_regular_file(index_path), encoding="utf-8") as fh:
             try:
                 index = json.load(fh)
             except (ValueError, RecursionError) as exc:
@@ -564,8 +581,8 @@ def _check_inputs(src_dir: str, names: list[str], index_path: str | None) -> Non
             + ", ".join(repr(os.path.join(src_dir, n)) for n in missing[:5])
         )
     for n in names:
-        with open(os.path.join(src_dir, n), "rb"):  # PermissionError names the file
-            pass
+        # PermissionError names the file; a FIFO put in place since is refused, not waited on.
+        os.close(open_regular_file(os.path.join(src_dir, n)))
 
 
 def _run_jobs(

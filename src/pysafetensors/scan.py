@@ -45,6 +45,7 @@ from typing import Any, Final, Literal, cast
 from ._errors import SafetensorError, input_path
 from ._pickle_vm import OPNAMES, TRUNCATED, Limits, Machine
 from ._remote import shown_location
+from ._sources import open_regular_file
 from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile
 from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
 from ._zip_directory import EOCD, EOCD_SIG, ZIP64_EOCD, end_records
@@ -1069,16 +1070,20 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> Sca
             "URLs are not supported; download the file and scan the local copy",
             shown_location(p),
         )
-    size = os.path.getsize(p)
-    if size > max_bytes:
-        report = ScanReport(p)
-        report._add("suspicious", f"file larger than {max_bytes} bytes; not analysed", p)
-        return report
-    if size > MAX_PICKLE_BYTES and not _is_zip_or_safetensors(p) and not _is_legacy(p):
-        report = ScanReport(p)
-        report._add("suspicious", "file too large to analyse as a pickle", p)
-        return report
-    with open(p, "rb") as fh:
+    # Opened before anything else, without blocking on a FIFO (which has no writer when it
+    # is a stray one in a folder given as `scan *`), and only if it is a regular file.
+    with open(open_regular_file(p), "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            report = ScanReport(p)
+            report._add("suspicious", f"file larger than {max_bytes} bytes; not analysed", p)
+            return report
+        if size > MAX_PICKLE_BYTES:
+            head = fh.read(64)
+            if not _is_zip_or_safetensors(head) and not _is_legacy(head):
+                report = ScanReport(p)
+                report._add("suspicious", "file too large to analyse as a pickle", p)
+                return report
         if size == 0:
             return scan_bytes(b"", p)
         # Mapped, not read: a multi-GB checkpoint is scanned touching only its pickles.
@@ -1086,20 +1091,16 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> Sca
             return scan_bytes(cast(bytes, mm), p)
 
 
-def _is_zip_or_safetensors(path: str) -> bool:
+def _is_zip_or_safetensors(head: bytes) -> bool:
     # Both are read in place through the mapping, touching only their pickles (a safetensors
     # file only as far as its first bytes parse as one): a 10 GB model is not "too large".
-    with open(path, "rb") as fh:
-        head = fh.read(9)
     return head[:4] == b"PK\x03\x04" or head[8:9] == b"{"
 
 
-def _is_legacy(path: str) -> bool:
+def _is_legacy(head: bytes) -> bool:
     # A legacy (pre-zip) checkpoint is five small pickles, then raw storage bytes: it is read
     # in place through the mapping like a zip, however large its storages are. Recognised by
-    # its first pickle, the format's magic number.
-    with open(path, "rb") as fh:
-        head = fh.read(64)
+    # its first pickle (within the file's first 64 bytes), the format's magic number.
     try:
         first = Machine(head, _Values(), Limits()).run(0).value
     except SafetensorError:

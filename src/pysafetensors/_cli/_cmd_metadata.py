@@ -13,6 +13,7 @@ from typing import Any, Final
 from .._errors import SafetensorError
 from .._metadata_edit import edit_metadata
 from .._reader import safe_open
+from .._sources import check_regular
 from ._common import Ui, UsageError, open_model, print_json, sanitize, shown, whole_number
 
 SCHEMA: Final = "pysafetensors.metadata/1"
@@ -124,6 +125,12 @@ def _local_file(target: str) -> None:
         raise UsageError("metadata can only be edited in local files, not URLs")
     if os.path.isdir(target) or target.endswith(".index.json"):
         raise UsageError("metadata is edited per file; name one .safetensors file of the model")
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return  # the edit's own error names the file
+    # A FIFO would block the reads (and `delete`'s open) for ever; a device is no file to edit.
+    check_regular(target, mode)
 
 
 def _report(ui: Ui, target: str, in_place: bool) -> None:

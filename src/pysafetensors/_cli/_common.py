@@ -24,11 +24,18 @@ import numpy as np
 from .._dtypes import DType
 from .._errors import SafetensorError
 from .._format import Header
-from .._reader import open_source_for, read_header
+from .._reader import read_header
 from .._remote import shown_location as shown
 from .._sharding import as_header_metadata, model_metadata
 from .._sources import ByteSource
-from .._validate import ModelFiles, Problem, index_problems, iter_tensor_chunks, locate_model
+from .._validate import (
+    ModelFiles,
+    Problem,
+    index_problems,
+    iter_tensor_chunks,
+    locate_model,
+    open_model_file,
+)
 
 __all__ = [
     "CHUNK_BYTES",
@@ -370,7 +377,7 @@ def open_model(target: str) -> Model:
     model = Model(shown(target), located)
     try:
         for path, label in zip(located.files, located.labels, strict=True):
-            source = open_source_for(path, "pread")
+            source = open_model_file(path)
             try:
                 header = read_header(source, prefix_text=f"{label}: ")
             except BaseException:
