@@ -77,7 +77,7 @@ from ._errors import (
     not_an_instance,
 )
 from ._serde_number import number_in_range, serde_integer, unexpected_number
-from ._serde_syntax import SyntaxErrorAt, first_syntax_error
+from ._serde_syntax import SyntaxErrorAt, debug_str, first_syntax_error
 
 __all__ = [
     "DESERIALIZE_PREFIX",
@@ -332,7 +332,7 @@ def _describe(value: Any) -> str:
     if isinstance(value, _NotInt):
         return unexpected_number(value.text)
     if isinstance(value, str):
-        return f"string {json.dumps(value, ensure_ascii=False)}"
+        return f"string {debug_str(value)}"
     if isinstance(value, list):
         return "sequence"
     return "map"

@@ -331,8 +331,57 @@ def _json_text(data: bytes, start: int, walk: _Walk) -> str:
 
     walk.pos = start + 1
     walk.string()
-    text = json.loads(data[start : walk.pos].decode("utf-8", "surrogatepass"))
-    return json.dumps(text, ensure_ascii=False)
+    return debug_str(json.loads(data[start : walk.pos].decode("utf-8", "surrogatepass")))
+
+
+#: Characters Rust's ``str`` Debug writes as a short escape.
+_DEBUG_SHORT: Final = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\", '"': '\\"'}
+#: Unicode's Other_Grapheme_Extend as the reference's Rust has it (Unicode 16): marks of
+#: categories other than Mn/Me that it escapes too (with Mn and Me, its Grapheme_Extend);
+#: checked against the reference over every code point.
+_OTHER_GRAPHEME_EXTEND: Final = frozenset(
+    [0x09BE, 0x09D7, 0x0B3E, 0x0B57, 0x0BBE, 0x0BD7, 0x0CC0, 0x0CC2, 0x0CC7, 0x0CC8, 0x0CCA]
+    + [0x0CCB, 0x0CD5, 0x0CD6, 0x0D3E, 0x0D57, 0x0DCF, 0x0DDF, 0x1715, 0x1734, 0x1B35, 0x1B3B]
+    + [0x1B3D, 0x1B43, 0x1B44, 0x1BAA, 0x1BF2, 0x1BF3, 0x200C, 0x302E, 0x302F, 0xA953, 0xA9C0]
+    + [0xFF9E, 0xFF9F, 0x111C0, 0x11235, 0x1133E, 0x1134D, 0x11357, 0x114B0, 0x114BD, 0x115AF]
+    + [0x116B6, 0x11930, 0x1193D, 0x16FF0, 0x16FF1, 0x1D165, 0x1D166, 0x1D16D]
+    + [*range(0x1D16E, 0x1D173), *range(0xE0020, 0xE0080)]
+)
+#: Mn in Python 3.11's Unicode tables, a spacing mark (not Grapheme_Extend) in the reference's.
+_NOT_GRAPHEME_EXTEND: Final = frozenset([0x1171E])
+
+
+def debug_str(text: str) -> str:
+    """``text`` as Rust's ``{:?}`` writes a ``str`` (serde's ``invalid type: string "..."``).
+
+    Short escapes for NUL, tab, CR, LF, backslash and the double quote; ``\\u{hex}`` for
+    characters that do not print (the categories Rust and Python agree on: controls, format
+    characters, separators but the space, unassigned and private-use code points) and for
+    combining marks (Grapheme_Extend), which would otherwise join the character before them.
+    Characters assigned after Python's own Unicode tables (14.0 in 3.11) count as unassigned.
+    """
+    import unicodedata
+
+    out = ['"']
+    for char in text:
+        short = _DEBUG_SHORT.get(char)
+        if short is not None:
+            out.append(short)
+        elif not char.isprintable() or (
+            char > "\x7f"
+            and (
+                (
+                    unicodedata.category(char) in ("Mn", "Me")
+                    and ord(char) not in _NOT_GRAPHEME_EXTEND
+                )
+                or ord(char) in _OTHER_GRAPHEME_EXTEND
+            )
+        ):
+            out.append(f"\\u{{{ord(char):x}}}")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)
 
 
 def _scalar_text(literal: bytes) -> str:

@@ -226,3 +226,29 @@ def test_lazy_modules_copy_and_pickle() -> None:
     lazy = LazyModule("json")
     for clone in (copy.copy(lazy), copy.deepcopy(lazy), pickle.loads(pickle.dumps(lazy))):
         assert clone.dumps([1]) == "[1]"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain ascii 'quoted' {x}",
+        '\b\x00\x1f\x7f "q" \\ \t\r\n\x0c',
+        "e\u0301 \u20dd a\u0903",  # combining marks (Mn, Me) and a spacing mark (Mc)
+        "\u0cc0\u1b3b\U0001d166\u200c\uff9e",  # spacing marks that are Grapheme_Extend
+        "\xa0\u2000\u2028\u2029\u200b\u202e\ufeff",  # separators and format characters
+        "\ue000\U000f0000\uffff\U0010ffff",  # private use, noncharacters
+        "\u043c\u043e\u0434\u0435\u043b\u044c \u6a21\u578b \U0001f600",
+    ],
+)
+def test_strings_in_type_errors_are_written_as_rust_writes_them(text: str) -> None:
+    # serde shows a string it cannot take with Rust's Debug escapes (\u{8}, \0, combining
+    # marks escaped); JSON's (\b, \u0000, raw U+FFFF) read differently.
+    import json
+
+    data = _file(json.dumps({"a": text}, ensure_ascii=False))
+    theirs = _message(ref.deserialize, data)
+    ours = _message(pysafetensors.deserialize, data)
+    assert theirs is not None and ours is not None
+    shown = re.search(r'string (".*"), expected', theirs, re.S)
+    assert shown is not None
+    assert shown.group(0) in ours
