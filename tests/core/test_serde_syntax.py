@@ -217,6 +217,21 @@ def test_a_header_too_large_to_walk_keeps_python_s_words_quickly() -> None:
         pysafetensors.deserialize(_file('{"a":' + header[:-1] + "x]}"))
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        '{"a":[]}\x00',
+        '{"t":{"x":"\\ud800\\ud800"}}',
+        '{"t":{"dtype":"U8","shape":[nan],"data_offsets":[0,0]}}',
+    ],
+)
+def test_malformed_headers_of_megabytes_get_serde_s_words(header: str) -> None:
+    # Headers over 1 MiB were not walked: Python's words and positions, and another first
+    # error (trailing characters before a type error). Up to 8 MiB they are now.
+    padded = header + " " * (3 << 20)
+    assert _same(padded) is None, _same(padded)
+
+
 def test_lazy_modules_copy_and_pickle() -> None:
     import copy
     import pickle
