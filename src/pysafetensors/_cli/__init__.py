@@ -80,8 +80,24 @@ def _fail(args: argparse.Namespace, exc: BaseException, code: int) -> int:
     return code
 
 
+def _stand_in_for_closed_streams() -> None:
+    """Give a closed stdout or stderr a stand-in that discards what is written.
+
+    Python sets ``sys.stdout``/``sys.stderr`` to None when the process starts with that
+    descriptor closed (``>&-``). Output is then discarded, as intended, but ``flush`` raised
+    AttributeError after the command had run (a traceback and exit 1: "problems" for a valid
+    file), and ``print(..., file=None)`` writes to stdout: with stderr closed, ``warning:``
+    lines went into ``--json`` output. Opening the null device also takes the free descriptor,
+    so no file opened later gets number 1 or 2 (where stray writes of other code would land).
+    """
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line and return its exit code."""
+    _stand_in_for_closed_streams()
     parser = build_parser()
     args = parser.parse_args(argv)
     # Commands whose 1 means "a negative answer" (validate, diff) report failures as 2.
