@@ -90,6 +90,7 @@ def test_commands_refuse_a_fifo(cli_proc, tmp_path: Path, example: Path, argv: l
     r = cli_proc(*(a.format(**names) for a in argv), timeout=LIMIT)
     assert r.code == 2, r
     assert "FIFO" in r.err and "pipe.safetensors" in r.err and "Traceback" not in r.err
+    assert not (tmp_path / "out").exists()  # no output folder left behind
 
 
 def test_scan_reports_a_fifo_and_goes_on(cli_proc, tmp_path: Path, example: Path) -> None:

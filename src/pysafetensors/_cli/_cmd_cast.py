@@ -28,6 +28,7 @@ from .._remote import shown_name
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from ._common import (
     Model,
+    OutputFolders,
     TensorRef,
     Ui,
     UsageError,
@@ -139,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``cast``."""
     ui = Ui(args)
     overflow: dict[str, int] = {}
-    with open_model(args.target) as model:
+    # Folders the cast creates are removed again (when still empty) if it fails.
+    with open_model(args.target) as model, OutputFolders() as folders:
         model.refuse_inconsistent()  # as reshard/merge/extract: never write a model from it
         total = sum(t.nbytes for t in model.tensors.values())
         with ui.progress(total, "cast") as update:
@@ -147,12 +149,12 @@ def run(args: argparse.Namespace) -> int:
             written = 0
             if not model.sharded:
                 f = model.files[0]
-                make_parent(args.output)
+                make_parent(args.output, folders)
                 layout = write_file(args.output, plan[f.label], f.header.metadata)
                 written = layout.file_size
                 data_bytes = {f.label: layout.data_size}
             else:
-                os.makedirs(args.output, exist_ok=True)
+                folders.makedirs(args.output)
                 data_bytes = {}
                 index = _index_target(model, args.output)
                 # Every shard and the index are renamed into place together once all are
@@ -161,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                 with SaveGroup(seal=index) as group:
                     for f in model.files:
                         layout = write_file(
-                            os.path.join(args.output, f.label),
+                            _shard_output(args.output, f.label, folders),
                             plan[f.label],
                             f.header.metadata,
                             group=group,
@@ -182,6 +184,28 @@ def run(args: argparse.Namespace) -> int:
         f"data {before:,} -> {after:,} bytes ({written:,} bytes written)"
     )
     return 0
+
+
+def _shard_output(folder: str, label: str, folders: OutputFolders) -> str:
+    """Where the shard named ``label`` in the index is written: at the same relative path in
+    ``folder``, whose subfolders (``sub/model-00001-of-00002.safetensors``) are created.
+
+    The name is relative and free of ``..`` (:func:`locate_model` refused others); a link in
+    ``folder`` that would lead the shard outside it is refused too.
+
+    Raises:
+        UsageError: The shard would be written outside ``folder``.
+    """
+    path = os.path.join(folder, label)
+    parent = os.path.dirname(path)
+    root = os.path.realpath(folder)
+    if os.path.commonpath([root, os.path.realpath(parent)]) != root:
+        raise UsageError(
+            f"the shard {sanitize(label)!r} would be written outside {sanitize(folder)!r} "
+            "(through a link there)"
+        )
+    folders.makedirs(parent)
+    return path
 
 
 def _index_target(model: Model, folder: str) -> str | None:

@@ -8,7 +8,16 @@ import os
 from typing import Any, Final
 
 from ._cmd_reshard import progress_for
-from ._common import Ui, UsageError, make_parent, plural, print_json, sanitize, whole_number
+from ._common import (
+    OutputFolders,
+    Ui,
+    UsageError,
+    make_parent,
+    plural,
+    print_json,
+    sanitize,
+    whole_number,
+)
 
 __all__ = ["register"]
 
@@ -71,20 +80,23 @@ def run(args: argparse.Namespace) -> int:
         "metadata": meta or None,
     }
     index = None
-    if os.path.isdir(args.src):
-        if args.workers > 1:
-            from concurrent.futures import ThreadPoolExecutor
+    # Folders created for the output are removed again (when still empty) if convert fails.
+    with OutputFolders() as folders:
+        if os.path.isdir(args.src):
+            folders.expect(args.dst)  # created by convert_folder()
+            if args.workers > 1:
+                from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(args.workers) as pool:
-                folder = convert_folder(args.src, args.dst, executor=pool, **kwargs)
+                with ThreadPoolExecutor(args.workers) as pool:
+                    folder = convert_folder(args.src, args.dst, executor=pool, **kwargs)
+            else:
+                folder = convert_folder(args.src, args.dst, **kwargs)
+            reports, index = folder.files, folder.index
         else:
-            folder = convert_folder(args.src, args.dst, **kwargs)
-        reports, index = folder.files, folder.index
-    else:
-        make_parent(args.dst)
-        # The same bar as every other command: after a second of work, on a terminal only.
-        with progress_for(Ui(args), "converting") as report:
-            reports = [convert_file(args.src, args.dst, progress=report, **kwargs)]
+            make_parent(args.dst, folders)
+            # The same bar as every other command: after a second of work, on a terminal only.
+            with progress_for(Ui(args), "converting") as report:
+                reports = [convert_file(args.src, args.dst, progress=report, **kwargs)]
     if args.json:
         # Round-trip through json with default=str: non-tensor values of a checkpoint can be
         # anything JSON-like; NaN/Infinity become null so the document stays strict JSON.

@@ -12,7 +12,15 @@ from typing import Any
 
 from .._sharding import DEFAULT_FILENAME_PATTERN
 from ._cmd_reshard import add_shard_args, check_pattern, parse_size_arg, progress_for
-from ._common import Ui, UsageError, check_source, make_parent, plural, sanitize
+from ._common import (
+    OutputFolders,
+    Ui,
+    UsageError,
+    check_source,
+    make_parent,
+    plural,
+    sanitize,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -44,25 +52,28 @@ def run(args: argparse.Namespace) -> int:
                 re.compile(pattern)
             except re.error as exc:
                 raise UsageError(f"invalid --regex {pattern!r}: {exc}") from None
-    if args.max_shard_size is not None:
-        check_pattern(args.filename_pattern)
-    elif args.filename_pattern != DEFAULT_FILENAME_PATTERN:
+    if args.max_shard_size is None and args.filename_pattern != DEFAULT_FILENAME_PATTERN:
         # One output file is named by OUTPUT; a pattern would be silently ignored.
         raise UsageError("--filename-pattern names shards: it needs -s/--max-shard-size")
-    else:
-        make_parent(args.output)
-    check_source(args.source)
-    ui = Ui(args)
-    with progress_for(ui, "extracting") as report:
-        names = extract(
-            args.source,
-            args.output,
-            args.patterns,
-            regex=args.regex,
-            max_shard_size=parse_size_arg(args.max_shard_size),
-            filename_pattern=args.filename_pattern,
-            progress=report,
-        )
+    # Folders created for the output are removed again (when still empty) if extract fails.
+    with OutputFolders() as folders:
+        if args.max_shard_size is not None:
+            check_pattern(args.filename_pattern)
+            folders.expect(args.output)  # created by extract()
+        else:
+            make_parent(args.output, folders)
+        check_source(args.source)
+        ui = Ui(args)
+        with progress_for(ui, "extracting") as report:
+            names = extract(
+                args.source,
+                args.output,
+                args.patterns,
+                regex=args.regex,
+                max_shard_size=parse_size_arg(args.max_shard_size),
+                filename_pattern=args.filename_pattern,
+                progress=report,
+            )
     if args.list:
         for name in names:
             print(sanitize(name))

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from ._cmd_reshard import progress_for
-from ._common import Ui, check_source, human_bytes, make_parent, sanitize
+from ._common import OutputFolders, Ui, check_source, human_bytes, make_parent, sanitize
 
 
 def register(subparsers: Any) -> None:
@@ -33,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     from .._reshard import merge
 
     check_source(args.source)
-    make_parent(args.output)
     ui = Ui(args)
-    with progress_for(ui, "merging") as report:
+    with OutputFolders() as folders, progress_for(ui, "merging") as report:
+        make_parent(args.output, folders)
         merge(args.source, args.output, progress=report)
     ui.note(f"wrote {sanitize(args.output)} ({human_bytes(os.path.getsize(args.output))})")
     return 0

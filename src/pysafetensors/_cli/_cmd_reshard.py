@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._common import Ui, UsageError, check_source, human_bytes, sanitize
+from ._common import OutputFolders, Ui, UsageError, check_source, human_bytes, sanitize
 
 
 def register(subparsers: Any) -> None:
@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     check_pattern(args.filename_pattern)
     check_source(args.source)
     ui = Ui(args)
-    with progress_for(ui, "resharding") as report:
+    with OutputFolders() as folders, progress_for(ui, "resharding") as report:
+        folders.expect(args.output)  # created by reshard(); removed again if it fails
         plan = reshard(
             args.source,
             args.output,

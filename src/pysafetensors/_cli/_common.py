@@ -40,6 +40,7 @@ from .._validate import (
 __all__ = [
     "CHUNK_BYTES",
     "Model",
+    "OutputFolders",
     "ShardFile",
     "TensorRef",
     "Ui",
@@ -75,11 +76,52 @@ class UsageError(SafetensorError):
     exit_code = 2
 
 
-def make_parent(path: str) -> None:
+class OutputFolders:
+    """The folders a writing command creates, removed again (those still empty) if it fails.
+
+    A failed ``cast``/``reshard``/``merge``/``extract``/``convert`` left the output folder it
+    had just created (and its new parents) behind, empty. Use as a context manager around the
+    command's writing; :meth:`expect` notes the folders a library call will create itself.
+    """
+
+    def __init__(self) -> None:
+        self._missing: set[str] = set()
+
+    def expect(self, folder: str) -> None:
+        """Note ``folder`` and those of its parents that do not exist yet."""
+        path = os.path.abspath(folder)
+        while not os.path.lexists(path):
+            self._missing.add(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+
+    def makedirs(self, folder: str) -> None:
+        """``os.makedirs(folder, exist_ok=True)``, noting what it creates."""
+        self.expect(folder)
+        os.makedirs(folder, exist_ok=True)
+
+    def remove_empty(self) -> None:
+        """Remove the noted folders that exist and are empty, deepest first."""
+        for path in sorted(self._missing, key=lambda p: p.count(os.sep), reverse=True):
+            with contextlib.suppress(OSError):  # not empty, or gone: leave it
+                os.rmdir(path)
+
+    def __enter__(self) -> OutputFolders:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            self.remove_empty()
+
+
+def make_parent(path: str, folders: OutputFolders | None = None) -> None:
     """Create the folder an output file goes into, with its parents (``mkdir -p``).
 
     Every command creates what it writes into: output folders (``reshard``, sharded ``cast``
-    and ``extract -s``, folder ``convert``) and the folder of an output file alike.
+    and ``extract -s``, folder ``convert``) and the folder of an output file alike. With
+    ``folders``, what is created is noted there (and removed again if the command fails).
 
     Raises:
         UsageError: ``path`` names a folder (it ends with a separator, or is one).
@@ -89,7 +131,11 @@ def make_parent(path: str) -> None:
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         # Written as a file, it would fail with "No such file or directory" or "Is a directory".
         raise UsageError(f"the output {sanitize(path)!r} is a folder; name the file to write")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    parent = os.path.dirname(os.path.abspath(path))
+    if folders is not None:
+        folders.makedirs(parent)
+    else:
+        os.makedirs(parent, exist_ok=True)
 
 
 def check_source(target: str) -> None:

@@ -1,0 +1,138 @@
+"""Output folders: ``cast`` of a model whose index names shards in a subfolder writes them there
+(it failed with "No such file or directory"), and a writing command that fails removes the
+folders it created for its output instead of leaving them behind, empty."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pysafetensors.numpy import load_file, save_file
+
+from .conftest import _env, example_tensors, write_sharded
+
+
+@pytest.fixture
+def subfolder_model(tmp_path: Path) -> Path:
+    """A sharded model whose index lists its shards as ``sub/model-0000N-of-00002...``."""
+    names = list(example_tensors())
+    folder = write_sharded(tmp_path / "src", example_tensors(), [names[:2], names[2:]])
+    (folder / "sub").mkdir()
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in set(index["weight_map"].values()):
+        (folder / shard).rename(folder / "sub" / shard)
+    index["weight_map"] = {k: f"sub/{v}" for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    return folder
+
+
+def test_cast_writes_shards_in_subfolders(cli_proc, subfolder_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = cli_proc("cast", subfolder_model, out, "--to", "F16")
+    assert r.code == 0, r
+    assert sorted(p.name for p in (out / "sub").iterdir()) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {
+        "sub/model-00001-of-00002.safetensors",
+        "sub/model-00002-of-00002.safetensors",
+    }
+    assert cli_proc("validate", out).code == 0
+    shard = load_file(str(out / "sub" / "model-00001-of-00002.safetensors"))
+    assert shard["model.embed.weight"].dtype == np.float16
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_cast_refuses_a_link_out_of_the_output_folder(
+    cli_proc, subfolder_model: Path, tmp_path: Path
+) -> None:
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "sub").symlink_to(elsewhere, target_is_directory=True)
+    r = cli_proc("cast", subfolder_model, out, "--to", "F16")
+    assert r.code == 2 and "outside" in r.err, r
+    assert list(elsewhere.iterdir()) == []
+
+
+def _limit_file_size() -> None:
+    import resource
+
+    # Python ignores SIGXFSZ: a write past the limit fails with EFBIG, as on a full disk.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+
+def _run_with_small_files(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pysafetensors", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=_env(),
+        preexec_fn=_limit_file_size,  # noqa: PLW1509 - no threads in this test process matter
+    )
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs RLIMIT_FSIZE")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cast", "{file}", "{new}/c.safetensors", "--to", "F16"],
+        ["cast", "{sharded}", "{new}/c", "--to", "F16"],
+        ["cast", "{subfolders}", "{new}/c", "--to", "F16"],
+        ["reshard", "{sharded}", "{new}/rs", "-s", "4KB"],
+        ["merge", "{sharded}", "{new}/m.safetensors"],
+        ["extract", "{sharded}", "{new}/x.safetensors", "*"],
+        ["extract", "{sharded}", "{new}/x", "-s", "4KB", "*"],
+        ["convert", "{pt_folder}", "{new}/cv"],
+    ],
+    ids=" ".join,
+)
+def test_a_failed_write_leaves_no_new_folders(
+    tmp_path: Path, example: Path, subfolder_model: Path, argv: list[str]
+) -> None:
+    names = list(example_tensors())
+    sharded = write_sharded(tmp_path / "sharded", example_tensors(), [names[:2], names[2:]])
+    pt_folder = tmp_path / "pt"
+    pt_folder.mkdir()
+    torch = pytest.importorskip("torch") if argv[0] == "convert" else None
+    if torch is not None:
+        torch.save({"w": torch.ones(4096)}, pt_folder / "pytorch_model.bin")
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    paths = {
+        "file": example,
+        "sharded": sharded,
+        "subfolders": subfolder_model,
+        "pt_folder": pt_folder,
+        "new": keep / "new" / "deeper",
+    }
+    r = _run_with_small_files(*(a.format(**paths) for a in argv))
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r
+    assert list(keep.iterdir()) == []  # the folders it created are gone; `keep` stays
+
+
+def test_a_failed_read_leaves_no_new_folders(cli_proc, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    save_file({"x": np.zeros(8, np.float32)}, str(bad))
+    bad.write_bytes(bad.read_bytes()[:-4])  # truncated: refused before anything is written
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    for argv in (
+        ["extract", bad, keep / "new" / "x.safetensors", "*"],
+        ["cast", bad, keep / "new" / "c.safetensors", "--to", "F16"],
+        ["convert", tmp_path / "missing.bin", keep / "new" / "cv.safetensors"],
+    ):
+        r = cli_proc(*argv)
+        assert r.code in (1, 2) and r.err.startswith("error:"), (argv, r)
+        assert list(keep.iterdir()) == [], argv
