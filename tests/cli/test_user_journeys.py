@@ -161,7 +161,7 @@ def test_quiet_keeps_warnings_and_drops_informational_lines(cli, tmp_path: Path)
     assert r.code == 0 and r.out == ""
     assert r.err == "warning: 2 finite values of big became Inf/NaN in F8_E4M3\n"
     r = cli("cast", source, tmp_path / "f8b.safetensors", "--to", "F8_E4M3")
-    assert "cast 1 of 1 tensors to F8_E4M3" in r.out and r.err.startswith("warning: ")
+    assert "cast 1 of 1 tensor to F8_E4M3" in r.out and r.err.startswith("warning: ")
     r = cli("-q", "metadata", "set", source, "a=b")
     assert r.code == 0 and r.out == "" and r.err == ""
     with safe_open(source, "np") as f:

@@ -115,7 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # includes RemoteError: the target cannot be read
         return _fail(args, exc, 2)
     except SafetensorError as exc:
-        return _fail(args, exc, trouble or exc.exit_code)
+        # A folder holding several checkpoints: the user must name one (a usage error, as for
+        # an empty folder), whichever command met it.
+        code = 2 if exc.kind == "AmbiguousFolder" else exc.exit_code
+        return _fail(args, exc, trouble or code)
     except (ValueError, TypeError, KeyError) as exc:
         return _fail(args, exc, trouble or 1)
     except MemoryError:

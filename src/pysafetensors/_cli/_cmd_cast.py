@@ -36,6 +36,7 @@ from ._common import (
     make_parent,
     name_filter,
     open_model,
+    plural,
     sanitize,
 )
 
@@ -180,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
     for name, count in overflow.items():
         ui.warn(f"{count} finite values of {sanitize(name)} became Inf/NaN in {args.to}")
     ui.done(
-        f"{sanitize(args.output)}: cast {converted} of {len(model.tensors)} tensors to {args.to}; "
+        f"{sanitize(args.output)}: cast {converted} of {plural(len(model.tensors), 'tensor')} "
+        f"to {args.to}; "
         f"data {before:,} -> {after:,} bytes ({written:,} bytes written)"
     )
     return 0

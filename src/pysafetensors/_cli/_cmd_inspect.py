@@ -125,7 +125,7 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
     total_size = sum(f.source.size for f in model.files)
     if model.sharded:
         ui.line(
-            f"Model: {sanitize(model.target)} ({len(model.files)} files, "
+            f"Model: {sanitize(model.target)} ({plural(len(model.files), 'file')}, "
             f"{human_bytes(total_size)})",
             style="bold",
         )
@@ -209,7 +209,8 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
     nbytes = sum(t.nbytes for t in tensors)
     ui.line()
     ui.line(
-        f"Total: {plural(len(tensors), 'tensor')}, {human_count(params)} parameters ({params:,}), "
+        f"Total: {plural(len(tensors), 'tensor')}, {human_count(params)} "
+        f"parameter{'' if params == 1 else 's'} ({params:,}), "
         f"{human_bytes(nbytes)} of data",
         style="bold",
     )

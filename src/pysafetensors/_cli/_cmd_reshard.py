@@ -12,7 +12,15 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._common import OutputFolders, Ui, UsageError, check_source, human_bytes, sanitize
+from ._common import (
+    OutputFolders,
+    Ui,
+    UsageError,
+    check_source,
+    human_bytes,
+    plural,
+    sanitize,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -55,15 +63,18 @@ def shard_size(text: str) -> str:
     """``argparse`` type for ``--max-shard-size``: bytes or ``5GB``-style, more than 0."""
     from .._sharding import parse_size
 
+    number = text.strip().lstrip("+-").isdigit()
     try:
-        n = parse_size(int(text) if text.strip().lstrip("+-").isdigit() else text)
+        n = parse_size(int(text) if number else text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if n <= 0:
         # 0 would give every tensor a file of its own (and empty tensors none); a negative
         # limit has no meaning.
         raise argparse.ArgumentTypeError(f"must be more than 0 bytes, not {text!r}")
-    return text
+    # A byte count as plain digits ("+5", " 5" -> "5"): what parse_size_arg reads as a number
+    # (the library's parse_size takes a string only with a unit).
+    return str(n) if number else text
 
 
 def parse_size_arg(text: str | None) -> int | str | None:
@@ -118,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         )
     files = len(plan.filename_to_tensors)
     ui.note(
-        f"wrote {len(plan.tensor_to_filename)} tensors ({human_bytes(plan.total_size)}) in "
-        f"{files} file{'s' if files != 1 else ''} to {sanitize(args.output)}"
+        f"wrote {plural(len(plan.tensor_to_filename), 'tensor')} ({human_bytes(plan.total_size)})"
+        f" in {plural(files, 'file')} to {sanitize(args.output)}"
     )
     return 0

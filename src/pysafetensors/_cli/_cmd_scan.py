@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any, Final
 
-from ._common import plural
+from ._common import plural, sanitize
 
 __all__ = ["register"]
 
@@ -36,8 +37,11 @@ def register(subparsers: Any) -> None:
 
 
 def _escape(text: str) -> str:
-    # Names come from untrusted files: never let them drive the terminal.
-    return text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    # Names come from untrusted files: never let them drive the terminal. Escaped as every
+    # command escapes (control, line-separator and bidi characters; other text as it is), and
+    # lone surrogates (pickle strings may hold them; undecodable bytes of a path) as \udcxx,
+    # which no UTF-8 stream could write.
+    return re.sub("[\ud800-\udfff]", lambda m: f"\\u{ord(m.group()):04x}", sanitize(text))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import os
 from typing import Any, Final
 
 from .._validate import Problem, locate_model, validate
-from ._common import Ui, print_json, sanitize, shown
+from ._common import Ui, plural, print_json, sanitize, shown
 
 SCHEMA: Final = "pysafetensors.validate/1"
 
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             style="bold",
         )
         return 1
-    what = f"{len(located.files)} files" if located.sharded else "file"
+    what = plural(len(located.files), "file") if located.sharded else "file"
     ui.line(
         f"{sanitize(shown(args.target))}: OK ({what} valid{', strict' if args.strict else ''})",
         "green",
