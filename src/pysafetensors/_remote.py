@@ -28,6 +28,7 @@ reader treats a URL exactly like a local file. What they add over local sources:
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import http.client
 import inspect
@@ -43,7 +44,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn, SupportsIndex, TypeVar
@@ -531,10 +532,10 @@ class RemoteSource:
         # Replaced, never mutated, so readers need no lock.
         self._head = b""
         self._etag: str | None = None
-        # Two locks: prefetch_head holds the first while parts run on the pool the second guards.
         self._head_lock = threading.Lock()
-        self._pool_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        # Parallel reads in flight on the shared workers, which close() waits for.
+        self._runs = threading.Condition()
+        self._running = 0
         self._closed = False
         self.stats = RemoteStats()
         """Counters of requests and bytes transferred by this source."""
@@ -629,11 +630,10 @@ class RemoteSource:
         return memoryview(head)[:nbytes]
 
     def close(self) -> None:
-        """Stop the worker threads and release connections. Idempotent."""
+        """Wait for parallel reads in flight, then release the source's resources. Idempotent."""
         self._closed = True
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        with self._runs:
+            self._runs.wait_for(lambda: not self._running)
         self._release()
 
     def __enter__(self: _S) -> _S:
@@ -804,17 +804,14 @@ class RemoteSource:
         if len(parts) == 1:
             self._do_part(parts[0], out)
             return
-        pool = self._executor()
-        # list() re-raises the first failure; the other parts still finish or fail on their own.
-        list(pool.map(lambda p: self._do_part(p, out), parts))
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self._max_connections, thread_name_prefix="pysafetensors-remote"
-                )
-            return self._pool
+        with self._runs:
+            self._running += 1
+        try:
+            _WORKERS.run(lambda p: self._do_part(p, out), parts, self._max_connections)
+        finally:
+            with self._runs:
+                self._running -= 1
+                self._runs.notify_all()
 
 
 # ------------------------------------------------------------------------------------------ HTTP
@@ -1101,52 +1098,154 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG._reset)
 
 
+class _Workers:
+    """The worker threads every remote source's parallel reads share.
+
+    One pool per source kept up to ``max_connections`` idle threads per source for as long as
+    the source was open: a handle that had read from 64 shards of a remote checkpoint held
+    408 idle threads. A read runs at most ``max_connections`` workers here, each taking the
+    next part until none is left; workers never wait on other workers, so a full pool only
+    queues reads, it cannot deadlock. A read started on a worker (none does now) runs inline.
+    """
+
+    #: Threads at most, shared by all sources (a source's reads use ``max_connections``).
+    SIZE: Final = 64
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.SIZE, thread_name_prefix="pysafetensors-remote"
+                )
+            return self._pool
+
+    def run(self, do: Callable[[_Part], None], parts: list[_Part], width: int) -> None:
+        """``do(part)`` for every part on at most ``width`` workers; re-raise the first failure
+        once every worker has stopped (none writes into the caller's buffer after that)."""
+        if getattr(self._local, "worker", False):
+            for part in parts:
+                do(part)
+            return
+        pending = collections.deque(parts)
+        lock = threading.Lock()
+        failures: list[BaseException] = []
+
+        def worker() -> None:
+            self._local.worker = True
+            try:
+                while True:
+                    with lock:
+                        if failures or not pending:
+                            return
+                        part = pending.popleft()
+                    try:
+                        do(part)
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        with lock:
+                            failures.append(exc)
+                        return
+            finally:
+                self._local.worker = False
+
+        pool = self._executor()
+        for future in [pool.submit(worker) for _ in range(min(width, len(parts)))]:
+            future.result()
+        if failures:
+            raise failures[0]
+
+
+_WORKERS: Final = _Workers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WORKERS._reset)  # the parent's threads are not here
+
+
 class _ConnectionPool:
-    """Idle keep-alive connections per (scheme, host, port), shared by worker threads.
+    """Idle keep-alive connections of one source, kept in the process-wide store.
 
     A connection is used by one thread at a time: it is taken out while a request runs and put
-    back only after its response was read in full. Concurrency is bounded by the caller's thread
-    pool, so this only caps how many idle connections are kept.
+    back only after its response was read in full. Idle connections are shared by every source
+    that talks to the same (scheme, host, port) with the same TLS context (a connection is
+    never handed to a source that would have verified its peer otherwise), at most
+    :data:`_IDLE_PER_HOST` each: kept per source, a handle on 200 shards of one server held
+    over a thousand idle sockets and ran out of descriptors. Each request sets its own timeout.
     """
 
     def __init__(
         self, timeout: float | None, keep: int, ssl_context: ssl.SSLContext | None
     ) -> None:
         self._timeout = timeout
-        self._keep = keep
         self._ssl = ssl_context
-        self._idle: dict[_Key, list[_Conn]] = {}
-        self._lock = threading.Lock()
 
     def get(self, key: _Key) -> tuple[_Conn, bool]:
         """Return a connection and whether it was reused (so may have gone stale)."""
-        with self._lock:
-            idle = self._idle.get(key)
-            if idle:
-                return idle.pop(), True
+        conn = _IDLE.take((key, self._ssl))
+        if conn is not None:
+            return conn, True
         scheme, host, port = key
-        conn: _Conn
         if scheme == "https":
             ctx = self._ssl or ssl.create_default_context()
-            conn = http.client.HTTPSConnection(host, port, timeout=self._timeout, context=ctx)
+            made: _Conn = http.client.HTTPSConnection(
+                host, port, timeout=self._timeout, context=ctx
+            )
         else:
-            conn = http.client.HTTPConnection(host, port, timeout=self._timeout)
-        return conn, False
+            made = http.client.HTTPConnection(host, port, timeout=self._timeout)
+        return made, False
 
     def put(self, key: _Key, conn: _Conn) -> None:
+        _IDLE.give((key, self._ssl), conn)
+
+    def close(self) -> None:
+        """Nothing to release: idle connections belong to the shared store."""
+
+
+#: Idle connections kept per (scheme, host, port, TLS context), for all sources together.
+_IDLE_PER_HOST: Final = 16
+
+
+class _IdleConnections:
+    """The process-wide store of idle keep-alive connections (see :class:`_ConnectionPool`)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        # The key holds the TLS context itself (not its id), so it cannot be reused by another.
+        self._idle: dict[tuple[_Key, ssl.SSLContext | None], list[_Conn]] = {}
+
+    def take(self, key: tuple[_Key, ssl.SSLContext | None]) -> _Conn | None:
+        with self._lock:
+            idle = self._idle.get(key)
+            return idle.pop() if idle else None
+
+    def give(self, key: tuple[_Key, ssl.SSLContext | None], conn: _Conn) -> None:
         with self._lock:
             idle = self._idle.setdefault(key, [])
-            if len(idle) < self._keep:
+            if len(idle) < _IDLE_PER_HOST:
                 idle.append(conn)
                 return
         conn.close()
 
-    def close(self) -> None:
-        with self._lock:
-            conns = [c for idle in self._idle.values() for c in idle]
-            self._idle.clear()
+    def _after_fork(self) -> None:
+        # The child's copies of the parent's sockets: closed here, the parent's stay open.
+        conns = [c for idle in self._idle.values() for c in idle]
+        self._reset()
         for conn in conns:
-            conn.close()
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+_IDLE: Final = _IdleConnections()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_IDLE._after_fork)
 
 
 class HTTPSource(RemoteSource):
@@ -1313,10 +1412,13 @@ class HTTPSource(RemoteSource):
             clock = None
             if self._deadline is not None:
                 clock = _Clock(self._deadline, self._timeout, conn)
-                # Pooled connections carry the last request's shortened timeout: reset it.
+                # Pooled connections carry the last request's timeout (another source's, or
+                # one a deadline shortened): set this request's.
                 conn.timeout = clock.left()
-                if conn.sock is not None:
-                    conn.sock.settimeout(conn.timeout)
+            else:
+                conn.timeout = self._timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(conn.timeout)
             try:
                 conn.request("GET", target, headers=headers)
                 if clock is not None:

@@ -123,6 +123,11 @@ class RangeServer:
             self.faults.setdefault("/" + path.lstrip("/"), collections.deque()).extend(faults)
 
     def reset(self) -> None:
+        # A request the previous test gave up on (a client-side timeout against a "slow"
+        # path) is still being served, and would be logged in the next test's records.
+        stop = time.monotonic() + 5
+        while self.inflight and time.monotonic() < stop:
+            time.sleep(0.005)
         with self.lock:
             self.log.clear()
             self.faults.clear()

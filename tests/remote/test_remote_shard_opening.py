@@ -18,6 +18,7 @@ from pysafetensors import safe_open, save_sharded
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Files of one folder with single ranges; requests for ``hold`` wait for ``release``."""
 
+    protocol_version = "HTTP/1.1"  # keep-alive, so connections go back to the pool
     root: Path
     hold: str
     release: threading.Event
@@ -100,3 +101,43 @@ def test_reads_go_on_while_another_shard_is_opening(
         release.set()
         opener.join(30)
         assert f.get_tensor("layer.1.w")[0] == 1
+
+
+def test_many_open_sources_share_worker_threads_and_idle_connections(tmp_path: Path) -> None:
+    # Each remote source kept its own pool of up to max_connections threads and idle sockets
+    # for as long as it was open: a handle on 200 shards of one server held over a thousand
+    # sockets and ran out of descriptors; 64 shards read held 408 idle threads.
+    from pysafetensors import _remote
+    from pysafetensors._remote import HTTPSource
+
+    blob = tmp_path / "blob.bin"
+    data = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
+    blob.write_bytes(data)
+    handler = type(
+        "Plain", (_Handler,), {"root": tmp_path, "hold": "", "release": threading.Event()}
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/blob.bin"
+    sources = []
+    try:
+        for i in range(40):
+            src = HTTPSource(url, max_connections=8, part_size=256 << 10)
+            sources.append(src)
+            out = bytearray(2 << 20)
+            src.readinto(i * 1000, memoryview(out))  # eight parts, read in parallel
+            assert bytes(out) == data[i * 1000 : i * 1000 + len(out)]
+        workers = [t for t in threading.enumerate() if t.name.startswith("pysafetensors-remote")]
+        assert 0 < len(workers) <= 64  # were 8 a source: 320
+        assert len(workers) <= _remote._Workers.SIZE
+        idle = sum(
+            len(conns)
+            for ((_, _, port), _), conns in _remote._IDLE._idle.items()
+            if port == server.server_port
+        )
+        assert 0 < idle <= _remote._IDLE_PER_HOST
+    finally:
+        for src in sources:
+            src.close()
+        server.shutdown()
+        server.server_close()
