@@ -44,7 +44,7 @@ from ._sharding import (
     split_into_shards,
     write_checkpoint,
 )
-from ._sources import ByteSource
+from ._sources import ByteSource, open_regular_file
 from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all
 
 __all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
@@ -154,7 +154,7 @@ class _Sources:
         place) then leaves our descriptor on the old file, which stays readable."""
         for path in paths:
             if "://" not in path and path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._fds[path] = open_regular_file(path)
 
     def copy(self, path: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
         if not n:
@@ -170,7 +170,7 @@ class _Sources:
             return
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = self._fds[path] = open_regular_file(path)
         copy_range(fd, src_off, dst_fd, dst_off, n)
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Final
 import numpy as np
 
 from ._errors import CheckpointError
+from ._sources import open_regular_file
 from ._zip_directory import EOCD_SIG, ZIP64_EOCD, end_records
 
 __all__ = ["BoundedFile", "FileBytes", "ZipMember", "ZipView", "open_zip"]
@@ -46,7 +47,8 @@ class FileBytes:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        # A FIFO is refused, not waited on for a writer (see open_regular_file).
+        self.fd = open_regular_file(self.path)
         try:
             self.size = os.fstat(self.fd).st_size
         except BaseException:
