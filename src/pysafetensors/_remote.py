@@ -2229,15 +2229,16 @@ class FsspecSource(RemoteSource):
         backoff: float = 0.2,
         **storage_options: Any,
     ) -> None:
-        _check_common(
-            max_connections=max_connections,
-            part_size=part_size,
-            max_gap=max_gap,
-            head_bytes=head_bytes,
-            retries=retries,
-            backoff=backoff,
-            accept_full_body=DEFAULT_ACCEPT_FULL_BODY,
-        )
+        common: dict[str, Any] = {
+            "max_connections": max_connections,
+            "part_size": part_size,
+            "max_gap": max_gap,
+            "head_bytes": head_bytes,
+            "retries": retries,
+            "backoff": backoff,
+        }
+        # Before url_to_fs, which may already reach the network.
+        _check_common(**common, accept_full_body=DEFAULT_ACCEPT_FULL_BODY)
         if fs is not None:
             path = str(target)
         elif isinstance(target, str):
@@ -2255,15 +2256,7 @@ class FsspecSource(RemoteSource):
                 f"FsspecSource needs a URL, an fsspec OpenFile or fs=; got {type(target).__name__}"
             )
         name = target if isinstance(target, str) and "://" in target else fs.unstrip_protocol(path)
-        super().__init__(
-            _redact(name) if "://" in name else name,
-            max_connections=max_connections,
-            part_size=part_size,
-            max_gap=max_gap,
-            head_bytes=head_bytes,
-            retries=retries,
-            backoff=backoff,
-        )
+        super().__init__(_redact(name) if "://" in name else name, **common)
         self._fs = fs
         self._path = path
         self.stats.add(requests=1)
