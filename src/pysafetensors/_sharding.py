@@ -143,12 +143,17 @@ def check_filename_pattern(pattern: str, shards: int = 1) -> None:
     import string
 
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None]
+        parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(pattern)]
     except ValueError as exc:
         raise _bad_pattern(pattern, str(exc)) from None
+    fields = [f for f, _, _ in parsed if f is not None]
     unknown = [f for f in fields if f != "suffix"]
     if unknown:
         raise _bad_pattern(pattern, f"unknown field {{{unknown[0]}}}; the only field is {{suffix}}")
+    if any(spec or conv for f, spec, conv in parsed if f is not None):
+        # {suffix!r} quotes it, {suffix:>30} pads it with spaces: names the loaders' pattern
+        # (-NNNNN-of-NNNNN) and the clean-up no longer recognise.
+        raise _bad_pattern(pattern, "{suffix} takes no conversion or format spec")
     if shards > 1 and not fields:
         raise _bad_pattern(
             pattern,

@@ -236,6 +236,8 @@ def _cli_code(*args: str | os.PathLike[str]) -> int:
         ("{bad}{suffix}.safetensors", "unknown field {bad}"),
         ("x{suffix}.bin", "end in .safetensors"),
         ("x{suffix", "invalid filename pattern"),
+        ("x{suffix!r}.safetensors", "no conversion or format spec"),
+        ("x{suffix:>30}.safetensors", "no conversion or format spec"),
     ],
 )
 def test_cli_refuses_filename_patterns_that_lose_or_misplace_files(
