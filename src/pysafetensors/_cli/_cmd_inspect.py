@@ -6,6 +6,7 @@ import argparse
 from typing import Any, Final
 
 from ._common import (
+    LazyRows,
     Model,
     TensorRef,
     Ui,
@@ -83,19 +84,23 @@ def to_json(model: Model, tensors: list[TensorRef]) -> dict[str, Any]:
             }
             for f in model.files
         ],
-        "tensors": [
-            {
-                "name": t.name,
-                "dtype": t.dtype.code,
-                "shape": list(t.shape),
-                "parameters": t.numel,
-                "bytes": t.nbytes,
-                "file": t.file.label,
-                "data_offsets": [t.begin, t.end],
-                "file_offsets": list(t.file_offsets),
-            }
-            for t in tensors
-        ],
+        # Made as they are printed: a million rows held at once took about a gigabyte.
+        "tensors": LazyRows(
+            len(tensors),
+            lambda: (
+                {
+                    "name": t.name,
+                    "dtype": t.dtype.code,
+                    "shape": list(t.shape),
+                    "parameters": t.numel,
+                    "bytes": t.nbytes,
+                    "file": t.file.label,
+                    "data_offsets": [t.begin, t.end],
+                    "file_offsets": list(t.file_offsets),
+                }
+                for t in tensors
+            ),
+        ),
         "totals": {
             "tensors": len(tensors),
             "parameters": sum(t.numel for t in tensors),

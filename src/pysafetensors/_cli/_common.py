@@ -54,6 +54,7 @@ __all__ = [
     "shown",
     "open_model",
     "print_json",
+    "LazyRows",
     "sanitize",
     "to_float64",
     "tolerance",
@@ -222,8 +223,44 @@ def human_bytes(n: int) -> str:
 
 
 def print_json(obj: Any, out: TextIO | None = None) -> None:
-    """Print JSON with every non-ASCII and control character escaped (safe on any terminal)."""
-    print(json.dumps(obj, indent=2, ensure_ascii=True, allow_nan=False), file=out or sys.stdout)
+    """Print JSON with every non-ASCII and control character escaped (safe on any terminal).
+
+    Written as it is encoded, in batches of pieces: ``json.dumps`` of a million tensors' rows
+    held every piece and then the whole text at once (over a gigabyte) before printing any.
+    Lists may be :class:`LazyRows`, whose items are made as they are written.
+    """
+    stream = out or sys.stdout
+    encoder = json.JSONEncoder(indent=2, ensure_ascii=True, allow_nan=False)
+    batch: list[str] = []
+    for piece in encoder.iterencode(obj):
+        batch.append(piece)
+        if len(batch) >= 65536:
+            stream.write("".join(batch))
+            batch.clear()
+    batch.append("\n")
+    stream.write("".join(batch))
+
+
+class LazyRows(list):  # type: ignore[type-arg]
+    """A JSON list whose items are made one by one as :func:`print_json` writes them.
+
+    The pure-Python encoder (used with ``indent``) takes any ``list`` subclass: it asks only
+    whether the list is empty and iterates it. Nothing is stored in the list itself.
+    """
+
+    def __init__(self, count: int, items: Callable[[], Iterator[Any]]) -> None:
+        super().__init__()
+        self._count = count
+        self._items = items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._items()
 
 
 def add_filter_args(parser: Any) -> None:
