@@ -57,8 +57,10 @@ def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape
     if not shape or shape[-1] % 2:
         raise DTypeNotSupportedError(
-            f"F4 tensor of shape {list(shape)} cannot be held by torch.float4_e2m1fn_x2, whose "
-            "last dimension packs two values (it must be even); use framework='numpy'",
+            # The reference's words first (code matching on them keeps working).
+            "f4_x2 dtype requires that the last dim be divisible by 2 in torch: got "
+            f"{list(shape)} (torch.float4_e2m1fn_x2 packs two values per element; "
+            "use framework='numpy' for this F4 tensor)",
             kind="DtypeNotUnderstood",
         )
     return (*shape[:-1], shape[-1] // 2)

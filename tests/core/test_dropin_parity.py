@@ -705,3 +705,22 @@ def test_numpy_save_names_the_type_of_a_value_that_is_no_array(value: Any, shown
     # The reference fails with an AttributeError from deep inside; ours says what it got.
     with pytest.raises(SafetensorError, match=rf"tensor `a` is of type {shown}, expected a numpy"):
         ours_np.save({"a": value})
+
+
+def test_f4_with_an_odd_last_dimension_in_torch_says_what_the_reference_says(
+    tmp_path: Path,
+) -> None:
+    # torch holds F4 as pairs along the last dimension; an odd one cannot be loaded there. Our
+    # message was all our own: code matching on the reference's words missed it.
+    import struct
+
+    header = b'{"t":{"dtype":"F4","shape":[2,1],"data_offsets":[0,1]}}'
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "f4.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"a")
+    with ref.safe_open(str(path), "pt") as f, pytest.raises(Exception) as theirs:
+        f.get_tensor("t")
+    with safe_open(path, "pt") as f, pytest.raises(SafetensorError) as ours:
+        f.get_tensor("t")
+    assert str(ours.value).startswith(str(theirs.value))
+    assert "framework='numpy'" in str(ours.value)
