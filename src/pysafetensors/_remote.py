@@ -536,6 +536,7 @@ class RemoteSource:
         # Parallel reads in flight on the shared workers, which close() waits for.
         self._runs = threading.Condition()
         self._running = 0
+        self._pid = os.getpid()
         self._closed = False
         self.stats = RemoteStats()
         """Counters of requests and bytes transferred by this source."""
@@ -632,8 +633,9 @@ class RemoteSource:
     def close(self) -> None:
         """Wait for parallel reads in flight, then release the source's resources. Idempotent."""
         self._closed = True
-        with self._runs:
-            self._runs.wait_for(lambda: not self._running)
+        if os.getpid() == self._pid:  # a forked child has none of the parent's reads in flight
+            with self._runs:
+                self._runs.wait_for(lambda: not self._running)
         self._release()
 
     def __enter__(self: _S) -> _S:
@@ -1410,16 +1412,17 @@ class HTTPSource(RemoteSource):
         while True:
             conn, reused = self._conns.get(key)
             clock = None
-            if self._deadline is not None:
-                clock = _Clock(self._deadline, self._timeout, conn)
-                # Pooled connections carry the last request's timeout (another source's, or
-                # one a deadline shortened): set this request's.
-                conn.timeout = clock.left()
-            else:
-                conn.timeout = self._timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(conn.timeout)
             try:
+                if self._deadline is not None:
+                    clock = _Clock(self._deadline, self._timeout, conn)
+                    # Pooled connections carry the last request's timeout (another source's,
+                    # or one a deadline shortened): set this request's. (A deadline already
+                    # past raises TimeoutError here, handled as any timeout below.)
+                    conn.timeout = clock.left()
+                else:
+                    conn.timeout = self._timeout
+                if conn.sock is not None:
+                    conn.sock.settimeout(conn.timeout)
                 conn.request("GET", target, headers=headers)
                 if clock is not None:
                     # Kept for the body: a "Connection: close" reply detaches it from conn.
@@ -1565,6 +1568,9 @@ class HTTPSource(RemoteSource):
         except (OSError, http.client.HTTPException) as exc:
             if clock is not None and clock.expired():
                 raise self._past_deadline(clock, "reading a redirect's body") from exc
+            # The rest of the body may still arrive: the connection must not be reused (a
+            # later request, perhaps another file's, would read it as its reply).
+            resp.will_close = True
             resp.close()
             return
         if clock is not None and clock.fired:

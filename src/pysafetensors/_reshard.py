@@ -276,10 +276,13 @@ def _refuse_sharded_output_over_source(
         for n in sorted(os.listdir(out))
         if family.fullmatch(n) and _same_file(os.path.join(out, n), src.path)
     ]
-    if not names:
+    # A shard of the checkpoint the output replaces, whatever its name or subfolder: the
+    # new index takes the old one's place, and that checkpoint's other shards are lost.
+    replaced = os.path.join(out, index_filename(pattern))
+    in_replaced = _index_names_file(replaced, src.path)
+    if not names and not in_replaced:
         return  # not a file the save writes or cleans up: the source stays
-    name = names[0]
-    a_shard = name in _named_by_other_indexes(out, set())
+    a_shard = in_replaced or names[0] in _named_by_other_indexes(out, set())
     if whole and not a_shard:
         return  # the folder's single-file checkpoint, resharded in place
     what = (
@@ -454,6 +457,18 @@ def _remove_replaced_source(
         if os.path.relpath(path, folder) not in kept:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
+
+
+def _index_names_file(index: str, path: str) -> bool:
+    """Whether the index at ``index`` (if any, and readable) names the file ``path``."""
+    try:
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map", {})
+        shards = {v for v in weight_map.values() if isinstance(v, str)}
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return False
+    folder = os.path.dirname(index)
+    return any(_same_file(os.path.join(folder, shard), path) for shard in shards)
 
 
 def _named_by_other_indexes(folder: str, skip: set[str]) -> set[str]:

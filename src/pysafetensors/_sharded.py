@@ -211,7 +211,8 @@ def _parse_index(
 
 def _file_identity(st: os.stat_result) -> tuple[int, ...]:
     """What tells one version of a file from another: a file renamed over it, or rewritten."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    # Not st_ctime: a chmod, chown or new link changes it and is no new save.
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _read_index(
@@ -403,12 +404,8 @@ class ShardedSafeOpen:
             handle = self._handles.get(shard)
             if handle is not None:
                 return handle
-            handle = self._new_shard_handle(shard)
+            handle = self._checked_handle(shard, validate=validate)
             try:
-                self._check_index_unchanged(shard)
-                if validate:
-                    with self._lock:  # _check_shard builds the per-shard table once
-                        self._check_shard(shard, handle)
                 with self._lock:
                     self._live()  # closed meanwhile: this handle would never be closed
                     self._handles[shard] = handle
@@ -416,6 +413,19 @@ class ShardedSafeOpen:
                 handle.close()
                 raise
             return handle
+
+    def _checked_handle(self, shard: str, *, validate: bool = True) -> safe_open:
+        """A new handle on ``shard``, checked against the index; the caller owns it."""
+        handle = self._new_shard_handle(shard)
+        try:
+            self._check_index_unchanged(shard)
+            if validate:
+                with self._lock:  # _check_shard builds the per-shard table once
+                    self._check_shard(shard, handle)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     def _new_shard_handle(self, shard: str) -> safe_open:
         path = self._shard_path(shard)
@@ -623,16 +633,18 @@ class ShardedSafeOpen:
         self._live()
         out: dict[str, Any] = {}
         for shard in self._shards:
-            was_open = shard in self._handles
-            handle = self._open_shard(shard)
-            out.update(handle.get_tensors())
-            if not was_open:
-                # Done with it (its tensors stay valid): a load of hundreds of shards held a
-                # descriptor, and for URLs a connection pool and threads, per shard until the
-                # end. A later read reopens it, checked against the index as the first open.
-                with self._lock:
-                    if self._handles.get(shard) is handle:
-                        del self._handles[shard]
+            handle = self._handles.get(shard)
+            if handle is not None:
+                out.update(handle.get_tensors())
+                continue
+            # A shard not open yet is read through a handle of this call's own, closed once
+            # read (its tensors stay valid): a load of hundreds of shards held a descriptor per
+            # shard until the end. Not shared, so no other thread's read can meet it closed.
+            self._live()
+            handle = self._checked_handle(shard)
+            try:
+                out.update(handle.get_tensors())
+            finally:
                 handle.close()
         return out
 

@@ -116,3 +116,41 @@ def test_a_connection_the_deadline_did_not_end_is_reused(
             src.readinto(offset, memoryview(buf))
             assert bytes(buf) == data[offset : offset + 10]
     assert server.requests == 1 and len(server.seen) == 4
+
+
+def test_a_redirect_body_that_stalls_does_not_leave_its_connection_in_the_pool(
+    raw: Callable[[Script], RawServer],
+) -> None:
+    # A redirect's body that stopped arriving (the socket timed out) was given up, but its
+    # connection went back to the shared pool with the rest of the body still to come: the
+    # next request on it read those bytes as its reply (here, a fake 206 of other content).
+    real = b"REAL-FILE-CONTENT-0123456789"
+    fake = (
+        b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-7/8\r\n"
+        b"Content-Length: 8\r\n\r\nEVILEVIL"
+    )
+    first = b"x" * 10
+
+    def script(conn: socket.socket, request: bytes) -> None:
+        while request:
+            if b" /f " in request.split(b"\r\n", 1)[0]:
+                conn.sendall(
+                    b"HTTP/1.1 302 Found\r\nLocation: /g\r\nContent-Length: %d\r\n\r\n"
+                    % (len(first) + len(fake))
+                    + first
+                )
+                time.sleep(0.8)  # past the client's timeout
+                conn.sendall(fake)  # the rest of the redirect's body
+            else:
+                conn.sendall(
+                    b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-%d/%d\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (len(real) - 1, len(real), len(real)) + real
+                )
+            request = server.read_request(conn)
+
+    server = raw(script)
+    with HTTPSource(server.url("f"), timeout=0.5, head_bytes=64, retries=0) as src:
+        assert src.size == len(real)
+        buf = bytearray(len(real))
+        src.readinto(0, memoryview(buf))
+        assert bytes(buf) == real

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -141,3 +142,51 @@ def test_many_open_sources_share_worker_threads_and_idle_connections(tmp_path: P
             src.close()
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_closes_a_source_whose_parent_was_mid_read(tmp_path: Path) -> None:
+    # close() waits for the source's parallel reads in flight; a child forked during one has
+    # none of them, and its close() waited for ever.
+    import time
+
+    from pysafetensors._remote import HTTPSource
+
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4096)
+    release = threading.Event()
+    handler = type(
+        "Held",
+        (_Handler,),
+        {"root": tmp_path, "hold": "", "release": release, "held": threading.Event()},
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    src = HTTPSource(f"http://127.0.0.1:{server.server_port}/blob.bin", part_size=64 << 10)
+    handler.hold = "blob.bin"  # every request from now on waits for the release
+    out = bytearray(512 << 10)
+    reader = threading.Thread(target=src.readinto, args=(0, memoryview(out)))
+    reader.start()
+    try:
+        assert handler.held.wait(30)  # a parallel read is in flight
+        pid = os.fork()
+        if pid == 0:  # the child: close, then leave at once
+            src.close()
+            os._exit(0)
+        stop = time.monotonic() + 30
+        while time.monotonic() < stop:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the child's close() did not return")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        reader.join(30)
+        src.close()
+        server.shutdown()
+        server.server_close()
+    assert bytes(out) == (bytes(range(256)) * 4096)[: len(out)]

@@ -412,6 +412,27 @@ def test_sharded_outputs_over_a_file_source_in_their_folder_are_refused(tmp_path
         assert all(np.array_equal(loaded[k], v) for k, v in sd.items())
 
 
+def test_resharding_one_shard_named_any_way_into_its_folder_is_refused(tmp_path: Path) -> None:
+    # The source was looked for among the output pattern's names only: a shard the index
+    # names otherwise (part_a.safetensors, sub/...) was resharded into the folder, and the new
+    # index replaced the old one, losing the other shards' tensors.
+    for layout in (
+        {"a": "part_a.safetensors", "b": "part_b.safetensors"},
+        {"a": "sub/x-a.safetensors", "b": "sub/x-b.safetensors"},
+    ):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        for name, shard in layout.items():
+            (folder / shard).parent.mkdir(parents=True, exist_ok=True)
+            save_file({name: np.full(4, 1.0, np.float32)}, str(folder / shard))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": 32}, "weight_map": layout})
+        )
+        with pytest.raises(SafetensorError, match="one shard of the checkpoint") as info:
+            reshard(folder / layout["a"], folder, "1KB")
+        assert info.value.kind == "OutputIsSource"
+        assert sorted(load_file(folder)) == ["a", "b"]
+
+
 def test_a_file_s_own_total_size_key_does_not_replace_the_index_s(tmp_path: Path) -> None:
     sd = {"a": np.ones((64, 64), np.float32), "b": np.zeros((64, 64), np.float16)}
     meta = {"format": "pt", "x": "1", "total_size": "5", "total_parameters": "9"}

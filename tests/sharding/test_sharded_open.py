@@ -375,3 +375,11 @@ def test_one_shard_under_two_spellings_is_one_shard(tmp_path: Path) -> None:
     assert sorted(loaded) == ["a", "b"]
     with safe_open(tmp_path, "np") as f:
         assert f.files() == [str(tmp_path / "x.safetensors")]
+
+
+def test_a_chmod_of_the_index_is_no_new_save(tmp_path: Path) -> None:
+    save_sharded({f"t{i}": np.full(16, i, np.float32) for i in range(4)}, tmp_path, 64)
+    with safe_open(tmp_path, "np") as f:
+        assert len(f.get_tensors()) == 4  # shards read, then closed
+        os.chmod(tmp_path / "model.safetensors.index.json", 0o600)
+        assert f.get_tensor("t3")[0] == 3  # reopened: the same save
