@@ -33,6 +33,7 @@ import contextlib
 import http.client
 import inspect
 import math
+import numbers
 import operator
 import os
 import posixpath
@@ -405,7 +406,8 @@ def _seconds_option(name: str, value: object, *, limit: bool = True) -> float | 
     """
     if value is None and limit:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: numpy's floats and ints too (np.float32 is no float subclass).
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, got {_shown_value(value)}")
     seconds = float(value)
     if limit:

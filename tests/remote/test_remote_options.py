@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pysafetensors import safe_open
@@ -114,6 +115,8 @@ def test_limits_of_none_or_infinity_mean_none(server: RangeServer, data_dir: Pat
         {"timeout": None, "deadline": 30},
         {"deadline": float("inf")},
         {"timeout": float("inf")},
+        # numpy numbers are numbers (np.float32 is no float subclass; it was refused).
+        {"timeout": np.float32(5), "deadline": np.float64(30), "backoff": np.float16(0.1)},
     ):
         with HTTPSource(server.url("small.safetensors"), head_bytes=8, **options) as src:
             buf = bytearray(len(data) - 8)
