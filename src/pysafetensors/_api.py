@@ -52,10 +52,14 @@ class TensorSpec:
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
 
     def __init__(self, *, dtype: str, shape: Any, data_ptr: int, data_len: int) -> None:
+        # The reference's order: every argument's type as its bindings extract them, then
+        # the dtype's name.
         if not isinstance(dtype, str):
             raise not_an_instance("dtype", dtype)
-        dt = dtype_from_name(dtype)
         dims = [_unsigned(d, "shape") for d in _sequence(shape, "shape")]
+        ptr = _unsigned(data_ptr, "data_ptr")
+        length = _unsigned(data_len, "data_len")
+        dt = dtype_from_name(dtype)
         if dt.bits == 4 and dims:
             if dims[-1] * 2 >= 1 << 64:
                 # The reference's checked multiply, and its message.
@@ -66,8 +70,8 @@ class TensorSpec:
             dims[-1] *= 2
         self._dtype: DType = dt
         self._shape = dims
-        self._data_ptr = _unsigned(data_ptr, "data_ptr")
-        self._data_len = _unsigned(data_len, "data_len")
+        self._data_ptr = ptr
+        self._data_len = length
         if self._data_ptr == 0 and self._data_len:
             # Reading it would crash the interpreter, not raise.
             raise SerializeError(
@@ -139,10 +143,7 @@ def _unsigned(value: Any, argument: str) -> int:
 
 def _spec_to_data(name: Any, value: Any) -> TensorData:
     if not isinstance(name, str):
-        raise TypeError(
-            f"argument 'tensor_dict': '{type(name).__name__}' object is not an instance of 'str' "
-            f"(tensor name {name!r})"
-        )
+        raise not_an_instance("tensor_dict", name, detail=f"(tensor name {name!r})")
     if isinstance(value, TensorSpec):
         return value.to_data(name)
     if isinstance(value, Mapping) and {"dtype", "shape", "data"} <= set(value):
@@ -154,18 +155,17 @@ def _spec_to_data(name: Any, value: Any) -> TensorData:
             dtype = dtype_from_name(code)
         data = value["data"]
         return TensorData(name, dtype, tuple(int(d) for d in value["shape"]), lambda: [data])
-    raise TypeError(
-        f"tensor `{name}`: expected a TensorSpec (or a dict with dtype, shape and data), got "
-        f"{type(value).__name__}"
+    raise not_an_instance(
+        "tensor_dict",
+        value,
+        "TensorSpec",
+        f"(tensor `{name}`: a TensorSpec, or a dict with dtype, shape and data)",
     )
 
 
 def _check_dict(tensor_dict: Any) -> Mapping[Any, Any]:
     if not isinstance(tensor_dict, Mapping):
-        raise TypeError(
-            f"argument 'tensor_dict': '{type(tensor_dict).__name__}' object is not an instance "
-            "of 'dict'"
-        )
+        raise not_an_instance("tensor_dict", tensor_dict, "dict")
     return tensor_dict
 
 
@@ -258,10 +258,7 @@ def _to_data(adapter: Adapter, tensors: Mapping[str, Any]) -> list[TensorData]:
     out = []
     for name, tensor in tensors.items():
         if not isinstance(name, str):
-            raise TypeError(
-                f"argument 'tensor_dict': '{type(name).__name__}' object is not an instance of "
-                f"'str' (tensor name {name!r})"
-            )
+            raise not_an_instance("tensor_dict", name, detail=f"(tensor name {name!r})")
         out.append(adapter.to_data(name, tensor))
     return out
 

@@ -297,11 +297,14 @@ def write_error(exc: OSError, path: str | None = None) -> WriteError:
     return err
 
 
-def not_an_instance(argument: str, value: object, expected: str = "str") -> TypeError:
+def not_an_instance(
+    argument: str, value: object, expected: str = "str", detail: str = ""
+) -> TypeError:
     """The reference's error for an argument of the wrong type, word for word (its bindings'
-    text: ``'None' is`` for None, ``'int' object is`` for anything else)."""
+    text: ``'None' is`` for None, ``'int' object is`` for anything else), then ``detail``."""
     what = "'None' is" if value is None else f"'{type(value).__name__}' object is"
-    return TypeError(f"argument '{argument}': {what} not an instance of '{expected}'")
+    tail = f" {detail}" if detail else ""
+    return TypeError(f"argument '{argument}': {what} not an instance of '{expected}'{tail}")
 
 
 def path_argument(value: Any, argument: str = "filename") -> str:

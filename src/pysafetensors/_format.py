@@ -1214,10 +1214,7 @@ def check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str] | None:
 
 def _check_name(name: object) -> str:
     if not isinstance(name, str):
-        raise TypeError(
-            f"argument 'tensor_dict': '{type(name).__name__}' object is not an instance of 'str' "
-            f"(tensor name {name!r})"
-        )
+        raise not_an_instance("tensor_dict", name, detail=f"(tensor name {name!r})")
     if name == "__metadata__":
         raise SerializeError(
             f"{SERIALIZE_PREFIX}a tensor cannot be named `__metadata__`: the name is reserved "

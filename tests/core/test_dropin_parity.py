@@ -724,3 +724,40 @@ def test_f4_with_an_odd_last_dimension_in_torch_says_what_the_reference_says(
         f.get_tensor("t")
     assert str(ours.value).startswith(str(theirs.value))
     assert "framework='numpy'" in str(ours.value)
+
+
+def _spec_cases() -> list[tuple[str, Any]]:
+    ptr = np.zeros(2, np.float32).ctypes.data  # only checked, never read
+    return [
+        (
+            "shape None, bad dtype",
+            lambda m: m.TensorSpec(dtype="bogus", shape=None, data_ptr=ptr, data_len=8),
+        ),
+        (
+            "shape int, bad dtype",
+            lambda m: m.TensorSpec(dtype="x", shape=3, data_ptr=ptr, data_len=8),
+        ),
+        (
+            "data_ptr -1, bad dtype",
+            lambda m: m.TensorSpec(dtype="x", shape=[2], data_ptr=-1, data_len=8),
+        ),
+        ("serialize int value", lambda m: m.serialize({"t": 3})),
+        ("serialize None name", lambda m: m.serialize({None: 3})),
+        (
+            "numpy save None name",
+            lambda m: (ref_np if m is ref else ours_np).save({None: np.zeros(2)}),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", _spec_cases(), ids=[c[0] for c in _spec_cases()])
+def test_argument_errors_of_writes_start_with_the_reference_s_words(case: Any) -> None:
+    # Found by differential fuzzing of writes: TensorSpec checked the dtype's name before the
+    # other arguments' types, and three messages were worded our own way.
+    _, call = case
+    with pytest.raises(Exception) as theirs:
+        call(ref)
+    with pytest.raises(Exception) as ours:
+        call(pysafetensors)
+    assert type(ours.value).__name__ == type(theirs.value).__name__
+    assert str(ours.value).startswith(str(theirs.value))
