@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -397,6 +398,20 @@ def test_hugepage_destinations_true_reaches_batched_part_reads(
     assert part["w"].shape == (32, 1024) and asked and all(asked)
 
 
+@pytest.fixture
+def _sigint_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as in a terminal: a test run started in the background
+    by a non-interactive shell inherits SIGINT ignored, and Python then leaves it ignored."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("_sigint_raises")
 def test_an_interrupt_while_waiting_returns_only_after_the_workers() -> None:
     # Ctrl-C in the waiting caller left the workers reading and issuing device copies while
     # the caller's cleanup (freeing buffers, synchronising the device) ran: the interrupt is
@@ -431,6 +446,7 @@ def test_an_interrupt_while_waiting_returns_only_after_the_workers() -> None:
         timer.cancel()
 
 
+@pytest.mark.usefixtures("_sigint_raises")
 def test_a_second_interrupt_is_raised_at_once() -> None:
     # The first Ctrl-C waits for the workers to finish their current item; a read that hangs
     # must still be interruptible, so a second one is raised without waiting.
