@@ -405,3 +405,31 @@ def test_packed_split_check_names_the_first_bad_rank_without_visiting_all() -> N
     spec = ShardSpec("t", (3 * 10**7 + 1, 1), 0, 0, 0)
     with pytest.raises(ValueError, match=r"rank \d+'s part"):
         _check_byte_aligned({"t": spec}, {"t": 4}, 10**7, "tensor_split")
+
+
+def test_column_parts_are_copied_into_one_destination(tmp_path: Path) -> None:
+    # Each column part had a destination of its own (4-31 MiB for a 7B model), which fell
+    # back to 4 KiB pages once one huge-page step was slow; one destination for all, as the
+    # row parts share, is probed as a whole (a TP=8 column split of a 2 GiB file: 222-316 ms
+    # against 312-492 ms in fresh processes on a 2-core VM).
+    rng = np.random.default_rng(7)
+    tensors = {
+        "a": rng.standard_normal((64, 48)).astype(np.float32),
+        "b": rng.standard_normal((32, 80)).astype(np.float16),
+        "n": rng.standard_normal(48).astype(np.float32),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, path)
+
+    def root(array: np.ndarray) -> Any:
+        """The memory an array views: the owning array, or the buffer object under it."""
+        while isinstance(array.base, np.ndarray):
+            array = array.base
+        return array if array.base is None else array.base
+
+    for rank in range(4):
+        part = load_shard(path, rank, 4, {"a": "columns", "b": "columns"}, framework="np")
+        assert np.array_equal(part["a"], tensors["a"][:, rank * 12 : (rank + 1) * 12])
+        assert np.array_equal(part["b"], tensors["b"][:, rank * 20 : (rank + 1) * 20])
+        assert np.array_equal(part["n"], tensors["n"])
+        assert root(part["a"]) is root(part["b"])
