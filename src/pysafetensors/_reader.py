@@ -52,9 +52,9 @@ from ._sources import (
     MmapSource,
     PreadSource,
     Shared,
-    check_regular,
     empty_bytes,
     lay_out_runs,
+    open_regular_file,
     read_fresh,
     read_ranges_into,
     read_runs_fresh,
@@ -200,19 +200,12 @@ def open_source_for(
 
         source: ByteSource = open_source(path, storage_options=storage_options)
         return source
-    # O_NONBLOCK: open(2) of a FIFO waits for a writer, for ever if none comes (the reference
-    # hangs there); it is refused instead. Devices go on as files of their reported size, as
-    # in the reference (/dev/zero: header too small).
-    nonblock = getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0))
+    # A FIFO is refused instead of waited on (the reference hangs in open(2) for a writer);
+    # devices go on as files of their reported size, as in the reference (/dev/zero: header
+    # too small).
+    fd = open_regular_file(path, devices=True)
     try:
         st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(21, "Is a directory", path)
-        if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
-            check_regular(path, st.st_mode)
-        if nonblock:
-            os.set_blocking(fd, True)
         if backend == "mmap":
             source = MmapSource(fd, path, size=st.st_size)
             os.close(fd)

@@ -1182,9 +1182,7 @@ class _ConnectionPool:
     over a thousand idle sockets and ran out of descriptors. Each request sets its own timeout.
     """
 
-    def __init__(
-        self, timeout: float | None, keep: int, ssl_context: ssl.SSLContext | None
-    ) -> None:
+    def __init__(self, timeout: float | None, ssl_context: ssl.SSLContext | None) -> None:
         self._timeout = timeout
         self._ssl = ssl_context
 
@@ -1205,9 +1203,6 @@ class _ConnectionPool:
 
     def put(self, key: _Key, conn: _Conn) -> None:
         _IDLE.give((key, self._ssl), conn)
-
-    def close(self) -> None:
-        """Nothing to release: idle connections belong to the shared store."""
 
 
 #: Idle connections kept per (scheme, host, port, TLS context), for all sources together.
@@ -1371,7 +1366,8 @@ class HTTPSource(RemoteSource):
         # Validator of servers that send no ETag (``python -m http.server``, some CDNs).
         self._modified: str | None = None
         self._max_redirects = max_redirects
-        self._conns = _ConnectionPool(timeout, max_connections, ssl_context)
+        # Idle connections live in the process-wide store: nothing to release at close.
+        self._conns = _ConnectionPool(timeout, ssl_context)
         try:
             self._open()
         except BaseException:
@@ -1382,9 +1378,6 @@ class HTTPSource(RemoteSource):
     def url(self) -> str:
         """The URL reads go to: the original one, or where it redirected."""
         return self._url
-
-    def _release(self) -> None:
-        self._conns.close()
 
     def _headers_for(self, key: _Key, first: int, last: int) -> dict[str, str]:
         headers = dict(self._headers)

@@ -459,16 +459,21 @@ def _remove_replaced_source(
                 os.remove(path)
 
 
-def _index_names_file(index: str, path: str) -> bool:
-    """Whether the index at ``index`` (if any, and readable) names the file ``path``."""
+def _index_shards(index: str) -> set[str]:
+    """The shard names an index lists, normalised; none for a missing or unreadable one
+    (this only spares files, never deletes one)."""
     try:
         with open(index, encoding="utf-8") as fh:
             weight_map = json.load(fh).get("weight_map", {})
-        shards = {v for v in weight_map.values() if isinstance(v, str)}
+        return {os.path.normpath(v) for v in weight_map.values() if isinstance(v, str)}
     except (OSError, ValueError, AttributeError, RecursionError):
-        return False
+        return set()
+
+
+def _index_names_file(index: str, path: str) -> bool:
+    """Whether the index at ``index`` (if any, and readable) names the file ``path``."""
     folder = os.path.dirname(index)
-    return any(_same_file(os.path.join(folder, shard), path) for shard in shards)
+    return any(_same_file(os.path.join(folder, shard), path) for shard in _index_shards(index))
 
 
 def _named_by_other_indexes(folder: str, skip: set[str]) -> set[str]:
@@ -476,15 +481,9 @@ def _named_by_other_indexes(folder: str, skip: set[str]) -> set[str]:
     nothing: this only spares files, never deletes one)."""
     named: set[str] = set()
     for name in os.listdir(folder):
-        if not name.endswith(".index.json") or name in skip:
-            continue
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as fh:
-                weight_map = json.load(fh).get("weight_map", {})
-            named.update(v for v in weight_map.values() if isinstance(v, str))
-        except (OSError, ValueError, AttributeError, RecursionError):
-            continue
-    return {os.path.normpath(n) for n in named}
+        if name.endswith(".index.json") and name not in skip:
+            named |= _index_shards(os.path.join(folder, name))
+    return named
 
 
 def reshard(

@@ -36,7 +36,12 @@ from ._reader import (
     safe_open,
 )
 from ._remote import shown_location, shown_name, url_dirname, url_join, url_path
-from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
+from ._sharding import (
+    SHARD_SUFFIX,
+    declared_total_size,
+    normal_shard_name,
+    unsafe_shard_name,
+)
 from ._sources import ByteSource
 from ._writer import allow_descriptors
 
@@ -91,7 +96,7 @@ def is_index_path(path: str) -> bool:
 
 
 #: A shard's file name as the hub's pattern makes them: ``<stem>-00002-of-00005.safetensors``.
-_SHARD_NAME: Final = re.compile(r"(.*)-\d{5}-of-(\d{5})\.safetensors")
+_SHARD_NAME: Final = re.compile(r".*" + SHARD_SUFFIX + r"\.safetensors")
 
 
 def resolve_checkpoint(path: str) -> tuple[str, bool]:
@@ -115,7 +120,7 @@ def resolve_checkpoint(path: str) -> tuple[str, bool]:
     if len(indexes) == 1:
         return os.path.join(path, indexes[0]), True
     files = [n for n in names if n.endswith(".safetensors")]
-    shards = [m for n in files if (m := _SHARD_NAME.fullmatch(n)) and int(m.group(2)) > 1]
+    shards = [m for n in files if (m := _SHARD_NAME.fullmatch(n)) and int(m["count"]) > 1]
     if files and not indexes and len(shards) == len(files):
         # Shards of a larger checkpoint without its index (written last): a save interrupted
         # while its files were renamed into place, or a partial download. One of them alone

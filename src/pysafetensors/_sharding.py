@@ -470,12 +470,17 @@ def write_checkpoint(
         remove_stale_files(folder, filename_pattern, written)
 
 
+#: The ``{suffix}`` of a shard among several, as :func:`split_into_shards` writes it
+#: (``-00002-of-00005``); group ``count``: how many shards.
+SHARD_SUFFIX: Final = r"-\d{5}-of-(?P<count>\d{5})"
+
+
 def pattern_family(filename_pattern: str) -> re.Pattern[str]:
     """The names a save with ``filename_pattern`` writes, replaces or cleans up: its single
     file, its shards (``-NNNNN-of-NNNNN``) and its index (``fullmatch`` them)."""
     prefix, _, suffix = filename_pattern.partition("{suffix}")
     return re.compile(
-        re.escape(prefix) + r"(-\d{5}-of-\d{5})?" + re.escape(suffix) + r"(\.index\.json)?"
+        re.escape(prefix) + f"(?:{SHARD_SUFFIX})?" + re.escape(suffix) + r"(\.index\.json)?"
     )
 
 

@@ -217,31 +217,35 @@ def _special_kind(mode: int) -> str:
     return "a special file"
 
 
-def check_regular(path: str, mode: int) -> None:
-    """Raise unless ``mode`` (``st_mode`` of ``path``) is a regular file.
+def check_regular(path: str, mode: int, *, devices: bool = False) -> None:
+    """Raise unless ``mode`` (``st_mode`` of ``path``) is a regular file (or, with
+    ``devices``, a character or block device).
 
     Raises:
         IsADirectoryError: A folder.
-        NotRegularFileError: A FIFO, socket or device.
+        NotRegularFileError: A FIFO, socket or (without ``devices``) device.
     """
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
-    if not stat.S_ISREG(mode):
-        raise NotRegularFileError(errno.EINVAL, f"{_special_kind(mode)}, not a regular file", path)
+    if stat.S_ISREG(mode) or (devices and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode))):
+        return
+    raise NotRegularFileError(errno.EINVAL, f"{_special_kind(mode)}, not a regular file", path)
 
 
-def open_regular_file(path: str) -> int:
+def open_regular_file(path: str, *, devices: bool = False) -> int:
     """Open a local file for reading; return its descriptor (the caller closes it).
 
     Opened with ``O_NONBLOCK``: ``open(2)`` of a FIFO for reading waits for a writer, for ever
     when none comes, so a FIFO among a model's files (or a folder's files) hung every command.
     The descriptor's type is checked with ``fstat`` (not a ``stat`` before opening, which a
     path swapped meanwhile would defeat); only a regular file is returned, in blocking mode.
-    A device (``/dev/zero``, a terminal) is refused as well: its size is not its content.
+    A device (``/dev/zero``, a terminal) is refused as well, its size not being its content,
+    unless ``devices`` (``safe_open`` reads one as the reference does, as a file of its
+    reported size).
 
     Raises:
         IsADirectoryError: ``path`` is a folder.
-        NotRegularFileError: ``path`` is a FIFO, socket or device.
+        NotRegularFileError: ``path`` is a FIFO, socket or (without ``devices``) device.
         OSError: ``path`` cannot be opened.
     """
     nonblock = getattr(os, "O_NONBLOCK", 0)
@@ -250,7 +254,7 @@ def open_regular_file(path: str) -> int:
         os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0),
     )
     try:
-        check_regular(path, os.fstat(fd).st_mode)
+        check_regular(path, os.fstat(fd).st_mode, devices=devices)
         if nonblock:
             os.set_blocking(fd, True)
     except BaseException:
