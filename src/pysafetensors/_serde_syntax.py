@@ -351,6 +351,19 @@ _OTHER_GRAPHEME_EXTEND: Final = frozenset(
 _NOT_GRAPHEME_EXTEND: Final = frozenset([0x1171E])
 
 
+def _grapheme_extend(char: str) -> bool:
+    """Whether ``char`` is Grapheme_Extend (a mark joining the character before it), as the
+    reference's Rust tables have it."""
+    import unicodedata
+
+    if char <= "\x7f":
+        return False
+    code = ord(char)
+    if code in _OTHER_GRAPHEME_EXTEND:
+        return True
+    return unicodedata.category(char) in ("Mn", "Me") and code not in _NOT_GRAPHEME_EXTEND
+
+
 def debug_str(text: str) -> str:
     """``text`` as Rust's ``{:?}`` writes a ``str`` (serde's ``invalid type: string "..."``).
 
@@ -360,23 +373,12 @@ def debug_str(text: str) -> str:
     combining marks (Grapheme_Extend), which would otherwise join the character before them.
     Characters assigned after Python's own Unicode tables (14.0 in 3.11) count as unassigned.
     """
-    import unicodedata
-
     out = ['"']
     for char in text:
         short = _DEBUG_SHORT.get(char)
         if short is not None:
             out.append(short)
-        elif not char.isprintable() or (
-            char > "\x7f"
-            and (
-                (
-                    unicodedata.category(char) in ("Mn", "Me")
-                    and ord(char) not in _NOT_GRAPHEME_EXTEND
-                )
-                or ord(char) in _OTHER_GRAPHEME_EXTEND
-            )
-        ):
+        elif not char.isprintable() or _grapheme_extend(char):
             out.append(f"\\u{{{ord(char):x}}}")
         else:
             out.append(char)
