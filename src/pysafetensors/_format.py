@@ -77,7 +77,7 @@ from ._errors import (
     not_an_instance,
 )
 from ._serde_number import number_in_range, serde_integer, unexpected_number
-from ._serde_syntax import SyntaxErrorAt, debug_str, first_syntax_error
+from ._serde_syntax import SyntaxErrorAt, debug_str, first_syntax_error, position_of_index
 
 __all__ = [
     "DESERIALIZE_PREFIX",
@@ -404,7 +404,7 @@ def _serde_syntax_error(
     type error first (it deserializes as it parses)."""
     if text.lstrip(" \t\n\r")[:1] == "[":
         # The top level is read as a map: a sequence is refused before it is parsed.
-        return _decode_error(prefix_text, "invalid type: sequence, expected struct HashMetadata")
+        return _top_level_type_error(text, [], prefix_text)
     raw = text.encode("utf-8", "surrogatepass")
     found = first_syntax_error(raw)
     if found is None:  # a header too large to walk (see WALK_LIMIT): Python's words
@@ -419,6 +419,22 @@ def _serde_syntax_error(
         trailing.value = decoder.raw_decode(text, start)[0]
         return trailing
     return _walked_error(found, prefix_text)
+
+
+#: Finds where a value ends, converting nothing (no number can fail in it).
+_EXTENT_DECODER: Final = json.JSONDecoder(parse_float=str, parse_int=str, parse_constant=str)
+
+
+def _top_level_type_error(text: str, value: Any, prefix_text: str) -> HeaderDecodeError:
+    """serde's error for a header whose top-level value is no object, at serde's position: a
+    sequence is refused at what it peeked (before the ``[``, nothing of it parsed), any other
+    value once parsed (after its last byte)."""
+    start = len(text) - len(text.lstrip(" \t\n\r"))
+    end = start if isinstance(value, list) else _EXTENT_DECODER.raw_decode(text, start)[1]
+    raw = text[:end].encode("utf-8", "surrogatepass")
+    line, column = position_of_index(raw, len(raw))
+    detail = _unexpected(value, "struct HashMetadata")
+    return _decode_error(prefix_text, f"{detail} at line {line} column {column}")
 
 
 def _walked_error(
@@ -998,7 +1014,7 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
             found = first_syntax_error(text.encode("utf-8", "surrogatepass"))
             if found is not None and not found.typed and found.message != "trailing characters":
                 raise _walked_error(found, prefix_text)
-        raise _decode_error(prefix_text, _unexpected(obj, "struct HashMetadata"))
+        raise _top_level_type_error(text, obj, prefix_text)
     check_surrogates = _MAYBE_SURROGATE.search(text) is not None
 
     # Pass 1, as serde streams the top-level object: __metadata__ is deserialized where it

@@ -56,7 +56,7 @@ class _Found(Exception):  # noqa: N818 - an internal signal, not an error users 
         self.typed = typed
 
 
-def _position(data: bytes, index: int) -> tuple[int, int]:
+def position_of_index(data: bytes, index: int) -> tuple[int, int]:
     """serde_json's ``position_of_index``: line of ``index``, and bytes since its start."""
     start = data.rfind(b"\n", 0, index) + 1
     return data.count(b"\n", 0, start) + 1, index - start
@@ -432,6 +432,6 @@ def first_syntax_error(data: bytes) -> SyntaxErrorAt | None:
         if walk.whitespace() is not None:
             raise walk.peek_error("trailing characters")
     except _Found as found:
-        line, column = _position(data, found.index)
+        line, column = position_of_index(data, found.index)
         return SyntaxErrorAt(found.message, line, column, found.typed)
     return None

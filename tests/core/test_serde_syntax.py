@@ -203,6 +203,36 @@ def test_random_edits_are_refused_in_the_reference_s_words() -> None:
     assert not differ, differ[:5]
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        "[1]",
+        " [ ]",
+        "[garbage",
+        "1",
+        "1 x",
+        "-0",
+        "12345678901234567890123",
+        "null",
+        "nullx",
+        "falsey",
+        '"x"',
+        '"a\\u00e9"',
+        '"\xe9"',
+        '"a"  ]',
+        "\n\n  12",
+        "\t\r\n[{",
+    ],
+)
+def test_a_top_level_value_that_is_no_object_is_placed_as_serde_places_it(header: str) -> None:
+    # serde refuses a sequence at what it peeked (before the "["), any other value once parsed:
+    # the same words and the same line and column, not only the same words.
+    data = _file(header)
+    theirs, ours = _message(ref.deserialize, data), _message(pysafetensors.deserialize, data)
+    assert theirs is not None and _POSITION.search(theirs), theirs
+    assert ours == theirs
+
+
 def test_a_valid_document_has_no_syntax_error() -> None:
     assert first_syntax_error(_BASE.encode()) is None
     assert first_syntax_error(b'  {"a": [1, -0.5e-3, true, null, "\\ud83d\\ude00"]}\n') is None
