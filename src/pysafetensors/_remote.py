@@ -215,6 +215,40 @@ def _url_userinfo(url: str) -> str:
     return parts.netloc.rpartition("@")[0]
 
 
+def _url_secrets(url: str, *, query: bool = False) -> list[str]:
+    """What of ``url`` an exception quoting it must not show: its ``user:password`` and the
+    password alone (where long enough not to match ordinary text); with ``query``, its query
+    string too (a signed URL's signature). Exceptions quote URLs also without their scheme,
+    as paths, which :data:`_URL_CREDENTIALS` cannot recognise."""
+    info = _url_userinfo(url)
+    password = info.partition(":")[2]
+    found = [x for x in (info, password if len(password) >= 4 else "") if x]
+    if query:
+        q = url.partition("?")[2].partition("#")[0]
+        if len(q) >= 4:
+            found.append(q)
+    return found
+
+
+#: Storage option names whose values are secrets (fsspec backends: ``password``, ``token``,
+#: ``secret``, ``key``, ``account_key``, ``sas_token``, ``client_secret``, ``session_token``...).
+_SECRET_OPTION: Final = re.compile(r"pass|secret|token|key|cred|auth|sas|sig", re.IGNORECASE)
+
+
+def _option_secrets(options: Mapping[str, Any]) -> list[str]:
+    """String values of secret-looking storage options (nested mappings too), long enough not
+    to match ordinary text."""
+    found: list[str] = []
+    pending: list[tuple[str, Any]] = list(options.items())
+    while pending:
+        name, value = pending.pop()
+        if isinstance(value, Mapping):
+            pending.extend((f"{name}.{k}", v) for k, v in value.items())
+        elif isinstance(value, str) and len(value) >= 4 and _SECRET_OPTION.search(name):
+            found.append(value)
+    return found
+
+
 def _quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
     """Whether ``exc``, or any exception it chains to, quotes a URL with credentials or one of
     ``secrets``: in its message, its arguments or (botocore's) keyword arguments."""
@@ -499,6 +533,28 @@ class RemoteSource:
     Subclasses implement :meth:`_fetch_once` (one request for an exact range) and call
     :meth:`_open` from their constructor.
     """
+
+    #: Texts a client library's exceptions may quote that must not be shown: credentials in
+    #: a URL, a signed URL's query string, secret storage options (see :meth:`_clean`).
+    _secrets: tuple[str, ...] = ()
+
+    def _clean(self, exc: BaseException | str) -> str:
+        """An exception's text without the credentials and secrets it may quote."""
+        text = _scrubbed(exc) if isinstance(exc, BaseException) else exc
+        for secret in self._secrets:
+            text = text.replace(secret + "@", "").replace(secret, "...")
+        return text
+
+    def _quotes_secret(self, exc: BaseException) -> bool:
+        return _quotes_secret(exc, self._secrets)
+
+    def _raise(self, error: Exception, cause: BaseException) -> NoReturn:
+        """Raise ``error`` chained to ``cause``, unless ``cause`` quotes credentials (then a
+        traceback, ``logging.exception`` or ``--debug`` would print them). Call it outside an
+        ``except`` clause, or the cause is chained anyway as ``__context__``."""
+        if self._quotes_secret(cause):
+            raise error from None
+        raise error from cause
 
     def __init__(
         self,
@@ -1928,10 +1984,7 @@ class S3Source(RemoteSource):
         #: messages here are cleaned of them, and an exception quoting them is not chained).
         secrets: list[str] = []
         for url_given in (endpoint, given_endpoint):
-            info = _url_userinfo(url_given) if url_given else ""
-            password = info.partition(":")[2]
-            # The password alone too, where it is long enough not to match ordinary text.
-            secrets.extend(x for x in (info, password if len(password) >= 4 else "") if x)
+            secrets.extend(_url_secrets(url_given) if url_given else ())
         self._secrets = tuple(secrets)
         if client is None:
             failure: Exception | None = None
@@ -1988,24 +2041,6 @@ class S3Source(RemoteSource):
             kwargs.setdefault("region_name", region_name)
         # A private session: the default one is not safe to build clients from concurrently.
         return boto3.session.Session().client("s3", **kwargs)
-
-    def _clean(self, exc: BaseException | str) -> str:
-        """An exception's text without the endpoint's credentials."""
-        text = _scrubbed(exc) if isinstance(exc, BaseException) else exc
-        for secret in self._secrets:
-            text = text.replace(secret + "@", "").replace(secret, "...")
-        return text
-
-    def _quotes_secret(self, exc: BaseException) -> bool:
-        return _quotes_secret(exc, self._secrets)
-
-    def _raise(self, error: Exception, cause: BaseException) -> NoReturn:
-        """Raise ``error`` chained to ``cause``, unless ``cause`` quotes credentials (then a
-        traceback, ``logging.exception`` or ``--debug`` would print them). Call it outside an
-        ``except`` clause, or the cause is chained anyway as ``__context__``."""
-        if self._quotes_secret(cause):
-            raise error from None
-        raise error from cause
 
     def _error(self, exc: Exception, offset: int, probing: bool) -> Exception:
         """Translate a botocore exception into a RemoteError or a _Transient."""
@@ -2240,6 +2275,13 @@ class FsspecSource(RemoteSource):
         }
         # Before url_to_fs, which may already reach the network.
         _check_common(**common, accept_full_body=DEFAULT_ACCEPT_FULL_BODY)
+        # What fsspec's and its backends' exceptions may quote and must not show: the URL's
+        # credentials and query string (fsspec keeps them in the path) and secret options.
+        self._secrets = tuple(
+            (_url_secrets(target, query=True) if isinstance(target, str) else [])
+            + _option_secrets(storage_options)
+        )
+        failure: Exception | None = None
         if fs is not None:
             path = str(target)
         elif isinstance(target, str):
@@ -2249,7 +2291,12 @@ class FsspecSource(RemoteSource):
                 raise ImportError(
                     "reading this URL needs fsspec: pip install 'pysafetensors[remote]'"
                 ) from exc
-            fs, path = url_to_fs(target, **storage_options)
+            try:
+                fs, path = url_to_fs(target, **storage_options)
+            except Exception as exc:
+                failure = exc
+            if failure is not None:  # outside the except clause: see _raise
+                self._setup_failed(target, failure)
         elif hasattr(target, "fs") and hasattr(target, "path"):
             fs, path = target.fs, str(target.path)
         else:
@@ -2264,9 +2311,31 @@ class FsspecSource(RemoteSource):
         try:
             self._size = int(fs.size(path))
         except Exception as exc:
-            raise self._error(exc, 0) from exc
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, 0, "asking its size failed"), failure)
         if self._head_bytes and self._size:
             self.prefetch_head(self._head_bytes)
+
+    def _setup_failed(self, target: str, failure: Exception) -> NoReturn:
+        """Raise for a filesystem ``url_to_fs`` could not set up, without secrets."""
+        for usage in (ImportError, ValueError, TypeError):
+            if isinstance(failure, usage):
+                # A backend not installed, an unknown protocol, an option it does not take:
+                # the caller's to fix, in fsspec's words.
+                if not self._quotes_secret(failure):
+                    raise failure
+                raise usage(self._clean(failure)) from None
+        # A backend that connects while it is set up (ftp, sftp) and could not.
+        where = shown_location(target)
+        self._raise(
+            RemoteError(
+                f"{where}: the filesystem could not be set up: "
+                f"{type(failure).__name__}: {self._clean(failure)}",
+                kind="ConnectionError",
+            ),
+            failure,
+        )
 
     @property
     def fs(self) -> Any:
@@ -2278,15 +2347,21 @@ class FsspecSource(RemoteSource):
         """The path on :attr:`fs`."""
         return self._path
 
-    def _error(self, exc: Exception, offset: int) -> Exception:
+    def _error(self, exc: Exception, offset: int, failed: str = "") -> Exception:
+        """Translate a filesystem's exception, in words without secrets; ``failed`` says what
+        failed (default: the read at ``offset``)."""
         where = self._name
         if isinstance(exc, (RemoteError, _Transient)):
             return exc
+        text = self._clean(exc)
         if isinstance(exc, FileNotFoundError):
-            return RemoteNotFoundError(f"{where}: not found ({exc})", kind="NotFound")
+            return RemoteNotFoundError(f"{where}: not found ({text})", kind="NotFound")
         if isinstance(exc, PermissionError):
-            return RemotePermissionError(f"{where}: access denied ({exc})", kind="PermissionDenied")
-        return RemoteError(f"{where}: read at offset {offset} failed: {exc!r}", kind="HTTPError")
+            return RemotePermissionError(
+                f"{where}: access denied ({text})", kind="PermissionDenied"
+            )
+        failed = failed or f"read at offset {offset} failed"
+        return RemoteError(f"{where}: {failed}: {type(exc).__name__}: {text}", kind="HTTPError")
 
     def _check_length(self, data: bytes, offset: int, want: int) -> None:
         if len(data) != want:
@@ -2297,10 +2372,13 @@ class FsspecSource(RemoteSource):
 
     def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
         self.stats.add(requests=1)
+        failure: Exception | None = None
         try:
             data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
         except Exception as exc:
-            raise self._error(exc, offset) from exc
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, offset), failure)
         self.stats.add(nbytes=len(data))
         self._check_length(data, offset, out.nbytes)
         out[:] = data
@@ -2312,6 +2390,7 @@ class FsspecSource(RemoteSource):
         # Async filesystems fetch a batch concurrently on their own event loop.
         n = len(parts)
         self.stats.add(requests=n)
+        failure: Exception | None = None
         try:
             blobs = self._fs.cat_ranges(
                 [self._path] * n,
@@ -2320,7 +2399,9 @@ class FsspecSource(RemoteSource):
                 on_error="return",
             )
         except Exception as exc:
-            raise self._error(exc, parts[0].offset) from exc
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, parts[0].offset), failure)
         failed: list[_Part] = []
         for part, blob in zip(parts, blobs, strict=True):
             if isinstance(blob, BaseException) or len(blob) != part.length:

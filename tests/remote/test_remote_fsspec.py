@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import socket
 import struct
+import traceback
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,9 @@ import pytest
 from pysafetensors._remote import (
     DEFAULT_HEAD_BYTES,
     FsspecSource,
+    RemoteError,
     RemoteNotFoundError,
+    RemotePermissionError,
     open_source,
     read_prefix,
 )
@@ -137,3 +141,72 @@ def test_dispatch(mem_url: tuple[str, Path]) -> None:
         src.close()
     with pytest.raises(TypeError):
         open_source(42)
+
+
+def _shown(exc: BaseException) -> str:
+    """What a traceback of ``exc`` prints of it and the exceptions it chains to (their
+    messages and arguments; not the source lines, which quote the test's own literals)."""
+    texts = []
+    seen: BaseException | None = exc
+    while seen is not None:
+        texts += [*traceback.format_exception_only(seen), repr(seen.args)]
+        seen = seen.__cause__ or seen.__context__
+    return "".join(texts)
+
+
+def test_errors_show_no_credentials_from_the_url(mem_url: tuple[str, Path], tmp_path: Path) -> None:
+    # fsspec keeps user:password@ (memory://) and the query string (file://) in the path it
+    # quotes in its own FileNotFoundError.
+    root, _ = mem_url
+    url = root.replace("memory://", "memory://alice:s3cr3t-pw@") + "/missing.safetensors"
+    with pytest.raises(RemoteNotFoundError) as info:
+        open_source(url)
+    assert "missing.safetensors" in str(info.value)
+    assert "s3cr3t-pw" not in _shown(info.value) and "alice" not in _shown(info.value)
+    signed = f"{(tmp_path / 'gone.safetensors').as_uri()}?X-Amz-Signature=deadbeef42"
+    with pytest.raises(RemoteNotFoundError) as info:
+        FsspecSource(signed)
+    assert "gone.safetensors" in str(info.value)
+    assert "deadbeef42" not in _shown(info.value)
+
+
+class _TokenFS(fsspec.AbstractFileSystem):  # type: ignore[misc]
+    """A filesystem that, as backends do, quotes its credentials in its errors."""
+
+    protocol = "pst-token"
+
+    def __init__(self, token: str = "", fail_setup: bool = False, **kwargs: object) -> None:
+        if fail_setup:
+            raise ConnectionError(f"could not log in with token {token}")
+        super().__init__(**kwargs)
+        self.token = token
+
+    def info(self, path: str, **kwargs: object) -> dict[str, object]:
+        raise PermissionError(f"token {self.token} is not allowed to read {path}")
+
+
+def test_errors_show_no_secret_storage_options() -> None:
+    fsspec.register_implementation("pst-token", _TokenFS, clobber=True)
+    with pytest.raises(RemotePermissionError) as info:
+        FsspecSource("pst-token://bucket/model.safetensors", token="tok-0123456789")
+    assert "bucket/model.safetensors" in str(info.value)
+    assert "tok-0123456789" not in _shown(info.value)
+    with pytest.raises(RemoteError) as setup:
+        FsspecSource("pst-token://b/m.safetensors", token="tok-9876543210", fail_setup=True)
+    assert setup.value.kind == "ConnectionError"
+    assert "could not log in" in str(setup.value)
+    assert "tok-9876543210" not in _shown(setup.value)
+
+
+def test_a_backend_that_cannot_connect_is_a_remote_error_without_the_password() -> None:
+    # fsspec's FTP filesystem logs in while it is set up: a refused connection came out as a
+    # bare ConnectionRefusedError, not a SafetensorError.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the connection is tried
+    with pytest.raises(RemoteError) as info:
+        FsspecSource(f"ftp://bob:pw-7654321@127.0.0.1:{port}/m.safetensors")
+    assert info.value.kind == "ConnectionError"
+    assert str(info.value).startswith(f"ftp://127.0.0.1:{port}/m.safetensors: ")
+    assert "ConnectionRefusedError" in str(info.value)
+    assert "pw-7654321" not in _shown(info.value)
