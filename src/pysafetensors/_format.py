@@ -1274,7 +1274,16 @@ def build_layout(
             header is too large.
         TypeError: Names or metadata are not strings.
     """
-    meta = check_metadata(metadata)
+    try:
+        meta = check_metadata(metadata)
+    except (TypeError, UnicodeEncodeError):
+        # The reference reads the tensors' names before the metadata: a name that is not
+        # valid Unicode is the error it reports first.
+        specs = list(specs)
+        for name, _, _ in specs:
+            if isinstance(name, str) and name != "__metadata__":
+                _check_name(name)
+        raise
     items: list[tuple[str, DType, tuple[int, ...]]] = []
     for name, dtype, shape in specs:
         shape_t = tuple(map(int, shape))

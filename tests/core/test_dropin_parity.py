@@ -697,6 +697,19 @@ def test_a_lone_surrogate_in_metadata_is_placed_in_its_string() -> None:
         assert mine == theirs and mine[1] is UnicodeEncodeError
 
 
+@pytest.mark.parametrize("metadata", [{"a": 1}, {1: "a"}, "text", {"k": "\udc00"}])
+@pytest.mark.parametrize("save", [ours_np.save, ours_torch.save], ids=["numpy", "torch"])
+def test_a_lone_surrogate_in_a_name_comes_before_bad_metadata(metadata: Any, save: Any) -> None:
+    # The reference reads the names before the metadata: such a name is its first error (our
+    # SerializeError for it, docs/differences.md), not the metadata's TypeError.
+    array = np.ones(1) if save is ours_np.save else torch.ones(1)
+    with pytest.raises(pysafetensors.SerializeError) as info:
+        save({"\ud800": array}, metadata=metadata)
+    assert info.value.kind == "InvalidName"
+    theirs = _outcome(lambda: ref_np.save({"\ud800": np.ones(1)}, metadata=metadata))
+    assert theirs[1] is UnicodeEncodeError and "'\\ud800'" in theirs[2]
+
+
 @pytest.mark.parametrize(
     ("value", "shown"),
     [([1.0], "list"), (None, "NoneType"), (torch.ones(1), "torch.Tensor"), (b"ab", "bytes")],
