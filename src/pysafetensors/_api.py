@@ -8,7 +8,7 @@ import ctypes
 import operator
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -50,6 +50,12 @@ class TensorSpec:
     """
 
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TensorSpec:
+        # Wrong arguments in the reference's words (its bindings' __new__), not Python's
+        # (``__init__() takes 1 positional argument``, ``keyword-only arguments``).
+        _check_spec_arguments(args, kwargs)
+        return super().__new__(cls)
 
     def __init__(self, *, dtype: str, shape: Any, data_ptr: int, data_len: int) -> None:
         # The reference's order: every argument's type as its bindings extract them, then
@@ -98,6 +104,16 @@ class TensorSpec:
         """Length of the data in bytes."""
         return self._data_len
 
+    def __copy__(self) -> TensorSpec:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: Any) -> TensorSpec:
+        return self  # a copy of the address, not of the memory: the same spec
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # An address means nothing in another process (the reference's cannot be pickled).
+        raise TypeError("cannot pickle 'TensorSpec' object: it holds a memory address")
+
     def __repr__(self) -> str:
         return (
             f"TensorSpec(dtype={self.dtype!r}, shape={self._shape}, data_ptr={self._data_ptr}, "
@@ -113,6 +129,29 @@ class TensorSpec:
                 yield (ctypes.c_char * length).from_address(ptr)
 
         return TensorData(name, self._dtype, tuple(self._shape), chunks)
+
+
+_SPEC_ARGUMENTS: Final = ("dtype", "shape", "data_ptr", "data_len")
+
+
+def _check_spec_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Refuse what ``TensorSpec(...)`` cannot take as the reference's bindings word it:
+    positional arguments, then an unknown keyword, then missing ones."""
+    where = "TensorSpec.__new__()"
+    if args:
+        were = "was" if len(args) == 1 else "were"
+        raise TypeError(f"{where} takes 0 positional arguments but {len(args)} {were} given")
+    for name in kwargs:
+        if name not in _SPEC_ARGUMENTS:
+            raise TypeError(f"{where} got an unexpected keyword argument '{name}'")
+    missing = [f"'{name}'" for name in _SPEC_ARGUMENTS if name not in kwargs]
+    if missing:
+        if len(missing) <= 2:
+            listed = " and ".join(missing)
+        else:
+            listed = f"{', '.join(missing[:-1])}, and {missing[-1]}"
+        plural = "argument" if len(missing) == 1 else "arguments"
+        raise TypeError(f"{where} missing {len(missing)} required keyword {plural}: {listed}")
 
 
 def _sequence(value: Any, argument: str) -> Any:

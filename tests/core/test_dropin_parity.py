@@ -282,6 +282,39 @@ def test_tensor_spec_checks_arguments_like_the_reference(change: dict[str, Any])
         assert mine[0] == "error" and mine[1] is theirs[1] and mine[2] == theirs[2]
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((1,), {}),
+        (("float32", [1], 0, 0), {}),
+        ((1,), {"x": 1}),
+        ((), {}),
+        ((), {"dtype": "float32"}),
+        ((), {"dtype": "float32", "shape": [1]}),
+        ((), {"dtype": "float32", "shape": [1], "data_ptr": 0}),
+        ((), {"dtype": "float32", "x": 1}),
+        ((), {"dtype": "float32", "shape": [1], "data_ptr": 0, "data_len": 0, "size": 0}),
+    ],
+)
+def test_tensor_spec_refuses_wrong_arguments_in_the_reference_s_words(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    # Python's words were its own (``__init__() takes 1 positional argument but 2 were
+    # given``, ``keyword-only arguments``); the reference's bindings word it from __new__.
+    theirs = _outcome(lambda: ref.TensorSpec(*args, **kwargs))
+    mine = _outcome(lambda: pysafetensors.TensorSpec(*args, **kwargs))
+    assert theirs[0] == "error" and mine == theirs
+
+
+def test_tensor_spec_copies_as_itself_and_does_not_pickle() -> None:
+    import copy
+
+    spec = pysafetensors.TensorSpec(dtype="float32", shape=[0], data_ptr=0, data_len=0)
+    assert copy.copy(spec) is spec and copy.deepcopy(spec) is spec
+    with pytest.raises(TypeError, match="cannot pickle 'TensorSpec' object"):
+        pickle.dumps(spec)  # a memory address means nothing in another process
+
+
 def test_tensor_spec_refuses_a_null_pointer_instead_of_crashing() -> None:
     # The reference dereferences it (the interpreter dies); we refuse.
     with pytest.raises(pysafetensors.SerializeError, match="data_ptr is null"):
