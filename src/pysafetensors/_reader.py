@@ -162,7 +162,7 @@ def _is_sharded_target(filename: Any) -> bool:
         return False
     path = os.fsdecode(os.fspath(filename))
     if "://" in path:
-        from ._remote import url_path
+        from ._remote_urls import url_path
 
         # The path part only: ``.../model.safetensors.index.json?download=true`` is an index.
         return url_path(path).endswith(".index.json")

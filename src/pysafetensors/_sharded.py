@@ -35,7 +35,7 @@ from ._reader import (
     open_source_for,
     safe_open,
 )
-from ._remote import shown_location, shown_name, url_dirname, url_join, url_path
+from ._remote_urls import shown_location, shown_name, url_dirname, url_join, url_path
 from ._sharding import (
     SHARD_SUFFIX,
     declared_total_size,

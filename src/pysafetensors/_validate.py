@@ -41,7 +41,7 @@ from ._format import (
     parse_header_length,
     top_level_members,
 )
-from ._remote import shown_location, shown_name, url_dirname, url_join
+from ._remote_urls import shown_location, shown_name, url_dirname, url_join
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
 

@@ -186,7 +186,7 @@ def _refuse_url(path: str) -> None:
     """Refuse a URL as a source, naming it without credentials or query string (a password
     or a signed URL's signature must not reach messages): checkpoints are read locally."""
     if "://" in path:
-        from ._remote import shown_location
+        from ._remote_urls import shown_location
 
         raise FileNotFoundError(
             errno.ENOENT,

@@ -44,7 +44,7 @@ from typing import Any, Final, Literal, cast
 
 from ._errors import SafetensorError, input_path
 from ._pickle_vm import OPNAMES, TRUNCATED, Limits, Machine
-from ._remote import shown_location
+from ._remote_urls import shown_location
 from ._sources import open_regular_file
 from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile
 from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup

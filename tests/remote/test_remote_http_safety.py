@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 
 from pysafetensors._errors import RemoteError
-from pysafetensors._remote import (
-    HTTPSource,
-    RemotePermissionError,
-    _credentials_may_go,
-    _parse_content_range,
-)
+from pysafetensors._remote import HTTPSource, RemotePermissionError
+from pysafetensors._remote_http import _credentials_may_go
+from pysafetensors._remote_source import _parse_content_range
 
 from .rangeserver import TOKEN, TRICKLE_SECONDS, RangeServer
 

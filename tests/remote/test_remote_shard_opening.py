@@ -108,7 +108,7 @@ def test_many_open_sources_share_worker_threads_and_idle_connections(tmp_path: P
     # Each remote source kept its own pool of up to max_connections threads and idle sockets
     # for as long as it was open: a handle on 200 shards of one server held over a thousand
     # sockets and ran out of descriptors; 64 shards read held 408 idle threads.
-    from pysafetensors import _remote
+    from pysafetensors import _remote_http, _remote_source
     from pysafetensors._remote import HTTPSource
 
     blob = tmp_path / "blob.bin"
@@ -130,13 +130,13 @@ def test_many_open_sources_share_worker_threads_and_idle_connections(tmp_path: P
             assert bytes(out) == data[i * 1000 : i * 1000 + len(out)]
         workers = [t for t in threading.enumerate() if t.name.startswith("pysafetensors-remote")]
         assert 0 < len(workers) <= 64  # were 8 a source: 320
-        assert len(workers) <= _remote._Workers.SIZE
+        assert len(workers) <= _remote_source._Workers.SIZE
         idle = sum(
             len(conns)
-            for ((_, _, port), _), conns in _remote._IDLE._idle.items()
+            for ((_, _, port), _), conns in _remote_http._IDLE._idle.items()
             if port == server.server_port
         )
-        assert 0 < idle <= _remote._IDLE_PER_HOST
+        assert 0 < idle <= _remote_http._IDLE_PER_HOST
     finally:
         for src in sources:
             src.close()

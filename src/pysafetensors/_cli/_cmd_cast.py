@@ -24,7 +24,7 @@ import numpy as np
 
 from .._adapter import numpy_dtype
 from .._dtypes import DType, dtype_from_code
-from .._remote import shown_name
+from .._remote_urls import shown_name
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from ._common import (
     Model,

@@ -25,7 +25,7 @@ from .._dtypes import DType
 from .._errors import SafetensorError
 from .._format import Header
 from .._reader import read_header
-from .._remote import shown_location as shown
+from .._remote_urls import shown_location as shown
 from .._sharding import as_header_metadata, model_metadata
 from .._sources import ByteSource
 from .._validate import (

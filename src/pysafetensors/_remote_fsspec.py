@@ -1,0 +1,223 @@
+"""Any fsspec filesystem (``gcs://``, ``az://``, ``hf://``, ``memory://``...):
+:class:`FsspecSource`."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from ._errors import (
+    RemoteError,
+    RemoteNotFoundError,
+    RemotePermissionError,
+)
+from ._remote_source import (
+    DEFAULT_ACCEPT_FULL_BODY,
+    DEFAULT_HEAD_BYTES,
+    DEFAULT_MAX_GAP,
+    DEFAULT_PART_SIZE,
+    RemoteSource,
+    _check_common,
+    _Part,
+    _Transient,
+)
+from ._remote_urls import _option_secrets, _redact, _url_secrets, shown_location
+
+
+class FsspecSource(RemoteSource):
+    """Random access to a file on any fsspec filesystem (``gcs://``, ``az://``, ``hf://``...).
+
+    Reads go through ``fs.cat_file(path, start, end)``; several parts through one
+    ``fs.cat_ranges`` call on asynchronous filesystems (which run them concurrently), else
+    through worker threads. Each range counts as one request in ``stats``, as does learning
+    the size.
+
+    Args:
+        target: A URL (``memory://x.safetensors``), an ``fsspec.core.OpenFile``, or a path on
+            ``fs``.
+        fs: The filesystem ``target`` is a path on.
+        max_connections: Worker threads for synchronous filesystems.
+        part_size: Largest single range when a read is split.
+        max_gap: Ranges closer than this are merged by ``readinto_many``.
+        head_bytes: Bytes fetched and cached when opening.
+        retries: Repeats after a short read.
+        backoff: First retry delay in seconds.
+        **storage_options: Passed to the filesystem when ``target`` is a URL.
+
+    Raises:
+        ImportError: fsspec is not installed.
+        RemoteNotFoundError: The file does not exist.
+        RemotePermissionError: The filesystem refused access.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        *,
+        fs: Any = None,
+        max_connections: int = 8,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_gap: int = DEFAULT_MAX_GAP,
+        head_bytes: int = DEFAULT_HEAD_BYTES,
+        retries: int = 1,
+        backoff: float = 0.2,
+        **storage_options: Any,
+    ) -> None:
+        common: dict[str, Any] = {
+            "max_connections": max_connections,
+            "part_size": part_size,
+            "max_gap": max_gap,
+            "head_bytes": head_bytes,
+            "retries": retries,
+            "backoff": backoff,
+        }
+        # Before url_to_fs, which may already reach the network.
+        _check_common(**common, accept_full_body=DEFAULT_ACCEPT_FULL_BODY)
+        # What fsspec's and its backends' exceptions may quote and must not show: the URL's
+        # credentials and query string (fsspec keeps them in the path) and secret options.
+        self._secrets = tuple(
+            (_url_secrets(target, query=True) if isinstance(target, str) else [])
+            + _option_secrets(storage_options)
+        )
+        failure: Exception | None = None
+        if fs is not None:
+            path = str(target)
+        elif isinstance(target, str):
+            try:
+                from fsspec.core import url_to_fs
+            except ImportError as exc:
+                raise ImportError(
+                    "reading this URL needs fsspec: pip install 'pysafetensors[remote]'"
+                ) from exc
+            try:
+                fs, path = url_to_fs(target, **storage_options)
+            except Exception as exc:
+                failure = exc
+            if failure is not None:  # outside the except clause: see _raise
+                self._setup_failed(target, failure)
+        elif hasattr(target, "fs") and hasattr(target, "path"):
+            fs, path = target.fs, str(target.path)
+        else:
+            raise TypeError(
+                f"FsspecSource needs a URL, an fsspec OpenFile or fs=; got {type(target).__name__}"
+            )
+        name = target if isinstance(target, str) and "://" in target else fs.unstrip_protocol(path)
+        super().__init__(_redact(name) if "://" in name else name, **common)
+        self._fs = fs
+        self._path = path
+        self.stats.add(requests=1)
+        try:
+            self._size = int(fs.size(path))
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, 0, "asking its size failed"), failure)
+        if self._head_bytes and self._size:
+            self.prefetch_head(self._head_bytes)
+
+    def _setup_failed(self, target: str, failure: Exception) -> NoReturn:
+        """Raise for a filesystem ``url_to_fs`` could not set up, without secrets."""
+        for usage in (ImportError, ValueError, TypeError):
+            if isinstance(failure, usage):
+                # A backend not installed, an unknown protocol, an option it does not take:
+                # the caller's to fix, in fsspec's words.
+                if not self._quotes_secret(failure):
+                    raise failure
+                raise usage(self._clean(failure)) from None
+        # A backend that connects while it is set up (ftp, sftp) and could not.
+        where = shown_location(target)
+        self._raise(
+            RemoteError(
+                f"{where}: the filesystem could not be set up: "
+                f"{type(failure).__name__}: {self._clean(failure)}",
+                kind="ConnectionError",
+            ),
+            failure,
+        )
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem read from."""
+        return self._fs
+
+    @property
+    def path(self) -> str:
+        """The path on :attr:`fs`."""
+        return self._path
+
+    def _error(self, exc: Exception, offset: int, failed: str = "") -> Exception:
+        """Translate a filesystem's exception, in words without secrets; ``failed`` says what
+        failed (default: the read at ``offset``)."""
+        where = self._name
+        if isinstance(exc, (RemoteError, _Transient)):
+            return exc
+        text = self._clean(exc)
+        if isinstance(exc, FileNotFoundError):
+            return RemoteNotFoundError(f"{where}: not found ({text})", kind="NotFound")
+        if isinstance(exc, PermissionError):
+            return RemotePermissionError(
+                f"{where}: access denied ({text})", kind="PermissionDenied"
+            )
+        failed = failed or f"read at offset {offset} failed"
+        return RemoteError(f"{where}: {failed}: {type(exc).__name__}: {text}", kind="HTTPError")
+
+    def _check_length(self, data: bytes, offset: int, want: int) -> None:
+        if len(data) != want:
+            raise _Transient(
+                f"{self._name}: short read: got {len(data)} of {want} bytes at offset {offset}",
+                "Truncated",
+            )
+
+    def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
+        self.stats.add(requests=1)
+        failure: Exception | None = None
+        try:
+            data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, offset), failure)
+        self.stats.add(nbytes=len(data))
+        self._check_length(data, offset, out.nbytes)
+        out[:] = data
+
+    def _run(self, parts: list[_Part], out: memoryview) -> None:
+        if len(parts) < 2 or not getattr(self._fs, "async_impl", False):
+            super()._run(parts, out)
+            return
+        # Async filesystems fetch a batch concurrently on their own event loop.
+        n = len(parts)
+        self.stats.add(requests=n)
+        failure: Exception | None = None
+        try:
+            blobs = self._fs.cat_ranges(
+                [self._path] * n,
+                [p.offset for p in parts],
+                [p.offset + p.length for p in parts],
+                on_error="return",
+            )
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, parts[0].offset), failure)
+        failed: list[_Part] = []
+        for part, blob in zip(parts, blobs, strict=True):
+            if isinstance(blob, BaseException) or len(blob) != part.length:
+                failed.append(part)
+                continue
+            self.stats.add(nbytes=len(blob))
+            self._deliver(part, blob, out)
+        # Anything that failed goes through the one-request path, with its retries and errors.
+        for part in failed:
+            self._do_part(part, out)
+
+    @staticmethod
+    def _deliver(part: _Part, data: bytes, out: memoryview) -> None:
+        if part.target is not None:
+            part.target[:] = data
+            return
+        p_stop = part.offset + part.length
+        for it in part.items:
+            a = max(it.offset, part.offset)
+            b = min(it.offset + it.length, p_stop)
+            dst = it.pos + (a - it.offset)
+            out[dst : dst + (b - a)] = data[a - part.offset : b - part.offset]

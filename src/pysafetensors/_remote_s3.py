@@ -1,0 +1,395 @@
+"""Amazon S3 and compatible stores through boto3: :class:`S3Source`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Final
+
+from ._errors import (
+    RemoteError,
+    RemoteNotFoundError,
+    RemotePermissionError,
+)
+from ._remote_source import (
+    DEFAULT_ACCEPT_FULL_BODY,
+    DEFAULT_HEAD_BYTES,
+    DEFAULT_MAX_GAP,
+    DEFAULT_PART_SIZE,
+    RemoteSource,
+    _optional_str,
+    _parse_content_range,
+    _shown_value,
+    _Transient,
+)
+from ._remote_urls import _url_secrets
+
+#: S3 error codes that mean "this object or bucket is not there".
+_S3_MISSING: Final = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion", "NotFound", "404"})
+#: S3 error codes about credentials or permissions.
+_S3_DENIED: Final = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "403",
+    }
+)
+
+
+def _split_s3_url(url: str) -> tuple[str, str]:
+    # Not urlsplit: keys may contain '?' and '#', which are not query or fragment in S3.
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("s3", "s3a") or "/" not in rest:
+        raise ValueError(f"not an s3://bucket/key URL: {url!r}")
+    bucket, _, key = rest.partition("/")
+    if not bucket or not key:
+        raise ValueError(f"not an s3://bucket/key URL: {url!r}")
+    return bucket, key
+
+
+class S3Source(RemoteSource):
+    """Random access to an S3 object (or any S3-compatible store) with ranged ``GetObject``.
+
+    Needs ``boto3`` (``pip install 'pysafetensors[s3]'``). Credentials come from boto3's usual
+    chain (environment, shared config, instance roles); the endpoint from ``endpoint_url``, else
+    ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL`` (for MinIO, R2, moto...). S3 serves one
+    range per request, so coalescing matters more here than over HTTP.
+
+    Every reply must carry a ``ContentRange`` matching the request, and the object's ETag must
+    not change while it is open.
+
+    Args:
+        url: ``s3://bucket/key``.
+        client: A ready boto3 S3 client; when given, the other client options are ignored.
+        endpoint_url: S3 endpoint, overriding the environment.
+        region_name: Region for the client.
+        anon: Send unsigned requests (public buckets).
+        version_id: Read this version of the object.
+        client_kwargs: Extra keyword arguments for ``boto3.session.Session().client``.
+        max_connections: Parallel requests (also the client's connection pool size).
+        part_size: Largest single request when a read is split.
+        max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
+        head_bytes: Bytes fetched and cached when opening.
+        retries: Repeats after a truncated body (botocore retries throttling and 5xx itself).
+        backoff: First retry delay in seconds.
+
+    Raises:
+        ImportError: boto3 is not installed.
+        TypeError: An option of the wrong type.
+        ValueError: Not an ``s3://bucket/key`` URL, or an option out of range.
+        RemoteNotFoundError: NoSuchKey, NoSuchBucket.
+        RemotePermissionError: AccessDenied, InvalidAccessKeyId, missing credentials...
+        RemoteError: Anything else the store or the connection reports.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        client: Any = None,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        anon: bool = False,
+        version_id: str | None = None,
+        client_kwargs: Mapping[str, Any] | None = None,
+        max_connections: int = 8,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_gap: int = DEFAULT_MAX_GAP,
+        head_bytes: int = DEFAULT_HEAD_BYTES,
+        retries: int = 3,
+        backoff: float = 0.2,
+    ) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"an s3:// URL must be a string, got {type(url).__name__}")
+        self._bucket, self._key = _split_s3_url(url)
+        for option, value in (
+            ("endpoint_url", endpoint_url),
+            ("region_name", region_name),
+            ("version_id", version_id),
+        ):
+            _optional_str(option, value)
+        if not isinstance(anon, bool):
+            raise TypeError(f"anon must be True or False, got {_shown_value(anon)}")
+        if client_kwargs is not None and not isinstance(client_kwargs, Mapping):
+            raise TypeError(
+                f"client_kwargs must be a mapping or None, got {type(client_kwargs).__name__}"
+            )
+        super().__init__(
+            f"s3://{self._bucket}/{self._key}",
+            max_connections=max_connections,
+            part_size=part_size,
+            max_gap=max_gap,
+            head_bytes=head_bytes,
+            retries=retries,
+            backoff=backoff,
+            # S3 always honours Range; a reply without ContentRange is a broken proxy.
+            accept_full_body=DEFAULT_ACCEPT_FULL_BODY,
+        )
+        self._version_id = version_id
+        try:
+            import botocore.exceptions
+        except ImportError as exc:
+            raise ImportError(
+                "reading s3:// URLs needs boto3: pip install 'pysafetensors[s3]' "
+                "(or pass an fsspec URL with s3fs installed through FsspecSource)"
+            ) from exc
+        self._botoexc: Any = botocore.exceptions
+        # Recent botocore reads these variables itself; reading them here also covers old ones.
+        endpoint = (
+            endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+        )
+        given_endpoint = (client_kwargs or {}).get("endpoint_url")
+        given_endpoint = given_endpoint if isinstance(given_endpoint, str) else None
+        if client is not None:
+            given_endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None)
+            given_endpoint = given_endpoint if isinstance(given_endpoint, str) else None
+            endpoint = None
+        #: Credentials in the endpoint URL: botocore's exceptions quote the URL as given (the
+        #: messages here are cleaned of them, and an exception quoting them is not chained).
+        secrets: list[str] = []
+        for url_given in (endpoint, given_endpoint):
+            secrets.extend(_url_secrets(url_given) if url_given else ())
+        self._secrets = tuple(secrets)
+        if client is None:
+            failure: Exception | None = None
+            try:
+                client = self._make_client(
+                    endpoint, region_name, anon, max_connections, client_kwargs or {}
+                )
+            except Exception as exc:
+                if not self._quotes_secret(exc):
+                    raise
+                failure = exc
+            if failure is not None:
+                # Outside the except clause: not even as __context__.
+                raise ValueError(
+                    f"{self._name}: the S3 endpoint URL (shown without its credentials) was "
+                    f"refused: {self._clean(failure)}"
+                ) from None
+        self._client = client
+        try:
+            self._open()
+        except BaseException:
+            self.close()  # a head_bytes above part_size may have started worker threads
+            raise
+
+    @staticmethod
+    def _make_client(
+        endpoint: str | None,
+        region_name: str | None,
+        anon: bool,
+        max_connections: int,
+        client_kwargs: Mapping[str, Any],
+    ) -> Any:
+        import boto3
+        import botocore
+        from botocore.config import Config
+
+        config = Config(
+            max_pool_connections=max(10, max_connections),
+            retries={"max_attempts": 4, "mode": "standard"},
+            signature_version=botocore.UNSIGNED if anon else None,
+        )
+        kwargs: dict[str, Any] = dict(client_kwargs)
+        given = kwargs.get("config")
+        # A user's Config (timeouts, say) is merged over ours rather than replacing it: as a
+        # whole it dropped anon=True (requests were then signed, or failed without
+        # credentials), the connection pool size and the retry settings.
+        kwargs["config"] = config.merge(given) if given is not None else config
+        if anon:
+            # Anonymous means unsigned, whatever the given Config says.
+            kwargs["config"] = kwargs["config"].merge(Config(signature_version=botocore.UNSIGNED))
+        if endpoint:
+            kwargs.setdefault("endpoint_url", endpoint)
+        if region_name:
+            kwargs.setdefault("region_name", region_name)
+        # A private session: the default one is not safe to build clients from concurrently.
+        return boto3.session.Session().client("s3", **kwargs)
+
+    def _error(self, exc: Exception, offset: int, probing: bool) -> Exception:
+        """Translate a botocore exception into a RemoteError or a _Transient."""
+        bexc = self._botoexc
+        where = self._name
+        if isinstance(exc, bexc.ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            message = self._clean(str(err.get("Message", "")) or code)
+            if code in _S3_MISSING or status == 404:
+                what = "bucket" if code == "NoSuchBucket" else "object"
+                return RemoteNotFoundError(
+                    f"{where}: no such {what} ({code or status}: {message})", kind="NotFound"
+                )
+            if code in _S3_DENIED or status in (401, 403):
+                return RemotePermissionError(
+                    f"{where}: access denied ({code or status}: {message}); check the AWS "
+                    "credentials (AWS_ACCESS_KEY_ID/AWS_PROFILE), the endpoint, or pass "
+                    "anon=True for a public bucket",
+                    kind="PermissionDenied",
+                )
+            if code in ("PreconditionFailed",) or status == 412:
+                return RemoteError(f"{where} changed while open; reopen it", kind="Changed")
+            if code == "InvalidRange" or status == 416:
+                return RemoteError(
+                    f"{where}: range at offset {offset} not satisfiable ({message})",
+                    kind="RangeNotSatisfiable",
+                    offset=offset,
+                )
+            if status >= 500 or code in ("SlowDown", "InternalError", "RequestTimeout"):
+                return _Transient(f"{where}: {code or status}: {message}", "HTTPError")
+            return RemoteError(f"{where}: {code or status}: {message}", kind="HTTPError")
+        if isinstance(exc, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
+            return RemotePermissionError(
+                f"{where}: no usable AWS credentials ({self._clean(exc)}); set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, configure a profile, or pass "
+                "anon=True",
+                kind="PermissionDenied",
+            )
+        if isinstance(
+            exc,
+            (
+                bexc.IncompleteReadError,
+                bexc.ResponseStreamingError,
+                bexc.ReadTimeoutError,
+                bexc.ConnectionClosedError,
+            ),
+        ):
+            return _Transient(f"{where}: transfer interrupted: {self._clean(exc)}", "Truncated")
+        # Endpoint unreachable and the like: botocore already retried.
+        return RemoteError(f"{where}: {self._clean(exc)}", kind="ConnectionError")
+
+    def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
+        bexc = self._botoexc
+        kwargs: dict[str, Any] = {
+            "Bucket": self._bucket,
+            "Key": self._key,
+            "Range": f"bytes={offset}-{offset + out.nbytes - 1}",
+        }
+        if self._version_id:
+            kwargs["VersionId"] = self._version_id
+        self.stats.add(requests=1)
+        # Failures are raised after their except clause, so that one quoting the endpoint's
+        # credentials is not chained (see _raise).
+        failure: Exception | None = None
+        empty = False
+        try:
+            resp = self._client.get_object(**kwargs)
+        except bexc.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            # An empty object has no byte 0; ask for its size instead.
+            empty = probing and code == "InvalidRange"
+            failure = None if empty else exc
+        except bexc.BotoCoreError as exc:
+            failure = exc
+        if empty:
+            self._probe_empty()
+            return
+        if failure is not None:
+            error = self._error(failure, offset, probing)
+            if isinstance(failure, bexc.BotoCoreError) and isinstance(error, _Transient):
+                # botocore already retried the request itself (its max_attempts): a timeout or
+                # a dropped connection here is final, not a truncated body for our retries
+                # (which multiplied botocore's: ~20 minutes against a stalled endpoint at the
+                # defaults).
+                error = RemoteError(f"{self._name}: {self._clean(failure)}", kind="ConnectionError")
+            self._raise(error, failure)
+        body = resp["Body"]
+        try:
+            self._consume(resp, body, offset, out, probing)
+        except bexc.BotoCoreError as exc:
+            failure = exc
+        finally:
+            body.close()
+        if failure is not None:
+            self._raise(self._error(failure, offset, probing), failure)
+
+    def _probe_empty(self) -> None:
+        bexc = self._botoexc
+        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Key": self._key}
+        if self._version_id:
+            kwargs["VersionId"] = self._version_id
+        self.stats.add(requests=1)
+        failure: Exception | None = None
+        try:
+            resp = self._client.head_object(**kwargs)
+        except (bexc.ClientError, bexc.BotoCoreError) as exc:
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, 0, True), failure)
+        size = int(resp.get("ContentLength", 0))
+        if size != 0:
+            raise RemoteError(
+                f"{self._name}: range 0- refused although the object has {size} bytes",
+                kind="RangeNotSatisfiable",
+            )
+        self._size = 0
+        self._etag = resp.get("ETag")
+
+    def _consume(
+        self, resp: Mapping[str, Any], body: Any, offset: int, out: memoryview, probing: bool
+    ) -> None:
+        where = self._name
+        first, last, total = _parse_content_range(resp.get("ContentRange"), where)
+        length = int(resp.get("ContentLength", -1))
+        etag = resp.get("ETag")
+        if first is None or last is None or total is None:
+            # No ContentRange: the range was ignored and the body is the whole object.
+            if length < 0 or length > self._accept_full_body:
+                raise RemoteError(
+                    f"{where}: the store ignored the Range and is sending the whole object "
+                    f"({length} bytes); ranged reads are not supported there",
+                    kind="RangeNotSupported",
+                )
+            if not probing and (
+                length != self._size or (etag and self._etag and etag != self._etag)
+            ):
+                # Another version of the object (as for ranged replies, and as the HTTP source
+                # checks a whole body): its bytes must not be read at this version's offsets.
+                raise RemoteError(f"{where} changed while open; reopen it", kind="Changed")
+            whole = bytearray(length)
+            self._read_body(body, memoryview(whole), offset)
+            if probing:
+                self._etag = etag
+            self._cached_whole(bytes(whole), length)
+            want = min(out.nbytes, max(0, length - offset))
+            out[:want] = whole[offset : offset + want]
+            return
+        want = min(out.nbytes, total - offset) if probing else out.nbytes
+        if first != offset or last != offset + want - 1:
+            raise RemoteError(
+                f"{where}: asked for bytes {offset}-{offset + want - 1}, store sent {first}-{last}",
+                kind="RangeMismatch",
+            )
+        if probing:
+            self._etag = etag
+        elif total != self._size or (etag and self._etag and etag != self._etag):
+            raise RemoteError(f"{where} changed while open; reopen it", kind="Changed")
+        self._read_body(body, out[:want], offset)
+        if probing:
+            self._size = total
+            self._head = bytes(out[:want])
+
+    def _read_body(self, body: Any, out: memoryview, offset: int) -> None:
+        done = 0
+        total = out.nbytes
+        try:
+            while done < total:
+                n = int(body.readinto(out[done:]))
+                if not n:
+                    break
+                done += n
+        finally:
+            self.stats.add(nbytes=done)
+        if done < total:
+            raise _Transient(
+                f"{self._name}: response truncated: got {done} of {total} bytes at offset {offset}",
+                "Truncated",
+            )

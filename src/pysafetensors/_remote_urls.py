@@ -1,0 +1,175 @@
+"""URLs as remote sources show them: without credentials or signatures, in messages and
+output; the names and folders of remote objects; secrets kept out of quoted exceptions."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+_URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+@")
+
+
+def _scrubbed(exc: BaseException) -> str:
+    """An exception's text without ``user:password@`` in the URLs it quotes (botocore names
+    the endpoint URL as given, credentials included)."""
+    return _URL_CREDENTIALS.sub(r"\1", str(exc))
+
+
+def _url_userinfo(url: str) -> str:
+    """The ``user:password`` a URL carries before its host ('' when none), as :func:`_redact`
+    drops it: in a URL that does not parse (or has no ``://``), everything up to the last
+    ``@``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rpartition("@")[0]
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        return rest.rpartition("@")[0]
+    return parts.netloc.rpartition("@")[0]
+
+
+def _url_secrets(url: str, *, query: bool = False) -> list[str]:
+    """What of ``url`` an exception quoting it must not show: its ``user:password`` and the
+    password alone (where long enough not to match ordinary text); with ``query``, its query
+    string too (a signed URL's signature). Exceptions quote URLs also without their scheme,
+    as paths, which :data:`_URL_CREDENTIALS` cannot recognise."""
+    info = _url_userinfo(url)
+    password = info.partition(":")[2]
+    found = [x for x in (info, password if len(password) >= 4 else "") if x]
+    if query:
+        q = url.partition("?")[2].partition("#")[0]
+        if len(q) >= 4:
+            found.append(q)
+    return found
+
+
+#: Storage option names whose values are secrets (fsspec backends: ``password``, ``token``,
+#: ``secret``, ``key``, ``account_key``, ``sas_token``, ``client_secret``, ``session_token``...).
+_SECRET_OPTION: Final = re.compile(r"pass|secret|token|key|cred|auth|sas|sig", re.IGNORECASE)
+
+
+def _option_secrets(options: Mapping[str, Any]) -> list[str]:
+    """String values of secret-looking storage options (nested mappings too), long enough not
+    to match ordinary text."""
+    found: list[str] = []
+    pending: list[tuple[str, Any]] = list(options.items())
+    while pending:
+        name, value = pending.pop()
+        if isinstance(value, Mapping):
+            pending.extend((f"{name}.{k}", v) for k, v in value.items())
+        elif isinstance(value, str) and len(value) >= 4 and _SECRET_OPTION.search(name):
+            found.append(value)
+    return found
+
+
+def _quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
+    """Whether ``exc``, or any exception it chains to, quotes a URL with credentials or one of
+    ``secrets``: in its message, its arguments or (botocore's) keyword arguments."""
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        e = pending.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        texts = [str(e), repr(e.args)]
+        kwargs = getattr(e, "kwargs", None)
+        if isinstance(kwargs, Mapping):
+            texts.extend(map(str, kwargs.values()))
+        for text in texts:
+            if _URL_CREDENTIALS.search(text) or any(s and s in text for s in secrets):
+                return True
+        pending.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return False
+
+
+def shown_location(path: str) -> str:
+    """A path or URL as messages and output show it: a URL without its credentials and query
+    string (a password or a signed URL's signature must not reach a terminal, logs or JSON)."""
+    return _redact(path) if "://" in path else path
+
+
+def _redact(url: str) -> str:
+    """Drop credentials and the query string (signed URLs carry secrets there).
+
+    Never raises: it names the URL in error messages, including those about malformed URLs.
+    A URL that does not parse, or whose port is not a number, shows nothing before the last
+    ``@`` after its scheme: a password with an unencoded ``/``, ``?`` or ``#`` ends the
+    authority early (``http://user:pa/ss@host/f`` parses as host ``user`` and port ``pa``),
+    leaving the rest of the password in what would be shown as path, query or fragment.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:  # that, or an unbalanced '[' in the host
+        scheme, sep, rest = url.partition("://")
+        if sep and "@" in rest:
+            rest = rest.rpartition("@")[2]
+        base, query, _ = rest.partition("?")
+        authority, slash, path = base.partition("#")[0].partition("/")
+        return f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}" + (
+            "?..." if query else ""
+        )
+    # The netloc as written, less any user:password.
+    netloc = parts.netloc.rpartition("@")[2]
+    suffix = "?..." if parts.query else ""
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
+
+
+def url_path(url: str) -> str:
+    """The part of a URL that names the object, for tests on its name such as the suffix.
+
+    For ``http(s)://`` and fsspec URLs that is the path, without query string or fragment
+    (``.../model.safetensors.index.json?download=true`` is an index). For ``s3://`` it is
+    ``bucket/key`` whole, since S3 keys may contain ``?`` and ``#``.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in ("s3", "s3a"):
+        return rest
+    try:
+        return urllib.parse.urlsplit(url).path
+    except ValueError:
+        return url.partition("?")[0].partition("#")[0]
+
+
+def shown_name(path: str) -> str:
+    """The file name of a path or URL, as labels and output names show it: a URL's without its
+    query string (a signed URL's signature) or fragment."""
+    if "://" in path:
+        return posixpath.basename(url_path(path))
+    return os.path.basename(path)
+
+
+def url_dirname(url: str) -> str:
+    """The URL of the folder holding the object ``url`` names, without query or fragment.
+
+    A query string belongs to one object (a signed URL's signature, ``?download=true``), so it
+    is not carried to the folder's other objects.
+    """
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() in ("http", "https"):
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError:
+            return posixpath.dirname(url)
+        return urllib.parse.urlunsplit(
+            (parts.scheme, parts.netloc, posixpath.dirname(parts.path), "", "")
+        )
+    return posixpath.dirname(url)
+
+
+def url_join(base: str, name: str) -> str:
+    """The URL of file ``name`` (a relative path, as in an index) in the folder ``base``.
+
+    For ``http(s)`` the name is percent-encoded, so that ``?``, ``#`` or ``%`` in a file name
+    stay part of the path; S3 keys and fsspec paths take names as they are.
+    """
+    if base.partition("://")[0].lower() in ("http", "https"):
+        name = urllib.parse.quote(name, safe="/")
+    return posixpath.join(base, name)
