@@ -254,6 +254,21 @@ def serialize_file(
     write_file(filename, data, metadata, fsync=fsync, max_header_size=max_header_size)
 
 
+def _bytes_argument(data: Any) -> memoryview:
+    """``data`` as flat bytes: ``bytes`` as the reference takes it, and any C-contiguous
+    bytes-like object (``bytearray``, ``memoryview``, a numpy array); anything else refused in
+    the reference's words."""
+    if isinstance(data, (builtins.bytes, bytearray)):
+        return memoryview(data)
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise not_an_instance("bytes", data, "bytes") from None
+    if not view.c_contiguous:
+        raise not_an_instance("bytes", data, "bytes", detail="(a non-contiguous buffer)")
+    return view.cast("B")
+
+
 def deserialize(
     bytes: builtins.bytes | bytearray | memoryview,  # noqa: A002 - the reference's keyword
     *,
@@ -273,9 +288,9 @@ def deserialize(
         HeaderError: The bytes are not a valid file (messages start with
             ``Error while deserializing: ``).
     """
-    source = BufferSource(bytes)
+    view = _bytes_argument(bytes)
+    source = BufferSource(view)
     header = read_header(source, max_header_size=max_header_size, prefix_text=DESERIALIZE_PREFIX)
-    view = memoryview(bytes).cast("B")
     start = header.data_start
     return [
         (
@@ -325,17 +340,15 @@ def load_bytes_with(
     adapter: Adapter, data: bytes | bytearray | memoryview, device: Any
 ) -> dict[str, Any]:
     """``load`` for any framework: tensors own a private copy of the bytes."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        # The reference's text (we also take bytearray and memoryview, which it refuses).
-        raise not_an_instance("bytes", data, "bytes")
+    view = _bytes_argument(data)
     dev = adapter.check_device(device)
-    source = BufferSource(data)
+    source = BufferSource(view)
     header = read_header(source, prefix_text=DESERIALIZE_PREFIX)
     for info in header.tensors.values():
         # Shapes no array can hold: our TensorInfoError (a ValueError), not numpy's or torch's.
         check_representable(info.shape, info.dtype, info.name)
     # One private copy of the data buffer; every tensor views it (the reference copies too).
-    buf = np.frombuffer(bytearray(memoryview(data).cast("B")[header.data_start :]), np.uint8)
+    buf = np.frombuffer(bytearray(view[header.data_start :]), np.uint8)
     return {
         name: adapter.from_bytes(buf[info.begin : info.end], info.dtype, info.shape, dev)
         for name, info in header.tensors.items()

@@ -343,6 +343,30 @@ def test_deserialize_bytes_keyword() -> None:
     ]
 
 
+@pytest.mark.parametrize("value", ["text", 5, None, [1, 2], np.zeros(4)[::2]])
+def test_bytes_arguments_that_are_no_buffer_are_refused_in_the_reference_s_words(
+    value: Any,
+) -> None:
+    # deserialize quoted memoryview's words ("a bytes-like object is required, not 'str'").
+    for ours, theirs in [
+        (pysafetensors.deserialize, ref.deserialize),
+        (ours_np.load, ref_np.load),
+        (ours_torch.load, ref_torch.load),
+    ]:
+        mine, expected = _outcome(lambda f=ours: f(value)), _outcome(lambda f=theirs: f(value))
+        assert expected[:2] == ("error", TypeError) and mine[:2] == expected[:2]
+        assert mine[2].startswith(expected[2])
+
+
+def test_every_load_takes_any_contiguous_buffer() -> None:
+    # numpy.load and torch.load refused a numpy buffer that deserialize took.
+    blob = ref_np.save({"a": np.arange(3, dtype=np.int16)})
+    for data in (bytearray(blob), memoryview(blob), np.frombuffer(blob, np.uint8)):
+        assert ours_np.load(data)["a"].tolist() == [0, 1, 2]
+        assert ours_torch.load(data)["a"].tolist() == [0, 1, 2]
+        assert pysafetensors.deserialize(data)[0][1]["shape"] == [3]
+
+
 @pytest.mark.parametrize(
     "device", [1 << 64, 1 << 70, "cuda:", "cuda:x", "cuda:18446744073709551616", "mps:1", "cuda:²"]
 )
