@@ -222,7 +222,33 @@ def test_exit_codes_for_usage_and_unreadable(cli, cli_proc, tmp_path: Path) -> N
     r = cli("inspect", bad)
     assert r.code == 1 and len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
     r = cli_proc("--debug", "inspect", bad)
-    assert r.code != 0 and "Traceback" in r.err
+    assert r.code == 1 and "Traceback" in r.err
+    # --debug adds the traceback, never another exit code (it re-raised: 1 for every failure,
+    # where validate and diff promise that 1 means problems found).
+    missing = tmp_path / "missing.safetensors"
+    for command in (["validate", missing], ["diff", bad, missing], ["inspect", missing]):
+        r = cli("--debug", *command)
+        assert (
+            r.code == 2
+            and "Traceback" in r.err
+            and r.err.rstrip().splitlines()[-1].startswith("error: ")
+        )
+
+
+def test_an_unforeseen_failure_has_the_exit_code_of_a_failure_to_run(
+    cli, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bug (an exception no handler names): a traceback to report, escaped as every message
+    # is, and for validate the 2 of a failure to run, not the 1 of "problems found".
+    import pysafetensors._cli._cmd_validate as cmd
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom \x1b[31m")
+
+    monkeypatch.setattr(cmd, "validate", broken)
+    r = cli("validate", example)
+    assert r.code == 2 and "Traceback" in r.err and "RuntimeError: boom \\x1b[31m" in r.err
+    assert "\x1b" not in r.err
 
 
 # ------------------------------------------------------------------------------------- diff

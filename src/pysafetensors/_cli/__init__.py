@@ -7,6 +7,7 @@ traceback with ``--debug``).
 
 Exit codes: 0 success; 1 a negative result (``validate`` found problems, ``diff`` found
 differences) or a malformed file; 2 a usage error or a file that cannot be read; 130 interrupted.
+``--debug`` adds tracebacks, never another exit code.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Final
 
@@ -73,11 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(args: argparse.Namespace, exc: BaseException, code: int) -> int:
+    """Report a failure and return ``code``: one line, or with ``--debug`` the traceback first
+    (the exit code is the same either way: scripts may run with ``--debug`` on)."""
     if getattr(args, "debug", False):
-        raise exc
+        _print_traceback(exc)
     # Messages may quote names from a hostile file: escape them like everything else we print.
     print(f"error: {sanitize(str(exc) or type(exc).__name__)}", file=sys.stderr)
     return code
+
+
+def _print_traceback(exc: BaseException) -> None:
+    """``exc``'s traceback on stderr, each line escaped as every message is (its texts may
+    quote names from a hostile file)."""
+    for chunk in traceback.format_exception(exc):
+        for line in chunk.splitlines():
+            print(sanitize(line), file=sys.stderr)
 
 
 def _stand_in_for_closed_streams() -> None:
@@ -127,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, MemoryError("out of memory"), trouble or 1)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # A failure no check foresaw (a bug): its traceback, to report it, and the exit code
+        # of a failure to run (for validate and diff, 1 means problems found, never this).
+        _print_traceback(exc)
+        return trouble or 1
 
 
 if __name__ == "__main__":  # pragma: no cover
