@@ -1048,12 +1048,15 @@ def scan_bytes(data: bytes, name: str = "<bytes>") -> ScanReport:
     return report
 
 
-def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> ScanReport:
+def scan_file(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> ScanReport:
     """List every global a pickle or PyTorch checkpoint imports, graded, without running it.
 
     Args:
         path: A pickle, a PyTorch checkpoint (zip, legacy or tar), or any zip holding pickles.
-        max_bytes: Files larger than this are not read (reported as not analysable).
+        max_bytes: Files larger than this are not read (reported as not analysable); None (the
+            default): no limit. Zip, legacy and safetensors files are read in place through a
+            mapping, touching only their pickles, whatever their size; a file of any other kind
+            over 1 GiB is not analysed as a pickle.
 
     Returns:
         A :class:`ScanReport`; ``report.grade`` is the verdict and ``report.exit_code`` the
@@ -1074,7 +1077,7 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int = 64 << 30) -> Sca
     # is a stray one in a folder given as `scan *`), and only if it is a regular file.
     with open(open_regular_file(p), "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
-        if size > max_bytes:
+        if max_bytes is not None and size > max_bytes:
             report = ScanReport(p)
             report._add("suspicious", f"file larger than {max_bytes} bytes; not analysed", p)
             return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import json
 import pickle
 import struct
@@ -666,6 +667,22 @@ def test_large_safetensors_file_is_not_too_large(
     monkeypatch.setattr(scan, "MAX_PICKLE_BYTES", 1 << 16)
     report = scan.scan_file(tmp_path / "m.safetensors")
     assert (report.grade, report.format) == ("safe", "safetensors")
+
+
+def test_a_safetensors_file_over_64_gib_is_scanned_in_place(tmp_path: Path) -> None:
+    # scan_file refused anything over 64 GiB by default ("not analysed", suspicious): a
+    # single-file 70B model is larger. The file is sparse: no disk used.
+    np = pytest.importorskip("numpy")
+    import pysafetensors.scan as scan
+    from pysafetensors.numpy import save_file
+
+    path = tmp_path / "huge.safetensors"
+    save_file({"w": np.zeros(16, np.float32)}, path)
+    os.truncate(path, 65 << 30)
+    report = scan.scan_file(path)
+    assert (report.grade, report.format) == ("safe", "safetensors")
+    limited = scan.scan_file(path, max_bytes=64 << 30)  # a limit is still the caller's to set
+    assert limited.grade == "suspicious" and "not analysed" in limited.findings[0].message
 
 
 def test_mutated_checkpoints_never_raise(tmp_path: Path) -> None:
