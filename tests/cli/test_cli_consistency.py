@@ -93,3 +93,25 @@ def test_counts_of_one_are_singular(cli_proc, tmp_path: Path) -> None:
     r = cli_proc("inspect", folder)
     assert r.code == 0 and "(1 file, " in r.out, r
     assert json.loads(cli_proc("inspect", "--json", folder).out)["sharded"] is True
+
+
+def test_the_documented_validate_example_is_what_validate_prints(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/cli.md shows validate on a hand-made file and gives its header: the example had
+    # drifted from the output (offsets of another file). It is rebuilt here from the doc.
+    import re
+    import struct
+
+    doc = (Path(__file__).parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
+    header = re.search(r"\(header\n`(\{.*?\})`,\npadded to (\d+) bytes", doc, re.S)
+    assert header is not None
+    raw = header.group(1).encode()
+    raw += b" " * (int(header.group(2)) - len(raw))
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(40))
+    monkeypatch.chdir(tmp_path)
+    r = cli("validate", "broken.safetensors")
+    assert r.code == 1
+    for line in r.out.splitlines():
+        assert line in doc, line
