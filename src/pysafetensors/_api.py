@@ -17,6 +17,7 @@ from ._dtypes import DType, dtype_from_code, dtype_from_name
 from ._errors import SafetensorError, SerializeError, not_an_instance
 from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE
 from ._reader import check_representable, read_header, safe_open
+from ._signatures import show_init_signature
 from ._sources import BufferSource
 from ._writer import TensorData, serialize_to_bytes, write_file
 
@@ -130,6 +131,8 @@ class TensorSpec:
 
         return TensorData(name, self._dtype, tuple(self._shape), chunks)
 
+
+show_init_signature(TensorSpec)
 
 _SPEC_ARGUMENTS: Final = ("dtype", "shape", "data_ptr", "data_len")
 

@@ -43,6 +43,7 @@ from ._format import (
     parse_header,
     parse_header_length,
 )
+from ._signatures import show_init_signature
 from ._slicing import SlicePlan, is_advanced, plan_slice, render_index, split_advanced
 from ._sources import (
     MAX_READ_THREADS,
@@ -878,6 +879,8 @@ class safe_open:  # noqa: N801 - the reference's name
 
 
 #: Kinds of read errors a byte source raises without knowing which tensor it was reading.
+show_init_signature(safe_open)
+
 _READ_ERRORS: Final = frozenset({"FileTruncated", "ShortRead", "OutOfBounds"})
 #: A mapped slice whose bytes are at least 1/this of the span they lie in is read in ahead of
 #: its copy when the span is mostly uncached (a 1/8 column split is 1/8 of its span).

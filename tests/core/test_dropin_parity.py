@@ -831,3 +831,14 @@ def test_argument_errors_of_writes_start_with_the_reference_s_words(case: Any) -
         call(pysafetensors)
     assert type(ours.value).__name__ == type(theirs.value).__name__
     assert str(ours.value).startswith(str(theirs.value))
+
+
+@pytest.mark.parametrize("name", ["safe_open", "TensorSpec"])
+def test_signatures_show_the_parameters_the_reference_shows(name: str) -> None:
+    # Both classes define __new__(cls, *args, **kwargs): help() and IDEs showed only that.
+    import inspect
+
+    ours = inspect.signature(getattr(pysafetensors, name)).parameters
+    theirs = inspect.signature(getattr(ref, name)).parameters
+    for param in theirs.values():
+        assert param.name in ours and ours[param.name].kind == param.kind, param
