@@ -101,6 +101,9 @@ class FsspecSource(RemoteSource):
                 f"FsspecSource needs a URL, an fsspec OpenFile or fs=; got {type(target).__name__}"
             )
         name = target if isinstance(target, str) and "://" in target else fs.unstrip_protocol(path)
+        if not isinstance(target, str):
+            # An OpenFile's path keeps the query string its URL was opened with.
+            self._secrets += tuple(_url_secrets(name, query=True))
         super().__init__(_redact(name) if "://" in name else name, **common)
         self._fs = fs
         self._path = path
@@ -123,16 +126,21 @@ class FsspecSource(RemoteSource):
                 if not self._quotes_secret(failure):
                     raise failure
                 raise usage(self._clean(failure)) from None
-        # A backend that connects while it is set up (ftp, sftp) and could not.
         where = shown_location(target)
-        self._raise(
-            RemoteError(
-                f"{where}: the filesystem could not be set up: "
-                f"{type(failure).__name__}: {self._clean(failure)}",
+        text = self._clean(failure)
+        error: RemoteError
+        if isinstance(failure, FileNotFoundError):  # the archive of a chain (zip://m::x.zip)
+            error = RemoteNotFoundError(f"{where}: not found ({text})", kind="NotFound")
+        elif isinstance(failure, PermissionError):
+            error = RemotePermissionError(
+                f"{where}: access denied ({text})", kind="PermissionDenied"
+            )
+        else:  # a backend that connects while it is set up (ftp, sftp) and could not
+            error = RemoteError(
+                f"{where}: the filesystem could not be set up: {type(failure).__name__}: {text}",
                 kind="ConnectionError",
-            ),
-            failure,
-        )
+            )
+        self._raise(error, failure)
 
     @property
     def fs(self) -> Any:

@@ -34,24 +34,38 @@ def _url_userinfo(url: str) -> str:
     return parts.netloc.rpartition("@")[0]
 
 
+#: fsspec's chain separator (``simplecache::s3://...``, ``zip://m::file:///x.zip``), where it
+#: is not inside an IPv6 host's brackets (``http://[::1]:8000/``).
+_CHAIN: Final = re.compile(r"::(?![^\[]*\])")
+
+
+def _chain(url: str) -> list[str]:
+    """The URLs of an fsspec chain (one for a plain URL)."""
+    return _CHAIN.split(url)
+
+
 def _url_secrets(url: str, *, query: bool = False) -> list[str]:
-    """What of ``url`` an exception quoting it must not show: its ``user:password`` and the
-    password alone (where long enough not to match ordinary text); with ``query``, its query
-    string too (a signed URL's signature). Exceptions quote URLs also without their scheme,
-    as paths, which :data:`_URL_CREDENTIALS` cannot recognise."""
-    info = _url_userinfo(url)
-    password = info.partition(":")[2]
-    found = [x for x in (info, password if len(password) >= 4 else "") if x]
-    if query:
-        q = url.partition("?")[2].partition("#")[0]
-        if len(q) >= 4:
-            found.append(q)
+    """What of ``url`` (each URL of an fsspec chain) an exception quoting it must not show: its
+    ``user:password`` and the password alone (where long enough not to match ordinary text);
+    with ``query``, its query string too (a signed URL's signature). Exceptions quote URLs also
+    without their scheme, as paths, which :data:`_URL_CREDENTIALS` cannot recognise."""
+    found: list[str] = []
+    for link in _chain(url):
+        info = _url_userinfo(link)
+        password = info.partition(":")[2]
+        found += [x for x in (info, password if len(password) >= 4 else "") if x]
+        if query:
+            q = link.partition("?")[2].partition("#")[0]
+            if len(q) >= 4:
+                found.append(q)
     return found
 
 
 #: Storage option names whose values are secrets (fsspec backends: ``password``, ``token``,
 #: ``secret``, ``key``, ``account_key``, ``sas_token``, ``client_secret``, ``session_token``...).
-_SECRET_OPTION: Final = re.compile(r"pass|secret|token|key|cred|auth|sas|sig", re.IGNORECASE)
+_SECRET_OPTION: Final = re.compile(
+    r"pass|secret|token|key|cred|auth|sas|sig|connection", re.IGNORECASE
+)
 
 
 def _option_secrets(options: Mapping[str, Any]) -> list[str]:
@@ -70,7 +84,8 @@ def _option_secrets(options: Mapping[str, Any]) -> list[str]:
 
 def _quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
     """Whether ``exc``, or any exception it chains to, quotes a URL with credentials or one of
-    ``secrets``: in its message, its arguments or (botocore's) keyword arguments."""
+    ``secrets``: in its message, its arguments, (botocore's) keyword arguments, its notes or
+    file names, or an exception it groups."""
     pending: list[BaseException] = [exc]
     seen: set[int] = set()
     while pending:
@@ -82,6 +97,12 @@ def _quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
         kwargs = getattr(e, "kwargs", None)
         if isinstance(kwargs, Mapping):
             texts.extend(map(str, kwargs.values()))
+        # Notes print with the traceback; an OSError's file names are attributes of their own.
+        texts.extend(map(str, getattr(e, "__notes__", ())))
+        texts.extend(str(getattr(e, a, None) or "") for a in ("filename", "filename2"))
+        grouped = getattr(e, "exceptions", None)  # an ExceptionGroup (Python 3.11+)
+        if isinstance(grouped, (list, tuple)):
+            pending.extend(x for x in grouped if isinstance(x, BaseException))
         for text in texts:
             if _URL_CREDENTIALS.search(text) or any(s and s in text for s in secrets):
                 return True
@@ -96,7 +117,8 @@ def shown_location(path: str) -> str:
 
 
 def _redact(url: str) -> str:
-    """Drop credentials and the query string (signed URLs carry secrets there).
+    """Drop credentials and the query string (signed URLs carry secrets there), from every URL
+    of an fsspec chain (``simplecache::ftp://user:pw@host/f``).
 
     Never raises: it names the URL in error messages, including those about malformed URLs.
     A URL that does not parse, or whose port is not a number, shows nothing before the last
@@ -104,6 +126,9 @@ def _redact(url: str) -> str:
     authority early (``http://user:pa/ss@host/f`` parses as host ``user`` and port ``pa``),
     leaving the rest of the password in what would be shown as path, query or fragment.
     """
+    links = _chain(url)
+    if len(links) > 1:
+        return "::".join(_redact(link) if "://" in link else link for link in links)
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises on a port that is not a number

@@ -182,7 +182,8 @@ class _TokenFS(fsspec.AbstractFileSystem):  # type: ignore[misc]
         self.token = token
 
     def info(self, path: str, **kwargs: object) -> dict[str, object]:
-        raise PermissionError(f"token {self.token} is not allowed to read {path}")
+        detail = self.storage_options.get("connection_string", "")
+        raise PermissionError(f"token {self.token} {detail} is not allowed to read {path}")
 
 
 def test_errors_show_no_secret_storage_options() -> None:
@@ -210,3 +211,55 @@ def test_a_backend_that_cannot_connect_is_a_remote_error_without_the_password() 
     assert str(info.value).startswith(f"ftp://127.0.0.1:{port}/m.safetensors: ")
     assert "ConnectionRefusedError" in str(info.value)
     assert "pw-7654321" not in _shown(info.value)
+
+
+def test_chained_urls_show_no_credentials(tmp_path: Path) -> None:
+    # fsspec chains (simplecache::..., zip://m::...) were shown whole: _redact and the secrets
+    # took the chain for one URL that did not parse.
+    with pytest.raises(RemoteNotFoundError) as info:
+        FsspecSource("simplecache::memory://al:secretpw9@x/m.safetensors")
+    assert "secretpw9" not in _shown(info.value) and "m.safetensors" in str(info.value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RemoteError) as refused:
+        FsspecSource(f"simplecache::ftp://bob:pw-7654321@127.0.0.1:{port}/m.safetensors")
+    assert refused.value.kind == "ConnectionError" and "pw-7654321" not in _shown(refused.value)
+    assert str(refused.value).startswith(f"simplecache::ftp://127.0.0.1:{port}/m.safetensors: ")
+
+
+def test_a_missing_archive_of_a_chain_is_not_found(tmp_path: Path) -> None:
+    # It became a RemoteError of kind ConnectionError, which `except FileNotFoundError` missed.
+    with pytest.raises(RemoteNotFoundError) as info:
+        FsspecSource(f"zip://m.safetensors::{(tmp_path / 'gone.zip').as_uri()}")
+    assert isinstance(info.value, FileNotFoundError) and info.value.kind == "NotFound"
+
+
+def test_an_open_file_s_query_string_is_not_shown(tmp_path: Path) -> None:
+    url = f"{(tmp_path / 'gone.safetensors').as_uri()}?X-Amz-Signature=deadbeef42"
+    with pytest.raises(RemoteNotFoundError) as info:
+        FsspecSource(fsspec.open(url, "rb"))
+    assert "deadbeef42" not in _shown(info.value)
+
+
+def test_a_connection_string_option_is_a_secret() -> None:
+    fsspec.register_implementation("pst-token", _TokenFS, clobber=True)
+    with pytest.raises(RemotePermissionError) as info:
+        FsspecSource(
+            "pst-token://b/m.safetensors", token="", connection_string="AccountKey=abc123xyz"
+        )
+    assert "AccountKey=abc123xyz" not in _shown(info.value)
+
+
+def test_redact_takes_chains_and_ipv6_hosts() -> None:
+    from pysafetensors._remote_urls import _redact
+
+    assert _redact("http://u:pw@[::1]:8080/m.safetensors?sig=1") == (
+        "http://[::1]:8080/m.safetensors?..."
+    )
+    assert _redact("simplecache::s3://k:s@bucket/m.safetensors") == (
+        "simplecache::s3://bucket/m.safetensors"
+    )
+    assert _redact("zip://m.safetensors::https://u:p@host/a.zip?x=1") == (
+        "zip://m.safetensors::https://host/a.zip?..."
+    )
