@@ -1054,9 +1054,9 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> 
     Args:
         path: A pickle, a PyTorch checkpoint (zip, legacy or tar), or any zip holding pickles.
         max_bytes: Files larger than this are not read (reported as not analysable); None (the
-            default): no limit. Zip, legacy and safetensors files are read in place through a
-            mapping, touching only their pickles, whatever their size; a file of any other kind
-            over 1 GiB is not analysed as a pickle.
+            default): no limit. Zip, legacy, tar and safetensors files are read in place through
+            a mapping, touching only their pickles, whatever their size (a tar member over 1 GiB
+            is not analysed); a file of any other kind over 1 GiB is not analysed as a pickle.
 
     Returns:
         A :class:`ScanReport`; ``report.grade`` is the verdict and ``report.exit_code`` the
@@ -1082,8 +1082,8 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> 
             report._add("suspicious", f"file larger than {max_bytes} bytes; not analysed", p)
             return report
         if size > MAX_PICKLE_BYTES:
-            head = fh.read(64)
-            if not _is_zip_or_safetensors(head) and not _is_legacy(head):
+            head = fh.read(tarfile.BLOCKSIZE)
+            if not (_is_zip_or_safetensors(head) or _is_legacy(head[:64]) or _is_tar(head)):
                 report = ScanReport(p)
                 report._add("suspicious", "file too large to analyse as a pickle", p)
                 return report

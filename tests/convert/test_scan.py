@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import io
-import os
 import json
+import os
 import pickle
 import struct
 import subprocess
@@ -667,6 +667,29 @@ def test_large_safetensors_file_is_not_too_large(
     monkeypatch.setattr(scan, "MAX_PICKLE_BYTES", 1 << 16)
     report = scan.scan_file(tmp_path / "m.safetensors")
     assert (report.grade, report.format) == ("safe", "safetensors")
+
+
+def test_a_tar_over_the_pickle_limit_is_scanned_in_place(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A tar checkpoint over 1 GiB was "too large to analyse as a pickle" (suspicious), its
+    # dangerous pickle member never looked at. The limit is lowered here as in the test above.
+    import tarfile
+
+    import pysafetensors.scan as scan
+
+    path = tmp_path / "ck.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, payload in (
+            ("pickle", _touch(tmp_path / "canary")),
+            ("storages", bytes(1 << 17)),
+        ):
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    monkeypatch.setattr(scan, "MAX_PICKLE_BYTES", 1 << 16)
+    report = scan.scan_file(path)
+    assert (report.grade, report.format) == ("dangerous", "tar")
 
 
 def test_a_safetensors_file_over_64_gib_is_scanned_in_place(tmp_path: Path) -> None:
