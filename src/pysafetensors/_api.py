@@ -54,8 +54,10 @@ class TensorSpec:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TensorSpec:
         # Wrong arguments in the reference's words (its bindings' __new__), not Python's
-        # (``__init__() takes 1 positional argument``, ``keyword-only arguments``).
-        _check_spec_arguments(args, kwargs)
+        # (``__init__() takes 1 positional argument``, ``keyword-only arguments``). A
+        # subclass's __init__ takes what it declares.
+        if cls is TensorSpec and (args or kwargs.keys() != _SPEC_KEYS):
+            _check_spec_arguments(args, kwargs)
         return super().__new__(cls)
 
     def __init__(self, *, dtype: str, shape: Any, data_ptr: int, data_len: int) -> None:
@@ -135,6 +137,7 @@ class TensorSpec:
 show_init_signature(TensorSpec)
 
 _SPEC_ARGUMENTS: Final = ("dtype", "shape", "data_ptr", "data_len")
+_SPEC_KEYS: Final = frozenset(_SPEC_ARGUMENTS)
 
 
 def _check_spec_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:

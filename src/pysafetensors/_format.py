@@ -1303,6 +1303,13 @@ def build_layout(
                 kind="ValidationOverflow",
                 tensor=str(name),
             )
+        if name == "__metadata__":
+            # The reference reads every name before it looks for this one: a name that is not
+            # valid Unicode, anywhere, is the error it reports.
+            specs = list(specs)
+            for later, _, _ in specs:
+                if isinstance(later, str) and later != "__metadata__":
+                    _check_name(later)
         items.append((_check_name(name), dtype, shape_t))
     items.sort(key=lambda it: (-it[1].rank, it[0]))
 

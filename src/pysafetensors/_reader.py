@@ -878,9 +878,9 @@ class safe_open:  # noqa: N801 - the reference's name
         return name in self._header.tensors
 
 
-#: Kinds of read errors a byte source raises without knowing which tensor it was reading.
 show_init_signature(safe_open)
 
+#: Kinds of read errors a byte source raises without knowing which tensor it was reading.
 _READ_ERRORS: Final = frozenset({"FileTruncated", "ShortRead", "OutOfBounds"})
 #: A mapped slice whose bytes are at least 1/this of the span they lie in is read in ahead of
 #: its copy when the span is mostly uncached (a 1/8 column split is 1/8 of its span).

@@ -767,6 +767,19 @@ def test_a_lone_surrogate_in_a_name_comes_before_bad_metadata(metadata: Any, sav
     assert theirs[1] is UnicodeEncodeError and "'\\ud800'" in theirs[2]
 
 
+def test_a_lone_surrogate_in_a_name_comes_before_the_reserved_name() -> None:
+    # Whichever comes first in the dict: the reference reads every name before it looks for
+    # __metadata__.
+    for tensors in (
+        {"__metadata__": np.ones(1), "\ud800": np.ones(1)},
+        {"\ud800": np.ones(1), "__metadata__": np.ones(1)},
+    ):
+        with pytest.raises(pysafetensors.SerializeError) as info:
+            ours_np.save(tensors)
+        assert info.value.kind == "InvalidName"
+        assert _outcome(lambda t=tensors: ref_np.save(t))[1] is UnicodeEncodeError
+
+
 @pytest.mark.parametrize(
     ("value", "shown"),
     [([1.0], "list"), (None, "NoneType"), (torch.ones(1), "torch.Tensor"), (b"ab", "bytes")],
@@ -842,3 +855,25 @@ def test_signatures_show_the_parameters_the_reference_shows(name: str) -> None:
     theirs = inspect.signature(getattr(ref, name)).parameters
     for param in theirs.values():
         assert param.name in ours and ours[param.name].kind == param.kind, param
+
+
+def test_subclasses_keep_their_own_signature_and_arguments() -> None:
+    # The reference's classes cannot be subclassed; ours could, and the signature set on the
+    # class (and TensorSpec's argument check) overrode a subclass's own.
+    import inspect
+
+    class Named(pysafetensors.safe_open):
+        def __init__(self, path: str) -> None:
+            super().__init__(path, "np")
+
+    class Tagged(pysafetensors.TensorSpec):
+        __slots__ = ("tag",)
+
+        def __init__(self, *, tag: str, **spec: Any) -> None:
+            super().__init__(**spec)
+            self.tag = tag
+
+    assert list(inspect.signature(Named).parameters) == ["path"]
+    spec = Tagged(tag="t", dtype="float32", shape=[0], data_ptr=0, data_len=0)
+    assert spec.tag == "t" and spec.shape == [0]
+    assert list(inspect.signature(Tagged).parameters) == ["tag", "spec"]
