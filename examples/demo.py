@@ -63,8 +63,10 @@ def main() -> int:
 
         start = time.perf_counter()
         save_file(state, path, metadata={"format": "pt"})
-        print(f"saved {path.name} ({path.stat().st_size / 1e6:.1f} MB) in "
-              f"{time.perf_counter() - start:.2f} s")
+        print(
+            f"saved {path.name} ({path.stat().st_size / 1e6:.1f} MB) in "
+            f"{time.perf_counter() - start:.2f} s"
+        )
 
         cli("inspect", str(path), "--filter", "model.layers.0.*")
         cli("validate", str(path))
@@ -88,8 +90,9 @@ def main() -> int:
             reference = None
         if reference is not None:
             ref_path = Path(tmp) / "reference.safetensors"
-            reference.save_file({k: v for k, v in state.items()}, ref_path,
-                                metadata={"format": "pt"})
+            reference.save_file(
+                {k: v for k, v in state.items()}, ref_path, metadata={"format": "pt"}
+            )
             ours = hashlib.sha256(path.read_bytes()).hexdigest()
             theirs = hashlib.sha256(ref_path.read_bytes()).hexdigest()
             print(f"byte-identical to the reference implementation's file: {ours == theirs}")
