@@ -189,6 +189,7 @@ def edit_metadata(
     # One key, not its letters; a key named twice is removed once.
     removals = list(dict.fromkeys([delete] if isinstance(delete, str) else delete))
     fd = os.open(target, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    source: PreadSource | None = None
     try:
         source = PreadSource(fd, target, owns_fd=False)
         header = read_header(source, max_header_size=max_header_size, prefix_text=f"{given}: ")
@@ -248,6 +249,8 @@ def edit_metadata(
             copy_range(fd, N_LEN + n, out, len(prefix), data_size)
         return False
     finally:
+        if source is not None:
+            source.close()  # the second descriptor read_header's partial reads opened
         os.close(fd)
 
 

@@ -308,9 +308,11 @@ class safe_open:  # noqa: N801 - the reference's name
             if isinstance(source, PreadSource):
                 # More than the process keeps would only queue: see MAX_READ_THREADS.
                 source.threads = min(count, MAX_READ_THREADS)
-        self._source = source
         # Shared with the handle's slices, which keep the file open after close() (see SafeSlice).
-        self._lease: Shared[ByteSource] = Shared(source, _close_source)
+        lease: Shared[ByteSource] = Shared(source, _close_source)
+        # Both at once (no call between the two stores, so no KeyboardInterrupt either): close()
+        # and the finalizer find the source only together with its lease.
+        self._source, self._lease = source, lease
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ context and lifetime

@@ -650,7 +650,13 @@ class _Workers:
         for future in [pool.submit(worker) for _ in range(min(width, len(parts)))]:
             future.result()
         if failures:
-            raise failures[0]
+            # Out of the list this frame holds (see run_parallel): no exception-frame cycle.
+            error = failures[0]
+            failures.clear()
+            try:
+                raise error
+            finally:
+                del error
 
 
 _WORKERS: Final = _Workers()

@@ -149,7 +149,22 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
                 failed.set()
                 raise
 
-    futures = _submit(worker, threads)
+    # Waited for in a function of its own: its frame, which holds the futures (and they the
+    # exception), is gone before the raise here. Raised from a frame that holds them, the
+    # exception and the frame form a cycle that keeps all the traceback reaches (the caller's
+    # destination buffer) until the cyclic collector runs.
+    error = _wait_all(_submit(worker, threads), failed)
+    if error is not None:
+        try:
+            raise error
+        finally:
+            del error
+
+
+def _wait_all(futures: list[Future[None]], failed: threading.Event) -> BaseException | None:
+    """Wait for every worker of :func:`run_parallel`; return what it must raise: an interrupt
+    that came while waiting (raised only once every worker has returned), else the first
+    worker's exception, else None. A second interrupt is raised at once."""
     interrupted: BaseException | None = None
     errors = []
     for future in futures:
@@ -164,11 +179,7 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
                     raise  # a second interrupt: the caller insists (a read that hangs)
                 failed.set()
                 interrupted = exc
-    if interrupted is not None:
-        raise interrupted
-    for error in errors:
-        if error is not None:
-            raise error
+    return interrupted if interrupted is not None else next((e for e in errors if e), None)
 
 
 _DONE: Final = object()
@@ -858,9 +869,11 @@ class PreadSource:
                     os.close(fd)
                     return None
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            except OSError:
+            except BaseException as exc:  # a KeyboardInterrupt too: the descriptor is ours
                 os.close(fd)
-                return None
+                if isinstance(exc, OSError):
+                    return None
+                raise
         return PreadSource(
             fd, self._name, size=self._size, threads=self.threads, chunk_size=self.chunk_size
         )
@@ -919,9 +932,18 @@ class PreadSource:
         self._held.close()
 
     def _close_fd(self, fd: int) -> None:
-        self._fd = -1
         if self._owns_fd and fd >= 0:
             os.close(fd)
+        self._fd = -1
+
+    def __del__(self) -> None:
+        # A source its owner never took over (a KeyboardInterrupt between its creation and the
+        # hand-off, or a handle dropped unclosed) still closes its descriptor. Never raise from
+        # a finalizer (nor need a module global: at exit they may be gone).
+        try:  # noqa: SIM105
+            self.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
 
 class PrefetchSupport:

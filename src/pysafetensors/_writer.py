@@ -424,11 +424,16 @@ def _atomic_output(
     stem = partial_stem(os.path.basename(target))
     tmp = os.path.join(folder, f".{stem}.{secrets.token_hex(6)}.partial")
     # (The name's form is what partial_target() reads back.)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-    _lock_partial(fd)  # marks it live for _clean_stale_partials of other saves
     owner = os.getpid()
+    fd = -1
     try:
         try:
+            # Inside the clean-up from the first step: a KeyboardInterrupt right after the
+            # open (Python raises it when a call returns) must not leave the file, locked
+            # against every later save's clean-up by a descriptor nobody closes.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(tmp, flags, 0o600)
+            _lock_partial(fd)  # marks it live for _clean_stale_partials of other saves
             yield fd
             if like is None:
                 # As open(target, "w") would leave them: a replaced file's permissions (a
@@ -451,7 +456,12 @@ def _atomic_output(
             if fsync:
                 os.fsync(fd)
         except BaseException:
-            os.close(fd)
+            if fd < 0:
+                # A signal that came during the open is raised as os.open returns, before its
+                # result is stored: find the descriptor by the file's name.
+                fd = _descriptor_of(tmp)
+            if fd >= 0:
+                os.close(fd)
             raise
         if group is not None:
             if sync_file_range is not None and os.path.exists(target):
@@ -463,18 +473,31 @@ def _atomic_output(
             return
         os.close(fd)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         # Not in a forked child that inherited this save (its copy of the generator is
         # finalized when the child exits): the file is the parent's, still being written.
+        # Nor a name that was another's (O_EXCL refused it: never with a random name).
         # (try/except: when finalized at interpreter exit, module globals may be gone.)
         try:
-            if os.getpid() == owner:
+            if os.getpid() == owner and not isinstance(exc, FileExistsError):
                 os.unlink(tmp)
         except Exception:  # noqa: BLE001, S110
             pass
         raise
     if fsync:
         _fsync_dir(folder)
+
+
+def _descriptor_of(path: str) -> int:
+    """The descriptor this process has open on ``path`` (a temporary file of its own, whose
+    name no one else opens), or -1 where there is none or it cannot be told (no ``/proc``)."""
+    wanted = os.path.realpath(path)
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{entry}") == wanted:
+                    return int(entry)
+    return -1
 
 
 def _descriptor_budget() -> int:

@@ -123,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # exit as a process killed by SIGPIPE would (128 + 13), not with 1 ("problems").
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)  # the copy on stdout's number stays
         return 141
     except OSError as exc:  # includes RemoteError: the target cannot be read
         return _fail(args, exc, 2)

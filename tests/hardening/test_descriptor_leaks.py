@@ -1,0 +1,100 @@
+"""Descriptors, files and memory left behind on failure and interruption paths: each test
+repeats a failure and checks that nothing accumulates."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pysafetensors
+import pysafetensors._writer as writer
+from pysafetensors import safe_open
+from pysafetensors.numpy import save_file
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_edit_metadata_closes_every_descriptor(tmp_path: Path) -> None:
+    # Each call leaked the second descriptor that read_header's partial reads open.
+    good, bad = tmp_path / "m.safetensors", tmp_path / "bad.safetensors"
+    save_file({"a": np.ones(16, np.float32)}, good, metadata={"format": "pt"})
+    bad.write_bytes(good.read_bytes()[:40])
+    before = _open_fds()
+    for i in range(30):
+        pysafetensors.edit_metadata(good, set={"k": str(i % 2)})
+        with pytest.raises(pysafetensors.SafetensorError):
+            pysafetensors.edit_metadata(bad, set={"k": "v"})
+    assert _open_fds() == before
+
+
+def test_an_interrupt_as_the_temporary_file_opens_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signal during open(2) is raised as os.open returns, before the descriptor is stored:
+    # the descriptor leaked and the locked .partial file stayed (no later save removed it).
+    real_open = os.open
+
+    def interrupted_open(path: str, flags: int, mode: int = 0o777) -> int:
+        real_open(path, flags, mode)
+        raise KeyboardInterrupt
+
+    target = tmp_path / "out.safetensors"
+    before = _open_fds()
+    monkeypatch.setattr(writer.os, "open", interrupted_open)
+    for _ in range(5):
+        with pytest.raises(KeyboardInterrupt):
+            save_file({"x": np.ones(8, np.float32)}, target)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [] and _open_fds() == before
+
+
+def test_a_failed_parallel_read_leaves_no_cycle_holding_its_buffer(tmp_path: Path) -> None:
+    # The exception was raised from run_parallel's frame, which held the futures holding the
+    # exception: a cycle that kept the destination buffer until the cyclic collector ran.
+    path = tmp_path / "f.safetensors"
+    save_file({"a": np.ones(4 << 20, np.float32)}, path)  # 16 MiB: read by several threads
+    flags = gc.get_debug()
+    gc.collect()
+    gc.disable()
+    try:
+        f = safe_open(path, "np", backend="pread", threads=4)
+        os.truncate(path, os.path.getsize(path) - 4096)  # the reader threads meet the end
+        with pytest.raises(pysafetensors.SafetensorError):
+            f.get_tensors()
+        f.close()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        frames = {o.f_code.co_name for o in gc.garbage if type(o).__name__ == "frame"}
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+        gc.enable()
+    assert not frames & {"run_parallel", "read_fresh", "get_tensors"}, frames
+
+
+def test_the_command_line_closes_what_it_opens_for_a_broken_pipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pysafetensors._cli import main
+
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": np.ones(4, np.float32) for i in range(200)}, path)
+    before = _open_fds()
+    codes = set()
+    for _ in range(5):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # whatever is written now raises BrokenPipeError
+        with open(write_end, "wb", buffering=0) as raw:
+            monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, write_through=True))
+            codes.add(main(["inspect", str(path)]))
+    assert codes == {141} and _open_fds() == before
