@@ -478,8 +478,9 @@ def _atomic_output(
         # finalized when the child exits): the file is the parent's, still being written.
         # Nor a name that was another's (O_EXCL refused it: never with a random name).
         # (try/except: when finalized at interpreter exit, module globals may be gone.)
+        refused = fd < 0 and isinstance(exc, FileExistsError)
         try:
-            if os.getpid() == owner and not isinstance(exc, FileExistsError):
+            if os.getpid() == owner and not refused:
                 os.unlink(tmp)
         except Exception:  # noqa: BLE001, S110
             pass

@@ -98,3 +98,14 @@ def test_the_command_line_closes_what_it_opens_for_a_broken_pipe(
             monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, write_through=True))
             codes.add(main(["inspect", str(path)]))
     assert codes == {141} and _open_fds() == before
+
+
+def test_a_file_exists_error_from_the_writing_still_removes_the_temporary_file(
+    tmp_path: Path,
+) -> None:
+    # Only the open's own FileExistsError (O_EXCL refusing a name that is not ours) keeps the
+    # file; one raised while writing is a failed save like any other.
+    before = _open_fds()
+    with pytest.raises(FileExistsError), writer.atomic_output(tmp_path / "out.safetensors"):
+        raise FileExistsError("raised while writing")
+    assert os.listdir(tmp_path) == [] and _open_fds() == before
