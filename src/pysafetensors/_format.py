@@ -1249,6 +1249,16 @@ def _check_name(name: object) -> str:
     return name
 
 
+def _check_unicode_names(specs: Iterable[tuple[str, DType, Sequence[int]]]) -> None:
+    """Raise for a tensor name that is not valid Unicode among ``specs``. The reference reads
+    every name before it looks at the metadata or for a tensor named ``__metadata__``: such a
+    name is the error it reports first. Called only on the way to another error, so that
+    saves that succeed encode each name once."""
+    for name, _, _ in specs:
+        if isinstance(name, str) and name != "__metadata__":
+            _check_name(name)
+
+
 #: A str as JSON, not ASCII-escaped: what ``json.dumps(text, ensure_ascii=False)`` gives.
 _json_string: Final = json.encoder.encode_basestring
 
@@ -1277,12 +1287,7 @@ def build_layout(
     try:
         meta = check_metadata(metadata)
     except (TypeError, UnicodeEncodeError):
-        # The reference reads the tensors' names before the metadata: a name that is not
-        # valid Unicode is the error it reports first.
-        specs = list(specs)
-        for name, _, _ in specs:
-            if isinstance(name, str) and name != "__metadata__":
-                _check_name(name)
+        _check_unicode_names(specs)
         raise
     items: list[tuple[str, DType, tuple[int, ...]]] = []
     for name, dtype, shape in specs:
@@ -1304,12 +1309,7 @@ def build_layout(
                 tensor=str(name),
             )
         if name == "__metadata__":
-            # The reference reads every name before it looks for this one: a name that is not
-            # valid Unicode, anywhere, is the error it reports.
-            specs = list(specs)
-            for later, _, _ in specs:
-                if isinstance(later, str) and later != "__metadata__":
-                    _check_name(later)
+            _check_unicode_names(specs)  # the rest of them (all of a list), before this one
         items.append((_check_name(name), dtype, shape_t))
     items.sort(key=lambda it: (-it[1].rank, it[0]))
 

@@ -20,7 +20,7 @@ from ._remote_source import (
     _Part,
     _Transient,
 )
-from ._remote_urls import _option_secrets, _redact, _url_secrets, shown_location
+from ._remote_urls import _option_secrets, _url_secrets, shown_location
 
 
 class FsspecSource(RemoteSource):
@@ -104,7 +104,7 @@ class FsspecSource(RemoteSource):
         if not isinstance(target, str):
             # An OpenFile's path keeps the query string its URL was opened with.
             self._secrets += tuple(_url_secrets(name, query=True))
-        super().__init__(_redact(name) if "://" in name else name, **common)
+        super().__init__(shown_location(name), **common)
         self._fs = fs
         self._path = path
         self.stats.add(requests=1)
@@ -126,20 +126,15 @@ class FsspecSource(RemoteSource):
                 if not self._quotes_secret(failure):
                     raise failure
                 raise usage(self._clean(failure)) from None
-        where = shown_location(target)
-        text = self._clean(failure)
-        error: RemoteError
-        if isinstance(failure, FileNotFoundError):  # the archive of a chain (zip://m::x.zip)
-            error = RemoteNotFoundError(f"{where}: not found ({text})", kind="NotFound")
-        elif isinstance(failure, PermissionError):
-            error = RemotePermissionError(
-                f"{where}: access denied ({text})", kind="PermissionDenied"
-            )
-        else:  # a backend that connects while it is set up (ftp, sftp) and could not
-            error = RemoteError(
-                f"{where}: the filesystem could not be set up: {type(failure).__name__}: {text}",
-                kind="ConnectionError",
-            )
+        # A chain's missing archive (zip://m::x.zip), or a backend that connects while it is
+        # set up (ftp, sftp) and could not.
+        error = self._error(
+            failure,
+            0,
+            "the filesystem could not be set up",
+            where=shown_location(target),
+            kind="ConnectionError",
+        )
         self._raise(error, failure)
 
     @property
@@ -152,10 +147,19 @@ class FsspecSource(RemoteSource):
         """The path on :attr:`fs`."""
         return self._path
 
-    def _error(self, exc: Exception, offset: int, failed: str = "") -> Exception:
-        """Translate a filesystem's exception, in words without secrets; ``failed`` says what
-        failed (default: the read at ``offset``)."""
-        where = self._name
+    def _error(
+        self,
+        exc: Exception,
+        offset: int,
+        failed: str = "",
+        *,
+        where: str | None = None,
+        kind: str = "HTTPError",
+    ) -> Exception:
+        """Translate a filesystem's exception, in words without secrets: a missing file or a
+        refusal as such, anything else as a RemoteError of ``kind`` saying what ``failed``
+        (default: the read at ``offset``). ``where`` names the file (default: this source)."""
+        where = self._name if where is None else where
         if isinstance(exc, (RemoteError, _Transient)):
             return exc
         text = self._clean(exc)
@@ -166,7 +170,7 @@ class FsspecSource(RemoteSource):
                 f"{where}: access denied ({text})", kind="PermissionDenied"
             )
         failed = failed or f"read at offset {offset} failed"
-        return RemoteError(f"{where}: {failed}: {type(exc).__name__}: {text}", kind="HTTPError")
+        return RemoteError(f"{where}: {failed}: {type(exc).__name__}: {text}", kind=kind)
 
     def _check_length(self, data: bytes, offset: int, want: int) -> None:
         if len(data) != want:

@@ -179,7 +179,9 @@ def _wait_all(futures: list[Future[None]], failed: threading.Event) -> BaseExcep
                     raise  # a second interrupt: the caller insists (a read that hangs)
                 failed.set()
                 interrupted = exc
-    return interrupted if interrupted is not None else next((e for e in errors if e), None)
+    if interrupted is not None:
+        return interrupted
+    return next((e for e in errors if e is not None), None)
 
 
 _DONE: Final = object()
