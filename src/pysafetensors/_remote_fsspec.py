@@ -62,16 +62,16 @@ class FsspecSource(RemoteSource):
         backoff: float = 0.2,
         **storage_options: Any,
     ) -> None:
-        common: dict[str, Any] = {
-            "max_connections": max_connections,
-            "part_size": part_size,
-            "max_gap": max_gap,
-            "head_bytes": head_bytes,
-            "retries": retries,
-            "backoff": backoff,
-        }
         # Before url_to_fs, which may already reach the network.
-        _check_common(**common, accept_full_body=DEFAULT_ACCEPT_FULL_BODY)
+        options = _check_common(
+            max_connections=max_connections,
+            part_size=part_size,
+            max_gap=max_gap,
+            head_bytes=head_bytes,
+            retries=retries,
+            backoff=backoff,
+            accept_full_body=DEFAULT_ACCEPT_FULL_BODY,
+        )
         # What fsspec's and its backends' exceptions may quote and must not show: the URL's
         # credentials and query string (fsspec keeps them in the path) and secret options.
         self._secrets = tuple(
@@ -104,7 +104,7 @@ class FsspecSource(RemoteSource):
         if not isinstance(target, str):
             # An OpenFile's path keeps the query string its URL was opened with.
             self._secrets += tuple(_url_secrets(name, query=True))
-        super().__init__(shown_location(name), **common)
+        super().__init__(shown_location(name), **options._asdict())
         self._fs = fs
         self._path = path
         self.stats.add(requests=1)

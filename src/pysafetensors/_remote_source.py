@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final, NoReturn, SupportsIndex, TypeVar
+from typing import Final, NamedTuple, NoReturn, SupportsIndex, TypeVar
 
 from ._errors import (
     ClosedFileError,
@@ -187,28 +187,44 @@ def _int_option(name: str, value: object, minimum: int) -> int:
     return number
 
 
-def _seconds_option(name: str, value: object, *, limit: bool = True) -> float | None:
-    """Check a duration in seconds.
-
-    With ``limit`` (a timeout, a deadline) it must be above 0; None or infinity mean no limit
-    and give None. Otherwise (a delay) it must be finite and >= 0.
+def _seconds(name: str, value: object) -> float:
+    """A number of seconds (numpy's numbers too), not yet range-checked.
 
     Raises:
         TypeError: ``value`` is not a number.
-        ValueError: It is out of range or NaN.
     """
-    if value is None and limit:
-        return None
     # numbers.Real: numpy's floats and ints too (np.float32 is no float subclass).
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, got {_shown_value(value)}")
-    seconds = float(value)
-    if limit:
-        if not seconds > 0:  # NaN too
-            raise ValueError(
-                f"{name} must be a positive number of seconds (or None for no limit), got {value!r}"
-            )
-        return None if math.isinf(seconds) else seconds
+    return float(value)
+
+
+def _seconds_option(name: str, value: object) -> float | None:
+    """Check a time limit (a timeout, a deadline): above 0; None or infinity mean no limit
+    and give None.
+
+    Raises:
+        TypeError: ``value`` is not a number.
+        ValueError: It is not above 0, or NaN.
+    """
+    if value is None:
+        return None
+    seconds = _seconds(name, value)
+    if not seconds > 0:  # NaN too
+        raise ValueError(
+            f"{name} must be a positive number of seconds (or None for no limit), got {value!r}"
+        )
+    return None if math.isinf(seconds) else seconds
+
+
+def _delay_option(name: str, value: object) -> float:
+    """Check a delay: finite and >= 0.
+
+    Raises:
+        TypeError: ``value`` is not a number.
+        ValueError: It is negative, infinite or NaN.
+    """
+    seconds = _seconds(name, value)
     if not 0 <= seconds < math.inf:
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     return seconds
@@ -217,6 +233,18 @@ def _seconds_option(name: str, value: object, *, limit: bool = True) -> float | 
 def _optional_str(name: str, value: object) -> None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"{name} must be a string or None, got {_shown_value(value)}")
+
+
+class _CommonOptions(NamedTuple):
+    """The options every remote source takes, checked and converted (see :class:`RemoteSource`)."""
+
+    max_connections: int
+    part_size: int
+    max_gap: int
+    head_bytes: int
+    retries: int
+    backoff: float
+    accept_full_body: int
 
 
 def _check_common(
@@ -228,15 +256,22 @@ def _check_common(
     retries: object,
     backoff: object,
     accept_full_body: object,
-) -> None:
-    """Check the options every remote source takes (see :class:`RemoteSource`)."""
-    _int_option("max_connections", max_connections, 1)
-    _int_option("part_size", part_size, 1)
-    _int_option("max_gap", max_gap, 0)
-    _int_option("head_bytes", head_bytes, 0)
-    _int_option("retries", retries, 0)
-    _seconds_option("backoff", backoff, limit=False)
-    _int_option("accept_full_body", accept_full_body, 0)
+) -> _CommonOptions:
+    """Check the options every remote source takes and return them converted.
+
+    Raises:
+        TypeError: An option has the wrong type.
+        ValueError: An option is out of range.
+    """
+    return _CommonOptions(
+        max_connections=_int_option("max_connections", max_connections, 1),
+        part_size=_int_option("part_size", part_size, 1),
+        max_gap=_int_option("max_gap", max_gap, 0),
+        head_bytes=_int_option("head_bytes", head_bytes, 0),
+        retries=_int_option("retries", retries, 0),
+        backoff=_delay_option("backoff", backoff),
+        accept_full_body=_int_option("accept_full_body", accept_full_body, 0),
+    )
 
 
 _S = TypeVar("_S", bound="RemoteSource")
@@ -283,7 +318,7 @@ class RemoteSource:
         backoff: float = 0.2,
         accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
     ) -> None:
-        _check_common(
+        options = _check_common(
             max_connections=max_connections,
             part_size=part_size,
             max_gap=max_gap,
@@ -293,13 +328,13 @@ class RemoteSource:
             accept_full_body=accept_full_body,
         )
         self._name = name
-        self._max_connections = operator.index(max_connections)
-        self._part_size = operator.index(part_size)
-        self._max_gap = operator.index(max_gap)
-        self._head_bytes = operator.index(head_bytes)
-        self._retries = operator.index(retries)
-        self._backoff = float(backoff)
-        self._accept_full_body = operator.index(accept_full_body)
+        self._max_connections = options.max_connections
+        self._part_size = options.part_size
+        self._max_gap = options.max_gap
+        self._head_bytes = options.head_bytes
+        self._retries = options.retries
+        self._backoff = options.backoff
+        self._accept_full_body = options.accept_full_body
         self._size = -1
         # The first bytes of the object; all of it when a server ignored Range on a small file.
         # Replaced, never mutated, so readers need no lock.
