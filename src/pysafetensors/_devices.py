@@ -79,6 +79,14 @@ def parse_device(device: Any) -> Device:
     if not sep:
         # The CPU and MPS have no index (the reference prints both as bare names).
         return Device(kind, None if kind in ("cpu", "mps") else 0)
+    if ":" in rest:  # "cuda:0:0": the reference splits on ':' and wants two parts
+        raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
+    if kind == "cpu" and not (
+        0 < len(rest) <= 19 and rest.isascii() and rest.isdigit() and rest == str(int(rest))
+    ):
+        # The reference refuses every "cpu:..."; we take "cpu:N" as torch.device does (see
+        # docs/differences.md), and refuse the rest in the reference's words.
+        raise SafetensorError(f"device {device} is invalid", kind="InvalidDevice")
     index = _rust_usize(rest)
     if kind == "mps":
         if index != 0:

@@ -14,6 +14,8 @@ category they belong to, so ``except ValueError`` or ``except KeyError`` catch t
     ├── TensorNotFoundError(SafetensorError, KeyError)    no tensor of that name
     ├── DTypeNotSupportedError(SafetensorError, TypeError) the framework cannot hold that dtype
     ├── SliceError(SafetensorError, IndexError)           an index the slicer cannot serve
+    │   ├── SliceTypeError(SliceError, TypeError)         an item or bound of no index type
+    │   └── SliceValueError(SliceError, ValueError)       a slice step that is not positive
     ├── SerializeError(SafetensorError, ValueError)       input that cannot be written
     │   └── SharedTensorsError(SerializeError, RuntimeError) tensors share memory
     ├── UnsafePickleError(SafetensorError)                a pickle asks for a forbidden global
@@ -57,6 +59,8 @@ __all__ = [
     "SerializeError",
     "SharedTensorsError",
     "SliceError",
+    "SliceTypeError",
+    "SliceValueError",
     "TensorInfoError",
     "TensorNotFoundError",
     "UnsafePickleError",
@@ -143,6 +147,21 @@ class DTypeNotSupportedError(SafetensorError, TypeError):
 
 class SliceError(SafetensorError, IndexError):
     """Raised when a slice index is malformed or cannot be served."""
+
+
+class SliceTypeError(SliceError, TypeError):
+    """Raised for an index item or slice bound of no index type (a float, a string).
+
+    Also a ``TypeError``: the reference raises one for such slice bounds on every path, and
+    its torch slices for string items.
+    """
+
+
+class SliceValueError(SliceError, ValueError):
+    """Raised for a slice step of zero or below.
+
+    Also a ``ValueError``, as the reference's torch slices raise (torch takes no such step).
+    """
 
 
 class SerializeError(SafetensorError, ValueError):

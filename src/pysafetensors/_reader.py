@@ -703,6 +703,9 @@ class safe_open:  # noqa: N801 - the reference's name
     ) -> Any:
         if source is None:
             source = self._live()
+        slice_index = getattr(self._adapter, "slice_index", None)
+        if slice_index is not None and plan is None:
+            index = slice_index(index)
         if plan is None and is_advanced(index):
             return self._read_advanced(info, index, source)
         plan = self._checked_plan(info, index, plan)
@@ -867,6 +870,11 @@ class safe_open:  # noqa: N801 - the reference's name
         return self._adapter.from_bytes(
             picked.reshape(-1).view(np.uint8), info.dtype, shape, self._device
         )
+
+    def __bool__(self) -> bool:
+        # Always true, closed or empty, as the reference's handle (which has no __len__):
+        # ``if handle:`` must not raise or depend on the tensor count.
+        return True
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())
@@ -1105,6 +1113,11 @@ class SafeSlice:
     def dtype(self) -> str:
         """The dtype code."""
         return self._info.dtype.code
+
+    def __bool__(self) -> bool:
+        # Always true, as the reference's slice (which has no __len__): ``if sl:`` must not
+        # raise for a 0-d tensor or be false for an empty one.
+        return True
 
     def __len__(self) -> int:
         if not self._info.shape:

@@ -673,6 +673,11 @@ class ShardedSafeOpen:
             got.update(handle._read_slices(group, map_fragmented=map_fragmented))
         return {name: got[name] for name, _ in requests}
 
+    def __bool__(self) -> bool:
+        # Always true, closed or empty, as the reference's handle (which has no __len__):
+        # ``if handle:`` must not raise or depend on the tensor count.
+        return True
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ._dtypes import DType
-from ._errors import SliceError
+from ._errors import SliceError, SliceTypeError, SliceValueError
 
 __all__ = [
     "AdvancedSplit",
@@ -78,21 +78,37 @@ class SlicePlan:
         ]
 
 
-def render_index(index: Any) -> str:
-    """Render an index the way error messages show it, e.g. ``[2:, 20]``."""
+def render_index(index: Any, shape: tuple[int, ...] | None = None) -> str:
+    """Render an index the way error messages show it, e.g. ``[2:, 20]``.
+
+    With ``shape``, as the reference's slicer shows a basic index it has read: the ellipsis
+    spelled out as ``:`` per dimension and negative integers wrapped (``-1`` of 4 as ``3``).
+    """
     items = index if isinstance(index, tuple) else (index,)
+    if shape is not None and sum(1 for item in items if item is Ellipsis) == 1:
+        at = items.index(Ellipsis)
+        fill = (slice(None),) * max(0, len(shape) - len(items) + 1)
+        items = items[:at] + fill + items[at + 1 :]
     parts = []
-    for item in items:
+    for dim, item in enumerate(items):
         if isinstance(item, slice):
-            text = ("" if item.start is None else str(item.start)) + ":"
-            text += "" if item.stop is None else str(item.stop)
-            if item.step is not None:
-                text += f":{item.step}"
+            start, stop, step = (
+                bound if _as_int(bound) is None else _as_int(bound)
+                for bound in (item.start, item.stop, item.step)
+            )
+            text = ("" if start is None else str(start)) + ":"
+            text += "" if stop is None else str(stop)
+            if step is not None and step != 1:
+                text += f":{step}"
             parts.append(text)
         elif item is Ellipsis:
             parts.append("...")
         elif not isinstance(item, (bool, np.bool_)) and _as_int(item) is not None:
-            parts.append(str(_as_int(item)))  # np.int64(1) shows as 1, as in the reference
+            value = _as_int(item)  # np.int64(1) shows as 1, as in the reference
+            assert value is not None
+            if shape is not None and dim < len(shape) and -shape[dim] <= value < 0:
+                value += shape[dim]
+            parts.append(str(value))
         elif isinstance(item, (list, np.ndarray)) or type(item).__name__ == "Tensor":
             # An index array, in outline: a message must not print a million indices.
             flat = np.asarray(item).reshape(-1)
@@ -137,34 +153,35 @@ def _normalize(index: Any, shape: tuple[int, ...]) -> list[int | range]:
         else:
             expanded.append(item)
     # Messages show the index with the ellipsis spelled out, as the reference does.
-    shown = render_index(tuple(expanded)) if ellipses else render_index(index)
+    shown = render_index(index, shape)
     # As the reference: every item's type and step is checked (at its position once the
     # ellipsis is spelled out) before their number is.
     for dim, item in enumerate(expanded):
         if isinstance(item, slice):
             for bound in (item.start, item.stop, item.step):
                 if bound is not None and _as_int(bound) is None:
-                    raise SliceError(
-                        f"Unsupported slice index at position {dim}: expected slice, int, or "
-                        "ellipsis",
+                    # The reference's words (Python's, from its slice conversion).
+                    raise SliceTypeError(
+                        f"'{type(bound).__name__}' object cannot be interpreted as an integer",
                         kind="InvalidSlice",
                     )
             step = 1 if item.step is None else operator.index(item.step)
             if step <= 0:
-                raise SliceError(
+                raise SliceValueError(
                     f"Slice step must be a positive integer, got {step}", kind="InvalidSlice"
                 )
         # A bool is an int to Python but a mask to numpy and torch (get_slice hands bools to
         # split_advanced); never read it as row 0 or 1.
         elif isinstance(item, (bool, np.bool_)) or _as_int(item) is None:
-            raise SliceError(
+            raise SliceTypeError(
                 f"Unsupported slice index at position {dim}: expected slice, int, or ellipsis",
                 kind="InvalidSlice",
             )
-        elif dim < ndim and operator.index(item) + shape[dim] < 0:
-            # Negative indices are resolved as the items are read, in order.
+        elif operator.index(item) + (size := shape[dim] if dim < ndim else 0) < 0:
+            # Negative indices are resolved as the items are read, in order (an item past the
+            # last dimension against a size of 0, as the reference).
             raise SliceError(
-                f"Invalid index {operator.index(item)} for dimension {dim} of size {shape[dim]}",
+                f"Invalid index {operator.index(item)} for dimension {dim} of size {size}",
                 kind="SliceOutOfRange",
             )
     if len(expanded) > ndim:
@@ -269,7 +286,7 @@ def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
     if bits % 8:
         if (run_elems * bits) % 8 or np.any((starts * bits) % 8):
             raise SliceError(
-                f"Error during slicing {render_index(index)} with shape {list(shape)}: The "
+                f"Error during slicing {render_index(index, shape)} with shape {list(shape)}: The "
                 "slice is slicing for subbytes dtypes, and the slice does not end up at a byte "
                 f"boundary, this is invalid. (dtype {dtype.code})",
                 kind="MisalignedSlice",
@@ -376,7 +393,7 @@ def split_advanced(index: Any, shape: tuple[int, ...]) -> AdvancedSplit:
                 continue
             value = _as_int(item)
             if value is None:
-                raise SliceError(
+                raise SliceTypeError(
                     f"Unsupported slice index at position {dim}: expected slice, int, ellipsis, "
                     f"None, or an integer or boolean array (got {type(item).__name__})",
                     kind="InvalidSlice",

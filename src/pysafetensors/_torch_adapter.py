@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -25,6 +26,23 @@ _TO_TORCH: Final[dict[str, Any]] = {
 _FROM_TORCH: Final[dict[Any, DType]] = {
     getattr(torch, d.torch): d for d in DTYPES if d.torch and hasattr(torch, d.torch)
 }
+
+
+_SEQUENCE_AS_TUPLE: Final = (
+    "Using a non-tuple sequence for multidimensional indexing is deprecated and will be changed "
+    "in pytorch 2.9; use x[tuple(seq)] instead of x[seq]. In pytorch 2.9 this will be "
+    "interpreted as tensor index, x[torch.tensor(seq)], which will result either in an error or "
+    "a different result"
+)
+
+
+def _tuple_like(item: Any) -> bool:
+    """Whether a list item makes torch read the list as a tuple (its treatSequenceAsTuple)."""
+    return (
+        item is None
+        or item is Ellipsis
+        or isinstance(item, (slice, Sequence, np.ndarray, torch.Tensor))
+    )
 
 
 def torch_dtype(dtype: DType) -> Any:
@@ -195,6 +213,18 @@ class TorchAdapter:
         if device.type != "cpu":
             tensor = tensor.to(device.torch_spec)
         return tensor
+
+    def slice_index(self, index: Any) -> Any:
+        """``index`` as torch reads it: a short list holding a sequence, slice, tensor, ``None``
+        or ``...`` means the tuple of its items (``t[[[0, 1], [1, 0]]]`` is ``t[[0, 1], [1, 0]]``).
+
+        The reference's torch slices index a torch tensor, which reads a list so (numpy's
+        pre-1.23 rule); torch warns that the rule is deprecated, and so do we, in its words.
+        """
+        if isinstance(index, list) and len(index) < 32 and any(map(_tuple_like, index)):
+            warnings.warn(_SEQUENCE_AS_TUPLE, UserWarning, stacklevel=4)
+            return tuple(index)
+        return index
 
     def pick_cells(self, cells: np.ndarray, pick: tuple[Any, ...]) -> np.ndarray:
         """``cells[pick]`` by torch's indexing rules (used by advanced ``get_slice`` indices).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,9 @@ def test_slice_error_texts_match_the_reference(model: Path) -> None:
     cases += [(5, 5, 0), (5, 5, 5), (2, 7, 0), (-9, 9, 9), (9, -9), (1, -5, 9)]
     # ... a negative one in item order, before a later item's type or step is looked at.
     cases += [(-4, slice(None, None, 0)), (-4, "x"), (4, -5, 1.0)]
+    # Shown as the slicer read them: bounds as integers, no step of 1, negatives wrapped.
+    cases += [(slice(2, 1, 1), 9), (slice(np.int64(1), None), 9), (-1, 9), (slice(None), -1, 9)]
+    cases += [(slice(torch.tensor(1), None), 9), (0, 0, 0, -1)]
     with ref.safe_open(str(model), "np") as r, safe_open(model, "np") as o:
         for index in cases:
             theirs = _outcome(lambda i=index: r.get_slice("a")[i])
@@ -209,7 +213,7 @@ def test_slice_error_texts_of_a_0_d_tensor_match_the_reference(tmp_path: Path) -
     ref_np.save_file({"c": np.array(1.0, np.float32), "b": np.zeros(7, np.float32)}, str(path))
     cases: list[tuple[str, Any]] = [
         ("c", "a"), ("c", 1.0), ("c", slice(None, None, -1)), ("c", (..., 0)), ("c", []),
-        ("b", (1, ..., 2)),
+        ("b", (1, ..., 2)), ("b", (slice(None), -1)), ("c", -1),
     ]  # fmt: skip
     with ref.safe_open(str(path), "np") as r, safe_open(path, "np") as o:
         for name, index in cases:
@@ -368,7 +372,12 @@ def test_every_load_takes_any_contiguous_buffer() -> None:
 
 
 @pytest.mark.parametrize(
-    "device", [1 << 64, 1 << 70, "cuda:", "cuda:x", "cuda:18446744073709551616", "mps:1", "cuda:²"]
+    "device",
+    [1 << 64, 1 << 70, "cuda:", "cuda:x", "cuda:18446744073709551616", "mps:1", "cuda:²"]
+    # More than one ':' (SafetensorError, not the index parser's ValueError), and "cpu:..."
+    # that is no "cpu:N" (which we take, as torch does).
+    + ["cuda:0:0", "cuda::", "cuda:0:", "mps:0:1", "npu:0:0", "xla:x:1"]
+    + ["cpu:x", "cpu:", "cpu:+1", "cpu:01", "cpu:1:0"],
 )
 def test_device_texts_match_the_reference(model: Path, device: Any) -> None:
     theirs = _outcome(lambda: ref.safe_open(str(model), "pt", device=device))
@@ -376,6 +385,70 @@ def test_device_texts_match_the_reference(model: Path, device: Any) -> None:
     assert theirs[0] == mine[0] == "error"
     assert mine[2] == theirs[2]
     assert issubclass(mine[1], ValueError) == issubclass(theirs[1], ValueError)
+
+
+@pytest.mark.filterwarnings("ignore:Using a non-tuple sequence")  # torch's, in the reference
+def test_slice_errors_are_of_the_reference_s_builtin_classes(model: Path) -> None:
+    """Whatever the reference's paths raise for a bad index (a TypeError for a float bound, a
+    ValueError for a step torch refuses, ...), ours is an instance of that class too."""
+    cases: list[Any] = [slice(1.0, 2), slice(None, 2.5), slice(None, None, "x"), "0", b"0", 1.5]
+    cases += [slice(None, None, 0), slice(None, None, -1), (0, "x"), (slice(2.5, None), "x")]
+    cases += [object(), {1: 2}, (0, 0, 0, 0), (9,), (0, slice(None), 1.5)]
+    for framework in ("np", "pt"):
+        for backend in ("mmap", "pread"):
+            with (
+                ref.safe_open(str(model), framework, backend=backend) as r,
+                safe_open(model, framework, backend=backend) as o,
+            ):
+                for index in cases:
+                    theirs = _outcome(lambda i=index: r.get_slice("a")[i])
+                    mine = _outcome(lambda i=index: o.get_slice("a")[i])
+                    assert theirs[0] == mine[0] == "error", (framework, backend, index)
+                    assert issubclass(mine[1], SliceError)
+                    for builtin in (TypeError, ValueError, IndexError):
+                        if issubclass(theirs[1], builtin):
+                            assert issubclass(mine[1], builtin), (framework, backend, index)
+                    if isinstance(index, slice) and theirs[1] is TypeError and framework == "np":
+                        assert mine[2] == theirs[2]  # the slicer's words
+
+
+def test_torch_reads_a_list_of_sequences_as_a_tuple_like_the_reference(model: Path) -> None:
+    """torch (so the reference's mmap torch slices) reads ``t[[[0, 1], [1, 0]]]`` as
+    ``t[[0, 1], [1, 0]]``, with its deprecation warning; numpy 2 as one index array."""
+    whole = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
+    cases: list[Any] = [[[0, 1], [1, 0]], [[0, 1]], [[]], [torch.tensor(0), torch.tensor(1)]]
+    cases += [[0, slice(None)], [slice(None), 0], [None, 0], [0, ...], [np.array([0, 2]), 1]]
+    plain: list[Any] = [[0, 1], [np.int64(2), 0]]  # integers only: one index array in torch
+    with ref.safe_open(str(model), "pt") as r, safe_open(model, "pt") as o:
+        for index, as_tuple in [(i, True) for i in cases] + [(i, False) for i in plain]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                mine = o.get_slice("a")[index]
+                theirs = r.get_slice("a")[index]
+                expected = whole[index]
+            said = [str(w.message) for w in caught if w.category is UserWarning]
+            assert len(said) == (3 if as_tuple else 0), index
+            # torch adds where it was triggered: "(Triggered internally at ...)".
+            assert all(text.startswith(said[0]) for text in said), said
+            assert caught[0].filename == __file__ if as_tuple else True  # the caller's line
+            assert mine.shape == theirs.shape == expected.shape, index
+            assert torch.equal(mine, theirs.contiguous()), index
+    with safe_open(model, "np") as o:
+        assert o.get_slice("a")[[[0, 1], [1, 0]]].shape == (2, 2, 4, 5)  # numpy's rule
+
+
+def test_handles_and_slices_are_always_true_like_the_reference_s(tmp_path: Path) -> None:
+    """They have a length (ours only), which must not make them false or raise in ``if``."""
+    path = tmp_path / "t.safetensors"
+    ref_np.save_file({"c": np.array(1.0, np.float32), "e": np.zeros((0, 3), np.float32)}, path)
+    empty = tmp_path / "empty.safetensors"
+    ref_np.save_file({}, empty)
+    for lib in (ref, pysafetensors):
+        with lib.safe_open(str(path), "np") as f:
+            assert bool(f.get_slice("c")) and bool(f.get_slice("e"))
+        assert bool(f)  # closed
+        with lib.safe_open(str(empty), "np") as f:
+            assert bool(f)
 
 
 @pytest.mark.parametrize("framework", ["np", "pt"])
