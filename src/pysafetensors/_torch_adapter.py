@@ -407,6 +407,8 @@ class TorchAdapter:
                 kind="MetaTensor",
                 tensor=name,
             )
+        if tensor.numel():
+            _check_memory(name, tensor)
         shape = logical_shape(dtype, tuple(tensor.shape))
         source = tensor
         if tensor.is_conj() or tensor.is_neg():
@@ -438,6 +440,32 @@ class TorchAdapter:
             del t
 
         return TensorData(name, dtype, shape, chunks, keepalive=tensor)
+
+
+def _check_memory(name: str, tensor: Any) -> None:
+    """Refuse a tensor whose storage does not hold the elements it spans.
+
+    Such tensors exist: FSDP frees parameters' storage with ``untyped_storage().resize_(0)``
+    (the pointer becomes null), a FakeTensor has none, a storage can be shrunk under a view.
+    Writing their bytes would read address 0 (the interpreter dies) or memory past the storage
+    (the reference writes whatever is there).
+
+    Raises:
+        SerializeError: The storage is missing or too small.
+    """
+    storage = tensor.untyped_storage()
+    sizes_and_steps = zip(tensor.shape, tensor.stride(), strict=True)
+    span = 1 + sum((size - 1) * step for size, step in sizes_and_steps)
+    needed = (tensor.storage_offset() + span) * tensor.element_size()
+    held = storage.nbytes() if storage.data_ptr() else 0
+    if tensor.data_ptr() == 0 or held < needed:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}invalid shape, data type, or offset for tensor `{name}` (its "
+            f"storage holds {held} bytes but it spans {needed}: was the storage freed or "
+            "resized, as FSDP does to sharded parameters?)",
+            kind="TensorInvalidInfo",
+            tensor=name,
+        )
 
 
 def _carve_laid_out(

@@ -633,6 +633,51 @@ def test_lazy_conjugate_and_negative_views_are_saved_with_their_values(tmp_path:
     assert torch.equal(ref_torch.load_file(tmp_path / "c.safetensors")["c"], conj.resolve_conj())
 
 
+def _freed() -> Any:
+    t = torch.ones(4)
+    t.untyped_storage().resize_(0)  # as FSDP frees a sharded parameter: a null pointer
+    return t
+
+
+def _fake() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.ones(2)
+
+
+def _shrunk() -> Any:
+    t = torch.ones(4)
+    t.untyped_storage().resize_(4)  # 4 bytes under a 16-byte tensor
+    return t
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+@pytest.mark.parametrize("make", [_freed, _fake, _shrunk])
+def test_a_tensor_without_memory_is_refused_not_read(tmp_path: Path, make: Any) -> None:
+    """Reading it would read address 0 (the interpreter died) or past the storage (the
+    reference saves whatever lies there when the storage was shrunk)."""
+    tensor = make()
+    target = tmp_path / "m.safetensors"
+    ours_torch.save_file({"ok": torch.zeros(1)}, target)
+    before = target.read_bytes()
+    calls = [
+        lambda: ours_torch.save({"x": tensor}),
+        lambda: ours_torch.save_file({"x": tensor}, target),
+    ]
+    for call in calls:
+        with pytest.raises(pysafetensors.SerializeError) as info:
+            call()
+        assert str(info.value).startswith(
+            "Error while serializing: invalid shape, data type, or offset for tensor `x`"
+        )
+        assert info.value.tensor == "x"
+    assert target.read_bytes() == before
+    if make is not _shrunk:
+        with pytest.raises(ref.SafetensorError, match="invalid shape, data type, or offset"):
+            ref_torch.save({"x": tensor})
+
+
 def test_shared_tensor_groups_come_in_the_reference_s_order() -> None:
     u, v = torch.ones(2), torch.zeros(2)
     shared = {"z1": u, "z2": u, "a1": v, "a2": v}
