@@ -24,7 +24,7 @@ from ._errors import CheckpointError
 from ._sources import open_regular_file
 from ._zip_directory import EOCD_SIG, ZIP64_EOCD, end_records
 
-__all__ = ["BoundedFile", "FileBytes", "ZipMember", "ZipView", "open_zip"]
+__all__ = ["BoundedFile", "FileBytes", "ZipMember", "ZipView", "caseless", "open_zip"]
 
 #: Chunk size used when streaming storage bytes.
 CHUNK: Final = 16 << 20
@@ -36,6 +36,12 @@ MAX_ENTRIES: Final = 1_000_000
 MAX_NAME: Final = 4096
 
 _LOCAL: Final = struct.Struct("<4sHHHHHIIIHH")
+_ASCII_LOWER: Final = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def caseless(name: str) -> str:
+    """``name`` as torch's zip reader (miniz) compares names: ASCII letters in lower case."""
+    return name.translate(_ASCII_LOWER)
 
 
 def _bad(message: str, offset: int | None = None) -> CheckpointError:
@@ -203,6 +209,13 @@ class ZipView:
         self.file = file
         self.members = members
         self.order = order
+        # No two names fold alike (open_zip refuses such archives): one member per folded name.
+        self._caseless = {caseless(name): name for name in order}
+
+    def find(self, name: str) -> str | None:
+        """The member torch's reader would find for ``name``, which it looks up ignoring ASCII
+        case (``data.pkl`` finds ``Data.pkl``); None if there is none."""
+        return self._caseless.get(caseless(name))
 
     def read(self, name: str, *, limit: int, check_crc: bool = True) -> bytes:
         """Return a whole (small) member, refusing one larger than ``limit``."""
@@ -345,12 +358,21 @@ def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
     members: dict[str, ZipMember] = {}
     order: list[str] = []
     ranges: list[tuple[int, int, str]] = []
+    folded: dict[str, str] = {}
     for info in infos:
         name = info.filename
         if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME:
             raise _bad("zip member name too long")
         if name in members:
             raise _bad(f"duplicate zip member {name!r}")
+        other = folded.setdefault(caseless(name), name)
+        if other != name:
+            # torch's reader finds members ignoring case, so which of the two it reads is its
+            # choice, and need not be ours.
+            raise _bad(
+                f"zip members {other!r} and {name!r} differ only in case (torch's zip reader "
+                "does not tell them apart)"
+            )
         if strict and info.flag_bits & 0x61:
             raise _bad(f"zip member {name!r} is encrypted or uses unsupported flag bits")
         method = info.compress_type

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import struct
 import tarfile
 import tempfile
@@ -1292,12 +1293,15 @@ def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
         rel = name[len(prefix) :]
         if rel == "constants.pkl" or rel.startswith("code/"):
             raise _unsafe("TorchScript archive (runs its own code on load)", None, 0)
-    pkl = prefix + "data.pkl"
-    if pkl not in zv.members:
-        raise _bad(f"no {pkl!r} in the archive")
+    # Records are looked up as torch's reader looks them up: ignoring ASCII case.
+    pkl = zv.find(prefix + "data.pkl")
+    if pkl is None:
+        raise _bad(f"no {prefix + 'data.pkl'!r} in the archive")
+    _check_version(zv, prefix)
     byteorder = "little"
-    if prefix + "byteorder" in zv.members:
-        raw = zv.read(prefix + "byteorder", limit=16)
+    byteorder_record = zv.find(prefix + "byteorder")
+    if byteorder_record is not None:
+        raw = zv.read(byteorder_record, limit=16)
         if raw not in (b"little", b"big"):
             raise _bad(f"byteorder record {raw!r} is neither 'little' nor 'big'")
         byteorder = raw.decode()
@@ -1308,10 +1312,10 @@ def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
         raise _bad(f"{pkl}: {len(data) - result.end} bytes after STOP")
     storages: dict[str, _StorageLoc] = {}
     for key, ref in policy.storages.items():
-        member = f"{prefix}data/{key}"
-        m = zv.members.get(member)
-        if m is None:
-            raise _bad(f"storage {key} is referenced but {member!r} is missing")
+        found = zv.find(f"{prefix}data/{key}")
+        if found is None:
+            raise _bad(f"storage {key} is referenced but {f'{prefix}data/{key}'!r} is missing")
+        member, m = found, zv.members[found]
         if m.file_size != ref.nbytes:
             raise _bad(
                 f"storage {key}: the pickle declares {ref.numel} x torch.{ref.dtype} "
@@ -1322,6 +1326,34 @@ def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
     return Checkpoint(
         file.path, "zip", tensors, leaves, byteorder, file, zv, storages, result.protocol
     )
+
+
+#: The newest archive format torch's reader reads (``kMaxSupportedFileFormatVersion``).
+MAX_ARCHIVE_VERSION: Final = 10
+
+
+def _check_version(zv: ZipView, prefix: str) -> None:
+    """Refuse an archive whose ``version`` record torch's reader refuses.
+
+    torch parses it with ``std::stoull`` (leading digits after optional blanks and sign) and
+    reads versions 1 to 10. An archive without the record, which torch refuses too, is read
+    anyway: nothing in it is ambiguous.
+    """
+    record = zv.find(prefix + ".data/version") or zv.find(prefix + "version")
+    if record is None:
+        return
+    raw = zv.read(record, limit=64)
+    match = re.match(rb"[ \t\n\v\f\r]*([+-]?)([0-9]+)", raw)
+    if match is None:
+        raise _bad(f"{record!r}: the archive version {raw!r} is not a number")
+    version = int(match.group(2))
+    if match.group(1) == b"-" and version:
+        version = (1 << 64) - version  # stoull wraps negative numbers
+    if not 1 <= version <= MAX_ARCHIVE_VERSION:
+        raise _bad(
+            f"{record!r}: archive format version {version}; torch reads versions 1 to "
+            f"{MAX_ARCHIVE_VERSION}"
+        )
 
 
 def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:

@@ -46,7 +46,7 @@ from ._errors import SafetensorError, input_path
 from ._pickle_vm import OPNAMES, TRUNCATED, Limits, Machine
 from ._remote_urls import shown_location
 from ._sources import open_regular_file
-from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile
+from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile, caseless
 from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
 from ._zip_directory import EOCD, EOCD_SIG, ZIP64_EOCD, end_records
 
@@ -764,6 +764,9 @@ def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
     names = [i.filename for i in infos]
     if len(set(names)) != len(names):
         report._add("suspicious", "duplicate zip member names", where)
+    elif len({caseless(n) for n in names}) != len(names):
+        # torch's reader finds members ignoring ASCII case: which one it reads is its choice.
+        report._add("suspicious", "zip member names that differ only in case", where)
     prefixes = {n.split("/", 1)[0] for n in names}
     if len(prefixes) > 1:
         report._add(
@@ -771,7 +774,8 @@ def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
         )
     for info in infos:
         member = f"{where}:{info.filename}"
-        if any(n in info.filename for n in ("constants.pkl",)) or "/code/" in info.filename:
+        folded = caseless(info.filename)
+        if "constants.pkl" in folded or "/code/" in folded:
             report._add("dangerous", "TorchScript archive (torch.jit.load runs its code)", member)
         try:
             _scan_member(report, data, info, member, depth)

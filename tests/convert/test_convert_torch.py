@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402
 
+from pysafetensors import CheckpointError  # noqa: E402
 from pysafetensors._torch_pickle import load_checkpoint  # noqa: E402
 from pysafetensors.convert import (  # noqa: E402
     convert_file,
@@ -427,3 +428,92 @@ def test_a_leaf_that_shares_its_lists_renders_bounded(tmp_path: Path) -> None:
         info = ck.non_tensors["info"]
     text = json.dumps(info)
     assert "..." in text and len(text) < 1_000_000
+
+
+# ------------------------------------------- zip records as torch's reader finds them
+
+
+def _rewrite(
+    src: Path, dst: Path, *, rename: Any = None, replace: Any = None, add: Any = ()
+) -> Path:
+    """A copy of a ``torch.save`` zip with members renamed, replaced or added."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for name in zin.namelist():
+            data = zin.read(name)
+            if replace is not None and name.endswith(replace[0]):
+                data = replace[1]
+            zout.writestr(rename(name) if rename else name, data)
+        for name, data in add:
+            zout.writestr(name, data)
+    return dst
+
+
+def _torch_outcome(path: Path) -> Any:
+    try:
+        return torch.load(path, weights_only=True)["w"].tolist()
+    except RuntimeError:
+        return "refused"
+
+
+def _our_outcome(path: Path) -> Any:
+    out = path.with_suffix(".safetensors")
+    try:
+        convert_file(path, out)
+    except CheckpointError:
+        assert not out.exists()
+        return "refused"
+    return st_torch.load_file(out)["w"].tolist()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # Records are found ignoring ASCII case, as torch's zip reader (miniz) finds them.
+        {"rename": lambda n: n.replace("byteorder", "BYTEORDER"), "replace": ("byteorder", b"big")},
+        {"rename": lambda n: n.replace("data.pkl", "Data.PKL")},
+        {"rename": lambda n: n.replace("/data/", "/DATA/")},
+        # Archive versions torch's reader refuses, and one it reads.
+        {"replace": ("/version", b"99\n")},
+        {"replace": ("/version", b"0\n")},
+        {"replace": ("/version", b"x\n")},
+        {"replace": ("/version", b"-1\n")},
+        {"replace": ("/version", b" \t3 trailing")},
+        {"add": [("ck/.data/version", b"11\n")]},
+    ],
+)
+def test_zip_records_are_read_as_torch_reads_them(tmp_path: Path, change: dict[str, Any]) -> None:
+    src = tmp_path / "ck.pt"
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, src)
+    assert zipfile.ZipFile(src).namelist()[0].startswith("ck/")
+    changed = _rewrite(src, tmp_path / "changed.pt", **change)
+    assert _our_outcome(changed) == _torch_outcome(changed)
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [("ck/DATA/0", np.full(4, 666, np.float32).tobytes()), ("ck/Data.pkl", b"\x80\x02}q\x00.")],
+)
+@pytest.mark.parametrize("at", [2, None])
+def test_records_torch_cannot_tell_apart_are_refused(
+    tmp_path: Path, name: str, data: bytes, at: int | None
+) -> None:
+    """torch's reader finds records ignoring case: of two such records it reads the one its
+    lookup meets (here the added one, placed third), so neither can be trusted."""
+    from pysafetensors.scan import scan_file
+
+    src = tmp_path / "ck.pt"
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, src)
+    changed = tmp_path / "changed.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(changed, "w") as zout:
+        items = [(member, zin.read(member)) for member in zin.namelist()]
+        items.insert(len(items) if at is None else at, (name, data))
+        for member, content in items:
+            zout.writestr(member, content)
+    if at is not None and name.endswith("/0"):
+        assert _torch_outcome(changed) == [666.0] * 4  # torch read the added record
+    with pytest.raises(CheckpointError, match="differ only in case"):
+        convert_file(changed, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    report = scan_file(changed)
+    assert "zip member names that differ only in case" in [f.message for f in report.findings]
+    assert report.grade != "safe"
