@@ -18,6 +18,8 @@ would still call whatever ``find_class`` returns.
 from __future__ import annotations
 
 import codecs
+import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -159,6 +161,73 @@ class Result:
     """Opcodes executed."""
     opcodes_seen: set[str] = field(default_factory=set)
     """Names of the opcodes executed."""
+
+
+# The text numbers of protocols 0 and 1, read exactly as CPython's unpickler reads them: a
+# reading of our own (``int("010")`` is 10, CPython's 8) would turn the same file into other
+# tensors than torch.load builds (a storage offset written as ``I010``).
+_C_SPACE: Final = b" \t\n\v\f\r"
+#: What C's ``strtol(s, &end, 0)`` reads: blanks, a sign, hex, octal or decimal digits.
+_STRTOL: Final = re.compile(rb"[ \t\n\v\f\r]*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)")
+#: What ``PyOS_string_to_double`` reads: no blanks, no underscores, inf/infinity/nan.
+_C_DOUBLE: Final = re.compile(
+    rb"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf(?:inity)?|nan)",
+    re.IGNORECASE,
+)
+
+
+def _c_string(raw: bytes) -> bytes:
+    """``raw`` as C code sees it: up to its first NUL."""
+    return raw.split(b"\0", 1)[0]
+
+
+def _python_int(raw: bytes, offset: int, opcode: str) -> int:
+    """``PyLong_FromString(raw, NULL, 0)``: Python's int syntax in base 0 (``0x10``, ``1_0``;
+    ``010`` is an error), which ``int(bytes, 0)`` implements."""
+    try:
+        return int(_c_string(raw), 0)
+    except ValueError:
+        raise _err(f"invalid operand ({opcode} {raw[:40]!r} is not a number)", offset) from None
+
+
+def _text_int(raw: bytes, offset: int) -> int | bool:
+    """An INT operand as CPython's ``load_int`` reads it: ``strtol`` in base 0 (``010`` is 8,
+    ``0x10`` 16), a bool for a two-character 0 or 1 (``00``, ``01``), and Python's int syntax
+    when ``strtol`` overflows or stops before the line ends."""
+    if not raw:
+        raise _err("invalid operand (INT is empty)", offset)
+    match = _STRTOL.match(raw)
+    if match is not None and raw[match.end() : match.end() + 1] in (b"", b"\0"):
+        sign, digits = match.groups()
+        if digits[:2] in (b"0x", b"0X"):
+            value = int(digits[2:], 16)
+        else:
+            value = int(digits, 8 if digits.startswith(b"0") else 10)
+        value = -value if sign == b"-" else value
+        if -(1 << 63) <= value < 1 << 63:  # a C long
+            return bool(value) if len(raw) == 2 and value in (0, 1) else value
+    return _python_int(raw, offset, "INT")
+
+
+def _text_long(raw: bytes, offset: int) -> int:
+    """A LONG operand as CPython's ``load_long`` reads it: one trailing ``L`` dropped, then
+    Python's int syntax in base 0."""
+    if not raw:
+        raise _err("invalid operand (LONG is empty)", offset)
+    return _python_int(raw[:-1] if raw.endswith(b"L") else raw, offset, "LONG")
+
+
+def _text_float(raw: bytes, offset: int) -> float:
+    """A FLOAT operand as CPython's ``load_float`` reads it (``PyOS_string_to_double``, which
+    refuses what overflows a double)."""
+    text = _c_string(raw)
+    match = _C_DOUBLE.match(text)
+    if match is None or match.end() != len(text):
+        raise _err(f"invalid operand (FLOAT {raw[:40]!r} is not a number)", offset)
+    value = float(text)
+    if math.isinf(value) and not text.lstrip(b"+-")[:1].isalpha():
+        raise _err(f"invalid operand (FLOAT {raw[:40]!r} overflows a double)", offset)
+    return value
 
 
 def _err(message: str, offset: int, kind: str = "PickleError") -> CheckpointError:
@@ -547,16 +616,11 @@ class Machine:
             elif op == 0x56:  # UNICODE
                 stack.append(line(at).decode("raw-unicode-escape"))
             elif op == 0x49:  # INT
-                raw = line(at)
-                if raw in (b"00", b"01"):
-                    stack.append(raw == b"01")
-                else:
-                    stack.append(int(raw))
+                stack.append(_text_int(line(at), base + at))
             elif op == 0x4C:  # LONG
-                raw = line(at)
-                stack.append(int(raw[:-1] if raw.endswith(b"L") else raw))
+                stack.append(_text_long(line(at), base + at))
             elif op == 0x46:  # FLOAT
-                stack.append(float(line(at)))
+                stack.append(_text_float(line(at), base + at))
             elif op == 0x94:  # MEMOIZE
                 memo[len(memo)] = _top(stack, base + at)
             elif op == 0x72:  # LONG_BINPUT

@@ -494,3 +494,32 @@ def test_real_checkpoints_of_over_a_million_tensors_fit_the_container_budget(
     per_tensor = machine.budget.containers / 5000
     assert per_tensor <= 6.5
     assert Limits().max_containers / per_tensor >= 1_250_000
+
+
+_TEXT_NUMBERS = [
+    (b"I", [b"0", b"1", b"00", b"01", b"02", b"010", b"-010", b"0x10", b"0X1f", b"08", b"0x"]),
+    (b"I", [b" 7", b"+1", b" 1", b"-0", b"1_0", b"0o17", b"9" * 30, b"-" + b"9" * 19, b"0b1"]),
+    (b"I", [b"077777777777777777777777", b"5\0junk", b"abc", b" ", b"1 ", b"\t-3", b"0x1g"]),
+    (b"L", [b"10L", b"010L", b"0x10L", b"1_0L", b"10", b"-7L", b" 5L", b"LL", b"5LL", b"0L"]),
+    (b"F", [b"1.5", b"-0.0", b"1e5", b"1E-5", b".5", b"5.", b"inf", b"-Infinity", b"nan"]),
+    (b"F", [b"1_0.5", b" 1.5", b"1e999", b"-1e999", b"1e", b"0x1p3", b"1.5 ", b"1.5\0x"]),
+    (b"F", [b"1e-999", b"+.5e+2", b"INF", b"nAn", b"infinit", b"-", b""]),
+]
+
+
+@pytest.mark.parametrize(("opcode", "operands"), _TEXT_NUMBERS)
+def test_text_numbers_are_read_as_cpython_reads_them(opcode: bytes, operands: list[bytes]) -> None:
+    """INT, LONG and FLOAT (protocols 0-1) as CPython's unpickler, and so torch.load, reads
+    them: ``I010`` is 8, not 10 (a storage offset written so moved a tensor's values)."""
+    for operand in operands:
+        data = opcode + operand + b"\n."
+        try:
+            expected: Any = pickle.loads(data)
+        except (ValueError, OverflowError, pickle.UnpicklingError):
+            expected = "refused"
+        try:
+            got: Any = Machine(data, TorchPolicy()).run(0).value
+        except CheckpointError as exc:
+            assert "invalid operand" in str(exc) and exc.offset == 0
+            got = "refused"
+        assert repr(got) == repr(expected), (opcode, operand)
