@@ -5,7 +5,10 @@ becomes an inert record and every call a symbolic node, so ``STACK_GLOBAL`` oper
 through the memo are just the stack values they are (``threat-model-and-pickle.md`` §3.5).
 Each global is graded from an allow-list:
 
-* ``safe``: what the torch-free converter (and torch's ``weights_only`` loader) accepts;
+* ``safe``: nothing that runs code: what the torch-free converter reads, what it refuses only
+  because safetensors cannot hold it (sparse, quantized tensors...), and numpy arrays, dtypes
+  and scalars (refused by the converter, and by torch's ``weights_only`` loader unless
+  allowed; see ``docs/scan.md``);
 * ``dangerous``: known code-running, file, network or name-resolving callables, and files that
   two readers would read as different programs (an operand running past the end of its FRAME,
   a zip whose central directory torch's reader and ``zipfile`` find in different places);
