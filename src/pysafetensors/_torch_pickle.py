@@ -146,6 +146,39 @@ class Stand:
     name: str
 
 
+#: One stand-in per unconvertible global (named by its full name), and the way back.
+_UNCONVERTIBLE_STANDS: Final = {
+    key: Stand("unconvertible", f"{key[0]}.{key[1]}") for key in _UNCONVERTIBLE
+}
+_UNCONVERTIBLE_NAMES: Final = {f"{key[0]}.{key[1]}": key for key in _UNCONVERTIBLE}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Unconvertible:
+    """A tensor safetensors cannot hold (sparse, quantized, meta...), built by the pickle: kept
+    as a placeholder so that the refusal can name where it sits in the state dict."""
+
+    what: str
+    """What it is, e.g. ``sparse tensors``."""
+    rebuild: str
+    """The global that built it."""
+    offset: int
+    """Where in the pickle it was built."""
+
+    def refusal(self, name: str | None) -> CheckpointError:
+        """The error refusing it, naming the entry when known."""
+        where = (
+            f"{name!r} is one of the {self.what}" if name else f"the checkpoint holds {self.what}"
+        )
+        return CheckpointError(
+            f"{where} ({self.rebuild}, built at byte {self.offset}), which safetensors cannot "
+            "store",
+            kind="CheckpointError",
+            offset=self.offset,
+            tensor=name,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage declared by a persistent id."""
@@ -296,6 +329,8 @@ class TorchPolicy:
         self.tensors: list[TensorRef] = []
         self.views: dict[str, StorageRef] = {}
         """Legacy storage views by view key (torch builds each once, see :meth:`persistent`)."""
+        self.first_unconvertible: Unconvertible | None = None
+        """The first tensor built that safetensors cannot hold, refused by :func:`_records`."""
         self.budget = Budget(Limits(), self)
         """What the calls build is charged here: the budget of the machine running the
         stream (bound by :func:`_machine`)."""
@@ -315,13 +350,17 @@ class TorchPolicy:
         stand = _lookup(module, name)
         if stand is None:
             if (module, name) in _UNCONVERTIBLE:
-                raise _bad(
-                    f"the checkpoint holds {_UNCONVERTIBLE[(module, name)]} ({full}), which "
-                    "safetensors cannot store",
-                    offset,
-                )
+                # Refused where a name is known (see Unconvertible), or at the end.
+                return _UNCONVERTIBLE_STANDS[(module, name)]
             raise _unsafe(f"global {full} is not on the allow-list", full, offset)
         return stand
+
+    def unconvertible(self, func: Stand, offset: int) -> Unconvertible:
+        """What a call of an unconvertible rebuild (sparse, quantized...) stands for."""
+        value = Unconvertible(_UNCONVERTIBLE[_UNCONVERTIBLE_NAMES[func.name]], func.name, offset)
+        if self.first_unconvertible is None:
+            self.first_unconvertible = value
+        return value
 
     def bad_stack_global(self, module: Any, name: Any, offset: int) -> Any:
         """STACK_GLOBAL with computed, non-string operands: always refused."""
@@ -346,13 +385,20 @@ class TorchPolicy:
         # Every call builds something (a tensor record, a copy): a call of values from the memo
         # is five bytes of the stream, so count its result as the machine counts containers.
         self.budget.grow(1, 0, offset)
+        if type(args) is tuple and func.kind == "rebuild":
+            # A Parameter of a sparse tensor is a tensor safetensors cannot hold, too.
+            for arg in args[:1]:
+                if isinstance(arg, Unconvertible):
+                    return arg
         return handler(self, func, args, offset)
 
     def build(self, obj: Any, state: Any, offset: int) -> Any:
         """BUILD: accepted (and ignored) only on dicts, e.g. an OrderedDict's ``_metadata``."""
         if type(obj) is dict and (state is None or type(state) in (dict, tuple)):
             return obj
-        if isinstance(obj, TensorRef) and (state is None or state == {} or state == ((), {})):
+        if isinstance(obj, (TensorRef, Unconvertible)) and (
+            state is None or state == {} or state == ((), {})
+        ):
             return obj
         if isinstance(obj, Stand):
             raise _unsafe(f"BUILD changes the attributes of {obj.name}", obj.name, offset)
@@ -554,6 +600,19 @@ _SIMPLE: Final[dict[str, Stand]] = {
     "builtins.bytearray": Stand("bytearray", "builtins.bytearray"),
     "builtins.complex": Stand("complex", "builtins.complex"),
     "_codecs.encode": Stand("encode", "_codecs.encode"),
+    # Constants that only the rebuilds of tensors safetensors cannot hold take (quantization
+    # schemes, layouts): inert, so that the refusal names the tensor (see Unconvertible).
+    **{
+        f"torch.{name}": Stand("constant", f"torch.{name}")
+        for name in (
+            "per_tensor_affine",
+            "per_channel_affine",
+            "per_channel_affine_float_qparams",
+            "strided",
+            "sparse_coo",
+            "sparse_csr",
+        )
+    },
 }
 
 
@@ -664,6 +723,8 @@ def _h_rebuild(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
         if type(inner) is not tuple:
             raise _bad(f"_rebuild_from_type_v2 with arguments {_short(inner)}", at)
         _attribute_state(state, at)
+        if isinstance(func, Stand) and func.kind == "unconvertible":
+            return p.unconvertible(func, at)
         if not isinstance(func, Stand) or func.kind != "rebuild":
             raise _unsafe(f"_rebuild_from_type_v2 calling {_short(func)}", None, at)
         return _h_rebuild(p, func, inner, at)
@@ -694,7 +755,12 @@ def _h_counter(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     raise _bad(f"Counter called with {_short(args)}", at)
 
 
+def _h_unconvertible(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    return p.unconvertible(f, at)
+
+
 _HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], Any]]] = {
+    "unconvertible": _h_unconvertible,
     "counter": _h_counter,
     "odict": _h_odict,
     "size": _h_size,
@@ -805,6 +871,8 @@ def _flatten(root: Any) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
     """Walk the graph iteratively, with a depth cap and cycle detection."""
     tensors: list[tuple[str, TensorRef]] = []
     leaves: dict[str, Any] = {}
+    if isinstance(root, Unconvertible):
+        raise root.refusal(None)
     if isinstance(root, TensorRef):
         raise _bad("the checkpoint is a single tensor without a name; expected a state dict")
     if type(root) is not dict:
@@ -833,9 +901,11 @@ def _ordered(
         key, value = nxt
         # Only a name that leads to a tensor must be one a safetensors file can hold; a float
         # or tuple key of a config value is shown in outline.
-        holds = isinstance(value, TensorRef) or id(value) in contains
+        holds = isinstance(value, (TensorRef, Unconvertible)) or id(value) in contains
         text = _key_text(key, prefix) if holds else _leaf_key_text(key)
         name = f"{prefix}.{text}" if prefix else text
+        if isinstance(value, Unconvertible):
+            raise value.refusal(name)
         # Shared sub-dicts are walked once per path to them: bound the names and their text.
         entries += 1
         chars += len(name)
@@ -878,7 +948,7 @@ def _tensor_containers(root: Any) -> set[int]:
             raise _bad("state dict too large to walk")
         values = obj.values() if type(obj) is dict else obj
         for v in values:
-            if isinstance(v, TensorRef):
+            if isinstance(v, (TensorRef, Unconvertible)):
                 holders.add(id(obj))
             elif type(v) in (dict, list, tuple):
                 parents.setdefault(id(v), []).append(id(obj))
@@ -1181,6 +1251,9 @@ def _records(
 ) -> tuple[dict[str, TensorRecord], dict[str, Any]]:
     """Name every tensor and check it against the storages' real sizes."""
     named, leaves = _flatten(root)
+    if policy.first_unconvertible is not None:
+        # Built but not reached as a value of the state dict (a dict key, say): still refused.
+        raise policy.first_unconvertible.refusal(None)
     out: dict[str, TensorRecord] = {}
     for name, ref in named:
         if name in out:

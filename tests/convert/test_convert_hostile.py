@@ -523,3 +523,15 @@ def test_text_numbers_are_read_as_cpython_reads_them(opcode: bytes, operands: li
             assert "invalid operand" in str(exc) and exc.offset == 0
             got = "refused"
         assert repr(got) == repr(expected), (opcode, operand)
+
+
+def test_a_tensor_safetensors_cannot_hold_is_refused_wherever_it_sits() -> None:
+    """A sparse tensor used as a dict key has no name to give: refused all the same."""
+    from pysafetensors._torch_pickle import _records
+
+    data = P.PROTO2 + b"}ctorch._utils\n_rebuild_sparse_tensor\n)RK\x01s."
+    policy = TorchPolicy()
+    root = _machine(data, policy, None).run(0).value
+    with pytest.raises(CheckpointError, match=r"^the checkpoint holds sparse tensors \(") as info:
+        _records(policy, root, {})
+    assert info.value.offset is not None and info.value.tensor is None

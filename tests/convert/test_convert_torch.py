@@ -517,3 +517,51 @@ def test_records_torch_cannot_tell_apart_are_refused(
     report = scan_file(changed)
     assert "zip member names that differ only in case" in [f.message for f in report.findings]
     assert report.grade != "safe"
+
+
+def _unconvertibles() -> dict[str, Any]:
+    dense = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    made: dict[str, Any] = {
+        "sparse tensors": dense.to_sparse(),
+        "quantized tensors": torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8),
+        "nested tensors": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "meta tensors": torch.empty(3, device="meta"),
+    }
+    csr = dense.to_sparse_csr()
+    made["sparse tensors (CSR)"] = csr
+    param = torch.nn.Parameter(dense.to_sparse(), requires_grad=False)
+    made["sparse tensors (a Parameter)"] = param
+    tagged = dense.to_sparse()
+    tagged.tag = "x"  # pickled through _rebuild_from_type_v2 with its __dict__
+    made["sparse tensors (with attributes)"] = tagged
+    return made
+
+
+_UNCONVERTIBLE_KINDS = [
+    "sparse tensors",
+    "quantized tensors",
+    "nested tensors",
+    "meta tensors",
+    "sparse tensors (CSR)",
+    "sparse tensors (a Parameter)",
+    "sparse tensors (with attributes)",
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's warnings about sparse/nested saves
+@pytest.mark.parametrize("what", _UNCONVERTIBLE_KINDS)
+def test_a_tensor_safetensors_cannot_hold_is_refused_by_its_name(tmp_path: Path, what: str) -> None:
+    src = tmp_path / "ck.pt"
+    torch.save(
+        {"model": {"a": torch.ones(2), "layer17": {"mask": _unconvertibles()[what]}}, "step": 3},
+        src,
+    )
+    for subtree in (None, "model"):
+        out = tmp_path / "out.safetensors"
+        with pytest.raises(CheckpointError) as info:
+            convert_file(src, out, subtree=subtree)
+        name = "model.layer17.mask"  # its path in the checkpoint, whatever the subtree
+        assert info.value.tensor == name, str(info.value)
+        assert f"{name!r} is one of the {what.split(' (')[0]}" in str(info.value)
+        assert "built at byte" in str(info.value) and info.value.offset
+        assert not out.exists()
