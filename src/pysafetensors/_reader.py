@@ -16,7 +16,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NoReturn, SupportsIndex
 
 import numpy as np
 
@@ -871,6 +871,11 @@ class safe_open:  # noqa: N801 - the reference's name
             picked.reshape(-1).view(np.uint8), info.dtype, shape, self._device
         )
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # An open file means nothing elsewhere, and a copy would share (and close) this one's:
+        # refused for pickle, copy and deepcopy alike, in the reference's words.
+        raise TypeError("cannot pickle 'builtins.safe_open' object")
+
     def __bool__(self) -> bool:
         # Always true, closed or empty, as the reference's handle (which has no __len__):
         # ``if handle:`` must not raise or depend on the tensor count.
@@ -1113,6 +1118,10 @@ class SafeSlice:
     def dtype(self) -> str:
         """The dtype code."""
         return self._info.dtype.code
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # A copy would release this slice's hold on the file a second time when collected.
+        raise TypeError("cannot pickle 'builtins.PySafeSlice' object")
 
     def __bool__(self) -> bool:
         # Always true, as the reference's slice (which has no __len__): ``if sl:`` must not

@@ -22,7 +22,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Any, Final, NoReturn, SupportsIndex
 
 from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
@@ -672,6 +672,10 @@ class ShardedSafeOpen:
             handle = self._open_shard(shard)
             got.update(handle._read_slices(group, map_fragmented=map_fragmented))
         return {name: got[name] for name, _ in requests}
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # As safe_open's: open shards mean nothing elsewhere, and a copy would close them.
+        raise TypeError("cannot pickle 'builtins.safe_open' object")
 
     def __bool__(self) -> bool:
         # Always true, closed or empty, as the reference's handle (which has no __len__):

@@ -437,6 +437,37 @@ def test_torch_reads_a_list_of_sequences_as_a_tuple_like_the_reference(model: Pa
         assert o.get_slice("a")[[[0, 1], [1, 0]]].shape == (2, 2, 4, 5)  # numpy's rule
 
 
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_handles_and_slices_refuse_pickle_and_copy_like_the_reference_s(
+    tmp_path: Path, backend: str
+) -> None:
+    """A copy shared the original's file and released it again when collected (a copied slice
+    closed the file under the original)."""
+    import copy
+
+    path = tmp_path / "t.safetensors"
+    ref_np.save_file({"w": np.arange(3, dtype=np.float32)}, path)
+    with (
+        ref.safe_open(str(path), "np", backend=backend) as r,
+        safe_open(path, "np", backend=backend) as o,
+    ):
+        for action in (pickle.dumps, copy.copy, copy.deepcopy):
+            for theirs_obj, mine_obj in ((r, o), (r.get_slice("w"), o.get_slice("w"))):
+                theirs = _outcome(lambda a=action, x=theirs_obj: a(x))
+                mine = _outcome(lambda a=action, x=mine_obj: a(x))
+                assert mine == theirs and mine[1] is TypeError, (action, mine, theirs)
+        sliced = o.get_slice("w")
+        assert sliced[1:].tolist() == [1.0, 2.0]
+    assert sliced[:].tolist() == [0.0, 1.0, 2.0]  # outlives the handle, as before
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    pysafetensors.save_sharded({"w": np.zeros(2, np.float32)}, folder, max_shard_size=4)
+    with safe_open(folder, "np") as sharded:
+        for action in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match="cannot pickle 'builtins.safe_open' object"):
+                action(sharded)
+
+
 def test_handles_and_slices_are_always_true_like_the_reference_s(tmp_path: Path) -> None:
     """They have a length (ours only), which must not make them false or raise in ``if``."""
     path = tmp_path / "t.safetensors"
