@@ -20,7 +20,13 @@ import numpy as np
 
 from ._devices import Device, parse_device
 from ._dtypes import DType, dtype_from_name
-from ._errors import DTypeNotSupportedError, SafetensorError, SerializeError, not_an_instance
+from ._errors import (
+    DTypeNotSupportedError,
+    SafetensorError,
+    SerializeError,
+    add_note,
+    not_an_instance,
+)
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -189,13 +195,16 @@ def as_array(name: str, value: Any, expected: str) -> np.ndarray:
     Anything numpy converts is taken (Python numbers and lists, other frameworks' tensors,
     flax ``nnx.Param``, memoryviews); what it turns into an array of a dtype safetensors cannot
     store (``object``, strings) is refused later with the reference's "Unknown dtype" text, and
-    a value numpy refuses outright gets the reference's invalid-key error.
+    what numpy refuses outright raises numpy's (or the value's own ``__array__``'s) exception,
+    as in the reference, with a note naming the tensor.
     """
     try:
         return np.asarray(value)
-    except Exception as exc:  # any failure of a foreign __array__ means "not a tensor"
-        # Chained: the cause says why (torch's "requires grad ... use detach()", ...).
-        raise invalid_tensor_error(name, expected, value) from exc
+    except Exception as exc:
+        # The reference lets it through: ``except RuntimeError`` around a save of a torch
+        # tensor that requires grad must keep working. The note says which tensor it was.
+        add_note(exc, f"while converting tensor `{name}` with numpy.asarray")
+        raise
 
 
 def non_contiguous_error(name: object) -> SerializeError:

@@ -65,6 +65,7 @@ __all__ = [
     "TensorNotFoundError",
     "UnsafePickleError",
     "WriteError",
+    "add_note",
     "write_error",
 ]
 
@@ -367,3 +368,11 @@ def output_path(value: Any, argument: str = "filename") -> str:
     if "\x00" in path:
         raise write_error(nul_in_path(path, writing=True), path)
     return path
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where Python has it (3.11+); on 3.10 the traceback alone says
+    where the exception came from."""
+    method = getattr(exc, "add_note", None)
+    if method is not None:
+        method(note)

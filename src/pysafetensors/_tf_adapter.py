@@ -16,7 +16,7 @@ import numpy as np
 from ._adapter import LazyModule, NumpyAdapter, check_cpu_device, invalid_tensor_error, numpy_dtype
 from ._devices import Device
 from ._dtypes import DType
-from ._errors import DTypeNotSupportedError, SerializeError
+from ._errors import DTypeNotSupportedError, SerializeError, add_note
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -88,9 +88,11 @@ class TensorFlowAdapter:
         if callable(to_numpy):
             try:
                 array = to_numpy()
-            except Exception as exc:  # a failing foreign .numpy() means "not a tensor"
-                # Chained: the cause says why (torch's "requires grad ... use detach()", ...).
-                raise invalid_tensor_error(name, expected, tensor) from exc
+            except Exception as exc:
+                # The reference lets the value's own exception through (torch's "requires
+                # grad ... use detach()"); the note says which tensor it was.
+                add_note(exc, f"while converting tensor `{name}` with .numpy()")
+                raise
             if isinstance(array, (np.ndarray, np.generic)):
                 return _NUMPY.to_data(name, array)
             if isinstance(array, bytes):

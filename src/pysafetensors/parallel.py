@@ -44,7 +44,7 @@ from typing import Any, Final, Literal, TypeAlias, TypeVar
 import numpy as np
 
 from ._dtypes import dtype_from_code
-from ._errors import SafetensorError
+from ._errors import SafetensorError, add_note
 from ._format import MAX_HEADER_SIZE
 from ._reader import safe_open
 from ._validate import Problem, validate
@@ -514,10 +514,7 @@ def map_files(
 
 
 def _note(exc: BaseException, item: Any) -> None:
-    # add_note exists from Python 3.11; on 3.10 the traceback still shows the failing call.
-    add_note = getattr(exc, "add_note", None)
-    if add_note is not None:
-        add_note(f"while processing {item!r}")
+    add_note(exc, f"while processing {item!r}")
 
 
 def _call_noting(fn: Callable[[_T], _R], item: _T) -> _R:

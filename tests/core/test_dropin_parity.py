@@ -468,6 +468,35 @@ def test_handles_and_slices_refuse_pickle_and_copy_like_the_reference_s(
                 action(sharded)
 
 
+class _RefusesNumpy:
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        raise TypeError("cannot convert _RefusesNumpy")
+
+
+@pytest.mark.parametrize("module", ["flax", "mlx", "tensorflow"])
+def test_a_value_the_framework_cannot_convert_raises_its_own_error(module: str) -> None:
+    """As the reference: the conversion's own exception (``except RuntimeError`` around a save
+    of a tensor that requires grad keeps working), with a note naming the tensor."""
+    import importlib
+
+    if module == "tensorflow":
+        pytest.importorskip("paddle")  # paddle must be imported before tensorflow
+    pytest.importorskip({"flax": "jax", "mlx": "mlx.core", "tensorflow": "tensorflow"}[module])
+    theirs_module = importlib.import_module(f"safetensors.{module}")
+    mine_module = importlib.import_module(f"pysafetensors.{module}")
+    values: list[Any] = [torch.ones(2, requires_grad=True)]
+    if module != "tensorflow":  # its save calls .numpy(), which these have not
+        values += [_RefusesNumpy(), [[1.0], [1.0, 2.0]]]
+    for value in values:
+        theirs = _outcome(lambda v=value: theirs_module.save({"x": v}))
+        with pytest.raises(Exception) as mine:  # noqa: PT011 - compared with the reference's
+            mine_module.save({"x": value})
+        assert theirs[0] == "error"
+        assert (type(mine.value), str(mine.value)) == theirs[1:]
+        if sys.version_info >= (3, 11):
+            assert any("tensor `x`" in note for note in mine.value.__notes__)
+
+
 def test_handles_and_slices_are_always_true_like_the_reference_s(tmp_path: Path) -> None:
     """They have a length (ours only), which must not make them false or raise in ``if``."""
     path = tmp_path / "t.safetensors"
