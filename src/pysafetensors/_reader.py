@@ -32,6 +32,7 @@ from ._errors import (
     TensorNotFoundError,
     input_path,
     not_an_instance,
+    path_argument,
 )
 from ._format import (
     HEADER_PREFIX,
@@ -273,21 +274,18 @@ class safe_open:  # noqa: N801 - the reference's name
         slice_reads: str = "coalesce",
     ) -> None:
         self._source: ByteSource | None = None
-        if not isinstance(backend, str):
-            raise not_an_instance("backend", backend)
-        if backend not in BACKENDS:
-            raise SafetensorError(
-                f'backend "{backend}" is invalid (expected one of: "mmap", "pread")',
-                kind="InvalidBackend",
-            )
+        # Checked in the reference's order: the path's type, framework, device, backend.
+        if not isinstance(filename, (bytearray, memoryview)) and not _is_fileobj(filename):
+            path_argument(filename)
+        self._adapter: Adapter = get_adapter(framework)
+        self._device: Device = self._adapter.check_device(device)
+        check_backend(backend)
         if slice_reads not in SLICE_READS:
             raise SafetensorError(
                 f'slice_reads "{slice_reads}" is invalid (expected one of: "exact", "coalesce")',
                 kind="InvalidSliceReads",
             )
         self._slice_reads = slice_reads
-        self._adapter: Adapter = get_adapter(framework)
-        self._device: Device = self._adapter.check_device(device)
         self._backend = backend
         source = open_source_for(filename, backend, storage_options)
         try:
@@ -427,6 +425,7 @@ class safe_open:  # noqa: N801 - the reference's name
             TensorNotFoundError: No tensor of that name.
             ClosedFileError: The handle was closed.
         """
+        check_tensor_name(name)  # before the handle's state, as the reference
         # The source is held for the whole read: a close() from another thread meanwhile
         # waits for it (it emptied a mapping under a read in progress, which then returned
         # uninitialised memory instead of raising).
@@ -536,6 +535,7 @@ class safe_open:  # noqa: N801 - the reference's name
 
     def get_slice(self, name: str) -> SafeSlice:
         """A lazy view of one tensor that reads only what is indexed (also after ``close``)."""
+        check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
         return SafeSlice(self, self._info(name), self._lease)
 
@@ -910,6 +910,17 @@ _GATHER_MIN_DENSITY: Final = 1 / 64
 _GATHER_BLOCK: Final = 8 << 20
 
 
+def check_backend(backend: object) -> None:
+    """Refuse a backend other than ``"mmap"`` or ``"pread"``, in the reference's words."""
+    if not isinstance(backend, str):
+        raise not_an_instance("backend", backend)
+    if backend not in BACKENDS:
+        raise SafetensorError(
+            f'backend "{backend}" is invalid (expected one of: "mmap", "pread")',
+            kind="InvalidBackend",
+        )
+
+
 def _safe_open_handle(
     f: Any, framework: str, device: Any = "cpu", *, backend: str = "mmap"
 ) -> safe_open:
@@ -920,6 +931,9 @@ def _safe_open_handle(
     Raises:
         AttributeError: ``f`` has no ``fileno`` or no ``name``, with the reference's message.
     """
+    # The reference reads its arguments first, then the file object.
+    get_adapter(framework).check_device(device)
+    check_backend(backend)
     f.fileno  # noqa: B018 - the reference's check, and its AttributeError
     return safe_open(f.name, framework, device=device, backend=backend)
 

@@ -28,9 +28,9 @@ from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._reader import (
-    BACKENDS,
     SafeSlice,
     TensorMeta,
+    check_backend,
     check_tensor_name,
     open_source_for,
     safe_open,
@@ -285,13 +285,10 @@ class ShardedSafeOpen:
         # Per-shard reader options (threads=, slice_reads=, storage_options=) pass through.
         self._options = options
         self._closed = True
-        if backend not in BACKENDS:
-            raise SafetensorError(
-                f'backend "{backend}" is invalid (expected one of: "mmap", "pread")',
-                kind="InvalidBackend",
-            )
-        # Fail on a bad framework or device now, not at the first tensor.
+        # Fail on a bad framework, device or backend now (in the reference's order), not at
+        # the first tensor.
         get_adapter(framework).check_device(device)
+        check_backend(backend)
         self._framework = framework
         self._device = device
         self._backend = backend
@@ -630,6 +627,7 @@ class ShardedSafeOpen:
             TensorNotFoundError: No tensor of that name.
             ShardIndexError: The shard disagrees with the index.
         """
+        check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
         return self._open_shard(self._shard_name(name)).get_tensor(name)
 
@@ -655,6 +653,7 @@ class ShardedSafeOpen:
 
     def get_slice(self, name: str) -> SafeSlice:
         """A lazy view of one tensor that reads only what is indexed."""
+        check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
         return self._open_shard(self._shard_name(name)).get_slice(name)
 

@@ -497,6 +497,47 @@ def test_a_value_the_framework_cannot_convert_raises_its_own_error(module: str) 
             assert any("tensor `x`" in note for note in mine.value.__notes__)
 
 
+def test_arguments_are_checked_in_the_reference_s_order(tmp_path: Path) -> None:
+    """With several bad arguments, the same one is reported: the path's type, the framework,
+    the device, the backend; a name's type before the handle's state."""
+    import functools
+    import io
+    import itertools
+
+    path = _write(tmp_path)
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    pysafetensors.save_sharded({"w": np.zeros(2, np.float32)}, folder)
+    files: list[Any] = [str(path), 5]
+    frameworks: list[Any] = ["np", "bogus", 3]
+    devices: list[Any] = ["cpu", "bogus", -1]
+    backends: list[Any] = ["mmap", "bogus", 2]
+    for file, framework, device, backend in itertools.product(files, frameworks, devices, backends):
+        if (framework, device, backend) == ("np", "cpu", "mmap"):
+            continue
+        args = (framework,)
+        options = {"device": device, "backend": backend}
+        theirs = _outcome(functools.partial(ref.safe_open, file, *args, **options))
+        mine = _outcome(functools.partial(safe_open, file, *args, **options))
+        assert mine[0] == theirs[0] == "error"
+        assert (mine[1].__name__, mine[2]) == (theirs[1].__name__, theirs[2])
+        if file != 5:  # a folder opens as a sharded checkpoint, checked alike
+            sharded = _outcome(functools.partial(safe_open, folder, *args, **options))
+            assert sharded[1:] == mine[1:], (framework, device, backend)
+        stream = io.BytesIO()
+        handle = _outcome(
+            functools.partial(pysafetensors._safe_open_handle, stream, *args, **options)
+        )
+        theirs_handle = _outcome(functools.partial(ref._safe_open_handle, stream, *args, **options))
+        assert (handle[1].__name__, handle[2]) == (theirs_handle[1].__name__, theirs_handle[2])
+    for target in (path, folder):
+        closed = safe_open(target, "np")
+        closed.close()
+        for method in ("get_tensor", "get_slice"):
+            with pytest.raises(TypeError, match="argument 'name': 'int' object is not an instance"):
+                getattr(closed, method)(1)
+
+
 def test_handles_and_slices_are_always_true_like_the_reference_s(tmp_path: Path) -> None:
     """They have a length (ours only), which must not make them false or raise in ``if``."""
     path = tmp_path / "t.safetensors"
