@@ -85,6 +85,9 @@ class ConversionReport:
     """Non-tensor leaves (``epoch``, hyper-parameters...), JSON-ready."""
     kept_non_tensors: list[str] = field(default_factory=list)
     """Non-tensor leaves stored as metadata strings (``keep_non_tensors=True``)."""
+    skipped_non_tensors: list[str] = field(default_factory=list)
+    """Non-tensor leaves not stored: all of them without ``keep_non_tensors``; with it, those
+    whose name is already a metadata key (``format``, a ``metadata=`` key, a tied name)."""
     verified: str | None = None
     """``"torch"`` (compared with ``torch.load(weights_only=True)``), ``"reader"`` (compared with
     our own reading of the checkpoint), or None when not verified."""
@@ -245,15 +248,16 @@ def _convert_file(
         dropped = {n: k for n, k in plan_shared(tensors).items() if n not in meta}
         meta.update(dropped)
         report = ConversionReport(src_s, dst_s, ck.format, dropped=dropped, non_tensors=leaves)
-        if keep_non_tensors:
-            for name, value in leaves.items():
-                # A pickle may hold lone surrogates, which no header can: such names are
-                # written with their escapes, such values as ASCII JSON (which reads back the same).
-                key = _utf8_or_escaped(name)
-                if key not in meta:
-                    text = json.dumps(value, ensure_ascii=False)
-                    meta[key] = text if _utf8_or_escaped(text) == text else json.dumps(value)
-                    report.kept_non_tensors.append(key)
+        for name, value in leaves.items():
+            # A pickle may hold lone surrogates, which no header can: such names are written
+            # with their escapes, such values as ASCII JSON (which reads back the same).
+            key = _utf8_or_escaped(name)
+            if not keep_non_tensors or key in meta:
+                report.skipped_non_tensors.append(name)
+                continue
+            text = json.dumps(value, ensure_ascii=False)
+            meta[key] = text if _utf8_or_escaped(text) == text else json.dumps(value)
+            report.kept_non_tensors.append(key)
         kept = {n: r for n, r in tensors.items() if n not in dropped}
         total = sum(r.nbytes for r in kept.values())
         done = 0

@@ -178,6 +178,26 @@ def test_convert_escapes_non_tensor_names(cli, tmp_path: Path) -> None:
     assert "\x1b" not in r.out
 
 
+def test_convert_reports_non_tensor_values_it_could_not_keep(cli, tmp_path: Path) -> None:
+    """With --keep-non-tensors, a value named like a metadata key ("format", a --metadata key)
+    cannot be stored under its name: reported, not dropped without a word."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"format": "v2", "source": "x", "epoch": 3, "w": torch.ones(1)}, ckpt)
+    out = tmp_path / "out.safetensors"
+    r = cli("convert", ckpt, out, "--keep-non-tensors", "--metadata", "source=hub")
+    assert r.code == 0, r.err
+    assert "skipped non-tensor values (their names are metadata keys): format, source" in r.out
+    with safe_open(out, "np") as f:
+        assert f.metadata() == {"format": "pt", "source": "hub", "epoch": "3"}
+    r = cli("convert", ckpt, tmp_path / "again.safetensors", "--json")
+    (report,) = json.loads(r.out)["files"]
+    assert report["skipped_non_tensors"] == ["format", "source", "epoch"]
+    assert report["kept_non_tensors"] == []
+
+
 # --------------------------------------------------------------------- no invented problems
 
 

@@ -114,8 +114,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{sanitize(r.src)} -> {sanitize(r.dst)}: {plural(len(r.tensors), 'tensor')}, "
                 f"{r.total_size} bytes{extra}{checked}"
             )
-            if r.non_tensors and not r.kept_non_tensors:
+            if r.skipped_non_tensors:
                 # Names from the checkpoint: escaped, as every name printed from a file.
-                skipped = ", ".join(sanitize(str(k)) for k in list(r.non_tensors)[:10])
-                print(f"  skipped non-tensor values: {skipped}")
+                skipped = ", ".join(sanitize(str(k)) for k in r.skipped_non_tensors[:10])
+                more = len(r.skipped_non_tensors) - 10
+                skipped += f" and {more} more" if more > 0 else ""
+                why = " (their names are metadata keys)" if r.kept_non_tensors else ""
+                print(f"  skipped non-tensor values{why}: {skipped}")
     return 0
