@@ -129,10 +129,19 @@ class PaddleAdapter:
             place = _PLACE.fullmatch(str(device))
             if place is not None:
                 device = place[1]
-        if isinstance(device, str) and device.partition(":")[0] == "gpu":
-            # Paddle's own spelling of a CUDA place.
-            device = "cuda" + device[3:]
-        dev = parse_device(device)
+        if isinstance(device, str):
+            # As Paddle reads place strings: in any case ("CPU"), "gpu" for CUDA.
+            device = device.lower()
+            if device.partition(":")[0] == "gpu":
+                device = "cuda" + device[3:]
+        try:
+            dev = parse_device(device)
+        except DeviceError:
+            raise
+        except SafetensorError as exc:
+            # Paddle refuses an unknown place with a ValueError, which the reference lets
+            # through: a DeviceError is both (same words as for the other frameworks).
+            raise DeviceError(str(exc), kind="InvalidDevice") from None
         if dev.type in ("cuda", "anonymous") and not paddle.device.is_compiled_with_cuda():
             raise DeviceError(
                 f"device {dev} was requested but Paddle {_version()} was built without "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from typing import Any
 
@@ -16,7 +17,7 @@ pytest.importorskip("safetensors.paddle")
 
 import pysafetensors.numpy as pnp  # noqa: E402
 import pysafetensors.paddle as ppaddle  # noqa: E402
-from pysafetensors import SafetensorError  # noqa: E402
+from pysafetensors import SafetensorError, safe_open  # noqa: E402
 
 from .cases import same_bits, sample  # noqa: E402
 from .suite import FrameworkSuite  # noqa: E402
@@ -129,6 +130,22 @@ def test_place_objects_and_unavailable_devices() -> None:
         # A ValueError, as Paddle's own refusal (and the reference's) is.
         with pytest.raises(ValueError, match="without CUDA") as caught:
             ppaddle.load(data, device="gpu:0")
+        assert isinstance(caught.value, DeviceError)
+
+
+def test_place_strings_are_read_as_paddle_reads_them() -> None:
+    """In any case ("CPU" works in Paddle, so in the reference's load); an unknown one is a
+    ValueError, as Paddle's refusal that the reference lets through, and a SafetensorError."""
+    from pysafetensors import DeviceError
+
+    data = pnp.save({"x": np.arange(3, dtype=np.float32)})
+    for device in ("CPU", "Cpu"):
+        assert ppaddle.load(data, device=device)["x"].place.is_cpu_place()
+        with safe_open(io.BytesIO(data), "paddle", device=device) as f:
+            assert f.get_tensor("x").place.is_cpu_place()
+    for device in ("foo", "cuda:0:0", "cpu:x"):
+        with pytest.raises(ValueError, match=f"device {device} is invalid") as caught:
+            ppaddle.load(data, device=device)
         assert isinstance(caught.value, DeviceError)
 
 
