@@ -61,6 +61,7 @@ from ._sources import (
     read_ranges_into,
     read_runs_fresh,
     run_parallel,
+    starts_like_safetensors,
     worker_count,
 )
 
@@ -168,7 +169,10 @@ def _is_sharded_target(filename: Any) -> bool:
 
         # The path part only: ``.../model.safetensors.index.json?download=true`` is an index.
         return url_path(path).endswith(".index.json")
-    return path.endswith(".index.json") or os.path.isdir(path)
+    if path.endswith(".index.json"):
+        # A file so named that holds tensors opens as a file, as in the reference.
+        return not starts_like_safetensors(path)
+    return os.path.isdir(path)
 
 
 def open_source_for(

@@ -42,7 +42,7 @@ from ._sharding import (
     normal_shard_name,
     unsafe_shard_name,
 )
-from ._sources import ByteSource
+from ._sources import ByteSource, starts_like_safetensors
 from ._writer import allow_descriptors
 
 __all__ = [
@@ -91,8 +91,13 @@ def _join(base: str, name: str) -> str:
 
 
 def is_index_path(path: str) -> bool:
-    """Whether ``path`` names an index; for a URL, its path part does (``?download=true``)."""
-    return (url_path(path) if _is_url(path) else path).endswith(".index.json")
+    """Whether ``path`` names an index; for a URL, its path part does (``?download=true``).
+
+    A local file so named that holds tensors is no index (the reference opens it as a file).
+    """
+    if _is_url(path):
+        return url_path(path).endswith(".index.json")
+    return path.endswith(".index.json") and not starts_like_safetensors(path)
 
 
 #: A shard's file name as the hub's pattern makes them: ``<stem>-00002-of-00005.safetensors``.

@@ -49,6 +49,7 @@ __all__ = [
     "read_ranges_into",
     "reader_thread_count",
     "run_parallel",
+    "starts_like_safetensors",
     "worker_count",
 ]
 
@@ -274,6 +275,24 @@ def open_regular_file(path: str, *, devices: bool = False) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def starts_like_safetensors(path: str) -> bool:
+    """Whether the local file ``path`` begins as a safetensors file does: a length ``N`` that
+    fits the file, then ``{``. No JSON text does (its first 8 bytes would be a length of over
+    2**56), so a file named ``*.index.json`` that holds tensors is told from a shard index."""
+    try:
+        fd = open_regular_file(path)
+    except OSError:
+        return False
+    try:
+        head = os.pread(fd, 9, 0)
+        size = os.fstat(fd).st_size
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return len(head) == 9 and head[8:] == b"{" and 8 + int.from_bytes(head[:8], "little") <= size
 
 
 def pread_exact(fd: int, name: str, offset: int, out: memoryview) -> None:

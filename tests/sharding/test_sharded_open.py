@@ -383,3 +383,19 @@ def test_a_chmod_of_the_index_is_no_new_save(tmp_path: Path) -> None:
         assert len(f.get_tensors()) == 4  # shards read, then closed
         os.chmod(tmp_path / "model.safetensors.index.json", 0o600)
         assert f.get_tensor("t3")[0] == 3  # reopened: the same save
+
+
+def test_a_safetensors_file_named_like_an_index_opens_as_a_file(tmp_path: Path) -> None:
+    """The reference opens any path as a file; only a real index (JSON) is one here."""
+    odd = tmp_path / "weights.index.json"
+    save_file({"x": np.arange(3, dtype=np.float32)}, odd)
+    with safe_open(odd, "np") as f:
+        assert not isinstance(f, ShardedSafeOpen)
+        assert f.get_tensor("x").tolist() == [0.0, 1.0, 2.0]
+    assert load_file(odd)["x"].tolist() == [0.0, 1.0, 2.0]
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    save_sharded({"y": np.ones(2, np.float32), "z": np.ones(2, np.float32)}, folder, 8)
+    (index,) = folder.glob("*.index.json")
+    with safe_open(index, "np") as f:
+        assert isinstance(f, ShardedSafeOpen) and f.keys() == ["y", "z"]
