@@ -361,12 +361,18 @@ def input_path(value: Any, argument: str = "filename") -> str:
     return path
 
 
-def output_path(value: Any, argument: str = "filename") -> str:
+def output_path(value: Any, argument: str = "filename", *, file: bool = False) -> str:
     """A path to write to (:func:`path_argument`); one with a NUL byte is a :class:`WriteError`
-    (an invalid argument), as any save's I/O failure."""
+    (an invalid argument), as any save's I/O failure, and so is a ``file`` path ending in a
+    separator."""
     path = path_argument(value, argument)
     if "\x00" in path:
         raise write_error(nul_in_path(path, writing=True), path)
+    if file and path.endswith(("/", os.sep)):
+        # A file cannot be saved under a name that ends as a folder's: the reference's rename
+        # onto it reports ENOTDIR, whether or not the folder exists.
+        gone = OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+        raise write_error(gone, path)
     return path
 
 

@@ -311,7 +311,7 @@ class StreamingWriter:
         self._inflight: dict[object, int] = {}
         self._idle = threading.Condition(self._lock)
         self._stopping = False
-        self.filename = output_path(filename)
+        self.filename = output_path(filename, file=True)
         cm = atomic_output(self.filename, fsync=fsync, group=group)
         fd = cm.__enter__()
         try:

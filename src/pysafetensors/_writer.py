@@ -402,7 +402,7 @@ def atomic_output(
         WriteError: Creating, writing or renaming the file failed (an ``OSError`` raised in the
             body is turned into one too, as the reference reports every I/O error of a save).
     """
-    target = output_path(filename)
+    target = output_path(filename, file=True)
     try:
         with _atomic_output(target, fsync=fsync, group=group, like=like) as fd:
             yield fd

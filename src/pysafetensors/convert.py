@@ -162,7 +162,7 @@ def convert_file(
         SafetensorError: Other problems with the output (e.g. invalid metadata).
         OSError: A file cannot be read or written.
     """
-    src_s, dst_s = input_path(src, "src"), output_path(dst, "dst")
+    src_s, dst_s = input_path(src, "src"), output_path(dst, "dst", file=True)
     _refuse_url(src_s)
     # The checkpoint reader opens the path itself, blocking: a FIFO would wait for a writer.
     _refuse_special(src_s)
@@ -667,7 +667,7 @@ def to_torch_bin(
     """
     import torch
 
-    src_s, dst_s = input_path(src, "src"), output_path(dst, "dst")
+    src_s, dst_s = input_path(src, "src"), output_path(dst, "dst", file=True)
     header, data_start = _read_output(src_s)
     state: dict[str, Any] = {}
     for name, info in header.tensors.items():

@@ -251,6 +251,29 @@ def test_save_io_errors_are_safetensor_errors(tmp_path: Path, kind: str) -> None
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
 
 
+@pytest.mark.parametrize("existing", [True, False])
+def test_a_file_name_ending_in_a_separator_is_not_a_directory(
+    tmp_path: Path, existing: bool
+) -> None:
+    """As the reference: ENOTDIR, whether or not a folder of that name exists."""
+    target = str(tmp_path) + "/" if existing else str(tmp_path / "new.safetensors") + "/"
+    with pytest.raises(ref.SafetensorError) as theirs:
+        ref_np.save_file({"a": np.zeros(3)}, target)
+    for save in (
+        lambda: ours_np.save_file({"a": np.zeros(3)}, target),
+        lambda: ours_torch.save_file({"a": torch.zeros(3)}, target),
+        lambda: pysafetensors.serialize_file({}, target),
+    ):
+        with pytest.raises(NotADirectoryError) as mine:
+            save()
+        assert isinstance(mine.value, WriteError)
+        assert str(mine.value).startswith(str(theirs.value))  # then: at path "<target>"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    folder = tmp_path / "out"
+    pysafetensors.save_sharded({"a": np.zeros(3)}, str(folder) + "/")  # a folder may end so
+    assert [p.name for p in folder.iterdir()] == ["model.safetensors"]
+
+
 # --------------------------------------------------------------------- TensorSpec arguments
 
 
