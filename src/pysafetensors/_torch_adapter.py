@@ -453,12 +453,16 @@ def _check_memory(name: str, tensor: Any) -> None:
     Raises:
         SerializeError: The storage is missing or too small.
     """
-    storage = tensor.untyped_storage()
-    sizes_and_steps = zip(tensor.shape, tensor.stride(), strict=True)
-    span = 1 + sum((size - 1) * step for size, step in sizes_and_steps)
+    # ~0.5 us a tensor (a LoRA save of 1,000 tensors pays it 1,000 times): the span of a
+    # contiguous tensor is its element count, without walking its strides.
+    if tensor.is_contiguous():
+        span = tensor.numel()
+    else:
+        sizes_and_steps = zip(tensor.shape, tensor.stride(), strict=True)
+        span = 1 + sum((size - 1) * step for size, step in sizes_and_steps)
     needed = (tensor.storage_offset() + span) * tensor.element_size()
-    held = storage.nbytes() if storage.data_ptr() else 0
-    if tensor.data_ptr() == 0 or held < needed:
+    held = tensor.untyped_storage().nbytes() if tensor.data_ptr() else 0
+    if held < needed:
         raise SerializeError(
             f"{SERIALIZE_PREFIX}invalid shape, data type, or offset for tensor `{name}` (its "
             f"storage holds {held} bytes but it spans {needed}: was the storage freed or "
