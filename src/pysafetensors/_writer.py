@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 from ._dtypes import DType
-from ._errors import SafetensorError, SerializeError, output_path, write_error
+from ._errors import SafetensorError, SerializeError, add_note, output_path, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
@@ -546,13 +546,19 @@ class SaveGroup:
     leaves a folder without an index, which refuses to open (several shards, nothing saying
     which belong together), rather than shards of two saves that load silently.
 
+    A rename that fails once a file of the folder's previous save is gone (renamed over, or
+    the old index deleted) keeps the files not renamed yet, and names them in the error: they
+    may be the only copy of their tensors (a checkpoint resharded into its own folder).
+
     Args:
         fsync: Make the renames durable (the folder is synced after deleting the old seal and
             after the renames).
         seal: The target whose presence vouches for the others, if any.
         retire: A file of the folder's previous save that this one does not replace but
             that loaders would still open (its index, when the new save is a single file; its
-            single file, when the new save is sharded): deleted before anything is renamed.
+            single file, when the new save is sharded): deleted once every file is renamed,
+            so that until then the folder still holds the previous checkpoint whole (the
+            source of a reshard into its own folder).
     """
 
     def __init__(
@@ -608,25 +614,33 @@ class SaveGroup:
         if self._seal is not None:
             sealed = [p for p in pending if p[1] == self._seal]
             pending = [p for p in pending if p[1] != self._seal] + sealed
+        # Whether a file of the folder's previous save is gone (deleted, or renamed over).
+        changed = False
         try:
             if self._seal is not None and len(pending) > 1:
                 # No index while the shards change: a crash now shows, it does not mix.
-                self._remove_first(self._seal)
-            if self._retire is not None:
-                # An index this save replaces with a single file (or a single file it
-                # replaces with shards): gone first, or a crash before the clean-up, or
-                # clean=False, leaves the old entry point in charge.
-                self._remove_first(self._retire)
+                changed = self._remove_first(self._seal)
             for tmp, target, _ in pending:
+                replacing = os.path.lexists(target)
                 try:
                     os.replace(tmp, target)
                 except OSError as exc:
                     raise write_error(exc, target) from exc
+                changed = changed or replacing
                 done.append(target)
                 folders[os.path.dirname(target) or "."] = None
-        except BaseException:
-            for tmp, target, _ in pending:
-                if target not in done:
+            if self._retire is not None:
+                # An index this save replaced with a single file (or a single file it
+                # replaced with shards): deleted here, not left to the clean-up, which a
+                # crash or clean=False would skip and leave the old entry point in charge.
+                self._remove_first(self._retire)
+        except BaseException as exc:
+            left = [tmp for tmp, target, _ in pending if target not in done]
+            if changed and left:
+                # They may hold the only copy of their tensors: kept, and named.
+                add_note(exc, "files of this save not renamed into place, kept: " + ", ".join(left))
+            else:
+                for tmp in left:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
             raise
@@ -635,12 +649,15 @@ class SaveGroup:
                 _fsync_dir(folder)
         return done
 
-    def _remove_first(self, path: str) -> None:
-        """Delete ``path`` (if there) before any rename, durably with ``fsync``."""
-        with contextlib.suppress(FileNotFoundError):
+    def _remove_first(self, path: str) -> bool:
+        """Delete ``path`` (if there), durably with ``fsync``; whether it was there."""
+        try:
             os.unlink(path)
-            if self._fsync:
-                _fsync_dir(os.path.dirname(path) or ".")
+        except FileNotFoundError:
+            return False
+        if self._fsync:
+            _fsync_dir(os.path.dirname(path) or ".")
+        return True
 
     def discard(self) -> None:
         """Delete every finished temporary file; the targets stay as they were."""

@@ -329,7 +329,7 @@ def test_shards_without_their_index_do_not_open_as_a_model(
     assert sorted(load_file(one)) == sorted(sd)
 
 
-def test_shards_over_a_single_file_retire_it_before_the_renames(
+def test_shards_over_a_single_file_retire_it_after_the_renames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The old model.safetensors stayed until the clean-up (for good with clean=False), and
@@ -340,14 +340,46 @@ def test_shards_over_a_single_file_retire_it_before_the_renames(
     save_sharded(_tensors(3), tmp_path, max_shard_size=5000, clean=False)
     assert not (tmp_path / "model.safetensors").exists()
     assert sorted(load_file(tmp_path)) == sorted(_tensors(3))
-    # Interrupted before the index: the folder refuses to open, rather than opening the old
-    # single file (or one new shard) as the model.
+    # Interrupted before the index: the folder still holds the old single file whole, and
+    # opens as it (the new shards without their index are not a model). It used to be
+    # deleted first, which lost tensors when the save was a reshard of it into its folder.
     save_sharded(old, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     with monkeypatch.context() as m:
-        _interrupt_renames_after(m, 3)
+        _interrupt_renames_after(m, 2)
         with pytest.raises(KeyboardInterrupt):
             save_sharded(_tensors(3), tmp_path, max_shard_size=5000)
-    assert not (tmp_path / "model.safetensors").exists()
-    with pytest.raises(MissingShardError, match="but no index"):
-        load_file(tmp_path)
+    assert sorted(load_file(tmp_path)) == ["w"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+
+
+def test_a_reshard_into_its_folder_cut_short_keeps_every_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renames that stop once old files are gone keep the rest, which hold the only copy."""
+    from pysafetensors import reshard
+
+    for source_sharded in (False, True):
+        folder = tmp_path / f"sharded-{source_sharded}"
+        folder.mkdir()
+        sd = {k: np.full(100, i, np.float32) for i, k in enumerate("abcd")}
+        if source_sharded:
+            save_sharded(sd, folder, max_shard_size=1200)  # [a, b, c] [d]
+        else:
+            save_file(sd, folder / "model.safetensors")
+        with monkeypatch.context() as m:
+            _interrupt_renames_after(m, 1)
+            with pytest.raises(KeyboardInterrupt) as info:
+                reshard(folder, folder, 800)  # [a, b] [c, d]: the same names when sharded
+        kept = [p for p in folder.iterdir() if p.name.endswith(".partial")]
+        if source_sharded:  # the first rename replaced a shard: the rest are kept, and named
+            assert kept and all(str(p) in info.value.__notes__[0] for p in kept)
+        else:  # nothing of the source was touched yet (it goes once all is renamed)
+            assert not kept and (folder / "model.safetensors").exists()
+        found: dict[str, np.ndarray] = {}
+        for path in folder.iterdir():
+            if path.name.endswith((".safetensors", ".partial")) and ".index.json" not in path.name:
+                with safe_open(path, "np") as f:
+                    found.update({k: f.get_tensor(k) for k in f.offset_keys()})
+        assert sorted(found) == sorted(sd)
+        assert all(np.array_equal(found[k], v) for k, v in sd.items())
