@@ -232,6 +232,7 @@ def _refuse_output_over_source(
     if sharded:
         _refuse_sharded_output_over_source(src, out, op=op, whole=whole, pattern=filename_pattern)
         return
+    _refuse_single_file_beside_index(src, out, op=op)
     if not os.path.exists(out):
         return
     sources = [src.path, *src.files()] if is_index_path(src.path) else [src.path]
@@ -245,6 +246,26 @@ def _refuse_output_over_source(
             "would destroy the checkpoint. Write to another path.",
             kind="OutputIsSource",
         )
+
+
+def _refuse_single_file_beside_index(src: ShardedSafeOpen, out: str, *, op: str) -> None:
+    """Refuse a single file written next to the source's index under the name of its single
+    file (``model.safetensors`` beside ``model.safetensors.index.json``): the hub's tools and
+    transformers look for that file before the index, and would load it as the model."""
+    if _is_url(src.path) or not is_index_path(src.path):
+        return
+    folder, index = os.path.split(src.path)
+    single = index.removesuffix(".index.json")
+    if not single.endswith(".safetensors") or os.path.basename(out) != single:
+        return
+    if not _same_file(os.path.dirname(out) or ".", folder or "."):
+        return
+    raise SafetensorError(
+        f"{op}: the output {out!r} would sit beside the source's index {_shown(src.path)} "
+        f"under the name loaders open before any index ({single}): they would load it as the "
+        "whole model. Write to another path.",
+        kind="OutputIsSource",
+    )
 
 
 def _refuse_sharded_output_over_source(

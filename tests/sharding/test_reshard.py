@@ -442,3 +442,33 @@ def test_a_file_s_own_total_size_key_does_not_replace_the_index_s(tmp_path: Path
     assert index["metadata"] == {"total_size": 24576, "total_parameters": 8192, "x": "1"}
     with safe_open(tmp_path / "out", "np") as f:
         f.validate()
+
+
+@pytest.mark.parametrize("stem", ["model", "diffusion_pytorch_model"])
+def test_a_single_file_is_not_written_where_loaders_look_before_the_index(
+    tmp_path: Path, stem: str
+) -> None:
+    """``model.safetensors`` beside ``model.safetensors.index.json``: the hub's tools and
+    transformers open it first, and would load an extract of the checkpoint as the model."""
+    sd = {f"layers.{i}.w": np.full(250, i, np.float32) for i in range(4)}
+    save_sharded(sd, tmp_path, 2000, filename_pattern=stem + "{suffix}.safetensors")
+    index = tmp_path / f"{stem}.safetensors.index.json"
+    assert index.exists()
+    shadow = tmp_path / f"{stem}.safetensors"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for attempt in (
+        lambda: extract(tmp_path, shadow, ["layers.1.*"]),
+        lambda: extract(index, shadow, ["layers.1.*"]),
+        lambda: merge(tmp_path, shadow),
+    ):
+        with pytest.raises(SafetensorError, match="loaders open before any index") as info:
+            attempt()
+        assert info.value.kind == "OutputIsSource"
+    assert main(["-q", "extract", str(tmp_path), str(shadow), "layers.1.*"]) != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # Any other name beside the index is fine, and so is that name in another folder.
+    extract(tmp_path, tmp_path / "part.safetensors", ["layers.1.*"])
+    other = tmp_path / "other"
+    other.mkdir()
+    merge(tmp_path, other / f"{stem}.safetensors")
+    assert sorted(load_file(other / f"{stem}.safetensors")) == sorted(sd)
