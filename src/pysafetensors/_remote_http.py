@@ -386,6 +386,35 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCHDOG._reset)
 
 
+#: Interim (1xx) replies taken before a request's final reply.
+_MAX_INTERIM: Final = 16
+
+
+class _Response(http.client.HTTPResponse):
+    """http.client's response, which also skips interim replies other than ``100 Continue``
+    (``103 Early Hints``: it took them for the final reply), and at most
+    :data:`_MAX_INTERIM` of them (it read ``100 Continue`` lines for as long as a server sent
+    them, which no timeout bounds).
+    """
+
+    _interim = 0
+
+    def _read_status(self) -> tuple[str, int, str]:
+        while True:
+            # Private in http.client (3.10 to 3.13 alike), absent from its type stubs.
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 100 <= status < 200 or status == 101:
+                return version, status, reason
+            self._interim += 1
+            if self._interim > _MAX_INTERIM:
+                raise http.client.HTTPException(
+                    f"more than {_MAX_INTERIM} interim (1xx) replies before the reply"
+                )
+            if status == 100:
+                return version, status, reason  # begin() skips its headers and reads on
+            http.client.parse_headers(self.fp)  # bounded in count and line length
+
+
 class _ConnectionPool:
     """Idle keep-alive connections of one source, kept in the process-wide store.
 
@@ -414,6 +443,7 @@ class _ConnectionPool:
             )
         else:
             made = http.client.HTTPConnection(host, port, timeout=self._timeout)
+        made.response_class = _Response
         return made, False
 
     def put(self, key: _Key, conn: _Conn) -> None:
@@ -643,6 +673,14 @@ class HTTPSource(RemoteSource):
                 conn.close()
                 # A read the watchdog cut short can fail in any way: the deadline decides.
                 late = clock is not None and (clock.done() or clock.expired())
+                if not late and isinstance(exc, ssl.SSLCertVerificationError):
+                    # Also a ValueError, but no refusal of ours: the server's certificate
+                    # failed verification, which no retry changes. Its reason names no secret.
+                    raise RemoteError(
+                        f"{self._name}: TLS certificate verification failed: "
+                        f"{exc.verify_message or exc.reason or exc}",
+                        kind="TLSError",
+                    ) from None
                 if not late and isinstance(exc, (http.client.InvalidURL, ValueError)):
                     # http.client refused what we would send (a header value with a line
                     # break, a character outside Latin-1): no retry can fix that. Its message
@@ -771,6 +809,13 @@ class HTTPSource(RemoteSource):
         Raises:
             _Transient: The deadline passed (kind ``Timeout``).
         """
+        if resp.chunked or resp.length is None or resp.length > _REDIRECT_BODY_MAX:
+            # Not read: a chunked body may end in endless trailer lines, which http.client
+            # reads without a limit (gigabytes in seconds, no timeout firing). The connection
+            # is closed instead.
+            resp.will_close = True
+            resp.close()
+            return
         try:
             if clock is not None:
                 clock.arm()
@@ -842,6 +887,15 @@ class HTTPSource(RemoteSource):
 
     @staticmethod
     def _check_encoding(resp: http.client.HTTPResponse, where: str) -> None:
+        # http.client decodes one transfer coding, "chunked" alone: any other (gzip, or
+        # "gzip, chunked") would hand over the coded bytes, chunk-size lines included.
+        transfer = (resp.getheader("Transfer-Encoding") or "").strip()
+        if transfer and transfer.lower() != "chunked":
+            raise RemoteError(
+                f"{where}: the server sent a body with Transfer-Encoding {transfer!r}; only "
+                "'chunked' can be decoded here, other codings do not give the file's bytes",
+                kind="ContentEncoding",
+            )
         # Every request says Accept-Encoding: identity. A server or proxy that compresses
         # anyway sends bytes that are not the file's; a retry would get the same.
         encoding = (resp.getheader("Content-Encoding") or "").strip()
@@ -871,10 +925,20 @@ class HTTPSource(RemoteSource):
                     f"{where} changed while open (ETag {self._etag} became {etag}); reopen it",
                     kind="Changed",
                 )
-        elif modified and self._modified and modified != self._modified:
+        elif modified and self._modified:
+            if modified != self._modified:
+                raise RemoteError(
+                    f"{where} changed while open (Last-Modified {self._modified} became "
+                    f"{modified}); reopen it",
+                    kind="Changed",
+                )
+        elif self._etag or self._modified:
+            # The file had a version at open and this reply names none: nothing says it is
+            # still that file (a replaced file read half old, half new). A server that never
+            # sends either cannot be checked at all (documented).
             raise RemoteError(
-                f"{where} changed while open (Last-Modified {self._modified} became "
-                f"{modified}); reopen it",
+                f"{where}: a reply without the ETag or Last-Modified the file had when opened "
+                "(it may have been replaced); reopen it",
                 kind="Changed",
             )
 
