@@ -349,7 +349,7 @@ class S3Source(RemoteSource):
                     kind="RangeNotSupported",
                 )
             if not probing and (
-                length != self._size or (etag and self._etag and etag != self._etag)
+                length != self._size or (self._etag and etag != self._etag)
             ):
                 # Another version of the object (as for ranged replies, and as the HTTP source
                 # checks a whole body): its bytes must not be read at this version's offsets.
@@ -370,7 +370,8 @@ class S3Source(RemoteSource):
             )
         if probing:
             self._etag = etag
-        elif total != self._size or (etag and self._etag and etag != self._etag):
+        elif total != self._size or (self._etag and etag != self._etag):
+            # A reply without the ETag the object had at open names no version: a change too.
             raise RemoteError(f"{where} changed while open; reopen it", kind="Changed")
         self._read_body(body, out[:want], offset)
         if probing:

@@ -155,3 +155,29 @@ def test_a_certificate_that_does_not_verify_is_named(tls_server: RangeServer) ->
     assert info.value.kind == "TLSError"
     assert "TLS certificate verification failed" in str(info.value)
     assert isinstance(ssl.SSLCertVerificationError("x"), ValueError)  # why it was misread
+
+
+def test_an_s3_reply_without_the_etag_the_object_had_is_a_change(
+    raw: Callable[[Script], RawServer],
+) -> None:
+    """An S3-compatible store (boto3 against a loopback server) that stops naming the
+    object's version while it is replaced by one of the same size."""
+    pytest.importorskip("boto3")
+    from pysafetensors._remote_s3 import S3Source
+
+    replies: list[bytes] = []
+
+    def script(conn: socket.socket, request: bytes) -> None:
+        first = not replies
+        replies.append(request)
+        conn.sendall(_partial(OLD if first else NEW, request, b'ETag: "v1"\r\n' if first else b""))
+
+    server = raw(script)
+    endpoint = f"http://127.0.0.1:{server.port}"
+    with pytest.raises(RemoteError) as info:
+        source = S3Source(
+            "s3://models/x.safetensors", endpoint_url=endpoint, anon=True, retries=0, head_bytes=100
+        )
+        source.readinto(len(OLD) - 1000, memoryview(bytearray(1000)))
+    assert info.value.kind == "Changed"
+    assert len(replies) >= 2 and replies[0].startswith(b"GET /models/x.safetensors")
