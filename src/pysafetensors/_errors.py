@@ -42,7 +42,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from typing import Any
+
+from ._remote_urls import shown_location
 
 __all__ = [
     "CheckpointError",
@@ -341,15 +344,35 @@ def path_argument(value: Any, argument: str = "filename") -> str:
     return os.fsdecode(path) if isinstance(path, bytes) else path
 
 
+def looks_like_url(path: str) -> bool:
+    """Whether ``path`` is written as a URL (``scheme://...``), whose credentials and query
+    string messages must not show (see :func:`shown_location`)."""
+    return _URL_START.match(path) is not None
+
+
+_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path_refused(path: str, what: str) -> FileNotFoundError:
+    """The error for a URL given where only a local file will do (a save, a metadata edit),
+    naming the URL without its secrets."""
+    return FileNotFoundError(
+        errno.ENOENT,
+        f"No such file or directory ({what} local files only, not URLs)",
+        shown_location(path),
+    )
+
+
 def nul_in_path(path: str, *, writing: bool) -> OSError:
     """The error for a path with a NUL byte, which no OS file name holds (Python's own is a
     ``ValueError`` that neither ``except OSError`` nor ``except SafetensorError`` catches): as
     the reference, not found when reading and an invalid argument (a :class:`WriteError`, by
-    way of :func:`write_error`) when writing."""
+    way of :func:`write_error`) when writing. A URL is named without its secrets."""
+    shown = shown_location(path)
     if writing:
-        return OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return OSError(errno.EINVAL, os.strerror(errno.EINVAL), shown)
     return FileNotFoundError(
-        errno.ENOENT, "No such file or directory (a file name cannot hold a NUL byte)", path
+        errno.ENOENT, "No such file or directory (a file name cannot hold a NUL byte)", shown
     )
 
 
@@ -367,7 +390,11 @@ def output_path(value: Any, argument: str = "filename", *, file: bool = False) -
     separator."""
     path = path_argument(value, argument)
     if "\x00" in path:
-        raise write_error(nul_in_path(path, writing=True), path)
+        raise write_error(nul_in_path(path, writing=True), shown_location(path))
+    if looks_like_url(path):
+        # Saved as a local path it would fail anyway (no folder "https:"), quoting the URL's
+        # credentials and signature in the message.
+        raise write_error(local_path_refused(path, "saves write"), shown_location(path))
     if file and path.endswith(("/", os.sep)):
         # A file cannot be saved under a name that ends as a folder's: the reference's rename
         # onto it reports ENOTDIR, whether or not the folder exists.

@@ -44,7 +44,13 @@ from typing import Final
 
 import numpy as np
 
-from ._errors import SafetensorError, SerializeError, input_path
+from ._errors import (
+    SafetensorError,
+    SerializeError,
+    input_path,
+    local_path_refused,
+    looks_like_url,
+)
 from ._format import (
     MAX_HEADER_SIZE,
     N_LEN,
@@ -180,6 +186,8 @@ def edit_metadata(
     if not (in_place is None or in_place is True or in_place is False):
         raise TypeError(f"in_place must be None, True or False, not {in_place!r}")
     given = input_path(path, "path")
+    if looks_like_url(given):
+        raise local_path_refused(given, "metadata is edited in")
     # A symbolic link is followed in both cases: an in-place edit writes through it anyway, so
     # the rewrite goes to the file it points to too (beside that file), and the link stays a
     # link. Replacing it with a regular file would break a hub cache snapshot's dedup.

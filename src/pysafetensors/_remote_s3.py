@@ -348,9 +348,7 @@ class S3Source(RemoteSource):
                     f"({length} bytes); ranged reads are not supported there",
                     kind="RangeNotSupported",
                 )
-            if not probing and (
-                length != self._size or (self._etag and etag != self._etag)
-            ):
+            if not probing and (length != self._size or (self._etag and etag != self._etag)):
                 # Another version of the object (as for ranged replies, and as the HTTP source
                 # checks a whole body): its bytes must not be read at this version's offsets.
                 raise RemoteError(f"{where} changed while open; reopen it", kind="Changed")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import traceback
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,36 @@ def test_an_s3_error_without_credentials_keeps_its_cause() -> None:
     with pytest.raises(RemoteError) as info:
         S3Source("s3://bucket/x.safetensors", **_s3_options(endpoint))  # type: ignore[arg-type]
     assert info.value.__cause__ is not None
+
+
+SECRET_URL = "https://alice:S3CRETPW@127.0.0.1:1/x.safetensors?X-Amz-Signature=S1GSECRET"
+
+
+def _shows_no_secret(exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(exc))
+    assert "S3CRETPW" not in text and "S1GSECRET" not in text, text
+
+
+def test_apis_that_take_local_paths_do_not_show_a_url_s_secrets() -> None:
+    """A URL where a local path is expected (a save, a metadata edit) or one holding a NUL:
+    the error quoted it whole, password and signature included."""
+    import numpy as np
+
+    from pysafetensors import WriteError, edit_metadata, save_sharded
+    from pysafetensors.numpy import save_file
+
+    tensors = {"x": np.zeros(2, np.float32)}
+    attempts = [
+        (lambda: safe_open(SECRET_URL.replace("x.", "x\x00."), "np"), FileNotFoundError),
+        (lambda: edit_metadata(SECRET_URL, {"a": "b"}), FileNotFoundError),
+        (lambda: save_file(tensors, SECRET_URL), WriteError),
+        (lambda: save_sharded(tensors, SECRET_URL), WriteError),
+        (lambda: save_file(tensors, SECRET_URL.replace("x.", "x\x00.")), WriteError),
+    ]
+    for attempt, expected in attempts:
+        with pytest.raises(expected) as info:
+            attempt()
+        assert isinstance(info.value, FileNotFoundError | OSError)
+        _shows_no_secret(info.value)
+        assert "127.0.0.1:1/x" in str(info.value)
+    assert not Path("https:").exists()  # nothing was created under the URL as a local path
