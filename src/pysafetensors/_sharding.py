@@ -143,13 +143,21 @@ def check_filename_pattern(pattern: str, shards: int = 1) -> None:
     import string
 
     try:
-        parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(pattern)]
+        pieces = list(string.Formatter().parse(pattern))
     except ValueError as exc:
         raise _bad_pattern(pattern, str(exc)) from None
+    parsed = [(f, spec, conv) for _, f, spec, conv in pieces]
     fields = [f for f, _, _ in parsed if f is not None]
     unknown = [f for f in fields if f != "suffix"]
     if unknown:
         raise _bad_pattern(pattern, f"unknown field {{{unknown[0]}}}; the only field is {{suffix}}")
+    if len(fields) > 1:
+        # The clean-up and the source checks recognise a family by one {suffix}.
+        raise _bad_pattern(pattern, "{suffix} may appear only once")
+    if any("{" in text or "}" in text for text, _, _, _ in pieces):
+        # "{{" formats as "{": names that pattern_family (built from the pattern's text)
+        # would not recognise, so neither the clean-up nor the source checks would see them.
+        raise _bad_pattern(pattern, "literal braces ({{ or }}) are not supported in names")
     if any(spec or conv for f, spec, conv in parsed if f is not None):
         # {suffix!r} quotes it, {suffix:>30} pads it with spaces: names the loaders' pattern
         # (-NNNNN-of-NNNNN) and the clean-up no longer recognise.

@@ -238,6 +238,10 @@ def _cli_code(*args: str | os.PathLike[str]) -> int:
         ("x{suffix", "invalid filename pattern"),
         ("x{suffix!r}.safetensors", "no conversion or format spec"),
         ("x{suffix:>30}.safetensors", "no conversion or format spec"),
+        # Names the clean-up and the source checks would not recognise as the family's.
+        ("m{{v}}{suffix}.safetensors", "literal braces"),
+        ("m}}{suffix}.safetensors", "literal braces"),
+        ("x{suffix}{suffix}.safetensors", "may appear only once"),
     ],
 )
 def test_cli_refuses_filename_patterns_that_lose_or_misplace_files(
