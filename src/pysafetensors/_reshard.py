@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
-from ._errors import SafetensorError, input_path, output_path, write_error
+from ._errors import SafetensorError, SerializeError, input_path, output_path, write_error
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
 from ._reader import open_source_for
 from ._sharded import ShardedSafeOpen, _is_url, _shown, is_index_path
@@ -37,6 +37,7 @@ from ._sharding import (
     MAX_SHARD_SIZE,
     ShardPlan,
     as_header_metadata,
+    check_filename_pattern,
     index_filename,
     model_metadata,
     parse_size,
@@ -513,7 +514,7 @@ def reshard(
     max_shard_size: int | str = MAX_SHARD_SIZE,
     *,
     metadata: Mapping[str, Any] | None = None,
-    filename_pattern: str = DEFAULT_FILENAME_PATTERN,
+    filename_pattern: str | None = None,
     format: str | None = None,  # noqa: A002 - the metadata key's name
     clean: bool = True,
     fsync: bool = False,
@@ -532,7 +533,10 @@ def reshard(
         metadata: User metadata for the output; by default the source's model metadata (the
             entries every source file agrees on, then the index's) without ``format``,
             ``total_size`` and ``total_parameters`` (computed for the output).
-        filename_pattern: Output file name pattern with a ``{suffix}`` field.
+        filename_pattern: Output file name pattern with a ``{suffix}`` field. By default the
+            source's own names when resharding into its folder (a diffusers folder keeps its
+            ``diffusion_pytorch_model`` names, which its library looks for), else
+            ``model{suffix}.safetensors``.
         format: Value of the ``format`` header key in every output file; by default the
             source's own (``"tf"`` stays ``"tf"``), else ``"pt"``.
         clean: Delete stale files of an earlier save with the same pattern in ``output``;
@@ -562,6 +566,8 @@ def reshard(
         max_header_size=max_header_size,
         storage_options=_options(storage_options),
     ) as src:
+        if filename_pattern is None:
+            filename_pattern = _in_place_pattern(src, out) or DEFAULT_FILENAME_PATTERN
         _refuse_output_over_source(
             src, out, op="reshard", sharded=True, whole=True, filename_pattern=filename_pattern
         )
@@ -580,6 +586,29 @@ def reshard(
             storage_options=_options(storage_options),
             source_is_folder=os.path.isdir(input_path(source, "source")),
         )
+
+
+def _in_place_pattern(src: ShardedSafeOpen, out: str) -> str | None:
+    """The source's own file name pattern (``diffusion_pytorch_model{suffix}.safetensors``
+    from its index or single file) when ``out`` is the source's folder, else None."""
+    if _is_url(src.path) or not os.path.isdir(out):
+        return None
+    folder, name = os.path.split(src.path)
+    if not _same_file(out, folder or "."):
+        return None
+    stem = name.removesuffix(".index.json").removesuffix(".safetensors")
+    if stem == name or _SHARD_NAME_TAIL.search(stem):
+        return None  # not a checkpoint's single file or index (one shard: refused anyway)
+    pattern = stem + "{suffix}.safetensors"
+    try:
+        check_filename_pattern(pattern, shards=2)
+    except SerializeError:
+        return None  # a name no pattern can give (braces...): the default one
+    return pattern
+
+
+#: A shard's ``-NNNNN-of-NNNNN`` ending.
+_SHARD_NAME_TAIL: Final = re.compile(r"-\d{5}-of-\d{5}$")
 
 
 def merge(

@@ -476,3 +476,31 @@ def test_a_single_file_is_not_written_where_loaders_look_before_the_index(
     other.mkdir()
     merge(tmp_path, other / f"{stem}.safetensors")
     assert sorted(load_file(other / f"{stem}.safetensors")) == sorted(sd)
+
+
+@pytest.mark.parametrize("stem", ["diffusion_pytorch_model", "adapter_model", "m"])
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_reshard_into_its_folder_keeps_the_source_s_names(
+    tmp_path: Path, stem: str, sharded: bool
+) -> None:
+    """A diffusers (or PEFT, or any) folder resharded in place kept no name its library
+    looks for: the default pattern was model{suffix}, and the old files were deleted."""
+    sd = {f"l{i}": np.full(250, i, np.float32) for i in range(6)}
+    if sharded:
+        save_sharded(sd, tmp_path, 2000, filename_pattern=stem + "{suffix}.safetensors")
+    else:
+        save_file(sd, str(tmp_path / f"{stem}.safetensors"))
+    assert main(["-q", "reshard", str(tmp_path), str(tmp_path), "-s", "4KB"]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [
+        f"{stem}-00001-of-00002.safetensors",
+        f"{stem}-00002-of-00002.safetensors",
+        f"{stem}.safetensors.index.json",
+    ]
+    assert sorted(load_file(tmp_path)) == sorted(sd)
+    # Into another folder, or with a pattern given, the pattern is as asked.
+    other = tmp_path / "other"
+    reshard(tmp_path, other, "4KB")
+    assert (other / "model.safetensors.index.json").exists()
+    reshard(tmp_path, tmp_path, "100KB", filename_pattern="model{suffix}.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["model.safetensors"]

@@ -52,13 +52,14 @@ def run(args: argparse.Namespace) -> int:
                 re.compile(pattern)
             except re.error as exc:
                 raise UsageError(f"invalid --regex {pattern!r}: {exc}") from None
-    if args.max_shard_size is None and args.filename_pattern != DEFAULT_FILENAME_PATTERN:
+    if args.max_shard_size is None and args.filename_pattern is not None:
         # One output file is named by OUTPUT; a pattern would be silently ignored.
         raise UsageError("--filename-pattern names shards: it needs -s/--max-shard-size")
+    pattern = args.filename_pattern or DEFAULT_FILENAME_PATTERN
     # Folders created for the output are removed again (when still empty) if extract fails.
     with OutputFolders() as folders:
         if args.max_shard_size is not None:
-            check_pattern(args.filename_pattern)
+            check_pattern(pattern)
             folders.expect(args.output)  # created by extract()
         else:
             make_parent(args.output, folders)
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                 args.patterns,
                 regex=args.regex,
                 max_shard_size=parse_size_arg(args.max_shard_size),
-                filename_pattern=args.filename_pattern,
+                filename_pattern=pattern,
                 progress=report,
             )
     if args.list:

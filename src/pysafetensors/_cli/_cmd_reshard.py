@@ -52,10 +52,11 @@ def add_shard_args(p: argparse.ArgumentParser, *, default: str | None) -> None:
     )
     p.add_argument(
         "--filename-pattern",
-        default="model{suffix}.safetensors",
+        default=None,
         metavar="PATTERN",
         help="output file names: a plain *.safetensors name with a {suffix} field, which "
-        "becomes -00001-of-00003 (default model{suffix}.safetensors)",
+        "becomes -00001-of-00003 (default model{suffix}.safetensors; reshard into the "
+        "source's folder: the source's own names)",
     )
 
 
@@ -115,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``reshard``; returns the exit code."""
     from .._reshard import reshard
 
-    check_pattern(args.filename_pattern)
+    if args.filename_pattern is not None:
+        check_pattern(args.filename_pattern)
     check_source(args.source)
     ui = Ui(args)
     with OutputFolders() as folders, progress_for(ui, "resharding") as report:
