@@ -373,6 +373,17 @@ def _rewrite(
     sizes = {name: located[name][2].nbytes for name in names}
     fmt, own = _source_metadata(src, fmt)
     meta = dict(own if metadata is None else metadata)
+    # What every source file's header holds stays in every output file's header (transformers
+    # reads a quantizer's metadata back from each shard's header): not only in the index.
+    in_headers: dict[str, Any] = {}
+    if metadata is None:
+        source_index = src.index_metadata() if is_index_path(src.path) else None
+        shared = model_metadata(src.shard_metadata(), None) or {}
+        in_headers = {
+            k: v
+            for k, v in shared.items()
+            if k != "format" and k not in COMPUTED_KEYS and k not in (source_index or {})
+        }
     if "total_parameters" in (src.index_metadata() or {}) and metadata is None:
         # transformers v5 records it; recompute it for the tensors actually written.
         count = 0
@@ -418,6 +429,9 @@ def _rewrite(
         per_file: dict[str, str] = {"format": fmt}
         if not plan.is_sharded:
             per_file.update(as_header_metadata(meta))
+        elif in_headers:
+            per_file.update(as_header_metadata(in_headers))
+            meta = {k: v for k, v in meta.items() if k not in in_headers}
 
         def write_shard(path: str, shard_names: list[str], group: SaveGroup) -> None:
             _write_one(

@@ -13,7 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pysafetensors import SafetensorError, extract, merge, reshard, safe_open, save_sharded
+from pysafetensors import (
+    SafetensorError,
+    edit_metadata,
+    extract,
+    merge,
+    reshard,
+    safe_open,
+    save_sharded,
+)
 from pysafetensors import _reshard as reshard_mod
 from pysafetensors._cli import main
 from pysafetensors.numpy import load_file, save_file
@@ -443,9 +451,11 @@ def test_a_file_s_own_total_size_key_does_not_replace_the_index_s(tmp_path: Path
     save_file(sd, str(tmp_path / "m.safetensors"), metadata=meta)
     reshard(tmp_path / "m.safetensors", tmp_path / "out", "10KB")
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    assert index["metadata"] == {"total_size": 24576, "total_parameters": 8192, "x": "1"}
+    assert index["metadata"] == {"total_size": 24576, "total_parameters": 8192}
     with safe_open(tmp_path / "out", "np") as f:
         f.validate()
+        # The file's own key stays in every shard's header, where it was.
+        assert all(m == {"format": "pt", "x": "1"} for m in f.shard_metadata())
 
 
 @pytest.mark.parametrize("stem", ["model", "diffusion_pytorch_model"])
@@ -504,3 +514,18 @@ def test_a_reshard_into_its_folder_keeps_the_source_s_names(
     assert (other / "model.safetensors.index.json").exists()
     reshard(tmp_path, tmp_path, "100KB", filename_pattern="model{suffix}.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["model.safetensors"]
+
+
+def test_a_reshard_keeps_the_shards_header_metadata_in_every_shard(tmp_path: Path) -> None:
+    """transformers reads a quantizer's metadata back from each shard's header: a reshard
+    moved it into the index alone."""
+    sd = {f"l{i}": np.full(250, i, np.float32) for i in range(6)}
+    src = tmp_path / "src"
+    save_sharded(sd, src, 2000)
+    for shard in src.glob("model-*.safetensors"):
+        edit_metadata(shard, {"quant_method": "torchao", "per_shard": shard.name})
+    reshard(src, tmp_path / "out", 3000)
+    with safe_open(tmp_path / "out", "np") as f:
+        assert len(f.shard_metadata()) > 1
+        assert all(m == {"format": "pt", "quant_method": "torchao"} for m in f.shard_metadata())
+        assert f.index_metadata() == {"total_size": 6000}  # keys that differ are not kept
