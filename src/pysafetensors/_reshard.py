@@ -6,14 +6,16 @@ is even copied), falling back to ``os.sendfile`` and then to ``pread``/``pwrite`
 chunks. Remote sources are read in bounded chunks. Peak memory is one chunk, whatever the
 model's size.
 
-Outputs are planned exactly as a direct save would plan them (the hub's splitter for shards,
-the reference's layout for each file), so resharding, merging or extracting gives files
-byte-identical to saving the same tensors directly with :func:`~pysafetensors.save_sharded`
-(or ``save_file`` with ``{"format": "pt", ...}`` metadata).
+Outputs are planned as a direct save would plan them (the hub's splitter for shards, the
+reference's layout for each file), so resharding, merging or extracting gives the files that
+saving the same tensors, in the same order, with :func:`~pysafetensors.save_sharded` (or
+``save_file`` with ``{"format": "pt", ...}`` metadata) gives.
 
-Tensor order (which decides shard boundaries) is the source index's ``weight_map`` order, which
-for hub-written checkpoints is the original state dict's order; for a single source file it is
-the file's data order.
+Tensor order (which decides shard boundaries) is the source index's ``weight_map`` order; for a
+single source file it is the file's data order. For a hub-written checkpoint that is the state
+dict's order only while no tensor exceeded the shard limit: the hub's splitter gives such a
+tensor a shard of its own ahead of the others, so a reshard of it to a new limit may split
+differently from a direct save of the original state dict.
 """
 
 from __future__ import annotations
