@@ -420,6 +420,18 @@ def _atomic_output(
     if os.path.isdir(target):
         # Before any byte is written: a save of many GiB would otherwise fail only at the end.
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        # The rename would replace the node itself: a save to /dev/null run as root deleted
+        # /dev/null for the whole machine (the reference does so), a FIFO stopped being one.
+        raise FileExistsError(
+            errno.EEXIST,
+            "the target is a device, FIFO or socket, not a file; a save would replace it",
+            target,
+        )
     _clean_stale_partials(target)
     stem = partial_stem(os.path.basename(target))
     tmp = os.path.join(folder, f".{stem}.{secrets.token_hex(6)}.partial")

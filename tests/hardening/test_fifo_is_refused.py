@@ -46,3 +46,35 @@ def test_a_device_reads_as_a_file_of_its_reported_size_as_in_the_reference() -> 
 
     with pytest.raises(pysafetensors.SafetensorError, match="header too small"):
         pysafetensors.safe_open("/dev/zero", "np")
+
+
+def test_a_save_over_a_fifo_or_socket_is_refused_not_replacing_it(tmp_path: Path) -> None:
+    """A save renames its file over the target: a FIFO (or, run as root, /dev/null) was
+    replaced by a regular file, as the reference does."""
+    import socket
+    import stat
+
+    import numpy as np
+
+    import pysafetensors
+    from pysafetensors.numpy import save_file
+
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    sock_path = tmp_path / "sock.safetensors"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(sock_path))
+    try:
+        for target, kind in ((fifo, stat.S_ISFIFO), (sock_path, stat.S_ISSOCK)):
+            for save in (
+                lambda t=target: save_file({"x": np.zeros(2, np.float32)}, t),
+                lambda t=target: pysafetensors.serialize_file({}, t),
+            ):
+                with pytest.raises(FileExistsError, match="device, FIFO or socket") as info:
+                    save()
+                assert isinstance(info.value, pysafetensors.WriteError)
+            assert kind(os.lstat(target).st_mode)
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == ["fifo.safetensors", "sock.safetensors"]  # no temporary file either
+    finally:
+        server.close()
