@@ -18,7 +18,6 @@ front with the hub's splitter, one writer per shard, and the index is written la
 from __future__ import annotations
 
 import atexit
-import bisect
 import contextlib
 import operator
 import os
@@ -29,6 +28,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from ._coverage import Coverage
 from ._dtypes import DType, checked_nbits, dtype_from_code, dtype_from_name
 from ._errors import ClosedFileError, SafetensorError, SerializeError, output_path, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, TensorInfo, build_layout
@@ -297,7 +297,7 @@ class StreamingWriter:
         """The planned file: header bytes and every tensor's offsets."""
         self._infos = {t.name: t for t in self.layout.tensors}
         self._data_start = len(self.layout.header)
-        self._written: dict[str, list[list[int]]] = {name: [] for name in self._infos}
+        self._written: dict[str, Coverage] = {name: Coverage() for name in self._infos}
         self._cursor: dict[str, int] = dict.fromkeys(self._infos, 0)
         self._lock = threading.Lock()
         # Writes between reserving their range and finishing it: close() and abort() wait for
@@ -354,30 +354,14 @@ class StreamingWriter:
         if not length:
             return
         end = start + length
-        ranges = self._written[name]
-        i = bisect.bisect_right(ranges, [start, end])
-        before = ranges[i - 1] if i else None
-        after = ranges[i] if i < len(ranges) else None
-        clash = (before is not None and before[1] > start) or (after is not None and after[0] < end)
-        if clash:
-            other = before if before is not None and before[1] > start else after
-            assert other is not None
+        other = self._written[name].add(start, end)
+        if other is not None:
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}write of bytes [{start}, {end}) of tensor `{name}` overlaps "
                 f"bytes [{other[0]}, {other[1]}) written earlier",
                 kind="Overlap",
                 tensor=name,
             )
-        # Keep the list short: merge with touching neighbours.
-        if before is not None and before[1] == start:
-            before[1] = end
-            if after is not None and after[0] == end:
-                before[1] = after[1]
-                del ranges[i]
-        elif after is not None and after[0] == end:
-            after[0] = start
-        else:
-            ranges.insert(i, [start, end])
 
     def write(self, name: str, data: Any, offset: int = 0) -> int:
         """Write bytes of tensor ``name`` starting ``offset`` bytes into its data.
@@ -461,16 +445,7 @@ class StreamingWriter:
 
     def _release(self, info: TensorInfo, start: int, end: int) -> None:
         """Forget ``[start, end)`` of ``info``'s written ranges (a write that failed)."""
-        kept: list[list[int]] = []
-        for a, b in self._written[info.name]:
-            if b <= start or a >= end:
-                kept.append([a, b])
-                continue
-            if a < start:
-                kept.append([a, start])
-            if b > end:
-                kept.append([end, b])
-        self._written[info.name] = kept
+        self._written[info.name].discard(start, end)
 
     def write_chunk(self, name: str, data: Any) -> int:
         """Append to tensor ``name`` right after the last write to it (0 at first).
@@ -496,7 +471,7 @@ class StreamingWriter:
     def _missing(self) -> dict[str, int]:
         out = {}
         for name, info in self._infos.items():
-            done = sum(end - start for start, end in self._written[name])
+            done = self._written[name].covered
             if done != info.nbytes:
                 out[name] = info.nbytes - done
         return out
