@@ -129,7 +129,19 @@ def _dims(name: Any, shape: Any) -> tuple[int, ...]:
                 tensor=str(name),
             )
         dims.append(value)
+    if len(dims) > _MAX_NDIM:
+        # A file no framework could load (numpy and torch hold at most 64): not written.
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}tensor `{name}` is declared with {len(dims)} dimensions; "
+            f"frameworks hold at most {_MAX_NDIM}",
+            kind="TooManyDimensions",
+            tensor=str(name),
+        )
     return tuple(dims)
+
+
+#: Dimensions a declared tensor may have: what numpy and torch hold.
+_MAX_NDIM: Final = 64
 
 
 def _check_name(name: Any, where: str) -> None:

@@ -407,6 +407,15 @@ class TorchAdapter:
                 kind="MetaTensor",
                 tensor=name,
             )
+        if tensor.is_nested:
+            # A strided nested tensor has the strided layout but no shape (torch raises
+            # "NestedTensorImpl doesn't support sizes" as soon as one is asked for).
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` is a nested tensor, which safetensors "
+                "cannot store; save its components (tensor.unbind()) instead",
+                kind="NestedTensor",
+                tensor=name,
+            )
         if tensor.numel():
             _check_memory(name, tensor)
         shape = logical_shape(dtype, tuple(tensor.shape))

@@ -802,6 +802,22 @@ def test_a_tensor_without_memory_is_refused_not_read(tmp_path: Path, make: Any) 
             ref_torch.save({"x": tensor})
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_strided_nested_tensor_is_refused_by_name(tmp_path: Path) -> None:
+    """Its layout is strided but it has no shape: torch's RuntimeError escaped, naming no
+    tensor (the reference's too)."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    assert nested.layout is torch.strided and nested.is_nested
+    for save in (
+        lambda: ours_torch.save({"layer.weight": nested}),
+        lambda: ours_torch.save_file({"layer.weight": nested}, tmp_path / "n.safetensors"),
+    ):
+        with pytest.raises(pysafetensors.SerializeError, match="is a nested tensor") as info:
+            save()
+        assert info.value.tensor == "layer.weight"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_shared_tensor_groups_come_in_the_reference_s_order() -> None:
     u, v = torch.ones(2), torch.zeros(2)
     shared = {"z1": u, "z2": u, "a1": v, "a2": v}

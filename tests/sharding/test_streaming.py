@@ -23,6 +23,7 @@ from pysafetensors import (
     SerializeError,
     ShardedStreamingWriter,
     StreamingWriter,
+    safe_open,
     save_sharded,
 )
 from pysafetensors.numpy import load_file, save_file
@@ -567,3 +568,16 @@ def test_a_forked_child_leaves_its_parents_writer_alone(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "closed", run.stderr
     assert load_file(tmp_path / "p.safetensors")["a"].tolist() == [1.0, 1.0]
+
+
+def test_a_declaration_of_more_than_64_dimensions_is_refused(tmp_path: Path) -> None:
+    """The file committed, and then no framework could load the tensor (ours refused it)."""
+    target = tmp_path / "deep.safetensors"
+    with pytest.raises(SerializeError, match="65 dimensions") as info:
+        StreamingWriter(target, {"x": ("F32", [1] * 65)})
+    assert info.value.kind == "TooManyDimensions" and info.value.tensor == "x"
+    assert list(tmp_path.iterdir()) == []
+    with StreamingWriter(target, {"x": ("F32", [1] * 64)}) as w:
+        w.write("x", b"\0\0\0\0")
+    with safe_open(target, "np") as f:
+        assert f.get_tensor("x").ndim == 64
