@@ -9,13 +9,14 @@ from __future__ import annotations
 import ipaddress
 import os
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from .rangeserver import RangeServer
+from .rawserver import RawServer, Script
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -179,3 +180,17 @@ _AWS_ENV = (
     "AWS_CONFIG_FILE",
     "AWS_SHARED_CREDENTIALS_FILE",
 )
+
+
+@pytest.fixture
+def raw() -> Iterator[Callable[[Script], RawServer]]:
+    """Start raw servers (see rawserver.py) for this test; closed after it."""
+    servers: list[RawServer] = []
+
+    def start(script: Script) -> RawServer:
+        servers.append(RawServer(script))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()

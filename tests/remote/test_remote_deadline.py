@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,19 +23,6 @@ DRIP_SECONDS = 0.05
 #: client the deadline does not stop fails the timing assertion instead of hanging the tests.
 DRIP_FOR = 12.0
 DEADLINE = 1.0
-
-
-@pytest.fixture
-def raw() -> Iterator[Callable[[Script], RawServer]]:
-    servers: list[RawServer] = []
-
-    def start(script: Script) -> RawServer:
-        servers.append(RawServer(script))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 def _open_past_deadline(url: str) -> tuple[RemoteError, float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,19 +22,6 @@ from .rawserver import RawServer, Script, requested_range
 OLD = save({"w": np.zeros(50_000, np.float32)})
 NEW = save({"w": np.full(50_000, 7, np.float32)})
 assert len(OLD) == len(NEW)
-
-
-@pytest.fixture
-def raw() -> Iterator[Callable[[Script], RawServer]]:
-    servers: list[RawServer] = []
-
-    def start(script: Script) -> RawServer:
-        servers.append(RawServer(script))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 def _partial(data: bytes, request: bytes, extra: bytes = b"") -> bytes:
