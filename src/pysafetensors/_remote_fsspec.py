@@ -11,12 +11,10 @@ from ._errors import (
     RemotePermissionError,
 )
 from ._remote_source import (
-    DEFAULT_ACCEPT_FULL_BODY,
     DEFAULT_HEAD_BYTES,
     DEFAULT_MAX_GAP,
     DEFAULT_PART_SIZE,
     RemoteSource,
-    _check_common,
     _Part,
     _Transient,
 )
@@ -62,15 +60,16 @@ class FsspecSource(RemoteSource):
         backoff: float = 0.2,
         **storage_options: Any,
     ) -> None:
-        # Before url_to_fs, which may already reach the network.
-        options = _check_common(
+        # Options checked before url_to_fs, which may already reach the network; the name is
+        # known only after it.
+        super().__init__(
+            "",
             max_connections=max_connections,
             part_size=part_size,
             max_gap=max_gap,
             head_bytes=head_bytes,
             retries=retries,
             backoff=backoff,
-            accept_full_body=DEFAULT_ACCEPT_FULL_BODY,
         )
         # What fsspec's and its backends' exceptions may quote and must not show: the URL's
         # credentials and query string (fsspec keeps them in the path) and secret options.
@@ -104,7 +103,7 @@ class FsspecSource(RemoteSource):
         if not isinstance(target, str):
             # An OpenFile's path keeps the query string its URL was opened with.
             self._secrets += tuple(_url_secrets(name, query=True))
-        super().__init__(shown_location(name), **options._asdict())
+        self._name = shown_location(name)
         self._fs = fs
         self._path = path
         self.stats.add(requests=1)
