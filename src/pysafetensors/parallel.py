@@ -251,10 +251,27 @@ def _check_options(rules: Any, default: Any, uneven: Any) -> None:
             "rules must be a mapping of patterns to splits, a sequence of (pattern, split) "
             f"pairs or a callable, not {type(rules).__name__}: {rules!r:.60}"
         )
-    if not callable(rules) and not isinstance(rules, Mapping):
-        for pair in rules:
+    if not callable(rules):
+        pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+        for pair in pairs:
             if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
                 raise TypeError(f"rules: {pair!r:.60} is not a (pattern, split) pair")
+            pattern, split = pair
+            if not (
+                isinstance(pattern, str)
+                or (isinstance(pattern, re.Pattern) and isinstance(pattern.pattern, str))
+            ):
+                raise TypeError(
+                    f"rules: pattern {pattern!r:.60} is not a str or a compiled str regex"
+                )
+            # Every rule's split, used or not: a typo ("row", "colums") caught on one rank
+            # only, because only its tensors matched, left the others waiting in a collective.
+            named = isinstance(split, str) and split in ("rows", "columns", "replicate")
+            if not (named or _is_integer(split)):
+                raise ValueError(
+                    f"rules: unknown split {split!r:.60} for pattern {pattern!r:.60} (expected "
+                    "'rows', 'columns', 'replicate' or a dimension number)"
+                )
     if uneven not in ("chunk", "tensor_split", "error"):
         raise ValueError(f"uneven must be 'chunk', 'tensor_split' or 'error', not {uneven!r}")
     if not (default in ("rows", "columns", "replicate") or _is_integer(default)):

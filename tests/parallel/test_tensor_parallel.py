@@ -433,3 +433,27 @@ def test_column_parts_are_copied_into_one_destination(tmp_path: Path) -> None:
         assert np.array_equal(part["b"], tensors["b"][:, rank * 20 : (rank + 1) * 20])
         assert np.array_equal(part["n"], tensors["n"])
         assert root(part["a"]) is root(part["b"])
+
+
+@pytest.mark.parametrize(
+    ("rules", "error", "text"),
+    [
+        ({"*.q_proj.weight": "row"}, ValueError, "unknown split 'row'"),
+        ({"w": "replicate", "*": "colums"}, ValueError, "unknown split 'colums'"),
+        ({"x": 1.5}, ValueError, "unknown split 1.5"),
+        ({0: "rows"}, TypeError, "pattern 0 is not a str"),
+        ([(b"w", "rows")], TypeError, "pattern b'w' is not a str"),
+        ({re.compile(b"w"): "rows"}, TypeError, "compiled str regex"),
+    ],
+)
+def test_every_rule_is_checked_whatever_the_tensors(
+    tmp_path: Path, rules: Any, error: type[Exception], text: str
+) -> None:
+    """A typo in a rule no tensor of this rank matched passed silently here and failed on the
+    ranks whose tensors it matched: they raised, the others waited in their next collective."""
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.zeros((4, 4), np.float32)}, str(path))
+    with pytest.raises(error, match=re.escape(text)):
+        load_shard(path, 0, 2, rules)
+    with pytest.raises(error, match=re.escape(text)):
+        plan_shard({}, 0, 2, rules)
