@@ -665,6 +665,17 @@ class safe_open:  # noqa: N801 - the reference's name
             return out
         assert isinstance(source, PreadSource)  # on the CPU only pread sources batch (above)
         buf, offsets = read_runs_fresh(source, runs)
+        many = getattr(self._adapter, "from_bytes_many", None)
+        if many is not None:
+            # About half the per-tensor cost of from_bytes: a 20,000-tensor load_shard paid
+            # ~17 us a tensor for it.
+            items = (
+                (name, info.dtype, plan.shape, at, at + plan.nbytes)
+                for (name, info, plan, _), at in zip(batched, offsets, strict=True)
+            )
+            with gc_paused():
+                out.update(many(buf, items, self._device))
+            return out
         for (name, info, plan, _), at in zip(batched, offsets, strict=True):
             out[name] = self._adapter.from_bytes(
                 buf[at : at + plan.nbytes], info.dtype, plan.shape, self._device

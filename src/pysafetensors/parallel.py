@@ -203,6 +203,8 @@ def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
 
 def _is_integer(value: Any) -> bool:
     """Python and numpy integers, not bools."""
+    if type(value) is int:  # the common case, ~4x cheaper (a plan checks every dimension)
+        return True
     return not isinstance(value, (bool, np.bool_)) and hasattr(value, "__index__")
 
 
@@ -212,6 +214,8 @@ def _integer(value: Any, what: str = "size") -> int:
     Raises:
         TypeError: Not an integer.
     """
+    if type(value) is int:
+        return value
     if not _is_integer(value):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}: {value!r}")
     return operator.index(value)
