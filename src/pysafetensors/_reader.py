@@ -453,8 +453,15 @@ class safe_open:  # noqa: N801 - the reference's name
         that does not say which (a remote 404, a file cut short): the source knows only bytes."""
         try:
             yield
+        except SliceError as exc:
+            # The slicer knows shapes, not names: the index was for this tensor.
+            if exc.tensor is None and info is not None:
+                exc.tensor = info.name
+                if len(exc.args) == 1 and isinstance(exc.args[0], str):
+                    exc.args = (f"{exc.args[0]} (tensor {info.name!r})",)
+            raise
         except SafetensorError as exc:
-            # Errors of the bytes' source only: the others (a bad slice, ...) name their own.
+            # Errors of the bytes' source only: the others name their own.
             if exc.tensor is None and (isinstance(exc, OSError) or exc.kind in _READ_ERRORS):
                 if info is None and exc.offset is not None:
                     at = exc.offset - self._header.data_start

@@ -220,7 +220,8 @@ def test_slice_error_texts_of_a_0_d_tensor_match_the_reference(tmp_path: Path) -
             theirs = _outcome(lambda n=name, i=index: r.get_slice(n)[i])
             mine = _outcome(lambda n=name, i=index: o.get_slice(n)[i])
             assert theirs[0] == mine[0] == "error"
-            assert mine[2] == theirs[2], (name, index, theirs[2], mine[2])
+            # The reference's words, then the tensor the index was for.
+            assert mine[2] == f"{theirs[2]} (tensor {name!r})", (name, index, theirs[2], mine[2])
     with safe_open(path, "np") as o, pytest.raises(SliceError) as out_of_range:
         o.get_slice("b")[[10]]  # index arrays are ours (the reference refuses lists)
     assert str(out_of_range.value).startswith("Error during slicing [[10]] with shape [7]: ")
@@ -432,7 +433,7 @@ def test_slice_errors_are_of_the_reference_s_builtin_classes(model: Path) -> Non
                         if issubclass(theirs[1], builtin):
                             assert issubclass(mine[1], builtin), (framework, backend, index)
                     if isinstance(index, slice) and theirs[1] is TypeError and framework == "np":
-                        assert mine[2] == theirs[2]  # the slicer's words
+                        assert mine[2] == f"{theirs[2]} (tensor 'a')"  # the slicer's words
 
 
 def test_torch_reads_a_list_of_sequences_as_a_tuple_like_the_reference(model: Path) -> None:
