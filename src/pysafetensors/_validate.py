@@ -67,7 +67,13 @@ KNOWN_FORMATS: Final = frozenset({"pt", "tf", "flax", "mlx"})
 #: Bytes read at a time when values are checked: a multiple of every element size and of the
 #: 3-byte F6 group, so chunks never split an element.
 CHUNK_BYTES: Final = 24 << 20
-_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+#: Characters that could control a terminal or reorder what it shows: C0, DEL, C1 (0x9b is a
+#: one-byte CSI on some terminals), line and paragraph separators, and the bidirectional marks,
+#: overrides and isolates of "trojan source" (CVE-2021-42574: U+061C, U+200E, U+200F,
+#: U+202A-U+202E, U+2066-U+2069). One list for the names ``validate --strict`` warns about and
+#: the text the command line escapes.
+CONTROL_CHARS: Final = "\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_CONTROL: Final = re.compile(f"[{CONTROL_CHARS}]")
 
 
 @dataclass(frozen=True, slots=True)

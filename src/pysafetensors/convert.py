@@ -535,7 +535,8 @@ def convert_folder(
         # An empty result would look like success for a mistyped folder.
         raise CheckpointError(
             f"{src_s}: nothing to convert (no {_INDEX_IN} and no "
-            f"{', '.join('*' + s for s in CHECKPOINT_SUFFIXES)} files)"
+            f"{', '.join('*' + s for s in CHECKPOINT_SUFFIXES)} files)",
+            kind="NothingToConvert",
         )
     _check_inputs(src_s, names, index_path if index is not None else None)
     outs = [safetensors_name(n) for n in names]

@@ -729,3 +729,92 @@ def test_metadata_in_place_choices(cli, example: Path) -> None:
         "format": "pt",
         "k": "v",
     }
+
+
+def test_diff_compares_complex_values_not_their_magnitudes(cli, tmp_path: Path) -> None:
+    """Values of equal magnitude (a sign, a conjugate, a rotation) were 'identical', exit 0."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"c": np.array([1, 3 + 4j, 1j], np.complex64)}, str(a))
+    save_file({"c": np.array([-1, 4 + 3j, -1j], np.complex64)}, str(b))
+    r = cli("diff", a, b, "--json")
+    assert r.code == 1
+    (tensor,) = r.json()["tensors"]
+    assert tensor["status"] == "changed" and tensor["values"]["differing"] == 3
+    assert tensor["values"]["max_abs"] == pytest.approx(2.0)
+    real = tmp_path / "r.safetensors"
+    save_file({"c": np.array([1, 5, 1], np.float32)}, str(real))  # |values| of a
+    r = cli("diff", a, real, "--json")
+    (tensor,) = r.json()["tensors"]
+    assert tensor["values"]["differing"] == 2  # 3+4j is not 5, 1j is not 1
+
+
+def test_stats_gives_exact_extremes_of_wide_integers(cli, tmp_path: Path) -> None:
+    """float64 rounded them: the max of 2**63 - 1 showed as 2**63, outside I64."""
+    path = tmp_path / "i.safetensors"
+    save_file(
+        {
+            "i": np.array([2**53 + 1, 2**63 - 1], np.int64),
+            "u": np.array([2**64 - 1], np.uint64),
+            "f": np.array([0.5, 2.5], np.float32),
+        },
+        str(path),
+    )
+    rows = {t["name"]: t for t in cli("stats", path, "--json").json()["tensors"]}
+    assert (rows["i"]["min"], rows["i"]["max"]) == (2**53 + 1, 2**63 - 1)
+    assert rows["u"]["max"] == 2**64 - 1
+    assert (rows["f"]["min"], rows["f"]["max"]) == (0.5, 2.5)
+    assert "9223372036854775807" in cli("stats", path).out
+
+
+def test_a_file_name_that_is_not_utf8_is_printed_escaped(cli_proc, tmp_path: Path) -> None:
+    """Its byte became a lone surrogate, which a strict UTF-8 stdout refused: most commands
+    failed, metadata set and cast after writing (exit 1)."""
+    raw = os.path.join(os.fsencode(str(tmp_path)), b"r_\xff.safetensors")
+    save_file({"x": np.zeros(2, np.float32)}, os.fsdecode(raw))
+    name = os.fsdecode(raw)
+    for args in (
+        ["validate", name],
+        ["inspect", name],
+        ["diff", name, name],
+        ["hash", name],
+        ["metadata", "set", name, "k=v"],
+        ["cast", name, os.fsdecode(raw.replace(b"r_", b"c_")), "--to", "F16"],
+    ):
+        r = cli_proc(*args)
+        assert r.code == 0, (args, r.err)
+        assert "\\udcff" in r.out + r.err and "Traceback" not in r.err, args
+
+
+def test_inspect_json_of_an_index_with_non_finite_numbers(cli, tmp_path: Path) -> None:
+    """Python's json reads NaN and 1e400 in an index; inspect --json failed to write them."""
+    save_file({"a": np.ones(2, np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": np.ones(3, np.float32)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"metadata": {"total_size": 20, "lr": NaN, "x": 1e400, "ok": [1.5, -Infinity]}, '
+        '"weight_map": {"a": "model-00001-of-00002.safetensors", '
+        '"b": "model-00002-of-00002.safetensors"}}'
+    )
+    r = cli("inspect", tmp_path, "--json")
+    assert r.code == 0, r.err
+    expected = {"total_size": 20, "lr": None, "x": None, "ok": [1.5, None]}
+    assert r.json()["index_metadata"] == expected
+    without = cli("inspect", tmp_path, "--json", "--no-tensors").json()
+    assert "tensors" not in without and without["totals"]["tensors"] == 2
+
+
+def test_convert_of_a_folder_with_nothing_to_convert_is_exit_2(cli, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    r = cli("convert", tmp_path / "empty", tmp_path / "out")
+    assert r.code == 2 and r.err.startswith("error: ") and "nothing to convert" in r.err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mark", ["\u200f", "\u200e", "\u061c"])
+def test_bidirectional_marks_in_names_are_escaped_and_warned_about(
+    cli, tmp_path: Path, mark: str
+) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({f"a{mark}b": np.zeros(1, np.float32)}, str(path))
+    assert f"\\u{ord(mark):04x}" in cli("inspect", path).out
+    r = cli("validate", "--strict", path)
+    assert r.code == 1 and "SuspiciousName" in r.out + r.err

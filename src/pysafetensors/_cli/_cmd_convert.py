@@ -65,6 +65,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``convert``; returns the exit code."""
+    from .._errors import CheckpointError
     from ..convert import convert_file, convert_folder
 
     meta: dict[str, str] = {}
@@ -84,13 +85,20 @@ def run(args: argparse.Namespace) -> int:
     with OutputFolders() as folders:
         if os.path.isdir(args.src):
             folders.expect(args.dst)  # created by convert_folder()
-            if args.workers > 1:
-                from concurrent.futures import ThreadPoolExecutor
+            try:
+                if args.workers > 1:
+                    from concurrent.futures import ThreadPoolExecutor
 
-                with ThreadPoolExecutor(args.workers) as pool:
-                    folder = convert_folder(args.src, args.dst, executor=pool, **kwargs)
-            else:
-                folder = convert_folder(args.src, args.dst, **kwargs)
+                    with ThreadPoolExecutor(args.workers) as pool:
+                        folder = convert_folder(args.src, args.dst, executor=pool, **kwargs)
+                else:
+                    folder = convert_folder(args.src, args.dst, **kwargs)
+            except CheckpointError as exc:
+                if exc.kind != "NothingToConvert":
+                    raise
+                # A folder with no checkpoint is a target that cannot be read (exit 2), as
+                # for every other command, not a malformed file.
+                raise UsageError(str(exc)) from None
             reports, index = folder.files, folder.index
         else:
             make_parent(args.dst, folders)

@@ -102,6 +102,14 @@ def _integer_differences(
     return n_ne, big, rel, out
 
 
+def _comparable(va: np.ndarray, vb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both as float64, or both as complex128 when either is complex: compared by magnitude
+    (what statistics use), 3+4j equalled 4+3j, 1 equalled -1 beside a complex."""
+    if va.dtype.kind == "c" or vb.dtype.kind == "c":
+        return va.astype(np.complex128), vb.astype(np.complex128)
+    return to_float64(va), to_float64(vb)
+
+
 def compare_values(
     a: TensorRef, b: TensorRef, atol: float, rtol: float, progress: Callable[[int], None]
 ) -> dict[str, Any]:
@@ -127,8 +135,7 @@ def compare_values(
                 max_abs = max(max_abs, big)
                 max_rel = max(max_rel, rel_big)
                 continue
-            va = to_float64(decode(a.dtype, raw_a))
-            vb = to_float64(decode(b.dtype, raw_b))
+            va, vb = _comparable(decode(a.dtype, raw_a), decode(b.dtype, raw_b))
             # Equal: same value, same-sign infinities, or NaN against NaN (whatever payload).
             eq = (va == vb) | (np.isnan(va) & np.isnan(vb))
             ne = ~eq

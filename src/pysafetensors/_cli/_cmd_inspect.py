@@ -11,6 +11,7 @@ from ._common import (
     TensorRef,
     Ui,
     add_filter_args,
+    finite_json,
     human_bytes,
     human_count,
     name_filter,
@@ -71,7 +72,7 @@ def to_json(model: Model, tensors: list[TensorRef]) -> dict[str, Any]:
         "target": model.target,
         "sharded": model.sharded,
         "index": shown(model.located.index_path) if model.located.index_path else None,
-        "index_metadata": model.index_metadata,
+        "index_metadata": finite_json(model.index_metadata),
         "metadata": model.metadata,
         "files": [
             {
@@ -120,7 +121,10 @@ def run(args: argparse.Namespace) -> int:
         inconsistent = model.warn_index()
         tensors = _sorted([t for t in model.tensors.values() if accept(t.name)], args.sort)
         if args.json:
-            print_json(to_json(model, tensors))
+            document = to_json(model, tensors)
+            if args.no_tensors:  # as hash --no-tensors: the totals still count them
+                del document["tensors"]
+            print_json(document)
             return inconsistent
         _print_human(ui, model, tensors, show_tensors=not args.no_tensors)
     return inconsistent

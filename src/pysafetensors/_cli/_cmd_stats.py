@@ -77,13 +77,22 @@ class Summary:
     inf: int = 0
     zeros: int = 0
     histogram: dict[str, list[float]] | None = field(default=None)
+    int_min: int | None = None
+    int_max: int | None = None
+    """Exact extremes of an integer tensor (float64 rounds integers beyond 2**53: the max of
+    2**63 - 1 showed as 2**63, outside I64)."""
     scale: float = 1.0
     """``m2`` is kept divided by ``scale**2``, and sums are taken over values divided by it:
     finite float64 values near the type's maximum overflowed the mean and the sum of squares
     (two values of 1.7e308 gave a mean of inf and a std of NaN)."""
 
-    def add(self, values: np.ndarray) -> None:
-        """Merge a chunk of float64 values (Chan et al.'s pairwise update)."""
+    def add(self, values: np.ndarray, integers: np.ndarray | None = None) -> None:
+        """Merge a chunk of float64 values (Chan et al.'s pairwise update); ``integers``: the
+        same chunk as its integers, for exact extremes."""
+        if integers is not None and integers.size:
+            lo_i, hi_i = int(integers.min()), int(integers.max())
+            self.int_min = lo_i if self.int_min is None else min(self.int_min, lo_i)
+            self.int_max = hi_i if self.int_max is None else max(self.int_max, hi_i)
         self.count += values.size
         isnan = np.isnan(values)
         isinf = np.isinf(values)
@@ -116,8 +125,8 @@ class Summary:
         has = self.finite > 0
         return {
             "count": self.count,
-            "min": self.min if has else None,
-            "max": self.max if has else None,
+            "min": (self.min if self.int_min is None else self.int_min) if has else None,
+            "max": (self.max if self.int_max is None else self.int_max) if has else None,
             "mean": self.mean if has else None,
             "std": self.scale * math.sqrt(self.m2 / self.finite) if has else None,
             "nan": self.nan,
@@ -128,19 +137,22 @@ class Summary:
 
 
 def _values(ref: TensorRef) -> Any:
-    """The tensor's values as float64 chunks."""
+    """The tensor's values as float64 chunks, with the chunk's integers for integer dtypes
+    (else None)."""
     per = max(ref.dtype.bits, 8)
     chunk = max(24, (_CHUNK_ELEMENTS * per // 8) // 24 * 24)
     for raw in ref.chunks(chunk):
-        yield raw.size, to_float64(decode(ref.dtype, raw))
+        values = decode(ref.dtype, raw)
+        exact = values if values.dtype.kind in "iu" else None
+        yield raw.size, to_float64(values), exact
 
 
 def tensor_stats(ref: TensorRef, bins: int | None, progress: Callable[[int], None]) -> Summary:
     """Stream one tensor's data (twice with a histogram) and summarise it."""
     s = Summary()
     with np.errstate(invalid="ignore", over="ignore"):
-        for nbytes, values in _values(ref):
-            s.add(values)
+        for nbytes, values, exact in _values(ref):
+            s.add(values, exact)
             progress(nbytes)
         if bins and s.finite:
             lo, hi = s.min, s.max
@@ -152,7 +164,7 @@ def tensor_stats(ref: TensorRef, bins: int | None, progress: Callable[[int], Non
                 edges = np.linspace(lo, hi, bins + 1)
             else:  # the range itself overflows: halve the ends (exact), space, double back
                 edges = np.linspace(lo / 2, hi / 2, bins + 1) * 2
-            for nbytes, values in _values(ref):
+            for nbytes, values, _ in _values(ref):
                 finite = values[np.isfinite(values)]
                 counts += np.histogram(finite, bins=edges)[0]
                 progress(nbytes)
@@ -172,6 +184,8 @@ def _edge_labels(edges: list[float]) -> list[str]:
 
 
 def _fmt(value: float | None) -> str:
+    if isinstance(value, int):  # an integer tensor's exact extreme, all its digits
+        return str(value)
     return "-" if value is None else f"{value:.6g}"
 
 

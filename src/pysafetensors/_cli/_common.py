@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -29,6 +30,7 @@ from .._remote_urls import shown_location as shown
 from .._sharding import as_header_metadata, model_metadata
 from .._sources import ByteSource
 from .._validate import (
+    CONTROL_CHARS,
     ModelFiles,
     Problem,
     index_problems,
@@ -46,6 +48,7 @@ __all__ = [
     "Ui",
     "UsageError",
     "add_filter_args",
+    "finite_json",
     "decode",
     "human_bytes",
     "check_source",
@@ -64,11 +67,9 @@ __all__ = [
 #: 3-byte F6 group (so no element straddles two chunks), small enough to bound memory.
 CHUNK_BYTES: Final = 24 << 20
 
-# C0, DEL, C1 (0x9b is a one-byte CSI on some terminals), line/paragraph separators, and the
-# bidirectional overrides and isolates ("trojan source").
-_UNSAFE: Final = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]"
-)
+# What could control a terminal (see CONTROL_CHARS), and lone surrogates: a file name that is
+# not UTF-8 holds them (os.fsdecode), and printing one to a strict UTF-8 stream raised.
+_UNSAFE: Final = re.compile(f"[{CONTROL_CHARS}\ud800-\udfff]")
 
 
 class UsageError(SafetensorError):
@@ -239,6 +240,19 @@ def print_json(obj: Any, out: TextIO | None = None) -> None:
             batch.clear()
     batch.append("\n")
     stream.write("".join(batch))
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` (JSON-like, read from a file) with non-finite floats as None: Python's
+    ``json`` reads ``NaN``, ``Infinity`` and ``1e400`` in an index, which :func:`print_json`
+    cannot write (its documents hold no NaN or Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_json(v) for v in value]
+    return value
 
 
 class LazyRows(list):  # type: ignore[type-arg]
