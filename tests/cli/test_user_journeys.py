@@ -151,7 +151,7 @@ def test_convert_of_a_folder_with_nothing_to_convert_fails(cli, tmp_path: Path) 
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "README.md").write_text("hello")
     r = cli("convert", tmp_path / "empty", tmp_path / "out")
-    assert r.code == 1 and "nothing to convert" in r.err and "*.bin" in r.err
+    assert r.code == 2 and "nothing to convert" in r.err and "*.bin" in r.err
     assert not (tmp_path / "out").exists()
 
 
