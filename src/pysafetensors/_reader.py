@@ -607,7 +607,11 @@ class safe_open:  # noqa: N801 - the reference's name
         fragmented requests are read from."""
         on_cpu = self._device.type == "cpu"
         to_device = None if on_cpu else getattr(self._adapter, "to_device_runs", None)
-        batching = (on_cpu and isinstance(source, PreadSource)) or to_device is not None
+        # A remote source (it has readinto_many) batches too: one tensor at a time was one
+        # request after another, a round trip each (97 sequential requests for a 100-tensor
+        # file's row split, 2.2 s at 20 ms of latency, against 72 ms for the whole file).
+        remote = on_cpu and hasattr(source, "readinto_many")
+        batching = (on_cpu and isinstance(source, PreadSource)) or remote or to_device is not None
         out: dict[str, Any] = {}
         batched: list[tuple[str, TensorInfo, SlicePlan, Any]] = []
         gathered: list[tuple[str, TensorInfo, SlicePlan, tuple[Fill, int, int]]] = []
@@ -670,8 +674,10 @@ class safe_open:  # noqa: N801 - the reference's name
                     staged[name] if staged is not None else self._read_one(name, info, index, plan)
                 )
             return out
-        assert isinstance(source, PreadSource)  # on the CPU only pread sources batch (above)
-        buf, offsets = read_runs_fresh(source, runs)
+        if isinstance(source, PreadSource):
+            buf, offsets = read_runs_fresh(source, runs)
+        else:  # remote (above): all runs in coalesced, parallel requests
+            buf, offsets = _read_runs_remote(source, runs)
         many = getattr(self._adapter, "from_bytes_many", None)
         if many is not None:
             # About half the per-tensor cost of from_bytes: a 20,000-tensor load_shard paid
@@ -958,6 +964,23 @@ def _safe_open_handle(
     check_backend(backend)
     f.fileno  # noqa: B018 - the reference's check, and its AttributeError
     return safe_open(f.name, framework, device=device, backend=backend)
+
+
+def _read_runs_remote(source: ByteSource, runs: list[tuple[int, int]]) -> tuple[Any, list[int]]:
+    """Read ``(offset, length)`` runs of a remote source into one buffer, each run at a
+    multiple of 64 bytes (as :func:`read_runs_fresh` lays them out, so tensors viewing the
+    buffer are aligned): fetched back to back by ``readinto_many`` (which merges nearby runs
+    and fetches in parallel), then moved apart in place, last run first."""
+    offsets, total = lay_out_runs(runs, 64)
+    buf = empty_bytes(total)
+    packed = sum(length for _, length in runs)
+    read_ranges_into(source, runs, buf.data.cast("B")[:packed])
+    at = packed
+    for (_, length), dest in zip(reversed(runs), reversed(offsets), strict=True):
+        at -= length
+        if dest != at:  # each run moves right (or stays): from the last, nothing is overwritten
+            buf[dest : dest + length] = buf[at : at + length].copy()
+    return buf, offsets
 
 
 def check_tensor_name(name: object) -> None:

@@ -125,3 +125,28 @@ def test_memory_end_to_end(data_dir: Path) -> None:
             np.testing.assert_array_equal(f.get_slice("embed")[3:5], local["embed"][3:5])
     finally:
         fsspec.filesystem("memory").rm(url)
+
+
+def test_load_shard_of_a_url_fetches_the_rank_s_parts_together(
+    server: RangeServer, data_dir: Path
+) -> None:
+    """One request per tensor, one after another, was a round trip each: 97 sequential
+    requests for a 100-tensor file's row split."""
+    torch = pytest.importorskip("torch")
+    import pysafetensors.torch as ptorch
+    from pysafetensors.parallel import load_shard
+
+    full = {f"layer{i:03d}.w": torch.randn(16 + i % 5, 24) for i in range(100)}
+    full["odd.h"] = torch.arange(6, dtype=torch.float16)  # runs of 2-byte elements in between
+    ptorch.save_file(full, data_dir / "many_tp.safetensors")
+    url = server.url("many_tp.safetensors")
+    for rank in (0, 3):
+        server.reset()
+        got = load_shard(url, rank, 4, {"*": "rows"})
+        assert server.requests("many_tp.safetensors") <= 4
+        assert list(got) == list(full)
+        for name, tensor in full.items():
+            chunks = torch.chunk(tensor, 4)  # fewer than 4 when a dimension is short
+            expected = chunks[rank] if rank < len(chunks) else tensor[:0]
+            assert torch.equal(got[name], expected), name
+            assert got[name].data_ptr() % got[name].element_size() == 0
