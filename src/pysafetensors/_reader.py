@@ -322,7 +322,8 @@ class safe_open:  # noqa: N801 - the reference's name
     def __enter__(self) -> safe_open:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, _exc_type: object, _exc_value: object, _traceback: object) -> None:
+        # The reference's parameters (so a manual __exit__() is refused alike).
         self.close()
 
     def close(self) -> None:

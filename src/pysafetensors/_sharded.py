@@ -342,7 +342,8 @@ class ShardedSafeOpen:
     def __enter__(self) -> ShardedSafeOpen:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, _exc_type: object, _exc_value: object, _traceback: object) -> None:
+        # The reference's parameters (so a manual __exit__() is refused alike).
         self.close()
 
     def close(self) -> None:

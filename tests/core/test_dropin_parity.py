@@ -1136,3 +1136,12 @@ def test_subclasses_keep_their_own_signature_and_arguments() -> None:
     spec = Tagged(tag="t", dtype="float32", shape=[0], data_ptr=0, data_len=0)
     assert spec.tag == "t" and spec.shape == [0]
     assert list(inspect.signature(Tagged).parameters) == ["tag", "spec"]
+
+
+def test_exit_takes_the_reference_s_three_arguments(tmp_path: Path) -> None:
+    path = _write(tmp_path)
+    for lib in (ref, pysafetensors):
+        handle = lib.safe_open(str(path), "np")
+        with pytest.raises(TypeError, match="missing 3 required positional arguments"):
+            handle.__exit__()
+        handle.__exit__(None, None, None)
