@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final, NamedTuple, NoReturn, SupportsIndex, TypeVar
+from typing import Final, NoReturn, SupportsIndex, TypeVar
 
 from ._errors import (
     ClosedFileError,
@@ -235,45 +235,6 @@ def _optional_str(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a string or None, got {_shown_value(value)}")
 
 
-class _CommonOptions(NamedTuple):
-    """The options every remote source takes, checked and converted (see :class:`RemoteSource`)."""
-
-    max_connections: int
-    part_size: int
-    max_gap: int
-    head_bytes: int
-    retries: int
-    backoff: float
-    accept_full_body: int
-
-
-def _check_common(
-    *,
-    max_connections: object,
-    part_size: object,
-    max_gap: object,
-    head_bytes: object,
-    retries: object,
-    backoff: object,
-    accept_full_body: object,
-) -> _CommonOptions:
-    """Check the options every remote source takes and return them converted.
-
-    Raises:
-        TypeError: An option has the wrong type.
-        ValueError: An option is out of range.
-    """
-    return _CommonOptions(
-        max_connections=_int_option("max_connections", max_connections, 1),
-        part_size=_int_option("part_size", part_size, 1),
-        max_gap=_int_option("max_gap", max_gap, 0),
-        head_bytes=_int_option("head_bytes", head_bytes, 0),
-        retries=_int_option("retries", retries, 0),
-        backoff=_delay_option("backoff", backoff),
-        accept_full_body=_int_option("accept_full_body", accept_full_body, 0),
-    )
-
-
 _S = TypeVar("_S", bound="RemoteSource")
 
 
@@ -318,23 +279,16 @@ class RemoteSource:
         backoff: float = 0.2,
         accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
     ) -> None:
-        options = _check_common(
-            max_connections=max_connections,
-            part_size=part_size,
-            max_gap=max_gap,
-            head_bytes=head_bytes,
-            retries=retries,
-            backoff=backoff,
-            accept_full_body=accept_full_body,
-        )
+        # Checked and converted before anything is sent (subclasses call this before any
+        # request): a bad option must not surface later as a failed request.
         self._name = name
-        self._max_connections = options.max_connections
-        self._part_size = options.part_size
-        self._max_gap = options.max_gap
-        self._head_bytes = options.head_bytes
-        self._retries = options.retries
-        self._backoff = options.backoff
-        self._accept_full_body = options.accept_full_body
+        self._max_connections = _int_option("max_connections", max_connections, 1)
+        self._part_size = _int_option("part_size", part_size, 1)
+        self._max_gap = _int_option("max_gap", max_gap, 0)
+        self._head_bytes = _int_option("head_bytes", head_bytes, 0)
+        self._retries = _int_option("retries", retries, 0)
+        self._backoff = _delay_option("backoff", backoff)
+        self._accept_full_body = _int_option("accept_full_body", accept_full_body, 0)
         self._size = -1
         # The first bytes of the object; all of it when a server ignored Range on a small file.
         # Replaced, never mutated, so readers need no lock.
