@@ -270,18 +270,24 @@ def _check_options(rules: Any, default: Any, uneven: Any) -> None:
                 )
             # Every rule's split, used or not: a typo ("row", "colums") caught on one rank
             # only, because only its tensors matched, left the others waiting in a collective.
-            named = isinstance(split, str) and split in ("rows", "columns", "replicate")
-            if not (named or _is_integer(split)):
+            if not _is_split(split):
                 raise ValueError(
                     f"rules: unknown split {split!r:.60} for pattern {pattern!r:.60} (expected "
                     "'rows', 'columns', 'replicate' or a dimension number)"
                 )
     if uneven not in ("chunk", "tensor_split", "error"):
         raise ValueError(f"uneven must be 'chunk', 'tensor_split' or 'error', not {uneven!r}")
-    if not (default in ("rows", "columns", "replicate") or _is_integer(default)):
+    if not _is_split(default):
         raise ValueError(
             f"default must be 'rows', 'columns', 'replicate' or a dimension, not {default!r}"
         )
+
+
+def _is_split(value: Any) -> bool:
+    """Whether ``value`` is a split: ``"rows"``, ``"columns"``, ``"replicate"`` or a dimension."""
+    if isinstance(value, str):
+        return value in ("rows", "columns", "replicate")
+    return _is_integer(value)
 
 
 def _first_bad_ranks(size: int, world_size: int, uneven: Uneven) -> list[int]:
