@@ -37,6 +37,7 @@ from ._sharding import (
     COMPUTED_KEYS,
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
+    SHARD_SUFFIX,
     ShardPlan,
     as_header_metadata,
     check_filename_pattern,
@@ -624,7 +625,7 @@ def _in_place_pattern(src: ShardedSafeOpen, out: str) -> str | None:
 
 
 #: A shard's ``-NNNNN-of-NNNNN`` ending.
-_SHARD_NAME_TAIL: Final = re.compile(r"-\d{5}-of-\d{5}$")
+_SHARD_NAME_TAIL: Final = re.compile(SHARD_SUFFIX + "$")
 
 
 def merge(

@@ -32,6 +32,7 @@ from ._coverage import Coverage
 from ._dtypes import DType, checked_nbits, dtype_from_code, dtype_from_name
 from ._errors import ClosedFileError, SafetensorError, SerializeError, output_path, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, TensorInfo, build_layout
+from ._reader import MAX_NDIM
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
@@ -129,19 +130,15 @@ def _dims(name: Any, shape: Any) -> tuple[int, ...]:
                 tensor=str(name),
             )
         dims.append(value)
-    if len(dims) > _MAX_NDIM:
+    if len(dims) > MAX_NDIM:
         # A file no framework could load (numpy and torch hold at most 64): not written.
         raise SerializeError(
             f"{SERIALIZE_PREFIX}tensor `{name}` is declared with {len(dims)} dimensions; "
-            f"frameworks hold at most {_MAX_NDIM}",
+            f"frameworks hold at most {MAX_NDIM}",
             kind="TooManyDimensions",
             tensor=str(name),
         )
     return tuple(dims)
-
-
-#: Dimensions a declared tensor may have: what numpy and torch hold.
-_MAX_NDIM: Final = 64
 
 
 def _check_name(name: Any, where: str) -> None:
