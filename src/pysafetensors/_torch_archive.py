@@ -205,12 +205,18 @@ class ZipMember:
 class ZipView:
     """The members of a zip file, validated as a PyTorch checkpoint container would need."""
 
-    def __init__(self, file: FileBytes, members: dict[str, ZipMember], order: list[str]) -> None:
+    def __init__(
+        self,
+        file: FileBytes,
+        members: dict[str, ZipMember],
+        order: list[str],
+        folded: dict[str, str],
+    ) -> None:
         self.file = file
         self.members = members
         self.order = order
-        # No two names fold alike (open_zip refuses such archives): one member per folded name.
-        self._caseless = {caseless(name): name for name in order}
+        # Each member by its caseless name: open_zip refuses two names that fold alike.
+        self._caseless = folded
 
     def find(self, name: str) -> str | None:
         """The member torch's reader would find for ``name``, which it looks up ignoring ASCII
@@ -410,4 +416,4 @@ def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
     for (_, stop_a, name_a), (start_b, _, name_b) in zip(ranges, ranges[1:], strict=False):
         if start_b < stop_a:
             raise _bad(f"zip members {name_a!r} and {name_b!r} overlap (possible zip bomb)")
-    return ZipView(file, members, order)
+    return ZipView(file, members, order, folded)

@@ -146,11 +146,11 @@ class Stand:
     name: str
 
 
-#: One stand-in per unconvertible global (named by its full name), and the way back.
+#: One stand-in per unconvertible global, named by its full name; what each builds, by that name.
 _UNCONVERTIBLE_STANDS: Final = {
     key: Stand("unconvertible", f"{key[0]}.{key[1]}") for key in _UNCONVERTIBLE
 }
-_UNCONVERTIBLE_NAMES: Final = {f"{key[0]}.{key[1]}": key for key in _UNCONVERTIBLE}
+_UNCONVERTIBLE_WHAT: Final = {f"{m}.{n}": what for (m, n), what in _UNCONVERTIBLE.items()}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -357,7 +357,7 @@ class TorchPolicy:
 
     def unconvertible(self, func: Stand, offset: int) -> Unconvertible:
         """What a call of an unconvertible rebuild (sparse, quantized...) stands for."""
-        value = Unconvertible(_UNCONVERTIBLE[_UNCONVERTIBLE_NAMES[func.name]], func.name, offset)
+        value = Unconvertible(_UNCONVERTIBLE_WHAT[func.name], func.name, offset)
         if self.first_unconvertible is None:
             self.first_unconvertible = value
         return value
@@ -385,11 +385,14 @@ class TorchPolicy:
         # Every call builds something (a tensor record, a copy): a call of values from the memo
         # is five bytes of the stream, so count its result as the machine counts containers.
         self.budget.grow(1, 0, offset)
-        if type(args) is tuple and func.kind == "rebuild":
-            # A Parameter of a sparse tensor is a tensor safetensors cannot hold, too.
-            for arg in args[:1]:
-                if isinstance(arg, Unconvertible):
-                    return arg
+        # A Parameter of a sparse tensor is a tensor safetensors cannot hold, too.
+        if (
+            func.kind == "rebuild"
+            and type(args) is tuple
+            and args
+            and isinstance(args[0], Unconvertible)
+        ):
+            return args[0]
         return handler(self, func, args, offset)
 
     def build(self, obj: Any, state: Any, offset: int) -> Any:
