@@ -60,6 +60,7 @@ from ._sources import (
     read_fresh,
     read_ranges_into,
     read_runs_fresh,
+    read_runs_remote,
     run_parallel,
     starts_like_safetensors,
     worker_count,
@@ -558,7 +559,8 @@ class safe_open:  # noqa: N801 - the reference's name
 
         Every request that is one contiguous byte run (a split along rows, a whole tensor) is
         read together with the others: with the pread backend on the CPU into one shared
-        destination in parallel (:func:`read_runs_fresh`), on a CUDA device through one
+        destination in parallel (:func:`read_runs_fresh`), from a remote source in coalesced
+        parallel requests (:func:`read_runs_remote`), on a CUDA device through one
         staging pipeline (``to_device_runs``); the result tensors view that buffer. On a CUDA
         device the fragmented requests (column splits) go through one gather ring
         (:meth:`_gather_to_device`). The other requests, and every request where neither
@@ -678,7 +680,7 @@ class safe_open:  # noqa: N801 - the reference's name
         if isinstance(source, PreadSource):
             buf, offsets = read_runs_fresh(source, runs)
         else:  # remote (above): all runs in coalesced, parallel requests
-            buf, offsets = _read_runs_remote(source, runs)
+            buf, offsets = read_runs_remote(source, runs)
         many = getattr(self._adapter, "from_bytes_many", None)
         if many is not None:
             # About half the per-tensor cost of from_bytes: a 20,000-tensor load_shard paid
@@ -965,23 +967,6 @@ def _safe_open_handle(
     check_backend(backend)
     f.fileno  # noqa: B018 - the reference's check, and its AttributeError
     return safe_open(f.name, framework, device=device, backend=backend)
-
-
-def _read_runs_remote(source: ByteSource, runs: list[tuple[int, int]]) -> tuple[Any, list[int]]:
-    """Read ``(offset, length)`` runs of a remote source into one buffer, each run at a
-    multiple of 64 bytes (as :func:`read_runs_fresh` lays them out, so tensors viewing the
-    buffer are aligned): fetched back to back by ``readinto_many`` (which merges nearby runs
-    and fetches in parallel), then moved apart in place, last run first."""
-    offsets, total = lay_out_runs(runs, 64)
-    buf = empty_bytes(total)
-    packed = sum(length for _, length in runs)
-    read_ranges_into(source, runs, buf.data.cast("B")[:packed])
-    at = packed
-    for (_, length), dest in zip(reversed(runs), reversed(offsets), strict=True):
-        at -= length
-        if dest != at:  # each run moves right (or stays): from the last, nothing is overwritten
-            buf[dest : dest + length] = buf[at : at + length].copy()
-    return buf, offsets
 
 
 def check_tensor_name(name: object) -> None:

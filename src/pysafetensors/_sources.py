@@ -47,6 +47,7 @@ __all__ = [
     "open_regular_file",
     "read_fresh",
     "read_ranges_into",
+    "read_runs_remote",
     "reader_thread_count",
     "run_parallel",
     "starts_like_safetensors",
@@ -624,6 +625,28 @@ def read_runs_fresh(
         source.pread_exact(offset, view[dest : dest + length])
 
     run_parallel(one, pieces, source.threads)
+    return buf, offsets
+
+
+def read_runs_remote(
+    source: ByteSource, runs: Sequence[tuple[int, int]], align: int = 64
+) -> tuple[np.ndarray, list[int]]:
+    """:func:`read_runs_fresh` for a remote source (one with ``readinto_many``): the runs are
+    fetched back to back in coalesced, parallel requests, then moved apart in place to the
+    same aligned layout, last run first (each moves right, so none overwrites another).
+
+    Returns:
+        The buffer and the offset of each run in it.
+    """
+    offsets, total = lay_out_runs(runs, align)
+    buf = empty_bytes(total)
+    packed = sum(length for _, length in runs)
+    read_ranges_into(source, runs, buf.data.cast("B")[:packed])
+    at = packed
+    for (_, length), dest in zip(reversed(runs), reversed(offsets), strict=True):
+        at -= length
+        if dest != at:
+            buf[dest : dest + length] = buf[at : at + length].copy()
     return buf, offsets
 
 
