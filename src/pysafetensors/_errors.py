@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from typing import Any
 
 from ._remote_urls import shown_location
@@ -345,22 +344,15 @@ def path_argument(value: Any, argument: str = "filename") -> str:
 
 
 def looks_like_url(path: str) -> bool:
-    """Whether ``path`` is written as a URL (``scheme://...``), whose credentials and query
-    string messages must not show (see :func:`shown_location`)."""
-    return _URL_START.match(path) is not None
+    """Whether ``path`` is a URL, as the readers and :func:`shown_location` decide: one whose
+    credentials and query string messages must not show."""
+    return "://" in path
 
 
-_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def local_path_refused(path: str, what: str) -> FileNotFoundError:
-    """The error for a URL given where only a local file will do (a save, a metadata edit),
-    naming the URL without its secrets."""
-    return FileNotFoundError(
-        errno.ENOENT,
-        f"No such file or directory ({what} local files only, not URLs)",
-        shown_location(path),
-    )
+def local_path_refused(path: str, reason: str) -> FileNotFoundError:
+    """The error for a URL given where only a local file will do (a save, a metadata edit, a
+    checkpoint to convert), saying ``reason`` and naming the URL without its secrets."""
+    return FileNotFoundError(errno.ENOENT, reason, shown_location(path))
 
 
 def nul_in_path(path: str, *, writing: bool) -> OSError:
@@ -394,7 +386,10 @@ def output_path(value: Any, argument: str = "filename", *, file: bool = False) -
     if looks_like_url(path):
         # Saved as a local path it would fail anyway (no folder "https:"), quoting the URL's
         # credentials and signature in the message.
-        raise write_error(local_path_refused(path, "saves write"), shown_location(path))
+        refused = local_path_refused(
+            path, "No such file or directory (saves write local files only, not URLs)"
+        )
+        raise write_error(refused, shown_location(path))
     if file and path.endswith(("/", os.sep)):
         # A file cannot be saved under a name that ends as a folder's: the reference's rename
         # onto it reports ENOTDIR, whether or not the folder exists.

@@ -187,7 +187,9 @@ def edit_metadata(
         raise TypeError(f"in_place must be None, True or False, not {in_place!r}")
     given = input_path(path, "path")
     if looks_like_url(given):
-        raise local_path_refused(given, "metadata is edited in")
+        raise local_path_refused(
+            given, "No such file or directory (metadata is edited in local files only, not URLs)"
+        )
     # A symbolic link is followed in both cases: an in-place edit writes through it anyway, so
     # the rewrite goes to the file it points to too (beside that file), and the link stays a
     # link. Replacing it with a regular file would break a hub cache snapshot's dedup.

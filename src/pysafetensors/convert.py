@@ -24,7 +24,6 @@ Every file is written with ``{"format": "pt"}`` metadata, as the hub and transfo
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -38,7 +37,15 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ._errors import CheckpointError, SafetensorError, UnsafePickleError, input_path, output_path
+from ._errors import (
+    CheckpointError,
+    SafetensorError,
+    UnsafePickleError,
+    input_path,
+    local_path_refused,
+    looks_like_url,
+    output_path,
+)
 from ._format import N_LEN, parse_header, parse_header_length
 from ._sources import check_regular, open_regular_file
 from ._torch_pickle import Checkpoint, TensorRecord, load_checkpoint, plan_shared
@@ -188,13 +195,9 @@ def convert_file(
 def _refuse_url(path: str) -> None:
     """Refuse a URL as a source, naming it without credentials or query string (a password
     or a signed URL's signature must not reach messages): checkpoints are read locally."""
-    if "://" in path:
-        from ._remote_urls import shown_location
-
-        raise FileNotFoundError(
-            errno.ENOENT,
-            "URLs are not supported; download the checkpoint and convert the local file",
-            shown_location(path),
+    if looks_like_url(path):
+        raise local_path_refused(
+            path, "URLs are not supported; download the checkpoint and convert the local file"
         )
 
 

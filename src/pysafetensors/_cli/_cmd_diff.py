@@ -103,8 +103,8 @@ def _integer_differences(
 
 
 def _comparable(va: np.ndarray, vb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Both as float64, or both as complex128 when either is complex: compared by magnitude
-    (what statistics use), 3+4j equalled 4+3j, 1 equalled -1 beside a complex."""
+    """Both as float64, or both as complex128 when either is complex (``to_float64`` keeps a
+    complex value's magnitude only, as statistics want: 3+4j equalled 4+3j)."""
     if va.dtype.kind == "c" or vb.dtype.kind == "c":
         return va.astype(np.complex128), vb.astype(np.complex128)
     return to_float64(va), to_float64(vb)
