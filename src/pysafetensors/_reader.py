@@ -224,7 +224,24 @@ def open_source_for(
         raise
 
 
-class safe_open:  # noqa: N801 - the reference's name
+class HandleBehaviour:
+    """What a file handle and a sharded checkpoint's handle do alike where the reference's
+    ``safe_open`` differs from a Python object's defaults."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # An open file means nothing elsewhere, and a copy would share (and close) this one's:
+        # refused for pickle, copy and deepcopy alike, in the reference's words.
+        raise TypeError("cannot pickle 'builtins.safe_open' object")
+
+    def __bool__(self) -> bool:
+        # Always true, closed or empty, as the reference's handle (which has no __len__):
+        # ``if handle:`` must not raise or depend on the tensor count.
+        return True
+
+
+class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     """Open a safetensors file lazily: the header now, tensors when asked for.
 
     Args:
@@ -901,16 +918,6 @@ class safe_open:  # noqa: N801 - the reference's name
         return self._adapter.from_bytes(
             picked.reshape(-1).view(np.uint8), info.dtype, shape, self._device
         )
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        # An open file means nothing elsewhere, and a copy would share (and close) this one's:
-        # refused for pickle, copy and deepcopy alike, in the reference's words.
-        raise TypeError("cannot pickle 'builtins.safe_open' object")
-
-    def __bool__(self) -> bool:
-        # Always true, closed or empty, as the reference's handle (which has no __len__):
-        # ``if handle:`` must not raise or depend on the tensor count.
-        return True
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())

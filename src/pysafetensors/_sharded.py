@@ -22,12 +22,13 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from typing import Any, Final, NoReturn, SupportsIndex
+from typing import Any, Final
 
 from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._reader import (
+    HandleBehaviour,
     SafeSlice,
     TensorMeta,
     check_backend,
@@ -251,7 +252,7 @@ def _read_index(
     )
 
 
-class ShardedSafeOpen:
+class ShardedSafeOpen(HandleBehaviour):
     """A sharded checkpoint opened as one file: the same methods as :class:`safe_open`.
 
     Args:
@@ -677,15 +678,6 @@ class ShardedSafeOpen:
             handle = self._open_shard(shard)
             got.update(handle._read_slices(group, map_fragmented=map_fragmented))
         return {name: got[name] for name, _ in requests}
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        # As safe_open's: open shards mean nothing elsewhere, and a copy would close them.
-        raise TypeError("cannot pickle 'builtins.safe_open' object")
-
-    def __bool__(self) -> bool:
-        # Always true, closed or empty, as the reference's handle (which has no __len__):
-        # ``if handle:`` must not raise or depend on the tensor count.
-        return True
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())
