@@ -23,7 +23,7 @@ import numpy as np
 from ._adapter import Adapter, get_adapter
 from ._cuda_staging import Fill
 from ._devices import Device
-from ._dtypes import DType
+from ._dtypes import DType, dtype_from_code
 from ._errors import (
     ClosedFileError,
     SafetensorError,
@@ -45,7 +45,14 @@ from ._format import (
     parse_header_length,
 )
 from ._signatures import show_init_signature
-from ._slicing import SlicePlan, is_advanced, plan_slice, render_index, split_advanced
+from ._slicing import (
+    SlicePlan,
+    as_whole_bytes,
+    is_advanced,
+    plan_slice,
+    render_index,
+    split_advanced,
+)
 from ._sources import (
     MAX_READ_THREADS,
     BufferSource,
@@ -76,6 +83,9 @@ _HEAD_GUESS: Final = 64 << 10
 #: numpy (2.x) and torch both refuse arrays of more than 64 dimensions.
 MAX_NDIM: Final = 64
 _INTP_MAX: Final = (1 << 63) - 1
+
+#: Sub-byte slices are read as the same bytes of a tensor of this dtype.
+_U8: Final = dtype_from_code("U8")
 #: Smallest data region a numpy ``get_tensors`` under mmap maps privately; smaller ones are
 #: copied (a copy costs less than a mapping).
 _PRIVATE_MAP_MIN: Final = 1 << 20
@@ -837,6 +847,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         (``plan.nbytes`` bytes, uint8)."""
         base = self._header.data_start + info.begin
         buf = empty_bytes(plan.nbytes) if out is None else out
+        if info.dtype.bits % 8 and len(plan.starts) > 1:
+            # Sub-byte runs read as the same bytes of a byte tensor, by its strided copies.
+            whole_bytes = as_whole_bytes(info.shape, info.dtype, plan)
+            if whole_bytes is not None:
+                byte_shape, plan = whole_bytes
+                info = info._replace(shape=byte_shape, dtype=_U8)
         if plan.nbytes:
             mapped = self._backend == "mmap" or isinstance(source, MmapSource)
             view = source.view(base, info.nbytes) if mapped else None
@@ -1024,7 +1040,8 @@ def gather_slice(
     anyway, closer than ``max_gap``).
 
     Returns False (reading nothing) when per-run reads are the better plan: few or large runs,
-    a very sparse selection, sub-byte dtypes, or a source without positioned reads.
+    a very sparse selection, a sub-byte tensor whose rows are not whole bytes (the others come
+    here as bytes, see :func:`as_whole_bytes`), or a source without positioned reads.
     """
     shape = info.shape
     remote = hasattr(source, "readinto_many")  # a RemoteSource, without importing it here

@@ -4,6 +4,7 @@ of the full tensor on every dtype; errors are the same everywhere; pread reads o
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -350,3 +351,102 @@ def test_large_mapped_slices_through_each_copy_kernel(tmp_path: Path, index: Any
             got = f.get_slice("w")[index]
             assert got.dtype == torch.float32 and got.is_contiguous()
             assert np.array_equal(got.numpy(), want), backend
+
+
+def _byte_positions(plan: Any) -> np.ndarray:
+    """Every byte ``plan`` selects, in order."""
+    return np.concatenate(
+        [np.arange(off, off + length) for off, length in plan.coalesced()] or [np.zeros(0)]
+    ).astype(np.int64)
+
+
+@pytest.mark.parametrize("code", ["F4", "F6_E2M3", "F6_E3M2"])
+def test_sub_byte_plans_as_whole_bytes_select_the_same_bytes(code: str) -> None:
+    """``as_whole_bytes`` turns a sub-byte slice into a slice of a byte tensor with the very
+    same bytes in the same order, for random aligned basic indices of random shapes. It
+    declines only for rows that are not whole bytes (7 F4 values), which are read run by run."""
+    from pysafetensors._dtypes import dtype_from_code
+    from pysafetensors._slicing import as_whole_bytes
+
+    dtype = dtype_from_code(code)
+    rng = np.random.default_rng(11)
+    folded = declined = 0
+    for _ in range(10000):
+        shape = tuple(int(n) for n in rng.integers(1, 9, rng.integers(1, 5)))
+        index = []
+        for n in shape:
+            kind = rng.integers(0, 4)
+            if kind == 0:
+                index.append(int(rng.integers(-n, n)))
+            elif kind == 1:
+                index.append(slice(None))
+            else:
+                a, b = sorted(int(v) for v in rng.integers(0, n + 1, 2))
+                index.append(slice(a, b, int(rng.integers(1, 3)) if kind == 3 else None))
+        try:
+            plan = plan_slice(shape, dtype, tuple(index))
+        except SliceError:
+            continue
+        if len(plan.starts) < 2:
+            continue  # one run: nothing to fold
+        whole = as_whole_bytes(shape, dtype, plan)
+        if whole is None:
+            declined += 1
+            continue
+        folded += 1
+        byte_shape, byte_plan = whole
+        assert math.prod(byte_shape) * 8 == math.prod(shape) * dtype.bits
+        assert byte_plan.nbytes == plan.nbytes
+        assert np.array_equal(_byte_positions(byte_plan), _byte_positions(plan)), (shape, index)
+    assert folded > 100 and declined * 10 < folded
+
+
+@pytest.mark.parametrize("code", ["F4", "F6_E2M3", "F6_E3M2"])
+@pytest.mark.parametrize(
+    ("backend", "slice_reads"),
+    [("mmap", None), ("pread", "coalesce"), ("pread", "exact")],
+)
+def test_sub_byte_slices_of_many_runs_through_every_read_path(
+    tmp_path: Path, code: str, backend: str, slice_reads: str | None
+) -> None:
+    """Column splits and strided selections of F4/F6 tensors (thousands of runs, read by the
+    byte dtypes' strided copies and block reads) equal numpy indexing of the whole tensor, and
+    so does a selection whose rows are not whole bytes (read run by run)."""
+    import ml_dtypes
+
+    from pysafetensors.numpy import save_file
+
+    npdt = {
+        "F4": ml_dtypes.float4_e2m1fn,
+        "F6_E2M3": ml_dtypes.float6_e2m3fn,
+        "F6_E3M2": ml_dtypes.float6_e3m2fn,
+    }[code]
+    bits = 4 if code == "F4" else 6
+    rng = np.random.default_rng(5)
+    tensors = {
+        "wide": rng.integers(0, 1 << bits, (2048, 256), dtype=np.uint8).view(npdt),
+        "cube": rng.integers(0, 1 << bits, (16, 24, 8), dtype=np.uint8).view(npdt),
+        # Rows of 7 (F4) or 6 (F6) values are not whole bytes, though the runs selected are.
+        "odd": rng.integers(0, 1 << bits, (5, 6, 7) if bits == 4 else (3, 6, 6), np.uint8).view(
+            npdt
+        ),
+    }
+    path = tmp_path / "sub.safetensors"
+    save_file(tensors, path)
+    cases = [
+        ("wide", (slice(None), slice(0, 32))),  # rank 0 of 8, by columns
+        ("wide", (slice(None), slice(224, 256))),  # the last rank
+        ("wide", (slice(3, None, 5), slice(64, 128))),
+        ("wide", (7, slice(8, 16))),
+        ("cube", (slice(None), slice(4, 12), slice(None))),
+        ("cube", (slice(1, None, 3), 5, slice(None))),
+        ("cube", (Ellipsis, slice(0, 4))),
+        ("odd", (slice(0, 4), 1, slice(5, 7)) if bits == 4 else (slice(None), 1, slice(2, 6))),
+    ]
+    options = {} if slice_reads is None else {"slice_reads": slice_reads}
+    with safe_open(path, "np", backend=backend, **options) as f:
+        for name, index in cases:
+            want = tensors[name][index]
+            got = f.get_slice(name)[index]
+            assert got.dtype == want.dtype and got.shape == want.shape, (name, index)
+            assert got.tobytes() == want.tobytes(), (name, index)

@@ -560,6 +560,26 @@ def test_fragmented_remote_slices_are_read_as_row_blocks(
         assert np.array_equal(f.get_slice("w")[:16, ::2], values[:16, ::2])
 
 
+def test_sub_byte_column_splits_are_read_remotely_as_row_blocks(
+    server: RangeServer, data_dir: Path
+) -> None:
+    """An F4 column split (8,192 runs of 64 bytes) read over HTTP as blocks of whole rows, as
+    a byte tensor's is, equals numpy's, in a few requests."""
+    import ml_dtypes
+
+    from pysafetensors import safe_open
+    from pysafetensors.numpy import save_file
+
+    codes = np.random.default_rng(2).integers(0, 16, (8192, 1024), dtype=np.uint8)
+    values = codes.view(ml_dtypes.float4_e2m1fn)
+    save_file({"w": values}, str(data_dir / "f4.safetensors"))
+    before = len(server.records())
+    with safe_open(server.url("f4.safetensors"), "np") as f:
+        got = f.get_slice("w")[:, 128:256]
+    assert got.tobytes() == values[:, 128:256].tobytes()
+    assert len(server.records()) - before < 20
+
+
 def test_exact_slice_reads_fetch_only_the_selected_bytes_remotely(
     server: RangeServer, data_dir: Path
 ) -> None:
