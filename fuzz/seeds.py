@@ -1,7 +1,7 @@
 """Generate seed corpora for the fuzz targets (no binary blobs are committed).
 
 Usage: ``python fuzz/seeds.py OUTDIR`` writes ``OUTDIR/safetensors/*`` (valid files of every
-dtype plus the malformed cases of threat-model §6) and ``OUTDIR/pickle/*`` (torch checkpoints,
+dtype plus hand-built malformed files) and ``OUTDIR/pickle/*`` (torch checkpoints,
 when torch is installed).
 """
 
@@ -50,7 +50,7 @@ def valid_files() -> dict[str, bytes]:
 
 
 def malformed_files() -> dict[str, bytes]:
-    """The safetensors cases of threat-model-and-pickle.md §6.1-§6.3, built by hand."""
+    """Malformed safetensors files (lengths, JSON, entries, offsets, sizes), built by hand."""
     ok = b'{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
     body = bytes(8)
     e = {

@@ -3,7 +3,7 @@
 Every adapter (numpy, torch, jax, tensorflow, mlx, paddle) resolves its own dtype objects from
 this table by name; none keeps a table of its own.
 
-Rules (``format-and-api.md`` §1.7, §2, §3):
+Rules:
 
 * ``bits`` is the size of one logical element. F4 is 4 bits and F6_* are 6 bits, so a tensor's
   byte size is ``nelements * bits / 8`` and is only legal when that product is a multiple of 8.

@@ -117,6 +117,18 @@ def _place(device: Device) -> str:
     return f"{kind}:{device.index or 0}"
 
 
+def _known_place(device: Device) -> bool:
+    """Whether Paddle takes ``device`` as a place (without making anything there)."""
+    convert = getattr(paddle.device, "_convert_to_place", None)
+    if convert is None:
+        return True  # left to Paddle when the tensor is made
+    try:
+        convert(_place(device))
+    except ValueError:
+        return False
+    return True
+
+
 class PaddleAdapter:
     """Paddle tensors on the CPU or any place Paddle was built for."""
 
@@ -129,6 +141,7 @@ class PaddleAdapter:
             place = _PLACE.fullmatch(str(device))
             if place is not None:
                 device = place[1]
+        given = device
         if isinstance(device, str):
             # As Paddle reads place strings: in any case ("CPU"), "gpu" for CUDA.
             device = device.lower()
@@ -144,13 +157,17 @@ class PaddleAdapter:
             raise DeviceError(str(exc), kind="InvalidDevice") from None
         if dev.type in ("cuda", "anonymous") and not paddle.device.is_compiled_with_cuda():
             raise DeviceError(
-                f"device {dev} was requested but Paddle {_version()} was built without "
+                f"device {given!r} was requested but Paddle {_version()} was built without "
                 "CUDA; use device='cpu'",
                 kind="InvalidDevice",
             )
-        if dev.type == "mps":
-            raise SafetensorError(
-                f"Device {dev} is not supported for framework paddle", kind="InvalidDevice"
+        if dev.type not in ("cpu", "cuda", "anonymous") and not _known_place(dev):
+            # Paddle refuses these (mps, a custom device not installed, XPU without its build)
+            # with a ValueError, as the reference lets through: a DeviceError is both.
+            raise DeviceError(
+                f"device {given!r} is not a place Paddle {_version()} can use here (not built "
+                "with it, or not one it knows); use device='cpu'",
+                kind="InvalidDevice",
             )
         return dev
 

@@ -1,9 +1,9 @@
 """A pickle stack machine that never imports, looks up or calls anything.
 
-This is the one pickle decoder shared by the checkpoint converter and the scanner
-(``threat-model-and-pickle.md`` §2.6, §3.5). It decodes opcodes over an in-memory ``bytes``
-object, checks every length against the bytes really present before slicing, and builds plain
-values (None, bool, int, float, str, bytes, tuple, list, dict, set). Everything that would make
+This is the one pickle decoder shared by the checkpoint converter and the scanner. It
+decodes opcodes over an in-memory ``bytes`` object, checks every length against the bytes
+really present before slicing, and builds plain values (None, bool, int, float, str, bytes,
+tuple, list, dict, set). Everything that would make
 ``pickle`` import or call code (GLOBAL, STACK_GLOBAL, INST, OBJ, REDUCE, NEWOBJ, BUILD,
 persistent ids, extensions, out-of-band buffers) is handed to a :class:`Policy`:
 

@@ -2,7 +2,7 @@
 
 ``zipfile`` is used only to parse the central directory. Every member's bytes are located by
 reading its local header ourselves and checking the result against the file size and against
-every other member (``threat-model-and-pickle.md`` §4): no ``ZipFile.read``/``extract`` on
+every other member: no ``ZipFile.read``/``extract`` on
 untrusted members, no overlapping or duplicate entries, no prepended data, one central directory
 read alike by ``zipfile`` and torch's reader (miniz), STORED or bounded DEFLATE only.
 """

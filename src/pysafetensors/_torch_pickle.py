@@ -4,8 +4,7 @@ The object pickle is interpreted by :mod:`._pickle_vm` under :class:`TorchPolicy
 knows a fixed table of globals (dtypes, storage classes, ``OrderedDict``, ``torch.Size``,
 ``torch.device`` and the tensor rebuild functions) and maps each to an inert stand-in. REDUCE on
 a stand-in dispatches to our own handler for that exact name; any other global raises
-:class:`~pysafetensors._errors.UnsafePickleError` naming it and its byte offset
-(``threat-model-and-pickle.md`` §2.5-§2.6).
+:class:`~pysafetensors._errors.UnsafePickleError` naming it and its byte offset.
 
 Tensors come out as :class:`TensorRecord` (dtype, shape, strides, storage key, offset): nothing
 is read from the storages until :meth:`Checkpoint.tensor_chunks` streams them, and every size,

@@ -8,7 +8,7 @@ end record when its zip64 record has no signature. ``zipfile`` then assumes the 
 where the end records begin and shifts every offset by any difference ("data prepended to the
 archive"); miniz reads the directory at the stated offset. The converter refuses an archive
 that the two would read differently, the scanner grades it dangerous; both read the records
-here (``threat-model-and-pickle.md`` §4).
+here.
 """
 
 from __future__ import annotations

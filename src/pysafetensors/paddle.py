@@ -54,8 +54,8 @@ __all__ = [
 ]
 
 
-def _flatten(tensors: Any) -> Mapping[str, Any]:
-    """The reference's checks before saving, with its messages."""
+def _checked(tensors: Any) -> Mapping[str, Any]:
+    """``tensors``, after the reference's checks before saving, with its messages."""
     if not isinstance(tensors, dict):
         raise SerializeError(
             f"Expected a dict of [str, paddle.Tensor] but received {type(tensors)}",
@@ -92,7 +92,7 @@ def save(tensors: dict[str, Any], metadata: Mapping[str, str] | None = None) -> 
         >>> str(load(save({"a": paddle.ones([2], dtype="bfloat16")}))["a"].dtype)
         'paddle.bfloat16'
     """
-    return save_bytes_with(ADAPTER, _flatten(tensors), metadata)
+    return save_bytes_with(ADAPTER, _checked(tensors), metadata)
 
 
 def save_file(
@@ -110,7 +110,7 @@ def save_file(
         metadata: Optional ``__metadata__``.
         fsync: Make the file durable before returning.
     """
-    save_file_with(ADAPTER, _flatten(tensors), filename, metadata, fsync=fsync)
+    save_file_with(ADAPTER, _checked(tensors), filename, metadata, fsync=fsync)
 
 
 def load(data: bytes | bytearray | memoryview, device: Any = "cpu") -> dict[str, Any]:
@@ -190,10 +190,32 @@ def _to_ndarray(tensor: Any, name: str) -> tuple[np.ndarray, Any]:
     Raises:
         SerializeError: The tensor is not contiguous, or its dtype cannot be stored.
     """
-    _flatten({name: tensor})
+    _checked({name: tensor})
     data = ADAPTER.to_data(name, tensor)
     raw = b"".join(bytes(chunk) for chunk in data.chunks())
     return np.frombuffer(bytearray(raw), np.uint8), tensor
+
+
+def _flatten(tensors: Any, keep_alive_buffer: list[Any]) -> dict[str, TensorSpec]:
+    """The reference's helper: ``{name: TensorSpec}`` over a little-endian copy of each
+    tensor's bytes (appended with its tensor to ``keep_alive_buffer``), as ``serialize`` takes
+    them.
+
+    Raises:
+        SerializeError: Not a dict, a value is not a tensor, a tensor is not contiguous, or its
+            dtype cannot be stored.
+    """
+    flattened = {}
+    for name, tensor in _checked(tensors).items():
+        arr, kept = _to_ndarray(tensor, name)
+        keep_alive_buffer.append((arr, kept))
+        flattened[name] = TensorSpec(
+            dtype=ADAPTER.to_data(name, tensor).dtype.name,
+            shape=[int(d) for d in tensor.shape],
+            data_ptr=arr.ctypes.data,
+            data_len=arr.nbytes,
+        )
+    return flattened
 
 
 def _np2paddle(numpy_dict: dict[str, Any], device: Any = "cpu") -> dict[str, Any]:

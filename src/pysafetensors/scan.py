@@ -2,7 +2,7 @@
 
 :func:`scan_file` runs the converter's pickle stack machine in symbolic mode: every global
 becomes an inert record and every call a symbolic node, so ``STACK_GLOBAL`` operands built
-through the memo are just the stack values they are (``threat-model-and-pickle.md`` §3.5).
+through the memo are just the stack values they are (see ``docs/scan.md``).
 Each global is graded from an allow-list:
 
 * ``safe``: nothing that runs code: what the torch-free converter reads, what it refuses only
@@ -930,7 +930,7 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, 
         return data[start : start + min(info.compress_size, limit)], info.compress_size <= limit
     raw = data[start : start + info.compress_size]
     if info.compress_type == zipfile.ZIP_DEFLATED:
-        # The converter's zip bomb rule (threat-model-and-pickle.md §1.2): the declared ratio
+        # The converter's zip bomb rule: the declared ratio
         # is checked before inflating anything, and the real output is capped at the same
         # ratio, since the declared size may lie.
         cap = MAX_DEFLATE_RATIO * max(info.compress_size, 1024)

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np  # noqa: F401 - the reference's module has ``np`` (code reaches for it)
 import tensorflow as tf
 
 from . import numpy

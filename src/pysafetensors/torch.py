@@ -79,14 +79,16 @@ _float8_e8m0 = getattr(torch, "float8_e8m0fnu", None)
 _float4_e2m1_x2 = getattr(torch, "float4_e2m1fn_x2", None)
 
 
-def _to_ndarray(tensor: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes (row-major, little-endian) as a uint8 array, as the reference's helper.
+def _to_ndarray(tensor: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """A tensor's bytes (row-major, little-endian) as a uint8 array, and the tensor, as the
+    reference's helper returns them.
 
     Raises:
         SerializeError: The tensor cannot be stored (sparse, meta, an unknown dtype).
     """
     data = ADAPTER.to_data("tensor", tensor)
-    return np.frombuffer(bytearray(b"".join(bytes(c) for c in data.chunks())), np.uint8)
+    raw = np.frombuffer(bytearray(b"".join(bytes(c) for c in data.chunks())), np.uint8)
+    return raw, tensor
 
 
 def _view2torch(safeview: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, torch.Tensor]:
@@ -206,8 +208,14 @@ def _remove_duplicate_names(
     return to_remove
 
 
-def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
-    """The reference's checks before saving, with its messages."""
+def _evaluate_tensors_for_save(tensors: Any) -> None:
+    """The reference's helper: its checks of a dict to save (a dict of dense tensors, none
+    sharing memory with another), with its messages.
+
+    Raises:
+        SerializeError: Not a dict, a value is not a tensor, or sparse tensors.
+        SharedTensorsError: Tensors share memory (use :func:`save_model`).
+    """
     if not isinstance(tensors, dict):
         raise SerializeError(
             f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}",
@@ -238,6 +246,12 @@ def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
             f"{_DOCS}{indent}",
             kind="SharedTensors",
         )
+
+
+def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
+    """``tensors``, after the reference's checks before saving (its messages), and ours of
+    meta tensors."""
+    _evaluate_tensors_for_save(tensors)
     for name, tensor in tensors.items():
         if tensor.device.type == "meta":
             raise SerializeError(
@@ -247,7 +261,30 @@ def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
             )
         if not tensor.is_contiguous():
             raise non_contiguous_error(name)
-    return tensors
+    checked: Mapping[str, torch.Tensor] = tensors
+    return checked
+
+
+def _flatten_as_ptr(tensors: Any, keep_alive_buffer: list[Any]) -> dict[str, TensorSpec]:
+    """The reference's helper: ``{name: TensorSpec}`` over a little-endian copy of each
+    tensor's bytes (appended with its tensor to ``keep_alive_buffer``), as ``serialize`` takes
+    them.
+
+    Raises:
+        SerializeError: As :func:`save`.
+        SharedTensorsError: Tensors share memory.
+    """
+    flattened = {}
+    for name, tensor in _flatten(tensors).items():
+        arr, kept = _to_ndarray(tensor)
+        keep_alive_buffer.append((arr, kept))
+        flattened[name] = TensorSpec(
+            dtype=str(tensor.dtype).split(".")[-1],
+            shape=list(tensor.shape),
+            data_ptr=arr.ctypes.data,
+            data_len=arr.nbytes,
+        )
+    return flattened
 
 
 def save(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:

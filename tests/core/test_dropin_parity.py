@@ -905,7 +905,33 @@ def test_torch_module_has_the_reference_s_dtype_names() -> None:
     assert _float8_e4m3fn is ref_torch._float8_e4m3fn is torch.float8_e4m3fn
     assert _float8_e8m0 is ref_torch._float8_e8m0 and _float4_e2m1_x2 is ref_torch._float4_e2m1_x2
     t = torch.arange(4, dtype=torch.int16).reshape(2, 2).t()  # not contiguous: row-major bytes
-    assert _to_ndarray(t).tobytes() == t.contiguous().numpy().tobytes()
+    raw, same = _to_ndarray(t)  # (bytes, the tensor), as the reference's
+    assert raw.tobytes() == t.contiguous().numpy().tobytes() and same is t
+
+
+def test_torch_module_has_the_reference_s_save_helpers() -> None:
+    """``_flatten_as_ptr`` and ``_evaluate_tensors_for_save`` take what the reference's take
+    and give what ``serialize`` writes as the reference's own helpers do."""
+    from pysafetensors.torch import _evaluate_tensors_for_save, _flatten_as_ptr, serialize
+
+    tensors = {
+        "f": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "e": torch.zeros(4, dtype=torch.float8_e4m3fn),
+        "s": torch.tensor(3, dtype=torch.int64),
+    }
+    kept: list[Any] = []
+    specs = _flatten_as_ptr(tensors, kept)
+    assert list(specs) == list(tensors) and len(kept) == len(tensors)
+    theirs = ref_torch.serialize(ref_torch._flatten_as_ptr(tensors, []))
+    assert bytes(serialize(specs)) == bytes(theirs) == ref_torch.save(tensors)
+    assert _evaluate_tensors_for_save(tensors) is None
+    shared = {"a": tensors["f"], "b": tensors["f"]}
+    for check in (_evaluate_tensors_for_save, ref_torch._evaluate_tensors_for_save):
+        with pytest.raises(RuntimeError, match="Some tensors share memory"):
+            check(shared)
+        with pytest.raises(ValueError, match="Key `x` is invalid"):
+            check({"x": 1.0})
 
 
 def test_handles_left_open_at_exit_print_nothing(tmp_path: Path) -> None:

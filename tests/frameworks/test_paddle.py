@@ -62,7 +62,7 @@ def test_u16_is_paddle_uint16_not_bfloat16(tmp_path: Any) -> None:
     x = ppaddle.load_file(path)["x"]
     assert x.dtype == paddle.uint16 and x.dtype != paddle.bfloat16
     np.testing.assert_array_equal(x.numpy(), values)
-    # The reference's quirk (format-and-api.md §3): its mmap path loads U16 as bfloat16.
+    # The reference's quirk: its mmap path loads U16 as bfloat16.
     assert ref.load_file(str(path))["x"].dtype == paddle.bfloat16
     # A paddle.uint16 tensor (whose str() says paddle.bfloat16) is saved as U16, not as BF16
     # with its integer bits (the reference raises KeyError).
@@ -131,6 +131,46 @@ def test_place_objects_and_unavailable_devices() -> None:
         with pytest.raises(ValueError, match="without CUDA") as caught:
             ppaddle.load(data, device="gpu:0")
         assert isinstance(caught.value, DeviceError)
+
+
+def test_places_paddle_cannot_use_are_device_errors_as_in_paddle() -> None:
+    """mps, an unbuilt XPU, a custom device not installed: Paddle (so the reference) refuses
+    them with a ValueError; ours is a DeviceError, which is one, naming the device given."""
+    from pysafetensors import DeviceError
+
+    data = pnp.save({"x": np.arange(3, dtype=np.float32)})
+    for device in ("mps", "mps:0", "xpu:0", "npu:0"):
+        if device.startswith("xpu") and paddle.device.is_compiled_with_xpu():
+            continue
+        for load in (
+            lambda d=device: ppaddle.load(data, device=d),
+            lambda d=device: safe_open(io.BytesIO(data), "paddle", device=d),
+        ):
+            with pytest.raises(ValueError, match=f"device '{device}' is not a place") as caught:
+                load()
+            assert isinstance(caught.value, DeviceError)
+
+
+def test_flatten_is_the_reference_s_helper() -> None:
+    """``_flatten(tensors, keep_alive_buffer)`` gives ``TensorSpec``s that ``serialize`` writes
+    as the reference's own ``_flatten`` + ``serialize`` do, and keeps their memory alive."""
+    import safetensors.paddle as ref
+
+    from pysafetensors.paddle import _flatten, serialize
+
+    tensors = {
+        "f": paddle.arange(6, dtype="float32").reshape([2, 3]),
+        "b": paddle.to_tensor([1.5, -2.0]).astype("bfloat16"),
+        "i": paddle.to_tensor([[7]], dtype="int64"),
+    }
+    kept: list[Any] = []
+    specs = _flatten(tensors, kept)
+    assert set(specs) == set(tensors) and len(kept) == len(tensors)
+    theirs_kept: list[Any] = []
+    theirs = ref.serialize(ref._flatten(tensors, theirs_kept))
+    assert bytes(serialize(specs)) == bytes(theirs) == ref.save(tensors)
+    with pytest.raises(ValueError, match="Key `x` is invalid"):
+        _flatten({"x": 1.0}, [])
 
 
 def test_place_strings_are_read_as_paddle_reads_them() -> None:

@@ -4,7 +4,8 @@ Three families, from "valid" to "hostile":
 
 * :func:`valid_files`: well-formed files (random dtypes, shapes including scalars and zero-size
   tensors, hostile-but-legal names and metadata), built by an independent writer recipe
-  (``format-and-api.md`` §2.3), so the reader is never tested against its own writer.
+  (the format's canonical layout written out by hand), so the reader is never tested against
+  its own writer.
 * :func:`hostile_files`: valid JSON whose *values* attack the reader: offsets that overlap, leave
   holes or point past the end; shapes that overflow 64 bits, wrap, hide behind a zero
   dimension, or have hundreds of dimensions; unknown or lower-case dtypes; duplicate names;

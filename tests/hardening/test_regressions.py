@@ -71,7 +71,7 @@ def test_zero_size_tensor_with_huge_dims_can_still_be_sliced_to_something_small(
 
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
 def test_one_byte_tensor_with_10000_dimensions(tmp_path: Path, backend: str) -> None:
-    """threat-model §6.2 #37: refused at a 64-dimension cap, in constant time."""
+    """Refused at a 64-dimension cap, in constant time."""
     path = tmp_path / "f.safetensors"
     path.write_bytes(
         _file({"t": {"dtype": "U8", "shape": [1] * 10_000, "data_offsets": [0, 1]}}, b"x")

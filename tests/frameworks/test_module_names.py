@@ -1,0 +1,40 @@
+"""Every name of the reference's framework modules is there in ours (users import private
+helpers too: ``_flatten``, ``_tf2np``, ``_view2torch``...)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("safetensors")
+
+#: typing names and modules the reference's modules import for themselves.
+_IMPORTED_THERE = {"Array", "Dict", "List", "Optional", "Set", "Tuple", "Union", "os", "sys"}
+
+_SCRIPT = """
+import importlib, json
+found = {}
+# Paddle first: importing it after TensorFlow crashes the interpreter.
+for name in ("paddle", "numpy", "torch", "flax", "tensorflow", "mlx"):
+    try:
+        theirs = importlib.import_module("safetensors." + name)
+    except ImportError:
+        continue  # the framework is not installed
+    ours = importlib.import_module("pysafetensors." + name)
+    found[name] = sorted(n for n in dir(theirs) if not n.startswith("__") and not hasattr(ours, n))
+print(json.dumps(found))
+"""
+
+
+def test_framework_modules_have_every_name_the_reference_s_have() -> None:
+    # One fresh interpreter: the frameworks' import order matters (see the script).
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300, check=True
+    )
+    missing = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "numpy" in missing and "torch" in missing
+    for name, names in missing.items():
+        assert set(names) <= _IMPORTED_THERE, (name, sorted(set(names) - _IMPORTED_THERE))
