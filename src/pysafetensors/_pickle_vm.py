@@ -83,8 +83,11 @@ class Limits:
     """Memo entries."""
     max_long_bytes: int = 4096
     """Bytes of one LONG1/LONG4 (int() of huge numbers is quadratic)."""
-    max_line: int = 1 << 20
-    """Bytes of one text-protocol argument line."""
+    max_line: int = 1 << 62
+    """Bytes of one text-protocol argument line. None by default: CPython has no such cap, a
+    line is a slice of bytes already in memory, and a cap made a safetensors file whose header
+    length starts with PUT or PERSID (0x70, 0x50) and whose header is larger look like a
+    pickle stopped early."""
     max_key_depth: int = 100
     """Nesting of tuples in a dict key or set item (hashing one recurses without a guard)."""
     max_key_items: int = 1_000_000
@@ -209,6 +212,16 @@ def _text_int(raw: bytes, offset: int) -> int | bool:
     return _python_int(raw, offset, "INT")
 
 
+def _memo_index(raw: bytes, offset: int, opcode: str) -> int:
+    """A GET/PUT operand as CPython reads it: ``PyLong_FromString`` in base 10 of the line up
+    to its first NUL (``1`` then a NUL is 1; ``+1``, `` 1 `` and ``1_0`` are numbers, ``0x1``
+    is not)."""
+    try:
+        return int(_c_string(raw), 10)
+    except ValueError:
+        raise _err(f"invalid operand ({opcode} {raw[:40]!r} is not a number)", offset) from None
+
+
 def _text_long(raw: bytes, offset: int) -> int:
     """A LONG operand as CPython's ``load_long`` reads it: one trailing ``L`` dropped, then
     Python's int syntax in base 0."""
@@ -238,6 +251,19 @@ def _err(message: str, offset: int, kind: str = "PickleError") -> CheckpointErro
 #: just be too few: a reader holding a prefix of the file can read more and try again).
 TRUNCATED: Final = "PickleTruncated"
 
+#: The kind of errors where a :class:`Limits` cap stops the machine: CPython's unpickler has no
+#: such caps and would read on (a scanner must not take such a stop for the pickle's end).
+LIMIT: Final = "PickleLimit"
+
+#: Distinct dict keys or set items of one hash value allowed in one stream. Colliding keys make
+#: every insertion compare against all the others before it (a dict of 160,000 integer keys
+#: ``k * (2**61 - 1)``, all hashing to 0, took minutes to build); real checkpoints have none.
+MAX_COLLISIONS: Final = 1000
+
+#: Ints hash to themselves below this magnitude (hashes are taken modulo ``2**61 - 1``), so
+#: only larger ones can collide with other ints.
+_HASH_MODULUS: Final = (1 << 61) - 1
+
 
 class Budget:
     """What one :class:`Machine` has built, against its :class:`Limits`.
@@ -249,7 +275,16 @@ class Budget:
     absolute (the ``base`` of the machine already added).
     """
 
-    __slots__ = ("limits", "policy", "containers", "items", "copied", "hashed", "_measured")
+    __slots__ = (
+        "limits",
+        "policy",
+        "containers",
+        "items",
+        "copied",
+        "hashed",
+        "_measured",
+        "_hashes",
+    )
 
     def __init__(self, limits: Limits, policy: Policy) -> None:
         self.limits = limits
@@ -261,15 +296,20 @@ class Budget:
         # Tuples already measured, by id: (the tuple, its height, items hashing it visits).
         # The tuple is kept with its measure, so its id stays its own while the entry lives.
         self._measured: dict[int, tuple[tuple[Any, ...], int, int]] = {}
+        # Hash value -> [the first key of that hash seen, how many keys unlike it followed]:
+        # for the keys whose hashes an attacker can make collide (see MAX_COLLISIONS).
+        self._hashes: dict[int, list[Any]] = {}
 
     def grow(self, containers: int, items: int, offset: int) -> None:
         """Charge ``containers`` new containers (or call results) holding ``items`` items."""
         self.containers += containers
         self.items += items
         if self.containers > self.limits.max_containers:
-            raise _err(f"pickle builds over {self.limits.max_containers} containers", offset)
+            raise _err(f"pickle builds over {self.limits.max_containers} containers", offset, LIMIT)
         if self.items > self.limits.max_items:
-            raise _err(f"pickle puts over {self.limits.max_items} items in containers", offset)
+            raise _err(
+                f"pickle puts over {self.limits.max_items} items in containers", offset, LIMIT
+            )
 
     def copy(self, nbytes: int, offset: int) -> None:
         """Charge ``nbytes`` bytes that a call copies (before it copies them)."""
@@ -278,6 +318,7 @@ class Budget:
             raise _err(
                 f"calls of allowed globals copy over {self.limits.max_copied_bytes} bytes in all",
                 offset,
+                LIMIT,
             )
 
     def hashable(self, key: Any, offset: int) -> Any:
@@ -290,11 +331,29 @@ class Budget:
                 f"hashing dict keys and set items visits over {self.limits.max_hash_items} "
                 "items in all",
                 offset,
+                LIMIT,
             )
         try:
-            hash(key)
+            value = hash(key)
         except TypeError:
             return self.policy.unhashable(key, offset)
+        kind = type(key)
+        if kind is str or kind is bytes or (kind is int and -_HASH_MODULUS < key < _HASH_MODULUS):
+            # Text hashes are salted per process; small ints only collide with large ones,
+            # which are counted.
+            return key
+        first = self._hashes.get(value)
+        if first is None:
+            self._hashes[value] = [key, 0]
+        elif not (type(first[0]) is kind and first[0] == key):
+            first[1] += 1
+            if first[1] > MAX_COLLISIONS:
+                raise _err(
+                    f"over {MAX_COLLISIONS} distinct dict keys or set items share one hash "
+                    "value (a hash-collision flood)",
+                    offset,
+                    LIMIT,
+                )
         return key
 
     def _measure(self, key: tuple[Any, ...], offset: int) -> int:
@@ -323,6 +382,7 @@ class Budget:
                         raise _err(
                             f"a dict key or set item nests tuples over {lim.max_key_depth} deep",
                             offset,
+                            LIMIT,
                         )
                     if known is None:
                         todo.append((x, depth + 1, False))
@@ -338,6 +398,7 @@ class Budget:
                     f"a dict key or set item holds over {lim.max_key_items} items in its "
                     "nested tuples (counting shared ones each time they occur)",
                     offset,
+                    LIMIT,
                 )
             measured[id(t)] = (t, height, items)
         return measured[id(key)][2]
@@ -376,7 +437,7 @@ class Machine:
             raise
         except RecursionError as exc:
             at = self.base + _opcode_offset(exc, start)
-            raise _err("structure nested too deeply", at) from None
+            raise _err("structure nested too deeply", at, LIMIT) from None
         except (ValueError, TypeError, OverflowError, UnicodeError, struct.error) as exc:
             # Number parsing and text decoding of hostile operands; one error class out.
             at = self.base + _opcode_offset(exc, start)
@@ -412,6 +473,8 @@ class Machine:
             nonlocal pos
             nl = data.find(b"\n", pos, min(end, pos + lim.max_line))
             if nl < 0:
+                if end - pos > lim.max_line:
+                    raise _err(f"a text operand over {lim.max_line} bytes", base + at, LIMIT)
                 raise _err("unterminated text operand", base + at, TRUNCATED)
             if frame_end >= 0 and pos < frame_end <= nl:
                 # CPython reads a line past its frame from the bytes after the frame.
@@ -450,7 +513,7 @@ class Machine:
             pos += 1
             ops += 1
             if ops > lim.max_ops:
-                raise _err(f"more than {lim.max_ops} opcodes", base + at)
+                raise _err(f"more than {lim.max_ops} opcodes", base + at, LIMIT)
             name = OPNAMES.get(op)
             if name is None:
                 raise _err(f"unknown opcode 0x{op:02x}", base + at)
@@ -470,7 +533,7 @@ class Machine:
                 stack.append(data[take(1, at)])
             elif op == 0x28:  # MARK
                 if len(marks) >= lim.max_marks:
-                    raise _err("MARK nesting over the limit", base + at)
+                    raise _err("MARK nesting over the limit", base + at, LIMIT)
                 marks.append(stack)
                 stack = []
             elif op == 0x74:  # TUPLE
@@ -580,9 +643,11 @@ class Machine:
                 stack.append(int.from_bytes(data[p : p + n], "little", signed=True))
             elif op == 0x8B:  # LONG4
                 n = _I4.unpack_from(data, take(4, at))[0]
-                if n < 0 or n > lim.max_long_bytes:
+                if n < 0:
                     raise _err(f"LONG4 of {n} bytes", base + at)
-                p = take(n, at)
+                p = take(n, at)  # truncation first: CPython fails there too
+                if n > lim.max_long_bytes:
+                    raise _err(f"LONG4 of {n} bytes", base + at, LIMIT)
                 stack.append(int.from_bytes(data[p : p + n], "little", signed=True))
             elif op == 0x47:  # BINFLOAT
                 stack.append(_F8.unpack_from(data, take(8, at))[0])
@@ -629,9 +694,12 @@ class Machine:
                 idx = _U4.unpack_from(data, take(4, at))[0]
                 stack.append(_memo_get(memo, idx, base + at))
             elif op == 0x70:  # PUT
-                memo[int(line(at))] = _top(stack, base + at)
+                idx = _memo_index(line(at), base + at, "PUT")
+                if idx < 0:
+                    raise _err("negative PUT argument", base + at)
+                memo[idx] = _top(stack, base + at)
             elif op == 0x67:  # GET
-                stack.append(_memo_get(memo, int(line(at)), base + at))
+                stack.append(_memo_get(memo, _memo_index(line(at), base + at, "GET"), base + at))
             elif op == 0x30:  # POP
                 if stack:
                     stack.pop()
@@ -715,9 +783,9 @@ class Machine:
             else:  # pragma: no cover - OPNAMES and this switch list the same opcodes
                 raise _err(f"unhandled opcode {name}", base + at)
             if len(stack) + len(marks) > lim.max_stack:
-                raise _err("stack over the limit", base + at)
+                raise _err("stack over the limit", base + at, LIMIT)
             if len(memo) > lim.max_memo:
-                raise _err("memo over the limit", base + at)
+                raise _err("memo over the limit", base + at, LIMIT)
 
 
 def _opcode_offset(exc: BaseException, start: int) -> int:

@@ -131,7 +131,6 @@ _UNCONVERTIBLE: Final = {
     ("torch._utils", "_rebuild_device_tensor_from_numpy"): "device tensors from numpy",
     ("torch._utils", "_rebuild_nested_tensor"): "nested tensors",
     ("torch._utils", "_rebuild_mkldnn_tensor"): "mkldnn tensors",
-    ("torch.serialization", "_get_layout"): "non-strided layouts",
 }
 # Python 2 module names pickles may carry, mapped as pickle's own compat table does.
 _PY2_MODULES: Final = {"__builtin__": "builtins", "copy_reg": "copyreg"}
@@ -602,6 +601,8 @@ _SIMPLE: Final[dict[str, Stand]] = {
     "builtins.bytearray": Stand("bytearray", "builtins.bytearray"),
     "builtins.complex": Stand("complex", "builtins.complex"),
     "_codecs.encode": Stand("encode", "_codecs.encode"),
+    # How torch pickles a torch.layout value (``torch.strided`` kept in a state dict): by name.
+    "torch.serialization._get_layout": Stand("layout", "torch.serialization._get_layout"),
     # Constants that only the rebuilds of tensors safetensors cannot hold take (quantization
     # schemes, layouts): inert, so that the refusal names the tensor (see Unconvertible).
     **{
@@ -656,6 +657,30 @@ def _h_device(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
         p.budget.copy(len(args[0]), at)
         return ":".join(str(a) for a in args)
     raise _bad(f"torch.device called with {_short(args)}", at)
+
+
+#: The names ``torch.serialization._get_layout`` looks up (``str()`` of each ``torch.layout``).
+_LAYOUTS: Final = frozenset(
+    f"torch.{name}"
+    for name in (
+        "strided",
+        "sparse_coo",
+        "sparse_csr",
+        "sparse_csc",
+        "sparse_bsr",
+        "sparse_bsc",
+        "_mkldnn",
+        "jagged",
+    )
+)
+
+
+def _h_layout(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # A value like any other constant; tensors of a non-strided layout are refused by their
+    # own rebuild functions.
+    if len(args) == 1 and type(args[0]) is str and args[0] in _LAYOUTS:
+        return Stand("constant", args[0])
+    raise _bad(f"torch.serialization._get_layout called with {_short(args)}", at)
 
 
 def _h_set(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
@@ -767,6 +792,7 @@ _HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], 
     "odict": _h_odict,
     "size": _h_size,
     "device": _h_device,
+    "layout": _h_layout,
     "set": _h_set,
     "bytearray": _h_bytearray,
     "complex": _h_complex,

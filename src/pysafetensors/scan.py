@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal, cast
 
 from ._errors import SafetensorError, input_path
-from ._pickle_vm import OPNAMES, TRUNCATED, Limits, Machine
+from ._pickle_vm import LIMIT, OPNAMES, TRUNCATED, Limits, Machine
 from ._remote_urls import shown_location
 from ._sources import open_regular_file
 from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile, caseless
@@ -228,6 +228,8 @@ class ScanReport:
     _unlisted: int = field(default=0, repr=False, compare=False)
     """The worst rank of globals and findings over :data:`MAX_LISTED`, not kept."""
     _nested_scans: int = field(default=0, repr=False, compare=False)
+    _limited: bool = field(default=False, repr=False, compare=False)
+    """Whether a stream stopped at a limit of the scanner (not at an error of the pickle)."""
 
     @property
     def grade(self) -> Grade:
@@ -287,6 +289,7 @@ class ScanReport:
         for f in other.findings:
             self._add(f.grade, f.message, f.where, f.offset)
         self._unlisted = max(self._unlisted, other._unlisted)
+        self._limited = self._limited or other._limited
         self.streams += other.streams
         self._nested_scans += other._nested_scans
 
@@ -526,8 +529,21 @@ def _run_stream(
     try:
         result = Machine(data, policy, Limits()).run(pos)
     except SafetensorError as exc:
-        policy.truncated = getattr(exc, "kind", None) == TRUNCATED
-        report._add("suspicious", f"{_PARSE_FAILED}: {exc}", where, exc.offset)
+        kind = getattr(exc, "kind", None)
+        policy.truncated = kind == TRUNCATED
+        if kind == LIMIT:
+            # pickle.load has no such limits: what follows is read and run by a loader, and
+            # not analysed here (a payload after a 2 MiB text operand, 100,001 MARKs...).
+            report._limited = True
+            report._add(
+                "suspicious",
+                f"not analysed past byte {exc.offset}, where a limit of this scanner stopped "
+                f"it ({exc}); pickle.load has no such limit and reads on",
+                where,
+                exc.offset,
+            )
+        else:
+            report._add("suspicious", f"{_PARSE_FAILED}: {exc}", where, exc.offset)
         return None, policy
     return result.end, policy
 
@@ -731,11 +747,12 @@ def _keep_probe(
     """Merge ``parsed`` into ``report`` when the pickle it scanned matters; return whether.
 
     It matters when it imports anything or does something dangerous before it stops, whether
-    it parses to the end or not (the unpickler acts on each opcode as it reads it), or, with
-    ``keep_clean``, when its first stream parses to STOP. Bytes that only fail to parse are
-    dropped: the unpickler raises on them having imported and called nothing.
+    it parses to the end or not (the unpickler acts on each opcode as it reads it), when it
+    stopped at a limit of the scanner (the unpickler would read on, into what was not
+    analysed), or, with ``keep_clean``, when its first stream parses to STOP. Bytes that only
+    fail to parse are dropped: the unpickler raises on them having imported and called nothing.
     """
-    active = bool(parsed.globals) or parsed._unlisted > 0
+    active = bool(parsed.globals) or parsed._unlisted > 0 or parsed._limited
     active = active or any(f.grade == "dangerous" for f in parsed.findings)
     if active or (keep_clean and first_ok):
         report._merge(parsed)

@@ -535,3 +535,76 @@ def test_a_tensor_safetensors_cannot_hold_is_refused_wherever_it_sits() -> None:
     with pytest.raises(CheckpointError, match=r"^the checkpoint holds sparse tensors \(") as info:
         _records(policy, root, {})
     assert info.value.offset is not None and info.value.tensor is None
+
+
+def _long1(value: int) -> bytes:
+    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+#: Ints hash modulo this prime: every multiple of it hashes to 0.
+_MODULUS = (1 << 61) - 1
+
+
+def test_hash_collision_floods_are_refused(tmp_path: Path) -> None:
+    """Dict keys that all hash alike made building the dict quadratic (160,000 of them, 2 MB
+    of pickle, kept the converter busy for 3 minutes and the scanner for 6): refused once one
+    hash value has over 1,000 distinct keys, by both. Keys that merely repeat are not
+    collisions (the same key in many dicts, or set again)."""
+    from pysafetensors.scan import scan_file
+
+    flood = b"".join(_long1(k * _MODULUS) + b"N" for k in range(1, 2002))
+    src = tmp_path / "flood.pt"
+    make_zip(src, P.PROTO2 + b"}(" + P.u("w") + tensor() + P.u("cfg") + b"}(" + flood + b"uu.")
+    with pytest.raises(CheckpointError, match="share one hash value") as caught:
+        convert_file(src, tmp_path / "out.safetensors")
+    assert caught.value.kind == "PickleLimit"
+    report = scan_file(src)
+    assert report.grade == "suspicious"
+    assert any("share one hash value" in f.message for f in report.findings)
+    # The same large key in 3,000 small dicts, and 3,000 floats whose hashes differ: plain.
+    same = b"".join(b"}" + _long1(_MODULUS) + b"Ns" for _ in range(3000))
+    floats = b"".join(b"G" + struct.pack(">d", i + 0.5) + b"N" for i in range(3000))
+    make_zip(
+        src,
+        P.PROTO2
+        + b"}("
+        + P.u("w")
+        + tensor()
+        + P.u("many")
+        + b"("
+        + same
+        + b"l"
+        + P.u("floats")
+        + b"}("
+        + floats
+        + b"uu.",
+    )
+    report_out = convert_file(src, tmp_path / "out.safetensors")
+    assert report_out.tensors == ["w"]
+    assert scan_file(src).grade == "safe"
+
+
+def test_a_layout_value_in_a_state_dict_converts(tmp_path: Path) -> None:
+    """torch pickles ``torch.strided`` as ``_get_layout("torch.strided")``, which
+    ``torch.load(weights_only=True)`` takes: a value like any other, not a sparse tensor."""
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "layout.pt"
+    torch.save({"w": torch.ones(2), "layout": torch.strided}, src)
+    assert torch.load(src, weights_only=True)["layout"] is torch.strided
+    report = convert_file(src, tmp_path / "out.safetensors", keep_non_tensors=True)
+    assert report.tensors == ["w"]
+    with safe_open(tmp_path / "out.safetensors", "np") as f:
+        assert "torch.strided" in f.metadata()["layout"]
+    # An unknown layout name is refused, as _get_layout refuses it.
+    make_zip(
+        src,
+        P.PROTO2
+        + b"}("
+        + P.u("l")
+        + P.g("torch.serialization", "_get_layout")
+        + P.u("torch.nonsense")
+        + b"\x85Ru.",
+    )
+    with pytest.raises(CheckpointError, match="_get_layout called with"):
+        convert_file(src, tmp_path / "out2.safetensors")

@@ -758,3 +758,88 @@ def test_legacy_checkpoints_over_the_pickle_limit_are_scanned_in_place(
     # A plain pickle that large is still not analysed.
     big = _write(tmp_path / "big.pkl", pickle.dumps(list(range(1000)), protocol=2))
     assert [f.message for f in scan_file(big).findings] == ["file too large to analyse as a pickle"]
+
+
+def _memo_nul_prefix() -> bytes:
+    """PUT then GET with a NUL in their operand lines: CPython reads ``1`` (C string) and
+    goes on; a reader that takes the whole line as the number stops here."""
+    return b"I5\np1\x00\n0g1\x00\n0"
+
+
+def _limit_prefixes() -> list[tuple[str, bytes]]:
+    """Prefixes CPython reads through (dropping what they push), where this scanner stops at
+    one of its limits."""
+    long4 = b"\x8b" + struct.pack("<i", 5000) + bytes(5000) + b"0"
+    marks = b"(" * 100_001 + b"1" * 100_001
+    return [("LONG4", long4), ("marks", marks)]
+
+
+def test_memo_operands_are_read_as_cpython_reads_them(tmp_path: Path) -> None:
+    """A GET/PUT operand with a NUL in it stopped the scan as unparsable; CPython reads the
+    number before the NUL, and the payload after it runs: graded by that payload."""
+    pkl = _memo_nul_prefix() + _touch(tmp_path / "ran")
+    make_zip(tmp_path / "p.pt", pkl)
+    for path in (_write(tmp_path / "p.pkl", pkl), tmp_path / "p.pt"):
+        report = scan_file(path)
+        assert report.grade == "dangerous", path
+        assert [g.qualname for g in report.globals] == ["os.system"]
+    pickle.loads(_memo_nul_prefix() + b"N.")  # CPython reads it (without the payload)
+
+
+def test_a_stop_at_a_scanner_limit_is_never_taken_for_the_end(tmp_path: Path) -> None:
+    """What follows a limit stop is not analysed but is run by a loader: the report says so
+    and is never safe, in a plain pickle, a checkpoint's data.pkl, and a file shaped like
+    safetensors (or a tar) whose first bytes are such a pickle."""
+    for name, prefix in _limit_prefixes():
+        pkl = prefix + _touch(tmp_path / "ran")
+        assert pickle.loads(prefix + b"N.") is None, name  # CPython reads through it
+        make_zip(tmp_path / "p.pt", pkl)
+        for path in (_write(tmp_path / "p.pkl", pkl), tmp_path / "p.pt"):
+            report = scan_file(path)
+            assert report.grade == "suspicious", (name, path)
+            assert any("where a limit of this scanner" in f.message for f in report.findings)
+        # Shaped like safetensors: the first 8 bytes a length, then "{". BINUNICODE of 16
+        # bytes covers the length's high bytes and the header.
+        head = b"X" + struct.pack("<I", 16)
+        polyglot = head + b"\x00\x00\x00{" + b'"a":1}'.ljust(12) + b"0" + pkl
+        (n,) = struct.unpack_from("<Q", polyglot, 0)
+        polyglot += b" " * max(0, n + 8 - len(polyglot))
+        report = scan_file(_write(tmp_path / "p.safetensors", polyglot))
+        assert report.grade != "safe", name
+    # The NUL operand in the same polyglot: read through, graded by its payload.
+    head = b"X" + struct.pack("<I", 16) + b"\x00\x00\x00{" + b'"a":1}'.ljust(12) + b"0"
+    polyglot = head + _memo_nul_prefix() + _touch(tmp_path / "ran")
+    (n,) = struct.unpack_from("<Q", polyglot, 0)
+    polyglot += b" " * max(0, n + 8 - len(polyglot))
+    assert scan_file(_write(tmp_path / "q.safetensors", polyglot)).grade == "dangerous"
+
+
+def test_text_lines_of_any_length_are_read_through(tmp_path: Path) -> None:
+    """CPython reads a text operand of any length; so does the scanner (a 1 MiB cap stopped
+    it there), so a payload after one is found."""
+    pkl = b"V" + b"a" * ((1 << 20) + 10) + b"\n0" + _touch(tmp_path / "ran")
+    report = scan_file(_write(tmp_path / "p.pkl", pkl))
+    assert report.grade == "dangerous"
+
+
+@pytest.mark.parametrize("low_byte", [0x70, 0x50])  # PUT and PERSID read a text line
+def test_safetensors_files_with_big_headers_stay_safe(tmp_path: Path, low_byte: int) -> None:
+    """A header length whose low byte is an opcode that reads a text line, and a header of
+    over 1 MiB: the line runs into the tensor data; the pickle then fails where CPython fails,
+    and the file is graded as the safetensors file it is."""
+    import numpy as np
+
+    from pysafetensors.numpy import save_file
+
+    tensors = {f"model.layers.{i}.w": np.zeros(1, np.float32) for i in range(25_000)}
+    path = tmp_path / "big.safetensors"
+    pad = 0
+    for _ in range(64):  # the metadata's length moves the header length 8 bytes at a time
+        save_file(tensors, path, metadata={"pad": "x" * pad})
+        first = path.read_bytes()[:8]
+        if first[0] == low_byte:
+            break
+        pad += 8
+    assert first[0] == low_byte and int.from_bytes(first, "little") > 1 << 20
+    report = scan_file(path)
+    assert (report.grade, report.format) == ("safe", "safetensors"), report.findings
