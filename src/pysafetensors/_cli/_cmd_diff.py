@@ -81,25 +81,48 @@ def _integer_differences(
     """Differing count, max abs and rel difference, and count outside tolerance, exactly.
 
     float64 holds integers exactly only up to 2**53 (``2**53`` and ``2**53 + 1`` compared as
-    floats are equal), so integer tensors are compared as integers, and the differing elements
-    (usually few) measured with Python's exact integers.
+    floats are equal), so integer tensors are compared as integers. The differing elements are
+    measured with numpy where every value is below 2**52 in magnitude (so every difference is
+    below 2**53, and exact in both int64 and float64: the same results as Python's exact
+    integers), else with Python's integers (wide 64-bit values, usually few).
     """
     if ia.dtype == ib.dtype or np.promote_types(ia.dtype, ib.dtype) != np.float64:
         ne = ia != ib
     else:
-        # uint64 against a signed type promotes to float64 in numpy: compare through Python.
-        pairs = zip(ia.tolist(), ib.tolist(), strict=True)
-        ne = np.array([int(x) != int(y) for x, y in pairs], bool)
+        # uint64 against a signed type, which numpy would compare as float64: equal where the
+        # signed value is not negative and its bits read unsigned are the same.
+        unsigned, signed = (ia, ib) if ia.dtype.kind == "u" else (ib, ia)
+        ne = (signed < 0) | (unsigned != signed.astype(np.uint64))
     n_ne = int(ne.sum())
     if not n_ne:
         return 0, 0.0, 0.0, 0
-    xa, xb = ia[ne].tolist(), ib[ne].tolist()
-    diffs = [abs(int(x) - int(y)) for x, y in zip(xa, xb, strict=True)]
-    big = float(max(diffs))
-    rel = max((d / abs(y) if y else math.inf) for d, y in zip(diffs, xb, strict=True))
+    xa, xb = ia[ne], ib[ne]
+    if _below_2_52(xa) and _below_2_52(xb):
+        a64, b64 = xa.astype(np.int64), xb.astype(np.int64)
+        diffs = np.abs(a64 - b64).astype(np.float64)
+        scale = np.abs(b64).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            rel = np.where(scale > 0, diffs / scale, math.inf)
+        out = int((diffs > atol + rtol * scale).sum())
+        return n_ne, float(diffs.max()), float(rel.max()), out
+    la, lb = xa.tolist(), xb.tolist()
+    exact = [abs(int(x) - int(y)) for x, y in zip(la, lb, strict=True)]
+    big = float(max(exact))
+    rel_max = max((d / abs(y) if y else math.inf) for d, y in zip(exact, lb, strict=True))
     # Python compares an int with a float exactly.
-    out = sum(1 for d, y in zip(diffs, xb, strict=True) if d > atol + rtol * abs(y))
-    return n_ne, big, rel, out
+    out = sum(1 for d, y in zip(exact, lb, strict=True) if d > atol + rtol * abs(y))
+    return n_ne, big, rel_max, out
+
+
+#: Integers below this magnitude differ by less than 2**53: exact as float64.
+_HALF_EXACT: Final = 1 << 52
+
+
+def _below_2_52(values: np.ndarray) -> bool:
+    """Whether every value's magnitude is below 2**52 (at once for types of 32 bits or less)."""
+    if values.dtype.itemsize <= 4:
+        return True
+    return int(values.min()) > -_HALF_EXACT and int(values.max()) < _HALF_EXACT
 
 
 def _comparable(va: np.ndarray, vb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
