@@ -727,6 +727,7 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
         bad("IndexInvalid", "index `metadata` is not an object")
     clean: dict[str, str] = {}
     refused: set[str] = set()
+    listed: set[str] = set()  # model.labels as a set: a list lookup per tensor was quadratic
     for tensor, shard in weight_map.items():
         if not isinstance(shard, str):
             bad(
@@ -743,7 +744,8 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
             continue
         shard = normal_shard_name(shard)
         clean[tensor] = shard
-        if shard not in model.labels:
+        if shard not in listed:
+            listed.add(shard)
             model.labels.append(shard)
             model.files.append(_join(index_path, shard))
     model.weight_map = clean
