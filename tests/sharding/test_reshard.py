@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -529,3 +530,26 @@ def test_a_reshard_keeps_the_shards_header_metadata_in_every_shard(tmp_path: Pat
         assert len(f.shard_metadata()) > 1
         assert all(m == {"format": "pt", "quant_method": "torchao"} for m in f.shard_metadata())
         assert f.index_metadata() == {"total_size": 6000}  # keys that differ are not kept
+
+
+def test_an_index_too_large_to_be_one_is_not_read(tmp_path: Path, monkeypatch: Any) -> None:
+    """A stray ``*.index.json`` over the size an index may have is not parsed (a 300 MB one
+    took 13 s and 1.5 GB during an in-place reshard's clean-up): for the clean-up it names
+    every file (none deleted on its account), for the checks that refuse an output it names
+    none."""
+    import json
+
+    from pysafetensors import _reshard
+
+    stray = tmp_path / "zz.safetensors.index.json"
+    stray.write_text(json.dumps({"weight_map": {"x": "a.safetensors"}}) + " " * 300)
+    assert _reshard._index_shards(str(stray)) == {"a.safetensors"}
+    monkeypatch.setattr(_reshard, "MAX_INDEX_SIZE", 100)
+    loads: list[Any] = []
+    monkeypatch.setattr(_reshard.json, "load", lambda *a, **k: loads.append(a))
+    assert _reshard._index_shards(str(stray)) == frozenset()
+    assert not _reshard._index_names_file(str(stray), str(tmp_path / "a.safetensors"))
+    everything = _reshard._named_by_other_indexes(str(tmp_path), set(), _reshard._EVERY_NAME)
+    assert "anything.safetensors" in everything
+    assert "a.safetensors" not in _reshard._named_by_other_indexes(str(tmp_path), set())
+    assert loads == []
