@@ -311,15 +311,23 @@ def _lock_partial(fd: int) -> bool:
     return True
 
 
-def _clean_stale_partials(target: str) -> None:
+def _clean_stale_partials(target: str, partials: list[str] | None = None) -> None:
     """Remove temporary files an earlier, crashed save to ``target`` left behind (its own
     only: a user's ``.model.safetensors.notes.partial``, or the temporary files of
-    ``model.safetensors`` when saving ``model``, match the pattern but are not)."""
+    ``model.safetensors`` when saving ``model``, match the pattern but are not).
+
+    ``partials``: the names of the folder's temporary files, listed once for many targets
+    (:meth:`SaveGroup.stale_partials`); else the folder is searched for this target's.
+    """
     folder, base = os.path.split(target)
     stem = partial_stem(base)
-    for stale in glob.glob(
-        os.path.join(glob.escape(folder or "."), f".{glob.escape(stem)}.*.partial")
-    ):
+    if partials is None:
+        found = glob.glob(
+            os.path.join(glob.escape(folder or "."), f".{glob.escape(stem)}.*.partial")
+        )
+    else:
+        found = [os.path.join(folder, name) for name in partials]
+    for stale in found:
         if partial_target(os.path.basename(stale)) == stem:
             remove_stale_partial(stale)
 
@@ -432,7 +440,7 @@ def _atomic_output(
             "the target is a device, FIFO or socket, not a file; a save would replace it",
             target,
         )
-    _clean_stale_partials(target)
+    _clean_stale_partials(target, None if group is None else group.stale_partials(folder))
     stem = partial_stem(os.path.basename(target))
     tmp = os.path.join(folder, f".{stem}.{secrets.token_hex(6)}.partial")
     # (The name's form is what partial_target() reads back.)
@@ -582,8 +590,26 @@ class SaveGroup:
         self._pending: list[tuple[str, str, int]] = []
         self._held = 0  # pending files that still hold their descriptor
         self._lock = threading.Lock()
+        self._partials: dict[str, list[str]] = {}
         self.done = False
         """True once committed or discarded."""
+
+    def stale_partials(self, folder: str) -> list[str]:
+        """The temporary files in ``folder`` when the group first saved there, listed once.
+
+        Searching the folder for each file's own (a glob per shard, while the group's finished
+        files add entries) made a save of 20,000 shards take 111 s instead of seconds. Those
+        of crashed saves are there before the group starts; the group's own come after.
+        """
+        with self._lock:
+            names = self._partials.get(folder)
+            if names is None:
+                try:
+                    names = [n for n in os.listdir(folder) if n.endswith(".partial")]
+                except OSError:
+                    names = []
+                self._partials[folder] = names
+            return names
 
     def _add(self, tmp: str, target: str, fd: int) -> None:
         with self._lock:
