@@ -351,7 +351,19 @@ def test_stats_json_matches_numpy(cli, tmp_path: Path) -> None:
     assert s["std"] == pytest.approx(finite.std(), rel=1e-9)
     assert (s["min"], s["max"]) == (finite.min(), finite.max())
     assert sum(s["histogram"]["counts"]) == finite.size and len(s["histogram"]["counts"]) == 7
+    # The counts are numpy's for the edges shown (values on an edge go right, the last bin
+    # is closed), whichever way they are computed.
+    edges = np.array(s["histogram"]["edges"])
+    assert s["histogram"]["counts"] == np.histogram(finite, bins=edges)[0].tolist()
+    ints = np.arange(-5, 5, dtype=np.float64)
+    assert (
+        rows["i"]["histogram"]["counts"]
+        == np.histogram(ints, bins=np.linspace(-5, 4, 8))[0].tolist()
+    )
     assert rows["i"]["min"] == -5 and rows["i"]["max"] == 4 and rows["i"]["zeros"] == 1
+    many = cli("stats", path, "--json", "--histogram", "20000").json()["tensors"]
+    (wide,) = [t["histogram"] for t in many if t["name"] == "w"]
+    assert wide["counts"] == np.histogram(finite, bins=np.array(wide["edges"]))[0].tolist()
 
     r = cli("stats", path)
     assert r.code == 0 and "NAME" in r.out and "MEAN" in r.out
