@@ -3,9 +3,9 @@
 This is the one pickle decoder shared by the checkpoint converter and the scanner. It
 decodes opcodes over an in-memory ``bytes`` object, checks every length against the bytes
 really present before slicing, and builds plain values (None, bool, int, float, str, bytes,
-tuple, list, dict, set). Everything that would make
-``pickle`` import or call code (GLOBAL, STACK_GLOBAL, INST, OBJ, REDUCE, NEWOBJ, BUILD,
-persistent ids, extensions, out-of-band buffers) is handed to a :class:`Policy`:
+tuple, list, dict, set). Everything that would make ``pickle`` import or call code (GLOBAL,
+STACK_GLOBAL, INST, OBJ, REDUCE, NEWOBJ, BUILD, persistent ids, extensions, out-of-band
+buffers) is handed to a :class:`Policy`:
 
 * the converter's policy maps a fixed table of names to inert stand-ins and refuses the rest;
 * the scanner's policy turns every global into a record and every call into a symbolic node, so
@@ -84,8 +84,8 @@ class Limits:
     max_long_bytes: int = 4096
     """Bytes of one LONG1/LONG4 (int() of huge numbers is quadratic)."""
     max_line: int = 1 << 62
-    """Bytes of one text-protocol argument line. None by default: CPython has no such cap, a
-    line is a slice of bytes already in memory, and a cap made a safetensors file whose header
+    """Bytes of one text-protocol argument line. Uncapped by default: CPython has no such cap,
+    a line is a slice of bytes already in memory, and a cap made a safetensors file whose header
     length starts with PUT or PERSID (0x70, 0x50) and whose header is larger look like a
     pickle stopped early."""
     max_key_depth: int = 100
@@ -184,11 +184,12 @@ def _c_string(raw: bytes) -> bytes:
     return raw.split(b"\0", 1)[0]
 
 
-def _python_int(raw: bytes, offset: int, opcode: str) -> int:
-    """``PyLong_FromString(raw, NULL, 0)``: Python's int syntax in base 0 (``0x10``, ``1_0``;
-    ``010`` is an error), which ``int(bytes, 0)`` implements."""
+def _python_int(raw: bytes, offset: int, opcode: str, base: int = 0) -> int:
+    """``PyLong_FromString(raw, NULL, base)`` of the line up to its first NUL: Python's int
+    syntax, which ``int(bytes, base)`` implements (base 0: ``0x10``, ``1_0``; ``010`` is an
+    error; base 10, GET/PUT: ``+1``, `` 1 `` and ``1_0`` are numbers, ``0x1`` is not)."""
     try:
-        return int(_c_string(raw), 0)
+        return int(_c_string(raw), base)
     except ValueError:
         raise _err(f"invalid operand ({opcode} {raw[:40]!r} is not a number)", offset) from None
 
@@ -210,16 +211,6 @@ def _text_int(raw: bytes, offset: int) -> int | bool:
         if -(1 << 63) <= value < 1 << 63:  # a C long
             return bool(value) if len(raw) == 2 and value in (0, 1) else value
     return _python_int(raw, offset, "INT")
-
-
-def _memo_index(raw: bytes, offset: int, opcode: str) -> int:
-    """A GET/PUT operand as CPython reads it: ``PyLong_FromString`` in base 10 of the line up
-    to its first NUL (``1`` then a NUL is 1; ``+1``, `` 1 `` and ``1_0`` are numbers, ``0x1``
-    is not)."""
-    try:
-        return int(_c_string(raw), 10)
-    except ValueError:
-        raise _err(f"invalid operand ({opcode} {raw[:40]!r} is not a number)", offset) from None
 
 
 def _text_long(raw: bytes, offset: int) -> int:
@@ -694,12 +685,13 @@ class Machine:
                 idx = _U4.unpack_from(data, take(4, at))[0]
                 stack.append(_memo_get(memo, idx, base + at))
             elif op == 0x70:  # PUT
-                idx = _memo_index(line(at), base + at, "PUT")
+                idx = _python_int(line(at), base + at, "PUT", 10)
                 if idx < 0:
                     raise _err("negative PUT argument", base + at)
                 memo[idx] = _top(stack, base + at)
             elif op == 0x67:  # GET
-                stack.append(_memo_get(memo, _memo_index(line(at), base + at, "GET"), base + at))
+                idx = _python_int(line(at), base + at, "GET", 10)
+                stack.append(_memo_get(memo, idx, base + at))
             elif op == 0x30:  # POP
                 if stack:
                     stack.pop()

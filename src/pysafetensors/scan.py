@@ -533,7 +533,7 @@ def _run_stream(
         policy.truncated = kind == TRUNCATED
         if kind == LIMIT:
             # pickle.load has no such limits: what follows is read and run by a loader, and
-            # not analysed here (a payload after a 2 MiB text operand, 100,001 MARKs...).
+            # not analysed here (a payload after a LONG4 of over 4 KiB, 100,001 MARKs...).
             report._limited = True
             report._add(
                 "suspicious",
@@ -947,9 +947,9 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, 
         return data[start : start + min(info.compress_size, limit)], info.compress_size <= limit
     raw = data[start : start + info.compress_size]
     if info.compress_type == zipfile.ZIP_DEFLATED:
-        # The converter's zip bomb rule: the declared ratio
-        # is checked before inflating anything, and the real output is capped at the same
-        # ratio, since the declared size may lie.
+        # The converter's zip bomb rule: the declared ratio is checked before inflating
+        # anything, and the real output is capped at the same ratio, since the declared size
+        # may lie.
         cap = MAX_DEFLATE_RATIO * max(info.compress_size, 1024)
         if info.file_size > cap:
             raise ValueError(
