@@ -119,8 +119,10 @@ def _as_bytes_view(chunk: Any) -> memoryview:
 
 def _ordered_chunks(
     layout: Layout, by_name: Mapping[str, TensorData]
-) -> Iterator[tuple[str, memoryview]]:
-    """Yield every tensor's chunks in layout order, checking each tensor's total size."""
+) -> Iterator[tuple[memoryview, bool]]:
+    """Yield every tensor's chunks in layout order, each with whether it completes its tensor
+    (the last chunk, whose memory stays valid: see :attr:`TensorData.chunks`), checking each
+    tensor's total size."""
     for info in layout.tensors:
         data = by_name[info.name]
         got = 0
@@ -130,7 +132,7 @@ def _ordered_chunks(
             if got > info.nbytes:
                 break
             if view.nbytes:
-                yield info.name, view
+                yield view, got == info.nbytes
         if got != info.nbytes:
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}invalid shape, data type, or offset for tensor "
@@ -233,7 +235,7 @@ def write_layout(
 
     batch: list[memoryview] = [memoryview(layout.header)]
     batch_bytes = len(layout.header)
-    for _, view in _ordered_chunks(layout, by_name):
+    for view, _ in _ordered_chunks(layout, by_name):
         size = view.nbytes
         if size < _WRITEV_BYTES:
             # Small chunks are gathered with their neighbours.
@@ -768,17 +770,8 @@ def serialize_to_bytes(
     tensor's pieces through a ring of pinned buffers) is copied as it comes.
     """
     layout = layout_for(tensors, metadata, max_header_size=max_header_size)
-    sizes = {info.name: info.nbytes for info in layout.tensors}
     parts: list[Any] = [layout.header]
-    current, done = None, 0
-    for name, view in _ordered_chunks(layout, {t.name: t for t in tensors}):
-        if name != current:
-            current, done = name, 0
-        done += view.nbytes
+    for view, last in _ordered_chunks(layout, {t.name: t for t in tensors}):
         # TensorData.chunks: only a tensor's last chunk and small ones stay valid.
-        kept = done == sizes[name] or view.nbytes < _WRITEV_BYTES
-        parts.append(view if kept else bytes(view))
-    out = b"".join(parts)
-    if len(out) != layout.file_size:  # pragma: no cover - _ordered_chunks checks each size
-        raise AssertionError("serialized size differs from the layout's")
-    return out
+        parts.append(view if last or view.nbytes < _WRITEV_BYTES else bytes(view))
+    return b"".join(parts)
