@@ -23,7 +23,7 @@ import numpy as np
 from ._adapter import Adapter, get_adapter
 from ._cuda_staging import Fill
 from ._devices import Device
-from ._dtypes import DType, dtype_from_code
+from ._dtypes import DType
 from ._errors import (
     ClosedFileError,
     SafetensorError,
@@ -46,6 +46,7 @@ from ._format import (
 )
 from ._signatures import show_init_signature
 from ._slicing import (
+    BYTES,
     SlicePlan,
     as_whole_bytes,
     is_advanced,
@@ -83,9 +84,6 @@ _HEAD_GUESS: Final = 64 << 10
 #: numpy (2.x) and torch both refuse arrays of more than 64 dimensions.
 MAX_NDIM: Final = 64
 _INTP_MAX: Final = (1 << 63) - 1
-
-#: Sub-byte slices are read as the same bytes of a tensor of this dtype.
-_U8: Final = dtype_from_code("U8")
 #: Smallest data region a numpy ``get_tensors`` under mmap maps privately; smaller ones are
 #: copied (a copy costs less than a mapping).
 _PRIVATE_MAP_MIN: Final = 1 << 20
@@ -852,7 +850,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             whole_bytes = as_whole_bytes(info.shape, info.dtype, plan)
             if whole_bytes is not None:
                 byte_shape, plan = whole_bytes
-                info = info._replace(shape=byte_shape, dtype=_U8)
+                info = info._replace(shape=byte_shape, dtype=BYTES)
         if plan.nbytes:
             mapped = self._backend == "mmap" or isinstance(source, MmapSource)
             view = source.view(base, info.nbytes) if mapped else None

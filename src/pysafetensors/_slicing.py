@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from ._dtypes import DType, dtype_from_code
 from ._errors import SliceError, SliceTypeError, SliceValueError
 
 __all__ = [
+    "BYTES",
     "AdvancedSplit",
     "SlicePlan",
     "as_whole_bytes",
@@ -318,10 +319,14 @@ def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
     return SlicePlan(out_shape, starts, run_bytes, run_bytes * len(starts), selection)
 
 
+#: The dtype :func:`as_whole_bytes` reads sub-byte selections as.
+BYTES: Final = dtype_from_code("U8")
+
+
 def as_whole_bytes(
     shape: tuple[int, ...], dtype: DType, plan: SlicePlan
 ) -> tuple[tuple[int, ...], SlicePlan] | None:
-    """The same bytes as ``plan`` (of a sub-byte tensor) selected from a ``U8`` tensor.
+    """The same bytes as ``plan`` (of a sub-byte tensor) selected from a :data:`BYTES` tensor.
 
     Returns ``(byte shape, byte plan)``: a tensor of whole bytes whose basic slice selects
     exactly ``plan``'s bytes in the same order, so that sub-byte slices take the strided copies
@@ -342,9 +347,10 @@ def as_whole_bytes(
         return None  # the whole tensor: one run already
     last = sel[k - 1]
     if isinstance(last, int):
-        begin, end = last, last + 1
-    elif last.step == 1 or len(range(last.start, last.stop, last.step)) == 1:
-        begin, end = last.start, last.start + len(range(last.start, last.stop, last.step))
+        last = slice(last, last + 1, 1)
+    count = len(range(last.start, last.stop, last.step))
+    if last.step == 1 or count == 1:
+        begin, end = last.start, last.start + count
     elif k < len(sel):
         # A strided dimension before the whole ones: it stays as it is, the runs are the rest.
         k, begin, end = k + 1, 0, shape[k]
@@ -356,7 +362,7 @@ def as_whole_bytes(
         return None
     byte_shape = (*shape[: k - 1], folded * bits // 8)
     byte_index = (*sel[: k - 1], slice(begin * inner * bits // 8, end * inner * bits // 8))
-    byte_plan = plan_slice(byte_shape, dtype_from_code("U8"), byte_index)
+    byte_plan = plan_slice(byte_shape, BYTES, byte_index)
     return byte_shape, byte_plan
 
 
