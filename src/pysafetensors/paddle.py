@@ -35,7 +35,7 @@ from ._api import (
     serialize,
     serialize_file,
 )
-from ._dtypes import dtype_from_code
+from ._dtypes import DType, dtype_from_code
 from ._errors import SerializeError
 from ._paddle_adapter import ADAPTER, to_paddle
 from ._reader import safe_open
@@ -191,9 +191,14 @@ def _to_ndarray(tensor: Any, name: str) -> tuple[np.ndarray, Any]:
         SerializeError: The tensor is not contiguous, or its dtype cannot be stored.
     """
     _checked({name: tensor})
+    return _bytes_of(name, tensor)[0], tensor
+
+
+def _bytes_of(name: str, tensor: Any) -> tuple[np.ndarray, DType]:
+    """A checked tensor's bytes (a little-endian copy, uint8) and its dtype."""
     data = ADAPTER.to_data(name, tensor)
     raw = b"".join(bytes(chunk) for chunk in data.chunks())
-    return np.frombuffer(bytearray(raw), np.uint8), tensor
+    return np.frombuffer(bytearray(raw), np.uint8), data.dtype
 
 
 def _flatten(tensors: Any, keep_alive_buffer: list[Any]) -> dict[str, TensorSpec]:
@@ -207,10 +212,10 @@ def _flatten(tensors: Any, keep_alive_buffer: list[Any]) -> dict[str, TensorSpec
     """
     flattened = {}
     for name, tensor in _checked(tensors).items():
-        arr, kept = _to_ndarray(tensor, name)
-        keep_alive_buffer.append((arr, kept))
+        arr, dtype = _bytes_of(name, tensor)
+        keep_alive_buffer.append((arr, tensor))
         flattened[name] = TensorSpec(
-            dtype=ADAPTER.to_data(name, tensor).dtype.name,
+            dtype=dtype.name,
             shape=[int(d) for d in tensor.shape],
             data_ptr=arr.ctypes.data,
             data_len=arr.nbytes,
