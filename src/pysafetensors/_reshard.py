@@ -27,11 +27,11 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Final
 
 from ._errors import SafetensorError, SerializeError, input_path, output_path, write_error
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
-from ._reader import open_source_for
 from ._sharded import MAX_INDEX_SIZE, ShardedSafeOpen, _is_url, _shown, is_index_path
 from ._sharding import (
     COMPUTED_KEYS,
@@ -48,7 +48,7 @@ from ._sharding import (
     split_into_shards,
     write_checkpoint,
 )
-from ._sources import ByteSource, open_regular_file
+from ._sources import ByteSource
 from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all
 
 __all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
@@ -137,52 +137,22 @@ def _copy_from_source(source: ByteSource, src_off: int, dst_fd: int, dst_off: in
 
 
 class _Sources:
-    """Source shards, each opened once for reading: an fd for local files, else a ByteSource."""
+    """The source shards' bytes, read through the handles their headers were read with: the
+    same files, whatever a save (this one, resharding in place, or another) renamed over
+    their paths since."""
 
-    def __init__(
-        self,
-        storage_options: dict[str, Any] | None = None,
-        remote_source: Callable[[str], ByteSource] | None = None,
-    ) -> None:
-        self._fds: dict[str, int] = {}
-        self._remote: dict[str, ByteSource] = {}
-        # For remote shards: the same headers/endpoint the index was read with.
-        self._storage_options = storage_options
-        # The source a remote shard's header was read through (its version pinned by ETag):
-        # a second connection opened here learnt the object anew, so a shard replaced
-        # mid-copy was read at the old header's offsets, silently.
-        self._remote_source = remote_source
-
-    def open_all(self, paths: Iterable[str]) -> None:
-        """Open every local source now: an output that replaces a source (resharding in
-        place) then leaves our descriptor on the old file, which stays readable."""
-        for path in paths:
-            if "://" not in path and path not in self._fds:
-                self._fds[path] = open_regular_file(path)
+    def __init__(self, source_at: Callable[[str], AbstractContextManager[ByteSource]]) -> None:
+        self._source_at = source_at
 
     def copy(self, path: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
         if not n:
             return
-        if "://" in path:
-            if self._remote_source is not None:
-                _copy_from_source(self._remote_source(path), src_off, dst_fd, dst_off, n)
-                return
-            source = self._remote.get(path)
-            if source is None:
-                source = self._remote[path] = open_source_for(path, "pread", self._storage_options)
-            _copy_from_source(source, src_off, dst_fd, dst_off, n)
-            return
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = open_regular_file(path)
-        copy_range(fd, src_off, dst_fd, dst_off, n)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        for source in self._remote.values():
-            source.close()
-        self._fds, self._remote = {}, {}
+        with self._source_at(path) as source:
+            fd = getattr(source, "fd", -1)
+            if fd >= 0:  # a local file: copied by the kernel
+                copy_range(fd, src_off, dst_fd, dst_off, n)
+            else:
+                _copy_from_source(source, src_off, dst_fd, dst_off, n)
 
 
 def _source_order(src: ShardedSafeOpen) -> list[str]:
@@ -369,7 +339,6 @@ def _rewrite(
     fsync: bool,
     max_header_size: int,
     progress: Progress | None,
-    storage_options: dict[str, Any] | None,
     source_is_folder: bool = False,
 ) -> ShardPlan:
     located = {name: src._locate(name) for name in names}
@@ -397,74 +366,70 @@ def _rewrite(
             count += n
         meta = {"total_parameters": count, **meta}
     state = [0, sum(sizes.values())]
-    sources = _Sources(storage_options, src._source_at)
-    try:
-        sources.open_all(src.files())
-        if max_shard_size is None:
-            header_meta = {"format": fmt, **as_header_metadata(meta)}
-            _write_one(
-                out,
-                [located[n] for n in names],
-                header_meta,
-                sources,
-                fsync=fsync,
-                max_header_size=max_header_size,
-                progress=progress,
-                state=state,
-            )
-            return ShardPlan(
-                {"total_size": state[1]},
-                {os.path.basename(out): list(names)},
-                dict.fromkeys(names, os.path.basename(out)),
-            )
-        plan = split_into_shards(
-            sizes,
-            get_storage_size=lambda n: n,
-            filename_pattern=filename_pattern,
-            max_shard_size=parse_size(max_shard_size),
-        )
-        if not plan.filename_to_tensors:
-            plan = ShardPlan({"total_size": 0}, {filename_pattern.format(suffix=""): []}, {})
-        if os.path.exists(out) and not os.path.isdir(out):
-            not_a_folder = NotADirectoryError(errno.ENOTDIR, "the output is a file, not a folder")
-            raise write_error(not_a_folder, out)
-        os.makedirs(out, exist_ok=True)
-        per_file: dict[str, str] = {"format": fmt}
-        if not plan.is_sharded:
-            per_file.update(as_header_metadata(meta))
-        elif in_headers:
-            per_file.update(as_header_metadata(in_headers))
-            meta = {k: v for k, v in meta.items() if k not in in_headers}
-
-        def write_shard(path: str, shard_names: list[str], group: SaveGroup) -> None:
-            _write_one(
-                path,
-                [located[n] for n in shard_names],
-                per_file,
-                sources,
-                fsync=fsync,
-                max_header_size=max_header_size,
-                progress=progress,
-                state=state,
-                group=group,
-            )
-
-        # All files are renamed into place together at the end (see SaveGroup): a reshard that
-        # fails or is killed midway, in place above all, leaves the earlier checkpoint whole.
-        write_checkpoint(
+    sources = _Sources(src._source_at)
+    if max_shard_size is None:
+        header_meta = {"format": fmt, **as_header_metadata(meta)}
+        _write_one(
             out,
-            plan,
-            meta,
-            write_shard,
-            filename_pattern=filename_pattern,
+            [located[n] for n in names],
+            header_meta,
+            sources,
             fsync=fsync,
-            clean=clean,
+            max_header_size=max_header_size,
+            progress=progress,
+            state=state,
         )
-        if clean:
-            _remove_replaced_source(src, out, plan, filename_pattern, whole_folder=source_is_folder)
-        return plan
-    finally:
-        sources.close()
+        return ShardPlan(
+            {"total_size": state[1]},
+            {os.path.basename(out): list(names)},
+            dict.fromkeys(names, os.path.basename(out)),
+        )
+    plan = split_into_shards(
+        sizes,
+        get_storage_size=lambda n: n,
+        filename_pattern=filename_pattern,
+        max_shard_size=parse_size(max_shard_size),
+    )
+    if not plan.filename_to_tensors:
+        plan = ShardPlan({"total_size": 0}, {filename_pattern.format(suffix=""): []}, {})
+    if os.path.exists(out) and not os.path.isdir(out):
+        not_a_folder = NotADirectoryError(errno.ENOTDIR, "the output is a file, not a folder")
+        raise write_error(not_a_folder, out)
+    os.makedirs(out, exist_ok=True)
+    per_file: dict[str, str] = {"format": fmt}
+    if not plan.is_sharded:
+        per_file.update(as_header_metadata(meta))
+    elif in_headers:
+        per_file.update(as_header_metadata(in_headers))
+        meta = {k: v for k, v in meta.items() if k not in in_headers}
+
+    def write_shard(path: str, shard_names: list[str], group: SaveGroup) -> None:
+        _write_one(
+            path,
+            [located[n] for n in shard_names],
+            per_file,
+            sources,
+            fsync=fsync,
+            max_header_size=max_header_size,
+            progress=progress,
+            state=state,
+            group=group,
+        )
+
+    # All files are renamed into place together at the end (see SaveGroup): a reshard that
+    # fails or is killed midway, in place above all, leaves the earlier checkpoint whole.
+    write_checkpoint(
+        out,
+        plan,
+        meta,
+        write_shard,
+        filename_pattern=filename_pattern,
+        fsync=fsync,
+        clean=clean,
+    )
+    if clean:
+        _remove_replaced_source(src, out, plan, filename_pattern, whole_folder=source_is_folder)
+    return plan
 
 
 def _remove_replaced_source(
@@ -623,7 +588,6 @@ def reshard(
             fsync=fsync,
             max_header_size=max_header_size,
             progress=progress,
-            storage_options=_options(storage_options),
             source_is_folder=os.path.isdir(input_path(source, "source")),
         )
 
@@ -695,7 +659,6 @@ def merge(
             fsync=fsync,
             max_header_size=max_header_size,
             progress=progress,
-            storage_options=_options(storage_options),
         )
 
 
@@ -800,7 +763,6 @@ def extract(
             fsync=fsync,
             max_header_size=max_header_size,
             progress=progress,
-            storage_options=_options(storage_options),
         )
         return names
 

@@ -17,6 +17,8 @@ a single ``*.safetensors``; otherwise an error that lists what the folder holds.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
@@ -26,6 +28,7 @@ from typing import Any, Final
 
 from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
+from ._file_pool import MIN_OPEN, SPARE_DESCRIPTORS, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._reader import (
     HandleBehaviour,
@@ -44,7 +47,7 @@ from ._sharding import (
     unsafe_shard_name,
 )
 from ._sources import ByteSource, starts_like_safetensors
-from ._writer import allow_descriptors
+from ._writer import allow_descriptors, descriptor_limit
 
 __all__ = [
     "INDEX_NAME",
@@ -220,12 +223,6 @@ def _parse_index(
     return weight_map, metadata
 
 
-def _file_identity(st: os.stat_result) -> tuple[int, ...]:
-    """What tells one version of a file from another: a file renamed over it, or rewritten."""
-    # Not st_ctime: a chmod, chown or new link changes it and is no new save.
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 def _read_index(
     path: str, storage_options: dict[str, Any] | None
 ) -> tuple[dict[str, str], dict[str, Any] | None, tuple[int, ...] | None]:
@@ -235,12 +232,12 @@ def _read_index(
         return (*_parse_index(path, storage_options), None)
     for _ in range(3):
         try:
-            before: tuple[int, ...] | None = _file_identity(os.stat(path))
+            before: tuple[int, ...] | None = file_identity(os.stat(path))
         except OSError:
             before = None  # reading it says what is wrong (or it was just being replaced)
         weight_map, metadata = _parse_index(path, storage_options)
         try:
-            after = _file_identity(os.stat(path))
+            after = file_identity(os.stat(path))
         except OSError:
             continue
         if after == before:
@@ -285,7 +282,16 @@ class ShardedSafeOpen(HandleBehaviour):
         max_header_size: int = MAX_HEADER_SIZE,
         **options: Any,
     ) -> None:
+        # Open shards, least recently used first: past a budget of descriptors, local ones not
+        # in use are closed again in that order (see _over_budget).
         self._handles: dict[str, safe_open] = {}
+        self._pins: dict[str, int] = {}  # reads in progress per shard: never closed under them
+        self._budget: int | None = None  # most local shards open at once; None: not limited
+        self._starved: int | None = None  # the budget after the process ran out of descriptors
+        # The version of each local shard first opened: one closed for the budget and opened
+        # again must still be it.
+        self._identities: dict[str, tuple[int, ...]] = {}
+        self._shard_at: dict[str, str] | None = None  # shard path to shard name, once needed
         self._opening: dict[str, threading.Lock] = {}  # one per shard being opened
         self._by_shard: dict[str, list[str]] | None = None  # the index's tensors per shard
         # Per-shard reader options (threads=, slice_reads=, storage_options=) pass through.
@@ -332,9 +338,9 @@ class ShardedSafeOpen(HandleBehaviour):
             shard = shown_name(target)
             self._single = (shard, target)
             self._closed = False
-            handle = self._open_shard(shard, validate=False)
-            self._weight_map = dict.fromkeys(handle.offset_keys(), shard)
-            meta = handle.metadata()
+            with self._shard(shard, validate=False) as handle:
+                self._weight_map = dict.fromkeys(handle.offset_keys(), shard)
+                meta = handle.metadata()
             self._index_metadata = None if meta is None else dict(meta)
             self._shards = [shard]
 
@@ -400,17 +406,41 @@ class ShardedSafeOpen(HandleBehaviour):
                 f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
             ) from None
 
-    def _open_shard(self, shard: str, *, validate: bool = True) -> safe_open:
-        self._live()
-        handle = self._handles.get(shard)
-        if handle is not None:
-            return handle
-        # One lock per shard, not the handle's: opening a remote shard can take the network's
-        # time, and reads from shards already open (or opening others) must not wait for it.
+    @contextlib.contextmanager
+    def _shard(self, shard: str, *, validate: bool = True) -> Iterator[safe_open]:
+        """The open handle on ``shard`` (opened and checked the first time), kept open for the
+        ``with`` block: the descriptor budget closes only shards no block is using."""
+        handle = self._pin(shard, validate=validate)
+        try:
+            yield handle
+        finally:
+            self._unpin(shard)
+
+    def _unpin(self, shard: str) -> None:
         with self._lock:
+            left = self._pins[shard] - 1
+            if left:
+                self._pins[shard] = left
+            else:
+                del self._pins[shard]
+            # Shards kept open past the budget because they were in use go now.
+            evicted = self._over_budget()
+        for old in evicted:
+            old.close()
+
+    def _pin(self, shard: str, *, validate: bool = True) -> safe_open:
+        self._live()
+        with self._lock:
+            handle = self._used(shard)
+            if handle is not None:
+                return handle
+            # One lock per shard, not the handle's: opening a remote shard can take the
+            # network's time, and reads from shards already open (or opening others) must not
+            # wait for it.
             opening = self._opening.setdefault(shard, threading.Lock())
         with opening:
-            handle = self._handles.get(shard)
+            with self._lock:
+                handle = self._used(shard)
             if handle is not None:
                 return handle
             handle = self._checked_handle(shard, validate=validate)
@@ -418,16 +448,45 @@ class ShardedSafeOpen(HandleBehaviour):
                 with self._lock:
                     self._live()  # closed meanwhile: this handle would never be closed
                     self._handles[shard] = handle
+                    self._pins[shard] = self._pins.get(shard, 0) + 1
+                    evicted = self._over_budget()
             except BaseException:
                 handle.close()
                 raise
-            return handle
+        for old in evicted:
+            old.close()
+        return handle
+
+    def _used(self, shard: str) -> safe_open | None:
+        """The open handle on ``shard``, pinned and made the most recently used; None if the
+        shard is not open. Called under the lock."""
+        handle = self._handles.pop(shard, None)
+        if handle is not None:
+            self._handles[shard] = handle  # to the end: dicts keep insertion order
+            self._pins[shard] = self._pins.get(shard, 0) + 1
+        return handle
+
+    def _over_budget(self) -> list[safe_open]:
+        """Take the least recently used shards not in use out of the open ones until as many
+        are open as the budget allows; the caller closes them (outside the lock). Called
+        under the lock."""
+        budget = self._budget
+        if budget is None or len(self._handles) <= budget:
+            return []
+        evicted = []
+        for shard in list(self._handles):
+            if len(self._handles) <= budget:
+                break
+            if shard not in self._pins:
+                evicted.append(self._handles.pop(shard))
+        return evicted
 
     def _checked_handle(self, shard: str, *, validate: bool = True) -> safe_open:
         """A new handle on ``shard``, checked against the index; the caller owns it."""
         handle = self._new_shard_handle(shard)
         try:
             self._check_index_unchanged(shard)
+            self._check_same_version(shard, handle)
             if validate:
                 with self._lock:  # _check_shard builds the per-shard table once
                     self._check_shard(shard, handle)
@@ -438,11 +497,51 @@ class ShardedSafeOpen(HandleBehaviour):
 
     def _new_shard_handle(self, shard: str) -> safe_open:
         path = self._shard_path(shard)
-        if len(self._handles) >= 64 and not _is_url(path):
-            # Each open shard holds a descriptor or two (a second for partial reads) until the
-            # handle is closed: a checkpoint of 1,500 shards ran out of them under the common
-            # soft limit of 1,024.
-            allow_descriptors(2 * len(self._handles) + 256)
+        local = not _is_url(path)
+        if local and (self._budget is None or len(self._handles) >= self._budget):
+            self._set_budget()
+        try:
+            return self._open_handle(path)
+        except OSError as exc:
+            if not local or exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        # Out of descriptors (other files of the process, slices holding shards open, a
+        # lower limit than the budget assumed): close every shard not in use and try again,
+        # keeping half as many open from now on.
+        with self._lock:
+            self._budget = self._starved = max(MIN_OPEN, len(self._handles) // 2)
+            idle = [s for s in self._handles if s not in self._pins]
+            evicted = [self._handles.pop(s) for s in idle]
+        for old in evicted:
+            old.close()
+        try:
+            return self._open_handle(path)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise OSError(
+                exc.errno,
+                f"out of file descriptors opening shard {shard!r} of {_shown(self._path)} "
+                f"({len(self._handles)} of its shards are in use, and slices keep theirs open; "
+                "raise the limit with `ulimit -n`)",
+                path,
+            ) from exc
+
+    def _set_budget(self) -> None:
+        """Ask for descriptors enough for the shards open so far and more, and keep as many
+        shards open as the limit then allows."""
+        # Each open shard holds a descriptor or two (a memory map keeps its own) until it is
+        # closed: a checkpoint of 1,500 shards ran out of them under the common soft limit of
+        # 1,024, and one of 2,500 under a hard limit of 4,096.
+        allow_descriptors(2 * len(self._handles) + 2 * SPARE_DESCRIPTORS)
+        soft = descriptor_limit()
+        budget = None if soft is None else max(MIN_OPEN, (soft - SPARE_DESCRIPTORS) // 2)
+        with self._lock:
+            if self._starved is not None:
+                budget = self._starved if budget is None else min(budget, self._starved)
+            self._budget = budget
+
+    def _open_handle(self, path: str) -> safe_open:
         try:
             return safe_open(
                 path,
@@ -461,6 +560,23 @@ class ShardedSafeOpen(HandleBehaviour):
                 offset=exc.offset,
             ) from exc
 
+    def _check_same_version(self, shard: str, handle: safe_open) -> None:
+        """Refuse a shard that is not the file first opened under its name (it was closed for
+        the descriptor budget, and replaced meanwhile without a new index)."""
+        fd = getattr(handle._live(), "fd", -1)
+        if fd < 0:
+            return
+        identity = file_identity(os.fstat(fd))
+        with self._lock:
+            first = self._identities.setdefault(shard, identity)
+        if first != identity:
+            raise ShardIndexError(
+                f"shard {shard!r} of {_shown(self._path)} changed since it was first read "
+                "(replaced or rewritten, the index not): its tensors may not be the ones read "
+                "before. Open the checkpoint again.",
+                kind="CheckpointChanged",
+            )
+
     def _check_index_unchanged(self, shard: str) -> None:
         """Refuse a shard opened after the checkpoint was saved again over the one opened.
 
@@ -474,7 +590,7 @@ class ShardedSafeOpen(HandleBehaviour):
         if self._index_identity is None:
             return
         try:
-            now = _file_identity(os.stat(self._path))
+            now = file_identity(os.stat(self._path))
         except OSError:
             now = None
         if now != self._index_identity:
@@ -518,19 +634,21 @@ class ShardedSafeOpen(HandleBehaviour):
                     tensor=name,
                 )
 
-    def _source_at(self, path: str) -> ByteSource:
-        """The open source of the shard at ``path`` (as :meth:`files` names it): the one its
-        header was read through, so its bytes are that version's."""
-        for shard in self._shards:
-            if self._shard_path(shard) == path:
-                return self._open_shard(shard)._live()
-        raise KeyError(path)
+    @contextlib.contextmanager
+    def _source_at(self, path: str) -> Iterator[ByteSource]:
+        """The open source of the shard at ``path`` (as :meth:`files` names it), kept open for
+        the ``with`` block: the one its header was read through, so its bytes are that
+        version's."""
+        if self._shard_at is None:
+            self._shard_at = {self._shard_path(shard): shard for shard in self._shards}
+        with self._shard(self._shard_at[path]) as handle:
+            yield handle._live()
 
     def _locate(self, name: str) -> tuple[str, int, TensorInfo]:
         """Where a tensor's bytes are: ``(shard path, file offset, header entry)``."""
         shard = self._shard_name(name)
-        handle = self._open_shard(shard)
-        header = handle.header
+        with self._shard(shard) as handle:
+            header = handle.header
         info = header.tensors[name]
         return self._shard_path(shard), header.data_start + info.begin, info
 
@@ -564,7 +682,8 @@ class ShardedSafeOpen(HandleBehaviour):
                         )
                     seen[name] = shard
                     data_bytes += info.nbytes
-            self._open_shard(shard)
+            with self._shard(shard):
+                pass
         total = (self._index_metadata or {}).get("total_size")
         if (
             total is not None
@@ -592,7 +711,8 @@ class ShardedSafeOpen(HandleBehaviour):
         self._live()
         out: list[str] = []
         for shard in self._shards:
-            out.extend(self._open_shard(shard).offset_keys())
+            with self._shard(shard) as handle:
+                out.extend(handle.offset_keys())
         return out
 
     def metadata(self) -> dict[str, str] | None:
@@ -613,7 +733,11 @@ class ShardedSafeOpen(HandleBehaviour):
         """Each shard's own ``__metadata__``, in shard-name order (reads every shard's header;
         for a single file, its metadata)."""
         self._live()
-        return [self._open_shard(shard).metadata() for shard in self._shards]
+        out = []
+        for shard in self._shards:
+            with self._shard(shard) as handle:
+                out.append(handle.metadata())
+        return out
 
     def weight_map(self) -> dict[str, str]:
         """Tensor name to shard file name, in the index's order."""
@@ -623,7 +747,8 @@ class ShardedSafeOpen(HandleBehaviour):
     def get_tensor_meta(self, name: str) -> TensorMeta:
         """A tensor's dtype, shape and offsets (within its shard), without reading its data."""
         self._live()
-        return self._open_shard(self._shard_name(name)).get_tensor_meta(name)
+        with self._shard(self._shard_name(name)) as handle:
+            return handle.get_tensor_meta(name)
 
     # ---------------------------------------------------------------------------- tensor data
 
@@ -636,16 +761,21 @@ class ShardedSafeOpen(HandleBehaviour):
         """
         check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
-        return self._open_shard(self._shard_name(name)).get_tensor(name)
+        with self._shard(self._shard_name(name)) as handle:
+            return handle.get_tensor(name)
 
     def get_tensors(self) -> dict[str, Any]:
         """Load every tensor, in file order (see :meth:`offset_keys`)."""
         self._live()
         out: dict[str, Any] = {}
         for shard in self._shards:
-            handle = self._handles.get(shard)
+            with self._lock:
+                handle = self._used(shard)
             if handle is not None:
-                out.update(handle.get_tensors())
+                try:
+                    out.update(handle.get_tensors())
+                finally:
+                    self._unpin(shard)
                 continue
             # A shard not open yet is read through a handle of this call's own, closed once
             # read (its tensors stay valid): a load of hundreds of shards held a descriptor per
@@ -662,7 +792,8 @@ class ShardedSafeOpen(HandleBehaviour):
         """A lazy view of one tensor that reads only what is indexed."""
         check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
-        return self._open_shard(self._shard_name(name)).get_slice(name)
+        with self._shard(self._shard_name(name)) as handle:
+            return handle.get_slice(name)
 
     def _read_slices(
         self, requests: list[tuple[str, Any]], *, map_fragmented: bool = False
@@ -675,8 +806,8 @@ class ShardedSafeOpen(HandleBehaviour):
             by_shard.setdefault(self._shard_name(name), []).append((name, index))
         got: dict[str, Any] = {}
         for shard, group in by_shard.items():
-            handle = self._open_shard(shard)
-            got.update(handle._read_slices(group, map_fragmented=map_fragmented))
+            with self._shard(shard) as handle:
+                got.update(handle._read_slices(group, map_fragmented=map_fragmented))
         return {name: got[name] for name, _ in requests}
 
     def __iter__(self) -> Iterator[str]:

@@ -1036,6 +1036,11 @@ class MmapSource:
     def name(self) -> str:
         return self._name
 
+    @property
+    def fd(self) -> int:
+        """A descriptor of the mapped file (-1 once closed, or for an empty file)."""
+        return self._fd
+
     def _check_not_truncated(self, offset: int, length: int) -> None:
         """Refuse a range the file no longer holds (touching it would be SIGBUS)."""
         fd = self._fd

@@ -553,6 +553,19 @@ def allow_descriptors(count: int) -> None:
         pass
 
 
+def descriptor_limit() -> int | None:
+    """The soft limit on open descriptors; None where there is none (or it is unknown)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return None
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):  # pragma: no cover - getrlimit of a known resource
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 class SaveGroup:
     """Files saved together (the shards and index of a checkpoint): renamed into place together.
 

@@ -480,10 +480,12 @@ def load_shard(
         slice_reads=slice_reads,
     ) as f:
         wanted = list(f.offset_keys()) if names is None else list(names)
-        slices = {name: f.get_slice(name) for name in wanted}
-        shapes = {name: sl.get_shape() for name, sl in slices.items()}
+        # Header entries, not slices: a slice keeps its shard open, and a folder of thousands
+        # of shards ran out of descriptors.
+        metas = {name: f.get_tensor_meta(name) for name in wanted}
+        shapes = {name: meta.shape for name, meta in metas.items()}
         plan = plan_shard(shapes, rank, world_size, rules, default=default, uneven=uneven)
-        bits = {name: dtype_from_code(sl.get_dtype()).bits for name, sl in slices.items()}
+        bits = {name: dtype_from_code(meta.dtype).bits for name, meta in metas.items()}
         _check_byte_aligned(plan, bits, world_size, uneven)
         requests = [(name, ... if spec.dim is None else spec.index) for name, spec in plan.items()]
         many = getattr(f, "_read_slices", None)
@@ -492,7 +494,7 @@ def load_shard(
             result: dict[str, Any] = many(requests, map_fragmented=map_fragmented)
             return result
         return {
-            name: f.get_tensor(name) if index is ... else slices[name][index]
+            name: f.get_tensor(name) if index is ... else f.get_slice(name)[index]
             for name, index in requests
         }
 

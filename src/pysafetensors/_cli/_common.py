@@ -24,11 +24,12 @@ import numpy as np
 
 from .._dtypes import DType
 from .._errors import SafetensorError
+from .._file_pool import FilePool
 from .._format import Header
 from .._reader import read_header
 from .._remote_urls import shown_location as shown
 from .._sharding import as_header_metadata, model_metadata
-from .._sources import ByteSource
+from .._sources import ByteSource, PreadSource
 from .._validate import (
     CONTROL_CHARS,
     ModelFiles,
@@ -456,6 +457,10 @@ class Model:
         self.close()
 
 
+#: The local files of every model a command opened (``diff`` opens two), within one budget.
+_OPEN_FILES: Final = FilePool()
+
+
 def open_model(target: str) -> Model:
     """Open a file, folder, index or URL; the headers are read and validated, the data is not.
 
@@ -474,12 +479,16 @@ def open_model(target: str) -> Model:
     model = Model(shown(target), located)
     try:
         for path, label in zip(located.files, located.labels, strict=True):
-            source = open_model_file(path)
+            source: ByteSource = open_model_file(path)
             try:
                 header = read_header(source, prefix_text=f"{label}: ")
             except BaseException:
                 source.close()
                 raise
+            if isinstance(source, PreadSource):
+                # A local file: its descriptor closed past the budget and opened again when
+                # read (a model of thousands of shards ran out of descriptors).
+                source = _OPEN_FILES.adopt(path, source)
             shard = ShardFile(shown(label), path, source, header)
             model.files.append(shard)
             for info in header.tensors.values():

@@ -1,0 +1,216 @@
+"""A checkpoint of more shards than the process may hold descriptors for.
+
+Each open shard holds one or two descriptors. With a hard limit of 128 (common limits are
+1,024 and 4,096, against checkpoints of thousands of shards), every way of reading a 300-shard
+folder (the handle, ``load_shard``, the command line) must work: shards not in use are closed
+past a budget and opened again when read, and one opened again must be the file first read.
+The limits are set in child processes, so the test run keeps its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pysafetensors import SafetensorError
+from pysafetensors._file_pool import FilePool
+from pysafetensors._sharding import save_sharded
+from pysafetensors._sources import PreadSource, open_regular_file
+from pysafetensors.numpy import load_file, save_file
+
+SHARDS = 300
+LIMIT = 128  # descriptors, soft and hard, in the child processes
+
+
+def _tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {f"layer.{i}.w": rng.standard_normal((8, 4)).astype(np.float32) for i in range(SHARDS)}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("many") / "model"
+    save_sharded(_tensors(), out, max_shard_size=128, format="np")
+    assert len(list(out.glob("*.safetensors"))) == SHARDS
+    return out
+
+
+# Sets the limit, then becomes the command: rlimits survive exec (a preexec_fn would make
+# subprocess fork a process that has JAX's threads, which warns).
+_LIMIT_THEN_EXEC = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def _run(args: list[str], *, limited: bool = False) -> subprocess.CompletedProcess[str]:
+    if limited:
+        args = [sys.executable, "-c", _LIMIT_THEN_EXEC, str(LIMIT), *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, check=False)
+
+
+def _child(code: str, limited: bool = True) -> subprocess.CompletedProcess[str]:
+    return _run([sys.executable, "-c", textwrap.dedent(code)], limited=limited)
+
+
+def test_handle_reads_every_shard_under_a_low_limit(folder: Path) -> None:
+    proc = _child(
+        f"""
+        import random, threading
+        import numpy as np
+        from pysafetensors import safe_open, parallel
+        from pysafetensors.numpy import load_file
+        path = {str(folder)!r}
+        rng = np.random.default_rng(7)
+        ref = {{f"layer.{{i}}.w": rng.standard_normal((8, 4)).astype(np.float32)
+                for i in range({SHARDS})}}
+        for backend in ("mmap", "pread"):
+            with safe_open(path, "np", backend=backend) as f:
+                for name in f.keys():  # every shard opened in turn
+                    assert (f.get_tensor(name) == ref[name]).all(), name
+                # Slices keep their shard open; the budget closes the others round them.
+                held = [(name, f.get_slice(name)) for name in list(f.keys())[:20]]
+                for name in f.keys():
+                    assert f.get_tensor_meta(name).shape == [8, 4]
+                for name, piece in held:
+                    assert (piece[2:5] == ref[name][2:5]).all(), name
+                assert len(f.offset_keys()) == {SHARDS}
+                assert len(f.shard_metadata()) == {SHARDS}
+                f.validate()
+                got = f.get_tensors()
+                assert all((got[k] == ref[k]).all() for k in ref)
+                errors = []
+                names = list(f.keys())
+                def reader(seed):
+                    pick = random.Random(seed)
+                    try:
+                        for _ in range(1500):
+                            name = pick.choice(names)
+                            assert (f.get_tensor(name) == ref[name]).all(), name
+                    except BaseException as exc:
+                        errors.append(exc)
+                threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                assert not errors, errors[0]
+        for backend in ("auto", "pread", "mmap"):
+            rows = parallel.load_shard(path, 1, 2, {{"layer.*": "rows"}}, "np", backend=backend)
+            assert all((rows[k] == ref[k][4:]).all() for k in ref)
+            cols = parallel.load_shard(path, 0, 2, {{"layer.*": "columns"}}, "np", backend=backend)
+            assert all((cols[k] == ref[k][:, :2]).all() for k in ref)
+        loaded = load_file(path)
+        assert all((loaded[k] == ref[k]).all() for k in ref)
+        print("all read")
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "all read"
+
+
+def test_shard_replaced_while_closed_for_the_budget_is_refused(
+    folder: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(folder, model)
+    code = f"""
+        import os, shutil
+        from pysafetensors import safe_open, SafetensorError
+        path = {str(model)!r}
+        with safe_open(path, "np") as f:
+            names = f.keys()
+            first = f.shard_of(names[0])
+            before = f.get_tensor(names[0])
+            # The same bytes under a new inode, the index untouched: another version of the
+            # file as far as anything can tell.
+            shutil.copyfile(first, first + ".new")
+            os.replace(first + ".new", first)
+            for name in names[1:]:
+                f.get_tensor(name)
+            try:
+                again = f.get_tensor(names[0])
+            except SafetensorError as exc:
+                print(type(exc).__name__, exc.kind, "changed since it was first read" in str(exc))
+            else:
+                print("read", (again == before).all())
+        """
+    limited = _child(code)
+    assert limited.returncode == 0, limited.stderr[-3000:]
+    assert limited.stdout.split() == ["ShardIndexError", "CheckpointChanged", "True"]
+    # Without a limit the shard stays open, and its first version is read again.
+    shutil.rmtree(model)
+    shutil.copytree(folder, model)
+    unlimited = _child(code, limited=False)
+    assert unlimited.returncode == 0, unlimited.stderr[-3000:]
+    assert unlimited.stdout.split() == ["read", "True"]
+
+
+@pytest.mark.parametrize("command", ["inspect", "hash", "stats", "validate"])
+def test_cli_reads_every_shard_under_a_low_limit(folder: Path, command: str) -> None:
+    args = [sys.executable, "-m", "pysafetensors", command, str(folder)]
+    limited = _run(args, limited=True)
+    free = _run(args)
+    assert free.returncode == 0, free.stderr
+    assert limited.returncode == 0, limited.stderr[-3000:]
+    assert limited.stdout == free.stdout
+
+
+def test_cli_rewrites_every_shard_under_a_low_limit(folder: Path, tmp_path: Path) -> None:
+    ref = _tensors()
+    cli = [sys.executable, "-m", "pysafetensors", "-q"]
+    merged, resharded, extracted = tmp_path / "one.safetensors", tmp_path / "re", tmp_path / "x"
+    for args in (
+        ["merge", str(folder), str(merged)],
+        ["reshard", str(folder), str(resharded), "--max-shard-size", "256"],
+        ["extract", str(folder), str(extracted), "layer.1*"],
+        ["diff", str(folder), str(resharded)],
+    ):
+        proc = _run(cli + args, limited=True)
+        assert proc.returncode == 0, (args, proc.stderr[-3000:])
+    assert len(list(resharded.glob("*.safetensors"))) == SHARDS // 2
+    for path in (merged, resharded):
+        got = load_file(path)
+        assert got.keys() == ref.keys()
+        assert all((got[k] == ref[k]).all() for k in ref)
+    got = load_file(extracted)
+    assert sorted(got) == sorted(k for k in ref if k.startswith("layer.1"))
+
+
+def _pooled(pool: FilePool, path: Path) -> object:
+    return pool.adopt(str(path), PreadSource(open_regular_file(str(path)), str(path)))
+
+
+def test_pool_reopens_closed_files_and_refuses_replaced_ones(tmp_path: Path) -> None:
+    arrays = {i: np.arange(16, dtype=np.uint8) + i for i in range(5)}
+    paths = []
+    for i, arr in arrays.items():
+        paths.append(tmp_path / f"{i}.safetensors")
+        save_file({"a": arr}, paths[-1])
+    pool = FilePool(capacity=2)
+    files = [_pooled(pool, p) for p in paths]
+    start = 8 + int.from_bytes(paths[0].read_bytes()[:8], "little")  # "a" is at the data's start
+    for _ in range(2):  # every file read more than once, two open at a time
+        for i, pooled in enumerate(files):
+            buf = bytearray(16)
+            pooled.readinto(start, memoryview(buf))  # type: ignore[attr-defined]
+            assert bytes(buf) == arrays[i].tobytes()
+            open_now = sum(p._source is not None for p in files)  # type: ignore[attr-defined]
+            assert open_now <= 2
+    # File 0 was closed for the budget: replaced meanwhile, it is refused, not read.
+    shutil.copyfile(paths[0], tmp_path / "copy")
+    os.replace(tmp_path / "copy", paths[0])
+    with pytest.raises(SafetensorError, match="changed since its header was read") as info:
+        files[0].readinto(start, memoryview(bytearray(16)))  # type: ignore[attr-defined]
+    assert info.value.kind == "FileChanged"
+    files[1].close()  # type: ignore[attr-defined]
+    with pytest.raises(SafetensorError, match="File is closed"):
+        files[1].readinto(start, memoryview(bytearray(16)))  # type: ignore[attr-defined]
