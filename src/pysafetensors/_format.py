@@ -63,7 +63,7 @@ import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any, Final, NamedTuple
 
 from ._dtypes import DTYPES, UINT64_MAX, DType, checked_nbits, dtype_from_code
@@ -76,7 +76,7 @@ from ._errors import (
     TensorInfoError,
     not_an_instance,
 )
-from ._serde_number import number_in_range, serde_integer, unexpected_number
+from ._serde_number import f64_text, number_in_range, serde_integer, unexpected_number
 from ._serde_syntax import SyntaxErrorAt, debug_str, first_syntax_error, position_of_index
 
 __all__ = [
@@ -264,7 +264,21 @@ class _NotInt:
         return self.text
 
 
-def _parse_float(text: str) -> _NotInt:
+#: Float literals this short have at most 15 significant digits; where their power of ten is
+#: also exact (10**22 at most, either way), serde's f64 arithmetic (the significand times or
+#: over that power) rounds once, as ``float()`` does, so the value can stand for the literal.
+_EXACT_FLOAT: Final = 16
+
+
+def _parse_float(text: str) -> float | _NotInt:
+    if len(text) <= _EXACT_FLOAT:
+        # A float (24 bytes) instead of the text in a wrapper (~100): a header of millions
+        # of numbers in an unknown field is held whole while it is checked.
+        if "e" not in text and "E" not in text:
+            return float(text)  # 15 decimals at most: the power is exact
+        mantissa, _, exponent = text.lower().partition("e")
+        if -22 <= int(exponent) - len(mantissa.partition(".")[2]) <= 22:
+            return float(text)
     if not number_in_range(text):
         raise ValueError("number out of range")
     return _NotInt(text)
@@ -331,6 +345,8 @@ def _describe(value: Any) -> str:
         return unexpected_number(str(value))
     if isinstance(value, _NotInt):
         return unexpected_number(value.text)
+    if isinstance(value, float):  # a short float literal (see _parse_float)
+        return f"floating point `{f64_text(value)}`"
     if isinstance(value, str):
         return f"string {debug_str(value)}"
     if isinstance(value, list):
@@ -490,31 +506,36 @@ def _scan(value: Any, check_surrogates: bool, depth: int) -> str | None:
     """What serde_json refuses while merely parsing a value: lone surrogates, deep nesting.
 
     ``depth`` counts the containers around ``value``. Iterative, so that it works for values
-    nested as deep as the ``json`` module allows.
+    nested as deep as the ``json`` module allows, and in document order (serde reports the
+    first problem it meets). A stack of iterators, one per open container, rather than an
+    item per element: a list of millions of numbers took a tuple each (~50 bytes a number).
     """
-    stack: list[tuple[Any, int]] = [(value, depth)]
+    stack: list[tuple[Iterator[Any], int]] = [(iter((value,)), depth)]
     while stack:
-        item, level = stack.pop()
-        if isinstance(item, str):
-            if check_surrogates:
-                problem = _surrogate_message(item)
-                if problem:
+        items, level = stack[-1]
+        for item in items:
+            if isinstance(item, str):
+                if check_surrogates:
+                    problem = _surrogate_message(item)
+                    if problem:
+                        return problem
+            elif type(item) is int:
+                problem = _big_int_problem(item)
+                if problem == "number out of range":
                     return problem
-        elif type(item) is int:
-            problem = _big_int_problem(item)
-            if problem == "number out of range":
-                return problem
-        elif isinstance(item, dict):
-            if level + 1 > _MAX_DEPTH:
-                return "recursion limit exceeded"
-            pairs = item.pairs() if isinstance(item, _Obj) else list(item.items())
-            for key, sub in reversed(pairs):
-                stack.append((sub, level + 1))
-                stack.append((key, level + 1))
-        elif isinstance(item, list):
-            if level + 1 > _MAX_DEPTH:
-                return "recursion limit exceeded"
-            stack.extend((sub, level + 1) for sub in reversed(item))
+            elif isinstance(item, dict):
+                if level + 1 > _MAX_DEPTH:
+                    return "recursion limit exceeded"
+                pairs = item.pairs() if isinstance(item, _Obj) else item.items()
+                stack.append((chain.from_iterable(pairs), level + 1))  # key, value, key...
+                break
+            elif isinstance(item, list):
+                if level + 1 > _MAX_DEPTH:
+                    return "recursion limit exceeded"
+                stack.append((iter(item), level + 1))
+                break
+        else:
+            stack.pop()
     return None
 
 
@@ -785,7 +806,15 @@ def parse_header(
 
 # A key followed by whitespace before its colon: the fast path's key count cannot see it.
 _SPACED_COLON: Final = re.compile(r'"[ \t\n\r]+:')
-_PLAIN_DECODER: Final = json.JSONDecoder(parse_float=_NotInt, parse_constant=_reject_constant)
+
+
+def _not_ordinary(_text: str) -> Any:
+    # No ordinary header holds a float (shapes and offsets are integers, metadata strings):
+    # stop decoding at the first one instead of building the rest for nothing.
+    raise ValueError("a float")
+
+
+_PLAIN_DECODER: Final = json.JSONDecoder(parse_float=_not_ordinary, parse_constant=_reject_constant)
 _GET_FIELDS: Final = operator.itemgetter("dtype", "shape", "data_offsets")
 
 

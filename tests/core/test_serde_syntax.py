@@ -315,3 +315,39 @@ def test_the_quick_range_check_agrees_with_serde_s_conversion() -> None:
     for text in texts:
         exact = serde_integer(text) is not None or serde_f64(text) is not None
         assert number_in_range(text) == exact, text
+
+
+def test_short_floats_kept_as_floats_are_shown_as_serde_does() -> None:
+    """Float literals of at most 16 characters whose power of ten is exact are held as Python
+    floats (not their text): serde's f64 of them is ``float()``'s, so its messages come out the
+    same, against the reference and against the digit-by-digit emulation."""
+    from pysafetensors._format import _describe, _parse_float
+    from pysafetensors._serde_number import unexpected_number
+
+    rng = random.Random(20261201)
+    texts = ["-0.0", "0.0", "0.000000000000001", "999999999999999.9", "-99999999999999.9"]
+    texts += ["0e0", "-0E0", "1e22", "1e23", "1.5e-21", "1e-22", "1e-23", "12345678901234e22"]
+    for _ in range(20000):
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(2, 15)))
+        cut = rng.randint(1, len(digits) - 1)
+        text = rng.choice(["", "-"]) + (digits[:cut].lstrip("0") or "0")
+        if rng.random() < 0.7:
+            text += "." + digits[cut:]
+        if rng.random() < 0.4 or "." not in text:
+            text += rng.choice(["e", "E", "e-", "E+", "e0"]) + str(rng.randint(0, 40))
+        texts.append(text)
+    short = [t for t in texts if len(t) <= 16]
+    assert len(short) > 15000
+    floats = 0
+    for text in short:
+        value = _parse_float(text)
+        floats += type(value) is float
+        assert _describe(value) == unexpected_number(text), text
+    assert floats > 12000
+    differ = []
+    for text in short[:300]:
+        header = _PLACES[rng.randrange(len(_PLACES))] % text
+        found = _same(header)
+        if found is not None:
+            differ.append((header, found))
+    assert not differ, differ[:5]
