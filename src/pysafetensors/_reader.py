@@ -249,6 +249,27 @@ class HandleBehaviour:
         return True
 
 
+def _new_arguments(
+    filename: Any,
+    framework: str,
+    device: Any = "cpu",
+    *,
+    backend: str = "mmap",
+    max_header_size: int = MAX_HEADER_SIZE,
+    storage_options: dict[str, Any] | None = None,
+    threads: int | None = None,
+    slice_reads: str = "coalesce",
+) -> Any:
+    """``safe_open``'s parameters: a call that does not fit them is refused by Python, under
+    this name, in the reference's words (``safe_open.__new__() missing 1 required positional
+    argument: 'framework'``; ``__init__`` would count ``self`` among the positional arguments).
+    Returns ``filename``."""
+    return filename
+
+
+_new_arguments.__qualname__ = "safe_open.__new__"
+
+
 class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     """Open a safetensors file lazily: the header now, tensors when asked for.
 
@@ -283,12 +304,13 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         ...     weight = f.get_tensor("weight")
     """
 
-    def __new__(cls, filename: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # A model folder or a hub index opens as one logical file across its shards.
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        filename = _new_arguments(*args, **kwargs)
         if cls is safe_open and _is_sharded_target(filename):
+            # A model folder or a hub index opens as one logical file across its shards.
             from ._sharded import ShardedSafeOpen
 
-            return ShardedSafeOpen(filename, *args, **kwargs)
+            return ShardedSafeOpen(*args, **kwargs)
         return super().__new__(cls)
 
     def __init__(

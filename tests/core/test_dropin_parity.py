@@ -1171,3 +1171,25 @@ def test_exit_takes_the_reference_s_three_arguments(tmp_path: Path) -> None:
         with pytest.raises(TypeError, match="missing 3 required positional arguments"):
             handle.__exit__()
         handle.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((), {}),
+        (("x",), {}),
+        (("x", "np"), {"foo": 1}),
+        (("x", "np", "cpu", "mmap"), {}),
+        (("x", "np"), {"filename": "y"}),
+        ((), {"framework": "np"}),
+        (("x",), {"device": "cpu", "backend": "mmap"}),
+    ],
+)
+def test_safe_open_refuses_wrong_arguments_in_the_reference_s_words(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    # Worded from __init__, the messages named it and counted `self` among the positional
+    # arguments ("takes from 3 to 4 positional arguments but 5 were given").
+    theirs = _outcome(lambda: ref.safe_open(*args, **kwargs))
+    mine = _outcome(lambda: pysafetensors.safe_open(*args, **kwargs))
+    assert theirs[0] == "error" and mine == theirs
