@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections import OrderedDict
 from typing import Final
 
@@ -35,7 +36,7 @@ def file_identity(st: os.stat_result) -> tuple[int, ...]:
 
 class FilePool:
     """The open files of several :class:`PooledFile` sources, the least recently read closed
-    first past the budget. Not thread-safe: for one thread's sequential reads (a command).
+    first past the budget. Thread-safe; a read in progress keeps its file open.
 
     Args:
         capacity: Files open at once; None: as many as the descriptor limit allows (two
@@ -46,6 +47,7 @@ class FilePool:
     def __init__(self, capacity: int | None = None) -> None:
         self._capacity = capacity
         self._open: OrderedDict[PooledFile, None] = OrderedDict()
+        self._lock = threading.RLock()
         self._limit: int | None = capacity  # files open at once (None: no limit)
         self._limit_until = 0 if capacity is None else capacity  # open files it was asked for
 
@@ -62,10 +64,12 @@ class FilePool:
     def adopt(self, path: str, source: PreadSource) -> PooledFile:
         """``source`` (open on ``path``) as a pooled file; the pool now closes it."""
         pooled = PooledFile(self, path, source)
-        self._used(pooled)
+        with self._lock:
+            self._used(pooled)
         return pooled
 
     def _used(self, pooled: PooledFile) -> None:
+        """``pooled`` is open and the most recently read. Called under the lock."""
         self._open[pooled] = None
         self._open.move_to_end(pooled)
         if len(self._open) > self._limit_until:
@@ -75,23 +79,29 @@ class FilePool:
             self._limit_until = len(self._open) + SPARE_DESCRIPTORS
             if self._limit is not None:
                 self._limit_until = max(self._limit_until, self._limit)
-        self._shrink(keep=pooled)
+        self._shrink()
 
-    def _shrink(self, keep: PooledFile) -> None:
-        while self._limit is not None and len(self._open) > self._limit:
-            oldest = next(iter(self._open))
-            if oldest is keep:  # pragma: no cover - the limit is at least MIN_OPEN
+    def _shrink(self) -> None:
+        """Close the least recently read files not being read, down to the limit. Called
+        under the lock."""
+        if self._limit is None or len(self._open) <= self._limit:
+            return
+        for pooled in list(self._open):
+            if len(self._open) <= self._limit:
                 break
-            self._open.pop(oldest)
-            oldest._release()
+            if not pooled._reading:
+                self._open.pop(pooled)
+                pooled._release()
 
-    def _starved(self, keep: PooledFile) -> None:
-        """The process ran out of descriptors (files of its own): keep half as many open."""
+    def _starved(self) -> None:
+        """The process ran out of descriptors (files of its own): keep half as many open.
+        Called under the lock."""
         self._capacity = self._limit = self._limit_until = max(MIN_OPEN, len(self._open) // 2)
-        self._shrink(keep)
+        self._shrink()
 
     def _forget(self, pooled: PooledFile) -> None:
-        self._open.pop(pooled, None)
+        with self._lock:
+            self._open.pop(pooled, None)
 
 
 class PooledFile:
@@ -105,6 +115,7 @@ class PooledFile:
         self._identity = file_identity(os.fstat(source.fd))
         self._source: PreadSource | None = source
         self._closed = False
+        self._reading = 0  # reads in progress: the pool does not close the file under them
 
     @property
     def size(self) -> int:
@@ -115,6 +126,7 @@ class PooledFile:
         return self._path
 
     def _reopened(self) -> PreadSource:
+        """The open file, opened again if the pool closed it. Called under the pool's lock."""
         source = self._source
         if source is None:
             if self._closed:
@@ -124,7 +136,7 @@ class PooledFile:
             except OSError as exc:
                 if exc.errno not in (errno.EMFILE, errno.ENFILE):
                     raise
-                self._pool._starved(keep=self)
+                self._pool._starved()
                 fd = open_regular_file(self._path)
             try:
                 if file_identity(os.fstat(fd)) != self._identity:
@@ -143,7 +155,18 @@ class PooledFile:
         return source
 
     def readinto(self, offset: int, out: memoryview) -> None:
-        self._reopened().readinto(offset, out)
+        with self._pool._lock:
+            self._reading += 1  # first: the pool may close files as this one is reopened
+            try:
+                source = self._reopened()
+            except BaseException:
+                self._reading -= 1
+                raise
+        try:
+            source.readinto(offset, out)
+        finally:
+            with self._pool._lock:
+                self._reading -= 1
 
     def view(self, offset: int, length: int) -> memoryview | None:
         return None

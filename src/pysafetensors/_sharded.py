@@ -423,6 +423,9 @@ class ShardedSafeOpen(HandleBehaviour):
                 self._pins[shard] = left
             else:
                 del self._pins[shard]
+            budget = self._budget
+            if budget is None or len(self._handles) <= budget:
+                return
             # Shards kept open past the budget because they were in use go now.
             evicted = self._over_budget()
         for old in evicted:
@@ -521,9 +524,10 @@ class ShardedSafeOpen(HandleBehaviour):
                 raise
             raise OSError(
                 exc.errno,
-                f"out of file descriptors opening shard {shard!r} of {_shown(self._path)} "
-                f"({len(self._handles)} of its shards are in use, and slices keep theirs open; "
-                "raise the limit with `ulimit -n`)",
+                f"out of file descriptors opening shard {shard!r} of {_shown(self._path)}: this "
+                f"handle keeps {len(self._handles)} shards open, and slices (and before Python "
+                "3.13 tensors viewing a memory map) keep their file open until they are freed; "
+                "raise the limit (`ulimit -n`) or open with backend='pread'",
                 path,
             ) from exc
 
@@ -747,8 +751,13 @@ class ShardedSafeOpen(HandleBehaviour):
     def get_tensor_meta(self, name: str) -> TensorMeta:
         """A tensor's dtype, shape and offsets (within its shard), without reading its data."""
         self._live()
-        with self._shard(self._shard_name(name)) as handle:
+        # Pinned by hand, not by _shard: its generator doubled the cost of this call.
+        shard = self._shard_name(name)
+        handle = self._pin(shard)
+        try:
             return handle.get_tensor_meta(name)
+        finally:
+            self._unpin(shard)
 
     # ---------------------------------------------------------------------------- tensor data
 
@@ -761,8 +770,12 @@ class ShardedSafeOpen(HandleBehaviour):
         """
         check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
-        with self._shard(self._shard_name(name)) as handle:
+        shard = self._shard_name(name)
+        handle = self._pin(shard)  # by hand, as in get_tensor_meta
+        try:
             return handle.get_tensor(name)
+        finally:
+            self._unpin(shard)
 
     def get_tensors(self) -> dict[str, Any]:
         """Load every tensor, in file order (see :meth:`offset_keys`)."""
@@ -792,8 +805,12 @@ class ShardedSafeOpen(HandleBehaviour):
         """A lazy view of one tensor that reads only what is indexed."""
         check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
-        with self._shard(self._shard_name(name)) as handle:
+        shard = self._shard_name(name)
+        handle = self._pin(shard)  # by hand, as in get_tensor_meta
+        try:
             return handle.get_slice(name)
+        finally:
+            self._unpin(shard)
 
     def _read_slices(
         self, requests: list[tuple[str, Any]], *, map_fragmented: bool = False

@@ -22,6 +22,7 @@ import errno
 import mmap
 import os
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -218,6 +219,20 @@ class ByteSource(Protocol):
 
 class NotRegularFileError(OSError):
     """A path names a FIFO, socket or device where a file was expected (``errno`` EINVAL)."""
+
+
+def map_file(fd: int, length: int, *, offset: int = 0, access: int = mmap.ACCESS_COPY) -> mmap.mmap:
+    """A memory map of ``length`` bytes of the open file ``fd`` from ``offset``.
+
+    A map lives as long as the arrays and tensors that view it, and before Python 3.13 it holds
+    a duplicate of the file's descriptor all that time (the reference's maps hold none): a
+    process that kept tensors from more files than its descriptor limit allows ran out. Where
+    Python can (``trackfd=False``), the map keeps no descriptor; nothing here asks a map for
+    its size or resizes it, which would need one.
+    """
+    if sys.version_info >= (3, 13):  # trackfd is new in 3.13
+        return mmap.mmap(fd, length, access=access, offset=offset, trackfd=False)
+    return mmap.mmap(fd, length, access=access, offset=offset)
 
 
 def _special_kind(mode: int) -> str:
@@ -1014,9 +1029,7 @@ class MmapSource:
         self._name = name
         self._size = os.fstat(fd).st_size if size is None else size
         # mmap refuses empty files; a file that small is refused by the header checks anyway.
-        self._map: mmap.mmap | None = (
-            mmap.mmap(fd, self._size, access=mmap.ACCESS_COPY) if self._size else None
-        )
+        self._map: mmap.mmap | None = map_file(fd, self._size) if self._size else None
         self._view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
         if self._map is not None and hasattr(os, "posix_fadvise"):
             # Page faults on a file mapping read ahead by the file's readahead window; the
@@ -1102,7 +1115,7 @@ class MmapSource:
         if fd < 0 or length == 0:
             return self.view(offset, length)
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_COPY, offset=start)
+        mapping = map_file(fd, offset + length - start, offset=start)
         return memoryview(mapping)[offset - start :]
 
     def prefetch(self, offset: int, length: int) -> bool:

@@ -286,7 +286,7 @@ def _check_options(rules: Any, default: Any, uneven: Any) -> None:
 def _is_split(value: Any) -> bool:
     """Whether ``value`` is a split: ``"rows"``, ``"columns"``, ``"replicate"`` or a dimension."""
     if isinstance(value, str):
-        return value in ("rows", "columns", "replicate")
+        return value in _SPLIT_NAMES or value == "replicate"
     return _is_integer(value)
 
 

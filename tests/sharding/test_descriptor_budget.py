@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +215,59 @@ def test_pool_reopens_closed_files_and_refuses_replaced_ones(tmp_path: Path) -> 
     files[1].close()  # type: ignore[attr-defined]
     with pytest.raises(SafetensorError, match="File is closed"):
         files[1].readinto(start, memoryview(bytearray(16)))  # type: ignore[attr-defined]
+
+
+def test_pool_is_shared_by_threads(tmp_path: Path) -> None:
+    """Threads reading files of one pool: none meets a file closed under its read, and the
+    bytes are each file's."""
+    arrays = {i: (np.arange(4096, dtype=np.uint32) * (i + 1)).astype(np.uint32) for i in range(8)}
+    paths = []
+    for i, arr in arrays.items():
+        paths.append(tmp_path / f"{i}.safetensors")
+        save_file({"a": arr}, paths[-1])
+    start = 8 + int.from_bytes(paths[0].read_bytes()[:8], "little")
+    pool = FilePool(capacity=2)
+    files = [_pooled(pool, p) for p in paths]
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        pick = np.random.default_rng(seed)
+        try:
+            for _ in range(400):
+                i = int(pick.integers(len(files)))
+                buf = bytearray(arrays[i].nbytes)
+                files[i].readinto(start, memoryview(buf))  # type: ignore[attr-defined]
+                assert bytes(buf) == arrays[i].tobytes(), i
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    assert sum(p._source is not None for p in files) <= 2  # type: ignore[attr-defined]
+
+
+def test_maps_keep_no_descriptor_where_python_allows(folder: Path) -> None:
+    """Loaded arrays view maps of their files; before Python 3.13 each map keeps a descriptor
+    of its file open (one a shard here), from 3.13 none (``trackfd=False``)."""
+    proc = _child(
+        f"""
+        import os, sys
+        from pysafetensors.numpy import load_file
+        from pysafetensors import safe_open
+        before = len(os.listdir("/proc/self/fd"))
+        with safe_open({str(folder)!r}, "np") as f:
+            views = [f.get_slice(name)[...] for name in f.keys()[:50]]
+            loaded = f.get_tensors()
+        held = len(os.listdir("/proc/self/fd")) - before
+        print(sys.version_info >= (3, 13), held, len(loaded))
+        """,
+        limited=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    untracked, held, count = proc.stdout.split()
+    assert int(count) == SHARDS
+    assert int(held) == 0 if untracked == "True" else int(held) <= SHARDS
