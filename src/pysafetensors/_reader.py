@@ -463,8 +463,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         start = self._header.data_start + info.begin
         if getattr(self._adapter, "private_per_call", False):
             # numpy: a copy per call, as the reference makes. A mapping per tensor (zero-copy)
-            # kept a duplicated descriptor open per array (mmap dups it): a dict of 1,000
-            # large tensors exhausted the process's descriptors.
+            # kept a duplicated descriptor open per array (Python's mmap dups it; maps no
+            # longer keep one, see map_file), and a process may hold only ~65,000 maps.
             return read_fresh(source, start, info.nbytes)
         view = self._mapped(source, start, info.nbytes)
         if view is not None:

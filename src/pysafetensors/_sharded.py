@@ -525,9 +525,8 @@ class ShardedSafeOpen(HandleBehaviour):
             raise OSError(
                 exc.errno,
                 f"out of file descriptors opening shard {shard!r} of {_shown(self._path)}: this "
-                f"handle keeps {len(self._handles)} shards open, and slices (and before Python "
-                "3.13 tensors viewing a memory map) keep their file open until they are freed; "
-                "raise the limit (`ulimit -n`) or open with backend='pread'",
+                f"handle keeps {len(self._handles)} shards open, and slices keep their shard "
+                "open until they are freed; raise the limit (`ulimit -n`)",
                 path,
             ) from exc
 

@@ -25,6 +25,7 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
@@ -32,7 +33,7 @@ from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from ._errors import ClosedFileError, SafetensorError
-from ._syscalls import madvise, mincore
+from ._syscalls import MAP_FAILED, madvise, map_functions, mincore
 
 __all__ = [
     "MAX_READ_THREADS",
@@ -221,18 +222,60 @@ class NotRegularFileError(OSError):
     """A path names a FIFO, socket or device where a file was expected (``errno`` EINVAL)."""
 
 
-def map_file(fd: int, length: int, *, offset: int = 0, access: int = mmap.ACCESS_COPY) -> mmap.mmap:
-    """A memory map of ``length`` bytes of the open file ``fd`` from ``offset``.
+class _MappedRegion:
+    """A region of memory mapped by libc's ``mmap``, as numpy sees it: arrays made from it keep
+    it (their base), and it is unmapped when the last of them goes."""
 
-    A map lives as long as the arrays and tensors that view it, and before Python 3.13 it holds
-    a duplicate of the file's descriptor all that time (the reference's maps hold none): a
-    process that kept tensors from more files than its descriptor limit allows ran out. Where
-    Python can (``trackfd=False``), the map keeps no descriptor; nothing here asks a map for
-    its size or resizes it, which would need one.
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, address: int, length: int) -> None:
+        self.__array_interface__ = {
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+def map_file(fd: int, length: int, *, offset: int = 0) -> mmap.mmap | memoryview:
+    """A private, copy-on-write memory map of ``length`` bytes of the open file ``fd`` from
+    ``offset`` (a multiple of ``mmap.ALLOCATIONGRANULARITY``); writes stay in the process.
+
+    A map lives as long as the arrays and tensors that view it, and Python's ``mmap`` holds a
+    duplicate of the file's descriptor all that time (the reference's maps hold none): a process
+    that kept tensors from more files than its descriptor limit allows ran out. So the map is
+    made without one: by ``mmap`` with ``trackfd=False`` from Python 3.13, before that by
+    libc's ``mmap`` (a writable ``memoryview`` whose memory is unmapped when the last view of
+    it goes), and only where neither can, by Python's ``mmap`` as it is.
+
+    Raises:
+        ValueError: The range is not inside the file (as ``mmap.mmap`` refuses it: touching
+            pages past the end would be SIGBUS).
+        OSError: The kernel refused the map (ENOMEM: out of address space or maps).
     """
     if sys.version_info >= (3, 13):  # trackfd is new in 3.13
-        return mmap.mmap(fd, length, access=access, offset=offset, trackfd=False)
-    return mmap.mmap(fd, length, access=access, offset=offset)
+        return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset, trackfd=False)
+    if map_functions is None or madvise is None or not length:
+        # (Where libc's madvise cannot be called either, the prefetch advises through the
+        # mmap object's own.)
+        return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
+    if offset + length > os.fstat(fd).st_size:
+        raise ValueError("mmap length is greater than file size")
+    map_fn, unmap_fn = map_functions
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    address = map_fn(None, length, prot, mmap.MAP_PRIVATE, fd, offset)
+    if address is None or address == MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    try:
+        region = _MappedRegion(address, length)
+        view = np.asarray(region).data
+    except BaseException:
+        unmap_fn(address, length)
+        raise
+    # Not at exit: arrays may outlive the finalizers, and the process unmaps everything.
+    weakref.finalize(region, unmap_fn, address, length).atexit = False
+    return view
 
 
 def _special_kind(mode: int) -> str:
@@ -415,12 +458,14 @@ def _numpy_empty(nbytes: int, hugepages: bool) -> np.ndarray:
             setter(previous)
 
 
-def _address_of(mapping: mmap.mmap) -> int:
+def _address_of(mapping: mmap.mmap | memoryview) -> int:
     """The address of a mapping's first byte (0 for an empty one)."""
     return int(np.frombuffer(mapping, np.uint8).ctypes.data) if len(mapping) else 0
 
 
-def _madvise(mapping: mmap.mmap, address: int, start: int, length: int, advice: int) -> None:
+def _madvise(
+    mapping: mmap.mmap | memoryview, address: int, start: int, length: int, advice: int
+) -> None:
     """``madvise`` on ``[start, start + length)`` of ``mapping`` (at ``address``), with the GIL
     released where libc's call is available (see :data:`._syscalls.madvise`).
 
@@ -428,6 +473,7 @@ def _madvise(mapping: mmap.mmap, address: int, start: int, length: int, advice: 
         OSError: The kernel refused the advice.
     """
     if madvise is None:
+        assert isinstance(mapping, mmap.mmap)  # map_file maps by libc only with its madvise
         mapping.madvise(advice, start, length)
         return
     if madvise(address + start, length, advice) != 0:
@@ -1029,7 +1075,7 @@ class MmapSource:
         self._name = name
         self._size = os.fstat(fd).st_size if size is None else size
         # mmap refuses empty files; a file that small is refused by the header checks anyway.
-        self._map: mmap.mmap | None = map_file(fd, self._size) if self._size else None
+        self._map: mmap.mmap | memoryview | None = map_file(fd, self._size) if self._size else None
         self._view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
         if self._map is not None and hasattr(os, "posix_fadvise"):
             # Page faults on a file mapping read ahead by the file's readahead window; the

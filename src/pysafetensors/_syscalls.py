@@ -62,3 +62,32 @@ sync_file_range: Final = (
 #: ``mmap.madvise`` and at ~16.6 GB/s through this call, which releases the GIL (ctypes does for
 #: every foreign call).
 madvise: Final = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+
+
+def _map_functions() -> tuple[Callable[..., int | None], Callable[..., int]] | None:
+    """libc's ``mmap`` and ``munmap`` (64-bit POSIX only: ``off_t`` as an int64)."""
+    libc = _libc()
+    if libc is None or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    try:
+        map_fn, unmap_fn = libc.mmap, libc.munmap
+    except AttributeError:  # pragma: no cover - every POSIX libc has both
+        return None
+    map_fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int64,
+    ]
+    map_fn.restype = ctypes.c_void_p
+    unmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    unmap_fn.restype = ctypes.c_int
+    return map_fn, unmap_fn
+
+
+#: ``(mmap, munmap)`` from libc, or None.
+map_functions: Final = _map_functions()
+#: What ``mmap`` returns on failure, ``(void *) -1``, as ctypes reads it back.
+MAP_FAILED: Final = ctypes.c_void_p(-1).value

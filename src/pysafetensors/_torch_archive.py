@@ -21,7 +21,7 @@ from typing import Any, Final
 import numpy as np
 
 from ._errors import CheckpointError
-from ._sources import map_file, open_regular_file
+from ._sources import open_regular_file
 from ._zip_directory import EOCD_SIG, ZIP64_EOCD, end_records
 
 __all__ = ["BoundedFile", "FileBytes", "ZipMember", "ZipView", "caseless", "open_zip"]
@@ -81,7 +81,7 @@ class FileBytes:
         """
         self._check(offset, length)
         aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mapping = map_file(
+        mapping = mmap.mmap(
             self.fd, offset + length - aligned, offset=aligned, access=mmap.ACCESS_READ
         )
         # The array keeps the mapping alive; it is unmapped when the array goes.
