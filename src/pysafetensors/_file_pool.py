@@ -178,6 +178,7 @@ class PooledFile:
             source.close()
 
     def close(self) -> None:
-        self._closed = True
-        self._pool._forget(self)
-        self._release()
+        with self._pool._lock:  # not released twice, by this and by the pool's budget
+            self._closed = True
+            self._pool._forget(self)
+            self._release()

@@ -533,7 +533,7 @@ class ShardedSafeOpen(HandleBehaviour):
     def _set_budget(self) -> None:
         """Ask for descriptors enough for the shards open so far and more, and keep as many
         shards open as the limit then allows."""
-        # Each open shard holds a descriptor or two (a memory map keeps its own) until it is
+        # Each open shard holds a descriptor or two (a second for partial reads) until it is
         # closed: a checkpoint of 1,500 shards ran out of them under the common soft limit of
         # 1,024, and one of 2,500 under a hard limit of 4,096.
         allow_descriptors(2 * len(self._handles) + 2 * SPARE_DESCRIPTORS)
