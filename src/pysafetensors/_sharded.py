@@ -23,7 +23,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 from ._adapter import get_adapter
@@ -416,6 +416,17 @@ class ShardedSafeOpen(HandleBehaviour):
         finally:
             self._unpin(shard)
 
+    def _on_shard(self, name: str, method: Callable[[safe_open, str], Any]) -> Any:
+        """``method(handle, name)`` on the handle of ``name``'s shard, kept open meanwhile.
+        Pinned by hand, not by :meth:`_shard`: its generator doubled the cost of a
+        ``get_tensor_meta``."""
+        shard = self._shard_name(name)
+        handle = self._pin(shard)
+        try:
+            return method(handle, name)
+        finally:
+            self._unpin(shard)
+
     def _unpin(self, shard: str) -> None:
         with self._lock:
             left = self._pins[shard] - 1
@@ -750,13 +761,8 @@ class ShardedSafeOpen(HandleBehaviour):
     def get_tensor_meta(self, name: str) -> TensorMeta:
         """A tensor's dtype, shape and offsets (within its shard), without reading its data."""
         self._live()
-        # Pinned by hand, not by _shard: its generator doubled the cost of this call.
-        shard = self._shard_name(name)
-        handle = self._pin(shard)
-        try:
-            return handle.get_tensor_meta(name)
-        finally:
-            self._unpin(shard)
+        meta: TensorMeta = self._on_shard(name, safe_open.get_tensor_meta)
+        return meta
 
     # ---------------------------------------------------------------------------- tensor data
 
@@ -769,12 +775,7 @@ class ShardedSafeOpen(HandleBehaviour):
         """
         check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
-        shard = self._shard_name(name)
-        handle = self._pin(shard)  # by hand, as in get_tensor_meta
-        try:
-            return handle.get_tensor(name)
-        finally:
-            self._unpin(shard)
+        return self._on_shard(name, safe_open.get_tensor)
 
     def get_tensors(self) -> dict[str, Any]:
         """Load every tensor, in file order (see :meth:`offset_keys`)."""
@@ -804,12 +805,8 @@ class ShardedSafeOpen(HandleBehaviour):
         """A lazy view of one tensor that reads only what is indexed."""
         check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
-        shard = self._shard_name(name)
-        handle = self._pin(shard)  # by hand, as in get_tensor_meta
-        try:
-            return handle.get_slice(name)
-        finally:
-            self._unpin(shard)
+        piece: SafeSlice = self._on_shard(name, safe_open.get_slice)
+        return piece
 
     def _read_slices(
         self, requests: list[tuple[str, Any]], *, map_fragmented: bool = False
