@@ -89,5 +89,7 @@ def _map_functions() -> tuple[Callable[..., int | None], Callable[..., int]] | N
 
 #: ``(mmap, munmap)`` from libc, or None.
 map_functions: Final = _map_functions()
-#: What ``mmap`` returns on failure, ``(void *) -1``, as ctypes reads it back.
-MAP_FAILED: Final = ctypes.c_void_p(-1).value
+#: ``mmap`` flags the ``mmap`` module does not name before Python 3.13 (Linux and macOS share
+#: MAP_FIXED; MAP_NORESERVE is Linux's, a hint, left out elsewhere).
+MAP_FIXED: Final = 0x10
+MAP_NORESERVE: Final = 0x4000 if sys.platform.startswith("linux") else 0
