@@ -32,7 +32,7 @@ from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from ._errors import ClosedFileError, SafetensorError
-from ._syscalls import MAP_FIXED, MAP_NORESERVE, madvise, map_functions, mincore
+from ._syscalls import MAP_FIXED, MAP_NORESERVE, libc_mmap, madvise, mincore
 
 __all__ = [
     "MAX_READ_THREADS",
@@ -251,7 +251,7 @@ def map_file(fd: int, length: int, *, offset: int = 0) -> tuple[mmap.mmap, int]:
     if sys.version_info >= (3, 13):  # trackfd is new in 3.13
         owner = mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset, trackfd=False)
         return owner, 0
-    if map_functions is None or madvise is None or not length:
+    if libc_mmap is None or madvise is None or not length:
         # (Where libc's madvise cannot be called either, the prefetch advises through the
         # mmap object's own.)
         return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset), 0
@@ -263,9 +263,8 @@ def map_file(fd: int, length: int, *, offset: int = 0) -> tuple[mmap.mmap, int]:
     owner = mmap.mmap(-1, length + room, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
     base = _address_of(owner)
     at = (offset - base) % _HUGE if room else 0
-    map_fn = map_functions[0]
     prot = mmap.PROT_READ | mmap.PROT_WRITE
-    got = map_fn(base + at, length, prot, mmap.MAP_PRIVATE | MAP_FIXED, fd, offset)
+    got = libc_mmap(base + at, length, prot, mmap.MAP_PRIVATE | MAP_FIXED, fd, offset)
     if got != base + at:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))  # the anonymous map goes with ``owner``

@@ -64,16 +64,16 @@ sync_file_range: Final = (
 madvise: Final = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
-def _map_functions() -> tuple[Callable[..., int | None], Callable[..., int]] | None:
-    """libc's ``mmap`` and ``munmap`` (64-bit POSIX only: ``off_t`` as an int64)."""
+def _libc_mmap() -> Callable[..., int | None] | None:
+    """libc's ``mmap`` (64-bit POSIX only: ``off_t`` as an int64)."""
     libc = _libc()
     if libc is None or ctypes.sizeof(ctypes.c_void_p) != 8:
         return None
     try:
-        map_fn, unmap_fn = libc.mmap, libc.munmap
-    except AttributeError:  # pragma: no cover - every POSIX libc has both
+        fn = libc.mmap
+    except AttributeError:  # pragma: no cover - every POSIX libc has it
         return None
-    map_fn.argtypes = [
+    fn.argtypes = [
         ctypes.c_void_p,
         ctypes.c_size_t,
         ctypes.c_int,
@@ -81,14 +81,12 @@ def _map_functions() -> tuple[Callable[..., int | None], Callable[..., int]] | N
         ctypes.c_int,
         ctypes.c_int64,
     ]
-    map_fn.restype = ctypes.c_void_p
-    unmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    unmap_fn.restype = ctypes.c_int
-    return map_fn, unmap_fn
+    fn.restype = ctypes.c_void_p
+    return fn
 
 
-#: ``(mmap, munmap)`` from libc, or None.
-map_functions: Final = _map_functions()
+#: ``mmap(addr, length, prot, flags, fd, offset)`` from libc, or None.
+libc_mmap: Final = _libc_mmap()
 #: ``mmap`` flags the ``mmap`` module does not name before Python 3.13 (Linux and macOS share
 #: MAP_FIXED; MAP_NORESERVE is Linux's, a hint, left out elsewhere).
 MAP_FIXED: Final = 0x10
