@@ -20,12 +20,25 @@ from ._errors import ClosedFileError, SafetensorError
 from ._sources import PreadSource, open_regular_file
 from ._writer import allow_descriptors, descriptor_limit
 
-__all__ = ["FilePool", "PooledFile", "file_identity"]
+__all__ = ["FilePool", "PooledFile", "descriptor_budget", "file_identity"]
 
 #: Files kept open at once whatever the descriptor limit.
 MIN_OPEN: Final = 8
 #: Descriptors a pool leaves to the rest of the process (its own files, sockets, pipes).
 SPARE_DESCRIPTORS: Final = 128
+
+
+def descriptor_budget(files_open: int) -> int | None:
+    """How many files to keep open, two descriptors each, with ``files_open`` open now: as many
+    as the soft limit allows once raised towards the hard one for those and more, less
+    :data:`SPARE_DESCRIPTORS` (at least :data:`MIN_OPEN`); None where there is no limit.
+
+    Two descriptors a file: a header read leaves a second one open with readahead off, for
+    partial reads (see ``PreadSource.without_readahead``).
+    """
+    allow_descriptors(2 * (files_open + 1) + 2 * SPARE_DESCRIPTORS)
+    soft = descriptor_limit()
+    return None if soft is None else max(MIN_OPEN, (soft - SPARE_DESCRIPTORS) // 2)
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
@@ -39,9 +52,7 @@ class FilePool:
     first past the budget. Thread-safe; a read in progress keeps its file open.
 
     Args:
-        capacity: Files open at once; None: as many as the descriptor limit allows (two
-            descriptors each), less :data:`SPARE_DESCRIPTORS` (the soft limit raised towards
-            the hard one first).
+        capacity: Files open at once; None: as many as :func:`descriptor_budget` allows.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -55,11 +66,7 @@ class FilePool:
         """Files this pool keeps open at once (None: no limit)."""
         if self._capacity is not None:
             return self._capacity
-        # Two descriptors a file: a header read leaves a second one open with readahead off,
-        # for partial reads (see PreadSource.without_readahead).
-        allow_descriptors(2 * (len(self._open) + 1) + SPARE_DESCRIPTORS)
-        soft = descriptor_limit()
-        return None if soft is None else max(MIN_OPEN, (soft - SPARE_DESCRIPTORS) // 2)
+        return descriptor_budget(len(self._open))
 
     def adopt(self, path: str, source: PreadSource) -> PooledFile:
         """``source`` (open on ``path``) as a pooled file; the pool now closes it."""

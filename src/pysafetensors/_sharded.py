@@ -28,7 +28,7 @@ from typing import Any, Final
 
 from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
-from ._file_pool import MIN_OPEN, SPARE_DESCRIPTORS, file_identity
+from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._reader import (
     HandleBehaviour,
@@ -47,7 +47,6 @@ from ._sharding import (
     unsafe_shard_name,
 )
 from ._sources import ByteSource, starts_like_safetensors
-from ._writer import allow_descriptors, descriptor_limit
 
 __all__ = [
     "INDEX_NAME",
@@ -547,9 +546,7 @@ class ShardedSafeOpen(HandleBehaviour):
         # Each open shard holds a descriptor or two (a second for partial reads) until it is
         # closed: a checkpoint of 1,500 shards ran out of them under the common soft limit of
         # 1,024, and one of 2,500 under a hard limit of 4,096.
-        allow_descriptors(2 * len(self._handles) + 2 * SPARE_DESCRIPTORS)
-        soft = descriptor_limit()
-        budget = None if soft is None else max(MIN_OPEN, (soft - SPARE_DESCRIPTORS) // 2)
+        budget = descriptor_budget(len(self._handles))
         with self._lock:
             if self._starved is not None:
                 budget = self._starved if budget is None else min(budget, self._starved)
