@@ -367,18 +367,24 @@ def _rewrite(
         meta = {"total_parameters": count, **meta}
     state = [0, sum(sizes.values())]
     sources = _Sources(src._source_at)
-    if max_shard_size is None:
-        header_meta = {"format": fmt, **as_header_metadata(meta)}
+
+    def write(
+        path: str, file_names: list[str], header: Mapping[str, str], group: SaveGroup | None
+    ) -> None:
         _write_one(
-            out,
-            [located[n] for n in names],
-            header_meta,
+            path,
+            [located[n] for n in file_names],
+            header,
             sources,
             fsync=fsync,
             max_header_size=max_header_size,
             progress=progress,
             state=state,
+            group=group,
         )
+
+    if max_shard_size is None:
+        write(out, names, {"format": fmt, **as_header_metadata(meta)}, None)
         return ShardPlan(
             {"total_size": state[1]},
             {os.path.basename(out): list(names)},
@@ -404,17 +410,7 @@ def _rewrite(
         meta = {k: v for k, v in meta.items() if k not in in_headers}
 
     def write_shard(path: str, shard_names: list[str], group: SaveGroup) -> None:
-        _write_one(
-            path,
-            [located[n] for n in shard_names],
-            per_file,
-            sources,
-            fsync=fsync,
-            max_header_size=max_header_size,
-            progress=progress,
-            state=state,
-            group=group,
-        )
+        write(path, shard_names, per_file, group)
 
     # All files are renamed into place together at the end (see SaveGroup): a reshard that
     # fails or is killed midway, in place above all, leaves the earlier checkpoint whole.
