@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from pysafetensors import SafetensorError
-from pysafetensors._file_pool import FilePool
+from pysafetensors._file_pool import FilePool, PooledFile
 from pysafetensors._sharding import save_sharded
 from pysafetensors._sources import PreadSource, open_regular_file
 from pysafetensors.numpy import load_file, save_file
@@ -186,48 +186,45 @@ def test_cli_rewrites_every_shard_under_a_low_limit(folder: Path, tmp_path: Path
     assert sorted(got) == sorted(k for k in ref if k.startswith("layer.1"))
 
 
-def _pooled(pool: FilePool, path: Path) -> object:
-    return pool.adopt(str(path), PreadSource(open_regular_file(str(path)), str(path)))
-
-
-def test_pool_reopens_closed_files_and_refuses_replaced_ones(tmp_path: Path) -> None:
-    arrays = {i: np.arange(16, dtype=np.uint8) + i for i in range(5)}
+def _pooled_files(
+    tmp_path: Path, arrays: dict[int, np.ndarray], pool: FilePool
+) -> tuple[list[Path], list[PooledFile], int]:
+    """Each array saved as tensor ``"a"`` of a file of its own, the files adopted by ``pool``;
+    and where ``"a"``'s bytes start (the same in every file)."""
     paths = []
     for i, arr in arrays.items():
         paths.append(tmp_path / f"{i}.safetensors")
         save_file({"a": arr}, paths[-1])
-    pool = FilePool(capacity=2)
-    files = [_pooled(pool, p) for p in paths]
-    start = 8 + int.from_bytes(paths[0].read_bytes()[:8], "little")  # "a" is at the data's start
+    files = [pool.adopt(str(p), PreadSource(open_regular_file(str(p)), str(p))) for p in paths]
+    return paths, files, 8 + int.from_bytes(paths[0].read_bytes()[:8], "little")
+
+
+def test_pool_reopens_closed_files_and_refuses_replaced_ones(tmp_path: Path) -> None:
+    arrays = {i: np.arange(16, dtype=np.uint8) + i for i in range(5)}
+    paths, files, start = _pooled_files(tmp_path, arrays, FilePool(capacity=2))
     for _ in range(2):  # every file read more than once, two open at a time
         for i, pooled in enumerate(files):
             buf = bytearray(16)
-            pooled.readinto(start, memoryview(buf))  # type: ignore[attr-defined]
+            pooled.readinto(start, memoryview(buf))
             assert bytes(buf) == arrays[i].tobytes()
-            open_now = sum(p._source is not None for p in files)  # type: ignore[attr-defined]
+            open_now = sum(p._source is not None for p in files)
             assert open_now <= 2
     # File 0 was closed for the budget: replaced meanwhile, it is refused, not read.
     shutil.copyfile(paths[0], tmp_path / "copy")
     os.replace(tmp_path / "copy", paths[0])
     with pytest.raises(SafetensorError, match="changed since its header was read") as info:
-        files[0].readinto(start, memoryview(bytearray(16)))  # type: ignore[attr-defined]
+        files[0].readinto(start, memoryview(bytearray(16)))
     assert info.value.kind == "FileChanged"
-    files[1].close()  # type: ignore[attr-defined]
+    files[1].close()
     with pytest.raises(SafetensorError, match="File is closed"):
-        files[1].readinto(start, memoryview(bytearray(16)))  # type: ignore[attr-defined]
+        files[1].readinto(start, memoryview(bytearray(16)))
 
 
 def test_pool_is_shared_by_threads(tmp_path: Path) -> None:
     """Threads reading files of one pool: none meets a file closed under its read, and the
     bytes are each file's."""
     arrays = {i: (np.arange(4096, dtype=np.uint32) * (i + 1)).astype(np.uint32) for i in range(8)}
-    paths = []
-    for i, arr in arrays.items():
-        paths.append(tmp_path / f"{i}.safetensors")
-        save_file({"a": arr}, paths[-1])
-    start = 8 + int.from_bytes(paths[0].read_bytes()[:8], "little")
-    pool = FilePool(capacity=2)
-    files = [_pooled(pool, p) for p in paths]
+    _, files, start = _pooled_files(tmp_path, arrays, FilePool(capacity=2))
     errors: list[BaseException] = []
 
     def reader(seed: int) -> None:
@@ -236,7 +233,7 @@ def test_pool_is_shared_by_threads(tmp_path: Path) -> None:
             for _ in range(400):
                 i = int(pick.integers(len(files)))
                 buf = bytearray(arrays[i].nbytes)
-                files[i].readinto(start, memoryview(buf))  # type: ignore[attr-defined]
+                files[i].readinto(start, memoryview(buf))
                 assert bytes(buf) == arrays[i].tobytes(), i
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -247,7 +244,7 @@ def test_pool_is_shared_by_threads(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     assert not errors, errors[0]
-    assert sum(p._source is not None for p in files) <= 2  # type: ignore[attr-defined]
+    assert sum(p._source is not None for p in files) <= 2
 
 
 def test_maps_keep_no_descriptor(folder: Path, tmp_path: Path) -> None:
