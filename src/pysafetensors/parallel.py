@@ -45,8 +45,9 @@ import numpy as np
 
 from ._dtypes import dtype_from_code
 from ._errors import SafetensorError, add_note
-from ._format import MAX_HEADER_SIZE
+from ._format import MAX_HEADER_SIZE, gc_paused
 from ._reader import safe_open
+from ._slicing import Part
 from ._validate import Problem, validate
 
 __all__ = [
@@ -112,6 +113,11 @@ def shard_range(size: int, rank: int, world_size: int, uneven: Uneven = "chunk")
     size = _integer(size)
     if size < 0:
         raise ValueError(f"size must be a non-negative int, got {size!r}")
+    return _range_of(size, rank, world_size, uneven)
+
+
+def _range_of(size: int, rank: int, world_size: int, uneven: Uneven) -> tuple[int, int]:
+    """:func:`shard_range` of arguments already checked (a plan calls it once per tensor)."""
     if uneven == "chunk":
         block = -(-size // world_size)
         return min(rank * block, size), min((rank + 1) * block, size)
@@ -163,18 +169,37 @@ class ShardSpec:
         return tuple(dims)
 
 
-def _match_rule(name: str, shape: tuple[int, ...], rules: Rules, default: Split) -> Split:
+def _rule_matcher(rules: Rules, default: Split) -> Callable[[str, tuple[int, ...]], Split]:
+    """``(name, shape) -> split`` for checked ``rules``: the first rule whose pattern matches,
+    else ``default``. Glob patterns are compiled once here, not looked up per tensor."""
     if callable(rules):
-        chosen = rules(name, shape)
-        return default if chosen is None else chosen
+        chooser = rules
+
+        def chosen(name: str, shape: tuple[int, ...]) -> Split:
+            split = chooser(name, shape)
+            return default if split is None else split
+
+        return chosen
     items = rules.items() if isinstance(rules, Mapping) else rules
-    for pattern, split in items:
-        if isinstance(pattern, re.Pattern):
-            if pattern.fullmatch(name):
+    compiled = [
+        (
+            (
+                pattern
+                if isinstance(pattern, re.Pattern)
+                else re.compile(fnmatch.translate(pattern))
+            ).fullmatch,
+            split,
+        )
+        for pattern, split in items
+    ]
+
+    def matched(name: str, _shape: tuple[int, ...]) -> Split:
+        for fullmatch, split in compiled:
+            if fullmatch(name):
                 return split
-        elif fnmatch.fnmatchcase(name, pattern):
-            return split
-    return default
+        return default
+
+    return matched
 
 
 def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
@@ -320,8 +345,8 @@ def _check_byte_aligned(
     Raises:
         ValueError: Some rank's part of a sub-byte tensor does not start or end on a byte.
     """
-    for name, spec in plan.items():
-        width = bits[name]
+    for name, width in bits.items():
+        spec = plan[name]
         if spec.dim is None or width % 8 == 0:
             continue
         size = spec.shape[spec.dim]
@@ -367,19 +392,24 @@ def plan_shard(
         TypeError: ``rank``, ``world_size`` or a dimension is not an integer, or ``rules`` is
             not a mapping, a sequence of pairs or a callable.
     """
-    _check_group(rank, world_size)
+    rank, world_size = _check_group(rank, world_size)
     _check_options(rules, default, uneven)
+    rule_for = _rule_matcher(rules, default)
     plan = {}
     for name, raw_shape in shapes.items():
-        shape = tuple(_integer(d, f"tensor {name!r}: a dimension") for d in raw_shape)
-        if any(d < 0 for d in shape):
+        shape = tuple(raw_shape)
+        # Plain ints (every header's shapes) need no conversion: a plan is made per tensor,
+        # and a 20,000-tensor checkpoint paid a function call per dimension.
+        if not all(type(d) is int for d in shape):
+            shape = tuple(_integer(d, f"tensor {name!r}: a dimension") for d in shape)
+        if shape and min(shape) < 0:
             raise ValueError(f"tensor {name!r}: shape {list(shape)} has a negative dimension")
-        dim = _split_dim(name, shape, _match_rule(name, shape, rules, default))
+        dim = _split_dim(name, shape, rule_for(name, shape))
         if dim is None:
             plan[name] = ShardSpec(name, shape, None, 0, shape[0] if shape else 0)
             continue
         try:
-            start, stop = shard_range(shape[dim], rank, world_size, uneven)
+            start, stop = _range_of(shape[dim], rank, world_size, uneven)
         except ValueError as exc:
             raise ValueError(f"tensor {name!r} of shape {list(shape)}, dim {dim}: {exc}") from None
         plan[name] = ShardSpec(name, shape, dim, start, stop)
@@ -443,7 +473,8 @@ def load_shard(
         max_header_size: Largest header accepted.
         storage_options: For URLs: as for ``safe_open`` (headers, credentials, endpoint).
         slice_reads: As for ``safe_open``: ``"coalesce"`` reads column splits as whole-row
-            blocks (fast), ``"exact"`` reads exactly each rank's bytes.
+            blocks, and the small parts of tensors less than a page apart as one span (fast),
+            ``"exact"`` reads exactly each rank's bytes.
 
     Returns:
         Name to this rank's part, in file order (or the order of ``names``).
@@ -470,32 +501,43 @@ def load_shard(
         raise TypeError(f"names must be an iterable of tensor names, not one name: {names!r:.60}")
     # "auto" reads by positioned reads and maps the same open file for the column splits.
     map_fragmented = backend == "auto" and slice_reads != "exact"
-    with safe_open(
-        path,
-        framework,
-        device=device,
-        backend="pread" if backend == "auto" else backend,
-        max_header_size=max_header_size,
-        storage_options=storage_options,
-        slice_reads=slice_reads,
-    ) as f:
+    with (
+        safe_open(
+            path,
+            framework,
+            device=device,
+            backend="pread" if backend == "auto" else backend,
+            max_header_size=max_header_size,
+            storage_options=storage_options,
+            slice_reads=slice_reads,
+        ) as f,
+        gc_paused(),
+    ):
+        # The collector paused: a plan and a part per tensor are many small objects, and the
+        # collections they set off walk torch's whole object graph once it is imported (a
+        # 20,000-tensor load spent ~60 ms in them).
         wanted = list(f.offset_keys()) if names is None else list(names)
         # Header entries, not slices: a slice keeps its shard open, and a folder of thousands
         # of shards ran out of descriptors.
-        metas = {name: f.get_tensor_meta(name) for name in wanted}
-        shapes = {name: meta.shape for name, meta in metas.items()}
+        shapes: dict[str, list[int]] = {}
+        packed: dict[str, int] = {}  # the bits of sub-byte tensors, whose splits must align
+        for name in wanted:
+            meta = f.get_tensor_meta(name)
+            shapes[name] = meta.shape
+            width = dtype_from_code(meta.dtype).bits
+            if width % 8:
+                packed[name] = width
         plan = plan_shard(shapes, rank, world_size, rules, default=default, uneven=uneven)
-        bits = {name: dtype_from_code(meta.dtype).bits for name, meta in metas.items()}
-        _check_byte_aligned(plan, bits, world_size, uneven)
-        requests = [(name, ... if spec.dim is None else spec.index) for name, spec in plan.items()]
+        _check_byte_aligned(plan, packed, world_size, uneven)
         many = getattr(f, "_read_slices", None)
         if many is not None:
             # All parts at once: one destination, read in parallel (see safe_open._read_slices).
+            requests = [(name, Part(s.dim, s.start, s.stop)) for name, s in plan.items()]
             result: dict[str, Any] = many(requests, map_fragmented=map_fragmented)
             return result
         return {
-            name: f.get_tensor(name) if index is ... else f.get_slice(name)[index]
-            for name, index in requests
+            name: f.get_tensor(name) if spec.dim is None else f.get_slice(name)[spec.index]
+            for name, spec in plan.items()
         }
 
 

@@ -469,3 +469,38 @@ def test_a_second_interrupt_is_raised_at_once() -> None:
         release.set()
         for timer in timers:
             timer.cancel()
+
+
+def test_runs_read_into_one_buffer_small_ones_by_span(tmp_path: Path) -> None:
+    """read_runs_fresh: every run lands at its aligned offset with the file's bytes, whether
+    read alone (large, far apart, empty, out of order, overlapping) or as part of a span of
+    small runs less than a page apart (a rank's rows of many small tensors)."""
+    from pysafetensors._sources import _group_small_runs, read_runs_fresh
+
+    data = np.random.default_rng(3).integers(0, 256, 24 << 20, np.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.tobytes())
+    rng = np.random.default_rng(4)
+    runs: list[tuple[int, int]] = []
+    at = 5
+    for _ in range(3000):  # small runs with small gaps: grouped into spans
+        length = int(rng.integers(1, 300))
+        runs.append((at, length))
+        at += length + int(rng.integers(0, 5000))
+    runs += [(at + 10, 70_000), (at + 70_010, 3), (at + 80_000, 0), (at + 80_000, 5)]
+    runs += [(1 << 20, 5 << 20), (7 << 20, 100), (7 << 20, 100), (6 << 20, 10), (9 << 20, 1)]
+    groups, alone = _group_small_runs(runs)
+    assert len(groups) > 10 and max(map(len, groups)) > 20
+    grouped = sorted(i for g in groups for i in g)
+    assert sorted(grouped + alone) == list(range(len(runs)))
+    for group in groups:  # consecutive, in file order, less than a page apart, small
+        for a, b in zip(group, group[1:], strict=False):
+            assert b == a + 1 and 0 <= runs[b][0] - sum(runs[a]) < 4096
+    src = PreadSource(os.open(path, os.O_RDONLY), str(path), threads=4)
+    try:
+        buf, offsets = read_runs_fresh(src, runs)
+    finally:
+        src.close()
+    assert all(o % 64 == 0 for o in offsets)
+    for (offset, length), dest in zip(runs, offsets, strict=True):
+        assert np.array_equal(buf[dest : dest + length], data[offset : offset + length])

@@ -450,3 +450,97 @@ def test_sub_byte_slices_of_many_runs_through_every_read_path(
             got = f.get_slice(name)[index]
             assert got.dtype == want.dtype and got.shape == want.shape, (name, index)
             assert got.tobytes() == want.tobytes(), (name, index)
+
+
+def _contiguous_slice_cases(seed: int) -> list[tuple[tuple[int, ...], Any]]:
+    """Shapes with indices of the forms the fast planner takes, and near misses of them."""
+    rng = np.random.default_rng(seed)
+    cases: list[tuple[tuple[int, ...], Any]] = []
+    for _ in range(3000):
+        ndim = int(rng.integers(0, 5))
+        shape = tuple(int(rng.choice([0, 1, 2, 3, 5, 8])) for _ in range(ndim))
+        items: list[Any] = []
+        for size in shape[: int(rng.integers(0, ndim + 1))]:
+            kind = rng.integers(0, 8)
+            if kind == 0:
+                items.append(slice(None))
+            elif kind == 1:
+                items.append(slice(0, size, 1))
+            elif kind == 2:
+                items.append(int(rng.integers(-size, size)) if size else 0)
+            elif kind == 3:
+                items.append(slice(None, None, 2))
+            else:
+                lo, hi = sorted(int(x) for x in rng.integers(-size - 2, size + 3, 2))
+                items.append(slice(lo, hi))
+        form = rng.integers(0, 4)
+        if form == 0 and len(items) == 1:
+            cases.append((shape, items[0]))
+        elif form == 1 and not items:
+            cases.append((shape, Ellipsis))
+        else:
+            cases.append((shape, tuple(items)))
+    return cases
+
+
+@pytest.mark.parametrize("code", ["BF16", "F32", "U8", "BOOL", "F64", "F8_E4M3"])
+def test_fast_plans_equal_the_general_planner(code: str) -> None:
+    """The fast planner of plain step-1 slices (load_shard's indices) gives exactly the
+    general planner's plan: shape, runs, sizes and normalized selection."""
+    from pysafetensors._dtypes import dtype_from_code
+    from pysafetensors._slicing import _plan_contiguous_slices, _plan_general
+
+    dtype = dtype_from_code(code)
+    taken = 0
+    for shape, index in _contiguous_slice_cases(len(code)):
+        fast = _plan_contiguous_slices(shape, dtype, index)
+        try:
+            general = _plan_general(shape, dtype, index)
+        except SafetensorError:
+            assert fast is None, (shape, index)
+            continue
+        if fast is None:
+            continue
+        taken += 1
+        assert fast.shape == general.shape, (shape, index)
+        assert fast.starts.dtype == general.starts.dtype
+        assert fast.starts.tolist() == general.starts.tolist(), (shape, index)
+        assert (fast.run_bytes, fast.nbytes) == (general.run_bytes, general.nbytes)
+        assert fast.selection == general.selection, (shape, index)
+        assert fast.coalesced() == general.coalesced()
+    assert taken > 500  # the cases exercise the fast path, not only its refusals
+
+
+@pytest.mark.parametrize("code", ["BF16", "F32", "U8", "F4", "F6_E2M3"])
+def test_part_runs_equal_the_planned_slice(code: str) -> None:
+    """A tensor-parallel part's byte run, computed without an index (load_shard's route), is
+    the planned slice of its index wherever that is one run; anything else is left to it."""
+    from pysafetensors._dtypes import dtype_from_code
+    from pysafetensors._slicing import Part, part_run
+
+    dtype = dtype_from_code(code)
+    rng = np.random.default_rng(7)
+    taken = 0
+    for _ in range(3000):
+        shape = tuple(int(rng.choice([0, 1, 2, 3, 4, 8])) for _ in range(int(rng.integers(0, 5))))
+        if not shape or rng.integers(0, 6) == 0:
+            part = Part(None, 0, shape[0] if shape else 0)
+        else:
+            dim = int(rng.integers(0, len(shape)))
+            start, stop = sorted(int(x) for x in rng.integers(0, shape[dim] + 1, 2))
+            part = Part(dim, start, stop)
+        run = part_run(shape, dtype, part)
+        try:
+            plan = plan_slice(shape, dtype, part.index)
+        except SafetensorError:
+            assert run is None, (shape, part)
+            continue
+        one_run = len(plan.starts) == 1 and plan.nbytes > 0
+        if dtype.bits % 8:
+            assert run is None
+            continue
+        assert (run is not None) == one_run, (shape, part)
+        if run is not None:
+            taken += 1
+            assert run == (plan.shape, int(plan.starts[0]), plan.nbytes), (shape, part)
+    assert dtype.bits % 8 or taken > 500

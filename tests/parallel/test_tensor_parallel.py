@@ -457,3 +457,49 @@ def test_every_rule_is_checked_whatever_the_tensors(
         load_shard(path, 0, 2, rules)
     with pytest.raises(error, match=re.escape(text)):
         plan_shard({}, 0, 2, rules)
+
+
+def test_small_parts_close_together_are_read_as_spans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint of many small tensors (a mixture of experts): a rank's row parts less than
+    a page apart are read in a few spans, not one read each, and equal get_slice's parts;
+    ``slice_reads="exact"`` reads one run per part, only its bytes."""
+    from pysafetensors import safe_open
+
+    rng = np.random.default_rng(5)
+    tensors = {
+        f"experts.{i}.w": rng.integers(0, 2**16, (8, int(rng.integers(1, 40))), np.uint16)
+        for i in range(600)
+    }
+    tensors["big"] = rng.integers(0, 255, (64, 4096), np.uint8)  # 32 KiB parts, read alone
+    model = tmp_path / "moe.safetensors"
+    save_file(tensors, model)
+    reads: list[tuple[int, int]] = []
+    real = os.preadv
+
+    def counting(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        n = real(fd, buffers, offset, *args)
+        reads.append((offset, n))
+        return n
+
+    monkeypatch.setattr(os, "preadv", counting)
+    plan = plan_shard({k: list(t.shape) for k, t in tensors.items()}, 1, 8, {"*": "rows"})
+    with safe_open(model, "np") as f:
+        data_start = f.header.data_start
+        want = {name: f.get_slice(name)[plan[name].index] for name in f.offset_keys()}
+    for mode in ("coalesce", "exact"):
+        reads.clear()
+        got = load_shard(
+            model, 1, 8, {"*": "rows"}, framework="np", backend="pread", slice_reads=mode
+        )
+        assert list(got) == list(want)
+        for name, part in want.items():
+            assert np.array_equal(got[name], part), name
+        data_reads = [(o, n) for o, n in reads if o >= data_start]
+        part_bytes = sum(part.nbytes for part in want.values())
+        if mode == "coalesce":
+            assert len(data_reads) < 10
+        else:
+            assert len(data_reads) == len(want)
+            assert sum(n for _, n in data_reads) == part_bytes
