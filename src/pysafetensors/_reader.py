@@ -500,38 +500,37 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 self._raw(source, info), info.dtype, info.shape, self._device
             )
 
-    @contextlib.contextmanager
-    def _reading(self, info: TensorInfo | None) -> Iterator[None]:
+    def _reading(self, info: TensorInfo | None) -> _Reading:
         """Name the tensor (``info``, else the one holding the error's offset) in a read error
         that does not say which (a remote 404, a file cut short): the source knows only bytes."""
-        try:
-            yield
-        except SliceError as exc:
+        return _Reading(self, info)
+
+    def _name_read_error(self, exc: SafetensorError, info: TensorInfo | None) -> None:
+        """:meth:`_reading`'s work on an error raised in its block."""
+        if isinstance(exc, SliceError):
             # The slicer knows shapes, not names: the index was for this tensor.
             if exc.tensor is None and info is not None:
                 exc.tensor = info.name
                 if len(exc.args) == 1 and isinstance(exc.args[0], str):
                     exc.args = (f"{exc.args[0]} (tensor {info.name!r})",)
-            raise
-        except SafetensorError as exc:
-            # Errors of the bytes' source only: the others name their own.
-            if exc.tensor is None and (isinstance(exc, OSError) or exc.kind in _READ_ERRORS):
-                if info is None and exc.offset is not None:
-                    at = exc.offset - self._header.data_start
-                    info = next(
-                        (i for i in self._header.tensors.values() if i.begin <= at < i.end), None
+            return
+        # Errors of the bytes' source only: the others name their own.
+        if exc.tensor is None and (isinstance(exc, OSError) or exc.kind in _READ_ERRORS):
+            if info is None and exc.offset is not None:
+                at = exc.offset - self._header.data_start
+                info = next(
+                    (i for i in self._header.tensors.values() if i.begin <= at < i.end), None
+                )
+            if info is not None:
+                begin = self._header.data_start + info.begin
+                exc.tensor = info.name
+                if exc.offset is None:
+                    exc.offset = begin
+                if len(exc.args) == 1 and isinstance(exc.args[0], str):
+                    exc.args = (
+                        f"{exc.args[0]} (reading tensor {info.name!r}, file bytes "
+                        f"{begin}-{begin + info.nbytes})",
                     )
-                if info is not None:
-                    begin = self._header.data_start + info.begin
-                    exc.tensor = info.name
-                    if exc.offset is None:
-                        exc.offset = begin
-                    if len(exc.args) == 1 and isinstance(exc.args[0], str):
-                        exc.args = (
-                            f"{exc.args[0]} (reading tensor {info.name!r}, file bytes "
-                            f"{begin}-{begin + info.nbytes})",
-                        )
-            raise
 
     def get_tensors(self) -> dict[str, Any]:
         """Load every tensor, in file order.
@@ -928,9 +927,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     # and readahead would fetch the rest anyway).
                     source.prefetch(base + first, span)
                 # The framework's own copy kernel where it has one (torch), else numpy on the
-                # reader threads.
-                copy = getattr(self._adapter, "copy_array", None) or (
-                    lambda dest, src: copy_in_parallel(dest, src, source)
+                # reader threads; numpy here for small slices (torch's set-up cost more).
+                copy = (
+                    np.copyto
+                    if plan.nbytes <= _SMALL_PART
+                    else getattr(self._adapter, "copy_array", None)
+                    or (lambda dest, src: copy_in_parallel(dest, src, source))
                 )
                 if len(plan.starts) == 1:
                     start = int(plan.starts[0])
@@ -949,6 +951,10 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             else:
                 if plan.nbytes < info.nbytes and isinstance(source, PreadSource):
                     source = source.without_readahead()  # only the selected bytes off disk
+                if len(plan.starts) == 1 and isinstance(source, PreadSource):
+                    # One run (rows, a whole tensor): one read, whatever slice_reads says.
+                    source.readinto(base + int(plan.starts[0]), buf.data)
+                    return buf
                 # "coalesce" (the default) may read whole row blocks of a fragmented selection
                 # in a few large reads; "exact" reads exactly the selected bytes.
                 if self._slice_reads != "coalesce" or not gather_slice(
@@ -1211,6 +1217,25 @@ def copy_in_parallel(dest: np.ndarray, src: np.ndarray, source: ByteSource) -> N
         dest[start : start + step] = src[start : start + step]
 
     run_parallel(one, range(0, rows, step), threads)
+
+
+class _Reading:
+    """``safe_open._reading``'s context manager: a class, not a generator, because every
+    ``get_tensor`` and slice enters one (a generator's frame cost ~1.5 us a call, a tenth of
+    reading a small tensor)."""
+
+    __slots__ = ("_handle", "_info")
+
+    def __init__(self, handle: safe_open, info: TensorInfo | None) -> None:
+        self._handle = handle
+        self._info = info
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, SafetensorError):
+            self._handle._name_read_error(exc, self._info)
 
 
 class SafeSlice:

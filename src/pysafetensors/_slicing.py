@@ -378,10 +378,10 @@ def _plan_contiguous_slices(shape: tuple[int, ...], dtype: DType, index: Any) ->
     inner = 1
     for size in shape[partial + 1 :]:
         inner *= size
+    selection = [slice(0, size, 1) for size in shape]
     if partial < 0:
         nbytes = inner * unit
-        whole = tuple(slice(0, size, 1) for size in shape)
-        return SlicePlan(shape, np.zeros(1, np.int64), nbytes, nbytes, whole)
+        return SlicePlan(shape, np.zeros(1, np.int64), nbytes, nbytes, tuple(selection))
     run_bytes = taken * inner * unit
     outer = 1
     for size in shape[:partial]:
@@ -393,11 +393,8 @@ def _plan_contiguous_slices(shape: tuple[int, ...], dtype: DType, index: Any) ->
         stride = shape[partial] * inner * unit
         starts = np.arange(base, base + outer * stride, stride, dtype=np.int64)
     out_shape = (*shape[:partial], taken, *shape[partial + 1 :])
-    selection = tuple(
-        slice(first, first + taken, 1) if dim == partial else slice(0, size, 1)
-        for dim, size in enumerate(shape)
-    )
-    return SlicePlan(out_shape, starts, run_bytes, run_bytes * outer, selection)
+    selection[partial] = slice(first, first + taken, 1)
+    return SlicePlan(out_shape, starts, run_bytes, run_bytes * outer, tuple(selection))
 
 
 class Part(NamedTuple):

@@ -610,6 +610,12 @@ def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
     the faults overlap the other threads' waits for the disk instead of preceding them. Other
     sources read into :func:`empty_bytes`.
     """
+    if nbytes < _HUGEPAGE_MIN:
+        # Small (a tensor of a checkpoint of thousands): plain memory, no huge-page decision.
+        small = np.empty(nbytes, np.uint8)
+        if nbytes:
+            source.readinto(offset, small.data)
+        return small
     region = _huge_region(nbytes) if isinstance(source, PreadSource) else None
     if isinstance(source, PreadSource) and region is not None:
         buf = region.array()
@@ -1061,6 +1067,12 @@ class PreadSource:
         """
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         _check_range(self, offset, out.nbytes)
+        if prepare is None and out.nbytes <= MIN_PARALLEL_CHUNK:
+            # One piece, read here (the path below would too): without its set-up, which
+            # cost small reads (a tensor of a few KiB) more than the read itself.
+            with self._held as fd:
+                pread_exact(fd, self._name, offset, out)
+            return
 
         with self._held as fd:  # one hold for the whole read, all threads
 
