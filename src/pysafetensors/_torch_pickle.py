@@ -1,10 +1,10 @@
 """Read PyTorch checkpoints without torch and without running anything from the pickle.
 
-The object pickle is interpreted by :mod:`._pickle_vm` under :class:`TorchPolicy`, which
-knows a fixed table of globals (dtypes, storage classes, ``OrderedDict``, ``torch.Size``,
-``torch.device`` and the tensor rebuild functions) and maps each to an inert stand-in. REDUCE on
-a stand-in dispatches to our own handler for that exact name; any other global raises
-:class:`~pysafetensors._errors.UnsafePickleError` naming it and its byte offset.
+The object pickle is interpreted by :mod:`._pickle_vm` under :class:`TorchPolicy`
+(:mod:`._torch_policy`: a fixed table of globals, each an inert stand-in; any other global
+raises :class:`~pysafetensors._errors.UnsafePickleError` naming it and its byte offset). This
+module names the tensors it builds (flattening the state dict), checks them against the
+storages really present, and reads the three checkpoint formats.
 
 Tensors come out as :class:`TensorRecord` (dtype, shape, strides, storage key, offset): nothing
 is read from the storages until :meth:`Checkpoint.tensor_chunks` streams them, and every size,
@@ -28,16 +28,35 @@ import tarfile
 import tempfile
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 
 from ._dtypes import DType, dtype_from_code
-from ._errors import CheckpointError, UnsafePickleError
-from ._pickle_vm import TRUNCATED, Budget, Limits, Machine, Result
+from ._errors import CheckpointError
+from ._pickle_vm import TRUNCATED, Limits, Result
 from ._torch_archive import CHUNK, BoundedFile, FileBytes, ZipView, open_zip
+from ._torch_policy import (
+    MAX_DIM,
+    MAX_NDIM,
+    STORAGE_CLASSES,
+    TORCH_DTYPES,
+    Stand,
+    StorageRef,
+    TensorRecord,
+    TensorRef,
+    TorchPolicy,
+    Unconvertible,
+    ValuePolicy,
+    bad_checkpoint,
+    check_ints,
+    is_int,
+    policy_machine,
+    short_text,
+    unsafe_global,
+)
 
 __all__ = [
     "Checkpoint",
@@ -54,10 +73,6 @@ LEGACY_MAGIC: Final = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL: Final = 1001
 #: Largest object pickle read into memory.
 MAX_PICKLE_BYTES: Final = 1 << 30
-#: Largest number of dimensions of one tensor.
-MAX_NDIM: Final = 64
-#: Largest dimension, stride or offset accepted (beyond any real file).
-MAX_DIM: Final = 1 << 62
 #: Largest nesting of dicts/lists walked when flattening.
 MAX_DEPTH: Final = 64
 #: Most names (tensors and other values) one state dict flattens to. Shared sub-dicts are
@@ -82,738 +97,6 @@ MAX_TAR_MEMBERS: Final = 16
 #: MAX_PICKLE_BYTES).
 _TAR_WINDOW: Final = 1 << 16
 
-# torch dtype attribute name -> (safetensors code or None, itemsize in bytes, why unsupported).
-_TORCH_DTYPES: Final[dict[str, tuple[str | None, int]]] = {
-    "float32": ("F32", 4), "float": ("F32", 4), "float64": ("F64", 8), "double": ("F64", 8),
-    "float16": ("F16", 2), "half": ("F16", 2), "bfloat16": ("BF16", 2),
-    "int64": ("I64", 8), "long": ("I64", 8), "int32": ("I32", 4), "int": ("I32", 4),
-    "int16": ("I16", 2), "short": ("I16", 2), "int8": ("I8", 1), "uint8": ("U8", 1),
-    "bool": ("BOOL", 1), "uint16": ("U16", 2), "uint32": ("U32", 4), "uint64": ("U64", 8),
-    "complex64": ("C64", 8), "cfloat": ("C64", 8),
-    "float8_e5m2": ("F8_E5M2", 1), "float8_e4m3fn": ("F8_E4M3", 1),
-    "float8_e5m2fnuz": ("F8_E5M2FNUZ", 1), "float8_e4m3fnuz": ("F8_E4M3FNUZ", 1),
-    "float8_e8m0fnu": ("F8_E8M0", 1), "float4_e2m1fn_x2": ("F4", 1),
-    # Known to torch, not representable in safetensors: refused when a tensor uses them.
-    "complex128": (None, 16), "cdouble": (None, 16), "complex32": (None, 4),
-    "chalf": (None, 4), "qint8": (None, 1), "quint8": (None, 1), "qint32": (None, 4),
-    "quint4x2": (None, 1), "quint2x4": (None, 1), "bits1x8": (None, 1), "bits2x4": (None, 1),
-    "bits4x2": (None, 1), "bits8": (None, 1), "bits16": (None, 2),
-    **{f"int{i}": (None, 1) for i in range(1, 8)},
-    **{f"uint{i}": (None, 1) for i in range(1, 8)},
-}  # fmt: skip
-
-# Legacy typed storage classes -> torch dtype name.
-_STORAGE_CLASSES: Final[dict[str, str]] = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128", "QInt8Storage": "qint8", "QUInt8Storage": "quint8",
-    "QInt32Storage": "qint32", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
-}  # fmt: skip
-
-_REBUILDS: Final = {
-    ("torch._utils", "_rebuild_tensor"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_tensor_v3"),
-    ("torch._utils", "_rebuild_parameter"),
-    ("torch._utils", "_rebuild_parameter_with_state"),
-    ("torch._tensor", "_rebuild_from_type_v2"),
-}
-# Allowed by torch's weights_only unpickler but carrying nothing a safetensors file can hold.
-_UNCONVERTIBLE: Final = {
-    ("torch._utils", "_rebuild_qtensor"): "quantized tensors",
-    ("torch._utils", "_rebuild_sparse_tensor"): "sparse tensors",
-    ("torch._utils", "_rebuild_sparse_csr_tensor"): "sparse tensors",
-    ("torch._utils", "_rebuild_meta_tensor_no_storage"): "meta tensors (no data)",
-    ("torch._utils", "_rebuild_wrapper_subclass"): "tensor subclasses (no data)",
-    ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"): "device tensors",
-    ("torch._utils", "_rebuild_device_tensor_from_numpy"): "device tensors from numpy",
-    ("torch._utils", "_rebuild_nested_tensor"): "nested tensors",
-    ("torch._utils", "_rebuild_mkldnn_tensor"): "mkldnn tensors",
-}
-# Python 2 module names pickles may carry, mapped as pickle's own compat table does.
-_PY2_MODULES: Final = {"__builtin__": "builtins", "copy_reg": "copyreg"}
-
-
-@dataclass(frozen=True, slots=True)
-class Stand:
-    """An inert stand-in for an allowed global; REDUCE dispatches on ``kind``."""
-
-    kind: str
-    name: str
-
-
-#: One stand-in per unconvertible global, named by its full name; what each builds, by that name.
-_UNCONVERTIBLE_STANDS: Final = {
-    key: Stand("unconvertible", f"{key[0]}.{key[1]}") for key in _UNCONVERTIBLE
-}
-_UNCONVERTIBLE_WHAT: Final = {f"{m}.{n}": what for (m, n), what in _UNCONVERTIBLE.items()}
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Unconvertible:
-    """A tensor safetensors cannot hold (sparse, quantized, meta...), built by the pickle: kept
-    as a placeholder so that the refusal can name where it sits in the state dict."""
-
-    what: str
-    """What it is, e.g. ``sparse tensors``."""
-    rebuild: str
-    """The global that built it."""
-    offset: int
-    """Where in the pickle it was built."""
-
-    def refusal(self, name: str | None) -> CheckpointError:
-        """The error refusing it, naming the entry when known."""
-        where = (
-            f"{name!r} is one of the {self.what}" if name else f"the checkpoint holds {self.what}"
-        )
-        return CheckpointError(
-            f"{where} ({self.rebuild}, built at byte {self.offset}), which safetensors cannot "
-            "store",
-            kind="CheckpointError",
-            offset=self.offset,
-            tensor=name,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StorageRef:
-    """A storage declared by a persistent id."""
-
-    key: str
-    """Record key (``data/<key>`` in a zip, an entry of the key list in legacy files)."""
-    dtype: str
-    """torch dtype name of its elements (``uint8`` for untyped storages)."""
-    numel: int
-    """Elements of ``dtype`` (bytes for untyped storages)."""
-    view_offset: int = 0
-    """Legacy storage views: first element of the view in the root storage."""
-    view_size: int = -1
-    """Legacy storage views: elements in the view (-1: the whole storage)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the root storage."""
-        return self.numel * _TORCH_DTYPES[self.dtype][1]
-
-
-@dataclass(slots=True)
-class TensorRef:
-    """A tensor as the pickle describes it, before naming and checking against the files."""
-
-    storage: StorageRef
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: str
-    neg: bool = False
-    conj: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRecord:
-    """A tensor of a checkpoint, checked, with nothing read yet."""
-
-    dtype: DType
-    """safetensors dtype."""
-    shape: tuple[int, ...]
-    """safetensors shape (for F4 the last torch dimension doubled)."""
-    torch_dtype: str
-    """torch dtype name."""
-    torch_shape: tuple[int, ...]
-    """torch's size."""
-    stride: tuple[int, ...]
-    """Strides in elements."""
-    storage_key: str
-    """Which storage."""
-    storage_offset: int
-    """Offset of element 0 in the storage, in elements."""
-    itemsize: int
-    """Bytes per torch element."""
-    storage_nbytes: int
-    """Bytes of the whole storage."""
-    neg: bool = False
-    """Values are negated (torch's lazy neg bit)."""
-    conj: bool = False
-    """Values are conjugated (torch's lazy conj bit)."""
-
-    @property
-    def numel(self) -> int:
-        """Number of torch elements."""
-        return math.prod(self.torch_shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the contiguous result."""
-        return self.numel * self.itemsize
-
-    @property
-    def span(self) -> tuple[int, int]:
-        """Byte range of the storage this tensor touches (start, stop); empty when numel is 0."""
-        start = self.storage_offset * self.itemsize
-        if self.numel == 0:
-            return start, start
-        last = sum((s - 1) * st for s, st in zip(self.torch_shape, self.stride, strict=False))
-        return start, start + (last + 1) * self.itemsize
-
-    @property
-    def is_contiguous(self) -> bool:
-        """Whether the elements are laid out row-major without gaps."""
-        expected = 1
-        for s, st in zip(reversed(self.torch_shape), reversed(self.stride), strict=False):
-            if s != 1 and st != expected:
-                return False
-            expected *= s
-        return True
-
-    @property
-    def is_complete(self) -> bool:
-        """Whether it starts at its storage's start and covers all of it (reference rule)."""
-        return self.storage_offset == 0 and self.nbytes == self.storage_nbytes
-
-
-def _machine(data: bytes, policy: TorchPolicy, limits: Limits | None, base: int = 0) -> Machine:
-    """A machine over ``data`` whose budget ``policy``'s calls charge too."""
-    machine = Machine(data, policy, limits, base=base)
-    policy.budget = machine.budget
-    return machine
-
-
-def _unsafe(message: str, name: str | None, offset: int) -> UnsafePickleError:
-    return UnsafePickleError(
-        f"{message} (at byte {offset} of the pickle)",
-        global_name=name,
-        kind="UnsafePickle",
-        offset=offset,
-    )
-
-
-def _bad(message: str, offset: int | None = None) -> CheckpointError:
-    return CheckpointError(message, kind="CheckpointError", offset=offset)
-
-
-def _is_int(x: Any) -> bool:
-    return type(x) is int
-
-
-def _check_ints(value: Any, what: str, offset: int) -> tuple[int, ...]:
-    if type(value) is not tuple or not all(_is_int(v) for v in value):
-        raise _bad(f"tensor {what} is not a tuple of ints (at byte {offset})", offset)
-    if len(value) > MAX_NDIM:
-        raise _bad(f"tensor has {len(value)} dimensions, over the {MAX_NDIM} limit", offset)
-    for v in value:
-        if v < 0 or v > MAX_DIM:
-            raise _bad(f"tensor {what} {list(value)} has a negative or absurd entry", offset)
-    return value
-
-
-def _empty_hooks(hooks: Any, offset: int) -> None:
-    # Non-empty backward hooks would be pickled callables; an OrderedDict arrives as a dict.
-    if hooks is not None and not (type(hooks) is dict and not hooks):
-        raise _bad("tensor has backward hooks (pickled callables); refusing", offset)
-
-
-class TorchPolicy:
-    """The converter's policy: a fixed table of globals, each an inert stand-in.
-
-    Args:
-        legacy: Accept the legacy format's 6-tuple persistent ids (with storage views).
-    """
-
-    def __init__(self, *, legacy: bool = False) -> None:
-        self.legacy = legacy
-        self.storages: dict[str, StorageRef] = {}
-        self.tensors: list[TensorRef] = []
-        self.views: dict[str, StorageRef] = {}
-        """Legacy storage views by view key (torch builds each once, see :meth:`persistent`)."""
-        self.first_unconvertible: Unconvertible | None = None
-        """The first tensor built that safetensors cannot hold, refused by :func:`_records`."""
-        self.budget = Budget(Limits(), self)
-        """What the calls build is charged here: the budget of the machine running the
-        stream (bound by :func:`_machine`)."""
-
-    # -- globals ---------------------------------------------------------------------------
-    def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
-        """Map an allowed global to its stand-in; refuse every other."""
-        module = _PY2_MODULES.get(module, module)
-        full = f"{module}.{name}"
-        if opcode in ("INST", "OBJ"):
-            raise _unsafe(f"{opcode} opcode calling {full}", full, offset)
-        if "." in name or any(p.startswith("__") for p in (*module.split("."), name)):
-            # Unpicklers resolve a dotted name attribute by attribute (a way from an allowed
-            # function to builtins.eval); the table is matched exactly, but refuse outright so
-            # no future table entry or normalisation can ever match one.
-            raise _unsafe(f"global {full} uses a dotted or dunder name", full, offset)
-        stand = _lookup(module, name)
-        if stand is None:
-            if (module, name) in _UNCONVERTIBLE:
-                # Refused where a name is known (see Unconvertible), or at the end.
-                return _UNCONVERTIBLE_STANDS[(module, name)]
-            raise _unsafe(f"global {full} is not on the allow-list", full, offset)
-        return stand
-
-    def unconvertible(self, func: Stand, offset: int) -> Unconvertible:
-        """What a call of an unconvertible rebuild (sparse, quantized...) stands for."""
-        value = Unconvertible(_UNCONVERTIBLE_WHAT[func.name], func.name, offset)
-        if self.first_unconvertible is None:
-            self.first_unconvertible = value
-        return value
-
-    def bad_stack_global(self, module: Any, name: Any, offset: int) -> Any:
-        """STACK_GLOBAL with computed, non-string operands: always refused."""
-        raise _unsafe(
-            f"STACK_GLOBAL with non-string operands {type(module).__name__}/{type(name).__name__}",
-            None,
-            offset,
-        )
-
-    # -- calls -----------------------------------------------------------------------------
-    def reduce(self, func: Any, args: Any, offset: int, opcode: str) -> Any:
-        """Dispatch a call on a stand-in to our own handler for that exact name."""
-        if not isinstance(func, Stand):
-            raise _unsafe(f"{opcode} on a non-callable {type(func).__name__}", None, offset)
-        if opcode in ("NEWOBJ_EX", "INST", "OBJ") or (
-            opcode == "NEWOBJ" and func.kind not in ("odict", "set")
-        ):
-            raise _unsafe(f"{opcode} on {func.name}", func.name, offset)
-        handler = _HANDLERS.get(func.kind)
-        if handler is None:
-            raise _unsafe(f"{func.name} is not callable", func.name, offset)
-        # Every call builds something (a tensor record, a copy): a call of values from the memo
-        # is five bytes of the stream, so count its result as the machine counts containers.
-        self.budget.grow(1, 0, offset)
-        # A Parameter of a sparse tensor is a tensor safetensors cannot hold, too.
-        if (
-            func.kind == "rebuild"
-            and type(args) is tuple
-            and args
-            and isinstance(args[0], Unconvertible)
-        ):
-            return args[0]
-        return handler(self, func, args, offset)
-
-    def build(self, obj: Any, state: Any, offset: int) -> Any:
-        """BUILD: accepted (and ignored) only on dicts, e.g. an OrderedDict's ``_metadata``."""
-        if type(obj) is dict and (state is None or type(state) in (dict, tuple)):
-            return obj
-        if isinstance(obj, (TensorRef, Unconvertible)) and (
-            state is None or state == {} or state == ((), {})
-        ):
-            return obj
-        if isinstance(obj, Stand):
-            raise _unsafe(f"BUILD changes the attributes of {obj.name}", obj.name, offset)
-        raise _unsafe(f"BUILD on {type(obj).__name__}", None, offset)
-
-    def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
-        """Turn ``("storage", type, key, location, numel[, view])`` into a StorageRef."""
-        if opcode != "BINPERSID":
-            raise _bad("text persistent ids (PERSID) are not written by torch", offset)
-        arity = 6 if self.legacy else 5
-        if type(pid) is not tuple or len(pid) != arity or pid[0] != "storage":
-            raise _bad(f"unknown persistent id {_short(pid)} (at byte {offset})", offset)
-        stype, key, location, numel = pid[1], pid[2], pid[3], pid[4]
-        if not isinstance(stype, Stand) or stype.kind != "storage":
-            raise _bad(f"persistent id names no storage type (at byte {offset})", offset)
-        if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 40:
-            raise _bad(f"storage key {_short(key)} is not a decimal string", offset)
-        if type(location) is not str:
-            raise _bad("storage location is not a string", offset)
-        if not _is_int(numel) or numel < 0 or numel > MAX_DIM:
-            raise _bad(f"storage {key}: element count {_short(numel)} is invalid", offset)
-        ref = StorageRef(key, stype.name, numel)
-        known = self.storages.get(key)
-        if known is None:
-            if key in self.views:
-                raise _bad(f"storage key {key} is also the key of a storage view", offset)
-            self.storages[key] = ref
-        elif known != ref:
-            raise _bad(f"storage {key} declared twice with different type or size", offset)
-        else:
-            ref = known  # the same object each time: repeated ids build nothing
-        if self.legacy and pid[5] is not None:
-            view = pid[5]
-            if (
-                type(view) is not tuple
-                or len(view) != 3
-                or type(view[0]) is not str
-                or not all(_is_int(v) and 0 <= v <= MAX_DIM for v in view[1:])
-                or view[1] + view[2] > numel
-            ):
-                raise _bad(f"invalid legacy storage view {_short(view)}", offset)
-            # torch's legacy persistent_load builds a view once per view key and hands that
-            # same view to every later id naming the key, whatever offset and size they say.
-            # Do the same (rebuilding each from its own offset wrote other values than
-            # torch.load returns). A view key that is also a storage key is ambiguous there
-            # (one table holds both): refused.
-            cached = self.views.get(view[0])
-            if cached is not None:
-                return cached
-            if view[0] in self.storages:
-                raise _bad(f"storage view key {_short(view[0])} is also a storage key", offset)
-            self.budget.grow(1, 0, offset)
-            made = self.views[view[0]] = StorageRef(key, stype.name, numel, view[1], view[2])
-            return made
-        return ref
-
-    # -- everything else is refused --------------------------------------------------------
-    def extension(self, code: int, offset: int) -> Any:
-        """EXT opcodes resolve globals through the copyreg registry: refused."""
-        raise _unsafe(f"extension code {code} (EXT opcode)", None, offset)
-
-    def buffer(self, offset: int, opcode: str) -> Any:
-        """Out-of-band buffers: torch never writes them."""
-        raise _bad(f"{opcode}: out-of-band pickle buffers are not supported", offset)
-
-    def mutate(self, target: Any, opcode: str, items: list[Any], offset: int) -> None:
-        """Only real lists, dicts and sets may be filled."""
-        raise _unsafe(f"{opcode} into {type(target).__name__}", None, offset)
-
-    def unhashable(self, key: Any, offset: int) -> Any:
-        """A key that cannot be hashed is malformed input."""
-        raise _bad(f"unhashable dict key of type {type(key).__name__}", offset)
-
-    def text(self, raw: bytes, offset: int) -> Any:
-        """py2 strings decode as torch decodes them: UTF-8."""
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise _bad("py2 string is not valid UTF-8", offset) from None
-
-    def notice(self, message: str, offset: int) -> None:
-        """Anything odd in the stream structure is refused (torch never writes it)."""
-        raise _bad(f"pickle: {message} at byte {offset}", offset)
-
-    def proto(self, protocol: int, offset: int) -> None:
-        """Nothing depends on it: names are matched as written (unknown ones are refused)."""
-
-    # -- rebuilds --------------------------------------------------------------------------
-    def make_tensor(
-        self, args: tuple[Any, ...], dtype: str | None, metadata: Any, at: int
-    ) -> TensorRef:
-        """Check a rebuild call's ``(storage, offset, size, stride)`` and record the tensor."""
-        storage, offset, size, stride = args
-        if not isinstance(storage, StorageRef):
-            raise _bad(f"tensor rebuilt from a {type(storage).__name__}, not a storage", at)
-        if not _is_int(offset) or offset < 0 or offset > MAX_DIM:
-            raise _bad(f"tensor storage offset {_short(offset)} is invalid", at)
-        size_t = _check_ints(size, "size", at)
-        stride_t = _check_ints(stride, "stride", at)
-        if len(size_t) != len(stride_t):
-            raise _bad(f"tensor size {list(size_t)} and stride {list(stride_t)} differ in length")
-        tdtype = dtype or storage.dtype
-        if dtype is not None and storage.dtype != "uint8":
-            # v3 carries the dtype separately and always uses untyped (byte) storages.
-            raise _bad("_rebuild_tensor_v3 on a typed storage", at)
-        neg = conj = False
-        if metadata is not None:
-            if type(metadata) is not dict or not all(
-                k in ("neg", "conj", "requires_grad") and type(v) is bool
-                for k, v in metadata.items()
-            ):
-                raise _bad(f"unsupported tensor metadata {_short(metadata)}", at)
-            neg, conj = bool(metadata.get("neg")), bool(metadata.get("conj"))
-        ref = TensorRef(storage, offset + storage.view_offset, size_t, stride_t, tdtype, neg, conj)
-        self.tensors.append(ref)
-        return ref
-
-
-def _short(value: Any) -> str:
-    # repr of hostile values can be huge, deeply nested or share parts many times over (a
-    # tuple doubled 40 times is 2**40 items to print): render a bounded outline instead.
-    text = _outline(value, 3)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _outline(value: Any, levels: int) -> str:
-    """``repr(value)`` for small values; at most 8 items per container, ``levels`` deep."""
-    kind = type(value)
-    if kind in (str, bytes, bytearray):
-        return repr(value[:80]) + ("..." if len(value) > 80 else "")
-    if value is None or kind in (bool, float, complex):
-        return repr(value)
-    if kind is int:
-        return repr(value) if value.bit_length() <= 256 else "<int>"
-    if isinstance(value, (tuple, list, set, frozenset, dict)):
-        if levels <= 0:
-            return "..."
-        if isinstance(value, dict):
-            pairs = list(zip(range(9), value.items(), strict=False))
-            parts = [f"{_outline(k, levels - 1)}: {_outline(v, levels - 1)}" for _, (k, v) in pairs]
-        else:
-            parts = [_outline(v, levels - 1) for _, v in zip(range(9), value, strict=False)]
-        if len(parts) > 8:
-            parts[8:] = ["..."]
-        inner = ", ".join(parts)
-        if isinstance(value, tuple):
-            body = f"({inner},)" if len(parts) == 1 else f"({inner})"
-        elif isinstance(value, list):
-            body = f"[{inner}]"
-        else:
-            body = "{" + inner + "}"
-        if kind in (set, frozenset) and not parts:
-            return f"{kind.__name__}()"
-        if kind in (tuple, list, dict, set):
-            return body
-        return f"{kind.__name__}({body})"
-    if isinstance(value, (Stand, StorageRef, TensorRef)):
-        return repr(value)
-    return f"<{kind.__name__}>"
-
-
-def _lookup(module: str, name: str) -> Stand | None:
-    # One stand-in per allowed name (a STACK_GLOBAL of two memo strings is five bytes of the
-    # stream: it must not build a new object each time).
-    known = _STANDS.get((module, name))
-    if known is None:
-        known = _make_stand(module, name)
-        if known is not None:
-            _STANDS[(module, name)] = known
-    return known
-
-
-#: Stand-ins made so far, by (module, name); only allowed names, so a finite table.
-_STANDS: Final[dict[tuple[str, str], Stand]] = {}
-
-
-def _make_stand(module: str, name: str) -> Stand | None:
-    if (module, name) in _REBUILDS:
-        return Stand("rebuild", name)
-    if module in ("torch", "torch.cuda") and name in _STORAGE_CLASSES:
-        return Stand("storage", _STORAGE_CLASSES[name])
-    if module in ("torch", "torch.storage", "torch.cuda") and name == "UntypedStorage":
-        return Stand("storage", "uint8")
-    if module == "torch" and name in _TORCH_DTYPES:
-        return Stand("dtype", name)
-    full = f"{module}.{name}"
-    return _SIMPLE.get(full)
-
-
-_SIMPLE: Final[dict[str, Stand]] = {
-    "collections.OrderedDict": Stand("odict", "collections.OrderedDict"),
-    "collections.Counter": Stand("counter", "collections.Counter"),
-    "torch.Size": Stand("size", "torch.Size"),
-    "torch.device": Stand("device", "torch.device"),
-    "torch.Tensor": Stand("tensor_type", "torch.Tensor"),
-    "torch.nn.parameter.Parameter": Stand("tensor_type", "torch.nn.parameter.Parameter"),
-    "builtins.set": Stand("set", "builtins.set"),
-    "builtins.frozenset": Stand("set", "builtins.frozenset"),
-    "builtins.bytearray": Stand("bytearray", "builtins.bytearray"),
-    "builtins.complex": Stand("complex", "builtins.complex"),
-    "_codecs.encode": Stand("encode", "_codecs.encode"),
-    # How torch pickles a torch.layout value (``torch.strided`` kept in a state dict): by name.
-    "torch.serialization._get_layout": Stand("layout", "torch.serialization._get_layout"),
-    # Constants that only the rebuilds of tensors safetensors cannot hold take (quantization
-    # schemes, layouts): inert, so that the refusal names the tensor (see Unconvertible).
-    **{
-        f"torch.{name}": Stand("constant", f"torch.{name}")
-        for name in (
-            "per_tensor_affine",
-            "per_channel_affine",
-            "per_channel_affine_float_qparams",
-            "strided",
-            "sparse_coo",
-            "sparse_csr",
-        )
-    },
-}
-
-
-# The handlers build from values the stream hands them, and one value from the memo can be
-# handed again and again for five bytes each time: each charges what it builds to the machine's
-# budget before building it (items copied, bytes copied), and hashes stream values only through
-# the budget's depth- and size-checked ``hashable`` (a tuple nested 200,000 deep as an
-# OrderedDict key or set item crashed the interpreter in C).
-
-
-def _h_odict(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    if args == ():
-        return {}
-    if len(args) == 1 and type(args[0]) is list:
-        pairs = args[0]
-        p.budget.grow(0, len(pairs), at)
-        out: dict[Any, Any] = {}
-        for pair in pairs:
-            if type(pair) not in (tuple, list) or len(pair) != 2:
-                raise _bad("OrderedDict items are not pairs", at)
-            out[p.budget.hashable(pair[0], at)] = pair[1]
-        return out
-    raise _bad(f"OrderedDict called with {_short(args)}", at)
-
-
-def _h_size(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    if len(args) == 1 and type(args[0]) in (tuple, list):
-        if type(args[0]) is tuple:
-            return args[0]  # tuple(t) is t: nothing built
-        p.budget.grow(0, len(args[0]), at)
-        return tuple(args[0])
-    raise _bad(f"torch.Size called with {_short(args)}", at)
-
-
-def _h_device(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    if 1 <= len(args) <= 2 and type(args[0]) is str and (len(args) == 1 or _is_int(args[1])):
-        if len(args) == 2 and not -(1 << 63) <= args[1] < 1 << 63:
-            raise _bad(f"torch.device index {_short(args[1])} is not a 64-bit integer", at)
-        p.budget.copy(len(args[0]), at)
-        return ":".join(str(a) for a in args)
-    raise _bad(f"torch.device called with {_short(args)}", at)
-
-
-#: The names ``torch.serialization._get_layout`` looks up (``str()`` of each ``torch.layout``).
-_LAYOUTS: Final = frozenset(
-    f"torch.{name}"
-    for name in (
-        "strided",
-        "sparse_coo",
-        "sparse_csr",
-        "sparse_csc",
-        "sparse_bsr",
-        "sparse_bsc",
-        "_mkldnn",
-        "jagged",
-    )
-)
-
-
-def _h_layout(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    # A value like any other constant; tensors of a non-strided layout are refused by their
-    # own rebuild functions.
-    if len(args) == 1 and type(args[0]) is str and args[0] in _LAYOUTS:
-        return Stand("constant", args[0])
-    raise _bad(f"torch.serialization._get_layout called with {_short(args)}", at)
-
-
-def _h_set(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    items = args[0] if len(args) == 1 and type(args[0]) in (list, tuple) else None
-    if args and items is None:
-        raise _bad(f"{f.name} called with {_short(args)}", at)
-    items = items or ()
-    p.budget.grow(0, len(items), at)
-    values = {p.budget.hashable(x, at) for x in items}
-    return frozenset(values) if f.name.endswith("frozenset") else values
-
-
-def _h_bytearray(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    if args == ():
-        return bytearray()
-    if len(args) == 1 and type(args[0]) is bytes:
-        p.budget.copy(len(args[0]), at)
-        return bytearray(args[0])
-    raise _bad(f"bytearray called with {_short(args)}", at)
-
-
-def _h_complex(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    if len(args) == 2 and all(type(a) in (int, float) for a in args):
-        try:
-            return complex(args[0], args[1])
-        except OverflowError:
-            raise _bad(f"complex called with {_short(args)}: too large for a float", at) from None
-    raise _bad(f"complex called with {_short(args)}", at)
-
-
-def _h_encode(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    # The protocol-2 way to pickle bytes: _codecs.encode(text, "latin1"). Nothing else.
-    if len(args) == 2 and type(args[0]) is str and args[1] in ("latin1", "latin-1"):
-        p.budget.copy(len(args[0]), at)
-        try:
-            return args[0].encode("latin-1")
-        except UnicodeEncodeError:
-            pass  # a character over U+00FF: not what pickle writes
-    raise _unsafe(f"_codecs.encode called with {_short(args)}", "_codecs.encode", at)
-
-
-def _h_rebuild(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    name, n = f.name, len(args)
-    if name == "_rebuild_tensor" and n == 4:
-        return p.make_tensor(args, None, None, at)
-    if name == "_rebuild_tensor_v2" and n in (6, 7):
-        _empty_hooks(args[5], at)
-        return p.make_tensor(args[:4], None, args[6] if n == 7 else None, at)
-    if name == "_rebuild_tensor_v3" and n in (7, 8):
-        _empty_hooks(args[5], at)
-        dtype = args[6]
-        if not isinstance(dtype, Stand) or dtype.kind != "dtype":
-            raise _bad("_rebuild_tensor_v3 without a dtype", at)
-        meta = args[7] if n == 8 else None
-        return p.make_tensor(args[:4], dtype.name, meta, at)
-    if name in ("_rebuild_parameter", "_rebuild_parameter_with_state") and n in (3, 4):
-        _empty_hooks(args[2], at)
-        if n == 4:
-            _attribute_state(args[3], at)
-        if not isinstance(args[0], TensorRef):
-            raise _bad("parameter without a tensor", at)
-        return args[0]
-    if name == "_rebuild_from_type_v2" and n == 4:
-        func, new_type, inner, state = args
-        if not isinstance(new_type, Stand) or new_type.kind != "tensor_type":
-            raise _unsafe(f"tensor subclass {_short(new_type)}", None, at)
-        if type(inner) is not tuple:
-            raise _bad(f"_rebuild_from_type_v2 with arguments {_short(inner)}", at)
-        _attribute_state(state, at)
-        if isinstance(func, Stand) and func.kind == "unconvertible":
-            return p.unconvertible(func, at)
-        if not isinstance(func, Stand) or func.kind != "rebuild":
-            raise _unsafe(f"_rebuild_from_type_v2 calling {_short(func)}", None, at)
-        return _h_rebuild(p, func, inner, at)
-    raise _bad(f"{name} called with {n} arguments", at)
-
-
-def _attribute_state(state: Any, at: int) -> None:
-    """Accept the Python attributes of a tensor or Parameter (``t.tag = "x"``), which torch
-    pickles as the state of ``_rebuild_from_type_v2``/``_rebuild_parameter_with_state``: its
-    ``__dict__``, or ``(__dict__, slots)``. A safetensors file holds no such attributes, so
-    they are not kept, as no save of safetensors keeps them; their values were built by this
-    machine from allowed globals only."""
-    if state is None or type(state) is dict:
-        return
-    if type(state) is tuple and len(state) == 2 and all(type(s) is dict for s in state):
-        return
-    raise _bad(f"tensor with Python state {_short(state)}", at)
-
-
-def _h_counter(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    # collections.Counter (an LR scheduler's milestones; on torch's weights_only allow-list)
-    # pickles as Counter(dict): kept as the dict it holds.
-    if args == ():
-        return {}
-    if len(args) == 1 and type(args[0]) is dict:
-        p.budget.grow(0, len(args[0]), at)
-        return dict(args[0])  # keys keep their hashes: none is hashed again
-    raise _bad(f"Counter called with {_short(args)}", at)
-
-
-def _h_unconvertible(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
-    return p.unconvertible(f, at)
-
-
-_HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], Any]]] = {
-    "unconvertible": _h_unconvertible,
-    "counter": _h_counter,
-    "odict": _h_odict,
-    "size": _h_size,
-    "device": _h_device,
-    "layout": _h_layout,
-    "set": _h_set,
-    "bytearray": _h_bytearray,
-    "complex": _h_complex,
-    "encode": _h_encode,
-    "rebuild": _h_rebuild,
-}
-
-
-class _ValuePolicy(TorchPolicy):
-    """Plain values only (the legacy format's magic, version, sys_info and key list)."""
-
-    def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
-        """No global at all is allowed here."""
-        full = f"{module}.{name}"
-        raise _unsafe(f"global {full} in a header pickle", full, offset)
-
-    def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
-        """No persistent id is expected here."""
-        raise _bad("persistent id in a header pickle", offset)
-
-
 # --------------------------------------------------------------------------------------------
 # Naming: flatten the object graph into dotted names.
 # --------------------------------------------------------------------------------------------
@@ -829,13 +112,13 @@ def _key_text(key: Any, prefix: str = "") -> str:
         return key
     if type(key) is int and key.bit_length() > MAX_KEY_DIGITS * 3:  # > 10**90
         where = f" under {prefix!r}" if prefix else " at the top level"
-        raise _bad(
+        raise bad_checkpoint(
             f"state dict key{where} is an integer of about {key.bit_length() * 3 // 10} "
             f"digits; a key over {MAX_KEY_DIGITS} digits cannot name a tensor"
         )
     if type(key) in (int, bool) or key is None:
         return str(key)
-    raise _bad(f"state dict key of type {type(key).__name__} cannot name a tensor")
+    raise bad_checkpoint(f"state dict key of type {type(key).__name__} cannot name a tensor")
 
 
 def _leaf_key_text(key: Any) -> str:
@@ -844,7 +127,7 @@ def _leaf_key_text(key: Any) -> str:
         return _key_text(key)
     if type(key) is int and key.bit_length() <= MAX_KEY_DIGITS * 3:
         return str(key)
-    return _short(key)
+    return short_text(key)
 
 
 def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> Any:
@@ -860,7 +143,7 @@ def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> An
     if value is None or type(value) in (bool, str):
         return value
     if type(value) is int:
-        return value if value.bit_length() <= 256 else _short(value)
+        return value if value.bit_length() <= 256 else short_text(value)
     if type(value) is float:
         return value if math.isfinite(value) else str(value)
     if depth > 16:
@@ -892,7 +175,7 @@ def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> An
 
 
 def _safe_key(key: Any) -> str:
-    return key if type(key) is str else _short(key)
+    return key if type(key) is str else short_text(key)
 
 
 def _flatten(root: Any) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
@@ -902,9 +185,11 @@ def _flatten(root: Any) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
     if isinstance(root, Unconvertible):
         raise root.refusal(None)
     if isinstance(root, TensorRef):
-        raise _bad("the checkpoint is a single tensor without a name; expected a state dict")
+        raise bad_checkpoint(
+            "the checkpoint is a single tensor without a name; expected a state dict"
+        )
     if type(root) is not dict:
-        raise _bad(f"the checkpoint holds a {type(root).__name__}, not a state dict")
+        raise bad_checkpoint(f"the checkpoint holds a {type(root).__name__}, not a state dict")
     contains = _tensor_containers(root)
     return _ordered(root, contains, tensors, leaves)
 
@@ -938,11 +223,11 @@ def _ordered(
         entries += 1
         chars += len(name)
         if entries > MAX_ENTRIES:
-            raise _bad(
+            raise bad_checkpoint(
                 f"state dict has over {MAX_ENTRIES} entries (shared parts count once per path)"
             )
         if chars > MAX_NAME_CHARS:
-            raise _bad(f"state dict names are over {MAX_NAME_CHARS} characters in all")
+            raise bad_checkpoint(f"state dict names are over {MAX_NAME_CHARS} characters in all")
         if isinstance(value, TensorRef):
             tensors.append((name, value))
             continue
@@ -953,9 +238,9 @@ def _ordered(
             leaves[name] = value
             continue
         if id(value) in on_path:
-            raise _bad(f"state dict contains itself at {name!r}")
+            raise bad_checkpoint(f"state dict contains itself at {name!r}")
         if depth + 1 > MAX_DEPTH:
-            raise _bad(f"state dict nested deeper than {MAX_DEPTH} levels")
+            raise bad_checkpoint(f"state dict nested deeper than {MAX_DEPTH} levels")
         items = value.items() if type(value) is dict else enumerate(value)
         stack.append((name, iter(items), depth + 1))
         on_path.append(id(value))
@@ -973,7 +258,7 @@ def _tensor_containers(root: Any) -> set[int]:
         obj = todo.pop()
         steps += 1
         if steps > 50_000_000:
-            raise _bad("state dict too large to walk")
+            raise bad_checkpoint("state dict too large to walk")
         values = obj.values() if type(obj) is dict else obj
         for v in values:
             if isinstance(v, (TensorRef, Unconvertible)):
@@ -1059,7 +344,7 @@ class Checkpoint:
         """
         loc = self._storages[key]
         if start < 0 or length < 0 or start + length > loc.nbytes:
-            raise _bad(f"read past the end of storage {key}")
+            raise bad_checkpoint(f"read past the end of storage {key}")
         if self._zip is None or loc.member is None:
             return self._file, loc.offset, None
         member = self._zip.members[loc.member]
@@ -1126,7 +411,7 @@ class Checkpoint:
         # tensor (an expanded view writes up to 64 times its span).
         unit = np.dtype(f"<u{rec.itemsize}") if rec.itemsize in (1, 2, 4, 8) else None
         if unit is None:  # pragma: no cover - every supported torch dtype has 1..8 bytes
-            raise _bad(f"unsupported element size {rec.itemsize}")
+            raise bad_checkpoint(f"unsupported element size {rec.itemsize}")
         flat = self._span(rec.storage_key, start, stop - start).view(unit)
         # A dimension of size 1 never steps, so its stride is any number torch was given
         # (up to MAX_DIM, over what numpy's strides hold): 0 here. Every other stride is
@@ -1268,7 +553,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, limits: Limits | None = Non
             return _load_legacy(file, limits)
         if kind == "tar":
             return _load_tar(file, limits)
-        raise _bad("not a PyTorch checkpoint (neither a zip nor a pickle)")
+        raise bad_checkpoint("not a PyTorch checkpoint (neither a zip nor a pickle)")
     except BaseException:
         file.close()
         raise
@@ -1285,18 +570,18 @@ def _records(
     out: dict[str, TensorRecord] = {}
     for name, ref in named:
         if name in out:
-            raise _bad(f"two tensors flatten to the same name {name!r}")
+            raise bad_checkpoint(f"two tensors flatten to the same name {name!r}")
         if name == "__metadata__":
-            raise _bad("a tensor may not be named __metadata__")
+            raise bad_checkpoint("a tensor may not be named __metadata__")
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
-            raise _bad(f"tensor name {name!r} is not valid Unicode") from None
+            raise bad_checkpoint(f"tensor name {name!r} is not valid Unicode") from None
         out[name] = _record(ref, sizes, name)
     _check_total_expansion(out, sizes)
     for name in leaves:
         if name in out:
-            raise _bad(f"a tensor and another value share the name {name!r}")
+            raise bad_checkpoint(f"a tensor and another value share the name {name!r}")
     total = [MAX_LEAF_NODES]
     rendered: dict[str, Any] = {}
     for k, v in leaves.items():
@@ -1326,7 +611,7 @@ def _check_total_expansion(records: dict[str, TensorRecord], sizes: dict[str, in
 
 
 def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
-    code, itemsize = _TORCH_DTYPES[ref.dtype]
+    code, itemsize = TORCH_DTYPES[ref.dtype]
     if code is None:
         raise CheckpointError(
             f"tensor {name!r} has dtype torch.{ref.dtype}, which safetensors cannot store",
@@ -1363,7 +648,7 @@ def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
     shape = ref.size
     if code == "F4":
         if not shape:
-            raise _bad(f"tensor {name!r}: a 0-d float4_e2m1fn_x2 tensor cannot be stored")
+            raise bad_checkpoint(f"tensor {name!r}: a 0-d float4_e2m1fn_x2 tensor cannot be stored")
         shape = (*shape[:-1], shape[-1] * 2)
     return TensorRecord(
         dtype_from_code(code),
@@ -1383,42 +668,44 @@ def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
 def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
     zv = open_zip(file)
     if not zv.order:
-        raise _bad("empty zip archive")
+        raise bad_checkpoint("empty zip archive")
     first = zv.order[0]
     if "/" not in first:
-        raise _bad(f"zip member {first!r} is not in a subdirectory (not a torch archive)")
+        raise bad_checkpoint(f"zip member {first!r} is not in a subdirectory (not a torch archive)")
     prefix = first.split("/", 1)[0] + "/"
     for name in zv.order:
         if not name.startswith(prefix):
-            raise _bad(f"zip members under several folders ({prefix!r} and {name!r})")
+            raise bad_checkpoint(f"zip members under several folders ({prefix!r} and {name!r})")
         rel = name[len(prefix) :]
         if rel == "constants.pkl" or rel.startswith("code/"):
-            raise _unsafe("TorchScript archive (runs its own code on load)", None, 0)
+            raise unsafe_global("TorchScript archive (runs its own code on load)", None, 0)
     # Records are looked up as torch's reader looks them up: ignoring ASCII case.
     pkl = zv.find(prefix + "data.pkl")
     if pkl is None:
-        raise _bad(f"no {prefix + 'data.pkl'!r} in the archive")
+        raise bad_checkpoint(f"no {prefix + 'data.pkl'!r} in the archive")
     _check_version(zv, prefix)
     byteorder = "little"
     byteorder_record = zv.find(prefix + "byteorder")
     if byteorder_record is not None:
         raw = zv.read(byteorder_record, limit=16)
         if raw not in (b"little", b"big"):
-            raise _bad(f"byteorder record {raw!r} is neither 'little' nor 'big'")
+            raise bad_checkpoint(f"byteorder record {raw!r} is neither 'little' nor 'big'")
         byteorder = raw.decode()
     data = zv.read(pkl, limit=MAX_PICKLE_BYTES)
     policy = TorchPolicy()
-    result = _machine(data, policy, limits).run(0)
+    result = policy_machine(data, policy, limits).run(0)
     if result.end != len(data):
-        raise _bad(f"{pkl}: {len(data) - result.end} bytes after STOP")
+        raise bad_checkpoint(f"{pkl}: {len(data) - result.end} bytes after STOP")
     storages: dict[str, _StorageLoc] = {}
     for key, ref in policy.storages.items():
         found = zv.find(f"{prefix}data/{key}")
         if found is None:
-            raise _bad(f"storage {key} is referenced but {f'{prefix}data/{key}'!r} is missing")
+            raise bad_checkpoint(
+                f"storage {key} is referenced but {f'{prefix}data/{key}'!r} is missing"
+            )
         member, m = found, zv.members[found]
         if m.file_size != ref.nbytes:
-            raise _bad(
+            raise bad_checkpoint(
                 f"storage {key}: the pickle declares {ref.numel} x torch.{ref.dtype} "
                 f"({ref.nbytes} bytes) but {member!r} holds {m.file_size} bytes"
             )
@@ -1446,12 +733,12 @@ def _check_version(zv: ZipView, prefix: str) -> None:
     raw = zv.read(record, limit=64)
     match = re.match(rb"[ \t\n\v\f\r]*([+-]?)([0-9]+)", raw)
     if match is None:
-        raise _bad(f"{record!r}: the archive version {raw!r} is not a number")
+        raise bad_checkpoint(f"{record!r}: the archive version {raw!r} is not a number")
     version = int(match.group(2))
     if match.group(1) == b"-" and version:
         version = (1 << 64) - version  # stoull wraps negative numbers
     if not 1 <= version <= MAX_ARCHIVE_VERSION:
-        raise _bad(
+        raise bad_checkpoint(
             f"{record!r}: archive format version {version}; torch reads versions 1 to "
             f"{MAX_ARCHIVE_VERSION}"
         )
@@ -1462,24 +749,28 @@ def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:
     # raw storages that follow are read on demand. (Reading MAX_PICKLE_BYTES up front held up
     # to 2 GiB, two copies, for pickles of a few hundred KiB.)
     stop = file.size
-    values = _ValuePolicy()
+    values = ValuePolicy()
     magic = _run_pickle_at(file, 0, stop, values, limits)
     if type(magic.value) is not int or magic.value != LEGACY_MAGIC:
-        raise _bad("not a PyTorch checkpoint: the first pickle is not the legacy magic number")
+        raise bad_checkpoint(
+            "not a PyTorch checkpoint: the first pickle is not the legacy magic number"
+        )
     proto = _run_pickle_at(file, magic.end, stop, values, limits)
     if proto.value != LEGACY_PROTOCOL or type(proto.value) is not int:
-        raise _bad(f"unsupported legacy protocol version {_short(proto.value)}")
+        raise bad_checkpoint(f"unsupported legacy protocol version {short_text(proto.value)}")
     info = _run_pickle_at(file, proto.end, stop, values, limits)
     if type(info.value) is not dict or info.value.get("little_endian") is not True:
-        raise _bad("legacy sys_info is missing or declares big-endian storages (unsupported)")
+        raise bad_checkpoint(
+            "legacy sys_info is missing or declares big-endian storages (unsupported)"
+        )
     policy = TorchPolicy(legacy=True)
     graph = _run_pickle_at(file, info.end, stop, policy, limits)
     keys_res = _run_pickle_at(file, graph.end, stop, values, limits)
     keys = keys_res.value
     if type(keys) is not list or not all(type(k) is str for k in keys):
-        raise _bad("legacy storage key list is not a list of strings")
+        raise bad_checkpoint("legacy storage key list is not a list of strings")
     if len(set(keys)) != len(keys):
-        raise _bad("legacy storage key list names a key twice")
+        raise bad_checkpoint("legacy storage key list names a key twice")
     return _legacy_storages(file, policy, graph, keys, keys_res.end)
 
 
@@ -1491,10 +782,12 @@ def _legacy_storages(
     for key in keys:
         ref = policy.storages.get(key)
         if ref is None:
-            raise _bad(f"legacy storage key {_short(key)} is not declared in the pickle")
+            raise bad_checkpoint(
+                f"legacy storage key {short_text(key)} is not declared in the pickle"
+            )
         (count,) = struct.unpack("<q", file.read(pos, 8))
         if count != ref.numel:
-            raise _bad(
+            raise bad_checkpoint(
                 f"storage {key}: record holds {count} elements, the pickle declares {ref.numel}"
             )
         if pos + 8 + ref.nbytes > file.size:
@@ -1506,7 +799,7 @@ def _legacy_storages(
         pos += 8 + ref.nbytes
     missing = set(policy.storages) - set(storages)
     if missing:
-        raise _bad(f"storages {sorted(missing)[:5]} declared but not present")
+        raise bad_checkpoint(f"storages {sorted(missing)[:5]} declared but not present")
     tensors, leaves = _records(policy, graph.value, {k: v.nbytes for k, v in storages.items()})
     return Checkpoint(
         file.path, "legacy", tensors, leaves, "little", file, None, storages, graph.protocol
@@ -1525,18 +818,18 @@ _TENSOR_CLASSES: Final = frozenset(
 )  # fmt: skip
 
 
-class _TablePolicy(_ValuePolicy):
+class _TablePolicy(ValuePolicy):
     """Records of the ``storages``/``tensors`` members: plain values plus storage/tensor classes."""
 
     def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
         """Allow ``torch[.cuda].<X>Storage`` and ``torch[.cuda].<X>Tensor`` only."""
         full = f"{module}.{name}"
         if opcode == "GLOBAL" or opcode == "STACK_GLOBAL":
-            if module in ("torch", "torch.cuda") and name in _STORAGE_CLASSES:
-                return Stand("storage", _STORAGE_CLASSES[name])
+            if module in ("torch", "torch.cuda") and name in STORAGE_CLASSES:
+                return Stand("storage", STORAGE_CLASSES[name])
             if module in ("torch", "torch.cuda") and name in _TENSOR_CLASSES:
                 return Stand("tensor_class", full)
-        raise _unsafe(f"global {full} is not on the allow-list of tar records", full, offset)
+        raise unsafe_global(f"global {full} is not on the allow-list of tar records", full, offset)
 
 
 class _TarGraphPolicy(TorchPolicy):
@@ -1549,18 +842,22 @@ class _TarGraphPolicy(TorchPolicy):
     def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
         """``int(pid)`` looked up in the tables, as torch's ``persistent_load`` does."""
         if type(pid) is tuple:
-            raise _bad(
+            raise bad_checkpoint(
                 "pickled nn.Module classes (module persistent ids) are not supported", offset
             )
         if type(pid) is str and pid.isascii() and pid.isdigit() and len(pid) <= 40:
             key = int(pid)
-        elif _is_int(pid):
+        elif is_int(pid):
             key = pid
         else:
-            raise _bad(f"unknown persistent id {_short(pid)} (at byte {offset})", offset)
+            raise bad_checkpoint(
+                f"unknown persistent id {short_text(pid)} (at byte {offset})", offset
+            )
         found = self.objects.get(key)
         if found is None:
-            raise _bad(f"persistent id {key} names no storage or tensor of the archive", offset)
+            raise bad_checkpoint(
+                f"persistent id {key} names no storage or tensor of the archive", offset
+            )
         return found
 
 
@@ -1586,11 +883,11 @@ class _TarHeaderReader(BoundedFile):
         self.reads = 0
 
     def _seek_error(self, pos: int) -> Exception:
-        return _bad(f"tar checkpoint seeks before the start of the file ({pos})")
+        return bad_checkpoint(f"tar checkpoint seeks before the start of the file ({pos})")
 
     def _check_read(self, at: int, n: int | None) -> None:
         if n is None or n < 0:
-            raise _bad(f"tar checkpoint: a read to the end of the file at byte {at}")
+            raise bad_checkpoint(f"tar checkpoint: a read to the end of the file at byte {at}")
         self.total += n
         self.reads += 1
         if at + n > self._size and n > BLOCK_SIZE:
@@ -1601,7 +898,7 @@ class _TarHeaderReader(BoundedFile):
                 offset=at,
             )
         if self.total > MAX_TAR_HEADER_BYTES or self.reads > MAX_TAR_HEADER_READS:
-            raise _bad(
+            raise bad_checkpoint(
                 f"tar checkpoint: its headers (with PAX records and GNU long names) take over "
                 f"{MAX_TAR_HEADER_BYTES} bytes or {MAX_TAR_HEADER_READS} reads (one of {n} "
                 f"bytes at byte {at})",
@@ -1617,13 +914,13 @@ def _tar_members(file: FileBytes) -> dict[str, tuple[int, int]]:
         with tarfile.open(fileobj=reader, mode="r:") as tar:
             for count, m in enumerate(tar, 1):
                 if count > MAX_TAR_MEMBERS:
-                    raise _bad(f"tar checkpoint has over {MAX_TAR_MEMBERS} members")
+                    raise bad_checkpoint(f"tar checkpoint has over {MAX_TAR_MEMBERS} members")
                 if m.name not in _TAR_MEMBERS:
-                    raise _bad(f"unexpected tar member {_short(m.name)}")
+                    raise bad_checkpoint(f"unexpected tar member {short_text(m.name)}")
                 if m.name in out:
-                    raise _bad(f"tar member {m.name!r} appears twice")
+                    raise bad_checkpoint(f"tar member {m.name!r} appears twice")
                 if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or m.sparse is not None:
-                    raise _bad(
+                    raise bad_checkpoint(
                         f"tar member {m.name!r} is not a regular file (link, device, sparse...)"
                     )
                 if m.size < 0 or m.offset_data + m.size > file.size:
@@ -1637,14 +934,14 @@ def _tar_members(file: FileBytes) -> dict[str, tuple[int, int]]:
         raise
     except (tarfile.TarError, EOFError, ValueError, OSError, OverflowError, RecursionError) as exc:
         # Numbers of malformed headers; tarfile's own recursion over chained PAX records.
-        raise _bad(f"unreadable tar checkpoint ({type(exc).__name__}: {exc})") from None
+        raise bad_checkpoint(f"unreadable tar checkpoint ({type(exc).__name__}: {exc})") from None
     for name in ("pickle", "storages", "tensors"):
         if name not in out:
-            raise _bad(f"tar checkpoint has no {name!r} member")
+            raise bad_checkpoint(f"tar checkpoint has no {name!r} member")
     spans = sorted(out.values())
     for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
         if a + n > b:
-            raise _bad("tar members overlap")
+            raise bad_checkpoint("tar members overlap")
     return out
 
 
@@ -1663,7 +960,7 @@ def _run_pickle_at(
     while True:
         data = file.read(start, size)
         try:
-            res = _machine(data, policy, limits, base=start).run(0)
+            res = policy_machine(data, policy, limits, base=start).run(0)
         except CheckpointError as exc:
             if exc.kind != TRUNCATED or size >= min(stop - start, MAX_PICKLE_BYTES):
                 raise
@@ -1683,23 +980,27 @@ def _run_at(
 
 def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
     members = _tar_members(file)
-    values = _ValuePolicy()
+    values = ValuePolicy()
     if "sys_info" in members:
         start, size = members["sys_info"]
         if size > MAX_PICKLE_BYTES:
-            raise _bad("tar sys_info member is too large")
-        info = _machine(file.read(start, size), values, limits, base=start).run(0).value
+            raise bad_checkpoint("tar sys_info member is too large")
+        info = policy_machine(file.read(start, size), values, limits, base=start).run(0).value
         if type(info) is not dict or info.get("little_endian") is False:
-            raise _bad("tar sys_info is not a dict or declares big-endian storages (unsupported)")
+            raise bad_checkpoint(
+                "tar sys_info is not a dict or declares big-endian storages (unsupported)"
+            )
     table = _TablePolicy()
     objects: dict[int, StorageRef | TensorRef] = {}
     storages: dict[str, _StorageLoc] = {}
 
     def new_key(key: Any, what: str) -> int:
-        if not _is_int(key) or key < 0 or key > MAX_DIM:
-            raise _bad(f"tar {what} key {_short(key)} is not a non-negative 63-bit int")
+        if not is_int(key) or key < 0 or key > MAX_DIM:
+            raise bad_checkpoint(
+                f"tar {what} key {short_text(key)} is not a non-negative 63-bit int"
+            )
         if key in objects:
-            raise _bad(f"tar {what} key {key} is used twice")
+            raise bad_checkpoint(f"tar {what} key {key} is used twice")
         return int(key)
 
     def open_table(member: str, what: str) -> tuple[int, int, int]:
@@ -1707,20 +1008,20 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
         start, size = members[member]
         stop = start + size
         count, pos = _run_at(file, start, stop, table, limits)
-        if not _is_int(count) or count < 0 or count > size:
-            raise _bad(f"tar {member}: invalid {what} count {_short(count)}")
+        if not is_int(count) or count < 0 or count > size:
+            raise bad_checkpoint(f"tar {member}: invalid {what} count {short_text(count)}")
         return count, pos, stop
 
     def record(pos: int, stop: int, what: str, fields: str) -> tuple[tuple[Any, ...], int]:
         """One ``(key, ..., type)`` record pickle of a table member."""
         rec, pos = _run_at(file, pos, stop, table, limits)
         if type(rec) is not tuple or len(rec) != 3:
-            raise _bad(f"tar {what} record {_short(rec)} is not ({fields})")
+            raise bad_checkpoint(f"tar {what} record {short_text(rec)} is not ({fields})")
         return rec, pos
 
     def close_table(member: str, pos: int, stop: int) -> None:
         if pos != stop:
-            raise _bad(f"tar {member}: {stop - pos} bytes after the last record")
+            raise bad_checkpoint(f"tar {member}: {stop - pos} bytes after the last record")
 
     # storages: count, then per storage (key, location, storage_type) + int64 count + raw bytes,
     # then a list of views (view_key, root_key, offset, numel) in elements.
@@ -1730,7 +1031,7 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
         key = new_key(rec[0], "storage")
         stype = rec[2]
         if type(rec[1]) is not str or not isinstance(stype, Stand) or stype.kind != "storage":
-            raise _bad(f"tar storage {key}: invalid location or storage type")
+            raise bad_checkpoint(f"tar storage {key}: invalid location or storage type")
         if pos + 8 > stop:
             raise CheckpointError(f"tar storage {key}: record truncated", kind="Truncated")
         (numel,) = struct.unpack("<q", file.read(pos, 8))
@@ -1746,17 +1047,19 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
         pos += 8 + ref.nbytes
     views, pos = _run_at(file, pos, stop, table, limits)
     if type(views) is not list:
-        raise _bad("tar storages: the view list is not a list")
+        raise bad_checkpoint("tar storages: the view list is not a list")
     for view in views:
         if (
             type(view) is not tuple
             or len(view) != 4
-            or not all(_is_int(v) and 0 <= v <= MAX_DIM for v in view)
+            or not all(is_int(v) and 0 <= v <= MAX_DIM for v in view)
         ):
-            raise _bad(f"tar storage view {_short(view)} is not four non-negative ints")
+            raise bad_checkpoint(
+                f"tar storage view {short_text(view)} is not four non-negative ints"
+            )
         root = objects.get(view[1])
         if not isinstance(root, StorageRef):
-            raise _bad(f"tar storage view {view[0]} has no root storage {view[1]}")
+            raise bad_checkpoint(f"tar storage view {view[0]} has no root storage {view[1]}")
         key = new_key(view[0], "storage view")
         avail = root.view_size if root.view_size >= 0 else root.numel
         if view[2] + view[3] > avail:
@@ -1776,36 +1079,38 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
     for _ in range(count):
         rec, pos = record(pos, stop, "tensor", "key, storage, type")
         key = new_key(rec[0], "tensor")
-        storage = objects.get(rec[1]) if _is_int(rec[1]) else None
+        storage = objects.get(rec[1]) if is_int(rec[1]) else None
         if not isinstance(storage, StorageRef):
-            raise _bad(f"tar tensor {key}: storage {_short(rec[1])} is not in the archive")
+            raise bad_checkpoint(
+                f"tar tensor {key}: storage {short_text(rec[1])} is not in the archive"
+            )
         if pos + 8 > stop:
             raise CheckpointError(f"tar tensor {key}: record truncated", kind="Truncated")
         (ndim,) = struct.unpack("<i", file.read(pos, 4))
         if ndim < 0 or ndim > MAX_NDIM:
-            raise _bad(f"tar tensor {key}: {ndim} dimensions")
+            raise bad_checkpoint(f"tar tensor {key}: {ndim} dimensions")
         need = 8 + 16 * ndim + 8
         if pos + need > stop:
             raise CheckpointError(f"tar tensor {key}: record truncated", kind="Truncated")
         nums = struct.unpack(f"<{2 * ndim + 1}q", file.read(pos + 8, need - 8))
         pos += need
-        size_t = _check_ints(nums[:ndim], "size", pos)
-        stride_t = _check_ints(nums[ndim : 2 * ndim], "stride", pos)
+        size_t = check_ints(nums[:ndim], "size", pos)
+        stride_t = check_ints(nums[ndim : 2 * ndim], "stride", pos)
         offset = nums[-1]
         if offset < 0 or offset > MAX_DIM:
-            raise _bad(f"tar tensor {key}: storage offset {offset} is invalid")
+            raise bad_checkpoint(f"tar tensor {key}: storage offset {offset} is invalid")
         offset += storage.view_offset
         objects[key] = TensorRef(storage, offset, size_t, stride_t, storage.dtype)
     close_table("tensors", pos, stop)
 
     start, size = members["pickle"]
     if size > MAX_PICKLE_BYTES:
-        raise _bad("tar pickle member is too large")
+        raise bad_checkpoint("tar pickle member is too large")
     data = file.read(start, size)
     policy = _TarGraphPolicy(objects)
-    graph = _machine(data, policy, limits, base=start).run(0)
+    graph = policy_machine(data, policy, limits, base=start).run(0)
     if graph.end != len(data):
-        raise _bad(f"tar pickle: {len(data) - graph.end} bytes after STOP")
+        raise bad_checkpoint(f"tar pickle: {len(data) - graph.end} bytes after STOP")
     tensors, leaves = _records(policy, graph.value, {k: v.nbytes for k, v in storages.items()})
     return Checkpoint(
         file.path, "tar", tensors, leaves, "little", file, None, storages, graph.protocol

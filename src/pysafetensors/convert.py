@@ -2,9 +2,10 @@
 
 Nothing from the pickle is run and torch is not needed: the checkpoint is read by
 :mod:`pysafetensors._torch_pickle`, which interprets an allow-list of rebuild functions itself
-and refuses every other global with :class:`~pysafetensors.UnsafePickleError`. Storage bytes are
-streamed from the checkpoint into the output, so memory stays near one tensor (a non-contiguous
-view needs its storage span plus the copy).
+(:mod:`pysafetensors._torch_policy`) and refuses every other global with
+:class:`~pysafetensors.UnsafePickleError`. Storage bytes are streamed from the checkpoint into
+the output, so memory stays near one tensor (a non-contiguous view needs its storage span plus
+the copy).
 
 Example::
 

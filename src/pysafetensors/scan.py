@@ -50,7 +50,7 @@ from ._pickle_vm import LIMIT, OPNAMES, TRUNCATED, Limits, Machine
 from ._remote_urls import shown_location
 from ._sources import open_regular_file
 from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile, caseless
-from ._torch_pickle import _REBUILDS, _STORAGE_CLASSES, _TORCH_DTYPES, _UNCONVERTIBLE, _lookup
+from ._torch_policy import REBUILDS, STORAGE_CLASSES, TORCH_DTYPES, UNCONVERTIBLE, lookup_global
 from ._zip_directory import EOCD, EOCD_SIG, ZIP64_EOCD, end_records
 
 __all__ = ["GRADES", "Finding", "GlobalUse", "Grade", "ScanReport", "grade_global", "scan_file"]
@@ -172,7 +172,7 @@ def grade_global(module: str, name: str) -> Grade:
         return "dangerous"  # __builtins__-style lookups through a module path
     if module == "builtins":
         return "safe" if name in _SAFE_BUILTINS else "dangerous"
-    if _lookup(module, name) is not None or (module, name) in _UNCONVERTIBLE:
+    if lookup_global(module, name) is not None or (module, name) in UNCONVERTIBLE:
         return "safe"
     if full in _EXTRA_SAFE:
         return "safe"
@@ -410,8 +410,8 @@ class _ScanPolicy:
         # passes one of its rebuild functions. Anything else turns it into a call gadget.
         func = args[0] if type(args) is tuple and args else None
         if isinstance(func, _SymGlobal) and (
-            (func.module, func.name) in _REBUILDS
-            or (func.module == "torch._utils" and (func.module, func.name) in _UNCONVERTIBLE)
+            (func.module, func.name) in REBUILDS
+            or (func.module == "torch._utils" and (func.module, func.name) in UNCONVERTIBLE)
         ):
             return
         what = "a computed object" if isinstance(func, _SymCall) else _text(func)
@@ -581,9 +581,9 @@ def _legacy_records(
     for pid in pids:
         if type(pid) is tuple and len(pid) >= 5 and isinstance(pid[1], _SymGlobal):
             cls = pid[1].name
-            dtype = _STORAGE_CLASSES.get(cls, "uint8" if cls == "UntypedStorage" else "")
+            dtype = STORAGE_CLASSES.get(cls, "uint8" if cls == "UntypedStorage" else "")
             if dtype and type(pid[2]) is str:
-                sizes[pid[2]] = _TORCH_DTYPES[dtype][1]
+                sizes[pid[2]] = TORCH_DTYPES[dtype][1]
     if type(keys) is not list:
         return None
     for key in keys:
@@ -1027,9 +1027,9 @@ def _scan_tar_table(report: ScanReport, data: bytes, where: str, depth: int, ten
                 if type(args) is not tuple or len(args) < 3:
                     raise ValueError
                 stype = args[2]
-                if not isinstance(stype, _SymGlobal) or stype.name not in _STORAGE_CLASSES:
+                if not isinstance(stype, _SymGlobal) or stype.name not in STORAGE_CLASSES:
                     raise ValueError
-                itemsize = _TORCH_DTYPES[_STORAGE_CLASSES[stype.name]][1]
+                itemsize = TORCH_DTYPES[STORAGE_CLASSES[stype.name]][1]
                 (n,) = struct.unpack_from("<q", data, pos)
                 if n < 0:
                     raise ValueError

@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 
 from pysafetensors import CheckpointError, safe_open  # noqa: E402
 from pysafetensors._pickle_vm import Limits, Machine  # noqa: E402
-from pysafetensors._torch_pickle import _ValuePolicy, load_checkpoint  # noqa: E402
+from pysafetensors._torch_pickle import load_checkpoint  # noqa: E402
+from pysafetensors._torch_policy import ValuePolicy  # noqa: E402
 from pysafetensors.convert import convert_file, to_torch_bin  # noqa: E402
 from pysafetensors.scan import scan_file  # noqa: E402
 
@@ -197,8 +198,8 @@ def _count_limit_pickle(n: int) -> bytes:
 
 def test_the_pickle_machine_caps_the_containers_it_builds() -> None:
     data = _count_limit_pickle(1000)
-    assert len(Machine(data, _ValuePolicy(), Limits()).run(0).value) == 1000
+    assert len(Machine(data, ValuePolicy(), Limits()).run(0).value) == 1000
     with pytest.raises(CheckpointError, match="over 500 containers"):
-        Machine(data, _ValuePolicy(), Limits(max_containers=500)).run(0)
+        Machine(data, ValuePolicy(), Limits(max_containers=500)).run(0)
     with pytest.raises(CheckpointError, match="over 500 items"):
-        Machine(data, _ValuePolicy(), Limits(max_items=500)).run(0)
+        Machine(data, ValuePolicy(), Limits(max_items=500)).run(0)

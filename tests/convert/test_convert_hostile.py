@@ -23,7 +23,7 @@ import pytest
 
 from pysafetensors import CheckpointError, SafetensorError, safe_open
 from pysafetensors._pickle_vm import Limits, Machine
-from pysafetensors._torch_pickle import TorchPolicy, _machine
+from pysafetensors._torch_policy import TorchPolicy, policy_machine
 from pysafetensors.convert import convert_file
 
 from .corpus import P, make_zip, state_dict, tensor, zip_central, zip_end, zip_local
@@ -177,9 +177,9 @@ def test_every_call_charges_what_it_builds(
     func: bytes, args: bytes, limits: Limits, message: str
 ) -> None:
     data = _calls(func, args, 200)
-    assert len(_machine(data, TorchPolicy(), Limits()).run(0).value) == 200
+    assert len(policy_machine(data, TorchPolicy(), Limits()).run(0).value) == 200
     with pytest.raises(CheckpointError, match=message):
-        _machine(data, TorchPolicy(), limits).run(0)
+        policy_machine(data, TorchPolicy(), limits).run(0)
 
 
 def test_hashing_is_budgeted_in_all() -> None:
@@ -489,7 +489,7 @@ def test_real_checkpoints_of_over_a_million_tensors_fit_the_container_budget(
     with zf.ZipFile(path) as archive:
         name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
         data = archive.read(name)
-    machine = _machine(data, TorchPolicy(), Limits())
+    machine = policy_machine(data, TorchPolicy(), Limits())
     assert len(machine.run(0).value) == 5000
     per_tensor = machine.budget.containers / 5000
     assert per_tensor <= 6.5
@@ -531,7 +531,7 @@ def test_a_tensor_safetensors_cannot_hold_is_refused_wherever_it_sits() -> None:
 
     data = P.PROTO2 + b"}ctorch._utils\n_rebuild_sparse_tensor\n)RK\x01s."
     policy = TorchPolicy()
-    root = _machine(data, policy, None).run(0).value
+    root = policy_machine(data, policy, None).run(0).value
     with pytest.raises(CheckpointError, match=r"^the checkpoint holds sparse tensors \(") as info:
         _records(policy, root, {})
     assert info.value.offset is not None and info.value.tensor is None

@@ -1,0 +1,787 @@
+"""The torch globals a checkpoint's pickle may name, and what each stands for.
+
+:class:`TorchPolicy` is the policy :mod:`._pickle_vm` runs a checkpoint's object pickle under:
+a fixed table of globals (dtypes, storage classes, ``OrderedDict``, ``torch.Size``,
+``torch.device``, the tensor rebuild functions), each mapped to an inert :class:`Stand`. REDUCE
+on a stand-in dispatches to this module's handler for that exact name; any other global raises
+:class:`~pysafetensors._errors.UnsafePickleError` naming it and its byte offset. Tensors come
+out as :class:`TensorRef`, checked into :class:`TensorRecord` by :mod:`._torch_pickle`. The
+tables are shared with the scanner (:mod:`pysafetensors.scan`), which grades the same names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ._dtypes import DType
+from ._errors import CheckpointError, UnsafePickleError
+from ._pickle_vm import Budget, Limits, Machine
+
+__all__ = [
+    "Stand",
+    "StorageRef",
+    "TensorRecord",
+    "TensorRef",
+    "TorchPolicy",
+    "Unconvertible",
+]
+
+#: Largest number of dimensions of one tensor.
+MAX_NDIM: Final = 64
+#: Largest dimension, stride or offset accepted (beyond any real file).
+MAX_DIM: Final = 1 << 62
+# torch dtype attribute name -> (safetensors code or None, itemsize in bytes, why unsupported).
+TORCH_DTYPES: Final[dict[str, tuple[str | None, int]]] = {
+    "float32": ("F32", 4), "float": ("F32", 4), "float64": ("F64", 8), "double": ("F64", 8),
+    "float16": ("F16", 2), "half": ("F16", 2), "bfloat16": ("BF16", 2),
+    "int64": ("I64", 8), "long": ("I64", 8), "int32": ("I32", 4), "int": ("I32", 4),
+    "int16": ("I16", 2), "short": ("I16", 2), "int8": ("I8", 1), "uint8": ("U8", 1),
+    "bool": ("BOOL", 1), "uint16": ("U16", 2), "uint32": ("U32", 4), "uint64": ("U64", 8),
+    "complex64": ("C64", 8), "cfloat": ("C64", 8),
+    "float8_e5m2": ("F8_E5M2", 1), "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2fnuz": ("F8_E5M2FNUZ", 1), "float8_e4m3fnuz": ("F8_E4M3FNUZ", 1),
+    "float8_e8m0fnu": ("F8_E8M0", 1), "float4_e2m1fn_x2": ("F4", 1),
+    # Known to torch, not representable in safetensors: refused when a tensor uses them.
+    "complex128": (None, 16), "cdouble": (None, 16), "complex32": (None, 4),
+    "chalf": (None, 4), "qint8": (None, 1), "quint8": (None, 1), "qint32": (None, 4),
+    "quint4x2": (None, 1), "quint2x4": (None, 1), "bits1x8": (None, 1), "bits2x4": (None, 1),
+    "bits4x2": (None, 1), "bits8": (None, 1), "bits16": (None, 2),
+    **{f"int{i}": (None, 1) for i in range(1, 8)},
+    **{f"uint{i}": (None, 1) for i in range(1, 8)},
+}  # fmt: skip
+
+# Legacy typed storage classes -> torch dtype name.
+STORAGE_CLASSES: Final[dict[str, str]] = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128", "QInt8Storage": "qint8", "QUInt8Storage": "quint8",
+    "QInt32Storage": "qint32", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
+}  # fmt: skip
+
+REBUILDS: Final = {
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch._utils", "_rebuild_parameter_with_state"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+}
+# Allowed by torch's weights_only unpickler but carrying nothing a safetensors file can hold.
+UNCONVERTIBLE: Final = {
+    ("torch._utils", "_rebuild_qtensor"): "quantized tensors",
+    ("torch._utils", "_rebuild_sparse_tensor"): "sparse tensors",
+    ("torch._utils", "_rebuild_sparse_csr_tensor"): "sparse tensors",
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"): "meta tensors (no data)",
+    ("torch._utils", "_rebuild_wrapper_subclass"): "tensor subclasses (no data)",
+    ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"): "device tensors",
+    ("torch._utils", "_rebuild_device_tensor_from_numpy"): "device tensors from numpy",
+    ("torch._utils", "_rebuild_nested_tensor"): "nested tensors",
+    ("torch._utils", "_rebuild_mkldnn_tensor"): "mkldnn tensors",
+}
+# Python 2 module names pickles may carry, mapped as pickle's own compat table does.
+_PY2_MODULES: Final = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
+@dataclass(frozen=True, slots=True)
+class Stand:
+    """An inert stand-in for an allowed global; REDUCE dispatches on ``kind``."""
+
+    kind: str
+    name: str
+
+
+#: One stand-in per unconvertible global, named by its full name; what each builds, by that name.
+_UNCONVERTIBLE_STANDS: Final = {
+    key: Stand("unconvertible", f"{key[0]}.{key[1]}") for key in UNCONVERTIBLE
+}
+_UNCONVERTIBLE_WHAT: Final = {f"{m}.{n}": what for (m, n), what in UNCONVERTIBLE.items()}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Unconvertible:
+    """A tensor safetensors cannot hold (sparse, quantized, meta...), built by the pickle: kept
+    as a placeholder so that the refusal can name where it sits in the state dict."""
+
+    what: str
+    """What it is, e.g. ``sparse tensors``."""
+    rebuild: str
+    """The global that built it."""
+    offset: int
+    """Where in the pickle it was built."""
+
+    def refusal(self, name: str | None) -> CheckpointError:
+        """The error refusing it, naming the entry when known."""
+        where = (
+            f"{name!r} is one of the {self.what}" if name else f"the checkpoint holds {self.what}"
+        )
+        return CheckpointError(
+            f"{where} ({self.rebuild}, built at byte {self.offset}), which safetensors cannot "
+            "store",
+            kind="CheckpointError",
+            offset=self.offset,
+            tensor=name,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    """A storage declared by a persistent id."""
+
+    key: str
+    """Record key (``data/<key>`` in a zip, an entry of the key list in legacy files)."""
+    dtype: str
+    """torch dtype name of its elements (``uint8`` for untyped storages)."""
+    numel: int
+    """Elements of ``dtype`` (bytes for untyped storages)."""
+    view_offset: int = 0
+    """Legacy storage views: first element of the view in the root storage."""
+    view_size: int = -1
+    """Legacy storage views: elements in the view (-1: the whole storage)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the root storage."""
+        return self.numel * TORCH_DTYPES[self.dtype][1]
+
+
+@dataclass(slots=True)
+class TensorRef:
+    """A tensor as the pickle describes it, before naming and checking against the files."""
+
+    storage: StorageRef
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    neg: bool = False
+    conj: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRecord:
+    """A tensor of a checkpoint, checked, with nothing read yet."""
+
+    dtype: DType
+    """safetensors dtype."""
+    shape: tuple[int, ...]
+    """safetensors shape (for F4 the last torch dimension doubled)."""
+    torch_dtype: str
+    """torch dtype name."""
+    torch_shape: tuple[int, ...]
+    """torch's size."""
+    stride: tuple[int, ...]
+    """Strides in elements."""
+    storage_key: str
+    """Which storage."""
+    storage_offset: int
+    """Offset of element 0 in the storage, in elements."""
+    itemsize: int
+    """Bytes per torch element."""
+    storage_nbytes: int
+    """Bytes of the whole storage."""
+    neg: bool = False
+    """Values are negated (torch's lazy neg bit)."""
+    conj: bool = False
+    """Values are conjugated (torch's lazy conj bit)."""
+
+    @property
+    def numel(self) -> int:
+        """Number of torch elements."""
+        return math.prod(self.torch_shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the contiguous result."""
+        return self.numel * self.itemsize
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """Byte range of the storage this tensor touches (start, stop); empty when numel is 0."""
+        start = self.storage_offset * self.itemsize
+        if self.numel == 0:
+            return start, start
+        last = sum((s - 1) * st for s, st in zip(self.torch_shape, self.stride, strict=False))
+        return start, start + (last + 1) * self.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Whether the elements are laid out row-major without gaps."""
+        expected = 1
+        for s, st in zip(reversed(self.torch_shape), reversed(self.stride), strict=False):
+            if s != 1 and st != expected:
+                return False
+            expected *= s
+        return True
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether it starts at its storage's start and covers all of it (reference rule)."""
+        return self.storage_offset == 0 and self.nbytes == self.storage_nbytes
+
+
+def policy_machine(
+    data: bytes, policy: TorchPolicy, limits: Limits | None, base: int = 0
+) -> Machine:
+    """A machine over ``data`` whose budget ``policy``'s calls charge too."""
+    machine = Machine(data, policy, limits, base=base)
+    policy.budget = machine.budget
+    return machine
+
+
+def unsafe_global(message: str, name: str | None, offset: int) -> UnsafePickleError:
+    return UnsafePickleError(
+        f"{message} (at byte {offset} of the pickle)",
+        global_name=name,
+        kind="UnsafePickle",
+        offset=offset,
+    )
+
+
+def bad_checkpoint(message: str, offset: int | None = None) -> CheckpointError:
+    return CheckpointError(message, kind="CheckpointError", offset=offset)
+
+
+def is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def check_ints(value: Any, what: str, offset: int) -> tuple[int, ...]:
+    if type(value) is not tuple or not all(is_int(v) for v in value):
+        raise bad_checkpoint(f"tensor {what} is not a tuple of ints (at byte {offset})", offset)
+    if len(value) > MAX_NDIM:
+        raise bad_checkpoint(
+            f"tensor has {len(value)} dimensions, over the {MAX_NDIM} limit", offset
+        )
+    for v in value:
+        if v < 0 or v > MAX_DIM:
+            raise bad_checkpoint(
+                f"tensor {what} {list(value)} has a negative or absurd entry", offset
+            )
+    return value
+
+
+def _empty_hooks(hooks: Any, offset: int) -> None:
+    # Non-empty backward hooks would be pickled callables; an OrderedDict arrives as a dict.
+    if hooks is not None and not (type(hooks) is dict and not hooks):
+        raise bad_checkpoint("tensor has backward hooks (pickled callables); refusing", offset)
+
+
+class TorchPolicy:
+    """The converter's policy: a fixed table of globals, each an inert stand-in.
+
+    Args:
+        legacy: Accept the legacy format's 6-tuple persistent ids (with storage views).
+    """
+
+    def __init__(self, *, legacy: bool = False) -> None:
+        self.legacy = legacy
+        self.storages: dict[str, StorageRef] = {}
+        self.tensors: list[TensorRef] = []
+        self.views: dict[str, StorageRef] = {}
+        """Legacy storage views by view key (torch builds each once, see :meth:`persistent`)."""
+        self.first_unconvertible: Unconvertible | None = None
+        """The first tensor built that safetensors cannot hold, refused by :func:`_records`."""
+        self.budget = Budget(Limits(), self)
+        """What the calls build is charged here: the budget of the machine running the
+        stream (bound by :func:`policy_machine`)."""
+
+    # -- globals ---------------------------------------------------------------------------
+    def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
+        """Map an allowed global to its stand-in; refuse every other."""
+        module = _PY2_MODULES.get(module, module)
+        full = f"{module}.{name}"
+        if opcode in ("INST", "OBJ"):
+            raise unsafe_global(f"{opcode} opcode calling {full}", full, offset)
+        if "." in name or any(p.startswith("__") for p in (*module.split("."), name)):
+            # Unpicklers resolve a dotted name attribute by attribute (a way from an allowed
+            # function to builtins.eval); the table is matched exactly, but refuse outright so
+            # no future table entry or normalisation can ever match one.
+            raise unsafe_global(f"global {full} uses a dotted or dunder name", full, offset)
+        stand = lookup_global(module, name)
+        if stand is None:
+            if (module, name) in UNCONVERTIBLE:
+                # Refused where a name is known (see Unconvertible), or at the end.
+                return _UNCONVERTIBLE_STANDS[(module, name)]
+            raise unsafe_global(f"global {full} is not on the allow-list", full, offset)
+        return stand
+
+    def unconvertible(self, func: Stand, offset: int) -> Unconvertible:
+        """What a call of an unconvertible rebuild (sparse, quantized...) stands for."""
+        value = Unconvertible(_UNCONVERTIBLE_WHAT[func.name], func.name, offset)
+        if self.first_unconvertible is None:
+            self.first_unconvertible = value
+        return value
+
+    def bad_stack_global(self, module: Any, name: Any, offset: int) -> Any:
+        """STACK_GLOBAL with computed, non-string operands: always refused."""
+        raise unsafe_global(
+            f"STACK_GLOBAL with non-string operands {type(module).__name__}/{type(name).__name__}",
+            None,
+            offset,
+        )
+
+    # -- calls -----------------------------------------------------------------------------
+    def reduce(self, func: Any, args: Any, offset: int, opcode: str) -> Any:
+        """Dispatch a call on a stand-in to our own handler for that exact name."""
+        if not isinstance(func, Stand):
+            raise unsafe_global(f"{opcode} on a non-callable {type(func).__name__}", None, offset)
+        if opcode in ("NEWOBJ_EX", "INST", "OBJ") or (
+            opcode == "NEWOBJ" and func.kind not in ("odict", "set")
+        ):
+            raise unsafe_global(f"{opcode} on {func.name}", func.name, offset)
+        handler = _HANDLERS.get(func.kind)
+        if handler is None:
+            raise unsafe_global(f"{func.name} is not callable", func.name, offset)
+        # Every call builds something (a tensor record, a copy): a call of values from the memo
+        # is five bytes of the stream, so count its result as the machine counts containers.
+        self.budget.grow(1, 0, offset)
+        # A Parameter of a sparse tensor is a tensor safetensors cannot hold, too.
+        if (
+            func.kind == "rebuild"
+            and type(args) is tuple
+            and args
+            and isinstance(args[0], Unconvertible)
+        ):
+            return args[0]
+        return handler(self, func, args, offset)
+
+    def build(self, obj: Any, state: Any, offset: int) -> Any:
+        """BUILD: accepted (and ignored) only on dicts, e.g. an OrderedDict's ``_metadata``."""
+        if type(obj) is dict and (state is None or type(state) in (dict, tuple)):
+            return obj
+        if isinstance(obj, (TensorRef, Unconvertible)) and (
+            state is None or state == {} or state == ((), {})
+        ):
+            return obj
+        if isinstance(obj, Stand):
+            raise unsafe_global(f"BUILD changes the attributes of {obj.name}", obj.name, offset)
+        raise unsafe_global(f"BUILD on {type(obj).__name__}", None, offset)
+
+    def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
+        """Turn ``("storage", type, key, location, numel[, view])`` into a StorageRef."""
+        if opcode != "BINPERSID":
+            raise bad_checkpoint("text persistent ids (PERSID) are not written by torch", offset)
+        arity = 6 if self.legacy else 5
+        if type(pid) is not tuple or len(pid) != arity or pid[0] != "storage":
+            raise bad_checkpoint(
+                f"unknown persistent id {short_text(pid)} (at byte {offset})", offset
+            )
+        stype, key, location, numel = pid[1], pid[2], pid[3], pid[4]
+        if not isinstance(stype, Stand) or stype.kind != "storage":
+            raise bad_checkpoint(f"persistent id names no storage type (at byte {offset})", offset)
+        if type(key) is not str or not key.isascii() or not key.isdigit() or len(key) > 40:
+            raise bad_checkpoint(f"storage key {short_text(key)} is not a decimal string", offset)
+        if type(location) is not str:
+            raise bad_checkpoint("storage location is not a string", offset)
+        if not is_int(numel) or numel < 0 or numel > MAX_DIM:
+            raise bad_checkpoint(
+                f"storage {key}: element count {short_text(numel)} is invalid", offset
+            )
+        ref = StorageRef(key, stype.name, numel)
+        known = self.storages.get(key)
+        if known is None:
+            if key in self.views:
+                raise bad_checkpoint(f"storage key {key} is also the key of a storage view", offset)
+            self.storages[key] = ref
+        elif known != ref:
+            raise bad_checkpoint(
+                f"storage {key} declared twice with different type or size", offset
+            )
+        else:
+            ref = known  # the same object each time: repeated ids build nothing
+        if self.legacy and pid[5] is not None:
+            view = pid[5]
+            if (
+                type(view) is not tuple
+                or len(view) != 3
+                or type(view[0]) is not str
+                or not all(is_int(v) and 0 <= v <= MAX_DIM for v in view[1:])
+                or view[1] + view[2] > numel
+            ):
+                raise bad_checkpoint(f"invalid legacy storage view {short_text(view)}", offset)
+            # torch's legacy persistent_load builds a view once per view key and hands that
+            # same view to every later id naming the key, whatever offset and size they say.
+            # Do the same (rebuilding each from its own offset wrote other values than
+            # torch.load returns). A view key that is also a storage key is ambiguous there
+            # (one table holds both): refused.
+            cached = self.views.get(view[0])
+            if cached is not None:
+                return cached
+            if view[0] in self.storages:
+                raise bad_checkpoint(
+                    f"storage view key {short_text(view[0])} is also a storage key", offset
+                )
+            self.budget.grow(1, 0, offset)
+            made = self.views[view[0]] = StorageRef(key, stype.name, numel, view[1], view[2])
+            return made
+        return ref
+
+    # -- everything else is refused --------------------------------------------------------
+    def extension(self, code: int, offset: int) -> Any:
+        """EXT opcodes resolve globals through the copyreg registry: refused."""
+        raise unsafe_global(f"extension code {code} (EXT opcode)", None, offset)
+
+    def buffer(self, offset: int, opcode: str) -> Any:
+        """Out-of-band buffers: torch never writes them."""
+        raise bad_checkpoint(f"{opcode}: out-of-band pickle buffers are not supported", offset)
+
+    def mutate(self, target: Any, opcode: str, items: list[Any], offset: int) -> None:
+        """Only real lists, dicts and sets may be filled."""
+        raise unsafe_global(f"{opcode} into {type(target).__name__}", None, offset)
+
+    def unhashable(self, key: Any, offset: int) -> Any:
+        """A key that cannot be hashed is malformed input."""
+        raise bad_checkpoint(f"unhashable dict key of type {type(key).__name__}", offset)
+
+    def text(self, raw: bytes, offset: int) -> Any:
+        """py2 strings decode as torch decodes them: UTF-8."""
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad_checkpoint("py2 string is not valid UTF-8", offset) from None
+
+    def notice(self, message: str, offset: int) -> None:
+        """Anything odd in the stream structure is refused (torch never writes it)."""
+        raise bad_checkpoint(f"pickle: {message} at byte {offset}", offset)
+
+    def proto(self, protocol: int, offset: int) -> None:
+        """Nothing depends on it: names are matched as written (unknown ones are refused)."""
+
+    # -- rebuilds --------------------------------------------------------------------------
+    def make_tensor(
+        self, args: tuple[Any, ...], dtype: str | None, metadata: Any, at: int
+    ) -> TensorRef:
+        """Check a rebuild call's ``(storage, offset, size, stride)`` and record the tensor."""
+        storage, offset, size, stride = args
+        if not isinstance(storage, StorageRef):
+            raise bad_checkpoint(
+                f"tensor rebuilt from a {type(storage).__name__}, not a storage", at
+            )
+        if not is_int(offset) or offset < 0 or offset > MAX_DIM:
+            raise bad_checkpoint(f"tensor storage offset {short_text(offset)} is invalid", at)
+        size_t = check_ints(size, "size", at)
+        stride_t = check_ints(stride, "stride", at)
+        if len(size_t) != len(stride_t):
+            raise bad_checkpoint(
+                f"tensor size {list(size_t)} and stride {list(stride_t)} differ in length"
+            )
+        tdtype = dtype or storage.dtype
+        if dtype is not None and storage.dtype != "uint8":
+            # v3 carries the dtype separately and always uses untyped (byte) storages.
+            raise bad_checkpoint("_rebuild_tensor_v3 on a typed storage", at)
+        neg = conj = False
+        if metadata is not None:
+            if type(metadata) is not dict or not all(
+                k in ("neg", "conj", "requires_grad") and type(v) is bool
+                for k, v in metadata.items()
+            ):
+                raise bad_checkpoint(f"unsupported tensor metadata {short_text(metadata)}", at)
+            neg, conj = bool(metadata.get("neg")), bool(metadata.get("conj"))
+        ref = TensorRef(storage, offset + storage.view_offset, size_t, stride_t, tdtype, neg, conj)
+        self.tensors.append(ref)
+        return ref
+
+
+def short_text(value: Any) -> str:
+    # repr of hostile values can be huge, deeply nested or share parts many times over (a
+    # tuple doubled 40 times is 2**40 items to print): render a bounded outline instead.
+    text = _outline(value, 3)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _outline(value: Any, levels: int) -> str:
+    """``repr(value)`` for small values; at most 8 items per container, ``levels`` deep."""
+    kind = type(value)
+    if kind in (str, bytes, bytearray):
+        return repr(value[:80]) + ("..." if len(value) > 80 else "")
+    if value is None or kind in (bool, float, complex):
+        return repr(value)
+    if kind is int:
+        return repr(value) if value.bit_length() <= 256 else "<int>"
+    if isinstance(value, (tuple, list, set, frozenset, dict)):
+        if levels <= 0:
+            return "..."
+        if isinstance(value, dict):
+            pairs = list(zip(range(9), value.items(), strict=False))
+            parts = [f"{_outline(k, levels - 1)}: {_outline(v, levels - 1)}" for _, (k, v) in pairs]
+        else:
+            parts = [_outline(v, levels - 1) for _, v in zip(range(9), value, strict=False)]
+        if len(parts) > 8:
+            parts[8:] = ["..."]
+        inner = ", ".join(parts)
+        if isinstance(value, tuple):
+            body = f"({inner},)" if len(parts) == 1 else f"({inner})"
+        elif isinstance(value, list):
+            body = f"[{inner}]"
+        else:
+            body = "{" + inner + "}"
+        if kind in (set, frozenset) and not parts:
+            return f"{kind.__name__}()"
+        if kind in (tuple, list, dict, set):
+            return body
+        return f"{kind.__name__}({body})"
+    if isinstance(value, (Stand, StorageRef, TensorRef)):
+        return repr(value)
+    return f"<{kind.__name__}>"
+
+
+def lookup_global(module: str, name: str) -> Stand | None:
+    # One stand-in per allowed name (a STACK_GLOBAL of two memo strings is five bytes of the
+    # stream: it must not build a new object each time).
+    known = _STANDS.get((module, name))
+    if known is None:
+        known = _make_stand(module, name)
+        if known is not None:
+            _STANDS[(module, name)] = known
+    return known
+
+
+#: Stand-ins made so far, by (module, name); only allowed names, so a finite table.
+_STANDS: Final[dict[tuple[str, str], Stand]] = {}
+
+
+def _make_stand(module: str, name: str) -> Stand | None:
+    if (module, name) in REBUILDS:
+        return Stand("rebuild", name)
+    if module in ("torch", "torch.cuda") and name in STORAGE_CLASSES:
+        return Stand("storage", STORAGE_CLASSES[name])
+    if module in ("torch", "torch.storage", "torch.cuda") and name == "UntypedStorage":
+        return Stand("storage", "uint8")
+    if module == "torch" and name in TORCH_DTYPES:
+        return Stand("dtype", name)
+    full = f"{module}.{name}"
+    return _SIMPLE.get(full)
+
+
+_SIMPLE: Final[dict[str, Stand]] = {
+    "collections.OrderedDict": Stand("odict", "collections.OrderedDict"),
+    "collections.Counter": Stand("counter", "collections.Counter"),
+    "torch.Size": Stand("size", "torch.Size"),
+    "torch.device": Stand("device", "torch.device"),
+    "torch.Tensor": Stand("tensor_type", "torch.Tensor"),
+    "torch.nn.parameter.Parameter": Stand("tensor_type", "torch.nn.parameter.Parameter"),
+    "builtins.set": Stand("set", "builtins.set"),
+    "builtins.frozenset": Stand("set", "builtins.frozenset"),
+    "builtins.bytearray": Stand("bytearray", "builtins.bytearray"),
+    "builtins.complex": Stand("complex", "builtins.complex"),
+    "_codecs.encode": Stand("encode", "_codecs.encode"),
+    # How torch pickles a torch.layout value (``torch.strided`` kept in a state dict): by name.
+    "torch.serialization._get_layout": Stand("layout", "torch.serialization._get_layout"),
+    # Constants that only the rebuilds of tensors safetensors cannot hold take (quantization
+    # schemes, layouts): inert, so that the refusal names the tensor (see Unconvertible).
+    **{
+        f"torch.{name}": Stand("constant", f"torch.{name}")
+        for name in (
+            "per_tensor_affine",
+            "per_channel_affine",
+            "per_channel_affine_float_qparams",
+            "strided",
+            "sparse_coo",
+            "sparse_csr",
+        )
+    },
+}
+
+
+# The handlers build from values the stream hands them, and one value from the memo can be
+# handed again and again for five bytes each time: each charges what it builds to the machine's
+# budget before building it (items copied, bytes copied), and hashes stream values only through
+# the budget's depth- and size-checked ``hashable`` (a tuple nested 200,000 deep as an
+# OrderedDict key or set item crashed the interpreter in C).
+
+
+def _h_odict(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if args == ():
+        return {}
+    if len(args) == 1 and type(args[0]) is list:
+        pairs = args[0]
+        p.budget.grow(0, len(pairs), at)
+        out: dict[Any, Any] = {}
+        for pair in pairs:
+            if type(pair) not in (tuple, list) or len(pair) != 2:
+                raise bad_checkpoint("OrderedDict items are not pairs", at)
+            out[p.budget.hashable(pair[0], at)] = pair[1]
+        return out
+    raise bad_checkpoint(f"OrderedDict called with {short_text(args)}", at)
+
+
+def _h_size(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if len(args) == 1 and type(args[0]) in (tuple, list):
+        if type(args[0]) is tuple:
+            return args[0]  # tuple(t) is t: nothing built
+        p.budget.grow(0, len(args[0]), at)
+        return tuple(args[0])
+    raise bad_checkpoint(f"torch.Size called with {short_text(args)}", at)
+
+
+def _h_device(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if 1 <= len(args) <= 2 and type(args[0]) is str and (len(args) == 1 or is_int(args[1])):
+        if len(args) == 2 and not -(1 << 63) <= args[1] < 1 << 63:
+            raise bad_checkpoint(
+                f"torch.device index {short_text(args[1])} is not a 64-bit integer", at
+            )
+        p.budget.copy(len(args[0]), at)
+        return ":".join(str(a) for a in args)
+    raise bad_checkpoint(f"torch.device called with {short_text(args)}", at)
+
+
+#: The names ``torch.serialization._get_layout`` looks up (``str()`` of each ``torch.layout``).
+_LAYOUTS: Final = frozenset(
+    f"torch.{name}"
+    for name in (
+        "strided",
+        "sparse_coo",
+        "sparse_csr",
+        "sparse_csc",
+        "sparse_bsr",
+        "sparse_bsc",
+        "_mkldnn",
+        "jagged",
+    )
+)
+
+
+def _h_layout(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # A value like any other constant; tensors of a non-strided layout are refused by their
+    # own rebuild functions.
+    if len(args) == 1 and type(args[0]) is str and args[0] in _LAYOUTS:
+        return Stand("constant", args[0])
+    raise bad_checkpoint(f"torch.serialization._get_layout called with {short_text(args)}", at)
+
+
+def _h_set(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    items = args[0] if len(args) == 1 and type(args[0]) in (list, tuple) else None
+    if args and items is None:
+        raise bad_checkpoint(f"{f.name} called with {short_text(args)}", at)
+    items = items or ()
+    p.budget.grow(0, len(items), at)
+    values = {p.budget.hashable(x, at) for x in items}
+    return frozenset(values) if f.name.endswith("frozenset") else values
+
+
+def _h_bytearray(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if args == ():
+        return bytearray()
+    if len(args) == 1 and type(args[0]) is bytes:
+        p.budget.copy(len(args[0]), at)
+        return bytearray(args[0])
+    raise bad_checkpoint(f"bytearray called with {short_text(args)}", at)
+
+
+def _h_complex(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if len(args) == 2 and all(type(a) in (int, float) for a in args):
+        try:
+            return complex(args[0], args[1])
+        except OverflowError:
+            raise bad_checkpoint(
+                f"complex called with {short_text(args)}: too large for a float", at
+            ) from None
+    raise bad_checkpoint(f"complex called with {short_text(args)}", at)
+
+
+def _h_encode(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # The protocol-2 way to pickle bytes: _codecs.encode(text, "latin1"). Nothing else.
+    if len(args) == 2 and type(args[0]) is str and args[1] in ("latin1", "latin-1"):
+        p.budget.copy(len(args[0]), at)
+        try:
+            return args[0].encode("latin-1")
+        except UnicodeEncodeError:
+            pass  # a character over U+00FF: not what pickle writes
+    raise unsafe_global(f"_codecs.encode called with {short_text(args)}", "_codecs.encode", at)
+
+
+def _h_rebuild(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    name, n = f.name, len(args)
+    if name == "_rebuild_tensor" and n == 4:
+        return p.make_tensor(args, None, None, at)
+    if name == "_rebuild_tensor_v2" and n in (6, 7):
+        _empty_hooks(args[5], at)
+        return p.make_tensor(args[:4], None, args[6] if n == 7 else None, at)
+    if name == "_rebuild_tensor_v3" and n in (7, 8):
+        _empty_hooks(args[5], at)
+        dtype = args[6]
+        if not isinstance(dtype, Stand) or dtype.kind != "dtype":
+            raise bad_checkpoint("_rebuild_tensor_v3 without a dtype", at)
+        meta = args[7] if n == 8 else None
+        return p.make_tensor(args[:4], dtype.name, meta, at)
+    if name in ("_rebuild_parameter", "_rebuild_parameter_with_state") and n in (3, 4):
+        _empty_hooks(args[2], at)
+        if n == 4:
+            _attribute_state(args[3], at)
+        if not isinstance(args[0], TensorRef):
+            raise bad_checkpoint("parameter without a tensor", at)
+        return args[0]
+    if name == "_rebuild_from_type_v2" and n == 4:
+        func, new_type, inner, state = args
+        if not isinstance(new_type, Stand) or new_type.kind != "tensor_type":
+            raise unsafe_global(f"tensor subclass {short_text(new_type)}", None, at)
+        if type(inner) is not tuple:
+            raise bad_checkpoint(f"_rebuild_from_type_v2 with arguments {short_text(inner)}", at)
+        _attribute_state(state, at)
+        if isinstance(func, Stand) and func.kind == "unconvertible":
+            return p.unconvertible(func, at)
+        if not isinstance(func, Stand) or func.kind != "rebuild":
+            raise unsafe_global(f"_rebuild_from_type_v2 calling {short_text(func)}", None, at)
+        return _h_rebuild(p, func, inner, at)
+    raise bad_checkpoint(f"{name} called with {n} arguments", at)
+
+
+def _attribute_state(state: Any, at: int) -> None:
+    """Accept the Python attributes of a tensor or Parameter (``t.tag = "x"``), which torch
+    pickles as the state of ``_rebuild_from_type_v2``/``_rebuild_parameter_with_state``: its
+    ``__dict__``, or ``(__dict__, slots)``. A safetensors file holds no such attributes, so
+    they are not kept, as no save of safetensors keeps them; their values were built by this
+    machine from allowed globals only."""
+    if state is None or type(state) is dict:
+        return
+    if type(state) is tuple and len(state) == 2 and all(type(s) is dict for s in state):
+        return
+    raise bad_checkpoint(f"tensor with Python state {short_text(state)}", at)
+
+
+def _h_counter(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # collections.Counter (an LR scheduler's milestones; on torch's weights_only allow-list)
+    # pickles as Counter(dict): kept as the dict it holds.
+    if args == ():
+        return {}
+    if len(args) == 1 and type(args[0]) is dict:
+        p.budget.grow(0, len(args[0]), at)
+        return dict(args[0])  # keys keep their hashes: none is hashed again
+    raise bad_checkpoint(f"Counter called with {short_text(args)}", at)
+
+
+def _h_unconvertible(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    return p.unconvertible(f, at)
+
+
+_HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], Any]]] = {
+    "unconvertible": _h_unconvertible,
+    "counter": _h_counter,
+    "odict": _h_odict,
+    "size": _h_size,
+    "device": _h_device,
+    "layout": _h_layout,
+    "set": _h_set,
+    "bytearray": _h_bytearray,
+    "complex": _h_complex,
+    "encode": _h_encode,
+    "rebuild": _h_rebuild,
+}
+
+
+class ValuePolicy(TorchPolicy):
+    """Plain values only (the legacy format's magic, version, sys_info and key list)."""
+
+    def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
+        """No global at all is allowed here."""
+        full = f"{module}.{name}"
+        raise unsafe_global(f"global {full} in a header pickle", full, offset)
+
+    def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
+        """No persistent id is expected here."""
+        raise bad_checkpoint("persistent id in a header pickle", offset)
