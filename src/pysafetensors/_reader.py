@@ -14,9 +14,9 @@ import operator
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn, SupportsIndex
+from typing import Any, Final, NoReturn, SupportsIndex, TypeAlias
 
 import numpy as np
 
@@ -441,6 +441,17 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         info = self._info(name)
         return TensorMeta(info.dtype.code, list(info.shape), (info.begin, info.end))
 
+    def _infos(self, names: Iterable[str]) -> list[TensorInfo]:
+        """The header entries of ``names``, in their order (``load_shard``'s plan): the
+        parsed entries themselves, where a ``get_tensor_meta`` per tensor built an object
+        each.
+
+        Raises:
+            TensorNotFoundError: A name is not in the file.
+        """
+        self._live()
+        return [self._info(name) for name in names]
+
     # ---------------------------------------------------------------------------- tensor data
 
     def _mapped(self, source: ByteSource, offset: int, length: int) -> memoryview | None:
@@ -622,7 +633,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         bytes, instead of reading whole rows (by positioned reads where the file cannot be
         mapped).
         """
-        with self._lease as source:  # held for the whole read, as in get_tensor
+        # Held for the whole read, as in get_tensor; a read error names the tensor it met.
+        with self._lease as source, self._reading(None):
             return self._read_slices_from(source, requests, map_fragmented)
 
     def _read_slices_from(
@@ -670,39 +682,82 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         batched: list[tuple[str, TensorInfo, tuple[int, ...], int, int, Any]] = []
         gathered: list[tuple[str, TensorInfo, SlicePlan, tuple[Fill, int, int]]] = []
         mapped: list[tuple[str, TensorInfo, SlicePlan]] = []
-        for name, index in requests:
-            info = self._info(name)
-            if type(index) is Part:
-                run = part_run(info.shape, info.dtype, index) if batching else None
-                if run is not None and len(info.shape) <= MAX_NDIM:
-                    check_representable(run[0], info.dtype, info.name)
-                    batched.append((name, info, *run, index))
-                    out[name] = None  # keeps the requested order
-                    continue
-                index = index.index
-            plan = None
-            if batching and len(info.shape) <= MAX_NDIM:
-                plan = plan_slice(info.shape, info.dtype, index)
-                if len(plan.starts) == 1:
-                    check_representable(plan.shape, info.dtype, info.name)
-                    batched.append(
-                        (name, info, plan.shape, int(plan.starts[0]), plan.nbytes, index)
+        # Fragmented selections of small tensors, read together (see _gather_small).
+        small: list[Selected] = []
+        # Requests read one by one, after the others are sorted out.
+        singles: list[tuple[str, TensorInfo, Any, SlicePlan | None]] = []
+        # Sorting them out makes a few objects per tensor and does no I/O: the collector
+        # paused meanwhile (its collections walk torch's whole object graph once imported).
+        with gc_paused():
+            for name, index in requests:
+                info = self._info(name)
+                gathers_small = (
+                    on_cpu
+                    and isinstance(source, PreadSource)
+                    and self._slice_reads == "coalesce"
+                    and info.nbytes <= _SMALL_PART
+                    and info.dtype.bits % 8 == 0
+                    and len(info.shape) <= MAX_NDIM
+                )
+                if type(index) is Part:
+                    run = part_run(info.shape, info.dtype, index) if batching else None
+                    if run is not None and len(info.shape) <= MAX_NDIM:
+                        check_representable(run[0], info.dtype, info.name)
+                        batched.append((name, info, *run, index))
+                        out[name] = None  # keeps the requested order
+                        continue
+                    selected = (
+                        part_selection(info.shape, info.dtype.bits // 8, index)
+                        if gathers_small
+                        else None
                     )
-                    out[name] = None
-                    continue
-                fragmented = fragmented_source() if len(plan.starts) > 1 else source
-                part = None if to_device is None else self._gather_part(info, plan, fragmented)
-                if part is not None:
-                    check_representable(plan.shape, info.dtype, info.name)
-                    gathered.append((name, info, plan, part))
-                    out[name] = None
-                    continue
-                if fragmented is not source:
-                    plan = self._checked_plan(info, index, plan)
-                    mapped.append((name, info, plan))
-                    out[name] = None
-                    continue
+                    if selected is not None:
+                        check_representable(selected[0], info.dtype, info.name)
+                        small.append((name, info, *selected))
+                        out[name] = None
+                        continue
+                    index = index.index
+                plan = None
+                if batching and len(info.shape) <= MAX_NDIM:
+                    plan = plan_slice(info.shape, info.dtype, index)
+                    if len(plan.starts) == 1:
+                        check_representable(plan.shape, info.dtype, info.name)
+                        batched.append(
+                            (name, info, plan.shape, int(plan.starts[0]), plan.nbytes, index)
+                        )
+                        out[name] = None
+                        continue
+                    if len(plan.starts) > 1 and gathers_small:
+                        plan = self._checked_plan(info, index, plan)
+                        small.append(
+                            (
+                                name,
+                                info,
+                                plan.shape,
+                                plan.nbytes,
+                                *byte_selection(info.shape, info.dtype.bits // 8, plan),
+                            )
+                        )
+                        out[name] = None
+                        continue
+                    fragmented = fragmented_source() if len(plan.starts) > 1 else source
+                    part = None if to_device is None else self._gather_part(info, plan, fragmented)
+                    if part is not None:
+                        check_representable(plan.shape, info.dtype, info.name)
+                        gathered.append((name, info, plan, part))
+                        out[name] = None
+                        continue
+                    if fragmented is not source:
+                        plan = self._checked_plan(info, index, plan)
+                        mapped.append((name, info, plan))
+                        out[name] = None
+                        continue
+                singles.append((name, info, index, plan))
+                out[name] = None
+        for name, info, index, plan in singles:
             out[name] = self._read_one(name, info, index, plan)
+        if small and isinstance(source, PreadSource):
+            self._gather_small(small, source.without_readahead(), out)
         if mapped:
             self._copy_mapped(mapped, fragmented_source(), out)
         if gathered:
@@ -721,7 +776,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         ):
             source = source.without_readahead()  # only the selected bytes off disk
         base = self._header.data_start
-        runs = [(base + info.begin + at, nbytes) for _, info, _, at, nbytes, _ in batched]
+        with gc_paused():
+            runs = [(base + info.begin + at, nbytes) for _, info, _, at, nbytes, _ in batched]
         if to_device is not None:
             staged: dict[str, Any] | None = to_device(
                 source.readinto,
@@ -743,21 +799,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             buf, offsets = read_runs_fresh(source, runs, spans=self._slice_reads != "exact")
         else:  # remote (above): all runs in coalesced, parallel requests
             buf, offsets = read_runs_remote(source, runs)
-        many = getattr(self._adapter, "from_bytes_many", None)
-        if many is not None:
-            # About half the per-tensor cost of from_bytes: a 20,000-tensor load_shard paid
-            # ~17 us a tensor for it.
-            items = (
-                (name, info.dtype, shape, at, at + nbytes)
-                for (name, info, shape, _, nbytes, _), at in zip(batched, offsets, strict=True)
-            )
-            with gc_paused():
-                out.update(many(buf, items, self._device))
-            return out
-        for (name, info, shape, _, nbytes, _), at in zip(batched, offsets, strict=True):
-            out[name] = self._adapter.from_bytes(
-                buf[at : at + nbytes], info.dtype, shape, self._device
-            )
+        self._carve(
+            buf,
+            ((name, info, shape, nbytes) for name, info, shape, _, nbytes, _ in batched),
+            offsets,
+            out,
+        )
         return out
 
     def _copy_mapped(
@@ -775,37 +822,74 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         """
         offsets, total = lay_out_runs([(0, plan.nbytes) for _, _, plan in parts], 64)
         buf = empty_bytes(total)
-        data: np.ndarray | None = None
         for (_, info, plan), at in zip(parts, offsets, strict=True):
-            view = buf[at : at + plan.nbytes]
-            if info.nbytes > _SMALL_PART or info.dtype.bits % 8 or not plan.nbytes:
-                self._read_plan(info, plan, mapping, out=view)
-                continue
-            # A small tensor (a mixture of experts has thousands): numpy's strided copy out of
-            # one view of the data, taken (and checked against truncation) once. Each
-            # _read_plan took ~13 us of checks, a prefetch decision and torch conversions.
-            if data is None:
-                whole = mapping.view(self._header.data_start, self._header.data_size)
-                if whole is None:  # pragma: no cover - mapped sources give views
-                    self._read_plan(info, plan, mapping, out=view)
-                    continue
-                data = np.frombuffer(whole, np.uint8)
-            src_shape, index, dest_shape = byte_selection(info.shape, info.dtype.bits // 8, plan)
-            np.copyto(
-                view.reshape(dest_shape), data[info.begin : info.end].reshape(src_shape)[index]
-            )
-        many = getattr(self._adapter, "from_bytes_many", None)
-        if many is not None:
-            items = (
-                (name, info.dtype, plan.shape, at, at + plan.nbytes)
-                for (name, info, plan), at in zip(parts, offsets, strict=True)
-            )
+            self._read_plan(info, plan, mapping, out=buf[at : at + plan.nbytes])
+        self._carve(
+            buf, ((name, info, plan.shape, plan.nbytes) for name, info, plan in parts), offsets, out
+        )
+
+    def _gather_small(
+        self, parts: list[Selected], source: PreadSource, out: dict[str, Any]
+    ) -> None:
+        """Fragmented selections (column splits) of small tensors: the tensors read whole by
+        positioned reads (small ones less than a page apart as one span, see
+        :func:`read_runs_fresh`) into a scratch buffer of at most :data:`_SMALL_BATCH` bytes at
+        a time, and each selection copied out of it by numpy into one destination.
+
+        A mixture of experts has thousands of such tensors: each went through its own read
+        (~13 us of checks and set-up, a copy out of a mapping by torch), and the pages they lie
+        on are read in whole either way.
+        """
+        with gc_paused():  # a tuple per part
+            offsets, total = lay_out_runs([(0, part[3]) for part in parts], 64)
+        buf = empty_bytes(total)
+        base = self._header.data_start
+        batch_start = 0
+        while batch_start < len(parts):
+            batch_end, size = batch_start, 0
+            while batch_end < len(parts) and (
+                batch_end == batch_start or size + parts[batch_end][1].nbytes <= _SMALL_BATCH
+            ):
+                size += parts[batch_end][1].nbytes
+                batch_end += 1
+            batch = parts[batch_start:batch_end]
+            # The collector paused over a batch (a few objects per tensor, and a local read of
+            # at most _SMALL_BATCH bytes): its collections walk torch's object graph.
             with gc_paused():
+                runs = [(base + part[1].begin, part[1].nbytes) for part in batch]
+                scratch, starts = read_runs_fresh(source, runs)
+                for (_, info, _, nbytes, src_shape, index, dest_shape), start, at in zip(
+                    batch, starts, offsets[batch_start:batch_end], strict=True
+                ):
+                    whole = scratch[start : start + info.nbytes].reshape(src_shape)
+                    np.copyto(buf[at : at + nbytes].reshape(dest_shape), whole[index])
+            batch_start = batch_end
+        self._carve(buf, (part[:4] for part in parts), offsets, out)
+
+    def _carve(
+        self,
+        buf: np.ndarray,
+        parts: Iterable[tuple[str, TensorInfo, tuple[int, ...], int]],
+        offsets: list[int],
+        out: dict[str, Any],
+    ) -> None:
+        """``out[name]``: the framework's tensor of each ``(name, info, shape, nbytes)`` part
+        at its offset in ``buf``, all at once where the adapter can (``parts`` is taken
+        lazily, with the collector paused: a tuple and a tensor per part)."""
+        many = getattr(self._adapter, "from_bytes_many", None)
+        with gc_paused():
+            if many is not None:
+                # About half the per-tensor cost of from_bytes: a 20,000-tensor load_shard
+                # paid ~17 us a tensor for it.
+                items = (
+                    (name, info.dtype, shape, at, at + nbytes)
+                    for (name, info, shape, nbytes), at in zip(parts, offsets, strict=True)
+                )
                 out.update(many(buf, items, self._device))
-            return
-        for (name, info, plan), at in zip(parts, offsets, strict=True):
-            view = buf[at : at + plan.nbytes]
-            out[name] = self._adapter.from_bytes(view, info.dtype, plan.shape, self._device)
+                return
+            for (name, info, shape, nbytes), at in zip(parts, offsets, strict=True):
+                view = buf[at : at + nbytes]
+                out[name] = self._adapter.from_bytes(view, info.dtype, shape, self._device)
 
     def _read_one(
         self, name: str, info: TensorInfo, index: Any, plan: SlicePlan | None = None
@@ -1023,9 +1107,11 @@ _READ_ERRORS: Final = frozenset({"FileTruncated", "ShortRead", "OutOfBounds"})
 #: A mapped slice whose bytes are at least 1/this of the span they lie in is read in ahead of
 #: its copy when the span is mostly uncached (a 1/8 column split is 1/8 of its span).
 _PREFETCH_DENSITY: Final = 16
-#: Tensors of at most this many bytes are copied from a mapping without a prefetch decision
-#: (their pages are few, and faulting them in reads them).
+#: Tensors of at most this many bytes: their slices are copied by numpy (torch's set-up costs
+#: more), and load_shard reads them whole for their fragmented parts (see _gather_small).
 _SMALL_PART: Final = 64 << 10
+#: Scratch bytes :meth:`safe_open._gather_small` reads at a time.
+_SMALL_BATCH: Final = 64 << 20
 #: Slices whose byte runs average less than this are read as whole row blocks and gathered in
 #: memory: one large read beats thousands of tiny ones (a 1/8 column split of a 4096-wide bf16
 #: matrix is 4096 runs of 1 KiB per tensor).
@@ -1073,6 +1159,46 @@ def check_tensor_name(name: object) -> None:
     """
     if not isinstance(name, str):
         raise not_an_instance("name", name)
+
+
+#: A fragmented selection of a small tensor for ``_gather_small``: ``(name, info, shape of the
+#: selection, its bytes)`` and its :func:`byte_selection` ``(source shape, index, destination
+#: shape)``.
+Selected: TypeAlias = tuple[
+    str,
+    TensorInfo,
+    tuple[int, ...],
+    int,
+    tuple[int, ...],
+    tuple[int | slice, ...],
+    tuple[int, ...],
+]
+
+
+def part_selection(
+    shape: tuple[int, ...], itemsize: int, part: Part
+) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int | slice, ...], tuple[int, ...]] | None:
+    """A tensor-parallel part (of a whole-byte tensor) as ``(shape of the part, its bytes)`` and
+    :func:`byte_selection`'s ``(source shape, index, destination shape)``, without a plan (a
+    mixture of experts' column split plans thousands); None when it selects nothing or does
+    not fit the shape (the general path words that)."""
+    dim, start, stop = part
+    ndim = len(shape)
+    if dim is None or not 0 <= dim < ndim or not 0 <= start < stop <= shape[dim] or 0 in shape:
+        return None
+    size = stop - start
+    part_shape = (*shape[:dim], size, *shape[dim + 1 :])
+    nbytes = itemsize
+    for extent in part_shape:
+        nbytes *= extent
+    last = ndim - 1
+    index: tuple[int | slice, ...] = (
+        *(slice(start, stop) if d == dim else slice(None) for d in range(last)),
+        slice(start * itemsize, stop * itemsize) if dim == last else slice(None),
+    )
+    src_shape = (*shape[:-1], shape[-1] * itemsize)
+    dest_shape = (*part_shape[:-1], part_shape[-1] * itemsize)
+    return part_shape, nbytes, src_shape, index, dest_shape
 
 
 def byte_selection(

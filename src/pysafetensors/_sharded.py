@@ -23,7 +23,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 from ._adapter import get_adapter
@@ -804,6 +804,24 @@ class ShardedSafeOpen(HandleBehaviour):
         self._live()
         piece: SafeSlice = self._on_shard(name, safe_open.get_slice)
         return piece
+
+    def _infos(self, names: Iterable[str]) -> list[TensorInfo]:
+        """The header entries of ``names`` (within their shards), in their order: each shard's
+        from its own handle, pinned meanwhile.
+
+        Raises:
+            TensorNotFoundError: A name is not in the checkpoint.
+        """
+        self._live()
+        wanted = list(names)
+        by_shard: dict[str, list[str]] = {}
+        for name in wanted:
+            by_shard.setdefault(self._shard_name(name), []).append(name)
+        found: dict[str, TensorInfo] = {}
+        for shard, group in by_shard.items():
+            with self._shard(shard) as handle:
+                found.update(zip(group, handle._infos(group), strict=True))
+        return [found[name] for name in wanted]
 
     def _read_slices(
         self, requests: list[tuple[str, Any]], *, map_fragmented: bool = False

@@ -32,6 +32,7 @@ from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from ._errors import ClosedFileError, SafetensorError
+from ._format import gc_paused
 from ._syscalls import MAP_FIXED, MAP_NORESERVE, libc_mmap, madvise, mincore
 
 __all__ = [
@@ -668,19 +669,23 @@ def read_runs_fresh(
     Returns:
         The buffer and the offset of each run in it.
     """
-    offsets, total = lay_out_runs(runs, align)
+    # The plan of the reads makes a few objects per run (the collector paused: its
+    # collections walk torch's whole object graph once it is imported); the reads run after.
+    with gc_paused():
+        offsets, total = lay_out_runs(runs, align)
+        small, large = _group_small_runs(runs) if spans else ([], list(range(len(runs))))
+        pieces = run_pieces([runs[i] for i in large], [offsets[i] for i in large], PARALLEL_CHUNK)
+        # In file order, so that the reads sweep the file front to back.
+        work: list[tuple[int, int, int] | list[int]] = sorted(
+            [*small, *pieces],
+            key=lambda item: item[0] if type(item) is tuple else runs[item[0]][0],
+        )
     region = _huge_region(total)
     # Without a probed region: numpy's own huge pages where asked for (True), else 4 KiB pages.
     buf = (
         region.array() if region is not None else _numpy_empty(total, HUGEPAGE_DESTINATIONS is True)
     )
     view = buf.data.cast("B")
-    small, large = _group_small_runs(runs) if spans else ([], list(range(len(runs))))
-    pieces = run_pieces([runs[i] for i in large], [offsets[i] for i in large], PARALLEL_CHUNK)
-    # In file order, so that the reads sweep the file front to back.
-    work: list[tuple[int, int, int] | list[int]] = sorted(
-        [*small, *pieces], key=lambda item: item[0] if type(item) is tuple else runs[item[0]][0]
-    )
 
     def one(item: tuple[int, int, int] | list[int]) -> None:
         if type(item) is tuple:

@@ -43,7 +43,6 @@ from typing import Any, Final, Literal, TypeAlias, TypeVar
 
 import numpy as np
 
-from ._dtypes import dtype_from_code
 from ._errors import SafetensorError, add_note
 from ._format import MAX_HEADER_SIZE, gc_paused
 from ._reader import safe_open
@@ -501,38 +500,39 @@ def load_shard(
         raise TypeError(f"names must be an iterable of tensor names, not one name: {names!r:.60}")
     # "auto" reads by positioned reads and maps the same open file for the column splits.
     map_fragmented = backend == "auto" and slice_reads != "exact"
-    with (
-        safe_open(
-            path,
-            framework,
-            device=device,
-            backend="pread" if backend == "auto" else backend,
-            max_header_size=max_header_size,
-            storage_options=storage_options,
-            slice_reads=slice_reads,
-        ) as f,
-        gc_paused(),
-    ):
-        # The collector paused: a plan and a part per tensor are many small objects, and the
-        # collections they set off walk torch's whole object graph once it is imported (a
-        # 20,000-tensor load spent ~60 ms in them).
+    with safe_open(
+        path,
+        framework,
+        device=device,
+        backend="pread" if backend == "auto" else backend,
+        max_header_size=max_header_size,
+        storage_options=storage_options,
+        slice_reads=slice_reads,
+    ) as f:
         wanted = list(f.offset_keys()) if names is None else list(names)
         # Header entries, not slices: a slice keeps its shard open, and a folder of thousands
         # of shards ran out of descriptors.
-        shapes: dict[str, list[int]] = {}
-        packed: dict[str, int] = {}  # the bits of sub-byte tensors, whose splits must align
-        for name in wanted:
-            meta = f.get_tensor_meta(name)
-            shapes[name] = meta.shape
-            width = dtype_from_code(meta.dtype).bits
-            if width % 8:
-                packed[name] = width
-        plan = plan_shard(shapes, rank, world_size, rules, default=default, uneven=uneven)
-        _check_byte_aligned(plan, packed, world_size, uneven)
+        found = f._infos(wanted)
+        # The rules first (the caller's code, with the collector running as usual)...
+        rule_for = _rule_matcher(rules, default)
+        chosen = {
+            name: rule_for(name, info.shape) for name, info in zip(wanted, found, strict=True)
+        }
+        # ... then the plan with the collector paused (no I/O, no caller's code): a spec and a
+        # request per tensor are many small objects, and the collections they set off walk
+        # torch's whole object graph once it is imported (a 20,000-tensor load spent ~60 ms
+        # in them).
+        with gc_paused():
+            shapes = {name: info.shape for name, info in zip(wanted, found, strict=True)}
+            widths = {name: info.dtype.bits for name, info in zip(wanted, found, strict=True)}
+            # The bits of sub-byte tensors, whose splits must align.
+            packed = {name: bits for name, bits in widths.items() if bits % 8}
+            plan = plan_shard(shapes, rank, world_size, lambda name, _: chosen[name], uneven=uneven)
+            _check_byte_aligned(plan, packed, world_size, uneven)
+            requests = [(name, Part(s.dim, s.start, s.stop)) for name, s in plan.items()]
         many = getattr(f, "_read_slices", None)
         if many is not None:
             # All parts at once: one destination, read in parallel (see safe_open._read_slices).
-            requests = [(name, Part(s.dim, s.start, s.stop)) for name, s in plan.items()]
             result: dict[str, Any] = many(requests, map_fragmented=map_fragmented)
             return result
         return {

@@ -166,10 +166,16 @@ def test_auto_backend_maps_a_local_files_column_splits(
     """The default backend reads by positioned reads and copies the column splits (parts that
     are not one byte run) out of one mapping of the same open file, made only when a part
     needs it; file objects without a descriptor, URLs and slice_reads="exact" map nothing.
-    Sharded folders do the same shard by shard. The parts are the same every way."""
+    Sharded folders do the same shard by shard. The parts are the same every way. (This
+    model's tensors are small, which load_shard reads whole instead, see the end: mapped here
+    with that threshold set to 0.)"""
     import io
 
+    from pysafetensors import _reader
     from pysafetensors._sources import PreadSource
+
+    small_part = _reader._SMALL_PART
+    monkeypatch.setattr(_reader, "_SMALL_PART", 0)
 
     model = tmp_path / "model.safetensors"
     tensors = _model(model)
@@ -212,6 +218,12 @@ def test_auto_backend_maps_a_local_files_column_splits(
     lead = load_shard(tmp_path / "lead.safetensors", 1, 2, {"lead": 1}, framework="np")
     assert mapped == []  # (1, 4, 6) split along dim 1 is one run
     assert np.array_equal(lead["lead"], np.arange(24.0).reshape(1, 4, 6)[:, 2:])
+    # Column splits of small tensors: the tensors read whole, no mapping.
+    monkeypatch.setattr(_reader, "_SMALL_PART", small_part)
+    got = load_shard(model, 1, 4, rules, framework="np")
+    assert mapped == []
+    for name, part in want.items():
+        assert np.array_equal(got[name].view(np.uint8), part.view(np.uint8)), name
 
 
 def test_auto_backend_reads_whole_rows_where_the_file_cannot_be_mapped(
@@ -221,8 +233,10 @@ def test_auto_backend_reads_whole_rows_where_the_file_cannot_be_mapped(
     splits are read by positioned reads instead, the same bytes."""
     import errno
 
+    from pysafetensors import _reader
     from pysafetensors._sources import PreadSource
 
+    monkeypatch.setattr(_reader, "_SMALL_PART", 0)  # this model's tensors are all small
     model = tmp_path / "model.safetensors"
     _model(model)
     rules = {"*.q.weight": "rows", "*.o.weight": "columns", "*.conv.weight": -1}
@@ -240,12 +254,17 @@ def test_auto_backend_reads_whole_rows_where_the_file_cannot_be_mapped(
         assert np.array_equal(got[name].view(np.uint8), part.view(np.uint8)), name
 
 
+@pytest.mark.parametrize("small_part", [0, 64 << 10])
 def test_auto_backend_reads_one_file_even_if_its_path_is_replaced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_part: int
 ) -> None:
     """Every part comes from the file that was opened: a file put in its place by os.replace
-    during the load (a checkpoint being re-saved) is not mixed in, column splits included."""
+    during the load (a checkpoint being re-saved) is not mixed in, column splits included
+    (copied out of a mapping, or, for small tensors, read whole by positioned reads)."""
     import pysafetensors.parallel as parallel
+    from pysafetensors import _reader
+
+    monkeypatch.setattr(_reader, "_SMALL_PART", small_part)
 
     model = tmp_path / "model.safetensors"
     tensors = _model(model)
@@ -533,3 +552,58 @@ def test_small_and_large_column_parts_equal_get_slice(tmp_path: Path) -> None:
                         assert torch.equal(got[name], want), name
                     else:
                         assert np.array_equal(got[name], want), name
+
+
+_TRUNCATED_DURING_LOAD = """
+import os, sys
+import numpy as np
+import pysafetensors.parallel as parallel
+from pysafetensors import SafetensorError, _reader
+from pysafetensors.numpy import save_file
+
+path, small_part = sys.argv[1], int(sys.argv[2])
+_reader._SMALL_PART = small_part
+rng = np.random.default_rng(0)
+save_file({f"t{i:03d}": rng.random((32, 32), np.float32) for i in range(200)}, path)
+real = parallel.plan_shard
+
+def truncated_after_planning(*args, **kwargs):
+    plan = real(*args, **kwargs)
+    os.truncate(path, os.path.getsize(path) // 2)  # another process cuts the file short
+    return plan
+
+parallel.plan_shard = truncated_after_planning
+try:
+    parallel.load_shard(path, 0, 2, {"*": "columns"}, framework="np")
+except SafetensorError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.parametrize("small_part", [0, 64 << 10])
+def test_a_file_cut_short_during_a_column_split_is_refused_not_a_crash(
+    tmp_path: Path, small_part: int
+) -> None:
+    """Column splits copied out of a mapping check the file's size before each copy (touching
+    a page past a truncated end is SIGBUS); small tensors' splits are read by positioned reads,
+    which meet the end of the file. Either way a clear error, in a child process that would
+    die of SIGBUS otherwise."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _TRUNCATED_DURING_LOAD,
+            str(tmp_path / "m.safetensors"),
+            str(small_part),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "refused:" in proc.stdout
+    assert "reading tensor 't" in proc.stdout or "tensor `t" in proc.stdout, proc.stdout
+    assert "truncated" in proc.stdout or "end of file" in proc.stdout or "short" in proc.stdout, (
+        proc.stdout
+    )
