@@ -853,11 +853,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 size += parts[batch_end][1].nbytes
                 batch_end += 1
             batch = parts[batch_start:batch_end]
-            # The collector paused over a batch (a few objects per tensor, and a local read of
-            # at most _SMALL_BATCH bytes): its collections walk torch's object graph.
+            # The collector paused over the bookkeeping (a few objects per tensor: its
+            # collections walk torch's object graph), not over the read.
             with gc_paused():
                 runs = [(base + part[1].begin, part[1].nbytes) for part in batch]
-                scratch, starts = read_runs_fresh(source, runs)
+            scratch, starts = read_runs_fresh(source, runs)
+            with gc_paused():
                 for (_, info, _, nbytes, src_shape, index, dest_shape), start, at in zip(
                     batch, starts, offsets[batch_start:batch_end], strict=True
                 ):
