@@ -460,7 +460,8 @@ def load_shard(
         rank: This process's rank in the tensor-parallel group (e.g. ``dist.get_rank()``).
         world_size: Size of the group.
         rules: Name patterns to splits: ``"rows"``, ``"columns"``, ``"replicate"`` or a
-            dimension; first match wins (see the module docstring).
+            dimension; first match wins (see the module docstring). A function is called
+            once per tensor while the plan is made, with the cyclic garbage collector paused.
         framework: As for ``safe_open`` (``"pt"``, ``"np"``, ``"flax"``, ...).
         device: Where the tensors go (``"cuda:0"``, ... for torch and paddle).
         backend: ``"auto"`` (default: as above), ``"pread"`` (every part by positioned
@@ -513,21 +514,17 @@ def load_shard(
         # Header entries, not slices: a slice keeps its shard open, and a folder of thousands
         # of shards ran out of descriptors.
         found = f._infos(wanted)
-        # The rules first (the caller's code, with the collector running as usual)...
-        rule_for = _rule_matcher(rules, default)
-        chosen = {
-            name: rule_for(name, info.shape) for name, info in zip(wanted, found, strict=True)
-        }
-        # ... then the plan with the collector paused (no I/O, no caller's code): a spec and a
-        # request per tensor are many small objects, and the collections they set off walk
-        # torch's whole object graph once it is imported (a 20,000-tensor load spent ~60 ms
-        # in them).
+        # The plan with the collector paused (no I/O): a spec and a request per tensor are
+        # many small objects, and the collections they set off walk torch's whole object graph
+        # once it is imported (a 20,000-tensor load spent ~60 ms in them). The rules run in it
+        # too, each between the checks of the tensors before and after it, as plan_shard
+        # orders them (the first bad tensor is the one an error names).
         with gc_paused():
             shapes = {name: info.shape for name, info in zip(wanted, found, strict=True)}
             widths = {name: info.dtype.bits for name, info in zip(wanted, found, strict=True)}
             # The bits of sub-byte tensors, whose splits must align.
             packed = {name: bits for name, bits in widths.items() if bits % 8}
-            plan = plan_shard(shapes, rank, world_size, lambda name, _: chosen[name], uneven=uneven)
+            plan = plan_shard(shapes, rank, world_size, rules, default=default, uneven=uneven)
             _check_byte_aligned(plan, packed, world_size, uneven)
             requests = [(name, Part(s.dim, s.start, s.stop)) for name, s in plan.items()]
         many = getattr(f, "_read_slices", None)

@@ -607,3 +607,23 @@ def test_a_file_cut_short_during_a_column_split_is_refused_not_a_crash(
     assert "truncated" in proc.stdout or "end of file" in proc.stdout or "short" in proc.stdout, (
         proc.stdout
     )
+
+
+def test_the_first_bad_tensor_names_the_error_whatever_later_rules_do(tmp_path: Path) -> None:
+    """Rules run tensor by tensor between the checks, in file order: a bad split of an early
+    tensor is the error, not a later rule's exception; duplicate names ask the rule once."""
+    model = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros((8, 6), np.float32), "b": np.zeros((4, 4), np.float32)}, model)
+    asked: list[str] = []
+
+    def rule(name: str, shape: tuple[int, ...]) -> Any:
+        asked.append(name)
+        if name == "b":
+            raise RuntimeError("later")
+        return "row"
+
+    with pytest.raises(ValueError, match="tensor 'a': unknown split 'row'"):
+        load_shard(model, 0, 2, rule, framework="np")
+    asked.clear()
+    load_shard(model, 0, 2, lambda n, s: asked.append(n) or "rows", names=["a", "b", "a"])
+    assert asked == ["a", "b"]
