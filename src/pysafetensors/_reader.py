@@ -693,7 +693,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 info = self._info(name)
                 gathers_small = (
                     on_cpu
-                    and isinstance(source, PreadSource)
+                    and (isinstance(source, PreadSource) or remote)
                     and self._slice_reads == "coalesce"
                     and info.nbytes <= _SMALL_PART
                     and info.dtype.bits % 8 == 0
@@ -756,8 +756,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 out[name] = None
         for name, info, index, plan in singles:
             out[name] = self._read_one(name, info, index, plan)
-        if small and isinstance(source, PreadSource):
-            self._gather_small(small, source.without_readahead(), out)
+        if small:
+            exact = source.without_readahead() if isinstance(source, PreadSource) else source
+            self._gather_small(small, exact, out)
         if mapped:
             self._copy_mapped(mapped, fragmented_source(), out)
         if gathered:
@@ -828,17 +829,16 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             buf, ((name, info, plan.shape, plan.nbytes) for name, info, plan in parts), offsets, out
         )
 
-    def _gather_small(
-        self, parts: list[Selected], source: PreadSource, out: dict[str, Any]
-    ) -> None:
-        """Fragmented selections (column splits) of small tensors: the tensors read whole by
-        positioned reads (small ones less than a page apart as one span, see
-        :func:`read_runs_fresh`) into a scratch buffer of at most :data:`_SMALL_BATCH` bytes at
+    def _gather_small(self, parts: list[Selected], source: ByteSource, out: dict[str, Any]) -> None:
+        """Fragmented selections (column splits) of small tensors: the tensors read whole (by
+        positioned reads, small ones less than a page apart as one span, see
+        :func:`read_runs_fresh`; from a remote source in coalesced, parallel requests, see
+        :func:`read_runs_remote`) into a scratch buffer of at most :data:`_SMALL_BATCH` bytes at
         a time, and each selection copied out of it by numpy into one destination.
 
         A mixture of experts has thousands of such tensors: each went through its own read
-        (~13 us of checks and set-up, a copy out of a mapping by torch), and the pages they lie
-        on are read in whole either way.
+        (~13 us of checks and set-up, a copy out of a mapping by torch; over HTTP, a round trip
+        each), and the pages they lie on are read in whole either way.
         """
         with gc_paused():  # a tuple per part
             offsets, total = lay_out_runs([(0, part[3]) for part in parts], 64)
@@ -857,7 +857,11 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             # collections walk torch's object graph), not over the read.
             with gc_paused():
                 runs = [(base + part[1].begin, part[1].nbytes) for part in batch]
-            scratch, starts = read_runs_fresh(source, runs)
+            scratch, starts = (
+                read_runs_fresh(source, runs)
+                if isinstance(source, PreadSource)
+                else read_runs_remote(source, runs)
+            )
             with gc_paused():
                 for (_, info, _, nbytes, src_shape, index, dest_shape), start, at in zip(
                     batch, starts, offsets[batch_start:batch_end], strict=True

@@ -601,3 +601,25 @@ def test_exact_slice_reads_fetch_only_the_selected_bytes_remotely(
     head = 64 << 10  # the bytes an open fetches with the header
     assert fetched["exact"] <= selected + head
     assert fetched["coalesce"] > 4 * selected
+
+
+def test_column_splits_of_many_small_tensors_are_fetched_together(
+    server: RangeServer, data_dir: Path
+) -> None:
+    """A mixture of experts over HTTP: the column parts of 300 small tensors come from a few
+    coalesced requests for the tensors' bytes, not a round trip (or several) per tensor, and
+    equal the parts read locally."""
+    from pysafetensors.numpy import save_file
+    from pysafetensors.parallel import load_shard
+
+    rng = np.random.default_rng(8)
+    tensors = {f"experts.{i}.w": rng.random((16, 24), np.float32) for i in range(300)}
+    path = data_dir / "experts.safetensors"
+    save_file(tensors, str(path))
+    want = load_shard(path, 1, 4, {"*": "columns"}, framework="np")
+    before = len(server.records())
+    got = load_shard(server.url("experts.safetensors"), 1, 4, {"*": "columns"}, framework="np")
+    assert list(got) == list(want)
+    for name, part in want.items():
+        assert np.array_equal(got[name], part), name
+    assert len(server.records()) - before < 20
