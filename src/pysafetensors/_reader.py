@@ -757,8 +757,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         for name, info, index, plan in singles:
             out[name] = self._read_one(name, info, index, plan)
         if small:
-            exact = source.without_readahead() if isinstance(source, PreadSource) else source
-            self._gather_small(small, exact, out)
+            # Only the bytes asked for off a local disk (the tensors, whole).
+            reader = source.without_readahead() if isinstance(source, PreadSource) else source
+            self._gather_small(small, reader, out)
         if mapped:
             self._copy_mapped(mapped, fragmented_source(), out)
         if gathered:
