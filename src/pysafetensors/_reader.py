@@ -800,7 +800,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             # "exact": only the selected bytes, also between small parts close together.
             buf, offsets = read_runs_fresh(source, runs, spans=self._slice_reads != "exact")
         else:  # remote (above): all runs in coalesced, parallel requests
-            buf, offsets = read_runs_remote(source, runs)
+            # "exact": only the parts' bytes, not the gaps between runs close together.
+            buf, offsets = read_runs_remote(source, runs, exact=self._slice_reads == "exact")
         self._carve(
             buf,
             ((name, info, shape, nbytes) for name, info, shape, _, nbytes, _ in batched),

@@ -752,11 +752,12 @@ def _group_small_runs(runs: Sequence[tuple[int, int]]) -> tuple[list[list[int]],
 
 
 def read_runs_remote(
-    source: ByteSource, runs: Sequence[tuple[int, int]], align: int = 64
+    source: ByteSource, runs: Sequence[tuple[int, int]], align: int = 64, *, exact: bool = False
 ) -> tuple[np.ndarray, list[int]]:
     """:func:`read_runs_fresh` for a remote source (one with ``readinto_many``): the runs are
-    fetched back to back in coalesced, parallel requests, then moved apart in place to the
-    same aligned layout, last run first (each moves right, so none overwrites another).
+    fetched back to back in coalesced, parallel requests (with ``exact``, only their bytes: no
+    merging across gaps), then moved apart in place to the same aligned layout, last run first
+    (each moves right, so none overwrites another).
 
     Returns:
         The buffer and the offset of each run in it.
@@ -764,7 +765,7 @@ def read_runs_remote(
     offsets, total = lay_out_runs(runs, align)
     buf = empty_bytes(total)
     packed = sum(length for _, length in runs)
-    read_ranges_into(source, runs, buf.data.cast("B")[:packed])
+    read_ranges_into(source, runs, buf.data.cast("B")[:packed], exact=exact)
     at = packed
     for (_, length), dest in zip(reversed(runs), reversed(offsets), strict=True):
         at -= length

@@ -623,3 +623,32 @@ def test_column_splits_of_many_small_tensors_are_fetched_together(
     for name, part in want.items():
         assert np.array_equal(got[name], part), name
     assert len(server.records()) - before < 20
+
+
+def test_exact_reads_of_row_parts_fetch_only_their_bytes_remotely(
+    server: RangeServer, data_dir: Path
+) -> None:
+    """The parts that are one run each (row splits, replicated tensors), fetched together:
+    with slice_reads="exact" only their bytes, where the default merges runs less than 1 MiB
+    apart into one request (fetching the other ranks' rows between them)."""
+    from pysafetensors.numpy import save_file
+    from pysafetensors.parallel import load_shard
+
+    rng = np.random.default_rng(9)
+    tensors = {f"layer.{i}.w": rng.random((64, 100), np.float32) for i in range(40)}
+    tensors["norm"] = rng.random(100, np.float32)
+    save_file(tensors, str(data_dir / "rows.safetensors"))
+    url = server.url("rows.safetensors")
+    rules = {"norm": "replicate", "*": "rows"}
+    fetched = {}
+    for mode in ("exact", "coalesce"):
+        before = len(server.records())
+        part = load_shard(url, 7, 8, rules, framework="np", slice_reads=mode)
+        for name, values in tensors.items():
+            want = values if name == "norm" else values[56:64]
+            assert np.array_equal(part[name], want), name
+        fetched[mode] = sum(r.nbytes for r in server.records()[before:])
+    selected = 40 * 8 * 100 * 4 + 100 * 4
+    head = 64 << 10  # the bytes an open fetches with the header
+    assert fetched["exact"] <= selected + head
+    assert fetched["coalesce"] > 4 * selected
