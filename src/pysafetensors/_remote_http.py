@@ -863,7 +863,11 @@ class HTTPSource(RemoteSource):
                 offset=offset,
             )
         elif status in (404, 410):
-            raise RemoteNotFoundError(f"{where}: not found ({status})", kind="NotFound")
+            raise RemoteNotFoundError(
+                f"{where}: not found ({status})",
+                kind="NotFound",
+                offset=None if probing else offset,
+            )
         elif status == 401:
             raise RemotePermissionError(
                 f"{where}: authentication required (401); pass credentials with "
@@ -908,8 +912,11 @@ class HTTPSource(RemoteSource):
                 kind="ContentEncoding",
             )
 
-    def _check_validators(self, resp: http.client.HTTPResponse, where: str, probing: bool) -> None:
-        """Refuse a reply from another version of the file than the one opened.
+    def _check_validators(
+        self, resp: http.client.HTTPResponse, where: str, probing: bool, offset: int
+    ) -> None:
+        """Refuse a reply from another version of the file than the one opened (the error
+        carries the request's ``offset``, so that a reader names the tensor read there).
 
         The ETag decides when both the first reply and this one carry one; otherwise
         Last-Modified does (servers such as ``python -m http.server`` send only that).
@@ -924,6 +931,7 @@ class HTTPSource(RemoteSource):
                 raise RemoteError(
                     f"{where} changed while open (ETag {self._etag} became {etag}); reopen it",
                     kind="Changed",
+                    offset=offset,
                 )
         elif modified and self._modified:
             if modified != self._modified:
@@ -931,6 +939,7 @@ class HTTPSource(RemoteSource):
                     f"{where} changed while open (Last-Modified {self._modified} became "
                     f"{modified}); reopen it",
                     kind="Changed",
+                    offset=offset,
                 )
         elif self._etag or self._modified:
             # The file had a version at open and this reply names none: nothing says it is
@@ -940,6 +949,7 @@ class HTTPSource(RemoteSource):
                 f"{where}: a reply without the ETag or Last-Modified the file had when opened "
                 "(it may have been replaced); reopen it",
                 kind="Changed",
+                offset=offset,
             )
 
     def _handle_partial(
@@ -972,6 +982,7 @@ class HTTPSource(RemoteSource):
                 raise RemoteError(
                     f"{where} changed size while open ({self._size} bytes, now {total}); reopen it",
                     kind="Changed",
+                    offset=offset,
                 )
         if first is None:
             # Some servers omit Content-Range; fsspec accepts an exact Content-Length.
@@ -992,7 +1003,7 @@ class HTTPSource(RemoteSource):
                 f"{where}: Content-Length {length} disagrees with the range of {want} bytes",
                 "Truncated",
             )
-        self._check_validators(resp, where, probing)
+        self._check_validators(resp, where, probing, offset)
         self._read_exact(resp, where, offset, out[:want], clock)
         if probing:
             assert total is not None
@@ -1067,7 +1078,7 @@ class HTTPSource(RemoteSource):
             )
         body = bytearray(length)
         self._read_exact(resp, where, 0, memoryview(body), clock)
-        self._check_validators(resp, where, probing)
+        self._check_validators(resp, where, probing, offset)
         self._cached_whole(bytes(body), length)
         want = out.nbytes if not probing else min(out.nbytes, max(0, length - offset))
         out[:want] = body[offset : offset + want]

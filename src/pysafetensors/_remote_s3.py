@@ -226,7 +226,9 @@ class S3Source(RemoteSource):
             if code in _S3_MISSING or status == 404:
                 what = "bucket" if code == "NoSuchBucket" else "object"
                 return RemoteNotFoundError(
-                    f"{where}: no such {what} ({code or status}: {message})", kind="NotFound"
+                    f"{where}: no such {what} ({code or status}: {message})",
+                    kind="NotFound",
+                    offset=None if probing else offset,
                 )
             if code in _S3_DENIED or status in (401, 403):
                 return RemotePermissionError(
@@ -236,7 +238,9 @@ class S3Source(RemoteSource):
                     kind="PermissionDenied",
                 )
             if code in ("PreconditionFailed",) or status == 412:
-                return RemoteError(f"{where} changed while open; reopen it", kind="Changed")
+                return RemoteError(
+                    f"{where} changed while open; reopen it", kind="Changed", offset=offset
+                )
             if code == "InvalidRange" or status == 416:
                 return RemoteError(
                     f"{where}: range at offset {offset} not satisfiable ({message})",
@@ -351,7 +355,9 @@ class S3Source(RemoteSource):
             if not probing and (length != self._size or (self._etag and etag != self._etag)):
                 # Another version of the object (as for ranged replies, and as the HTTP source
                 # checks a whole body): its bytes must not be read at this version's offsets.
-                raise RemoteError(f"{where} changed while open; reopen it", kind="Changed")
+                raise RemoteError(
+                    f"{where} changed while open; reopen it", kind="Changed", offset=offset
+                )
             whole = bytearray(length)
             self._read_body(body, memoryview(whole), offset)
             if probing:
@@ -370,7 +376,9 @@ class S3Source(RemoteSource):
             self._etag = etag
         elif total != self._size or (self._etag and etag != self._etag):
             # A reply without the ETag the object had at open names no version: a change too.
-            raise RemoteError(f"{where} changed while open; reopen it", kind="Changed")
+            raise RemoteError(
+                f"{where} changed while open; reopen it", kind="Changed", offset=offset
+            )
         self._read_body(body, out[:want], offset)
         if probing:
             self._size = total

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -652,3 +654,35 @@ def test_exact_reads_of_row_parts_fetch_only_their_bytes_remotely(
     head = 64 << 10  # the bytes an open fetches with the header
     assert fetched["exact"] <= selected + head
     assert fetched["coalesce"] > 4 * selected
+
+
+def test_a_file_changed_or_gone_during_a_load_names_the_tensor_it_met(
+    server: RangeServer, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remote file replaced (another ETag) or deleted while load_shard fetches its parts:
+    the error says so and names the tensor and the offset where the request began."""
+    from pysafetensors import _reader
+    from pysafetensors.numpy import save_file
+    from pysafetensors.parallel import load_shard
+
+    rng = np.random.default_rng(10)
+    # 150 KB: past the bytes an open fetches with the header (reads of those are not requests)
+    tensors = {f"e.{i}.w": rng.random((8, 16), np.float32) for i in range(300)}
+    path = data_dir / "gone.safetensors"
+    real = _reader.read_runs_remote
+    for change, error in (
+        (lambda: path.write_bytes(path.read_bytes()[:-8] + bytes(8)), RemoteError),
+        (path.unlink, RemoteNotFoundError),
+    ):
+        save_file(tensors, str(path))
+        os.utime(path, ns=(1, 1))  # a Last-Modified of its own, whatever the clock
+
+        def changed_first(*args: object, change: Any = change, **kwargs: object) -> Any:
+            change()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_reader, "read_runs_remote", changed_first)
+        with pytest.raises(error) as caught:
+            load_shard(server.url("gone.safetensors"), 0, 2, {"*": "columns"}, framework="np")
+        assert caught.value.tensor is not None and caught.value.offset is not None
+        assert f"reading tensor {caught.value.tensor!r}" in str(caught.value)
