@@ -859,10 +859,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             # collections walk torch's object graph), not over the read.
             with gc_paused():
                 runs = [(base + part[1].begin, part[1].nbytes) for part in batch]
+            # Remote: touching tensors share a request, others do not (merging across gaps
+            # fetched again bytes that the other parts' requests fetch too).
             scratch, starts = (
                 read_runs_fresh(source, runs)
                 if isinstance(source, PreadSource)
-                else read_runs_remote(source, runs)
+                else read_runs_remote(source, runs, exact=True)
             )
             with gc_paused():
                 for (_, info, _, nbytes, src_shape, index, dest_shape), start, at in zip(
