@@ -58,6 +58,7 @@ from ._slicing import (
 )
 from ._sources import (
     MAX_READ_THREADS,
+    PREFETCH_MIN,
     BufferSource,
     ByteSource,
     FileObjSource,
@@ -1011,26 +1012,16 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         if plan.nbytes:
             mapped = self._backend == "mmap" or isinstance(source, MmapSource)
             view = source.view(base, info.nbytes) if mapped else None
-            if view is not None and info.nbytes <= _SMALL_PART and info.dtype.bits % 8 == 0:
-                # A small tensor: numpy's copy, with no read-in decision (its few pages are
-                # faulted in by the copy); the general path below cost ~6 us a call more.
+            if view is not None:
                 whole = np.frombuffer(view, np.uint8)
-                if len(plan.starts) == 1:
-                    start = int(plan.starts[0])
-                    np.copyto(buf, whole[start : start + plan.run_bytes])
-                else:
-                    src_shape, index, dest_shape = byte_selection(
-                        info.shape, info.dtype.bits // 8, plan
-                    )
-                    np.copyto(buf.reshape(dest_shape), whole.reshape(src_shape)[index])
-            elif view is not None:
-                whole = np.frombuffer(view, np.uint8)
-                first = int(plan.starts[0])
-                span = int(plan.starts[-1]) + plan.run_bytes - first
-                if isinstance(source, MmapSource) and plan.nbytes * _PREFETCH_DENSITY >= span:
+                if isinstance(source, MmapSource) and info.nbytes >= PREFETCH_MIN:
                     # Cold: read the span in ahead of the copy (most of its pages are needed,
-                    # and readahead would fetch the rest anyway).
-                    source.prefetch(base + first, span)
+                    # and readahead would fetch the rest anyway). Spans under PREFETCH_MIN
+                    # never are: a small tensor's copy faults its few pages in.
+                    first = int(plan.starts[0])
+                    span = int(plan.starts[-1]) + plan.run_bytes - first
+                    if plan.nbytes * _PREFETCH_DENSITY >= span:
+                        source.prefetch(base + first, span)
                 # The framework's own copy kernel where it has one (torch), else numpy on the
                 # reader threads; numpy here for small slices (torch's set-up cost more).
                 copy = (

@@ -611,12 +611,6 @@ def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
     the faults overlap the other threads' waits for the disk instead of preceding them. Other
     sources read into :func:`empty_bytes`.
     """
-    if nbytes < _HUGEPAGE_MIN:
-        # Small (a tensor of a checkpoint of thousands): plain memory, no huge-page decision.
-        small = np.empty(nbytes, np.uint8)
-        if nbytes:
-            source.readinto(offset, small.data)
-        return small
     region = _huge_region(nbytes) if isinstance(source, PreadSource) else None
     if isinstance(source, PreadSource) and region is not None:
         buf = region.array()
@@ -747,7 +741,6 @@ def _group_small_runs(runs: Sequence[tuple[int, int]]) -> tuple[list[list[int]],
         groups.append(group)
     else:
         alone.extend(group)
-    alone.sort()
     return groups, alone
 
 
