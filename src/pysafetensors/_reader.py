@@ -71,7 +71,6 @@ from ._sources import (
     read_fresh,
     read_ranges_into,
     read_runs_fresh,
-    read_runs_remote,
     run_parallel,
     starts_like_safetensors,
     worker_count,
@@ -622,7 +621,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         Every request that is one contiguous byte run (a split along rows, a whole tensor) is
         read together with the others: with the pread backend on the CPU into one shared
         destination in parallel (:func:`read_runs_fresh`), from a remote source in coalesced
-        parallel requests (:func:`read_runs_remote`), on a CUDA device through one
+        parallel requests (:meth:`_fetch_remote`), on a CUDA device through one
         staging pipeline (``to_device_runs``); the result tensors view that buffer. On a CUDA
         device the fragmented requests (column splits) go through one gather ring
         (:meth:`_gather_to_device`). The other requests, and every request where neither
@@ -678,9 +677,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # file's row split, 2.2 s at 20 ms of latency, against 72 ms for the whole file).
         remote = on_cpu and hasattr(source, "readinto_many")
         batching = (on_cpu and isinstance(source, PreadSource)) or remote or to_device is not None
+        # Fragmented selections of tensors this small are read whole and gathered (see
+        # _gather_small). Remote: up to the merge distance, where their requests would fetch
+        # whole rows anyway; as one plan with the other parts (see _fetch_remote).
+        small_max = max(_SMALL_PART, source.max_gap) if remote else _SMALL_PART  # type: ignore[attr-defined]
         out: dict[str, Any] = {}
-        # (name, info, shape of the part, offset of its run in the tensor, its length, index)
-        batched: list[tuple[str, TensorInfo, tuple[int, ...], int, int, Any]] = []
+        batched: list[Batched] = []
         gathered: list[tuple[str, TensorInfo, SlicePlan, tuple[Fill, int, int]]] = []
         mapped: list[tuple[str, TensorInfo, SlicePlan]] = []
         # Fragmented selections of small tensors, read together (see _gather_small).
@@ -696,7 +698,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     on_cpu
                     and (isinstance(source, PreadSource) or remote)
                     and self._slice_reads == "coalesce"
-                    and info.nbytes <= _SMALL_PART
+                    and info.nbytes <= small_max
                     and info.dtype.bits % 8 == 0
                     and len(info.shape) <= MAX_NDIM
                 )
@@ -757,10 +759,13 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 out[name] = None
         for name, info, index, plan in singles:
             out[name] = self._read_one(name, info, index, plan)
+        if remote:
+            self._fetch_remote(batched, small, source, out)
+            return out
         if small:
+            assert isinstance(source, PreadSource)  # gathers_small: the remote ones returned
             # Only the bytes asked for off a local disk (the tensors, whole).
-            reader = source.without_readahead() if isinstance(source, PreadSource) else source
-            self._gather_small(small, reader, out)
+            self._gather_small(small, source.without_readahead(), out)
         if mapped:
             self._copy_mapped(mapped, fragmented_source(), out)
         if gathered:
@@ -797,12 +802,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     real = index.index if type(index) is Part else index
                     out[name] = self._read_one(name, info, real)
             return out
-        if isinstance(source, PreadSource):
-            # "exact": only the selected bytes, also between small parts close together.
-            buf, offsets = read_runs_fresh(source, runs, spans=self._slice_reads != "exact")
-        else:  # remote (above): all runs in coalesced, parallel requests
-            # "exact": only the parts' bytes, not the gaps between runs close together.
-            buf, offsets = read_runs_remote(source, runs, exact=self._slice_reads == "exact")
+        assert isinstance(source, PreadSource)  # batching: the other sources returned above
+        # "exact": only the selected bytes, also between small parts close together.
+        buf, offsets = read_runs_fresh(source, runs, spans=self._slice_reads != "exact")
         self._carve(
             buf,
             ((name, info, shape, nbytes) for name, info, shape, _, nbytes, _ in batched),
@@ -810,6 +812,78 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             out,
         )
         return out
+
+    def _fetch_remote(
+        self, batched: list[Batched], small: list[Selected], source: ByteSource, out: dict[str, Any]
+    ) -> None:
+        """The parts of a remote load: one byte run each (``batched``: row splits, whole
+        tensors) fetched into one destination, and the small tensors of fragmented selections
+        (``small``) fetched whole into scratch, each part then copied out of it by numpy.
+
+        All of it is one plan of coalesced, parallel requests (``readinto_scattered``), taken
+        in file order in batches of at most :data:`_SMALL_BATCH` scratch bytes: fetched
+        apart, a request merged across a gap of one group fetched again the bytes another
+        group's requests fetched (a 6 MB file's column split fetched 10.3 MB). A batch's
+        requests span only its own pieces' offsets, so batches never fetch a byte twice
+        either. With ``slice_reads="exact"`` only the pieces' own bytes are fetched.
+        """
+        readinto_scattered = source.readinto_scattered  # type: ignore[attr-defined]
+        max_gap = 0 if self._slice_reads == "exact" else None
+        base = self._header.data_start
+        with gc_paused():  # a few objects per part
+            offsets, total = lay_out_runs([(0, part[4]) for part in batched], 64)
+            small_offsets, small_total = lay_out_runs([(0, part[3]) for part in small], 64)
+            # (file offset, position in small or -1 - position in batched), in file order.
+            order = sorted(
+                [(base + part[1].begin + part[3], -1 - k) for k, part in enumerate(batched)]
+                + [(base + part[1].begin, k) for k, part in enumerate(small)]
+            )
+            wholes_bytes = sum(part[1].nbytes for part in small)
+            largest = max((part[1].nbytes for part in small), default=0)
+        buf = empty_bytes(total)
+        dest = empty_bytes(small_total)
+        # One scratch buffer, reused batch after batch: the small tensors back to back in it,
+        # so that touching ones are received in place.
+        scratch = empty_bytes(min(wholes_bytes, max(_SMALL_BATCH, largest)))
+        views = buf.data, scratch.data
+
+        def fetch(pieces: list[tuple[int, int, memoryview, int]], wholes: list[int]) -> None:
+            readinto_scattered(pieces, max_gap=max_gap)
+            with gc_paused():
+                at = 0
+                for k in wholes:
+                    _, info, _, nbytes, src_shape, index, dest_shape = small[k]
+                    whole = scratch[at : at + info.nbytes].reshape(src_shape)
+                    to = small_offsets[k]
+                    np.copyto(dest[to : to + nbytes].reshape(dest_shape), whole[index])
+                    at += info.nbytes
+
+        # Each batch: (file offset, length, buffer, position in it) of its pieces, and the
+        # small tensors in it, in scratch order.
+        batches: list[tuple[list[tuple[int, int, memoryview, int]], list[int]]] = [([], [])]
+        at = 0
+        with gc_paused():
+            for offset, k in order:
+                pieces, wholes = batches[-1]
+                if k < 0:
+                    pieces.append((offset, batched[-1 - k][4], views[0], offsets[-1 - k]))
+                    continue
+                nbytes = small[k][1].nbytes
+                if at + nbytes > len(scratch):
+                    pieces, wholes, at = [], [], 0
+                    batches.append((pieces, wholes))
+                pieces.append((offset, nbytes, views[1], at))
+                wholes.append(k)
+                at += nbytes
+        for pieces, wholes in batches:
+            fetch(pieces, wholes)
+        self._carve(
+            buf,
+            ((name, info, shape, nbytes) for name, info, shape, _, nbytes, _ in batched),
+            offsets,
+            out,
+        )
+        self._carve(dest, (part[:4] for part in small), small_offsets, out)
 
     def _copy_mapped(
         self,
@@ -832,12 +906,14 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             buf, ((name, info, plan.shape, plan.nbytes) for name, info, plan in parts), offsets, out
         )
 
-    def _gather_small(self, parts: list[Selected], source: ByteSource, out: dict[str, Any]) -> None:
+    def _gather_small(
+        self, parts: list[Selected], source: PreadSource, out: dict[str, Any]
+    ) -> None:
         """Fragmented selections (column splits) of small tensors: the tensors read whole (by
         positioned reads, small ones less than a page apart as one span, see
-        :func:`read_runs_fresh`; from a remote source in coalesced, parallel requests, see
-        :func:`read_runs_remote`) into a scratch buffer of at most :data:`_SMALL_BATCH` bytes at
-        a time, and each selection copied out of it by numpy into one destination.
+        :func:`read_runs_fresh`) into a scratch buffer of at most :data:`_SMALL_BATCH` bytes at
+        a time, and each selection copied out of it by numpy into one destination (remote
+        sources: :meth:`_fetch_remote`).
 
         A mixture of experts has thousands of such tensors: each went through its own read
         (~13 us of checks and set-up, a copy out of a mapping by torch; over HTTP, a round trip
@@ -860,13 +936,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             # collections walk torch's object graph), not over the read.
             with gc_paused():
                 runs = [(base + part[1].begin, part[1].nbytes) for part in batch]
-            # Remote: touching tensors share a request, others do not (merging across gaps
-            # fetched again bytes that the other parts' requests fetch too).
-            scratch, starts = (
-                read_runs_fresh(source, runs)
-                if isinstance(source, PreadSource)
-                else read_runs_remote(source, runs, exact=True)
-            )
+            scratch, starts = read_runs_fresh(source, runs)
             with gc_paused():
                 for (_, info, _, nbytes, src_shape, index, dest_shape), start, at in zip(
                     batch, starts, offsets[batch_start:batch_end], strict=True
@@ -1172,6 +1242,10 @@ def check_tensor_name(name: object) -> None:
     if not isinstance(name, str):
         raise not_an_instance("name", name)
 
+
+#: A part that is one byte run, for ``_read_slices``: ``(name, info, shape of the part, offset
+#: of its run in the tensor, its bytes, the index asked for)``.
+Batched: TypeAlias = tuple[str, TensorInfo, tuple[int, ...], int, int, Any]
 
 #: A fragmented selection of a small tensor for ``_gather_small``: ``(name, info, shape of the
 #: selection, its bytes)`` and its :func:`byte_selection` ``(source shape, index, destination

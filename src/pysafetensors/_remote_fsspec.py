@@ -191,9 +191,9 @@ class FsspecSource(RemoteSource):
         self._check_length(data, offset, out.nbytes)
         out[:] = data
 
-    def _run(self, parts: list[_Part], out: memoryview) -> None:
+    def _run(self, parts: list[_Part]) -> None:
         if len(parts) < 2 or not getattr(self._fs, "async_impl", False):
-            super()._run(parts, out)
+            super()._run(parts)
             return
         # Async filesystems fetch a batch concurrently on their own event loop.
         n = len(parts)
@@ -216,19 +216,10 @@ class FsspecSource(RemoteSource):
                 failed.append(part)
                 continue
             self.stats.add(nbytes=len(blob))
-            self._deliver(part, blob, out)
+            if part.target is not None:
+                part.target[:] = blob
+            else:
+                self._scatter(part, blob)
         # Anything that failed goes through the one-request path, with its retries and errors.
         for part in failed:
-            self._do_part(part, out)
-
-    @staticmethod
-    def _deliver(part: _Part, data: bytes, out: memoryview) -> None:
-        if part.target is not None:
-            part.target[:] = data
-            return
-        p_stop = part.offset + part.length
-        for it in part.items:
-            a = max(it.offset, part.offset)
-            b = min(it.offset + it.length, p_stop)
-            dst = it.pos + (a - it.offset)
-            out[dst : dst + (b - a)] = data[a - part.offset : b - part.offset]
+            self._do_part(part)

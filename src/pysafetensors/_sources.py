@@ -49,7 +49,6 @@ __all__ = [
     "open_regular_file",
     "read_fresh",
     "read_ranges_into",
-    "read_runs_remote",
     "reader_thread_count",
     "run_parallel",
     "starts_like_safetensors",
@@ -742,29 +741,6 @@ def _group_small_runs(runs: Sequence[tuple[int, int]]) -> tuple[list[list[int]],
     else:
         alone.extend(group)
     return groups, alone
-
-
-def read_runs_remote(
-    source: ByteSource, runs: Sequence[tuple[int, int]], align: int = 64, *, exact: bool = False
-) -> tuple[np.ndarray, list[int]]:
-    """:func:`read_runs_fresh` for a remote source (one with ``readinto_many``): the runs are
-    fetched back to back in coalesced, parallel requests (with ``exact``, only their bytes: no
-    merging across gaps), then moved apart in place to the same aligned layout, last run first
-    (each moves right, so none overwrites another).
-
-    Returns:
-        The buffer and the offset of each run in it.
-    """
-    offsets, total = lay_out_runs(runs, align)
-    buf = empty_bytes(total)
-    packed = sum(length for _, length in runs)
-    read_ranges_into(source, runs, buf.data.cast("B")[:packed], exact=exact)
-    at = packed
-    for (_, length), dest in zip(reversed(runs), reversed(offsets), strict=True):
-        at -= length
-        if dest != at:
-            buf[dest : dest + length] = buf[at : at + length].copy()
-    return buf, offsets
 
 
 #: ``resident_fraction`` looks at this many windows of a long range...

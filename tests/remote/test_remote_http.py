@@ -188,6 +188,32 @@ def test_near_ranges_in_any_order_are_coalesced(server: RangeServer, data_dir: P
         assert src.stats.bytes_fetched == 9 * 5000 + 4000
 
 
+def test_scattered_pieces_share_one_plan(server: RangeServer, data_dir: Path) -> None:
+    """Pieces going to different buffers are planned together: near ones share a request
+    (scattered to their buffers), far ones do not, a large one lands in its buffer directly,
+    and a piece outside the object is refused before anything is sent."""
+    data = (data_dir / "blob.bin").read_bytes()
+    base = 1 << 20
+    bufs = [bytearray(4000) for _ in range(6)] + [bytearray(300_000), bytearray(10)]
+    offsets = [base + k * 5000 for k in range(6)] + [base + 30_000, 3_000_000]
+    pieces = [(o, len(b), memoryview(b), 0) for o, b in zip(offsets, bufs, strict=True)]
+    random.Random(4).shuffle(pieces)
+    with HTTPSource(server.url("blob.bin"), head_bytes=0, max_gap=1 << 16) as src:
+        src.stats.reset()
+        src.readinto_scattered(pieces)
+        for offset, buf in zip(offsets, bufs, strict=True):
+            assert bytes(buf) == data[offset : offset + len(buf)]
+        assert src.stats.requests == 2
+        assert src.stats.bytes_fetched == 30_000 + 300_000 + 10
+        src.stats.reset()
+        src.readinto_scattered(pieces, max_gap=0)  # exact: only the pieces' bytes
+        assert src.stats.bytes_fetched == 6 * 4000 + 300_000 + 10
+        with pytest.raises(SafetensorError):
+            src.readinto_scattered([(len(data) - 5, 10, memoryview(bytearray(10)), 0)])
+        with pytest.raises(ValueError):
+            src.readinto_scattered([(0, 10, memoryview(bytearray(10)), 1)])
+
+
 def test_far_ranges_are_separate_requests(server: RangeServer, data_dir: Path) -> None:
     data = (data_dir / "blob.bin").read_bytes()
     ranges = [(100_000, 10), (1_500_000, 20), (3_000_000, 30)]
@@ -627,6 +653,44 @@ def test_column_splits_of_many_small_tensors_are_fetched_together(
     assert len(server.records()) - before < 20
 
 
+def test_a_mixed_load_shard_fetches_no_byte_twice(server: RangeServer, data_dir: Path) -> None:
+    """Row parts, replicated tensors and column splits of tensors under the merge distance
+    (1 MiB) in one file: their requests were planned apart, and a request merged across a gap
+    fetched the bytes another group fetched too (10.3 MB in 26 requests for this 6 MB file).
+    One plan: every byte at most once, in a few requests, equal to the parts read locally."""
+    from pysafetensors.numpy import save_file
+    from pysafetensors.parallel import load_shard
+
+    rng = np.random.default_rng(11)
+    tensors = {}
+    for i in range(12):
+        tensors[f"l{i}.big"] = rng.random((256, 384), np.float32)  # column split, 384 KiB
+        tensors[f"l{i}.small"] = rng.random((16, 48), np.float32)  # column split, 3 KiB
+        tensors[f"l{i}.rows"] = rng.random((96, 256), np.float32)  # row split
+        tensors[f"l{i}.norm"] = rng.random(256, np.float32)  # replicated
+    path = data_dir / "mixed.safetensors"
+    save_file(tensors, str(path))
+    rules = {"*.rows": "rows", "*.norm": "replicate", "*": "columns"}
+    for rank, world in ((1, 3), (7, 8)):
+        want = load_shard(path, rank, world, rules, framework="np")
+        before = len(server.records())
+        got = load_shard(server.url("mixed.safetensors"), rank, world, rules, framework="np")
+        assert list(got) == list(want)
+        for name, part in want.items():
+            assert np.array_equal(got[name], part), name
+        records = server.records()[before:]
+        spans = []
+        for record in records:
+            assert record.range is not None and record.range.startswith("bytes=")
+            first, last = record.range[len("bytes=") :].split("-")
+            spans.append((int(first), int(last) + 1))
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            assert end <= start, spans  # no byte fetched twice
+        assert sum(r.nbytes for r in records) <= path.stat().st_size
+        assert len(records) < 10
+
+
 def test_exact_reads_of_row_parts_fetch_only_their_bytes_remotely(
     server: RangeServer, data_dir: Path
 ) -> None:
@@ -661,7 +725,7 @@ def test_a_file_changed_or_gone_during_a_load_names_the_tensor_it_met(
 ) -> None:
     """A remote file replaced (another ETag) or deleted while load_shard fetches its parts:
     the error says so and names the tensor and the offset where the request began."""
-    from pysafetensors import _reader
+    from pysafetensors._remote_source import RemoteSource
     from pysafetensors.numpy import save_file
     from pysafetensors.parallel import load_shard
 
@@ -669,7 +733,7 @@ def test_a_file_changed_or_gone_during_a_load_names_the_tensor_it_met(
     # 150 KB: past the bytes an open fetches with the header (reads of those are not requests)
     tensors = {f"e.{i}.w": rng.random((8, 16), np.float32) for i in range(300)}
     path = data_dir / "gone.safetensors"
-    real = _reader.read_runs_remote
+    real = RemoteSource.readinto_scattered
     for change, error in (
         (lambda: path.write_bytes(path.read_bytes()[:-8] + bytes(8)), RemoteError),
         (path.unlink, RemoteNotFoundError),
@@ -681,7 +745,7 @@ def test_a_file_changed_or_gone_during_a_load_names_the_tensor_it_met(
             change()
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(_reader, "read_runs_remote", changed_first)
+        monkeypatch.setattr(RemoteSource, "readinto_scattered", changed_first)
         with pytest.raises(error) as caught:
             load_shard(server.url("gone.safetensors"), 0, 2, {"*": "columns"}, framework="np")
         assert caught.value.tensor is not None and caught.value.offset is not None
