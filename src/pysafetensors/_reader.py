@@ -9,7 +9,6 @@ large tensors and for ``get_tensors()``, and reads only the bytes a slice select
 from __future__ import annotations
 
 import contextlib
-import math
 import operator
 import os
 import stat
@@ -685,6 +684,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         batched: list[Batched] = []
         gathered: list[tuple[str, TensorInfo, SlicePlan, tuple[Fill, int, int]]] = []
         mapped: list[tuple[str, TensorInfo, SlicePlan]] = []
+        # Remote: fragmented selections of larger tensors, fetched with the others.
+        spread: list[tuple[str, TensorInfo, SlicePlan]] = []
         # Fragmented selections of small tensors, read together (see _gather_small).
         small: list[Selected] = []
         # Requests read one by one, after the others are sorted out.
@@ -743,6 +744,10 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                         )
                         out[name] = None
                         continue
+                    if len(plan.starts) > 1 and remote and self._slice_reads == "coalesce":
+                        spread.append((name, info, self._checked_plan(info, index, plan)))
+                        out[name] = None
+                        continue
                     fragmented = fragmented_source() if len(plan.starts) > 1 else source
                     part = None if to_device is None else self._gather_part(info, plan, fragmented)
                     if part is not None:
@@ -760,7 +765,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         for name, info, index, plan in singles:
             out[name] = self._read_one(name, info, index, plan)
         if remote:
-            self._fetch_remote(batched, small, source, out)
+            self._fetch_remote(batched, small, spread, source, out)
             return out
         if small:
             assert isinstance(source, PreadSource)  # gathers_small: the remote ones returned
@@ -814,76 +819,69 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         return out
 
     def _fetch_remote(
-        self, batched: list[Batched], small: list[Selected], source: ByteSource, out: dict[str, Any]
+        self,
+        batched: list[Batched],
+        small: list[Selected],
+        spread: list[tuple[str, TensorInfo, SlicePlan]],
+        source: ByteSource,
+        out: dict[str, Any],
     ) -> None:
         """The parts of a remote load: one byte run each (``batched``: row splits, whole
-        tensors) fetched into one destination, and the small tensors of fragmented selections
-        (``small``) fetched whole into scratch, each part then copied out of it by numpy.
+        tensors) fetched into one destination; fragmented selections (column splits) of
+        small tensors (``small``) gathered from the tensors fetched whole, and of larger ones
+        (``spread``) from blocks of their covering rows (:func:`gather_blocks`), into another.
 
-        All of it is one plan of coalesced, parallel requests (``readinto_scattered``), taken
-        in file order in batches of at most :data:`_SMALL_BATCH` scratch bytes: fetched
-        apart, a request merged across a gap of one group fetched again the bytes another
-        group's requests fetched (a 6 MB file's column split fetched 10.3 MB). A batch's
-        requests span only its own pieces' offsets, so batches never fetch a byte twice
-        either. With ``slice_reads="exact"`` only the pieces' own bytes are fetched.
+        All of it is one plan of coalesced, parallel requests (:func:`fetch_gathered`): no
+        byte fetched twice, and a large tensor's blocks fetched in parallel with the rest.
+        With ``slice_reads="exact"`` (no small or spread parts then) only the runs' bytes.
         """
-        readinto_scattered = source.readinto_scattered  # type: ignore[attr-defined]
-        max_gap = 0 if self._slice_reads == "exact" else None
         base = self._header.data_start
         with gc_paused():  # a few objects per part
             offsets, total = lay_out_runs([(0, part[4]) for part in batched], 64)
-            small_offsets, small_total = lay_out_runs([(0, part[3]) for part in small], 64)
-            # (file offset, position in small or -1 - position in batched), in file order.
-            order = sorted(
-                [(base + part[1].begin + part[3], -1 - k) for k, part in enumerate(batched)]
-                + [(base + part[1].begin, k) for k, part in enumerate(small)]
+            spread_offsets, gathered_total = lay_out_runs(
+                [(0, part[3]) for part in small] + [(0, plan.nbytes) for _, _, plan in spread],
+                64,
             )
-            wholes_bytes = sum(part[1].nbytes for part in small)
-            largest = max((part[1].nbytes for part in small), default=0)
+            small_offsets = spread_offsets[: len(small)]
+            del spread_offsets[: len(small)]
         buf = empty_bytes(total)
-        dest = empty_bytes(small_total)
-        # One scratch buffer, reused batch after batch: the small tensors back to back in it,
-        # so that touching ones are received in place.
-        scratch = empty_bytes(min(wholes_bytes, max(_SMALL_BATCH, largest)))
-        views = buf.data, scratch.data
-
-        def fetch(pieces: list[tuple[int, int, memoryview, int]], wholes: list[int]) -> None:
-            readinto_scattered(pieces, max_gap=max_gap)
-            with gc_paused():
-                at = 0
-                for k in wholes:
-                    _, info, _, nbytes, src_shape, index, dest_shape = small[k]
-                    whole = scratch[at : at + info.nbytes].reshape(src_shape)
-                    to = small_offsets[k]
-                    np.copyto(dest[to : to + nbytes].reshape(dest_shape), whole[index])
-                    at += info.nbytes
-
-        # Each batch: (file offset, length, buffer, position in it) of its pieces, and the
-        # small tensors in it, in scratch order.
-        batches: list[tuple[list[tuple[int, int, memoryview, int]], list[int]]] = [([], [])]
-        at = 0
+        dest = empty_bytes(gathered_total)
+        blocks: list[GatherBlock] = []
+        alone: list[tuple[TensorInfo, SlicePlan, np.ndarray]] = []  # read by _read_plan
         with gc_paused():
-            for offset, k in order:
-                pieces, wholes = batches[-1]
-                if k < 0:
-                    pieces.append((offset, batched[-1 - k][4], views[0], offsets[-1 - k]))
-                    continue
-                nbytes = small[k][1].nbytes
-                if at + nbytes > len(scratch):
-                    pieces, wholes, at = [], [], 0
-                    batches.append((pieces, wholes))
-                pieces.append((offset, nbytes, views[1], at))
-                wholes.append(k)
-                at += nbytes
-        for pieces, wholes in batches:
-            fetch(pieces, wholes)
+            buf_view = buf.data
+            pieces = [
+                (base + info.begin + at, nbytes, buf_view, to)
+                for (_, info, _, at, nbytes, _), to in zip(batched, offsets, strict=True)
+            ]
+            for (_, info, _, nbytes, src_shape, index, dest_shape), to in zip(
+                small, small_offsets, strict=True
+            ):
+                target = dest[to : to + nbytes].reshape(dest_shape)
+                blocks.append((base + info.begin, info.nbytes, src_shape, index, target))
+            for (_, info, plan), to in zip(spread, spread_offsets, strict=True):
+                part = dest[to : to + plan.nbytes]
+                tensor_blocks = gather_blocks(base + info.begin, info, plan, part)
+                if tensor_blocks is None:
+                    alone.append((info, plan, part))
+                else:
+                    blocks.extend(tensor_blocks)
+        fetch_gathered(source, blocks, pieces, max_gap=0 if self._slice_reads == "exact" else None)
+        for info, plan, part in alone:
+            self._read_plan(info, plan, source, out=part)
         self._carve(
             buf,
             ((name, info, shape, nbytes) for name, info, shape, _, nbytes, _ in batched),
             offsets,
             out,
         )
-        self._carve(dest, (part[:4] for part in small), small_offsets, out)
+        self._carve(
+            dest,
+            [part[:4] for part in small]
+            + [(name, info, plan.shape, plan.nbytes) for name, info, plan in spread],
+            small_offsets + spread_offsets,
+            out,
+        )
 
     def _copy_mapped(
         self,
@@ -1317,88 +1315,176 @@ def gather_slice(
 ) -> bool:
     """Read a fragmented slice as blocks of whole rows and gather the selection from each.
 
-    Local files read the blocks on the reader threads; remote sources (HTTP, S3, fsspec) one
-    block after another, each block a few ranged requests in parallel. For those, a request
+    Local files read the blocks on the reader threads; remote sources (HTTP, S3, fsspec) in
+    one plan of coalesced, parallel requests (:func:`fetch_gathered`). For those, a request
     per run meant a Python object per run: ``[:, ::2]`` of a 4 MiB tensor over HTTP took
     1.45 s and ~150 MB for a 2 MiB result (their ranges were merged into the covering rows
     anyway, closer than ``max_gap``).
 
-    Returns False (reading nothing) when per-run reads are the better plan: few or large runs,
-    a very sparse selection, a sub-byte tensor whose rows are not whole bytes (the others come
-    here as bytes, see :func:`as_whole_bytes`), or a source without positioned reads.
+    Returns False (reading nothing) when per-run reads are the better plan (see
+    :func:`gather_blocks`) or the source has no positioned reads.
+    """
+    remote = hasattr(source, "readinto_many")  # a RemoteSource, without importing it here
+    if not (isinstance(source, PreadSource) or remote):
+        return False
+    blocks = gather_blocks(base, info, plan, out)
+    if blocks is None:
+        return False
+    if not isinstance(source, PreadSource):
+        fetch_gathered(source, blocks)
+        return True
+    local = threading.local()
+
+    def one(block: GatherBlock) -> None:
+        at, want, src_shape, index, target = block
+        scratch = getattr(local, "buf", None)
+        if scratch is None or scratch.nbytes < want:
+            scratch = local.buf = np.empty(max(want, _GATHER_BLOCK), np.uint8)
+        source.pread_exact(at, scratch.data[:want])
+        target[...] = scratch[:want].reshape(src_shape)[index]
+
+    run_parallel(one, blocks, worker_count(source))
+    return True
+
+
+#: A block of a gathered selection: ``(file offset, bytes read there, the shape they are read
+#: as, the selection within that, where the selected elements go)``.
+GatherBlock: TypeAlias = tuple[int, int, tuple[int, ...], tuple[Any, ...], np.ndarray]
+
+
+def gather_blocks(
+    base: int, info: TensorInfo, plan: SlicePlan, out: np.ndarray
+) -> list[GatherBlock] | None:
+    """The blocks of whole rows (of at most about :data:`_GATHER_BLOCK` bytes) that a
+    fragmented selection of the tensor at file offset ``base`` lies in, each with what it
+    gives to ``out`` (``plan.nbytes`` bytes, uint8).
+
+    None when per-run reads are the better plan: few or large runs, a very sparse selection,
+    a sub-byte tensor whose rows are not whole bytes (the others come here as bytes, see
+    :func:`as_whole_bytes`), rows too large to buffer that cannot be split.
     """
     shape = info.shape
-    remote = hasattr(source, "readinto_many")  # a RemoteSource, without importing it here
-    if info.dtype.bits % 8 or len(shape) < 2 or not (isinstance(source, PreadSource) or remote):
-        return False
+    if info.dtype.bits % 8 or len(shape) < 2:
+        return None
     # Counted without listing the runs (a strided slice has millions).
     runs = plan.run_count()
     if runs < 2 or plan.nbytes // runs >= _GATHER_RUN_BYTES:
-        return False
+        return None
     first, last = int(plan.starts[0]), int(plan.starts[-1]) + plan.run_bytes
     if plan.nbytes < (last - first) * _GATHER_MIN_DENSITY:
-        return False
+        return None
     row_bytes = info.nbytes // shape[0]
     src_shape, index, dest_shape = byte_selection(shape, info.dtype.bits // 8, plan)
     sel0, rest = index[0], index[1:]
     inner = src_shape[1:]
-    if isinstance(sel0, int):
-        # One row: read it whole and pick the selection out of it.
-        row = np.empty(row_bytes, np.uint8)
-        source.readinto(base + sel0 * row_bytes, row.data)
-        out.reshape(dest_shape)[...] = row.reshape(inner)[rest]
-        return True
-    start, _, step = sel0.indices(shape[0])
     dest = out.reshape(dest_shape)
-    # A block: (byte offset of its first row, rows to read, step between the rows kept, shape
-    # of a row, the selection within a row, where the kept rows go).
-    blocks: list[tuple[int, int, int, tuple[int, ...], tuple[Any, ...], np.ndarray]] = []
+    if isinstance(sel0, int) and row_bytes <= _GATHER_BLOCK:
+        # One row: read it whole and pick the selection out of it.
+        return [(base + sel0 * row_bytes, row_bytes, inner, rest, dest)]
+    if isinstance(sel0, int):  # one row too large to buffer: as one of several below
+        start, step, dest = sel0, 1, dest[np.newaxis]
+    else:
+        start, _, step = sel0.indices(shape[0])
+    blocks: list[GatherBlock] = []
     if row_bytes <= _GATHER_BLOCK:
         per_block = max(1, _GATHER_BLOCK // max(1, row_bytes * step))
         for j0 in range(0, plan.shape[0], per_block):
             j1 = min(plan.shape[0], j0 + per_block)
             at = base + (start + j0 * step) * row_bytes
-            blocks.append((at, (j1 - j0 - 1) * step + 1, step, inner, rest, dest[j0:j1]))
-    else:
-        # Rows too large to buffer (a fused-experts weight split along its last dimension:
-        # each reader thread held a 112 MiB row for a 14 MiB share of it): each selected row
-        # is gathered in blocks of its second dimension, or the runs are read one by one.
-        sel1 = rest[0] if rest else None
-        if not isinstance(sel1, slice) or len(inner) < 2:
-            return False
-        sub_bytes = row_bytes // inner[0]
-        if sub_bytes > _GATHER_BLOCK:
-            return False
-        start1, stop1, step1 = sel1.indices(inner[0])
-        count1 = len(range(start1, stop1, step1))
-        per_block = max(1, _GATHER_BLOCK // max(1, sub_bytes * step1))
-        for j in range(plan.shape[0]):
-            row_at = base + (start + j * step) * row_bytes
-            for k0 in range(0, count1, per_block):
-                k1 = min(count1, k0 + per_block)
-                at = row_at + (start1 + k0 * step1) * sub_bytes
-                nsub = (k1 - k0 - 1) * step1 + 1
-                blocks.append((at, nsub, step1, inner[1:], rest[1:], dest[j, k0:k1]))
-    local = threading.local()
+            nrows = (j1 - j0 - 1) * step + 1
+            blocks.append(
+                (
+                    at,
+                    nrows * row_bytes,
+                    (nrows, *inner),
+                    (slice(None, None, step), *rest),
+                    dest[j0:j1],
+                )
+            )
+        return blocks
+    # Rows too large to buffer (a fused-experts weight split along its last dimension: each
+    # reader thread held a 112 MiB row for a 14 MiB share of it): each selected row is
+    # gathered in blocks of its second dimension, or the runs are read one by one.
+    sel1 = rest[0] if rest else None
+    if not isinstance(sel1, slice) or len(inner) < 2:
+        return None
+    sub_bytes = row_bytes // inner[0]
+    if sub_bytes > _GATHER_BLOCK:
+        return None
+    start1, stop1, step1 = sel1.indices(inner[0])
+    count1 = len(range(start1, stop1, step1))
+    per_block = max(1, _GATHER_BLOCK // max(1, sub_bytes * step1))
+    for j in range(len(dest)):
+        row_at = base + (start + j * step) * row_bytes
+        for k0 in range(0, count1, per_block):
+            k1 = min(count1, k0 + per_block)
+            at = row_at + (start1 + k0 * step1) * sub_bytes
+            nsub = (k1 - k0 - 1) * step1 + 1
+            blocks.append(
+                (
+                    at,
+                    nsub * sub_bytes,
+                    (nsub, *inner[1:]),
+                    (slice(None, None, step1), *rest[1:]),
+                    dest[j, k0:k1],
+                )
+            )
+    return blocks
 
-    def one(block: tuple[int, int, int, tuple[int, ...], tuple[Any, ...], np.ndarray]) -> None:
-        at, nrows, every, row_shape, within, target = block
-        want = nrows * math.prod(row_shape)
-        scratch = getattr(local, "buf", None)
-        if scratch is None or scratch.nbytes < want:
-            scratch = local.buf = np.empty(max(want, _GATHER_BLOCK), np.uint8)
-        read(at, scratch.data[:want])
-        rows = scratch[:want].reshape(nrows, *row_shape)[::every]
-        target[...] = rows[(slice(None),) + within]
 
-    if isinstance(source, PreadSource):
-        read = source.pread_exact
-        run_parallel(one, blocks, worker_count(source))
-    else:
-        read = source.readinto
-        for block in blocks:
-            one(block)
-    return True
+def fetch_gathered(
+    source: ByteSource,
+    blocks: list[GatherBlock],
+    pieces: list[tuple[int, int, memoryview, int]] | None = None,
+    *,
+    max_gap: int | None = None,
+) -> None:
+    """Fetch gather ``blocks`` and plain ``pieces`` (``(file offset, length, buffer, position
+    in it)``) from a remote source in one plan of coalesced, parallel requests
+    (``readinto_scattered``), and gather each block's selection to its place.
+
+    Taken in file order, in batches of at most :data:`_SMALL_BATCH` bytes of blocks (their
+    scratch buffer, reused): a batch's requests span only its own pieces' offsets, so no byte
+    is fetched twice, and each batch's requests run in parallel. Fetched apart, a request
+    merged across a gap of one group fetched again the bytes another group's requests
+    fetched (a 6 MB file's column split fetched 10.3 MB), and a large tensor's column split
+    came one 8 MiB request after another.
+    """
+    readinto_scattered = source.readinto_scattered  # type: ignore[attr-defined]
+    with gc_paused():  # a few objects per piece
+        # (file offset, position in blocks, or -1 - position in pieces), in file order.
+        order = sorted(
+            [(block[0], k) for k, block in enumerate(blocks)]
+            + [(piece[0], -1 - k) for k, piece in enumerate(pieces or ())]
+        )
+        largest = max((block[1] for block in blocks), default=0)
+        total = sum(block[1] for block in blocks)
+    # Blocks back to back in one scratch buffer, so that touching ones are received in place.
+    scratch = empty_bytes(min(total, max(_SMALL_BATCH, largest)))
+    scratch_view = scratch.data
+    # Each batch: its pieces for readinto_scattered, and its blocks in scratch order.
+    batches: list[tuple[list[tuple[int, int, memoryview, int]], list[GatherBlock]]] = [([], [])]
+    at = 0
+    with gc_paused():
+        for offset, k in order:
+            batch_pieces, batch_blocks = batches[-1]
+            if k < 0:
+                batch_pieces.append(pieces[-1 - k])  # type: ignore[index]
+                continue
+            block = blocks[k]
+            if at + block[1] > scratch.nbytes:
+                batch_pieces, batch_blocks, at = [], [], 0
+                batches.append((batch_pieces, batch_blocks))
+            batch_pieces.append((offset, block[1], scratch_view, at))
+            batch_blocks.append(block)
+            at += block[1]
+    for batch_pieces, batch_blocks in batches:
+        readinto_scattered(batch_pieces, max_gap=max_gap)
+        with gc_paused():
+            at = 0
+            for _, want, src_shape, index, target in batch_blocks:
+                target[...] = scratch[at : at + want].reshape(src_shape)[index]
+                at += want
 
 
 #: Rows of a fragmented selection larger than this go to a device by one plain copy: staging
