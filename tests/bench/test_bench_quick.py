@@ -52,3 +52,29 @@ def test_quick_benchmark_writes_table_and_json(tmp_path: Path) -> None:
     assert all(line.count("|") == columns for line in rows[:8])
     assert "x ref" in header
     assert "Machine:" in table
+
+
+def test_quick_remote_benchmark_writes_table_and_json(tmp_path: Path) -> None:
+    """The remote benchmark's harness: its throttled server, both arms, every case."""
+    out = tmp_path / "out"
+    script = ROOT / "benchmarks" / "remote_bench.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--out", str(out), "--work", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((out / "remote.json").read_text())
+    assert data["meta"]["quick"] is True
+    summary = data["summary"]
+    assert {key.split("|")[0] for key in summary} == {"load", "tp_rows", "tp_cols", "slice"}
+    for key, cell in summary.items():
+        assert cell["n"] == 1 and cell["seconds"] > 0, key
+        assert cell["requests"] > 0 and cell["fetched"] > 0, key
+    size = data["meta"]["file_bytes"]
+    # The download arm fetches the whole file; a rank's rows fetch less of it.
+    assert summary["tp_rows|download+ref"]["fetched"] == size
+    assert summary["tp_rows|pysafetensors"]["fetched"] < size
+    table = (out / "REMOTE.md").read_text()
+    assert table.count("| load_shard rank 0 of 8") == 2 and "Machine:" in table
