@@ -343,6 +343,7 @@ def test_slices_of_rows_too_large_to_buffer_read_their_parts(
     from pysafetensors import _reader
 
     monkeypatch.setattr(_reader, "_GATHER_BLOCK", 1024)
+    monkeypatch.setattr(_reader, "_SMALL_PART", 0)  # not read whole as a small tensor
     rng = np.random.default_rng(5)
     value = rng.standard_normal((4, 40, 32)).astype(np.float32)  # rows of 5 KiB
     path = tmp_path / "w.safetensors"
