@@ -677,17 +677,15 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # file's row split, 2.2 s at 20 ms of latency, against 72 ms for the whole file).
         remote = on_cpu and hasattr(source, "readinto_many")
         batching = (on_cpu and isinstance(source, PreadSource)) or remote or to_device is not None
-        # Fragmented selections of tensors this small are read whole and gathered (see
-        # _gather_small). Remote: up to the merge distance, where their requests would fetch
-        # whole rows anyway; as one plan with the other parts (see _fetch_remote).
-        small_max = max(_SMALL_PART, source.max_gap) if remote else _SMALL_PART  # type: ignore[attr-defined]
         out: dict[str, Any] = {}
         batched: list[Batched] = []
         gathered: list[tuple[str, TensorInfo, SlicePlan, tuple[Fill, int, int]]] = []
         mapped: list[tuple[str, TensorInfo, SlicePlan]] = []
         # Remote: fragmented selections of larger tensors, fetched with the others.
         spread: list[tuple[str, TensorInfo, SlicePlan]] = []
-        # Fragmented selections of small tensors, read together (see _gather_small).
+        # Fragmented selections of small tensors, read whole and gathered, all together (see
+        # _gather_small; remote: _fetch_remote, larger tensors by blocks of rows as spread:
+        # a 300 MB tensor under a large max_gap was buffered whole).
         small: list[Selected] = []
         # Requests read one by one, after the others are sorted out.
         singles: list[tuple[str, TensorInfo, Any, SlicePlan | None]] = []
@@ -700,7 +698,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     on_cpu
                     and (isinstance(source, PreadSource) or remote)
                     and self._slice_reads == "coalesce"
-                    and info.nbytes <= small_max
+                    and info.nbytes <= _SMALL_PART
                     and info.dtype.bits % 8 == 0
                     and len(info.shape) <= MAX_NDIM
                 )

@@ -671,6 +671,36 @@ def test_a_large_column_split_is_fetched_in_parallel(server: RangeServer, data_d
     assert sum(r.nbytes for r in records) <= values.nbytes
 
 
+def test_remote_column_splits_buffer_a_bounded_scratch(
+    server: RangeServer, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever max_gap says: a tensor under a large max_gap was gathered from the tensor
+    fetched whole (a 300 MB tensor under max_gap=1 GiB: 300 MB of scratch). Blocks of rows
+    now, at most _SMALL_BATCH of them buffered (shrunk here with the block size)."""
+    from pysafetensors import _reader
+    from pysafetensors.numpy import save_file
+    from pysafetensors.parallel import load_shard
+
+    monkeypatch.setattr(_reader, "_SMALL_BATCH", 1 << 20)
+    monkeypatch.setattr(_reader, "_GATHER_BLOCK", 256 << 10)
+    sizes: list[int] = []
+    real = _reader.empty_bytes
+
+    def recorded(nbytes: int) -> np.ndarray:
+        sizes.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(_reader, "empty_bytes", recorded)
+    values = np.random.default_rng(14).random((1024, 2048), np.float32)  # 8 MiB
+    save_file({"w": values}, str(data_dir / "gap.safetensors"))
+    url = server.url("gap.safetensors")
+    part = load_shard(
+        url, 1, 4, {"w": "columns"}, framework="np", storage_options={"max_gap": 1 << 30}
+    )
+    assert np.array_equal(part["w"], values[:, 512:1024])
+    assert max(sizes) <= max(part["w"].nbytes, 1 << 20), sizes
+
+
 def test_a_mixed_load_shard_fetches_no_byte_twice(server: RangeServer, data_dir: Path) -> None:
     """Row parts, replicated tensors and column splits of tensors under the merge distance
     (1 MiB) in one file: their requests were planned apart, and a request merged across a gap
