@@ -267,3 +267,38 @@ def test_credentials_in_an_endpoint_url_stay_out_of_messages() -> None:
             anon=True,
         )
     assert "hunter2" not in str(info.value)
+
+
+def test_load_shard_and_column_slices_from_s3(moto_endpoint: str, tmp_path: Path) -> None:
+    """Row, column and replicated parts of a mixed file fetched by one plan of ranged GETs
+    (readinto_scattered) from S3, and a column slice by blocks of rows: equal to local reads."""
+    import numpy as np
+
+    from pysafetensors import safe_open
+    from pysafetensors.numpy import save_file
+    from pysafetensors.parallel import load_shard
+
+    rng = np.random.default_rng(15)
+    tensors = {}
+    for i in range(4):
+        tensors[f"l{i}.big"] = rng.random((256, 384), np.float32)
+        tensors[f"l{i}.small"] = rng.random((16, 48), np.float32)
+        tensors[f"l{i}.rows"] = rng.random((96, 256), np.float32)
+        tensors[f"l{i}.norm"] = rng.random(256, np.float32)
+    path = tmp_path / "mixed-s3.safetensors"
+    save_file(tensors, str(path))
+    client = boto3.session.Session().client("s3", endpoint_url=moto_endpoint)
+    client.put_object(Bucket=BUCKET, Key=path.name, Body=path.read_bytes())
+    options = {"endpoint_url": moto_endpoint}
+    rules = {"*.rows": "rows", "*.norm": "replicate", "*": "columns"}
+    for mode in ("coalesce", "exact"):
+        want = load_shard(path, 2, 3, rules, framework="np", slice_reads=mode)
+        got = load_shard(
+            _url(path.name), 2, 3, rules, framework="np", slice_reads=mode, storage_options=options
+        )
+        assert list(got) == list(want)
+        for name, part in want.items():
+            assert np.array_equal(got[name], part), (mode, name)
+    with safe_open(_url(path.name), "np", storage_options=options) as f:
+        assert np.array_equal(f.get_slice("l1.big")[:, 100:140], tensors["l1.big"][:, 100:140])
+        assert np.array_equal(f.get_slice("l2.rows")[7:9], tensors["l2.rows"][7:9])
