@@ -110,6 +110,38 @@ def test_batched_cat_ranges_on_async_filesystems(mem_url: tuple[str, Path]) -> N
     assert calls == [5]  # one call for 1 + 3 + 1 parts
 
 
+def test_scattered_pieces_on_async_filesystems(mem_url: tuple[str, Path]) -> None:
+    """readinto_scattered through one cat_ranges call: pieces to several buffers, some
+    merged into one part (scattered from it), a large one split into parts (received whole)."""
+    root, data_dir = mem_url
+    data = (data_dir / "blob.bin").read_bytes()
+    calls: list[int] = []
+    fs = fsspec.filesystem("memory")
+
+    class Batching(type(fs)):  # type: ignore[misc]
+        async_impl = True
+
+        def cat_ranges(self, paths, starts, ends, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(len(paths))
+            return super().cat_ranges(paths, starts, ends, **kwargs)
+
+    batching = Batching(skip_instance_cache=True)
+    path = f"{root}/blob.bin".removeprefix("memory://")
+    shared = bytearray(300)
+    large = bytearray(250_000)
+    pieces = [
+        (1000, 100, memoryview(shared), 0),
+        (1150, 100, memoryview(shared), 200),  # near the first: one part, scattered
+        (1100, 50, memoryview(shared), 100),
+        (600_000, 250_000, memoryview(large), 0),  # three parts, received in place
+    ]
+    with FsspecSource(path, fs=batching, head_bytes=0, part_size=100_000) as src:
+        src.readinto_scattered(pieces)
+    assert bytes(shared) == data[1000:1100] + data[1100:1150] + bytes(50) + data[1150:1250]
+    assert bytes(large) == data[600_000:850_000]
+    assert calls == [4]
+
+
 def test_open_file_and_file_url(tmp_path: Path, data_dir: Path) -> None:
     data = (data_dir / "small.safetensors").read_bytes()
     local = tmp_path / "small.safetensors"
