@@ -9,6 +9,7 @@ import traceback
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,22 +86,26 @@ def test_adjacent_ranges_one_request(mem_url: tuple[str, Path]) -> None:
         assert src.stats.requests == 1
 
 
-def test_batched_cat_ranges_on_async_filesystems(mem_url: tuple[str, Path]) -> None:
-    root, data_dir = mem_url
-    data = (data_dir / "blob.bin").read_bytes()
-    calls: list[int] = []
+def _batching_memory_fs(calls: list[int]) -> Any:
+    """A memory filesystem that looks asynchronous, so parts go through one cat_ranges call
+    (each call's number of ranges appended to ``calls``)."""
     fs = fsspec.filesystem("memory")
 
     class Batching(type(fs)):  # type: ignore[misc]
-        """Looks asynchronous, so parts go through one cat_ranges call."""
-
         async_impl = True
 
         def cat_ranges(self, paths, starts, ends, **kwargs):  # type: ignore[no-untyped-def]
             calls.append(len(paths))
             return super().cat_ranges(paths, starts, ends, **kwargs)
 
-    batching = Batching(skip_instance_cache=True)
+    return Batching(skip_instance_cache=True)
+
+
+def test_batched_cat_ranges_on_async_filesystems(mem_url: tuple[str, Path]) -> None:
+    root, data_dir = mem_url
+    data = (data_dir / "blob.bin").read_bytes()
+    calls: list[int] = []
+    batching = _batching_memory_fs(calls)
     path = f"{root}/blob.bin".removeprefix("memory://")
     with FsspecSource(path, fs=batching, head_bytes=0, part_size=100_000) as src:
         ranges = [(10, 5), (500_000, 250_000), (2_000_000, 7)]
@@ -116,16 +121,7 @@ def test_scattered_pieces_on_async_filesystems(mem_url: tuple[str, Path]) -> Non
     root, data_dir = mem_url
     data = (data_dir / "blob.bin").read_bytes()
     calls: list[int] = []
-    fs = fsspec.filesystem("memory")
-
-    class Batching(type(fs)):  # type: ignore[misc]
-        async_impl = True
-
-        def cat_ranges(self, paths, starts, ends, **kwargs):  # type: ignore[no-untyped-def]
-            calls.append(len(paths))
-            return super().cat_ranges(paths, starts, ends, **kwargs)
-
-    batching = Batching(skip_instance_cache=True)
+    batching = _batching_memory_fs(calls)
     path = f"{root}/blob.bin".removeprefix("memory://")
     shared = bytearray(300)
     large = bytearray(250_000)
