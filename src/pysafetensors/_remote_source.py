@@ -400,6 +400,9 @@ class RemoteSource:
         self._check_open()
         items: list[_Item] = []
         for offset, length, piece_out, pos in pieces:
+            if piece_out.readonly or not piece_out.c_contiguous:
+                # Refused before any request, not by the socket's readinto mid-read.
+                raise ValueError("each piece's buffer must be writable and contiguous")
             out = _as_bytes(piece_out)  # the same object for a 1-D byte buffer
             _check_range(self, offset, length)
             if not 0 <= pos <= pos + length <= out.nbytes:

@@ -212,6 +212,11 @@ def test_scattered_pieces_share_one_plan(server: RangeServer, data_dir: Path) ->
             src.readinto_scattered([(len(data) - 5, 10, memoryview(bytearray(10)), 0)])
         with pytest.raises(ValueError):
             src.readinto_scattered([(0, 10, memoryview(bytearray(10)), 1)])
+        requests = src.stats.requests
+        for unusable in (memoryview(bytes(10)), memoryview(bytearray(20))[::2]):
+            with pytest.raises(ValueError, match="writable and contiguous"):
+                src.readinto_scattered([(0, 10, unusable, 0)])
+        assert src.stats.requests == requests  # refused before any request
 
 
 def test_far_ranges_are_separate_requests(server: RangeServer, data_dir: Path) -> None:
