@@ -706,6 +706,28 @@ def test_remote_column_splits_buffer_a_bounded_scratch(
     assert max(sizes) <= max(part["w"].nbytes, 1 << 20), sizes
 
 
+def test_a_small_head_cache_fetches_no_data_byte_twice(server: RangeServer, data_dir: Path) -> None:
+    """With head_bytes under 64 KiB, the header was read by a 64 KiB guess past the cache,
+    whose data bytes the load then fetched again (105,508 bytes for an 80,072-byte file)."""
+    from pysafetensors import safe_open
+    from pysafetensors.numpy import save_file
+
+    rng = np.random.default_rng(16)
+    tensors = {f"t{i:03d}": rng.random(100, np.float32) for i in range(100)}
+    path = data_dir / "smallhead.safetensors"
+    save_file(tensors, str(path))
+    before = len(server.records())
+    with safe_open(
+        server.url("smallhead.safetensors"), "np", storage_options={"head_bytes": 100}
+    ) as f:
+        got = f.get_tensors()
+    for name, value in tensors.items():
+        assert np.array_equal(got[name], value), name
+    records = server.records()[before:]
+    assert len(records) <= 3  # the open, the rest of the header, the data
+    assert sum(r.nbytes for r in records) <= path.stat().st_size
+
+
 def test_a_mixed_load_shard_fetches_no_byte_twice(server: RangeServer, data_dir: Path) -> None:
     """Row parts, replicated tensors and column splits of tensors under the merge distance
     (1 MiB) in one file: their requests were planned apart, and a request merged across a gap
