@@ -317,11 +317,6 @@ class RemoteSource:
         return self._name
 
     @property
-    def max_gap(self) -> int:
-        """Ranges closer than this share a request (unless a read asks for exact bytes)."""
-        return self._max_gap
-
-    @property
     def head(self) -> bytes:
         """The first bytes of the object, fetched when it was opened (possibly empty)."""
         return self._head
