@@ -1175,12 +1175,18 @@ class MmapSource:
         views of the copy-on-write mapping are private to the mapping and not read here.
         """
         _check_range(self, offset, out.nbytes)
-        self._check_not_truncated(offset, out.nbytes)
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         if self._fd < 0:
             out[:] = self._view[offset : offset + out.nbytes]
             return
-        pread_exact(self._fd, self._name, offset, out)
+        try:
+            pread_exact(self._fd, self._name, offset, out)
+        except SafetensorError:
+            # A read past the end: say that the file was truncated, as a view would. Checked
+            # only then (a read cannot fault, unlike the mapping): an fstat before every read
+            # was a fifth of a small tensor's get_tensor.
+            self._check_not_truncated(offset, out.nbytes)
+            raise
 
     def view(self, offset: int, length: int) -> memoryview | None:
         _check_range(self, offset, length)

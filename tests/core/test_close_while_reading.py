@@ -93,26 +93,30 @@ def test_close_racing_readers_never_returns_another_files_bytes(
     assert outcomes["ok"] + outcomes["closed"] == 40 * 6
 
 
+@pytest.mark.parametrize("rows", [512, 2048])
 @pytest.mark.parametrize("framework", ["pt", "np"])
 def test_close_during_a_mapped_get_tensor_waits_for_it(
-    tmp_path: Path, framework: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, framework: str, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """close() from another thread emptied the mapping under a get_tensor in progress, which
-    then returned uninitialised memory (torch) or zeros (numpy, >= 1 MiB) instead of the data."""
+    then returned uninitialised memory (torch) or zeros (numpy, >= 1 MiB) instead of the data.
+    1 MiB takes get_tensor's short path for small tensors (``_small``), 4 MiB the general one
+    (``_raw``)."""
     from pysafetensors import _reader
 
-    values = np.arange(512 * 512, dtype=np.float32).reshape(512, 512) + 1
+    values = np.arange(rows * 512, dtype=np.float32).reshape(rows, 512) + 1
     path = tmp_path / "m.safetensors"
     save_file({"w": values}, str(path))
     entered = threading.Event()
-    original = _reader.safe_open._raw
+    step = "_small" if values.nbytes <= _reader.MIN_PARALLEL_CHUNK else "_raw"
+    original = getattr(_reader.safe_open, step)
 
-    def slow_raw(self: Any, source: Any, info: Any) -> Any:
+    def slow_read(self: Any, source: Any, info: Any) -> Any:
         entered.set()
         time.sleep(0.2)
         return original(self, source, info)
 
-    monkeypatch.setattr(_reader.safe_open, "_raw", slow_raw)
+    monkeypatch.setattr(_reader.safe_open, step, slow_read)
     f = safe_open(path, framework, backend="mmap")
     got: list[Any] = []
     reader = threading.Thread(target=lambda: got.append(f.get_tensor("w")))

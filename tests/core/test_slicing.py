@@ -586,3 +586,102 @@ def test_row_slices_by_the_short_path_equal_the_general_one(
                     if got.size:
                         got.reshape(-1)[0] = 0  # private memory: the next read is unchanged
             np.testing.assert_array_equal(np.asarray(piece[:]), value)
+
+
+@pytest.mark.parametrize("slice_reads", ["coalesce", "exact"])
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_small_tensor_boxes_by_the_short_path_equal_the_general_one(
+    tmp_path: Path,
+    backend: str,
+    framework: str,
+    slice_reads: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``s[a:b, c:d, ...]`` (plain slices) of a whole-byte tensor of up to 64 KiB takes
+    SafeSlice's short path (the tensor's bytes, a numpy copy, no plan); it must give what the
+    general path gives (``s[a:b, c:d, ...]`` with a trailing ``...`` goes there), in fresh
+    memory, for random bounds and steps, clamped and empty selections included."""
+    if framework == "pt":
+        pytest.importorskip("torch")
+    rng = np.random.default_rng(17)
+    tensors = {
+        "matrix": rng.standard_normal((12, 9)).astype(np.float32),
+        "cube": rng.integers(-99, 99, (5, 6, 7)).astype(np.int16),
+        "bytes": rng.integers(0, 255, (40, 3)).astype(np.uint8),
+        "wide": rng.integers(0, 2**40, (64, 128)).astype(np.int64),  # 64 KiB exactly
+        "larger": rng.standard_normal((64, 257)).astype(np.float32),  # general path
+        "vector": np.arange(30, dtype=np.float64),
+    }
+    path = tmp_path / "boxes.safetensors"
+    from pysafetensors.numpy import save_file
+
+    save_file(tensors, path)
+    from pysafetensors._reader import SafeSlice
+
+    boxed: list[str] = []
+    real = SafeSlice._box
+
+    def spy(self: SafeSlice, index: tuple[slice, ...]) -> Any:
+        boxed.append(self.name)
+        return real(self, index)
+
+    monkeypatch.setattr(SafeSlice, "_box", spy)
+    monkeypatch.setattr(SafeSlice, "name", property(lambda self: self._info.name), raising=False)
+    bounds = [None, 0, 1, 2, 3, -1, -4, 8, 10**30, -(10**30)]
+    steps = [None, None, 1, 2, 5]
+    with safe_open(path, framework, backend=backend, slice_reads=slice_reads) as f:
+        for name, value in tensors.items():
+            piece = f.get_slice(name)
+            for _ in range(150):
+                count = int(rng.integers(1, value.ndim + 1))
+                index = tuple(
+                    slice(
+                        bounds[rng.integers(len(bounds))],
+                        bounds[rng.integers(len(bounds))],
+                        steps[rng.integers(len(steps))],
+                    )
+                    for _ in range(count)
+                )
+                short = piece[index]
+                general = piece[(*index, ...)]
+                got = short if framework == "np" else short.numpy()
+                np.testing.assert_array_equal(got, value[index], err_msg=f"{name} {index}")
+                assert got.shape == value[index].shape and got.dtype == value.dtype
+                np.testing.assert_array_equal(
+                    general if framework == "np" else general.numpy(), got
+                )
+                assert got.flags.c_contiguous
+                if got.size:
+                    got.reshape(-1)[0] = 0  # private memory: the next read is unchanged
+            np.testing.assert_array_equal(np.asarray(piece[:, ...]), value)
+            # What the short path leaves to the general one: its errors, in its words.
+            with pytest.raises(SliceError):
+                piece[(slice(None),) * (value.ndim + 1)]
+            with pytest.raises(SliceError):
+                piece[::-1, :]
+    # Taken for every tensor of up to 64 KiB, and for pread only under "coalesce" (the
+    # tensor is read whole, which "exact" promises not to do).
+    expected = set() if (backend, slice_reads) == ("pread", "exact") else set(tensors) - {"larger"}
+    assert set(boxed) == expected
+
+
+def test_small_tensor_box_of_a_truncated_file_names_the_tensor(tmp_path: Path) -> None:
+    from pysafetensors.numpy import save_file
+
+    path = tmp_path / "cut.safetensors"
+    save_file({"a": np.arange(16, dtype=np.int64), "m": np.ones((8, 8), np.float32)}, path)
+    for backend in ("pread", "mmap"):
+        with safe_open(path, "np", backend=backend) as f:
+            start = f.header.data_start + f.header.tensors["m"].begin
+            size = os.path.getsize(path)
+            os.truncate(path, start + 8)
+            with pytest.raises(SafetensorError) as info:
+                f.get_slice("m")[:, :4]
+            assert info.value.kind == ("ShortRead" if backend == "pread" else "FileTruncated")
+            assert info.value.tensor == "m" and "'m'" in str(info.value)
+            os.truncate(path, size)
+            with open(path, "r+b") as out:  # the bytes back (truncation zeroed nothing before)
+                out.seek(start)
+                out.write(np.ones((8, 8), np.float32).tobytes())
+            np.testing.assert_array_equal(f.get_slice("m")[:, :4], np.ones((8, 4), np.float32))
