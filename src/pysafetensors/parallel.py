@@ -335,7 +335,10 @@ def _first_bad_ranks(size: int, world_size: int, uneven: Uneven) -> list[int]:
 
 
 def _check_byte_aligned(
-    plan: Mapping[str, ShardSpec], bits: Mapping[str, int], world_size: int, uneven: Uneven
+    plan: Mapping[str, tuple[tuple[int, ...], Part]],
+    bits: Mapping[str, int],
+    world_size: int,
+    uneven: Uneven,
 ) -> None:
     """Refuse a split of a sub-byte tensor (F4, F6) whose boundaries fall inside a byte, on
     every rank alike (the ranks whose own part happened to be aligned loaded it, the others
@@ -345,18 +348,18 @@ def _check_byte_aligned(
         ValueError: Some rank's part of a sub-byte tensor does not start or end on a byte.
     """
     for name, width in bits.items():
-        spec = plan[name]
-        if spec.dim is None or width % 8 == 0:
+        shape, part = plan[name]
+        if part.dim is None or width % 8 == 0:
             continue
-        size = spec.shape[spec.dim]
-        inner = math.prod(spec.shape[spec.dim + 1 :])
+        size = shape[part.dim]
+        inner = math.prod(shape[part.dim + 1 :])
         for rank in _first_bad_ranks(size, world_size, uneven):
             for bound in shard_range(size, rank, world_size, uneven):
                 if bound * inner * width % 8:
                     raise ValueError(
-                        f"tensor {name!r} of shape {list(spec.shape)} holds {width}-bit values "
+                        f"tensor {name!r} of shape {list(shape)} holds {width}-bit values "
                         f"packed into bytes: split {world_size} ways along dimension "
-                        f"{spec.dim}, rank {rank}'s part would begin or end inside a byte "
+                        f"{part.dim}, rank {rank}'s part would begin or end inside a byte "
                         f"(at index {bound}); split it along another dimension, or replicate "
                         "it"
                     )
@@ -393,26 +396,81 @@ def plan_shard(
     """
     rank, world_size = _check_group(rank, world_size)
     _check_options(rules, default, uneven)
+    return {
+        name: ShardSpec(name, shape, part.dim, part.start, part.stop)
+        for name, (shape, part) in _plan_parts(
+            shapes, rank, world_size, rules, default, uneven
+        ).items()
+    }
+
+
+def _plan_parts(
+    shapes: Mapping[str, Sequence[int]],
+    rank: int,
+    world_size: int,
+    rules: Rules,
+    default: Split,
+    uneven: Uneven,
+) -> dict[str, tuple[tuple[int, ...], Part]]:
+    """:func:`plan_shard`'s work on checked arguments: ``{name: (shape, part)}``, the part
+    ``Part(None, 0, shape[0] or 0)`` for a replicated tensor.
+
+    Tensors of one shape under one split share their part, worked out once: a mixture of
+    experts repeats a few shapes over thousands of tensors, and a ``ShardSpec`` and the split's
+    arithmetic per tensor were ~1 us each of a 20,000-tensor ``load_shard``.
+    """
     rule_for = _rule_matcher(rules, default)
-    plan = {}
+    plan: dict[str, tuple[tuple[int, ...], Part]] = {}
+    parts: dict[tuple[Any, tuple[int, ...]], Part] = {}
+    # Shapes already checked, by the identity of the object given (kept alive by ``shapes``):
+    # a parsed header shares one tuple among the tensors of one shape. Not by equality, under
+    # which (True, 2) and (np.int64(1), 2) equal (1, 2).
+    checked: dict[int, tuple[int, ...]] = {}
     for name, raw_shape in shapes.items():
-        shape = tuple(raw_shape)
-        # Plain ints (every header's shapes) need no conversion: a plan is made per tensor,
-        # and a 20,000-tensor checkpoint paid a function call per dimension.
-        if not all(type(d) is int for d in shape):
-            shape = tuple(_integer(d, f"tensor {name!r}: a dimension") for d in shape)
-        if shape and min(shape) < 0:
-            raise ValueError(f"tensor {name!r}: shape {list(shape)} has a negative dimension")
-        dim = _split_dim(name, shape, rule_for(name, shape))
-        if dim is None:
-            plan[name] = ShardSpec(name, shape, None, 0, shape[0] if shape else 0)
-            continue
-        try:
-            start, stop = _range_of(shape[dim], rank, world_size, uneven)
-        except ValueError as exc:
-            raise ValueError(f"tensor {name!r} of shape {list(shape)}, dim {dim}: {exc}") from None
-        plan[name] = ShardSpec(name, shape, dim, start, stop)
+        known = checked.get(id(raw_shape))
+        if known is not None:
+            shape = known
+        else:
+            shape = tuple(raw_shape)
+            # Plain ints (every header's shapes) need no conversion: a plan is made per
+            # tensor, and a 20,000-tensor checkpoint paid a function call per dimension.
+            if not all(type(d) is int for d in shape):
+                shape = tuple(_integer(d, f"tensor {name!r}: a dimension") for d in shape)
+            if shape and min(shape) < 0:
+                raise ValueError(f"tensor {name!r}: shape {list(shape)} has a negative dimension")
+            if type(raw_shape) is tuple:
+                checked[id(raw_shape)] = shape
+        split = rule_for(name, shape)
+        # Only splits of the types _split_dim takes are remembered (a rule function may
+        # return anything; the others raise there, naming the tensor).
+        key = (split, shape) if type(split) in (str, int) else None
+        part = None if key is None else parts.get(key)
+        if part is None:
+            part = _part_of(name, shape, split, rank, world_size, uneven)
+            if key is not None:
+                parts[key] = part
+        plan[name] = (shape, part)
     return plan
+
+
+def _part_of(
+    name: str, shape: tuple[int, ...], split: Split, rank: int, world_size: int, uneven: Uneven
+) -> Part:
+    """``rank``'s part of a tensor of ``shape`` under ``split``.
+
+    Raises:
+        ValueError: The split names no dimension of the shape, or is uneven with
+            ``uneven="error"`` (naming the tensor).
+        TypeError: The split is neither a str nor an int.
+    """
+    dim = _split_dim(name, shape, split)
+    if dim is None:
+        return Part(None, 0, shape[0] if shape else 0)
+    try:
+        start, stop = _range_of(shape[dim], rank, world_size, uneven)
+    except ValueError as exc:
+        raise ValueError(f"tensor {name!r} of shape {list(shape)}, dim {dim}: {exc}") from None
+    return Part(dim, start, stop)
 
 
 def load_shard(
@@ -495,7 +553,7 @@ def load_shard(
         ...     "model.safetensors", dist.get_rank(), dist.get_world_size(),
         ...     {"*.up.weight": "rows", "*.down.weight": "columns"})
     """
-    _check_group(rank, world_size)  # before opening anything
+    rank, world_size = _check_group(rank, world_size)  # before opening anything
     _check_options(rules, default, uneven)
     if isinstance(names, (str, bytes)):
         raise TypeError(f"names must be an iterable of tensor names, not one name: {names!r:.60}")
@@ -514,7 +572,7 @@ def load_shard(
         # Header entries, not slices: a slice keeps its shard open, and a folder of thousands
         # of shards ran out of descriptors.
         found = f._infos(wanted)
-        # The plan with the collector paused (no I/O): a spec and a request per tensor are
+        # The plan with the collector paused (no I/O): a part and a request per tensor are
         # many small objects, and the collections they set off walk torch's whole object graph
         # once it is imported (a 20,000-tensor load spent ~60 ms in them). The rules run in it
         # too, each between the checks of the tensors before and after it, as plan_shard
@@ -524,17 +582,17 @@ def load_shard(
             widths = {name: info.dtype.bits for name, info in zip(wanted, found, strict=True)}
             # The bits of sub-byte tensors, whose splits must align.
             packed = {name: bits for name, bits in widths.items() if bits % 8}
-            plan = plan_shard(shapes, rank, world_size, rules, default=default, uneven=uneven)
+            plan = _plan_parts(shapes, rank, world_size, rules, default, uneven)
             _check_byte_aligned(plan, packed, world_size, uneven)
-            requests = [(name, Part(s.dim, s.start, s.stop)) for name, s in plan.items()]
+            requests = [(name, part) for name, (_, part) in plan.items()]
         many = getattr(f, "_read_slices", None)
         if many is not None:
             # All parts at once: one destination, read in parallel (see safe_open._read_slices).
             result: dict[str, Any] = many(requests, map_fragmented=map_fragmented)
             return result
         return {
-            name: f.get_tensor(name) if spec.dim is None else f.get_slice(name)[spec.index]
-            for name, spec in plan.items()
+            name: f.get_tensor(name) if part.dim is None else f.get_slice(name)[part.index]
+            for name, part in requests
         }
 
 

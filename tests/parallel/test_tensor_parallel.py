@@ -272,15 +272,18 @@ def test_auto_backend_reads_one_file_even_if_its_path_is_replaced(
     ptorch.save_file({k: v + 1 for k, v in tensors.items()}, newer)
     rules = {"*.q.weight": "rows", "*.o.weight": "columns", "*.conv.weight": -1}
     want = load_shard(model, 1, 4, rules, framework="np", backend="pread")
-    real = parallel.plan_shard
+    real = parallel._plan_parts
+    replaced: list[int] = []
 
     def replaced_after_planning(*args: Any, **kwargs: Any) -> Any:
         plan = real(*args, **kwargs)
         os.replace(newer, model)  # after the header was read, before any part is
+        replaced.append(1)
         return plan
 
-    monkeypatch.setattr(parallel, "plan_shard", replaced_after_planning)
+    monkeypatch.setattr(parallel, "_plan_parts", replaced_after_planning)
     got = load_shard(model, 1, 4, rules, framework="np")
+    assert replaced == [1]
     for name, part in want.items():
         assert np.array_equal(got[name].view(np.uint8), part.view(np.uint8)), name
 
@@ -398,7 +401,8 @@ def _first_unaligned_by_every_rank(
 def test_packed_split_check_names_the_first_bad_rank_without_visiting_all() -> None:
     # The check looks at a few ranks only (the bounds are arithmetic progressions): it must
     # name the same first rank and bound a loop over every rank finds.
-    from pysafetensors.parallel import ShardSpec, _check_byte_aligned
+    from pysafetensors._slicing import Part
+    from pysafetensors.parallel import _check_byte_aligned
 
     cases = 0
     for uneven in ("chunk", "tensor_split"):
@@ -409,9 +413,9 @@ def test_packed_split_check_names_the_first_bad_rank_without_visiting_all() -> N
                         want = _first_unaligned_by_every_rank(
                             size, inner, width, world_size, uneven
                         )
-                        spec = ShardSpec("t", (size, inner), 0, 0, 0)
+                        planned = ((size, inner), Part(0, 0, 0))
                         try:
-                            _check_byte_aligned({"t": spec}, {"t": width}, world_size, uneven)  # type: ignore[arg-type]
+                            _check_byte_aligned({"t": planned}, {"t": width}, world_size, uneven)  # type: ignore[arg-type]
                             got = None
                         except ValueError as exc:
                             m = re.search(r"rank (\d+)'s part .* \(at index (\d+)\)", str(exc))
@@ -421,9 +425,9 @@ def test_packed_split_check_names_the_first_bad_rank_without_visiting_all() -> N
                         cases += got is not None
     assert cases > 1000  # the refusals were exercised, not only the aligned splits
     # A world size in the millions is answered at once (it looped over every rank: 12 s).
-    spec = ShardSpec("t", (3 * 10**7 + 1, 1), 0, 0, 0)
+    planned = ((3 * 10**7 + 1, 1), Part(0, 0, 0))
     with pytest.raises(ValueError, match=r"rank \d+'s part"):
-        _check_byte_aligned({"t": spec}, {"t": 4}, 10**7, "tensor_split")
+        _check_byte_aligned({"t": planned}, {"t": 4}, 10**7, "tensor_split")
 
 
 def test_column_parts_are_copied_into_one_destination(tmp_path: Path) -> None:
@@ -565,14 +569,14 @@ path, small_part = sys.argv[1], int(sys.argv[2])
 _reader._SMALL_PART = small_part
 rng = np.random.default_rng(0)
 save_file({f"t{i:03d}": rng.random((32, 32), np.float32) for i in range(200)}, path)
-real = parallel.plan_shard
+real = parallel._plan_parts
 
 def truncated_after_planning(*args, **kwargs):
     plan = real(*args, **kwargs)
     os.truncate(path, os.path.getsize(path) // 2)  # another process cuts the file short
     return plan
 
-parallel.plan_shard = truncated_after_planning
+parallel._plan_parts = truncated_after_planning
 try:
     parallel.load_shard(path, 0, 2, {"*": "columns"}, framework="np")
 except SafetensorError as exc:
