@@ -148,11 +148,11 @@ def read_header(
     size = source.size
     guess = min(size, _HEAD_GUESS)
     cached = getattr(source, "head", None)  # a remote source's first bytes, fetched at open
-    if isinstance(cached, bytes) and N_LEN <= len(cached) < guess:
-        # What the open cached, then exactly the header's bytes: a guess past the cache
-        # fetched data bytes that the reads of tensors fetch again (head_bytes=100: 105,508
-        # bytes for an 80,072-byte file).
-        guess = len(cached)
+    if isinstance(cached, bytes) and len(cached) < guess:
+        # What the open cached (at least the length), then exactly the header's bytes: a
+        # guess past the cache fetched data bytes that the reads of tensors fetch again
+        # (head_bytes=100: 105,508 bytes for an 80,072-byte file).
+        guess = max(len(cached), min(N_LEN, size))
     head = np.empty(guess, np.uint8)
     # One plain read: a header is parsed by one thread anyway, and starting the reader threads
     # here would hold their stacks through the parse of a huge header. Without readahead: the
