@@ -49,6 +49,7 @@ from ._slicing import (
     Part,
     SlicePlan,
     as_whole_bytes,
+    contiguous_strides,
     is_advanced,
     part_run,
     plan_slice,
@@ -1357,33 +1358,27 @@ def _copy_selections(
             whole = scratch[start : start + part[1].nbytes].reshape(src_shape)
             np.copyto(dest[at : at + nbytes].reshape(dest_shape), whole[index])
         else:
-            tensors = np.ndarray(
-                (j - i, *src_shape),
-                np.uint8,
-                buffer=scratch,
-                offset=start,
-                strides=(step, *_c_strides(src_shape)),
-            )
-            into = np.ndarray(
-                (j - i, *dest_shape),
-                np.uint8,
-                buffer=dest,
-                offset=at,
-                strides=(dest_step, *_c_strides(dest_shape)),
-            )
             every: tuple[int | slice, ...] = (slice(None), *index)  # each tensor's selection
-            np.copyto(into, tensors[every])
+            np.copyto(
+                _stacked(dest, at, j - i, dest_step, dest_shape),
+                _stacked(scratch, start, j - i, step, src_shape)[every],
+            )
         i = j
 
 
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of a C-contiguous uint8 array of ``shape``."""
-    strides = []
-    step = 1
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= extent
-    return tuple(reversed(strides))
+def _stacked(
+    buf: np.ndarray, offset: int, count: int, step: int, shape: tuple[int, ...]
+) -> np.ndarray:
+    """``count`` C-contiguous uint8 arrays of ``shape`` in ``buf``, the first at ``offset``
+    and each ``step`` bytes after the one before, as one array of shape ``(count, *shape)``."""
+    stacked: np.ndarray = np.ndarray(
+        (count, *shape),
+        np.uint8,
+        buffer=buf,
+        offset=offset,
+        strides=(step, *contiguous_strides(shape)),
+    )
+    return stacked
 
 
 #: How :meth:`safe_open._read_requests` reads one part: its byte run (:func:`part_run`), else

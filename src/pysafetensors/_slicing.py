@@ -413,6 +413,16 @@ class Part(NamedTuple):
         return (slice(None),) * self.dim + (slice(self.start, self.stop),)
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a C-contiguous array of ``shape`` (bytes for uint8)."""
+    strides = []
+    step = 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))
+
+
 def part_run(
     shape: tuple[int, ...], dtype: DType, part: Part
 ) -> tuple[tuple[int, ...], int, int] | None:

@@ -15,6 +15,7 @@ from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
 from ._errors import DeviceError, DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX
+from ._slicing import contiguous_strides
 from ._writer import TensorData
 
 __all__ = ["ADAPTER", "TorchAdapter", "torch_dtype"]
@@ -84,15 +85,6 @@ def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-1], shape[-1] // 2)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for dim in reversed(shape):
-        strides.append(acc)
-        acc *= dim
-    return tuple(reversed(strides))
-
-
 # A tensor to cut from a buffer: (name, dtype, shape, begin, end), byte offsets.
 Item = tuple[str, DType, tuple[int, ...], int, int]
 
@@ -143,7 +135,7 @@ def carve(base: Any, items: Iterable[Item]) -> dict[str, Any]:
             else:
                 view = usable if tdtype is torch.uint8 else usable.view(tdtype)
             typed[tdtype] = view
-        return torch.as_strided(view, shape, _contiguous_strides(shape), begin // size)
+        return torch.as_strided(view, shape, contiguous_strides(shape), begin // size)
 
     return _carve_items(items, lambda begin, end: base[begin:end], cut_typed)
 
