@@ -155,6 +155,18 @@ def _numpy_to_dtype(npdt: np.dtype[Any]) -> DType:
     return dtype
 
 
+def _whole_bytes(arr: np.ndarray) -> memoryview | None:
+    """``arr``'s bytes as one flat buffer where its memory holds them in file order
+    (C-contiguous, little-endian), else None."""
+    byteorder = arr.dtype.byteorder
+    if not arr.flags.c_contiguous or byteorder == ">" or (byteorder == "=" and _BIG_ENDIAN):
+        return None
+    return arr.reshape(-1).view(np.uint8).data
+
+
+_BIG_ENDIAN: Final = sys.byteorder == "big"
+
+
 def _array_chunks(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
     """Bytes of ``arr`` in row-major little-endian order, without copying when possible."""
     needs_swap = arr.dtype.byteorder == ">" or (
@@ -308,6 +320,9 @@ class NumpyAdapter:
                 yield pack_subbyte(np.ascontiguousarray(arr), dtype)
 
             return TensorData(name, dtype, shape, packed, keepalive=tensor)
+        whole = _whole_bytes(tensor)
+        if whole is not None:
+            return TensorData(name, dtype, shape, (whole,).__iter__, tensor, whole)
         return TensorData(name, dtype, shape, _array_chunks(tensor), keepalive=tensor)
 
 

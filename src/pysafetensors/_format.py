@@ -1288,6 +1288,65 @@ def _check_unicode_names(specs: Iterable[tuple[str, DType, Sequence[int]]]) -> N
             _check_name(name)
 
 
+#: ``build_layout``'s sort key: its items start with the negated rank, then the name.
+_RANK_AND_NAME: Final = operator.itemgetter(0, 1)
+
+
+def _checked_shape(name: Any, shape: Iterable[Any]) -> tuple[int, ...]:
+    """A tensor's shape to write, as ints, refusing dimensions no reader accepts.
+
+    Raises:
+        SerializeError: A dimension is negative, or 2^64 or more.
+    """
+    shape_t = tuple(map(int, shape))
+    # One min/max instead of two generator scans: ~20k tensors (an MoE) add up.
+    if shape_t and min(shape_t) < 0:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}tensor `{name}` has a negative dimension {list(shape_t)}",
+            kind="TensorInvalidInfo",
+            tensor=str(name),
+        )
+    if shape_t and max(shape_t) > UINT64_MAX:
+        # A zero-size tensor passes the size checks with any dimension, but a reader
+        # refuses a dimension that is not a u64 (found by fuzzing the streaming writer).
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}tensor `{name}` has a dimension of 2^64 or more {list(shape_t)}",
+            kind="ValidationOverflow",
+            tensor=str(name),
+        )
+    return shape_t
+
+
+def _checked_nbytes(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
+    """The bytes a tensor takes, checked as the reference checks them.
+
+    Raises:
+        SerializeError: The size overflows 64 bits, or is not whole bytes.
+    """
+    # The product of positive dimensions never shrinks, so when it (times the width) fits
+    # in 64 bits no step of the reference's left-to-right checked product overflowed;
+    # only shapes with a 0 or a huge product take the step-by-step check.
+    count = math.prod(shape)
+    product = count * dtype.bits
+    nbits = product if count and product <= UINT64_MAX else checked_nbits(shape, dtype)
+    if nbits is None:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}overflow computing buffer size from shape and/or element "
+            f"type (tensor `{name}`: {dtype.code} {list(shape)})",
+            kind="ValidationOverflow",
+            tensor=name,
+        )
+    if nbits % 8:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}The slice is slicing for subbytes dtypes, and the slice does "
+            f"not end up at a byte boundary, this is invalid. (tensor `{name}`: "
+            f"{dtype.code} {list(shape)} is {nbits} bits)",
+            kind="MisalignedSlice",
+            tensor=name,
+        )
+    return nbits // 8
+
+
 #: A str as JSON, not ASCII-escaped: what ``json.dumps(text, ensure_ascii=False)`` gives.
 _json_string: Final = json.encoder.encode_basestring
 
@@ -1318,29 +1377,29 @@ def build_layout(
     except (TypeError, UnicodeEncodeError):
         _check_unicode_names(specs)
         raise
-    items: list[tuple[str, DType, tuple[int, ...]]] = []
+    # Sort keys first (rank descending, then name): itemgetter sorts in C, where a key
+    # function was a Python call per tensor.
+    items: list[tuple[int, str, DType, tuple[int, ...]]] = []
+    # Shapes already converted and checked: checkpoints repeat a handful of shapes, and an MoE
+    # of 20,000 tensors paid the conversion and both bounds per tensor (equal shapes convert
+    # alike: int() of each dimension).
+    checked: dict[Any, tuple[int, ...]] = {}
     for name, dtype, shape in specs:
-        shape_t = tuple(map(int, shape))
-        # One min/max instead of two generator scans: ~20k tensors (an MoE) add up.
-        if shape_t and min(shape_t) < 0:
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}tensor `{name}` has a negative dimension {list(shape_t)}",
-                kind="TensorInvalidInfo",
-                tensor=str(name),
-            )
-        if shape_t and max(shape_t) > UINT64_MAX:
-            # A zero-size tensor passes the size checks with any dimension, but a reader
-            # refuses a dimension that is not a u64 (found by fuzzing the streaming writer).
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}tensor `{name}` has a dimension of 2^64 or more "
-                f"{list(shape_t)}",
-                kind="ValidationOverflow",
-                tensor=str(name),
-            )
-        if name == "__metadata__":
-            _check_unicode_names(specs)  # the rest of them (all of a list), before this one
-        items.append((_check_name(name), dtype, shape_t))
-    items.sort(key=lambda it: (-it[1].rank, it[0]))
+        try:
+            shape_t = checked.get(shape)
+        except TypeError:  # a list, or unhashable dimensions: converted each time
+            shape_t = None
+        if shape_t is None:
+            shape_t = _checked_shape(name, shape)
+            with contextlib.suppress(TypeError):  # unhashable: not remembered
+                checked[shape] = shape_t
+        if type(name) is not str or not name.isascii() or name == "__metadata__":
+            # isascii() is a flag lookup: other names need none of _check_name's tests.
+            if name == "__metadata__":
+                _check_unicode_names(specs)  # the rest of them (all of a list), before this
+            _check_name(name)
+        items.append((-dtype.rank, name, dtype, shape_t))
+    items.sort(key=_RANK_AND_NAME)
 
     tensors: list[TensorInfo] = []
     # The header's JSON is put together entry by entry, byte for byte what json.dumps of the
@@ -1354,37 +1413,24 @@ def build_layout(
     seen: set[str] = set()
     offset = 0
     new_info = tuple.__new__  # straight from C, as in the reader (a Python frame per entry)
-    for name, dtype, shape in items:
+    # Per (shape, dtype): the JSON of the dims and the byte count, worked out once.
+    sized: dict[tuple[tuple[int, ...], str], tuple[str, int]] = {}
+    for _, name, dtype, shape in items:
         if name in seen:
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}tensor name `{name}` appears twice",
                 kind="DuplicateName",
                 tensor=name,
             )
-        # The product of positive dimensions never shrinks, so when it (times the width) fits
-        # in 64 bits no step of the reference's left-to-right checked product overflowed;
-        # only shapes with a 0 or a huge product take the step-by-step check.
-        count = math.prod(shape)
-        product = count * dtype.bits
-        nbits = product if count and product <= UINT64_MAX else checked_nbits(shape, dtype)
-        if nbits is None:
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}overflow computing buffer size from shape and/or element "
-                f"type (tensor `{name}`: {dtype.code} {list(shape)})",
-                kind="ValidationOverflow",
-                tensor=name,
+        known = sized.get((shape, dtype.code))
+        if known is None:
+            known = sized[(shape, dtype.code)] = (
+                ",".join(map(str, shape)),
+                _checked_nbytes(name, dtype, shape),
             )
-        if nbits % 8:
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}The slice is slicing for subbytes dtypes, and the slice does "
-                f"not end up at a byte boundary, this is invalid. (tensor `{name}`: "
-                f"{dtype.code} {list(shape)} is {nbits} bits)",
-                kind="MisalignedSlice",
-                tensor=name,
-            )
-        end = offset + nbits // 8
+        dims, nbytes = known
+        end = offset + nbytes
         seen.add(name)
-        dims = ",".join(map(str, shape))
         parts.append(
             f'{_json_string(name)}:{{"dtype":"{dtype.code}","shape":[{dims}],'
             f'"data_offsets":[{offset},{end}]}}'

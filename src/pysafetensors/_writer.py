@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - not POSIX
 
 from ._dtypes import DType
 from ._errors import SafetensorError, SerializeError, add_note, output_path, write_error
-from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout
+from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout, gc_paused
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 __all__ = [
@@ -76,7 +76,10 @@ WRITEBACK_STEP: Final = 16 << 20
 Chunks = Iterable[Any]  # buffer-protocol objects (bytes, memoryview, numpy arrays, ...)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__ (0.6 us against
+# 0.15 us a tensor to make, for 20,000 small arrays ~10 ms of a ~90 ms save). Nothing
+# changes one after it is made.
+@dataclass(slots=True)
 class TensorData:
     """A tensor to be written."""
 
@@ -96,6 +99,11 @@ class TensorData:
     """
     keepalive: Any = field(default=None, compare=False)
     """Anything that must stay alive while the chunks are read (e.g. the source tensor)."""
+    whole: memoryview | None = field(default=None, compare=False)
+    """The tensor's bytes as one flat ``B`` buffer, where they already lie in memory in file
+    order (a contiguous little-endian numpy array); ``chunks()`` then gives just these bytes.
+    The writer takes it without calling ``chunks`` (a generator and a view per tensor: ~1 us,
+    a sixth of saving each of 20,000 small arrays)."""
 
 
 def layout_for(
@@ -104,10 +112,14 @@ def layout_for(
     *,
     max_header_size: int = MAX_HEADER_SIZE,
 ) -> Layout:
-    """Plan the file for ``tensors`` (see ``_format.build_layout``)."""
-    return build_layout(
-        ((t.name, t.dtype, t.shape) for t in tensors), metadata, max_header_size=max_header_size
-    )
+    """Plan the file for ``tensors`` (see ``_format.build_layout``), with the collector paused
+    over the few objects per tensor that the plan keeps (see ``_api._to_data``)."""
+    with gc_paused():
+        return build_layout(
+            ((t.name, t.dtype, t.shape) for t in tensors),
+            metadata,
+            max_header_size=max_header_size,
+        )
 
 
 def _as_bytes_view(chunk: Any) -> memoryview:
@@ -125,6 +137,11 @@ def _ordered_chunks(
     tensor's total size."""
     for info in layout.tensors:
         data = by_name[info.name]
+        whole = data.whole
+        if whole is not None and whole.nbytes == info.nbytes:
+            if whole.nbytes:
+                yield whole, True
+            continue
         got = 0
         for chunk in data.chunks():
             view = _as_bytes_view(chunk)

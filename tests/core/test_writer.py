@@ -482,3 +482,69 @@ def test_serialize_copies_chunks_whose_memory_the_producer_reuses() -> None:
         got = f.get_tensor("w")
     assert [int(got[i * piece]) for i in range(3)] == [0, 1, 2]
     assert bytes(got) == b"".join(bytes([v]) * piece for v in range(3))
+
+
+def test_many_tensors_of_repeated_shapes_match_the_reference_bytes(tmp_path: Path) -> None:
+    """A save works out each shape's dims and size once and hands contiguous arrays to the
+    writer as one buffer: a checkpoint of repeated shapes (shared and equal shape objects,
+    several dtypes, views that are not contiguous, big-endian arrays, 0-d and empty arrays,
+    non-ASCII names) must still be byte for byte the reference's file."""
+    ref = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(21)
+    arrays: dict[str, np.ndarray] = {}
+    for i in range(600):
+        kind = i % 7
+        if kind == 0:
+            arrays[f"experts.{i}.w"] = rng.standard_normal((8, 16)).astype(np.float32)
+        elif kind == 1:
+            arrays[f"experts.{i}.w"] = rng.standard_normal((16, 8)).astype(np.float32).T
+        elif kind == 2:
+            arrays[f"experts.{i}.b"] = rng.standard_normal((8, 16)).astype(">f4")
+        elif kind == 3:
+            arrays[f"experts.{i}.h"] = rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16)
+        elif kind == 4:
+            arrays[f"expérts.{i}.s"] = np.array(float(i), np.float64)
+        elif kind == 5:
+            arrays[f"experts.{i}.e"] = np.zeros((0, 16), np.float32)
+        else:
+            arrays[f"experts.{i}.u"] = rng.integers(0, 255, (8, 16), dtype=np.uint8)[:, ::2]
+    # The reference writes a view that is not contiguous as its memory, not its values (see
+    # test_non_contiguous_reference_bug): it is given contiguous copies.
+    contiguous = {name: value.copy(order="C") for name, value in arrays.items()}
+    for meta in (None, {"format": "np"}):
+        ours_path, theirs_path = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+        save_file(arrays, ours_path, metadata=meta)
+        ref.save_file(contiguous, str(theirs_path), metadata=meta)
+        assert ours_path.read_bytes() == theirs_path.read_bytes()
+        assert save(arrays, metadata=meta) == ref.save(contiguous, metadata=meta)
+    loaded = load_file(ours_path)
+    for name, value in arrays.items():
+        assert loaded[name].dtype.newbyteorder("=") == value.dtype.newbyteorder("=")
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def test_layout_of_lookalike_shapes_converts_each_as_int() -> None:
+    """Shapes equal to one already planned (numpy integers, a list, a bool for 1) are planned
+    as int() of each dimension, as before the per-shape memo; unhashable ones too."""
+    f32 = next(d for d in DTYPES if d.code == "F32")
+    specs: list[tuple[str, Any, Any]] = [
+        ("a", f32, (2, 3)),
+        ("b", f32, (np.int64(2), np.int64(3))),
+        ("c", f32, [2, 3]),
+        ("d", f32, (True, 3)),
+        ("e", f32, (np.array(2), 3)),  # a 0-d array: unhashable
+    ]
+    layout = build_layout(specs)
+    assert [(t.name, t.shape) for t in layout.tensors] == [
+        ("a", (2, 3)),
+        ("b", (2, 3)),
+        ("c", (2, 3)),
+        ("d", (1, 3)),
+        ("e", (2, 3)),
+    ]
+    assert all(type(d) is int for t in layout.tensors for d in t.shape)
+    header = json.loads(layout.header[8:])
+    assert header["d"] == {"dtype": "F32", "shape": [1, 3], "data_offsets": [72, 84]}
+    # A bad shape met again is refused again (the memo keeps only checked shapes).
+    with pytest.raises(SerializeError, match="tensor `y` has a negative dimension"):
+        build_layout([("x", f32, (2, 3)), ("y", f32, (-1, 3)), ("z", f32, (-1, 3))])
