@@ -20,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import operator
 import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
@@ -56,6 +57,9 @@ __all__ = [
     "ShardedSafeOpen",
     "resolve_checkpoint",
 ]
+
+#: What ``ShardedSafeOpen._per_shard`` groups: a tensor name, or a request naming one.
+_Item = TypeVar("_Item")
 
 INDEX_NAME: Final = "model.safetensors.index.json"
 SINGLE_NAME: Final = "model.safetensors"
@@ -814,13 +818,11 @@ class ShardedSafeOpen(HandleBehaviour):
         """
         self._live()
         wanted = list(names)
-        by_shard: dict[str, list[str]] = {}
-        for name in wanted:
-            by_shard.setdefault(self._shard_name(name), []).append(name)
-        found: dict[str, TensorInfo] = {}
-        for shard, group in by_shard.items():
-            with self._shard(shard) as handle:
-                found.update(zip(group, handle._infos(group), strict=True))
+        found = self._per_shard(
+            wanted,
+            lambda name: name,
+            lambda handle, group: zip(group, handle._infos(group), strict=True),
+        )
         return [found[name] for name in wanted]
 
     def _read_slices(
@@ -829,14 +831,30 @@ class ShardedSafeOpen(HandleBehaviour):
         """``{name: get_slice(name)[index]}`` for many tensors (``load_shard``): each shard's
         requests read together by that shard's ``safe_open._read_slices``, in request order."""
         self._live()
-        by_shard: dict[str, list[tuple[str, Any]]] = {}
-        for name, index in requests:
-            by_shard.setdefault(self._shard_name(name), []).append((name, index))
+        got = self._per_shard(
+            requests,
+            operator.itemgetter(0),
+            lambda handle, group: handle._read_slices(group, map_fragmented=map_fragmented).items(),
+        )
+        return {name: got[name] for name, _ in requests}
+
+    def _per_shard(
+        self,
+        items: list[_Item],
+        name_of: Callable[[_Item], str],
+        work: Callable[[safe_open, list[_Item]], Iterable[tuple[str, Any]]],
+    ) -> dict[str, Any]:
+        """``work(handle, group)`` on each shard's handle (pinned meanwhile) with the items of
+        its tensors, in the order their shards are first met; the ``(name, value)`` pairs
+        every call gave, as one dict."""
+        by_shard: dict[str, list[_Item]] = {}
+        for item in items:
+            by_shard.setdefault(self._shard_name(name_of(item)), []).append(item)
         got: dict[str, Any] = {}
         for shard, group in by_shard.items():
             with self._shard(shard) as handle:
-                got.update(handle._read_slices(group, map_fragmented=map_fragmented))
-        return {name: got[name] for name, _ in requests}
+                got.update(work(handle, group))
+        return got
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())
