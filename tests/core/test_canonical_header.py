@@ -84,6 +84,14 @@ def test_metadata_only_first_and_exact() -> None:
         ('"shape":[', '"shape": ['),  # other spacing
         ('{"dtype"', '{"dtype" '),
         ('"data_offsets":[0,', '"data_offsets":[00,'),  # not a JSON integer
+        # Numbers are matched loosely and held to their canonical form afterwards:
+        ('"data_offsets":[0,8]', '"data_offsets":[0,08]'),  # a leading zero in an end
+        ('"data_offsets":[8,', '"data_offsets":[08,'),  # ... in a begin
+        ('"shape":[2]', '"shape":[02]'),  # ... in a dimension
+        ('"shape":[2]', '"shape":[2,]'),  # a trailing comma
+        ('"shape":[2]', '"shape":[,2]'),  # a leading comma
+        ('"shape":[2]', '"shape":[1,,2]'),  # an empty dimension
+        ('"shape":[2]', '"shape":[' + "0" * 21 + "2]"),  # over 20 digits
         ('"F32"', '"F33"'),  # unknown dtype
         ('"a"', '"b"'),  # a repeated name
         ('"a"', '"__metadata__"'),
@@ -95,6 +103,9 @@ def test_unusual_forms_are_declined(old: str, new: str) -> None:
     changed = text.replace(old, new, 1)
     assert changed != text
     assert fmt._canonical_header(changed, n, data_size) is None
+    # The generic parser decides such a header (and refuses the number forms JSON lacks).
+    generic = _generic(changed, n, data_size)
+    assert generic is not None
 
 
 def test_zero_size_and_sub_byte_tensors_use_the_generic_path() -> None:
