@@ -1715,7 +1715,7 @@ class SafeSlice:
                 self._rows_max = MIN_PARALLEL_CHUNK  # read in one piece either way
             elif type(source) is MmapSource:
                 self._rows_max = _SMALL_PART  # copied by numpy either way
-        # Tuples of plain slices of a tensor this small take _small_box's short path (the
+        # Tuples of plain slices of a tensor this small take _box's short path (the
         # general path reads such a tensor whole too, but by pread only under "coalesce").
         self._small_box = (
             self._rows_max > 0

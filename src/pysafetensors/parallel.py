@@ -156,7 +156,8 @@ class ShardSpec:
         """The index to apply to the full tensor (``()`` for the whole tensor)."""
         if self.dim is None:
             return ()
-        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+        index: tuple[slice, ...] = Part(self.dim, self.start, self.stop).index
+        return index
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
