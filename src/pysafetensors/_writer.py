@@ -21,6 +21,7 @@ import hashlib
 import os
 import re
 import secrets
+import signal
 import stat
 import threading
 import time
@@ -440,6 +441,36 @@ def atomic_output(
 
 
 @contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that comes during the block until its end, then raise it.
+
+    A save's clean-up (closing and deleting its temporary file) runs after a first Ctrl-C;
+    a second one landing in it raised KeyboardInterrupt between two of its steps and left
+    the file behind. Only in the main thread (the only one KeyboardInterrupt reaches, and
+    the only one that may set a handler), and only over Python's own handler: a program's
+    handler of its own is left alone.
+    """
+    try:
+        deferring = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+    except Exception:  # noqa: BLE001 - at interpreter exit (modules torn down): no deferral
+        deferring = False
+    if not deferring:
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def _atomic_output(
     target: str, *, fsync: bool, group: SaveGroup | None = None, like: os.stat_result | None = None
 ) -> Iterator[int]:
@@ -495,12 +526,13 @@ def _atomic_output(
             if fsync:
                 os.fsync(fd)
         except BaseException:
-            if fd < 0:
-                # A signal that came during the open is raised as os.open returns, before its
-                # result is stored: find the descriptor by the file's name.
-                fd = _descriptor_of(tmp)
-            if fd >= 0:
-                os.close(fd)
+            with interrupts_deferred():
+                if fd < 0:
+                    # A signal that came during the open is raised as os.open returns, before
+                    # its result is stored: find the descriptor by the file's name.
+                    fd = _descriptor_of(tmp)
+                if fd >= 0:
+                    os.close(fd)
             raise
         if group is not None:
             if sync_file_range is not None and os.path.exists(target):
@@ -517,10 +549,11 @@ def _atomic_output(
         # finalized when the child exits): the file is the parent's, still being written.
         # Nor a name that was another's (O_EXCL refused it: never with a random name).
         # (try/except: when finalized at interpreter exit, module globals may be gone.)
-        refused = fd < 0 and isinstance(exc, FileExistsError)
         try:
-            if os.getpid() == owner and not refused:
-                os.unlink(tmp)
+            with interrupts_deferred():
+                refused = fd < 0 and isinstance(exc, FileExistsError)
+                if os.getpid() == owner and not refused:
+                    os.unlink(tmp)
         except Exception:  # noqa: BLE001, S110
             pass
         raise
@@ -710,9 +743,10 @@ class SaveGroup:
                 # They may hold the only copy of their tensors: kept, and named.
                 add_note(exc, "files of this save not renamed into place, kept: " + ", ".join(left))
             else:
-                for tmp in left:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
+                with interrupts_deferred():
+                    for tmp in left:
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp)
             raise
         if self._fsync:
             for folder in folders:
@@ -734,11 +768,12 @@ class SaveGroup:
         with self._lock:
             pending, self._pending, self._held = self._pending, [], 0
             self.done = True
-        for tmp, _, fd in pending:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        with interrupts_deferred():
+            for tmp, _, fd in pending:
+                if fd >= 0:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def __enter__(self) -> SaveGroup:
         return self

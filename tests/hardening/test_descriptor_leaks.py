@@ -109,3 +109,65 @@ def test_a_file_exists_error_from_the_writing_still_removes_the_temporary_file(
     with pytest.raises(FileExistsError), writer.atomic_output(tmp_path / "out.safetensors"):
         raise FileExistsError("raised while writing")
     assert os.listdir(tmp_path) == [] and _open_fds() == before
+
+
+def test_a_second_interrupt_during_a_save_s_clean_up_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first Ctrl-C stops the write; a second one, landing in the clean-up before the
+    temporary file is deleted, raised KeyboardInterrupt there and left the file. It is held
+    until the clean-up is done now, then raised; the handler is Python's again after."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("the test runner handles SIGINT itself")
+    real_writev, real_getpid = os.writev, os.getpid
+    interrupted: list[int] = []
+
+    def interrupted_writev(fd: int, buffers: object) -> int:
+        interrupted.append(1)
+        raise KeyboardInterrupt  # the first Ctrl-C, mid-write
+
+    def second_ctrl_c() -> int:
+        if interrupted:  # in the clean-up (the save asks for its pid at its start too)
+            interrupted.clear()
+            signal.raise_signal(signal.SIGINT)  # handled at the next bytecode boundary
+        return real_getpid()
+
+    target = tmp_path / "out.safetensors"
+    before = _open_fds()
+    for _ in range(3):
+        monkeypatch.setattr(writer.os, "writev", interrupted_writev)
+        monkeypatch.setattr(writer.os, "getpid", second_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            save_file({"x": np.ones(1 << 16, np.float32)}, target)
+        monkeypatch.setattr(writer.os, "writev", real_writev)
+        monkeypatch.setattr(writer.os, "getpid", real_getpid)
+        assert os.listdir(tmp_path) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert _open_fds() == before
+    save_file({"x": np.ones(4, np.float32)}, target)  # and the next save works
+    assert os.listdir(tmp_path) == ["out.safetensors"]
+
+
+def test_a_program_s_own_interrupt_handler_is_left_in_charge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+
+    calls: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        with writer.interrupts_deferred():
+            assert signal.getsignal(signal.SIGINT) is handler
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(1000):  # let the handler run (it runs between bytecodes)
+                if calls:
+                    break
+        assert calls == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
