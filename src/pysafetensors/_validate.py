@@ -435,19 +435,61 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
 
 
 def iter_tensor_chunks(
-    source: ByteSource, start: int, nbytes: int, chunk_bytes: int = CHUNK_BYTES
+    source: ByteSource,
+    start: int,
+    nbytes: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    *,
+    reuse: bool = False,
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """Read ``nbytes`` at ``start`` in fresh chunks; yields ``(file_offset, uint8 array)``.
+    """Read ``nbytes`` at ``start`` in chunks; yields ``(file_offset, uint8 array)``.
 
+    Each chunk is fresh memory, or with ``reuse`` the same buffer each time (valid until the
+    next chunk is asked for; fresh pages cost a fault each, ~10% of checking a chunk).
     ``chunk_bytes`` should be a multiple of 24 so that no element is split between chunks.
     """
     pos = 0
+    buf: np.ndarray | None = None
     while pos < nbytes:
         n = min(chunk_bytes, nbytes - pos)
-        buf = np.empty(n, np.uint8)
-        source.readinto(start + pos, buf.data)
-        yield start + pos, buf
+        if buf is None or not reuse:
+            buf = np.empty(n, np.uint8)
+        chunk = buf[:n]
+        source.readinto(start + pos, chunk.data)
+        yield start + pos, chunk
         pos += n
+
+
+#: Float dtypes whose NaN and Inf are exactly the values with every exponent bit set: the
+#: unsigned view of an element, the mask of its bits but the sign, and the smallest masked
+#: value that is not finite. A chunk whose largest masked element is below that is all
+#: finite, which one mask and one max tell ~5x faster than isnan and isinf (BF16 elements go
+#: through ml_dtypes' conversion for those: ~0.6 GB/s). Others (the FP8 formats without Inf
+#: or with a NaN of their own, F4, F6) take the exact path only.
+_NONFINITE_BITS: Final[dict[str, tuple[type[np.unsignedinteger[Any]], int, int]]] = {
+    "F8_E5M2": (np.uint8, 0x7F, 0x7C),
+    "F16": (np.uint16, 0x7FFF, 0x7C00),
+    "BF16": (np.uint16, 0x7FFF, 0x7F80),
+    "F32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
+    "C64": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),  # two F32 each
+    "F64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+}
+
+
+def _all_finite(code: str, raw: np.ndarray, scratch: list[np.ndarray]) -> bool:
+    """Whether a chunk of a ``code`` tensor surely holds no NaN or Inf (False: look closer).
+
+    ``scratch`` holds the buffer of the masked elements from one call to the next.
+    """
+    bits = _NONFINITE_BITS.get(code)
+    if bits is None:
+        return False
+    kind, mask, first_nonfinite = bits
+    elements = raw.view(kind)
+    if not scratch or scratch[0].dtype != elements.dtype or scratch[0].size < elements.size:
+        scratch[:] = [np.empty(elements.size, elements.dtype)]
+    masked = np.bitwise_and(elements, kind(mask), out=scratch[0][: elements.size])
+    return bool(masked.max() < first_nonfinite)
 
 
 def _float_view(dtype: DType, raw: np.ndarray) -> np.ndarray | None:
@@ -478,8 +520,13 @@ def _check_values(
         nan = inf = bad_bool = 0
         first: int | None = None
         element = max(1, e.dtype.bits // 8)
-        for offset, raw in iter_tensor_chunks(source, data_start + e.begin, e.end - e.begin):
-            if e.dtype.code == "BOOL":
+        scratch: list[np.ndarray] = []
+        for offset, raw in iter_tensor_chunks(
+            source, data_start + e.begin, e.end - e.begin, CHUNK_BYTES, reuse=True
+        ):
+            if _all_finite(e.dtype.code, raw, scratch):
+                pass
+            elif e.dtype.code == "BOOL":
                 bad = np.flatnonzero(raw > 1)
                 bad_bool += int(bad.size)
                 if bad.size and first is None:
