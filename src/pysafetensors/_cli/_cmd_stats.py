@@ -100,12 +100,15 @@ class Summary:
             self.int_min = lo_i if self.int_min is None else min(self.int_min, lo_i)
             self.int_max = hi_i if self.int_max is None else max(self.int_max, hi_i)
         self.count += values.size
-        isnan = np.isnan(values)
-        isinf = np.isinf(values)
-        self.nan += int(isnan.sum())
-        self.inf += int(isinf.sum())
+        # One pass for "all finite", the common case; NaN and Inf counted apart only if not.
+        is_finite = np.isfinite(values)
+        bad = values.size - int(np.count_nonzero(is_finite))
+        if bad:
+            nan = int(np.count_nonzero(np.isnan(values)))
+            self.nan += nan
+            self.inf += bad - nan
         self.zeros += int(np.count_nonzero(values == 0))
-        finite = values[~(isnan | isinf)] if self.nan or self.inf else values
+        finite = values[is_finite] if bad else values
         n = finite.size
         if not n:
             return
@@ -119,7 +122,8 @@ class Summary:
         scale = self.scale
         scaled = finite / scale if scale != 1.0 else finite
         mean_s = float(scaled.mean())
-        m2 = float(((scaled - mean_s) ** 2).sum())
+        deviations = scaled - mean_s
+        m2 = float(np.dot(deviations, deviations))  # one pass, where ** 2 then sum took two
         total = self.finite + n
         delta_s = mean_s - self.mean / scale
         self.mean += delta_s * n / total * scale
