@@ -465,7 +465,19 @@ def interrupts_deferred() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # signal.signal runs the handlers of signals that arrived meanwhile first, and when
+        # one of them raises (another signal's, say SIGALRM's), it raises before setting the
+        # handler: retried until it is set, so that Python's handler is back for good, and
+        # that exception raised after.
+        error: BaseException | None = None
+        while True:
+            try:
+                signal.signal(signal.SIGINT, previous)
+                break
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                error = exc
+        if error is not None:
+            raise error
         if pending:
             raise KeyboardInterrupt
 

@@ -423,14 +423,15 @@ def _plan_parts(
     rule_for = _rule_matcher(rules, default)
     plan: dict[str, tuple[tuple[int, ...], Part]] = {}
     parts: dict[tuple[Any, tuple[int, ...]], Part] = {}
-    # Shapes already checked, by the identity of the object given (kept alive by ``shapes``):
-    # a parsed header shares one tuple among the tensors of one shape. Not by equality, under
-    # which (True, 2) and (np.int64(1), 2) equal (1, 2).
-    checked: dict[int, tuple[int, ...]] = {}
+    # Shapes already checked, by the identity of the object given: a parsed header shares one
+    # tuple among the tensors of one shape. Not by equality, under which (True, 2) and
+    # (np.int64(1), 2) equal (1, 2). The object is kept with its entry, so that its id cannot
+    # pass to another (a mapping may make its values as they are asked for).
+    checked: dict[int, tuple[Any, tuple[int, ...]]] = {}
     for name, raw_shape in shapes.items():
         known = checked.get(id(raw_shape))
-        if known is not None:
-            shape = known
+        if known is not None and known[0] is raw_shape:
+            shape = known[1]
         else:
             shape = tuple(raw_shape)
             # Plain ints (every header's shapes) need no conversion: a plan is made per
@@ -440,7 +441,7 @@ def _plan_parts(
             if shape and min(shape) < 0:
                 raise ValueError(f"tensor {name!r}: shape {list(shape)} has a negative dimension")
             if type(raw_shape) is tuple:
-                checked[id(raw_shape)] = shape
+                checked[id(raw_shape)] = (raw_shape, shape)
         split = rule_for(name, shape)
         # Only splits of the types _split_dim takes are remembered (a rule function may
         # return anything; the others raise there, naming the tensor).

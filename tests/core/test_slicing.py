@@ -680,6 +680,15 @@ def test_small_tensor_box_of_a_truncated_file_names_the_tensor(tmp_path: Path) -
                 f.get_slice("m")[:, :4]
             assert info.value.kind == ("ShortRead" if backend == "pread" else "FileTruncated")
             assert info.value.tensor == "m" and "'m'" in str(info.value)
+            # As the general path: the same error, and an empty selection reads nothing.
+            with pytest.raises(SafetensorError) as general:
+                f.get_slice("m")[:, :4, ...]
+            assert (general.value.kind, general.value.offset, str(general.value)) == (
+                info.value.kind,
+                info.value.offset,
+                str(info.value),
+            )
+            assert f.get_slice("m")[:, 2:2].shape == (8, 0)
             os.truncate(path, size)
             with open(path, "r+b") as out:  # the bytes back (truncation zeroed nothing before)
                 out.seek(start)

@@ -171,3 +171,33 @@ def test_a_program_s_own_interrupt_handler_is_left_in_charge(
         assert calls == [signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_interrupt_handler_comes_back_when_another_signal_s_handler_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """signal.signal runs pending handlers first and, when one raises, returns without
+    setting the handler: the deferral's temporary handler stayed for good (every later
+    Ctrl-C swallowed). The restore is retried, then that exception raised."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("the test runner handles SIGINT itself")
+    real = signal.signal
+    calls: list[object] = []
+
+    class Alarm(Exception):
+        pass
+
+    def flaky(signum: int, handler: object) -> object:
+        calls.append(handler)
+        if len(calls) == 2:  # the restore: another signal's handler raised first
+            raise Alarm
+        return real(signum, handler)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer.signal, "signal", flaky)
+    with pytest.raises(Alarm), writer.interrupts_deferred():
+        pass
+    monkeypatch.undo()
+    assert len(calls) == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -148,3 +148,28 @@ def test_selections_copied_in_strided_groups_equal_one_by_one() -> None:
             whole = scratch[start : start + info.nbytes].reshape(src_shape)
             want[at : at + nbytes].reshape(dest_shape)[...] = whole[index]
         np.testing.assert_array_equal(dest, want)
+
+
+def test_shapes_made_as_they_are_asked_for_are_each_planned() -> None:
+    """A mapping whose shape tuples are made on access (and freed after): their ids can pass
+    to the next one, which must not be taken for a shape already checked."""
+    from collections.abc import Iterator, Mapping
+
+    class Made(Mapping[str, Any]):
+        def __init__(self, count: int) -> None:
+            self.count = count
+
+        def __getitem__(self, name: str) -> Any:
+            i = int(name[1:])
+            return (np.int64(i % 5 + 1), 4)  # made anew; numpy dims are converted
+
+        def __iter__(self) -> Iterator[str]:
+            return (f"t{i}" for i in range(self.count))
+
+        def __len__(self) -> int:
+            return self.count
+
+    plan = plan_shard(Made(500), 0, 2, {"*": "rows"})
+    for i in range(500):
+        rows = i % 5 + 1
+        assert plan[f"t{i}"] == ShardSpec(f"t{i}", (rows, 4), 0, *shard_range(rows, 0, 2))
