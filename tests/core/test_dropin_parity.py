@@ -1193,3 +1193,22 @@ def test_safe_open_refuses_wrong_arguments_in_the_reference_s_words(
     theirs = _outcome(lambda: ref.safe_open(*args, **kwargs))
     mine = _outcome(lambda: pysafetensors.safe_open(*args, **kwargs))
     assert theirs[0] == "error" and mine == theirs
+
+
+def test_reversed_bounds_are_empty_where_the_reference_wraps_around(tmp_path: Path) -> None:
+    """docs/differences.md: start > stop selects nothing. The reference's slicer computes the
+    length as an unsigned difference: with a step it wraps around 2^64 (a reshape error, or
+    a made-up dimension on a tensor with no elements)."""
+    ref = pytest.importorskip("safetensors")
+    from pysafetensors.numpy import save_file
+
+    path = tmp_path / "r.safetensors"
+    save_file({"e": np.zeros((3, 0), np.float32), "m": np.ones((4, 5), np.float32)}, path)
+    for backend in ("mmap", "pread"):
+        with pysafetensors.safe_open(path, "np", backend=backend) as f:
+            assert f.get_slice("m")[3:1:2].shape == (0, 5)
+            assert f.get_slice("e")[2:0:10**9].shape == (0, 0)
+        with ref.safe_open(str(path), "numpy", backend=backend) as theirs:
+            with pytest.raises(ValueError, match="cannot reshape"):
+                theirs.get_slice("m")[3:1:2]
+            assert theirs.get_slice("e")[2:0:10**9].shape == (18446744074, 0)
