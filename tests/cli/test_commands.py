@@ -396,6 +396,37 @@ def test_hash_digests(cli, example: Path, tmp_path: Path) -> None:
     assert "model   sha256:" + doc["model"] in cli("hash", example).out
 
 
+def test_hash_of_large_tensors_across_chunks(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of 1 MiB or more feed the file's and the tensor's hashers on two threads, from
+    one reused buffer: the digests are still those of the bytes, for every algorithm."""
+    import pysafetensors
+    import pysafetensors._cli._cmd_hash as cmd_hash
+
+    monkeypatch.setattr(cmd_hash, "CHUNK_BYTES", (3 << 19) // 24 * 24)  # ~1.5 MiB chunks
+    rng = np.random.default_rng(4)
+    path = tmp_path / "big.safetensors"
+    save_file(
+        {
+            "a": rng.integers(0, 255, (5 << 20) + 48, dtype=np.uint8),  # 4 chunks, a short last
+            "b": rng.standard_normal(1000).astype(np.float32),  # one small chunk
+            "c": rng.integers(0, 255, 3 << 20, dtype=np.uint8),
+        },
+        str(path),
+    )
+    data = path.read_bytes()
+    for algorithm in ("sha256", "blake2b", "md5"):
+        doc = cli("hash", path, "--json", "-a", algorithm).json()
+        assert doc["files"][0]["file"] == hashlib.new(algorithm, data).hexdigest()
+        with pysafetensors.safe_open(str(path), "np") as f:
+            start = f.header.data_start
+            for row in doc["tensors"]:
+                info = f.header.tensors[row["name"]]
+                want = hashlib.new(algorithm, data[start + info.begin : start + info.end])
+                assert row["digest"] == want.hexdigest(), (algorithm, row["name"])
+
+
 # ------------------------------------------------------------------------------------- cast
 
 

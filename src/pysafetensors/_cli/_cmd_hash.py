@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from .._validate import iter_tensor_chunks
@@ -61,8 +62,20 @@ def model_digest(algorithm: str, rows: list[tuple[str, str, list[int], str]]) ->
     return h.hexdigest()
 
 
+#: Chunks from this size feed the file's and the tensor's hashers on two threads at once
+#: (hashlib lets go of the GIL for them); smaller ones are not worth the hand-over.
+_TWO_THREADS_FROM: Final = 1 << 20
+
+
 def hash_model(model: Model, algorithm: str, accept: Any, progress: Any) -> dict[str, Any]:
     """Read every file once, front to back, feeding the file, header and tensor hashers."""
+    with ThreadPoolExecutor(1, thread_name_prefix="pysafetensors-hash") as helper:
+        return _hash_model(model, algorithm, accept, progress, helper)
+
+
+def _hash_model(
+    model: Model, algorithm: str, accept: Any, progress: Any, helper: ThreadPoolExecutor
+) -> dict[str, Any]:
     files = []
     tensors: dict[str, str] = {}
     for f in model.files:
@@ -77,9 +90,16 @@ def hash_model(model: Model, algorithm: str, accept: Any, progress: Any) -> dict
         for info in f.header.tensors.values():
             tensor_h = hashlib.new(algorithm)
             start = f.header.data_start + info.begin
-            for _, buf in iter_tensor_chunks(f.source, start, info.nbytes, CHUNK_BYTES):
-                file_h.update(buf.data)
-                tensor_h.update(buf.data)
+            for _, buf in iter_tensor_chunks(f.source, start, info.nbytes, CHUNK_BYTES, reuse=True):
+                if buf.size >= _TWO_THREADS_FROM:
+                    # Both digests of a large chunk at once: each is one core's work (about
+                    # 1.4 GB/s for SHA-256 here), and the chunk is hashed twice.
+                    other = helper.submit(tensor_h.update, buf.data)
+                    file_h.update(buf.data)
+                    other.result()
+                else:
+                    file_h.update(buf.data)
+                    tensor_h.update(buf.data)
                 progress(buf.size)
             if accept(info.name):
                 tensors[info.name] = tensor_h.hexdigest()
