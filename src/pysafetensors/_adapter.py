@@ -167,18 +167,10 @@ def _whole_bytes(arr: np.ndarray) -> memoryview | None:
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 
 
-def _array_chunks(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
-    """Bytes of ``arr`` in row-major little-endian order, without copying when possible."""
-    needs_swap = arr.dtype.byteorder == ">" or (
-        arr.dtype.byteorder == "=" and sys.byteorder == "big"
-    )
-    if arr.flags.c_contiguous and not needs_swap:
-
-        def direct() -> Iterator[Any]:
-            yield arr.reshape(-1).view(np.uint8)
-
-        return direct
-
+def _array_slabs(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
+    """Bytes of ``arr`` in row-major little-endian order, copied a slab at a time: for the
+    arrays whose memory does not hold them so (:func:`_whole_bytes` gives the others' as
+    they lie)."""
     target = arr.dtype.newbyteorder("<")
 
     def slabs() -> Iterator[Any]:
@@ -323,7 +315,7 @@ class NumpyAdapter:
         whole = _whole_bytes(tensor)
         if whole is not None:
             return TensorData(name, dtype, shape, (whole,).__iter__, tensor, whole)
-        return TensorData(name, dtype, shape, _array_chunks(tensor), keepalive=tensor)
+        return TensorData(name, dtype, shape, _array_slabs(tensor), keepalive=tensor)
 
 
 _ADAPTER_MODULES: Final = {
