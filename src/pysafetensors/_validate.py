@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -663,10 +663,10 @@ def _is_url(target: str) -> bool:
     return "://" in target
 
 
-def open_model_file(path: str) -> ByteSource:
-    """Open one file of a model for positioned reads: a URL through the remote sources, a local
-    path only if it is a regular file (:func:`open_regular_file`: a FIFO would block the open
-    for ever).
+def open_model_file(path: str, storage_options: Mapping[str, Any] | None = None) -> ByteSource:
+    """Open one file of a model for positioned reads: a URL through the remote sources (with
+    ``storage_options``), a local path only if it is a regular file (:func:`open_regular_file`:
+    a FIFO would block the open for ever).
 
     Raises:
         NotRegularFileError: A local path names a FIFO, socket or device.
@@ -675,7 +675,7 @@ def open_model_file(path: str) -> ByteSource:
     if _is_url(path):
         from ._reader import open_source_for
 
-        return open_source_for(path, "pread")
+        return open_source_for(path, "pread", dict(storage_options or {}))
     fd = open_regular_file(path)
     try:
         return PreadSource(fd, path)
@@ -684,11 +684,11 @@ def open_model_file(path: str) -> ByteSource:
         raise
 
 
-def _read_small(target: str, limit: int) -> bytes:
+def _read_small(target: str, limit: int, storage_options: Mapping[str, Any] | None) -> bytes:
     if _is_url(target):
         from ._remote import open_source
 
-        with open_source(target) as src:
+        with open_source(target, storage_options=storage_options) as src:
             if src.size > limit:
                 raise SafetensorError(
                     f"{shown_location(target)}: index is {src.size} bytes, over {limit}"
@@ -713,7 +713,10 @@ def _join(base: str, name: str) -> str:
 
 
 def locate_model(
-    target: str | os.PathLike[str], *, max_index_size: int = MAX_HEADER_SIZE
+    target: str | os.PathLike[str],
+    *,
+    max_index_size: int = MAX_HEADER_SIZE,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ModelFiles:
     """Find the safetensors files of a file, folder, index or URL without opening them.
 
@@ -721,6 +724,7 @@ def locate_model(
     ``model.safetensors.index.json``, ``model.safetensors``, a single index, a single file). An
     index names its shards relative to itself; names that are absolute or contain ``..`` are
     refused and recorded as problems rather than raised, so that ``validate`` can list them all.
+    ``storage_options`` are used to read an index given by URL.
 
     Raises:
         FileNotFoundError: A folder holds no checkpoint.
@@ -731,7 +735,7 @@ def locate_model(
         if not path.split("?", 1)[0].endswith(".index.json"):
             # The label is what messages and reports show: never a password or a signature.
             return ModelFiles(path, [path], [shown_location(path)])
-        return _from_index(path, path, max_index_size)
+        return _from_index(path, path, max_index_size, storage_options)
     if os.path.isdir(path):
         # The same folder rules as safe_open(folder), so every tool opens the same files.
         from ._sharded import resolve_checkpoint
@@ -745,7 +749,12 @@ def locate_model(
     return ModelFiles(path, [path], [path])
 
 
-def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
+def _from_index(
+    target: str,
+    index_path: str,
+    limit: int,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ModelFiles:
     model = ModelFiles(target, [], [], index_path=index_path)
     label = shown_name(index_path)
 
@@ -755,7 +764,7 @@ def _from_index(target: str, index_path: str, limit: int) -> ModelFiles:
     try:
         # Decoded as the reader decodes it: strict UTF-8 (json.loads of bytes would also take
         # UTF-16/32 and a byte-order mark, which the reader refuses).
-        obj = json.loads(_read_small(index_path, limit).decode("utf-8"))
+        obj = json.loads(_read_small(index_path, limit, storage_options).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
@@ -908,6 +917,7 @@ def validate(
     check_values: bool | None = None,
     max_header_size: int = MAX_HEADER_SIZE,
     progress: Callable[[int], None] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[Problem]:
     """Check a file, a sharded model (folder or index) or a URL; return every problem found.
 
@@ -917,6 +927,8 @@ def validate(
         check_values: Read tensor data for the value checks; defaults to ``strict``.
         max_header_size: Largest header accepted.
         progress: Called with byte counts while tensor data is read.
+        storage_options: For a URL: options of the remote source (``headers``, ``timeout``,
+            ``endpoint_url``...), for the index and every shard, as for ``safe_open``.
 
     Returns:
         Every problem; an empty list means the target is valid.
@@ -929,7 +941,7 @@ def validate(
         >>> for p in validate("model.safetensors", strict=True):  # doctest: +SKIP
         ...     print(p.severity, p.code, p.tensor, p.offset, p.message)
     """
-    model = locate_model(target)
+    model = locate_model(target, storage_options=storage_options)
     problems = list(model.problems)
     headers: dict[str, dict[str, tuple[int, int]] | None] = {}
     col = _Collector(model.index_path and shown_name(model.index_path), strict=strict)
@@ -943,7 +955,7 @@ def validate(
             headers[label] = None
             continue
         try:
-            source = open_model_file(path)
+            source = open_model_file(path, storage_options)
         except FileNotFoundError:
             if not model.sharded:
                 raise

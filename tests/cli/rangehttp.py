@@ -18,9 +18,13 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 class RangeHTTPServer:
     """Serve ``root`` on 127.0.0.1 at a free port until :meth:`close`."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, required: dict[str, str] | None = None) -> None:
         self.root = root
         self.log: list[tuple[str, str | None, int]] = []
+        #: Headers every request must carry (else 401), as a server of private models does.
+        self.required = dict(required or {})
+        #: The values each required header arrived with, one dict per request.
+        self.seen: list[dict[str, str | None]] = []
         lock = threading.Lock()
         server = self
 
@@ -31,6 +35,14 @@ class RangeHTTPServer:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                got = {name: self.headers.get(name) for name in server.required}
+                with lock:
+                    server.seen.append(got)
+                if got != server.required:
+                    self.send_response(401)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 path = server.root / self.path.lstrip("/").split("?", 1)[0]
                 if not path.is_file():
                     self.send_response(404)

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Final
 
-from .._errors import SafetensorError
+from .._errors import RemotePermissionError, SafetensorError
 from ._common import sanitize
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -126,7 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.close(devnull)  # the copy on stdout's number stays
         return 141
     except OSError as exc:  # includes RemoteError: the target cannot be read
-        return _fail(args, exc, 2)
+        code = _fail(args, exc, 2)
+        if (
+            isinstance(exc, RemotePermissionError)
+            and hasattr(args, "headers")
+            and str(exc).lower().startswith(("http://", "https://"))
+        ):
+            # The library's message names its own `headers=` option (S3 credentials come from
+            # the AWS chain instead).
+            print(
+                "hint: on the command line, give credentials with -H 'Authorization: Bearer "
+                "TOKEN', or -H @FILE to keep the token off the command line",
+                file=sys.stderr,
+            )
+        return code
     except SafetensorError as exc:
         # A folder holding several checkpoints: the user must name one (a usage error, as for
         # an empty folder), whichever command met it.

@@ -39,6 +39,7 @@ from ._common import (
     plural,
     sanitize,
 )
+from ._remote_args import add_remote_args, remote_options
 
 #: Targets a cast can produce (whole-byte floating types numpy/ml_dtypes can compute in).
 TARGETS: Final = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
@@ -68,6 +69,7 @@ def register(sub: Any) -> None:
         "-f", "--filter", action="append", metavar="GLOB", help="only cast matching tensors"
     )
     p.add_argument("--regex", metavar="RE", help="only cast tensors matching this regex")
+    add_remote_args(p)
     p.set_defaults(func=run)
 
 
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     ui = Ui(args)
     overflow: dict[str, int] = {}
     # Folders the cast creates are removed again (when still empty) if it fails.
-    with open_model(args.target) as model, OutputFolders() as folders:
+    with open_model(args.target, remote_options(args)) as model, OutputFolders() as folders:
         model.refuse_inconsistent()  # as reshard/merge/extract: never write a model from it
         total = sum(t.nbytes for t in model.tensors.values())
         with ui.progress(total, "cast") as update:

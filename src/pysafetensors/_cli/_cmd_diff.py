@@ -35,6 +35,7 @@ from ._common import (
     to_float64,
     tolerance,
 )
+from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.diff/1"
 #: Elements compared per step (a multiple of 24, so F4/F6 chunks end on byte boundaries).
@@ -56,6 +57,7 @@ def register(sub: Any) -> None:
     p.add_argument("--no-values", action="store_true", help="compare headers only")
     add_filter_args(p)
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
+    add_remote_args(p)
     p.set_defaults(func=run, trouble_code=2)
 
 
@@ -272,7 +274,8 @@ def _num(v: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run ``diff``."""
     ui = Ui(args)
-    with open_model(args.a) as ma, open_model(args.b) as mb:
+    options = remote_options(args)  # for whichever of A and B is a URL
+    with open_model(args.a, options) as ma, open_model(args.b, options) as mb:
         # Compared: what the shards hold. An index that disagrees with them is warned about, and
         # the exit code is then 2 (the answer cannot be trusted as "equal"/"different").
         inconsistent = ma.warn_index() | mb.warn_index()

@@ -21,6 +21,7 @@ from ._common import (
     plural,
     sanitize,
 )
+from ._remote_args import add_remote_args, remote_options
 
 
 def register(subparsers: Any) -> None:
@@ -39,6 +40,7 @@ def register(subparsers: Any) -> None:
     )
     add_shard_args(p, default=None)
     p.add_argument("--list", action="store_true", help="print the names extracted, one a line")
+    add_remote_args(p)
     p.set_defaults(func=run)
 
 
@@ -56,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         # One output file is named by OUTPUT; a pattern would be silently ignored.
         raise UsageError("--filename-pattern names shards: it needs -s/--max-shard-size")
     pattern = args.filename_pattern or DEFAULT_FILENAME_PATTERN
+    options = remote_options(args)
     # Folders created for the output are removed again (when still empty) if extract fails.
     with OutputFolders() as folders:
         if args.max_shard_size is not None:
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             folders.expect(args.output)  # created by extract()
         else:
             make_parent(args.output, folders)
-        check_source(args.source)
+        check_source(args.source, options)
         ui = Ui(args)
         with progress_for(ui, "extracting") as report:
             names = extract(
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 max_shard_size=parse_size_arg(args.max_shard_size),
                 filename_pattern=pattern,
                 progress=report,
+                storage_options=options,
             )
     if args.list:
         for name in names:

@@ -25,6 +25,7 @@ from ._common import (
     print_json,
     sanitize,
 )
+from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.hash/1"
 
@@ -50,6 +51,7 @@ def register(sub: Any) -> None:
     p.add_argument("--no-tensors", action="store_true", help="do not list per-tensor digests")
     add_filter_args(p)
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
+    add_remote_args(p)
     p.set_defaults(func=run)
 
 
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hash``."""
     ui = Ui(args)
     accept = name_filter(args)
-    with open_model(args.target) as model:
+    with open_model(args.target, remote_options(args)) as model:
         inconsistent = model.warn_index()
         total = sum(t.nbytes for t in model.tensors.values())
         with ui.progress(total, "hash") as update:

@@ -21,6 +21,7 @@ from ._common import (
     sanitize,
     shown,
 )
+from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.inspect/1"
 
@@ -43,6 +44,7 @@ def register(sub: Any) -> None:
         help="tensor order (default: as stored)",
     )
     p.add_argument("--no-tensors", action="store_true", help="only totals and metadata")
+    add_remote_args(p)
     p.set_defaults(func=run)
 
 
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``inspect``."""
     ui = Ui(args)
     accept = name_filter(args)
-    with open_model(args.target) as model:
+    with open_model(args.target, remote_options(args)) as model:
         # The table lists what the shards hold; an index that disagrees is warned about and
         # makes the exit code 1 (reshard/merge/extract refuse such a model).
         inconsistent = model.warn_index()

@@ -13,6 +13,7 @@ from typing import Any
 
 from ._cmd_reshard import progress_for
 from ._common import OutputFolders, Ui, check_source, human_bytes, make_parent, sanitize
+from ._remote_args import add_remote_args, remote_options
 
 
 def register(subparsers: Any) -> None:
@@ -25,6 +26,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("source", metavar="SOURCE", help="model folder or *.index.json")
     p.add_argument("output", metavar="OUTPUT", help="output .safetensors file")
+    add_remote_args(p)
     p.set_defaults(func=run)
 
 
@@ -32,10 +34,11 @@ def run(args: argparse.Namespace) -> int:
     """Run ``merge``; returns the exit code."""
     from .._reshard import merge
 
-    check_source(args.source)
+    options = remote_options(args)
+    check_source(args.source, options)
     ui = Ui(args)
     with OutputFolders() as folders, progress_for(ui, "merging") as report:
         make_parent(args.output, folders)
-        merge(args.source, args.output, progress=report)
+        merge(args.source, args.output, progress=report, storage_options=options)
     ui.note(f"wrote {sanitize(args.output)} ({human_bytes(os.path.getsize(args.output))})")
     return 0

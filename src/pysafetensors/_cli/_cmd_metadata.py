@@ -15,6 +15,7 @@ from .._metadata_edit import edit_metadata
 from .._reader import safe_open
 from .._sources import check_regular
 from ._common import Ui, UsageError, open_model, print_json, sanitize, shown, whole_number
+from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.metadata/1"
 
@@ -37,6 +38,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="print the value of KEY exactly, control characters included",
     )
+    add_remote_args(g)
     g.set_defaults(func=run_get)
 
     s = actions.add_parser("set", help="add or change keys: KEY=VALUE ...")
@@ -84,7 +86,7 @@ def run_get(args: argparse.Namespace) -> int:
     ui = Ui(args)
     if args.raw and args.key is None:
         raise UsageError("--raw prints one value: name its KEY")
-    with open_model(args.target) as model:
+    with open_model(args.target, remote_options(args)) as model:
         meta = model.model_metadata()
         # As inspect/hash/stats: answer, but not with exit 0 for a model whose index disagrees
         # with its shards.

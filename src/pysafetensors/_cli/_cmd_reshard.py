@@ -21,6 +21,7 @@ from ._common import (
     plural,
     sanitize,
 )
+from ._remote_args import add_remote_args, remote_options
 
 
 def register(subparsers: Any) -> None:
@@ -36,6 +37,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("source", metavar="SOURCE", help="model folder, *.index.json or .safetensors")
     p.add_argument("output", metavar="OUTPUT", help="output folder")
     add_shard_args(p, default="5GB")
+    add_remote_args(p)
     p.set_defaults(func=run)
 
 
@@ -118,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.filename_pattern is not None:
         check_pattern(args.filename_pattern)
-    check_source(args.source)
+    options = remote_options(args)
+    check_source(args.source, options)
     ui = Ui(args)
     with OutputFolders() as folders, progress_for(ui, "resharding") as report:
         folders.expect(args.output)  # created by reshard(); removed again if it fails
@@ -128,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             parse_size_arg(args.max_shard_size) or "5GB",
             filename_pattern=args.filename_pattern,
             progress=report,
+            storage_options=options,
         )
     files = len(plan.filename_to_tensors)
     ui.note(

@@ -30,6 +30,7 @@ from ._common import (
     shown,
     to_float64,
 )
+from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.stats/1"
 #: Most histogram bins (each an int64 counter).
@@ -57,6 +58,7 @@ def register(sub: Any) -> None:
         help="also compute a histogram of finite values (default 10 bins; reads data twice)",
     )
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
+    add_remote_args(p)
     p.set_defaults(func=run)
 
 
@@ -223,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         # Each bin is an int64 counter per tensor: 10**10 bins would ask for 75 GiB.
         raise UsageError(f"--histogram takes 1 to {MAX_BINS:,} bins, not {args.histogram:,}")
     results: list[tuple[TensorRef, Summary]] = []
-    with open_model(args.target) as model:
+    with open_model(args.target, remote_options(args)) as model:
         inconsistent = model.warn_index()
         refs = [t for t in model.tensors.values() if accept(t.name)]
         total = sum(t.nbytes for t in refs) * (2 if args.histogram else 1)

@@ -7,7 +7,8 @@ import os
 from typing import Any, Final
 
 from .._validate import Problem, locate_model, validate
-from ._common import Ui, plural, print_json, sanitize, shown
+from ._common import Ui, plural, print_json, sanitize, shown, url_argument_errors
+from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.validate/1"
 
@@ -29,6 +30,7 @@ def register(sub: Any) -> None:
         "(reads all tensor data); warnings then count as problems",
     )
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
+    add_remote_args(p)
     p.set_defaults(func=run, trouble_code=2)
 
 
@@ -46,15 +48,19 @@ def _line(p: Problem) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run ``validate``."""
     ui = Ui(args)
-    located = locate_model(args.target)
+    options = remote_options(args)
+    with url_argument_errors():
+        located = locate_model(args.target, storage_options=options)
     # Only --strict reads tensor data; the bar counts local bytes (URL sizes are not known yet).
     total = 0
     if args.strict:
         total = sum(
             os.path.getsize(p) for p in located.files if "://" not in p and os.path.isfile(p)
         )
-    with ui.progress(total, "validate") as update:
-        problems = validate(args.target, strict=args.strict, progress=update)
+    with ui.progress(total, "validate") as update, url_argument_errors():
+        problems = validate(
+            args.target, strict=args.strict, progress=update, storage_options=options
+        )
     errors = sum(p.severity == "error" for p in problems)
     warnings = len(problems) - errors
     if args.json:

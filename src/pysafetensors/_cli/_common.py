@@ -53,6 +53,7 @@ __all__ = [
     "decode",
     "human_bytes",
     "check_source",
+    "url_argument_errors",
     "human_count",
     "make_parent",
     "shown",
@@ -141,14 +142,14 @@ def make_parent(path: str, folders: OutputFolders | None = None) -> None:
         os.makedirs(parent, exist_ok=True)
 
 
-def check_source(target: str) -> None:
+def check_source(target: str, storage_options: dict[str, Any] | None = None) -> None:
     """Open a model's headers before a command rewrites it, for errors that name the file.
 
     ``reshard``/``merge``/``extract`` read through the library, whose header errors do not say
     which shard failed; this reads every header the way ``inspect`` does (naming the file) and
     refuses an index that disagrees with its shards, before anything is written.
     """
-    with open_model(target) as model:
+    with open_model(target, storage_options) as model:
         model.refuse_inconsistent()
 
 
@@ -457,19 +458,38 @@ class Model:
         self.close()
 
 
+@contextlib.contextmanager
+def url_argument_errors() -> Iterator[None]:
+    """Turn what opening a URL refuses before any request into a usage error (exit 2).
+
+    The remote sources check the URL and their options (``-H``, ``--remote-option``) first and
+    raise a plain ``TypeError``/``ValueError`` naming what is wrong; a malformed file raises a
+    ``SafetensorError``, which passes through, as does everything else.
+    """
+    try:
+        yield
+    except SafetensorError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
 #: The local files of every model a command opened (``diff`` opens two), within one budget.
 _OPEN_FILES: Final = FilePool()
 
 
-def open_model(target: str) -> Model:
+def open_model(target: str, storage_options: dict[str, Any] | None = None) -> Model:
     """Open a file, folder, index or URL; the headers are read and validated, the data is not.
+
+    ``storage_options`` are the remote source's options for a URL (see ``_remote_args``).
 
     Raises:
         SafetensorError: A file is malformed, the index is unusable, or two shards hold the
             same tensor.
         OSError: A file cannot be opened.
     """
-    located = locate_model(target)
+    with url_argument_errors():
+        located = locate_model(target, storage_options=storage_options)
     if located.problems:
         first = located.problems[0]
         raise SafetensorError(
@@ -479,7 +499,8 @@ def open_model(target: str) -> Model:
     model = Model(shown(target), located)
     try:
         for path, label in zip(located.files, located.labels, strict=True):
-            source: ByteSource = open_model_file(path)
+            with url_argument_errors():
+                source: ByteSource = open_model_file(path, storage_options)
             try:
                 header = read_header(source, prefix_text=f"{label}: ")
             except BaseException:
