@@ -321,6 +321,11 @@ class RemoteSource:
         """The first bytes of the object, fetched when it was opened (possibly empty)."""
         return self._head
 
+    @property
+    def max_gap(self) -> int:
+        """Ranges closer than this are fetched in one request (the ``max_gap`` option)."""
+        return self._max_gap
+
     def view(self, offset: int, length: int) -> memoryview | None:
         """Return None: remote bytes cannot be mapped."""
         return None

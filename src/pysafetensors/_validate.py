@@ -41,6 +41,8 @@ from ._format import (
     parse_header_length,
     top_level_members,
 )
+from ._planned_reads import PlannedReads
+from ._remote_source import RemoteSource
 from ._remote_urls import shown_location, shown_name, url_dirname, url_join
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
@@ -514,9 +516,34 @@ def _check_values(
     progress: Callable[[int], None] | None,
 ) -> None:
     """Strict value checks: NaN/Inf in float tensors, BOOL bytes other than 0/1."""
-    for e in entries:
-        if not e.ok or e.end == e.begin or not (e.dtype.is_float or e.dtype.code == "BOOL"):
-            continue
+    checked = [
+        e
+        for e in entries
+        if e.ok and e.end > e.begin and (e.dtype.is_float or e.dtype.code == "BOOL")
+    ]
+    if isinstance(source, RemoteSource):
+        # Tensors in file order, each read in chunks: a request per chunk read, unless the
+        # reads are planned into few large ones.
+        source = PlannedReads(
+            source,
+            [(data_start + e.begin, data_start + e.end) for e in checked],
+            max_gap=source.max_gap,
+        )
+    try:
+        _check_tensors(col, source, data_start, checked, progress)
+    finally:
+        if isinstance(source, PlannedReads):
+            source.close()
+
+
+def _check_tensors(
+    col: _Collector,
+    source: ByteSource,
+    data_start: int,
+    checked: Sequence[_Entry],
+    progress: Callable[[int], None] | None,
+) -> None:
+    for e in checked:
         nan = inf = bad_bool = 0
         first: int | None = None
         element = max(1, e.dtype.bits // 8)

@@ -85,7 +85,7 @@ def _converted(
             e1 = min(n, e0 + _CHUNK_ELEMENTS)
             b0, b1 = e0 * ref.dtype.bits // 8, e1 * ref.dtype.bits // 8
             raw = np.empty(b1 - b0, np.uint8)
-            ref.file.source.readinto(start + b0, raw.data)
+            ref.file.data.readinto(start + b0, raw.data)
             values = decode(ref.dtype, raw)
             with np.errstate(over="ignore", invalid="ignore"):
                 cast = values.astype(out_dtype)
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     with open_model(args.target, remote_options(args)) as model, OutputFolders() as folders:
         model.refuse_inconsistent()  # as reshard/merge/extract: never write a model from it
         total = sum(t.nbytes for t in model.tensors.values())
-        with ui.progress(total, "cast") as update:
+        with ui.progress(total, "cast") as update, model.planned_reads(model.tensors.values()):
             plan = _plan(model, args, overflow, update)
             written = 0
             if not model.sharded:

@@ -69,7 +69,7 @@ def _element_chunks(ref: TensorRef) -> Iterator[np.ndarray]:
         e1 = min(n, e0 + _CHUNK_ELEMENTS)
         b0, b1 = e0 * ref.dtype.bits // 8, e1 * ref.dtype.bits // 8
         buf = np.empty(b1 - b0, np.uint8)
-        ref.file.source.readinto(start + b0, buf.data)
+        ref.file.data.readinto(start + b0, buf.data)
         yield buf
 
 
@@ -286,7 +286,12 @@ def run(args: argparse.Namespace) -> int:
                 t.nbytes + mb.tensors[n].nbytes for n, t in ma.tensors.items() if n in mb.tensors
             )
         )
-        with ui.progress(total, "diff") as update:
+        common = [] if args.no_values else [n for n in ma.tensors if n in mb.tensors]
+        with (
+            ui.progress(total, "diff") as update,
+            ma.planned_reads(ma.tensors[n] for n in common),
+            mb.planned_reads(mb.tensors[n] for n in common),
+        ):
             result = diff_models(ma, mb, args, update)
     if args.json:
         print_json(result)

@@ -92,7 +92,7 @@ def _hash_model(
         for info in f.header.tensors.values():
             tensor_h = hashlib.new(algorithm)
             start = f.header.data_start + info.begin
-            for _, buf in iter_tensor_chunks(f.source, start, info.nbytes, CHUNK_BYTES, reuse=True):
+            for _, buf in iter_tensor_chunks(f.data, start, info.nbytes, CHUNK_BYTES, reuse=True):
                 if buf.size >= _TWO_THREADS_FROM:
                     # Both digests of a large chunk at once: each is one core's work (about
                     # 1.4 GB/s for SHA-256 here), and the chunk is hashed twice.
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     with open_model(args.target, remote_options(args)) as model:
         inconsistent = model.warn_index()
         total = sum(t.nbytes for t in model.tensors.values())
-        with ui.progress(total, "hash") as update:
+        with ui.progress(total, "hash") as update, model.planned_reads(model.tensors.values()):
             result = hash_model(model, args.algorithm, accept, update)
     if args.json:
         if args.no_tensors:

@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         inconsistent = model.warn_index()
         refs = [t for t in model.tensors.values() if accept(t.name)]
         total = sum(t.nbytes for t in refs) * (2 if args.histogram else 1)
-        with ui.progress(total, "stats") as update:
+        with ui.progress(total, "stats") as update, model.planned_reads(refs):
             if args.json:
 
                 def entries() -> Iterator[dict[str, Any]]:

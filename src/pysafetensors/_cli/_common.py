@@ -16,7 +16,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
@@ -26,7 +26,9 @@ from .._dtypes import DType
 from .._errors import SafetensorError
 from .._file_pool import FilePool
 from .._format import Header
+from .._planned_reads import BlockBudget, PlannedReads
 from .._reader import read_header
+from .._remote_source import RemoteSource
 from .._remote_urls import shown_location as shown
 from .._sharding import as_header_metadata, model_metadata
 from .._sources import ByteSource, PreadSource
@@ -327,6 +329,14 @@ class ShardFile:
     """Where its bytes come from."""
     header: Header
     """Its validated header."""
+    planned: ByteSource | None = None
+    """While :meth:`Model.planned_reads` is in effect for a remote file: where its tensor data
+    is read from (few large requests instead of one per read)."""
+
+    @property
+    def data(self) -> ByteSource:
+        """Where to read tensor data: the planned reader if there is one, else the source."""
+        return self.source if self.planned is None else self.planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +373,7 @@ class TensorRef:
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
         """The tensor's bytes as fresh uint8 arrays of at most ``chunk_bytes``."""
         for _, buf in iter_tensor_chunks(
-            self.file.source, self.file_offsets[0], self.nbytes, chunk_bytes
+            self.file.data, self.file_offsets[0], self.nbytes, chunk_bytes
         ):
             yield buf
 
@@ -445,6 +455,33 @@ class Model:
             [f.header.metadata for f in self.files], self.index_metadata, computed=computed
         )
         return None if meta is None else as_header_metadata(meta)
+
+    @contextlib.contextmanager
+    def planned_reads(self, refs: Iterable[TensorRef]) -> Iterator[None]:
+        """Read the data of ``refs`` in few large requests from remote files, until exit.
+
+        For commands that stream tensors in file order (``hash``, ``stats``, ``cast``,
+        ``diff``): each remote file reads through a :class:`PlannedReads` of those tensors'
+        ranges, one block held at a time for the whole model. Local files read as before.
+        """
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for ref in refs:
+            if isinstance(ref.file.source, RemoteSource):
+                ranges.setdefault(id(ref.file), []).append(ref.file_offsets)
+        budget = BlockBudget()
+        try:
+            for f in self.files:
+                planned = ranges.get(id(f))
+                if planned and isinstance(f.source, RemoteSource):
+                    f.planned = PlannedReads(
+                        f.source, planned, max_gap=f.source.max_gap, budget=budget
+                    )
+            yield
+        finally:
+            for f in self.files:
+                if f.planned is not None:
+                    f.planned.close()
+                    f.planned = None
 
     def close(self) -> None:
         """Close every file."""

@@ -1,0 +1,158 @@
+"""PlannedReads: planned small reads served from few large reads of the source, byte-exact."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pysafetensors._errors import SafetensorError
+from pysafetensors._planned_reads import BlockBudget, PlannedReads
+from pysafetensors._sources import BufferSource
+
+
+class Counting:
+    """A buffer source that records each read and can be told to fail the next one."""
+
+    def __init__(self, data: bytes) -> None:
+        self.inner = BufferSource(data)
+        self.reads: list[tuple[int, int]] = []
+        self.fail_next = False
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    @property
+    def name(self) -> str:
+        return "counting"
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise OSError("injected failure")
+        self.reads.append((offset, out.nbytes))
+        self.inner.readinto(offset, out)
+
+    def view(self, offset: int, length: int) -> memoryview | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def fetched(self) -> int:
+        return sum(n for _, n in self.reads)
+
+
+def _read(src: object, offset: int, n: int) -> bytes:
+    buf = np.empty(n, np.uint8)
+    src.readinto(offset, buf.data)  # type: ignore[attr-defined]
+    return buf.tobytes()
+
+
+def _tiling(rng: random.Random, size: int, count: int) -> list[tuple[int, int]]:
+    cuts = sorted(rng.sample(range(1, size), count - 1))
+    edges = [0, *cuts, size]
+    return list(zip(edges, edges[1:], strict=False))
+
+
+def test_tensors_in_file_order_take_one_read_per_block() -> None:
+    rng = random.Random(1)
+    data = rng.randbytes(300_000)
+    src = Counting(data)
+    ranges = _tiling(rng, len(data), 1000)
+    planned = PlannedReads(src, ranges, max_gap=0, block_bytes=64 << 10)
+    for start, end in ranges:
+        # Each tensor in chunks of up to 7 bytes, as a streaming reader takes it.
+        for a in range(start, end, 7):
+            b = min(end, a + 7)
+            assert _read(planned, a, b - a) == data[a:b]
+    # Every byte fetched once, in blocks of at most 64 KiB.
+    assert src.fetched == len(data)
+    assert len(src.reads) == -(-len(data) // (64 << 10))
+    assert all(n <= 64 << 10 for _, n in src.reads)
+
+
+def test_unplanned_bytes_are_not_fetched() -> None:
+    """A filtered pass (three small tensors of a large file) fetches those tensors, and the
+    gaps between planned ranges only when they are within max_gap."""
+    data = bytes(range(256)) * 4096  # 1 MiB
+    src = Counting(data)
+    ranges = [(1000, 1100), (1150, 1200), (500_000, 500_064)]
+    planned = PlannedReads(src, ranges, max_gap=64)
+    for start, end in ranges:
+        assert _read(planned, start, end - start) == data[start:end]
+    assert src.reads == [(1000, 200), (500_000, 64)]  # the 50-byte gap bridged, not the rest
+    src.reads.clear()
+    planned = PlannedReads(src, ranges, max_gap=0)
+    for start, end in ranges:
+        assert _read(planned, start, end - start) == data[start:end]
+    assert src.reads == [(1000, 100), (1150, 50), (500_000, 64)]
+
+
+def test_any_order_stays_exact() -> None:
+    rng = random.Random(2)
+    data = rng.randbytes(200_000)
+    src = Counting(data)
+    ranges = _tiling(rng, len(data), 300)
+    planned = PlannedReads(src, ranges, max_gap=1 << 10, block_bytes=16 << 10)
+    for _ in range(2000):
+        a = rng.randrange(len(data))
+        b = min(len(data), a + rng.randrange(1, 40_000))
+        assert _read(planned, a, b - a) == data[a:b]
+    # Reads as large as a block go straight to the source.
+    src.reads.clear()
+    assert _read(planned, 0, 16 << 10) == data[: 16 << 10]
+    assert src.reads == [(0, 16 << 10)]
+
+
+def test_one_block_held_per_budget() -> None:
+    data = bytes(1 << 20)
+    budget = BlockBudget()
+    readers = [
+        PlannedReads(
+            Counting(data), [(0, 1 << 20)], max_gap=0, block_bytes=256 << 10, budget=budget
+        )
+        for _ in range(3)
+    ]
+    for r in readers:
+        _read(r, 0, 100)
+    held = [r._buf is not None for r in readers]
+    assert held == [False, False, True]
+    readers[2].close()
+    assert readers[2]._buf is None
+
+
+def test_a_failed_read_leaves_no_block() -> None:
+    data = bytes(range(256)) * 64
+    src = Counting(data)
+    planned = PlannedReads(src, [(0, len(data))], max_gap=0)
+    src.fail_next = True
+    with pytest.raises(OSError, match="injected"):
+        _read(planned, 100, 10)
+    # Neither the failed block nor stale bytes are served: the next read fetches again.
+    assert _read(planned, 100, 10) == data[100:110]
+    assert src.reads == [(100, len(data) - 100)]
+
+
+def test_reads_past_the_end_fail_as_the_source_fails() -> None:
+    data = bytes(1000)
+    planned = PlannedReads(BufferSource(data), [(0, 1000)], max_gap=0)
+    with pytest.raises(SafetensorError):
+        _read(planned, 990, 20)
+    assert _read(planned, 990, 10) == bytes(10)
+
+
+def test_a_read_across_the_block_end_fetches_only_the_rest() -> None:
+    data = bytes(range(256)) * 1024
+    src = Counting(data)
+    planned = PlannedReads(src, [(0, len(data))], max_gap=0, block_bytes=1000)
+    assert _read(planned, 0, 600) == data[:600]
+    assert _read(planned, 600, 600) == data[600:1200]  # 400 held, 200 fetched
+    assert src.reads == [(0, 1000), (1000, 1000)]
+    # Into memory of another element type: counted in bytes all the same.
+    out = np.empty(300, np.float32)
+    planned.readinto(1500, out.data)
+    assert out.tobytes() == data[1500:2700]
