@@ -31,6 +31,7 @@ from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
 from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo
+from ._ordered_opens import OPEN_AHEAD, in_order
 from ._reader import (
     HandleBehaviour,
     SafeSlice,
@@ -782,24 +783,40 @@ class ShardedSafeOpen(HandleBehaviour):
         """Load every tensor, in file order (see :meth:`offset_keys`)."""
         self._live()
         out: dict[str, Any] = {}
-        for shard in self._shards:
+
+        def handle_for(shard: str) -> tuple[safe_open, bool]:
+            """The shard's open handle, pinned (True), or a handle of this call's own."""
             with self._lock:
                 handle = self._used(shard)
             if handle is not None:
+                return handle, True
+            # A shard not open yet is read through a handle of this call's own, closed once
+            # read (its tensors stay valid): a load of hundreds of shards held a descriptor
+            # per shard until the end. Not shared, so no other thread's read can meet it
+            # closed.
+            self._live()
+            return self._checked_handle(shard), False
+
+        def let_go(shard: str, handle: safe_open, pinned: bool) -> None:
+            if pinned:
+                self._unpin(shard)
+            else:
+                handle.close()
+
+        # Remote shards are opened a few ahead (a round trip each) while one is read.
+        opens = in_order(
+            lambda shard: (shard, *handle_for(shard)),
+            self._shards,
+            discard=lambda opened: let_go(*opened),
+            ahead=OPEN_AHEAD if _is_url(self._path) else 1,
+        )
+        with contextlib.closing(opens):
+            for _, future in opens:
+                shard, handle, pinned = future.result()
                 try:
                     out.update(handle.get_tensors())
                 finally:
-                    self._unpin(shard)
-                continue
-            # A shard not open yet is read through a handle of this call's own, closed once
-            # read (its tensors stay valid): a load of hundreds of shards held a descriptor per
-            # shard until the end. Not shared, so no other thread's read can meet it closed.
-            self._live()
-            handle = self._checked_handle(shard)
-            try:
-                out.update(handle.get_tensors())
-            finally:
-                handle.close()
+                    let_go(shard, handle, pinned)
         return out
 
     def get_slice(self, name: str) -> SafeSlice:

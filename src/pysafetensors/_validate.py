@@ -20,6 +20,7 @@ shard holds that the index does not list, tensors held by two shards, and ``tota
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from ._format import (
     parse_header_length,
     top_level_members,
 )
+from ._ordered_opens import OPEN_AHEAD, in_order
 from ._planned_reads import PlannedReads
 from ._remote_source import RemoteSource
 from ._remote_urls import shown_location, shown_name, url_dirname, url_join
@@ -937,6 +939,11 @@ def _check_index(
                 col.warn("StrayShard", f"{name!r} is in the folder but not in the index")
 
 
+def _close_source(source: ByteSource | None) -> None:
+    if source is not None:
+        source.close()
+
+
 def validate(
     target: str | os.PathLike[str],
     *,
@@ -972,44 +979,61 @@ def validate(
     problems = list(model.problems)
     headers: dict[str, dict[str, tuple[int, int]] | None] = {}
     col = _Collector(model.index_path and shown_name(model.index_path), strict=strict)
-    for path, label in zip(model.files, model.labels, strict=True):
+
+    def open_one(item: tuple[str, str]) -> ByteSource | None:
+        path = item[0]
         if model.sharded and not _is_url(path) and os.path.isdir(path):
-            # A folder where the index names a shard: a problem of the model, not a failure
-            # to run (opening a folder for reading succeeds on Linux; reading it fails).
-            problems.append(
-                Problem("error", "ShardMissing", "shard path is a folder, not a file", label)
-            )
-            headers[label] = None
-            continue
-        try:
-            source = open_model_file(path, storage_options)
-        except FileNotFoundError:
-            if not model.sharded:
-                raise
-            problems.append(Problem("error", "ShardMissing", "shard file not found", label))
-            headers[label] = None
-            continue
-        except NotRegularFileError as exc:
-            if not model.sharded:
-                raise
-            problems.append(Problem("error", "ShardMissing", f"shard is {exc.strerror}", label))
-            headers[label] = None
-            continue
-        try:
-            found, entries = _validate_source(
-                source,
-                label,
-                strict,
-                strict if check_values is None else check_values,
-                max_header_size,
-                progress,
-            )
-            problems.extend(found)
-            headers[label] = (
-                None if entries is None else {e.name: (e.begin, e.end) for e in entries}
-            )
-        finally:
-            source.close()
+            return None
+        return open_model_file(path, storage_options)
+
+    # The shards of a URL opened a few at once (a round trip each), handed over in order.
+    ahead = OPEN_AHEAD if all(_is_url(p) for p in model.files) else 1
+    opens = in_order(
+        open_one,
+        list(zip(model.files, model.labels, strict=True)),
+        discard=_close_source,
+        ahead=ahead,
+    )
+    with contextlib.closing(opens):
+        for (_, label), opened in opens:
+            try:
+                source = opened.result()
+            except FileNotFoundError:
+                if not model.sharded:
+                    raise
+                problems.append(Problem("error", "ShardMissing", "shard file not found", label))
+                headers[label] = None
+                continue
+            except NotRegularFileError as exc:
+                if not model.sharded:
+                    raise
+                problems.append(Problem("error", "ShardMissing", f"shard is {exc.strerror}", label))
+                headers[label] = None
+                continue
+            if source is None:
+                # A folder where the index names a shard: a problem of the model, not a
+                # failure to run (opening a folder for reading succeeds on Linux; reading
+                # it fails).
+                problems.append(
+                    Problem("error", "ShardMissing", "shard path is a folder, not a file", label)
+                )
+                headers[label] = None
+                continue
+            try:
+                found, entries = _validate_source(
+                    source,
+                    label,
+                    strict,
+                    strict if check_values is None else check_values,
+                    max_header_size,
+                    progress,
+                )
+                problems.extend(found)
+                headers[label] = (
+                    None if entries is None else {e.name: (e.begin, e.end) for e in entries}
+                )
+            finally:
+                source.close()
     if model.sharded:
         _check_index(model, headers, col)
     problems.extend(col.problems)

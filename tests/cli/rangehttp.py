@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import re
 import threading
+import time
 from pathlib import Path
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
@@ -25,6 +26,11 @@ class RangeHTTPServer:
         self.required = dict(required or {})
         #: The values each required header arrived with, one dict per request.
         self.seen: list[dict[str, str | None]] = []
+        #: Seconds each request waits before it is answered (a distant server).
+        self.delay = 0.0
+        #: Requests being answered now, and the most there were at once.
+        self.in_flight = 0
+        self.most_in_flight = 0
         lock = threading.Lock()
         server = self
 
@@ -35,6 +41,18 @@ class RangeHTTPServer:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                with lock:
+                    server.in_flight += 1
+                    server.most_in_flight = max(server.most_in_flight, server.in_flight)
+                try:
+                    if server.delay:
+                        time.sleep(server.delay)
+                    self._answer()
+                finally:
+                    with lock:
+                        server.in_flight -= 1
+
+            def _answer(self) -> None:
                 got = {name: self.headers.get(name) for name in server.required}
                 with lock:
                     server.seen.append(got)

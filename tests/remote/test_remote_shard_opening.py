@@ -6,6 +6,7 @@ import http.server
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     hold: str
     release: threading.Event
     held = threading.Event()
+    asked: list[str] = []  # every name requested, in order
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass
 
     def do_GET(self) -> None:
         name = self.path.lstrip("/").split("?", 1)[0]
+        self.asked.append(name)
         if name == self.hold:
             self.held.set()
             self.release.wait(60)
@@ -102,6 +105,39 @@ def test_reads_go_on_while_another_shard_is_opening(
         release.set()
         opener.join(30)
         assert f.get_tensor("layer.1.w")[0] == 1
+
+
+def test_a_load_opens_the_next_shards_while_one_is_held(
+    held_server: tuple[str, threading.Event, threading.Event],
+) -> None:
+    # A load opened each remote shard after reading the one before: a round trip per shard
+    # in a row. Now the next shards are opened meanwhile, and handed over in order.
+    from pysafetensors.numpy import load_file
+
+    base, held, release = held_server
+    loaded: dict[str, np.ndarray] = {}
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            loaded.update(load_file(f"{base}/model.safetensors.index.json"))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            failed.append(exc)
+
+    _Handler.asked.clear()
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert held.wait(30)  # shard 2's open waits on the server
+    later = {"model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors"}
+    deadline = time.monotonic() + 30
+    while not later <= set(_Handler.asked) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert later <= set(_Handler.asked)  # asked for while shard 2 is still held
+    assert loader.is_alive() and not loaded
+    release.set()
+    loader.join(30)
+    assert not loader.is_alive() and not failed
+    assert {k: int(v[0]) for k, v in loaded.items()} == {f"layer.{i}.w": i for i in range(4)}
 
 
 def test_many_open_sources_share_worker_threads_and_idle_connections(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from .._dtypes import DType
 from .._errors import SafetensorError
 from .._file_pool import FilePool
 from .._format import Header
+from .._ordered_opens import OPEN_AHEAD, in_order
 from .._planned_reads import BlockBudget, PlannedReads
 from .._reader import read_header
 from .._remote_source import RemoteSource
@@ -534,15 +535,25 @@ def open_model(target: str, storage_options: dict[str, Any] | None = None) -> Mo
             kind=first.code,
         )
     model = Model(shown(target), located)
+
+    def open_one(item: tuple[str, str]) -> tuple[ByteSource, Header]:
+        path, label = item
+        with url_argument_errors():
+            source: ByteSource = open_model_file(path, storage_options)
+        try:
+            return source, read_header(source, prefix_text=f"{label}: ")
+        except BaseException:
+            source.close()
+            raise
+
+    items = list(zip(located.files, located.labels, strict=True))
+    # Remote shards opened a few at once (a round trip each); local files one by one, as
+    # each may be closed again past the descriptor budget.
+    ahead = OPEN_AHEAD if all("://" in path for path in located.files) else 1
+    opens = in_order(open_one, items, discard=lambda pair: pair[0].close(), ahead=ahead)
     try:
-        for path, label in zip(located.files, located.labels, strict=True):
-            with url_argument_errors():
-                source: ByteSource = open_model_file(path, storage_options)
-            try:
-                header = read_header(source, prefix_text=f"{label}: ")
-            except BaseException:
-                source.close()
-                raise
+        for (path, label), opened in opens:
+            source, header = opened.result()
             if isinstance(source, PreadSource):
                 # A local file: its descriptor closed past the budget and opened again when
                 # read (a model of thousands of shards ran out of descriptors).
@@ -569,6 +580,7 @@ def open_model(target: str, storage_options: dict[str, Any] | None = None) -> Mo
                 },
             )
     except BaseException:
+        opens.close()  # what is still being opened is closed as it arrives
         model.close()
         raise
     return model
