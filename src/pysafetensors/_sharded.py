@@ -24,7 +24,7 @@ import operator
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, Final, TypeVar
 
 from ._adapter import get_adapter
@@ -726,8 +726,8 @@ class ShardedSafeOpen(HandleBehaviour):
         """
         self._live()
         out: list[str] = []
-        for shard in self._shards:
-            with self._shard(shard) as handle:
+        with contextlib.closing(self._pinned_in_turn(self._shards)) as pinned:
+            for _, handle in pinned:
                 out.extend(handle.offset_keys())
         return out
 
@@ -750,8 +750,8 @@ class ShardedSafeOpen(HandleBehaviour):
         for a single file, its metadata)."""
         self._live()
         out = []
-        for shard in self._shards:
-            with self._shard(shard) as handle:
+        with contextlib.closing(self._pinned_in_turn(self._shards)) as pinned:
+            for _, handle in pinned:
                 out.append(handle.metadata())
         return out
 
@@ -868,10 +868,30 @@ class ShardedSafeOpen(HandleBehaviour):
         for item in items:
             by_shard.setdefault(self._shard_name(name_of(item)), []).append(item)
         got: dict[str, Any] = {}
-        for shard, group in by_shard.items():
-            with self._shard(shard) as handle:
-                got.update(work(handle, group))
+        with contextlib.closing(self._pinned_in_turn(list(by_shard))) as pinned:
+            for shard, handle in pinned:
+                got.update(work(handle, by_shard[shard]))
         return got
+
+    def _pinned_in_turn(self, shards: list[str]) -> Generator[tuple[str, safe_open], None, None]:
+        """``(shard, handle)`` for each shard in turn, pinned until the next is asked for.
+
+        Remote shards not open yet are opened a few ahead (a round trip each); one never
+        handed over is unpinned as soon as it is open.
+        """
+        opens = in_order(
+            lambda shard: (shard, self._pin(shard)),
+            shards,
+            discard=lambda pinned: self._unpin(pinned[0]),
+            ahead=OPEN_AHEAD if _is_url(self._path) else 1,
+        )
+        with contextlib.closing(opens):
+            for shard, opened in opens:
+                _, handle = opened.result()
+                try:
+                    yield shard, handle
+                finally:
+                    self._unpin(shard)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.offset_keys())

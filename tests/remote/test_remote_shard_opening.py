@@ -107,20 +107,26 @@ def test_reads_go_on_while_another_shard_is_opening(
         assert f.get_tensor("layer.1.w")[0] == 1
 
 
+@pytest.mark.parametrize("how", ["load_file", "load_shard"])
 def test_a_load_opens_the_next_shards_while_one_is_held(
-    held_server: tuple[str, threading.Event, threading.Event],
+    held_server: tuple[str, threading.Event, threading.Event], how: str
 ) -> None:
     # A load opened each remote shard after reading the one before: a round trip per shard
     # in a row. Now the next shards are opened meanwhile, and handed over in order.
     from pysafetensors.numpy import load_file
+    from pysafetensors.parallel import load_shard
 
     base, held, release = held_server
     loaded: dict[str, np.ndarray] = {}
     failed: list[BaseException] = []
+    url = f"{base}/model.safetensors.index.json"
 
     def load() -> None:
         try:
-            loaded.update(load_file(f"{base}/model.safetensors.index.json"))
+            if how == "load_file":
+                loaded.update(load_file(url))
+            else:
+                loaded.update(load_shard(url, 0, 1, {}, framework="np"))
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             failed.append(exc)
 
