@@ -111,7 +111,7 @@ class PlannedReads:
                 out = out[held - offset :]
                 offset, n = held, n - (held - offset)
         if n >= self._block_bytes:
-            self._source.readinto(offset, out)  # as large as a block: no copy through one
+            self._fetch(offset, out)  # as large as a block: no copy through one
             return
         stop = self._extent(offset, offset + n)
         self._budget.take(self)
@@ -120,9 +120,18 @@ class PlannedReads:
             self._buf = None  # the old block's memory goes before the new one is taken
             self._buf = np.empty(max(length, min(self._block_bytes, 1 << 20)), np.uint8)
         self._len = 0  # a failed read must leave no block behind
-        self._source.readinto(offset, self._buf.data[:length])
+        self._fetch(offset, self._buf.data[:length])
         self._at, self._len = offset, length
         out[:] = self._buf.data[:n]
+
+    def _fetch(self, offset: int, out: memoryview) -> None:
+        """Read from the source as planned: a remote source's own read-ahead (for reads it
+        cannot foresee) is bypassed, the plan knows which bytes come next."""
+        many = getattr(self._source, "readinto_many", None)
+        if many is not None:
+            many([(offset, out.nbytes)], out)
+        else:
+            self._source.readinto(offset, out)
 
     def _extent(self, offset: int, stop: int) -> int:
         """Where a block starting at ``offset`` (and reaching ``stop`` at least) ends: past the

@@ -10,6 +10,7 @@ from ._errors import (
     RemoteNotFoundError,
     RemotePermissionError,
 )
+from ._remote_read_ahead import DEFAULT_READ_AHEAD
 from ._remote_source import (
     DEFAULT_HEAD_BYTES,
     DEFAULT_MAX_GAP,
@@ -39,6 +40,8 @@ class FsspecSource(RemoteSource):
         head_bytes: Bytes fetched and cached when opening.
         retries: Repeats after a short read.
         backoff: First retry delay in seconds.
+        read_ahead: The largest window read ahead for small reads in file order (a
+            ``get_tensor`` loop); 0 fetches every read as asked.
         **storage_options: Passed to the filesystem when ``target`` is a URL.
 
     Raises:
@@ -58,6 +61,7 @@ class FsspecSource(RemoteSource):
         head_bytes: int = DEFAULT_HEAD_BYTES,
         retries: int = 1,
         backoff: float = 0.2,
+        read_ahead: int = DEFAULT_READ_AHEAD,
         **storage_options: Any,
     ) -> None:
         # Options checked before url_to_fs, which may already reach the network; the name is
@@ -70,6 +74,7 @@ class FsspecSource(RemoteSource):
             head_bytes=head_bytes,
             retries=retries,
             backoff=backoff,
+            read_ahead=read_ahead,
         )
         # What fsspec's and its backends' exceptions may quote and must not show: the URL's
         # credentials and query string (fsspec keeps them in the path) and secret options.

@@ -21,6 +21,7 @@ from ._errors import (
     RemoteNotFoundError,
     RemotePermissionError,
 )
+from ._remote_read_ahead import DEFAULT_READ_AHEAD
 from ._remote_source import (
     DEFAULT_ACCEPT_FULL_BODY,
     DEFAULT_HEAD_BYTES,
@@ -539,6 +540,8 @@ class HTTPSource(RemoteSource):
             the file's size is kept.
         retries: Repeats after transient failures (5xx, 429, resets, truncated bodies).
         backoff: First retry delay in seconds; doubles each time, with jitter.
+        read_ahead: The largest window read ahead for small reads in file order (a
+            ``get_tensor`` loop); 0 fetches every read as asked.
         max_redirects: Redirects followed per request.
         accept_full_body: Largest ``200`` whole-body reply accepted from a server that
             ignores ``Range``.
@@ -568,6 +571,7 @@ class HTTPSource(RemoteSource):
         head_bytes: int = DEFAULT_HEAD_BYTES,
         retries: int = 3,
         backoff: float = 0.2,
+        read_ahead: int = DEFAULT_READ_AHEAD,
         max_redirects: int = 5,
         accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
         ssl_context: ssl.SSLContext | None = None,
@@ -596,6 +600,7 @@ class HTTPSource(RemoteSource):
             head_bytes=head_bytes,
             retries=retries,
             backoff=backoff,
+            read_ahead=read_ahead,
             accept_full_body=accept_full_body,
         )
         self._origin = url

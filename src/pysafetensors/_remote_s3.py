@@ -11,6 +11,7 @@ from ._errors import (
     RemoteNotFoundError,
     RemotePermissionError,
 )
+from ._remote_read_ahead import DEFAULT_READ_AHEAD
 from ._remote_source import (
     DEFAULT_ACCEPT_FULL_BODY,
     DEFAULT_HEAD_BYTES,
@@ -78,6 +79,8 @@ class S3Source(RemoteSource):
         head_bytes: Bytes fetched and cached when opening.
         retries: Repeats after a truncated body (botocore retries throttling and 5xx itself).
         backoff: First retry delay in seconds.
+        read_ahead: The largest window read ahead for small reads in file order (a
+            ``get_tensor`` loop); 0 fetches every read as asked.
 
     Raises:
         ImportError: boto3 is not installed.
@@ -104,6 +107,7 @@ class S3Source(RemoteSource):
         head_bytes: int = DEFAULT_HEAD_BYTES,
         retries: int = 3,
         backoff: float = 0.2,
+        read_ahead: int = DEFAULT_READ_AHEAD,
     ) -> None:
         if not isinstance(url, str):
             raise TypeError(f"an s3:// URL must be a string, got {type(url).__name__}")
@@ -128,6 +132,7 @@ class S3Source(RemoteSource):
             head_bytes=head_bytes,
             retries=retries,
             backoff=backoff,
+            read_ahead=read_ahead,
             # S3 always honours Range; a reply without ContentRange is a broken proxy.
             accept_full_body=DEFAULT_ACCEPT_FULL_BODY,
         )

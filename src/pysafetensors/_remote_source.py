@@ -22,6 +22,7 @@ from ._errors import (
     ClosedFileError,
     RemoteError,
 )
+from ._remote_read_ahead import DEFAULT_READ_AHEAD, ReadAhead
 from ._remote_urls import _quotes_secret, _scrubbed
 from ._sources import _check_range
 
@@ -279,6 +280,7 @@ class RemoteSource:
         retries: int = 3,
         backoff: float = 0.2,
         accept_full_body: int = DEFAULT_ACCEPT_FULL_BODY,
+        read_ahead: int = DEFAULT_READ_AHEAD,
     ) -> None:
         # Checked and converted before anything is sent (subclasses call this before any
         # request): a bad option must not surface later as a failed request.
@@ -290,6 +292,9 @@ class RemoteSource:
         self._retries = _int_option("retries", retries, 0)
         self._backoff = _delay_option("backoff", backoff)
         self._accept_full_body = _int_option("accept_full_body", accept_full_body, 0)
+        self._read_ahead = _int_option("read_ahead", read_ahead, 0)
+        # Made once the size is known (see readinto); None: not yet, or read_ahead=0.
+        self._ahead: ReadAhead | None = None
         self._size = -1
         # The first bytes of the object; all of it when a server ignored Range on a small file.
         # Replaced, never mutated, so readers need no lock.
@@ -334,7 +339,9 @@ class RemoteSource:
         """Fill ``out`` with the bytes at ``offset``.
 
         Bytes cached at open are copied without a request; a range larger than ``part_size``
-        is fetched as parallel parts straight into ``out``.
+        is fetched as parallel parts straight into ``out``. Smaller reads that follow one
+        another in the file are served from a window read ahead (see ``_remote_read_ahead``;
+        the ``read_ahead`` option, 0 to turn it off).
 
         Raises:
             SafetensorError: The range lies outside the object.
@@ -343,7 +350,22 @@ class RemoteSource:
         out = _as_bytes(out)
         self._check_open()
         _check_range(self, offset, out.nbytes)
-        self.readinto_many([(offset, out.nbytes)], out)
+        n = out.nbytes
+        if 0 < n < self._part_size and self._read_ahead and offset + n > len(self._head):
+            # Small reads in order (a get_tensor loop) are served from a window read ahead.
+            ahead = self._ahead
+            if ahead is None:
+                with self._head_lock:
+                    if self._ahead is None:
+                        self._ahead = ReadAhead(
+                            self._read_ahead,
+                            self._size,
+                            lambda at, view: self.readinto_many([(at, view.nbytes)], view),
+                        )
+                    ahead = self._ahead
+            if ahead.read(offset, out):
+                return
+        self.readinto_many([(offset, n)], out)
 
     def readinto_many(
         self, ranges: Sequence[tuple[int, int]], out: memoryview, *, max_gap: int | None = None
@@ -435,6 +457,8 @@ class RemoteSource:
     def close(self) -> None:
         """Wait for parallel reads in flight, then release the source's resources. Idempotent."""
         self._closed = True
+        if self._ahead is not None:
+            self._ahead.close()
         if os.getpid() == self._pid:  # a forked child has none of the parent's reads in flight
             with self._runs:
                 self._runs.wait_for(lambda: not self._running)

@@ -1,0 +1,159 @@
+"""Read-ahead for a remote file read front to back in small pieces.
+
+``for name in f.keys(): f.get_tensor(name)`` over a URL, the loop most loaders run, made a
+request per tensor: a round trip each, 1,000 of them for a LoRA file. When a source's small
+reads follow one another (each starting where the previous one ended, or at most
+:data:`NEAR` after: tensors tile a file, and a loop's reads in offset order touch), the next
+ones are served from a window fetched ahead, as large as what the reads in order have taken
+so far (at least :data:`MIN_WINDOW`, at most the source's ``read_ahead``): it doubles while
+the reads stay in order, as the kernel's page cache reads ahead a file read in order. Bytes
+fetched and never read are at most one window, so at most what was read in order before it
+(or 64 KiB). A read out of order starts over, fetched as asked.
+
+Windows are memory: all the remote sources of a process hold at most :data:`BUDGET` bytes of
+them between them, the least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Callable
+from typing import Final
+
+import numpy as np
+
+__all__ = ["BUDGET", "DEFAULT_READ_AHEAD", "MIN_WINDOW", "NEAR", "ReadAhead"]
+
+#: The largest window by default: what eight connections fetch at once in 8 MiB parts.
+DEFAULT_READ_AHEAD: Final = 64 << 20
+#: The smallest window (the first one after two small reads in order).
+MIN_WINDOW: Final = 64 << 10
+#: Bytes of windows all sources of the process hold at most.
+BUDGET: Final = 128 << 20
+#: Reads in order before the first window is fetched (the third read in a row gets one).
+_IN_ORDER: Final = 2
+#: How far past the previous read's end a read still counts as the next in order. Small: a
+#: read anywhere within ``max_gap`` (1 MiB) counted, and reads in random order over a small
+#: file then looked sequential often enough to fetch 57 times the file in windows.
+NEAR: Final = 4 << 10
+
+
+class _Windows:
+    """The process-wide account of windows held, least recently used first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: collections.OrderedDict[int, tuple[ReadAhead, int]] = collections.OrderedDict()
+        self._total = 0
+
+    def hold(self, owner: ReadAhead, nbytes: int) -> None:
+        """Record ``owner``'s new window, dropping the least recently used others' past the
+        budget (their attribute is cleared, never under their lock: no lock order to keep)."""
+        with self._lock:
+            _, before = self._held.pop(id(owner), (owner, 0))
+            self._total += nbytes - before
+            self._held[id(owner)] = (owner, nbytes)
+            while self._total > BUDGET and len(self._held) > 1:
+                _, (other, size) = self._held.popitem(last=False)
+                self._total -= size
+                other._window_bytes = None
+
+    def touch(self, owner: ReadAhead) -> None:
+        """Make ``owner`` the most recently used."""
+        with self._lock:
+            if id(owner) in self._held:
+                self._held.move_to_end(id(owner))
+
+    def forget(self, owner: ReadAhead) -> None:
+        """``owner`` holds no window any more."""
+        with self._lock:
+            _, size = self._held.pop(id(owner), (owner, 0))
+            self._total -= size
+
+    def reset(self) -> None:
+        """After a fork: a lock another thread held would never be released in the child."""
+        self._lock = threading.Lock()
+        self._held = collections.OrderedDict()
+        self._total = 0
+
+
+_WINDOWS: Final = _Windows()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WINDOWS.reset)
+
+
+class ReadAhead:
+    """One source's read-ahead state (see the module).
+
+    Args:
+        limit: The largest window (the ``read_ahead`` option).
+        size: The file's size (windows stop there).
+        fetch: Reads ``len(out)`` bytes at an offset into ``out`` from the source, bypassing
+            the read-ahead.
+    """
+
+    def __init__(self, limit: int, size: int, fetch: Callable[[int, memoryview], None]) -> None:
+        self._limit = limit
+        self._size = size
+        self._fetch = fetch
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._next = -1  # where the previous read ended
+        self._in_order = 0  # reads in a row that followed the one before
+        self._run = 0  # bytes those reads took
+        # (file offset, bytes) of the window held; dropped by _Windows past the budget.
+        self._window_bytes: tuple[int, np.ndarray] | None = None
+
+    def read(self, offset: int, out: memoryview) -> bool:
+        """Fill ``out`` (a 1-D byte view) with the bytes at ``offset`` if the read-ahead serves
+        it; False to let the caller fetch it as asked (nothing was written then)."""
+        if self._pid != os.getpid():
+            self._after_fork()
+        n = out.nbytes
+        with self._lock:
+            held = self._window_bytes
+            if held is not None:
+                at, data = held
+                end = at + data.size
+                if at <= offset < end:
+                    k = min(n, end - offset)
+                    out[:k] = data.data[offset - at : offset - at + k]
+                    if k == n:
+                        self._next = offset + n
+                        _WINDOWS.touch(self)
+                        return True
+                    self._run += k
+                    # Across the window's end: the rest continues the reads in order.
+                    offset, out, n = end, out[k:], n - k
+                    self._next = offset
+            if not 0 <= self._next <= offset <= self._next + NEAR:
+                self._next = offset + n
+                self._in_order = 0
+                self._run = n
+                return False
+            self._next = offset + n
+            self._in_order += 1
+            if self._in_order < _IN_ORDER and held is None:
+                self._run += n
+                return False
+            length = min(max(n, MIN_WINDOW, min(self._run, self._limit)), self._size - offset)
+            self._run += length
+        # Fetched outside the lock: a read of another thread need not wait for the network.
+        data = np.empty(length, np.uint8)
+        self._fetch(offset, data.data)
+        out[:] = data.data[:n]
+        with self._lock:
+            self._window_bytes = (offset, data)
+        _WINDOWS.hold(self, length)
+        return True
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def close(self) -> None:
+        """Drop the window."""
+        self._window_bytes = None
+        _WINDOWS.forget(self)

@@ -1,0 +1,196 @@
+"""Read-ahead: a get_tensor loop in file order over a URL takes a few requests, not one per
+tensor; reads out of order fetch exactly what they ask for; windows stay within budget."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from pysafetensors import safe_open
+from pysafetensors._remote import HTTPSource
+from pysafetensors._remote_read_ahead import _WINDOWS, BUDGET, MIN_WINDOW, ReadAhead
+from pysafetensors.numpy import save_file
+
+from .rangeserver import RangeServer
+
+N = 1000
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RangeServer, dict]]:
+    root = tmp_path_factory.mktemp("read-ahead")
+    rng = np.random.default_rng(11)
+    tensors = {f"t{i:04d}": rng.standard_normal((8, 64)).astype(np.float32) for i in range(N)}
+    save_file(tensors, str(root / "lora.safetensors"))
+    big = {f"b{i}": rng.standard_normal(1 << 20).astype(np.float32) for i in range(12)}
+    save_file(big, str(root / "big.safetensors"))  # 12 tensors of 4 MiB
+    server = RangeServer(root)
+    yield server, tensors
+    server.close()
+
+
+def _size(server: RangeServer, name: str) -> int:
+    return (server.root / name).stat().st_size
+
+
+def test_a_loop_in_file_order_takes_few_requests(lora: tuple[RangeServer, dict]) -> None:
+    server, tensors = lora
+    server.reset()
+    with safe_open(server.url("lora.safetensors"), "np") as f:
+        for name in f.keys():  # noqa: SIM118 - the loaders' idiom; sorted: the file's order
+            np.testing.assert_array_equal(f.get_tensor(name), tensors[name])
+    # Every byte once, in windows that double: ~10 requests for 2 MiB, not 1,000.
+    assert server.bytes_sent() == _size(server, "lora.safetensors")
+    assert server.requests() <= 12, server.requests()
+
+
+def test_reads_out_of_order_fetch_exactly_what_they_ask(lora: tuple[RangeServer, dict]) -> None:
+    server, tensors = lora
+    names = sorted(tensors)
+    random.Random(5).shuffle(names)
+    server.reset()
+    with safe_open(server.url("lora.safetensors"), "np") as f:
+        head = server.bytes_sent()
+        for name in names[:300]:
+            np.testing.assert_array_equal(f.get_tensor(name), tensors[name])
+    # No window was fetched: the bytes are the tensors' own (those past the cached head).
+    assert server.bytes_sent() - head <= sum(tensors[n].nbytes for n in names[:300])
+    assert server.requests() >= 250
+
+
+def test_stopping_early_wastes_at_most_a_small_window(lora: tuple[RangeServer, dict]) -> None:
+    server, tensors = lora
+    names = sorted(tensors)
+    server.reset()
+    with safe_open(server.url("lora.safetensors"), "np") as f:
+        head = server.bytes_sent()
+        taken = 0
+        for name in names[:60]:
+            taken += f.get_tensor(name).nbytes
+    beyond = server.bytes_sent() - head
+    # What was read, plus at most one window no larger than that (or 64 KiB).
+    assert beyond <= taken + max(taken, MIN_WINDOW)
+
+
+def test_read_ahead_zero_fetches_each_read(lora: tuple[RangeServer, dict]) -> None:
+    server, tensors = lora
+    server.reset()
+    with safe_open(server.url("lora.safetensors"), "np", storage_options={"read_ahead": 0}) as f:
+        for name in sorted(tensors)[:100]:
+            f.get_tensor(name)
+    assert server.requests() >= 90  # one per tensor past the cached head
+
+
+def test_large_tensors_are_not_copied_through_windows(lora: tuple[RangeServer, dict]) -> None:
+    """Reads of a part_size or more go straight into the tensor, in parallel parts."""
+    server, _ = lora
+    server.reset()
+    with safe_open(
+        server.url("big.safetensors"), "np", storage_options={"part_size": 1 << 20}
+    ) as f:
+        for name in f.keys():  # noqa: SIM118 - the loaders' idiom
+            f.get_tensor(name)
+    assert server.bytes_sent() == _size(server, "big.safetensors")
+    assert all(r.nbytes <= 1 << 20 for r in server.records())
+
+
+def test_threads_reading_one_handle_get_their_own_bytes(lora: tuple[RangeServer, dict]) -> None:
+    server, tensors = lora
+    names = sorted(tensors)
+    errors: list[BaseException] = []
+    with safe_open(server.url("lora.safetensors"), "np") as f:
+
+        def loop(part: list[str]) -> None:
+            try:
+                for name in part:
+                    np.testing.assert_array_equal(f.get_tensor(name), tensors[name])
+            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(names[i::3],)) for i in range(3)]
+        threads.append(threading.Thread(target=loop, args=(names,)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors
+
+
+def test_windows_of_all_sources_stay_within_the_budget(lora: tuple[RangeServer, dict]) -> None:
+    server, _ = lora
+    url = server.url("big.safetensors")
+    sources = [HTTPSource(url, part_size=64 << 20) for _ in range(10)]
+    try:
+        for src in sources:
+            out = bytearray(4 << 20)
+            for k in range(8):  # reads in order: windows grow to tens of MiB
+                src.readinto(200_000 + k * len(out), memoryview(out))
+                assert (
+                    bytes(out[:8])
+                    == (server.root / "big.safetensors").read_bytes()[
+                        200_000 + k * len(out) : 200_000 + k * len(out) + 8
+                    ]
+                )
+            assert _WINDOWS._total <= BUDGET
+        windows = [s._ahead._window_bytes for s in sources if s._ahead is not None]
+        held = [w[1].size for w in windows if w is not None]
+        # Ten sources' windows would be over the budget: the least recently used were dropped.
+        assert len(held) < len(sources) and sum(held) <= BUDGET
+        assert windows[-1] is not None  # the last one used keeps its window
+    finally:
+        for src in sources:
+            src.close()
+    assert _WINDOWS._total == 0
+
+
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), ("64MB", TypeError)])
+def test_the_option_is_checked(lora: tuple[RangeServer, dict], value: object, error: type) -> None:
+    server, _ = lora
+    with pytest.raises(error, match="read_ahead"):
+        HTTPSource(server.url("lora.safetensors"), read_ahead=value)  # type: ignore[arg-type]
+
+
+def test_random_reads_match_the_bytes() -> None:
+    """The state machine alone, over a buffer: sequences in order, out of order, across
+    windows' ends, after a failed fetch."""
+    rng = random.Random(9)
+    data = rng.randbytes(3 << 20)
+    fetched: list[tuple[int, int]] = []
+    fail = [False]
+
+    def fetch(at: int, view: memoryview) -> None:
+        if fail[0]:
+            fail[0] = False
+            raise OSError("injected")
+        fetched.append((at, view.nbytes))
+        view[:] = data[at : at + view.nbytes]
+
+    ahead = ReadAhead(1 << 20, len(data), fetch)
+    pos = 0
+    for step in range(20_000):
+        if rng.random() < 0.05:
+            pos = rng.randrange(len(data))
+        n = min(rng.randrange(1, 9000), len(data) - pos)
+        if n <= 0:
+            pos = 0
+            continue
+        out = bytearray(n)
+        if step % 997 == 0:
+            fail[0] = True
+        try:
+            served = ahead.read(pos, memoryview(out))
+        except OSError:
+            continue
+        if served:
+            assert bytes(out) == data[pos : pos + n]
+        else:
+            assert out == bytearray(n)  # nothing written when the caller is to fetch it
+        pos += n + (rng.randrange(0, 100) if rng.random() < 0.1 else 0)
+        if pos >= len(data):
+            pos = 0
+    assert fetched
+    ahead.close()
