@@ -5,9 +5,11 @@ a bandwidth limit per connection (10 ms and 100 MB/s by default: a fast link to 
 store, where one connection rarely gets more). Each case runs in a fresh subprocess, the arms
 alternating, and reports the median wall time and the bytes the server sent:
 
-* ``pysafetensors``: ``load_file``, ``load_shard`` or ``get_slice`` on the URL itself;
+* ``pysafetensors``: ``load_file``, ``load_shard`` or ``get_slice`` on the URL itself, and a
+  ``get_tensor`` loop over a LoRA-shaped file of 1,000 tensors (with its read-ahead, and
+  without: ``read_ahead=0``);
 * ``download+ref``: what the reference needs first, the whole file downloaded by one GET,
-  then the reference's ``load_file``, ``get_slice`` loop or slice.
+  then the reference's ``load_file``, ``get_slice`` loop, slice or ``get_tensor`` loop.
 
 Results go to ``benchmarks/REMOTE.md`` and ``benchmarks/remote.json``.
 
@@ -134,6 +136,10 @@ if arm == "pysafetensors":
     elif case in ("tp_rows", "tp_cols"):
         rule = "rows" if case == "tp_rows" else "columns"
         got = load_shard(url, 0, 8, {"*norm": "replicate", "*": rule}, framework="np")
+    elif case in ("lora_loop", "lora_loop_off"):
+        options = {"read_ahead": 0} if case == "lora_loop_off" else {}
+        with safe_open(url, "np", storage_options=options) as f:
+            got = {name: f.get_tensor(name) for name in f.keys()}
     else:
         with safe_open(url, "np") as f:
             got = f.get_slice("embed")[:, :256]
@@ -143,6 +149,9 @@ else:
         got = load_file(path)
     elif case in ("tp_rows", "tp_cols"):
         got = ref_parts(path, 0 if case == "tp_rows" else 1)
+    elif case in ("lora_loop", "lora_loop_off"):
+        with safe_open(path, "np") as f:
+            got = {name: f.get_tensor(name) for name in f.keys()}
     else:
         with safe_open(path, "np") as f:
             got = f.get_slice("embed")[:, :256]
@@ -157,7 +166,11 @@ CASES = {
     "tp_rows": "load_shard rank 0 of 8, rows",
     "tp_cols": "load_shard rank 0 of 8, columns",
     "slice": "get_slice(embed)[:, :256]",
+    "lora_loop": "LoRA file: get_tensor of each of 1,000 tensors",
+    "lora_loop_off": "the same loop, read_ahead=0",
 }
+#: Cases that read the LoRA-shaped file.
+LORA_CASES = ("lora_loop", "lora_loop_off")
 ARMS = ("pysafetensors", "download+ref")
 
 
@@ -187,6 +200,25 @@ def make_file(path: str, quick: bool) -> int:
     return os.path.getsize(path)
 
 
+def make_lora(path: str, quick: bool) -> int:
+    """A LoRA-shaped file: 1,000 float16 adapters of rank 16 (random bits)."""
+    import numpy as np
+
+    from pysafetensors.numpy import save_file
+
+    rng = np.random.default_rng(1)
+    hidden = 512 if quick else 2048
+    tensors = {}
+    for i in range(250):
+        for proj in ("q", "v"):
+            a = rng.integers(0, 1 << 16, (16, hidden), dtype=np.uint16).view(np.float16)
+            b = rng.integers(0, 1 << 16, (hidden, 16), dtype=np.uint16).view(np.float16)
+            tensors[f"layers.{i}.{proj}.lora_A"] = a
+            tensors[f"layers.{i}.{proj}.lora_B"] = b
+    save_file(tensors, path)
+    return os.path.getsize(path)
+
+
 def fetch(port: int, what: str) -> dict[str, int]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/{what}") as reply:
         result: dict[str, int] = json.loads(reply.read())
@@ -207,6 +239,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     name = "remote_quick.safetensors" if args.quick else "remote.safetensors"
     size = make_file(os.path.join(args.work, name), args.quick)
+    lora_name = "remote_lora_quick.safetensors" if args.quick else "remote_lora.safetensors"
+    lora_size = make_lora(os.path.join(args.work, lora_name), args.quick)
     server = subprocess.Popen(
         [sys.executable, "-c", SERVER, args.work, str(args.latency), str(args.bandwidth)],
         stdout=subprocess.PIPE,
@@ -216,13 +250,22 @@ def main() -> None:
         assert server.stdout is not None
         port = int(server.stdout.readline())
         url = f"http://127.0.0.1:{port}/{name}"
+        lora_url = f"http://127.0.0.1:{port}/{lora_name}"
         runs: dict[str, list[dict[str, float]]] = {}
         for _ in range(reps):
             for case in CASES:
                 for arm in ARMS:
                     fetch(port, "__reset")
                     proc = subprocess.run(
-                        [sys.executable, "-c", WORKER, arm, case, url, args.work],
+                        [
+                            sys.executable,
+                            "-c",
+                            WORKER,
+                            arm,
+                            case,
+                            lora_url if case in LORA_CASES else url,
+                            args.work,
+                        ],
                         capture_output=True,
                         text=True,
                         timeout=600,
@@ -251,6 +294,7 @@ def main() -> None:
     meta = {
         "quick": args.quick,
         "file_bytes": size,
+        "lora_file_bytes": lora_size,
         "latency_s": args.latency,
         "bandwidth_per_connection": args.bandwidth,
         "reps": reps,
@@ -262,7 +306,9 @@ def main() -> None:
     lines = [
         "# Remote reads: pysafetensors on the URL against download + the reference",
         "",
-        f"File: {size / 1e6:.0f} MB of float16 (LLaMA-shaped, random bits). Server: loopback "
+        f"Files: {size / 1e6:.0f} MB of float16 (LLaMA-shaped, random bits), and for the "
+        f"`get_tensor` loops a LoRA-shaped one of {lora_size / 1e6:.0f} MB (1,000 float16 "
+        "adapters of rank 16). Server: loopback "
         f"HTTP, {args.latency * 1e3:.0f} ms per request, {args.bandwidth / 1e6:.0f} MB/s per "
         f"connection. Medians of {reps} fresh processes per cell, arms alternating; "
         "`download+ref` fetches the whole file by one GET, then reads it with `safetensors` "

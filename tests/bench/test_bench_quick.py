@@ -68,7 +68,14 @@ def test_quick_remote_benchmark_writes_table_and_json(tmp_path: Path) -> None:
     data = json.loads((out / "remote.json").read_text())
     assert data["meta"]["quick"] is True
     summary = data["summary"]
-    assert {key.split("|")[0] for key in summary} == {"load", "tp_rows", "tp_cols", "slice"}
+    assert {key.split("|")[0] for key in summary} == {
+        "load",
+        "tp_rows",
+        "tp_cols",
+        "slice",
+        "lora_loop",
+        "lora_loop_off",
+    }
     for key, cell in summary.items():
         assert cell["n"] == 1 and cell["seconds"] > 0, key
         assert cell["requests"] > 0 and cell["fetched"] > 0, key
@@ -76,5 +83,10 @@ def test_quick_remote_benchmark_writes_table_and_json(tmp_path: Path) -> None:
     # The download arm fetches the whole file; a rank's rows fetch less of it.
     assert summary["tp_rows|download+ref"]["fetched"] == size
     assert summary["tp_rows|pysafetensors"]["fetched"] < size
+    # The get_tensor loop in file order is read ahead: far fewer requests than tensors, and
+    # the same bytes as one request per tensor.
+    loop, off = summary["lora_loop|pysafetensors"], summary["lora_loop_off|pysafetensors"]
+    assert loop["requests"] < 50 < 1000 <= off["requests"]
+    assert loop["fetched"] == off["fetched"] == data["meta"]["lora_file_bytes"]
     table = (out / "REMOTE.md").read_text()
     assert table.count("| load_shard rank 0 of 8") == 2 and "Machine:" in table
