@@ -6,17 +6,23 @@ of its own, a round trip per tensor (1,000 for a LoRA file). Told which byte ran
 read, :class:`PlannedReads` serves them from blocks of at most :data:`BLOCK_BYTES`, each one
 read of the source (which the remote sources split into parallel parts), covering the planned
 ranges from the first byte asked for, across gaps of at most the source's ``max_gap``. Bytes
-fetched are the planned ones plus those gaps, each once when the reads come in file order; a
-read outside the block fetches a new one, so any order stays correct.
+fetched are the planned ones plus those gaps, each once when the reads come in file order. A
+read out of that order (one before the previous read's end, or skipping planned bytes)
+fetches only the rest of its own planned range: any order stays correct, and costs at most
+what reading each range as asked would.
 
-One block is held at a time by all the readers that share a :class:`BlockBudget`: a model's
-files are read one after another, and hundreds of shards must not each hold a block.
+Reads in order may interleave: two streams through the file (a cast or a diff reading two
+dtype groups in name order) each keep a block, sharing :data:`BLOCK_BYTES` (a read larger than
+a stream's share still gets a block of its size: at most twice that in all). One reader at a
+time holds blocks among those that share a :class:`BlockBudget`: a model's files are read one
+after another, and hundreds of shards must not each hold a block.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -28,10 +34,16 @@ __all__ = ["BLOCK_BYTES", "BlockBudget", "PlannedReads"]
 #: The largest block fetched at once: eight parts of the remote sources' default 8 MiB, what
 #: their default eight connections fetch in parallel.
 BLOCK_BYTES: Final = 64 << 20
+#: How far the first block of reads in order reaches; later ones reach as far as those reads
+#: have come, up to a block.
+FIRST_REACH: Final = 1 << 20
+#: Reads in order that may interleave (a cast or diff reads two files' dtype groups, F32 and
+#: F16, in name order: two streams through the file), each with a block of its own.
+STREAMS: Final = 2
 
 
 class BlockBudget:
-    """The one block a set of :class:`PlannedReads` may hold between them."""
+    """The one reader of a set of :class:`PlannedReads` that may hold blocks."""
 
     __slots__ = ("_holder",)
 
@@ -39,17 +51,35 @@ class BlockBudget:
         self._holder: PlannedReads | None = None
 
     def take(self, reader: PlannedReads) -> None:
-        """Make ``reader`` the holder, releasing the previous holder's block."""
+        """Make ``reader`` the holder, releasing the previous holder's blocks."""
         if self._holder is not None and self._holder is not reader:
             self._holder.release()
         self._holder = reader
+
+
+@dataclass(slots=True, eq=False)  # identity: streams are told apart by which one they are
+class _Stream:
+    """Reads in the plan's order: where they are, and the block that serves them."""
+
+    last: int = -1  # where its latest read ended (-1: a stream not started)
+    run: int = 0  # bytes its reads have taken in order
+    buf: np.ndarray | None = None
+    at: int = 0  # file offset of the block's first byte
+    len: int = 0  # bytes of the block that hold file data
+
+    def holds(self, offset: int) -> bool:
+        return self.buf is not None and self.at <= offset < self.at + self.len
+
+    def drop(self) -> None:
+        self.buf = None
+        self.len = 0
 
 
 class PlannedReads:
     """A byte source serving planned reads of ``source`` from few large reads (see module).
 
     Not thread-safe: one reader at a time, as a command streams a file. ``close`` releases the
-    block, not ``source``, which stays its owner's to close.
+    blocks, not ``source``, which stays its owner's to close.
     """
 
     def __init__(
@@ -65,19 +95,20 @@ class PlannedReads:
         self._max_gap = max_gap
         self._block_bytes = block_bytes
         self._budget = budget if budget is not None else BlockBudget()
-        # The planned ranges, sorted and merged: starts and ends both ascend, so one bisect
-        # finds the first range still ahead of an offset.
+        # The planned ranges, sorted, overlapping ones merged: starts and ends both ascend, so
+        # one bisect finds the first range still ahead of an offset. Ranges that only touch
+        # (tensors tile a file) stay apart: a read out of order fetches its own tensor, not
+        # the run of tensors around it.
         merged: list[list[int]] = []
         for start, end in sorted((s, e) for s, e in ranges if e > s):
-            if merged and start <= merged[-1][1]:
+            if merged and start < merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])
         self._starts = [s for s, _ in merged]
         self._ends = [e for _, e in merged]
-        self._buf: np.ndarray | None = None
-        self._at = 0  # file offset of the block's first byte
-        self._len = 0  # bytes of the block that hold file data
+        # Most recently used first.
+        self._streams = [_Stream() for _ in range(STREAMS)]
 
     @property
     def size(self) -> int:
@@ -94,35 +125,87 @@ class PlannedReads:
         return None
 
     def readinto(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes at ``offset``: from the block, or a new block."""
+        """Fill ``out`` with the bytes at ``offset``: from a block, or a new block."""
         if out.ndim != 1 or out.format != "B":
             out = out.cast("B")  # slices below count bytes
         n = out.nbytes
-        held = self._at + self._len
-        if self._buf is not None and self._at <= offset < held:
-            start = offset - self._at
+        if n == 0 or offset + n > self._source.size:
+            # Nothing to fetch, or the source's own error (naming this read's offset).
+            self._source.readinto(offset, out)
+            return
+        stream, in_order = self._stream_for(offset)
+        stream.last = offset + n
+        stream.run = stream.run + n if in_order else 0
+        if stream.holds(offset):
+            start = offset - stream.at
+            held = stream.at + stream.len
             if offset + n <= held:
-                out[:] = self._buf.data[start : start + n]
+                out[:] = stream.buf.data[start : start + n]  # type: ignore[union-attr]
                 return
             if n < self._block_bytes:
                 # Across the block's end: its part from the block, the rest from the next one
                 # (which starts where this one ends, so blocks tile a file read in order).
-                out[: held - offset] = self._buf.data[start : self._len]
+                out[: held - offset] = stream.buf.data[start : stream.len]  # type: ignore[union-attr]
                 out = out[held - offset :]
                 offset, n = held, n - (held - offset)
         if n >= self._block_bytes:
             self._fetch(offset, out)  # as large as a block: no copy through one
             return
-        stop = self._extent(offset, offset + n)
+        # Only reads in a stream's order reach ahead: one out of order (a second pass, a
+        # jump) fetches its own range, or each jump would fetch a block that the next one
+        # throws away (19x the file, before streams). A block reaches as far ahead as its
+        # stream's reads have come (1 MiB at first): a guess that the order goes on costs at
+        # most what it has been right for. The streams' blocks share ``block_bytes``.
+        room = self._room(stream)
+        stop = (
+            self._extent(offset, offset + n, min(room, max(FIRST_REACH, stream.run)), stream)
+            if in_order
+            else self._own(offset, offset + n, room)
+        )
         self._budget.take(self)
         length = stop - offset
-        if self._buf is None or self._buf.size < length:
-            self._buf = None  # the old block's memory goes before the new one is taken
-            self._buf = np.empty(max(length, min(self._block_bytes, 1 << 20)), np.uint8)
-        self._len = 0  # a failed read must leave no block behind
-        self._fetch(offset, self._buf.data[:length])
-        self._at, self._len = offset, length
-        out[:] = self._buf.data[:n]
+        if stream.buf is None or not length <= stream.buf.size <= max(length, room):
+            stream.buf = None  # the old block's memory goes before the new one is taken
+            stream.buf = np.empty(max(length, min(room, 1 << 20)), np.uint8)
+        stream.len = 0  # a failed read must leave no block behind
+        self._fetch(offset, stream.buf.data[:length])
+        stream.at, stream.len = offset, length
+        out[:] = stream.buf.data[:n]
+
+    def _room(self, stream: _Stream) -> int:
+        """How large a block ``stream`` may hold: all of ``block_bytes`` alone; with another
+        stream holding one, what it leaves, at most half and at least :data:`FIRST_REACH`
+        (or half), so that the blocks stay within ``block_bytes`` and a block past it."""
+        others = sum(st.len for st in self._streams if st is not stream)
+        if not others:
+            return self._block_bytes
+        half = self._block_bytes // STREAMS
+        return max(min(self._block_bytes - others, half), min(FIRST_REACH, half))
+
+    def _stream_for(self, offset: int) -> tuple[_Stream, bool]:
+        """The stream a read at ``offset`` belongs to, made the most recently used, and
+        whether the read is in its order: the one whose block holds it, else one it continues
+        in order, else one not started, else the least recently used, started over (out of
+        order: this read fetches its own range, only the next ones in order reach ahead)."""
+        streams = self._streams
+        in_order = True
+        chosen = next((st for st in streams if st.holds(offset)), None)
+        if chosen is not None:
+            in_order = self._in_order(chosen, offset)
+        else:
+            chosen = next(
+                (st for st in streams if st.last >= 0 and self._in_order(st, offset)), None
+            )
+        if chosen is None:
+            chosen = next((st for st in streams if st.last < 0), None)
+            # A stream starts in order ahead of those started (the next dtype group), not
+            # behind them (a second pass, a jump back): that read fetches its own range.
+            in_order = all(st.last <= offset for st in streams if st.last >= 0)
+        if chosen is None:
+            chosen, in_order = streams[-1], False
+        streams.remove(chosen)
+        streams.insert(0, chosen)
+        return chosen, in_order
 
     def _fetch(self, offset: int, out: memoryview) -> None:
         """Read from the source as planned: a remote source's own read-ahead (for reads it
@@ -133,11 +216,34 @@ class PlannedReads:
         else:
             self._source.readinto(offset, out)
 
-    def _extent(self, offset: int, stop: int) -> int:
+    def _in_order(self, stream: _Stream, offset: int) -> bool:
+        """Whether a read at ``offset`` comes next in ``stream``: not before its latest read's
+        end, and no planned byte skipped between them (any read starts a stream not started)."""
+        last = stream.last
+        if last < 0:
+            return True
+        if offset < last:
+            return False
+        i = bisect.bisect_right(self._ends, last)  # the first range ending after last
+        if i == len(self._starts):
+            return True  # past the plan: nothing to skip
+        return offset <= max(last, self._starts[i])
+
+    def _own(self, offset: int, stop: int, room: int) -> int:
+        """Where a block for a read out of order ends: at the end of the planned range it
+        lies in (within ``room``), ``stop`` at least."""
+        i = bisect.bisect_right(self._ends, offset)
+        end = self._ends[i] if i < len(self._ends) and self._starts[i] <= offset else stop
+        return max(stop, min(end, offset + room, self._source.size))
+
+    def _extent(self, offset: int, stop: int, reach: int, stream: _Stream) -> int:
         """Where a block starting at ``offset`` (and reaching ``stop`` at least) ends: past the
-        planned ranges ahead that are no further than ``max_gap`` apart, within the block size,
-        within the file."""
-        limit = min(offset + self._block_bytes, self._source.size)
+        planned ranges ahead that are no further than ``max_gap`` apart, within ``reach``,
+        within the file, short of another stream's block ahead (its bytes are fetched)."""
+        limit = min(offset + reach, self._source.size)
+        for other in self._streams:
+            if other is not stream and other.buf is not None and other.at > offset:
+                limit = min(limit, other.at)
         i = bisect.bisect_right(self._ends, offset)  # the first range ending after offset
         while i < len(self._starts) and stop < limit:
             if self._starts[i] > stop + self._max_gap:
@@ -147,10 +253,10 @@ class PlannedReads:
         return stop
 
     def release(self) -> None:
-        """Let go of the block (the next read fetches another)."""
-        self._buf = None
-        self._len = 0
+        """Let go of the blocks (the next reads fetch others)."""
+        for stream in self._streams:
+            stream.drop()
 
     def close(self) -> None:
-        """Release the block; the source stays open."""
+        """Release the blocks; the source stays open."""
         self.release()

@@ -60,6 +60,7 @@ __all__ = [
     "RemoteSource",
     "RemoteStats",
     "S3Source",
+    "check_option_names",
     "open_source",
     "read_prefix",
     "shown_location",
@@ -83,6 +84,23 @@ def _check_options(cls: type, options: Mapping[str, Any], kind: str) -> None:
             f"unknown storage option{'s' if len(unknown) > 1 else ''} for {kind} URLs: "
             f"{', '.join(map(repr, unknown))} (expected any of: {', '.join(known)})"
         )
+
+
+def check_option_names(target: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse, before anything is sent, options the URL's source does not take (what
+    :func:`open_source` would refuse when it gets there: a command opening two URLs of
+    different schemes with the same options must not fetch from the first, then refuse).
+
+    Raises:
+        TypeError: An option is unknown to the source of ``target``'s scheme.
+    """
+    scheme = target.partition("://")[0].lower()
+    options = dict(storage_options or {})
+    if scheme in ("http", "https"):
+        _check_options(HTTPSource, options, "http(s)")
+    elif scheme in ("s3", "s3a"):
+        _check_options(S3Source, options, "s3")
+    # fsspec filesystems take any options.
 
 
 def open_source(

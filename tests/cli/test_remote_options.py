@@ -149,6 +149,10 @@ def test_malformed_headers_are_refused_without_quoting_them(
         (("-H", f"@{latin}"), "Latin-1"),
         (("-H", f"@{bad_file}"), "line 1"),
         (("-H", "Bad Name: s3cr3t"), "not a valid header name"),
+        # The text before the first ':' may be the token itself: never shown.
+        (("-H", "Authorization Bearer s3cr3t-t0ken:x"), "not a valid header name"),
+        (("-H", "Authorization=s3cr3t:x"), "not a valid header name"),
+        (("--remote-option", "s3cr3t"), "KEY=VALUE"),
         (("-H", "Authorization: s3cr3t", "-H", "authorization: s3cr3t"), "given twice"),
         (("-H", f"@{tmp_path / 'missing.txt'}"), "cannot read header file"),
         (("-H", "Range: bytes=0-1"), "Range"),  # the library's own check
@@ -164,6 +168,26 @@ def test_malformed_headers_are_refused_without_quoting_them(
     r = cli("--debug", "inspect", url, "-H", "Bearer s3cr3t-t0ken")
     assert r.code == 2
     _no_secret(r.out, r.err)
+
+
+def test_header_file_lines_end_at_newlines_only(
+    cli, private: RangeHTTPServer, tmp_path: Path
+) -> None:
+    """A value holding \x85 or \x0c (Latin-1, sendable) stays one value: str.splitlines()
+    cut it in two and quoted the second half as a header name."""
+    url = f"{private.url}/model.safetensors"
+    for odd in ("\x85", "\x0c", "\u00a0"):
+        path = tmp_path / "odd.txt"
+        path.write_text(f"X-Note: s3cr3t{odd}half\r\nAuthorization: {TOKEN}\r\n", "utf-8")
+        seen = len(private.seen)
+        r = cli("inspect", url, "-H", f"@{path}")
+        _no_secret(r.out, r.err)
+        if odd == "\x0c":  # a C0 control: refused, as one value, on line 1
+            assert r.code == 2 and "line 1: the value of 'X-Note'" in r.err, r.err
+            assert len(private.seen) == seen
+        else:
+            assert r.code == 0, (odd, r.err)
+            assert all(s == {"Authorization": TOKEN} for s in private.seen[seen:])
 
 
 def test_header_file_limits(cli, private: RangeHTTPServer, tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from ._common import (
     shown,
     to_float64,
     tolerance,
+    url_argument_errors,
 )
 from ._remote_args import add_remote_args, remote_options
 
@@ -214,6 +215,13 @@ def diff_models(
     names = [n for n in ma.tensors if accept(n)] + [
         n for n in mb.tensors if n not in ma.tensors and accept(n)
     ]
+    # Values compared in A's file order (a remote A is then read front to back, in few
+    # requests), reported in name order.
+    compared = {
+        n: compare_values(a, mb.tensors[n], args.atol, args.rtol, progress)
+        for n, a in ([] if args.no_values else ma.tensors.items())
+        if accept(n) and n in mb.tensors and a.shape == mb.tensors[n].shape
+    }
     tensors = []
     counts = {"added": 0, "removed": 0, "changed": 0, "close": 0, "identical": 0, "unchecked": 0}
     for name in sorted(names):
@@ -234,7 +242,7 @@ def diff_models(
                 row["values"] = None
                 status = "changed" if changed else "unchecked"
             else:
-                values = compare_values(a, b, args.atol, args.rtol, progress)
+                values = compared[name]
                 row["values"] = values
                 if values["outside_tolerance"]:
                     status = "changed"
@@ -275,6 +283,14 @@ def run(args: argparse.Namespace) -> int:
     """Run ``diff``."""
     ui = Ui(args)
     options = remote_options(args)  # for whichever of A and B is a URL
+    if options:
+        from .._remote import check_option_names
+
+        for target in (args.a, args.b):
+            if "://" in target:
+                # Both checked before either is opened (a usage error, before any request).
+                with url_argument_errors():
+                    check_option_names(target, options)
     with open_model(args.a, options) as ma, open_model(args.b, options) as mb:
         # Compared: what the shards hold. An index that disagrees with them is warned about, and
         # the exit code is then 2 (the answer cannot be trusted as "equal"/"different").
@@ -286,7 +302,17 @@ def run(args: argparse.Namespace) -> int:
                 t.nbytes + mb.tensors[n].nbytes for n, t in ma.tensors.items() if n in mb.tensors
             )
         )
-        common = [] if args.no_values else [n for n in ma.tensors if n in mb.tensors]
+        # What compare_values will read: tensors in both, chosen, of the same shape.
+        accept = name_filter(args)
+        common = (
+            []
+            if args.no_values
+            else [
+                n
+                for n, a in ma.tensors.items()
+                if n in mb.tensors and accept(n) and a.shape == mb.tensors[n].shape
+            ]
+        )
         with (
             ui.progress(total, "diff") as update,
             ma.planned_reads(ma.tensors[n] for n in common),

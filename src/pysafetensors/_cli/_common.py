@@ -461,9 +461,9 @@ class Model:
     def planned_reads(self, refs: Iterable[TensorRef]) -> Iterator[None]:
         """Read the data of ``refs`` in few large requests from remote files, until exit.
 
-        For commands that stream tensors in file order (``hash``, ``stats``, ``cast``,
-        ``diff``): each remote file reads through a :class:`PlannedReads` of those tensors'
-        ranges, one block held at a time for the whole model. Local files read as before.
+        For commands that stream tensors (``hash``, ``stats``, ``cast``, ``diff``): each
+        remote file reads through a :class:`PlannedReads` of those tensors' ranges, one file's
+        blocks held at a time for the whole model. Local files read as before.
         """
         ranges: dict[int, list[tuple[int, int]]] = {}
         for ref in refs:
@@ -509,7 +509,8 @@ def url_argument_errors() -> Iterator[None]:
     except SafetensorError:
         raise
     except (TypeError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
+        # Chained for --debug: these messages name options, never a header's value.
+        raise UsageError(str(exc)) from exc
 
 
 #: The local files of every model a command opened (``diff`` opens two), within one budget.

@@ -69,11 +69,14 @@ def remote_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """
     headers = _headers(getattr(args, "headers", None) or [])
     options: dict[str, Any] = {}
-    for item in getattr(args, "remote_options", None) or []:
+    for number, item in enumerate(getattr(args, "remote_options", None) or [], 1):
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not _OPTION.fullmatch(key):
-            raise UsageError(f"--remote-option takes KEY=VALUE, not {item!r}")
+            # Not quoted: a value given without its key may be a secret.
+            raise UsageError(
+                f"--remote-option number {number}: expected KEY=VALUE, KEY a Python name"
+            )
         if key == "headers":
             raise UsageError("--remote-option headers=...: give each header with -H/--header")
         if key in options:
@@ -111,9 +114,12 @@ def _headers(items: list[str]) -> dict[str, str]:
     for number, item in enumerate(items, 1):
         if item.startswith("@"):
             where = f"header file {item[1:]!r}"
+            # Lines end at "\n" alone: str.splitlines() also breaks at \x85, \x0c, \u2028...,
+            # which would cut a value in two and send its second half as a header.
+            text = _read_header_file(item[1:])
             lines = [
-                (f"{where}, line {n}", line)
-                for n, line in enumerate(_read_header_file(item[1:]).splitlines(), 1)
+                (f"{where}, line {n}", line.removesuffix("\r"))
+                for n, line in enumerate(text.split("\n"), 1)
                 if line.strip() and not line.lstrip().startswith("#")
             ]
         else:
@@ -135,7 +141,12 @@ def _header(where: str, line: str) -> tuple[str, str]:
         # The text is not shown: it may be a token given without its name.
         raise UsageError(f"{where}: expected 'NAME: VALUE' (no ':' after a header name)")
     if not _TOKEN.fullmatch(name):
-        raise UsageError(f"{where}: {name[:64]!r} is not a valid header name")
+        # Not shown: what precedes the first ':' may be the credential itself
+        # ("Authorization Bearer TOKEN:...").
+        raise UsageError(
+            f"{where}: the text before the first ':' is not a valid header name (letters, "
+            "digits and !#$%&'*+-.^_`|~ only)"
+        )
     value = value.strip()
     if _BAD_VALUE.search(value):
         raise UsageError(
