@@ -45,9 +45,10 @@ def in_order(
     them running at once on threads of their own.
 
     A future handed over is the caller's: its result (an open file) is theirs to close. The
-    results of those never handed over (the caller stopped early, or failed) are passed to
-    ``discard`` as they finish, also those still running when the caller stops (no waiting
-    for them: an interrupt is not held up by a slow server).
+    results of those never handed over (the caller stopped early, failed, or was
+    interrupted) are passed to ``discard`` as they finish, also those still running when the
+    caller stops: the caller does not wait for them (the process, exiting, still waits for
+    opens in flight, within their own timeouts).
     """
     if ahead <= 1 or len(items) <= 1:
         for item in items:
@@ -62,13 +63,16 @@ def in_order(
             if len(pending) >= ahead:
                 break
         while pending:
-            item, future = pending.popleft()
+            item, future = pending[0]
+            # Waited for while still pending: an interrupt here (KeyboardInterrupt) leaves it
+            # to the clean-up below, which closes what it opens.
             with contextlib.suppress(Exception):
-                future.exception()  # wait for it (its outcome goes to the caller)
+                future.exception()
             for nxt in rest:  # the next one, if any, to keep the window full
                 pending.append((nxt, pool.submit(fn, nxt)))
                 break
-            yield item, future
+            pending.popleft()
+            yield item, future  # the caller's from here
     finally:
         for _, future in pending:
             if not future.cancel():

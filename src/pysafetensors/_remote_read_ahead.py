@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Final
 
@@ -41,24 +42,55 @@ NEAR: Final = 4 << 10
 
 
 class _Windows:
-    """The process-wide account of windows held, least recently used first."""
+    """The process-wide account of windows held, least recently used first.
+
+    Owners are held by weak reference: a source dropped without ``close()`` must not be kept
+    alive by its window (its entry goes when it is collected). The collector may run that
+    callback inside any method here, with the lock held by the same thread: it only queues the
+    entry, and the methods settle the queue under the lock.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: collections.OrderedDict[int, tuple[ReadAhead, int]] = collections.OrderedDict()
+        self._held: collections.OrderedDict[int, tuple[weakref.ref[ReadAhead], int]] = (
+            collections.OrderedDict()
+        )
         self._total = 0
+        self._gone: collections.deque[int] = collections.deque()
+
+    def _settle(self) -> None:
+        """Forget the entries of owners collected meanwhile. Called under the lock."""
+        while self._gone:
+            key = self._gone.popleft()
+            entry = self._held.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._held[key]
+                self._total -= entry[1]
+
+    def share(self, owner: ReadAhead) -> int:
+        """The most bytes a new window of ``owner`` may take: the budget split evenly among
+        the sources holding windows, ``owner`` counted (several files read in turn then fit
+        side by side, instead of each window pushing another's out before it is read)."""
+        with self._lock:
+            self._settle()
+            others = len(self._held) - (id(owner) in self._held)
+            return BUDGET // (others + 1)
 
     def hold(self, owner: ReadAhead, nbytes: int) -> None:
         """Record ``owner``'s new window, dropping the least recently used others' past the
-        budget (their attribute is cleared, never under their lock: no lock order to keep)."""
+        budget (cleared, and their runs restarted, without their lock: no lock order)."""
         with self._lock:
-            _, before = self._held.pop(id(owner), (owner, 0))
+            self._settle()
+            key = id(owner)
+            before = self._held.pop(key, (None, 0))[1]
             self._total += nbytes - before
-            self._held[id(owner)] = (owner, nbytes)
+            self._held[key] = (weakref.ref(owner, lambda _: self._gone.append(key)), nbytes)
             while self._total > BUDGET and len(self._held) > 1:
-                _, (other, size) = self._held.popitem(last=False)
+                _, (ref, size) = self._held.popitem(last=False)
                 self._total -= size
-                other._window_bytes = None
+                other = ref()
+                if other is not None:
+                    other._dropped()
 
     def touch(self, owner: ReadAhead) -> None:
         """Make ``owner`` the most recently used."""
@@ -69,14 +101,17 @@ class _Windows:
     def forget(self, owner: ReadAhead) -> None:
         """``owner`` holds no window any more."""
         with self._lock:
-            _, size = self._held.pop(id(owner), (owner, 0))
-            self._total -= size
+            self._settle()
+            entry = self._held.pop(id(owner), None)
+            if entry is not None:
+                self._total -= entry[1]
 
     def reset(self) -> None:
         """After a fork: a lock another thread held would never be released in the child."""
         self._lock = threading.Lock()
         self._held = collections.OrderedDict()
         self._total = 0
+        self._gone = collections.deque()
 
 
 _WINDOWS: Final = _Windows()
@@ -88,7 +123,8 @@ class ReadAhead:
     """One source's read-ahead state (see the module).
 
     Args:
-        limit: The largest window (the ``read_ahead`` option).
+        limit: The largest window (the ``read_ahead`` option; a read larger than it is still
+            fetched whole).
         size: The file's size (windows stop there).
         fetch: Reads ``len(out)`` bytes at an offset into ``out`` from the source, bypassing
             the read-ahead.
@@ -100,15 +136,20 @@ class ReadAhead:
         self._fetch = fetch
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._closed = False
         self._next = -1  # where the previous read ended
         self._in_order = 0  # reads in a row that followed the one before
-        self._run = 0  # bytes those reads took
+        self._run = 0  # bytes those reads took (windows counted when fetched)
         # (file offset, bytes) of the window held; dropped by _Windows past the budget.
         self._window_bytes: tuple[int, np.ndarray] | None = None
 
     def read(self, offset: int, out: memoryview) -> bool:
         """Fill ``out`` (a 1-D byte view) with the bytes at ``offset`` if the read-ahead serves
-        it; False to let the caller fetch it as asked (nothing was written then)."""
+        it; False to let the caller fetch it as asked (the caller then fills all of ``out``).
+
+        A window that fails to arrive is not an error here: the caller's own read follows,
+        and reports a failure in the range it asked for.
+        """
         if self._pid != os.getpid():
             self._after_fork()
         n = out.nbytes
@@ -124,7 +165,6 @@ class ReadAhead:
                         self._next = offset + n
                         _WINDOWS.touch(self)
                         return True
-                    self._run += k
                     # Across the window's end: the rest continues the reads in order.
                     offset, out, n = end, out[k:], n - k
                     self._next = offset
@@ -138,22 +178,40 @@ class ReadAhead:
             if self._in_order < _IN_ORDER and held is None:
                 self._run += n
                 return False
-            length = min(max(n, MIN_WINDOW, min(self._run, self._limit)), self._size - offset)
-            self._run += length
-        # Fetched outside the lock: a read of another thread need not wait for the network.
+            wanted = max(MIN_WINDOW, self._run)
+            length = min(max(n, min(wanted, self._limit)), self._size - offset)
+        # Outside both locks: how much the budget allows, then the fetch itself (a read of
+        # another thread need not wait for the network).
+        length = max(n, min(length, _WINDOWS.share(self)))
         data = np.empty(length, np.uint8)
-        self._fetch(offset, data.data)
+        try:
+            self._fetch(offset, data.data)
+        except Exception:  # noqa: BLE001 - the caller's read follows and reports its own range
+            with self._lock:
+                self._run = 0
+            return False
         out[:] = data.data[:n]
         with self._lock:
+            if self._closed:
+                return True  # closed meanwhile: nothing kept
             self._window_bytes = (offset, data)
+            self._run += length
         _WINDOWS.hold(self, length)
         return True
+
+    def _dropped(self) -> None:
+        """The budget took the window: the run starts over small, or its next window (as
+        large as the run) would push another's out, and so on round the files."""
+        self._window_bytes = None
+        self._run = 0
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
     def close(self) -> None:
-        """Drop the window."""
-        self._window_bytes = None
+        """Drop the window; one being fetched is not kept."""
+        with self._lock:
+            self._closed = True
+            self._window_bytes = None
         _WINDOWS.forget(self)

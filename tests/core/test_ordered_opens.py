@@ -90,3 +90,38 @@ def test_one_item_or_ahead_one_runs_here() -> None:
     ):
         future.result()
     assert seen == [here, here, here]
+
+
+def test_an_interrupt_while_waiting_loses_nothing() -> None:
+    """Ctrl-C while the caller waits for the next outcome: that one, still running, is
+    closed when it arrives (it was taken off the queue before the wait, and lost)."""
+    import _thread
+
+    lock = threading.Lock()
+    open_now: set[int] = set()
+
+    class Handle:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def close(self) -> None:
+            with lock:
+                open_now.discard(self.i)
+
+    def open_one(i: int) -> Handle:
+        time.sleep(0.3 if i == 0 else 0.05)
+        with lock:
+            open_now.add(i)
+        return Handle(i)
+
+    timer = threading.Timer(0.1, _thread.interrupt_main)  # while item 0 is awaited
+    opens = in_order(open_one, list(range(12)), discard=Handle.close, ahead=4)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        for _, future in opens:
+            future.result().close()
+    opens.close()
+    deadline = time.monotonic() + 5
+    while open_now and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not open_now
