@@ -209,10 +209,11 @@ class PlannedReads:
 
     def _fetch(self, offset: int, out: memoryview) -> None:
         """Read from the source as planned: a remote source's own read-ahead (for reads it
-        cannot foresee) is bypassed, the plan knows which bytes come next."""
-        many = getattr(self._source, "readinto_many", None)
-        if many is not None:
-            many([(offset, out.nbytes)], out)
+        cannot foresee) is bypassed, the plan knows which bytes come next, and the block is
+        spread over its connections."""
+        spread = getattr(self._source, "readinto_spread", None)
+        if spread is not None:
+            spread(offset, out)  # a remote source: parts on all its connections
         else:
             self._source.readinto(offset, out)
 

@@ -268,3 +268,22 @@ def test_read_ahead_is_the_largest_window(lora: tuple[RangeServer, dict]) -> Non
             f.get_tensor(name)
         asked = sum(tensors[n].nbytes for n in sorted(tensors)[:40])
     assert server.bytes_sent() - head <= asked  # each read as asked, nothing ahead
+
+
+def test_a_window_is_spread_over_the_connections(lora: tuple[RangeServer, dict]) -> None:
+    """A window is read whole before the loop goes on: its parts run side by side, 1 MiB or
+    more each (in part_size parts, a 16 MiB window was two requests, six connections idle)."""
+    server, _ = lora
+    data = (server.root / "big.safetensors").read_bytes()
+    with HTTPSource(server.url("big.safetensors")) as src:
+        server.reset()
+        out = bytearray(16 << 20)
+        src.readinto_spread(100_000, memoryview(out))
+        assert bytes(out) == data[100_000 : 100_000 + len(out)]
+        sizes = sorted(r.nbytes for r in server.records())
+        assert len(sizes) == 8 and sum(sizes) == len(out)  # max_connections parts of 2 MiB
+        server.reset()
+        small = bytearray(1 << 20)
+        src.readinto_spread(200_000, memoryview(small))
+        assert server.requests() == 1  # not cut below 1 MiB
+        assert bytes(small) == data[200_000 : 200_000 + len(small)]
