@@ -679,27 +679,59 @@ class ShardedSafeOpen(HandleBehaviour):
         self._live()
         seen: dict[str, str] = {}
         data_bytes = 0
-        for shard in self._shards:
-            # Opened unchecked first, so that a tensor in two shards is reported as such.
-            path = self._shard_path(shard)
-            with safe_open(
-                path,
+        remote = _is_url(self._path)
+
+        def opened(shard: str) -> tuple[str, safe_open, bool, Exception | None]:
+            """The shard opened unchecked (so that a tensor in two shards is reported as
+            such), and for a remote checkpoint its checked handle pinned too, or why not:
+            raised in the shard's turn, after the unchecked checks."""
+            raw = safe_open(
+                self._shard_path(shard),
                 "numpy",
                 backend="pread",
                 max_header_size=self._max_header_size,
                 storage_options=self._options.get("storage_options"),
-            ) as raw:
-                for name, info in raw.header.tensors.items():
-                    if name in seen:
-                        raise ShardIndexError(
-                            f"tensor {name!r} is in two shards: {seen[name]!r} and {shard!r}",
-                            kind="TensorInTwoShards",
-                            tensor=name,
-                        )
-                    seen[name] = shard
-                    data_bytes += info.nbytes
-            with self._shard(shard):
-                pass
+            )
+            if not remote:
+                return shard, raw, False, None
+            try:
+                self._pin(shard)
+            except Exception as exc:  # noqa: BLE001 - raised in its turn, see above
+                return shard, raw, False, exc
+            return shard, raw, True, None
+
+        def let_go(shard: str, raw: safe_open, pinned: bool) -> None:
+            raw.close()
+            if pinned:
+                self._unpin(shard)
+
+        # A remote checkpoint's shards opened a few ahead (two round trips each).
+        opens = in_order(
+            opened,
+            self._shards,
+            discard=lambda result: let_go(*result[:3]),
+            ahead=OPEN_AHEAD if remote else 1,
+        )
+        with contextlib.closing(opens):
+            for _, future in opens:
+                shard, raw, pinned, failure = future.result()
+                try:
+                    for name, info in raw.header.tensors.items():
+                        if name in seen:
+                            raise ShardIndexError(
+                                f"tensor {name!r} is in two shards: {seen[name]!r} and {shard!r}",
+                                kind="TensorInTwoShards",
+                                tensor=name,
+                            )
+                        seen[name] = shard
+                        data_bytes += info.nbytes
+                finally:
+                    let_go(shard, raw, pinned)
+                if failure is not None:
+                    raise failure
+                if not remote:
+                    with self._shard(shard):
+                        pass
         total = (self._index_metadata or {}).get("total_size")
         if (
             total is not None

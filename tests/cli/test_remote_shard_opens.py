@@ -57,3 +57,34 @@ def test_a_missing_shard_is_reported_in_its_place(
     # A command that needs every shard names the first missing one, as before.
     r = cli("inspect", index)
     assert r.code == 2 and f"model-00005-of-{N_SHARDS:05d}.safetensors" in r.err, r.err
+
+
+def test_library_validate_opens_shards_in_parallel(distant: tuple[RangeHTTPServer, Path]) -> None:
+    import json
+
+    from pysafetensors import ShardIndexError, safe_open
+    from pysafetensors.numpy import save_file
+
+    server, folder = distant
+    index = f"{server.url}/model/model.safetensors.index.json"
+    with safe_open(index, "np") as f:
+        f.validate()
+    assert server.most_in_flight >= 4
+    # The same verdicts as a local copy: a tensor in two shards (seen in the unchecked
+    # headers first), then one the index places elsewhere.
+    twice = folder / f"model-00009-of-{N_SHARDS:05d}.safetensors"
+    save_file({"t08": np.zeros(64, np.float32), "t03": np.zeros(64, np.float32)}, str(twice))
+    for target in (index, folder):
+        with safe_open(target, "np") as f, pytest.raises(ShardIndexError) as info:
+            f.validate()
+        assert info.value.kind == "TensorInTwoShards" and info.value.tensor == "t03"
+    save_file({"t08": np.zeros(64, np.float32)}, str(twice))  # the tensors the index lists
+    meta = json.loads((folder / "model.safetensors.index.json").read_text())
+    meta["weight_map"]["t12"] = f"model-00002-of-{N_SHARDS:05d}.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(meta))
+    kinds = set()
+    for target in (index, folder):
+        with safe_open(target, "np") as f, pytest.raises(ShardIndexError) as info:
+            f.validate()
+        kinds.add((info.value.kind, info.value.tensor))
+    assert len(kinds) == 1, kinds
