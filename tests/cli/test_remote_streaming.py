@@ -66,7 +66,7 @@ def test_streaming_commands_take_few_requests(
     sent = server.bytes_sent("lora.safetensors") - before_b
     # The header (1-2 requests) and the 1.5 MiB of data in blocks that double: not 1,000.
     assert requests <= 6, requests
-    assert sent <= size + 64 * 1024
+    assert sent <= 1.5 * size  # about once (a retried part is sent again)
     local = cli(command[0], root / "lora.safetensors", *command[1:]).json()
     got = remote.json()
     if command[0] == "hash":
@@ -134,7 +134,10 @@ def test_mixed_dtypes_cast_and_diff_fetch_the_file_once(
         sent = server.bytes_sent("lora.safetensors") - before_b
         requests = _requests(server, "lora.safetensors") - before_n
         reads = 2 if args[0] == "diff" else 1  # diff reads the URL as A and as B
-        assert sent <= reads * size, (args[0], sent, size)
+        # Each read of the file fetches it about once (a part retried after a dropped
+        # connection is sent again, hence the margin; the jumps this guards against fetched
+        # a block per tensor).
+        assert sent <= 1.5 * reads * size, (args[0], sent, size)
         assert requests <= reads * 8, (args[0], requests)
 
 
