@@ -25,6 +25,8 @@ from typing import Final
 
 import numpy as np
 
+from ._errors import SafetensorError
+
 __all__ = ["BUDGET", "DEFAULT_READ_AHEAD", "MIN_WINDOW", "NEAR", "ReadAhead"]
 
 #: The largest window by default: what eight connections fetch at once in 8 MiB parts.
@@ -46,8 +48,9 @@ class _Windows:
 
     Owners are held by weak reference: a source dropped without ``close()`` must not be kept
     alive by its window (its entry goes when it is collected). The collector may run that
-    callback inside any method here, with the lock held by the same thread: it only queues the
-    entry, and the methods settle the queue under the lock.
+    callback, or a dropped handle's ``close()`` (which calls :meth:`forget`), inside any method
+    here, with the lock held by the same thread: both only queue the entry when the lock is
+    taken, and the methods settle the queue under it (blocking there deadlocked).
     """
 
     def __init__(self) -> None:
@@ -57,14 +60,21 @@ class _Windows:
         )
         self._total = 0
         self._gone: collections.deque[int] = collections.deque()
+        self._closed: collections.deque[ReadAhead] = collections.deque()
 
     def _settle(self) -> None:
-        """Forget the entries of owners collected meanwhile. Called under the lock."""
+        """Forget the entries of owners collected or closed meanwhile. Called under the lock."""
         while self._gone:
             key = self._gone.popleft()
             entry = self._held.get(key)
             if entry is not None and entry[0]() is None:
                 del self._held[key]
+                self._total -= entry[1]
+        while self._closed:
+            owner = self._closed.popleft()
+            entry = self._held.get(id(owner))
+            if entry is not None and entry[0]() is owner:
+                del self._held[id(owner)]
                 self._total -= entry[1]
 
     def share(self, owner: ReadAhead) -> int:
@@ -76,11 +86,17 @@ class _Windows:
             others = len(self._held) - (id(owner) in self._held)
             return BUDGET // (others + 1)
 
-    def hold(self, owner: ReadAhead, nbytes: int) -> None:
+    def hold(self, owner: ReadAhead, window: np.ndarray) -> None:
         """Record ``owner``'s new window, dropping the least recently used others' past the
-        budget (cleared, and their runs restarted, without their lock: no lock order)."""
+        budget (cleared, and their runs restarted, without their lock: the owner's lock is
+        taken before this one, never after). Called under the owner's lock; a window another
+        source's eviction cleared meanwhile is not recorded."""
+        nbytes = window.size
         with self._lock:
             self._settle()
+            held = owner._window_bytes
+            if held is None or held[1] is not window:
+                return  # dropped by another source's eviction before this lock was had
             key = id(owner)
             before = self._held.pop(key, (None, 0))[1]
             self._total += nbytes - before
@@ -99,12 +115,14 @@ class _Windows:
                 self._held.move_to_end(id(owner))
 
     def forget(self, owner: ReadAhead) -> None:
-        """``owner`` holds no window any more."""
-        with self._lock:
-            self._settle()
-            entry = self._held.pop(id(owner), None)
-            if entry is not None:
-                self._total -= entry[1]
+        """``owner`` holds no window any more: settled now, or by the next call that takes
+        the lock if it is held (by this thread too: see the class)."""
+        self._closed.append(owner)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
 
     def reset(self) -> None:
         """After a fork: a lock another thread held would never be released in the child."""
@@ -112,6 +130,7 @@ class _Windows:
         self._held = collections.OrderedDict()
         self._total = 0
         self._gone = collections.deque()
+        self._closed = collections.deque()
 
 
 _WINDOWS: Final = _Windows()
@@ -147,8 +166,9 @@ class ReadAhead:
         """Fill ``out`` (a 1-D byte view) with the bytes at ``offset`` if the read-ahead serves
         it; False to let the caller fetch it as asked (the caller then fills all of ``out``).
 
-        A window that fails to arrive is not an error here: the caller's own read follows,
-        and reports a failure in the range it asked for.
+        A window the server refuses as out of range (416) is not an error here: the caller's
+        own read follows, and reports a failure in the range it asked for. Other failures
+        (retried already by the source) are the read's.
         """
         if self._pid != os.getpid():
             self._after_fork()
@@ -186,7 +206,11 @@ class ReadAhead:
         data = np.empty(length, np.uint8)
         try:
             self._fetch(offset, data.data)
-        except Exception:  # noqa: BLE001 - the caller's read follows and reports its own range
+        except SafetensorError as exc:
+            if exc.kind != "RangeNotSatisfiable":
+                raise  # the server's failure, retried already: the read's own would be too
+            # A window past what the server will serve (a file shorter than it said): the
+            # caller's own read follows, and reports the range it asked for.
             with self._lock:
                 self._run = 0
             return False
@@ -196,7 +220,9 @@ class ReadAhead:
                 return True  # closed meanwhile: nothing kept
             self._window_bytes = (offset, data)
             self._run += length
-        _WINDOWS.hold(self, length)
+            # Recorded under this lock: a close() cannot fall between the store and the
+            # record (the record would outlive the window).
+            _WINDOWS.hold(self, data)
         return True
 
     def _dropped(self) -> None:

@@ -287,3 +287,51 @@ def test_a_window_is_spread_over_the_connections(lora: tuple[RangeServer, dict])
         src.readinto_spread(200_000, memoryview(small))
         assert server.requests() == 1  # not cut below 1 MiB
         assert bytes(small) == data[200_000 : 200_000 + len(small)]
+
+
+def test_forget_under_the_lock_does_not_block() -> None:
+    """A dropped handle closed by the collector while this thread holds the budget's lock
+    (the collector runs wherever an allocation triggers it) is queued, not waited for."""
+    data = bytes(1 << 20)
+    ahead = ReadAhead(
+        1 << 20,
+        len(data),
+        lambda at, view: view.__setitem__(slice(None), data[at : at + view.nbytes]),
+    )
+    out = bytearray(100)
+    for k in range(3):
+        assert ahead.read(k * 100, memoryview(out)) is (k == 2)
+    assert id(ahead) in _WINDOWS._held
+    with _WINDOWS._lock:
+        ahead.close()  # blocked for ever before
+    probe = ReadAhead(1 << 20, 1 << 20, lambda at, view: None)
+    _WINDOWS.share(probe)  # the next call settles it
+    assert id(ahead) not in _WINDOWS._held
+
+
+def test_a_window_dropped_before_its_record_is_not_recorded() -> None:
+    ahead = ReadAhead(1 << 20, 1 << 20, lambda at, view: None)
+    window = np.zeros(4096, np.uint8)
+    ahead._window_bytes = (0, window)
+    ahead._dropped()  # another source's eviction, before this one's record
+    _WINDOWS.hold(ahead, window)
+    assert id(ahead) not in _WINDOWS._held
+
+
+def test_a_failing_server_is_retried_once_per_read(lora: tuple[RangeServer, dict]) -> None:
+    """A window that fails after the source's retries is the read's failure: its own read
+    is not tried again (that doubled the requests and the back-off to a failing server)."""
+    from pysafetensors import RemoteError
+
+    server, tensors = lora
+    names = sorted(tensors)
+    with safe_open(
+        server.url("lora.safetensors"), "np", storage_options={"retries": 2, "backoff": 0.01}
+    ) as f:
+        for name in names[200:202]:
+            f.get_tensor(name)  # two reads in order: the next one fetches a window
+        server.reset()
+        server.inject("lora.safetensors", 503, 503, 503, 503, 503, 503)
+        with pytest.raises(RemoteError):
+            f.get_tensor(names[202])
+    assert server.requests() == 3  # the first try and two retries
