@@ -10,18 +10,27 @@ callers keep their sequential logic (the first failure in order is the one repor
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final, TypeVar
 
-__all__ = ["OPEN_AHEAD", "in_order"]
+__all__ = ["OPEN_AHEAD", "ahead_for", "in_order"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 #: Opens in flight at once: as many as one file's default parallel requests.
 OPEN_AHEAD: Final = 8
+
+
+def ahead_for(paths: Iterable[str]) -> int:
+    """How many opens to run ahead for these files: :data:`OPEN_AHEAD` when all are URLs (a
+    round trip each), else 1 (local files open at once, one by one, within the process's
+    descriptor budget, which only the calling thread keeps)."""
+    paths = list(paths)
+    return OPEN_AHEAD if paths and all("://" in path for path in paths) else 1
 
 
 def _done(fn: Callable[[_T], _R], item: _T) -> Future[_R]:
@@ -38,7 +47,7 @@ def in_order(
     fn: Callable[[_T], _R],
     items: Sequence[_T],
     *,
-    discard: Callable[[_R], object],
+    discard: Callable[[_T, _R], object],
     ahead: int = OPEN_AHEAD,
 ) -> Generator[tuple[_T, Future[_R]], None, None]:
     """``(item, finished future of fn(item))`` for each item, in order, up to ``ahead`` of
@@ -46,9 +55,9 @@ def in_order(
 
     A future handed over is the caller's: its result (an open file) is theirs to close. The
     results of those never handed over (the caller stopped early, failed, or was
-    interrupted) are passed to ``discard`` as they finish, also those still running when the
-    caller stops: the caller does not wait for them (the process, exiting, still waits for
-    opens in flight, within their own timeouts).
+    interrupted) are passed to ``discard(item, result)`` as they finish, also those still
+    running when the caller stops: the caller does not wait for them (the process, exiting,
+    still waits for opens in flight, within their own timeouts).
     """
     if ahead <= 1 or len(items) <= 1:
         for item in items:
@@ -74,15 +83,15 @@ def in_order(
             pending.popleft()
             yield item, future  # the caller's from here
     finally:
-        for _, future in pending:
+        for item, future in pending:
             if not future.cancel():
-                future.add_done_callback(lambda f: _discard(f, discard))
+                future.add_done_callback(functools.partial(_discard, item, discard))
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _discard(future: Future[_R], discard: Callable[[_R], object]) -> None:
+def _discard(item: _T, discard: Callable[[_T, _R], object], future: Future[_R]) -> None:
     """Hand a finished future's result to ``discard``; failures were nobody's to report."""
     if future.cancelled() or future.exception() is not None:
         return
     with contextlib.suppress(Exception):
-        discard(future.result())
+        discard(item, future.result())

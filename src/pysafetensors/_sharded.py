@@ -31,7 +31,7 @@ from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
 from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo
-from ._ordered_opens import OPEN_AHEAD, in_order
+from ._ordered_opens import ahead_for, in_order
 from ._reader import (
     HandleBehaviour,
     SafeSlice,
@@ -681,7 +681,7 @@ class ShardedSafeOpen(HandleBehaviour):
         data_bytes = 0
         remote = _is_url(self._path)
 
-        def opened(shard: str) -> tuple[str, safe_open, bool, Exception | None]:
+        def opened(shard: str) -> tuple[safe_open, bool, Exception | None]:
             """The shard opened unchecked (so that a tensor in two shards is reported as
             such), and for a remote checkpoint its checked handle pinned too, or why not:
             raised in the shard's turn, after the unchecked checks."""
@@ -693,12 +693,12 @@ class ShardedSafeOpen(HandleBehaviour):
                 storage_options=self._options.get("storage_options"),
             )
             if not remote:
-                return shard, raw, False, None
+                return raw, False, None
             try:
                 self._pin(shard)
             except Exception as exc:  # noqa: BLE001 - raised in its turn, see above
-                return shard, raw, False, exc
-            return shard, raw, True, None
+                return raw, False, exc
+            return raw, True, None
 
         def let_go(shard: str, raw: safe_open, pinned: bool) -> None:
             raw.close()
@@ -709,12 +709,12 @@ class ShardedSafeOpen(HandleBehaviour):
         opens = in_order(
             opened,
             self._shards,
-            discard=lambda result: let_go(*result[:3]),
-            ahead=OPEN_AHEAD if remote else 1,
+            discard=lambda shard, result: let_go(shard, *result[:2]),
+            ahead=self._open_ahead,
         )
         with contextlib.closing(opens):
-            for _, future in opens:
-                shard, raw, pinned, failure = future.result()
+            for shard, future in opens:
+                raw, pinned, failure = future.result()
                 try:
                     for name, info in raw.header.tensors.items():
                         if name in seen:
@@ -837,14 +837,14 @@ class ShardedSafeOpen(HandleBehaviour):
 
         # Remote shards are opened a few ahead (a round trip each) while one is read.
         opens = in_order(
-            lambda shard: (shard, *handle_for(shard)),
+            handle_for,
             self._shards,
-            discard=lambda opened: let_go(*opened),
-            ahead=OPEN_AHEAD if _is_url(self._path) else 1,
+            discard=lambda shard, opened: let_go(shard, *opened),
+            ahead=self._open_ahead,
         )
         with contextlib.closing(opens):
-            for _, future in opens:
-                shard, handle, pinned = future.result()
+            for shard, future in opens:
+                handle, pinned = future.result()
                 try:
                     out.update(handle.get_tensors())
                 finally:
@@ -905,6 +905,11 @@ class ShardedSafeOpen(HandleBehaviour):
                 got.update(work(handle, by_shard[shard]))
         return got
 
+    @property
+    def _open_ahead(self) -> int:
+        """How many shards to open ahead of the one read (see :func:`ahead_for`)."""
+        return ahead_for([self._path])
+
     def _pinned_in_turn(self, shards: list[str]) -> Generator[tuple[str, safe_open], None, None]:
         """``(shard, handle)`` for each shard in turn, pinned until the next is asked for.
 
@@ -912,14 +917,14 @@ class ShardedSafeOpen(HandleBehaviour):
         handed over is unpinned as soon as it is open.
         """
         opens = in_order(
-            lambda shard: (shard, self._pin(shard)),
+            self._pin,
             shards,
-            discard=lambda pinned: self._unpin(pinned[0]),
-            ahead=OPEN_AHEAD if _is_url(self._path) else 1,
+            discard=lambda shard, _: self._unpin(shard),
+            ahead=self._open_ahead,
         )
         with contextlib.closing(opens):
             for shard, opened in opens:
-                _, handle = opened.result()
+                handle = opened.result()
                 try:
                     yield shard, handle
                 finally:

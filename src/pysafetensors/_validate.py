@@ -42,7 +42,7 @@ from ._format import (
     parse_header_length,
     top_level_members,
 )
-from ._ordered_opens import OPEN_AHEAD, in_order
+from ._ordered_opens import ahead_for, in_order
 from ._planned_reads import PlannedReads
 from ._remote_source import RemoteSource
 from ._remote_urls import shown_location, shown_name, url_dirname, url_join
@@ -986,13 +986,12 @@ def validate(
             return None
         return open_model_file(path, storage_options)
 
-    # The shards of a URL opened a few at once (a round trip each), handed over in order.
-    ahead = OPEN_AHEAD if all(_is_url(p) for p in model.files) else 1
+    # The shards of a URL opened a few at once, handed over in order.
     opens = in_order(
         open_one,
         list(zip(model.files, model.labels, strict=True)),
-        discard=_close_source,
-        ahead=ahead,
+        discard=lambda _, source: _close_source(source),
+        ahead=ahead_for(model.files),
     )
     with contextlib.closing(opens):
         for (_, label), opened in opens:

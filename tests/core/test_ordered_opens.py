@@ -41,7 +41,7 @@ def test_outcomes_come_in_order_with_their_errors() -> None:
     opener = Opener(fail=frozenset({3, 7}))
     got = []
     items = []
-    for item, future in in_order(opener, list(range(12)), discard=list.clear, ahead=4):
+    for item, future in in_order(opener, list(range(12)), discard=lambda _, h: h.clear(), ahead=4):
         items.append(item)
         try:
             got.append(future.result())
@@ -59,7 +59,8 @@ def test_what_is_not_handed_over_is_discarded(ahead: int) -> None:
     discarded: list[list[int]] = []
     done = threading.Event()
 
-    def discard(handle: list[int]) -> None:
+    def discard(item: int, handle: list[int]) -> None:
+        assert handle == [item]  # each result with the item it was opened for
         discarded.append(list(handle))
         handle.clear()
         if len(handed) + len(discarded) == len(opener.opened):
@@ -115,7 +116,7 @@ def test_an_interrupt_while_waiting_loses_nothing() -> None:
         return Handle(i)
 
     timer = threading.Timer(0.1, _thread.interrupt_main)  # while item 0 is awaited
-    opens = in_order(open_one, list(range(12)), discard=Handle.close, ahead=4)
+    opens = in_order(open_one, list(range(12)), discard=lambda _, h: h.close(), ahead=4)
     timer.start()
     with pytest.raises(KeyboardInterrupt):
         for _, future in opens:

@@ -26,7 +26,7 @@ from .._dtypes import DType
 from .._errors import SafetensorError
 from .._file_pool import FilePool
 from .._format import Header
-from .._ordered_opens import OPEN_AHEAD, in_order
+from .._ordered_opens import ahead_for, in_order
 from .._planned_reads import BlockBudget, PlannedReads
 from .._reader import read_header
 from .._remote_source import RemoteSource
@@ -548,10 +548,11 @@ def open_model(target: str, storage_options: dict[str, Any] | None = None) -> Mo
             raise
 
     items = list(zip(located.files, located.labels, strict=True))
-    # Remote shards opened a few at once (a round trip each); local files one by one, as
-    # each may be closed again past the descriptor budget.
-    ahead = OPEN_AHEAD if all("://" in path for path in located.files) else 1
-    opens = in_order(open_one, items, discard=lambda pair: pair[0].close(), ahead=ahead)
+    # Remote shards opened a few at once; local files one by one, as each may be closed
+    # again past the descriptor budget.
+    opens = in_order(
+        open_one, items, discard=lambda _, pair: pair[0].close(), ahead=ahead_for(located.files)
+    )
     try:
         for (path, label), opened in opens:
             source, header = opened.result()
