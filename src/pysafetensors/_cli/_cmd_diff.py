@@ -198,6 +198,19 @@ def compare_values(
     }
 
 
+def value_pairs(ma: Model, mb: Model, args: argparse.Namespace) -> list[str]:
+    """The names whose values ``diff`` compares, in A's file order: in both, chosen by the
+    filters, of the same shape (none with ``--no-values``)."""
+    if args.no_values:
+        return []
+    accept = name_filter(args)
+    return [
+        n
+        for n, a in ma.tensors.items()
+        if accept(n) and n in mb.tensors and a.shape == mb.tensors[n].shape
+    ]
+
+
 def diff_models(
     ma: Model, mb: Model, args: argparse.Namespace, progress: Callable[[int], None]
 ) -> dict[str, Any]:
@@ -218,9 +231,8 @@ def diff_models(
     # Values compared in A's file order (a remote A is then read front to back, in few
     # requests), reported in name order.
     compared = {
-        n: compare_values(a, mb.tensors[n], args.atol, args.rtol, progress)
-        for n, a in ([] if args.no_values else ma.tensors.items())
-        if accept(n) and n in mb.tensors and a.shape == mb.tensors[n].shape
+        n: compare_values(ma.tensors[n], mb.tensors[n], args.atol, args.rtol, progress)
+        for n in value_pairs(ma, mb, args)
     }
     tensors = []
     counts = {"added": 0, "removed": 0, "changed": 0, "close": 0, "identical": 0, "unchecked": 0}
@@ -302,17 +314,7 @@ def run(args: argparse.Namespace) -> int:
                 t.nbytes + mb.tensors[n].nbytes for n, t in ma.tensors.items() if n in mb.tensors
             )
         )
-        # What compare_values will read: tensors in both, chosen, of the same shape.
-        accept = name_filter(args)
-        common = (
-            []
-            if args.no_values
-            else [
-                n
-                for n, a in ma.tensors.items()
-                if n in mb.tensors and accept(n) and a.shape == mb.tensors[n].shape
-            ]
-        )
+        common = value_pairs(ma, mb, args)  # what compare_values will read
         with (
             ui.progress(total, "diff") as update,
             ma.planned_reads(ma.tensors[n] for n in common),
