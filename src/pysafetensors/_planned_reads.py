@@ -27,9 +27,10 @@ from typing import Final
 
 import numpy as np
 
+from ._remote_source import RemoteSource
 from ._sources import ByteSource
 
-__all__ = ["BLOCK_BYTES", "BlockBudget", "PlannedReads"]
+__all__ = ["BLOCK_BYTES", "BlockBudget", "PlannedReads", "plan_reads"]
 
 #: The largest block fetched at once: eight parts of the remote sources' default 8 MiB, what
 #: their default eight connections fetch in parallel.
@@ -55,6 +56,16 @@ class BlockBudget:
         if self._holder is not None and self._holder is not reader:
             self._holder.release()
         self._holder = reader
+
+
+def plan_reads(
+    source: ByteSource, ranges: Iterable[tuple[int, int]], budget: BlockBudget | None = None
+) -> PlannedReads | None:
+    """A :class:`PlannedReads` of ``ranges`` for a remote source (across its own ``max_gap``),
+    None for any other: a local file's reads cost no round trip."""
+    if not isinstance(source, RemoteSource):
+        return None
+    return PlannedReads(source, ranges, max_gap=source.max_gap, budget=budget)
 
 
 @dataclass(slots=True, eq=False)  # identity: streams are told apart by which one they are

@@ -43,8 +43,7 @@ from ._format import (
     top_level_members,
 )
 from ._ordered_opens import ahead_for, in_order
-from ._planned_reads import PlannedReads
-from ._remote_source import RemoteSource
+from ._planned_reads import plan_reads
 from ._remote_urls import shown_location, shown_name, url_dirname, url_join
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
@@ -523,19 +522,14 @@ def _check_values(
         for e in entries
         if e.ok and e.end > e.begin and (e.dtype.is_float or e.dtype.code == "BOOL")
     ]
-    if isinstance(source, RemoteSource):
-        # Tensors in file order, each read in chunks: a request per chunk read, unless the
-        # reads are planned into few large ones.
-        source = PlannedReads(
-            source,
-            [(data_start + e.begin, data_start + e.end) for e in checked],
-            max_gap=source.max_gap,
-        )
+    # Tensors in file order, each read in chunks: over a URL a request per chunk read,
+    # unless the reads are planned into few large ones.
+    planned = plan_reads(source, [(data_start + e.begin, data_start + e.end) for e in checked])
     try:
-        _check_tensors(col, source, data_start, checked, progress)
+        _check_tensors(col, planned or source, data_start, checked, progress)
     finally:
-        if isinstance(source, PlannedReads):
-            source.close()
+        if planned is not None:
+            planned.close()
 
 
 def _check_tensors(

@@ -27,9 +27,8 @@ from .._errors import SafetensorError
 from .._file_pool import FilePool
 from .._format import Header
 from .._ordered_opens import ahead_for, in_order
-from .._planned_reads import BlockBudget, PlannedReads
+from .._planned_reads import BlockBudget, plan_reads
 from .._reader import read_header
-from .._remote_source import RemoteSource
 from .._remote_urls import shown_location as shown
 from .._sharding import as_header_metadata, model_metadata
 from .._sources import ByteSource, PreadSource
@@ -467,16 +466,12 @@ class Model:
         """
         ranges: dict[int, list[tuple[int, int]]] = {}
         for ref in refs:
-            if isinstance(ref.file.source, RemoteSource):
-                ranges.setdefault(id(ref.file), []).append(ref.file_offsets)
+            ranges.setdefault(id(ref.file), []).append(ref.file_offsets)
         budget = BlockBudget()
         try:
             for f in self.files:
-                planned = ranges.get(id(f))
-                if planned and isinstance(f.source, RemoteSource):
-                    f.planned = PlannedReads(
-                        f.source, planned, max_gap=f.source.max_gap, budget=budget
-                    )
+                if id(f) in ranges:
+                    f.planned = plan_reads(f.source, ranges[id(f)], budget)
             yield
         finally:
             for f in self.files:
