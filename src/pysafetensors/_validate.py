@@ -522,6 +522,14 @@ def _check_values(
         for e in entries
         if e.ok and e.end > e.begin and (e.dtype.is_float or e.dtype.code == "BOOL")
     ]
+    if progress is not None:
+        # The header and the tensors not read count as done at once, so that a valid file's
+        # counts add up to its size (the total a caller can know without parsing it).
+        progress(
+            data_start
+            + sum(e.end - e.begin for e in entries)
+            - sum(e.end - e.begin for e in checked)
+        )
     # Tensors in file order, each read in chunks: over a URL a request per chunk read,
     # unless the reads are planned into few large ones.
     planned = plan_reads(source, [(data_start + e.begin, data_start + e.end) for e in checked])
@@ -608,7 +616,8 @@ def validate_source(
         strict: Add warnings (see the module docstring).
         check_values: Read the data to look for NaN/Inf; defaults to ``strict``.
         max_header_size: Largest header accepted (rule R2).
-        progress: Called with a byte count as data is read (value checks only).
+        progress: Called with byte counts as the file is read for value checks (the header's
+            first): a valid file's add up to its size.
 
     Returns:
         Problems in the order found: errors and, with ``strict``, warnings.
@@ -954,7 +963,8 @@ def validate(
         strict: Add warnings (NaN/Inf, alignment, ``format`` metadata, ...).
         check_values: Read tensor data for the value checks; defaults to ``strict``.
         max_header_size: Largest header accepted.
-        progress: Called with byte counts while tensor data is read.
+        progress: Called with byte counts as files are read for value checks (each header
+            first): a valid model's add up to the sizes of its files.
         storage_options: For a URL: options of the remote source (``headers``, ``timeout``,
             ``endpoint_url``...), for the index and every shard, as for ``safe_open``.
 

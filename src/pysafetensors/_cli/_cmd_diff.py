@@ -307,14 +307,8 @@ def run(args: argparse.Namespace) -> int:
         # Compared: what the shards hold. An index that disagrees with them is warned about, and
         # the exit code is then 2 (the answer cannot be trusted as "equal"/"different").
         inconsistent = ma.warn_index() | mb.warn_index()
-        total = (
-            0
-            if args.no_values
-            else sum(
-                t.nbytes + mb.tensors[n].nbytes for n, t in ma.tensors.items() if n in mb.tensors
-            )
-        )
         common = value_pairs(ma, mb, args)  # what compare_values will read
+        total = sum(ma.tensors[n].nbytes + mb.tensors[n].nbytes for n in common)
         with (
             ui.progress(total, "diff") as update,
             ma.planned_reads(ma.tensors[n] for n in common),
