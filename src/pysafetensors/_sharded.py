@@ -328,11 +328,17 @@ class ShardedSafeOpen(HandleBehaviour):
             self._shards = sorted(set(self._weight_map.values()))
             if not _is_url(target):
                 for shard in self._shards:
-                    if not os.path.isfile(self._shard_path(shard)):
+                    path = self._shard_path(shard)
+                    if not os.path.isfile(path):
                         example = next(t for t, s in self._weight_map.items() if s == shard)
+                        what = (
+                            "is not a regular file"
+                            if os.path.lexists(path)
+                            else f"does not exist in {self._base!r}"
+                        )
                         raise MissingShardError(
                             f"index {_shown(target)} places tensors (e.g. {example!r}) in shard "
-                            f"{shard!r}, which does not exist in {self._base!r}",
+                            f"{shard!r}, which {what}",
                             kind="MissingShard",
                             tensor=example,
                         )
@@ -501,7 +507,20 @@ class ShardedSafeOpen(HandleBehaviour):
 
     def _checked_handle(self, shard: str, *, validate: bool = True) -> safe_open:
         """A new handle on ``shard``, checked against the index; the caller owns it."""
-        handle = self._new_shard_handle(shard)
+        try:
+            handle = self._new_shard_handle(shard)
+        except OSError as exc:
+            # Gone or unreadable since the checkpoint was opened: a save over it (with other
+            # shard names, or the hub's, which removes the old files first) says so before
+            # the bare OSError would, which `except SafetensorError` did not catch.
+            self._check_index_unchanged(shard)
+            if isinstance(exc, FileNotFoundError) and not isinstance(exc, SafetensorError):
+                raise MissingShardError(
+                    f"shard {shard!r} of {_shown(self._path)} no longer exists (removed "
+                    "since the checkpoint was opened)",
+                    kind="MissingShard",
+                ) from exc
+            raise
         try:
             self._check_index_unchanged(shard)
             self._check_same_version(shard, handle)

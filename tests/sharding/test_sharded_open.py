@@ -366,6 +366,61 @@ def test_a_checkpoint_saved_again_while_open_is_not_read_as_a_mix(tmp_path: Path
         assert {int(f.get_tensor(k)[0]) for k in f} == {2}
 
 
+@pytest.mark.parametrize("resave", ["other shard count", "hub layout", "reshard in place"])
+def test_a_save_that_removed_the_shard_about_to_be_opened_is_a_changed_checkpoint(
+    tmp_path: Path, resave: str
+) -> None:
+    # A re-save with other shard names (another size limit, a reshard in place, the hub's
+    # save, which removes the old files first) took the old shard away: the open failed with
+    # a bare FileNotFoundError before the index was looked at, which `except
+    # SafetensorError` did not catch.
+    from pysafetensors import reshard
+
+    def state(gen: int) -> dict[str, np.ndarray]:
+        return {f"l{i}": np.full(1000, gen, np.float32) for i in range(4)}
+
+    save_sharded(state(1), tmp_path, max_shard_size=8000)  # two shards
+    with safe_open(tmp_path, "np") as f:
+        assert f.get_tensor("l0")[0] == 1  # the first shard only
+        if resave == "other shard count":
+            save_sharded(state(2), tmp_path, max_shard_size=4000)
+        elif resave == "reshard in place":
+            reshard(tmp_path, tmp_path, max_shard_size=4000)
+        else:
+            for old in tmp_path.iterdir():
+                old.unlink()  # what huggingface_hub's save does before it writes
+            save_sharded(state(2), tmp_path, max_shard_size=4000)
+        with pytest.raises(ShardIndexError, match="saved again") as info:
+            f.get_tensor("l3")
+        assert info.value.kind == "CheckpointChanged"
+
+
+def test_a_shard_removed_while_the_index_stays_is_a_missing_shard(tmp_path: Path) -> None:
+    save_sharded({f"l{i}": np.full(1000, i, np.float32) for i in range(4)}, tmp_path, 8000)
+    with safe_open(tmp_path, "np") as f:
+        f.get_tensor("l0")
+        (tmp_path / "model-00002-of-00002.safetensors").unlink()
+        with pytest.raises(MissingShardError, match="model-00002-of-00002") as info:
+            f.get_tensor("l3")
+        assert info.value.kind == "MissingShard"
+        assert isinstance(info.value, FileNotFoundError)
+
+
+@pytest.mark.parametrize("odd", ["directory", "fifo"])
+def test_a_shard_that_is_not_a_file_is_called_so(tmp_path: Path, odd: str) -> None:
+    save_sharded({f"l{i}": np.full(1000, i, np.float32) for i in range(4)}, tmp_path, 8000)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    if odd == "directory":
+        shard.mkdir()
+    else:
+        os.mkfifo(shard)
+    with pytest.raises(MissingShardError, match="is not a regular file") as info:
+        safe_open(tmp_path, "np")
+    assert "does not exist" not in str(info.value)
+    assert info.value.kind == "MissingShard"
+
+
 def test_one_shard_under_two_spellings_is_one_shard(tmp_path: Path) -> None:
     # "x" and "./x" name one file (transformers and the hub load it); the tensors were
     # refused as being in two shards.
