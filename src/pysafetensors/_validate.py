@@ -75,7 +75,12 @@ CHUNK_BYTES: Final = 24 << 20
 #: overrides and isolates of "trojan source" (CVE-2021-42574: U+061C, U+200E, U+200F,
 #: U+202A-U+202E, U+2066-U+2069). One list for the names ``validate --strict`` warns about and
 #: the text the command line escapes.
-CONTROL_CHARS: Final = "\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+# Invisible characters too (soft hyphen, zero-width space, word joiner and invisible operators,
+# byte-order mark): a name holding one prints like another name.
+CONTROL_CHARS: Final = (
+    "\x00-\x1f\x7f-\x9f\u00ad\u2028\u2029\u061c\u200b\u200e\u200f\u202a-\u202e"
+    "\u2060-\u2064\u2066-\u2069\ufeff"
+)
 _CONTROL: Final = re.compile(f"[{CONTROL_CHARS}]")
 
 

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pysafetensors import safe_open
 from pysafetensors.numpy import load_file, save_file
 
 from .conftest import example_tensors, raw_file, write_sharded
@@ -903,12 +904,51 @@ def test_convert_of_a_folder_with_nothing_to_convert_is_exit_2(cli, tmp_path: Pa
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("mark", ["\u200f", "\u200e", "\u061c"])
+@pytest.mark.parametrize(
+    "mark", ["\u200f", "\u200e", "\u061c", "\u200b", "\u2060", "\ufeff", "\u00ad"]
+)
 def test_bidirectional_marks_in_names_are_escaped_and_warned_about(
     cli, tmp_path: Path, mark: str
 ) -> None:
     path = tmp_path / "m.safetensors"
     save_file({f"a{mark}b": np.zeros(1, np.float32)}, str(path))
-    assert f"\\u{ord(mark):04x}" in cli("inspect", path).out
+    shown = f"\\x{ord(mark):02x}" if ord(mark) < 0x100 else f"\\u{ord(mark):04x}"
+    assert shown in cli("inspect", path).out
     r = cli("validate", "--strict", path)
     assert r.code == 1 and "SuspiciousName" in r.out + r.err
+
+
+def test_diff_shows_changed_metadata_escaped_once(cli, tmp_path: Path) -> None:
+    # The changed-value lines went through repr() after escaping: backslashes came out
+    # doubled ('C:\\models'), unlike the added and removed lines and every other command.
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    t = {"x": np.zeros(2, np.float32)}
+    save_file(t, str(a), metadata={"path": "C:\\models", "note": "one\ntwo", "gone": "a\x1bb"})
+    save_file(t, str(b), metadata={"path": "D:\\models", "note": "other", "new": "x\ny"})
+    out = cli("diff", a, b).out
+    assert "~ metadata path: 'C:\\models' -> 'D:\\models'" in out
+    assert "~ metadata note: 'one\\x0atwo' -> 'other'" in out
+    assert "- metadata gone: a\\x1bb" in out and "+ metadata new: x\\x0ay" in out
+    assert "\\\\" not in out and "\x1b" not in out
+
+
+def test_cast_from_may_be_repeated(cli, tmp_path: Path) -> None:
+    # A second --from replaced the first: only the last one's dtypes were cast, silently.
+    path, out = tmp_path / "m.safetensors", tmp_path / "out.safetensors"
+    save_file(
+        {
+            "a": np.ones(4, ml_dtypes.float8_e4m3fn),
+            "b": np.ones(4, ml_dtypes.float8_e5m2),
+            "c": np.ones(4, np.float32),
+        },
+        str(path),
+    )
+    r = cli("cast", path, out, "--to", "F16", "--from", "F8_E4M3", "--from", "F8_E5M2")
+    assert r.code == 0, r.err
+    with safe_open(out, "np") as f:
+        assert {k: f.get_slice(k).get_dtype() for k in f.keys()} == {
+            "a": "F16",
+            "b": "F16",
+            "c": "F32",  # not named: copied
+        }
+    assert cli("cast", path, out, "--to", "F16", "--from", ",").code == 2

@@ -61,9 +61,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--from",
         dest="sources",
-        default=",".join(DEFAULT_FROM),
+        action="append",
         metavar="CODES",
-        help=f"comma-separated dtypes to convert (default {','.join(DEFAULT_FROM)})",
+        help=f"comma-separated dtypes to convert, repeatable (default {','.join(DEFAULT_FROM)})",
     )
     p.add_argument(
         "-f", "--filter", action="append", metavar="GLOB", help="only cast matching tensors"
@@ -116,11 +116,14 @@ def _plan(
     progress: Callable[[int], None],
 ) -> dict[str, list[TensorData]]:
     try:
-        sources = {dtype_from_code(c.strip().upper()) for c in args.sources.split(",") if c.strip()}
+        # Repeated --from options add up (as -f does), instead of the last one winning.
+        codes = ",".join(args.sources or DEFAULT_FROM).split(",")
+        sources = {dtype_from_code(c.strip().upper()) for c in codes if c.strip()}
     except Exception as exc:
         raise UsageError(f"--from: {exc}") from None
     if not sources:
-        raise UsageError(f"--from names no dtype ({args.sources!r}); give codes such as F32,F16")
+        given = ",".join(args.sources or ())
+        raise UsageError(f"--from names no dtype ({given!r}); give codes such as F32,F16")
     target = dtype_from_code(args.to)
     accept = name_filter(args)
     per_file: dict[str, list[TensorData]] = {f.label: [] for f in model.files}

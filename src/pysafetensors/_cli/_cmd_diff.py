@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
         ui.line(f"+ metadata {sanitize(key)}: {sanitize(value)}", style="green")
     for key, (old, new) in meta["changed"].items():
         ui.line(
-            f"~ metadata {sanitize(key)}: {sanitize(old)!r} -> {sanitize(new)!r}", style="yellow"
+            f"~ metadata {sanitize(key)}: '{sanitize(old)}' -> '{sanitize(new)}'", style="yellow"
         )
     tol = f"atol={args.atol:g}, rtol={args.rtol:g}"
     for row in result["tensors"]:
