@@ -946,7 +946,7 @@ def test_cast_from_may_be_repeated(cli, tmp_path: Path) -> None:
     r = cli("cast", path, out, "--to", "F16", "--from", "F8_E4M3", "--from", "F8_E5M2")
     assert r.code == 0, r.err
     with safe_open(out, "np") as f:
-        assert {k: f.get_slice(k).get_dtype() for k in f.keys()} == {
+        assert {k: f.get_slice(k).get_dtype() for k in f} == {
             "a": "F16",
             "b": "F16",
             "c": "F32",  # not named: copied
