@@ -36,7 +36,7 @@ import numpy as np
 
 from ._dtypes import DType, dtype_from_code
 from ._errors import CheckpointError
-from ._pickle_vm import TRUNCATED, Limits, Result
+from ._pickle_vm import LIMIT, TRUNCATED, Limits, Result
 from ._torch_archive import CHUNK, BoundedFile, FileBytes, ZipView, open_zip
 from ._torch_policy import (
     MAX_DIM,
@@ -70,6 +70,8 @@ __all__ = [
 
 #: The legacy format's first pickle: this number as a LONG1.
 LEGACY_MAGIC: Final = 0x1950A86A20F9469CFC6C
+#: Opcodes the legacy magic number's pickle may take (it takes 3 or 4; text protocols 2).
+_MAGIC_OPS: Final = 16
 LEGACY_PROTOCOL: Final = 1001
 #: Largest object pickle read into memory.
 MAX_PICKLE_BYTES: Final = 1 << 30
@@ -750,11 +752,20 @@ def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:
     # to 2 GiB, two copies, for pickles of a few hundred KiB.)
     stop = file.size
     values = ValuePolicy()
-    magic = _run_pickle_at(file, 0, stop, values, limits)
+    not_legacy = "not a PyTorch checkpoint: the first pickle is not the legacy magic number"
+    # The magic number is a pickle of a few opcodes (PROTO, FRAME, LONG1, STOP): a first
+    # pickle that runs longer is refused at once, not run to its end (an 8 MB stream of
+    # trivial opcodes took 9 s before the same answer).
+    lim = limits or Limits()
+    magic_limits = dataclasses.replace(lim, max_ops=min(lim.max_ops, _MAGIC_OPS))
+    try:
+        magic = _run_pickle_at(file, 0, stop, values, magic_limits)
+    except CheckpointError as exc:
+        if exc.kind != LIMIT:
+            raise
+        raise bad_checkpoint(not_legacy) from None
     if type(magic.value) is not int or magic.value != LEGACY_MAGIC:
-        raise bad_checkpoint(
-            "not a PyTorch checkpoint: the first pickle is not the legacy magic number"
-        )
+        raise bad_checkpoint(not_legacy)
     proto = _run_pickle_at(file, magic.end, stop, values, limits)
     if proto.value != LEGACY_PROTOCOL or type(proto.value) is not int:
         raise bad_checkpoint(f"unsupported legacy protocol version {short_text(proto.value)}")

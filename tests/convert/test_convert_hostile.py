@@ -608,3 +608,40 @@ def test_a_layout_value_in_a_state_dict_converts(tmp_path: Path) -> None:
     )
     with pytest.raises(CheckpointError, match="_get_layout called with"):
         convert_file(src, tmp_path / "out2.safetensors")
+
+
+def test_a_long_first_pickle_is_refused_without_running_it(tmp_path: Path) -> None:
+    # A plain pickle is a legacy checkpoint only if its first pickle is the magic number (a
+    # few opcodes): 8 MB of trivial opcodes ran to their end (~9 s) before that answer. The
+    # refusal comes within the first opcodes, so the stream's length does not matter.
+    src = tmp_path / "long.pkl"
+    src.write_bytes(b"\x80\x02" + b"N0" * 4_000_000 + b"N.")
+    ops_run: list[int] = []
+    real_run = Machine.run
+
+    def counting_run(self: Machine, start: int = 0) -> Any:
+        ops_run.append(self.limits.max_ops)
+        return real_run(self, start)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Machine, "run", counting_run)
+        with pytest.raises(CheckpointError, match="first pickle is not the legacy magic number"):
+            convert_file(src, tmp_path / "out.safetensors")
+    assert ops_run and max(ops_run) <= 16
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_legacy_checkpoints_of_every_pickle_protocol_still_convert(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    for protocol in (1, 2, 3, 4, 5):
+        src = tmp_path / f"legacy{protocol}.pt"
+        torch.save(
+            {"w": torch.arange(6, dtype=torch.float32)},
+            src,
+            _use_new_zipfile_serialization=False,
+            pickle_protocol=protocol,
+        )
+        out = tmp_path / f"legacy{protocol}.safetensors"
+        convert_file(src, out)
+        with safe_open(out, "np") as f:
+            assert f.get_tensor("w").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
