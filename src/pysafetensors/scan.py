@@ -72,6 +72,12 @@ MAX_NESTED_SCANS: Final = 256
 #: Pickle streams analysed per buffer: a file of ``N.`` repeated is hundreds of millions of
 #: streams, no real checkpoint has more than a handful.
 MAX_STREAMS: Final = 10_000
+#: Opcodes run for one file, all its streams together (one stream's cap, ``Limits.max_ops``):
+#: each stream had the cap of its own, so a 1 GiB file of trivial streams took ~25 minutes.
+MAX_OPS: Final = Limits().max_ops
+#: Caps for running the first pickle of a file to see whether it is the legacy magic number
+#: (3-4 opcodes).
+_MAGIC_LIMITS: Final = Limits(max_ops=16)
 #: Globals and findings listed per report (each list): a 300 MB pickle of ``GLOBAL; POP`` pairs
 #: is 25 million records, gigabytes of memory. The grades of the unlisted ones still count.
 MAX_LISTED: Final = 100_000
@@ -230,6 +236,8 @@ class ScanReport:
     _nested_scans: int = field(default=0, repr=False, compare=False)
     _limited: bool = field(default=False, repr=False, compare=False)
     """Whether a stream stopped at a limit of the scanner (not at an error of the pickle)."""
+    _ops: int = field(default=0, repr=False, compare=False)
+    """Opcodes run for this file so far, all its streams together (see :data:`MAX_OPS`)."""
 
     @property
     def grade(self) -> Grade:
@@ -292,6 +300,7 @@ class ScanReport:
         self._limited = self._limited or other._limited
         self.streams += other.streams
         self._nested_scans += other._nested_scans
+        self._ops += other._ops
 
 
 # --------------------------------------------------------------------------------------------
@@ -525,9 +534,20 @@ def _run_stream(
 ) -> tuple[int | None, _ScanPolicy]:
     """Scan one stream; return its end, or None if it could not be parsed."""
     policy = _ScanPolicy(report, where, depth)
+    left = MAX_OPS - report._ops
+    if left <= 0:
+        report._limited = True
+        report._add(
+            "suspicious",
+            f"not analysed past byte {pos}: the {MAX_OPS} opcodes this scanner runs per file "
+            "are spent; pickle.load has no such limit and reads on",
+            where,
+            pos,
+        )
+        return None, policy
     report.streams += 1
     try:
-        result = Machine(data, policy, Limits()).run(pos)
+        result = Machine(data, policy, Limits(max_ops=left)).run(pos)
     except SafetensorError as exc:
         kind = getattr(exc, "kind", None)
         policy.truncated = kind == TRUNCATED
@@ -545,6 +565,7 @@ def _run_stream(
         else:
             report._add("suspicious", f"{_PARSE_FAILED}: {exc}", where, exc.offset)
         return None, policy
+    report._ops += result.ops
     return result.end, policy
 
 
@@ -607,7 +628,9 @@ def _scan_pickle_file(report: ScanReport, data: bytes, where: str, depth: int) -
     if pos is None:
         return False
     try:
-        first = Machine(data, _Values(), Limits()).run(0).value
+        # Its value, for the magic number only: a pickle of a few opcodes (a long first
+        # stream, scanned above, is not run through a second time to learn it is not that).
+        first = Machine(data, _Values(), _MAGIC_LIMITS).run(0).value
     except SafetensorError:
         first = None
     if first == _LEGACY_MAGIC and type(first) is int:
@@ -1129,7 +1152,7 @@ def _is_legacy(head: bytes) -> bool:
     # in place through the mapping like a zip, however large its storages are. Recognised by
     # its first pickle (within the file's first 64 bytes), the format's magic number.
     try:
-        first = Machine(head, _Values(), Limits()).run(0).value
+        first = Machine(head, _Values(), _MAGIC_LIMITS).run(0).value
     except SafetensorError:
         return False
     return type(first) is int and first == _LEGACY_MAGIC

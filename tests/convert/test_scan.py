@@ -843,3 +843,24 @@ def test_safetensors_files_with_big_headers_stay_safe(tmp_path: Path, low_byte: 
     assert first[0] == low_byte and int.from_bytes(first, "little") > 1 << 20
     report = scan_file(path)
     assert (report.grade, report.format) == ("safe", "safetensors"), report.findings
+
+
+def test_the_opcodes_run_are_bounded_per_file_not_per_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each stream had a cap of its own, so a file of many long streams of trivial opcodes
+    # (a 1 GiB one: ~25 minutes) was bounded only by its size. With a budget of 1,000 here,
+    # three streams of 400 opcodes are scanned as far as the budget goes, and the rest is
+    # reported as not analysed.
+    from pysafetensors import scan as scan_module
+
+    monkeypatch.setattr(scan_module, "MAX_OPS", 1_000)
+    stream = b"\x80\x02" + b"N0" * 199 + b"N."  # 400 opcodes
+    path = tmp_path / "many.pkl"
+    path.write_bytes(stream * 3)
+    report = scan_module.scan_file(path)
+    assert report.grade == "suspicious"
+    assert report.streams == 3  # the third stopped at the budget's end
+    assert any("opcodes" in f.message and "not analysed" in f.message for f in report.findings)
+    path.write_bytes(stream * 2)
+    assert scan_module.scan_file(path).grade == "safe"  # 800 opcodes: within the budget
