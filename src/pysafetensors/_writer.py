@@ -555,7 +555,14 @@ def _atomic_output(
             group._add(tmp, target, fd)  # still open: the lock keeps it from stale cleanup
             return
         os.close(fd)
-        os.replace(tmp, target)
+        # The commit. A Ctrl-C that lands in the rename (which can take a while: ext4 writes
+        # out a file that replaces another) or right after it is raised once the save is
+        # whole, its folder synced where asked: raised as the rename returned, it skipped
+        # that sync and looked like a save that had not happened.
+        with interrupts_deferred():
+            os.replace(tmp, target)
+            if fsync:
+                _fsync_dir(folder)
     except BaseException as exc:
         # Not in a forked child that inherited this save (its copy of the generator is
         # finalized when the child exits): the file is the parent's, still being written.
@@ -569,8 +576,6 @@ def _atomic_output(
         except Exception:  # noqa: BLE001, S110
             pass
         raise
-    if fsync:
-        _fsync_dir(folder)
 
 
 def _descriptor_of(path: str) -> int:

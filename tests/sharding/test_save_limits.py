@@ -383,3 +383,39 @@ def test_a_reshard_into_its_folder_cut_short_keeps_every_tensor(
                     found.update({k: f.get_tensor(k) for k in f.offset_keys()})
         assert sorted(found) == sorted(sd)
         assert all(np.array_equal(found[k], v) for k, v in sd.items())
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_an_interrupt_during_the_final_rename_is_raised_after_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool
+) -> None:
+    # Ctrl-C landing in the rename that replaces the old file (long on ext4 for a large
+    # file) was raised as os.replace returned: the new file was in place, but a durable save
+    # skipped its folder's fsync. It is now held over the commit and raised after it.
+    import signal
+
+    import pysafetensors._writer as writer
+
+    target = tmp_path / "m.safetensors"
+    save_file({"old": np.zeros(2, np.float32)}, target)
+    events: list[str] = []
+    real_replace, real_fsync_dir = writer.os.replace, writer._fsync_dir
+
+    def replace(src: str, dst: str) -> None:
+        real_replace(src, dst)
+        events.append("renamed")
+        os.kill(os.getpid(), signal.SIGINT)  # arrives as the rename returns
+        events.append("after the signal")
+
+    def fsync_dir(folder: str) -> None:
+        events.append("folder synced")
+        real_fsync_dir(folder)
+
+    monkeypatch.setattr(writer.os, "replace", replace)
+    monkeypatch.setattr(writer, "_fsync_dir", fsync_dir)
+    with pytest.raises(KeyboardInterrupt):
+        save_file({"new": np.ones(3, np.float32)}, target, fsync=fsync)
+    monkeypatch.undo()
+    assert events == ["renamed", "after the signal"] + (["folder synced"] if fsync else [])
+    assert list(load_file(target)) == ["new"]  # the save is whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no temporary
