@@ -923,39 +923,39 @@ class HTTPSource(RemoteSource):
         """Refuse a reply from another version of the file than the one opened (the error
         carries the request's ``offset``, so that a reader names the tensor read there).
 
-        The ETag decides when both the first reply and this one carry one; otherwise
-        Last-Modified does (servers such as ``python -m http.server`` send only that).
+        The ETag decides when the first reply carried one, and every later reply must carry
+        the same (a reply without it, its Last-Modified unchanged, was taken for the file
+        opened: Last-Modified has one-second granularity, and a file replaced within that
+        second read half old, half new); otherwise Last-Modified does (servers such as
+        ``python -m http.server`` send only that). A server that never sends either cannot
+        be checked at all (documented).
         """
         etag = resp.getheader("ETag")
         modified = resp.getheader("Last-Modified")
         if probing:
             self._etag = etag
             self._modified = modified
-        elif etag and self._etag:
+        elif self._etag:
             if etag != self._etag:
-                raise RemoteError(
-                    f"{where} changed while open (ETag {self._etag} became {etag}); reopen it",
-                    kind="Changed",
-                    offset=offset,
-                )
-        elif modified and self._modified:
+                raise self._changed(where, "ETag", self._etag, etag, offset)
+        elif self._modified:
             if modified != self._modified:
-                raise RemoteError(
-                    f"{where} changed while open (Last-Modified {self._modified} became "
-                    f"{modified}); reopen it",
-                    kind="Changed",
-                    offset=offset,
-                )
-        elif self._etag or self._modified:
-            # The file had a version at open and this reply names none: nothing says it is
-            # still that file (a replaced file read half old, half new). A server that never
-            # sends either cannot be checked at all (documented).
-            raise RemoteError(
-                f"{where}: a reply without the ETag or Last-Modified the file had when opened "
-                "(it may have been replaced); reopen it",
-                kind="Changed",
-                offset=offset,
+                raise self._changed(where, "Last-Modified", self._modified, modified, offset)
+
+    @staticmethod
+    def _changed(
+        where: str, validator: str, old: str, new: str | None, offset: int
+    ) -> RemoteError:
+        """The error for a reply that names another version of the file, or none."""
+        if new:
+            text = f"{where} changed while open ({validator} {old} became {new}); reopen it"
+        else:
+            # Nothing says it is still that file (a replaced file read half old, half new).
+            text = (
+                f"{where}: a reply without the {validator} the file had when opened ({old}; "
+                "it may have been replaced); reopen it"
             )
+        return RemoteError(text, kind="Changed", offset=offset)
 
     def _handle_partial(
         self,

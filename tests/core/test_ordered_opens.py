@@ -109,13 +109,25 @@ def test_an_interrupt_while_waiting_loses_nothing() -> None:
             with lock:
                 open_now.discard(self.i)
 
+    interrupted = threading.Event()
+
     def open_one(i: int) -> Handle:
-        time.sleep(0.3 if i == 0 else 0.05)
+        # Item 0 ends only after the interrupt (a fixed sleep let a loaded machine finish the
+        # loop before the timer's thread ran, and nothing was interrupted).
+        if i == 0:
+            interrupted.wait(10)
+        else:
+            time.sleep(0.05)
         with lock:
             open_now.add(i)
         return Handle(i)
 
-    timer = threading.Timer(0.1, _thread.interrupt_main)  # while item 0 is awaited
+    def interrupt() -> None:
+        _thread.interrupt_main()  # while item 0 is awaited
+        time.sleep(0.1)
+        interrupted.set()
+
+    timer = threading.Timer(0.1, interrupt)
     opens = in_order(open_one, list(range(12)), discard=lambda _, h: h.close(), ahead=4)
     timer.start()
     with pytest.raises(KeyboardInterrupt):

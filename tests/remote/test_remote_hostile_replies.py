@@ -59,6 +59,27 @@ def test_a_reply_without_the_validator_the_file_had_is_a_change(
     assert len(replies) >= 2
 
 
+def test_a_reply_that_drops_the_etag_is_a_change_whatever_its_last_modified(
+    raw: Callable[[Script], RawServer],
+) -> None:
+    """The file had an ETag and a Last-Modified at open; later replies (a front end that
+    strips ETags, say) keep the Last-Modified, which has one-second granularity, and the file
+    was replaced within that second: it read half old, half new."""
+    modified = b"Last-Modified: Mon, 30 Nov 2026 10:00:00 GMT\r\n"
+    replies: list[bytes] = []
+
+    def script(conn: socket.socket, request: bytes) -> None:
+        first = not replies
+        replies.append(request)
+        extra = b'ETag: "v1"\r\n' + modified if first else modified
+        conn.sendall(_partial(OLD if first else NEW, request, extra))
+
+    server = raw(script)
+    with pytest.raises(RemoteError, match="without the ETag") as info:
+        safe_open(server.url(), "np", storage_options={"head_bytes": 100}).get_tensor("w")
+    assert info.value.kind == "Changed" and "reopen it" in str(info.value)
+
+
 def test_a_server_that_names_no_version_is_read_unchecked(
     raw: Callable[[Script], RawServer],
 ) -> None:
