@@ -938,9 +938,8 @@ class HTTPSource(RemoteSource):
         elif self._etag:
             if etag != self._etag:
                 raise self._changed(where, "ETag", self._etag, etag, offset)
-        elif self._modified:
-            if modified != self._modified:
-                raise self._changed(where, "Last-Modified", self._modified, modified, offset)
+        elif self._modified and modified != self._modified:
+            raise self._changed(where, "Last-Modified", self._modified, modified, offset)
 
     @staticmethod
     def _changed(
