@@ -942,9 +942,7 @@ class HTTPSource(RemoteSource):
             raise self._changed(where, "Last-Modified", self._modified, modified, offset)
 
     @staticmethod
-    def _changed(
-        where: str, validator: str, old: str, new: str | None, offset: int
-    ) -> RemoteError:
+    def _changed(where: str, validator: str, old: str, new: str | None, offset: int) -> RemoteError:
         """The error for a reply that names another version of the file, or none."""
         if new:
             text = f"{where} changed while open ({validator} {old} became {new}); reopen it"
