@@ -39,6 +39,8 @@ from ._errors import CheckpointError
 from ._pickle_vm import LIMIT, TRUNCATED, Limits, Result
 from ._torch_archive import CHUNK, BoundedFile, FileBytes, ZipView, open_zip
 from ._torch_policy import (
+    LEGACY_MAGIC,
+    LEGACY_MAGIC_OPS,
     MAX_DIM,
     MAX_NDIM,
     STORAGE_CLASSES,
@@ -68,10 +70,6 @@ __all__ = [
     "sniff",
 ]
 
-#: The legacy format's first pickle: this number as a LONG1.
-LEGACY_MAGIC: Final = 0x1950A86A20F9469CFC6C
-#: Opcodes the legacy magic number's pickle may take (it takes 3 or 4; text protocols 2).
-_MAGIC_OPS: Final = 16
 LEGACY_PROTOCOL: Final = 1001
 #: Largest object pickle read into memory.
 MAX_PICKLE_BYTES: Final = 1 << 30
@@ -753,11 +751,10 @@ def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:
     stop = file.size
     values = ValuePolicy()
     not_legacy = "not a PyTorch checkpoint: the first pickle is not the legacy magic number"
-    # The magic number is a pickle of a few opcodes (PROTO, FRAME, LONG1, STOP): a first
-    # pickle that runs longer is refused at once, not run to its end (an 8 MB stream of
-    # trivial opcodes took 9 s before the same answer).
+    # A first pickle longer than the magic number's is refused at once, not run to its end
+    # (an 8 MB stream of trivial opcodes took 9 s before the same answer).
     lim = limits or Limits()
-    magic_limits = dataclasses.replace(lim, max_ops=min(lim.max_ops, _MAGIC_OPS))
+    magic_limits = dataclasses.replace(lim, max_ops=min(lim.max_ops, LEGACY_MAGIC_OPS))
     try:
         magic = _run_pickle_at(file, 0, stop, values, magic_limits)
     except CheckpointError as exc:

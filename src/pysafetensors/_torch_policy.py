@@ -29,6 +29,12 @@ __all__ = [
     "Unconvertible",
 ]
 
+#: The legacy (pre-zip) format's first pickle: this number as a LONG1.
+LEGACY_MAGIC: Final = 0x1950A86A20F9469CFC6C
+#: Opcodes the magic number's pickle takes at most (PROTO, FRAME, LONG1, STOP; the text
+#: protocols' LONG, STOP): a first pickle that runs longer is not it, whatever follows.
+LEGACY_MAGIC_OPS: Final = 16
+
 #: Largest number of dimensions of one tensor.
 MAX_NDIM: Final = 64
 #: Largest dimension, stride or offset accepted (beyond any real file).

@@ -50,7 +50,15 @@ from ._pickle_vm import LIMIT, OPNAMES, TRUNCATED, Limits, Machine
 from ._remote_urls import shown_location
 from ._sources import open_regular_file
 from ._torch_archive import MAX_DEFLATE_RATIO, BoundedFile, caseless
-from ._torch_policy import REBUILDS, STORAGE_CLASSES, TORCH_DTYPES, UNCONVERTIBLE, lookup_global
+from ._torch_policy import (
+    LEGACY_MAGIC,
+    LEGACY_MAGIC_OPS,
+    REBUILDS,
+    STORAGE_CLASSES,
+    TORCH_DTYPES,
+    UNCONVERTIBLE,
+    lookup_global,
+)
 from ._zip_directory import EOCD, EOCD_SIG, ZIP64_EOCD, end_records
 
 __all__ = ["GRADES", "Finding", "GlobalUse", "Grade", "ScanReport", "grade_global", "scan_file"]
@@ -62,8 +70,6 @@ _RANK: Final = {g: i for i, g in enumerate(GRADES)}
 
 #: Largest pickle (file or member) analysed; bigger ones are reported as not analysable.
 MAX_PICKLE_BYTES: Final = 1 << 30
-#: The first pickle of a legacy (pre-zip) ``torch.save`` checkpoint.
-_LEGACY_MAGIC: Final = 0x1950A86A20F9469CFC6C
 #: How deep pickles nested in calls are followed.
 MAX_NESTING: Final = 3
 #: Nested pickles scanned per file: a pickle can pass the same payload to ``pickle.loads`` a
@@ -75,9 +81,8 @@ MAX_STREAMS: Final = 10_000
 #: Opcodes run for one file, all its streams together (one stream's cap, ``Limits.max_ops``):
 #: each stream had the cap of its own, so a 1 GiB file of trivial streams took ~25 minutes.
 MAX_OPS: Final = Limits().max_ops
-#: Caps for running the first pickle of a file to see whether it is the legacy magic number
-#: (3-4 opcodes).
-_MAGIC_LIMITS: Final = Limits(max_ops=16)
+#: Caps for running the first pickle of a file to see whether it is the legacy magic number.
+_MAGIC_LIMITS: Final = Limits(max_ops=LEGACY_MAGIC_OPS)
 #: Globals and findings listed per report (each list): a 300 MB pickle of ``GLOBAL; POP`` pairs
 #: is 25 million records, gigabytes of memory. The grades of the unlisted ones still count.
 MAX_LISTED: Final = 100_000
@@ -627,13 +632,7 @@ def _scan_pickle_file(report: ScanReport, data: bytes, where: str, depth: int) -
     pos, _ = _run_stream(report, data, 0, where, depth)
     if pos is None:
         return False
-    try:
-        # Its value, for the magic number only: a pickle of a few opcodes (a long first
-        # stream, scanned above, is not run through a second time to learn it is not that).
-        first = Machine(data, _Values(), _MAGIC_LIMITS).run(0).value
-    except SafetensorError:
-        first = None
-    if first == _LEGACY_MAGIC and type(first) is int:
+    if _is_legacy(data):
         report.format = "legacy" if depth == 0 else report.format
         keys: Any = None
         pids: list[Any] = []
@@ -1150,12 +1149,13 @@ def _is_zip_or_safetensors(head: bytes) -> bool:
 def _is_legacy(head: bytes) -> bool:
     # A legacy (pre-zip) checkpoint is five small pickles, then raw storage bytes: it is read
     # in place through the mapping like a zip, however large its storages are. Recognised by
-    # its first pickle (within the file's first 64 bytes), the format's magic number.
+    # its first pickle (within the file's first 64 bytes), the format's magic number: run
+    # for a few opcodes only (a long first stream is not run through to learn it is not that).
     try:
         first = Machine(head, _Values(), _MAGIC_LIMITS).run(0).value
     except SafetensorError:
         return False
-    return type(first) is int and first == _LEGACY_MAGIC
+    return type(first) is int and first == LEGACY_MAGIC
 
 
 def scan_files(paths: Iterable[str | os.PathLike[str]]) -> list[ScanReport]:
