@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import struct
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +74,14 @@ def range_server_class_fixture() -> Any:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module.RangeServer
+
+
+@pytest.fixture
+def python_sigint_handler() -> Iterator[None]:
+    """Python's own SIGINT handler for the test, whatever the runner inherited: a run a shell
+    starts in the background has SIGINT ignored, and no KeyboardInterrupt would come."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

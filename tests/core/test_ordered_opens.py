@@ -93,7 +93,7 @@ def test_one_item_or_ahead_one_runs_here() -> None:
     assert seen == [here, here, here]
 
 
-def test_an_interrupt_while_waiting_loses_nothing(request: pytest.FixtureRequest) -> None:
+def test_an_interrupt_while_waiting_loses_nothing(python_sigint_handler: None) -> None:
     """Ctrl-C while the caller waits for the next outcome: that one, still running, is
     closed when it arrives (it was taken off the queue before the wait, and lost)."""
     import _thread
@@ -127,12 +127,6 @@ def test_an_interrupt_while_waiting_loses_nothing(request: pytest.FixtureRequest
         time.sleep(0.1)
         interrupted.set()
 
-    # Python's own handler, whatever the runner inherited (a job started in the background
-    # by a shell ignores SIGINT, and interrupt_main then raises nothing).
-    import signal
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     timer = threading.Timer(0.1, interrupt)
     opens = in_order(open_one, list(range(12)), discard=lambda _, h: h.close(), ahead=4)
     timer.start()

@@ -112,15 +112,13 @@ def test_a_file_exists_error_from_the_writing_still_removes_the_temporary_file(
 
 
 def test_a_second_interrupt_during_a_save_s_clean_up_leaves_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_sigint_handler: None
 ) -> None:
     """A first Ctrl-C stops the write; a second one, landing in the clean-up before the
     temporary file is deleted, raised KeyboardInterrupt there and left the file. It is held
     until the clean-up is done now, then raised; the handler is Python's again after."""
     import signal
 
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("the test runner handles SIGINT itself")
     real_writev, real_getpid = os.writev, os.getpid
     interrupted: list[int] = []
 
@@ -174,15 +172,13 @@ def test_a_program_s_own_interrupt_handler_is_left_in_charge(
 
 
 def test_the_interrupt_handler_comes_back_when_another_signal_s_handler_raises(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, python_sigint_handler: None
 ) -> None:
     """signal.signal runs pending handlers first and, when one raises, returns without
     setting the handler: the deferral's temporary handler stayed for good (every later
     Ctrl-C swallowed). The restore is retried, then that exception raised."""
     import signal
 
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("the test runner handles SIGINT itself")
     real = signal.signal
     calls: list[object] = []
 

@@ -387,7 +387,7 @@ def test_a_reshard_into_its_folder_cut_short_keeps_every_tensor(
 
 @pytest.mark.parametrize("fsync", [False, True])
 def test_an_interrupt_during_the_final_rename_is_raised_after_the_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, fsync: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_sigint_handler: None, fsync: bool
 ) -> None:
     # Ctrl-C landing in the rename that replaces the old file (long on ext4 for a large
     # file) was raised as os.replace returned: the new file was in place, but a durable save
@@ -396,10 +396,6 @@ def test_an_interrupt_during_the_final_rename_is_raised_after_the_commit(
 
     import pysafetensors._writer as writer
 
-    # Python's own handler, whatever the runner inherited (a job started in the background
-    # by a shell ignores SIGINT).
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     target = tmp_path / "m.safetensors"
     save_file({"old": np.zeros(2, np.float32)}, target)
     events: list[str] = []
