@@ -6,7 +6,6 @@ from __future__ import annotations
 import builtins
 import ctypes
 import operator
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -14,7 +13,7 @@ import numpy as np
 
 from ._adapter import Adapter
 from ._dtypes import DType, dtype_from_code, dtype_from_name
-from ._errors import SafetensorError, SerializeError, not_an_instance
+from ._errors import PathArg, SafetensorError, SerializeError, not_an_instance
 from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE, gc_paused
 from ._reader import check_representable, read_header, safe_open
 from ._signatures import show_init_signature
@@ -241,7 +240,7 @@ def serialize(
 
 def serialize_file(
     tensor_dict: Mapping[str, Any],
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = False,
@@ -337,7 +336,7 @@ def save_bytes_with(
 def save_file_with(
     adapter: Adapter,
     tensors: Mapping[str, Any],
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     metadata: Mapping[str, str] | None,
     *,
     fsync: bool = False,

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any
+from typing import Any, TypeAlias
 
 from ._remote_urls import shown_location
 
@@ -54,6 +54,7 @@ __all__ = [
     "HeaderError",
     "HeaderSizeError",
     "OffsetError",
+    "PathArg",
     "RemoteError",
     "RemoteNotFoundError",
     "RemotePermissionError",
@@ -327,6 +328,11 @@ def not_an_instance(
     what = "'None' is" if value is None else f"'{type(value).__name__}' object is"
     tail = f" {detail}" if detail else ""
     return TypeError(f"argument '{argument}': {what} not an instance of '{expected}'{tail}")
+
+
+#: A path argument as the writers take it: what :func:`path_argument` accepts (bytes paths are
+#: decoded with the file system's encoding).
+PathArg: TypeAlias = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
 
 def path_argument(value: Any, argument: str = "filename") -> str:

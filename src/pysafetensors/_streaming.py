@@ -30,7 +30,14 @@ import numpy as np
 
 from ._coverage import Coverage
 from ._dtypes import DType, checked_nbits, dtype_from_code, dtype_from_name
-from ._errors import ClosedFileError, SafetensorError, SerializeError, output_path, write_error
+from ._errors import (
+    ClosedFileError,
+    PathArg,
+    SafetensorError,
+    SerializeError,
+    output_path,
+    write_error,
+)
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, TensorInfo, build_layout
 from ._reader import MAX_NDIM
 from ._sharding import (
@@ -290,7 +297,7 @@ class StreamingWriter:
 
     def __init__(
         self,
-        filename: str | os.PathLike[str],
+        filename: PathArg,
         tensors: Any,
         metadata: Mapping[str, str] | None = None,
         *,

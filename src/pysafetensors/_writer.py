@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
 from ._dtypes import DType
-from ._errors import SafetensorError, SerializeError, add_note, output_path, write_error
+from ._errors import PathArg, SafetensorError, SerializeError, add_note, output_path, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout, gc_paused
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
@@ -404,7 +404,7 @@ def remove_stale_partial(path: str) -> bool:
 
 @contextlib.contextmanager
 def atomic_output(
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     *,
     fsync: bool = False,
     group: SaveGroup | None = None,
@@ -803,7 +803,7 @@ class SaveGroup:
 
 
 def write_file(
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     tensors: Sequence[TensorData],
     metadata: Mapping[str, str] | None = None,
     *,

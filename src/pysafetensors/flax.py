@@ -9,7 +9,6 @@ never replaces the values of the caller's dict with numpy arrays. 64-bit tensors
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from . import numpy
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from ._errors import PathArg
 from ._jax_adapter import ADAPTER
 from ._reader import safe_open
 
@@ -48,7 +48,7 @@ def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) 
 
 def save_file(
     tensors: Mapping[str, Any],
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = False,
@@ -100,8 +100,8 @@ def _np2jnp(numpy_dict: dict[str, Any]) -> dict[str, Any]:
     return numpy_dict
 
 
-def _jnp2np(tensors: dict[str, Any]) -> dict[str, Any]:
+def _jnp2np(jnp_dict: dict[str, Any]) -> dict[str, Any]:
     """The reference's helper: each value replaced by a numpy array, in place."""
-    for k, v in tensors.items():
-        tensors[k] = np.asarray(v)
-    return tensors
+    for k, v in jnp_dict.items():
+        jnp_dict[k] = np.asarray(v)
+    return jnp_dict

@@ -8,7 +8,6 @@ safetensors files, readable by ``mx.load`` as well.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from . import numpy
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from ._errors import PathArg
 from ._mlx_adapter import ADAPTER
 from ._reader import safe_open
 
@@ -47,7 +47,7 @@ def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) 
 
 def save_file(
     tensors: Mapping[str, Any],
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = False,
@@ -99,6 +99,6 @@ def _np2mx(numpy_dict: dict[str, Any]) -> dict[str, Any]:
     return numpy_dict
 
 
-def _mx2np(tensors: Mapping[str, Any]) -> dict[str, Any]:
+def _mx2np(mx_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The reference's helper: a new dict of numpy arrays."""
-    return {k: np.asarray(v) for k, v in tensors.items()}
+    return {k: np.asarray(v) for k, v in mx_dict.items()}

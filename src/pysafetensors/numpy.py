@@ -6,7 +6,6 @@ write). Non-contiguous and big-endian arrays are written correctly, a slab at a 
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -25,7 +24,7 @@ from ._api import (
     serialize_file,
 )
 from ._dtypes import DTYPES
-from ._errors import DTypeNotSupportedError
+from ._errors import DTypeNotSupportedError, PathArg
 from ._reader import safe_open
 
 __all__ = [
@@ -63,7 +62,7 @@ def save(tensor_dict: Mapping[str, np.ndarray], metadata: Mapping[str, str] | No
 
 def save_file(
     tensor_dict: Mapping[str, np.ndarray],
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = False,

@@ -16,7 +16,6 @@ The module also has the reference's re-exports and helpers (``safe_open``, ``num
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,7 +35,7 @@ from ._api import (
     serialize_file,
 )
 from ._dtypes import DType, dtype_from_code
-from ._errors import SerializeError
+from ._errors import PathArg, SerializeError
 from ._paddle_adapter import ADAPTER, to_paddle
 from ._reader import safe_open
 
@@ -97,7 +96,7 @@ def save(tensors: dict[str, Any], metadata: Mapping[str, str] | None = None) -> 
 
 def save_file(
     tensors: dict[str, Any],
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = False,

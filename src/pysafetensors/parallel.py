@@ -51,6 +51,8 @@ from ._validate import Problem, validate
 
 __all__ = [
     "ShardSpec",
+    "RuleSplit",
+    "Rules",
     "Split",
     "hash_files",
     "load_shard",
@@ -65,10 +67,17 @@ __all__ = [
 Split: TypeAlias = Literal["rows", "columns", "replicate"] | int
 #: Rules: pattern to split (fnmatch globs matched against the full name, or compiled regexes
 #: matched with ``fullmatch``), first match wins; or a function ``(name, shape) -> Split | None``.
+#: A rule's split: a :data:`Split`, or any ``str``, checked when the rules are applied (a dict
+#: of rules assigned to a variable is typed ``dict[str, str]``, which ``Split`` alone refuses).
+RuleSplit: TypeAlias = Split | str
+#: (Mapping's key type is invariant: each key type is listed, so that a ``dict[str, ...]`` and
+#: a ``dict[re.Pattern[str], ...]`` pass as well as a dict of both.)
 Rules: TypeAlias = (
-    Mapping[str | re.Pattern[str], Split]
-    | Sequence[tuple[str | re.Pattern[str], Split]]
-    | Callable[[str, tuple[int, ...]], Split | None]
+    Mapping[str, RuleSplit]
+    | Mapping[re.Pattern[str], RuleSplit]
+    | Mapping[str | re.Pattern[str], RuleSplit]
+    | Sequence[tuple[str | re.Pattern[str], RuleSplit]]
+    | Callable[[str, tuple[int, ...]], RuleSplit | None]
 )
 #: How sizes that the world size does not divide are split (see :func:`shard_range`).
 Uneven: TypeAlias = Literal["chunk", "tensor_split", "error"]
@@ -169,13 +178,13 @@ class ShardSpec:
         return tuple(dims)
 
 
-def _rule_matcher(rules: Rules, default: Split) -> Callable[[str, tuple[int, ...]], Split]:
+def _rule_matcher(rules: Rules, default: Split) -> Callable[[str, tuple[int, ...]], RuleSplit]:
     """``(name, shape) -> split`` for checked ``rules``: the first rule whose pattern matches,
     else ``default``. Glob patterns are compiled once here, not looked up per tensor."""
     if callable(rules):
         chooser = rules
 
-        def chosen(name: str, shape: tuple[int, ...]) -> Split:
+        def chosen(name: str, shape: tuple[int, ...]) -> RuleSplit:
             split = chooser(name, shape)
             return default if split is None else split
 
@@ -193,7 +202,7 @@ def _rule_matcher(rules: Rules, default: Split) -> Callable[[str, tuple[int, ...
         for pattern, split in items
     ]
 
-    def matched(name: str, _shape: tuple[int, ...]) -> Split:
+    def matched(name: str, _shape: tuple[int, ...]) -> RuleSplit:
         for fullmatch, split in compiled:
             if fullmatch(name):
                 return split
@@ -202,7 +211,7 @@ def _rule_matcher(rules: Rules, default: Split) -> Callable[[str, tuple[int, ...
     return matched
 
 
-def _split_dim(name: str, shape: tuple[int, ...], split: Split) -> int | None:
+def _split_dim(name: str, shape: tuple[int, ...], split: RuleSplit) -> int | None:
     """The dimension a split names for a tensor of ``shape`` (None: replicate)."""
     if split == "replicate":
         return None
@@ -456,7 +465,7 @@ def _plan_parts(
 
 
 def _part_of(
-    name: str, shape: tuple[int, ...], split: Split, rank: int, world_size: int, uneven: Uneven
+    name: str, shape: tuple[int, ...], split: RuleSplit, rank: int, world_size: int, uneven: Uneven
 ) -> Part:
     """``rank``'s part of a tensor of ``shape`` under ``split``.
 

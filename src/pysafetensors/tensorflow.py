@@ -9,7 +9,6 @@ dict with numpy arrays.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ import tensorflow as tf
 
 from . import numpy
 from ._api import load_bytes_with, load_file_with, save_bytes_with, save_file_with
+from ._errors import PathArg
 from ._reader import safe_open
 from ._tf_adapter import ADAPTER
 
@@ -49,7 +49,7 @@ def save(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) 
 
 def save_file(
     tensors: Mapping[str, Any],
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = False,
@@ -101,8 +101,8 @@ def _np2tf(numpy_dict: dict[str, Any]) -> dict[str, Any]:
     return numpy_dict
 
 
-def _tf2np(tensors: dict[str, Any]) -> dict[str, Any]:
+def _tf2np(tf_dict: dict[str, Any]) -> dict[str, Any]:
     """The reference's helper: each value replaced by a numpy array, in place."""
-    for k, v in tensors.items():
-        tensors[k] = v.numpy()
-    return tensors
+    for k, v in tf_dict.items():
+        tf_dict[k] = v.numpy()
+    return tf_dict

@@ -8,10 +8,9 @@ never modified, and ``save_file`` writes straight from tensor memory.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import torch
@@ -29,7 +28,7 @@ from ._api import (
 )
 from ._devices import CPU
 from ._dtypes import dtype_from_code
-from ._errors import SerializeError, SharedTensorsError
+from ._errors import PathArg, SerializeError, SharedTensorsError
 from ._format import check_metadata
 from ._reader import safe_open
 from ._sharding import save_model_sharded, save_sharded
@@ -54,6 +53,9 @@ __all__ = [
 ]
 
 _DOCS = "https://huggingface.co/docs/safetensors/torch_shared_tensors"
+#: A dict's value type for saves: any tensor type (``dict[str, torch.nn.Parameter]`` too; a
+#: ``dict[str, torch.Tensor]`` parameter would refuse it, dict being invariant).
+_TensorT = TypeVar("_TensorT", bound=torch.Tensor)
 
 # The reference module's helper names, which other code (and the reference's own tests) import
 # from it: ``safe_open``, ``serialize``, ``serialize_file`` and ``deserialize`` above, and these.
@@ -287,7 +289,7 @@ def _flatten_as_ptr(tensors: Any, keep_alive_buffer: list[Any]) -> dict[str, Ten
     return flattened
 
 
-def save(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+def save(tensors: dict[str, _TensorT], metadata: Mapping[str, str] | None = None) -> bytes:
     """Serialize tensors to the bytes of a safetensors file.
 
     Args:
@@ -308,8 +310,8 @@ def save(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = 
 
 
 def save_file(
-    tensors: dict[str, torch.Tensor],
-    filename: str | os.PathLike[str],
+    tensors: dict[str, _TensorT],
+    filename: PathArg,
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = False,
@@ -351,7 +353,7 @@ def load_file(
 
 def save_model(
     model: torch.nn.Module,
-    filename: str | os.PathLike[str],
+    filename: PathArg,
     metadata: Mapping[str, str] | None = None,
     force_contiguous: bool = True,
 ) -> None:

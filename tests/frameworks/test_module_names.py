@@ -38,3 +38,38 @@ def test_framework_modules_have_every_name_the_reference_s_have() -> None:
     assert "numpy" in missing and "torch" in missing
     for name, names in missing.items():
         assert set(names) <= _IMPORTED_THERE, (name, sorted(set(names) - _IMPORTED_THERE))
+
+
+_PARAMETERS_SCRIPT = """
+import importlib, inspect, json
+differ = {}
+for name in ("paddle", "numpy", "torch", "flax", "tensorflow", "mlx"):
+    try:
+        theirs = importlib.import_module("safetensors." + name)
+    except ImportError:
+        continue
+    ours = importlib.import_module("pysafetensors." + name)
+    for attr in dir(theirs):
+        their_fn, our_fn = getattr(theirs, attr), getattr(ours, attr, None)
+        if not inspect.isfunction(their_fn) or our_fn is None:
+            continue
+        their_names = list(inspect.signature(their_fn).parameters)
+        our_names = list(inspect.signature(our_fn).parameters)
+        # Ours may add optional keyword parameters after the reference's.
+        if our_names[: len(their_names)] != their_names:
+            differ[name + "." + attr] = [their_names, our_names]
+print(json.dumps(differ))
+"""
+
+
+def test_functions_take_the_reference_s_parameter_names() -> None:
+    # Keyword calls of private helpers too (``_tf2np(tf_dict=...)``) must keep working.
+    done = subprocess.run(
+        [sys.executable, "-c", _PARAMETERS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    differ = json.loads(done.stdout.strip().splitlines()[-1])
+    assert differ == {}

@@ -298,6 +298,18 @@ def test_cli_refuses_shard_sizes(tmp_path: Path, size: str) -> None:
     assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()
 
 
+@pytest.mark.parametrize("size", ["inf", "1e400", "12.5", "5XB"])
+def test_cli_says_what_a_shard_size_may_be(
+    tmp_path: Path, size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The library's text is the hub's ("Unit 'NF' not supported" for "inf"); the CLI's names
+    # the forms a size takes.
+    save_file({"t": np.zeros(4, np.float32)}, str(tmp_path / "m.safetensors"))
+    assert _cli_code("reshard", tmp_path / "m.safetensors", tmp_path / "o", f"-s={size}") == 2
+    err = capsys.readouterr().err
+    assert f"not a whole number of bytes or a size in TB, GB, MB or KB: {size!r}" in err
+
+
 def test_in_place_reshard_failing_midway_leaves_the_checkpoint(tmp_path: Path) -> None:
     """Every new file is renamed into place only once all are written (SaveGroup): an in-place
     reshard that stops after its first shard used to leave a folder that no longer opened, with

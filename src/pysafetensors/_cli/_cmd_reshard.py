@@ -64,9 +64,15 @@ def add_shard_args(p: argparse.ArgumentParser, *, default: str | None) -> None:
 
 def shard_size(text: str) -> str:
     """``argparse`` type for ``--max-shard-size``: bytes or ``5GB``-style, more than 0."""
-    from .._sharding import parse_size
+    from .._sharding import SIZE_UNITS, parse_size
 
     number = text.strip().lstrip("+-").isdigit()
+    if not number and text.strip()[-2:].upper() not in SIZE_UNITS:
+        # The library keeps the hub's text ("Unit 'NF' not supported" for "inf"), which reads
+        # oddly for "inf", "1e400" or "12.5": say what a size may be.
+        raise argparse.ArgumentTypeError(
+            f"not a whole number of bytes or a size in TB, GB, MB or KB: {text!r}"
+        )
     try:
         n = parse_size(int(text) if number else text)
     except ValueError as exc:
