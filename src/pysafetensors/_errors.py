@@ -310,7 +310,8 @@ def write_error(exc: OSError, path: str | None = None) -> WriteError:
         ``Error while serializing: I/O error: <reason> (os error N) at path "<path>"``, with the
         ``errno``, ``strerror`` and ``filename`` of ``exc``; raise it ``from exc``.
     """
-    cls = _WRITE_ERRORS.get(type(exc), WriteError)
+    # A WriteError named again (for another path) keeps its class.
+    cls = type(exc) if isinstance(exc, WriteError) else _WRITE_ERRORS.get(type(exc), WriteError)
     where = path if path is not None else exc.filename
     reason = exc.strerror or str(exc)
     code = f" (os error {exc.errno})" if exc.errno is not None else ""

@@ -61,8 +61,8 @@ from ._format import (
 )
 from ._reader import read_header
 from ._reshard import copy_range
-from ._sources import PreadSource
-from ._writer import atomic_output, pwrite_all
+from ._sources import PreadSource, check_regular
+from ._writer import atomic_output, interrupts_deferred, pwrite_all
 
 __all__ = ["edit_metadata"]
 
@@ -177,7 +177,10 @@ def edit_metadata(
         SafetensorError: A key to delete is missing (``kind="MetadataKeyNotFound"``).
         SerializeError: The new header would be larger than ``max_header_size``.
         TypeError: A key or value is not a string.
-        OSError: The file cannot be read or written.
+        OSError: The file cannot be read or written: ``FileNotFoundError``,
+            ``IsADirectoryError``, ``PermissionError`` (a file without write permission is
+            refused, also where a rewrite would not need it), ``NotRegularFileError`` (a FIFO,
+            socket or device).
 
     Example:
         >>> edit_metadata("model.safetensors", set={"format": "pt"})  # doctest: +SKIP
@@ -198,7 +201,7 @@ def edit_metadata(
     _check_strings(updates)
     # One key, not its letters; a key named twice is removed once.
     removals = list(dict.fromkeys([delete] if isinstance(delete, str) else delete))
-    fd = os.open(target, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    fd = _open_for_edit(given, target)
     source: PreadSource | None = None
     try:
         source = PreadSource(fd, target, owns_fd=False)
@@ -262,6 +265,42 @@ def edit_metadata(
         if source is not None:
             source.close()  # the second descriptor read_header's partial reads opened
         os.close(fd)
+
+
+def _open_for_edit(given: str, target: str) -> int:
+    """Open ``target`` (``given``, links followed) for reading and writing; only a regular file.
+
+    Opened without blocking and checked by ``fstat``: a FIFO was opened (``O_RDWR`` does not
+    wait for a writer) and then read as a file of 0 bytes. The open is held from a Ctrl-C, which
+    Python raises as ``os.open`` returns, before its descriptor is stored: it leaked.
+
+    Raises:
+        FileNotFoundError: No such file (for a dangling link: named with the link's target).
+        IsADirectoryError: A folder.
+        NotRegularFileError: A FIFO, socket or device.
+        PermissionError: The file may not be written: read-only means not to be changed,
+            although a rewrite beside it would need only the folder's permission.
+    """
+    flags = os.O_RDWR | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = -1
+    try:
+        with interrupts_deferred():  # a Ctrl-C is raised at its end, and closes fd below
+            try:
+                fd = os.open(target, flags)
+            except OSError as exc:
+                # Named as the caller named it (target is its real path); a dangling link
+                # says so.
+                why = exc.strerror
+                if isinstance(exc, FileNotFoundError) and os.path.islink(given):
+                    why = f"{why} (a link to {target})"
+                raise type(exc)(exc.errno, why, given) from None
+            check_regular(given, os.fstat(fd).st_mode)
+            os.set_blocking(fd, True)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return fd
 
 
 #: The unit the kernel copies a write in, stopping between units for a fatal signal.

@@ -310,6 +310,7 @@ class ShardedSafeOpen(HandleBehaviour):
         self._backend = backend
         self._max_header_size = max_header_size
         self._lock = threading.RLock()
+        self._first_open = False  # see the single file's open below
 
         path = os.fsdecode(os.fspath(filename))
         target, is_index = resolve_checkpoint(path)
@@ -348,9 +349,15 @@ class ShardedSafeOpen(HandleBehaviour):
             shard = shown_name(target)
             self._single = (shard, target)
             self._closed = False
-            with self._shard(shard, validate=False) as handle:
-                self._weight_map = dict.fromkeys(handle.offset_keys(), shard)
-                meta = handle.metadata()
+            # Its first open: a file that is not there is the OSError safe_open raises, not a
+            # shard that went away (see _checked_handle).
+            self._first_open = True
+            try:
+                with self._shard(shard, validate=False) as handle:
+                    self._weight_map = dict.fromkeys(handle.offset_keys(), shard)
+                    meta = handle.metadata()
+            finally:
+                self._first_open = False
             self._index_metadata = None if meta is None else dict(meta)
             self._shards = [shard]
 
@@ -514,7 +521,11 @@ class ShardedSafeOpen(HandleBehaviour):
             # shard names, or the hub's, which removes the old files first) says so before
             # the bare OSError would, which `except SafetensorError` did not catch.
             self._check_index_unchanged(shard)
-            if isinstance(exc, FileNotFoundError) and not isinstance(exc, SafetensorError):
+            if (
+                isinstance(exc, FileNotFoundError)
+                and not isinstance(exc, SafetensorError)
+                and not self._first_open
+            ):
                 raise MissingShardError(
                     f"shard {shard!r} of {_shown(self._path)} no longer exists (removed "
                     "since the checkpoint was opened)",

@@ -22,7 +22,6 @@ bytes and shares nothing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import numbers
@@ -30,6 +29,7 @@ import os
 import posixpath
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import PureWindowsPath
@@ -527,10 +527,27 @@ def remove_stale_files(
             continue
         if name in kept or not regex.fullmatch(name):
             continue
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.remove(os.path.join(folder, name))
-            removed.append(name)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            # The save is in place already: raised, it read as a save that failed (a folder
+            # of that name, a file another user owns in a sticky folder). Said, and left.
+            warnings.warn(
+                f"the save to {os.fspath(folder)!r} is complete, but an older file of its "
+                f"name pattern could not be removed: {name!r} ({exc.strerror or exc}); "
+                "loaders go by the new index or file and do not read it",
+                StaleFileWarning,
+                stacklevel=2,
+            )
+            continue
+        removed.append(name)
     return removed
+
+
+class StaleFileWarning(UserWarning):
+    """A save completed but could not remove a file of the checkpoint it replaced."""
 
 
 # ---------------------------------------------------------------------------- framework sizing

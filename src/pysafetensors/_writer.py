@@ -508,6 +508,7 @@ def _atomic_output(
     # (The name's form is what partial_target() reads back.)
     owner = os.getpid()
     fd = -1
+    handed_over = False  # the group owns the file (a Ctrl-C held over the hand-over is raised)
     try:
         try:
             # Inside the clean-up from the first step: a KeyboardInterrupt right after the
@@ -547,12 +548,21 @@ def _atomic_output(
                     os.close(fd)
             raise
         if group is not None:
-            if sync_file_range is not None and os.path.exists(target):
-                # ext4 starts writing a file out when it replaces another by rename
-                # (auto_da_alloc), which made each rename of the commit take milliseconds per
-                # MiB; start that writeback now, so that the commit's window stays short.
-                sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
-            group._add(tmp, target, fd)  # still open: the lock keeps it from stale cleanup
+            # Handed over whole: a Ctrl-C between the writeback hint and the hand-over deleted
+            # the file and left its descriptor open, which nobody closed.
+            with interrupts_deferred():
+                try:
+                    if sync_file_range is not None and os.path.exists(target):
+                        # ext4 starts writing a file out when it replaces another by rename
+                        # (auto_da_alloc), which made each rename of the commit take
+                        # milliseconds per MiB; start that writeback now, so that the
+                        # commit's window stays short.
+                        sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                group._add(tmp, target, fd)  # still open: the lock keeps it from stale cleanup
+                handed_over = True
             return
         os.close(fd)
         # The commit. A Ctrl-C that lands in the rename (which can take a while: ext4 writes
@@ -571,7 +581,7 @@ def _atomic_output(
         try:
             with interrupts_deferred():
                 refused = fd < 0 and isinstance(exc, FileExistsError)
-                if os.getpid() == owner and not refused:
+                if os.getpid() == owner and not refused and not handed_over:
                     os.unlink(tmp)
         except Exception:  # noqa: BLE001, S110
             pass
@@ -720,9 +730,17 @@ class SaveGroup:
         Returns:
             The targets, in the order they were renamed.
 
+        A Ctrl-C (SIGINT) that comes meanwhile is raised once the commit is over, as for a
+        single file's rename: raised between two renames, it left a folder without its index
+        (the new files not renamed yet deleted, or the old index deleted and nothing renamed).
+
         Raises:
             WriteError: A rename failed; the files not renamed yet are discarded.
         """
+        with interrupts_deferred():
+            return self._commit()
+
+    def _commit(self) -> list[str]:
         with self._lock:
             pending, self._pending, self._held = self._pending, [], 0
             self.done = True
@@ -760,10 +778,9 @@ class SaveGroup:
                 # They may hold the only copy of their tensors: kept, and named.
                 add_note(exc, "files of this save not renamed into place, kept: " + ", ".join(left))
             else:
-                with interrupts_deferred():
-                    for tmp in left:
-                        with contextlib.suppress(OSError):
-                            os.unlink(tmp)
+                for tmp in left:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
             raise
         if self._fsync:
             for folder in folders:

@@ -42,10 +42,13 @@ from ._errors import (
     CheckpointError,
     SafetensorError,
     UnsafePickleError,
+    WriteError,
+    add_note,
     input_path,
     local_path_refused,
     looks_like_url,
     output_path,
+    write_error,
 )
 from ._format import N_LEN, parse_header, parse_header_length
 from ._sources import check_regular, open_regular_file
@@ -547,30 +550,37 @@ def convert_folder(
     if len(set(outs)) != len(outs):
         raise CheckpointError("two checkpoints would be written to the same safetensors file")
     created = not os.path.isdir(dst_s)
-    os.makedirs(dst_s, exist_ok=True)
+    try:
+        os.makedirs(dst_s, exist_ok=True)
+    except OSError as exc:
+        raise write_error(exc, dst_s) from exc
     # Everything is written to a private folder inside dst and moved into place only when
     # every file converted: a failure midway leaves dst as it was, never a half model that
     # looks valid (an index with missing shards, or only some of the files).
-    work = tempfile.mkdtemp(prefix=".pysafetensors-convert-", dir=dst_s)
+    try:
+        work = tempfile.mkdtemp(prefix=".pysafetensors-convert-", dir=dst_s)
+    except OSError as exc:
+        # Named as the folder the caller gave, not the private one that could not be made.
+        raise write_error(exc, dst_s) from exc
     ok = False
     try:
         jobs = [
             (os.path.join(src_s, n), os.path.join(work, o))
             for n, o in zip(names, outs, strict=True)
         ]
-        results = _run_jobs(jobs, executor, progress, kwargs)
+        results = _run_jobs(jobs, executor, progress, kwargs, dst_s)
         report = FolderReport(files=results)
         index_tmp: str | None = None
         if index is not None:
             index_tmp = _write_index(index, results, work)
         for r in results:
             final = os.path.join(dst_s, os.path.basename(r.dst))
-            os.replace(r.dst, final)
+            _move(r.dst, final)
             r.dst = final
         if index_tmp is not None:
             # Last, so a reader never sees an index naming shards not yet in place.
             report.index = os.path.join(dst_s, _INDEX_OUT)
-            os.replace(index_tmp, report.index)
+            _move(index_tmp, report.index)
         ok = True
         return report
     finally:
@@ -594,16 +604,37 @@ def _check_inputs(src_dir: str, names: list[str], index_path: str | None) -> Non
         os.close(open_regular_file(os.path.join(src_dir, n)))
 
 
+def _move(work_path: str, final: str) -> None:
+    """Rename a finished output from the private folder into place."""
+    try:
+        os.replace(work_path, final)
+    except OSError as exc:
+        raise write_error(exc, final) from exc
+
+
+def _user_facing(exc: WriteError, src: str, dst_dir: str) -> WriteError:
+    """``exc`` (a write to the private folder failed) naming the file the caller will look
+    for in ``dst_dir``, and the checkpoint being converted."""
+    final = os.path.join(dst_dir, os.path.basename(exc.filename or ""))
+    named = write_error(exc, final)
+    add_note(named, f"while converting {src}")
+    return named
+
+
 def _run_jobs(
     jobs: list[tuple[str, str]],
     executor: Executor | None,
     progress: Callable[[str, int, int], None] | None,
     kwargs: dict[str, Any],
+    dst_dir: str,
 ) -> list[ConversionReport]:
     results: list[ConversionReport] = []
     if executor is None:
         for i, (s, d) in enumerate(jobs):
-            results.append(convert_file(s, d, **kwargs))
+            try:
+                results.append(convert_file(s, d, **kwargs))
+            except WriteError as exc:
+                raise _user_facing(exc, s, dst_dir) from exc
             if progress is not None:
                 progress(os.path.basename(s), i + 1, len(jobs))
         return results
@@ -612,7 +643,10 @@ def _run_jobs(
     ]
     try:
         for i, fut in enumerate(futures):
-            results.append(fut.result())
+            try:
+                results.append(fut.result())
+            except WriteError as exc:
+                raise _user_facing(exc, jobs[i][0], dst_dir) from exc
             if progress is not None:
                 progress(os.path.basename(jobs[i][0]), i + 1, len(jobs))
     except BaseException:

@@ -279,6 +279,34 @@ def test_edit_metadata_errors(tmp_path: Path) -> None:
     assert bad.read_bytes() == content  # a file that fails validation is never written
 
 
+def test_edit_metadata_refuses_what_is_no_file_naming_the_path_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A FIFO was opened (O_RDWR does not wait for a writer) and read as a 0-byte file
+    # ("HeaderSizeError"); a missing file, a folder or a dangling link were named by their
+    # real path, a dangling link's without saying it was one.
+    from pysafetensors._sources import NotRegularFileError
+
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("fifo")
+    os.mkdir("folder")
+    os.symlink("gone.safetensors", "link.safetensors")
+    cases = [
+        ("fifo", NotRegularFileError, r"a FIFO, not a regular file: 'fifo'"),
+        ("folder", IsADirectoryError, r"Is a directory: 'folder'"),
+        ("nope.safetensors", FileNotFoundError, r"No such file or directory: 'nope.safetensors'"),
+        (
+            "link.safetensors",
+            FileNotFoundError,
+            r"\(a link to .*gone\.safetensors\): 'link\.safetensors'",
+        ),
+    ]
+    for name, error, message in cases:
+        with pytest.raises(error, match=message):
+            pysafetensors.edit_metadata(name, set={"a": "b"})
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "folder", "link.safetensors"]
+
+
 def test_edit_metadata_argument_handling(tmp_path: Path) -> None:
     from pysafetensors import SerializeError, edit_metadata, safe_open
     from pysafetensors.numpy import save_file

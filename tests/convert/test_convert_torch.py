@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import subprocess
+import sys
+import textwrap
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -339,6 +343,55 @@ def test_folder_failing_midway_leaves_no_half_model(tmp_path: Path, workers: int
         convert_folder(src, dst, executor=executor)
     assert sorted(p.name for p in dst.iterdir()) == ["model-00001-of-00002.safetensors"]
     assert (dst / "model-00001-of-00002.safetensors").read_bytes() == b"old"
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_folder_write_errors_name_the_output_and_the_checkpoint(
+    tmp_path: Path, workers: int | None
+) -> None:
+    # A write that failed (here: past the file size limit) named the private folder the
+    # outputs are written to first (dst/.pysafetensors-convert-XXXX/model-...), a name the
+    # caller never sees; it names the output in dst and, in a note, the checkpoint.
+    src = tmp_path / "src"
+    _sharded_src(src)
+    script = textwrap.dedent(
+        f"""
+        import resource, sys
+        from concurrent.futures import ThreadPoolExecutor
+        from pysafetensors import WriteError
+        from pysafetensors.convert import convert_folder
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4000, resource.RLIM_INFINITY))
+        executor = ThreadPoolExecutor({workers}) if {workers!r} else None
+        try:
+            convert_folder({str(src)!r}, {str(tmp_path / "dst")!r}, executor=executor)
+        except WriteError as exc:
+            print(type(exc).__name__, exc.filename, exc.errno)
+            print(exc)
+            print(exc.__notes__)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    first, message, notes = done.stdout.splitlines()[:3]
+    shard = tmp_path / "dst" / "model-00001-of-00002.safetensors"
+    assert first == f"WriteError {shard} {errno.EFBIG}"
+    assert f'at path "{shard}"' in message and ".pysafetensors-convert-" not in message
+    assert str(src / "pytorch_model-00001-of-00002.bin") in notes
+    assert not (tmp_path / "dst").exists()
+
+
+def test_folder_output_that_cannot_be_made_is_a_write_error(tmp_path: Path) -> None:
+    from pysafetensors import WriteError
+
+    src = tmp_path / "src"
+    _sharded_src(src)
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(WriteError, match="Not a directory") as info:
+        convert_folder(src, tmp_path / "file" / "dst")
+    assert info.value.filename == str(tmp_path / "file" / "dst")
+    assert isinstance(info.value, NotADirectoryError)
 
 
 def test_folder_checks_every_listed_shard_before_writing(tmp_path: Path) -> None:

@@ -434,6 +434,36 @@ CASES: tuple[Case, ...] = (
         "invalid value: map, expected map with a single key",
     ),
     Case(
+        "dtype-tagged-same-key-twice",
+        _one('{"dtype":{"I32":null,"I32":null},"shape":[4],"data_offsets":[0,16]}'),
+        _J,
+        "invalid value: map, expected map with a single key",
+    ),
+    Case(
+        "dtype-tagged-same-key-twice-bad-first",
+        _one('{"dtype":{"I32":1,"I32":null},"shape":[4],"data_offsets":[0,16]}'),
+        _J,
+        "invalid value: map, expected map with a single key",
+    ),
+    Case(
+        "dtype-tagged-same-key-twice-bad-last",
+        _one('{"dtype":{"I32":null,"I32":1},"shape":[4],"data_offsets":[0,16]}'),
+        _J,
+        "invalid value: map, expected map with a single key",
+    ),
+    Case(
+        "dtype-tagged-empty",
+        _one('{"dtype":{},"shape":[4],"data_offsets":[0,16]}'),
+        _J,
+        "invalid value: map, expected map with a single key",
+    ),
+    Case(
+        "positional-dtype-same-key-twice",
+        _one('[{"I32":null,"I32":null},[4],[0,16]]'),
+        _J,
+        "invalid value: map, expected map with a single key",
+    ),
+    Case(
         "dtype-tagged-unknown",
         _one('{"dtype":{"i32":null},"shape":[4],"data_offsets":[0,16]}'),
         _J,

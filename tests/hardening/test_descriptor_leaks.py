@@ -37,6 +37,31 @@ def test_edit_metadata_closes_every_descriptor(tmp_path: Path) -> None:
     assert _open_fds() == before
 
 
+def test_an_interrupt_as_a_metadata_edit_opens_its_file_leaks_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_sigint_handler: None
+) -> None:
+    # Ctrl-C during the open of the file to edit is raised as os.open returns, before its
+    # descriptor is stored: it leaked. The open is held from it, and the descriptor closed.
+    import signal
+
+    target = tmp_path / "m.safetensors"
+    save_file({"a": np.ones(16, np.float32)}, target)
+    before, content = _open_fds(), target.read_bytes()
+    real_open = os.open
+
+    def interrupted_open(path: str, flags: int, mode: int = 0o777) -> int:
+        fd = real_open(path, flags, mode)
+        os.kill(os.getpid(), signal.SIGINT)
+        return fd
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", interrupted_open)
+        for _ in range(5):
+            with pytest.raises(KeyboardInterrupt):
+                pysafetensors.edit_metadata(target, set={"k": "v"})
+    assert _open_fds() == before and target.read_bytes() == content
+
+
 def test_an_interrupt_as_the_temporary_file_opens_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pysafetensors import (
+    MissingShardError,
     SafetensorError,
     edit_metadata,
     extract,
@@ -565,3 +566,19 @@ def test_an_index_too_large_to_be_one_is_not_read(tmp_path: Path, monkeypatch: A
     assert "anything.safetensors" in everything
     assert "a.safetensors" not in _reshard._named_by_other_indexes(str(tmp_path), set())
     assert loads == []
+
+
+def test_a_source_that_is_not_there_is_the_os_error_safe_open_raises(tmp_path: Path) -> None:
+    # It was reported as a shard "removed since the checkpoint was opened".
+    missing = tmp_path / "nope.safetensors"
+    calls = [
+        lambda: reshard(missing, tmp_path / "o1", "1KB"),
+        lambda: merge(missing, tmp_path / "o2.safetensors"),
+        lambda: extract(missing, tmp_path / "o3.safetensors", ["a"]),
+    ]
+    for call in calls:
+        with pytest.raises(FileNotFoundError, match="No such file or directory") as info:
+            call()
+        assert info.value.filename == str(missing)
+        assert not isinstance(info.value, MissingShardError)
+    assert os.listdir(tmp_path) == []

@@ -21,7 +21,14 @@ import pytest
 
 import pysafetensors._sharding as sharding
 import pysafetensors._streaming as streaming
-from pysafetensors import MissingShardError, StreamingWriter, reshard, safe_open, save_sharded
+from pysafetensors import (
+    MissingShardError,
+    StaleFileWarning,
+    StreamingWriter,
+    reshard,
+    safe_open,
+    save_sharded,
+)
 from pysafetensors.numpy import load_file, save_file
 
 
@@ -419,3 +426,94 @@ def test_an_interrupt_during_the_final_rename_is_raised_after_the_commit(
     assert events == ["renamed", "after the signal"] + (["folder synced"] if fsync else [])
     assert list(load_file(target)) == ["new"]  # the save is whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no temporary
+
+
+@pytest.mark.parametrize("during", ["the first rename", "removing the old index"])
+def test_an_interrupt_during_a_sharded_commit_is_raised_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_sigint_handler: None, during: str
+) -> None:
+    # Ctrl-C between two renames of the commit left a folder without its index: the new files
+    # not renamed yet deleted (or, landing as the old index was deleted, nothing renamed at
+    # all). The commit holds it, as a single file's rename does, and raises it once done.
+    import signal
+
+    sd = _tensors(4)
+    save_sharded({k: v + 1 for k, v in sd.items()}, tmp_path, max_shard_size=2500)
+    real_replace, real_unlink = os.replace, os.unlink
+    sent: list[str] = []
+
+    def replace(src: Any, dst: Any) -> None:
+        real_replace(src, dst)
+        if during == "the first rename" and not sent:
+            sent.append(str(dst))
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        real_unlink(path, *args, **kwargs)
+        if during == "removing the old index" and str(path).endswith(".index.json") and not sent:
+            sent.append(str(path))
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", replace)
+        m.setattr(os, "unlink", unlink)
+        with pytest.raises(KeyboardInterrupt):
+            save_sharded(sd, tmp_path, max_shard_size=2500)
+    assert sent
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    loaded = load_file(tmp_path)  # the new checkpoint, whole
+    assert sorted(loaded) == sorted(sd)
+    assert all(np.array_equal(loaded[k], v) for k, v in sd.items())
+
+
+def test_an_interrupt_while_a_shard_joins_its_group_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_sigint_handler: None
+) -> None:
+    # A finished shard hints its writeback (sync_file_range) and is handed to the save's
+    # group; a Ctrl-C between the two deleted the file and left its descriptor open.
+    import signal
+
+    import pysafetensors._writer as writer
+
+    if writer.sync_file_range is None:
+        pytest.skip("no sync_file_range here")
+    sd = _tensors(4)
+    save_sharded(sd, tmp_path, max_shard_size=2500)  # targets that exist: the hint is given
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = writer.sync_file_range
+
+    def hint(fd: int, offset: int, count: int, flags: int) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        real(fd, offset, count, flags)
+
+    def partials_open() -> list[str]:
+        found = []
+        for entry in os.listdir("/proc/self/fd"):
+            try:
+                if ".partial" in os.readlink(f"/proc/self/fd/{entry}"):
+                    found.append(entry)
+            except OSError:
+                continue
+        return found
+
+    monkeypatch.setattr(writer, "sync_file_range", hint)
+    with pytest.raises(KeyboardInterrupt):
+        save_sharded({k: v + 1 for k, v in sd.items()}, tmp_path, max_shard_size=2500)
+    monkeypatch.undo()
+    assert partials_open() == []
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_stale_file_that_cannot_be_removed_is_a_warning_after_a_complete_save(
+    tmp_path: Path,
+) -> None:
+    # The clean-up runs once the new checkpoint is in place: its failure (here a folder with a
+    # shard's name) was raised as a bare OSError, as if the save had failed.
+    save_sharded(_tensors(4), tmp_path, max_shard_size=2500)
+    (tmp_path / "model-00009-of-00009.safetensors" / "x").mkdir(parents=True)
+    new = {k: v + 1 for k, v in _tensors(4).items()}
+    stale = r"(?i)model-00009-of-00009\.safetensors.*is a directory"
+    with pytest.warns(StaleFileWarning, match=stale):
+        save_sharded(new, tmp_path, max_shard_size=2500)
+    loaded = load_file(tmp_path)
+    assert all(np.array_equal(loaded[k], v) for k, v in new.items())
