@@ -314,6 +314,8 @@ class StreamingWriter:
         self._infos = {t.name: t for t in self.layout.tensors}
         self._data_start = len(self.layout.header)
         self._written: dict[str, Coverage] = {name: Coverage() for name in self._infos}
+        # Bytes not yet reserved by a write: 0 once every byte is written or being written.
+        self._left = sum(info.nbytes for info in self._infos.values())
         self._cursor: dict[str, int] = dict.fromkeys(self._infos, 0)
         self._lock = threading.Lock()
         # Writes between reserving their range and finishing it: close() and abort() wait for
@@ -378,6 +380,7 @@ class StreamingWriter:
                 kind="Overlap",
                 tensor=name,
             )
+        self._left -= length
 
     def write(self, name: str, data: Any, offset: int = 0) -> int:
         """Write bytes of tensor ``name`` starting ``offset`` bytes into its data.
@@ -462,6 +465,7 @@ class StreamingWriter:
     def _release(self, info: TensorInfo, start: int, end: int) -> None:
         """Forget ``[start, end)`` of ``info``'s written ranges (a write that failed)."""
         self._written[info.name].discard(start, end)
+        self._left += end - start
 
     def write_chunk(self, name: str, data: Any) -> int:
         """Append to tensor ``name`` right after the last write to it (0 at first).
@@ -491,6 +495,11 @@ class StreamingWriter:
             if done != info.nbytes:
                 out[name] = info.nbytes - done
         return out
+
+    @property
+    def complete(self) -> bool:
+        """True when every byte is written (or being written by another thread)."""
+        return self._left == 0
 
     @property
     def closed(self) -> bool:
@@ -664,6 +673,33 @@ class ShardedStreamingWriter:
             ) from None
         return self._shard_writer(fname)
 
+    def _write_finished(self, writer: StreamingWriter, name: str, data: Any, offset: int) -> int:
+        """A write to a shard handed over complete (:meth:`_finish_if_complete`): every byte
+        is written, so only an empty write passes; the others get the errors they got before
+        (an out-of-range offset, a wrong dtype, an overlap)."""
+        info = writer._info(name)
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            return writer.write(name, data, offset)  # its ClosedFileError
+        length, _ = _payload(name, info, data)
+        with writer._lock:
+            writer._reserve(info, offset, length)  # raises unless the write is empty
+        return 0
+
+    def _finish_if_complete(self, writer: StreamingWriter) -> None:
+        """Hand a shard whose every byte is written to the group now, not at close: it then
+        holds its descriptor only while the group's budget allows (a writer of many shards
+        written one after another held one per shard until close, and ran out under a low
+        limit on open files)."""
+        if not writer.complete:
+            return
+        try:
+            writer.close()
+        except SerializeError as exc:
+            if exc.kind != "Incomplete":
+                raise
+            # Another thread's write to it failed meanwhile: its bytes are missing again, and
+            # the shard stays open for them.
+
     def _shard_writer(self, fname: str) -> StreamingWriter:
         with self._lock:
             writer = self._writers.get(fname)
@@ -684,15 +720,25 @@ class ShardedStreamingWriter:
 
     def write(self, name: str, data: Any, offset: int = 0) -> int:
         """Write bytes of tensor ``name`` at ``offset`` (see :meth:`StreamingWriter.write`)."""
-        return self._writer(name).write(name, data, offset)
+        writer = self._writer(name)
+        if writer.closed:
+            return self._write_finished(writer, name, data, offset)
+        got = writer.write(name, data, offset)
+        self._finish_if_complete(writer)
+        return got
 
     def write_chunk(self, name: str, data: Any) -> int:
         """Append to tensor ``name`` after the last write to it."""
-        return self._writer(name).write_chunk(name, data)
+        writer = self._writer(name)
+        if writer.closed:
+            return self._write_finished(writer, name, data, writer._cursor[name])
+        got = writer.write_chunk(name, data)
+        self._finish_if_complete(writer)
+        return got
 
     def write_tensor(self, name: str, data: Any) -> int:
         """Write a whole tensor at once."""
-        return self._writer(name).write(name, data, 0)
+        return self.write(name, data, 0)
 
     def missing(self) -> dict[str, int]:
         """Tensors with unwritten bytes, and how many bytes each still lacks."""

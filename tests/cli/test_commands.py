@@ -31,6 +31,32 @@ def test_console_script_runs(console_script: str, example: Path) -> None:
         assert name in help_text
 
 
+@pytest.mark.parametrize("command", ["merge", "cast"])
+def test_an_output_that_cannot_be_written_exits_2_and_leaves_nothing(
+    console_script: str, example: Path, tmp_path: Path, command: str
+) -> None:
+    # As docs/cli.md says: 2 is also for an output that cannot be written (here the file size
+    # limit), in one line naming it, and the output does not appear.
+    import resource
+
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "out.safetensors"
+    args = [str(example), str(out)] + (["--to", "F16"] if command == "cast" else [])
+    proc = subprocess.run(
+        [console_script, command, *args],
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(
+            resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY)
+        ),
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: Error while serializing: I/O error: File too large")
+    assert str(out) in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert os.listdir(tmp_path / "out") == []
+
+
 # ---------------------------------------------------------------------------------- inspect
 
 

@@ -58,6 +58,60 @@ def test_thousands_of_shards_under_a_small_descriptor_limit(tmp_path: Path) -> N
     assert all(float(loaded[k][0]) == float(v[0]) for k, v in _tensors(600).items())
 
 
+def test_a_streamed_save_of_many_shards_under_a_small_descriptor_limit(tmp_path: Path) -> None:
+    # Every shard begun kept its descriptor until close(): 100 shards written one after
+    # another failed at the 28th under a hard limit of 30. A shard whose every byte is written
+    # is handed to the save's group at once, which keeps it closed past its budget.
+    code = textwrap.dedent(
+        f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (30, 30))
+        import numpy as np
+        from pysafetensors import ShardedStreamingWriter
+        shapes = {{f"t{{i}}": ("F32", (1000,)) for i in range(100)}}
+        with ShardedStreamingWriter({str(tmp_path)!r}, shapes, max_shard_size="4KB") as w:
+            assert len(w.plan.filename_to_tensors) == 100
+            for i in range(100):
+                w.write_chunk(f"t{{i}}", np.full(500, i, np.float32))
+                w.write_chunk(f"t{{i}}", np.full(500, i, np.float32))
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
+    loaded = load_file(tmp_path)
+    assert all(float(loaded[f"t{i}"][999]) == i for i in range(100))
+
+
+def test_writes_to_a_streamed_shard_already_complete(tmp_path: Path) -> None:
+    # Handed over when its last byte is written: an empty write to it still passes (a loop
+    # that writes every tensor, empty ones too), others get the errors they always got.
+    from pysafetensors import SerializeError, ShardedStreamingWriter
+
+    shapes = {"a": ("F32", (4,)), "e": ("F32", (0,)), "b": ("F32", (300,))}
+    with ShardedStreamingWriter(tmp_path, shapes, max_shard_size=1000) as w:
+        assert (
+            w.plan.tensor_to_filename["a"]
+            == w.plan.tensor_to_filename["e"]
+            != (w.plan.tensor_to_filename["b"])
+        )
+        w.write_tensor("a", np.ones(4, np.float32))
+        assert w.write_tensor("e", np.ones(0, np.float32)) == 0
+        assert w.write_chunk("a", b"") == 0
+        with pytest.raises(SerializeError, match="overlaps bytes") as info:
+            w.write("a", np.ones(1, np.float32))
+        assert info.value.kind == "Overlap"
+        with pytest.raises(SerializeError, match="outside tensor `a`"):
+            w.write("a", b"", 99)
+        with pytest.raises(SerializeError, match="declared F32"):
+            w.write("a", np.ones(1, np.int32))
+        assert w.missing() == {"b": 1200}
+        w.write_tensor("b", np.arange(300, dtype=np.float32))
+    loaded = load_file(tmp_path)
+    assert loaded["e"].shape == (0,) and np.array_equal(loaded["b"], np.arange(300))
+
+
 def test_hundreds_of_shards_load_under_a_small_descriptor_limit(tmp_path: Path) -> None:
     # Every shard opened stayed open until the handle closed: load_file of 600 shards ran out
     # of descriptors under a limit of 256 (and of 1,500 under the common 1,024). Now load_file
