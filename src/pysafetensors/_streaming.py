@@ -268,6 +268,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_disown_writers)
 
 
+def _check_offset(name: str, offset: Any) -> None:
+    """Refuse a write's offset that is not an int."""
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}the offset of a write to `{name}` must be an int, got "
+            f"{type(offset).__name__}",
+            kind="OutOfRange",
+            tensor=name,
+        )
+
+
 class StreamingWriter:
     """Write one safetensors file tensor by tensor, chunk by chunk, in any order.
 
@@ -403,13 +414,7 @@ class StreamingWriter:
         """
         self._live()
         info = self._info(name)
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise SerializeError(
-                f"{SERIALIZE_PREFIX}the offset of a write to `{name}` must be an int, got "
-                f"{type(offset).__name__}",
-                kind="OutOfRange",
-                tensor=name,
-            )
+        _check_offset(name, offset)
         length, chunks = _payload(name, info, data)
         token = object()
         reserved = False
@@ -678,8 +683,7 @@ class ShardedStreamingWriter:
         is written, so only an empty write passes; the others get the errors they got before
         (an out-of-range offset, a wrong dtype, an overlap)."""
         info = writer._info(name)
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            return writer.write(name, data, offset)  # its ClosedFileError
+        _check_offset(name, offset)
         length, _ = _payload(name, info, data)
         with writer._lock:
             writer._reserve(info, offset, length)  # raises unless the write is empty
@@ -720,21 +724,30 @@ class ShardedStreamingWriter:
 
     def write(self, name: str, data: Any, offset: int = 0) -> int:
         """Write bytes of tensor ``name`` at ``offset`` (see :meth:`StreamingWriter.write`)."""
-        writer = self._writer(name)
-        if writer.closed:
-            return self._write_finished(writer, name, data, offset)
-        got = writer.write(name, data, offset)
-        self._finish_if_complete(writer)
-        return got
+        return self._write(name, data, offset)
 
     def write_chunk(self, name: str, data: Any) -> int:
         """Append to tensor ``name`` after the last write to it."""
+        return self._write(name, data, None)
+
+    def _write(self, name: str, data: Any, offset: int | None) -> int:
+        """A write at ``offset``, or after the last write to the tensor (``None``)."""
         writer = self._writer(name)
-        if writer.closed:
-            return self._write_finished(writer, name, data, writer._cursor[name])
-        got = writer.write_chunk(name, data)
-        self._finish_if_complete(writer)
-        return got
+        if not writer.closed:
+            try:
+                if offset is None:
+                    got = writer.write_chunk(name, data)
+                else:
+                    got = writer.write(name, data, offset)
+            except ClosedFileError:
+                if self._closed:
+                    raise  # aborted or closed meanwhile
+                # Another thread's write finished the shard meanwhile: as below.
+            else:
+                self._finish_if_complete(writer)
+                return got
+        at = writer._cursor[name] if offset is None else offset
+        return self._write_finished(writer, name, data, at)
 
     def write_tensor(self, name: str, data: Any) -> int:
         """Write a whole tensor at once."""

@@ -727,12 +727,12 @@ class SaveGroup:
     def commit(self) -> list[str]:
         """Rename every finished file over its target, in order.
 
-        Returns:
-            The targets, in the order they were renamed.
-
         A Ctrl-C (SIGINT) that comes meanwhile is raised once the commit is over, as for a
         single file's rename: raised between two renames, it left a folder without its index
         (the new files not renamed yet deleted, or the old index deleted and nothing renamed).
+
+        Returns:
+            The targets, in the order they were renamed.
 
         Raises:
             WriteError: A rename failed; the files not renamed yet are discarded.

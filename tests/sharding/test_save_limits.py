@@ -106,6 +106,8 @@ def test_writes_to_a_streamed_shard_already_complete(tmp_path: Path) -> None:
             w.write("a", b"", 99)
         with pytest.raises(SerializeError, match="declared F32"):
             w.write("a", np.ones(1, np.int32))
+        with pytest.raises(SerializeError, match="must be an int"):
+            w.write("a", b"", 1.5)  # type: ignore[arg-type]
         assert w.missing() == {"b": 1200}
         w.write_tensor("b", np.arange(300, dtype=np.float32))
     loaded = load_file(tmp_path)
