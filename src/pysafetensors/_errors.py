@@ -318,6 +318,8 @@ def write_error(exc: OSError, path: str | None = None) -> WriteError:
     at = f' at path "{where}"' if where is not None else ""
     err = cls(f"Error while serializing: I/O error: {reason}{code}{at}", kind="IoError")
     err.errno, err.strerror, err.filename = exc.errno, exc.strerror, where
+    for note in getattr(exc, "__notes__", ()):  # what the writer knew (which tensor)
+        add_note(err, note)
     return err
 
 

@@ -548,3 +548,34 @@ def test_layout_of_lookalike_shapes_converts_each_as_int() -> None:
     # A bad shape met again is refused again (the memo keeps only checked shapes).
     with pytest.raises(SerializeError, match="tensor `y` has a negative dimension"):
         build_layout([("x", f32, (2, 3)), ("y", f32, (-1, 3)), ("z", f32, (-1, 3))])
+
+
+def test_a_tensor_whose_memory_cannot_be_read_is_named(tmp_path: Path) -> None:
+    # A memory-mapped array whose file shrank: the kernel's write fails with EFAULT, and the
+    # error named only the output. In a child process: touching such memory from Python
+    # would be a SIGBUS.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import os
+        import numpy as np
+        from pysafetensors import WriteError
+        from pysafetensors.numpy import save_file
+        m = np.memmap({str(tmp_path / "m.bin")!r}, np.float32, "w+", shape=(1 << 20,))
+        m[:] = 1
+        m.flush()
+        os.truncate({str(tmp_path / "m.bin")!r}, 4096)
+        try:
+            save_file({{"small": np.ones(4, np.float32), "mapped": m}}, {str(tmp_path / "o")!r})
+        except WriteError as exc:
+            print(exc.errno, exc.__notes__)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.startswith("14 [") and "tensor `mapped` could not be read" in done.stdout
+    assert sorted(os.listdir(tmp_path)) == ["m.bin"]
