@@ -38,7 +38,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 
 from ._adapter import Adapter, get_adapter
-from ._errors import SerializeError, output_path, write_error
+from ._errors import SerializeError, SharedTensorsError, output_path, write_error
 from ._format import MAX_HEADER_SIZE
 from ._writer import (
     SaveGroup,
@@ -631,7 +631,16 @@ def _drop_shared(
         return tensors
     from .torch import _remove_duplicate_names
 
-    for kept, dropped in _remove_duplicate_names(torch_part, discard_names=discard_names).items():
+    try:
+        groups = _remove_duplicate_names(torch_part, discard_names=discard_names)
+    except SharedTensorsError as exc:
+        # The hub's words (a space after "storage."), as its save_torch_model says them; the
+        # reference's save_model, whose words _remove_duplicate_names keeps, has none.
+        raise SharedTensorsError(
+            str(exc).replace("entire storage.Refusing", "entire storage. Refusing"),
+            kind=exc.kind,
+        ) from None
+    for kept, dropped in groups.items():
         for name in dropped:
             metadata.setdefault(name, kept)
             del tensors[name]
@@ -764,7 +773,9 @@ def save_model_sharded(
 ) -> ShardPlan:
     """Save a torch model's state dict sharded, as the hub's ``save_torch_model``.
 
-    Tied weights are written once; see :func:`save_sharded` for everything else.
+    Tied weights are written once; see :func:`save_sharded` for everything else. A model with
+    no tensors is saved as an empty ``model.safetensors`` (the hub's writes nothing, and the
+    folder then opens as no checkpoint).
     """
     return save_sharded(
         model.state_dict(),

@@ -169,6 +169,28 @@ def test_save_model_sharded_with_tied_weights_matches_hub(tmp_path: Path) -> Non
     assert_same_tree(hub_dir2, tmp_path / "ours2")
 
 
+def test_a_model_of_partial_views_is_refused_in_the_hub_s_words(tmp_path: Path) -> None:
+    # Parameters that are parts of one flat storage (as FSDP makes them): no name can stand
+    # for the storage. The hub's text has a space after "storage."; the reference's
+    # save_model (whose helper this shares) has none.
+    from pysafetensors import SharedTensorsError
+    from pysafetensors.torch import save_model_sharded
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            flat = torch.zeros(10)
+            self.a = torch.nn.Parameter(flat[:5])
+            self.b = torch.nn.Parameter(flat[5:])
+
+    with pytest.raises(RuntimeError) as theirs:
+        serialization.save_torch_model(Flat(), tmp_path)
+    with pytest.raises(SharedTensorsError) as ours:
+        save_model_sharded(Flat(), tmp_path / "ours")
+    assert str(ours.value) == str(theirs.value)
+    assert not (tmp_path / "ours").exists() or not os.listdir(tmp_path / "ours")
+
+
 def test_hub_loaders_read_our_output(tmp_path: Path) -> None:
     from pysafetensors.torch import load_model, save_model_sharded
 
