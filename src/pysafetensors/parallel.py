@@ -185,7 +185,12 @@ def _rule_matcher(rules: Rules, default: Split) -> Callable[[str, tuple[int, ...
         chooser = rules
 
         def chosen(name: str, shape: tuple[int, ...]) -> RuleSplit:
-            split = chooser(name, shape)
+            try:
+                split = chooser(name, shape)
+            except Exception as exc:
+                # The caller's function failed: say for which tensor.
+                add_note(exc, f"in the rules function, for tensor {name!r} of shape {list(shape)}")
+                raise
             return default if split is None else split
 
         return chosen
@@ -429,6 +434,10 @@ def _plan_parts(
     experts repeats a few shapes over thousands of tensors, and a ``ShardSpec`` and the split's
     arithmetic per tensor were ~1 us each of a 20,000-tensor ``load_shard``.
     """
+    if not isinstance(shapes, Mapping):
+        raise TypeError(
+            f"shapes must be a mapping of tensor names to shapes, not {type(shapes).__name__}"
+        )
     rule_for = _rule_matcher(rules, default)
     plan: dict[str, tuple[tuple[int, ...], Part]] = {}
     parts: dict[tuple[Any, tuple[int, ...]], Part] = {}
@@ -442,7 +451,13 @@ def _plan_parts(
         if known is not None and known[0] is raw_shape:
             shape = known[1]
         else:
-            shape = tuple(raw_shape)
+            try:
+                shape = tuple(raw_shape)
+            except TypeError:
+                raise TypeError(
+                    f"tensor {name!r}: a shape must be a sequence of ints, not "
+                    f"{type(raw_shape).__name__}"
+                ) from None
             # Plain ints (every header's shapes) need no conversion: a plan is made per
             # tensor, and a 20,000-tensor checkpoint paid a function call per dimension.
             if not all(type(d) is int for d in shape):
@@ -538,7 +553,8 @@ def load_shard(
             where touching a mapping past a truncated end is SIGBUS) or ``"mmap"``.
         default: Split for tensors no rule matches.
         uneven: ``"chunk"``, ``"tensor_split"`` or ``"error"`` (see :func:`shard_range`).
-        names: Load only these tensors (default: all, in file order).
+        names: Load only these tensors, in this order (default: all, in file order); a name
+            given twice is loaded once.
         max_header_size: Largest header accepted.
         storage_options: For URLs: as for ``safe_open`` (headers, credentials, endpoint).
         slice_reads: As for ``safe_open``: ``"coalesce"`` reads column splits as whole-row

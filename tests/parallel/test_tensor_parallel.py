@@ -631,3 +631,17 @@ def test_the_first_bad_tensor_names_the_error_whatever_later_rules_do(tmp_path: 
     asked.clear()
     load_shard(model, 0, 2, lambda n, s: asked.append(n) or "rows", names=["a", "b", "a"])
     assert asked == ["a", "b"]
+
+
+def test_errors_of_the_callers_arguments_name_the_tensor(tmp_path: Path) -> None:
+    # A rules function that raised, a shape that is no sequence, shapes that are no mapping:
+    # a bare ZeroDivisionError, "'int' object is not iterable" and an AttributeError.
+    model = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros((8, 6), np.float32)}, model)
+    with pytest.raises(ZeroDivisionError) as info:
+        load_shard(model, 0, 2, lambda n, s: 1 / 0, framework="np")
+    assert info.value.__notes__ == ["in the rules function, for tensor 'a' of shape [8, 6]"]
+    with pytest.raises(TypeError, match="tensor 'a': a shape must be a sequence of ints, not int"):
+        plan_shard({"a": 3}, 0, 2, {})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="shapes must be a mapping .* not list"):
+        plan_shard([("a", [3])], 0, 2, {})  # type: ignore[arg-type]
