@@ -860,6 +860,15 @@ class HTTPSource(RemoteSource):
                 self._size = 0
                 self._head = b""
                 return
+            if not probing and 0 <= offset < self._size and total != self._size:
+                # A range within the size the file had when opened: it is shorter now.
+                raise RemoteError(
+                    f"{where} changed while open (the server now reports "
+                    f"{total if total is not None else 'an unknown number of'} bytes, "
+                    f"{self._size} when opened); reopen it",
+                    kind="Changed",
+                    offset=offset,
+                )
             raise RemoteError(
                 f"{where}: range {offset}-{offset + out.nbytes - 1} not satisfiable (416); the "
                 f"server reports {total if total is not None else 'an unknown number of'} bytes"

@@ -25,6 +25,14 @@ from ._remote_source import (
 )
 from ._remote_urls import _url_secrets
 
+#: Where botocore finds credentials given to it: their values are kept out of messages.
+_CREDENTIAL_VARIABLES: Final = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+)
+_CREDENTIAL_KWARGS: Final = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 #: S3 error codes that mean "this object or bucket is not there".
 _S3_MISSING: Final = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion", "NotFound", "404"})
 #: S3 error codes about credentials or permissions.
@@ -137,6 +145,7 @@ class S3Source(RemoteSource):
             accept_full_body=DEFAULT_ACCEPT_FULL_BODY,
         )
         self._version_id = version_id
+        self._anon = anon
         try:
             import botocore.exceptions
         except ImportError as exc:
@@ -162,6 +171,14 @@ class S3Source(RemoteSource):
         secrets: list[str] = []
         for url_given in (endpoint, given_endpoint):
             secrets.extend(_url_secrets(url_given) if url_given else ())
+        # The credentials given, which an error may quote (a header value refused for a line
+        # break quotes it whole): kept out of messages too.
+        for value in (
+            *(os.environ.get(v) for v in _CREDENTIAL_VARIABLES),
+            *((client_kwargs or {}).get(k) for k in _CREDENTIAL_KWARGS),
+        ):
+            if isinstance(value, str) and len(value.strip()) >= 8:
+                secrets.extend({value, value.strip()})
         self._secrets = tuple(secrets)
         if client is None:
             failure: Exception | None = None
@@ -170,9 +187,15 @@ class S3Source(RemoteSource):
                     endpoint, region_name, anon, max_connections, client_kwargs or {}
                 )
             except Exception as exc:
-                if not self._quotes_secret(exc):
+                if not isinstance(exc, self._botoexc.BotoCoreError) and not self._quotes_secret(
+                    exc
+                ):
                     raise
                 failure = exc
+            if isinstance(failure, self._botoexc.BotoCoreError):
+                # Credentials or configuration botocore could not use (a partial pair, a
+                # profile that does not exist): escaped as botocore's own exceptions.
+                self._raise(self._setup_error(failure), failure)
             if failure is not None:
                 # Outside the except clause: not even as __context__.
                 raise ValueError(
@@ -219,6 +242,23 @@ class S3Source(RemoteSource):
         # A private session: the default one is not safe to build clients from concurrently.
         return boto3.session.Session().client("s3", **kwargs)
 
+    def _setup_error(self, exc: Exception) -> RemoteError:
+        """The error for a botocore exception raised while the client was made."""
+        bexc = self._botoexc
+        if isinstance(
+            exc, (bexc.NoCredentialsError, bexc.PartialCredentialsError, bexc.ProfileNotFound)
+        ):
+            return RemotePermissionError(
+                f"{self._name}: no usable AWS credentials ({self._clean(exc)}); set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, configure a profile, or pass "
+                "anon=True",
+                kind="PermissionDenied",
+            )
+        return RemoteError(
+            f"{self._name}: the S3 client could not be set up: {self._clean(exc)}",
+            kind="InvalidRequest",
+        )
+
     def _error(self, exc: Exception, offset: int, probing: bool) -> Exception:
         """Translate a botocore exception into a RemoteError or a _Transient."""
         bexc = self._botoexc
@@ -236,15 +276,27 @@ class S3Source(RemoteSource):
                     offset=None if probing else offset,
                 )
             if code in _S3_DENIED or status in (401, 403):
+                advice = (
+                    "the object is not public (anon=True sends no credentials)"
+                    if self._anon
+                    else "check the AWS credentials (AWS_ACCESS_KEY_ID/AWS_PROFILE), the "
+                    "endpoint, or pass anon=True for a public bucket"
+                )
                 return RemotePermissionError(
-                    f"{where}: access denied ({code or status}: {message}); check the AWS "
-                    "credentials (AWS_ACCESS_KEY_ID/AWS_PROFILE), the endpoint, or pass "
-                    "anon=True for a public bucket",
+                    f"{where}: access denied ({code or status}: {message}); {advice}",
                     kind="PermissionDenied",
                 )
             if code in ("PreconditionFailed",) or status == 412:
                 return RemoteError(
                     f"{where} changed while open; reopen it", kind="Changed", offset=offset
+                )
+            if (code == "InvalidRange" or status == 416) and 0 <= offset < self._size:
+                # Within the size the object had when opened: it is shorter now.
+                return RemoteError(
+                    f"{where} changed while open (it is now shorter than the "
+                    f"{self._size} bytes it had when opened); reopen it",
+                    kind="Changed",
+                    offset=offset,
                 )
             if code == "InvalidRange" or status == 416:
                 return RemoteError(

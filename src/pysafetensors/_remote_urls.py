@@ -13,10 +13,17 @@ from typing import Any, Final
 _URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+@")
 
 
+#: http.client's refusal of a header value quotes the value, which may be a credential (an
+#: access key ID in a signed request's ``Authorization``, a session token with a stray line
+#: break): everything from the phrase to the end of the line goes.
+_HEADER_VALUE: Final = re.compile(r"(Invalid header value)\b[^\n]*")
+
+
 def _scrubbed(exc: BaseException) -> str:
     """An exception's text without ``user:password@`` in the URLs it quotes (botocore names
-    the endpoint URL as given, credentials included)."""
-    return _URL_CREDENTIALS.sub(r"\1", str(exc))
+    the endpoint URL as given, credentials included), nor the header values it quotes."""
+    text = _URL_CREDENTIALS.sub(r"\1", str(exc))
+    return _HEADER_VALUE.sub(r"\1 (not shown: it may hold a credential)", text)
 
 
 def _url_userinfo(url: str) -> str:
@@ -104,7 +111,11 @@ def _quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
         if isinstance(grouped, (list, tuple)):
             pending.extend(x for x in grouped if isinstance(x, BaseException))
         for text in texts:
-            if _URL_CREDENTIALS.search(text) or any(s and s in text for s in secrets):
+            if (
+                _URL_CREDENTIALS.search(text)
+                or _HEADER_VALUE.search(text)
+                or any(s and s in text for s in secrets)
+            ):
                 return True
         pending.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     return False

@@ -302,3 +302,51 @@ def test_load_shard_and_column_slices_from_s3(moto_endpoint: str, tmp_path: Path
     with safe_open(_url(path.name), "np", storage_options=options) as f:
         assert np.array_equal(f.get_slice("l1.big")[:, 100:140], tensors["l1.big"][:, 100:140])
         assert np.array_equal(f.get_slice("l2.rows")[7:9], tensors["l2.rows"][7:9])
+
+
+def test_a_credential_quoted_by_a_refused_header_stays_out_of_messages(
+    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A session token with a stray line break: http.client refuses the header and quotes its
+    # value, which botocore's message (and the chained exception) carried whole.
+    token = "IQoJb3JpZ2luX2VjEXAMPLETOKENsecret\n"
+    monkeypatch.setenv("AWS_SESSION_TOKEN", token)
+    with pytest.raises(RemoteError) as info:
+        S3Source(_url("small.safetensors"), endpoint_url=moto_endpoint, retries=0)
+    shown = str(info.value) + repr(info.value.__cause__) + repr(info.value.__context__)
+    assert "EXAMPLETOKEN" not in shown
+    assert "Invalid header value (not shown" in str(info.value)
+
+
+def test_credentials_botocore_cannot_use_are_a_permission_error(
+    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Raised while the client was made, as botocore's own exceptions (a traceback on the
+    # command line): a key without its secret, a profile that does not exist.
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(RemotePermissionError, match="no usable AWS credentials"):
+        S3Source(_url("small.safetensors"), endpoint_url=moto_endpoint)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    with pytest.raises(RemotePermissionError, match="no-such-profile"):
+        S3Source(_url("small.safetensors"), endpoint_url=moto_endpoint)
+
+
+def test_an_object_replaced_by_a_shorter_one_is_changed(moto_endpoint: str) -> None:
+    client = boto3.session.Session().client("s3", endpoint_url=moto_endpoint)
+    client.put_object(Bucket=BUCKET, Key="shrinks.bin", Body=b"a" * 200_000)
+    with S3Source(_url("shrinks.bin"), endpoint_url=moto_endpoint, read_ahead=0) as src:
+        client.put_object(Bucket=BUCKET, Key="shrinks.bin", Body=b"b" * 1000)
+        with pytest.raises(RemoteError) as info:
+            _read(src, 100_000, 10)
+    # Was "range at offset 100000 not satisfiable", which says nothing of the change.
+    assert info.value.kind == "Changed"
+    assert "shorter than the 200000 bytes it had when opened" in str(info.value)
+
+
+def test_an_anonymous_read_denied_does_not_advise_anon(moto_endpoint: str) -> None:
+    # The advice to pass anon=True was given to a read that had passed it.
+    with pytest.raises(RemotePermissionError) as info:
+        S3Source(_url("small.safetensors"), endpoint_url=moto_endpoint, anon=True)
+    assert "anon=True sends no credentials" in str(info.value)
+    assert "pass anon=True" not in str(info.value)
