@@ -177,6 +177,15 @@ class FsspecSource(RemoteSource):
         return RemoteError(f"{where}: {failed}: {type(exc).__name__}: {text}", kind=kind)
 
     def _check_length(self, data: bytes, offset: int, want: int) -> None:
+        if len(data) > want:
+            # More than asked for: the filesystem ignored the range (a retry would fetch as
+            # much again), which the source cannot read from.
+            raise RemoteError(
+                f"{self._name}: the filesystem returned {len(data)} bytes for a read of {want} "
+                f"at offset {offset}: it does not honour ranged reads",
+                kind="RangeNotSupported",
+                offset=offset,
+            )
         if len(data) != want:
             raise _Transient(
                 f"{self._name}: short read: got {len(data)} of {want} bytes at offset {offset}",

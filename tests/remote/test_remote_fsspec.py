@@ -27,6 +27,7 @@ from pysafetensors._sources import read_ranges_into
 from .test_remote_http import _tensor_span
 
 fsspec = pytest.importorskip("fsspec")
+memory_fs = pytest.importorskip("fsspec.implementations.memory")
 
 
 @pytest.fixture
@@ -291,3 +292,32 @@ def test_redact_takes_chains_and_ipv6_hosts() -> None:
     assert _redact("zip://m.safetensors::https://u:p@host/a.zip?x=1") == (
         "zip://m.safetensors::https://host/a.zip?..."
     )
+
+
+class _NoRangeFS(memory_fs.MemoryFileSystem):  # type: ignore[misc]
+    """A filesystem whose ranged reads return the whole file, as some backends do."""
+
+    protocol = "pst-norange"
+    calls = 0
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return super()._strip_protocol(path.replace("pst-norange://", "memory://"))  # type: ignore[no-any-return]
+
+    def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
+        type(self).calls += 1
+        return super().cat_file(path, **kwargs)  # type: ignore[no-any-return]
+
+
+def test_a_filesystem_ignoring_ranges_is_refused_at_once() -> None:
+    # It was a "short read" (got 17 MB of 64 KiB), retried: the whole file fetched twice.
+    fsspec.register_implementation("pst-norange", _NoRangeFS, clobber=True)
+    fs = fsspec.filesystem("pst-norange")
+    fs.pipe_file("/norange/m.safetensors", b"x" * 300_000)
+    _NoRangeFS.calls = 0
+    with pytest.raises(RemoteError) as info:
+        FsspecSource("pst-norange:///norange/m.safetensors")
+    assert info.value.kind == "RangeNotSupported"
+    assert "does not honour ranged reads" in str(info.value)
+    assert _NoRangeFS.calls == 1
+    fs.rm("/norange", recursive=True)
