@@ -800,6 +800,52 @@ def test_stats_of_values_near_the_float64_maximum(cli, tmp_path: Path) -> None:
     assert wide["histogram"]["edges"][0] == -1.7e308 and wide["histogram"]["edges"][-1] == 1.7e308
 
 
+def test_stats_of_complex_values_are_their_magnitudes_in_double_precision(
+    cli, tmp_path: Path
+) -> None:
+    # abs() of a complex64 is a float32: 3e38+3e38j (finite) counted as Inf, and subnormal
+    # magnitudes lost their digits.
+    values = {
+        "big": np.array([3e38 + 3e38j, 1 + 1j], np.complex64),
+        "tiny": np.array([1e-45 + 1e-45j, 3e-45 + 4e-45j], np.complex64),
+    }
+    save_file(values, str(tmp_path / "c.safetensors"))
+    got = {
+        t["name"]: t for t in cli("stats", tmp_path / "c.safetensors", "--json").json()["tensors"]
+    }
+    for name, array in values.items():
+        magnitudes = np.abs(array.astype(np.complex128))
+        assert got[name]["inf"] == 0
+        assert got[name]["max"] == magnitudes.max() and got[name]["min"] == magnitudes.min()
+        assert got[name]["mean"] == pytest.approx(magnitudes.mean(), rel=1e-12)
+
+
+@pytest.mark.parametrize("bins", ["10000", "10001"])
+def test_stats_histogram_of_a_range_of_a_few_ulps(cli, tmp_path: Path, bins: str) -> None:
+    # Past 10,000 bins numpy's count-and-range path refused a range too narrow for distinct
+    # edges ("Too many bins for data range"), failing the command where 10,000 bins ran.
+    save_file(
+        {"x": np.array([1.0, 1.0 + 2**-52]), "y": np.full(3, 1e17, np.float32)},
+        str(tmp_path / "h.safetensors"),
+    )
+    r = cli("stats", tmp_path / "h.safetensors", "--json", "--histogram", bins)
+    assert r.code == 0, r.err
+    counts = {t["name"]: sum(t["histogram"]["counts"]) for t in r.json()["tensors"]}
+    assert counts == {"x": 2, "y": 3}
+
+
+def test_validate_counts_non_finite_complex_values_per_element(cli, tmp_path: Path) -> None:
+    # Counted per float32 half: one value with both parts NaN read "2 NaN".
+    nan = float("nan")
+    save_file(
+        {"c": np.array([complex(nan, nan), complex(np.inf, 0), 1j], np.complex64)},
+        str(tmp_path / "c.safetensors"),
+    )
+    r = cli("validate", "--strict", "--json", tmp_path / "c.safetensors")
+    (problem,) = [p for p in r.json()["problems"] if p["code"] == "NonFinite"]
+    assert "holds 1 NaN and 1 Inf values" in problem["message"]
+
+
 def test_a_sharded_cast_that_fails_midway_leaves_the_checkpoint(
     cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -597,9 +597,13 @@ def decode(dtype: DType, raw: np.ndarray) -> np.ndarray:
 
 
 def to_float64(values: np.ndarray) -> np.ndarray:
-    """Values as float64 for statistics; complex values become their magnitude."""
+    """Values as float64 for statistics; complex values become their magnitude, computed in
+    double precision (``abs`` of a complex64 is a float32: a finite 3e38+3e38j became Inf,
+    subnormal magnitudes lost their digits)."""
     out: np.ndarray = (
-        np.abs(values).astype(np.float64) if values.dtype.kind == "c" else values.astype(np.float64)
+        np.abs(values.astype(np.complex128))
+        if values.dtype.kind == "c"
+        else values.astype(np.float64)
     )
     return out
 
