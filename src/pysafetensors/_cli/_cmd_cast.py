@@ -5,8 +5,9 @@ Each tensor goes to :func:`~pysafetensors._writer.write_file` as a
 million elements at a time, so a tensor is never held whole in memory (the writer batches up to
 its ``writev`` limit). Integer, boolean, complex and sub-byte (F4, F6) tensors are copied
 unchanged (naming them in ``--from`` is a usage error), and so are FP8 tensors unless ``--from``
-names them, since those usually carry quantization scales that a cast would make meaningless. Rounding is numpy/ml_dtypes' round-to-nearest-even; values
-beyond the target's range become Inf (or NaN for types without Inf), and ``cast`` says how many.
+names them, since those usually carry quantization scales that a cast would make meaningless.
+Rounding is numpy/ml_dtypes' round-to-nearest-even; values beyond the target's range become Inf
+(or NaN for types without Inf), and ``cast`` says how many.
 
 A sharded model is written as a folder with the same shard names and an index whose
 ``total_size`` is recomputed.
