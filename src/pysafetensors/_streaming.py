@@ -23,7 +23,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import numpy as np
@@ -268,6 +268,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_disown_writers)
 
 
+def _check_whole(info: TensorInfo, length: int) -> None:
+    """Refuse data for ``write_tensor`` that is not the whole tensor."""
+    if length != info.nbytes:
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}write_tensor of `{info.name}`: the data holds {length} bytes but "
+            f"{info.dtype.code} {list(info.shape)} needs {info.nbytes} (write parts with write() "
+            "or write_chunk())",
+            kind="TensorInvalidInfo",
+            tensor=info.name,
+        )
+
+
 def _check_offset(name: str, offset: Any) -> None:
     """Refuse a write's offset that is not an int."""
     if isinstance(offset, bool) or not isinstance(offset, int):
@@ -416,6 +428,13 @@ class StreamingWriter:
         info = self._info(name)
         _check_offset(name, offset)
         length, chunks = _payload(name, info, data)
+        return self._write_payload(info, offset, length, chunks)
+
+    def _write_payload(
+        self, info: TensorInfo, offset: int, length: int, chunks: Iterable[memoryview]
+    ) -> int:
+        """Write ``length`` bytes of ``chunks`` at ``offset`` into ``info``'s data."""
+        name = info.name
         token = object()
         reserved = False
         got = 0
@@ -482,8 +501,13 @@ class StreamingWriter:
         return self.write(name, data, self._cursor[self._info(name).name])
 
     def write_tensor(self, name: str, data: Any) -> int:
-        """Write a whole tensor at once (same as ``write(name, data, 0)``)."""
-        return self.write(name, data, 0)
+        """Write a whole tensor at once: ``write(name, data, 0)`` of data that must hold all
+        of its bytes (a part is refused here, not at :meth:`close` as a missing range)."""
+        self._live()
+        info = self._info(name)
+        length, chunks = _payload(name, info, data)
+        _check_whole(info, length)
+        return self._write_payload(info, 0, length, chunks)
 
     # ------------------------------------------------------------------------------ status
 
@@ -592,6 +616,10 @@ class StreamingWriter:
             pass
 
 
+#: ``ShardedStreamingWriter._write``'s offset for ``write_tensor``.
+_WHOLE: Final = object()
+
+
 class ShardedStreamingWriter:
     """Stream a sharded checkpoint: shards planned up front, one writer each, index last.
 
@@ -660,6 +688,8 @@ class ShardedStreamingWriter:
         # Every shard joins it when opened, and close() renames them with the index.
         self._group = checkpoint_group(self.folder, plan, filename_pattern, fsync=fsync)
         self._lock = threading.Lock()
+        # A folder this writer makes is removed again by abort() (if nothing else came in).
+        self._made_folder = not os.path.isdir(self.folder)
         try:
             os.makedirs(self.folder, exist_ok=True)
         except OSError as exc:  # e.g. a file where the folder should be
@@ -678,15 +708,26 @@ class ShardedStreamingWriter:
             ) from None
         return self._shard_writer(fname)
 
-    def _write_finished(self, writer: StreamingWriter, name: str, data: Any, offset: int) -> int:
+    def _write_finished(
+        self, writer: StreamingWriter, name: str, data: Any, offset: int | None | object
+    ) -> int:
         """A write to a shard handed over complete (:meth:`_finish_if_complete`): every byte
         is written, so only an empty write passes; the others get the errors they got before
-        (an out-of-range offset, a wrong dtype, an overlap)."""
+        (an out-of-range offset, a wrong dtype, an overlap, a part for ``write_tensor``)."""
         info = writer._info(name)
-        _check_offset(name, offset)
+        at: Any = offset
+        if offset is None:
+            with writer._lock:
+                at = writer._cursor[name]
+        elif offset is _WHOLE:
+            at = 0
+        _check_offset(name, at)
         length, _ = _payload(name, info, data)
+        if offset is _WHOLE:
+            _check_whole(info, length)
         with writer._lock:
-            writer._reserve(info, offset, length)  # raises unless the write is empty
+            writer._reserve(info, at, length)  # raises unless the write is empty
+            writer._cursor[name] = at + length  # as a write moves it
         return 0
 
     def _finish_if_complete(self, writer: StreamingWriter) -> None:
@@ -730,15 +771,18 @@ class ShardedStreamingWriter:
         """Append to tensor ``name`` after the last write to it."""
         return self._write(name, data, None)
 
-    def _write(self, name: str, data: Any, offset: int | None) -> int:
-        """A write at ``offset``, or after the last write to the tensor (``None``)."""
+    def _write(self, name: str, data: Any, offset: int | None | object) -> int:
+        """A write at ``offset``, after the last write to the tensor (``None``), or of the
+        whole tensor (``_WHOLE``)."""
         writer = self._writer(name)
         if not writer.closed:
             try:
                 if offset is None:
                     got = writer.write_chunk(name, data)
+                elif offset is _WHOLE:
+                    got = writer.write_tensor(name, data)
                 else:
-                    got = writer.write(name, data, offset)
+                    got = writer.write(name, data, offset)  # type: ignore[arg-type]
             except ClosedFileError:
                 if self._closed:
                     raise  # aborted or closed meanwhile
@@ -746,12 +790,11 @@ class ShardedStreamingWriter:
             else:
                 self._finish_if_complete(writer)
                 return got
-        at = writer._cursor[name] if offset is None else offset
-        return self._write_finished(writer, name, data, at)
+        return self._write_finished(writer, name, data, offset)
 
     def write_tensor(self, name: str, data: Any) -> int:
-        """Write a whole tensor at once."""
-        return self.write(name, data, 0)
+        """Write a whole tensor at once (see :meth:`StreamingWriter.write_tensor`)."""
+        return self._write(name, data, _WHOLE)
 
     def missing(self) -> dict[str, int]:
         """Tensors with unwritten bytes, and how many bytes each still lacks."""
@@ -808,6 +851,9 @@ class ShardedStreamingWriter:
         for writer in self._writers.values():
             writer.abort()
         self._group.discard()
+        if self._made_folder:
+            with contextlib.suppress(OSError):  # only if empty: what this writer made
+                os.rmdir(self.folder)
 
     def __enter__(self) -> ShardedStreamingWriter:
         return self

@@ -114,6 +114,58 @@ def test_writes_to_a_streamed_shard_already_complete(tmp_path: Path) -> None:
     assert loaded["e"].shape == (0,) and np.array_equal(loaded["b"], np.arange(300))
 
 
+def test_a_finished_shard_keeps_the_append_cursor_as_an_open_one(tmp_path: Path) -> None:
+    # An empty write moves the write_chunk cursor; on a shard already handed over it did not,
+    # and the next append was an "overlap" where an open writer says "outside tensor".
+    from pysafetensors import SerializeError, ShardedStreamingWriter, StreamingWriter
+
+    decl = {"t": ("U8", (8,)), "u": ("U8", (8,))}
+    errors = []
+    for make in (
+        lambda: ShardedStreamingWriter(tmp_path / "s", decl, max_shard_size=8),
+        lambda: StreamingWriter(tmp_path / "f.safetensors", decl),
+    ):
+        w = make()
+        w.write("t", b"\0" * 4, 4)
+        w.write("t", b"\0" * 4, 0)
+        assert w.write("t", b"", 8) == 0
+        with pytest.raises(SerializeError) as info:
+            w.write_chunk("t", b"x")
+        errors.append((info.value.kind, str(info.value)))
+        w.abort()
+    assert errors[0] == errors[1] and errors[0][0] == "OutOfRange"
+
+
+def test_write_tensor_refuses_a_part(tmp_path: Path) -> None:
+    # A part was taken as a write at 0, and the tensor reported missing bytes only at close.
+    from pysafetensors import SerializeError, ShardedStreamingWriter, StreamingWriter
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for w in (
+        StreamingWriter(tmp_path / "f.safetensors", {"a": a}),
+        ShardedStreamingWriter(tmp_path / "s", {"a": a, "b": a}, max_shard_size=48),
+    ):
+        with pytest.raises(SerializeError, match=r"holds 16 bytes but F32 \[3, 4\] needs 48"):
+            w.write_tensor("a", a[:1])
+        w.write_tensor("a", a)
+        with pytest.raises(SerializeError, match="holds 16 bytes"):  # a finished shard too
+            w.write_tensor("a", a[:1])
+        w.abort()
+
+
+def test_an_aborted_sharded_stream_removes_the_folder_it_made(tmp_path: Path) -> None:
+    from pysafetensors import ShardedStreamingWriter
+
+    decl = {"t": ("U8", (8,))}
+    with pytest.raises(RuntimeError), ShardedStreamingWriter(tmp_path / "new" / "sub", decl) as w:
+        w.write("t", b"\0" * 4)
+        raise RuntimeError("stop")
+    assert os.listdir(tmp_path / "new") == []
+    (tmp_path / "kept").mkdir()
+    ShardedStreamingWriter(tmp_path / "kept", decl).abort()
+    assert (tmp_path / "kept").is_dir()  # it was there before
+
+
 def test_hundreds_of_shards_load_under_a_small_descriptor_limit(tmp_path: Path) -> None:
     # Every shard opened stayed open until the handle closed: load_file of 600 shards ran out
     # of descriptors under a limit of 256 (and of 1,500 under the common 1,024). Now load_file
@@ -161,7 +213,7 @@ def test_a_single_file_replacing_shards_wins_even_if_clean_up_is_cut_short(
 
 
 def _write_lines() -> list[int]:
-    source, start = inspect.getsourcelines(streaming.StreamingWriter.write)
+    source, start = inspect.getsourcelines(streaming.StreamingWriter._write_payload)
     # From the write's taking of the lock on: every line where an interrupt could land.
     body = next(i for i, line in enumerate(source) if "self._lock" in line)
     return [start + i for i in range(body, len(source)) if source[i].strip()]
@@ -171,7 +223,7 @@ def _write_lines() -> list[int]:
 def test_an_interrupt_at_any_line_of_a_write_leaves_the_writer_closable(
     tmp_path: Path, line: int
 ) -> None:
-    code = streaming.StreamingWriter.write.__code__
+    code = streaming.StreamingWriter._write_payload.__code__  # write()'s work, after checks
     fired = []
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
