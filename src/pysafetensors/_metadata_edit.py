@@ -76,13 +76,16 @@ def _header_bytes(header: Header, metadata: Mapping[str, str] | None, slack: int
 
     ``slack`` spaces follow the metadata object (room for later edits in its slot).
     """
+    # In data order; empty tensors at one offset in the reference's order (dtype rank
+    # descending, then name), as its save lays them out: a rewrite of its file is its bytes.
+    ordered = sorted(header.tensors.values(), key=lambda i: (i.begin, i.end, -i.dtype.rank, i.name))
     entries = {
         info.name: {
             "dtype": info.dtype.code,
             "shape": list(info.shape),
             "data_offsets": [info.begin, info.end],
         }
-        for info in header.tensors.values()
+        for info in ordered
     }
     body = json.dumps(entries, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     if metadata is None:
@@ -155,15 +158,18 @@ def edit_metadata(
             this name a new file and the other names keep the old one.
         set: Keys to add or overwrite.
         delete: Keys to remove (a key named twice is removed once).
-        replace: Start from empty metadata instead of the file's (then ``set`` is the result).
+        replace: Start from empty metadata instead of the file's (then ``set`` is the result,
+            and ``delete`` has nothing to remove: its keys are not looked for).
         missing_ok: Ignore ``delete`` keys that are not present instead of raising.
         reserve: Spaces to leave after the metadata object when the file must be rewritten,
             so that later edits fit in place.
         fsync: Make the change durable before returning.
         max_header_size: Largest header accepted, old or new.
-        in_place: ``None`` (the default): in place only when the new metadata fits the old
-            one's slot and the bytes that change lie within one 4 KiB page (a process killed
-            during the edit then leaves the old header or the new one), else a rewrite.
+        in_place: ``None`` (the default): in place only when the new header fits the old
+            one's ``N`` bytes (the new metadata in the old one's slot, or the whole header
+            written again into the room at its end) and the bytes that change lie within one
+            4 KiB page (a process killed during the edit then leaves the old header or the
+            new one), else a rewrite.
             ``True``: in place whenever the new header fits the old one's ``N`` bytes, even
             across pages (fast on huge files; an interrupted multi-page write leaves a broken
             header). ``False``: always rewrite.
@@ -176,7 +182,9 @@ def edit_metadata(
         HeaderError: The file is not a valid safetensors file.
         SafetensorError: A key to delete is missing (``kind="MetadataKeyNotFound"``).
         SerializeError: The new header would be larger than ``max_header_size``.
-        TypeError: A key or value is not a string.
+        TypeError: A key or value is not a string, ``set`` is not a mapping, ``reserve`` is
+            not an int.
+        ValueError: ``reserve`` is negative.
         OSError: The file cannot be read or written: ``FileNotFoundError``,
             ``IsADirectoryError``, ``PermissionError`` (a file without write permission is
             refused, also where a rewrite would not need it), ``NotRegularFileError`` (a FIFO,
@@ -197,10 +205,19 @@ def edit_metadata(
     # the rewrite goes to the file it points to too (beside that file), and the link stays a
     # link. Replacing it with a regular file would break a hub cache snapshot's dedup.
     target = os.path.realpath(given)
+    if set is not None and not isinstance(set, Mapping):
+        raise TypeError(f"set must be a mapping of str to str, not {type(set).__name__}")
+    if isinstance(reserve, bool) or not isinstance(reserve, int):
+        raise TypeError(f"reserve must be an int (bytes), not {type(reserve).__name__}")
+    if reserve < 0:
+        raise ValueError(f"reserve must be 0 or more bytes, not {reserve}")
     updates = dict(set or {})
     _check_strings(updates)
     # One key, not its letters; a key named twice is removed once.
     removals = list(dict.fromkeys([delete] if isinstance(delete, str) else delete))
+    for key in removals:
+        if not isinstance(key, str):
+            raise TypeError(f"delete takes str keys, not {type(key).__name__}: {key!r}")
     fd = _open_for_edit(given, target)
     source: PreadSource | None = None
     try:

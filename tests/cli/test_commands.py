@@ -488,6 +488,19 @@ def test_cast_reports_overflow_and_filter(cli, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------- metadata
 
 
+def test_metadata_answers_with_quiet_and_says_when_nothing_changed(cli, tmp_path: Path) -> None:
+    # -q dropped the answer "no metadata" (docs: -q never drops answers); a set that changed
+    # nothing said "metadata updated in place".
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(2, np.float32)}, str(path))
+    r = cli("-q", "metadata", "get", path)
+    assert (r.code, r.out, r.err.strip()) == (0, "", "no metadata")
+    assert "metadata updated" in cli("metadata", "set", path, "k=v").out
+    before = path.read_bytes()
+    r = cli("metadata", "set", path, "k=v")
+    assert r.code == 0 and "metadata unchanged" in r.out and path.read_bytes() == before
+
+
 def test_metadata_get_set_delete(cli, example: Path) -> None:
     size = example.stat().st_size
     assert cli("metadata", "get", example).out.split() == ["format", "pt", "source", "example"]

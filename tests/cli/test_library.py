@@ -307,6 +307,40 @@ def test_edit_metadata_refuses_what_is_no_file_naming_the_path_given(
     assert sorted(os.listdir(tmp_path)) == ["fifo", "folder", "link.safetensors"]
 
 
+def test_a_rewrite_of_the_reference_s_file_with_empty_tensors_is_its_save(
+    tmp_path: Path,
+) -> None:
+    # Empty tensors share an offset; the rewrite listed them by name, the reference by dtype
+    # (rank descending) and then name.
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    tensors = {
+        "a": np.arange(3, dtype=np.float32),
+        "z": np.zeros(0, np.float16),
+        "b": np.zeros((0, 2), np.bool_),
+    }
+    path = tmp_path / "x.safetensors"
+    safetensors_numpy.save_file(tensors, str(path))
+    assert pysafetensors.edit_metadata(path, set={"y": "2" * 50}) is False  # a rewrite
+    assert path.read_bytes() == safetensors_numpy.save(tensors, metadata={"y": "2" * 50})
+
+
+def test_edit_metadata_refuses_arguments_of_the_wrong_kind(tmp_path: Path) -> None:
+    # delete=b"k" was iterated as integers ("no key 107"), a list of pairs taken as a mapping,
+    # a negative reserve taken as 0, and 3.5 a TypeError from deep inside.
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(2, np.float32)}, str(path), metadata={"k": "v"})
+    before = path.read_bytes()
+    with pytest.raises(TypeError, match="delete takes str keys, not int: 107"):
+        pysafetensors.edit_metadata(path, delete=b"k")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="set must be a mapping of str to str, not list"):
+        pysafetensors.edit_metadata(path, set=[("k", "q")])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reserve must be 0 or more bytes, not -1"):
+        pysafetensors.edit_metadata(path, set={"k": "q"}, reserve=-1)
+    with pytest.raises(TypeError, match="reserve must be an int"):
+        pysafetensors.edit_metadata(path, set={"k": "q"}, reserve=3.5)  # type: ignore[arg-type]
+    assert path.read_bytes() == before
+
+
 def test_edit_metadata_argument_handling(tmp_path: Path) -> None:
     from pysafetensors import SerializeError, edit_metadata, safe_open
     from pysafetensors.numpy import save_file

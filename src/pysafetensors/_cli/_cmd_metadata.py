@@ -112,7 +112,8 @@ def run_get(args: argparse.Namespace) -> int:
         print_json({"schema": SCHEMA, "target": shown(args.target), "metadata": meta})
         return status
     if not meta:
-        ui.note("no metadata" if meta is None else "empty metadata")
+        # The answer, so also with --quiet (on stderr: stdout holds KEY VALUE lines only).
+        print("no metadata" if meta is None else "empty metadata", file=sys.stderr)
         return status
     width = max(len(sanitize(k)) for k in meta)
     for key, value in meta.items():
@@ -149,6 +150,7 @@ def run_set(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise UsageError(f"expected KEY=VALUE, got {sanitize(pair)!r}")
         updates[key] = value
+    before = _current_metadata(args.target)
     in_place = edit_metadata(
         args.target,
         set=updates,
@@ -156,8 +158,23 @@ def run_set(args: argparse.Namespace) -> int:
         reserve=args.reserve,
         in_place=_IN_PLACE[args.in_place],
     )
+    if before is not None and _current_metadata(args.target) == before:
+        # Every key already held its value: nothing was written.
+        Ui(args).done(f"{sanitize(args.target)}: metadata unchanged (the values were already set)")
+        return 0
     _report(Ui(args), args.target, in_place)
     return 0
+
+
+def _current_metadata(target: str) -> list[tuple[str, str]] | None:
+    """The file's metadata, in order (None when it has none or cannot be read: the edit
+    then reports what is wrong)."""
+    try:
+        with safe_open(target, "numpy") as f:
+            meta = f.metadata()
+    except (SafetensorError, OSError):
+        return None
+    return None if meta is None else list(meta.items())
 
 
 def run_delete(args: argparse.Namespace) -> int:
