@@ -33,10 +33,9 @@ FLOATS: dict[str, Any] = {
 
 
 def _expected(value: np.ndarray, data_offset: int) -> tuple[int, int, int | None]:
-    """(NaN count, Inf count, file offset of the first) by numpy on the whole tensor."""
+    """(NaN count, Inf count, file offset of the first) by numpy on the whole tensor (a complex
+    value counts once, NaN or Inf where a part is, as numpy's isnan/isinf of it say)."""
     flat = value.reshape(-1)
-    if flat.dtype == np.complex64:
-        flat = flat.view(np.float32)
     as_float = flat.astype(np.float64) if flat.dtype.kind == "V" or flat.itemsize == 1 else flat
     if flat.dtype == ml_dtypes.bfloat16:
         as_float = flat.astype(np.float32)
