@@ -501,6 +501,19 @@ def test_metadata_answers_with_quiet_and_says_when_nothing_changed(cli, tmp_path
     assert r.code == 0 and "metadata unchanged" in r.out and path.read_bytes() == before
 
 
+def test_metadata_set_of_an_argument_that_is_not_utf8_is_a_usage_error(
+    cli_proc, tmp_path: Path
+) -> None:
+    # Python keeps such bytes as lone surrogates; the edit refused them as a malformed file
+    # would be (exit 1).
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(2, np.float32)}, str(path))
+    before = path.read_bytes()
+    r = cli_proc("metadata", "set", path, os.fsdecode(b"k\xff=v"))
+    assert r.code == 2 and "must be UTF-8 text" in r.err
+    assert path.read_bytes() == before
+
+
 def test_metadata_get_set_delete(cli, example: Path) -> None:
     size = example.stat().st_size
     assert cli("metadata", "get", example).out.split() == ["format", "pt", "source", "example"]

@@ -149,6 +149,12 @@ def run_set(args: argparse.Namespace) -> int:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"expected KEY=VALUE, got {sanitize(pair)!r}")
+        try:
+            pair.encode("utf-8")
+        except UnicodeEncodeError:
+            # Bytes the shell passed that are not UTF-8 (Python keeps them as lone
+            # surrogates): metadata is text, so the argument is what is wrong.
+            raise UsageError(f"KEY=VALUE must be UTF-8 text, got {sanitize(pair)!r}") from None
         updates[key] = value
     before = _current_metadata(args.target)
     in_place = edit_metadata(
