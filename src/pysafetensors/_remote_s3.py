@@ -244,19 +244,26 @@ class S3Source(RemoteSource):
 
     def _setup_error(self, exc: Exception) -> RemoteError:
         """The error for a botocore exception raised while the client was made."""
-        bexc = self._botoexc
-        if isinstance(
-            exc, (bexc.NoCredentialsError, bexc.PartialCredentialsError, bexc.ProfileNotFound)
-        ):
-            return RemotePermissionError(
-                f"{self._name}: no usable AWS credentials ({self._clean(exc)}); set "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, configure a profile, or pass "
-                "anon=True",
-                kind="PermissionDenied",
-            )
+        if self._is_credentials_error(exc):
+            return self._credentials_error(exc)
         return RemoteError(
             f"{self._name}: the S3 client could not be set up: {self._clean(exc)}",
             kind="InvalidRequest",
+        )
+
+    def _is_credentials_error(self, exc: Exception) -> bool:
+        bexc = self._botoexc
+        return isinstance(
+            exc, (bexc.NoCredentialsError, bexc.PartialCredentialsError, bexc.ProfileNotFound)
+        )
+
+    def _credentials_error(self, exc: Exception) -> RemotePermissionError:
+        """Credentials botocore found none of, or could not use."""
+        return RemotePermissionError(
+            f"{self._name}: no usable AWS credentials ({self._clean(exc)}); set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, configure a profile, or pass "
+            "anon=True",
+            kind="PermissionDenied",
         )
 
     def _error(self, exc: Exception, offset: int, probing: bool) -> Exception:
@@ -307,13 +314,8 @@ class S3Source(RemoteSource):
             if status >= 500 or code in ("SlowDown", "InternalError", "RequestTimeout"):
                 return _Transient(f"{where}: {code or status}: {message}", "HTTPError")
             return RemoteError(f"{where}: {code or status}: {message}", kind="HTTPError")
-        if isinstance(exc, (bexc.NoCredentialsError, bexc.PartialCredentialsError)):
-            return RemotePermissionError(
-                f"{where}: no usable AWS credentials ({self._clean(exc)}); set "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, configure a profile, or pass "
-                "anon=True",
-                kind="PermissionDenied",
-            )
+        if self._is_credentials_error(exc):
+            return self._credentials_error(exc)
         if isinstance(
             exc,
             (

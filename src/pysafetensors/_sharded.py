@@ -310,7 +310,8 @@ class ShardedSafeOpen(HandleBehaviour):
         self._backend = backend
         self._max_header_size = max_header_size
         self._lock = threading.RLock()
-        self._first_open = False  # see the single file's open below
+        # The shards the checkpoint lists (a single file's only once it has been read).
+        self._shards: list[str] = []
 
         path = os.fsdecode(os.fspath(filename))
         target, is_index = resolve_checkpoint(path)
@@ -349,15 +350,11 @@ class ShardedSafeOpen(HandleBehaviour):
             shard = shown_name(target)
             self._single = (shard, target)
             self._closed = False
-            # Its first open: a file that is not there is the OSError safe_open raises, not a
-            # shard that went away (see _checked_handle).
-            self._first_open = True
-            try:
-                with self._shard(shard, validate=False) as handle:
-                    self._weight_map = dict.fromkeys(handle.offset_keys(), shard)
-                    meta = handle.metadata()
-            finally:
-                self._first_open = False
+            # Not in self._shards until read: a file that is not there is the OSError safe_open
+            # raises, not a shard that went away (see _checked_handle).
+            with self._shard(shard, validate=False) as handle:
+                self._weight_map = dict.fromkeys(handle.offset_keys(), shard)
+                meta = handle.metadata()
             self._index_metadata = None if meta is None else dict(meta)
             self._shards = [shard]
 
@@ -524,7 +521,7 @@ class ShardedSafeOpen(HandleBehaviour):
             if (
                 isinstance(exc, FileNotFoundError)
                 and not isinstance(exc, SafetensorError)
-                and not self._first_open
+                and shard in self._shards  # listed, so it was there once
             ):
                 raise MissingShardError(
                     f"shard {shard!r} of {_shown(self._path)} no longer exists (removed "

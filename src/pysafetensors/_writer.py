@@ -132,16 +132,16 @@ def _as_bytes_view(chunk: Any) -> memoryview:
 
 def _ordered_chunks(
     layout: Layout, by_name: Mapping[str, TensorData]
-) -> Iterator[tuple[memoryview, bool, str]]:
+) -> Iterator[tuple[memoryview, bool]]:
     """Yield every tensor's chunks in layout order, each with whether it completes its tensor
-    (the last chunk, whose memory stays valid: see :attr:`TensorData.chunks`) and the tensor's
-    name, checking each tensor's total size."""
+    (the last chunk, whose memory stays valid: see :attr:`TensorData.chunks`), checking each
+    tensor's total size."""
     for info in layout.tensors:
         data = by_name[info.name]
         whole = data.whole
         if whole is not None and whole.nbytes == info.nbytes:
             if whole.nbytes:
-                yield whole, True, info.name
+                yield whole, True
             continue
         got = 0
         for chunk in data.chunks():
@@ -150,7 +150,7 @@ def _ordered_chunks(
             if got > info.nbytes:
                 break
             if view.nbytes:
-                yield view, got == info.nbytes, info.name
+                yield view, got == info.nbytes
         if got != info.nbytes:
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}invalid shape, data type, or offset for tensor "
@@ -242,52 +242,54 @@ def write_layout(
     """
     piece = _WRITEV_BYTES if writeback is not None else _LARGE_WRITE_BYTES
     by_name = {t.name: t for t in tensors}
-    pos = os.lseek(fd, 0, os.SEEK_CUR) if writeback is not None else 0
-
-    names: list[str] = []  # the tensors of the views being gathered
+    base = os.lseek(fd, 0, os.SEEK_CUR) if writeback is not None else 0
+    done = 0  # bytes of the layout written
 
     def flush(views: list[memoryview]) -> None:
-        nonlocal pos
+        nonlocal done
         try:
             written = _write_all(fd, views)
         except OSError as exc:
             if exc.errno == errno.EFAULT:
                 # The kernel could not read a tensor's memory: name it (the error names only
                 # the file written), and the usual cause.
-                shown = ", ".join(f"`{n}`" for n in dict.fromkeys(names))
-                add_note(
-                    exc,
-                    f"the memory of tensor {shown} could not be read (an array mapped from a "
-                    "file that has shrunk since?)",
-                )
+                _name_unreadable(exc, layout, done, done + sum(v.nbytes for v in views))
             raise
         if writeback is not None:
-            writeback.wrote(pos, written)
-            pos += written
+            writeback.wrote(base + done, written)
+        done += written
 
     batch: list[memoryview] = [memoryview(layout.header)]
     batch_bytes = len(layout.header)
-    for view, _, name in _ordered_chunks(layout, by_name):
+    for view, _ in _ordered_chunks(layout, by_name):
         size = view.nbytes
         if size < _WRITEV_BYTES:
             # Small chunks are gathered with their neighbours.
             batch.append(view)
-            names.append(name)
             batch_bytes += size
             if len(batch) >= _IOV_MAX or batch_bytes >= _WRITEV_BYTES:
                 flush(batch)
                 batch, batch_bytes = [], 0
-                names.clear()
             continue
         # Large chunks go out on their own, in pieces cut at fixed offsets from their start.
         if batch:
             flush(batch)
             batch, batch_bytes = [], 0
-        names[:] = [name]
         for start in range(0, size, piece):
             flush([view[start : start + piece]])
-        names.clear()
     flush(batch)
+
+
+def _name_unreadable(exc: OSError, layout: Layout, start: int, end: int) -> None:
+    """Note on ``exc`` the tensors whose bytes lie in ``[start, end)`` of the layout written
+    (a write that could not read them)."""
+    data = len(layout.header)
+    names = [f"`{t.name}`" for t in layout.tensors if data + t.begin < end and data + t.end > start]
+    add_note(
+        exc,
+        f"the memory of tensor {', '.join(names)} could not be read (an array mapped from a "
+        "file that has shrunk since?)",
+    )
 
 
 _UMASK_LOCK: Final = threading.Lock()
@@ -888,7 +890,7 @@ def serialize_to_bytes(
     """
     layout = layout_for(tensors, metadata, max_header_size=max_header_size)
     parts: list[Any] = [layout.header]
-    for view, last, _ in _ordered_chunks(layout, {t.name: t for t in tensors}):
+    for view, last in _ordered_chunks(layout, {t.name: t for t in tensors}):
         # TensorData.chunks: only a tensor's last chunk and small ones stay valid.
         parts.append(view if last or view.nbytes < _WRITEV_BYTES else bytes(view))
     return b"".join(parts)

@@ -65,11 +65,11 @@ __all__ = [
 #: How one tensor is divided: ``"rows"`` (dim 0), ``"columns"`` (dim 1), ``"replicate"``, or a
 #: dimension number (negative numbers count from the end).
 Split: TypeAlias = Literal["rows", "columns", "replicate"] | int
-#: Rules: pattern to split (fnmatch globs matched against the full name, or compiled regexes
-#: matched with ``fullmatch``), first match wins; or a function ``(name, shape) -> Split | None``.
 #: A rule's split: a :data:`Split`, or any ``str``, checked when the rules are applied (a dict
 #: of rules assigned to a variable is typed ``dict[str, str]``, which ``Split`` alone refuses).
 RuleSplit: TypeAlias = Split | str
+#: Rules: pattern to split (fnmatch globs matched against the full name, or compiled regexes
+#: matched with ``fullmatch``), first match wins; or a function ``(name, shape) -> Split | None``.
 #: (Mapping's key type is invariant: each key type is listed, so that a ``dict[str, ...]`` and
 #: a ``dict[re.Pattern[str], ...]`` pass as well as a dict of both.)
 Rules: TypeAlias = (

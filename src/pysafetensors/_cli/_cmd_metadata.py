@@ -164,8 +164,12 @@ def run_set(args: argparse.Namespace) -> int:
         reserve=args.reserve,
         in_place=_IN_PLACE[args.in_place],
     )
-    if before is not None and _current_metadata(args.target) == before:
-        # Every key already held its value: nothing was written.
+    if before is not None and (
+        list(updates.items()) == before
+        if args.replace
+        else all(dict(before).get(k) == v for k, v in updates.items())
+    ):
+        # The metadata the edit made is the file's as it was (edit_metadata wrote nothing).
         Ui(args).done(f"{sanitize(args.target)}: metadata unchanged (the values were already set)")
         return 0
     _report(Ui(args), args.target, in_place)
@@ -186,11 +190,9 @@ def _current_metadata(target: str) -> list[tuple[str, str]] | None:
 def run_delete(args: argparse.Namespace) -> int:
     """Run ``metadata delete``."""
     _local_file(args.target)
-    try:
-        with safe_open(args.target, "numpy") as f:
-            present = [key for key in args.keys if key in (f.metadata() or {})]
-    except SafetensorError:
-        present = list(args.keys)  # edit_metadata reports what is wrong with the file
+    # (A file that cannot be read: edit_metadata reports what is wrong with it.)
+    before = dict(_current_metadata(args.target) or ())
+    present = [key for key in args.keys if key in before]
     in_place = edit_metadata(
         args.target,
         delete=args.keys,
