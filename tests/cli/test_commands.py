@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -295,7 +296,7 @@ def test_diff(cli, cli_proc, example: Path, tmp_path: Path) -> None:
     assert r.code == 1
     assert "+ new  I8 [3]" in r.out and "- step  I64 []" in r.out
     assert "~ model.layers.0.attn.q.bias  shape [32] -> [16]" in r.out
-    assert "~ metadata format: 'pt' -> 'np'" in r.out and "- metadata source: example" in r.out
+    assert "~ metadata format: pt -> np" in r.out and "- metadata source: example" in r.out
 
     doc = cli("diff", example, other, "--json").json()
     assert doc["schema"] == "pysafetensors.diff/1" and doc["equal"] is False
@@ -1024,10 +1025,35 @@ def test_diff_shows_changed_metadata_escaped_once(cli, tmp_path: Path) -> None:
     save_file(t, str(a), metadata={"path": "C:\\models", "note": "one\ntwo", "gone": "a\x1bb"})
     save_file(t, str(b), metadata={"path": "D:\\models", "note": "other", "new": "x\ny"})
     out = cli("diff", a, b).out
-    assert "~ metadata path: 'C:\\models' -> 'D:\\models'" in out
-    assert "~ metadata note: 'one\\x0atwo' -> 'other'" in out
-    assert "- metadata gone: a\\x1bb" in out and "+ metadata new: x\\x0ay" in out
+    assert "~ metadata path: C:\\models -> D:\\models" in out
+    assert '~ metadata note: "one\\x0atwo" -> other' in out
+    assert '- metadata gone: "a\\x1bb"' in out and '+ metadata new: "x\\x0ay"' in out
     assert "\\\\" not in out and "\x1b" not in out
+
+
+def test_text_holding_an_escape_prints_unlike_the_escaped_character(cli, tmp_path: Path) -> None:
+    # Escaping alone printed a name holding ESC and one holding the four characters \x1b
+    # alike (a\x1b), in every command's human output: text with something escaped is now
+    # quoted, its backslashes and quotes escaped too; plain text (C:\models) is left as is.
+    path = tmp_path / "m.safetensors"
+    names = ["a\x1b", "a\\x1b", '"a\\x1b"', "C:\\w", "a\\\x1b"]
+    save_file(
+        {n: np.full(2, i, np.float32) for i, n in enumerate(names)},
+        str(path),
+        metadata={"esc": "v\x1b", "text": "v\\x1b", '"q"': "C:\\models"},
+    )
+    shown = ['"a\\x1b"', "a\\x1b", '"\\"a\\\\x1b\\""', "C:\\w", '"a\\\\\\x1b"']
+    for command in ("inspect", "hash", "stats"):
+        r = cli(command, path)
+        assert r.code == 0, r.err
+        for name in shown:
+            assert re.search(rf"(^|\s){re.escape(name)}(\s|:?$)", r.out, re.M), (command, name)
+        assert "\x1b" not in r.out
+    out = cli("metadata", "get", path).out.splitlines()
+    assert sorted(line.split()[0] for line in out) == ['"\\"q\\""', "esc", "text"]
+    assert sorted(line.split()[1] for line in out) == sorted(["C:\\models", '"v\\x1b"', "v\\x1b"])
+    assert cli("metadata", "get", path, "esc").out == '"v\\x1b"\n'
+    assert cli("metadata", "get", path, "esc", "--raw").out == "v\x1b\n"
 
 
 def test_cast_from_may_be_repeated(cli, tmp_path: Path) -> None:

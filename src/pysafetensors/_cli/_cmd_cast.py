@@ -38,6 +38,7 @@ from ._common import (
     name_filter,
     open_model,
     plural,
+    quoted,
     sanitize,
 )
 from ._remote_args import add_remote_args, remote_options
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             1 for ts in plan.values() for t in ts if t.dtype != model.tensors[t.name].dtype
         )
     for name, count in overflow.items():
-        ui.warn(f"{count} finite values of {sanitize(name)} became Inf/NaN in {args.to}")
+        ui.warn(f"{count} finite values of {quoted(name)} became Inf/NaN in {args.to}")
     ui.done(
         f"{sanitize(args.output)}: cast {converted} of {plural(len(model.tensors), 'tensor')} "
         f"to {args.to}; "
@@ -209,7 +210,7 @@ def _shard_output(folder: str, label: str, folders: OutputFolders) -> str:
     root = os.path.realpath(folder)
     if os.path.commonpath([root, os.path.realpath(parent)]) != root:
         raise UsageError(
-            f"the shard {sanitize(label)!r} would be written outside {sanitize(folder)!r} "
+            f"the shard {sanitize(repr(label))} would be written outside {sanitize(repr(folder))} "
             "(through a link there)"
         )
     folders.makedirs(parent)

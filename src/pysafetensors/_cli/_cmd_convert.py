@@ -15,6 +15,7 @@ from ._common import (
     make_parent,
     plural,
     print_json,
+    quoted,
     sanitize,
     whole_number,
 )
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             )
             if r.skipped_non_tensors:
                 # Names from the checkpoint: escaped, as every name printed from a file.
-                skipped = ", ".join(sanitize(str(k)) for k in r.skipped_non_tensors[:10])
+                skipped = ", ".join(quoted(str(k)) for k in r.skipped_non_tensors[:10])
                 more = len(r.skipped_non_tensors) - 10
                 skipped += f" and {more} more" if more > 0 else ""
                 why = " (their names are metadata keys)" if r.kept_non_tensors else ""

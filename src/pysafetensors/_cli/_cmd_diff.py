@@ -30,6 +30,7 @@ from ._common import (
     name_filter,
     open_model,
     print_json,
+    quoted,
     sanitize,
     shown,
     to_float64,
@@ -322,16 +323,14 @@ def run(args: argparse.Namespace) -> int:
     ui.line(f"+++ {sanitize(shown(args.b))}", style="green")
     meta = result["metadata"]
     for key, value in meta["removed"].items():
-        ui.line(f"- metadata {sanitize(key)}: {sanitize(value)}", style="red")
+        ui.line(f"- metadata {quoted(key)}: {quoted(value)}", style="red")
     for key, value in meta["added"].items():
-        ui.line(f"+ metadata {sanitize(key)}: {sanitize(value)}", style="green")
+        ui.line(f"+ metadata {quoted(key)}: {quoted(value)}", style="green")
     for key, (old, new) in meta["changed"].items():
-        ui.line(
-            f"~ metadata {sanitize(key)}: '{sanitize(old)}' -> '{sanitize(new)}'", style="yellow"
-        )
+        ui.line(f"~ metadata {quoted(key)}: {quoted(old)} -> {quoted(new)}", style="yellow")
     tol = f"atol={args.atol:g}, rtol={args.rtol:g}"
     for row in result["tensors"]:
-        name = sanitize(row["name"])
+        name = quoted(row["name"])
         status = row["status"]
         if status in ("added", "removed"):
             sign, style = ("+", "green") if status == "added" else ("-", "red")

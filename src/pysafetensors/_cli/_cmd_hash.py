@@ -23,7 +23,7 @@ from ._common import (
     name_filter,
     open_model,
     print_json,
-    sanitize,
+    quoted,
 )
 from ._remote_args import add_remote_args, remote_options
 
@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
     filtered = bool(args.filter or args.regex)
     ui.line(f"model   {algo}:{result['model']}" + ("  (filtered tensors)" if filtered else ""))
     for f in result["files"]:
-        ui.line(f"file    {algo}:{f['file']}  {sanitize(f['path'])}")
-        ui.line(f"header  {algo}:{f['header']}  {sanitize(f['path'])}")
+        ui.line(f"file    {algo}:{f['file']}  {quoted(f['path'])}")
+        ui.line(f"header  {algo}:{f['header']}  {quoted(f['path'])}")
     if not args.no_tensors:
         for row in result["tensors"]:
-            ui.line(f"tensor  {algo}:{row['digest']}  {sanitize(row['name'])}")
+            ui.line(f"tensor  {algo}:{row['digest']}  {quoted(row['name'])}")
     return inconsistent

@@ -18,6 +18,7 @@ from ._common import (
     open_model,
     plural,
     print_json,
+    quoted,
     sanitize,
     shown,
 )
@@ -144,7 +145,7 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
             ["FILE", "SIZE", "HEADER", "TENSORS"],
             [
                 [
-                    sanitize(f.label),
+                    quoted(f.label),
                     human_bytes(f.source.size),
                     f"{f.header.header_size} B",
                     str(len(f.header.tensors)),
@@ -156,7 +157,7 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
     else:
         f = model.files[0]
         ui.line(
-            f"File: {sanitize(f.label)} ({human_bytes(f.source.size)}, header "
+            f"File: {quoted(f.label)} ({human_bytes(f.source.size)}, header "
             f"{f.header.header_size} bytes, data starts at {f.header.data_start})",
             style="bold",
         )
@@ -164,19 +165,19 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
     ui.line()
     if meta:
         ui.line("Metadata:" if not model.sharded else "Metadata (common to all files):", "bold")
-        width = max(len(sanitize(k)) for k in meta)
+        width = max(len(quoted(k)) for k in meta)
         for key, value in meta.items():
-            shown = sanitize(value)
+            shown = quoted(value)
             if len(shown) > 200:
                 shown = shown[:200] + f"... ({len(value)} chars)"
-            ui.line(f"  {sanitize(key).ljust(width)}  {shown}")
+            ui.line(f"  {quoted(key).ljust(width)}  {shown}")
     else:
         ui.line("Metadata: none" if meta is None else "Metadata: {} (empty)")
     if model.index_metadata:
         ui.line(
             "Index metadata: "
             + ", ".join(
-                f"{sanitize(str(k))}={sanitize(str(v))}" for k, v in model.index_metadata.items()
+                f"{quoted(str(k))}={quoted(str(v))}" for k, v in model.index_metadata.items()
             )
         )
     if show_tensors and tensors:
@@ -188,7 +189,7 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
         for t in tensors:
             begin, end = t.file_offsets
             row = [
-                sanitize(t.name),
+                quoted(t.name),
                 t.dtype.code,
                 "[" + ", ".join(str(d) for d in t.shape) + "]",
                 f"{t.numel:,}",
@@ -196,7 +197,7 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
                 f"{begin}-{end}",
             ]
             if model.sharded:
-                row.append(sanitize(t.file.label))
+                row.append(quoted(t.file.label))
             rows.append(row)
         ui.table(columns, rows, right=("PARAMS", "BYTES"), title=f"Tensors ({len(tensors)}):")
     totals = _dtype_totals(tensors)

@@ -14,7 +14,7 @@ from .._errors import SafetensorError
 from .._metadata_edit import edit_metadata
 from .._reader import safe_open
 from .._sources import check_regular
-from ._common import Ui, UsageError, open_model, print_json, sanitize, shown, whole_number
+from ._common import Ui, UsageError, open_model, print_json, quoted, sanitize, shown, whole_number
 from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.metadata/1"
@@ -106,7 +106,7 @@ def run_get(args: argparse.Namespace) -> int:
         elif args.raw:
             sys.stdout.write(value + "\n")
         else:
-            ui.line(sanitize(value))
+            ui.line(quoted(value))
         return status
     if args.json:
         print_json({"schema": SCHEMA, "target": shown(args.target), "metadata": meta})
@@ -115,9 +115,9 @@ def run_get(args: argparse.Namespace) -> int:
         # The answer, so also with --quiet (on stderr: stdout holds KEY VALUE lines only).
         print("no metadata" if meta is None else "empty metadata", file=sys.stderr)
         return status
-    width = max(len(sanitize(k)) for k in meta)
+    width = max(len(quoted(k)) for k in meta)
     for key, value in meta.items():
-        ui.line(f"{sanitize(key).ljust(width)}  {sanitize(value)}")
+        ui.line(f"{quoted(key).ljust(width)}  {quoted(value)}")
     return status
 
 
@@ -148,13 +148,13 @@ def run_set(args: argparse.Namespace) -> int:
     for pair in args.pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise UsageError(f"expected KEY=VALUE, got {sanitize(pair)!r}")
+            raise UsageError(f"expected KEY=VALUE, got {sanitize(repr(pair))}")
         try:
             pair.encode("utf-8")
         except UnicodeEncodeError:
             # Bytes the shell passed that are not UTF-8 (Python keeps them as lone
             # surrogates): metadata is text, so the argument is what is wrong.
-            raise UsageError(f"KEY=VALUE must be UTF-8 text, got {sanitize(pair)!r}") from None
+            raise UsageError(f"KEY=VALUE must be UTF-8 text, got {sanitize(repr(pair))}") from None
         updates[key] = value
     before = _current_metadata(args.target)
     in_place = edit_metadata(

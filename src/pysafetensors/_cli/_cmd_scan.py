@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from typing import Any, Final
 
-from ._common import plural, sanitize
+from ._common import plural, quoted, sanitize
 
 __all__ = ["register"]
 
@@ -36,14 +35,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _escape(text: str) -> str:
-    # Names come from untrusted files: never let them drive the terminal. Escaped as every
-    # command escapes (control, line-separator and bidi characters; other text as it is), and
-    # lone surrogates (pickle strings may hold them; undecodable bytes of a path) as \udcxx,
-    # which no UTF-8 stream could write.
-    return re.sub("[\ud800-\udfff]", lambda m: f"\\u{ord(m.group()):04x}", sanitize(text))
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``scan``; returns 0, 1 or 2."""
     from ..scan import GRADES, scan_files
@@ -62,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         for r in reports:
             streams = plural(r.streams, "pickle stream")
-            print(f"{_escape(r.path)}: {r.grade} ({r.format}, {streams})")
+            print(f"{sanitize(r.path)}: {r.grade} ({r.format}, {streams})")
             if args.quiet:
                 continue
             seen: set[tuple[str, str]] = set()
@@ -70,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                 if (g.grade == "safe" and not args.verbose) or (g.qualname, g.grade) in seen:
                     continue
                 seen.add((g.qualname, g.grade))
-                print(f"  {g.grade:10} {_escape(g.qualname)}  [{_escape(g.where)} @{g.offset}]")
+                print(f"  {g.grade:10} {quoted(g.qualname)}  [{quoted(g.where)} @{g.offset}]")
             for f in r.findings:
-                print(f"  {f.grade:10} {_escape(f.message)}  [{_escape(f.where)}]")
+                print(f"  {f.grade:10} {sanitize(f.message)}  [{quoted(f.where)}]")
     return max((r.exit_code for r in reports), default=0)

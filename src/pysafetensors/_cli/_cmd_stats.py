@@ -26,7 +26,7 @@ from ._common import (
     name_filter,
     open_model,
     print_json,
-    sanitize,
+    quoted,
     shown,
     to_float64,
 )
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         d = s.as_dict()
         rows.append(
             [
-                sanitize(ref.name),
+                quoted(ref.name),
                 ref.dtype.code,
                 f"{s.count:,}",
                 _fmt(d["min"]),
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         if s.edges is None or s.counts is None:
             continue
         ui.line()
-        ui.line(f"{sanitize(ref.name)}:", style="bold")
+        ui.line(f"{quoted(ref.name)}:", style="bold")
         counts = s.counts.tolist()
         labels = _edge_labels(s.edges.tolist())
         peak = max(counts) or 1

@@ -7,7 +7,7 @@ import os
 from typing import Any, Final
 
 from .._validate import Problem, locate_model, validate
-from ._common import Ui, plural, print_json, sanitize, shown, url_argument_errors
+from ._common import Ui, plural, print_json, quoted, sanitize, shown, url_argument_errors
 from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.validate/1"
@@ -41,7 +41,7 @@ def _line(p: Problem) -> str:
     if p.offset is not None:
         where.append(f"offset {p.offset}")
     loc = f" ({', '.join(where)})" if where else ""
-    file = f"{sanitize(p.file)}: " if p.file else ""
+    file = f"{quoted(p.file)}: " if p.file else ""
     return f"{file}{p.severity} [{p.code}]{loc}: {sanitize(p.message)}"
 
 

@@ -63,6 +63,7 @@ __all__ = [
     "print_json",
     "LazyRows",
     "sanitize",
+    "quoted",
     "to_float64",
     "tolerance",
 ]
@@ -208,6 +209,21 @@ def sanitize(text: str) -> str:
         return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
     return _UNSAFE.sub(esc, text)
+
+
+def quoted(text: str) -> str:
+    r"""A name or value from a file, shown so that no two texts print alike.
+
+    Text without anything :func:`sanitize` escapes is shown as it is (``C:\models``, or
+    ``a\x1b`` for those five characters). Text with something to escape, or beginning with a
+    double quote, is shown in double quotes with its backslashes and double quotes escaped too:
+    ``"a\x1b"`` for ``a`` and ESC, ``"\"q\""`` for ``"q"``. (Escaping alone printed ``a`` and
+    ESC as ``a\x1b`` too.) Plain output never begins with a double quote, and within quotes
+    every backslash begins an escape, so each shown text has one source.
+    """
+    if not _UNSAFE.search(text) and not text.startswith('"'):
+        return text
+    return '"' + sanitize(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
 
 def human_count(n: int) -> str:
