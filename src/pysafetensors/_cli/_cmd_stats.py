@@ -283,9 +283,13 @@ def run(args: argparse.Namespace) -> int:
         counts = s.counts.tolist()
         labels = _edge_labels(s.edges.tolist())
         peak = max(counts) or 1
-        for i, c in enumerate(counts):
-            bar = "#" * round(40 * c / peak)
-            # numpy's bins are half-open except the last, which holds the maximum.
-            close = "]" if i == len(counts) - 1 else ")"
-            ui.line(f"  [{labels[i]:>11}, {labels[i + 1]:>11}{close}  {int(c):>10,}  {bar}")
+        # numpy's bins are half-open except the last, which holds the maximum. One write a
+        # histogram: a line each took a third of the time of 300 histograms of 1,000 bins.
+        closes = [")"] * (len(counts) - 1) + ["]"]
+        ui.line(
+            "\n".join(
+                f"  [{lo:>11}, {hi:>11}{close}  {int(c):>10,}  {'#' * round(40 * c / peak)}"
+                for lo, hi, close, c in zip(labels[:-1], labels[1:], closes, counts, strict=True)
+            )
+        )
     return inconsistent
