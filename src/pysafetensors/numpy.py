@@ -23,7 +23,7 @@ from ._api import (
     serialize,
     serialize_file,
 )
-from ._dtypes import DTYPES
+from ._dtypes import _BY_CODE, DTYPES, DType
 from ._errors import DTypeNotSupportedError, PathArg
 from ._reader import safe_open
 
@@ -100,21 +100,22 @@ def load_file(
 # ``safe_open``, ``serialize``, ``serialize_file`` and ``deserialize`` are re-exported above).
 
 
-def _numpy_types() -> dict[str, Any]:
-    types: dict[str, Any] = {}
-    for dtype in DTYPES:
-        if dtype.packed or dtype.numpy is None:
-            continue  # F4/F6 are unpacked one value per byte; their code names no numpy type
-        try:
-            types[dtype.code] = bool if dtype.code == "BOOL" else numpy_dtype(dtype).type
-        except DTypeNotSupportedError:
-            continue  # an ml_dtypes without this type
-    return types
+def _numpy_type(dtype: DType) -> Any:
+    """The numpy scalar type of a format's dtype, or None (F4/F6, or an ml_dtypes without it)."""
+    if dtype.packed or dtype.numpy is None:
+        return None  # F4/F6 are unpacked one value per byte; their code names no numpy type
+    if dtype.code == "BOOL":
+        return bool
+    try:
+        return numpy_dtype(dtype).type
+    except DTypeNotSupportedError:
+        return None
 
 
-#: Format code to numpy scalar type: the reference's table, plus BF16 and the FP8 types
-#: through ml_dtypes.
-_TYPES: dict[str, Any] = _numpy_types()
+#: The types :func:`_getdtype` has looked up, so that only the codes used are resolved:
+#: building the whole table imports ml_dtypes, ~1 s of the module's import on a small host
+#: (numpy alone: ~0.1 s), which a file of F32 tensors never needs.
+_KNOWN: dict[str, Any] = {}
 
 
 def _getdtype(dtype_str: str) -> Any:
@@ -123,7 +124,28 @@ def _getdtype(dtype_str: str) -> Any:
     Raises:
         KeyError: Not a code of :data:`_TYPES`.
     """
-    return _TYPES[dtype_str]
+    found = _KNOWN.get(dtype_str)
+    if found is None:
+        dtype = _BY_CODE.get(dtype_str) if isinstance(dtype_str, str) else None
+        found = None if dtype is None else _numpy_type(dtype)
+        if found is None:
+            raise KeyError(dtype_str)
+        _KNOWN[dtype_str] = found
+    return found
+
+
+def __getattr__(name: str) -> Any:
+    # _TYPES, the reference's table of format code to numpy scalar type (plus BF16 and the FP8
+    # types through ml_dtypes), is made on first use: see _KNOWN.
+    if name == "_TYPES":
+        table = {d.code: t for d in DTYPES if (t := _numpy_type(d)) is not None}
+        globals()["_TYPES"] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "_TYPES"})
 
 
 def _view2np(safeview: Iterable[tuple[str, Mapping[str, Any]]]) -> dict[str, np.ndarray]:
