@@ -281,7 +281,7 @@ def test_load_shard_and_column_slices_from_s3(moto_endpoint: str, tmp_path: Path
     rng = np.random.default_rng(15)
     tensors = {}
     for i in range(4):
-        tensors[f"l{i}.big"] = rng.random((256, 384), np.float32)
+        tensors[f"l{i}.big"] = rng.random((64, 384), np.float32)
         tensors[f"l{i}.small"] = rng.random((16, 48), np.float32)
         tensors[f"l{i}.rows"] = rng.random((96, 256), np.float32)
         tensors[f"l{i}.norm"] = rng.random(256, np.float32)
