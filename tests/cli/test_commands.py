@@ -1054,6 +1054,8 @@ def test_text_holding_an_escape_prints_unlike_the_escaped_character(cli, tmp_pat
     assert sorted(line.split()[1] for line in out) == sorted(["C:\\models", '"v\\x1b"', "v\\x1b"])
     assert cli("metadata", "get", path, "esc").out == '"v\\x1b"\n'
     assert cli("metadata", "get", path, "esc", "--raw").out == "v\x1b\n"
+    listed = cli("extract", path, tmp_path / "x.safetensors", "*", "--list").out.splitlines()
+    assert sorted(listed) == sorted(shown)
 
 
 def test_cast_from_may_be_repeated(cli, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from ._common import (
     check_source,
     make_parent,
     plural,
+    quoted,
     sanitize,
 )
 from ._remote_args import add_remote_args, remote_options
@@ -81,6 +82,6 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.list:
         for name in names:
-            print(sanitize(name))
+            print(quoted(name))
     ui.note(f"extracted {plural(len(names), 'tensor')} to {sanitize(args.output)}")
     return 0
