@@ -408,8 +408,10 @@ def output_path(value: Any, argument: str = "filename", *, file: bool = False) -
 
 
 def add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note(note)`` where Python has it (3.11+); on 3.10 the traceback alone says
-    where the exception came from."""
+    """``exc.add_note(note)`` where Python has it (3.11+); on 3.10 the same ``__notes__``
+    list that PEP 678 defines (which pytest and the ``exceptiongroup`` backport show)."""
     method = getattr(exc, "add_note", None)
     if method is not None:
         method(note)
+    else:  # (through __dict__: Python 3.10's stubs have no __notes__)
+        exc.__dict__["__notes__"] = [*getattr(exc, "__notes__", ()), note]

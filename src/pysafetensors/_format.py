@@ -61,6 +61,7 @@ import math
 import operator
 import re
 import struct
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -906,6 +907,15 @@ def _fast_entries(
     return metadata, parsed
 
 
+def _compile(pattern: str) -> re.Pattern[str]:
+    """``re.compile``; before 3.11, which has no possessive quantifiers ("multiple repeat"),
+    with them made greedy: each one here is followed by a character its class cannot match,
+    so the greedy form matches the same text (and backtracks at most once per character)."""
+    if sys.version_info < (3, 11):
+        pattern = pattern.replace("}+", "}").replace("*+", "*").replace("++", "+")
+    return re.compile(pattern)
+
+
 # The compact form every mainstream writer emits (the reference, huggingface_hub, this
 # library): ``{"name":{"dtype":"BF16","shape":[8,16],"data_offsets":[0,256]},...}`` with
 # escape-free names, plain integers and space padding. Possessive quantifiers keep both
@@ -916,14 +926,14 @@ def _fast_entries(
 # 20 digits (u64's) in a shape: longer numbers are the generic path's to refuse, and int() of
 # over 4,300 digits raises a plain ValueError.
 _CANON_NUM: Final = r"(?:0|[1-9][0-9]{0,19}+)"
-_CANON_SHAPE: Final = re.compile(r"(?:" + _CANON_NUM + r"(?:," + _CANON_NUM + r")*+)?")
+_CANON_SHAPE: Final = _compile(r"(?:" + _CANON_NUM + r"(?:," + _CANON_NUM + r")*+)?")
 _CANON_ENTRY: Final = (
     r'"([^"\\\x00-\x1f]*+)":\{"dtype":"([A-Z0-9_]++)",'
     r'"shape":\[([0-9,]*+)\],'
     r'"data_offsets":\[([0-9]++),([0-9]++)\]\}'
 )
 # Each match takes the separator before it, so that the matches tile the text (see below).
-_CANON_ENTRY_RE: Final = re.compile(r"([{,])" + _CANON_ENTRY)
+_CANON_ENTRY_RE: Final = _compile(r"([{,])" + _CANON_ENTRY)
 #: Characters of a match besides its captured groups.
 _CANON_FIXED: Final = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')
 _CANON_META_PREFIX: Final = '{"__metadata__":'

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("mypy")
@@ -29,6 +30,7 @@ ignore_missing_imports = True
 
 _NUMPY_GOOD = """
 import re
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +40,7 @@ from pysafetensors.parallel import Rules, load_shard
 
 save_file({"a": np.zeros(2)}, b"x.safetensors")  # bytes paths are taken at run time
 save_file({"a": np.zeros(2)}, "x.safetensors", metadata={"k": "v"})
-arrays: dict[str, np.ndarray] = load_file("x.safetensors")
+arrays: dict[str, np.ndarray[Any, Any]] = load_file("x.safetensors")  # numpy < 2.3: no defaults
 # The README's rules, assigned to a variable first: typed dict[str, str].
 rules = {"*.q_proj.weight": "rows", "*.o_proj.weight": "columns", "*norm*": "replicate"}
 part = load_shard("x.safetensors", rank=0, world_size=8, rules=rules, framework="np")
@@ -82,6 +84,13 @@ save_file({"w": [1.0, 2.0]}, "p.safetensors")  # E: not tensors
 """
 
 
+#: Whether errors in the package itself fail the test: it is typed against numpy 2.3's stubs
+#: and later (ndarray's default type arguments, narrower shapes). The package is read from
+#: source here, where mypy reports its own errors; installed, mypy keeps them to itself, so
+#: users' code is checked the same with older numpy.
+_PACKAGE_CHECKED = np.lib.NumpyVersion(np.__version__) >= "2.3.0"
+
+
 def _mypy(tmp_path: Path, programs: dict[str, str], config: str) -> dict[str, list[int]]:
     """Run mypy --strict on ``programs`` (module name to source); the lines with errors, per
     program."""
@@ -110,7 +119,7 @@ def _mypy(tmp_path: Path, programs: dict[str, str], config: str) -> dict[str, li
         found = re.match(r"([\w]+)\.py:(\d+): error:", line)
         if found:
             errors[found[1]].append(int(found[2]))
-        else:
+        elif _PACKAGE_CHECKED:
             assert not re.match(r".*: error:", line), done.stdout  # e.g. in the package itself
     assert done.returncode in (0, 1), done.stdout + done.stderr
     return errors
