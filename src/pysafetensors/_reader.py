@@ -386,17 +386,16 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 self._small_reads = "read"
             elif type(source) is MmapSource:
                 self._small_reads = "view"
-        # SafeSlice's short paths as far as the handle decides them, worked out once here (in
-        # each slice they were half of get_slice's cost): row slices of up to this many bytes
-        # are read in one piece (0: never), and tuples of plain slices of a small tensor may
-        # take _box's path (the general path reads such a tensor whole too, but by pread only
-        # under "coalesce").
+        # SafeSlice's short paths as far as the file decides them, worked out once here (in
+        # each slice they were half of get_slice's cost): on the CPU, row slices of up to this
+        # many bytes are read in one piece (0: never), and tuples of plain slices of a small
+        # tensor may take _box's path (the general path reads such a tensor whole too, but by
+        # pread only under "coalesce").
         self._rows_limit = 0
-        if self._device.type == "cpu":
-            if type(source) is PreadSource:
-                self._rows_limit = MIN_PARALLEL_CHUNK  # read in one piece either way
-            elif type(source) is MmapSource:
-                self._rows_limit = _SMALL_PART  # copied by numpy either way
+        if type(source) is PreadSource:
+            self._rows_limit = MIN_PARALLEL_CHUNK  # read in one piece either way
+        elif type(source) is MmapSource:
+            self._rows_limit = _SMALL_PART  # copied by numpy either way
         self._small_box = type(source) is MmapSource or slice_reads == "coalesce"
 
     # ------------------------------------------------------------------ context and lifetime
@@ -1716,9 +1715,15 @@ class SafeSlice:
         self._handle = handle
         self._info = info
         # Row slices of up to this many bytes take the short path of _rows (0: never); tuples
-        # of plain slices of a tensor this small take _box's (see safe_open.__init__).
+        # of plain slices of a tensor this small take _box's (see safe_open.__init__). Only
+        # on the CPU: a device's slices go through its staging.
         nbytes = info.end - info.begin
-        if nbytes and info.dtype.bits % 8 == 0 and 1 <= len(info.shape) <= MAX_NDIM:
+        if (
+            nbytes
+            and handle._device.type == "cpu"
+            and info.dtype.bits % 8 == 0
+            and 1 <= len(info.shape) <= MAX_NDIM
+        ):
             self._rows_max = handle._rows_limit
             self._small_box = self._rows_max > 0 and nbytes <= _SMALL_PART and handle._small_box
         else:
