@@ -396,7 +396,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             self._rows_limit = MIN_PARALLEL_CHUNK  # read in one piece either way
         elif type(source) is MmapSource:
             self._rows_limit = _SMALL_PART  # copied by numpy either way
-        self._small_box = type(source) is MmapSource or slice_reads == "coalesce"
+        self._small_box_ok = type(source) is MmapSource or slice_reads == "coalesce"
 
     # ------------------------------------------------------------------ context and lifetime
 
@@ -1717,15 +1717,16 @@ class SafeSlice:
         # Row slices of up to this many bytes take the short path of _rows (0: never); tuples
         # of plain slices of a tensor this small take _box's (see safe_open.__init__). Only
         # on the CPU: a device's slices go through its staging.
-        nbytes = info.end - info.begin
         if (
-            nbytes
+            info.nbytes
             and handle._device.type == "cpu"
             and info.dtype.bits % 8 == 0
             and 1 <= len(info.shape) <= MAX_NDIM
         ):
             self._rows_max = handle._rows_limit
-            self._small_box = self._rows_max > 0 and nbytes <= _SMALL_PART and handle._small_box
+            self._small_box = (
+                self._rows_max > 0 and info.nbytes <= _SMALL_PART and handle._small_box_ok
+            )
         else:
             self._rows_max = 0
             self._small_box = False

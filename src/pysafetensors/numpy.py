@@ -112,31 +112,26 @@ def _numpy_type(dtype: DType) -> Any:
         return None
 
 
-#: The types :func:`_getdtype` has looked up, so that only the codes used are resolved:
-#: building the whole table imports ml_dtypes, ~1 s of the module's import on a small host
-#: (numpy alone: ~0.1 s), which a file of F32 tensors never needs.
-_KNOWN: dict[str, Any] = {}
-
-
 def _getdtype(dtype_str: str) -> Any:
     """The numpy type of a format code (``"F32"`` -> ``numpy.float32``).
+
+    Only the code asked for is resolved (numpy_dtype keeps what it found): the whole table
+    imports ml_dtypes, ~1 s of the module's import on a small host (numpy alone: ~0.1 s),
+    which a file of F32 tensors never needs.
 
     Raises:
         KeyError: Not a code of :data:`_TYPES`.
     """
-    found = _KNOWN.get(dtype_str)
+    dtype = _BY_CODE.get(dtype_str)
+    found = None if dtype is None else _numpy_type(dtype)
     if found is None:
-        dtype = _BY_CODE.get(dtype_str) if isinstance(dtype_str, str) else None
-        found = None if dtype is None else _numpy_type(dtype)
-        if found is None:
-            raise KeyError(dtype_str)
-        _KNOWN[dtype_str] = found
+        raise KeyError(dtype_str)
     return found
 
 
 def __getattr__(name: str) -> Any:
     # _TYPES, the reference's table of format code to numpy scalar type (plus BF16 and the FP8
-    # types through ml_dtypes), is made on first use: see _KNOWN.
+    # types through ml_dtypes), is made on first use: see _getdtype.
     if name == "_TYPES":
         table = {d.code: t for d in DTYPES if (t := _numpy_type(d)) is not None}
         globals()["_TYPES"] = table
