@@ -174,6 +174,9 @@ class PooledFile:
         finally:
             with self._pool._lock:
                 self._reading -= 1
+                # Files kept open over the limit because they were being read (this one
+                # among them) close now, not at the pool's next read, which may never come.
+                self._pool._shrink()
 
     def view(self, offset: int, length: int) -> memoryview | None:
         return None
