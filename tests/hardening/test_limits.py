@@ -61,7 +61,6 @@ _CHILD = textwrap.dedent(
         out["outcome"] = "rejected"
         out["kind"] = exc.kind
     out["seconds"] = time.perf_counter() - start
-    out["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out))
     """
 )
