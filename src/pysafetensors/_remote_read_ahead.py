@@ -6,9 +6,13 @@ reads follow one another (each starting where the previous one ended, or at most
 :data:`NEAR` after: tensors tile a file, and a loop's reads in offset order touch), the next
 ones are served from a window fetched ahead, as large as what the reads in order have taken
 so far (at least :data:`MIN_WINDOW`, at most the source's ``read_ahead``): it doubles while
-the reads stay in order, as the kernel's page cache reads ahead a file read in order. Bytes
-fetched and never read are at most one window, so at most what was read in order before it
-(or 64 KiB). A read out of order starts over, fetched as asked.
+the reads stay in order, as the kernel's page cache reads ahead a file read in order. Once
+the reads have taken half of a window, the next one is fetched in the background, so that a
+loop that does work between its reads (converts, hashes, copies to a device) does it while
+the network delivers, instead of waiting for each window in turn. Bytes fetched and never
+read are at most half a window and the next one (as large as the run), about 1.7 times what
+was read in order before them (or two 64 KiB windows). A read out of order starts over,
+fetched as asked, and drops a window on its way (it is not waited for).
 
 Windows are memory: all the remote sources of a process hold at most :data:`BUDGET` bytes of
 them between them, the least recently used dropped first.
@@ -21,6 +25,9 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
@@ -41,6 +48,8 @@ _IN_ORDER: Final = 2
 #: read anywhere within ``max_gap`` (1 MiB) counted, and reads in random order over a small
 #: file then looked sequential often enough to fetch 57 times the file in windows.
 NEAR: Final = 4 << 10
+#: The next window is fetched in the background once the reads have taken 1/_NEXT_AT of one.
+_NEXT_AT: Final = 2
 
 
 class _Windows:
@@ -91,7 +100,8 @@ class _Windows:
         budget (cleared, and their runs restarted, without their lock: the owner's lock is
         taken before this one, never after). Called under the owner's lock; a window another
         source's eviction cleared meanwhile is not recorded."""
-        nbytes = window.size
+        pending = owner._pending
+        nbytes = window.size + (pending.data.size if pending is not None else 0)
         with self._lock:
             self._settle()
             held = owner._window_bytes
@@ -138,6 +148,55 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WINDOWS.reset)
 
 
+class _Fetchers:
+    """The threads that fetch windows in the background, shared by every source.
+
+    A fetch only waits for its own parts, which run on the remote sources' shared workers
+    (a window fetched on one of those would run its parts one after another), never for
+    another fetch, so a full pool only delays windows: a read that reaches a window not yet
+    started takes it back and fetches it itself.
+    """
+
+    SIZE: Final = 8
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Also after a fork: the parent's threads are not in the child."""
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, fetch: Callable[[], None]) -> Future[None]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.SIZE, thread_name_prefix="pysafetensors-read-ahead"
+                )
+            return self._pool.submit(fetch)
+
+
+_FETCHERS: Final = _Fetchers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_FETCHERS.reset)
+
+
+@dataclass(eq=False)
+class _Next:
+    """A window being fetched in the background: ``data`` holds the bytes at ``at`` once
+    ``future`` is done."""
+
+    at: int
+    data: np.ndarray
+    future: Future[None] = field(init=False)
+    #: The thread fetching it, once it runs (close() from that thread must not wait for it).
+    thread: int | None = None
+
+    @property
+    def end(self) -> int:
+        return self.at + self.data.size
+
+
 class ReadAhead:
     """One source's read-ahead state (see the module).
 
@@ -146,7 +205,7 @@ class ReadAhead:
             fetched whole).
         size: The file's size (windows stop there).
         fetch: Reads ``len(out)`` bytes at an offset into ``out`` from the source, bypassing
-            the read-ahead.
+            the read-ahead. Called from a background thread for the windows fetched ahead.
     """
 
     def __init__(self, limit: int, size: int, fetch: Callable[[int, memoryview], None]) -> None:
@@ -161,6 +220,8 @@ class ReadAhead:
         self._run = 0  # bytes those reads took (windows counted when fetched)
         # (file offset, bytes) of the window held; dropped by _Windows past the budget.
         self._window_bytes: tuple[int, np.ndarray] | None = None
+        # The window after it, on its way (see _fetch_next); dropped with it.
+        self._pending: _Next | None = None
 
     def read(self, offset: int, out: memoryview) -> bool:
         """Fill ``out`` (a 1-D byte view) with the bytes at ``offset`` if the read-ahead serves
@@ -168,7 +229,8 @@ class ReadAhead:
 
         A window the server refuses as out of range (416) is not an error here: the caller's
         own read follows, and reports a failure in the range it asked for. Other failures
-        (retried already by the source) are the read's.
+        (retried already by the source) are the read's, also those of a window fetched in
+        the background when a read reaches it.
         """
         if self._pid != os.getpid():
             self._after_fork()
@@ -184,22 +246,32 @@ class ReadAhead:
                     if k == n:
                         self._next = offset + n
                         _WINDOWS.touch(self)
+                        if self._pending is None and _NEXT_AT * (offset + n - at) >= data.size:
+                            self._fetch_next(end, data)
                         return True
                     # Across the window's end: the rest continues the reads in order.
                     offset, out, n = end, out[k:], n - k
                     self._next = offset
-            if not 0 <= self._next <= offset <= self._next + NEAR:
+            in_order = 0 <= self._next <= offset <= self._next + NEAR
+            pending, self._pending = self._pending, None
+            if pending is not None and not (in_order and pending.at <= offset < pending.end):
+                pending.future.cancel()  # not wanted now; one already running is let finish
+                pending = None
+            if pending is None:
+                if not in_order:
+                    self._next = offset + n
+                    self._in_order = 0
+                    self._run = n
+                    return False
                 self._next = offset + n
-                self._in_order = 0
-                self._run = n
-                return False
-            self._next = offset + n
-            self._in_order += 1
-            if self._in_order < _IN_ORDER and held is None:
-                self._run += n
-                return False
-            wanted = max(MIN_WINDOW, self._run)
-            length = min(max(n, min(wanted, self._limit)), self._size - offset)
+                self._in_order += 1
+                if self._in_order < _IN_ORDER and held is None:
+                    self._run += n
+                    return False
+                wanted = max(MIN_WINDOW, self._run)
+                length = min(max(n, min(wanted, self._limit)), self._size - offset)
+        if pending is not None:
+            return self._take(pending, offset, out)
         # Outside both locks: how much the budget allows, then the fetch itself (a read of
         # another thread need not wait for the network).
         length = max(n, min(length, _WINDOWS.share(self)))
@@ -225,19 +297,81 @@ class ReadAhead:
             _WINDOWS.hold(self, data)
         return True
 
+    def _fetch_next(self, at: int, current: np.ndarray) -> None:
+        """Start fetching the window after ``current`` (which ends at ``at``) in the
+        background, as large as a window fetched there now would be, within what the budget
+        leaves this source besides ``current``. Called under the lock."""
+        if self._closed or at >= self._size:
+            return
+        length = min(max(MIN_WINDOW, self._run), self._limit, self._size - at)
+        length = min(length, _WINDOWS.share(self) - current.size)
+        if length < min(MIN_WINDOW, self._size - at):
+            return  # no room (or read_ahead below a window): the next read fetches as now
+        pending = _Next(at, np.empty(length, np.uint8))
+
+        def fetch() -> None:
+            pending.thread = threading.get_ident()
+            self._fetch(pending.at, pending.data.data)
+
+        pending.future = _FETCHERS.submit(fetch)
+        self._pending = pending
+        _WINDOWS.hold(self, current)  # both windows count from now on
+
+    def _take(self, pending: _Next, offset: int, out: memoryview) -> bool:
+        """Serve a read in order that reached the window fetched in the background: wait for
+        it (or fetch it here if no thread has started it), then make it the window."""
+        if pending.future.cancel():
+            try:
+                self._fetch(pending.at, pending.data.data)
+            except SafetensorError as exc:
+                if exc.kind != "RangeNotSatisfiable":
+                    raise
+                return False
+        else:
+            try:
+                pending.future.result()
+            except CancelledError:  # dropped by the budget meanwhile
+                return False
+            except SafetensorError as exc:
+                if exc.kind != "RangeNotSatisfiable":
+                    raise  # as a window fetched by the read itself (see read())
+                return False
+        with self._lock:
+            if self._closed:
+                if offset + out.nbytes > pending.end:
+                    return False
+                out[:] = pending.data.data[offset - pending.at : offset - pending.at + out.nbytes]
+                return True
+            self._window_bytes = (pending.at, pending.data)
+            self._run += pending.data.size
+            _WINDOWS.hold(self, pending.data)
+        return self.read(offset, out)
+
     def _dropped(self) -> None:
         """The budget took the window: the run starts over small, or its next window (as
         large as the run) would push another's out, and so on round the files."""
         self._window_bytes = None
         self._run = 0
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.future.cancel()
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._pending = None  # its thread is the parent's
 
     def close(self) -> None:
-        """Drop the window; one being fetched is not kept."""
+        """Drop the windows; one being fetched is not kept, but waited for (the source
+        releases its connections next)."""
         with self._lock:
             self._closed = True
             self._window_bytes = None
+            pending, self._pending = self._pending, None
+        if (
+            pending is not None
+            and not pending.future.cancel()
+            and pending.thread != threading.get_ident()
+        ):
+            wait_for_futures([pending.future])
         _WINDOWS.forget(self)

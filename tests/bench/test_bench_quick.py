@@ -77,6 +77,7 @@ def test_quick_remote_benchmark_writes_table_and_json(tmp_path: Path) -> None:
         "slice",
         "lora_loop",
         "lora_loop_off",
+        "lora_loop_work",
     }
     for key, cell in summary.items():
         assert cell["n"] == 1 and cell["seconds"] > 0, key
@@ -90,5 +91,8 @@ def test_quick_remote_benchmark_writes_table_and_json(tmp_path: Path) -> None:
     loop, off = summary["lora_loop|pysafetensors"], summary["lora_loop_off|pysafetensors"]
     assert loop["requests"] < 50 < 1000 <= off["requests"]
     assert loop["fetched"] == off["fetched"] == data["meta"]["lora_file_bytes"]
+    # With work between the reads (windows then fetched in the background): the same bytes.
+    worked = summary["lora_loop_work|pysafetensors"]
+    assert worked["requests"] < 50 and worked["fetched"] == loop["fetched"]
     table = (out / "REMOTE.md").read_text()
     assert table.count("| load_shard rank 0 of 8") == 2 and "Machine:" in table
