@@ -10,9 +10,11 @@ the reads stay in order, as the kernel's page cache reads ahead a file read in o
 the reads have taken half of a window, the next one is fetched in the background, so that a
 loop that does work between its reads (converts, hashes, copies to a device) does it while
 the network delivers, instead of waiting for each window in turn. Bytes fetched and never
-read are at most half a window and the next one (as large as the run), about 1.7 times what
-was read in order before them (or two 64 KiB windows). A read out of order starts over,
-fetched as asked, and drops a window on its way (it is not waited for).
+read are at most half a window and the next one (as large as the run), at most about 1.8
+times what was read in order before them (or two 64 KiB windows). A read out of
+order starts over, fetched as asked, and drops a window on its way (it is not waited for;
+``close()`` waits for every fetch still running, as the source lets its connections go
+next).
 
 Windows are memory: all the remote sources of a process hold at most :data:`BUDGET` bytes of
 them between them, the least recently used dropped first.
@@ -25,7 +27,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from typing import Final
@@ -95,7 +97,7 @@ class _Windows:
             others = len(self._held) - (id(owner) in self._held)
             return BUDGET // (others + 1)
 
-    def hold(self, owner: ReadAhead, window: np.ndarray) -> None:
+    def hold(self, owner: ReadAhead, window: np.ndarray) -> bool:
         """Record ``owner``'s new window, dropping the least recently used others' past the
         budget (cleared, and their runs restarted, without their lock: the owner's lock is
         taken before this one, never after). Called under the owner's lock; a window another
@@ -106,7 +108,7 @@ class _Windows:
             self._settle()
             held = owner._window_bytes
             if held is None or held[1] is not window:
-                return  # dropped by another source's eviction before this lock was had
+                return False  # dropped by another source's eviction before this lock was had
             key = id(owner)
             before = self._held.pop(key, (None, 0))[1]
             self._total += nbytes - before
@@ -117,6 +119,7 @@ class _Windows:
                 other = ref()
                 if other is not None:
                     other._dropped()
+        return True
 
     def touch(self, owner: ReadAhead) -> None:
         """Make ``owner`` the most recently used."""
@@ -148,37 +151,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WINDOWS.reset)
 
 
-class _Fetchers:
-    """The threads that fetch windows in the background, shared by every source.
+def _fetch_in_background(fetch: Callable[[], None]) -> Future[None]:
+    """Run ``fetch`` on a thread of its own; its outcome is the returned future's.
 
-    A fetch only waits for its own parts, which run on the remote sources' shared workers
-    (a window fetched on one of those would run its parts one after another), never for
-    another fetch, so a full pool only delays windows: a read that reaches a window not yet
-    started takes it back and fetches it itself.
+    A daemon thread per window, not a pool: ``concurrent.futures`` joins its workers at exit
+    (a window nobody would read delayed exit by its whole fetch) and refuses work once the
+    interpreter is shutting down. A fetch only waits for its own parts, which run on the
+    remote sources' shared workers (on one of those it would run them one after another).
+
+    Raises:
+        RuntimeError: No thread can be started (the interpreter is shutting down).
     """
+    future: Future[None] = Future()
 
-    SIZE: Final = 8
+    def run() -> None:
+        if future.set_running_or_notify_cancel():  # False: the reader took it back
+            try:
+                fetch()
+            except BaseException as exc:  # noqa: BLE001 - the reader's to raise
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
 
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Also after a fork: the parent's threads are not in the child."""
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-
-    def submit(self, fetch: Callable[[], None]) -> Future[None]:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.SIZE, thread_name_prefix="pysafetensors-read-ahead"
-                )
-            return self._pool.submit(fetch)
-
-
-_FETCHERS: Final = _Fetchers()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_FETCHERS.reset)
+    threading.Thread(target=run, name="pysafetensors-read-ahead", daemon=True).start()
+    return future
 
 
 @dataclass(eq=False)
@@ -222,6 +218,8 @@ class ReadAhead:
         self._window_bytes: tuple[int, np.ndarray] | None = None
         # The window after it, on its way (see _fetch_next); dropped with it.
         self._pending: _Next | None = None
+        # Every background fetch not finished yet, dropped or not: close() waits for them all.
+        self._fetching: set[_Next] = set()
 
     def read(self, offset: int, out: memoryview) -> bool:
         """Fill ``out`` (a 1-D byte view) with the bytes at ``offset`` if the read-ahead serves
@@ -299,8 +297,10 @@ class ReadAhead:
 
     def _fetch_next(self, at: int, current: np.ndarray) -> None:
         """Start fetching the window after ``current`` (which ends at ``at``) in the
-        background, as large as a window fetched there now would be, within what the budget
-        leaves this source besides ``current``. Called under the lock."""
+        background, as large as one fetched there now would be (the run's, ``current``
+        counted whole: sized by what was read alone, windows grew by half each time, and the
+        LoRA loop took 6% longer), within what the budget leaves this source besides
+        ``current``. Called under the lock."""
         if self._closed or at >= self._size:
             return
         length = min(max(MIN_WINDOW, self._run), self._limit, self._size - at)
@@ -313,9 +313,16 @@ class ReadAhead:
             pending.thread = threading.get_ident()
             self._fetch(pending.at, pending.data.data)
 
-        pending.future = _FETCHERS.submit(fetch)
+        try:
+            pending.future = _fetch_in_background(fetch)
+        except RuntimeError:  # no new thread now (interpreter shutting down): read as before
+            return
+        self._fetching.add(pending)
+        pending.future.add_done_callback(lambda _: self._fetching.discard(pending))
         self._pending = pending
-        _WINDOWS.hold(self, current)  # both windows count from now on
+        if not _WINDOWS.hold(self, current):  # both windows count from now on
+            self._pending = None  # the budget dropped current meanwhile: not this one either
+            pending.future.cancel()
 
     def _take(self, pending: _Next, offset: int, out: memoryview) -> bool:
         """Serve a read in order that reached the window fetched in the background: wait for
@@ -360,18 +367,22 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._pending = None  # its thread is the parent's
+        self._fetching = set()
 
     def close(self) -> None:
         """Drop the windows; one being fetched is not kept, but waited for (the source
         releases its connections next)."""
+        if self._pid != os.getpid():
+            self._after_fork()  # the parent's fetches are not in this process
         with self._lock:
             self._closed = True
             self._window_bytes = None
-            pending, self._pending = self._pending, None
-        if (
-            pending is not None
-            and not pending.future.cancel()
-            and pending.thread != threading.get_ident()
-        ):
-            wait_for_futures([pending.future])
-        _WINDOWS.forget(self)
+            self._pending = None
+            fetching = list(self._fetching)
+        try:
+            # Not on a thread a fetch may itself be waiting for (the collector can run a
+            # dropped handle's close() there): the fetch's own, or a remote worker's.
+            if not threading.current_thread().name.startswith("pysafetensors-"):
+                wait_for_futures([p.future for p in fetching if not p.future.cancel()])
+        finally:
+            _WINDOWS.forget(self)

@@ -355,6 +355,12 @@ class RemoteSource:
         _check_range(self, offset, out.nbytes)
         n = out.nbytes
         if 0 < n < self._part_size and self._read_ahead and offset + n > len(self._head):
+            cached = max(0, len(self._head) - offset)
+            if cached:
+                # Bytes cached at open cost no request: counted in the read-ahead's run, the
+                # header's made the first windows twice as large as the loop's reads.
+                out[:cached] = self._head[offset:]
+                offset, out, n = offset + cached, out[cached:], n - cached
             # Small reads in order (a get_tensor loop) are served from a window read ahead.
             ahead = self._ahead
             if ahead is None:
@@ -485,7 +491,10 @@ class RemoteSource:
         self._closed = True
         if self._ahead is not None:
             self._ahead.close()
-        if os.getpid() == self._pid:  # a forked child has none of the parent's reads in flight
+        # A forked child has none of the parent's reads in flight; on a worker (the collector
+        # closing a dropped handle there) the reads in flight may be waiting for this thread.
+        worker = threading.current_thread().name.startswith("pysafetensors-")
+        if os.getpid() == self._pid and not worker:
             with self._runs:
                 self._runs.wait_for(lambda: not self._running)
         self._release()

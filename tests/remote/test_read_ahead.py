@@ -64,19 +64,29 @@ def test_reads_out_of_order_fetch_exactly_what_they_ask(lora: tuple[RangeServer,
     assert server.requests() >= 250
 
 
-def test_stopping_early_fetches_a_bounded_amount_ahead(lora: tuple[RangeServer, dict]) -> None:
+@pytest.mark.parametrize("k", [10, 19, 25, 30, 45, 51, 60])
+def test_stopping_early_fetches_a_bounded_amount_ahead(
+    lora: tuple[RangeServer, dict], k: int
+) -> None:
+    """Stopped after k tensors (some stop inside the first window, some as its next one is
+    on its way): the bytes cached at open do not count as reads of the loop (they made the
+    first windows twice too large)."""
     server, tensors = lora
     names = sorted(tensors)
     server.reset()
     with safe_open(server.url("lora.safetensors"), "np") as f:
         head = server.bytes_sent()
         taken = 0
-        for name in names[:60]:
+        for name in names[:k]:
             taken += f.get_tensor(name).nbytes
+        ahead = f._source._ahead  # type: ignore[attr-defined]
+        pending = ahead._pending if ahead is not None else None
+        if pending is not None:  # the worst case: the window on its way is fetched whole
+            pending.future.result(timeout=10)
     beyond = server.bytes_sent() - head
     # What was read, plus at most the rest of a window and the next one fetched in the
-    # background: about 2.7 times what was read (or two small windows).
-    assert beyond <= max(2.7 * taken, taken + 2 * MIN_WINDOW + 8192), beyond / taken
+    # background: about 2.8 times what was read (or two small windows).
+    assert beyond <= max(2.8 * taken, taken + 2 * MIN_WINDOW + 8192), beyond / taken
 
 
 def test_read_ahead_zero_fetches_each_read(lora: tuple[RangeServer, dict]) -> None:
@@ -417,7 +427,7 @@ def test_close_waits_for_a_window_on_its_way(lora: tuple[RangeServer, dict]) -> 
         assert src._ahead is not None
         pending = src._ahead._pending
         assert pending is not None
-        assert _wait_for(lambda: pending.thread is not None)  # on its way (the server is slow)
+        assert _wait_for(pending.future.running)  # on its way (the server is slow)
     finally:
         src.close()
     assert pending.future.done() and pending.future.exception() is None
@@ -495,3 +505,204 @@ def test_a_forked_child_reads_on_without_the_parents_window_on_its_way(
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+class _Gated:
+    """A fetch over bytes in memory whose background calls wait for ``gate``."""
+
+    def __init__(self, size: int = 1 << 20) -> None:
+        self.data = bytes(range(256)) * (size // 256)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.running = 0
+
+    def __call__(self, at: int, view: memoryview) -> None:
+        if threading.current_thread().name == "pysafetensors-read-ahead":
+            self.running += 1
+            self.started.set()
+            self.gate.wait(10)
+            self.running -= 1
+        view[:] = self.data[at : at + view.nbytes]
+
+    def ahead_with_a_window_on_its_way(self) -> tuple[ReadAhead, int]:
+        ahead = ReadAhead(1 << 20, len(self.data), self)
+        out = bytearray(2048)
+        pos = 0
+        while ahead._pending is None:
+            assert ahead.read(pos, memoryview(out)) or pos < 3 * 2048
+            pos += 2048
+        assert self.started.wait(5)
+        return ahead, pos
+
+
+def _closes_before_the_fetch_ends(ahead: ReadAhead, fetch: _Gated, name: str = "closer") -> bool:
+    closer = threading.Thread(target=ahead.close, name=name)
+    closer.start()
+    closer.join(0.5)
+    early = not closer.is_alive() and fetch.running > 0
+    fetch.gate.set()
+    closer.join(5)
+    assert not closer.is_alive()
+    return early
+
+
+def test_close_waits_for_a_dropped_window_still_on_its_way() -> None:
+    """A read out of order drops the window on its way without waiting; close() still waits
+    for it (the source lets its connections go next)."""
+    fetch = _Gated()
+    ahead, _ = fetch.ahead_with_a_window_on_its_way()
+    assert ahead.read(900_000, memoryview(bytearray(100))) is False
+    assert ahead._pending is None
+    assert not _closes_before_the_fetch_ends(ahead, fetch)
+    assert id(ahead) not in _WINDOWS._held
+
+
+def test_close_waits_for_a_window_a_reader_waits_for() -> None:
+    fetch = _Gated()
+    ahead, _ = fetch.ahead_with_a_window_on_its_way()
+    held = ahead._window_bytes
+    assert held is not None
+    end = held[0] + held[1].size
+    reader = threading.Thread(target=ahead.read, args=(end, memoryview(bytearray(2048))))
+    reader.start()
+    assert _wait_for(lambda: ahead._pending is None)  # taken: the reader waits in _take
+    assert not _closes_before_the_fetch_ends(ahead, fetch)
+    reader.join(5)
+
+
+def test_close_on_a_library_thread_does_not_wait() -> None:
+    """The collector may close a dropped handle on a remote worker whose part the window on
+    its way waits for: waiting there would never end."""
+    fetch = _Gated()
+    ahead, _ = fetch.ahead_with_a_window_on_its_way()
+    assert _closes_before_the_fetch_ends(ahead, fetch, name="pysafetensors-remote_0")
+    assert id(ahead) not in _WINDOWS._held
+
+
+def test_an_interrupted_close_still_leaves_the_budget(
+    lora: tuple[RangeServer, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while close() waits for a window: the source leaves the budget's account all
+    the same (it halved every other file's share for as long as the handle lived)."""
+    import signal
+
+    from . import rangeserver
+
+    monkeypatch.setattr(rangeserver, "SLOW_SECONDS", 1.0)
+    server, _ = lora
+    whole = (server.root / "lora.safetensors").read_bytes()
+    src = HTTPSource(server.url("slow/lora.safetensors"))
+    _read_to_half(src, 70_000, 2048, whole)
+    ahead = src._ahead
+    assert ahead is not None and ahead._pending is not None
+    pending = ahead._pending
+    assert _wait_for(pending.future.running)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            ahead.close()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert _wait_for(pending.future.done)
+        # Not closed again (a handle's close() is not repeated: it let its source go first).
+        _WINDOWS.share(ReadAhead(1 << 20, 1 << 20, lambda at, view: None))  # settles
+        assert id(ahead) not in _WINDOWS._held
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        src.close()
+
+
+def test_a_window_dropped_while_the_next_is_planned_takes_no_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another source's eviction (which runs without this source's lock) landing while the
+    next window is being planned: that window is not fetched outside the budget's account."""
+    fetch = _Gated()
+    fetch.gate.set()
+    ahead = ReadAhead(1 << 20, len(fetch.data), fetch)
+    real_share = _WINDOWS.share
+    dropped: list[bool] = []
+
+    def share(owner: ReadAhead) -> int:
+        if owner is ahead and not dropped:
+            dropped.append(True)
+            ahead._dropped()  # as another source's hold() evicting it, from another thread
+        return real_share(owner)
+
+    out = bytearray(2048)
+    pos = 0
+    while ahead._window_bytes is None:
+        ahead.read(pos, memoryview(out))
+        pos += 2048
+    held = ahead._window_bytes
+    monkeypatch.setattr(_WINDOWS, "share", share)
+    while not dropped:  # up to the read that plans the next window
+        assert ahead.read(pos, memoryview(out))
+        pos += 2048
+    assert ahead._window_bytes is None and ahead._pending is None
+    assert not fetch.started.wait(0.2) or fetch.running == 0
+    assert held is not None
+    ahead.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_closes_without_waiting_for_the_parents_window(
+    lora: tuple[RangeServer, dict],
+) -> None:
+    server, _ = lora
+    whole = (server.root / "lora.safetensors").read_bytes()
+    with HTTPSource(server.url("slow/lora.safetensors")) as src:
+        _read_to_half(src, 70_000, 2048, whole)
+        assert src._ahead is not None and src._ahead._pending is not None
+        assert _wait_for(src._ahead._pending.future.running)
+        pid = os.fork()
+        if pid == 0:  # the parent's fetch thread is not here: its window never arrives
+            import signal
+
+            signal.alarm(10)
+            src.close()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_an_interrupted_loop_exits_without_waiting_for_the_next_window(
+    lora: tuple[RangeServer, dict],
+) -> None:
+    """The window on its way is fetched on a daemon thread: a loop stopped by Ctrl-C (the
+    source never closed) exits at once, not when a window nobody will read has arrived
+    (~7 s at the trickling server's 1 KiB per 50 ms)."""
+    import subprocess
+    import sys
+
+    server, _ = lora
+    child = (
+        "import sys, time\n"
+        "from pysafetensors._remote import HTTPSource\n"
+        "src = HTTPSource(sys.argv[1])\n"
+        "out, pos = bytearray(2048), 70_000\n"
+        "while True:\n"
+        "    src.readinto(pos, memoryview(out)); pos += 2048\n"
+        "    w = src._ahead._window_bytes if src._ahead is not None else None\n"
+        "    if w is not None and 2 * (pos - w[0]) >= w[1].size: break\n"
+        "while src._ahead._pending is None or not src._ahead._pending.future.running():\n"
+        "    time.sleep(0.01)\n"
+        "print(time.monotonic(), flush=True)\n"
+        "raise KeyboardInterrupt\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, server.url("trickle/lora.safetensors")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    proc.wait(60)
+    assert line, "the child failed before its window was on its way"
+    assert time.monotonic() - float(line) < 3.0
