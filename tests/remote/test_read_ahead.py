@@ -482,6 +482,9 @@ def test_a_window_that_fails_in_the_background_fails_the_read_that_reaches_it(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+# The child runs only this library's code and leaves by os._exit: JAX, imported by other
+# tests of the run, warns about its own threads, which the child never touches.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_a_forked_child_reads_on_without_the_parents_window_on_its_way(
     lora: tuple[RangeServer, dict],
 ) -> None:
@@ -651,6 +654,9 @@ def test_a_window_dropped_while_the_next_is_planned_takes_no_next(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+# The child runs only this library's code and leaves by os._exit: JAX, imported by other
+# tests of the run, warns about its own threads, which the child never touches.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_a_forked_child_closes_without_waiting_for_the_parents_window(
     lora: tuple[RangeServer, dict],
 ) -> None:

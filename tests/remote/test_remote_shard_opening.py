@@ -187,6 +187,9 @@ def test_many_open_sources_share_worker_threads_and_idle_connections(tmp_path: P
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+# The child runs only this library's code and leaves by os._exit: JAX, imported by other
+# tests of the run, warns about its own threads, which the child never touches.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_a_forked_child_closes_a_source_whose_parent_was_mid_read(tmp_path: Path) -> None:
     # close() waits for the source's parallel reads in flight; a child forked during one has
     # none of them, and its close() waited for ever.
