@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -88,6 +89,15 @@ class _Windows:
                 del self._held[id(owner)]
                 self._total -= entry[1]
 
+    def _settle_if_free(self) -> None:
+        """Settle what was queued while the lock was held (by another thread, or by this one
+        further up): called after letting it go, and after queueing."""
+        while (self._gone or self._closed) and self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
     def share(self, owner: ReadAhead) -> int:
         """The most bytes a new window of ``owner`` may take: the budget split evenly among
         the sources holding windows, ``owner`` counted (several files read in turn then fit
@@ -95,7 +105,8 @@ class _Windows:
         with self._lock:
             self._settle()
             others = len(self._held) - (id(owner) in self._held)
-            return BUDGET // (others + 1)
+        self._settle_if_free()
+        return BUDGET // (others + 1)
 
     def hold(self, owner: ReadAhead, window: np.ndarray) -> bool:
         """Record ``owner``'s new window, dropping the least recently used others' past the
@@ -104,38 +115,38 @@ class _Windows:
         source's eviction cleared meanwhile is not recorded."""
         pending = owner._pending
         nbytes = window.size + (pending.data.size if pending is not None else 0)
-        with self._lock:
-            self._settle()
-            held = owner._window_bytes
-            if held is None or held[1] is not window:
-                return False  # dropped by another source's eviction before this lock was had
-            key = id(owner)
-            before = self._held.pop(key, (None, 0))[1]
-            self._total += nbytes - before
-            self._held[key] = (weakref.ref(owner, lambda _: self._gone.append(key)), nbytes)
-            while self._total > BUDGET and len(self._held) > 1:
-                _, (ref, size) = self._held.popitem(last=False)
-                self._total -= size
-                other = ref()
-                if other is not None:
-                    other._dropped()
-        return True
+        try:
+            with self._lock:
+                self._settle()
+                held = owner._window_bytes
+                if held is None or held[1] is not window:
+                    return False  # dropped by another source's eviction before this lock was had
+                key = id(owner)
+                before = self._held.pop(key, (None, 0))[1]
+                self._total += nbytes - before
+                self._held[key] = (weakref.ref(owner, lambda _: self._gone.append(key)), nbytes)
+                while self._total > BUDGET and len(self._held) > 1:
+                    _, (ref, size) = self._held.popitem(last=False)
+                    self._total -= size
+                    other = ref()
+                    if other is not None:
+                        other._dropped()
+            return True
+        finally:
+            self._settle_if_free()
 
     def touch(self, owner: ReadAhead) -> None:
         """Make ``owner`` the most recently used."""
         with self._lock:
             if id(owner) in self._held:
                 self._held.move_to_end(id(owner))
+        self._settle_if_free()
 
     def forget(self, owner: ReadAhead) -> None:
         """``owner`` holds no window any more: settled now, or by the next call that takes
         the lock if it is held (by this thread too: see the class)."""
         self._closed.append(owner)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._settle()
-            finally:
-                self._lock.release()
+        self._settle_if_free()
 
     def reset(self) -> None:
         """After a fork: a lock another thread held would never be released in the child."""
@@ -175,6 +186,17 @@ def _fetch_in_background(fetch: Callable[[], None]) -> Future[None]:
 
     threading.Thread(target=run, name="pysafetensors-read-ahead", daemon=True).start()
     return future
+
+
+def _may_wait() -> bool:
+    """Whether close() may wait for fetches here: not on a thread a fetch may itself be
+    waiting for (the collector can run a dropped handle's close() there): the fetch's own, a
+    remote worker's, or one running an event loop (an asynchronous fsspec filesystem's, which
+    runs the fetch's requests)."""
+    if threading.current_thread().name.startswith("pysafetensors-"):
+        return False
+    asyncio = sys.modules.get("asyncio")  # no loop runs where asyncio was never imported
+    return asyncio is None or asyncio._get_running_loop() is None
 
 
 @dataclass(eq=False)
@@ -219,7 +241,9 @@ class ReadAhead:
         # The window after it, on its way (see _fetch_next); dropped with it.
         self._pending: _Next | None = None
         # Every background fetch not finished yet, dropped or not: close() waits for them all.
-        self._fetching: set[_Next] = set()
+        # Their futures, not the windows: a callback naming the window made a cycle that kept
+        # every window fetched ahead alive until the cyclic collector ran.
+        self._fetching: set[Future[None]] = set()
 
     def read(self, offset: int, out: memoryview) -> bool:
         """Fill ``out`` (a 1-D byte view) with the bytes at ``offset`` if the read-ahead serves
@@ -317,8 +341,8 @@ class ReadAhead:
             pending.future = _fetch_in_background(fetch)
         except RuntimeError:  # no new thread now (interpreter shutting down): read as before
             return
-        self._fetching.add(pending)
-        pending.future.add_done_callback(lambda _: self._fetching.discard(pending))
+        self._fetching.add(pending.future)
+        pending.future.add_done_callback(self._fetching.discard)
         self._pending = pending
         if not _WINDOWS.hold(self, current):  # both windows count from now on
             self._pending = None  # the budget dropped current meanwhile: not this one either
@@ -380,9 +404,7 @@ class ReadAhead:
             self._pending = None
             fetching = list(self._fetching)
         try:
-            # Not on a thread a fetch may itself be waiting for (the collector can run a
-            # dropped handle's close() there): the fetch's own, or a remote worker's.
-            if not threading.current_thread().name.startswith("pysafetensors-"):
-                wait_for_futures([p.future for p in fetching if not p.future.cancel()])
+            if _may_wait():
+                wait_for_futures([f for f in fetching if not f.cancel()])
         finally:
             _WINDOWS.forget(self)

@@ -354,12 +354,13 @@ class RemoteSource:
         self._check_open()
         _check_range(self, offset, out.nbytes)
         n = out.nbytes
-        if 0 < n < self._part_size and self._read_ahead and offset + n > len(self._head):
-            cached = max(0, len(self._head) - offset)
+        head = self._head  # once: prefetch_head() may replace it meanwhile
+        if 0 < n < self._part_size and self._read_ahead and offset + n > len(head):
+            cached = max(0, len(head) - offset)
             if cached:
                 # Bytes cached at open cost no request: counted in the read-ahead's run, the
                 # header's made the first windows twice as large as the loop's reads.
-                out[:cached] = self._head[offset:]
+                out[:cached] = head[offset:]
                 offset, out, n = offset + cached, out[cached:], n - cached
             # Small reads in order (a get_tensor loop) are served from a window read ahead.
             ahead = self._ahead
@@ -742,9 +743,22 @@ class _Workers:
             finally:
                 self._local.worker = False
 
-        pool = self._executor()
-        for future in [pool.submit(worker) for _ in range(min(width, len(parts)))]:
-            future.result()
+        count = min(width, len(parts))
+        if threading.current_thread().daemon:
+            # A daemon thread's read (a window fetched ahead) is not waited for at exit: nor
+            # are its parts, on daemon threads of their own (the pool's are joined at exit).
+            threads = [
+                threading.Thread(target=worker, name="pysafetensors-remote-daemon", daemon=True)
+                for _ in range(count)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        else:
+            pool = self._executor()
+            for future in [pool.submit(worker) for _ in range(count)]:
+                future.result()
         if failures:
             # Out of the list this frame holds (see run_parallel): no exception-frame cycle.
             error = failures[0]

@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -711,4 +712,142 @@ def test_an_interrupted_loop_exits_without_waiting_for_the_next_window(
     line = proc.stdout.readline()
     proc.wait(60)
     assert line, "the child failed before its window was on its way"
+    assert time.monotonic() - float(line) < 3.0
+
+
+def test_windows_read_past_are_freed_without_the_cyclic_collector() -> None:
+    """Nothing of a background window outlives its use but by reference counting (a
+    callback naming the window made a cycle: windows piled up until the collector ran,
+    479 MiB past the budget in a 512 MiB loop)."""
+    import gc
+    import weakref
+
+    data = bytes(range(256)) * (8 << 12)
+
+    def fetch(at: int, view: memoryview) -> None:
+        if threading.current_thread().name == "pysafetensors-read-ahead":
+            time.sleep(0.005)  # still on its way when the reader records it
+        view[:] = data[at : at + view.nbytes]
+
+    ahead = ReadAhead(1 << 20, len(data), fetch)
+    seen: list[weakref.ref[np.ndarray]] = []
+    out = bytearray(16 << 10)
+    gc.disable()
+    try:
+        for pos in range(0, 6 << 20, len(out)):
+            ahead.read(pos, memoryview(out))
+            pending = ahead._pending
+            if pending is not None and not any(r() is pending.data for r in seen):
+                seen.append(weakref.ref(pending.data))
+            if pending is not None:
+                pending.future.result(timeout=10)
+        held = ahead._window_bytes
+        alive = [r() for r in seen if r() is not None]
+        current = [held[1]] if held is not None else []
+        if ahead._pending is not None:
+            current.append(ahead._pending.data)
+        assert len(seen) >= 4
+        assert all(any(a is c for c in current) for a in alive), len(alive)
+    finally:
+        gc.enable()
+        ahead.close()
+
+
+def test_a_close_while_another_thread_holds_the_budget_is_settled() -> None:
+    """close() while another source's read is inside the budget's lock only queues the
+    entry; the other thread settles it as it lets go (it stayed, and kept the closed source
+    alive, until some later remote read of the process)."""
+    fetch = _Gated()
+    fetch.gate.set()
+    ahead = ReadAhead(1 << 20, len(fetch.data), fetch)
+    out = bytearray(2048)
+    for k in range(4):
+        ahead.read(k * 2048, memoryview(out))
+    assert id(ahead) in _WINDOWS._held
+    inside, leave = threading.Event(), threading.Event()
+    real_settle = _WINDOWS._settle
+
+    def settle() -> None:  # the other thread pauses with the lock held
+        real_settle()
+        if threading.current_thread().name == "other" and not inside.is_set():
+            inside.set()
+            leave.wait(5)
+
+    probe = ReadAhead(1 << 20, 1 << 20, lambda at, view: None)
+    other = threading.Thread(target=_WINDOWS.share, args=(probe,), name="other")
+    _WINDOWS._settle = settle  # type: ignore[method-assign]
+    try:
+        other.start()
+        assert inside.wait(5)
+        ahead.close()  # queued: the lock is the other thread's
+        leave.set()
+        other.join(5)
+    finally:
+        del _WINDOWS._settle
+    assert id(ahead) not in _WINDOWS._held and not _WINDOWS._closed
+
+
+def test_close_in_a_running_event_loop_does_not_wait() -> None:
+    """The collector may close a dropped handle on an asynchronous fsspec filesystem's loop
+    thread, whose loop the window on its way needs: waiting there would never end."""
+    import asyncio
+
+    fetch = _Gated()
+    ahead, _ = fetch.ahead_with_a_window_on_its_way()
+
+    async def close_here() -> bool:
+        ahead.close()
+        return fetch.running > 0  # returned while the fetch still runs
+
+    try:
+        assert asyncio.run(close_here())
+    finally:
+        fetch.gate.set()
+    assert id(ahead) not in _WINDOWS._held
+
+
+def test_an_interrupted_loop_exits_without_waiting_for_a_window_in_parts(
+    lora: tuple[RangeServer, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window of several parts (2 MiB or more) runs them on daemon threads too: the
+    remote workers' pool is joined at exit, so an unread window delayed it until its parts
+    arrived (6 s here: the server holds ranges past 20 MiB that long)."""
+    import subprocess
+    import sys
+
+    from . import rangeserver
+
+    serve = rangeserver._Handler._serve
+
+    def delayed(handler: Any, fault: Any) -> None:
+        spec = handler.headers.get("Range") or "bytes=0-"
+        if int(spec.split("=")[1].split("-")[0]) >= 20 << 20:
+            time.sleep(6.0)
+        serve(handler, fault)
+
+    monkeypatch.setattr(rangeserver._Handler, "_serve", delayed)
+    server, _ = lora
+    child = (
+        "import sys, time\n"
+        "from pysafetensors._remote import HTTPSource\n"
+        "src = HTTPSource(sys.argv[1])\n"
+        "out, pos = bytearray(256 << 10), 100_000\n"
+        "while True:\n"
+        "    src.readinto(pos, memoryview(out)); pos += len(out)\n"
+        "    p = src._ahead._pending if src._ahead is not None else None\n"
+        "    if p is not None and p.at >= 20 << 20: break\n"
+        "assert p.data.size >= 2 << 20, p.data.size\n"
+        "while not p.future.running(): time.sleep(0.01)\n"
+        "time.sleep(0.3)\n"
+        "print(time.monotonic(), flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, server.url("big.safetensors")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    proc.wait(60)
+    assert line and proc.returncode == 0, "the child failed before its window was on its way"
     assert time.monotonic() - float(line) < 3.0
