@@ -68,7 +68,7 @@ def in_order(
     rest = iter(items)
     try:
         for item in rest:
-            pending.append((item, pool.submit(fn, item)))
+            pending.append((item, _start(pool, fn, item)))
             if len(pending) >= ahead:
                 break
         while pending:
@@ -78,7 +78,7 @@ def in_order(
             with contextlib.suppress(Exception):
                 future.exception()
             for nxt in rest:  # the next one, if any, to keep the window full
-                pending.append((nxt, pool.submit(fn, nxt)))
+                pending.append((nxt, _start(pool, fn, nxt)))
                 break
             pending.popleft()
             yield item, future  # the caller's from here
@@ -87,6 +87,15 @@ def in_order(
             if not future.cancel():
                 future.add_done_callback(functools.partial(_discard, item, discard))
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _start(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], item: _T) -> Future[_R]:
+    """``fn(item)`` on ``pool``; here and now once the interpreter is shutting down (a thread
+    still loading after the main thread returned), when pools take no more work."""
+    try:
+        return pool.submit(fn, item)
+    except RuntimeError:
+        return _done(fn, item)
 
 
 def _discard(item: _T, discard: Callable[[_T, _R], object], future: Future[_R]) -> None:

@@ -756,8 +756,16 @@ class _Workers:
             for thread in threads:
                 thread.join()
         else:
-            pool = self._executor()
-            for future in [pool.submit(worker) for _ in range(count)]:
+            futures = []
+            try:
+                pool = self._executor()
+                for _ in range(count):
+                    futures.append(pool.submit(worker))
+            except RuntimeError:
+                # The interpreter is shutting down (a thread still reading after the main
+                # thread returned): the pool takes no more work, so this thread reads the rest.
+                worker()
+            for future in futures:
                 future.result()
         if failures:
             # Out of the list this frame holds (see run_parallel): no exception-frame cycle.

@@ -156,7 +156,14 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
     # exception), is gone before the raise here. Raised from a frame that holds them, the
     # exception and the frame form a cycle that keeps all the traceback reaches (the caller's
     # destination buffer) until the cyclic collector runs.
-    error = _wait_all(_submit(worker, threads), failed)
+    try:
+        futures = _submit(worker, threads)
+    except RuntimeError:
+        # The interpreter is shutting down (a thread still loading after the main thread
+        # returned): pools take no more work, so this thread does it all.
+        worker()
+        return
+    error = _wait_all(futures, failed)
     if error is not None:
         try:
             raise error
