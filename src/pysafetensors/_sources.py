@@ -156,19 +156,27 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
     # exception), is gone before the raise here. Raised from a frame that holds them, the
     # exception and the frame form a cycle that keeps all the traceback reaches (the caller's
     # destination buffer) until the cyclic collector runs.
-    try:
-        futures = _submit(worker, threads)
-    except RuntimeError:
-        # The interpreter is shutting down (a thread still loading after the main thread
-        # returned): pools take no more work, so this thread does it all.
-        worker()
-        return
-    error = _wait_all(futures, failed)
+    error = _run_workers(worker, threads, failed)
     if error is not None:
         try:
             raise error
         finally:
             del error
+
+
+def _run_workers(
+    worker: Callable[[], None], threads: int, failed: threading.Event
+) -> BaseException | None:
+    """``threads`` copies of ``worker`` on the shared pool, waited for (:func:`_wait_all`).
+    Once the interpreter is shutting down (a thread still loading after the main thread
+    returned) pools take no more work: this thread then does it all, and a failure is raised
+    from here as it happens."""
+    try:
+        futures = _submit(worker, threads)
+    except RuntimeError:
+        worker()
+        return None
+    return _wait_all(futures, failed)
 
 
 def _wait_all(futures: list[Future[None]], failed: threading.Event) -> BaseException | None:
