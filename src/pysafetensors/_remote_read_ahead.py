@@ -188,11 +188,11 @@ def _fetch_in_background(fetch: Callable[[], None]) -> Future[None]:
     return future
 
 
-def _may_wait() -> bool:
-    """Whether close() may wait for fetches here: not on a thread a fetch may itself be
-    waiting for (the collector can run a dropped handle's close() there): the fetch's own, a
-    remote worker's, or one running an event loop (an asynchronous fsspec filesystem's, which
-    runs the fetch's requests)."""
+def may_wait_here() -> bool:
+    """Whether a close() may wait for reads in flight here: not on a thread they may be
+    waiting for (the collector can run a dropped handle's close() there): a read-ahead
+    fetch's own, a remote worker's, or one running an event loop (an asynchronous fsspec
+    filesystem's, which runs the requests)."""
     if threading.current_thread().name.startswith("pysafetensors-"):
         return False
     asyncio = sys.modules.get("asyncio")  # no loop runs where asyncio was never imported
@@ -207,8 +207,6 @@ class _Next:
     at: int
     data: np.ndarray
     future: Future[None] = field(init=False)
-    #: The thread fetching it, once it runs (close() from that thread must not wait for it).
-    thread: int | None = None
 
     @property
     def end(self) -> int:
@@ -333,12 +331,10 @@ class ReadAhead:
             return  # no room (or read_ahead below a window): the next read fetches as now
         pending = _Next(at, np.empty(length, np.uint8))
 
-        def fetch() -> None:
-            pending.thread = threading.get_ident()
-            self._fetch(pending.at, pending.data.data)
-
         try:
-            pending.future = _fetch_in_background(fetch)
+            pending.future = _fetch_in_background(
+                lambda: self._fetch(pending.at, pending.data.data)
+            )
         except RuntimeError:  # no new thread now (interpreter shutting down): read as before
             return
         self._fetching.add(pending.future)
@@ -351,22 +347,17 @@ class ReadAhead:
     def _take(self, pending: _Next, offset: int, out: memoryview) -> bool:
         """Serve a read in order that reached the window fetched in the background: wait for
         it (or fetch it here if no thread has started it), then make it the window."""
-        if pending.future.cancel():
-            try:
+        try:
+            if pending.future.cancel():
                 self._fetch(pending.at, pending.data.data)
-            except SafetensorError as exc:
-                if exc.kind != "RangeNotSatisfiable":
-                    raise
-                return False
-        else:
-            try:
+            else:
                 pending.future.result()
-            except CancelledError:  # dropped by the budget meanwhile
-                return False
-            except SafetensorError as exc:
-                if exc.kind != "RangeNotSatisfiable":
-                    raise  # as a window fetched by the read itself (see read())
-                return False
+        except CancelledError:  # dropped by the budget meanwhile
+            return False
+        except SafetensorError as exc:
+            if exc.kind != "RangeNotSatisfiable":
+                raise  # as a window fetched by the read itself (see read())
+            return False
         with self._lock:
             if self._closed:
                 if offset + out.nbytes > pending.end:
@@ -404,7 +395,7 @@ class ReadAhead:
             self._pending = None
             fetching = list(self._fetching)
         try:
-            if _may_wait():
+            if may_wait_here():
                 wait_for_futures([f for f in fetching if not f.cancel()])
         finally:
             _WINDOWS.forget(self)

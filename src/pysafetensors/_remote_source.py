@@ -22,7 +22,7 @@ from ._errors import (
     ClosedFileError,
     RemoteError,
 )
-from ._remote_read_ahead import DEFAULT_READ_AHEAD, ReadAhead
+from ._remote_read_ahead import DEFAULT_READ_AHEAD, ReadAhead, may_wait_here
 from ._remote_urls import _quotes_secret, _scrubbed
 from ._sources import _check_range
 
@@ -492,10 +492,9 @@ class RemoteSource:
         self._closed = True
         if self._ahead is not None:
             self._ahead.close()
-        # A forked child has none of the parent's reads in flight; on a worker (the collector
-        # closing a dropped handle there) the reads in flight may be waiting for this thread.
-        worker = threading.current_thread().name.startswith("pysafetensors-")
-        if os.getpid() == self._pid and not worker:
+        # A forked child has none of the parent's reads in flight; see may_wait_here for where
+        # a close() must not wait for its own reads.
+        if os.getpid() == self._pid and may_wait_here():
             with self._runs:
                 self._runs.wait_for(lambda: not self._running)
         self._release()
