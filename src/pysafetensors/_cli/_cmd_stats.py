@@ -1,6 +1,7 @@
 """``pysafetensors stats``: per-tensor min/max/mean/std, NaN/Inf/zero counts, histograms.
 
-Tensors are streamed in chunks (a few million elements at a time), so memory stays bounded
+Tensors are streamed in chunks (a quarter of a million elements at a time, summarised on
+worker threads while the next are read: see :mod:`._chunk_work`), so memory stays bounded
 whatever the tensor size. Mean and standard deviation are merged chunk by chunk with Chan's
 parallel formula, which stays accurate where a running sum of squares would not. They cover the
 finite values only; NaN and Inf are counted separately. Complex tensors are summarised by
@@ -12,25 +13,25 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 
+from .._dtypes import DType
+from ._chunk_work import ChunkWorkers, as_float64, chunk_bytes
 from ._common import (
     LazyRows,
     TensorRef,
     Ui,
     add_filter_args,
-    decode,
     name_filter,
     open_model,
     print_json,
     quoted,
     shown,
-    to_float64,
 )
 from ._remote_args import add_remote_args, remote_options
+from ._value_stats import Part, Summary, summarise
 
 SCHEMA: Final = "pysafetensors.stats/1"
 #: Most histogram bins (each an int64 counter).
@@ -62,116 +63,45 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-#: Magnitude from which running sums are taken over scaled values (below it, as they are).
-_SCALE_FROM: Final = 1e150
+def _first_pass(dtype: DType) -> Callable[[np.ndarray], Part]:
+    def run(raw: np.ndarray) -> Part:
+        with np.errstate(invalid="ignore", over="ignore"):  # per thread: NaN and Inf counted
+            return summarise(*as_float64(dtype, raw))
+
+    return run
 
 
-@dataclass(slots=True)
-class Summary:
-    """Running statistics of one tensor."""
+def _counting_pass(
+    dtype: DType, bins: int, lo: float, hi: float, edges: np.ndarray, by_range: bool
+) -> Callable[[np.ndarray], np.ndarray]:
+    def run(raw: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore", over="ignore"):
+            values, _ = as_float64(dtype, raw)
+            finite = values[np.isfinite(values)]
+            if by_range:
+                counts: np.ndarray = np.histogram(finite, bins=bins, range=(lo, hi))[0]
+            else:
+                counts = np.histogram(finite, bins=edges)[0]
+        return counts
 
-    count: int = 0
-    finite: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-    min: float = math.inf
-    max: float = -math.inf
-    nan: int = 0
-    inf: int = 0
-    zeros: int = 0
-    edges: np.ndarray | None = field(default=None)
-    """The histogram's bin edges (float64), when one was asked for."""
-    counts: np.ndarray | None = field(default=None)
-    """The histogram's counts (int64): arrays, not lists, as a command may keep thousands of
-    histograms until it prints them (Python's numbers took ~70 bytes a bin, 1 GB for 20,000
-    tensors of 1,000 bins)."""
-    int_min: int | None = None
-    int_max: int | None = None
-    """Exact extremes of an integer tensor (float64 rounds integers beyond 2**53: the max of
-    2**63 - 1 showed as 2**63, outside I64)."""
-    scale: float = 1.0
-    """``m2`` is kept divided by ``scale**2``, and sums are taken over values divided by it:
-    finite float64 values near the type's maximum overflowed the mean and the sum of squares
-    (two values of 1.7e308 gave a mean of inf and a std of NaN)."""
-
-    def add(self, values: np.ndarray, integers: np.ndarray | None = None) -> None:
-        """Merge a chunk of float64 values (Chan et al.'s pairwise update); ``integers``: the
-        same chunk as its integers, for exact extremes."""
-        if integers is not None and integers.size:
-            lo_i, hi_i = int(integers.min()), int(integers.max())
-            self.int_min = lo_i if self.int_min is None else min(self.int_min, lo_i)
-            self.int_max = hi_i if self.int_max is None else max(self.int_max, hi_i)
-        self.count += values.size
-        # One pass for "all finite", the common case; NaN and Inf counted apart only if not.
-        is_finite = np.isfinite(values)
-        bad = values.size - int(np.count_nonzero(is_finite))
-        if bad:
-            nan = int(np.count_nonzero(np.isnan(values)))
-            self.nan += nan
-            self.inf += bad - nan
-        self.zeros += int(np.count_nonzero(values == 0))
-        finite = values[is_finite] if bad else values
-        n = finite.size
-        if not n:
-            return
-        lo, hi = float(finite.min()), float(finite.max())
-        self.min = min(self.min, lo)
-        self.max = max(self.max, hi)
-        big = max(abs(lo), abs(hi))
-        if big > max(self.scale, _SCALE_FROM):
-            self.m2 *= (self.scale / big) ** 2
-            self.scale = big
-        scale = self.scale
-        scaled = finite / scale if scale != 1.0 else finite
-        mean_s = float(scaled.mean())
-        deviations = scaled - mean_s
-        m2 = float(np.dot(deviations, deviations))  # one pass, where ** 2 then sum took two
-        total = self.finite + n
-        delta_s = mean_s - self.mean / scale
-        self.mean += delta_s * n / total * scale
-        self.m2 += m2 + delta_s * delta_s * self.finite * n / total
-        self.finite = total
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready values (None where undefined: no finite values)."""
-        has = self.finite > 0
-        return {
-            "count": self.count,
-            "min": (self.min if self.int_min is None else self.int_min) if has else None,
-            "max": (self.max if self.int_max is None else self.int_max) if has else None,
-            "mean": self.mean if has else None,
-            "std": self.scale * math.sqrt(self.m2 / self.finite) if has else None,
-            "nan": self.nan,
-            "inf": self.inf,
-            "zeros": self.zeros,
-            "histogram": None
-            if self.edges is None or self.counts is None
-            else {"edges": self.edges.tolist(), "counts": self.counts.tolist()},
-        }
-
-
-def _values(ref: TensorRef) -> Any:
-    """The tensor's values as float64 chunks, with the chunk's integers for integer dtypes
-    (else None)."""
-    per = max(ref.dtype.bits, 8)
-    chunk = max(24, (_CHUNK_ELEMENTS * per // 8) // 24 * 24)
-    for raw in ref.chunks(chunk):
-        values = decode(ref.dtype, raw)
-        exact = values if values.dtype.kind in "iu" else None
-        yield raw.size, to_float64(values), exact
+    return run
 
 
 #: Up to this many histogram bins, numpy's search of explicit edges is the faster way.
 _SEARCHED_BINS: Final = 10_000
 
 
-def tensor_stats(ref: TensorRef, bins: int | None, progress: Callable[[int], None]) -> Summary:
+def tensor_stats(
+    ref: TensorRef, bins: int | None, progress: Callable[[int], None], workers: ChunkWorkers
+) -> Summary:
     """Stream one tensor's data (twice with a histogram) and summarise it."""
     s = Summary()
+    step = chunk_bytes(ref.dtype)
+    alone = ref.nbytes <= step
     with np.errstate(invalid="ignore", over="ignore"):
-        for nbytes, values, exact in _values(ref):
-            s.add(values, exact)
-            progress(nbytes)
+        for raw, part in workers.ordered(_first_pass(ref.dtype), ref.chunks(step), alone=alone):
+            s.merge(part)
+            progress(raw.size)
         if bins and s.finite:
             lo, hi = s.min, s.max
             counts = np.zeros(bins, np.int64)
@@ -190,13 +120,14 @@ def tensor_stats(ref: TensorRef, bins: int | None, progress: Callable[[int], Non
             # numpy refuses a count and a range ("Too many bins for data range"), while the
             # search takes the repeated edges (10,000 bins ran, 10,001 failed the command).
             by_range = spanned and bins > _SEARCHED_BINS and bool(np.all(np.diff(edges) > 0))
-            for nbytes, values, _ in _values(ref):
-                finite = values[np.isfinite(values)]
-                if by_range:
-                    counts += np.histogram(finite, bins=bins, range=(lo, hi))[0]
-                else:
-                    counts += np.histogram(finite, bins=edges)[0]
-                progress(nbytes)
+            # Chunks of at least four values a bin: each chunk's counts are an array of all
+            # the bins, which must not cost more than counting the chunk.
+            step = max(step, (4 * bins * max(ref.dtype.bits, 8) // 8) // 24 * 24)
+            count = _counting_pass(ref.dtype, bins, lo, hi, edges, by_range)
+            alone = ref.nbytes <= step
+            for raw, chunk_counts in workers.ordered(count, ref.chunks(step), alone=alone):
+                counts += chunk_counts
+                progress(raw.size)
             s.edges, s.counts = edges, counts
     return s
 
@@ -232,13 +163,17 @@ def run(args: argparse.Namespace) -> int:
         inconsistent = model.warn_index()
         refs = [t for t in model.tensors.values() if accept(t.name)]
         total = sum(t.nbytes for t in refs) * (2 if args.histogram else 1)
-        with ui.progress(total, "stats") as update, model.planned_reads(refs):
+        with (
+            ui.progress(total, "stats") as update,
+            model.planned_reads(refs),
+            ChunkWorkers() as workers,
+        ):
             if args.json:
 
                 def entries() -> Iterator[dict[str, Any]]:
                     # Each tensor summarised as it is written: nothing kept per tensor.
                     for r in refs:
-                        s = tensor_stats(r, args.histogram, update)
+                        s = tensor_stats(r, args.histogram, update, workers)
                         yield {
                             "name": r.name,
                             "dtype": r.dtype.code,
@@ -255,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return inconsistent
             for ref in refs:
-                results.append((ref, tensor_stats(ref, args.histogram, update)))
+                results.append((ref, tensor_stats(ref, args.histogram, update, workers)))
     rows = []
     for ref, s in results:
         d = s.as_dict()

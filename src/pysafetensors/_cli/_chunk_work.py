@@ -1,0 +1,158 @@
+"""Chunks of tensor values worked on by threads, each in cache-sized scratch memory.
+
+The commands that compute over every value (``stats``, ``diff``) read a tensor a chunk of
+:data:`CHUNK_ELEMENTS` elements at a time and decode each into float64 scratch buffers that
+each thread reuses: small enough to stay in the processor's cache across the several passes a
+chunk needs, and no fresh memory for the kernel to fault in and zero per chunk. Measured on a
+2-core EPYC for float16 values: 2.7 ns an element in chunks of 256 Ki elements, 7.8 ns in
+chunks of 4 Mi (the size ``stats`` used before, each in fresh memory besides).
+
+:class:`ChunkWorkers` runs a function of each chunk on worker threads (numpy's loops release
+the GIL) while the caller reads the next chunks (one reader at a time, as the remote planned
+reads need), and hands the results back in the chunks' order, so that what is merged from
+them does not depend on which thread finished first.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Final, TypeVar
+
+import numpy as np
+
+from .._dtypes import DType
+from ._common import decode
+
+__all__ = ["CHUNK_ELEMENTS", "ChunkWorkers", "as_float64", "chunk_bytes", "take_masks"]
+
+#: Elements worked on at a time (their float64 copy: 2 MiB).
+CHUNK_ELEMENTS: Final = 256 << 10
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def chunk_bytes(dtype: DType) -> int:
+    """Bytes of a chunk of ``dtype``: :data:`CHUNK_ELEMENTS` elements (sub-byte ones count a
+    byte each, as they are unpacked), a multiple of 24 so that no element spans two chunks."""
+    per = max(dtype.bits, 8)
+    return max(24, (CHUNK_ELEMENTS * per // 8) // 24 * 24)
+
+
+class _Scratch(threading.local):
+    """Each thread's reusable buffers: two float64 slots (two tensors' chunks side by side),
+    a uint32 one for widening BF16, two masks."""
+
+    def __init__(self) -> None:
+        self.float64 = [np.empty(0, np.float64), np.empty(0, np.float64)]
+        self.uint32 = np.empty(0, np.uint32)
+        self.masks = np.empty((2, 0), np.bool_)
+
+    def take(self, n: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Room for ``n`` float64 values in ``slot`` and ``n`` uint32 values."""
+        if self.float64[slot].size < n:
+            self.float64[slot] = np.empty(max(n, CHUNK_ELEMENTS), np.float64)
+        if self.uint32.size < n:
+            self.uint32 = np.empty(max(n, CHUNK_ELEMENTS), np.uint32)
+        return self.float64[slot][:n], self.uint32[:n]
+
+    def take_masks(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two masks of ``n`` elements."""
+        if self.masks.shape[1] < n:
+            self.masks = np.empty((2, max(n, CHUNK_ELEMENTS)), np.bool_)
+        return self.masks[0, :n], self.masks[1, :n]
+
+
+_scratch = _Scratch()
+
+
+def take_masks(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's two scratch masks of ``n`` elements (valid until it asks again)."""
+    return _scratch.take_masks(n)
+
+
+def as_float64(
+    dtype: DType, raw: np.ndarray, slot: int = 0
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A chunk's values as float64 in this thread's scratch ``slot`` (0 or 1; valid until this
+    thread asks for that slot again; the caller may overwrite them), and its integers for an
+    integer dtype (exact extremes), else None.
+
+    Complex values become their magnitude, computed in double precision (``abs`` of a
+    complex64 is a float32: a finite 3e38+3e38j became Inf). BF16 is widened by its bits
+    (the upper half of a float32, exactly), without ml_dtypes: importing ml_dtypes 0.7 takes
+    over a second, most of a small file's ``stats``.
+    """
+    if dtype.code == "BF16":
+        out, wide = _scratch.take(raw.size // 2, slot)
+        np.copyto(wide, raw.view("<u2"))
+        np.left_shift(wide, 16, out=wide)
+        np.copyto(out, wide.view(np.float32))
+        return out, None
+    values = decode(dtype, raw)
+    if values.dtype.kind == "c":
+        return np.abs(values.astype(np.complex128)), None
+    out, _ = _scratch.take(values.size, slot)
+    np.copyto(out, values, casting="unsafe")
+    return out, values if values.dtype.kind in "iu" else None
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity, where the platform tells it)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is not None:
+        return len(getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class ChunkWorkers:
+    """Worker threads for chunk functions, whose results come back in order.
+
+    numpy's reductions and conversions release the GIL, so chunks are summarised in parallel
+    while the caller reads the next ones. With one core, or one chunk, the caller runs the
+    function itself. A context manager: leaving it waits for the workers (a chunk or two).
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = max(1, min(4, _usable_cores()) if threads is None else threads)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> ChunkWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def ordered(
+        self, fn: Callable[[T], R], items: Iterable[T], *, alone: bool = False
+    ) -> Iterator[tuple[T, R]]:
+        """Each item with ``fn`` of it, in the items' order; ``items`` is advanced on the
+        calling thread (it may read), at most two chunks per worker ahead of the results
+        taken. ``alone``: run on the calling thread (one chunk: a hand-off would cost more)."""
+        if alone or self.threads == 1:
+            for item in items:
+                yield item, fn(item)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pysafetensors-stats")
+        pending: deque[tuple[T, Future[R]]] = deque()
+        try:
+            for item in items:
+                pending.append((item, self._pool.submit(fn, item)))
+                if len(pending) >= 2 * self.threads:
+                    done, future = pending.popleft()
+                    yield done, future.result()
+            while pending:
+                done, future = pending.popleft()
+                yield done, future.result()
+        finally:
+            # An error (a read, a chunk) or a consumer that stopped: the chunks in flight are
+            # not wanted; those not started are cancelled, the others finish on their own.
+            for _, future in pending:
+                future.cancel()

@@ -1,0 +1,201 @@
+"""``stats`` summarises tensors chunk by chunk on worker threads, merging the chunks in order.
+
+The results must be numpy's (float64, over the finite values) across chunk boundaries, for
+chunks with NaN, Inf, zeros, only NaN, or values near the float64 maximum, and the same digits
+with one worker or four. BF16 is widened by its bits without ml_dtypes (whose import takes
+over a second in 0.7): every one of its 65,536 bit patterns must decode as ml_dtypes does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pysafetensors import SafetensorError
+from pysafetensors._cli import _chunk_work
+from pysafetensors._cli._cmd_stats import tensor_stats
+from pysafetensors._cli._common import open_model
+from pysafetensors._dtypes import dtype_from_code
+from pysafetensors.numpy import save_file
+
+#: Elements per chunk in these tests: every tensor below spans several chunks.
+CHUNK = 1_000
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_chunk_work, "CHUNK_ELEMENTS", CHUNK)
+
+
+def _mixed(rng: np.random.Generator, n: int) -> np.ndarray:
+    """float64 values whose chunks differ: plain, with NaN and Inf, zeros of both signs, a
+    chunk of NaN only, a chunk of one value."""
+    values = rng.standard_normal(n) * 3 + 0.5
+    values[5] = np.nan
+    values[1_500:1_510] = np.inf
+    values[1_600] = -np.inf
+    values[2_000:2_050] = 0.0
+    values[2_050:2_060] = -0.0
+    values[3 * CHUNK : 4 * CHUNK] = np.nan  # a chunk with no finite value
+    values[5 * CHUNK : 6 * CHUNK] = 7.25  # a chunk of one value
+    return values
+
+
+def _tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    n = 10_500
+    mixed = _mixed(rng, n)
+    return {
+        "f64": mixed,
+        "f32": mixed.astype(np.float32),
+        "f16": mixed.astype(np.float16),
+        "bf16": mixed.astype(ml_dtypes.bfloat16),
+        "i64": rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64, endpoint=True),
+        "u8": rng.integers(0, 255, n, dtype=np.uint8),
+        "c64": (mixed + 1j * rng.standard_normal(n)).astype(np.complex64),
+        "bool": rng.integers(0, 2, n).astype(bool),
+        "huge": np.concatenate(
+            [rng.standard_normal(2_500), rng.uniform(-1, 1, 2_500) * 1.7e308, np.ones(2_500)]
+        ),
+        "one": np.full(1, 3.0),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+
+
+def _expected(array: np.ndarray) -> dict[str, object]:
+    values = (
+        np.abs(array.astype(np.complex128)).ravel()
+        if array.dtype.kind == "c"
+        else array.astype(np.float64).ravel()
+    )
+    finite = values[np.isfinite(values)]
+    ints = array.dtype.kind in "iu"
+    # numpy's sums of values this large overflow: compare scaled, as the command sums them.
+    scale = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
+    return {
+        "count": values.size,
+        "nan": int(np.isnan(values).sum()),
+        "inf": int(np.isinf(values).sum()),
+        "zeros": int((values == 0).sum()),
+        "min": (int(array.min()) if ints else float(finite.min())) if finite.size else None,
+        "max": (int(array.max()) if ints else float(finite.max())) if finite.size else None,
+        "mean": float(np.mean(finite / scale) * scale) if finite.size else None,
+        "std": float(np.std(finite / scale) * scale) if finite.size else None,
+    }
+
+
+def _stats(cli, path: Path, *args: str) -> dict[str, dict[str, object]]:
+    r = cli("stats", path, "--json", *args)
+    assert r.code == 0, r.err
+    return {t["name"]: t for t in r.json()["tensors"]}
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_chunked_stats_are_numpys_and_the_same_with_any_number_of_workers(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensors = _tensors(np.random.default_rng(7))
+    path = tmp_path / "mixed.safetensors"
+    save_file(tensors, str(path))
+    runs = []
+    for cores in (1, 2, 4):
+        monkeypatch.setattr(_chunk_work, "_usable_cores", lambda cores=cores: cores)
+        runs.append(_stats(cli, path, "--histogram", "13"))
+    # The chunks are merged in file order whoever summarised them: the same digits.
+    assert runs[0] == runs[1] == runs[2]
+    got = runs[0]
+    for name, array in tensors.items():
+        want, row = _expected(array), got[name]
+        for key in ("count", "nan", "inf", "zeros", "min", "max"):
+            assert row[key] == want[key], (name, key)
+        for key in ("mean", "std"):
+            if want[key] is None:
+                assert row[key] is None, (name, key)
+            else:
+                assert row[key] == pytest.approx(want[key], rel=1e-12, abs=1e-300), (name, key)
+        if want["min"] is not None:
+            finite = np.abs(array.astype(np.complex128)) if array.dtype.kind == "c" else array
+            finite = finite.astype(np.float64).ravel()
+            finite = finite[np.isfinite(finite)]
+            edges = np.array(row["histogram"]["edges"])
+            assert row["histogram"]["counts"] == np.histogram(finite, bins=edges)[0].tolist()
+
+
+def test_every_bf16_bit_pattern_widens_as_ml_dtypes_does() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    with np.errstate(invalid="ignore"):  # signalling NaN patterns: a warning, not an error
+        values, integers = _chunk_work.as_float64(dtype_from_code("BF16"), bits.view(np.uint8))
+        want = bits.view(ml_dtypes.bfloat16).astype(np.float64)
+    assert integers is None
+    np.testing.assert_array_equal(values, want)  # NaN where NaN, -0.0 and subnormals exact
+    assert np.array_equal(np.signbit(values), np.signbit(want))
+
+
+def test_bf16_stats_do_not_import_ml_dtypes(tmp_path: Path) -> None:
+    path = tmp_path / "bf16.safetensors"
+    array = (np.arange(-500, 1500) / 7).astype(ml_dtypes.bfloat16)
+    save_file({"w": array}, str(path))
+    code = (
+        "import json, sys\n"
+        "from pysafetensors._cli import main\n"
+        f"assert main(['-q', 'stats', '--json', {str(path)!r}]) == 0\n"
+        "print('ml_dtypes' in sys.modules, file=sys.stderr)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == "False"
+    (row,) = json.loads(r.stdout)["tensors"]
+    assert row["mean"] == pytest.approx(float(array.astype(np.float64).mean()), rel=1e-12)
+    assert row["min"] == float(array.astype(np.float64).min())
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_a_file_cut_short_mid_tensor_fails_cleanly_with_workers_running(tmp_path: Path) -> None:
+    path = tmp_path / "cut.safetensors"
+    save_file({"w": np.random.default_rng(1).standard_normal(50 * CHUNK)}, str(path))
+    cut = False
+
+    def progress(_: int) -> None:
+        # After the first chunk is merged, the file loses its last half (replaced under the
+        # reader): later reads come up short while other chunks are being summarised.
+        nonlocal cut
+        if not cut:
+            cut = True
+            os.truncate(path, os.path.getsize(path) // 2)
+
+    with open_model(str(path)) as model:
+        (ref,) = model.tensors.values()
+        with _chunk_work.ChunkWorkers(3) as workers, pytest.raises(SafetensorError) as err:
+            tensor_stats(ref, None, progress, workers)
+    assert "ended early" in str(err.value) and "offset" in str(err.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("pysafetensors-stats")]
+
+
+def test_workers_hand_back_results_in_order_and_stop_taking_items_on_an_error() -> None:
+    taken: list[int] = []
+
+    def items() -> object:
+        for i in range(100):
+            taken.append(i)
+            if i == 20:
+                raise ValueError("item 20 is bad")
+            yield i
+
+    with _chunk_work.ChunkWorkers(3) as workers:
+        results = []
+        with pytest.raises(ValueError, match="item 20"):
+            for item, doubled in workers.ordered(lambda i: 2 * i, items()):  # type: ignore[arg-type]
+                results.append((item, doubled))
+    assert results == [(i, 2 * i) for i in range(len(results))]
+    assert taken[-1] == 20  # nothing past the failing item was asked for
+    # At most two items per worker are ahead of the results taken.
+    assert len(results) >= 20 - 2 * 3
