@@ -27,7 +27,14 @@ import numpy as np
 from .._dtypes import DType
 from ._common import decode
 
-__all__ = ["CHUNK_ELEMENTS", "ChunkWorkers", "as_float64", "chunk_bytes", "take_masks"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "ChunkWorkers",
+    "as_float64",
+    "chunk_bytes",
+    "take_float64",
+    "take_masks",
+]
 
 #: Elements worked on at a time (their float64 copy: 2 MiB).
 CHUNK_ELEMENTS: Final = 256 << 10
@@ -44,11 +51,11 @@ def chunk_bytes(dtype: DType) -> int:
 
 
 class _Scratch(threading.local):
-    """Each thread's reusable buffers: two float64 slots (two tensors' chunks side by side),
-    a uint32 one for widening BF16, two masks."""
+    """Each thread's reusable buffers: three float64 slots (two tensors' chunks side by side,
+    and one for what is computed from them), a uint32 one for widening BF16, two masks."""
 
     def __init__(self) -> None:
-        self.float64 = [np.empty(0, np.float64), np.empty(0, np.float64)]
+        self.float64 = [np.empty(0, np.float64) for _ in range(3)]
         self.uint32 = np.empty(0, np.uint32)
         self.masks = np.empty((2, 0), np.bool_)
 
@@ -70,6 +77,12 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
+def take_float64(n: int, slot: int) -> np.ndarray:
+    """This thread's scratch ``slot`` (0-2) as ``n`` float64 values (valid until it asks for
+    that slot again)."""
+    return _scratch.take(n, slot)[0]
+
+
 def take_masks(n: int) -> tuple[np.ndarray, np.ndarray]:
     """This thread's two scratch masks of ``n`` elements (valid until it asks again)."""
     return _scratch.take_masks(n)
@@ -78,7 +91,7 @@ def take_masks(n: int) -> tuple[np.ndarray, np.ndarray]:
 def as_float64(
     dtype: DType, raw: np.ndarray, slot: int = 0
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """A chunk's values as float64 in this thread's scratch ``slot`` (0 or 1; valid until this
+    """A chunk's values as float64 in this thread's scratch ``slot`` (0-2; valid until this
     thread asks for that slot again; the caller may overwrite them), and its integers for an
     integer dtype (exact extremes), else None.
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
+from .._dtypes import DType
+from . import _chunk_work
+from ._chunk_work import ChunkWorkers, as_float64, take_float64, take_masks
 from ._common import (
     Model,
     TensorRef,
@@ -40,8 +44,6 @@ from ._common import (
 from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.diff/1"
-#: Elements compared per step (a multiple of 24, so F4/F6 chunks end on byte boundaries).
-_CHUNK_ELEMENTS: Final = 3 << 20
 
 
 def register(sub: Any) -> None:
@@ -64,11 +66,13 @@ def register(sub: Any) -> None:
 
 
 def _element_chunks(ref: TensorRef) -> Iterator[np.ndarray]:
-    """Raw bytes of successive runs of ``_CHUNK_ELEMENTS`` elements."""
+    """Raw bytes of successive runs of :data:`CHUNK_ELEMENTS` elements (a multiple of 4, so
+    F4/F6 chunks end on byte boundaries)."""
     n = ref.numel
     start = ref.file_offsets[0]
-    for e0 in range(0, n, _CHUNK_ELEMENTS):
-        e1 = min(n, e0 + _CHUNK_ELEMENTS)
+    step = _chunk_work.CHUNK_ELEMENTS
+    for e0 in range(0, n, step):
+        e1 = min(n, e0 + step)
         b0, b1 = e0 * ref.dtype.bits // 8, e1 * ref.dtype.bits // 8
         buf = np.empty(b1 - b0, np.uint8)
         ref.file.data.readinto(start + b0, buf.data)
@@ -137,51 +141,112 @@ def _comparable(va: np.ndarray, vb: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return to_float64(va), to_float64(vb)
 
 
+@dataclass(frozen=True, slots=True)
+class _Differences:
+    """How one chunk of A differs from the same chunk of B."""
+
+    identical: bool
+    differ: int = 0
+    outside: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+
+
+def _chunk_differences(
+    a: DType, b: DType, atol: float, rtol: float
+) -> Callable[[tuple[np.ndarray, np.ndarray]], _Differences]:
+    """What compares a chunk of A (dtype ``a``) with B's (dtype ``b``), on any thread."""
+    integers = _integer(a.code) and _integer(b.code)
+    complex_ = a.code[0] == "C" or b.code[0] == "C"
+
+    def compare(pair: tuple[np.ndarray, np.ndarray]) -> _Differences:
+        raw_a, raw_b = pair
+        if a == b and np.array_equal(raw_a, raw_b):
+            return _Differences(True)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # per thread
+            if integers:
+                differ, big, rel, outside = _integer_differences(
+                    decode(a, raw_a), decode(b, raw_b), atol, rtol
+                )
+                return _Differences(False, differ, outside, big, rel)
+            if not complex_:
+                found = _finite_differences(a, b, raw_a, raw_b, atol, rtol)
+                if found is not None:
+                    return found
+            va, vb = _comparable(decode(a, raw_a), decode(b, raw_b))
+            return _any_differences(va, vb, atol, rtol)
+
+    return compare
+
+
+def _finite_differences(
+    a: DType, b: DType, raw_a: np.ndarray, raw_b: np.ndarray, atol: float, rtol: float
+) -> _Differences | None:
+    """The differences of two chunks of real values that are all finite (and whose differences
+    are), in this thread's scratch memory; None for any other pair (:func:`_any_differences`
+    then). Finite values are equal exactly when their difference is 0."""
+    va, _ = as_float64(a, raw_a, 0)
+    vb, _ = as_float64(b, raw_b, 1)
+    diff = np.abs(np.subtract(va, vb, out=va), out=va)
+    if not math.isfinite(float(diff.sum())):  # a NaN or Inf somewhere (or a huge difference)
+        return None
+    changed, _ = take_masks(diff.size)
+    differ = int(np.count_nonzero(np.not_equal(diff, 0, out=changed)))
+    if not differ:
+        return _Differences(False)
+    scale = np.abs(vb, out=vb)
+    limit = np.multiply(scale, rtol, out=take_float64(diff.size, 2))
+    outside = int(np.count_nonzero(np.greater(diff, np.add(limit, atol, out=limit), out=changed)))
+    # 0/0 is NaN where the values are equal zeros: fmax passes over it (their rel is 0).
+    rel = float(np.fmax.reduce(np.divide(diff, scale, out=scale)))
+    return _Differences(False, differ, outside, float(diff.max()), 0.0 if rel != rel else rel)
+
+
+def _any_differences(va: np.ndarray, vb: np.ndarray, atol: float, rtol: float) -> _Differences:
+    """The differences of two chunks of values, any values (NaN, Inf, complex)."""
+    # Equal: same value, same-sign infinities, or NaN against NaN (whatever payload).
+    eq = (va == vb) | (np.isnan(va) & np.isnan(vb))
+    ne = ~eq
+    n_ne = int(ne.sum())
+    if not n_ne:
+        return _Differences(False)
+    diff = np.abs(va - vb)
+    diff[eq] = 0.0
+    # A difference involving Inf or NaN (inf vs -inf, 5 vs inf, inf vs NaN) is infinite and
+    # beyond any tolerance: atol + rtol*|inf| is inf or NaN and would let it pass, and only
+    # for one argument order.
+    nonfinite = ne & ~(np.isfinite(va) & np.isfinite(vb))
+    diff[nonfinite | np.isnan(diff)] = math.inf
+    rel = np.where(ne, diff / np.abs(vb), 0.0)
+    rel[np.isnan(rel)] = math.inf
+    outside = int(((diff > atol + rtol * np.abs(vb)) | nonfinite).sum())
+    return _Differences(False, n_ne, outside, float(diff.max()), float(rel.max()))
+
+
 def compare_values(
-    a: TensorRef, b: TensorRef, atol: float, rtol: float, progress: Callable[[int], None]
+    a: TensorRef,
+    b: TensorRef,
+    atol: float,
+    rtol: float,
+    progress: Callable[[int], None],
+    workers: ChunkWorkers,
 ) -> dict[str, Any]:
-    """Stream both tensors and measure how their values differ."""
-    same_dtype = a.dtype == b.dtype
-    identical = same_dtype
+    """Stream both tensors and measure how their values differ (chunks on ``workers``)."""
+    identical = a.dtype == b.dtype
     differ = 0
     outside = 0
     max_abs = 0.0
     max_rel = 0.0
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for raw_a, raw_b in zip(_element_chunks(a), _element_chunks(b), strict=True):
-            progress(raw_a.size + raw_b.size)
-            if same_dtype and np.array_equal(raw_a, raw_b):
-                continue
-            identical = False
-            if _integer(a.dtype.code) and _integer(b.dtype.code):
-                n_ne, big, rel_big, out = _integer_differences(
-                    decode(a.dtype, raw_a), decode(b.dtype, raw_b), atol, rtol
-                )
-                differ += n_ne
-                outside += out
-                max_abs = max(max_abs, big)
-                max_rel = max(max_rel, rel_big)
-                continue
-            va, vb = _comparable(decode(a.dtype, raw_a), decode(b.dtype, raw_b))
-            # Equal: same value, same-sign infinities, or NaN against NaN (whatever payload).
-            eq = (va == vb) | (np.isnan(va) & np.isnan(vb))
-            ne = ~eq
-            n_ne = int(ne.sum())
-            differ += n_ne
-            if not n_ne:
-                continue
-            diff = np.abs(va - vb)
-            diff[eq] = 0.0
-            # A difference involving Inf or NaN (inf vs -inf, 5 vs inf, inf vs NaN) is infinite
-            # and beyond any tolerance: atol + rtol*|inf| is inf or NaN and would let it pass,
-            # and only for one argument order.
-            nonfinite = ne & ~(np.isfinite(va) & np.isfinite(vb))
-            diff[nonfinite | np.isnan(diff)] = math.inf
-            max_abs = max(max_abs, float(diff.max()))
-            rel = np.where(ne, diff / np.abs(vb), 0.0)
-            rel[np.isnan(rel)] = math.inf
-            max_rel = max(max_rel, float(rel.max()))
-            outside += int(((diff > atol + rtol * np.abs(vb)) | nonfinite).sum())
+    compare = _chunk_differences(a.dtype, b.dtype, atol, rtol)
+    pairs = zip(_element_chunks(a), _element_chunks(b), strict=True)
+    alone = a.numel <= _chunk_work.CHUNK_ELEMENTS
+    for (raw_a, raw_b), found in workers.ordered(compare, pairs, alone=alone):
+        progress(raw_a.size + raw_b.size)
+        identical = identical and found.identical
+        differ += found.differ
+        outside += found.outside
+        max_abs = max(max_abs, found.max_abs)
+        max_rel = max(max_rel, found.max_rel)
     if identical:
         return {
             "identical": True,
@@ -213,7 +278,11 @@ def value_pairs(ma: Model, mb: Model, args: argparse.Namespace) -> list[str]:
 
 
 def diff_models(
-    ma: Model, mb: Model, args: argparse.Namespace, progress: Callable[[int], None]
+    ma: Model,
+    mb: Model,
+    args: argparse.Namespace,
+    progress: Callable[[int], None],
+    workers: ChunkWorkers,
 ) -> dict[str, Any]:
     """The ``pysafetensors.diff/1`` document."""
     accept = name_filter(args)
@@ -232,7 +301,7 @@ def diff_models(
     # Values compared in A's file order (a remote A is then read front to back, in few
     # requests), reported in name order.
     compared = {
-        n: compare_values(ma.tensors[n], mb.tensors[n], args.atol, args.rtol, progress)
+        n: compare_values(ma.tensors[n], mb.tensors[n], args.atol, args.rtol, progress, workers)
         for n in value_pairs(ma, mb, args)
     }
     tensors = []
@@ -314,8 +383,9 @@ def run(args: argparse.Namespace) -> int:
             ui.progress(total, "diff") as update,
             ma.planned_reads(ma.tensors[n] for n in common),
             mb.planned_reads(mb.tensors[n] for n in common),
+            ChunkWorkers() as workers,
         ):
-            result = diff_models(ma, mb, args, update)
+            result = diff_models(ma, mb, args, update, workers)
     if args.json:
         print_json(result)
         return 2 if inconsistent else 0 if result["equal"] else 1

@@ -36,8 +36,6 @@ from ._value_stats import Part, Summary, summarise
 SCHEMA: Final = "pysafetensors.stats/1"
 #: Most histogram bins (each an int64 counter).
 MAX_BINS: Final = 1_000_000
-#: Elements decoded per step; float64 copies of them bound the memory used (~32 MiB).
-_CHUNK_ELEMENTS: Final = 4 << 20
 
 
 def register(sub: Any) -> None:

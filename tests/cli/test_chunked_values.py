@@ -1,9 +1,10 @@
-"""``stats`` summarises tensors chunk by chunk on worker threads, merging the chunks in order.
+"""``stats`` and ``diff`` work on tensors chunk by chunk on worker threads, merging in order.
 
-The results must be numpy's (float64, over the finite values) across chunk boundaries, for
-chunks with NaN, Inf, zeros, only NaN, or values near the float64 maximum, and the same digits
-with one worker or four. BF16 is widened by its bits without ml_dtypes (whose import takes
-over a second in 0.7): every one of its 65,536 bit patterns must decode as ml_dtypes does.
+``stats`` must give numpy's results (float64, over the finite values) across chunk boundaries,
+for chunks with NaN, Inf, zeros, only NaN, or values near the float64 maximum, and the same
+digits with one worker or four; ``diff``'s chunks must add up to the comparison of the whole
+arrays. BF16 is widened by its bits without ml_dtypes (whose import takes over a second in
+0.7): every one of its 65,536 bit patterns must decode as ml_dtypes does.
 """
 
 from __future__ import annotations
@@ -199,3 +200,76 @@ def test_workers_hand_back_results_in_order_and_stop_taking_items_on_an_error() 
     assert taken[-1] == 20  # nothing past the failing item was asked for
     # At most two items per worker are ahead of the results taken.
     assert len(results) >= 20 - 2 * 3
+
+
+def _pairs(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Tensors of A and B whose chunks differ in every way ``diff`` tells apart."""
+    n = 10_500
+    a = rng.standard_normal(n) * 3
+    b = a.copy()
+    b[::7] += rng.standard_normal(b[::7].size) * 1e-3  # small changes everywhere
+    b[CHUNK : 2 * CHUNK] = a[CHUNK : 2 * CHUNK]  # a chunk of equal values
+    b[2 * CHUNK + 5] = -0.0 if a[2 * CHUNK + 5] == 0 else 0.0  # a zero against a value
+    a[4 * CHUNK + 1], b[4 * CHUNK + 1] = np.nan, np.nan  # NaN against NaN: equal
+    a[4 * CHUNK + 2], b[4 * CHUNK + 2] = np.inf, np.inf
+    a[6 * CHUNK + 3], b[6 * CHUNK + 3] = np.inf, 5.0  # beyond any tolerance
+    a[8 * CHUNK + 4], b[8 * CHUNK + 4] = 0.0, -0.0  # equal, bytes differ
+    a[9 * CHUNK], b[9 * CHUNK] = 1.7e308, -1.7e308  # a difference that overflows
+    ints_a = rng.integers(-1000, 1000, n).astype(np.int32)
+    ints_b = ints_a.copy()
+    ints_b[::11] += 3
+    return {
+        "f64": (a, b),
+        "f32": (a.astype(np.float32), b.astype(np.float32)),
+        "bf16": (a.astype(ml_dtypes.bfloat16), (b * 1.01).astype(ml_dtypes.bfloat16)),
+        "cast": (a.astype(np.float32), a.astype(ml_dtypes.bfloat16)),  # F32 against its BF16
+        "i32": (ints_a, ints_b),
+        "mixed": (ints_a, ints_b.astype(np.float32) + 0.25),
+        "c64": (
+            (a + 1j).astype(np.complex64),
+            (b + 1j).astype(np.complex64),
+        ),
+        "same": (a, a.copy()),
+    }
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_chunked_diff_is_the_whole_arrays_and_the_same_with_any_number_of_workers(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pysafetensors._cli._cmd_diff import (
+        _any_differences,
+        _comparable,
+        _integer_differences,
+    )
+
+    with np.errstate(over="ignore"):  # 1.7e308 as a float32 or a complex64: Inf
+        pairs = _pairs(np.random.default_rng(11))
+    fa, fb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({k: v[0] for k, v in pairs.items()}, str(fa))
+    save_file({k: v[1] for k, v in pairs.items()}, str(fb))
+    runs = []
+    for cores in (1, 3):
+        monkeypatch.setattr(_chunk_work, "_usable_cores", lambda cores=cores: cores)
+        r = cli("diff", fa, fb, "--json", "--atol", "1e-4", "--rtol", "1e-3")
+        assert r.code == 1, r.err
+        runs.append({t["name"]: t["values"] for t in r.json()["tensors"]})
+    assert runs[0] == runs[1]
+    with np.errstate(all="ignore"):
+        for name, (a, b) in pairs.items():
+            row = runs[0][name]
+            if name == "same":
+                assert row["identical"] and row["differing"] == 0
+                continue
+            # The whole arrays at once, by the general comparison: what each chunk must add to.
+            if a.dtype.kind in "iu" and b.dtype.kind in "iu":
+                differ, big, rel, outside = _integer_differences(a, b, 1e-4, 1e-3)
+            else:
+                d = _any_differences(*_comparable(a, b), 1e-4, 1e-3)
+                differ, big, rel, outside = d.differ, d.max_abs, d.max_rel, d.outside
+            assert row["differing"] == differ, name
+            assert row["outside_tolerance"] == outside, name
+            assert row["max_abs"] == (big if np.isfinite(big) else None), name
+            assert row["max_rel"] == (rel if np.isfinite(rel) else None), name
+    assert runs[0]["f64"]["max_abs"] is None  # Inf against 5, and the overflowing difference
+    assert runs[0]["cast"]["differing"] > 0 and runs[0]["cast"]["max_abs"] is not None
