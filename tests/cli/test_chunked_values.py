@@ -1,10 +1,11 @@
-"""``stats`` and ``diff`` work on tensors chunk by chunk on worker threads, merging in order.
+"""``stats``, ``diff`` and ``cast`` work on tensors chunk by chunk on worker threads.
 
 ``stats`` must give numpy's results (float64, over the finite values) across chunk boundaries,
 for chunks with NaN, Inf, zeros, only NaN, or values near the float64 maximum, and the same
 digits with one worker or four; ``diff``'s chunks must add up to the comparison of the whole
-arrays. BF16 is widened by its bits without ml_dtypes (whose import takes over a second in
-0.7): every one of its 65,536 bit patterns must decode as ml_dtypes does.
+arrays; ``cast`` must write numpy's bytes and count what overflowed. BF16 is widened by its bits
+without ml_dtypes (whose import takes over a second in 0.7): every one of its 65,536 bit
+patterns must decode, and cast to F16, F32 and F64, as ml_dtypes does.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pysafetensors._cli import _chunk_work
 from pysafetensors._cli._cmd_stats import tensor_stats
 from pysafetensors._cli._common import open_model
 from pysafetensors._dtypes import dtype_from_code
-from pysafetensors.numpy import save_file
+from pysafetensors.numpy import load_file, save_file
 
 #: Elements per chunk in these tests: every tensor below spans several chunks.
 CHUNK = 1_000
@@ -273,3 +274,64 @@ def test_chunked_diff_is_the_whole_arrays_and_the_same_with_any_number_of_worker
             assert row["max_rel"] == (rel if np.isfinite(rel) else None), name
     assert runs[0]["f64"]["max_abs"] is None  # Inf against 5, and the overflowing difference
     assert runs[0]["cast"]["differing"] > 0 and runs[0]["cast"]["max_abs"] is not None
+
+
+@pytest.mark.parametrize("target", ["F16", "F32", "F64"])
+def test_every_bf16_bit_pattern_casts_as_ml_dtypes_casts_it(
+    cli, tmp_path: Path, target: str
+) -> None:
+    # BF16 to a numpy float is widened by its bits, then cast once; NaN become the quiet NaN
+    # of their sign in F16, as ml_dtypes makes them (numpy would keep payload bits).
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    src, out = tmp_path / "bf16.safetensors", tmp_path / "out.safetensors"
+    save_file({"all": bits.view(ml_dtypes.bfloat16)}, str(src))
+    r = cli("cast", src, out, "--to", target)
+    assert r.code == 0, r.err
+    want = {"F16": np.float16, "F32": np.float32, "F64": np.float64}[target]
+    with np.errstate(all="ignore"):
+        expected = bits.view(ml_dtypes.bfloat16).astype(want)
+    got = load_file(str(out))["all"]
+    assert got.dtype == want
+    assert got.tobytes() == expected.tobytes()
+
+
+def test_bf16_to_f32_cast_does_not_import_ml_dtypes(tmp_path: Path) -> None:
+    src, out = tmp_path / "bf16.safetensors", tmp_path / "f32.safetensors"
+    array = (np.arange(-500, 1500) / 7).astype(ml_dtypes.bfloat16)
+    save_file({"w": array}, str(src))
+    code = (
+        "import sys\n"
+        "from pysafetensors._cli import main\n"
+        f"assert main(['-q', 'cast', {str(src)!r}, {str(out)!r}, '--to', 'F32']) == 0\n"
+        "print('ml_dtypes' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+    assert np.array_equal(load_file(str(out))["w"], array.astype(np.float32))
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_chunked_cast_is_numpys_and_counts_what_overflowed(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal(10_500).astype(np.float32) * 100
+    values[[17, 3_333, 9_999]] = [1e6, -7e4, 3e38]  # beyond F16: Inf
+    values[[20, 5_000]] = [np.inf, np.nan]  # already not finite: not counted
+    src = tmp_path / "f32.safetensors"
+    save_file({"v": values, "small": values[:10].copy()}, str(src))
+    outputs = []
+    for cores in (1, 3):
+        monkeypatch.setattr(_chunk_work, "_usable_cores", lambda cores=cores: cores)
+        out = tmp_path / f"f16-{cores}.safetensors"
+        r = cli("cast", src, out, "--to", "F16")
+        assert r.code == 0, r.err
+        assert "warning: 3 finite values of v became Inf/NaN in F16" in r.err
+        assert "of small" not in r.err
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+    with np.errstate(over="ignore"):
+        assert load_file(str(tmp_path / "f16-1.safetensors"))["v"].tobytes() == (
+            values.astype(np.float16).tobytes()
+        )

@@ -25,15 +25,17 @@ from typing import Final, TypeVar
 import numpy as np
 
 from .._dtypes import DType
-from ._common import decode
+from ._common import TensorRef, decode
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "ChunkWorkers",
     "as_float64",
     "chunk_bytes",
+    "element_chunks",
     "take_float64",
     "take_masks",
+    "widened_bf16",
 ]
 
 #: Elements worked on at a time (their float64 copy: 2 MiB).
@@ -44,10 +46,16 @@ R = TypeVar("R")
 
 
 def chunk_bytes(dtype: DType) -> int:
-    """Bytes of a chunk of ``dtype``: :data:`CHUNK_ELEMENTS` elements (sub-byte ones count a
-    byte each, as they are unpacked), a multiple of 24 so that no element spans two chunks."""
-    per = max(dtype.bits, 8)
-    return max(24, (CHUNK_ELEMENTS * per // 8) // 24 * 24)
+    """Bytes of :data:`CHUNK_ELEMENTS` elements of ``dtype`` (a multiple of four elements:
+    whole bytes of F4 and F6)."""
+    return CHUNK_ELEMENTS * dtype.bits // 8
+
+
+def element_chunks(ref: TensorRef) -> Iterator[np.ndarray]:
+    """``ref``'s bytes in chunks of :data:`CHUNK_ELEMENTS` elements (fresh arrays: chunks are
+    handed to workers), so that chunks of two tensors of different dtypes hold the same
+    elements."""
+    return ref.chunks(chunk_bytes(ref.dtype))
 
 
 class _Scratch(threading.local):
@@ -86,6 +94,13 @@ def take_float64(n: int, slot: int) -> np.ndarray:
 def take_masks(n: int) -> tuple[np.ndarray, np.ndarray]:
     """This thread's two scratch masks of ``n`` elements (valid until it asks again)."""
     return _scratch.take_masks(n)
+
+
+def widened_bf16(raw: np.ndarray) -> np.ndarray:
+    """BF16 bytes as float32 values (fresh memory): a BF16 is the upper half of a float32's
+    bits, so this is exact, and needs no ml_dtypes."""
+    wide: np.ndarray = np.left_shift(raw.view("<u2").astype(np.uint32), 16)
+    return wide.view(np.float32)
 
 
 def as_float64(

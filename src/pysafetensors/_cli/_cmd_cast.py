@@ -1,11 +1,12 @@
 """``pysafetensors cast``: convert floating-point tensors to another dtype, streaming.
 
 Each tensor goes to :func:`~pysafetensors._writer.write_file` as a
-:class:`~pysafetensors._writer.TensorData` whose ``chunks`` callable reads and converts a few
-million elements at a time, so a tensor is never held whole in memory (the writer batches up to
-its ``writev`` limit). Integer, boolean, complex and sub-byte (F4, F6) tensors are copied
-unchanged (naming them in ``--from`` is a usage error), and so are FP8 tensors unless ``--from``
-names them, since those usually carry quantization scales that a cast would make meaningless.
+:class:`~pysafetensors._writer.TensorData` whose ``chunks`` callable reads a chunk of elements
+at a time and has it converted on worker threads (see :mod:`._chunk_work`), so a tensor is never
+held whole in memory (the writer batches up to its ``writev`` limit). Integer, boolean,
+complex and sub-byte (F4, F6) tensors are copied unchanged (naming them in ``--from`` is a
+usage error), and so are FP8 tensors unless ``--from`` names them, since those usually carry
+quantization scales that a cast would make meaningless.
 Rounding is numpy/ml_dtypes' round-to-nearest-even; values beyond the target's range become Inf
 (or NaN for types without Inf), and ``cast`` says how many.
 
@@ -27,6 +28,8 @@ from .._adapter import numpy_dtype
 from .._dtypes import DType, dtype_from_code
 from .._remote_urls import shown_name
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
+from . import _chunk_work
+from ._chunk_work import ChunkWorkers, element_chunks, widened_bf16
 from ._common import (
     Model,
     OutputFolders,
@@ -46,7 +49,6 @@ from ._remote_args import add_remote_args, remote_options
 #: Targets a cast can produce (whole-byte floating types numpy/ml_dtypes can compute in).
 TARGETS: Final = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 DEFAULT_FROM: Final = ("F64", "F32", "F16", "BF16")
-_CHUNK_ELEMENTS: Final = 3 << 20
 
 
 def register(sub: Any) -> None:
@@ -76,30 +78,51 @@ def register(sub: Any) -> None:
 
 
 def _converted(
-    ref: TensorRef, target: DType, overflow: dict[str, int], progress: Callable[[int], None]
+    ref: TensorRef,
+    target: DType,
+    overflow: dict[str, int],
+    progress: Callable[[int], None],
+    workers: ChunkWorkers,
 ) -> Callable[[], Iterator[np.ndarray]]:
     out_dtype = numpy_dtype(target)
+    source = ref.dtype
+    # BF16 to a numpy float: widened by its bits (exact), then cast once, as ml_dtypes does;
+    # importing ml_dtypes 0.7 takes over a second.
+    widen = source.code == "BF16" and target.code in ("F16", "F32", "F64")
+
+    def convert(raw: np.ndarray) -> tuple[np.ndarray, int]:
+        """A chunk cast, and how many of its finite values became Inf/NaN (on any thread)."""
+        values = widened_bf16(raw) if widen else decode(source, raw)
+        with np.errstate(over="ignore", invalid="ignore"):  # per thread
+            cast = values.astype(out_dtype)
+            if widen and target.code == "F16":
+                _quiet_nans(values, cast)
+            # A cast never makes a value finite (NaN and Inf stay, or become NaN): the values
+            # it lost are the non-finite ones it has beyond the source's, counted in the
+            # source only when the cast has any.
+            lost = cast.size - int(np.count_nonzero(np.isfinite(cast)))
+            if lost:
+                lost -= values.size - int(np.count_nonzero(np.isfinite(values)))
+        return cast.view(np.uint8), lost
 
     def chunks() -> Iterator[np.ndarray]:
-        n = ref.numel
-        start = ref.file_offsets[0]
-        for e0 in range(0, n, _CHUNK_ELEMENTS):
-            e1 = min(n, e0 + _CHUNK_ELEMENTS)
-            b0, b1 = e0 * ref.dtype.bits // 8, e1 * ref.dtype.bits // 8
-            raw = np.empty(b1 - b0, np.uint8)
-            ref.file.data.readinto(start + b0, raw.data)
-            values = decode(ref.dtype, raw)
-            with np.errstate(over="ignore", invalid="ignore"):
-                cast = values.astype(out_dtype)
-                was = np.isfinite(values.astype(np.float64))
-                now = np.isfinite(cast.astype(np.float64))
-            lost = int(np.count_nonzero(was & ~now))
+        alone = ref.numel <= _chunk_work.CHUNK_ELEMENTS
+        for raw, (cast, lost) in workers.ordered(convert, element_chunks(ref), alone=alone):
             if lost:
                 overflow[ref.name] = overflow.get(ref.name, 0) + lost
             progress(raw.size)
-            yield np.ascontiguousarray(cast).view(np.uint8)
+            yield cast
 
     return chunks
+
+
+def _quiet_nans(wide: np.ndarray, half: np.ndarray) -> None:
+    """NaN in ``half`` (cast from the float32 ``wide``) as the quiet NaN of its sign, as
+    ml_dtypes casts BF16 to F16: numpy keeps the payload's top bits (0x7f81 became 0x7c08, a
+    signalling NaN)."""
+    nan = np.isnan(wide)
+    if nan.any():
+        half.view(np.uint16)[nan] = np.where(np.signbit(wide[nan]), 0xFE00, 0x7E00)
 
 
 def _copied(ref: TensorRef, progress: Callable[[int], None]) -> Callable[[], Iterator[np.ndarray]]:
@@ -116,6 +139,7 @@ def _plan(
     args: argparse.Namespace,
     overflow: dict[str, int],
     progress: Callable[[int], None],
+    workers: ChunkWorkers,
 ) -> dict[str, list[TensorData]]:
     try:
         # Repeated --from options add up (as -f does), instead of the last one winning.
@@ -138,7 +162,9 @@ def _plan(
                 ref.name,
                 target if cast else ref.dtype,
                 ref.shape,
-                _converted(ref, target, overflow, progress) if cast else _copied(ref, progress),
+                _converted(ref, target, overflow, progress, workers)
+                if cast
+                else _copied(ref, progress),
             )
         )
     return per_file
@@ -152,8 +178,12 @@ def run(args: argparse.Namespace) -> int:
     with open_model(args.target, remote_options(args)) as model, OutputFolders() as folders:
         model.refuse_inconsistent()  # as reshard/merge/extract: never write a model from it
         total = sum(t.nbytes for t in model.tensors.values())
-        with ui.progress(total, "cast") as update, model.planned_reads(model.tensors.values()):
-            plan = _plan(model, args, overflow, update)
+        with (
+            ui.progress(total, "cast") as update,
+            model.planned_reads(model.tensors.values()),
+            ChunkWorkers() as workers,
+        ):
+            plan = _plan(model, args, overflow, update, workers)
             written = 0
             if not model.sharded:
                 f = model.files[0]

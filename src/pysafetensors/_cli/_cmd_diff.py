@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from .._dtypes import DType
 from . import _chunk_work
-from ._chunk_work import ChunkWorkers, as_float64, take_float64, take_masks
+from ._chunk_work import ChunkWorkers, as_float64, element_chunks, take_float64, take_masks
 from ._common import (
     Model,
     TensorRef,
@@ -63,20 +63,6 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
     add_remote_args(p)
     p.set_defaults(func=run, trouble_code=2)
-
-
-def _element_chunks(ref: TensorRef) -> Iterator[np.ndarray]:
-    """Raw bytes of successive runs of :data:`CHUNK_ELEMENTS` elements (a multiple of 4, so
-    F4/F6 chunks end on byte boundaries)."""
-    n = ref.numel
-    start = ref.file_offsets[0]
-    step = _chunk_work.CHUNK_ELEMENTS
-    for e0 in range(0, n, step):
-        e1 = min(n, e0 + step)
-        b0, b1 = e0 * ref.dtype.bits // 8, e1 * ref.dtype.bits // 8
-        buf = np.empty(b1 - b0, np.uint8)
-        ref.file.data.readinto(start + b0, buf.data)
-        yield buf
 
 
 def _integer(code: str) -> bool:
@@ -238,7 +224,7 @@ def compare_values(
     max_abs = 0.0
     max_rel = 0.0
     compare = _chunk_differences(a.dtype, b.dtype, atol, rtol)
-    pairs = zip(_element_chunks(a), _element_chunks(b), strict=True)
+    pairs = zip(element_chunks(a), element_chunks(b), strict=True)
     alone = a.numel <= _chunk_work.CHUNK_ELEMENTS
     for (raw_a, raw_b), found in workers.ordered(compare, pairs, alone=alone):
         progress(raw_a.size + raw_b.size)

@@ -18,7 +18,7 @@ from typing import Any, Final
 import numpy as np
 
 from .._dtypes import DType
-from ._chunk_work import ChunkWorkers, as_float64, chunk_bytes
+from ._chunk_work import ChunkWorkers, as_float64, chunk_bytes, element_chunks
 from ._common import (
     LazyRows,
     TensorRef,
@@ -97,7 +97,7 @@ def tensor_stats(
     step = chunk_bytes(ref.dtype)
     alone = ref.nbytes <= step
     with np.errstate(invalid="ignore", over="ignore"):
-        for raw, part in workers.ordered(_first_pass(ref.dtype), ref.chunks(step), alone=alone):
+        for raw, part in workers.ordered(_first_pass(ref.dtype), element_chunks(ref), alone=alone):
             s.merge(part)
             progress(raw.size)
         if bins and s.finite:
@@ -120,7 +120,7 @@ def tensor_stats(
             by_range = spanned and bins > _SEARCHED_BINS and bool(np.all(np.diff(edges) > 0))
             # Chunks of at least four values a bin: each chunk's counts are an array of all
             # the bins, which must not cost more than counting the chunk.
-            step = max(step, (4 * bins * max(ref.dtype.bits, 8) // 8) // 24 * 24)
+            step = max(step, 4 * bins * ref.dtype.bits // 8)  # whole F4/F6 bytes: 4n elements
             count = _counting_pass(ref.dtype, bins, lo, hi, edges, by_range)
             alone = ref.nbytes <= step
             for raw, chunk_counts in workers.ordered(count, ref.chunks(step), alone=alone):
