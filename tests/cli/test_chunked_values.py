@@ -179,7 +179,7 @@ def test_a_file_cut_short_mid_tensor_fails_cleanly_with_workers_running(tmp_path
         with _chunk_work.ChunkWorkers(3) as workers, pytest.raises(SafetensorError) as err:
             tensor_stats(ref, None, progress, workers)
     assert "ended early" in str(err.value) and "offset" in str(err.value)
-    assert not [t for t in threading.enumerate() if t.name.startswith("pysafetensors-stats")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("pysafetensors-chunks")]
 
 
 def test_workers_hand_back_results_in_order_and_stop_taking_items_on_an_error() -> None:
@@ -335,3 +335,42 @@ def test_chunked_cast_is_numpys_and_counts_what_overflowed(
         assert load_file(str(tmp_path / "f16-1.safetensors"))["v"].tobytes() == (
             values.astype(np.float16).tobytes()
         )
+
+
+# A thread running the commands after the main thread returned: concurrent.futures pools then
+# refuse new work ("cannot schedule new futures after interpreter shutdown"), so the chunks
+# are worked on in that thread.
+LATE = """
+import sys, threading, time
+from pysafetensors._cli import main
+
+def run():
+    while threading.main_thread().is_alive():
+        time.sleep(0.01)
+    path, out = sys.argv[1:]
+    cast = ["cast", path, out, "--to", "F16"]
+    for args in (["stats", "--json", path], ["diff", path, path], cast):
+        print(args[0], main(["-q", *args]), flush=True)
+
+threading.Thread(target=run).start()
+"""
+
+
+def test_the_commands_in_a_thread_after_the_main_thread_returned(tmp_path: Path) -> None:
+    path = tmp_path / "big.safetensors"
+    values = np.random.default_rng(2).standard_normal(3 << 20).astype(np.float32)  # 12 chunks
+    save_file({"w": values}, str(path))
+    proc = subprocess.run(
+        [sys.executable, "-c", LATE, str(path), str(tmp_path / "f16.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    codes = [line for line in proc.stdout.splitlines() if line.endswith((" 0", " 1", " 2"))]
+    assert codes == ["stats 0", "diff 0", "cast 0"], proc.stdout[-2000:]
+    stats = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+    assert stats["tensors"][0]["mean"] == pytest.approx(float(values.astype(np.float64).mean()))
+    assert np.array_equal(
+        load_file(str(tmp_path / "f16.safetensors"))["w"], values.astype(np.float16)
+    )

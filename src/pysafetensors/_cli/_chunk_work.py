@@ -168,11 +168,11 @@ class ChunkWorkers:
                 yield item, fn(item)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pysafetensors-stats")
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pysafetensors-chunks")
         pending: deque[tuple[T, Future[R]]] = deque()
         try:
             for item in items:
-                pending.append((item, self._pool.submit(fn, item)))
+                pending.append((item, self._submit(fn, item)))
                 if len(pending) >= 2 * self.threads:
                     done, future = pending.popleft()
                     yield done, future.result()
@@ -184,3 +184,18 @@ class ChunkWorkers:
             # not wanted; those not started are cancelled, the others finish on their own.
             for _, future in pending:
                 future.cancel()
+
+    def _submit(self, fn: Callable[[T], R], item: T) -> Future[R]:
+        """``fn(item)`` on a worker; on the calling thread once the interpreter is shutting
+        down (a thread still working after the main thread returned: pools then refuse new
+        work with a RuntimeError)."""
+        assert self._pool is not None
+        try:
+            return self._pool.submit(fn, item)
+        except RuntimeError:
+            done: Future[R] = Future()
+            try:
+                done.set_result(fn(item))
+            except Exception as exc:
+                done.set_exception(exc)
+            return done
