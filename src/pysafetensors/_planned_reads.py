@@ -11,6 +11,13 @@ read out of that order (one before the previous read's end, or skipping planned 
 fetches only the rest of its own planned range: any order stays correct, and costs at most
 what reading each range as asked would.
 
+Once the reads in order have taken half of a block, the block after it (as far as the reads
+have come, up to half the room, as the block itself) is fetched in the background, so that a
+command computing over what it read (hashing, statistics, a cast) computes while the network
+delivers; a block is then at most half of :data:`BLOCK_BYTES`, so that a block and the one
+ahead of it fit. A block fetched ahead that the reads do not come to is dropped; one that
+failed is fetched again when a read needs it, which raises the error for that read.
+
 Reads in order may interleave: two streams through the file (a cast or a diff reading two
 dtype groups in name order) each keep a block, sharing :data:`BLOCK_BYTES` (a read larger than
 a stream's share still gets a block of its size: at most twice that in all). One reader at a
@@ -22,11 +29,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
 
+from ._remote_read_ahead import fetch_in_background, may_wait_here
 from ._remote_source import RemoteSource
 from ._sources import ByteSource
 
@@ -68,21 +77,42 @@ def plan_reads(
     return PlannedReads(source, ranges, max_gap=source.max_gap, budget=budget)
 
 
+@dataclass(slots=True, eq=False)
+class _Ahead:
+    """The block after a stream's, being fetched in the background into ``buf``."""
+
+    at: int
+    length: int
+    buf: np.ndarray
+    future: Future[None] = field(init=False)
+
+    def holds(self, offset: int) -> bool:
+        return self.at <= offset < self.at + self.length
+
+
 @dataclass(slots=True, eq=False)  # identity: streams are told apart by which one they are
 class _Stream:
     """Reads in the plan's order: where they are, and the block that serves them."""
 
     last: int = -1  # where its latest read ended (-1: a stream not started)
+    first: int = 0  # where its reads in order began
     run: int = 0  # bytes its reads have taken in order
     buf: np.ndarray | None = None
     at: int = 0  # file offset of the block's first byte
     len: int = 0  # bytes of the block that hold file data
+    ahead: _Ahead | None = None
+    spare: np.ndarray | None = None  # a block the reads are done with, for the next one
 
     def holds(self, offset: int) -> bool:
         return self.buf is not None and self.at <= offset < self.at + self.len
 
+    @property
+    def held(self) -> int:
+        """Bytes of its blocks: the one it reads and the one on its way."""
+        return self.len + (self.ahead.length if self.ahead is not None else 0)
+
     def drop(self) -> None:
-        self.buf = None
+        self.buf = self.spare = self.ahead = None  # a fetch ahead finishes on its own
         self.len = 0
 
 
@@ -120,6 +150,9 @@ class PlannedReads:
         self._ends = [e for _, e in merged]
         # Most recently used first.
         self._streams = [_Stream() for _ in range(STREAMS)]
+        # Fetches ahead still running, which close() waits for (futures, not blocks: a
+        # done-callback naming a block would keep it alive).
+        self._fetching: set[Future[None]] = set()
 
     @property
     def size(self) -> int:
@@ -145,20 +178,29 @@ class PlannedReads:
             self._source.readinto(offset, out)
             return
         stream, in_order = self._stream_for(offset)
+        if stream.last < 0 or not in_order:
+            stream.first = offset
         stream.last = offset + n
         stream.run = stream.run + n if in_order else 0
-        if stream.holds(offset):
+        while True:
+            if not stream.holds(offset):
+                self._take_ahead(stream, offset)
+            if not stream.holds(offset):
+                break
             start = offset - stream.at
             held = stream.at + stream.len
             if offset + n <= held:
                 out[:] = stream.buf.data[start : start + n]  # type: ignore[union-attr]
+                if in_order:
+                    self._fetch_ahead(stream)
                 return
-            if n < self._block_bytes:
-                # Across the block's end: its part from the block, the rest from the next one
-                # (which starts where this one ends, so blocks tile a file read in order).
-                out[: held - offset] = stream.buf.data[start : stream.len]  # type: ignore[union-attr]
-                out = out[held - offset :]
-                offset, n = held, n - (held - offset)
+            if n >= self._block_bytes:
+                break
+            # Across the block's end: its part from the block, the rest from the next one
+            # (which starts where this one ends, so blocks tile a file read in order).
+            out[: held - offset] = stream.buf.data[start : stream.len]  # type: ignore[union-attr]
+            out = out[held - offset :]
+            offset, n = held, n - (held - offset)
         if n >= self._block_bytes:
             self._fetch(offset, out)  # as large as a block: no copy through one
             return
@@ -166,28 +208,95 @@ class PlannedReads:
         # jump) fetches its own range, or each jump would fetch a block that the next one
         # throws away (19x the file, before streams). A block reaches as far ahead as its
         # stream's reads have come (1 MiB at first): a guess that the order goes on costs at
-        # most what it has been right for. The streams' blocks share ``block_bytes``.
+        # most what it has been right for. The streams' blocks share ``block_bytes``, half
+        # of a stream's room for the block it reads, half for the one fetched ahead.
         room = self._room(stream)
-        stop = (
-            self._extent(offset, offset + n, min(room, max(FIRST_REACH, stream.run)), stream)
-            if in_order
-            else self._own(offset, offset + n, room)
-        )
+        if in_order:
+            stop = self._extent(offset, offset + n, self._reach(stream, room), stream)
+            stream.ahead = None  # the reads went past it: its fetch finishes on its own
+        else:
+            # A second pass over a tensor comes back to where the first left off: the block
+            # fetched ahead stays for it (a block of its own beside it, within the room).
+            beside = stream.ahead.length if stream.ahead is not None else 0
+            stop = self._own(offset, offset + n, room - beside)
         self._budget.take(self)
         length = stop - offset
-        if stream.buf is None or not length <= stream.buf.size <= max(length, room):
-            stream.buf = None  # the old block's memory goes before the new one is taken
-            stream.buf = np.empty(max(length, min(room, 1 << 20)), np.uint8)
+        stream.buf = self._buffer(stream, length, room)
         stream.len = 0  # a failed read must leave no block behind
         self._fetch(offset, stream.buf.data[:length])
         stream.at, stream.len = offset, length
         out[:] = stream.buf.data[:n]
+        if in_order:
+            self._fetch_ahead(stream)
+
+    def _reach(self, stream: _Stream, room: int) -> int:
+        """How far a block of reads in order reaches: as far as they have come (1 MiB at
+        first), at most half the stream's room."""
+        return min(max(room // 2, 1), max(FIRST_REACH, stream.run))
+
+    def _buffer(self, stream: _Stream, length: int, room: int) -> np.ndarray:
+        """A block's memory: the stream's block (or spare block) when it is large enough and
+        not far too large, else fresh (the old blocks' memory goes first)."""
+        buf = stream.buf if stream.buf is not None else stream.spare
+        stream.buf = stream.spare = None
+        if buf is None or not length <= buf.size <= max(length, room):
+            buf = None
+            buf = np.empty(max(length, min(room // 2, 1 << 20)), np.uint8)
+        return buf
+
+    def _fetch_ahead(self, stream: _Stream) -> None:
+        """Once the reads in order have taken half of ``stream``'s block, fetch the planned
+        bytes after it in the background (none after it: nothing)."""
+        if stream.ahead is not None or stream.buf is None:
+            return
+        end = stream.at + stream.len
+        if stream.last - stream.at < stream.len // 2:
+            return
+        i = bisect.bisect_right(self._ends, end)  # the first range ending after the block
+        if i == len(self._starts):
+            return
+        at = max(end, self._starts[i])
+        room = self._room(stream)
+        reach = min(self._reach(stream, room), room - stream.len)
+        if reach < stream.len // 2 or self._limit(at, reach, stream) <= at:
+            return  # no room beside the block (another stream holds it), or another's bytes
+        length = self._extent(at, at + 1, reach, stream) - at
+        spare = stream.spare
+        buf = np.empty(length, np.uint8) if spare is None or spare.size < length else spare
+        stream.spare = None
+        ahead = _Ahead(at, length, buf)
+        try:
+            ahead.future = fetch_in_background(
+                lambda: self._fetch(at, buf.data[:length]), name="pysafetensors-planned-reads"
+            )
+        except RuntimeError:  # no thread at interpreter shutdown: read it when it is needed
+            stream.spare = spare
+            return
+        self._fetching.add(ahead.future)
+        ahead.future.add_done_callback(self._fetching.discard)
+        stream.ahead = ahead
+
+    def _take_ahead(self, stream: _Stream, offset: int) -> None:
+        """Make the block fetched ahead ``stream``'s block, once it has come, if it holds
+        ``offset`` (one that failed is dropped: the read fetches its own, which raises); a
+        read that skipped bytes to it takes it all the same, its bytes are fetched."""
+        ahead = stream.ahead
+        if ahead is None or not ahead.holds(offset):
+            return
+        stream.ahead = None
+        try:
+            ahead.future.result()
+        except Exception:  # noqa: BLE001 - the read's own fetch raises it where it belongs
+            return
+        spare = stream.buf
+        stream.buf, stream.at, stream.len = ahead.buf, ahead.at, ahead.length
+        stream.spare = spare
 
     def _room(self, stream: _Stream) -> int:
         """How large a block ``stream`` may hold: all of ``block_bytes`` alone; with another
         stream holding one, what it leaves, at most half and at least :data:`FIRST_REACH`
         (or half), so that the blocks stay within ``block_bytes`` and a block past it."""
-        others = sum(st.len for st in self._streams if st is not stream)
+        others = sum(st.held for st in self._streams if st is not stream)
         if not others:
             return self._block_bytes
         half = self._block_bytes // STREAMS
@@ -200,7 +309,10 @@ class PlannedReads:
         order: this read fetches its own range, only the next ones in order reach ahead)."""
         streams = self._streams
         in_order = True
-        chosen = next((st for st in streams if st.holds(offset)), None)
+        chosen = next(
+            (st for st in streams if st.holds(offset) or st.ahead and st.ahead.holds(offset)),
+            None,
+        )
         if chosen is not None:
             in_order = self._in_order(chosen, offset)
         else:
@@ -250,12 +362,9 @@ class PlannedReads:
 
     def _extent(self, offset: int, stop: int, reach: int, stream: _Stream) -> int:
         """Where a block starting at ``offset`` (and reaching ``stop`` at least) ends: past the
-        planned ranges ahead that are no further than ``max_gap`` apart, within ``reach``,
-        within the file, short of another stream's block ahead (its bytes are fetched)."""
-        limit = min(offset + reach, self._source.size)
-        for other in self._streams:
-            if other is not stream and other.buf is not None and other.at > offset:
-                limit = min(limit, other.at)
+        planned ranges ahead that are no further than ``max_gap`` apart, within
+        :meth:`_limit`."""
+        limit = self._limit(offset, reach, stream)
         i = bisect.bisect_right(self._ends, offset)  # the first range ending after offset
         while i < len(self._starts) and stop < limit:
             if self._starts[i] > stop + self._max_gap:
@@ -264,11 +373,30 @@ class PlannedReads:
             i += 1
         return stop
 
+    def _limit(self, offset: int, reach: int, stream: _Stream) -> int:
+        """How far a block of ``stream`` starting at ``offset`` may reach: within ``reach``,
+        within the file, short of another stream's blocks ahead (their bytes are fetched) and
+        of where another stream's reads began (the bytes it has read since are fetched)."""
+        limit = min(offset + reach, self._source.size)
+        for other in self._streams:
+            if other is stream:
+                continue
+            if other.last >= 0 and other.first >= offset:
+                limit = min(limit, other.first)
+            if other.buf is not None and other.at > offset:
+                limit = min(limit, other.at)
+            if other.ahead is not None and other.ahead.at > offset:
+                limit = min(limit, other.ahead.at)
+        return limit
+
     def release(self) -> None:
         """Let go of the blocks (the next reads fetch others)."""
         for stream in self._streams:
             stream.drop()
 
     def close(self) -> None:
-        """Release the blocks; the source stays open."""
+        """Release the blocks and wait for the fetches ahead still running (the source is
+        closed next, by its owner); the source stays open."""
         self.release()
+        if may_wait_here():
+            wait(list(self._fetching))  # their outcomes are nobody's: the blocks are dropped

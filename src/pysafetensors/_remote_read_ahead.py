@@ -37,7 +37,15 @@ import numpy as np
 
 from ._errors import SafetensorError
 
-__all__ = ["BUDGET", "DEFAULT_READ_AHEAD", "MIN_WINDOW", "NEAR", "ReadAhead"]
+__all__ = [
+    "BUDGET",
+    "DEFAULT_READ_AHEAD",
+    "MIN_WINDOW",
+    "NEAR",
+    "ReadAhead",
+    "fetch_in_background",
+    "may_wait_here",
+]
 
 #: The largest window by default: what eight connections fetch at once in 8 MiB parts.
 DEFAULT_READ_AHEAD: Final = 64 << 20
@@ -162,13 +170,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WINDOWS.reset)
 
 
-def _fetch_in_background(fetch: Callable[[], None]) -> Future[None]:
+def fetch_in_background(
+    fetch: Callable[[], None], name: str = "pysafetensors-read-ahead"
+) -> Future[None]:
     """Run ``fetch`` on a thread of its own; its outcome is the returned future's.
 
-    A daemon thread per window, not a pool: ``concurrent.futures`` joins its workers at exit
-    (a window nobody would read delayed exit by its whole fetch) and refuses work once the
-    interpreter is shutting down. A fetch only waits for its own parts, which run on the
-    remote sources' shared workers (on one of those it would run them one after another).
+    A daemon thread per window (or planned block), not a pool: ``concurrent.futures`` joins
+    its workers at exit (a window nobody would read delayed exit by its whole fetch) and
+    refuses work once the interpreter is shutting down. A fetch only waits for its own parts,
+    which run on the remote sources' shared workers (on one of those it would run them one
+    after another).
 
     Raises:
         RuntimeError: No thread can be started (the interpreter is shutting down).
@@ -184,7 +195,7 @@ def _fetch_in_background(fetch: Callable[[], None]) -> Future[None]:
             else:
                 future.set_result(None)
 
-    threading.Thread(target=run, name="pysafetensors-read-ahead", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 
@@ -332,9 +343,7 @@ class ReadAhead:
         pending = _Next(at, np.empty(length, np.uint8))
 
         try:
-            pending.future = _fetch_in_background(
-                lambda: self._fetch(pending.at, pending.data.data)
-            )
+            pending.future = fetch_in_background(lambda: self._fetch(pending.at, pending.data.data))
         except RuntimeError:  # no new thread now (interpreter shutting down): read as before
             return
         self._fetching.add(pending.future)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -18,7 +20,9 @@ class Counting:
     def __init__(self, data: bytes) -> None:
         self.inner = BufferSource(data)
         self.reads: list[tuple[int, int]] = []
+        self.threads: list[str] = []  # the thread of each read
         self.fail_next = False
+        self.fail_from: int | None = None  # every read from this offset on fails
 
     @property
     def size(self) -> int:
@@ -29,10 +33,11 @@ class Counting:
         return "counting"
 
     def readinto(self, offset: int, out: memoryview) -> None:
-        if self.fail_next:
+        if self.fail_next or (self.fail_from is not None and offset >= self.fail_from):
             self.fail_next = False
-            raise OSError("injected failure")
+            raise OSError(f"injected failure at {offset}")
         self.reads.append((offset, out.nbytes))
+        self.threads.append(threading.current_thread().name)
         self.inner.readinto(offset, out)
 
     def view(self, offset: int, length: int) -> memoryview | None:
@@ -69,10 +74,14 @@ def test_tensors_in_file_order_take_one_read_per_block() -> None:
         for a in range(start, end, 7):
             b = min(end, a + 7)
             assert _read(planned, a, b - a) == data[a:b]
-    # Every byte fetched once, in blocks of at most 64 KiB.
+    planned.close()
+    # Every byte fetched once, in blocks of at most half of 64 KiB (a block and the one
+    # fetched ahead of it share the 64 KiB), every one after the first in the background.
     assert src.fetched == len(data)
-    assert len(src.reads) == -(-len(data) // (64 << 10))
-    assert all(n <= 64 << 10 for _, n in src.reads)
+    assert len(src.reads) == -(-len(data) // (32 << 10))
+    assert all(n <= 32 << 10 for _, n in src.reads)
+    assert src.threads[0] == threading.current_thread().name
+    assert set(src.threads[1:]) == {"pysafetensors-planned-reads"}
 
 
 def test_unplanned_bytes_are_not_fetched() -> None:
@@ -150,12 +159,16 @@ def test_a_read_across_the_block_end_fetches_only_the_rest() -> None:
     src = Counting(data)
     planned = PlannedReads(src, [(0, len(data))], max_gap=0, block_bytes=1000)
     assert _read(planned, 0, 600) == data[:600]
-    assert _read(planned, 600, 600) == data[600:1200]  # 400 held, 200 fetched
-    assert src.reads == [(0, 1000), (1000, 1000)]
+    # 400 bytes from the block fetched ahead (as far as half the room reaches), the other 200
+    # from a block of their own.
+    assert _read(planned, 600, 600) == data[600:1200]
+    planned.close()
+    assert src.reads == [(0, 600), (600, 400), (1000, 500)]
     # Into memory of another element type: counted in bytes all the same.
     out = np.empty(300, np.float32)
     planned.readinto(1500, out.data)
     assert out.tobytes() == data[1500:2700]
+    assert src.reads[-1] == (1500, 1200)  # larger than a block: read straight into ``out``
 
 
 def _two_groups(rng: random.Random) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -185,6 +198,7 @@ def test_two_groups_read_in_name_order_fetch_each_byte_once() -> None:
         for a in range(start, end, 8192):  # in chunks, as the commands read
             b = min(end, a + 8192)
             assert _read(planned, a, b - a) == data[a:b]
+    planned.close()
     assert src.fetched == len(data)
     assert len(src.reads) <= len(data) // (16 << 10)  # far fewer than the 180 tensors' reads
 
@@ -199,6 +213,7 @@ def test_a_second_pass_fetches_its_tensor_again_not_a_block() -> None:
             for a in range(start, end, 50_000):
                 b = min(end, a + 50_000)
                 assert _read(planned, a, b - a) == data[a:b]
+    planned.close()  # waits for a block fetched ahead
     # Each tensor at most twice (its second pass), nothing fetched for the gap-free rest.
     assert src.fetched <= 2 * len(data)
 
@@ -216,4 +231,74 @@ def test_any_order_of_whole_tensors_costs_at_most_twice_their_bytes() -> None:
             start, end = spans[name]
             assert _read(planned, start, end - start) == data[start:end]
             asked += end - start
+        planned.close()
         assert src.fetched <= 2 * asked + 2 * (64 << 10), trial
+
+
+class Slow(Counting):
+    """A source whose reads off the calling thread wait until ``go`` is set."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.go = threading.Event()
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            assert self.go.wait(10)
+        super().readinto(offset, out)
+
+
+def test_a_block_fetched_ahead_that_failed_is_fetched_again_by_the_read_that_needs_it() -> None:
+    data = random.Random(4).randbytes(200_000)
+    src = Counting(data)
+    planned = PlannedReads(src, [(0, len(data))], max_gap=0, block_bytes=64 << 10)
+    assert _read(planned, 0, 100) == data[:100]  # a first block of 1 MiB at most: all 200 KB
+    src.reads.clear()
+    planned = PlannedReads(src, [(0, len(data))], max_gap=0, block_bytes=16 << 10)
+    assert _read(planned, 0, 6000) == data[:6000]  # block 0-8 KiB; past its half: ahead
+    for future in list(planned._fetching):
+        future.result()
+    src.fail_next = True  # the next fetch ahead fails
+    assert _read(planned, 6000, 4000) == data[6000:10000]  # the rest, and into the next block
+    for future in list(planned._fetching):
+        with contextlib.suppress(OSError):
+            future.result()
+    # Read on: the failed block is fetched again, by the read that needs it (no error), and
+    # every byte comes right.
+    for a in range(10_000, len(data), 3000):
+        b = min(len(data), a + 3000)
+        assert _read(planned, a, b - a) == data[a:b]
+    planned.close()
+    assert src.fetched >= len(data)
+
+
+def test_a_block_fetched_ahead_that_keeps_failing_fails_the_read_that_needs_it() -> None:
+    data = bytes(range(256)) * 256
+    src = Counting(data)
+    src.fail_from = 8192  # the block fetched ahead (and any fetch of it) fails
+    planned = PlannedReads(src, [(0, len(data))], max_gap=0, block_bytes=16 << 10)
+    assert _read(planned, 0, 6000) == data[:6000]  # block 0-8 KiB; the next one fails ahead
+    for future in list(planned._fetching):
+        with contextlib.suppress(OSError):
+            future.result()
+    # The read reaching it fetches it again, and raises that fetch's error, with its offset.
+    with pytest.raises(OSError, match="injected failure at 8192"):
+        _read(planned, 6000, 4000)
+    assert _read(planned, 7000, 1000) == data[7000:8000]  # bytes before it still read
+    planned.close()
+
+
+def test_close_waits_for_a_block_on_its_way() -> None:
+    data = bytes(range(256)) * 256
+    src = Slow(data)
+    planned = PlannedReads(src, [(0, len(data))], max_gap=0, block_bytes=16 << 10)
+    assert _read(planned, 0, 6000) == data[:6000]  # the block after it is on its way, held
+    assert planned._fetching
+    closing = threading.Thread(target=planned.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive()  # waiting for the fetch, which waits for go
+    src.go.set()
+    closing.join(10)
+    assert not closing.is_alive() and not planned._fetching
+    assert not [t for t in threading.enumerate() if t.name == "pysafetensors-planned-reads"]
