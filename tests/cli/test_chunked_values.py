@@ -374,3 +374,66 @@ def test_the_commands_in_a_thread_after_the_main_thread_returned(tmp_path: Path)
     assert np.array_equal(
         load_file(str(tmp_path / "f16.safetensors"))["w"], values.astype(np.float16)
     )
+
+
+def test_no_scratch_is_kept_by_the_calling_thread_after_a_command(cli, tmp_path: Path) -> None:
+    # A one-chunk tensor is worked on in the calling thread; a histogram of many bins reads
+    # chunks of 4 values a bin: 48 MB of scratch stayed with the main thread after main().
+    path = tmp_path / "one.safetensors"
+    save_file({"w": np.random.default_rng(0).standard_normal(200_000)}, str(path))
+    assert cli("stats", path, "--json", "--histogram", "1000000").code == 0
+    held = _chunk_work._scratch
+    assert all(a.size == 0 for a in held.float64) and held.uint32.size == 0
+    assert held.masks.size == 0
+
+
+def test_bf16_diff_with_nan_does_not_import_ml_dtypes(tmp_path: Path) -> None:
+    a = (np.arange(-500, 1500) / 7).astype(ml_dtypes.bfloat16)
+    b = a.copy()
+    a[3], b[3] = np.nan, np.nan
+    b[10] = np.inf
+    fa, fb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": a}, str(fa))
+    save_file({"w": b}, str(fb))
+    code = (
+        "import json, sys\n"
+        "from pysafetensors._cli import main\n"
+        f"assert main(['-q', 'diff', '--json', {str(fa)!r}, {str(fb)!r}]) == 1\n"
+        "print('ml_dtypes' in sys.modules, file=sys.stderr)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == "False"
+    (row,) = json.loads(r.stdout)["tensors"]
+    assert row["values"]["differing"] == 1 and row["values"]["max_abs"] is None
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_merged_mean_near_the_float64_maximum_does_not_overflow(cli, tmp_path: Path) -> None:
+    # A chunk whose finite values average -1.7e308 followed by one averaging +1.7e308: the
+    # merge's step (delta * n / total * scale) was 3.4e308, so the mean became inf and
+    # ``--json`` failed ("Out of range float values are not JSON compliant").
+    values = np.full(2 * CHUNK, np.nan)
+    values[0] = -1.7e308
+    values[CHUNK:] = 1.7e308
+    path = tmp_path / "edge.safetensors"
+    save_file({"v": values}, str(path))
+    row = _stats(cli, path)["v"]
+    want = _expected(values)
+    assert row["mean"] == pytest.approx(want["mean"], rel=1e-12)
+    assert row["std"] == pytest.approx(want["std"], rel=1e-12)
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_the_sign_of_a_zero_extreme_does_not_depend_on_the_chunks(cli, tmp_path: Path) -> None:
+    zeros, negative = np.zeros(CHUNK), -np.zeros(CHUNK)
+    tensors = {
+        "pos_then_neg": np.concatenate([zeros, negative, [1.0]]),
+        "neg_then_pos": np.concatenate([negative, zeros, [-1.0]]),
+    }
+    path = tmp_path / "zeros.safetensors"
+    save_file(tensors, str(path))
+    rows = _stats(cli, path)
+    # -0.0 is the smaller zero, +0.0 the larger (numpy's whole-array min of the first: -0.0).
+    assert str(rows["pos_then_neg"]["min"]) == "-0.0"
+    assert str(rows["neg_then_pos"]["max"]) == "0.0"

@@ -60,25 +60,44 @@ def element_chunks(ref: TensorRef) -> Iterator[np.ndarray]:
 
 class _Scratch(threading.local):
     """Each thread's reusable buffers: three float64 slots (two tensors' chunks side by side,
-    and one for what is computed from them), a uint32 one for widening BF16, two masks."""
+    and one for what is computed from them), a uint32 one for widening BF16, two masks.
+
+    Only chunks of up to :data:`CHUNK_ELEMENTS` are kept: larger ones (a histogram's second
+    pass reads up to 4 Mi elements a chunk) get fresh memory, freed with the chunk, so that no
+    thread keeps tens of MiB once the command has returned."""
 
     def __init__(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Drop the buffers (the calling thread's, once its command is done)."""
         self.float64 = [np.empty(0, np.float64) for _ in range(3)]
         self.uint32 = np.empty(0, np.uint32)
         self.masks = np.empty((2, 0), np.bool_)
 
-    def take(self, n: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """Room for ``n`` float64 values in ``slot`` and ``n`` uint32 values."""
+    def take(self, n: int, slot: int) -> np.ndarray:
+        """Room for ``n`` float64 values in ``slot``."""
+        if n > CHUNK_ELEMENTS:
+            return np.empty(n, np.float64)
         if self.float64[slot].size < n:
-            self.float64[slot] = np.empty(max(n, CHUNK_ELEMENTS), np.float64)
+            self.float64[slot] = np.empty(CHUNK_ELEMENTS, np.float64)
+        return self.float64[slot][:n]
+
+    def take_uint32(self, n: int) -> np.ndarray:
+        """Room for ``n`` uint32 values."""
+        if n > CHUNK_ELEMENTS:
+            return np.empty(n, np.uint32)
         if self.uint32.size < n:
-            self.uint32 = np.empty(max(n, CHUNK_ELEMENTS), np.uint32)
-        return self.float64[slot][:n], self.uint32[:n]
+            self.uint32 = np.empty(CHUNK_ELEMENTS, np.uint32)
+        return self.uint32[:n]
 
     def take_masks(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Two masks of ``n`` elements."""
+        if n > CHUNK_ELEMENTS:
+            fresh = np.empty((2, n), np.bool_)
+            return fresh[0], fresh[1]
         if self.masks.shape[1] < n:
-            self.masks = np.empty((2, max(n, CHUNK_ELEMENTS)), np.bool_)
+            self.masks = np.empty((2, CHUNK_ELEMENTS), np.bool_)
         return self.masks[0, :n], self.masks[1, :n]
 
 
@@ -88,7 +107,7 @@ _scratch = _Scratch()
 def take_float64(n: int, slot: int) -> np.ndarray:
     """This thread's scratch ``slot`` (0-2) as ``n`` float64 values (valid until it asks for
     that slot again)."""
-    return _scratch.take(n, slot)[0]
+    return _scratch.take(n, slot)
 
 
 def take_masks(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +135,8 @@ def as_float64(
     over a second, most of a small file's ``stats``.
     """
     if dtype.code == "BF16":
-        out, wide = _scratch.take(raw.size // 2, slot)
+        out = _scratch.take(raw.size // 2, slot)
+        wide = _scratch.take_uint32(raw.size // 2)
         np.copyto(wide, raw.view("<u2"))
         np.left_shift(wide, 16, out=wide)
         np.copyto(out, wide.view(np.float32))
@@ -124,7 +144,7 @@ def as_float64(
     values = decode(dtype, raw)
     if values.dtype.kind == "c":
         return np.abs(values.astype(np.complex128)), None
-    out, _ = _scratch.take(values.size, slot)
+    out = _scratch.take(values.size, slot)
     np.copyto(out, values, casting="unsafe")
     return out, values if values.dtype.kind in "iu" else None
 
@@ -156,6 +176,9 @@ class ChunkWorkers:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        # Chunks worked on in the calling thread (one-chunk tensors) left its scratch: the
+        # command is done with it (the workers' went with their threads).
+        _scratch.release()
 
     def ordered(
         self, fn: Callable[[T], R], items: Iterable[T], *, alone: bool = False

@@ -68,6 +68,14 @@ def summarise(values: np.ndarray, integers: np.ndarray | None = None) -> Part:
         # scattered NaN made a masked min 12x as slow as a plain one).
         values = values[mask]
         lo, hi = float(values.min()), float(values.max())
+    if zeros and integers is None and (lo == 0 or hi == 0):
+        # numpy's min and max pick either zero where both signs are present, so the sign
+        # shown depended on where the chunks began: -0.0 is the smaller, +0.0 the larger.
+        signs = np.signbit(values[values == 0])
+        if lo == 0:
+            lo = -0.0 if signs.any() else 0.0
+        if hi == 0:
+            hi = -0.0 if signs.all() else 0.0
     # Finite float64 values near the type's maximum overflow a sum and a sum of squares (two
     # values of 1.7e308 gave a mean of inf and a std of NaN): such a chunk is summed scaled.
     big = max(abs(lo), abs(hi))
@@ -119,8 +127,12 @@ class Summary:
         n = part.finite
         if not n:
             return
-        self.min = min(self.min, part.min)
-        self.max = max(self.max, part.max)
+        # min/max keep the first of equal values: a -0.0 after a +0.0 (or the reverse) is
+        # taken by its sign, as within a chunk.
+        if part.min < self.min or (part.min == self.min == 0 and math.copysign(1, part.min) < 0):
+            self.min = part.min
+        if part.max > self.max or (part.max == self.max == 0 and math.copysign(1, part.max) > 0):
+            self.max = part.max
         if part.scale > self.scale:
             ratio = self.scale / part.scale
             self.m2 = self.m2 * ratio * ratio
@@ -131,8 +143,12 @@ class Summary:
             ratio = part.scale / scale
             mean_s, m2 = mean_s * ratio, m2 * ratio * ratio
         total = self.finite + n
-        delta_s = mean_s - self.mean / scale
-        self.mean += delta_s * n / total * scale
+        before_s = self.mean / scale
+        delta_s = mean_s - before_s
+        # The new mean in scaled units first (a weighted mean of scaled means: at most the
+        # largest magnitude), then scaled: the step itself, delta_s * n / total * scale, overflowed
+        # where the means are of opposite signs near the float64 maximum (mean: inf).
+        self.mean = (before_s + delta_s * n / total) * scale
         self.m2 += m2 + delta_s * delta_s * self.finite * n / total
         self.finite = total
 
