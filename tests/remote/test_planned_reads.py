@@ -160,15 +160,19 @@ def test_a_read_across_the_block_end_fetches_only_the_rest() -> None:
     planned = PlannedReads(src, [(0, len(data))], max_gap=0, block_bytes=1000)
     assert _read(planned, 0, 600) == data[:600]
     # 400 bytes from the block fetched ahead (as far as half the room reaches), the other 200
-    # from a block of their own.
+    # from a block of their own, whose next block is fetched ahead in turn.
     assert _read(planned, 600, 600) == data[600:1200]
-    planned.close()
-    assert src.reads == [(0, 600), (600, 400), (1000, 500)]
-    # Into memory of another element type: counted in bytes all the same.
-    out = np.empty(300, np.float32)
+    for future in list(planned._fetching):
+        future.result()
+    assert src.reads == [(0, 600), (600, 400), (1000, 500), (1500, 500)]
+    # Into memory of another element type: counted in bytes all the same. Its first 500
+    # bytes come from the block fetched ahead, the rest (as large as a block) straight into
+    # ``out``.
+    out = np.empty(400, np.float32)
     planned.readinto(1500, out.data)
-    assert out.tobytes() == data[1500:2700]
-    assert src.reads[-1] == (1500, 1200)  # larger than a block: read straight into ``out``
+    assert out.tobytes() == data[1500:3100]
+    planned.close()
+    assert src.reads[4:] == [(2000, 1100)]
 
 
 def _two_groups(rng: random.Random) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -302,3 +306,21 @@ def test_close_waits_for_a_block_on_its_way() -> None:
     closing.join(10)
     assert not closing.is_alive() and not planned._fetching
     assert not [t for t in threading.enumerate() if t.name == "pysafetensors-planned-reads"]
+
+
+def test_a_block_fetched_ahead_into_the_next_group_is_taken_over_by_its_stream() -> None:
+    """A stream fetching ahead reaches into where the next dtype group begins before that
+    group's reads start (cast and diff read groups side by side): the group's first read
+    takes the block over instead of fetching its bytes again."""
+    data = random.Random(9).randbytes(130_000)
+    big = [(i, i + 10_000) for i in range(0, 100_000, 10_000)]
+    small = [(i, i + 3_000) for i in range(100_000, 130_000, 3_000)]
+    src = Counting(data)
+    planned = PlannedReads(src, big + small, max_gap=0, block_bytes=64 << 10)
+    order = [*big[:9], small[0], big[9], *small[1:]]
+    for start, end in order:
+        for a in range(start, end, 4096):
+            b = min(end, a + 4096)
+            assert _read(planned, a, b - a) == data[a:b]
+    planned.close()
+    assert src.fetched == len(data), sorted(src.reads)
