@@ -109,8 +109,10 @@ class _Stream:
 
     @property
     def held(self) -> int:
-        """Bytes of its blocks: the one it reads and the one on its way."""
-        return self.len + (self.ahead.length if self.ahead is not None else 0)
+        """Bytes of memory its blocks take: the one it reads, the one on its way and a spare
+        one (their buffers, which a recycled one makes larger than the bytes they hold)."""
+        bufs = (self.buf, self.spare, self.ahead.buf if self.ahead is not None else None)
+        return sum(buf.size for buf in bufs if buf is not None)
 
     def drop(self) -> None:
         self.buf = self.spare = self.ahead = None  # a fetch ahead finishes on its own
@@ -246,7 +248,7 @@ class PlannedReads:
         not far too large, else fresh (the old blocks' memory goes first)."""
         buf = stream.buf if stream.buf is not None else stream.spare
         stream.buf = stream.spare = None
-        if buf is None or not length <= buf.size <= max(length, room):
+        if buf is None or not length <= buf.size <= max(length, room // 2):
             buf = None
             buf = np.empty(max(length, min(room // 2, 1 << 20)), np.uint8)
         return buf
@@ -258,19 +260,25 @@ class PlannedReads:
         (hash of 336 MB: 2.2 s against 2.1 s)."""
         if stream.ahead is not None or stream.buf is None:
             return
+        # The spare block serves the block ahead or goes: kept, it was memory beyond the
+        # room (a stream with no block ahead held two blocks while the other's room counted
+        # one).
+        spare, stream.spare = stream.spare, None
         end = stream.at + stream.len
         i = bisect.bisect_right(self._ends, end)  # the first range ending after the block
         if i == len(self._starts):
             return
         at = max(end, self._starts[i])
         room = self._room(stream)
-        reach = min(self._reach(stream, room), room - stream.len)
+        reach = min(self._reach(stream, room), room - stream.buf.size)
         if reach < stream.len // 2 or self._limit(at, reach, stream) <= at:
             return  # no room beside the block (another stream holds it), or another's bytes
         length = self._extent(at, at + 1, reach, stream) - at
-        spare = stream.spare
-        buf = np.empty(length, np.uint8) if spare is None or spare.size < length else spare
-        stream.spare = None
+        if spare is None or not length <= spare.size <= reach:
+            spare = None  # its memory goes before the new block's is taken
+            buf = np.empty(length, np.uint8)
+        else:
+            buf = spare
         ahead = _Ahead(at, length, buf)
         try:
             ahead.future = fetch_in_background(
@@ -317,25 +325,31 @@ class PlannedReads:
 
     def _stream_for(self, offset: int) -> tuple[_Stream, bool]:
         """The stream a read at ``offset`` belongs to, made the most recently used, and
-        whether the read is in its order: the one whose block holds it, else one it continues
-        in order, else one not started, else the least recently used, started over (out of
-        order: this read fetches its own range, only the next ones in order reach ahead)."""
+        whether the read is in its order: one it continues in order (the one whose block
+        holds it first), else one not started, when the read is ahead of those started, else
+        the one whose block holds it, else one not started, else the least recently used,
+        started over (out of order: this read fetches its own range, only the next ones in
+        order reach ahead)."""
         streams = self._streams
-        in_order = True
-        chosen = next((st for st in streams if st.holds(offset)), None)
-        if chosen is not None:
-            in_order = self._in_order(chosen, offset)
-        else:
-            chosen = next(
-                (st for st in streams if st.last >= 0 and self._in_order(st, offset)), None
-            )
-        if chosen is None:
-            chosen = next((st for st in streams if st.last < 0), None)
+        # A stream the read continues in order, the one holding it first: a block can be
+        # another stream's (one handed over, or a second pass served by the first pass's
+        # block), and a read it holds is not that stream's (made its, it started over there:
+        # its run and where its reads began were lost, and the next block fetched again).
+        continuing = [st for st in streams if st.last >= 0 and self._in_order(st, offset)]
+        chosen = next((st for st in continuing if st.holds(offset)), None)
+        if chosen is None and continuing:
+            chosen = continuing[0]
+        in_order = chosen is not None
+        fresh = next((st for st in streams if st.last < 0), None)
+        if chosen is None and fresh is not None:
             # A stream starts in order ahead of those started (the next dtype group), not
             # behind them (a second pass, a jump back): that read fetches its own range.
             in_order = all(st.last <= offset for st in streams if st.last >= 0)
+            chosen = fresh if in_order else None
         if chosen is None:
-            chosen, in_order = streams[-1], False
+            chosen = next((st for st in streams if st.holds(offset)), fresh)
+        if chosen is None:
+            chosen = streams[-1]
         streams.remove(chosen)
         streams.insert(0, chosen)
         return chosen, in_order
@@ -393,10 +407,12 @@ class PlannedReads:
                 continue
             if other.last >= 0 and other.first >= offset:
                 limit = min(limit, other.first)
-            if other.buf is not None and other.at > offset:
-                limit = min(limit, other.at)
-            if other.ahead is not None and other.ahead.at > offset:
-                limit = min(limit, other.ahead.at)
+            # A block (or one on its way) that holds ``offset`` or begins after it: its
+            # bytes are fetched (one beginning at ``offset``, or holding it: nothing to fetch).
+            if other.buf is not None and other.at + other.len > offset:
+                limit = min(limit, max(other.at, offset))
+            if other.ahead is not None and other.ahead.at + other.ahead.length > offset:
+                limit = min(limit, max(other.ahead.at, offset))
         return limit
 
     def release(self) -> None:

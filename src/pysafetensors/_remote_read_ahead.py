@@ -186,16 +186,22 @@ def fetch_in_background(
     """
     future: Future[None] = Future()
 
-    def run() -> None:
-        if future.set_running_or_notify_cancel():  # False: the reader took it back
-            try:
-                fetch()
-            except BaseException as exc:  # noqa: BLE001 - the reader's to raise
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+    def run(future: Future[None]) -> None:
+        try:
+            if future.set_running_or_notify_cancel():  # False: the reader took it back
+                try:
+                    fetch()
+                except BaseException as exc:  # noqa: BLE001 - the reader's to raise
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+        finally:
+            # An error's traceback holds this frame: holding the future, which holds the
+            # error, it made a cycle that kept a failed fetch's buffer (a window, a planned
+            # block of up to 32 MiB) alive until the cyclic collector ran.
+            del future
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=run, args=(future,), name=name, daemon=True).start()
     return future
 
 

@@ -155,3 +155,17 @@ def test_diff_refuses_options_before_any_request(cli, served: tuple[RangeHTTPSer
     )
     assert r.code == 2 and "timeout" in r.err, r.err
     assert len(server.log) == before
+
+
+def test_cast_of_mixed_dtypes_fetches_the_file_once(
+    cli, served: tuple[RangeHTTPServer, Path], tmp_path: Path
+) -> None:
+    """The F32 group's block ahead reaches into the F16 group, whose first read takes it
+    over; the F32 stream's next block ahead stopped short of it only when it began after
+    its own block's end, not at it: those bytes were fetched again (1.18 times the file)."""
+    server, root = served
+    url = f"{server.url}/lora.safetensors"
+    size = (root / "lora.safetensors").stat().st_size
+    before = server.bytes_sent("lora.safetensors")
+    assert cli("cast", url, tmp_path / "c.safetensors", "--to", "BF16").code == 0
+    assert server.bytes_sent("lora.safetensors") - before <= 1.08 * size
