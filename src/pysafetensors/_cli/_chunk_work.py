@@ -10,7 +10,8 @@ chunks of 4 Mi (the size ``stats`` used before, each in fresh memory besides).
 :class:`ChunkWorkers` runs a function of each chunk on worker threads (numpy's loops release
 the GIL) while the caller reads the next chunks (one reader at a time, as the remote planned
 reads need), and hands the results back in the chunks' order, so that what is merged from
-them does not depend on which thread finished first.
+them (or written: ``cast`` converts its chunks there too) does not depend on which thread
+finished first.
 """
 
 from __future__ import annotations

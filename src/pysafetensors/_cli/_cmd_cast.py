@@ -94,7 +94,7 @@ def _converted(
         """A chunk cast, and how many of its finite values became Inf/NaN (on any thread)."""
         values = widened_bf16(raw) if widen else decode(source, raw)
         with np.errstate(over="ignore", invalid="ignore"):  # per thread
-            cast = values.astype(out_dtype)
+            cast = values.astype(out_dtype, copy=False)  # BF16 widened to F32: as it is
             if widen and target.code == "F16":
                 _quiet_nans(values, cast)
             # A cast never makes a value finite (NaN and Inf stay, or become NaN): the values
