@@ -41,6 +41,7 @@ __all__ = [
     "numpy_dtype",
     "pack_subbyte",
     "unpack_subbyte",
+    "widened_bf16",
 ]
 
 #: Non-contiguous or byte-swapped arrays are made contiguous this many bytes at a time, so a
@@ -107,6 +108,14 @@ def _find_numpy_dtype(dtype: DType) -> np.dtype[Any]:
             f"({ml_dtypes.__version__}) does not have",
             kind="DtypeNotUnderstood",
         ) from None
+
+
+def widened_bf16(raw: np.ndarray) -> np.ndarray:
+    """BF16 bytes as float32 values (fresh memory): a BF16 is the upper half of a float32's
+    bits, so this is exact, and needs no ml_dtypes (importing ml_dtypes 0.7 takes over a
+    second)."""
+    wide: np.ndarray = np.left_shift(raw.view("<u2").astype(np.uint32), 16)
+    return wide.view(np.float32)
 
 
 def unpack_subbyte(buf: np.ndarray, dtype: DType, count: int) -> np.ndarray:

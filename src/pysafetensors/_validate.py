@@ -504,6 +504,10 @@ def _float_view(dtype: DType, raw: np.ndarray) -> np.ndarray | None:
     """The chunk as float values to scan for NaN/Inf, or None for non-float dtypes."""
     if not dtype.is_float:
         return None
+    if dtype.code == "BF16":
+        from ._adapter import widened_bf16
+
+        return widened_bf16(raw)  # the same NaN and Inf, without importing ml_dtypes
     if dtype.bits % 8:
         from ._adapter import numpy_dtype, unpack_subbyte
 

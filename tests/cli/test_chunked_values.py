@@ -437,3 +437,21 @@ def test_the_sign_of_a_zero_extreme_does_not_depend_on_the_chunks(cli, tmp_path:
     # -0.0 is the smaller zero, +0.0 the larger (numpy's whole-array min of the first: -0.0).
     assert str(rows["pos_then_neg"]["min"]) == "-0.0"
     assert str(rows["neg_then_pos"]["max"]) == "0.0"
+
+
+def test_validate_counts_bf16_nan_and_inf_by_their_bits_without_ml_dtypes(tmp_path: Path) -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    path = tmp_path / "all.safetensors"
+    save_file({"all": bits.view(ml_dtypes.bfloat16)}, str(path))
+    code = (
+        "import sys\n"
+        "from pysafetensors._cli import main\n"
+        f"main(['validate', '--strict', {str(path)!r}])\n"
+        "print('ml_dtypes' in sys.modules, file=sys.stderr)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stderr.strip().splitlines()[-1] == "False", r.stderr
+    with np.errstate(invalid="ignore"):
+        values = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
+    assert f"BF16 tensor holds {nan} NaN and {inf} Inf values" in r.stdout, r.stdout

@@ -25,6 +25,7 @@ from typing import Final, TypeVar
 
 import numpy as np
 
+from .._adapter import widened_bf16
 from .._dtypes import DType
 from ._common import TensorRef, decode
 
@@ -114,13 +115,6 @@ def take_float64(n: int, slot: int) -> np.ndarray:
 def take_masks(n: int) -> tuple[np.ndarray, np.ndarray]:
     """This thread's two scratch masks of ``n`` elements (valid until it asks again)."""
     return _scratch.take_masks(n)
-
-
-def widened_bf16(raw: np.ndarray) -> np.ndarray:
-    """BF16 bytes as float32 values (fresh memory): a BF16 is the upper half of a float32's
-    bits, so this is exact, and needs no ml_dtypes."""
-    wide: np.ndarray = np.left_shift(raw.view("<u2").astype(np.uint32), 16)
-    return wide.view(np.float32)
 
 
 def as_float64(
