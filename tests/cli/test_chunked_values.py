@@ -455,3 +455,19 @@ def test_validate_counts_bf16_nan_and_inf_by_their_bits_without_ml_dtypes(tmp_pa
         values = bits.view(ml_dtypes.bfloat16).astype(np.float32)
     nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
     assert f"BF16 tensor holds {nan} NaN and {inf} Inf values" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(
+    "code", ["F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F4", "F6_E2M3"]
+)
+def test_codes_of_small_floats_are_looked_up_as_ml_dtypes_converts_them(code: str) -> None:
+    from pysafetensors._cli._common import decode
+
+    dtype = dtype_from_code(code)
+    raw = np.tile(np.arange(256, dtype=np.uint8), 3)  # every byte; F6 groups of 3 bytes
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = decode(dtype, raw).astype(np.float64)
+        got, integers = _chunk_work.as_float64(dtype, raw)
+    assert integers is None and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
