@@ -99,6 +99,21 @@ def _stats(cli, path: Path, *args: str) -> dict[str, dict[str, object]]:
     return {t["name"]: t for t in r.json()["tensors"]}
 
 
+def _run_fresh(*args: str) -> tuple[int, str, bool]:
+    """``main(args)`` in a fresh interpreter: its exit code, its stdout, and whether it
+    imported ml_dtypes."""
+    code = (
+        "import sys\n"
+        "from pysafetensors._cli import main\n"
+        f"code = main({list(args)!r})\n"
+        "print(code, 'ml_dtypes' in sys.modules, file=sys.stderr)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    exit_code, imported = r.stderr.strip().splitlines()[-1].split()
+    return int(exit_code), r.stdout, imported == "True"
+
+
 @pytest.mark.usefixtures("small_chunks")
 def test_chunked_stats_are_numpys_and_the_same_with_any_number_of_workers(
     cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -144,18 +159,9 @@ def test_bf16_stats_do_not_import_ml_dtypes(tmp_path: Path) -> None:
     path = tmp_path / "bf16.safetensors"
     array = (np.arange(-500, 1500) / 7).astype(ml_dtypes.bfloat16)
     save_file({"w": array}, str(path))
-    code = (
-        "import json, sys\n"
-        "from pysafetensors._cli import main\n"
-        f"assert main(['-q', 'stats', '--json', {str(path)!r}]) == 0\n"
-        "print('ml_dtypes' in sys.modules, file=sys.stderr)\n"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ)
-    )
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.strip() == "False"
-    (row,) = json.loads(r.stdout)["tensors"]
+    code, out, imported = _run_fresh("-q", "stats", "--json", str(path))
+    assert (code, imported) == (0, False)
+    (row,) = json.loads(out)["tensors"]
     assert row["mean"] == pytest.approx(float(array.astype(np.float64).mean()), rel=1e-12)
     assert row["min"] == float(array.astype(np.float64).min())
 
@@ -299,15 +305,7 @@ def test_bf16_to_f32_cast_does_not_import_ml_dtypes(tmp_path: Path) -> None:
     src, out = tmp_path / "bf16.safetensors", tmp_path / "f32.safetensors"
     array = (np.arange(-500, 1500) / 7).astype(ml_dtypes.bfloat16)
     save_file({"w": array}, str(src))
-    code = (
-        "import sys\n"
-        "from pysafetensors._cli import main\n"
-        f"assert main(['-q', 'cast', {str(src)!r}, {str(out)!r}, '--to', 'F32']) == 0\n"
-        "print('ml_dtypes' in sys.modules)\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "False"
+    assert _run_fresh("-q", "cast", str(src), str(out), "--to", "F32")[::2] == (0, False)
     assert np.array_equal(load_file(str(out))["w"], array.astype(np.float32))
 
 
@@ -395,16 +393,9 @@ def test_bf16_diff_with_nan_does_not_import_ml_dtypes(tmp_path: Path) -> None:
     fa, fb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file({"w": a}, str(fa))
     save_file({"w": b}, str(fb))
-    code = (
-        "import json, sys\n"
-        "from pysafetensors._cli import main\n"
-        f"assert main(['-q', 'diff', '--json', {str(fa)!r}, {str(fb)!r}]) == 1\n"
-        "print('ml_dtypes' in sys.modules, file=sys.stderr)\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.strip() == "False"
-    (row,) = json.loads(r.stdout)["tensors"]
+    code, out, imported = _run_fresh("-q", "diff", "--json", str(fa), str(fb))
+    assert (code, imported) == (1, False)
+    (row,) = json.loads(out)["tensors"]
     assert row["values"]["differing"] == 1 and row["values"]["max_abs"] is None
 
 
@@ -443,18 +434,12 @@ def test_validate_counts_bf16_nan_and_inf_by_their_bits_without_ml_dtypes(tmp_pa
     bits = np.arange(1 << 16, dtype=np.uint16)
     path = tmp_path / "all.safetensors"
     save_file({"all": bits.view(ml_dtypes.bfloat16)}, str(path))
-    code = (
-        "import sys\n"
-        "from pysafetensors._cli import main\n"
-        f"main(['validate', '--strict', {str(path)!r}])\n"
-        "print('ml_dtypes' in sys.modules, file=sys.stderr)\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.stderr.strip().splitlines()[-1] == "False", r.stderr
+    code, out, imported = _run_fresh("validate", "--strict", str(path))
+    assert (code, imported) == (1, False)  # warnings fail --strict
     with np.errstate(invalid="ignore"):
         values = bits.view(ml_dtypes.bfloat16).astype(np.float32)
     nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
-    assert f"BF16 tensor holds {nan} NaN and {inf} Inf values" in r.stdout, r.stdout
+    assert f"BF16 tensor holds {nan} NaN and {inf} Inf values" in out, out
 
 
 @pytest.mark.parametrize(
