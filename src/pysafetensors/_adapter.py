@@ -110,11 +110,15 @@ def _find_numpy_dtype(dtype: DType) -> np.dtype[Any]:
         ) from None
 
 
-def widened_bf16(raw: np.ndarray) -> np.ndarray:
-    """BF16 bytes as float32 values (fresh memory): a BF16 is the upper half of a float32's
-    bits, so this is exact, and needs no ml_dtypes (importing ml_dtypes 0.7 takes over a
-    second)."""
-    wide: np.ndarray = np.left_shift(raw.view("<u2").astype(np.uint32), 16)
+def widened_bf16(raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """BF16 bytes as float32 values, in fresh memory or ``out`` (uint32, one per element): a
+    BF16 is the upper half of a float32's bits, so this is exact, and needs no ml_dtypes
+    (importing ml_dtypes 0.7 takes over a second)."""
+    if out is None:
+        out = raw.view("<u2").astype(np.uint32)
+    else:
+        np.copyto(out, raw.view("<u2"))
+    wide: np.ndarray = np.left_shift(out, 16, out=out)
     return wide.view(np.float32)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final, TypeVar
 
-__all__ = ["OPEN_AHEAD", "ahead_for", "in_order"]
+__all__ = ["OPEN_AHEAD", "ahead_for", "in_order", "submit_or_run"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -68,7 +68,7 @@ def in_order(
     rest = iter(items)
     try:
         for item in rest:
-            pending.append((item, _start(pool, fn, item)))
+            pending.append((item, submit_or_run(pool, fn, item)))
             if len(pending) >= ahead:
                 break
         while pending:
@@ -78,7 +78,7 @@ def in_order(
             with contextlib.suppress(Exception):
                 future.exception()
             for nxt in rest:  # the next one, if any, to keep the window full
-                pending.append((nxt, _start(pool, fn, nxt)))
+                pending.append((nxt, submit_or_run(pool, fn, nxt)))
                 break
             pending.popleft()
             yield item, future  # the caller's from here
@@ -89,7 +89,7 @@ def in_order(
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _start(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], item: _T) -> Future[_R]:
+def submit_or_run(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], item: _T) -> Future[_R]:
     """``fn(item)`` on ``pool``; here and now once the interpreter is shutting down (a thread
     still loading after the main thread returned), when pools take no more work."""
     try:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from pysafetensors import SafetensorError
+from pysafetensors._adapter import numpy_dtype
 from pysafetensors._cli import _chunk_work
 from pysafetensors._cli._cmd_stats import tensor_stats
 from pysafetensors._cli._common import open_model
@@ -282,18 +283,20 @@ def test_chunked_diff_is_the_whole_arrays_and_the_same_with_any_number_of_worker
     assert runs[0]["cast"]["differing"] > 0 and runs[0]["cast"]["max_abs"] is not None
 
 
-@pytest.mark.parametrize("target", ["F16", "F32", "F64"])
+@pytest.mark.parametrize(
+    "target", ["F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"]
+)
 def test_every_bf16_bit_pattern_casts_as_ml_dtypes_casts_it(
     cli, tmp_path: Path, target: str
 ) -> None:
-    # BF16 to a numpy float is widened by its bits, then cast once; NaN become the quiet NaN
-    # of their sign in F16, as ml_dtypes makes them (numpy would keep payload bits).
+    # BF16 is widened by its bits, then cast once; NaN become the quiet NaN of their sign in
+    # F16, as ml_dtypes makes them (numpy would keep payload bits).
     bits = np.arange(1 << 16, dtype=np.uint16)
     src, out = tmp_path / "bf16.safetensors", tmp_path / "out.safetensors"
     save_file({"all": bits.view(ml_dtypes.bfloat16)}, str(src))
     r = cli("cast", src, out, "--to", target)
     assert r.code == 0, r.err
-    want = {"F16": np.float16, "F32": np.float32, "F64": np.float64}[target]
+    want = numpy_dtype(dtype_from_code(target))
     with np.errstate(all="ignore"):
         expected = bits.view(ml_dtypes.bfloat16).astype(want)
     got = load_file(str(out))["all"]

@@ -29,14 +29,13 @@ from .._dtypes import DType, dtype_from_code
 from .._remote_urls import shown_name
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from . import _chunk_work
-from ._chunk_work import ChunkWorkers, element_chunks, widened_bf16
+from ._chunk_work import ChunkWorkers, decoded, element_chunks
 from ._common import (
     Model,
     OutputFolders,
     TensorRef,
     Ui,
     UsageError,
-    decode,
     make_parent,
     name_filter,
     open_model,
@@ -86,16 +85,16 @@ def _converted(
 ) -> Callable[[], Iterator[np.ndarray]]:
     out_dtype = numpy_dtype(target)
     source = ref.dtype
-    # BF16 to a numpy float: widened by its bits (exact), then cast once, as ml_dtypes does;
-    # importing ml_dtypes 0.7 takes over a second.
-    widen = source.code == "BF16" and target.code in ("F16", "F32", "F64")
+    # BF16 is widened to float32 by its bits (exact), then cast once: the bytes ml_dtypes
+    # writes for every target (every BF16 value tested), but F16's NaN (see _quiet_nans).
+    widened_to_f16 = source.code == "BF16" and target.code == "F16"
 
     def convert(raw: np.ndarray) -> tuple[np.ndarray, int]:
         """A chunk cast, and how many of its finite values became Inf/NaN (on any thread)."""
-        values = widened_bf16(raw) if widen else decode(source, raw)
+        values = decoded(source, raw)
         with np.errstate(over="ignore", invalid="ignore"):  # per thread
             cast = values.astype(out_dtype, copy=False)  # BF16 widened to F32: as it is
-            if widen and target.code == "F16":
+            if widened_to_f16:
                 _quiet_nans(values, cast)
             # A cast never makes a value finite (NaN and Inf stay, or become NaN): the values
             # it lost are the non-finite ones it has beyond the source's, counted in the
