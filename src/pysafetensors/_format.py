@@ -918,24 +918,28 @@ def _compile(pattern: str) -> re.Pattern[str]:
 
 # The compact form every mainstream writer emits (the reference, huggingface_hub, this
 # library): ``{"name":{"dtype":"BF16","shape":[8,16],"data_offsets":[0,256]},...}`` with
-# escape-free names, plain integers and space padding. Possessive quantifiers keep both
-# patterns linear-time whatever the input.
-# Numbers are matched loosely (digits, and digits and commas for a shape; ~25% faster than
-# the canonical forms in the pattern) and held to their canonical form afterwards: each
-# distinct shape text by _CANON_SHAPE, the offsets by the checks of _canonical_header. At most
-# 20 digits (u64's) in a shape: longer numbers are the generic path's to refuse, and int() of
-# over 4,300 digits raises a plain ValueError.
+# escape-free names, plain integers and space padding. Without escapes, every '"' in such a
+# text delimits a string, so splitting it at '"' yields ten pieces an entry in fixed places
+# (see _canonical_header): the structure is checked on whole columns of pieces in C, and
+# only the names, the distinct shapes and the offsets need reading.
+# At most 20 digits (u64's) in a shape: longer numbers are the generic path's to refuse, and
+# int() of over 4,300 digits raises a plain ValueError.
 _CANON_NUM: Final = r"(?:0|[1-9][0-9]{0,19}+)"
-_CANON_SHAPE: Final = _compile(r"(?:" + _CANON_NUM + r"(?:," + _CANON_NUM + r")*+)?")
-_CANON_ENTRY: Final = (
-    r'"([^"\\\x00-\x1f]*+)":\{"dtype":"([A-Z0-9_]++)",'
-    r'"shape":\[([0-9,]*+)\],'
-    r'"data_offsets":\[([0-9]++),([0-9]++)\]\}'
+_CANON_SHAPE: Final = _compile(r":\[((?:" + _CANON_NUM + r"(?:," + _CANON_NUM + r")*+)?)\],")
+# The offsets pieces of all entries joined by '"': ``:[0,256]},":[256,512]},...:[a,b]}}``
+# (the last one closes the top-level object). Possessive quantifiers keep it linear-time.
+_CANON_OFFSETS: Final = _compile(r'(?::\[[0-9]++,[0-9]++\]\},")*+:\[[0-9]++,[0-9]++\]\}\}')
+#: The fixed pieces of an entry after its name: (place in the entry's ten, text).
+_CANON_PIECES: Final = (
+    (1, ":{"),
+    (2, "dtype"),
+    (3, ":"),
+    (5, ","),
+    (6, "shape"),
+    (8, "data_offsets"),
 )
-# Each match takes the separator before it, so that the matches tile the text (see below).
-_CANON_ENTRY_RE: Final = _compile(r"([{,])" + _CANON_ENTRY)
-#: Characters of a match besides its captured groups.
-_CANON_FIXED: Final = len('"":{"dtype":"","shape":[],"data_offsets":[,]}')
+#: Characters no JSON string may hold unescaped (U+0000 to U+001F), as UTF-8 bytes.
+_CONTROL_BYTES: Final = bytes(range(0x20))
 _CANON_META_PREFIX: Final = '{"__metadata__":'
 #: A whole-byte dtype of each width, for the per-shape overflow check.
 _WIDEST: Final = {d.bits: d for d in DTYPES if d.bits % 8 == 0}
@@ -945,17 +949,16 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
     """Parse and validate a header in the writers' compact form, or return None.
 
     Large headers are almost always in this form, and for them the generic path's cost is the
-    Python objects it builds (a dict and two lists per entry, then a pass per rule). Here one
-    regex pass pulls every entry out as strings, the lengths of the matches prove that they
-    tile the whole text, and the rules run on whole columns with per-shape caching. Anything unusual
-    (escapes, other spacing, metadata not first, repeated names, zero-size tensors, entries
-    not in offset order, any rule failing) returns None, and the generic path decides and
-    words the error exactly as before.
+    Python objects it builds (a dict and two lists per entry, then a pass per rule). Here the
+    text is split at its quotes and the rules run on whole columns of the pieces, with
+    per-shape caching. Anything unusual (escapes, other spacing, metadata not first, repeated
+    names, zero-size tensors, entries not in offset order, any rule failing) returns None,
+    and the generic path decides and words the error exactly as before.
     """
     metadata: dict[str, str] | None = None
+    if "\\" in text:
+        return None  # escapes: names and metadata need the exact path's rules
     if text.startswith(_CANON_META_PREFIX):
-        if "\\" in text:
-            return None  # escapes in metadata need the exact path's surrogate rules
         try:
             meta, end = _PLAIN_DECODER.raw_decode(text, len(_CANON_META_PREFIX))
         except (ValueError, RecursionError):  # the generic path words both
@@ -970,28 +973,35 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
         if text[end : end + 1] != ",":
             return None
         text = "{" + text[end + 1 :]
-    body = text.rstrip(" ")
-    if not body.endswith("]}}"):
+    # With no backslash, every '"' opens or closes a string, and no string holds one. So the
+    # pieces between quotes are, for "{" E ("," E)* "}" with E an entry in compact form:
+    # "{", then per entry its name, ':{', 'dtype', ':', the dtype's code, ',', 'shape',
+    # ':[dims],', 'data_offsets', and ':[begin,end]},' (the last entry's ending ']}}').
+    # Checking every fixed piece, the codes, the shapes and the offsets below against those
+    # exact texts proves the whole text is that form: the pieces rebuild it.
+    pieces = text.rstrip(" ").split('"')
+    if pieces[0] != "{" or (len(pieces) - 1) % 10:
         return None
-    rows = _CANON_ENTRY_RE.findall(body)
-    if not rows:
+    count = (len(pieces) - 1) // 10
+    if not count:
         return None
-    seps, names, codes, shape_texts, begin_texts, end_texts = zip(*rows, strict=True)
-    count = len(names)
-    # findall may skip characters it cannot match; the tiling proof instead of a second full
-    # regex pass: if the matches' lengths add up to all of `body` but one character, that one
-    # is the final "}" (a match ends with "]}", and `body` ends with "]}}"), so the matches
-    # are contiguous from index 0 and the text is "{" E ("," E)* "}" exactly.
-    matched = (
-        count * (_CANON_FIXED + 1)
-        + sum(map(len, names))
-        + sum(map(len, codes))
-        + sum(map(len, shape_texts))
-        + sum(map(len, begin_texts))
-        + sum(map(len, end_texts))
-    )
-    if matched != len(body) - 1 or seps[0] != "{" or seps.count(",") != count - 1:
+    for place, fixed in _CANON_PIECES:
+        if pieces[1 + place :: 10].count(fixed) != count:
+            return None
+    names = pieces[1::10]
+    # A JSON string holds no raw control character; nothing else in a name needs checking.
+    # (The UTF-8 form: one C pass, where a str scan would decode every character.)
+    name_bytes = "".join(names).encode("utf-8")
+    if len(name_bytes.translate(None, _CONTROL_BYTES)) != len(name_bytes):
         return None
+    joined_offsets = '"'.join(pieces[10::10])
+    if not _CANON_OFFSETS.fullmatch(joined_offsets):
+        return None
+    numbers = joined_offsets[2:-3].replace(']},":[', ",").split(",")
+    begin_texts = numbers[0::2]
+    end_texts = numbers[1::2]
+    codes = pieces[5::10]
+    shape_texts = pieces[8::10]
     # Contiguity on the digit strings (canonical integers are equal exactly when their texts
     # are), so only the ends need converting. Every other begin is an end, and no end may
     # have a leading zero: sizes are positive (checked below), so no end is 0 itself.
@@ -1018,9 +1028,11 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
     shape_of: dict[str, tuple[int, ...]] = {}
     elements_of: dict[str, int] = {}
     for shape_text in set(shape_texts):
-        if not _CANON_SHAPE.fullmatch(shape_text):
+        canonical = _CANON_SHAPE.fullmatch(shape_text)
+        if not canonical:
             return None  # not canonical ("01", "1,,2", over 20 digits): the generic path's
-        shape = tuple(map(int, shape_text.split(","))) if shape_text else ()
+        dims = canonical[1]
+        shape = tuple(map(int, dims.split(","))) if dims else ()
         # checked_nbits with the widest dtype bounds every entry of this shape; zero-size
         # tensors are left to the generic path (ties in offsets need the name order).
         nbits = checked_nbits(shape, _WIDEST[widest])

@@ -177,3 +177,58 @@ def test_metadata_without_tensors_is_left_to_the_generic_path() -> None:
     text = '{"__metadata__":{"a":"b"}}'
     assert fmt._canonical_header(text, len(text), 0) is None
     assert fmt.parse_header(text.encode(), 0).metadata == {"a": "b"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "caf\u00e9.w\u00e8ight",  # non-ASCII
+        "a\u00a0b",  # a no-break space: not printable, yet a plain JSON string character
+        "\u2028line",  # a line separator, which JSON strings may hold raw
+        ":{dtype:",  # the structure's own texts inside a name (no quote: still one piece)
+        "],data_offsets:[0,8]},",
+        "",
+        " ",
+        "\x7f",
+    ],
+)
+def test_names_of_any_kind_take_the_fast_path(name: str) -> None:
+    text = (
+        '{"' + name + '":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+        '"z":{"dtype":"F32","shape":[],"data_offsets":[8,12]}}'
+    )
+    fast = fmt._canonical_header(text, len(text.encode()), 12)
+    assert fast is not None
+    assert fast == fmt._parse_generic(text, len(text.encode()), 12, "")
+    assert list(fast.tensors) == [name, "z"]
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x01", "\t", "\n", "\x1f"])
+def test_control_characters_in_names_are_left_to_the_generic_path(char: str) -> None:
+    text = '{"a' + char + '":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    assert fmt._canonical_header(text, len(text), 8) is None
+    assert _generic(text, len(text), 8) is not None
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        # An extra string member shifts the pieces by four; two of them by eight, and five
+        # (here over three entries) by a multiple of ten: the fixed pieces no longer line up.
+        '"x":{"dtype":"F32","k":"v","shape":[2],"data_offsets":[0,8]}',
+        '"x":{"dtype":"F32","k":"v","l":"w","shape":[2],"data_offsets":[0,8]}',
+        '"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"a":"1","b":"2","c":"3","d":"4",'
+        '"e":"5"}',
+        '"x":{"shape":[2],"dtype":"F32","data_offsets":[0,8]}',  # fields in another order
+        '"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8,9]}',  # three offsets
+        '"x":{"dtype":"F32","shape":[2],"data_offsets":[0]}',
+        '"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],'
+        '"data_offsets":[0,8]}',  # a repeated name
+        '"x":{"dtype":"F32","shape":2,"data_offsets":[0,8]}',
+        '"x":{"dtype":"f32","shape":[2],"data_offsets":[0,8]}',
+    ],
+)
+def test_misplaced_pieces_are_declined(entry: str) -> None:
+    text = "{" + entry + "}"
+    assert fmt._canonical_header(text, len(text), 8) is None
+    assert _generic(text, len(text), 8) is not None
