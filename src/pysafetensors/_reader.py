@@ -1714,22 +1714,26 @@ class SafeSlice:
         self._lease = lease
         self._handle = handle
         self._info = info
-        # Row slices of up to this many bytes take the short path of _rows (0: never); tuples
-        # of plain slices of a tensor this small take _box's (see safe_open.__init__). Only
-        # on the CPU: a device's slices go through its staging.
+        #: ``(rows_max, small_box)``, worked out at the first index (see _short_paths): a
+        #: slice made only for its shape or dtype does not pay for them.
+        self._short: tuple[int, bool] | None = None
+
+    def _short_paths(self) -> tuple[int, bool]:
+        """Row slices of up to ``rows_max`` bytes take the short path of :meth:`_rows` (0:
+        never); with ``small_box``, tuples of plain slices take :meth:`_box`'s. Only on the
+        CPU: a device's slices go through its staging."""
+        info, handle = self._info, self._handle
+        rows_max, small_box = 0, False
         if (
             info.nbytes
             and handle._device.type == "cpu"
             and info.dtype.bits % 8 == 0
             and 1 <= len(info.shape) <= MAX_NDIM
         ):
-            self._rows_max = handle._rows_limit
-            self._small_box = (
-                self._rows_max > 0 and info.nbytes <= _SMALL_PART and handle._small_box_ok
-            )
-        else:
-            self._rows_max = 0
-            self._small_box = False
+            rows_max = handle._rows_limit
+            small_box = rows_max > 0 and info.nbytes <= _SMALL_PART and handle._small_box_ok
+        self._short = rows_max, small_box
+        return self._short
 
     def __del__(self) -> None:
         lease, self._lease = getattr(self, "_lease", None), None
@@ -1772,19 +1776,20 @@ class SafeSlice:
         return self._info.shape[0]
 
     def __getitem__(self, index: Any) -> Any:
-        if self._rows_max and type(index) is slice and index.step is None:
+        rows_max, small_box = self._short or self._short_paths()
+        if rows_max and type(index) is slice and index.step is None:
             start, stop = index.start, index.stop
             if (start is None or type(start) is int) and (stop is None or type(stop) is int):
                 begin, end, _ = index.indices(self._info.shape[0])
                 nbytes = (end - begin) * (self._info.nbytes // self._info.shape[0])
-                if 0 < nbytes <= self._rows_max:
+                if 0 < nbytes <= rows_max:
                     try:
                         return self._rows(begin, end, nbytes)
                     except SafetensorError as exc:
                         self._handle._name_read_error(exc, self._info)
                         raise
         elif (
-            self._small_box
+            small_box
             and type(index) is tuple
             and 0 < len(index) <= len(self._info.shape)
             and all(map(_plain_slice, index))
