@@ -90,6 +90,15 @@ def test_interrupts_leave_no_map_behind(data: Path) -> None:
             except Interrupted:
                 armed = False
                 hits += 1
+            except SystemError as e:
+                # 3.10: a handler that raised inside os.fstat (whose timestamp arithmetic
+                # runs handlers) leaves its exception set while fstat goes on; the next
+                # signal's handler then returns with it set, which 3.10 (not 3.11+) turns
+                # into "_PyEval_EvalFrameDefault returned a result with an exception set".
+                if not isinstance(e.__cause__, Interrupted):
+                    raise
+                armed = False
+                hits += 1
             if hits >= 1000:
                 break
         signal.setitimer(signal.ITIMER_REAL, 0, 0)
