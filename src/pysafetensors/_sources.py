@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import gc
 import mmap
 import os
 import stat
@@ -438,6 +439,20 @@ _SLOW_MEMORY_HOLD: Final = 5.0
 _HUGEPAGE_MIN_RATE: Final = 1e9
 #: Consecutive slow steps that switch the rest of a destination to 4 KiB pages.
 _SLOW_STEPS: Final = 3
+#: Collections of the cyclic garbage collector begun so far (counted by a callback). A step
+#: timed across one also timed the wait for the GIL, which the collection holds (a full one
+#: walks torch's whole object graph: 70-90 ms in a fresh process), and says nothing about the
+#: memory: such a step counts neither way. Without this, a collection that fell in a load's
+#: first steps made it give up huge pages (a tensor-parallel row split 45 -> 150 ms).
+_COLLECTIONS_BEGUN = [0]
+
+
+def _count_collection(phase: str, _info: dict[str, int]) -> None:
+    if phase == "start":
+        _COLLECTIONS_BEGUN[0] += 1
+
+
+gc.callbacks.append(_count_collection)
 _MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; not exported by the mmap module
 _MADV_POPULATE_READ: Final = 22
 _POPULATE_STEP: Final = 4 << 20
@@ -542,6 +557,7 @@ class _HugeRegion:
         start -= start % mmap.PAGESIZE  # madvise wants page-aligned starts
         while start < end and not self._slow.is_set():
             step = min(_POPULATE_STEP, end - start)
+            collections = _COLLECTIONS_BEGUN[0]
             began = time.perf_counter()
             try:
                 _madvise(self._region, self._address, start, step, _MADV_POPULATE_WRITE)
@@ -550,8 +566,11 @@ class _HugeRegion:
                     raise
                 self._give_up()
                 return
+            elapsed = time.perf_counter() - began
             start += step
-            if step >= _HUGEPAGE_MIN_RATE * (time.perf_counter() - began):
+            if collections != _COLLECTIONS_BEGUN[0]:
+                continue  # a collection held the GIL meanwhile: not a measure of the memory
+            if step >= _HUGEPAGE_MIN_RATE * elapsed:
                 self._slow_steps = 0
                 continue
             self._slow_steps += 1

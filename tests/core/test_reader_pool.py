@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import multiprocessing
 import os
 import threading
@@ -504,3 +505,28 @@ def test_runs_read_into_one_buffer_small_ones_by_span(tmp_path: Path) -> None:
     assert all(o % 64 == 0 for o in offsets)
     for (offset, length), dest in zip(runs, offsets, strict=True):
         assert np.array_equal(buf[dest : dest + length], data[offset : offset + length])
+
+
+def test_a_step_timed_across_a_collection_does_not_count_as_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A garbage collection holds the GIL that a populate step needs back to time itself (a
+    full one takes ~80 ms with torch imported): such a step says nothing about the memory, and
+    three of them in a row made a load give up huge pages."""
+    region = _sources._HugeRegion.create(_sources._SELF_PROBED_MIN)
+    if region is None:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every timed step is slow...
+    real = _sources._madvise
+
+    def collecting(*args: object) -> None:
+        real(*args)  # type: ignore[arg-type]
+        gc.collect()  # ...but a collection ran during each of them
+
+    monkeypatch.setattr(_sources, "_madvise", collecting)
+    region.populate(4 << 20, 16 << 20)
+    assert not region._slow.is_set()
+    monkeypatch.setattr(_sources, "_madvise", real)  # slow steps without collections count
+    region.populate(20 << 20, 16 << 20)
+    assert region._slow.is_set()
+    _check_destination(region.array(), _sources._SELF_PROBED_MIN)
