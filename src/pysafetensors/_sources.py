@@ -443,7 +443,7 @@ _SLOW_STEPS: Final = 3
 #: timed across one also timed the wait for the GIL, which the collection holds (a full one
 #: walks torch's whole object graph: 70-90 ms in a fresh process), and says nothing about the
 #: memory: such a step counts neither way. Without this, a collection that fell in a load's
-#: first steps made it give up huge pages (a tensor-parallel row split 45 -> 150 ms).
+#: first steps made it give up huge pages (4 KiB pages for the rest of a 256 MiB row split).
 _COLLECTIONS_BEGUN = [0]
 
 
@@ -453,6 +453,7 @@ def _count_collection(phase: str, _info: dict[str, int]) -> None:
 
 
 gc.callbacks.append(_count_collection)
+
 _MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; not exported by the mmap module
 _MADV_POPULATE_READ: Final = 22
 _POPULATE_STEP: Final = 4 << 20
