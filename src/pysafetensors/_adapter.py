@@ -38,6 +38,8 @@ __all__ = [
     "invalid_tensor_error",
     "non_contiguous_error",
     "get_adapter",
+    "chunk_values",
+    "chunk_values_widened",
     "numpy_dtype",
     "pack_subbyte",
     "unpack_subbyte",
@@ -120,6 +122,21 @@ def widened_bf16(raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         np.copyto(out, raw.view("<u2"))
     wide: np.ndarray = np.left_shift(out, 16, out=out)
     return wide.view(np.float32)
+
+
+def chunk_values(dtype: DType, raw: np.ndarray) -> np.ndarray:
+    """A chunk of raw little-endian bytes as numpy values (ml_dtypes for BF16, FP8, F4, F6;
+    F4/F6 unpacked to one value a byte)."""
+    if dtype.bits % 8:
+        count = raw.size * 8 // dtype.bits
+        return unpack_subbyte(raw, dtype, count).view(numpy_dtype(dtype))
+    return raw.view(numpy_dtype(dtype))
+
+
+def chunk_values_widened(dtype: DType, raw: np.ndarray) -> np.ndarray:
+    """As :func:`chunk_values`, but BF16 widened to float32 by its bits (the same values, NaN
+    where NaN) without importing ml_dtypes (over a second in 0.7)."""
+    return widened_bf16(raw) if dtype.code == "BF16" else chunk_values(dtype, raw)
 
 
 def unpack_subbyte(buf: np.ndarray, dtype: DType, count: int) -> np.ndarray:

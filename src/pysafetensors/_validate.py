@@ -501,21 +501,13 @@ def _all_finite(code: str, raw: np.ndarray, scratch: list[np.ndarray]) -> bool:
 
 
 def _float_view(dtype: DType, raw: np.ndarray) -> np.ndarray | None:
-    """The chunk as float values to scan for NaN/Inf, or None for non-float dtypes."""
+    """The chunk as float values to scan for NaN/Inf, or None for non-float dtypes (BF16
+    widened by its bits: the same NaN and Inf, without importing ml_dtypes)."""
     if not dtype.is_float:
         return None
-    if dtype.code == "BF16":
-        from ._adapter import widened_bf16
+    from ._adapter import chunk_values_widened
 
-        return widened_bf16(raw)  # the same NaN and Inf, without importing ml_dtypes
-    if dtype.bits % 8:
-        from ._adapter import numpy_dtype, unpack_subbyte
-
-        count = raw.size * 8 // dtype.bits
-        return unpack_subbyte(raw, dtype, count).view(numpy_dtype(dtype))
-    from ._adapter import numpy_dtype
-
-    return raw.view(numpy_dtype(dtype))
+    return chunk_values_widened(dtype, raw)
 
 
 def _check_values(

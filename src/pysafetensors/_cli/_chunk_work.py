@@ -25,17 +25,16 @@ from typing import Final, TypeVar
 
 import numpy as np
 
-from .._adapter import numpy_dtype, unpack_subbyte, widened_bf16
+from .._adapter import chunk_values, numpy_dtype, unpack_subbyte, widened_bf16
 from .._dtypes import DType
 from .._ordered_opens import submit_or_run
-from ._common import TensorRef, decode
+from ._common import TensorRef
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "ChunkWorkers",
     "as_float64",
     "chunk_bytes",
-    "decoded",
     "element_chunks",
     "take_float64",
     "take_masks",
@@ -118,12 +117,6 @@ def take_masks(n: int) -> tuple[np.ndarray, np.ndarray]:
     return _scratch.take_masks(n)
 
 
-def decoded(dtype: DType, raw: np.ndarray) -> np.ndarray:
-    """A chunk's values as numpy values; BF16 widened to float32 by its bits (the same values,
-    NaN where NaN), without importing ml_dtypes (over a second in 0.7)."""
-    return widened_bf16(raw) if dtype.code == "BF16" else decode(dtype, raw)
-
-
 def as_float64(
     dtype: DType, raw: np.ndarray, slot: int = 0
 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -147,7 +140,7 @@ def as_float64(
         out = _scratch.take(codes.size, slot)
         np.take(_code_values(dtype), codes, out=out, mode="clip")
         return out, None
-    values = decode(dtype, raw)
+    values = chunk_values(dtype, raw)
     if values.dtype.kind == "c":
         return np.abs(values.astype(np.complex128)), None
     out = _scratch.take(values.size, slot)

@@ -24,12 +24,12 @@ from typing import Any, Final
 
 import numpy as np
 
-from .._adapter import numpy_dtype
+from .._adapter import chunk_values_widened, numpy_dtype
 from .._dtypes import DType, dtype_from_code
 from .._remote_urls import shown_name
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from . import _chunk_work
-from ._chunk_work import ChunkWorkers, decoded, element_chunks
+from ._chunk_work import ChunkWorkers, element_chunks
 from ._common import (
     Model,
     OutputFolders,
@@ -91,7 +91,7 @@ def _converted(
 
     def convert(raw: np.ndarray) -> tuple[np.ndarray, int]:
         """A chunk cast, and how many of its finite values became Inf/NaN (on any thread)."""
-        values = decoded(source, raw)
+        values = chunk_values_widened(source, raw)
         with np.errstate(over="ignore", invalid="ignore"):  # per thread
             cast = values.astype(out_dtype, copy=False)  # BF16 widened to F32: as it is
             if widened_to_f16:

@@ -22,12 +22,12 @@ from typing import Any, Final
 
 import numpy as np
 
+from .._adapter import chunk_values, chunk_values_widened
 from .._dtypes import DType
 from . import _chunk_work
 from ._chunk_work import (
     ChunkWorkers,
     as_float64,
-    decoded,
     element_chunks,
     take_float64,
     take_masks,
@@ -37,7 +37,6 @@ from ._common import (
     TensorRef,
     Ui,
     add_filter_args,
-    decode,
     name_filter,
     open_model,
     print_json,
@@ -159,14 +158,14 @@ def _chunk_differences(
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # per thread
             if integers:
                 differ, big, rel, outside = _integer_differences(
-                    decode(a, raw_a), decode(b, raw_b), atol, rtol
+                    chunk_values(a, raw_a), chunk_values(b, raw_b), atol, rtol
                 )
                 return _Differences(False, differ, outside, big, rel)
             if not complex_:
                 found = _finite_differences(a, b, raw_a, raw_b, atol, rtol)
                 if found is not None:
                     return found
-            va, vb = _comparable(decoded(a, raw_a), decoded(b, raw_b))
+            va, vb = _comparable(chunk_values_widened(a, raw_a), chunk_values_widened(b, raw_b))
             return _any_differences(va, vb, atol, rtol)
 
     return compare

@@ -52,7 +52,6 @@ __all__ = [
     "UsageError",
     "add_filter_args",
     "finite_json",
-    "decode",
     "human_bytes",
     "check_source",
     "url_argument_errors",
@@ -600,16 +599,6 @@ def open_model(target: str, storage_options: dict[str, Any] | None = None) -> Mo
 
 
 # ------------------------------------------------------------------------------------- values
-
-
-def decode(dtype: DType, raw: np.ndarray) -> np.ndarray:
-    """View a chunk of raw little-endian bytes as numpy values (ml_dtypes for BF16/F8/F4/F6)."""
-    from .._adapter import numpy_dtype, unpack_subbyte
-
-    if dtype.bits % 8:
-        count = raw.size * 8 // dtype.bits
-        return unpack_subbyte(raw, dtype, count).view(numpy_dtype(dtype))
-    return raw.view(numpy_dtype(dtype))
 
 
 def to_float64(values: np.ndarray) -> np.ndarray:
