@@ -375,6 +375,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # Both at once (no call between the two stores, so no KeyboardInterrupt either): close()
         # and the finalizer find the source only together with its lease.
         self._source, self._lease = source, lease
+        #: The one hold on the lease that all this handle's slices share (see _SliceHold), made
+        #: at the first get_slice.
+        self._slice_hold: _SliceHold | None = None
         self._lock = threading.Lock()
         # get_tensor's short path for small tensors (see _small): read into fresh memory (what
         # _raw does for these sources), a view of the mapping, or none.
@@ -415,6 +418,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         """
         source, self._source = self._source, None
         if source is not None:
+            # The slices' shared hold goes with the handle's last reference to it: now if no
+            # slice keeps it, else with the last slice.
+            self._slice_hold = None
             self._lease.close()
 
     def __del__(self) -> None:
@@ -673,7 +679,11 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         """A lazy view of one tensor that reads only what is indexed (also after ``close``)."""
         check_tensor_name(name)  # before the handle's state, as the reference
         self._live()
-        return SafeSlice(self, self._info(name), self._lease)
+        hold = self._slice_hold
+        if hold is None:
+            # Two threads' first slices may both get here: each hold lets go of its own share.
+            hold = self._slice_hold = _SliceHold(self._lease)
+        return SafeSlice(self, self._info(name), hold)
 
     def _read_slices(
         self, requests: list[tuple[str, Any]], *, map_fragmented: bool = False
@@ -1700,6 +1710,31 @@ class _Reading:
             self._handle._name_read_error(exc, self._info)
 
 
+class _SliceHold:
+    """One hold on a handle's byte source, shared by all its slices: the file stays open after
+    the handle's ``close`` until the last slice, and this hold with it, is gone (as the
+    reference's slices keep it open).
+
+    One hold for all the slices rather than one each: a hold per slice (the lease's lock twice
+    and a finalizer) was over half of ``get_slice``'s cost.
+    """
+
+    __slots__ = ("_lease", "source")
+
+    def __init__(self, lease: Shared[ByteSource]) -> None:
+        self._lease: Shared[ByteSource] | None = None
+        self.source = lease.acquire()
+        self._lease = lease
+
+    def __del__(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:  # noqa: SIM105 - never raise from a finalizer (nor need a global at exit)
+                lease.release()
+            except Exception:  # noqa: BLE001, S110
+                pass
+
+
 class SafeSlice:
     """A tensor not read yet; index it to read only the selected bytes.
 
@@ -1708,10 +1743,9 @@ class SafeSlice:
         ...     rows = f.get_slice("embed")[0:128]
     """
 
-    def __init__(self, handle: safe_open, info: TensorInfo, lease: Shared[ByteSource]) -> None:
-        self._lease: Shared[ByteSource] | None = None
-        self._source = lease.acquire()
-        self._lease = lease
+    def __init__(self, handle: safe_open, info: TensorInfo, hold: _SliceHold) -> None:
+        self._hold = hold  # keeps the file open after the handle's close, as long as needed
+        self._source = hold.source
         self._handle = handle
         self._info = info
         #: ``(rows_max, small_box)``, worked out at the first index (see _short_paths): a
@@ -1735,14 +1769,6 @@ class SafeSlice:
         self._short = rows_max, small_box
         return self._short
 
-    def __del__(self) -> None:
-        lease, self._lease = getattr(self, "_lease", None), None
-        if lease is not None:
-            try:  # noqa: SIM105 - never raise from a finalizer (nor need a global at exit)
-                lease.release()
-            except Exception:  # noqa: BLE001, S110
-                pass
-
     def get_shape(self) -> list[int]:
         """The tensor's full logical shape."""
         return list(self._info.shape)
@@ -1762,7 +1788,8 @@ class SafeSlice:
         return self._info.dtype.code
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        # A copy would release this slice's hold on the file a second time when collected.
+        # Refused for pickle, copy and deepcopy alike, as the reference's slice: a view of an
+        # open file means nothing in another process.
         raise TypeError("cannot pickle 'builtins.PySafeSlice' object")
 
     def __bool__(self) -> bool:

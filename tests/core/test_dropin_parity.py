@@ -86,6 +86,23 @@ def test_slice_outlives_its_handle_and_then_lets_the_file_go(
     np.testing.assert_array_equal(np.asarray(lone[0, 0]), np.arange(5, dtype=np.float32))
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts descriptors in /proc")
+def test_the_file_closes_with_the_last_of_several_slices_or_at_close(model: Path) -> None:
+    before = _open_fds_on(model)
+    with safe_open(model, "np", backend="pread") as g:
+        first, second = g.get_slice("a"), g.get_slice("a")
+        g.get_slice("a")  # gone at once: holds nothing after
+    assert _open_fds_on(model) > before
+    del first
+    assert _open_fds_on(model) > before and second[0, 0, 0] == 0  # one slice still reads
+    del second
+    assert _open_fds_on(model) == before
+    with safe_open(model, "np", backend="pread") as h:
+        h.get_slice("a")[0]
+        assert _open_fds_on(model) > before
+    assert _open_fds_on(model) == before  # no slice left: closed by close() itself
+
+
 def test_closed_handle_still_refuses_new_slices(model: Path) -> None:
     f = safe_open(model, "np")
     f.close()
