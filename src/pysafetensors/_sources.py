@@ -60,6 +60,11 @@ __all__ = [
 PARALLEL_CHUNK: Final = 16 << 20
 #: Smallest piece a read is split into for parallel threads.
 MIN_PARALLEL_CHUNK: Final = 2 << 20
+#: Reads into fresh memory (:func:`read_fresh`) up to this size are one read on the calling
+#: thread. In a fresh process (where the reader threads start at their first read) an 8 MiB
+#: LoRA file's data took ~3-4 ms that way against ~4-7 ms in parallel into huge pages; the
+#: two met at 16-24 MiB warm and cold, and at 32 MiB the parallel read took ~6 against ~19 ms.
+ONE_READ_MAX: Final = 16 << 20
 #: Threads used for one large read. Positioned reads release the GIL, so threads overlap the
 #: kernel's copies (and, for cold files, the device's queue).
 READ_THREADS: Final = max(2, min(8, (os.cpu_count() or 2) * 2))
@@ -640,11 +645,18 @@ def empty_bytes(nbytes: int) -> np.ndarray:
 def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
     """Read ``nbytes`` at ``offset`` of ``source`` into new memory.
 
-    From a :class:`PreadSource`, a large destination is a huge-page region that each reader
-    thread faults in (:class:`_HugeRegion`) right before reading its piece, so on a cold file
-    the faults overlap the other threads' waits for the disk instead of preceding them. Other
-    sources read into :func:`empty_bytes`.
+    From a :class:`PreadSource`, up to :data:`ONE_READ_MAX` bytes are one read on the calling
+    thread; a larger destination is a huge-page region that each reader thread faults in
+    (:class:`_HugeRegion`) right before reading its piece, so on a cold file the faults overlap
+    the other threads' waits for the disk instead of preceding them. Other sources read into
+    :func:`empty_bytes`.
     """
+    if isinstance(source, PreadSource) and nbytes <= ONE_READ_MAX:
+        # One read on this thread into plain memory: cheaper than starting the reader threads
+        # and faulting in a huge-page region, up to about this size.
+        buf = np.empty(nbytes, np.uint8)
+        source.readinto(offset, buf.data, parallel=False)
+        return buf
     region = _huge_region(nbytes) if isinstance(source, PreadSource) else None
     if isinstance(source, PreadSource) and region is not None:
         buf = region.array()
@@ -1068,16 +1080,18 @@ class PreadSource:
         *,
         prepare: Callable[[int, int], None] | None = None,
         align: int = 1,
+        parallel: bool = True,
     ) -> None:
         """Fill ``out`` from ``offset``, split across the reader threads when large.
 
         ``prepare(start, length)``, if given, runs on each piece of ``out`` right before the
         read into it, on the thread that reads it (see :func:`read_fresh`); pieces then start
-        on multiples of ``align``.
+        on multiples of ``align``. With ``parallel`` False (and no ``prepare``), one read on the
+        calling thread whatever the size.
         """
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         _check_range(self, offset, out.nbytes)
-        if prepare is None and out.nbytes <= MIN_PARALLEL_CHUNK:
+        if prepare is None and (not parallel or out.nbytes <= MIN_PARALLEL_CHUNK):
             # One piece, read here (the path below would too): without its set-up, which
             # cost small reads (a tensor of a few KiB) more than the read itself.
             with self._held as fd:

@@ -232,6 +232,7 @@ def test_fresh_reads_fault_in_as_they_go_and_match(
         monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
         setting = "auto"
     monkeypatch.setattr(_sources, "HUGEPAGE_DESTINATIONS", setting)
+    monkeypatch.setattr(_sources, "ONE_READ_MAX", 0)  # this size is read in one piece else
     size = _sources._HUGEPAGE_MIN + (5 << 20) + 17
     data = np.random.default_rng(3).integers(0, 256, size + 4096, np.uint8)
     path = tmp_path / "d.bin"
@@ -259,6 +260,7 @@ def test_fresh_reads_with_odd_sizes_and_thread_counts(
         real(self, start, length, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_sources._HugeRegion, "populate", recording)
+    monkeypatch.setattr(_sources, "ONE_READ_MAX", 0)  # this size is read in one piece else
     size = _sources._HUGEPAGE_MIN + 12345
     data = np.random.default_rng(threads).integers(0, 256, size + 10, np.uint8)
     path = tmp_path / "d.bin"
@@ -269,7 +271,34 @@ def test_fresh_reads_with_odd_sizes_and_thread_counts(
     finally:
         src.close()
     assert np.array_equal(got, data[3 : 3 + size])
-    assert all(start % 4096 == 0 for start in starts)
+    assert starts and all(start % 4096 == 0 for start in starts)
+
+
+def test_fresh_reads_up_to_the_limit_are_one_read_on_the_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = 1 << 20  # the same decision as at the real limit, on a smaller file
+    monkeypatch.setattr(_sources, "ONE_READ_MAX", limit)
+    monkeypatch.setattr(_sources, "MIN_PARALLEL_CHUNK", 64 << 10)
+    calls: list[int] = []
+    real = _sources.run_parallel
+
+    def recording(fn: object, items: object, threads: int) -> None:
+        calls.append(threads)
+        real(fn, items, threads)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_sources, "run_parallel", recording)
+    data = np.random.default_rng(7).integers(0, 256, 2 * limit, np.uint8)
+    path = tmp_path / "d.bin"
+    path.write_bytes(data.tobytes())
+    src = PreadSource(os.open(path, os.O_RDONLY), str(path), threads=4, chunk_size=64 << 10)
+    try:
+        small = _sources.read_fresh(src, 5, limit)
+        assert calls == [] and np.array_equal(small, data[5 : 5 + limit])
+        large = _sources.read_fresh(src, 5, limit + 1)
+        assert calls and np.array_equal(large, data[5 : 6 + limit])
+    finally:
+        src.close()
 
 
 def test_unaligned_populate_and_failing_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -87,7 +87,7 @@ def test_a_failed_parallel_read_leaves_no_cycle_holding_its_buffer(tmp_path: Pat
     # The exception was raised from run_parallel's frame, which held the futures holding the
     # exception: a cycle that kept the destination buffer until the cyclic collector ran.
     path = tmp_path / "f.safetensors"
-    save_file({"a": np.ones(4 << 20, np.float32)}, path)  # 16 MiB: read by several threads
+    save_file({"a": np.ones(5 << 20, np.float32)}, path)  # 20 MiB: read by several threads
     flags = gc.get_debug()
     gc.collect()
     gc.disable()
