@@ -85,6 +85,15 @@ def _storage_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-1], shape[-1] // 2)
 
 
+def _shaped(flat: Any, shape: tuple[int, ...]) -> Any:
+    """``flat`` (1-D, as ``torch.frombuffer`` makes it, with the elements of ``shape``)
+    viewed as ``shape``. ``view(*shape)`` parses faster than ``view(shape)`` (~1.3 against
+    ~1.9 us: a tenth of a small tensor's load), and a 1-D shape needs no view at all."""
+    if len(shape) == 1:
+        return flat
+    return flat.view(*shape) if shape else flat.view(())
+
+
 # A tensor to cut from a buffer: (name, dtype, shape, begin, end), byte offsets.
 Item = tuple[str, DType, tuple[int, ...], int, int]
 
@@ -161,12 +170,7 @@ def carve_host(buf: np.ndarray, items: Iterable[Item]) -> dict[str, Any]:
         if end == begin:
             return torch.empty(shape, dtype=tdtype)
         count = (end - begin) // size
-        tensor = torch.frombuffer(memory, dtype=tdtype, count=count, offset=begin)
-        # A 1-D tensor has its shape already; view(*shape) parses faster than view(shape)
-        # (~1.3 against ~1.9 us: per tensor, a tenth of a LoRA file's load).
-        if len(shape) == 1:
-            return tensor
-        return tensor.view(*shape) if shape else tensor.view(())
+        return _shaped(torch.frombuffer(memory, dtype=tdtype, count=count, offset=begin), shape)
 
     return _carve_items(items, cut_bytes, cut_typed)
 
@@ -204,7 +208,7 @@ class TorchAdapter:
             tensor = torch.empty(storage_shape, dtype=tdtype)
         else:
             # One call where from_numpy, view(dtype) took two (~0.5 us a tensor).
-            tensor = torch.frombuffer(buf, dtype=tdtype).view(storage_shape)
+            tensor = _shaped(torch.frombuffer(buf, dtype=tdtype), storage_shape)
         if device.type != "cpu":
             tensor = tensor.to(device.torch_spec)
         return tensor
