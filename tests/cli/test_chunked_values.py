@@ -449,12 +449,12 @@ def test_validate_counts_bf16_nan_and_inf_by_their_bits_without_ml_dtypes(tmp_pa
     "code", ["F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F4", "F6_E2M3"]
 )
 def test_codes_of_small_floats_are_looked_up_as_ml_dtypes_converts_them(code: str) -> None:
-    from pysafetensors._adapter import chunk_values as decode
+    from pysafetensors._adapter import chunk_values
 
     dtype = dtype_from_code(code)
     raw = np.tile(np.arange(256, dtype=np.uint8), 3)  # every byte; F6 groups of 3 bytes
     with np.errstate(invalid="ignore", over="ignore"):
-        want = decode(dtype, raw).astype(np.float64)
+        want = chunk_values(dtype, raw).astype(np.float64)
         got, integers = _chunk_work.as_float64(dtype, raw)
     assert integers is None and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
