@@ -123,8 +123,17 @@ def storage_size(tensor: torch.Tensor) -> int:
 
 
 def _end_ptr(tensor: torch.Tensor) -> int:
+    """One past the last byte a tensor's elements occupy.
+
+    Computed from the strides (torch's are never negative, so the last element is the furthest
+    one), not as the reference does by ``tensor.view(-1)``, which raises torch's ``view size is
+    not compatible`` for a transposed or expanded tensor sharing its storage with another, so
+    that neither the shared-tensor error nor ``save_model`` is reached.
+    """
     if tensor.nelement():
-        return int(tensor.view(-1)[-1].data_ptr()) + tensor.element_size()
+        sizes_strides = zip(tensor.shape, tensor.stride(), strict=True)
+        span = sum((size - 1) * stride for size, stride in sizes_strides)
+        return int(tensor.data_ptr()) + (span + 1) * tensor.element_size()
     return int(tensor.data_ptr())
 
 

@@ -850,6 +850,39 @@ def test_shared_tensor_groups_come_in_the_reference_s_order() -> None:
     assert mine[2] == theirs[2]
 
 
+def test_transposed_and_expanded_views_of_a_shared_storage_are_found_not_crashed_on(
+    tmp_path: Path,
+) -> None:
+    """The reference measures a shared tensor's extent by ``view(-1)``, which raises torch's
+    ``view size is not compatible`` for a transposed or expanded view: neither the
+    shared-tensor error nor ``save_model`` was reached (docs/differences.md)."""
+    base = torch.arange(16.0).reshape(4, 4)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        ref_torch.save({"x": base, "y": base.t()})
+    with pytest.raises(RuntimeError, match="Some tensors share memory") as info:
+        ours_torch.save({"x": base, "y": base.t()})
+    assert isinstance(info.value, SafetensorError)
+    row = torch.arange(4.0).reshape(1, 4)
+    assert ours_torch._find_shared_tensors({"r": row, "e": row.expand(3, 4)}) == [{"r", "e"}]
+    # Disjoint halves stay apart, whether the second is transposed or not.
+    halves = {"top": base[:2], "bottom": base[2:].t()}
+    assert ours_torch._find_shared_tensors(halves) == [{"top"}, {"bottom"}]
+
+    class Tied(torch.nn.Module):
+        def __init__(self, weight: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("w", weight)
+            self.register_buffer("w_t", weight.t())
+
+    path = tmp_path / "tied.safetensors"
+    ours_torch.save_model(Tied(base.clone()), path)
+    with safe_open(path, "pt") as f:
+        assert f.keys() == ["w"] and f.metadata() == {"w_t": "w"}
+    loaded = Tied(torch.zeros(4, 4))
+    assert ours_torch.load_model(loaded, path) == (set(), [])
+    assert torch.equal(loaded.w, base) and torch.equal(loaded.w_t, base.t())
+
+
 @pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # inside the reference
 def test_save_model_hints_at_force_contiguous_only_where_it_helps(tmp_path: Path) -> None:
     with torch.device("meta"):
