@@ -1227,15 +1227,15 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 f"{info.dtype.code}",
                 kind="InvalidSlice",
             )
-        split = split_advanced(index, info.shape)
+        # torch places integer-indexed dimensions unlike numpy when they mix with index arrays
+        # (``t[0, :, [1, 4]]``) and refuses masks numpy takes: each framework its own rules.
+        pick_cells = getattr(self._adapter, "pick_cells", None)
+        split = split_advanced(index, info.shape, empty_mask_axes_match=pick_cells is None)
         box_plan = self._checked_plan(info, split.box)
         data = self._read_plan(info, box_plan, source)
         # Elements as integers of their width (every dtype has 1, 2, 4 or 8 bytes), so that the
         # index applies to whole elements with the same positions as on the tensor itself.
         cells = data.view(f"<i{info.dtype.bits // 8}").reshape(box_plan.shape)
-        # torch places integer-indexed dimensions unlike numpy when they mix with index arrays
-        # (``t[0, :, [1, 4]]``): each framework picks with its own rules.
-        pick_cells = getattr(self._adapter, "pick_cells", None)
         try:
             picked = np.ascontiguousarray(
                 cells[split.pick] if pick_cells is None else pick_cells(cells, split.pick)

@@ -552,12 +552,21 @@ class AdvancedSplit:
     (its index arrays broadcast to something), so this is raised when picking fails."""
 
 
-def split_advanced(index: Any, shape: tuple[int, ...]) -> AdvancedSplit:
+def split_advanced(
+    index: Any, shape: tuple[int, ...], *, empty_mask_axes_match: bool = True
+) -> AdvancedSplit:
     """Split an advanced index into a box to read and the index that picks from the box.
 
     ``tensor[index] == tensor[box][pick]``, by numpy's rules or torch's alike, where ``box``
     has one slice per dimension. Index values outside their dimension are replaced in ``pick``
     by values outside the box, so that picking raises where indexing the whole tensor would.
+
+    Args:
+        index: The index, as given to ``get_slice(name)[index]``.
+        shape: The tensor's shape.
+        empty_mask_axes_match: numpy's rule that a boolean mask's axis of length 0 matches a
+            dimension of any size (``a[np.array([], bool)]`` on 4 rows selects none of them);
+            torch refuses such a mask, and its rules pass False.
 
     Raises:
         SliceError: Masks of the wrong shape, items of no index type, too many indices, or
@@ -629,7 +638,11 @@ def split_advanced(index: Any, shape: tuple[int, ...]) -> AdvancedSplit:
             pick.append(bool(arr))  # a new axis of length 1 (True) or 0 (False)
         elif arr.dtype == np.bool_:
             dims = shape[dim : dim + arr.ndim]
-            if arr.shape != tuple(dims):
+            mismatched = any(
+                length != size and (length or not empty_mask_axes_match)
+                for length, size in zip(arr.shape, dims, strict=True)
+            )
+            if mismatched:
                 raise SliceError(
                     f"Error during slicing {render_index(index)} with shape {list(shape)}: "
                     f"boolean index of shape {list(arr.shape)} does not match dimensions "

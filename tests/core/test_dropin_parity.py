@@ -194,6 +194,32 @@ def test_empty_broadcast_selects_nothing_like_numpy(tmp_path: Path) -> None:
             f.get_slice("a")[[5], [0]]
 
 
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_empty_mask_axes_match_any_dimension_as_numpy_not_torch(model: Path, backend: str) -> None:
+    # numpy checks a boolean mask's axis against its dimension only when it is not empty; torch
+    # always does. Each framework's slices follow their own.
+    full = ours_np.load_file(model)["a"]
+    with safe_open(model, "np", backend=backend) as f:
+        s = f.get_slice("a")
+        for index in [
+            np.array([], bool),
+            (..., np.array([], bool)),
+            np.zeros((0, 0), bool),
+            (None, np.array([], bool), 1),
+            (slice(1, 2), np.zeros(0, bool), 0),
+        ]:
+            expected = full[index]
+            got = s[index]
+            assert got.shape == expected.shape and got.dtype == expected.dtype, index
+        with pytest.raises(SliceError, match="does not match dimensions"):
+            s[np.zeros((0, 2), bool)]  # the second axis is not empty: checked, as numpy does
+    with (
+        safe_open(model, "pt", backend=backend) as f,
+        pytest.raises(SliceError, match="does not match dimensions"),
+    ):
+        f.get_slice("a")[torch.tensor([], dtype=torch.bool)]
+
+
 def test_bool_is_an_axis_not_an_integer(model: Path) -> None:
     # Python bools are ints; indexing with one must not silently select row 1.
     with safe_open(model, "pt") as f:
