@@ -900,6 +900,34 @@ def test_a_sharded_cast_that_fails_midway_leaves_the_checkpoint(
     assert all(v.dtype == np.float64 for v in load_file(str(tmp_path / "ck")).values())
 
 
+def test_a_sharded_cast_replaces_the_output_folder_s_checkpoint(cli, tmp_path: Path) -> None:
+    """A sharded cast into a folder holding another checkpoint left its files there: shards of
+    another count beside the new index (stray shards), and a single ``model.safetensors``,
+    which transformers opens before any index, so the folder still loaded the old weights."""
+    from pysafetensors import save_sharded
+
+    tensors = {f"t{i}": np.full(1000, i, np.float32) for i in range(3)}
+    save_sharded(tensors, tmp_path / "ck", 5000)
+    out = tmp_path / "out"
+    save_sharded(tensors, out, 10000)  # an earlier checkpoint of two shards
+    (out / "other.safetensors").write_bytes(b"kept: not of the checkpoint's name pattern")
+    save_file({"old": np.zeros(1, np.float32)}, str(out / "model.safetensors"))
+    assert cli("cast", tmp_path / "ck", out, "--to", "F64").code == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+        "other.safetensors",
+    ]
+    (out / "other.safetensors").unlink()
+    r = cli("validate", "--strict", out)  # no stray shard left
+    assert r.code == 0, r
+    assert {k: v.dtype for k, v in load_file(str(out)).items()} == dict.fromkeys(
+        tensors, np.float64
+    )
+
+
 def test_metadata_reserve_is_checked_before_it_is_allocated(cli, example: Path) -> None:
     r = cli("metadata", "set", example, "k=" + "v" * 2000, "--reserve", str(1 << 62))
     assert r.code == 1 and "header too large" in r.err and "memory" not in r.err

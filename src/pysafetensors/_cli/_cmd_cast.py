@@ -26,7 +26,9 @@ import numpy as np
 
 from .._adapter import chunk_values_widened, numpy_dtype
 from .._dtypes import DType, dtype_from_code
+from .._errors import SerializeError
 from .._remote_urls import shown_name
+from .._sharding import check_filename_pattern, remove_stale_files
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from . import _chunk_work
 from ._chunk_work import ChunkWorkers, element_chunks
@@ -197,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
                 # Every shard and the index are renamed into place together once all are
                 # written (as sharded saves are): a cast that fails midway, into its own folder
                 # above all, leaves the earlier checkpoint whole instead of a mix of dtypes.
-                with SaveGroup(seal=index) as group:
+                retire = _single_file_beside(index, plan)
+                with SaveGroup(seal=index, retire=retire) as group:
                     for f in model.files:
                         layout = write_file(
                             _shard_output(args.output, f.label, folders),
@@ -209,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
                         data_bytes[f.label] = layout.data_size
                     if index is not None:
                         _write_index(model, index, data_bytes, group)
+                if index is not None:
+                    _remove_stale(args.output, index, plan)
         before = sum(t.nbytes for t in model.tensors.values())
         after = sum(data_bytes.values())
         converted = sum(
@@ -252,6 +257,44 @@ def _index_target(model: Model, folder: str) -> str | None:
     if index_path is None:
         return None
     return os.path.join(folder, shown_name(index_path))
+
+
+def _family_pattern(index: str) -> str | None:
+    """The file name pattern of the checkpoint whose index is ``index``
+    (``model{suffix}.safetensors`` for ``model.safetensors.index.json``), or None for an index
+    name no pattern gives."""
+    stem = os.path.basename(index).removesuffix(".index.json")
+    if not stem.endswith(".safetensors"):
+        return None
+    pattern = stem.removesuffix(".safetensors") + "{suffix}.safetensors"
+    try:
+        check_filename_pattern(pattern, shards=2)
+    except SerializeError:
+        return None  # braces or other names no pattern can give
+    return pattern
+
+
+def _single_file_beside(index: str | None, plan: dict[str, list[TensorData]]) -> str | None:
+    """The single file of the index's name (``model.safetensors``) in the output folder, which
+    the sharded output replaces: transformers opens it before any index, so left there it
+    would still load the folder's earlier weights. None where the cast writes that very name
+    (an index may list it as a shard)."""
+    pattern = None if index is None else _family_pattern(index)
+    if index is None or pattern is None:
+        return None
+    single = pattern.format(suffix="")
+    if single in plan:
+        return None
+    return os.path.join(os.path.dirname(index), single)
+
+
+def _remove_stale(folder: str, index: str, plan: dict[str, list[TensorData]]) -> None:
+    """Delete the files of an earlier checkpoint of the same name pattern in ``folder`` that
+    the cast did not write (shards of another count, crashed saves' temporary files), as a
+    sharded save does: left there, they are stray shards beside the new index."""
+    pattern = _family_pattern(index)
+    if pattern is not None:
+        remove_stale_files(folder, pattern, [*plan, os.path.basename(index)])
 
 
 def _write_index(model: Model, path: str, data_bytes: dict[str, int], group: SaveGroup) -> None:
