@@ -64,6 +64,17 @@ def test_cast_refuses_a_link_out_of_the_output_folder(
     assert list(elsewhere.iterdir()) == []
 
 
+def test_a_sharded_cast_to_a_file_says_the_output_must_be_a_folder(
+    cli, subfolder_model: Path, tmp_path: Path
+) -> None:
+    # It said only "[Errno 17] File exists", as if the file were in the way of a file.
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"untouched")
+    r = cli("cast", subfolder_model, out, "--to", "F16")
+    assert r.code == 2 and "is a file; a sharded model is cast into a folder" in r.err, r
+    assert out.read_bytes() == b"untouched"
+
+
 def _limit_file_size() -> None:
     import resource
 

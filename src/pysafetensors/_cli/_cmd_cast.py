@@ -193,6 +193,12 @@ def run(args: argparse.Namespace) -> int:
                 written = layout.file_size
                 data_bytes = {f.label: layout.data_size}
             else:
+                if os.path.exists(args.output) and not os.path.isdir(args.output):
+                    # makedirs said only "File exists": the shards go into a folder.
+                    raise UsageError(
+                        f"the output {sanitize(args.output)!r} is a file; a sharded model is "
+                        "cast into a folder"
+                    )
                 folders.makedirs(args.output)
                 data_bytes = {}
                 index = _index_target(model, args.output)
