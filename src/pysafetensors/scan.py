@@ -34,6 +34,7 @@ Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully ana
 from __future__ import annotations
 
 import _compat_pickle
+import ast
 import errno
 import mmap
 import os
@@ -91,6 +92,13 @@ MAX_LISTED: Final = 100_000
 _PROBE_WINDOW: Final = 1 << 16
 #: The message prefix of a stream that could not be parsed.
 _PARSE_FAILED: Final = "pickle could not be fully parsed"
+#: A ``.npy`` file's first bytes (also each member of an ``.npz``).
+_NPY_MAGIC: Final = b"\x93NUMPY"
+#: Header length field and text encoding of each ``.npy`` version numpy reads.
+_NPY_VERSIONS: Final = {(1, 0): ("<H", "latin1"), (2, 0): ("<I", "latin1"), (3, 0): ("<I", "utf8")}
+#: Longest ``.npy`` header parsed to learn its dtype; a longer one (numpy's own cap is 10,000
+#: characters, lifted by ``allow_pickle=True``) has its data scanned as a possible pickle.
+_NPY_MAX_HEADER: Final = 1 << 20
 
 _EXTRA_SAFE: Final = frozenset(
     {
@@ -231,7 +239,7 @@ class ScanReport:
 
     path: str
     format: str = "unknown"
-    """``zip``, ``legacy``, ``pickle``, ``tar`` or ``unknown``."""
+    """``zip``, ``legacy``, ``pickle``, ``tar``, ``npy``, ``safetensors`` or ``unknown``."""
     globals: list[GlobalUse] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     streams: int = 0
@@ -727,12 +735,93 @@ def _scan_bytes(report: ScanReport, data: bytes, where: str, depth: int) -> None
         report.format = "pickle"
         report._add("suspicious", "a safetensors-shaped file that is also a pickle", where, 0)
         return
+    if _npy_header(data) is not None:
+        if report.format == "unknown":
+            report.format = "npy"
+        _scan_npy(report, data, where, depth, complete=True)
+        # pickle.load of the file itself meets STACK_GLOBAL (the magic's first byte) on an
+        # empty stack and stops having run nothing; kept only if that ever changes.
+        _probe(report, data, where, depth, keep_clean=False)
+        return
     if _looks_like_pickle(data):
         if report.format == "unknown":
             report.format = "pickle"
         _scan_pickle_file(report, data, where, depth)
         return
     report._add("suspicious", "not a pickle, zip or tar file", where, 0)
+
+
+def _npy_header(data: bytes) -> tuple[int, bool | None] | None:
+    """Where a ``.npy`` file's data starts and whether numpy unpickles it, if it is one.
+
+    ``numpy.load`` (and ``numpy.lib.format.read_array``) reads an array of a dtype that holds
+    Python objects with ``pickle.load`` from right after the header, when ``allow_pickle=True``;
+    any other array is raw bytes. The header is read as numpy reads it (a Python literal
+    ``dict`` whose ``descr`` is the dtype). Returns None when ``data`` is not a ``.npy`` numpy
+    reads (no magic, an unknown version, a header past the end), else ``(data offset,
+    has_object)``; ``has_object`` is None when the header cannot be read here (too long, or
+    not a literal this reader takes), so that the data is scanned as a possible pickle.
+    """
+    if data[: len(_NPY_MAGIC)] != _NPY_MAGIC or len(data) < 10:
+        return None
+    version = (data[6], data[7])
+    if version not in _NPY_VERSIONS:
+        return None
+    fmt, encoding = _NPY_VERSIONS[version]
+    size_at = 8 + struct.calcsize(fmt)
+    if size_at > len(data):
+        return None
+    (header_len,) = struct.unpack_from(fmt, data, 8)
+    start = size_at + header_len
+    if start > len(data):
+        return None
+    if header_len > _NPY_MAX_HEADER:
+        return start, None
+    try:
+        import numpy as np
+
+        header = ast.literal_eval(bytes(data[size_at:start]).decode(encoding))
+        if type(header) is not dict or "descr" not in header:
+            return start, None
+        return start, bool(np.lib.format.descr_to_dtype(header["descr"]).hasobject)
+    except Exception:  # noqa: BLE001 - hostile headers fail in many ways: scan the data instead
+        return start, None
+
+
+def _scan_npy(report: ScanReport, data: bytes, where: str, depth: int, *, complete: bool) -> bool:
+    """Scan the pickle a ``.npy`` file (or ``.npz`` member) holds, as ``numpy.load`` reads it.
+
+    An object array is one pickle stream after the header, which ``numpy.load(...,
+    allow_pickle=True)`` runs: it is scanned like any pickle, so one that does not parse is
+    suspicious. Data of a header this reader cannot parse is kept only when it starts a pickle
+    that imports or calls something; raw numeric data is not a pickle numpy runs.
+
+    Args:
+        complete: Whether ``data`` is the whole file or member; a prefix only decides whether
+            the rest is needed.
+
+    Returns:
+        Whether the whole of ``data`` is needed (an object array, or an unknown header) and
+        ``complete`` was False, in which case nothing was scanned.
+    """
+    found = _npy_header(data)
+    if found is None:
+        return False
+    start, has_object = found
+    if has_object is False:
+        return False
+    if not complete:
+        return True
+    if has_object:
+        end, _ = _run_stream(report, data, start, where, depth)
+        if end is not None and end < len(data):
+            _scan_streams(report, data, where, depth, end)
+        return False
+    if _looks_like_pickle(data, start):
+        parsed = ScanReport(report.path)
+        end, _ = _run_stream(parsed, data, start, where, depth)
+        _keep_probe(report, parsed, end is not None, keep_clean=False)
+    return False
 
 
 def _is_tar(data: bytes) -> bool:
@@ -897,6 +986,20 @@ def _scan_member(
     # Only the bytes the first stream needs are read: a multi-GB tensor member is not copied
     # to find that its first opcode is not followed by a valid one.
     window = _PROBE_WINDOW
+    content, complete = _zip_member(data, info, window)
+    if _npy_header(content) is not None or (not complete and content[:6] == _NPY_MAGIC):
+        # An .npz member: numpy.load unpickles an object array's data after the header.
+        if _scan_npy(report, content, member, depth, complete=complete) or (
+            _npy_header(content) is None
+        ):
+            content, complete = _zip_member(data, info, MAX_PICKLE_BYTES)
+            if not complete:
+                report._add(
+                    "suspicious", f"npy member over {MAX_PICKLE_BYTES} bytes; not analysed", member
+                )
+                return
+            _scan_npy(report, content, member, depth, complete=True)
+        return
     while True:
         content, complete = _zip_member(data, info, window)
         if not _looks_like_pickle(content):

@@ -863,3 +863,58 @@ def test_the_opcodes_run_are_bounded_per_file_not_per_stream(
     assert any("opcodes" in f.message and "not analysed" in f.message for f in report.findings)
     path.write_bytes(stream * 2)
     assert scan_module.scan_file(path).grade == "safe"  # 800 opcodes: within the budget
+
+
+def _npy(descr: str, data: bytes, version: int = 1) -> bytes:
+    """A ``.npy`` file as ``numpy.save`` lays it out: magic, version, header, then ``data``."""
+    header = f"{{'descr': {descr}, 'fortran_order': False, 'shape': (1,), }}".encode()
+    size = struct.pack("<H" if version == 1 else "<I", len(header))
+    return b"\x93NUMPY" + bytes([version, 0]) + size + header + data
+
+
+_NPY_PAYLOAD = P.PROTO2 + P.g("os", "system") + P.u("echo") + b"\x85R."
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_object_arrays_of_npy_files_are_scanned(tmp_path: Path, version: int) -> None:
+    # numpy.load(..., allow_pickle=True) unpickles the data of an object array: the payload
+    # after the header ran, while the scanner read the file from its first byte only.
+    report = scan_file(_write(tmp_path / "a.npy", _npy("'|O'", _NPY_PAYLOAD, version)))
+    assert report.format == "npy"
+    assert report.grade == "dangerous"
+    assert [g.qualname for g in report.globals] == ["os.system"]
+    # A structured dtype with an object field is unpickled too.
+    fields = "[('x', '<f4'), ('y', '|O')]"
+    assert scan_file(_write(tmp_path / "b.npy", _npy(fields, _NPY_PAYLOAD))).grade == "dangerous"
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_object_arrays_in_npz_members_are_scanned(tmp_path: Path, compression: int) -> None:
+    # An .npz holding one such array was graded safe: its member starts with the npy magic,
+    # not with a pickle.
+    path = tmp_path / "a.npz"
+    with zipfile.ZipFile(path, "w", compression=compression) as zf:
+        zf.writestr("arr_0.npy", _npy("'|O'", _NPY_PAYLOAD))
+    report = scan_file(path)
+    assert report.grade == "dangerous"
+    assert [(g.qualname, g.where) for g in report.globals] == [("os.system", "a.npz:arr_0.npy")]
+
+
+def test_npy_files_numpy_does_not_unpickle_stay_safe(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    np.save(tmp_path / "f.npy", np.arange(6.0))
+    np.save(tmp_path / "o.npy", np.array([1, "x", None], dtype=object))
+    assert scan_file(tmp_path / "f.npy").grade == "safe"
+    assert scan_file(tmp_path / "o.npy").grade == "safe"
+    np.savez(tmp_path / "one.npz", a=np.array([1.5, None], dtype=object))
+    assert scan_file(tmp_path / "one.npz").grade == "safe"
+    # Raw numeric data that happens to be a pickle is never unpickled by numpy.
+    numeric = _write(tmp_path / "n.npy", _npy("'<f4'", _NPY_PAYLOAD))
+    assert scan_file(numeric).grade == "safe"
+
+
+def test_npy_data_after_a_header_not_read_here_is_probed(tmp_path: Path) -> None:
+    # A header this reader cannot parse (numpy may, e.g. a Python 2 one): the data is kept
+    # as a pickle when it imports or calls something.
+    bad = b"\x93NUMPY\x01\x00" + struct.pack("<H", 5) + b"{'a'," + _NPY_PAYLOAD
+    assert scan_file(_write(tmp_path / "p.npy", bad)).grade == "dangerous"
