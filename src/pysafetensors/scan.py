@@ -898,11 +898,14 @@ def _scan_zip(report: ScanReport, data: bytes, where: str, depth: int) -> None:
     elif len({caseless(n) for n in names}) != len(names):
         # torch's reader finds members ignoring ASCII case: which one it reads is its choice.
         report._add("suspicious", "zip member names that differ only in case", where)
-    prefixes = {n.split("/", 1)[0] for n in names}
-    if len(prefixes) > 1:
-        report._add(
-            "suspicious", f"zip members under several folders {sorted(prefixes)[:4]}", where
-        )
+    # torch's reader takes the archive's folder from its first record: members under other
+    # folders (or beside it, at the top) are ones torch never reads but another tool might. A
+    # zip with every member at the top (an .npz: one .npy per array) has no folder to differ.
+    folders = {n.split("/", 1)[0] for n in names if "/" in n}
+    at_top = sorted(n for n in names if "/" not in n)
+    if len(folders) > 1 or (folders and at_top):
+        shown = sorted(folders)[:4] + at_top[: max(0, 4 - len(folders))]
+        report._add("suspicious", f"zip members under several folders {shown}", where)
     for info in infos:
         member = f"{where}:{info.filename}"
         folded = caseless(info.filename)

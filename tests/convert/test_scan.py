@@ -908,6 +908,10 @@ def test_npy_files_numpy_does_not_unpickle_stay_safe(tmp_path: Path) -> None:
     assert scan_file(tmp_path / "o.npy").grade == "safe"
     np.savez(tmp_path / "one.npz", a=np.array([1.5, None], dtype=object))
     assert scan_file(tmp_path / "one.npz").grade == "safe"
+    # Several arrays are several members at the top of the zip: no torch archive's folders.
+    np.savez(tmp_path / "two.npz", a=np.arange(3), b=np.array([None], dtype=object))
+    two = scan_file(tmp_path / "two.npz")
+    assert (two.grade, two.findings) == ("safe", [])
     # Raw numeric data that happens to be a pickle is never unpickled by numpy.
     numeric = _write(tmp_path / "n.npy", _npy("'<f4'", _NPY_PAYLOAD))
     assert scan_file(numeric).grade == "safe"
@@ -918,3 +922,18 @@ def test_npy_data_after_a_header_not_read_here_is_probed(tmp_path: Path) -> None
     # as a pickle when it imports or calls something.
     bad = b"\x93NUMPY\x01\x00" + struct.pack("<H", 5) + b"{'a'," + _NPY_PAYLOAD
     assert scan_file(_write(tmp_path / "p.npy", bad)).grade == "dangerous"
+
+
+def test_zip_members_outside_the_archive_s_one_folder_are_suspicious(tmp_path: Path) -> None:
+    # torch reads the folder of the first record; members elsewhere are ones it never reads.
+    safe_pickle = P.PROTO2 + b"}q\x00."
+    for extra in ("other/data.pkl", "data.pkl"):
+        path = tmp_path / "c.pt"
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr("archive/data.pkl", safe_pickle)
+            zf.writestr(extra, safe_pickle)
+        report = scan_file(path)
+        assert report.grade == "suspicious"
+        assert [f.message for f in report.findings] == [
+            f"zip members under several folders {sorted(['archive', extra.split('/')[0]])}"
+        ]
