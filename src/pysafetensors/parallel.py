@@ -157,8 +157,8 @@ class ShardSpec:
     start: int
     """First index taken along ``dim`` (0 when replicated)."""
     stop: int
-    """One past the last index taken along ``dim`` (``shape[dim]``, or 0 for scalars, when
-    replicated)."""
+    """One past the last index taken along ``dim`` (``shape[0]``, or 0 for scalars, when
+    replicated: ``dim`` is None then, and the whole tensor is taken)."""
 
     @property
     def index(self) -> tuple[slice, ...]:

@@ -122,6 +122,15 @@ def test_plan_and_bytes_without_processes(tmp_path: Path) -> None:
     assert (plan["w"].start, plan["w"].stop, plan["w"].shard_shape) == (9, 10, (1, 4))
 
 
+def test_a_replicated_spec_takes_the_whole_tensor() -> None:
+    """A replicated tensor's spec has no split dimension: it takes the whole tensor, and its
+    bounds are ``0`` and ``shape[0]`` (``0`` for a scalar), as its docstring says."""
+    plan = plan_shard({"x": [5, 3], "s": []}, 1, 2, {})
+    x, s = plan["x"], plan["s"]
+    assert (x.dim, x.start, x.stop, x.index, x.shard_shape) == (None, 0, 5, (), (5, 3))
+    assert (s.dim, s.start, s.stop, s.index, s.shard_shape) == (None, 0, 0, (), ())
+
+
 def _root(a: np.ndarray) -> object:
     """The object that owns an array's memory (the array itself when it owns it)."""
     while isinstance(a.base, np.ndarray):
