@@ -14,7 +14,7 @@ import numpy as np
 from ._adapter import Adapter
 from ._dtypes import DType, dtype_from_code, dtype_from_name
 from ._errors import PathArg, SafetensorError, SerializeError, not_an_instance
-from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE, gc_paused
+from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE, check_max_header_size, gc_paused
 from ._reader import check_representable, read_header, safe_open
 from ._signatures import show_init_signature
 from ._sources import BufferSource
@@ -292,10 +292,13 @@ def deserialize(
     Raises:
         HeaderError: The bytes are not a valid file (messages start with
             ``Error while deserializing: ``).
+        TypeError: ``max_header_size`` is not an integer.
+        ValueError: ``max_header_size`` is negative.
     """
     view = _bytes_argument(bytes)
+    limit = check_max_header_size(max_header_size)
     source = BufferSource(view)
-    header = read_header(source, max_header_size=max_header_size, prefix_text=DESERIALIZE_PREFIX)
+    header = read_header(source, max_header_size=limit, prefix_text=DESERIALIZE_PREFIX)
     start = header.data_start
     return [
         (

@@ -186,6 +186,28 @@ def _other_format(prefix: bytes) -> str | None:
     return None
 
 
+def check_max_header_size(value: Any) -> int:
+    """``value`` as a header size limit: an integer of at least 0 (numpy's included).
+
+    Checked where a reader is opened, so that a wrong limit is named as such instead of
+    surfacing as Python's ``'>' not supported`` at the comparison, or as a fraction or a bool
+    quoted back as "the limit" when a file is refused.
+
+    Raises:
+        TypeError: ``value`` is not an integer (a bool is not taken for one).
+        ValueError: ``value`` is negative.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"max_header_size must be an integer, not {value!r}")
+    try:
+        limit = operator.index(value)
+    except TypeError:
+        raise TypeError(f"max_header_size must be an integer, not {type(value).__name__}") from None
+    if limit < 0:
+        raise ValueError(f"max_header_size must be 0 or more, not {limit}")
+    return limit
+
+
 def parse_header_length(
     prefix: bytes,
     file_size: int,

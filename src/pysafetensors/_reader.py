@@ -39,6 +39,7 @@ from ._format import (
     N_LEN,
     Header,
     TensorInfo,
+    check_max_header_size,
     gc_paused,
     parse_header,
     parse_header_length,
@@ -351,6 +352,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             )
         self._slice_reads = slice_reads
         self._backend = backend
+        max_header_size = check_max_header_size(max_header_size)
         source = open_source_for(filename, backend, storage_options)
         try:
             self._header = read_header(source, max_header_size=max_header_size)

@@ -30,7 +30,7 @@ from typing import Any, Final, TypeVar
 from ._adapter import get_adapter
 from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
 from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
-from ._format import MAX_HEADER_SIZE, TensorInfo
+from ._format import MAX_HEADER_SIZE, TensorInfo, check_max_header_size
 from ._ordered_opens import ahead_for, in_order
 from ._reader import (
     HandleBehaviour,
@@ -308,7 +308,7 @@ class ShardedSafeOpen(HandleBehaviour):
         self._framework = framework
         self._device = device
         self._backend = backend
-        self._max_header_size = max_header_size
+        self._max_header_size = check_max_header_size(max_header_size)
         self._lock = threading.RLock()
         # The shards the checkpoint lists (a single file's only once it has been read).
         self._shards: list[str] = []

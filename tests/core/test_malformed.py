@@ -198,6 +198,36 @@ def test_max_header_size_override(tmp_path: Path) -> None:
     assert deserialize(data, max_header_size=64) == []
 
 
+@pytest.mark.parametrize(
+    ("limit", "error", "text"),
+    [
+        (None, TypeError, "must be an integer, not NoneType"),
+        (1.5, TypeError, "must be an integer, not float"),
+        (True, TypeError, "must be an integer, not True"),
+        ("64", TypeError, "must be an integer, not str"),
+        (-1, ValueError, "must be 0 or more, not -1"),
+    ],
+)
+def test_a_wrong_max_header_size_is_named_before_any_read(
+    tmp_path: Path, limit: object, error: type[Exception], text: str
+) -> None:
+    # None reached the comparison with N as Python's "'>' not supported"; 1.5 and True were
+    # taken, and quoted back as "the limit" when a file was refused.
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(_padded_empty(64))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(_padded_empty(64))
+    for target in (path, folder):
+        with pytest.raises(error, match=f"max_header_size {text}"):
+            safe_open(target, "np", max_header_size=limit)  # type: ignore[arg-type]
+    with pytest.raises(error, match=f"max_header_size {text}"):
+        deserialize(_padded_empty(64), max_header_size=limit)  # type: ignore[arg-type]
+    np = pytest.importorskip("numpy")
+    with safe_open(path, "np", max_header_size=np.int64(64)) as f:  # numpy's integers are taken
+        assert f.keys() == []
+
+
 def test_header_over_default_limit_accepted_when_raised() -> None:
     data = _padded_empty(100_000_008)
     with pytest.raises(HeaderSizeError):
