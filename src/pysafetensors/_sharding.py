@@ -563,13 +563,15 @@ def _is_torch(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _contiguous(value: Any) -> Any:
-    """A torch tensor made contiguous; anything else as it is. A sparse tensor is left as it
-    is too: torch refuses to make it contiguous (a RuntimeError), and the writer's checks
-    refuse it with the reference's words."""
-    if _is_torch(value) and value.layout == sys.modules["torch"].strided:
-        return value.contiguous()
-    return value
+def _copied_to_save(value: Any) -> bool:
+    """Whether ``force_contiguous`` saves a copy of ``value``: a dense torch tensor that is not
+    contiguous (the writer copies it a slab at a time). A sparse tensor is not: torch refuses
+    to make it contiguous, and the writer's checks refuse it with the reference's words."""
+    return (
+        _is_torch(value)
+        and value.layout == sys.modules["torch"].strided
+        and not value.is_contiguous()
+    )
 
 
 def torch_storage_size(tensor: Any) -> int:
@@ -608,6 +610,11 @@ def _data_size(name: str, value: Any) -> int:
     for dim in data.shape:
         nbits *= dim
     return nbits * data.dtype.bits // 8
+
+
+def _copy_size(tensor: Any) -> int:
+    """The storage size of a contiguous copy of a torch tensor (its elements' bytes)."""
+    return int(tensor.nelement() * tensor.element_size())
 
 
 def _storage_id(value: Any) -> Any:
@@ -708,15 +715,21 @@ def save_sharded(
     meta: dict[str, str] = dict(metadata) if metadata is not None else {}
     state = dict(tensors)
     state = _drop_shared(state, meta, shared_tensors_to_discard)
-    if force_contiguous:
-        state = {k: _contiguous(v) for k, v in state.items()}
+    # Tensors saved as copies (force_contiguous) are not copied here, all at once (a model of
+    # transposed weights held its size again), but by the writer, a slab at a time. They are
+    # planned and checked as their copies were: a storage of their own, of their own size.
+    copied = {id(v) for v in state.values() if _copied_to_save(v)} if force_contiguous else set()
     # Sized by name first, so that a value no adapter takes is refused naming its tensor
     # (strings are skipped by the split, as the hub skips them).
-    sizes = {id(v): _data_size(k, v) for k, v in state.items() if not isinstance(v, str)}
+    sizes = {
+        id(v): _copy_size(v) if id(v) in copied else _data_size(k, v)
+        for k, v in state.items()
+        if not isinstance(v, str)
+    }
     plan = split_into_shards(
         state,
         get_storage_size=lambda value: sizes[id(value)],
-        get_storage_id=_storage_id,
+        get_storage_id=lambda v: ("copy", id(v)) if id(v) in copied else _storage_id(v),
         filename_pattern=filename_pattern,
         max_shard_size=limit,
     )
@@ -743,7 +756,7 @@ def save_sharded(
             from .torch import _flatten
 
             # The reference's checks (sparse, meta, non-contiguous) with its messages.
-            _flatten(shard)
+            _flatten({k: v for k, v in shard.items() if id(v) not in copied})
         data: list[TensorData] = [_adapter_for(v).to_data(k, v) for k, v in shard.items()]
         write_file(path, data, per_file, fsync=fsync, max_header_size=max_header_size, group=group)
 

@@ -259,6 +259,16 @@ def _evaluate_tensors_for_save(tensors: Any) -> None:
         )
 
 
+def _copied_to_save(value: Any) -> bool:
+    """Whether ``force_contiguous`` saves a copy of ``value``: a dense tensor whose memory does
+    not hold its elements in order (``.contiguous()`` of it is a new tensor)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and not value.is_contiguous()
+    )
+
+
 def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
     """``tensors``, after the reference's checks before saving (its messages), and ours of
     meta tensors."""
@@ -379,10 +389,16 @@ def save_model(
                 meta = {}
             meta.setdefault(name, kept)
             del state_dict[name]
-    if force_contiguous:
-        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
     try:
-        save_file(state_dict, filename, metadata=meta)
+        if force_contiguous:
+            # Not `.contiguous()` of each up front, which held copies of all of them at once
+            # (a model of transposed weights: its size again); the writer copies them a slab
+            # at a time. Left out of the checks of `save_file`, as those copies were: their
+            # memory is their own (never shared) and contiguous.
+            _flatten({k: v for k, v in state_dict.items() if not _copied_to_save(v)})
+            save_file_with(ADAPTER, state_dict, filename, meta)
+        else:
+            save_file(state_dict, filename, metadata=meta)
     except SharedTensorsError:
         raise
     except SerializeError as exc:
