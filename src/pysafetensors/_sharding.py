@@ -564,14 +564,13 @@ def _is_torch(value: Any) -> bool:
 
 
 def _copied_to_save(value: Any) -> bool:
-    """Whether ``force_contiguous`` saves a copy of ``value``: a dense torch tensor that is not
-    contiguous (the writer copies it a slab at a time). A sparse tensor is not: torch refuses
-    to make it contiguous, and the writer's checks refuse it with the reference's words."""
-    return (
-        _is_torch(value)
-        and value.layout == sys.modules["torch"].strided
-        and not value.is_contiguous()
-    )
+    """Whether ``force_contiguous`` saves a copy of ``value`` (see ``torch._copied_to_save``:
+    the writer copies it a slab at a time); torch is imported only where a value is a tensor."""
+    if not _is_torch(value):
+        return False
+    from .torch import _copied_to_save as copied
+
+    return copied(value)
 
 
 def torch_storage_size(tensor: Any) -> int:

@@ -261,7 +261,9 @@ def _evaluate_tensors_for_save(tensors: Any) -> None:
 
 def _copied_to_save(value: Any) -> bool:
     """Whether ``force_contiguous`` saves a copy of ``value``: a dense tensor whose memory does
-    not hold its elements in order (``.contiguous()`` of it is a new tensor)."""
+    not hold its elements in order (``.contiguous()`` of it is a new tensor). A sparse tensor
+    is not: torch refuses to make it contiguous, and the writer's checks refuse it with the
+    reference's words."""
     return (
         isinstance(value, torch.Tensor)
         and value.layout == torch.strided
