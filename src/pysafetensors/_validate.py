@@ -44,7 +44,7 @@ from ._format import (
 )
 from ._ordered_opens import ahead_for, in_order
 from ._planned_reads import plan_reads
-from ._remote_urls import shown_location, shown_name, url_dirname, url_join
+from ._remote_urls import shown_location, shown_name, url_dirname, url_join, url_path
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
 
@@ -763,7 +763,10 @@ def locate_model(
     """
     path = os.fspath(target)
     if _is_url(path):
-        if not path.split("?", 1)[0].endswith(".index.json"):
+        # As the reader tells an index URL (is_index_path): by the path without query string
+        # or fragment, and for s3:// by the whole key, where '?' and '#' are characters of
+        # the name (cut at the '?', an index under such a key was read as a safetensors file).
+        if not url_path(path).endswith(".index.json"):
             # The label is what messages and reports show: never a password or a signature.
             return ModelFiles(path, [path], [shown_location(path)])
         return _from_index(path, path, max_index_size, storage_options)

@@ -187,6 +187,32 @@ def test_sharded_index_uses_the_endpoint_from_storage_options(
         f.validate()
 
 
+def test_an_index_under_a_key_with_a_question_mark_is_an_index_for_the_tools_too(
+    moto_endpoint: str, tmp_path: Path
+) -> None:
+    # '?' is a character of an S3 key, not a query string: the reader took the URL for an
+    # index, while locate_model (the command line, validate()) cut it at the '?' and read the
+    # index's JSON as a safetensors header ("header too large").
+    import numpy as np
+
+    from pysafetensors import safe_open, save_sharded
+    from pysafetensors._validate import locate_model, validate
+
+    sd = {f"t{i}": np.full(1000, i, np.float32) for i in range(3)}
+    assert save_sharded(sd, tmp_path, "5KB").is_sharded
+    client = boto3.session.Session().client("s3", endpoint_url=moto_endpoint)
+    for path in tmp_path.iterdir():
+        client.put_object(Bucket=BUCKET, Key=f"q?ck/{path.name}", Body=path.read_bytes())
+    url = _url("q?ck/model.safetensors.index.json")
+    opts = {"endpoint_url": moto_endpoint}
+    with safe_open(url, "np", storage_options=opts) as f:
+        assert f.keys() == sorted(sd)
+    located = locate_model(url, storage_options=opts)
+    assert located.index_path == url and not located.problems
+    assert located.files == [_url(f"q?ck/model-0000{i}-of-00003.safetensors") for i in (1, 2, 3)]
+    assert validate(url, strict=True, storage_options=opts) == []
+
+
 def test_a_given_client_config_is_merged_not_replacing_anonymous_access() -> None:
     """client_kwargs={"config": Config(read_timeout=5)} replaced the library's Config whole:
     anon=True was lost (requests signed, or refused without credentials), and with it the pool
