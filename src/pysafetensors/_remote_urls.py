@@ -209,3 +209,24 @@ def url_join(base: str, name: str) -> str:
     if base.partition("://")[0].lower() in ("http", "https"):
         name = urllib.parse.quote(name, safe="/")
     return posixpath.join(base, name)
+
+
+def check_index_options(index: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse storage options that cannot go to every shard of the index URL ``index``.
+
+    The options of an index go to each of its shards too, and S3's ``version_id`` names one
+    version of one object: given to the shards as well, each of them was asked for a version
+    it never had (``NoSuchVersion``, reported as a missing shard). Nor can the shards be read
+    at the versions saved with that index, which records none: the latest shards read
+    through an old index would mix two saves. So it is refused before any request.
+
+    Raises:
+        ValueError: ``version_id`` given for an ``s3://`` index.
+    """
+    scheme = index.partition("://")[0].lower()
+    if scheme in ("s3", "s3a") and (storage_options or {}).get("version_id") is not None:
+        raise ValueError(
+            f"version_id cannot be given for the index {shown_location(index)!r}: it names one "
+            "version of one object, and a sharded checkpoint's shards have versions of their own "
+            "that the index does not record; open the index without it (or one shard with it)"
+        )

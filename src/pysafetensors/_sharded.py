@@ -41,7 +41,14 @@ from ._reader import (
     open_source_for,
     safe_open,
 )
-from ._remote_urls import shown_location, shown_name, url_dirname, url_join, url_path
+from ._remote_urls import (
+    check_index_options,
+    shown_location,
+    shown_name,
+    url_dirname,
+    url_join,
+    url_path,
+)
 from ._sharding import (
     SHARD_SUFFIX,
     declared_total_size,
@@ -270,6 +277,8 @@ class ShardedSafeOpen(HandleBehaviour):
     Raises:
         ShardIndexError: The index is malformed or the folder is ambiguous.
         MissingShardError: A shard the index names does not exist, or the folder is empty.
+        ValueError: ``storage_options`` that cannot go to every shard of an index URL (an
+            S3 ``version_id``).
 
     Example:
         >>> with safe_open("path/to/model_folder", framework="pt") as f:  # doctest: +SKIP
@@ -324,6 +333,8 @@ class ShardedSafeOpen(HandleBehaviour):
         # The local index's identity when read, checked again as each shard is opened.
         self._index_identity: tuple[int, ...] | None = None
         if is_index:
+            if _is_url(target):
+                check_index_options(target, self._options.get("storage_options"))
             self._weight_map, self._index_metadata, self._index_identity = _read_index(
                 target, self._options.get("storage_options")
             )

@@ -44,7 +44,14 @@ from ._format import (
 )
 from ._ordered_opens import ahead_for, in_order
 from ._planned_reads import plan_reads
-from ._remote_urls import shown_location, shown_name, url_dirname, url_join, url_path
+from ._remote_urls import (
+    check_index_options,
+    shown_location,
+    shown_name,
+    url_dirname,
+    url_join,
+    url_path,
+)
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
 
@@ -760,6 +767,8 @@ def locate_model(
     Raises:
         FileNotFoundError: A folder holds no checkpoint.
         SafetensorError: A folder holds several checkpoints and no rule picks one.
+        ValueError: ``storage_options`` that cannot go to every shard of an index URL (an
+            S3 ``version_id``).
     """
     path = os.fspath(target)
     if _is_url(path):
@@ -769,6 +778,7 @@ def locate_model(
         if not url_path(path).endswith(".index.json"):
             # The label is what messages and reports show: never a password or a signature.
             return ModelFiles(path, [path], [shown_location(path)])
+        check_index_options(path, storage_options)
         return _from_index(path, path, max_index_size, storage_options)
     if os.path.isdir(path):
         # The same folder rules as safe_open(folder), so every tool opens the same files.

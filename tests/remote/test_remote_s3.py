@@ -213,6 +213,38 @@ def test_an_index_under_a_key_with_a_question_mark_is_an_index_for_the_tools_too
     assert validate(url, strict=True, storage_options=opts) == []
 
 
+def test_a_version_id_is_refused_for_an_index(moto_endpoint: str, tmp_path: Path) -> None:
+    # The index's storage_options go to every shard: version_id asked each shard for the
+    # index's version (NoSuchVersion, a "missing" shard after the index had been read).
+    import numpy as np
+
+    from pysafetensors import safe_open, save_sharded
+    from pysafetensors._validate import locate_model
+
+    sd = {f"t{i}": np.full(1000, i, np.float32) for i in range(3)}
+    assert save_sharded(sd, tmp_path, "5KB").is_sharded
+    client = boto3.session.Session().client("s3", endpoint_url=moto_endpoint)
+    client.create_bucket(Bucket="versioned")
+    client.put_bucket_versioning(Bucket="versioned", VersioningConfiguration={"Status": "Enabled"})
+    versions = {
+        path.name: client.put_object(
+            Bucket="versioned", Key=f"ck/{path.name}", Body=path.read_bytes()
+        )["VersionId"]
+        for path in tmp_path.iterdir()
+    }
+    index = "s3://versioned/ck/model.safetensors.index.json"
+    opts = {"endpoint_url": moto_endpoint, "version_id": versions["model.safetensors.index.json"]}
+    with pytest.raises(ValueError, match="version_id cannot be given for the index"):
+        safe_open(index, "np", storage_options=opts)
+    with pytest.raises(ValueError, match="version_id cannot be given for the index"):
+        locate_model(index, storage_options=opts)
+    # One object at one of its versions still opens.
+    shard = "model-00002-of-00003.safetensors"
+    opts["version_id"] = versions[shard]
+    with safe_open(f"s3://versioned/ck/{shard}", "np", storage_options=opts) as f:
+        np.testing.assert_array_equal(f.get_tensor("t1"), sd["t1"])
+
+
 def test_a_given_client_config_is_merged_not_replacing_anonymous_access() -> None:
     """client_kwargs={"config": Config(read_timeout=5)} replaced the library's Config whole:
     anon=True was lost (requests signed, or refused without credentials), and with it the pool
