@@ -228,6 +228,12 @@ class S3Source(RemoteSource):
         )
         kwargs: dict[str, Any] = dict(client_kwargs)
         given = kwargs.get("config")
+        if given is not None and not isinstance(given, Config):
+            # Merged below: anything else failed there as an AttributeError on its type.
+            raise TypeError(
+                "client_kwargs['config'] must be a botocore.config.Config or None, got "
+                f"{type(given).__name__}"
+            )
         # A user's Config (timeouts, say) is merged over ours rather than replacing it: as a
         # whole it dropped anon=True (requests were then signed, or failed without
         # credentials), the connection pool size and the retry settings.

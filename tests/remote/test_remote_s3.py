@@ -261,6 +261,17 @@ def test_a_given_client_config_is_merged_not_replacing_anonymous_access() -> Non
     assert config.retries == {"mode": "standard", "total_max_attempts": 5}  # our max_attempts=4
 
 
+def test_a_config_that_is_not_a_config_is_a_type_error() -> None:
+    # It was merged into the library's Config as it came: AttributeError('str' object has no
+    # attribute '_user_provided_options'), naming no option.
+    with pytest.raises(TypeError, match=r"client_kwargs\['config'\] must be a botocore"):
+        S3Source(
+            _url("model.safetensors"),
+            endpoint_url="http://127.0.0.1:9",
+            client_kwargs={"config": {"read_timeout": 5}},
+        )
+
+
 def test_a_whole_body_of_another_version_is_refused() -> None:
     """A store that ignores Range sends the whole object; a different version of it (other
     size, other ETag) was read at the first version's offsets and changed the source's size."""
