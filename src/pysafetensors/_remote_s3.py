@@ -168,9 +168,11 @@ class S3Source(RemoteSource):
             endpoint = None
         #: Credentials in the endpoint URL: botocore's exceptions quote the URL as given (the
         #: messages here are cleaned of them, and an exception quoting them is not chained).
+        #: Its query string too, as every URL's is kept out of messages (a token there made
+        #: botocore refuse the URL, quoting the token).
         secrets: list[str] = []
         for url_given in (endpoint, given_endpoint):
-            secrets.extend(_url_secrets(url_given) if url_given else ())
+            secrets.extend(_url_secrets(url_given, query=True) if url_given else ())
         # The credentials given, which an error may quote (a header value refused for a line
         # break quotes it whole): kept out of messages too.
         for value in (

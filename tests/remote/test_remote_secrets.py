@@ -104,6 +104,16 @@ def test_a_malformed_s3_endpoint_is_refused_without_its_password() -> None:
     assert not _shows_secret(_everything_printed(info.value))
 
 
+def test_an_s3_endpoint_s_query_string_is_not_shown() -> None:
+    # botocore refuses such an endpoint, quoting it whole: a token in its query string too.
+    pytest.importorskip("boto3")
+    endpoint = f"http://127.0.0.1:1/?token={SECRET_PARTS[0]}{SECRET_PARTS[1]}"
+    with pytest.raises(RemoteError) as info:
+        S3Source("s3://bucket/x.safetensors", **_s3_options(endpoint))  # type: ignore[arg-type]
+    assert "127.0.0.1" in str(info.value)
+    assert not _shows_secret(_everything_printed(info.value))
+
+
 def test_an_s3_error_without_credentials_keeps_its_cause() -> None:
     # Chains are cut only where they would show a secret.
     pytest.importorskip("boto3")
