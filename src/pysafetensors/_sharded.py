@@ -276,7 +276,9 @@ class ShardedSafeOpen(HandleBehaviour):
 
     Raises:
         ShardIndexError: The index is malformed or the folder is ambiguous.
-        MissingShardError: A shard the index names does not exist, or the folder is empty.
+        MissingShardError: A shard the index names does not exist, or the folder is empty
+            (over a URL, a missing shard is the remote's ``RemoteNotFoundError``, as
+            the index itself would be; both are ``FileNotFoundError``).
         ValueError: ``storage_options`` that cannot go to every shard of an index URL (an
             S3 ``version_id``).
 
