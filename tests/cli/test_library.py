@@ -354,3 +354,22 @@ def test_edit_metadata_argument_handling(tmp_path: Path) -> None:
     with pytest.raises(SerializeError, match="lone surrogate"):
         edit_metadata(path, set={"bad": "\ud800"})
     assert path.read_bytes() == before
+
+
+def test_an_interrupt_is_exit_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import pysafetensors._cli as cli
+    import pysafetensors._cli._cmd_hash as cmd_hash
+
+    def interrupted(*_args: object) -> None:
+        raise KeyboardInterrupt
+
+    # While a command runs, and while the options are read (that was a traceback).
+    monkeypatch.setattr(cmd_hash, "run", interrupted)
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    assert cli.main(["hash", str(path)]) == 130
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["hash", str(path)]) == 130
+    assert "Traceback" not in capsys.readouterr().err

@@ -110,8 +110,13 @@ def _stand_in_for_closed_streams() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line and return its exit code."""
     _stand_in_for_closed_streams()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C while the options are read (building the parser imports the commands): the
+        # exit code of an interrupted command, not a traceback.
+        return 130
     # Commands whose 1 means "a negative answer" (validate, diff) report failures as 2.
     trouble = getattr(args, "trouble_code", None)
     try:
