@@ -212,7 +212,8 @@ def url_join(base: str, name: str) -> str:
 
 
 def check_index_options(index: str, storage_options: Mapping[str, Any] | None) -> None:
-    """Refuse storage options that cannot go to every shard of the index URL ``index``.
+    """Refuse storage options that cannot go to every shard of the index ``index`` (a URL;
+    a local path has none to refuse).
 
     The options of an index go to each of its shards too, and S3's ``version_id`` names one
     version of one object: given to the shards as well, each of them was asked for a version

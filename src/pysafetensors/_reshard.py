@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
-from ._errors import SafetensorError, SerializeError, input_path, output_path, write_error
+from ._errors import SafetensorError, input_path, output_path, write_error
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
 from ._sharded import MAX_INDEX_SIZE, ShardedSafeOpen, _is_url, _shown, is_index_path
 from ._sharding import (
@@ -40,11 +40,11 @@ from ._sharding import (
     SHARD_SUFFIX,
     ShardPlan,
     as_header_metadata,
-    check_filename_pattern,
     index_filename,
     model_metadata,
     parse_size,
     pattern_family,
+    pattern_for_stem,
     split_into_shards,
     write_checkpoint,
 )
@@ -599,12 +599,7 @@ def _in_place_pattern(src: ShardedSafeOpen, out: str) -> str | None:
     stem = name.removesuffix(".index.json").removesuffix(".safetensors")
     if stem == name or _SHARD_NAME_TAIL.search(stem):
         return None  # not a checkpoint's single file or index (one shard: refused anyway)
-    pattern = stem + "{suffix}.safetensors"
-    try:
-        check_filename_pattern(pattern, shards=2)
-    except SerializeError:
-        return None  # a name no pattern can give (braces...): the default one
-    return pattern
+    return pattern_for_stem(stem)  # None for a name no pattern can give: the default one
 
 
 #: A shard's ``-NNNNN-of-NNNNN`` ending.

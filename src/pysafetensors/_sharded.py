@@ -335,8 +335,7 @@ class ShardedSafeOpen(HandleBehaviour):
         # The local index's identity when read, checked again as each shard is opened.
         self._index_identity: tuple[int, ...] | None = None
         if is_index:
-            if _is_url(target):
-                check_index_options(target, self._options.get("storage_options"))
+            check_index_options(target, self._options.get("storage_options"))
             self._weight_map, self._index_metadata, self._index_identity = _read_index(
                 target, self._options.get("storage_options")
             )

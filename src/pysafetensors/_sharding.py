@@ -57,6 +57,7 @@ __all__ = [
     "ShardPlan",
     "as_header_metadata",
     "check_filename_pattern",
+    "pattern_for_stem",
     "checkpoint_group",
     "index_filename",
     "index_json",
@@ -118,6 +119,18 @@ def parse_size(size: int | str) -> int:
         raise ValueError(f"Could not parse the size value from '{text}': not a finite number")
     # int(float * unit), not Decimal arithmetic: "1.1GB" must round the way the hub rounds.
     return int(value * SIZE_UNITS[unit])
+
+
+def pattern_for_stem(stem: str) -> str | None:
+    """The file name pattern of a checkpoint whose single file is ``{stem}.safetensors``
+    (``model{suffix}.safetensors`` for ``model``), or None for a stem no pattern can give
+    (braces, a path separator...)."""
+    pattern = stem + "{suffix}.safetensors"
+    try:
+        check_filename_pattern(pattern, shards=2)
+    except SerializeError:
+        return None
+    return pattern
 
 
 def _bad_pattern(pattern: str, why: str) -> SerializeError:

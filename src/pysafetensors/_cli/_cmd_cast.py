@@ -26,9 +26,8 @@ import numpy as np
 
 from .._adapter import chunk_values_widened, numpy_dtype
 from .._dtypes import DType, dtype_from_code
-from .._errors import SerializeError
 from .._remote_urls import shown_name
-from .._sharding import check_filename_pattern, remove_stale_files
+from .._sharding import pattern_for_stem, remove_stale_files
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from . import _chunk_work
 from ._chunk_work import ChunkWorkers, element_chunks
@@ -269,15 +268,10 @@ def _family_pattern(index: str) -> str | None:
     """The file name pattern of the checkpoint whose index is ``index``
     (``model{suffix}.safetensors`` for ``model.safetensors.index.json``), or None for an index
     name no pattern gives."""
-    stem = os.path.basename(index).removesuffix(".index.json")
-    if not stem.endswith(".safetensors"):
+    single = os.path.basename(index).removesuffix(".index.json")
+    if not single.endswith(".safetensors"):
         return None
-    pattern = stem.removesuffix(".safetensors") + "{suffix}.safetensors"
-    try:
-        check_filename_pattern(pattern, shards=2)
-    except SerializeError:
-        return None  # braces or other names no pattern can give
-    return pattern
+    return pattern_for_stem(single.removesuffix(".safetensors"))
 
 
 def _single_file_beside(index: str | None, plan: dict[str, list[TensorData]]) -> str | None:
