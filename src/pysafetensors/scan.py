@@ -735,10 +735,11 @@ def _scan_bytes(report: ScanReport, data: bytes, where: str, depth: int) -> None
         report.format = "pickle"
         report._add("suspicious", "a safetensors-shaped file that is also a pickle", where, 0)
         return
-    if _npy_header(data) is not None:
+    npy = _npy_header(data)
+    if npy is not None:
         if report.format == "unknown":
             report.format = "npy"
-        _scan_npy(report, data, where, depth, complete=True)
+        _scan_npy(report, data, npy, where, depth, complete=True)
         # pickle.load of the file itself meets STACK_GLOBAL (the magic's first byte) on an
         # empty stack and stops having run nothing; kept only if that ever changes.
         _probe(report, data, where, depth, keep_clean=False)
@@ -788,7 +789,15 @@ def _npy_header(data: bytes) -> tuple[int, bool | None] | None:
         return start, None
 
 
-def _scan_npy(report: ScanReport, data: bytes, where: str, depth: int, *, complete: bool) -> bool:
+def _scan_npy(
+    report: ScanReport,
+    data: bytes,
+    header: tuple[int, bool | None],
+    where: str,
+    depth: int,
+    *,
+    complete: bool,
+) -> bool:
     """Scan the pickle a ``.npy`` file (or ``.npz`` member) holds, as ``numpy.load`` reads it.
 
     An object array is one pickle stream after the header, which ``numpy.load(...,
@@ -797,6 +806,7 @@ def _scan_npy(report: ScanReport, data: bytes, where: str, depth: int, *, comple
     that imports or calls something; raw numeric data is not a pickle numpy runs.
 
     Args:
+        header: What :func:`_npy_header` read of ``data``.
         complete: Whether ``data`` is the whole file or member; a prefix only decides whether
             the rest is needed.
 
@@ -804,10 +814,7 @@ def _scan_npy(report: ScanReport, data: bytes, where: str, depth: int, *, comple
         Whether the whole of ``data`` is needed (an object array, or an unknown header) and
         ``complete`` was False, in which case nothing was scanned.
     """
-    found = _npy_header(data)
-    if found is None:
-        return False
-    start, has_object = found
+    start, has_object = header
     if has_object is False:
         return False
     if not complete:
@@ -990,27 +997,28 @@ def _scan_member(
     # to find that its first opcode is not followed by a valid one.
     window = _PROBE_WINDOW
     content, complete = _zip_member(data, info, window)
-    if _npy_header(content) is not None or (not complete and content[:6] == _NPY_MAGIC):
+    npy = _npy_header(content)
+    if npy is not None or (not complete and content[: len(_NPY_MAGIC)] == _NPY_MAGIC):
         # An .npz member: numpy.load unpickles an object array's data after the header.
-        if _scan_npy(report, content, member, depth, complete=complete) or (
-            _npy_header(content) is None
-        ):
+        if npy is None or _scan_npy(report, content, npy, member, depth, complete=complete):
             content, complete = _zip_member(data, info, MAX_PICKLE_BYTES)
             if not complete:
                 report._add(
                     "suspicious", f"npy member over {MAX_PICKLE_BYTES} bytes; not analysed", member
                 )
                 return
-            _scan_npy(report, content, member, depth, complete=True)
+            npy = _npy_header(content)
+            if npy is not None:
+                _scan_npy(report, content, npy, member, depth, complete=True)
         return
     while True:
-        content, complete = _zip_member(data, info, window)
         if not _looks_like_pickle(content):
             return
         first = ScanReport(report.path)
         end, policy = _run_stream(first, content, 0, member, depth)
         if end is None and policy.truncated and not complete and window < MAX_PICKLE_BYTES:
             window = min(window * 8, MAX_PICKLE_BYTES)
+            content, complete = _zip_member(data, info, window)
             continue
         break
     if is_storage:
