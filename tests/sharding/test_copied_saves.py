@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import pysafetensors._torch_adapter as torch_adapter
+import pysafetensors._adapter as adapter
 import pysafetensors._writer as writer
 from pysafetensors import save_sharded
 from pysafetensors.torch import save_model, save_model_sharded
@@ -44,9 +44,9 @@ def _model() -> Any:
 def slabs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.param == "small slabs":
         # Several slabs per tensor, through the reused buffer, and rows cut into their rows.
-        monkeypatch.setattr(torch_adapter, "SLAB_BYTES", 24)
+        monkeypatch.setattr(adapter, "SLAB_BYTES", 24)
         # Chunks from 8 bytes up are then large: written before the next is asked for.
-        monkeypatch.setattr(torch_adapter, "_WRITEV_BYTES", 8)
+        monkeypatch.setattr(adapter, "_WRITEV_BYTES", 8)
         monkeypatch.setattr(writer, "_WRITEV_BYTES", 8)
 
 

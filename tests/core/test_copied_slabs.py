@@ -1,0 +1,128 @@
+"""Saves of numpy arrays whose memory does not hold their bytes in file order (strided,
+transposed, broadcast, big-endian): copied a slab at a time, bytes as the reference writes for
+the same values laid out in row-major little-endian order (given the arrays themselves, it
+writes their raw memory: wrong values, docs/differences.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pysafetensors._adapter as adapter
+import pysafetensors._writer as writer
+from pysafetensors.numpy import save, save_file
+
+reference = pytest.importorskip("safetensors.numpy")
+
+
+def _arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((12, 10)).astype(np.float32)
+    return {
+        "transposed": base.T,
+        "strided": base[::3, 1::2],
+        "reversed": base[::-1, ::-2],
+        "permuted": rng.integers(0, 255, (3, 4, 5), dtype=np.uint8).transpose(2, 0, 1),
+        "broadcast": np.broadcast_to(np.arange(7, dtype=np.int16), (5, 7)),
+        "big_endian": base.astype(">f8"),
+        "big_endian_t": base.astype(">i4").T,
+        "big_scalar": np.array(3.5, dtype=">f4"),
+        "bf16_t": base.astype(ml_dtypes.bfloat16).T,
+        "c64_t": (base + 1j * base).astype(np.complex64).T,
+        "flags_t": (base > 0).T,
+        "empty_t": np.zeros((0, 4), np.float32).T,
+        "empty_big_endian": np.zeros((3, 0), ">f4"),
+        "one": base[2:3, 4:5],
+    }
+
+
+@pytest.fixture(params=["whole", "small slabs"])
+def slabs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.param == "small slabs":
+        # Several slabs per array, through the reused buffer, and rows cut into their rows.
+        monkeypatch.setattr(adapter, "SLAB_BYTES", 24)
+        # Chunks from 8 bytes up are then large: written before the next is asked for.
+        monkeypatch.setattr(adapter, "_WRITEV_BYTES", 8)
+        monkeypatch.setattr(writer, "_WRITEV_BYTES", 8)
+
+
+def _in_file_order(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.astype(v.dtype.newbyteorder("<"), order="C") for k, v in arrays.items()}
+
+
+@pytest.mark.usefixtures("slabs")
+@pytest.mark.parametrize("name", list(_arrays()))
+def test_each_layout_writes_the_reference_s_bytes(name: str) -> None:
+    arrays = {name: _arrays()[name]}
+    assert save(arrays) == reference.save(_in_file_order(arrays))
+
+
+@pytest.mark.usefixtures("slabs")
+def test_a_file_of_every_layout_is_the_reference_s(tmp_path: Path) -> None:
+    arrays = _arrays()
+    save_file(arrays, tmp_path / "ours.safetensors", metadata={"k": "v"})
+    ref_path = str(tmp_path / "ref.safetensors")
+    reference.save_file(_in_file_order(arrays), ref_path, metadata={"k": "v"})
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_slabs_are_bounded_and_kept_chunks_own_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adapter, "SLAB_BYTES", 64)
+    monkeypatch.setattr(adapter, "_WRITEV_BYTES", 32)
+    arr = np.arange(40 * 30, dtype=np.float32).reshape(40, 30).T  # rows of 160 bytes
+    # Consumed as a writer does (each chunk used before the next is asked for): the values.
+    joined = b"".join(bytes(c) for c in adapter.copied_slabs(arr))
+    assert joined == arr.astype("<f4").tobytes()
+    chunks = list(adapter.copied_slabs(arr))
+    # Rows over the slab size are cut into their own rows (elements here), never more.
+    assert max(c.nbytes for c in chunks) <= 64
+    # Large chunks share one buffer; the last and small ones, which a consumer may keep,
+    # share memory with no other.
+    large = [c for c in chunks[:-1] if c.nbytes >= 32]
+    assert len(large) > 1 and all(np.shares_memory(large[0], c) for c in large)
+    kept = [c for c in chunks if c.nbytes < 32] + [chunks[-1]]
+    assert kept[-1].nbytes and not any(
+        np.shares_memory(k, c) for k in kept for c in chunks if c is not k
+    )
+
+
+_MEASURE = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from pysafetensors.numpy import save_file
+    # Transposed and byte-swapped arrays (48 MiB each), and one of two 64-MiB rows (each row
+    # was copied whole: 127 MiB of growth).
+    arrays = {f"w{i}": np.ones((1024, 12 * 1024), np.float32).T for i in range(2)}
+    arrays["b"] = np.ones((1024, 12 * 1024), ">f4")
+    arrays["p"] = np.ones((4096, 4096, 2), np.float32).transpose(2, 0, 1)
+    def rss(key):
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(key))
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the peak starts again from here (VmHWM, KiB)
+    before = rss("VmRSS:")
+    save_file(arrays, sys.argv[1])
+    print(before, rss("VmHWM:"))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_copies_do_not_add_the_arrays_size_to_the_peak(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(tmp_path / "out.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before, after = (int(x) for x in proc.stdout.split())
+    assert after - before < 64 * 1024, f"grew by {after - before} KiB"
