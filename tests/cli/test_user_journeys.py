@@ -130,8 +130,32 @@ def test_reshard_onto_a_file_is_a_clear_error(cli, sharded: Path, example: Path)
     before = example.read_bytes()
     r = cli("reshard", sharded, example, "-s", "1MB")
     assert r.code == 2
-    assert r.err.startswith("error: Error while serializing: I/O error: the output is a file")
-    assert str(example) in r.err and example.read_bytes() == before
+    assert r.err == f"error: the output '{example}' is a file; reshard writes a folder\n"
+    assert example.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("command", "extra", "how"),
+    [
+        ("reshard", ["-s", "1KB"], "reshard writes a folder"),
+        ("extract", ["*", "-s", "1KB"], "extract -s writes a folder"),
+        ("cast", ["--to", "f16"], "a sharded model is cast into a folder"),
+    ],
+)
+@pytest.mark.parametrize("name", ["out.safetensors", "out.index.JSON"])
+def test_an_output_folder_named_as_a_file_is_a_usage_error(
+    cli, sharded: Path, tmp_path: Path, command: str, extra: list[str], how: str, name: str
+) -> None:
+    # It became a folder of that name, shards and an index inside.
+    out = tmp_path / name
+    r = cli(command, sharded, out, *extra)
+    assert r.code == 2 and r.err.startswith(f"error: the output '{out}' is named like a file; ")
+    assert f"{how} (model.safetensors, or shards and their index, inside it)" in r.err
+    assert not out.exists()
+    # An existing folder is taken whatever its name.
+    out.mkdir()
+    assert cli(command, sharded, out, *extra).code == 0
+    assert any(out.iterdir())
 
 
 @pytest.mark.parametrize("command", ["cast", "merge", "extract"])
@@ -145,6 +169,16 @@ def test_an_output_file_named_as_a_folder_is_a_usage_error(
         r.code == 2 and r.err == f"error: the output '{out}' is a folder; name the file to write\n"
     )
     assert not (tmp_path / "newdir").exists()
+
+
+def test_convert_of_a_folder_into_a_file_name_is_a_usage_error(cli, tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    r = cli("convert", tmp_path / "src", tmp_path / "out.safetensors")
+    assert r.code == 2 and r.err.startswith(
+        f"error: the output '{tmp_path / 'out.safetensors'}' is named like a file; "
+        "a folder is converted into a folder"
+    )
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_convert_of_a_folder_with_nothing_to_convert_fails(cli, tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from ._common import (
     TensorRef,
     Ui,
     UsageError,
+    check_output_folder,
     make_parent,
     name_filter,
     open_model,
@@ -192,12 +193,7 @@ def run(args: argparse.Namespace) -> int:
                 written = layout.file_size
                 data_bytes = {f.label: layout.data_size}
             else:
-                if os.path.exists(args.output) and not os.path.isdir(args.output):
-                    # makedirs said only "File exists": the shards go into a folder.
-                    raise UsageError(
-                        f"the output {sanitize(args.output)!r} is a file; a sharded model is "
-                        "cast into a folder"
-                    )
+                check_output_folder(args.output, "a sharded model is cast into a folder")
                 folders.makedirs(args.output)
                 data_bytes = {}
                 index = _index_target(model, args.output)

@@ -12,6 +12,7 @@ from ._common import (
     OutputFolders,
     Ui,
     UsageError,
+    check_output_folder,
     make_parent,
     plural,
     print_json,
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     # Folders created for the output are removed again (when still empty) if convert fails.
     with OutputFolders() as folders:
         if os.path.isdir(args.src):
+            check_output_folder(args.dst, "a folder is converted into a folder")
             folders.expect(args.dst)  # created by convert_folder()
             try:
                 if args.workers > 1:

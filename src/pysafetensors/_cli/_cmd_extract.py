@@ -16,6 +16,7 @@ from ._common import (
     OutputFolders,
     Ui,
     UsageError,
+    check_output_folder,
     check_source,
     make_parent,
     plural,
@@ -64,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     with OutputFolders() as folders:
         if args.max_shard_size is not None:
             check_pattern(pattern)
+            check_output_folder(
+                args.output, "extract -s writes a folder", "; without -s, one file is written"
+            )
             folders.expect(args.output)  # created by extract()
         else:
             make_parent(args.output, folders)

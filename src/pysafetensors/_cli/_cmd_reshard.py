@@ -16,6 +16,7 @@ from ._common import (
     OutputFolders,
     Ui,
     UsageError,
+    check_output_folder,
     check_source,
     human_bytes,
     plural,
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.filename_pattern is not None:
         check_pattern(args.filename_pattern)
+    check_output_folder(args.output, "reshard writes a folder", "; `merge` writes one file")
     options = remote_options(args)
     check_source(args.source, options)
     ui = Ui(args)

@@ -144,6 +144,33 @@ def make_parent(path: str, folders: OutputFolders | None = None) -> None:
         os.makedirs(parent, exist_ok=True)
 
 
+def check_output_folder(path: str, what: str, alternative: str = "") -> None:
+    """Refuse an output folder that is a file, or that does not exist and is named like one.
+
+    A sharded output named ``out.safetensors`` became a folder of that name, shards and an
+    index inside: rarely what was meant. An existing folder of any name is taken.
+
+    Args:
+        path: The output folder as given.
+        what: What the command writes, for the message ("reshard writes a folder").
+        alternative: How to get one file instead, for the message, if there is a way.
+
+    Raises:
+        UsageError: ``path`` is a file, or ends with ``.safetensors`` or ``.json`` and is no
+            folder.
+    """
+    if "://" in path or os.path.isdir(path):
+        return
+    if os.path.lexists(path):
+        # makedirs would say only "File exists".
+        raise UsageError(f"the output {sanitize(path)!r} is a file; {what}")
+    if path.lower().endswith((".safetensors", ".json")):
+        raise UsageError(
+            f"the output {sanitize(path)!r} is named like a file; {what} (model.safetensors, "
+            f"or shards and their index, inside it): name a folder{alternative}"
+        )
+
+
 def check_source(target: str, storage_options: dict[str, Any] | None = None) -> None:
     """Open a model's headers before a command rewrites it, for errors that name the file.
 
