@@ -85,3 +85,18 @@ def python_sigint_handler() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(params=["whole", "small slabs"])
+def slabs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves of arrays copied a slab at a time (non-contiguous, byte-swapped): as configured,
+    or through slabs of 24 bytes (several per tensor, through the reused buffer, rows cut into
+    their rows) with chunks from 8 bytes up counting as large (written before the next is
+    asked for)."""
+    if request.param == "small slabs":
+        import pysafetensors._adapter as adapter
+        import pysafetensors._writer as writer
+
+        monkeypatch.setattr(adapter, "SLAB_BYTES", 24)
+        monkeypatch.setattr(adapter, "_WRITEV_BYTES", 8)
+        monkeypatch.setattr(writer, "_WRITEV_BYTES", 8)

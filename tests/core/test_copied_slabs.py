@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import pysafetensors._adapter as adapter
-import pysafetensors._writer as writer
 from pysafetensors.numpy import save, save_file
 
 reference = pytest.importorskip("safetensors.numpy")
@@ -40,16 +39,6 @@ def _arrays() -> dict[str, np.ndarray]:
         "empty_big_endian": np.zeros((3, 0), ">f4"),
         "one": base[2:3, 4:5],
     }
-
-
-@pytest.fixture(params=["whole", "small slabs"])
-def slabs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if request.param == "small slabs":
-        # Several slabs per array, through the reused buffer, and rows cut into their rows.
-        monkeypatch.setattr(adapter, "SLAB_BYTES", 24)
-        # Chunks from 8 bytes up are then large: written before the next is asked for.
-        monkeypatch.setattr(adapter, "_WRITEV_BYTES", 8)
-        monkeypatch.setattr(writer, "_WRITEV_BYTES", 8)
 
 
 def _in_file_order(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

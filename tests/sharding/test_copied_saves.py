@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 
-import pysafetensors._adapter as adapter
-import pysafetensors._writer as writer
 from pysafetensors import save_sharded
 from pysafetensors.torch import save_model, save_model_sharded
 
@@ -38,16 +36,6 @@ def _model() -> Any:
     model.register_buffer("u8", u8.transpose(0, 2))
     model.register_buffer("flag", (torch.arange(12) % 3 == 0).reshape(3, 4).t())
     return model
-
-
-@pytest.fixture(params=["whole", "small slabs"])
-def slabs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if request.param == "small slabs":
-        # Several slabs per tensor, through the reused buffer, and rows cut into their rows.
-        monkeypatch.setattr(adapter, "SLAB_BYTES", 24)
-        # Chunks from 8 bytes up are then large: written before the next is asked for.
-        monkeypatch.setattr(adapter, "_WRITEV_BYTES", 8)
-        monkeypatch.setattr(writer, "_WRITEV_BYTES", 8)
 
 
 @pytest.mark.usefixtures("slabs")
