@@ -10,14 +10,16 @@ import importlib.util
 import json
 import signal
 import struct
+import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-__all__ = ["compact_json", "raw_file"]
+__all__ = ["compact_json", "peak_growth_kib", "raw_file"]
 
 
 def compact_json(obj: Any) -> bytes:
@@ -100,3 +102,31 @@ def slabs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(adapter, "SLAB_BYTES", 24)
         monkeypatch.setattr(adapter, "_WRITEV_BYTES", 8)
         monkeypatch.setattr(writer, "_WRITEV_BYTES", 8)
+
+
+def peak_growth_kib(setup: str, action: str, *argv: str) -> int:
+    """How far a fresh interpreter's peak resident memory rises over ``action``, in KiB.
+
+    Linux only (``/proc/self``). ``setup`` runs first (imports, building the inputs), then the
+    peak is reset and ``action`` runs; both are Python source, with ``sys`` imported and
+    ``argv`` as ``sys.argv[1:]``.
+    """
+    script = "\n".join(
+        [
+            "import sys",
+            textwrap.dedent(setup),
+            "def rss(key):",
+            "    with open('/proc/self/status') as status:",
+            "        return next(int(x.split()[1]) for x in status if x.startswith(key))",
+            "with open('/proc/self/clear_refs', 'w') as clear:",
+            "    clear.write('5')  # the peak starts again from here (VmHWM, KiB)",
+            "before = rss('VmRSS:')",
+            textwrap.dedent(action),
+            "print(rss('VmHWM:') - before)",
+        ]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout)

@@ -5,9 +5,7 @@ writes their raw memory: wrong values, docs/differences.md)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import ml_dtypes
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 
 import pysafetensors._adapter as adapter
+from conftest import peak_growth_kib
 from pysafetensors.numpy import save, save_file
 
 reference = pytest.importorskip("safetensors.numpy")
@@ -82,36 +81,16 @@ def test_slabs_are_bounded_and_kept_chunks_own_memory(monkeypatch: pytest.Monkey
     )
 
 
-_MEASURE = textwrap.dedent(
-    """
-    import sys
-    import numpy as np
-    from pysafetensors.numpy import save_file
-    # Transposed and byte-swapped arrays (48 MiB each), and one of two 64-MiB rows (each row
-    # was copied whole: 127 MiB of growth).
-    arrays = {f"w{i}": np.ones((1024, 12 * 1024), np.float32).T for i in range(2)}
-    arrays["b"] = np.ones((1024, 12 * 1024), ">f4")
-    arrays["p"] = np.ones((4096, 4096, 2), np.float32).transpose(2, 0, 1)
-    def rss(key):
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith(key))
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # the peak starts again from here (VmHWM, KiB)
-    before = rss("VmRSS:")
-    save_file(arrays, sys.argv[1])
-    print(before, rss("VmHWM:"))
-    """
-)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 def test_copies_do_not_add_the_arrays_size_to_the_peak(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(tmp_path / "out.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    before, after = (int(x) for x in proc.stdout.split())
-    assert after - before < 64 * 1024, f"grew by {after - before} KiB"
+    setup = """
+        import numpy as np
+        from pysafetensors.numpy import save_file
+        # Transposed and byte-swapped arrays (48 MiB each), and one of two 64-MiB rows (each
+        # row was copied whole: 127 MiB of growth).
+        arrays = {f"w{i}": np.ones((1024, 12 * 1024), np.float32).T for i in range(2)}
+        arrays["b"] = np.ones((1024, 12 * 1024), ">f4")
+        arrays["p"] = np.ones((4096, 4096, 2), np.float32).transpose(2, 0, 1)
+    """
+    grew = peak_growth_kib(setup, "save_file(arrays, sys.argv[1])", str(tmp_path / "o"))
+    assert grew < 64 * 1024, f"grew by {grew} KiB"
