@@ -185,10 +185,11 @@ def _is_sharded_target(filename: Any) -> bool:
         return False
     path = os.fsdecode(os.fspath(filename))
     if "://" in path:
-        from ._remote_urls import url_path
+        from ._remote_urls import is_folder_url, url_path
 
-        # The path part only: ``.../model.safetensors.index.json?download=true`` is an index.
-        return url_path(path).endswith(".index.json")
+        # The path part only: ``.../model.safetensors.index.json?download=true`` is an index,
+        # ``.../resolve/main/?download=true`` a folder.
+        return url_path(path).endswith(".index.json") or is_folder_url(path)
     if path.endswith(".index.json"):
         # A file so named that holds tensors opens as a file, as in the reference.
         return not starts_like_safetensors(path)

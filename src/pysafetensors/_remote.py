@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
-from ._remote_fsspec import FsspecSource
+from ._remote_fsspec import FsspecFolder, FsspecSource
 from ._remote_http import HTTPSource
-from ._remote_s3 import S3Source
+from ._remote_s3 import S3Folder, S3Source
 from ._remote_source import (
     DEFAULT_ACCEPT_FULL_BODY,
     DEFAULT_HEAD_BYTES,
@@ -61,6 +61,7 @@ __all__ = [
     "RemoteStats",
     "S3Source",
     "check_option_names",
+    "list_folder",
     "open_source",
     "read_prefix",
     "shown_location",
@@ -141,6 +142,33 @@ def open_source(
     if hasattr(target, "fs") and hasattr(target, "path"):
         return FsspecSource(target, **merged)
     raise TypeError(f"cannot open {type(target).__name__} as a remote source")
+
+
+def list_folder(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[list[str], set[str]]:
+    """The names in the folder URL ``url`` (one ending in ``/``), one level deep, and those of
+    them that are files: one ``ListObjectsV2`` for ``s3://`` (per 1,000 names), one ``ls`` for
+    an fsspec filesystem. HTTP cannot list a folder.
+
+    Raises:
+        ValueError: An ``http(s)`` URL, or not a folder URL.
+        TypeError: An option the URL's source does not take.
+        RemoteError: The listing failed (:class:`RemoteNotFoundError` for a missing bucket or
+            folder, :class:`RemotePermissionError` when refused).
+    """
+    scheme = url.partition("://")[0].lower()
+    options = dict(storage_options or {})
+    folder: S3Folder | FsspecFolder
+    if scheme in ("http", "https"):
+        raise ValueError(f"an http(s) folder cannot be listed: {shown_location(url)}")
+    if scheme in ("s3", "s3a"):
+        _check_options(S3Source, options, "s3")
+        folder = S3Folder(url, **options)
+    else:
+        folder = FsspecFolder(url, **options)
+    with folder:
+        return folder.names()
 
 
 def read_prefix(source: Any, n: int) -> bytes:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any, NoReturn
 
 from ._errors import (
@@ -111,9 +112,14 @@ class FsspecSource(RemoteSource):
         self._name = shown_location(name)
         self._fs = fs
         self._path = path
+        self._open()
+
+    def _open(self) -> None:
+        """Learn the size (one request) and cache the first ``head_bytes``."""
         self.stats.add(requests=1)
+        failure: Exception | None = None
         try:
-            self._size = int(fs.size(path))
+            self._size = int(self._fs.size(self._path))
         except Exception as exc:
             failure = exc
         if failure is not None:
@@ -237,3 +243,41 @@ class FsspecSource(RemoteSource):
         # Anything that failed goes through the one-request path, with its retries and errors.
         for part in failed:
             self._do_part(part)
+
+
+class FsspecFolder(FsspecSource):
+    """A folder on an fsspec filesystem, listed one level deep (:meth:`names`): with the
+    filesystem, options and errors of :class:`FsspecSource`, and nothing opened."""
+
+    def _open(self) -> None:
+        """Nothing to open: a folder is listed."""
+
+    def names(self) -> tuple[list[str], set[str]]:
+        """Every name in the folder, one level deep, and those of them that are files: one
+        ``fs.ls``.
+
+        Raises:
+            RemoteNotFoundError: The folder does not exist.
+            RemotePermissionError: Listing is refused.
+            RemoteError: Anything else the filesystem reports.
+        """
+        self.stats.add(requests=1)
+        failure: Exception | None = None
+        try:
+            entries = list(self._fs.ls(self._path, detail=True))
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            self._raise(self._error(failure, 0, "listing the folder failed"), failure)
+        own = self._path.rstrip("/")
+        names: list[str] = []
+        files: set[str] = set()
+        for entry in entries:
+            full = str(entry.get("name", "") if isinstance(entry, dict) else entry).rstrip("/")
+            name = posixpath.basename(full)
+            if not name or full == own:  # some filesystems list the folder itself
+                continue
+            names.append(name)
+            if isinstance(entry, dict) and entry.get("type") == "file":
+                files.add(name)
+        return names, files

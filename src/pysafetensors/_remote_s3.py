@@ -119,7 +119,7 @@ class S3Source(RemoteSource):
     ) -> None:
         if not isinstance(url, str):
             raise TypeError(f"an s3:// URL must be a string, got {type(url).__name__}")
-        self._bucket, self._key = _split_s3_url(url)
+        self._bucket, self._key = self._split_url(url)
         for option, value in (
             ("endpoint_url", endpoint_url),
             ("region_name", region_name),
@@ -210,6 +210,9 @@ class S3Source(RemoteSource):
         except BaseException:
             self.close()  # a head_bytes above part_size may have started worker threads
             raise
+
+    #: ``(bucket, key)`` of an ``s3://`` URL (a folder's: see :class:`S3Folder`).
+    _split_url = staticmethod(_split_s3_url)
 
     @staticmethod
     def _make_client(
@@ -467,3 +470,70 @@ class S3Source(RemoteSource):
                 f"{self._name}: response truncated: got {done} of {total} bytes at offset {offset}",
                 "Truncated",
             )
+
+
+class S3Folder(S3Source):
+    """An ``s3://bucket/prefix/`` folder, listed one level deep (:meth:`names`): with the
+    client, options and errors of :class:`S3Source`, and nothing opened.
+
+    Raises:
+        ValueError: Not an ``s3://bucket/`` or ``s3://bucket/prefix/`` URL.
+        As :class:`S3Source` for the client and the options.
+    """
+
+    @staticmethod
+    def _split_url(url: str) -> tuple[str, str]:
+        scheme, sep, rest = url.partition("://")
+        bucket, _, prefix = rest.partition("/")
+        if not sep or scheme.lower() not in ("s3", "s3a") or not bucket or not rest.endswith("/"):
+            raise ValueError(f"not an s3://bucket/folder/ URL: {url!r}")
+        return bucket, prefix
+
+    def _open(self) -> None:
+        """Nothing to open: a folder is listed."""
+
+    def names(self) -> tuple[list[str], set[str]]:
+        """Every name in the folder, one level deep, and those of them that are objects (the
+        others are the folders under it): ``ListObjectsV2`` with a ``/`` delimiter, one
+        request per 1,000 names.
+
+        Raises:
+            RemoteNotFoundError: The bucket does not exist.
+            RemotePermissionError: Listing is refused.
+            RemoteError: Anything else the store or the connection reports.
+        """
+        kwargs: dict[str, Any] = {"Bucket": self._bucket, "Prefix": self._key, "Delimiter": "/"}
+        names: list[str] = []
+        files: set[str] = set()
+        cut = len(self._key)
+        while True:
+            page = self._list_page(kwargs)
+            for item in page.get("Contents") or ():
+                name = str(item.get("Key", ""))[cut:]
+                if name:  # not the folder's own marker object ("prefix/")
+                    names.append(name)
+                    files.add(name)
+            for item in page.get("CommonPrefixes") or ():
+                name = str(item.get("Prefix", ""))[cut:].rstrip("/")
+                if name:
+                    names.append(name)
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return names, files
+            kwargs["ContinuationToken"] = token
+
+    def _list_page(self, kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        bexc = self._botoexc
+        self.stats.add(requests=1)
+        failure: Exception | None = None
+        try:
+            page: Mapping[str, Any] = self._client.list_objects_v2(**kwargs)
+        except (bexc.ClientError, bexc.BotoCoreError) as exc:
+            failure = exc
+        if failure is not None:
+            error = self._error(failure, 0, True)
+            if isinstance(error, _Transient):
+                # botocore retried it already (its max_attempts): final here.
+                error = RemoteError(str(error), kind=error.kind)
+            self._raise(error, failure)
+        return page

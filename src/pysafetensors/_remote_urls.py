@@ -211,21 +211,58 @@ def url_join(base: str, name: str) -> str:
     return posixpath.join(base, name)
 
 
+def is_folder_url(url: str) -> bool:
+    """Whether the URL ``url`` names a folder: its path ends with ``/``.
+
+    For ``http(s)`` the path without query string or fragment
+    (``.../resolve/main/?download=true`` is a folder); for ``s3://``, where ``?`` and ``#``
+    are characters of a key, and for fsspec URLs, the URL as written.
+    """
+    if url.partition("://")[0].lower() in ("http", "https"):
+        return url_path(url).endswith("/")
+    return url.endswith("/")
+
+
+def url_in_folder(folder: str, name: str) -> str:
+    """The URL of the file ``name`` in the folder URL ``folder`` (:func:`is_folder_url`).
+
+    An ``http(s)`` folder's query string is kept (``.../main/?download=true`` asks for the
+    file found there with it, as an index URL's own request keeps it) and the name is
+    percent-encoded; its fragment is dropped. S3 and fsspec folders take the name as it is.
+    """
+    if folder.partition("://")[0].lower() in ("http", "https"):
+        try:
+            parts = urllib.parse.urlsplit(folder)
+        except ValueError:
+            return url_join(folder, name)  # opening it reports the malformed URL
+        path = parts.path + urllib.parse.quote(name, safe="/")
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+    return folder + name
+
+
 def check_index_options(index: str, storage_options: Mapping[str, Any] | None) -> None:
-    """Refuse storage options that cannot go to every shard of the index ``index`` (a URL;
-    a local path has none to refuse).
+    """Refuse storage options that cannot go to every shard of the index ``index`` (a URL,
+    or a folder URL, which may name an index; a local path has none to refuse).
 
     The options of an index go to each of its shards too, and S3's ``version_id`` names one
     version of one object: given to the shards as well, each of them was asked for a version
     it never had (``NoSuchVersion``, reported as a missing shard). Nor can the shards be read
     at the versions saved with that index, which records none: the latest shards read
-    through an old index would mix two saves. So it is refused before any request.
+    through an old index would mix two saves. So it is refused before any request; for a
+    folder URL as well, which names no one object.
 
     Raises:
-        ValueError: ``version_id`` given for an ``s3://`` index.
+        ValueError: ``version_id`` given for an ``s3://`` index or folder.
     """
     scheme = index.partition("://")[0].lower()
     if scheme in ("s3", "s3a") and (storage_options or {}).get("version_id") is not None:
+        if is_folder_url(index):
+            raise ValueError(
+                f"version_id cannot be given for the folder URL {shown_location(index)!r}: it "
+                "names one version of one object, and a folder names none (its checkpoint may "
+                "be an index, whose shards have versions of their own); open the folder "
+                "without it (or one file with it)"
+            )
         raise ValueError(
             f"version_id cannot be given for the index {shown_location(index)!r}: it names one "
             "version of one object, and a sharded checkpoint's shards have versions of their own "

@@ -12,7 +12,9 @@ matches the bytes of tensor data.
 
 Folder resolution, in order: ``model.safetensors.index.json``; ``model.safetensors``; a single
 ``*.safetensors.index.json`` (e.g. diffusers' ``diffusion_pytorch_model.safetensors.index.json``);
-a single ``*.safetensors``; otherwise an error that lists what the folder holds.
+a single ``*.safetensors``; otherwise an error that lists what the folder holds. A folder URL
+(``s3://bucket/ckpt/``, one whose path ends with ``/``) is listed and follows the same rule; an
+``http(s)`` one, which cannot be listed, is tried for the first two names.
 """
 
 from __future__ import annotations
@@ -25,10 +27,16 @@ import os
 import re
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 from ._adapter import get_adapter
-from ._errors import ClosedFileError, HeaderError, SafetensorError, TensorNotFoundError
+from ._errors import (
+    ClosedFileError,
+    HeaderError,
+    RemoteNotFoundError,
+    SafetensorError,
+    TensorNotFoundError,
+)
 from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo, check_max_header_size
 from ._ordered_opens import ahead_for, in_order
@@ -43,9 +51,11 @@ from ._reader import (
 )
 from ._remote_urls import (
     check_index_options,
+    is_folder_url,
     shown_location,
     shown_name,
     url_dirname,
+    url_in_folder,
     url_join,
     url_path,
 )
@@ -61,6 +71,7 @@ __all__ = [
     "INDEX_NAME",
     "SINGLE_NAME",
     "MissingShardError",
+    "Resolved",
     "ShardIndexError",
     "ShardedSafeOpen",
     "resolve_checkpoint",
@@ -119,26 +130,99 @@ def is_index_path(path: str) -> bool:
 _SHARD_NAME: Final = re.compile(r".*" + SHARD_SUFFIX + r"\.safetensors")
 
 
-def resolve_checkpoint(path: str) -> tuple[str, bool]:
-    """Find the file to open for a folder, index or file path.
+class Resolved(NamedTuple):
+    """What :func:`resolve_checkpoint` found."""
 
-    Returns:
-        ``(path, is_index)``.
+    #: The index or file to open.
+    path: str
+    #: Whether ``path`` is an index.
+    is_index: bool
+    #: ``path`` already opened while it was looked for (an index found in an ``http(s)``
+    #: folder URL: that request is the one opening it makes), for the caller to read and
+    #: close; None when nothing was opened.
+    source: ByteSource | None = None
+
+
+def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None) -> Resolved:
+    """Find the file to open for a folder, index or file path, or a URL.
+
+    A local folder and a folder URL (one whose path ends with ``/``) that can be listed (S3,
+    fsspec filesystems: one listing, one level deep) follow the same rule (:func:`_choose`);
+    an ``http(s)`` folder URL, which cannot be listed, is tried for
+    ``model.safetensors.index.json``, then ``model.safetensors``, keeping its query string
+    for those requests. ``storage_options`` are the remote source's, for a URL. Options that
+    cannot go to every shard of an index or folder URL are refused before any request.
 
     Raises:
-        MissingShardError: The folder holds no checkpoint.
+        MissingShardError: The folder holds no checkpoint, or only shards of one.
+        ShardIndexError: The folder holds several candidates and no rule picks one.
+        RemoteNotFoundError: An ``http(s)`` folder URL has neither name.
+        RemoteError: A folder URL could not be listed or probed (anything but a missing
+            file, as it is raised).
+        ValueError: ``storage_options`` that cannot go to every shard (S3's ``version_id``
+            for an index or folder URL).
+    """
+    if _is_url(path):
+        folder = is_folder_url(path)
+        if folder or is_index_path(path):
+            check_index_options(path, storage_options)
+        if folder:
+            return _resolve_folder_url(path, storage_options)
+        return Resolved(path, is_index_path(path))
+    if not os.path.isdir(path):
+        return Resolved(path, is_index_path(path))
+    name, is_index = _choose(
+        path, lambda n: os.path.isfile(os.path.join(path, n)), lambda: os.listdir(path)
+    )
+    return Resolved(os.path.join(path, name), is_index)
+
+
+def _resolve_folder_url(url: str, storage_options: dict[str, Any] | None) -> Resolved:
+    from ._remote import list_folder, open_source
+
+    if url.partition("://")[0].lower() not in ("http", "https"):
+        names, files = list_folder(url, storage_options)
+        name, is_index = _choose(url, files.__contains__, lambda: names)
+        return Resolved(url_in_folder(url, name), is_index)
+    # HTTP lists nothing: the names a folder's checkpoint has by convention, the index first
+    # (as the rule prefers it). A found index stays open for the caller, who would open it
+    # next; a single file is only probed (a byte), since its handle opens it again.
+    for name, is_index, head in ((INDEX_NAME, True, {}), (SINGLE_NAME, False, {"head_bytes": 0})):
+        candidate = url_in_folder(url, name)
+        try:
+            source = open_source(candidate, storage_options=storage_options, **head)
+        except RemoteNotFoundError:
+            continue  # only a missing file moves on: a refusal or an outage is raised as is
+        if is_index:
+            return Resolved(candidate, True, source)
+        source.close()
+        return Resolved(candidate, False)
+    raise RemoteNotFoundError(
+        f"no safetensors checkpoint at the folder URL {_shown(url)}: neither {INDEX_NAME} nor "
+        f"{SINGLE_NAME} is there (a folder over HTTP cannot be listed: give the URL of its "
+        "index or file)",
+        kind="NotFound",
+    )
+
+
+def _choose(
+    folder: str, is_file: Callable[[str], bool], listing: Callable[[], Iterable[str]]
+) -> tuple[str, bool]:
+    """The rule for a folder: ``(name, is_index)`` of the file to open in ``folder`` (a path
+    or URL, named in errors), from which names are files and, if those do not decide,
+    everything the folder holds (``listing``, called then only).
+
+    Raises:
+        MissingShardError: The folder holds no checkpoint, or only shards of one.
         ShardIndexError: The folder holds several candidates and no rule picks one.
     """
-    if _is_url(path) or not os.path.isdir(path):
-        return path, is_index_path(path)
     for name, is_index in ((INDEX_NAME, True), (SINGLE_NAME, False)):
-        candidate = os.path.join(path, name)
-        if os.path.isfile(candidate):
-            return candidate, is_index
-    names = sorted(os.listdir(path))
+        if is_file(name):
+            return name, is_index
+    names = sorted(listing())
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
     if len(indexes) == 1:
-        return os.path.join(path, indexes[0]), True
+        return indexes[0], True
     files = [n for n in names if n.endswith(".safetensors")]
     shards = [m for n in files if (m := _SHARD_NAME.fullmatch(n)) and int(m["count"]) > 1]
     if files and not indexes and len(shards) == len(files):
@@ -147,23 +231,23 @@ def resolve_checkpoint(path: str) -> tuple[str, bool]:
         # would otherwise open as the whole model, silently missing the other shards' tensors.
         listed = ", ".join(m.group(0) for m in shards[:5]) + (" ..." if len(shards) > 5 else "")
         raise MissingShardError(
-            f"folder {_shown(path)} holds shards of a checkpoint ({listed}) but no index: the "
+            f"folder {_shown(folder)} holds shards of a checkpoint ({listed}) but no index: the "
             "checkpoint is incomplete (a save or download that did not finish?); pass one "
             "shard's path to open that file alone",
             kind="MissingIndex",
         )
     if len(files) == 1 and not indexes:
-        return os.path.join(path, files[0]), False
+        return files[0], False
     if not indexes and not files:
         raise MissingShardError(
-            f"no safetensors checkpoint in folder {_shown(path)}: expected {INDEX_NAME}, "
+            f"no safetensors checkpoint in folder {_shown(folder)}: expected {INDEX_NAME}, "
             f"{SINGLE_NAME}, "
             "a single *.safetensors.index.json or a single *.safetensors",
             kind="NoCheckpoint",
         )
     found = ", ".join(indexes + files)
     raise ShardIndexError(
-        f"folder {_shown(path)} holds several checkpoints and no {INDEX_NAME} or {SINGLE_NAME} "
+        f"folder {_shown(folder)} holds several checkpoints and no {INDEX_NAME} or {SINGLE_NAME} "
         "says "
         f"which to open: {found}; pass the index or file path instead",
         kind="AmbiguousFolder",
@@ -181,8 +265,13 @@ def _check_shard_name(name: str, index: str, tensor: str) -> None:
         )
 
 
-def _read_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes:
-    source = open_source_for(path, "pread", storage_options)
+def _read_bytes(
+    path: str, storage_options: dict[str, Any] | None, source: ByteSource | None = None
+) -> bytes:
+    """The bytes of the index at ``path``, read through ``source`` if given (then closed
+    here), else through one opened here."""
+    if source is None:
+        source = open_source_for(path, "pread", storage_options)
     try:
         if source.size > MAX_INDEX_SIZE:
             raise ShardIndexError(
@@ -198,9 +287,9 @@ def _read_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes:
 
 
 def _parse_index(
-    path: str, storage_options: dict[str, Any] | None = None
+    path: str, storage_options: dict[str, Any] | None = None, source: ByteSource | None = None
 ) -> tuple[dict[str, str], dict[str, Any] | None]:
-    raw = _read_bytes(path, storage_options)
+    raw = _read_bytes(path, storage_options, source)
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -235,12 +324,13 @@ def _parse_index(
 
 
 def _read_index(
-    path: str, storage_options: dict[str, Any] | None
+    path: str, storage_options: dict[str, Any] | None, source: ByteSource | None = None
 ) -> tuple[dict[str, str], dict[str, Any] | None, tuple[int, ...] | None]:
     """:func:`_parse_index`, and for a local index the identity of the version read (None for
-    a URL). Read again if it changed while being read (a save renaming a new one in)."""
+    a URL, which may come opened: ``source``, closed here). Read again if it changed while
+    being read (a save renaming a new one in)."""
     if _is_url(path):
-        return (*_parse_index(path, storage_options), None)
+        return (*_parse_index(path, storage_options, source), None)
     for _ in range(3):
         try:
             before: tuple[int, ...] | None = file_identity(os.stat(path))
@@ -264,7 +354,8 @@ class ShardedSafeOpen(HandleBehaviour):
     """A sharded checkpoint opened as one file: the same methods as :class:`safe_open`.
 
     Args:
-        filename: A ``*.index.json`` path or URL, or a model folder.
+        filename: A ``*.index.json`` path or URL, a model folder, or a folder URL (its path
+            ending with ``/``; see :func:`resolve_checkpoint`).
         framework: As for :class:`safe_open`.
         device: As for :class:`safe_open`.
         backend: ``"mmap"`` or ``"pread"``, used for every shard.
@@ -279,8 +370,9 @@ class ShardedSafeOpen(HandleBehaviour):
         MissingShardError: A shard the index names does not exist, or the folder is empty
             (over a URL, a missing shard is the remote's ``RemoteNotFoundError``, as
             the index itself would be; both are ``FileNotFoundError``).
-        ValueError: ``storage_options`` that cannot go to every shard of an index URL (an
-            S3 ``version_id``).
+            An ``http(s)`` folder URL with neither name is a ``RemoteNotFoundError``.
+        ValueError: ``storage_options`` that cannot go to every shard of an index or folder
+            URL (an S3 ``version_id``).
 
     Example:
         >>> with safe_open("path/to/model_folder", framework="pt") as f:  # doctest: +SKIP
@@ -325,7 +417,7 @@ class ShardedSafeOpen(HandleBehaviour):
         self._shards: list[str] = []
 
         path = os.fsdecode(os.fspath(filename))
-        target, is_index = resolve_checkpoint(path)
+        target, is_index, opened = resolve_checkpoint(path, self._options.get("storage_options"))
         self._path = target
         self._base = url_dirname(target) if _is_url(target) else os.path.dirname(target)
         # A single file opened as a checkpoint is read from its own path (a URL keeps its
@@ -335,9 +427,8 @@ class ShardedSafeOpen(HandleBehaviour):
         # The local index's identity when read, checked again as each shard is opened.
         self._index_identity: tuple[int, ...] | None = None
         if is_index:
-            check_index_options(target, self._options.get("storage_options"))
             self._weight_map, self._index_metadata, self._index_identity = _read_index(
-                target, self._options.get("storage_options")
+                target, self._options.get("storage_options"), opened
             )
             self._shards = sorted(set(self._weight_map.values()))
             if not _is_url(target):

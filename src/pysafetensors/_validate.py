@@ -45,12 +45,10 @@ from ._format import (
 from ._ordered_opens import ahead_for, in_order
 from ._planned_reads import plan_reads
 from ._remote_urls import (
-    check_index_options,
     shown_location,
     shown_name,
     url_dirname,
     url_join,
-    url_path,
 )
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
@@ -722,11 +720,20 @@ def open_model_file(path: str, storage_options: Mapping[str, Any] | None = None)
         raise
 
 
-def _read_small(target: str, limit: int, storage_options: Mapping[str, Any] | None) -> bytes:
+def _read_small(
+    target: str,
+    limit: int,
+    storage_options: Mapping[str, Any] | None,
+    opened: ByteSource | None = None,
+) -> bytes:
+    """The bytes of the index ``target``; a URL's read through ``opened`` if given (then closed
+    here)."""
     if _is_url(target):
         from ._remote import open_source
 
-        with open_source(target, storage_options=storage_options) as src:
+        if opened is None:
+            opened = open_source(target, storage_options=storage_options)
+        with contextlib.closing(opened) as src:
             if src.size > limit:
                 raise SafetensorError(
                     f"{shown_location(target)}: index is {src.size} bytes, over {limit}"
@@ -758,36 +765,35 @@ def locate_model(
 ) -> ModelFiles:
     """Find the safetensors files of a file, folder, index or URL without opening them.
 
-    Folders are resolved as ``safe_open(folder)`` resolves them (``_sharded.resolve_checkpoint``:
-    ``model.safetensors.index.json``, ``model.safetensors``, a single index, a single file). An
-    index names its shards relative to itself; names that are absolute or contain ``..`` are
-    refused and recorded as problems rather than raised, so that ``validate`` can list them all.
-    ``storage_options`` are used to read an index given by URL.
+    Folders and URLs are resolved as ``safe_open`` resolves them
+    (``_sharded.resolve_checkpoint``: ``model.safetensors.index.json``, ``model.safetensors``,
+    a single index, a single file; a folder URL listed, or over HTTP tried for the first two).
+    An index names its shards relative to itself; names that are absolute or contain ``..``
+    are refused and recorded as problems rather than raised, so that ``validate`` can list
+    them all. ``storage_options`` are used to read an index given by URL.
 
     Raises:
-        FileNotFoundError: A folder holds no checkpoint.
+        FileNotFoundError: A folder (or folder URL) holds no checkpoint.
         SafetensorError: A folder holds several checkpoints and no rule picks one.
-        ValueError: ``storage_options`` that cannot go to every shard of an index URL (an
-            S3 ``version_id``).
+        RemoteError: A folder URL could not be listed or probed.
+        ValueError: ``storage_options`` that cannot go to every shard of an index or folder
+            URL (an S3 ``version_id``).
     """
     path = os.fspath(target)
-    if _is_url(path):
-        # As the reader tells an index URL (is_index_path): by the path without query string
-        # or fragment, and for s3:// by the whole key, where '?' and '#' are characters of
-        # the name (cut at the '?', an index under such a key was read as a safetensors file).
-        if not url_path(path).endswith(".index.json"):
-            # The label is what messages and reports show: never a password or a signature.
-            return ModelFiles(path, [path], [shown_location(path)])
-        check_index_options(path, storage_options)
-        return _from_index(path, path, max_index_size, storage_options)
-    if os.path.isdir(path):
-        # The same folder rules as safe_open(folder), so every tool opens the same files.
+    if _is_url(path) or os.path.isdir(path):
+        # The same rules as safe_open(folder or URL), so every tool opens the same files. An
+        # index URL is told as the reader tells it (is_index_path): by the path without query
+        # string or fragment, and for s3:// by the whole key, where '?' and '#' are characters
+        # of the name (cut at the '?', an index under such a key was read as a safetensors
+        # file).
         from ._sharded import resolve_checkpoint
 
-        resolved, is_index = resolve_checkpoint(path)
+        resolved, is_index, opened = resolve_checkpoint(path, dict(storage_options or {}))
         if is_index:
-            return _from_index(path, resolved, max_index_size)
-        return ModelFiles(path, [resolved], [os.path.basename(resolved)])
+            return _from_index(path, resolved, max_index_size, storage_options, opened)
+        # The label is what messages and reports show: never a password or a signature.
+        label = shown_location(path) if resolved == path else shown_name(resolved)
+        return ModelFiles(path, [resolved], [label])
     if path.endswith(".index.json"):
         return _from_index(path, path, max_index_size)
     return ModelFiles(path, [path], [path])
@@ -798,6 +804,7 @@ def _from_index(
     index_path: str,
     limit: int,
     storage_options: Mapping[str, Any] | None = None,
+    opened: ByteSource | None = None,
 ) -> ModelFiles:
     model = ModelFiles(target, [], [], index_path=index_path)
     label = shown_name(index_path)
@@ -808,7 +815,7 @@ def _from_index(
     try:
         # Decoded as the reader decodes it: strict UTF-8 (json.loads of bytes would also take
         # UTF-16/32 and a byte-order mark, which the reader refuses).
-        obj = json.loads(_read_small(index_path, limit, storage_options).decode("utf-8"))
+        obj = json.loads(_read_small(index_path, limit, storage_options, opened).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Inspect, validate, compare, convert and edit safetensors files. TARGET is a "
             ".safetensors file, a model folder or *.safetensors.index.json (sharded), or an "
-            "http(s):// or s3:// URL (only the bytes needed are fetched)."
+            "http(s):// or s3:// URL of a file, an index or a folder (ending with /; only the "
+            "bytes needed are fetched)."
         ),
     )
     parser.add_argument("--version", action="version", version=f"pysafetensors {__version__}")
