@@ -242,8 +242,9 @@ def _payload(name: str, info: TensorInfo, data: Any) -> tuple[int, Iterator[memo
 
 #: Writers neither closed nor aborted. Those still open when the interpreter exits are aborted
 #: then, while modules still work (a finalizer during teardown could not remove the temporary
-#: file, and printed errors): a writer left open is an abandoned one.
-_OPEN_WRITERS: Final[weakref.WeakSet[StreamingWriter]] = weakref.WeakSet()
+#: file, and printed errors): a writer left open is an abandoned one. Sharded writers too: the
+#: shards they finished wait in their group, which no shard writer's abort reaches.
+_OPEN_WRITERS: Final[weakref.WeakSet[StreamingWriter | ShardedStreamingWriter]] = weakref.WeakSet()
 _OPEN_WRITERS_LOCK = threading.Lock()
 
 
@@ -694,6 +695,9 @@ class ShardedStreamingWriter:
             os.makedirs(self.folder, exist_ok=True)
         except OSError as exc:  # e.g. a file where the folder should be
             raise write_error(exc, self.folder) from exc
+        self._pid = os.getpid()  # a forked child's copy is not the writer: see __del__
+        with _OPEN_WRITERS_LOCK:
+            _OPEN_WRITERS.add(self)
 
     def _writer(self, name: str) -> StreamingWriter:
         if self._closed:
@@ -829,6 +833,8 @@ class ShardedStreamingWriter:
         for fname in self._decls:
             self._shard_writer(fname)  # shards holding only empty tensors
         self._closed = True
+        with _OPEN_WRITERS_LOCK:
+            _OPEN_WRITERS.discard(self)
         writers = {os.path.join(self.folder, f): w for f, w in self._writers.items()}
 
         def finish(path: str, names: list[str], group: SaveGroup) -> None:
@@ -848,12 +854,24 @@ class ShardedStreamingWriter:
     def abort(self) -> None:
         """Discard every shard not yet committed."""
         self._closed = True
+        with _OPEN_WRITERS_LOCK:
+            _OPEN_WRITERS.discard(self)
         for writer in self._writers.values():
             writer.abort()
         self._group.discard()
         if self._made_folder:
             with contextlib.suppress(OSError):  # only if empty: what this writer made
                 os.rmdir(self.folder)
+
+    def __del__(self) -> None:
+        # As StreamingWriter's: an unclosed writer is an abandoned one. Its finished shards
+        # wait in the group as temporary files (a shard's own writer is closed once its last
+        # byte is written), which only this abort deletes.
+        try:
+            if getattr(self, "_pid", None) == os.getpid() and not self._closed:
+                self.abort()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
     def __enter__(self) -> ShardedStreamingWriter:
         return self

@@ -581,3 +581,33 @@ def test_a_declaration_of_more_than_64_dimensions_is_refused(tmp_path: Path) -> 
         w.write("x", b"\0\0\0\0")
     with safe_open(target, "np") as f:
         assert f.get_tensor("x").ndim == 64
+
+
+def test_an_abandoned_sharded_writer_leaves_no_finished_shard_behind(tmp_path: Path) -> None:
+    """A shard whose last byte was written waits in the writer's group as a temporary file; a
+    sharded writer left open at exit (or dropped) aborted its open shards only, and the finished
+    ones stayed in the folder as hidden ``.partial`` files, as large as the shards."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from pysafetensors import ShardedStreamingWriter
+        decls = {"a": ("U8", (300,)), "b": ("U8", (300,))}
+        w = ShardedStreamingWriter(sys.argv[1], decls, max_shard_size=300)
+        w.write("a", b"x" * 300)  # shard 1 finished
+        w.write("b", b"y" * 10)  # shard 2 begun
+        print("left open")
+        """
+    )
+    out = tmp_path / "at-exit"
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "left open", run.stderr
+    assert not out.exists()  # made by the writer, and empty again
+
+    dropped = tmp_path / "dropped"
+    w = ShardedStreamingWriter(dropped, {"a": ("U8", (300,)), "b": ("U8", (300,))}, 300)
+    w.write("a", b"x" * 300)
+    assert [p.name.endswith(".partial") for p in dropped.iterdir()] == [True]
+    del w
+    assert not dropped.exists()
