@@ -95,13 +95,13 @@ def _declare(name: Any, value: Any) -> TensorDecl:
         # is the file's by the torch adapter's rule (float4_e2m1fn_x2 packs two values).
         from ._torch_adapter import logical_shape
 
-        dtype = as_dtype(value.dtype)
+        dtype = _declared_dtype(name, value.dtype)
         return str(name), dtype, logical_shape(dtype, _dims(name, value.shape))
     if isinstance(value, np.ndarray) or _is_torch(value):
         data = _adapter_for(value).to_data(str(name), value)
         return str(name), data.dtype, data.shape
     if hasattr(value, "dtype") and hasattr(value, "shape"):  # TensorMeta, SafeSlice
-        return str(name), as_dtype(value.dtype), _dims(name, value.shape)
+        return str(name), _declared_dtype(name, value.dtype), _dims(name, value.shape)
     if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
         raise SerializeError(
             f"{SERIALIZE_PREFIX}tensor `{name}` is declared as {type(value).__name__} "
@@ -110,7 +110,16 @@ def _declare(name: Any, value: Any) -> TensorDecl:
             tensor=str(name),
         )
     dtype, shape = value
-    return str(name), as_dtype(dtype), _dims(name, shape)
+    return str(name), _declared_dtype(name, dtype), _dims(name, shape)
+
+
+def _declared_dtype(name: Any, value: Any) -> DType:
+    """A declaration's dtype; one that is none names its tensor (among thousands of
+    declarations, ``Unknown dtype "F99"`` did not say which was wrong)."""
+    try:
+        return as_dtype(value)
+    except SerializeError as exc:
+        raise SerializeError(f"{exc} (tensor `{name}`)", kind=exc.kind, tensor=str(name)) from None
 
 
 def _dims(name: Any, shape: Any) -> tuple[int, ...]:

@@ -611,3 +611,17 @@ def test_an_abandoned_sharded_writer_leaves_no_finished_shard_behind(tmp_path: P
     assert [p.name.endswith(".partial") for p in dropped.iterdir()] == [True]
     del w
     assert not dropped.exists()
+
+
+@pytest.mark.parametrize("declared", [("F99", (2,)), ("int128", (2,)), (np.dtype("M8[s]"), (2,))])
+def test_an_unknown_declared_dtype_names_its_tensor(tmp_path: Path, declared: Any) -> None:
+    """An array of an unknown dtype named its tensor; a (dtype, shape) declaration did not
+    (``Unknown dtype "F99"``, and no tensor among however many were declared)."""
+    decls = {"fine": ("F32", (1,)), "bad.weight": declared}
+    for writer in (StreamingWriter, ShardedStreamingWriter):
+        with pytest.raises(
+            SerializeError, match=r"Unknown dtype .*\(tensor `bad\.weight`\)"
+        ) as info:
+            writer(tmp_path / "out.safetensors", decls)
+        assert (info.value.kind, info.value.tensor) == ("UnknownDtype", "bad.weight")
+    assert os.listdir(tmp_path) == []
