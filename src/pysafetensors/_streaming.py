@@ -38,13 +38,21 @@ from ._errors import (
     output_path,
     write_error,
 )
-from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, TensorInfo, build_layout
+from ._format import (
+    MAX_HEADER_SIZE,
+    SERIALIZE_PREFIX,
+    Layout,
+    TensorInfo,
+    build_layout,
+    check_metadata,
+)
 from ._reader import MAX_NDIM
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,
     ShardPlan,
     checkpoint_group,
+    index_json,
     split_into_shards,
     write_checkpoint,
 )
@@ -689,6 +697,13 @@ class ShardedStreamingWriter:
         if not plan.is_sharded:
             per_file.update(self._meta)
         self._per_file = per_file
+        # Metadata the commit could not write is refused now, not once every byte is streamed:
+        # an index's keys that are not str failed at close (and the whole save was lost), a
+        # single file's values that are not str at the first write.
+        if plan.is_sharded:
+            index_json(plan, self._meta)
+        else:
+            check_metadata(per_file)
         self._decls = {
             fname: [by_name[n] for n in names] for fname, names in plan.filename_to_tensors.items()
         }

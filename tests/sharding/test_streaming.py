@@ -625,3 +625,24 @@ def test_an_unknown_declared_dtype_names_its_tensor(tmp_path: Path, declared: An
             writer(tmp_path / "out.safetensors", decls)
         assert (info.value.kind, info.value.tensor) == ("UnknownDtype", "bad.weight")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("limit", "metadata", "error"),
+    [
+        (100, {b"k": "v"}, "keys must be str"),  # into the index
+        (10**9, {"k": None}, "'None' is not an instance of 'str'"),  # into the single file
+        (10**9, {"k": 1}, "'int' object is not an instance of 'str'"),
+    ],
+)
+def test_sharded_writer_refuses_metadata_it_cannot_write_at_once(
+    tmp_path: Path, limit: int, metadata: Any, error: str
+) -> None:
+    """Metadata the commit could not write was taken: every byte was streamed, then close()
+    failed writing the index and discarded the whole checkpoint (or, for a single file, the
+    first write failed)."""
+    folder = tmp_path / "out"
+    decls = {"a": ("U8", (100,)), "b": ("U8", (100,))}
+    with pytest.raises(TypeError, match=error):
+        ShardedStreamingWriter(folder, decls, limit, metadata=metadata)
+    assert not folder.exists()
