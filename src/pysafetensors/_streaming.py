@@ -253,6 +253,10 @@ def _payload(name: str, info: TensorInfo, data: Any) -> tuple[int, Iterator[memo
         raise SerializeError(
             f"{SERIALIZE_PREFIX}a write to `{name}` got a non-contiguous buffer", tensor=name
         )
+    if not view.nbytes:
+        # memoryview cannot cast a view with a 0 in its shape (an empty 2-D buffer raised
+        # TypeError); there is nothing to write either way.
+        return 0, iter(())
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     return view.nbytes, iter((view,))
 

@@ -646,3 +646,19 @@ def test_sharded_writer_refuses_metadata_it_cannot_write_at_once(
     with pytest.raises(TypeError, match=error):
         ShardedStreamingWriter(folder, decls, limit, metadata=metadata)
     assert not folder.exists()
+
+
+def test_an_empty_buffer_with_a_zero_in_its_shape_is_an_empty_write(tmp_path: Path) -> None:
+    """memoryview cannot cast a view with a 0 in its shape to bytes: the buffer of an empty
+    2-D array (``memoryview(np.zeros((0, 3)))``) raised a bare TypeError, also to
+    ``write_tensor`` of the empty tensor it is."""
+    empty = memoryview(np.zeros((0, 3), np.uint8))
+    target = tmp_path / "e.safetensors"
+    with StreamingWriter(target, {"e": ("U8", (0, 3)), "w": ("F32", (2,))}) as w:
+        assert w.write_tensor("e", empty) == 0
+        assert w.write_chunk("w", empty) == 0
+        with pytest.raises(SerializeError, match="outside tensor `w`"):
+            w.write("w", empty, offset=12)
+        w.write_tensor("w", np.ones(2, np.float32))
+    save_file({"e": np.zeros((0, 3), np.uint8), "w": np.ones(2, np.float32)}, tmp_path / "r")
+    assert target.read_bytes() == (tmp_path / "r").read_bytes()
