@@ -302,15 +302,20 @@ def _check_whole(info: TensorInfo, length: int) -> None:
         )
 
 
-def _check_offset(name: str, offset: Any) -> None:
-    """Refuse a write's offset that is not an int."""
-    if isinstance(offset, bool) or not isinstance(offset, int):
+def _offset(name: str, offset: Any) -> int:
+    """A write's offset as an int: any integer, numpy's too (offsets from ``np.cumsum`` are
+    ``np.int64``); a float or a bool is refused."""
+    try:
+        if isinstance(offset, (bool, np.bool_)):
+            raise TypeError
+        return operator.index(offset)
+    except TypeError:
         raise SerializeError(
             f"{SERIALIZE_PREFIX}the offset of a write to `{name}` must be an int, got "
             f"{type(offset).__name__}",
             kind="OutOfRange",
             tensor=name,
-        )
+        ) from None
 
 
 class StreamingWriter:
@@ -436,7 +441,7 @@ class StreamingWriter:
                 array / torch tensor of the declared dtype (its C-order little-endian bytes;
                 any shape, e.g. a block of rows).
             offset: Byte offset within the tensor (rows ``r:`` of a 2-D tensor start at
-                ``r * row_bytes``).
+                ``r * row_bytes``): an integer, numpy's too (a float or bool is refused).
 
         Returns:
             The number of bytes written.
@@ -448,9 +453,9 @@ class StreamingWriter:
         """
         self._live()
         info = self._info(name)
-        _check_offset(name, offset)
+        at = _offset(name, offset)
         length, chunks = _payload(name, info, data)
-        return self._write_payload(info, offset, length, chunks)
+        return self._write_payload(info, at, length, chunks)
 
     def _write_payload(
         self, info: TensorInfo, offset: int, length: int, chunks: Iterable[memoryview]
@@ -753,7 +758,7 @@ class ShardedStreamingWriter:
                 at = writer._cursor[name]
         elif offset is _WHOLE:
             at = 0
-        _check_offset(name, at)
+        at = _offset(name, at)
         length, _ = _payload(name, info, data)
         if offset is _WHOLE:
             _check_whole(info, length)

@@ -662,3 +662,24 @@ def test_an_empty_buffer_with_a_zero_in_its_shape_is_an_empty_write(tmp_path: Pa
         w.write_tensor("w", np.ones(2, np.float32))
     save_file({"e": np.zeros((0, 3), np.uint8), "w": np.ones(2, np.float32)}, tmp_path / "r")
     assert target.read_bytes() == (tmp_path / "r").read_bytes()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_numpy_integer_offsets_are_taken(tmp_path: Path, sharded: bool) -> None:
+    # Offsets computed with numpy (np.cumsum of part sizes) are np.int64: they were refused
+    # as "must be an int, got int64", while shapes took numpy integers.
+    parts = [np.arange(n, dtype=np.float32) + 100 * n for n in (3, 5, 2)]
+    offsets = np.cumsum([0] + [p.nbytes for p in parts])[:-1]
+    target = tmp_path / ("ckpt" if sharded else "out.safetensors")
+    writer = (
+        ShardedStreamingWriter(target, {"t": ("F32", [10])}, max_shard_size=1000)
+        if sharded
+        else StreamingWriter(target, {"t": ("F32", [10])})
+    )
+    with writer as w:
+        for part, at in reversed(list(zip(parts, offsets, strict=True))):
+            w.write("t", part, at)
+        for bad in (np.True_, True, 4.0, np.float64(4)):
+            with pytest.raises(SerializeError, match="offset of a write to `t` must be an int"):
+                w.write("t", b"", bad)
+    assert np.array_equal(load_file(target)["t"], np.concatenate(parts))
