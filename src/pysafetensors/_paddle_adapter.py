@@ -129,6 +129,12 @@ def _known_place(device: Device) -> bool:
     return True
 
 
+def _is_sparse(tensor: Any) -> bool:
+    """Whether ``tensor`` is a sparse (COO or CSR) Paddle tensor."""
+    is_sparse = getattr(tensor, "is_sparse", None)
+    return bool(is_sparse()) if callable(is_sparse) else False
+
+
 class PaddleAdapter:
     """Paddle tensors on the CPU or any place Paddle was built for."""
 
@@ -189,6 +195,14 @@ class PaddleAdapter:
             return _NUMPY.to_data(name, tensor)
         if not isinstance(tensor, paddle.Tensor):
             raise invalid_tensor_error(name, "paddle.Tensor", tensor)
+        if _is_sparse(tensor):
+            # Its values live in separate index and value tensors: it has no memory of its own
+            # to write (data_ptr() is None; the reference fails in ctypes, "NULL pointer access").
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` is sparse; convert it with .to_dense() first",
+                kind="SparseTensor",
+                tensor=name,
+            )
         type_name = _type_name(tensor.dtype)
         try:
             dtype = dtype_from_name(type_name)

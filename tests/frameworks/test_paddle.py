@@ -232,3 +232,34 @@ def test_vartype_dtypes_are_named_by_their_text() -> None:
     assert _type_name(var_type.FP32) == "float32"
     assert _type_name(var_type.BF16) == "bfloat16"
     assert _type_name(paddle.uint16) == "uint16"  # whose str() says paddle.bfloat16
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_tensors_are_refused_naming_the_tensor(tmp_path: Any, layout: str) -> None:
+    """A sparse tensor has no memory of its own (``data_ptr()`` is None): the reference fails
+    inside ctypes (``ValueError: NULL pointer access``), ours was a bare ``TypeError: integer
+    expected``; now a SerializeError (a ValueError too) naming it, before anything is written."""
+    import safetensors.paddle as ref
+
+    from pysafetensors import SerializeError
+    from pysafetensors.paddle import _flatten
+
+    if layout == "coo":
+        sparse = paddle.sparse.sparse_coo_tensor([[0, 1], [1, 0]], [1.5, 2.0], [2, 2])
+    else:
+        sparse = paddle.sparse.sparse_csr_tensor([0, 1, 2], [1, 0], [1.5, 2.0], [2, 2])
+    with pytest.raises(ValueError, match="NULL pointer access"):
+        ref.save({"s": sparse})
+    path = tmp_path / "s.safetensors"
+    for save in (
+        lambda: ppaddle.save({"d": paddle.ones([2]), "s": sparse}),
+        lambda: ppaddle.save_file({"d": paddle.ones([2]), "s": sparse}, path),
+        lambda: _flatten({"s": sparse}, []),
+    ):
+        with pytest.raises(SerializeError, match=r"tensor `s` is sparse; .*\.to_dense\(\)") as info:
+            save()
+        assert isinstance(info.value, ValueError)
+        assert info.value.kind == "SparseTensor" and info.value.tensor == "s"
+    assert list(tmp_path.iterdir()) == []
+    dense = ppaddle.load(ppaddle.save({"s": sparse.to_dense()}))["s"]
+    np.testing.assert_array_equal(dense.numpy(), [[0.0, 1.5], [2.0, 0.0]])
