@@ -99,6 +99,16 @@ class TensorFlowAdapter:
                 # A 0-d tf.string: refused as a string tensor of any other shape is, whose
                 # .numpy() is an object array ("Unknown dtype").
                 return _NUMPY.to_data(name, np.asarray(array, dtype=object))
+        elif isinstance(tensor, tf.Tensor):
+            # A graph tensor (inside tf.function, or tf.compat.v1 graph mode) is a tf.Tensor
+            # with no values yet: "expected tf.Tensor ... but received SymbolicTensor" would
+            # say the opposite of what is wrong.
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}tensor `{name}` is a symbolic (graph) tensor, which has no "
+                "values to save; save eager tensors, outside tf.function",
+                kind="InvalidTensor",
+                tensor=name,
+            )
         raise invalid_tensor_error(name, expected, tensor)
 
 

@@ -110,3 +110,22 @@ def test_no_paddle_import_after_tensorflow() -> None:
     # Importing paddle 3.3 after TensorFlow 2.21 crashes the interpreter, so the suite must
     # import paddle first (test_paddle.py skips itself otherwise). Keep that visible.
     assert "tensorflow" in sys.modules
+
+
+def test_graph_tensors_are_refused_as_symbolic() -> None:
+    """A graph tensor (tf.function, tf.compat.v1 graphs) has no values: the reference fails
+    with ``AttributeError: 'SymbolicTensor' object has no attribute 'numpy'``; ours said
+    "expected tf.Tensor ... but received SymbolicTensor", which is a tf.Tensor."""
+    import safetensors.tensorflow as ref
+
+    from pysafetensors import SerializeError
+
+    with tf.Graph().as_default():
+        symbolic = tf.constant([1.0, 2.0]) * 2
+        assert isinstance(symbolic, tf.Tensor)
+        with pytest.raises(AttributeError, match="numpy"):
+            ref.save({"x": symbolic})
+        symbolic_text = r"tensor `x` is a symbolic \(graph\) tensor"
+        with pytest.raises(SerializeError, match=symbolic_text) as info:
+            ptf.save({"x": symbolic})
+    assert info.value.tensor == "x" and "expected tf.Tensor" not in str(info.value)
