@@ -356,15 +356,19 @@ def _rewrite(
             for k, v in shared.items()
             if k != "format" and k not in COMPUTED_KEYS and k not in (source_index or {})
         }
+    # transformers v5 records total_parameters in its index; recomputed for the tensors
+    # actually written, it goes into the output's index, as total_size does. A single output
+    # file has no index and gets neither (as a single-file save by transformers): in its header
+    # it was a key the source's metadata does not hold, so diff called a merge different.
+    indexed = dict(meta)
     if "total_parameters" in (src.index_metadata() or {}) and metadata is None:
-        # transformers v5 records it; recompute it for the tensors actually written.
         count = 0
         for name in names:
             n = 1
             for d in located[name][2].shape:
                 n *= d
             count += n
-        meta = {"total_parameters": count, **meta}
+        indexed = {"total_parameters": count, **meta}
     state = [0, sum(sizes.values())]
     sources = _Sources(src._source_at)
 
@@ -405,9 +409,11 @@ def _rewrite(
     per_file: dict[str, str] = {"format": fmt}
     if not plan.is_sharded:
         per_file.update(as_header_metadata(meta))
-    elif in_headers:
-        per_file.update(as_header_metadata(in_headers))
-        meta = {k: v for k, v in meta.items() if k not in in_headers}
+    else:
+        meta = indexed
+        if in_headers:
+            per_file.update(as_header_metadata(in_headers))
+            meta = {k: v for k, v in meta.items() if k not in in_headers}
 
     def write_shard(path: str, shard_names: list[str], group: SaveGroup) -> None:
         write(path, shard_names, per_file, group)
@@ -533,7 +539,8 @@ def reshard(
         max_shard_size: New limit per shard (bytes, or ``"5GB"``-style decimal units).
         metadata: User metadata for the output; by default the source's model metadata (the
             entries every source file agrees on, then the index's) without ``format``,
-            ``total_size`` and ``total_parameters`` (computed for the output).
+            ``total_size`` and ``total_parameters`` (computed for a sharded output's index;
+            a single output file, which has no index, gets neither).
         filename_pattern: Output file name pattern with a ``{suffix}`` field. By default the
             source's own names when resharding into its folder (a diffusers folder keeps its
             ``diffusion_pytorch_model`` names, which its library looks for), else
@@ -621,8 +628,9 @@ def merge(
 
     The file's metadata is ``{"format": format, **metadata}``, where ``metadata`` defaults to
     the source's model metadata (what every shard agrees on, then the index's; without
-    ``total_size``; values that are not strings become their JSON text) and ``format`` to the
-    source's own (else ``"pt"``), so that ``diff`` finds the merge equal to its source.
+    ``total_size`` and ``total_parameters``; values that are not strings become their JSON
+    text) and ``format`` to the source's own (else ``"pt"``), so that ``diff`` finds the merge
+    equal to its source.
     ``storage_options`` are as for :func:`reshard`.
 
     Raises:

@@ -53,6 +53,32 @@ def test_a_sharded_model_equals_its_merge(cli, sharded: Path, tmp_path: Path) ->
     assert cli("diff", merged, sharded).code == 0
 
 
+def test_a_merge_of_an_index_with_total_parameters_equals_its_source(
+    cli, sharded: Path, tmp_path: Path
+) -> None:
+    # transformers v5 writes total_parameters into the index. It went into the merged file's
+    # header (an index key, computed anew), where diff, which leaves the index's computed keys
+    # out, met it as an added key: the merge was "different" from its source (exit 1).
+    _set_index_metadata(sharded, producer="me", total_parameters=5)
+    merged = tmp_path / "merged.safetensors"
+    r = cli("merge", sharded, merged)
+    assert r.code == 0, r.err
+    with safe_open(merged, "np") as f:
+        assert f.metadata() == {"format": "pt", "producer": "me"}
+    r = cli("diff", sharded, merged)
+    assert r.code == 0, r.out
+    one = tmp_path / "one.safetensors"
+    assert cli("extract", sharded, one, "*").code == 0
+    assert cli("diff", sharded, one).code == 0
+    # A sharded output has an index: there it is computed for the tensors written.
+    out = tmp_path / "out"
+    assert cli("extract", sharded, out, "*", "-s", "2KB").code == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    count = sum(int(np.asarray(v).size) for v in example_tensors().values())
+    assert index["metadata"]["total_parameters"] == count
+    assert cli("diff", sharded, out).code == 0
+
+
 def test_metadata_get_shows_the_model_s_metadata(cli, sharded: Path) -> None:
     _set_index_metadata(sharded, producer="me")
     total = json.loads((sharded / "model.safetensors.index.json").read_text())["metadata"][
