@@ -444,20 +444,24 @@ _SLOW_MEMORY_HOLD: Final = 5.0
 _HUGEPAGE_MIN_RATE: Final = 1e9
 #: Consecutive slow steps that switch the rest of a destination to 4 KiB pages.
 _SLOW_STEPS: Final = 3
-#: Collections of the cyclic garbage collector begun so far (counted by a callback). A step
-#: timed across one also timed the wait for the GIL, which the collection holds (a full one
-#: walks torch's whole object graph: 70-90 ms in a fresh process), and says nothing about the
-#: memory: such a step counts neither way. Without this, a collection that fell in a load's
-#: first steps made it give up huge pages (4 KiB pages for the rest of a 256 MiB row split).
-_COLLECTIONS_BEGUN = [0]
 
 
-def _count_collection(phase: str, _info: dict[str, int]) -> None:
-    if phase == "start":
-        _COLLECTIONS_BEGUN[0] += 1
+def _collections() -> int:
+    """Collections of the cyclic garbage collector so far. A step timed across one also timed
+    the wait for the GIL, which the collection holds (a full one walks torch's whole object
+    graph: 70-90 ms in a fresh process), and says nothing about the memory: such a step counts
+    neither way. Without this, a collection that fell in a load's first steps made it give up
+    huge pages (4 KiB pages for the rest of a 256 MiB row split).
 
+    Read from the collector's own counts, not counted by a ``gc.callbacks`` function: Python
+    runs a pending signal's handler at the first Python code after a collection, which was
+    that callback, and the collector discards what a callback raises ("Exception ignored"),
+    so a Ctrl-C that came during any collection in the process was lost (the command ran on
+    and exited 0). A collection another thread ran while a step waited holds the GIL until it
+    ends, so it is counted when the step's thread reads this again.
+    """
+    return sum(generation["collections"] for generation in gc.get_stats())
 
-gc.callbacks.append(_count_collection)
 
 _MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; not exported by the mmap module
 _MADV_POPULATE_READ: Final = 22
@@ -563,7 +567,7 @@ class _HugeRegion:
         start -= start % mmap.PAGESIZE  # madvise wants page-aligned starts
         while start < end and not self._slow.is_set():
             step = min(_POPULATE_STEP, end - start)
-            collections = _COLLECTIONS_BEGUN[0]
+            collections = _collections()
             began = time.perf_counter()
             try:
                 _madvise(self._region, self._address, start, step, _MADV_POPULATE_WRITE)
@@ -574,7 +578,7 @@ class _HugeRegion:
                 return
             elapsed = time.perf_counter() - began
             start += step
-            if collections != _COLLECTIONS_BEGUN[0]:
+            if collections != _collections():
                 continue  # a collection held the GIL meanwhile: not a measure of the memory
             if step >= _HUGEPAGE_MIN_RATE * elapsed:
                 self._slow_steps = 0
