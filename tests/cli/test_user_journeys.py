@@ -92,6 +92,16 @@ def test_metadata_get_shows_the_model_s_metadata(cli, sharded: Path) -> None:
     assert cli("metadata", "get", index, "total_size").out == f"{total}\n"
 
 
+def test_inspect_shows_index_values_as_their_json_text(cli, sharded: Path) -> None:
+    # As `metadata get` shows them; Python's repr printed True, None and {'a': 1}.
+    _set_index_metadata(sharded, flag=True, none=None, nested={"a": [1, "x"]})
+    r = cli("inspect", sharded, "--no-tensors")
+    assert r.code == 0, r.err
+    line = next(x for x in r.out.splitlines() if x.startswith("Index metadata:"))
+    assert 'flag=true, none=null, nested={"a": [1, "x"]}' in line, line
+    assert cli("metadata", "get", sharded, "nested", "--raw").out == '{"a": [1, "x"]}\n'
+
+
 def test_shard_metadata_lists_each_file_s_own(sharded: Path) -> None:
     with safe_open(sharded, "np") as f:
         assert f.shard_metadata() == [{"format": "pt"}, {"format": "pt"}]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Final
 
+from .._sharding import as_header_metadata
 from ._common import (
     LazyRows,
     Model,
@@ -174,11 +175,12 @@ def _print_human(ui: Ui, model: Model, tensors: list[TensorRef], *, show_tensors
     else:
         ui.line("Metadata: none" if meta is None else "Metadata: {} (empty)")
     if model.index_metadata:
+        # Values that are not strings as their JSON text, as `metadata get` shows them (Python's
+        # repr showed True, None and single-quoted objects for the index's JSON).
+        shown_index = as_header_metadata(model.index_metadata)
         ui.line(
             "Index metadata: "
-            + ", ".join(
-                f"{quoted(str(k))}={quoted(str(v))}" for k, v in model.index_metadata.items()
-            )
+            + ", ".join(f"{quoted(str(k))}={quoted(v)}" for k, v in shown_index.items())
         )
     if show_tensors and tensors:
         ui.line()
