@@ -953,6 +953,50 @@ def test_metadata_in_place_choices(cli, example: Path) -> None:
     }
 
 
+def test_metadata_rewrite_keeps_the_tensor_bytes_in_their_order(cli, tmp_path: Path) -> None:
+    # docs/cli.md: a rewrite is the reference's save of the same tensors and metadata for a
+    # file laid out as the reference lays out its saves; another layout keeps its order (the
+    # data is copied as one range), and is not reordered into the reference's.
+    st = pytest.importorskip("safetensors.numpy")
+    tensors = {
+        "a": np.arange(4, dtype=np.int8),
+        "b": np.arange(3, dtype=np.float64),
+        "c": np.arange(2, dtype=np.float16),
+    }
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    st.save_file(tensors, str(ours), metadata={"format": "pt"})
+    assert cli("metadata", "set", ours, "format=tf", "--in-place", "never").code == 0
+    st.save_file(tensors, str(theirs), metadata={"format": "tf"})
+    assert ours.read_bytes() == theirs.read_bytes()
+    header = {
+        name: {"dtype": code, "shape": list(tensors[name].shape), "data_offsets": offsets}
+        for name, code, offsets in (
+            ("a", "I8", [0, 4]),
+            ("b", "F64", [4, 28]),
+            ("c", "F16", [28, 32]),
+        )
+    }
+    data = b"".join(v.tobytes() for v in tensors.values())
+    by_name = tmp_path / "by-name.safetensors"
+    by_name.write_bytes(raw_file(header, data))
+    assert cli("metadata", "set", by_name, "format=tf", "--in-place", "never").code == 0
+    with safe_open(by_name, "np") as f:
+        assert f.metadata() == {"format": "tf"}
+        assert [f.get_slice(n).get_shape() for n in f.offset_keys()] == [[4], [3], [2]]
+    assert by_name.read_bytes().endswith(data)
+
+
+def test_diff_values_are_null_for_tensors_whose_shapes_differ(cli, tmp_path: Path) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"x": np.arange(6, dtype=np.float32).reshape(2, 3)}, str(a))
+    save_file({"x": np.arange(6, dtype=np.float32).reshape(3, 2)}, str(b))
+    r = cli("diff", a, b, "--json")
+    assert r.code == 1
+    (row,) = r.json()["tensors"]
+    assert row["status"] == "changed" and row["values"] is None
+    assert row["shape"] == [[2, 3], [3, 2]]
+
+
 def test_diff_compares_complex_values_not_their_magnitudes(cli, tmp_path: Path) -> None:
     """Values of equal magnitude (a sign, a conjugate, a rotation) were 'identical', exit 0."""
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
