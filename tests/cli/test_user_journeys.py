@@ -92,6 +92,23 @@ def test_metadata_get_shows_the_model_s_metadata(cli, sharded: Path) -> None:
     assert cli("metadata", "get", index, "total_size").out == f"{total}\n"
 
 
+def test_a_merge_of_files_without_format_gains_it_and_diff_says_so(cli, tmp_path: Path) -> None:
+    # As documented: the one difference between such a source and its merge.
+    source = tmp_path / "src"
+    source.mkdir()
+    save_file({"a": np.ones(3, np.float32)}, str(source / "model-00001-of-00002.safetensors"))
+    save_file({"b": np.ones(3, np.float32)}, str(source / "model-00002-of-00002.safetensors"))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (source / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 24}, "weight_map": weight_map})
+    )
+    merged = tmp_path / "merged.safetensors"
+    assert cli("merge", source, merged).code == 0
+    doc = cli("diff", source, merged, "--json").json()
+    assert doc["metadata"] == {"added": {"format": "pt"}, "removed": {}, "changed": {}}
+    assert doc["summary"]["identical"] == 2 and doc["equal"] is False
+
+
 def test_inspect_shows_index_values_as_their_json_text(cli, sharded: Path) -> None:
     # As `metadata get` shows them; Python's repr printed True, None and {'a': 1}.
     _set_index_metadata(sharded, flag=True, none=None, nested={"a": [1, "x"]})
