@@ -605,6 +605,22 @@ def test_extract_bad_regex_is_a_usage_error(cli, example: Path, tmp_path: Path) 
     assert "Traceback" not in r.err and not (tmp_path / "out.safetensors").exists()
 
 
+def test_extract_patterns_as_documented(cli, example: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    names = list(example_tensors())
+    # Globs match whole names (case-sensitive); a regex is searched anywhere in a name.
+    glob_part = names[0][1:-1]
+    assert cli("extract", example, out, glob_part).code == 1 and not out.exists()
+    r = cli("extract", example, out, "-E", glob_part, "--list")
+    assert r.code == 0 and r.out.splitlines() == [names[0]]
+    # Any pattern matching is enough; a pattern that matches nothing beside it is no error.
+    r = cli("extract", example, out, names[0], "no-such-*", "--list")
+    assert r.code == 0 and r.out.splitlines() == [names[0]]
+    out.unlink()
+    r = cli("extract", example, out, "no-such-*", names[0].upper())
+    assert r.code == 1 and "matches" in r.err and not out.exists()
+
+
 @pytest.mark.parametrize("bins", ["0", "-3", "1000001", "10000000000"])
 def test_stats_histogram_bins_are_bounded(cli, example: Path, bins: str) -> None:
     r = cli("stats", example, f"--histogram={bins}")
