@@ -15,7 +15,7 @@ import pytest
 from pysafetensors import merge, reshard, safe_open
 from pysafetensors.numpy import save_file
 
-from .conftest import example_tensors, raw_file
+from .conftest import example_tensors, raw_file, write_sharded
 
 
 def _set_index_metadata(folder: Path, **entries: object) -> None:
@@ -489,3 +489,52 @@ def test_a_malformed_redirect_is_a_remote_error(tmp_path: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --------------------------------------------- a single output file beside an older index
+
+
+def _halves() -> list[list[str]]:
+    names = list(example_tensors())
+    return [names[:2], names[2:]]
+
+
+def _write_one_file(cli, command: str, tmp_path: Path, example: Path, out: Path):
+    """Run a command that writes one file, ``out``."""
+    import torch
+
+    if command == "cast":
+        return cli("cast", example, out, "--to", "F16")
+    if command == "merge":
+        other = tmp_path / "other"
+        if not other.exists():
+            write_sharded(other, example_tensors(), _halves())
+        return cli("merge", other, out)
+    if command == "extract":
+        return cli("extract", example, out, "model.embed.weight")
+    pickled = tmp_path / "pytorch_model.bin"
+    torch.save({"w": torch.ones(3)}, pickled)
+    return cli("convert", pickled, out)
+
+
+@pytest.mark.parametrize("command", ["cast", "merge", "extract", "convert"])
+def test_a_single_file_beside_another_checkpoints_index_is_warned_of(
+    cli, tmp_path: Path, example: Path, command: str
+) -> None:
+    # The folder then holds two checkpoints: it opens by the old index here (and in vLLM), by
+    # the new file in transformers. The old index and shards are left (they may be the only
+    # copy of that checkpoint), and the command says so.
+    out = tmp_path / "out"
+    old = write_sharded(out, example_tensors(), _halves())
+    before = sorted(p.name for p in old.iterdir())
+    r = _write_one_file(cli, command, tmp_path, example, out / "model.safetensors")
+    assert r.code == 0, r.err
+    assert "warning: " in r.err and "model.safetensors.index.json" in r.err
+    assert "opens by that index here" in r.err
+    assert sorted(p.name for p in old.iterdir()) == sorted([*before, "model.safetensors"])
+    # Under another name, or in a folder without that index, there is nothing to say.
+    assert (
+        "warning" not in _write_one_file(cli, command, tmp_path, example, out / "x.safetensors").err
+    )
+    alone = tmp_path / "alone" / "model.safetensors"
+    assert "warning" not in _write_one_file(cli, command, tmp_path, example, alone).err

@@ -44,6 +44,7 @@ from ._common import (
     plural,
     quoted,
     sanitize,
+    warn_beside_index,
 )
 from ._remote_args import add_remote_args, remote_options
 
@@ -190,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
                 f = model.files[0]
                 make_parent(args.output, folders)
                 layout = write_file(args.output, plan[f.label], f.header.metadata)
+                warn_beside_index(args.output)
                 written = layout.file_size
                 data_bytes = {f.label: layout.data_size}
             else:

@@ -18,6 +18,7 @@ from ._common import (
     print_json,
     quoted,
     sanitize,
+    warn_beside_index,
     whole_number,
 )
 
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             # The same bar as every other command: after a second of work, on a terminal only.
             with progress_for(Ui(args), "converting") as report:
                 reports = [convert_file(args.src, args.dst, progress=report, **kwargs)]
+            warn_beside_index(args.dst)
     if args.json:
         # Round-trip through json with default=str: non-tensor values of a checkpoint can be
         # anything JSON-like; NaN/Infinity become null so the document stays strict JSON.

@@ -22,6 +22,7 @@ from ._common import (
     plural,
     quoted,
     sanitize,
+    warn_beside_index,
 )
 from ._remote_args import add_remote_args, remote_options
 
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
                 progress=report,
                 storage_options=options,
             )
+    if args.max_shard_size is None:
+        warn_beside_index(args.output)
     if args.list:
         for name in names:
             print(quoted(name))

@@ -12,7 +12,15 @@ import os
 from typing import Any
 
 from ._cmd_reshard import progress_for
-from ._common import OutputFolders, Ui, check_source, human_bytes, make_parent, sanitize
+from ._common import (
+    OutputFolders,
+    Ui,
+    check_source,
+    human_bytes,
+    make_parent,
+    sanitize,
+    warn_beside_index,
+)
 from ._remote_args import add_remote_args, remote_options
 
 
@@ -40,5 +48,6 @@ def run(args: argparse.Namespace) -> int:
     with OutputFolders() as folders, progress_for(ui, "merging") as report:
         make_parent(args.output, folders)
         merge(args.source, args.output, progress=report, storage_options=options)
+    warn_beside_index(args.output)
     ui.note(f"wrote {sanitize(args.output)} ({human_bytes(os.path.getsize(args.output))})")
     return 0

@@ -144,6 +144,27 @@ def make_parent(path: str, folders: OutputFolders | None = None) -> None:
         os.makedirs(parent, exist_ok=True)
 
 
+def warn_beside_index(path: str) -> None:
+    """Warn when the output file was written beside an index of its own name
+    (``model.safetensors`` beside ``model.safetensors.index.json``) that another checkpoint left.
+
+    Its folder then holds two checkpoints: this library opens the folder by the index (the old
+    shards), transformers by the new file. A sharded output replaces a single file of the
+    index's name; a single output file leaves the old index and its shards alone (they may be
+    all that is left of that checkpoint), so this says so instead of deleting them.
+    """
+    if "://" in path or not path.endswith(".safetensors"):
+        return
+    index = path + ".index.json"
+    if os.path.isfile(index):
+        name = os.path.basename(path)
+        Ui.warn(
+            f"{sanitize(index)} (an index of another checkpoint) is still beside {sanitize(name)}: "
+            f"the folder opens by that index here, by {sanitize(name)} in transformers; delete "
+            "the index and its shards to leave the new file alone"
+        )
+
+
 def check_output_folder(path: str, what: str, alternative: str = "") -> None:
     """Refuse an output folder that is a file, or that does not exist and is named like one.
 
