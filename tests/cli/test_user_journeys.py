@@ -218,10 +218,12 @@ def test_an_output_file_named_as_a_folder_is_a_usage_error(
     out = f"{tmp_path / 'newdir'}/"
     extra = {"cast": ["--to", "f16"], "merge": [], "extract": ["*"]}[command]
     r = cli(command, example, out, *extra)
-    assert (
-        r.code == 2 and r.err == f"error: the output '{out}' is a folder; name the file to write\n"
-    )
+    said = "names a folder (it ends with a separator)"
+    assert r.code == 2 and r.err == f"error: the output '{out}' {said}; name the file to write\n"
     assert not (tmp_path / "newdir").exists()
+    (tmp_path / "newdir").mkdir()
+    r = cli(command, example, out.rstrip("/"), *extra)
+    assert r.code == 2 and r.err.endswith("' is a folder; name the file to write\n")
 
 
 def test_convert_of_a_folder_into_a_file_name_is_a_usage_error(cli, tmp_path: Path) -> None:

@@ -136,7 +136,8 @@ def make_parent(path: str, folders: OutputFolders | None = None) -> None:
         return
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         # Written as a file, it would fail with "No such file or directory" or "Is a directory".
-        raise UsageError(f"the output {sanitize(path)!r} is a folder; name the file to write")
+        what = "is a folder" if os.path.isdir(path) else "names a folder (it ends with a separator)"
+        raise UsageError(f"the output {sanitize(path)!r} {what}; name the file to write")
     parent = os.path.dirname(os.path.abspath(path))
     if folders is not None:
         folders.makedirs(parent)
