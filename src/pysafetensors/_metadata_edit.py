@@ -42,6 +42,11 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Final
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
 import numpy as np
 
 from ._errors import (
@@ -174,6 +179,9 @@ def edit_metadata(
             across pages (fast on huge files; an interrupted multi-page write leaves a broken
             header). ``False``: always rewrite.
 
+    Edits of one file at the same time, by other threads or processes, take turns (an
+    advisory lock on the file), so each sees the others' changes; not on Windows.
+
     Returns:
         True if the header was rewritten in place (or nothing changed, and nothing was written),
         False if the whole file was rewritten.
@@ -218,7 +226,7 @@ def edit_metadata(
     for key in removals:
         if not isinstance(key, str):
             raise TypeError(f"delete takes str keys, not {type(key).__name__}: {key!r}")
-    fd = _open_for_edit(given, target)
+    fd = _open_locked(given, target)
     source: PreadSource | None = None
     try:
         source = PreadSource(fd, target, owns_fd=False)
@@ -281,6 +289,39 @@ def edit_metadata(
     finally:
         if source is not None:
             source.close()  # the second descriptor read_header's partial reads opened
+        os.close(fd)
+
+
+def _open_locked(given: str, target: str) -> int:
+    """Open ``target`` as :func:`_open_for_edit` does, holding an exclusive lock on it.
+
+    An edit reads the header, then writes it back or replaces the file: two at once both read
+    the old header, and the later write dropped the earlier one's keys (or went into the file
+    the other had just replaced). Editors take turns on an advisory lock (``flock``: other
+    processes and other threads alike, each open being its own). An editor that waited while
+    another replaced the file holds a lock on the old one: it opens the new one and locks
+    again. The lock goes with the descriptor's close. Without ``fcntl`` (Windows) edits are
+    not serialised.
+
+    Raises:
+        OSError: As :func:`_open_for_edit`.
+    """
+    while True:
+        fd = _open_for_edit(given, target)
+        try:
+            if fcntl is None:
+                return fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(target)
+            except FileNotFoundError:
+                now = None  # removed meanwhile: the next open says so
+            if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
 
 

@@ -126,3 +126,28 @@ def test_a_large_save_releases_the_gil(tmp_path: Path) -> None:
     # With the GIL held through the write, the ticker would stall for the whole save.
     assert len(during) >= 5, (len(during), end - start)
     assert gaps.max() < max(0.05, 0.5 * (end - start)), (gaps.max(), end - start)
+
+
+def test_metadata_edits_at_once_are_all_kept(tmp_path: Path) -> None:
+    # Each edit reads the header, then writes it in place or rewrites the file. Two at once
+    # read the same header, and the later write dropped the earlier's key; a rewrite also left
+    # the other editor writing into the replaced file. Edits now take turns (a lock on the
+    # file, taken again if the file was replaced meanwhile).
+    from pysafetensors import edit_metadata
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.arange(1000, dtype=np.float32)}, str(path), metadata={"format": "pt"})
+
+    def edits(worker: int) -> None:
+        for j in range(20):
+            # Rewrites (growing metadata, some with room to spare) and in-place edits mixed.
+            edit_metadata(
+                path, {f"k{worker}-{j}": "v" * (j % 3)}, reserve=64 * (j % 2), fsync=False
+            )
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(edits, range(4)))
+    with safe_open(path, "np") as f:
+        meta = f.metadata()
+        assert np.array_equal(f.get_tensor("w"), np.arange(1000, dtype=np.float32))
+    assert {f"k{w}-{j}" for w in range(4) for j in range(20)} <= set(meta)
