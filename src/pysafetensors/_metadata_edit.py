@@ -35,6 +35,7 @@ SwarmUI #50 and lora-inspector #5 ask for metadata edits that do not rewrite gig
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -292,6 +293,10 @@ def edit_metadata(
         os.close(fd)
 
 
+#: Errors of a file system that has no locks to take.
+_NO_LOCKS: Final = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
+
+
 def _open_locked(given: str, target: str) -> int:
     """Open ``target`` as :func:`_open_for_edit` does, holding an exclusive lock on it.
 
@@ -311,7 +316,12 @@ def _open_locked(given: str, target: str) -> int:
         try:
             if fcntl is None:
                 return fd
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    raise
+                return fd  # a file system without locks (some FUSE, old NFS): edit unlocked
             held = os.fstat(fd)
             try:
                 now = os.stat(target)
