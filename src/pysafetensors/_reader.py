@@ -287,7 +287,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     Args:
         filename: A path, an ``http(s)://``/``s3://``/fsspec URL, an open binary file object, or
-            an in-memory buffer (``bytearray``/``memoryview``: read, never viewed).
+            an in-memory buffer (``bytearray``/``memoryview``: read, never viewed). A model
+            folder, a ``*.index.json``, an index URL or a folder URL (its path ending with
+            ``/``) opens a sharded checkpoint as a :class:`ShardedSafeOpen`.
         framework: ``"pt"``/``"torch"``/``"pytorch"``, ``"np"``/``"numpy"``, ``"jax"``/``"flax"``,
             ``"tf"``/``"tensorflow"``, ``"mlx"`` or ``"paddle"``.
         device: Where tensors go (``"cpu"``, ``"cuda:0"``, ...; torch and paddle only).

@@ -8,8 +8,9 @@ chunk by chunk (bounded memory).
 Atomicity: bytes go to a sibling temporary file (``.<name>.<random>.partial``) which is renamed
 over the target with ``os.replace`` only once complete. A crash leaves the previous file intact;
 readers that mapped the old file keep their (now unlinked) inode. Temporary files left by a crash
-are removed by the next save to the same target. The result's permissions follow the umask
-(``0o666 & ~umask``), not the ``0o600`` of ``mkstemp``.
+are removed by the next save to the same target. A new file's permissions follow the umask
+(``0o666 & ~umask``), not the ``0o600`` of ``mkstemp``; one saved over a file (not over a
+symbolic link, which is replaced) keeps that file's permissions.
 """
 
 from __future__ import annotations

@@ -539,8 +539,9 @@ def load_shard(
     and ``slice_reads="exact"`` read every part by positioned reads.
 
     Args:
-        path: A ``.safetensors`` file (path, URL or file object), or a model folder / index
-            file, which ``safe_open`` opens as one logical file across its shards.
+        path: A ``.safetensors`` file (path, URL or file object), or a model folder, index
+            file, index URL or folder URL, which ``safe_open`` opens as one logical file
+            across its shards.
         rank: This process's rank in the tensor-parallel group (e.g. ``dist.get_rank()``).
         world_size: Size of the group.
         rules: Name patterns to splits: ``"rows"``, ``"columns"``, ``"replicate"`` or a

@@ -300,3 +300,9 @@ def test_format_module_is_pure() -> None:
     assert n == len(header)
     assert parsed.data_size == 2
     assert list(parsed.tensors) == ["t"]
+
+
+def test_differences_doc_counts_these_cases() -> None:
+    """docs/differences.md gives the number of hand-built files; it had drifted (180 for 185)."""
+    doc = Path(__file__).parents[2] / "docs" / "differences.md"
+    assert f"{len(CASES)} hand-built files of" in doc.read_text(encoding="utf-8")
