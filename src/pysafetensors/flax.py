@@ -82,7 +82,8 @@ def load_file(
     """Load every tensor of a file (a path, URL or file object) as jax arrays, in file order.
 
     Args:
-        filename: What to read.
+        filename: What to read: a file, a model folder, an index file, or their URL
+            (a sharded checkpoint is loaded whole).
         backend: ``"mmap"`` or ``"pread"``.
         storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
 

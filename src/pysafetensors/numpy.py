@@ -89,7 +89,8 @@ def load_file(
     """Load every array of a file (a path, URL or file object), in file order.
 
     Args:
-        filename: What to read.
+        filename: What to read: a file, a model folder, an index file, or their URL
+            (a sharded checkpoint is loaded whole).
         backend: ``"mmap"`` (zero-copy copy-on-write views) or ``"pread"`` (fresh memory).
         storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
     """

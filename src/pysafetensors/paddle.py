@@ -135,7 +135,8 @@ def load_file(
     """Load every tensor of a file (a path, URL or file object) as Paddle tensors.
 
     Args:
-        filename: What to read.
+        filename: What to read: a file, a model folder, an index file, or their URL
+            (a sharded checkpoint is loaded whole).
         device: ``"cpu"``, ``"gpu:0"``, ``"cuda:0"``, ...
         backend: ``"mmap"`` or ``"pread"``.
         storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).

@@ -364,7 +364,8 @@ def load_file(
     """Load every tensor of a file, in file order.
 
     Args:
-        filename: A path, URL or binary file object.
+        filename: A path, URL or binary file object; a model folder, index file or their
+            URL loads a sharded checkpoint whole.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int, ...
         backend: ``"mmap"`` (copy-on-write views, zero-copy on CPU) or ``"pread"``.
         storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
