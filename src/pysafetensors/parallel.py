@@ -576,7 +576,7 @@ def load_shard(
         OSError: The file cannot be read.
 
     Example:
-        >>> import torch.distributed as dist
+        >>> import torch.distributed as dist  # doctest: +SKIP
         >>> shard = load_shard(  # doctest: +SKIP
         ...     "model.safetensors", dist.get_rank(), dist.get_world_size(),
         ...     {"*.up.weight": "rows", "*.down.weight": "columns"})
