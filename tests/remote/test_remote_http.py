@@ -489,6 +489,7 @@ def test_open_source_dispatches_http(server: RangeServer) -> None:
 
 
 def test_load_file_and_load_shard_take_storage_options(server: RangeServer, data_dir: Path) -> None:
+    pytest.importorskip("torch")
     import pysafetensors.numpy as pnp
     import pysafetensors.torch as ptorch
     from pysafetensors.parallel import load_shard
