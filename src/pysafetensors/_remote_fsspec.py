@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Any, NoReturn
 
 from ._errors import (
@@ -129,6 +130,14 @@ class FsspecSource(RemoteSource):
 
     def _setup_failed(self, target: str, failure: Exception) -> NoReturn:
         """Raise for a filesystem ``url_to_fs`` could not set up, without secrets."""
+        twice = re.search(r"multiple values for keyword argument '(\w+)'", str(failure))
+        if isinstance(failure, TypeError) and twice:
+            # fsspec merges what the URL says (user:password@host:port) with storage_options
+            # by keyword, so an option in both places fails inside dict(); say which.
+            raise TypeError(
+                f"storage option {twice.group(1)!r} of {shown_location(target)} is given twice:"
+                " by the URL and in storage_options; give it once"
+            ) from None
         for usage in (ImportError, ValueError, TypeError):
             if isinstance(failure, usage):
                 # A backend not installed, an unknown protocol, an option it does not take:

@@ -242,6 +242,20 @@ def test_a_backend_that_cannot_connect_is_a_remote_error_without_the_password() 
     assert "pw-7654321" not in _shown(info.value)
 
 
+def test_an_option_in_both_the_url_and_storage_options_is_named() -> None:
+    # fsspec merged them by keyword and failed inside dict() ("got multiple values for keyword
+    # argument 'password'"), naming neither the URL nor where the second value came from.
+    for option in ("password", "username", "port"):
+        with pytest.raises(TypeError) as info:
+            FsspecSource("ftp://bob:pw-7654321@127.0.0.1:1/m.safetensors", **{option: "x"})
+        message = str(info.value)
+        assert message == (
+            f"storage option {option!r} of ftp://127.0.0.1:1/m.safetensors is given twice:"
+            " by the URL and in storage_options; give it once"
+        )
+        assert "pw-7654321" not in _shown(info.value)
+
+
 def test_chained_urls_show_no_credentials(tmp_path: Path) -> None:
     # fsspec chains (simplecache::..., zip://m::...) were shown whole: _redact and the secrets
     # took the chain for one URL that did not parse.
