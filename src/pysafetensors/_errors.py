@@ -177,6 +177,9 @@ class UnsafePickleError(SafetensorError):
 
     Attributes:
         global_name: The ``module.name`` the pickle asked for, when there is one.
+        skippable: Whether the converter could have skipped it (``unknown="skip"``, the
+            command line's ``--skip-unknown``): an unknown object that is not dangerous. A
+            dangerous global, or a trick of the stream itself, is never skippable.
     """
 
     def __init__(
@@ -187,22 +190,34 @@ class UnsafePickleError(SafetensorError):
         kind: str | None = None,
         tensor: str | None = None,
         offset: int | None = None,
+        skippable: bool = False,
     ) -> None:
         super().__init__(message, kind=kind, tensor=tensor, offset=offset)
         self.global_name = global_name
+        self.skippable = skippable
 
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_unsafe,
-            (str(self), self.global_name, self.kind, self.tensor, self.offset),
+            (str(self), self.global_name, self.kind, self.tensor, self.offset, self.skippable),
         )
 
 
 def _rebuild_unsafe(
-    message: str, global_name: str | None, kind: str, tensor: str | None, offset: int | None
+    message: str,
+    global_name: str | None,
+    kind: str,
+    tensor: str | None,
+    offset: int | None,
+    skippable: bool = False,
 ) -> UnsafePickleError:
     return UnsafePickleError(
-        message, global_name=global_name, kind=kind, tensor=tensor, offset=offset
+        message,
+        global_name=global_name,
+        kind=kind,
+        tensor=tensor,
+        offset=offset,
+        skippable=skippable,
     )
 
 

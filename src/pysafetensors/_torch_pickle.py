@@ -6,6 +6,9 @@ raises :class:`~pysafetensors._errors.UnsafePickleError` naming it and its byte 
 module names the tensors it builds (flattening the state dict), checks them against the
 storages really present, and reads the three checkpoint formats.
 
+With ``unknown="skip"``, unknown objects that are not dangerous are kept as placeholders
+(:class:`~._torch_policy.SkippedObject`); :class:`Skipped` says where they sat.
+
 Tensors come out as :class:`TensorRecord` (dtype, shape, strides, storage key, offset): nothing
 is read from the storages until :meth:`Checkpoint.tensor_chunks` streams them, and every size,
 offset and stride has by then been checked against the bytes really present.
@@ -45,6 +48,8 @@ from ._torch_policy import (
     MAX_NDIM,
     STORAGE_CLASSES,
     TORCH_DTYPES,
+    NumpyDtype,
+    SkippedObject,
     Stand,
     StorageRef,
     TensorRecord,
@@ -62,6 +67,7 @@ from ._torch_policy import (
 
 __all__ = [
     "Checkpoint",
+    "Skipped",
     "StorageRef",
     "TensorRecord",
     "TorchPolicy",
@@ -165,6 +171,13 @@ def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> An
         return rendered
     if isinstance(value, Stand):
         return f"<{value.name}>"
+    if isinstance(value, SkippedObject):
+        return f"<skipped {value.name}>"
+    if isinstance(value, np.generic):  # a numpy scalar (only numbers are decoded)
+        budget[0] += 1
+        return _jsonable(value.item(), budget, depth)
+    if isinstance(value, NumpyDtype):
+        return str(value.dtype)
     if isinstance(value, (bytes, bytearray)):
         return f"<{len(value)} bytes>"
     if isinstance(value, complex):
@@ -184,6 +197,11 @@ def _flatten(root: Any) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
     leaves: dict[str, Any] = {}
     if isinstance(root, Unconvertible):
         raise root.refusal(None)
+    if isinstance(root, SkippedObject):
+        raise bad_checkpoint(
+            f"the checkpoint is a {root.name} object, not a state dict: skipped, it leaves "
+            "nothing to convert (its tensors are reached only by running its code)"
+        )
     if isinstance(root, TensorRef):
         raise bad_checkpoint(
             "the checkpoint is a single tensor without a name; expected a state dict"
@@ -279,6 +297,67 @@ def _tensor_containers(root: Any) -> set[int]:
     return out
 
 
+#: Placeholders listed per checkpoint by where they sit (all their names are listed anyway).
+MAX_SKIPPED_LISTED: Final = 10_000
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """What ``unknown="skip"`` left out of a checkpoint."""
+
+    objects: dict[str, str] = field(default_factory=dict)
+    """Where each placeholder sits in the state dict, by dotted name (a placeholder inside a
+    set, or a dict key, is listed under its container's name), and the global it stands for;
+    at most :data:`MAX_SKIPPED_LISTED`, in state dict order."""
+    globals: list[str] = field(default_factory=list)
+    """Every global skipped, sorted, wherever it was (also inside other skipped objects)."""
+    tensors: int = 0
+    """Tensors the pickle built that no name of the state dict reaches (inside skipped
+    objects' state): not converted."""
+
+
+def _skipped_paths(leaves: dict[str, Any]) -> dict[str, str]:
+    """Where the placeholders sit inside the non-tensor leaves, by dotted name.
+
+    Bounded as the renderings of the leaves are (:data:`MAX_LEAF_NODES` values walked, 16
+    levels) and in the characters of the names made, since containers shared many times over
+    are walked once per path to them.
+    """
+    found: dict[str, str] = {}
+    nodes, chars = MAX_LEAF_NODES, MAX_NAME_CHARS
+    for name, value in leaves.items():
+        todo: list[tuple[str, Any, int]] = [(name, value, 0)]
+        while todo and nodes > 0 and chars > 0 and len(found) < MAX_SKIPPED_LISTED:
+            path, v, depth = todo.pop()
+            nodes -= 1
+            if isinstance(v, SkippedObject):
+                found.setdefault(path, v.name)
+                continue
+            if depth >= 16 or type(v) not in (dict, list, tuple, set, frozenset):
+                continue
+            children: list[tuple[str, Any, int]] = []
+            if type(v) is dict:
+                for k, x in v.items():
+                    if isinstance(k, SkippedObject):
+                        children.append((path, k, depth + 1))
+                    text = f"{path}.{_leaf_key_text(k)}"
+                    chars -= len(text)
+                    children.append((text, x, depth + 1))
+                    if len(children) > nodes:
+                        break
+            elif type(v) in (list, tuple):
+                for i, x in enumerate(v):
+                    if len(children) > nodes:
+                        break
+                    text = f"{path}.{i}"
+                    chars -= len(text)
+                    children.append((text, x, depth + 1))
+            else:
+                children = [(path, x, depth + 1) for x, _ in zip(v, range(nodes), strict=False)]
+            todo.extend(reversed(children))
+    return found
+
+
 # --------------------------------------------------------------------------------------------
 # The checkpoint.
 # --------------------------------------------------------------------------------------------
@@ -313,6 +392,8 @@ class Checkpoint:
     pickle_protocol: int = 2
     _spilled: dict[str, FileBytes] = field(default_factory=dict, repr=False)
     """DEFLATE members inflated into temporary files, by member name."""
+    skipped: Skipped = field(default_factory=Skipped)
+    """Unknown objects skipped (``unknown="skip"``) and where they were."""
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -526,12 +607,17 @@ def sniff(head: bytes) -> str:
     return "unknown"
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, limits: Limits | None = None) -> Checkpoint:
+def load_checkpoint(
+    path: str | os.PathLike[str], *, limits: Limits | None = None, unknown: str = "error"
+) -> Checkpoint:
     """Parse and check a PyTorch checkpoint without reading any storage bytes.
 
     Args:
         path: A ``torch.save`` file (zip, legacy or 0.1.1 tar format).
         limits: Pickle resource caps.
+        unknown: ``"error"`` refuses every global outside the allow-list; ``"skip"`` keeps
+            those the scanner does not grade dangerous as inert placeholders
+            (:attr:`Checkpoint.skipped` lists them).
 
     Returns:
         A :class:`Checkpoint` (close it, or use it as a context manager).
@@ -543,16 +629,19 @@ def load_checkpoint(path: str | os.PathLike[str], *, limits: Limits | None = Non
             safetensors cannot store.
         OSError: The file cannot be opened.
     """
+    if unknown not in ("error", "skip"):
+        raise ValueError(f"unknown must be 'error' or 'skip', not {unknown!r}")
+    skip = unknown == "skip"
     file = FileBytes(path)
     try:
         head = file.read(0, min(file.size, 512))
         kind = sniff(head)
         if kind == "zip":
-            return _load_zip(file, limits)
+            return _load_zip(file, limits, skip)
         if kind == "pickle":
-            return _load_legacy(file, limits)
+            return _load_legacy(file, limits, skip)
         if kind == "tar":
-            return _load_tar(file, limits)
+            return _load_tar(file, limits, skip)
         raise bad_checkpoint("not a PyTorch checkpoint (neither a zip nor a pickle)")
     except BaseException:
         file.close()
@@ -561,9 +650,17 @@ def load_checkpoint(path: str | os.PathLike[str], *, limits: Limits | None = Non
 
 def _records(
     policy: TorchPolicy, root: Any, sizes: dict[str, int]
-) -> tuple[dict[str, TensorRecord], dict[str, Any]]:
+) -> tuple[dict[str, TensorRecord], dict[str, Any], Skipped]:
     """Name every tensor and check it against the storages' real sizes."""
     named, leaves = _flatten(root)
+    skipped = Skipped()
+    if policy.skipped:
+        reached = {id(ref) for _, ref in named}
+        skipped = Skipped(
+            _skipped_paths(leaves),
+            sorted(policy.skipped),
+            len(policy.built_tensors() - reached),
+        )
     if policy.first_unconvertible is not None:
         # Built but not reached as a value of the state dict (a dict key, say): still refused.
         raise policy.first_unconvertible.refusal(None)
@@ -589,7 +686,7 @@ def _records(
         before = budget[0]
         rendered[k] = _jsonable(v, budget) if total[0] > 0 else "..."
         total[0] -= before - budget[0]
-    return out, rendered
+    return out, rendered, skipped
 
 
 def _check_total_expansion(records: dict[str, TensorRecord], sizes: dict[str, int]) -> None:
@@ -665,7 +762,7 @@ def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
     )
 
 
-def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
+def _load_zip(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoint:
     zv = open_zip(file)
     if not zv.order:
         raise bad_checkpoint("empty zip archive")
@@ -692,7 +789,7 @@ def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
             raise bad_checkpoint(f"byteorder record {raw!r} is neither 'little' nor 'big'")
         byteorder = raw.decode()
     data = zv.read(pkl, limit=MAX_PICKLE_BYTES)
-    policy = TorchPolicy()
+    policy = TorchPolicy(skip_unknown=skip)
     result = policy_machine(data, policy, limits).run(0)
     if result.end != len(data):
         raise bad_checkpoint(f"{pkl}: {len(data) - result.end} bytes after STOP")
@@ -710,9 +807,20 @@ def _load_zip(file: FileBytes, limits: Limits | None) -> Checkpoint:
                 f"({ref.nbytes} bytes) but {member!r} holds {m.file_size} bytes"
             )
         storages[key] = _StorageLoc(ref.nbytes, member=member)
-    tensors, leaves = _records(policy, result.value, {k: v.nbytes for k, v in storages.items()})
+    tensors, leaves, skipped = _records(
+        policy, result.value, {k: v.nbytes for k, v in storages.items()}
+    )
     return Checkpoint(
-        file.path, "zip", tensors, leaves, byteorder, file, zv, storages, result.protocol
+        file.path,
+        "zip",
+        tensors,
+        leaves,
+        byteorder,
+        file,
+        zv,
+        storages,
+        result.protocol,
+        skipped=skipped,
     )
 
 
@@ -744,7 +852,7 @@ def _check_version(zv: ZipView, prefix: str) -> None:
         )
 
 
-def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:
+def _load_legacy(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoint:
     # Each leading pickle is read through a small window grown as needed (_run_pickle_at); the
     # raw storages that follow are read on demand. (Reading MAX_PICKLE_BYTES up front held up
     # to 2 GiB, two copies, for pickles of a few hundred KiB.)
@@ -771,7 +879,7 @@ def _load_legacy(file: FileBytes, limits: Limits | None) -> Checkpoint:
         raise bad_checkpoint(
             "legacy sys_info is missing or declares big-endian storages (unsupported)"
         )
-    policy = TorchPolicy(legacy=True)
+    policy = TorchPolicy(legacy=True, skip_unknown=skip)
     graph = _run_pickle_at(file, info.end, stop, policy, limits)
     keys_res = _run_pickle_at(file, graph.end, stop, values, limits)
     keys = keys_res.value
@@ -808,9 +916,20 @@ def _legacy_storages(
     missing = set(policy.storages) - set(storages)
     if missing:
         raise bad_checkpoint(f"storages {sorted(missing)[:5]} declared but not present")
-    tensors, leaves = _records(policy, graph.value, {k: v.nbytes for k, v in storages.items()})
+    tensors, leaves, skipped = _records(
+        policy, graph.value, {k: v.nbytes for k, v in storages.items()}
+    )
     return Checkpoint(
-        file.path, "legacy", tensors, leaves, "little", file, None, storages, graph.protocol
+        file.path,
+        "legacy",
+        tensors,
+        leaves,
+        "little",
+        file,
+        None,
+        storages,
+        graph.protocol,
+        skipped=skipped,
     )
 
 
@@ -843,9 +962,17 @@ class _TablePolicy(ValuePolicy):
 class _TarGraphPolicy(TorchPolicy):
     """The ``pickle`` member: persistent ids are keys of the storage and tensor tables."""
 
-    def __init__(self, objects: dict[int, StorageRef | TensorRef]) -> None:
-        super().__init__()
+    def __init__(
+        self, objects: dict[int, StorageRef | TensorRef], *, skip_unknown: bool = False
+    ) -> None:
+        super().__init__(skip_unknown=skip_unknown)
         self.objects = objects
+        self.referenced: set[int] = set()
+        """ids of the tensors of the tables the pickle names (at most one per table entry)."""
+
+    def built_tensors(self) -> set[int]:
+        """ids of the tensors the pickle built, and of those of the tables it names."""
+        return super().built_tensors() | self.referenced
 
     def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
         """``int(pid)`` looked up in the tables, as torch's ``persistent_load`` does."""
@@ -866,6 +993,8 @@ class _TarGraphPolicy(TorchPolicy):
             raise bad_checkpoint(
                 f"persistent id {key} names no storage or tensor of the archive", offset
             )
+        if isinstance(found, TensorRef):
+            self.referenced.add(id(found))
         return found
 
 
@@ -986,7 +1115,7 @@ def _run_at(
     return res.value, res.end
 
 
-def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
+def _load_tar(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoint:
     members = _tar_members(file)
     values = ValuePolicy()
     if "sys_info" in members:
@@ -1115,13 +1244,24 @@ def _load_tar(file: FileBytes, limits: Limits | None) -> Checkpoint:
     if size > MAX_PICKLE_BYTES:
         raise bad_checkpoint("tar pickle member is too large")
     data = file.read(start, size)
-    policy = _TarGraphPolicy(objects)
+    policy = _TarGraphPolicy(objects, skip_unknown=skip)
     graph = policy_machine(data, policy, limits, base=start).run(0)
     if graph.end != len(data):
         raise bad_checkpoint(f"tar pickle: {len(data) - graph.end} bytes after STOP")
-    tensors, leaves = _records(policy, graph.value, {k: v.nbytes for k, v in storages.items()})
+    tensors, leaves, skipped = _records(
+        policy, graph.value, {k: v.nbytes for k, v in storages.items()}
+    )
     return Checkpoint(
-        file.path, "tar", tensors, leaves, "little", file, None, storages, graph.protocol
+        file.path,
+        "tar",
+        tensors,
+        leaves,
+        "little",
+        file,
+        None,
+        storages,
+        graph.protocol,
+        skipped=skipped,
     )
 
 

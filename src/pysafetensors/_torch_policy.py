@@ -7,20 +7,32 @@ on a stand-in dispatches to this module's handler for that exact name; any other
 :class:`~pysafetensors._errors.UnsafePickleError` naming it and its byte offset. Tensors come
 out as :class:`TensorRef`, checked into :class:`TensorRecord` by :mod:`._torch_pickle`. The
 tables are shared with the scanner (:mod:`pysafetensors.scan`), which grades the same names.
+
+With ``skip_unknown``, a global outside the table that the scanner does not grade
+``dangerous`` (a user's ``__main__.Config``, an ``argparse.Namespace``) becomes a
+:class:`SkippedObject` instead of an error: an inert placeholder naming it. Calling it, building
+it or filling it keeps the placeholder and drops the arguments, never calling anything; tensors
+built inside those arguments are not reached from the state dict, so they are not converted. A
+``dangerous`` global is refused in either mode.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
+
+import numpy as np
 
 from ._dtypes import DType
 from ._errors import CheckpointError, UnsafePickleError
 from ._pickle_vm import Budget, Limits, Machine
 
 __all__ = [
+    "NumpyDtype",
+    "SkippedObject",
     "Stand",
     "StorageRef",
     "TensorRecord",
@@ -134,6 +146,48 @@ class Unconvertible:
         )
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class SkippedObject:
+    """An object of a global the converter does not know, kept as an inert placeholder
+    (``skip_unknown``): the global itself, or what calling or building it would have made."""
+
+    name: str
+    """The global's ``module.name``, as the unpickler would import it."""
+    offset: int
+    """Where in the pickle it was named or called."""
+
+
+#: numpy dtypes decoded into real values, as ``numpy.dtype.__reduce__`` writes them (bool,
+#: integers, floats, complex numbers; ``f16``/``c32`` are platform-dependent long doubles).
+NUMPY_CODES: Final = frozenset(
+    {"b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"}
+)
+
+
+class NumpyDtype:
+    """A pickled ``numpy.dtype`` of :data:`NUMPY_CODES`.
+
+    Mutable, as numpy's is: the pickle memoizes the dtype between its REDUCE and its BUILD
+    (which sets the byte order), so later references to it are this very object.
+    """
+
+    __slots__ = ("code", "order")
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+        self.order = "="
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The numpy dtype (made from the whitelisted code: nothing else is looked up)."""
+        dtype: np.dtype[Any] = np.dtype(self.code)
+        if self.order == "<":
+            dtype = dtype.newbyteorder("<")
+        elif self.order == ">":
+            dtype = dtype.newbyteorder(">")
+        return dtype
+
+
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage declared by a persistent id."""
@@ -239,13 +293,28 @@ def policy_machine(
     return machine
 
 
-def unsafe_global(message: str, name: str | None, offset: int) -> UnsafePickleError:
+def unsafe_global(
+    message: str, name: str | None, offset: int, *, skippable: bool = False
+) -> UnsafePickleError:
     return UnsafePickleError(
         f"{message} (at byte {offset} of the pickle)",
         global_name=name,
         kind="UnsafePickle",
         offset=offset,
+        skippable=skippable,
     )
+
+
+def py2_name(module: str, name: str) -> tuple[str, str]:
+    """The name CPython's ``Unpickler.find_class`` imports for a protocol 0-2 pickle.
+
+    With ``fix_imports`` (the default, and what ``torch.load`` uses) and ``proto < 3`` it maps
+    Python 2 names through ``_compat_pickle``: ``commands.getoutput`` is
+    ``subprocess.getoutput``, ``cPickle.loads`` is ``pickle.loads``.
+    """
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
 def bad_checkpoint(message: str, offset: int | None = None) -> CheckpointError:
@@ -282,10 +351,18 @@ class TorchPolicy:
 
     Args:
         legacy: Accept the legacy format's 6-tuple persistent ids (with storage views).
+        skip_unknown: Make a global outside the table that is not graded ``dangerous`` a
+            :class:`SkippedObject` instead of refusing it.
     """
 
-    def __init__(self, *, legacy: bool = False) -> None:
+    def __init__(self, *, legacy: bool = False, skip_unknown: bool = False) -> None:
         self.legacy = legacy
+        self.skip_unknown = skip_unknown
+        self.skipped: dict[str, SkippedObject] = {}
+        """The placeholder of each unknown global named so far, by ``module.name`` (one each:
+        a STACK_GLOBAL of two memo strings is five bytes of the stream)."""
+        self.protocol = 0
+        """The stream's protocol so far (below 3, Python 2 names are imported as Python 3's)."""
         self.storages: dict[str, StorageRef] = {}
         self.tensors: list[TensorRef] = []
         self.views: dict[str, StorageRef] = {}
@@ -298,23 +375,74 @@ class TorchPolicy:
 
     # -- globals ---------------------------------------------------------------------------
     def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
-        """Map an allowed global to its stand-in; refuse every other."""
+        """Map an allowed global to its stand-in; skip or refuse every other."""
         module = _PY2_MODULES.get(module, module)
         full = f"{module}.{name}"
+        # Classes of the script that saved the checkpoint are pickled as __main__.Name: an
+        # unknown class like any other, not a dunder lookup (a dunder *name* still is one).
+        dunder_module = module != "__main__" and any(p.startswith("__") for p in module.split("."))
+        dotted = "." in name or name.startswith("__") or dunder_module
+        stand = None if dotted else lookup_global(module, name)
+        if stand is not None:
+            if opcode in ("INST", "OBJ"):
+                raise unsafe_global(f"{opcode} opcode calling {full}", full, offset)
+            return stand
+        if not dotted and (module, name) in UNCONVERTIBLE:
+            if opcode in ("INST", "OBJ"):
+                raise unsafe_global(f"{opcode} opcode calling {full}", full, offset)
+            # Refused where a name is known (see Unconvertible), or at the end.
+            return _UNCONVERTIBLE_STANDS[(module, name)]
+        return self._unknown_global(module, name, offset, opcode, dotted)
+
+    def _unknown_global(
+        self, module: str, name: str, offset: int, opcode: str, dotted: bool
+    ) -> SkippedObject:
+        """A global outside the table: its placeholder when skipping and the scanner does not
+        grade it dangerous (the one grading both share); otherwise refused."""
+        from .scan import grade_pickled_global  # the scanner imports this module
+
+        full = f"{module}.{name}"
+        skippable = grade_pickled_global(module, name, self.protocol) != "dangerous"
+        if skippable and self.skip_unknown:
+            if self.protocol < 3:
+                module, name = py2_name(module, name)  # what the unpickler would import
+                full = f"{module}.{name}"
+            known = self.skipped.get(full)
+            if known is None:
+                self.budget.grow(1, 0, offset)
+                known = self.skipped[full] = SkippedObject(full, offset)
+            return known
         if opcode in ("INST", "OBJ"):
-            raise unsafe_global(f"{opcode} opcode calling {full}", full, offset)
-        if "." in name or any(p.startswith("__") for p in (*module.split("."), name)):
+            raise unsafe_global(
+                f"{opcode} opcode calling {full}", full, offset, skippable=skippable
+            )
+        if dotted:
             # Unpicklers resolve a dotted name attribute by attribute (a way from an allowed
             # function to builtins.eval); the table is matched exactly, but refuse outright so
             # no future table entry or normalisation can ever match one.
             raise unsafe_global(f"global {full} uses a dotted or dunder name", full, offset)
-        stand = lookup_global(module, name)
-        if stand is None:
-            if (module, name) in UNCONVERTIBLE:
-                # Refused where a name is known (see Unconvertible), or at the end.
-                return _UNCONVERTIBLE_STANDS[(module, name)]
-            raise unsafe_global(f"global {full} is not on the allow-list", full, offset)
-        return stand
+        raise unsafe_global(
+            f"global {full} is not on the allow-list", full, offset, skippable=skippable
+        )
+
+    def skip_call(self, func: SkippedObject, offset: int) -> SkippedObject:
+        """What calling (or building) a placeholder makes: another placeholder of the same
+        name. The arguments are dropped: nothing is called, no tensor in them is converted."""
+        self.budget.grow(1, 0, offset)
+        return SkippedObject(func.name, offset)
+
+    def skip_value(self, name: str, message: str, offset: int) -> SkippedObject:
+        """A value of a known global that the converter does not decode (a numpy dtype of
+        strings, say): a placeholder when skipping, else refused as skippable."""
+        if not self.skip_unknown:
+            raise unsafe_global(message, name, offset, skippable=True)
+        self.budget.grow(1, 0, offset)
+        self.skipped.setdefault(name, SkippedObject(name, offset))
+        return SkippedObject(name, offset)
+
+    def built_tensors(self) -> set[int]:
+        """ids of the tensors the pickle built (each one, however often it is named)."""
+        return {id(ref) for ref in self.tensors}
 
     def unconvertible(self, func: Stand, offset: int) -> Unconvertible:
         """What a call of an unconvertible rebuild (sparse, quantized...) stands for."""
@@ -334,6 +462,8 @@ class TorchPolicy:
     # -- calls -----------------------------------------------------------------------------
     def reduce(self, func: Any, args: Any, offset: int, opcode: str) -> Any:
         """Dispatch a call on a stand-in to our own handler for that exact name."""
+        if isinstance(func, SkippedObject):
+            return self.skip_call(func, offset)
         if not isinstance(func, Stand):
             raise unsafe_global(f"{opcode} on a non-callable {type(func).__name__}", None, offset)
         if opcode in ("NEWOBJ_EX", "INST", "OBJ") or (
@@ -357,8 +487,14 @@ class TorchPolicy:
         return handler(self, func, args, offset)
 
     def build(self, obj: Any, state: Any, offset: int) -> Any:
-        """BUILD: accepted (and ignored) only on dicts, e.g. an OrderedDict's ``_metadata``."""
+        """BUILD: accepted (and ignored) only on dicts, e.g. an OrderedDict's ``_metadata``,
+        and on placeholders (the state is dropped); a numpy dtype's sets its byte order."""
         if type(obj) is dict and (state is None or type(state) in (dict, tuple)):
+            return obj
+        if isinstance(obj, SkippedObject):
+            return obj
+        if isinstance(obj, NumpyDtype):
+            _numpy_dtype_state(obj, state, offset)
             return obj
         if isinstance(obj, (TensorRef, Unconvertible)) and (
             state is None or state == {} or state == ((), {})
@@ -437,7 +573,10 @@ class TorchPolicy:
         raise bad_checkpoint(f"{opcode}: out-of-band pickle buffers are not supported", offset)
 
     def mutate(self, target: Any, opcode: str, items: list[Any], offset: int) -> None:
-        """Only real lists, dicts and sets may be filled."""
+        """Only real lists, dicts and sets may be filled (and placeholders, which drop the
+        items: a skipped dict or list subclass)."""
+        if isinstance(target, SkippedObject):
+            return
         raise unsafe_global(f"{opcode} into {type(target).__name__}", None, offset)
 
     def unhashable(self, key: Any, offset: int) -> Any:
@@ -456,7 +595,9 @@ class TorchPolicy:
         raise bad_checkpoint(f"pickle: {message} at byte {offset}", offset)
 
     def proto(self, protocol: int, offset: int) -> None:
-        """Nothing depends on it: names are matched as written (unknown ones are refused)."""
+        """Allowed names are matched as written; unknown ones are graded (and skipped) as the
+        unpickler would import them, which depends on the protocol."""
+        self.protocol = protocol
 
     # -- rebuilds --------------------------------------------------------------------------
     def make_tensor(
@@ -578,6 +719,11 @@ _SIMPLE: Final[dict[str, Stand]] = {
     "_codecs.encode": Stand("encode", "_codecs.encode"),
     # How torch pickles a torch.layout value (``torch.strided`` kept in a state dict): by name.
     "torch.serialization._get_layout": Stand("layout", "torch.serialization._get_layout"),
+    # numpy scalars (a metric logged as np.float64) and their dtypes: decoded from their bytes
+    # for the dtypes of NUMPY_CODES only (numpy 1 and 2 name the module differently).
+    "numpy.dtype": Stand("np_dtype", "numpy.dtype"),
+    "numpy.core.multiarray.scalar": Stand("np_scalar", "numpy.core.multiarray.scalar"),
+    "numpy._core.multiarray.scalar": Stand("np_scalar", "numpy._core.multiarray.scalar"),
     # Constants that only the rebuilds of tensors safetensors cannot hold take (quantization
     # schemes, layouts): inert, so that the refusal names the tensor (see Unconvertible).
     **{
@@ -724,6 +870,9 @@ def _h_rebuild(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
         return args[0]
     if name == "_rebuild_from_type_v2" and n == 4:
         func, new_type, inner, state = args
+        if isinstance(new_type, SkippedObject):
+            # A tensor subclass of an unknown class (skip mode only): skipped as a whole.
+            return p.skip_call(new_type, at)
         if not isinstance(new_type, Stand) or new_type.kind != "tensor_type":
             raise unsafe_global(f"tensor subclass {short_text(new_type)}", None, at)
         if type(inner) is not tuple:
@@ -765,8 +914,59 @@ def _h_unconvertible(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -
     return p.unconvertible(f, at)
 
 
+def _h_np_dtype(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # numpy writes numpy.dtype(code, align=False, copy=True), then BUILD with the byte order.
+    if (
+        len(args) == 3
+        and type(args[0]) is str
+        and type(args[1]) in (bool, int)
+        and type(args[2]) in (bool, int)
+        and (args[1], args[2]) == (0, 1)
+    ):
+        if args[0] in NUMPY_CODES:
+            return NumpyDtype(args[0])
+        return p.skip_value(
+            "numpy.dtype",
+            f"numpy.dtype {short_text(args[0])}: only bool, integer, float and complex dtypes "
+            "are decoded",
+            at,
+        )
+    raise bad_checkpoint(f"numpy.dtype called with {short_text(args)}", at)
+
+
+def _numpy_dtype_state(obj: NumpyDtype, state: Any, at: int) -> None:
+    """Apply the state numpy pickles for a plain dtype: ``(3, order, None, None, None, -1, -1,
+    0)``, the byte order the only thing it sets."""
+    if (
+        type(state) is tuple
+        and len(state) == 8
+        and all(is_int(v) for v in (state[0], *state[5:]))
+        and state[0] == 3
+        and state[1] in ("<", ">", "|", "=")
+        and all(v is None for v in state[2:5])
+        and state[5:] == (-1, -1, 0)
+        and (state[1] != "|" or obj.code in ("b1", "i1", "u1"))
+    ):
+        obj.order = state[1]
+        return
+    raise bad_checkpoint(f"numpy dtype {obj.code!r} with the state {short_text(state)}", at)
+
+
+def _h_np_scalar(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # A numpy scalar: scalar(dtype, its bytes), read with the decoded dtype, nothing called.
+    if len(args) == 2 and isinstance(args[0], SkippedObject):  # of a dtype not decoded
+        return p.skip_value(f.name, f"{f.name} of a skipped dtype", at)
+    if len(args) == 2 and isinstance(args[0], NumpyDtype) and type(args[1]) is bytes:
+        dtype = args[0].dtype
+        if len(args[1]) == dtype.itemsize:
+            return np.frombuffer(args[1], dtype)[0]
+    raise bad_checkpoint(f"{f.name} called with {short_text(args)}", at)
+
+
 _HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], Any]]] = {
     "unconvertible": _h_unconvertible,
+    "np_dtype": _h_np_dtype,
+    "np_scalar": _h_np_scalar,
     "counter": _h_counter,
     "odict": _h_odict,
     "size": _h_size,

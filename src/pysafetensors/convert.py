@@ -20,6 +20,12 @@ and the other names of the very same view (dtype, shape, stride, offset) are dro
 recorded as ``{dropped_name: kept_name}`` in ``__metadata__``. Other views of the storage (a row,
 a transpose) are written as copies (see :func:`~pysafetensors._torch_pickle.plan_shared`).
 Every file is written with ``{"format": "pt"}`` metadata, as the hub and transformers expect.
+
+A checkpoint that pickles objects of classes the converter does not know (a script's
+``__main__.Config``, an ``argparse.Namespace``, an optimizer object) is refused by default;
+``unknown="skip"`` converts its tensors anyway, with each such object replaced by an inert
+placeholder that nothing calls (:attr:`ConversionReport.skipped_objects` says where they were).
+Globals the scanner grades dangerous (``os.system``, ``builtins.eval``...) are refused either way.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from ._errors import (
     CheckpointError,
@@ -102,6 +108,17 @@ class ConversionReport:
     verified: str | None = None
     """``"torch"`` (compared with ``torch.load(weights_only=True)``), ``"reader"`` (compared with
     our own reading of the checkpoint), or None when not verified."""
+    skipped_objects: dict[str, str] = field(default_factory=dict)
+    """``unknown="skip"``: where each unknown object sat, ``{dotted name: global}``, e.g.
+    ``{"args": "argparse.Namespace"}`` (an object inside a set or used as a dict key is listed
+    under its container's name). They are among :attr:`non_tensors` too, as
+    ``"<skipped argparse.Namespace>"``."""
+    unknown_globals: list[str] = field(default_factory=list)
+    """``unknown="skip"``: every global skipped, sorted, also those only inside other skipped
+    objects' state."""
+    skipped_tensors: int = 0
+    """``unknown="skip"``: tensors inside skipped objects' state (no state dict name reaches
+    them), not converted."""
 
 
 @dataclass
@@ -112,6 +129,23 @@ class FolderReport:
     """One report per converted checkpoint."""
     index: str | None = None
     """The ``model.safetensors.index.json`` written, if the source was sharded."""
+
+
+Unknown = Literal["error", "skip"]
+"""What :func:`convert_file` does with a global outside its allow-list."""
+
+
+def _check_unknown(unknown: Any) -> None:
+    if unknown not in ("error", "skip"):
+        raise ValueError(f"unknown must be 'error' or 'skip', not {unknown!r}")
+
+
+def _under(names: dict[str, Any], subtree: str | None) -> dict[str, Any]:
+    """The entries under ``subtree``, named without its prefix (all of them without one)."""
+    if not subtree:
+        return dict(names)
+    pre = subtree + "."
+    return {k[len(pre) :]: v for k, v in names.items() if k.startswith(pre)}
 
 
 def _select(tensors: dict[str, TensorRecord], leaves: dict[str, Any], subtree: str | None) -> Any:
@@ -143,6 +177,7 @@ def convert_file(
     progress: Progress | None = None,
     subtree: str | None = None,
     fsync: bool = False,
+    unknown: Unknown = "error",
 ) -> ConversionReport:
     """Convert one PyTorch checkpoint to a safetensors file.
 
@@ -162,18 +197,26 @@ def convert_file(
         subtree: Convert only the tensors under this dotted prefix, with the prefix removed
             (``"state_dict"`` for Lightning checkpoints).
         fsync: Make the result durable before returning.
+        unknown: What to do with a global outside the allow-list. ``"error"`` (the default)
+            refuses the checkpoint; ``"skip"`` replaces each object of such a global by an
+            inert placeholder (its arguments and state are dropped, nothing is called: tensors
+            inside it are not converted) and converts the rest, unless the scanner grades the
+            global dangerous (:func:`pysafetensors.scan.grade_pickled_global`), which is
+            refused in both modes. numpy scalars and dtypes are decoded in both modes.
 
     Returns:
         A :class:`ConversionReport`.
 
     Raises:
         UnsafePickleError: The checkpoint references a global outside the allow-list (nothing
-            was run, nothing was written).
+            was run, nothing was written). Its ``skippable`` says whether ``unknown="skip"``
+            would have skipped it.
         CheckpointError: The checkpoint is broken or holds tensors safetensors cannot store.
         SafetensorError: Other problems with the output (e.g. invalid metadata).
         OSError: A file cannot be read or written.
     """
     src_s, dst_s = input_path(src, "src"), output_path(dst, "dst", file=True)
+    _check_unknown(unknown)
     _refuse_url(src_s)
     # The checkpoint reader opens the path itself, blocking: a FIFO would wait for a writer.
     _refuse_special(src_s)
@@ -189,8 +232,15 @@ def convert_file(
             progress=progress,
             subtree=subtree,
             fsync=fsync,
+            unknown=unknown,
         )
     except (CheckpointError, UnsafePickleError) as exc:
+        if isinstance(exc, UnsafePickleError) and exc.skippable:
+            add_note(
+                exc,
+                'unknown="skip" converts the tensors without this object (nothing of it is '
+                "called or kept)",
+            )
         # The reader's messages say what and where in the pickle or zip, not which file: in a
         # folder of checkpoints (rng_state.pth next to the model) that is the first question.
         raise _naming(exc, src_s) from None
@@ -245,8 +295,9 @@ def _convert_file(
     progress: Progress | None,
     subtree: str | None,
     fsync: bool,
+    unknown: Unknown,
 ) -> ConversionReport:
-    with load_checkpoint(src_s) as ck:
+    with load_checkpoint(src_s, unknown=unknown) as ck:
         tensors, leaves = _select(ck.tensors, ck.non_tensors, subtree)
         meta: dict[str, str] = {"format": "pt"}
         meta.update(metadata or {})
@@ -254,7 +305,16 @@ def _convert_file(
         # recorded as {dropped: kept}: it is written as a tensor of its own instead of lost.
         dropped = {n: k for n, k in plan_shared(tensors).items() if n not in meta}
         meta.update(dropped)
-        report = ConversionReport(src_s, dst_s, ck.format, dropped=dropped, non_tensors=leaves)
+        report = ConversionReport(
+            src_s,
+            dst_s,
+            ck.format,
+            dropped=dropped,
+            non_tensors=leaves,
+            skipped_objects=_under(ck.skipped.objects, subtree),
+            unknown_globals=list(ck.skipped.globals),
+            skipped_tensors=ck.skipped.tensors,
+        )
         for name, value in leaves.items():
             # A pickle may hold lone surrogates, which no header can: such names are written
             # with their escapes, such values as ASCII JSON (which reads back the same).
@@ -324,9 +384,15 @@ def _digest(chunks: Iterator[Any]) -> str:
 
 
 def verify_conversion(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, subtree: str | None = None
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    subtree: str | None = None,
+    unknown: Unknown = "error",
 ) -> str:
     """Check that a safetensors file holds exactly the tensors of a checkpoint.
+
+    ``unknown`` is :func:`convert_file`'s: ``"skip"`` to check a file converted with it.
 
     Returns:
         ``"torch"`` or ``"reader"``: what the output was compared with (see
@@ -335,7 +401,8 @@ def verify_conversion(
     Raises:
         CheckpointError: A tensor is missing, extra, or differs.
     """
-    with load_checkpoint(input_path(src, "src")) as ck:
+    _check_unknown(unknown)
+    with load_checkpoint(input_path(src, "src"), unknown=unknown) as ck:
         tensors, _ = _select(ck.tensors, ck.non_tensors, subtree)
         return _verify_open(ck, tensors, plan_shared(tensors), os.fspath(dst), subtree)
 
@@ -505,7 +572,8 @@ def convert_folder(
         executor: Any ``concurrent.futures.Executor`` (thread or process pool, Ray's or Dask's)
             to convert files in parallel; each task is one :func:`convert_file` call.
         progress: ``progress(file_name, done_files, total_files)`` after each file.
-        **kwargs: Passed to :func:`convert_file` (``verify``, ``keep_non_tensors``...).
+        **kwargs: Passed to :func:`convert_file` (``verify``, ``keep_non_tensors``,
+            ``unknown="skip"``...).
 
     Returns:
         A :class:`FolderReport`.
@@ -518,6 +586,7 @@ def convert_folder(
         OSError: A file cannot be read or written.
     """
     src_s, dst_s = input_path(src_dir, "src_dir"), output_path(dst_dir, "dst_dir")
+    _check_unknown(kwargs.get("unknown", "error"))
     _refuse_url(src_s)
     index_path = os.path.join(src_s, _INDEX_IN)
     index: dict[str, Any] | None = None

@@ -33,7 +33,6 @@ Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully ana
 
 from __future__ import annotations
 
-import _compat_pickle
 import ast
 import errno
 import mmap
@@ -59,10 +58,20 @@ from ._torch_policy import (
     TORCH_DTYPES,
     UNCONVERTIBLE,
     lookup_global,
+    py2_name,
 )
 from ._zip_directory import EOCD, EOCD_SIG, ZIP64_EOCD, end_records
 
-__all__ = ["GRADES", "Finding", "GlobalUse", "Grade", "ScanReport", "grade_global", "scan_file"]
+__all__ = [
+    "GRADES",
+    "Finding",
+    "GlobalUse",
+    "Grade",
+    "ScanReport",
+    "grade_global",
+    "grade_pickled_global",
+    "scan_file",
+]
 
 Grade = Literal["safe", "suspicious", "dangerous"]
 #: Grades from best to worst; a report's grade is the worst of its parts.
@@ -104,11 +113,8 @@ _EXTRA_SAFE: Final = frozenset(
     {
         "collections.Counter",
         "numpy.ndarray",
-        "numpy.dtype",
         "numpy.core.multiarray._reconstruct",
         "numpy._core.multiarray._reconstruct",
-        "numpy.core.multiarray.scalar",
-        "numpy._core.multiarray.scalar",
         "torch.strided",
         "torch.sparse_coo",
         "torch.sparse_csr",
@@ -149,7 +155,13 @@ _NESTED_LOADERS: Final = frozenset(
         "joblib.load",
     }
 )
-_SAFE_BUILTINS: Final = frozenset({"set", "frozenset", "bytearray", "complex", "slice"})
+# Builtins that build a value and run nothing of their own: the pickle hands them values it
+# built itself, whose code (if any) comes from globals graded on their own. ``dict``, ``list``
+# and ``tuple`` are a ``defaultdict``'s factory (an optimizer object's state), ``object`` the
+# base of protocol 0/1 pickles of plain objects (``copyreg._reconstructor(cls, object, None)``).
+_SAFE_BUILTINS: Final = frozenset(
+    {"set", "frozenset", "bytearray", "complex", "slice", "dict", "list", "tuple", "object"}
+)
 # The pickle machine's notices about FRAME boundaries that CPython itself reads in two ways. With
 # bytes (``pickle.loads``, or a buffered file and a frame under 8 KiB) its C unpickler reads on
 # linearly, as this scanner does; with a file it reads frames into a buffer of their own
@@ -202,6 +214,29 @@ def grade_global(module: str, name: str) -> Grade:
         if ".".join(parts[:i]) in _DANGEROUS_MODULES:
             return "dangerous"
     return "suspicious"
+
+
+def grade_pickled_global(module: str, name: str, protocol: int = 3) -> Grade:
+    """Grade a global as a pickle of protocol ``protocol`` names it: the one grading the
+    scanner and the converter share (the converter refuses a ``dangerous`` global even when
+    it skips unknown objects, and skips only the others).
+
+    Below protocol 3, CPython's unpickler (``fix_imports``, as ``torch.load`` runs it) imports
+    Python 2 names under their Python 3 names, so they are graded as those:
+    ``commands.getoutput`` is ``subprocess.getoutput``, ``dangerous``.
+
+    Example::
+
+        >>> grade_pickled_global("os", "system")
+        'dangerous'
+        >>> grade_pickled_global("argparse", "Namespace")
+        'suspicious'
+        >>> grade_pickled_global("commands", "getoutput", protocol=2)
+        'dangerous'
+    """
+    if protocol < 3:
+        module, name = py2_name(module, name)
+    return grade_global(module, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,18 +379,6 @@ class _Opaque:
     __slots__ = ()
 
 
-def _py2_name(module: str, name: str) -> tuple[str, str]:
-    """The name CPython's ``Unpickler.find_class`` imports for a protocol 0-2 pickle.
-
-    With ``fix_imports`` (the default, and what ``torch.load`` uses) and ``proto < 3`` it maps
-    Python 2 names through ``_compat_pickle``: ``commands.getoutput`` is
-    ``subprocess.getoutput``, ``cPickle.loads`` is ``pickle.loads``.
-    """
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        return _compat_pickle.NAME_MAPPING[(module, name)]
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
-
-
 class _ScanPolicy:
     def __init__(self, report: ScanReport, where: str, depth: int) -> None:
         self.report = report
@@ -374,9 +397,9 @@ class _ScanPolicy:
 
     def global_(self, module: str, name: str, offset: int, opcode: str) -> Any:
         written = f"{module}.{name}"
+        grade = grade_pickled_global(module, name, self.protocol)
         if self.protocol < 3:
-            module, name = _py2_name(module, name)
-        grade = grade_global(module, name)
+            module, name = py2_name(module, name)
         self.report._add_global(GlobalUse(module, name, grade, self.where, offset, opcode))
         if grade != "safe" and f"{module}.{name}" != written:
             self.report._add(
