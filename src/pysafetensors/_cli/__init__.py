@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Final
 
-from .._errors import RemotePermissionError, SafetensorError
+from .._errors import RemotePermissionError, SafetensorError, UnsafePickleError
 from ._common import sanitize
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -83,6 +83,23 @@ def _fail(args: argparse.Namespace, exc: BaseException, code: int) -> int:
     # Messages may quote names from a hostile file: escape them like everything else we print.
     print(f"error: {sanitize(str(exc) or type(exc).__name__)}", file=sys.stderr)
     return code
+
+
+def _unsafe_pickle_hint(exc: UnsafePickleError, skipping: bool) -> None:
+    """Say what ``--skip-unknown`` would do about a refused checkpoint."""
+    if exc.skippable and not skipping:
+        hint = (
+            "--skip-unknown converts the tensors without this object (nothing of it is run; "
+            "tensors inside it are left out)"
+        )
+    elif not exc.skippable:
+        hint = (
+            "this is refused even with --skip-unknown (it could run code or reach files); "
+            "'pysafetensors scan' lists everything the file imports"
+        )
+    else:  # pragma: no cover - a skippable global is skipped with --skip-unknown
+        return
+    print(f"hint: {hint}", file=sys.stderr)
 
 
 def _print_traceback(exc: BaseException) -> None:
@@ -150,7 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A folder holding several checkpoints: the user must name one (a usage error, as for
         # an empty folder), whichever command met it.
         code = 2 if exc.kind == "AmbiguousFolder" else exc.exit_code
-        return _fail(args, exc, trouble or code)
+        code = _fail(args, exc, trouble or code)
+        if isinstance(exc, UnsafePickleError) and hasattr(args, "skip_unknown"):
+            _unsafe_pickle_hint(exc, args.skip_unknown)
+        return code
     except (ValueError, TypeError, KeyError) as exc:
         return _fail(args, exc, trouble or 1)
     except MemoryError:

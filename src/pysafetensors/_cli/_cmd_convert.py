@@ -36,7 +36,8 @@ def register(subparsers: Any) -> None:
             "Convert a PyTorch checkpoint to safetensors without running its pickle and "
             "without torch. SRC may be a file (DST is then the output file) or a folder "
             "(DST is the output folder; a sharded pytorch_model with index is supported). "
-            "Refuses checkpoints whose pickle imports anything outside an allow-list."
+            "Refuses checkpoints whose pickle imports anything outside an allow-list, unless "
+            "--skip-unknown is given and nothing it imports is dangerous."
         ),
     )
     p.add_argument("src", metavar="SRC", help="checkpoint file or folder")
@@ -46,6 +47,15 @@ def register(subparsers: Any) -> None:
         "--keep-non-tensors",
         action="store_true",
         help="store non-tensor values (epoch, hyper-parameters...) as metadata strings",
+    )
+    p.add_argument(
+        "--skip-unknown",
+        action="store_true",
+        help=(
+            "convert the tensors even if the checkpoint pickles objects of unknown classes "
+            "(a script's config, argparse.Namespace, an optimizer object): each is left out, "
+            "nothing of it is run; what the scanner grades dangerous is still refused"
+        ),
     )
     p.add_argument(
         "--subtree",
@@ -82,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         "keep_non_tensors": args.keep_non_tensors,
         "subtree": args.subtree,
         "metadata": meta or None,
+        "unknown": "skip" if args.skip_unknown else "error",
     }
     index = None
     # Folders created for the output are removed again (when still empty) if convert fails.
@@ -134,4 +145,23 @@ def run(args: argparse.Namespace) -> int:
                 skipped += f" and {more} more" if more > 0 else ""
                 why = " (their names are metadata keys)" if r.kept_non_tensors else ""
                 print(f"  skipped non-tensor values{why}: {skipped}")
+            _print_skipped_objects(r)
     return 0
+
+
+def _print_skipped_objects(r: Any) -> None:
+    """What ``--skip-unknown`` left out of one file: where, of which class, and the tensors
+    inside those objects (not converted)."""
+    if not r.unknown_globals:
+        return
+    where = [f"{quoted(k)} ({sanitize(v)})" for k, v in list(r.skipped_objects.items())[:10]]
+    more = len(r.skipped_objects) - 10
+    listed = ", ".join(where) + (f" and {more} more" if more > 0 else "")
+    print(f"  skipped unknown objects: {listed or '(none in the converted part)'}")
+    print(f"  unknown globals: {', '.join(sanitize(g) for g in r.unknown_globals)}")
+    if r.skipped_tensors:
+        n = r.skipped_tensors
+        print(
+            f"  {plural(n, 'tensor')} inside skipped objects {'was' if n == 1 else 'were'} "
+            "not converted"
+        )
