@@ -501,6 +501,10 @@ def _torch_reference(path: str, subtree: str | None) -> dict[str, str] | None:
         prefix, value = todo.pop()
         if isinstance(value, torch.Tensor):
             t = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+            if t.stride() != (1,):
+                # A one-element view keeps any stride on its size-1 dimension (2 for
+                # x[:, ::2][:, :1]): contiguous() leaves it, and view(uint8) refuses it.
+                t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
             out[prefix] = hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
         elif isinstance(value, dict):
             todo.extend((f"{prefix}.{k}" if prefix else str(k), v) for k, v in value.items())

@@ -618,3 +618,14 @@ def test_a_tensor_safetensors_cannot_hold_is_refused_by_its_name(tmp_path: Path,
         assert f"{name!r} is one of the {what.split(' (')[0]}" in str(info.value)
         assert "built at byte" in str(info.value) and info.value.offset
         assert not out.exists()
+
+
+def test_verify_with_torch_reads_one_element_views_of_any_stride(tmp_path: Path) -> None:
+    # torch keeps a size-1 dimension's stride (2 here) through contiguous(): hashing the
+    # tensor through view(uint8) raised RuntimeError instead of verifying.
+    t = torch.arange(4).reshape(1, 4)[:, ::2][:, :1]
+    assert t.contiguous().reshape(-1).stride() == (2,)
+    torch.save({"x": t, "y": t.double()}, tmp_path / "s.pt")
+    report = convert_file(tmp_path / "s.pt", tmp_path / "s.safetensors", verify=True)
+    assert report.verified == "torch"
+    assert st_torch.load_file(tmp_path / "s.safetensors")["x"].tolist() == [[0]]
