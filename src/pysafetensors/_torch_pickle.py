@@ -191,8 +191,11 @@ def _safe_key(key: Any) -> str:
     return key if type(key) is str else short_text(key)
 
 
-def _flatten(root: Any) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
-    """Walk the graph iteratively, with a depth cap and cycle detection."""
+def _flatten(
+    root: Any, skipped_keys: dict[str, str] | None = None
+) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
+    """Walk the graph iteratively, with a depth cap and cycle detection. Placeholders used as
+    keys of the dicts walked are put in ``skipped_keys``, under the dict's name."""
     tensors: list[tuple[str, TensorRef]] = []
     leaves: dict[str, Any] = {}
     if isinstance(root, Unconvertible):
@@ -209,7 +212,7 @@ def _flatten(root: Any) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
     if type(root) is not dict:
         raise bad_checkpoint(f"the checkpoint holds a {type(root).__name__}, not a state dict")
     contains = _tensor_containers(root)
-    return _ordered(root, contains, tensors, leaves)
+    return _ordered(root, contains, tensors, leaves, skipped_keys)
 
 
 def _ordered(
@@ -217,6 +220,7 @@ def _ordered(
     contains: set[int],
     tensors: list[tuple[str, TensorRef]],
     leaves: dict[str, Any],
+    skipped_keys: dict[str, str] | None,
 ) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
     # Depth-first in key order, iteratively: an explicit stack of iterators.
     stack: list[tuple[str, Iterator[tuple[Any, Any]], int]] = [("", iter(root.items()), 0)]
@@ -230,6 +234,12 @@ def _ordered(
             on_path.pop()
             continue
         key, value = nxt
+        if (
+            skipped_keys is not None
+            and isinstance(key, SkippedObject)
+            and len(skipped_keys) < MAX_SKIPPED_LISTED
+        ):
+            skipped_keys.setdefault(prefix, key.name)
         # Only a name that leads to a tensor must be one a safetensors file can hold; a float
         # or tuple key of a config value is shown in outline.
         holds = isinstance(value, (TensorRef, Unconvertible)) or id(value) in contains
@@ -652,12 +662,13 @@ def _records(
     policy: TorchPolicy, root: Any, sizes: dict[str, int]
 ) -> tuple[dict[str, TensorRecord], dict[str, Any], Skipped]:
     """Name every tensor and check it against the storages' real sizes."""
-    named, leaves = _flatten(root)
+    keys: dict[str, str] = {}
+    named, leaves = _flatten(root, keys)
     skipped = Skipped()
     if policy.skipped:
         reached = {id(ref) for _, ref in named}
         skipped = Skipped(
-            _skipped_paths(leaves),
+            {**keys, **_skipped_paths(leaves)},
             sorted(policy.skipped),
             len(policy.built_tensors() - reached),
         )

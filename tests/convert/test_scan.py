@@ -56,6 +56,23 @@ def test_grades() -> None:
     assert grade_global("torch.utils.collect_env", "run") == "dangerous"
     assert grade_global("numpy", "__builtins__") == "dangerous"
     assert grade_global("mylib.models", "Net") == "suspicious"
+    # Value types a defaultdict or a protocol 0/1 object names run nothing of their own.
+    for name in ("dict", "list", "tuple", "object", "set", "frozenset"):
+        assert grade_global("builtins", name) == "safe", name
+    for name in ("getattr", "type", "eval", "exec", "open", "__import__", "dict.fromkeys"):
+        assert grade_global("builtins", name) == "dangerous", name
+    assert grade_global("__main__", "Config") == "suspicious"
+    assert grade_global("__main__", "__builtins__") == "dangerous"
+
+
+def test_grade_pickled_global_reads_python_2_names_below_protocol_3() -> None:
+    from pysafetensors.scan import grade_pickled_global
+
+    assert grade_pickled_global("commands", "getoutput", 2) == "dangerous"
+    assert grade_pickled_global("commands", "getoutput", 3) == "suspicious"  # no such module
+    assert grade_pickled_global("UserDict", "UserDict", 2) == "suspicious"
+    assert grade_pickled_global("numpy", "dtype") == "safe"
+    assert grade_pickled_global("numpy._core.multiarray", "scalar") == "safe"
 
 
 def test_clean_checkpoints_are_safe(tmp_path: Path) -> None:
