@@ -508,26 +508,63 @@ def differential(data: bytes) -> tuple[str, str] | None:
 
 
 def check_pickle(data: bytes) -> None:
-    """Load a fuzzed PyTorch checkpoint with the torch-free reader, if it exists."""
+    """Load a fuzzed PyTorch checkpoint with the torch-free reader, if it exists, in both of its
+    modes for unknown globals (``unknown="error"`` and ``"skip"``).
+
+    Only ``SafetensorError`` may escape either, and the modes must agree: skip mode differs
+    only where error mode refused an unknown object as skippable. Where error mode reads the
+    file, skip mode reads the same tensors and values and skips nothing; where it fails in any
+    other way (a dangerous global, a broken file), skip mode fails with the same error; where
+    skip mode skips something, error mode refused it as skippable.
+    """
     try:
         from pysafetensors import _torch_pickle
+        from pysafetensors._errors import UnsafePickleError
     except ImportError:
         return
     path = os.path.join(scratch_dir(), "input.pt")
     with open(path, "wb") as fh:
         fh.write(data)
 
-    def run() -> None:
-        with _torch_pickle.load_checkpoint(path) as ckpt:
+    def run(unknown: str) -> tuple[Any, ...]:
+        with _torch_pickle.load_checkpoint(path, unknown=unknown) as ckpt:
             for rec in ckpt.tensors.values():
                 total = 0
                 for chunk in ckpt.tensor_chunks(rec):
                     total += memoryview(chunk).nbytes
                     if total > len(data) * 64 + (1 << 20):
                         raise Violation("a checkpoint expanded far beyond its file size")
-            ckpt.non_tensor_metadata()
+            return ckpt.tensors, ckpt.non_tensor_metadata(), ckpt.skipped
 
-    guard(run)
+    def attempt(unknown: str) -> tuple[Any, BaseException | None]:
+        caught: list[BaseException] = []
+
+        def go() -> Any:
+            try:
+                return run(unknown)
+            except Exception as exc:
+                caught.append(exc)
+                raise
+
+        result = guard(go)
+        return result, (caught[0] if result is None and caught else None)
+
+    strict, strict_error = attempt("error")
+    lenient, lenient_error = attempt("skip")
+    skippable = isinstance(strict_error, UnsafePickleError) and strict_error.skippable
+    if strict is not None:
+        if lenient is None:
+            raise Violation(f"skip mode fails where error mode reads the file: {lenient_error}")
+        if lenient[:2] != strict[:2] or lenient[2].globals:
+            raise Violation("skip mode reads other tensors or values where nothing is unknown")
+    elif not skippable:
+        same = type(lenient_error) is type(strict_error) and str(lenient_error) == str(strict_error)
+        if not same:
+            raise Violation(
+                f"error mode refused with {strict_error!r}, skip mode gave {lenient_error!r}"
+            )
+    if lenient is not None and lenient[2].globals and not skippable:
+        raise Violation("skip mode skipped objects that error mode did not refuse as skippable")
 
 
 # ------------------------------------------------------------------ the streaming target

@@ -115,6 +115,24 @@ def pickle_files() -> dict[str, bytes]:
     buf = io.BytesIO()
     torch.save({"t": torch.zeros(2, 2)}, buf, pickle_protocol=4)
     out["ckpt_p4"] = buf.getvalue()
+    # Objects of classes the converter does not know (skipped with unknown="skip"), numpy
+    # scalars and dtypes (decoded in both modes).
+    import argparse
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "w": torch.ones(2, 3),
+            "args": argparse.Namespace(lr=0.1, mask=torch.zeros(2)),
+            "metric": np.float64(0.5),
+            "dtype": np.dtype(">i4"),
+            "step": np.int64(3),
+        },
+        buf,
+    )
+    out["ckpt_unknown"] = buf.getvalue()
     return out
 
 
