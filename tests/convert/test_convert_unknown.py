@@ -27,8 +27,6 @@ from pysafetensors.scan import grade_pickled_global, scan_file
 
 from .corpus import F32x4, P, make_zip, pid, state_dict, tensor
 
-torch = pytest.importorskip("torch")
-
 #: Run as ``__main__`` in a child: writes the checkpoints named on the command line, then
 #: loads each back with ``torch.load(weights_only=False)`` and prints the SHA-256 of every
 #: tensor reachable through dicts, lists and tuples, by the dotted name the converter gives it.
@@ -167,6 +165,7 @@ _WRITER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, str]]]:
     """The checkpoints, and ``{file: {tensor name: sha256}}`` as ``torch.load`` reads them."""
+    pytest.importorskip("torch")
     folder = tmp_path_factory.mktemp("written")
     script = folder / "writer.py"
     script.write_text(_WRITER)
@@ -485,6 +484,7 @@ def test_skipped_objects_inside_sets_and_keys(tmp_path: Path) -> None:
 
 def test_legacy_format_and_folders(written: Any, tmp_path: Path) -> None:
     # A Trainer folder: rng_state.pth pickles numpy arrays (numpy.core.multiarray._reconstruct).
+    torch = pytest.importorskip("torch")
     torch.save({"w": torch.arange(4.0)}, tmp_path / "pytorch_model.bin")
     torch.save(
         {"python": 1, "numpy": np.random.get_state(), "cpu": torch.get_rng_state()},
