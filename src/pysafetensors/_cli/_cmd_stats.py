@@ -30,6 +30,7 @@ from ._common import (
     quoted,
     shown,
 )
+from ._histogram import histogram_edges
 from ._remote_args import add_remote_args, remote_options
 from ._value_stats import Part, Summary, summarise
 
@@ -101,23 +102,22 @@ def tensor_stats(
             s.merge(part)
             progress(raw.size)
         if bins and s.finite:
-            lo, hi = s.min, s.max
+            edges = histogram_edges(s.min, s.max, bins)
+            lo, hi = float(edges[0]), float(edges[-1])
             counts = np.zeros(bins, np.int64)
-            if hi <= lo:
-                # One value: numpy's own choice, bins around it ([v - 0.5, v + 0.5]).
-                lo, hi = lo - 0.5, hi + 0.5
-            spanned = math.isfinite(hi - lo)
-            if spanned:
-                edges = np.linspace(lo, hi, bins + 1)
-            else:  # the range itself overflows: halve the ends (exact), space, double back
-                edges = np.linspace(lo / 2, hi / 2, bins + 1) * 2
             # Many bins: numpy's arithmetic path for a count and a range (then corrected against
             # these same edges, so the counts are the same) beats its search of explicit edges
             # (1,000,000 bins: 173 against 777 ms a 3M-value chunk; 10-5,000 bins: slower).
             # Only where the edges are distinct: over a range of a few units in the last place
             # numpy refuses a count and a range ("Too many bins for data range"), while the
             # search takes the repeated edges (10,000 bins ran, 10,001 failed the command).
-            by_range = spanned and bins > _SEARCHED_BINS and bool(np.all(np.diff(edges) > 0))
+            # numpy's edges for a count and a range are linspace of its ends: ours, where the
+            # width is finite (histogram_edges halves a width that overflows).
+            by_range = (
+                bins > _SEARCHED_BINS
+                and math.isfinite(hi - lo)
+                and bool(np.all(np.diff(edges) > 0))
+            )
             # Chunks of at least four values a bin: each chunk's counts are an array of all
             # the bins, which must not cost more than counting the chunk.
             step = max(step, 4 * bins * ref.dtype.bits // 8)  # whole F4/F6 bytes: 4n elements
