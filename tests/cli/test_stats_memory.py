@@ -3,7 +3,9 @@
 JSON output is written tensor by tensor as each is summarised (nothing kept per tensor); the
 text output prints its table first, so it keeps every tensor's histogram until then, as arrays
 (16 bytes a bin, where Python's numbers took ~70). Measured with ``tracemalloc``, which numpy's
-allocations report to: an allocation bound, not a timing.
+allocations report to: an allocation bound, not a timing. These small tensors are summarised in
+batches on the worker threads, each of which keeps its scratch buffers (~2 MiB) for the
+command: allowed for in :data:`PER_WORKER`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,18 @@ import numpy as np
 import pytest
 
 from pysafetensors._cli import main
+from pysafetensors._cli._chunk_work import ChunkWorkers
 from pysafetensors.numpy import save_file
 
 TENSORS, BINS = 300, 1_000
+#: Each worker thread's scratch (float64 values, masks) and its share of the batches in flight.
+PER_WORKER = 3 * 2**20
+
+
+def _workers_allowance() -> int:
+    """Memory the worker threads may hold (none: one core, the calling thread works)."""
+    threads = ChunkWorkers().threads
+    return PER_WORKER * threads if threads > 1 else 0
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +60,10 @@ def test_json_histograms_are_written_as_they_are_made(many: Path, tmp_path: Path
     first = doc["tensors"][0]
     assert len(first["histogram"]["counts"]) == BINS
     assert sum(first["histogram"]["counts"]) == 32
-    # 8 MB measured (the encoder's batch of pieces, the headers); kept as Python lists until
-    # printing, the histograms took 21 MB.
-    assert peak < 12 * 2**20, peak
+    # 8 MB measured (the encoder's batch of pieces, the headers) before workers summarised
+    # small tensors, 10.6 MB with one worker, 13.8 MB with two; kept as Python lists until
+    # printing, the histograms took 21 MB (and they would grow with the tensors).
+    assert peak < 12 * 2**20 + _workers_allowance(), peak
 
 
 def test_text_keeps_histograms_as_arrays(many: Path, tmp_path: Path) -> None:
@@ -60,6 +72,6 @@ def test_text_keeps_histograms_as_arrays(many: Path, tmp_path: Path) -> None:
     text = out.read_text()
     assert text.count("\nt299:\n") == 1
     # Every histogram is kept for the table: 300 x 1,000 bins x 16 bytes = 4.8 MB as arrays
-    # (5.6 MB measured), 13 MB as Python lists.
-    assert peak < 9 * 2**20, peak
+    # (5.6 MB measured; 9.2 MB with two workers), 13 MB as Python lists.
+    assert peak < 9 * 2**20 + _workers_allowance(), peak
     assert os.path.getsize(out) > TENSORS * BINS * 20

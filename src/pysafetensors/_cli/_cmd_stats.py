@@ -2,7 +2,9 @@
 
 Tensors are streamed in chunks (a quarter of a million elements at a time, summarised on
 worker threads while the next are read: see :mod:`._chunk_work`), so memory stays bounded
-whatever the tensor size. Mean and standard deviation are merged chunk by chunk with Chan's
+whatever the tensor size. Runs of adjacent small tensors (a MoE's experts, a LoRA's adapters) are
+read at once and summarised in batches instead (:mod:`._small_tensors`), to the same numbers.
+Mean and standard deviation are merged chunk by chunk with Chan's
 parallel formula, which stays accurate where a running sum of squares would not. They cover the
 finite values only; NaN and Inf are counted separately. Complex tensors are summarised by
 magnitude.
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, Final
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Final, cast
 
 import numpy as np
 
 from .._dtypes import DType
+from . import _chunk_work
 from ._chunk_work import ChunkWorkers, as_float64, chunk_bytes, element_chunks
 from ._common import (
     LazyRows,
@@ -32,6 +35,7 @@ from ._common import (
 )
 from ._histogram import histogram_edges
 from ._remote_args import add_remote_args, remote_options
+from ._small_tensors import Batch, batched, read_batch, summarise_batch
 from ._value_stats import Part, Summary, summarise
 
 SCHEMA: Final = "pysafetensors.stats/1"
@@ -130,6 +134,47 @@ def tensor_stats(
     return s
 
 
+#: Words (float64-sized) a batch of small tensors may hold (see :mod:`._small_tensors`);
+#: None: :data:`._chunk_work.CHUNK_ELEMENTS`, as a chunk of the per-tensor path; 0: no
+#: batches, every tensor on its own.
+BATCH_WORDS: int | None = None
+
+
+def all_stats(
+    refs: Sequence[TensorRef],
+    bins: int | None,
+    progress: Callable[[int], None],
+    workers: ChunkWorkers,
+    *,
+    batch_words: int | None = None,
+) -> Iterator[tuple[TensorRef, Summary]]:
+    """Each of ``refs`` with its summary, in order: runs of adjacent small tensors read and
+    summarised in batches of at most ``batch_words`` (default :data:`BATCH_WORDS`), the others
+    streamed by :func:`tensor_stats`. The summaries are the same either way."""
+    if batch_words is None:
+        batch_words = _chunk_work.CHUNK_ELEMENTS if BATCH_WORDS is None else BATCH_WORDS
+    units = list(batched(refs, bins, batch_words))
+    job = summarise_batch(bins)
+    i = 0
+    while i < len(units):
+        unit = units[i]
+        if isinstance(unit, TensorRef):
+            yield unit, tensor_stats(unit, bins, progress, workers)
+            i += 1
+            continue
+        j = i
+        while j < len(units) and isinstance(units[j], Batch):
+            j += 1
+        group = cast("list[Batch]", units[i:j])
+        # Read on this thread (one reader at a time: remote planned reads), summarised on the
+        # workers; one batch alone is summarised here (a hand-off would cost more).
+        for (batch, _), done in workers.ordered(job, map(read_batch, group), alone=len(group) == 1):
+            for ref, summary in zip(batch.refs, done, strict=True):
+                progress(ref.nbytes * (1 if summary.counts is None else 2))
+                yield ref, summary
+        i = j
+
+
 def _edge_labels(edges: list[float]) -> list[str]:
     """The edges as short text, with as many significant digits as tell neighbours apart
     (four where that is enough; ``[1000, 1000)`` said nothing for bins of width 0.1)."""
@@ -166,12 +211,12 @@ def run(args: argparse.Namespace) -> int:
             model.planned_reads(refs),
             ChunkWorkers() as workers,
         ):
+            summaries = all_stats(refs, args.histogram, update, workers)
             if args.json:
 
                 def entries() -> Iterator[dict[str, Any]]:
                     # Each tensor summarised as it is written: nothing kept per tensor.
-                    for r in refs:
-                        s = tensor_stats(r, args.histogram, update, workers)
+                    for r, s in summaries:
                         yield {
                             "name": r.name,
                             "dtype": r.dtype.code,
@@ -187,8 +232,7 @@ def run(args: argparse.Namespace) -> int:
                     }
                 )
                 return inconsistent
-            for ref in refs:
-                results.append((ref, tensor_stats(ref, args.histogram, update, workers)))
+            results.extend(summaries)
     rows = []
     for ref, s in results:
         d = s.as_dict()

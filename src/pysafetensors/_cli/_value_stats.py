@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 
 from ._chunk_work import take_masks
 
-__all__ = ["Part", "Summary", "summarise"]
+__all__ = ["Part", "Summary", "summarise", "summarise_rows"]
 
 #: Magnitude from which a chunk's sums are taken over scaled values (below it, as they are).
 _SCALE_FROM: Final = 1e150
@@ -87,6 +87,63 @@ def summarise(values: np.ndarray, integers: np.ndarray | None = None) -> Part:
     # Squares then a sum, not np.dot: BLAS's own threads fought the workers for the cores.
     m2 = float(np.square(values, out=values).sum())
     return Part(n, values.size, mean, m2, scale, lo, hi, nan, inf, zeros, int_min, int_max)
+
+
+def summarise_rows(values: np.ndarray, integers: np.ndarray | None = None) -> list[Part]:
+    """:func:`summarise` of each row of ``values`` (float64, C-contiguous, ``(k, n)``;
+    overwritten), with the same rows of ``integers``: the same numbers, bit for bit.
+
+    Rows of finite values that need neither scaled sums nor a look at their zeros' signs (the
+    common case) are summarised together, each reduction one numpy call over all of them:
+    numpy sums each row of a C-contiguous array pairwise, as it sums a 1-D array, so a row's
+    sum, mean and sum of squares are those of the row alone. The other rows go one by one
+    through :func:`summarise`.
+    """
+    k, n = values.shape
+    if not n:
+        return [Part(0) for _ in range(k)]
+    lo, hi = values.min(axis=1), values.max(axis=1)
+    zeros = np.count_nonzero(values == 0, axis=1)
+    big = np.maximum(np.abs(lo), np.abs(hi))  # NaN where a row holds NaN: not simple
+    simple = np.isfinite(lo) & np.isfinite(hi) & (big <= _SCALE_FROM)
+    if integers is None:
+        simple &= (zeros == 0) | ((lo != 0) & (hi != 0))
+    int_lo = int_hi = None
+    if integers is not None:
+        int_lo, int_hi = integers.min(axis=1).tolist(), integers.max(axis=1).tolist()
+    chosen = np.flatnonzero(simple)
+    parts: list[Part | None] = [None] * k
+    if chosen.size:
+        rows = values if chosen.size == k else values[chosen]  # a copy of some rows
+        means = rows.sum(axis=1) / n
+        np.subtract(rows, means[:, None], out=rows)
+        m2s = np.square(rows, out=rows).sum(axis=1)
+        for i, mean, m2, low, high, z in zip(
+            chosen.tolist(),
+            means.tolist(),
+            m2s.tolist(),
+            lo[chosen].tolist(),
+            hi[chosen].tolist(),
+            zeros[chosen].tolist(),
+            strict=True,
+        ):
+            parts[i] = Part(
+                n,
+                n,
+                mean,
+                m2,
+                1.0,
+                low,
+                high,
+                0,
+                0,
+                z,
+                None if int_lo is None else int_lo[i],
+                None if int_hi is None else int_hi[i],
+            )
+    for i in np.flatnonzero(~simple).tolist():
+        parts[i] = summarise(values[i], None if integers is None else integers[i])
+    return cast("list[Part]", parts)
 
 
 @dataclass(slots=True)
