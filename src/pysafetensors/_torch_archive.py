@@ -9,6 +9,7 @@ read alike by ``zipfile`` and torch's reader (miniz), STORED or bounded DEFLATE 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -35,6 +36,9 @@ MAX_ENTRIES: Final = 1_000_000
 #: Largest member name in bytes.
 MAX_NAME: Final = 4096
 
+#: What chunks come as.
+Buffer = bytes | bytearray | memoryview
+
 _LOCAL: Final = struct.Struct("<4sHHHHHIIIHH")
 _ASCII_LOWER: Final = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -53,6 +57,8 @@ class FileBytes:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        self._scratch: bytearray | None = None
+        self._lent = False
         # A FIFO is refused, not waited on for a writer (see open_regular_file).
         self.fd = open_regular_file(self.path)
         try:
@@ -66,6 +72,7 @@ class FileBytes:
         """Take ownership of an open descriptor (``path`` only names it in messages)."""
         self = cls.__new__(cls)
         self.path, self.fd = path, fd
+        self._scratch, self._lent = None, False
         try:
             self.size = os.fstat(fd).st_size
         except BaseException:
@@ -104,30 +111,84 @@ class FileBytes:
         self._check(offset, length)
         return bytes(self._read_array(offset, length))
 
+    def read_array(self, offset: int, length: int) -> bytearray:
+        """Exactly ``length`` bytes at ``offset``, in a ``bytearray`` of their own (one copy,
+        where :meth:`read` makes two).
+
+        Raises:
+            CheckpointError: The range is not inside the file.
+        """
+        self._check(offset, length)
+        return self._read_array(offset, length)
+
     def _read_array(self, offset: int, length: int) -> bytearray:
         """Read into fresh memory with one copy (large ``bytearray`` comes from calloc'd pages)."""
         out = bytearray(length)
-        view = memoryview(out)
+        self._read_into(memoryview(out), offset)
+        return out
+
+    def chunks(
+        self, offset: int, length: int, chunk: int | None = None, *, reuse: bool = False
+    ) -> Iterator[Buffer]:
+        """Yield ``length`` bytes at ``offset`` in pieces of at most ``chunk`` bytes
+        (:data:`CHUNK` by default).
+
+        With ``reuse``, every piece is read into the same buffer, so a piece is valid only
+        until the next is asked for (the caller uses or copies each first): memory holds one
+        piece. Otherwise each piece is memory of its own, which a caller may keep.
+        """
+        self._check(offset, length)
+        chunk = CHUNK if chunk is None else chunk
+        if not reuse:
+            done = 0
+            while done < length:
+                n = min(chunk, length - done)
+                yield self._read_array(offset + done, n)
+                done += n
+            return
+        with self.scratch(min(chunk, length)) as buffer:
+            done = 0
+            while done < length:
+                n = min(chunk, length - done)
+                piece = buffer[:n]
+                self._read_into(piece, offset + done)
+                yield piece
+                done += n
+
+    @contextlib.contextmanager
+    def scratch(self, nbytes: int) -> Iterator[memoryview]:
+        """A writable buffer of ``nbytes`` for the caller's use until the block ends: the same
+        memory for every caller in turn (a fresh one when it is lent already).
+
+        One buffer for the whole file: a fresh buffer per tensor left the previous one's memory
+        with the allocator (kept, not given back), which doubled a conversion's peak.
+        """
+        held = self._scratch
+        if held is None or self._lent or len(held) < nbytes:
+            held = bytearray(nbytes)
+            if not self._lent:
+                self._scratch = held
+        own = held is self._scratch and not self._lent
+        if own:
+            self._lent = True
+        try:
+            yield memoryview(held)[:nbytes]
+        finally:
+            if own:
+                self._lent = False
+
+    def _read_into(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the bytes at ``offset``."""
         done = 0
-        while done < length:
-            got = os.preadv(self.fd, [view[done : done + CHUNK]], offset + done)
+        while done < view.nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
             if not got:
                 raise CheckpointError("file shrank while reading", kind="Truncated", offset=offset)
             done += got
-        return out
-
-    def chunks(self, offset: int, length: int, chunk: int = CHUNK) -> Iterator[bytes | bytearray]:
-        """Yield ``length`` bytes at ``offset`` in pieces of at most ``chunk`` bytes."""
-        self._check(offset, length)
-        done = 0
-        while done < length:
-            n = min(chunk, length - done)
-            # A fresh buffer per piece: the writer may still hold the previous one in a batch.
-            yield self._read_array(offset + done, n)
-            done += n
 
     def close(self) -> None:
         """Close the file (idempotent)."""
+        self._scratch = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -234,26 +295,29 @@ class ZipView:
         return data
 
     def chunks(
-        self, name: str, start: int, length: int, chunk: int = CHUNK
-    ) -> Iterator[bytes | bytearray]:
-        """Yield bytes ``start .. start+length`` of a member's inflated content."""
+        self, name: str, start: int, length: int, chunk: int | None = None, *, reuse: bool = False
+    ) -> Iterator[Buffer]:
+        """Yield bytes ``start .. start+length`` of a member's inflated content (``reuse``: as
+        :meth:`FileBytes.chunks`)."""
         m = self.members[name]
         if start < 0 or length < 0 or start + length > m.file_size:
             raise _bad(f"read of {start}+{length} bytes past the end of member {name!r}")
         if m.method == zipfile.ZIP_STORED:
-            yield from self.file.chunks(m.data_offset + start, length, chunk)
+            yield from self.file.chunks(m.data_offset + start, length, chunk, reuse=reuse)
             return
-        yield from self._inflate(m, start, length, chunk)
+        yield from self._inflate(m, start, length, CHUNK if chunk is None else chunk)
 
-    def _inflate(self, m: ZipMember, start: int, length: int, chunk: int) -> Iterator[bytes]:
+    def _inflate(self, m: ZipMember, start: int, length: int, chunk: int) -> Iterator[Buffer]:
         # Streamed with a bounded output per step, so a bomb never materialises more than one
         # chunk, and the total is capped by the declared size (a longer stream is an error).
+        # Each output is memory of its own (what a caller of chunks() without reuse may keep).
         dec = zlib.decompressobj(-15)
         pos = 0  # inflated bytes produced so far
         end = start + length
-        for comp in self.file.chunks(m.data_offset, m.compress_size, 1 << 20):
+        # The compressed input through one reused buffer: decompress copies what it keeps.
+        for comp in self.file.chunks(m.data_offset, m.compress_size, 1 << 20, reuse=True):
             buf = comp
-            while buf:
+            while True:
                 try:
                     out = dec.decompress(buf, chunk)
                 except zlib.error as exc:
@@ -263,11 +327,15 @@ class ZipView:
                     raise _bad(f"member {m.name!r} inflates past its declared size")
                 lo, hi = max(start - pos, 0), min(end - pos, len(out))
                 if lo < hi:
-                    yield out[lo:hi]
+                    yield out if (lo, hi) == (0, len(out)) else memoryview(out)[lo:hi]
                 pos += len(out)
                 if pos >= end:
                     return
-                if not out and not buf:
+                if not buf and len(out) < chunk:
+                    # Input used up and no output held back. An output of a whole chunk may
+                    # leave more inside the decompressor even when every input byte is taken:
+                    # asked for again (with no input), else a member whose last piece ended
+                    # so read short.
                     break
         if pos < end:
             raise _bad(f"member {m.name!r} inflates to fewer bytes than declared")

@@ -161,7 +161,7 @@ def _select(tensors: dict[str, TensorRecord], leaves: dict[str, Any], subtree: s
 def _chunks_with_progress(
     ck: Checkpoint, rec: TensorRecord, tick: Callable[[int], None] | None
 ) -> Iterator[Any]:
-    for chunk in ck.tensor_chunks(rec):
+    for chunk in ck.tensor_chunks(rec, reuse=True):
         if tick is not None:
             tick(memoryview(chunk).nbytes)
         yield chunk
@@ -341,6 +341,8 @@ def _convert_file(
                 rec.dtype,
                 rec.shape,
                 lambda rec=rec: _chunks_with_progress(ck, rec, tick),  # type: ignore[misc]
+                # One buffer for every chunk read: memory holds one chunk at a time.
+                reused=True,
             )
             for name, rec in kept.items()
         ]
@@ -447,7 +449,7 @@ def _verify_open(
             digests[key] = _digest(_output_chunks(dst, data_start + info.begin, info.nbytes))
         return digests[key]
 
-    reference = _torch_reference(ck.path, subtree)
+    reference = _torch_reference(ck.path, subtree, mappable=ck.mappable)
     if reference is not None:
         if set(reference) != set(tensors):
             raise _mismatch("torch.load sees other tensor names than the converter")
@@ -470,20 +472,22 @@ def _as_stored(name: str, stored: dict[str, str]) -> str:
     return name if stored[name] == name else f"{name} (stored as {stored[name]})"
 
 
-def _torch_reference(path: str, subtree: str | None) -> dict[str, str] | None:
+def _torch_reference(path: str, subtree: str | None, *, mappable: bool) -> dict[str, str] | None:
     """The SHA-256 of every tensor of ``path`` as torch's own safe loader sees it, or None
     without torch.
 
-    Zip checkpoints are loaded with ``mmap=True`` (storages stay in the page cache, not in
-    private memory) and each tensor is hashed where it lies: verifying a 1.25 GiB checkpoint
-    held ~2.6 GiB when every tensor was loaded and copied to bytes first.
+    Zip checkpoints of STORED members (``mappable``: what torch.save writes) are loaded with
+    ``mmap=True`` (storages stay in the page cache, not in private memory) and each tensor is
+    hashed where it lies: verifying a 1.25 GiB checkpoint held ~2.6 GiB when every tensor was
+    loaded and copied to bytes first. Others are loaded into memory: torch maps a compressed
+    member's bytes as they lie, so every tensor of a deflated zip differed from its values.
     """
     try:
         import torch
     except ImportError:
         return None
     obj = None
-    for options in ({"mmap": True}, {}):  # mmap needs the zip format
+    for options in ({"mmap": True}, {}) if mappable else ({},):  # mmap: STORED zips only
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch warns about protocol-4 pickles

@@ -461,7 +461,8 @@ def test_conversion_memory_stays_near_one_chunk(tmp_path: Path, zip_format: bool
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 40 << 20, f"{peak >> 20} MiB traced"
+    # One 8 MiB chunk at a time (8 MiB traced; 24 MiB with a fresh buffer per chunk).
+    assert peak < 16 << 20, f"{peak >> 20} MiB traced"
     with safe_open(str(out), "pt") as f:
         for name, value in state.items():
             assert torch.equal(f.get_tensor(name), value)
