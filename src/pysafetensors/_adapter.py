@@ -41,6 +41,7 @@ __all__ = [
     "chunk_values",
     "chunk_values_widened",
     "copied_slabs",
+    "slabs_reused",
     "numpy_dtype",
     "pack_subbyte",
     "unpack_subbyte",
@@ -202,7 +203,16 @@ def _array_slabs(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
     """Bytes of ``arr`` in row-major little-endian order, copied a slab at a time: for the
     arrays whose memory does not hold them so (:func:`_whole_bytes` gives the others' as
     they lie)."""
-    return lambda: copied_slabs(arr)
+    return lambda: copied_slabs(arr, reuse_all=slabs_reused(arr.nbytes))
+
+
+def slabs_reused(nbytes: int) -> bool:
+    """Whether a tensor of ``nbytes`` copied a slab at a time hands every slab over through
+    the one buffer (:attr:`TensorData.reused`): large ones, whose last slab in memory of its
+    own added a slab to the save's peak (32 MiB for a save of large transposed arrays, 16
+    MiB with the last one through the buffer too). A small one is one small slab, kept in
+    memory of its own, which the writer then gathers without copying it again."""
+    return nbytes >= _WRITEV_BYTES
 
 
 def _numpy_copy(out: np.ndarray, piece: np.ndarray) -> None:
@@ -210,16 +220,21 @@ def _numpy_copy(out: np.ndarray, piece: np.ndarray) -> None:
 
 
 def copied_slabs(
-    arr: np.ndarray, copy: Callable[[np.ndarray, np.ndarray], None] = _numpy_copy
+    arr: np.ndarray,
+    copy: Callable[[np.ndarray, np.ndarray], None] = _numpy_copy,
+    *,
+    reuse_all: bool = False,
 ) -> Iterator[np.ndarray]:
     """The bytes of ``arr`` in row-major little-endian order, as flat ``uint8`` arrays of at
     most about ``SLAB_BYTES`` each, copied only where its memory does not hold them so.
 
     Copies go through one buffer, reused for the next copy once the next chunk is asked for
     (as :attr:`TensorData.chunks` allows), except for the last chunk and small ones, which a
-    consumer may keep: those get memory of their own. A fresh array per slab made the
-    process's memory grow by several slabs (freed blocks the allocator kept). Each chunk is
-    an array that owns a reference to its memory, so a chunk kept keeps that memory alive.
+    consumer may keep: those get memory of their own (with ``reuse_all``, for a tensor whose
+    ``TensorData.reused`` says so, they go through the buffer too). A fresh array per slab
+    made the process's memory grow by several slabs (freed blocks the allocator kept). Each
+    chunk is an array that owns a reference to its memory, so a chunk kept keeps that memory
+    alive.
 
     Args:
         arr: Any array; framework tensors come as numpy views of their memory (same strides).
@@ -237,7 +252,7 @@ def copied_slabs(
             yield piece.reshape(-1).view(np.uint8)
         else:
             nbytes = piece.nbytes
-            if following is None or nbytes < _WRITEV_BYTES:
+            if not reuse_all and (following is None or nbytes < _WRITEV_BYTES):
                 out = np.empty(nbytes, np.uint8)
             else:
                 if buffer is None or buffer.nbytes < nbytes:
@@ -397,7 +412,14 @@ class NumpyAdapter:
         whole = _whole_bytes(tensor)
         if whole is not None:
             return TensorData(name, dtype, shape, (whole,).__iter__, tensor, whole)
-        return TensorData(name, dtype, shape, _array_slabs(tensor), keepalive=tensor)
+        return TensorData(
+            name,
+            dtype,
+            shape,
+            _array_slabs(tensor),
+            keepalive=tensor,
+            reused=slabs_reused(tensor.nbytes),
+        )
 
 
 _ADAPTER_MODULES: Final = {

@@ -10,7 +10,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from ._adapter import copied_slabs, invalid_tensor_error
+from ._adapter import copied_slabs, invalid_tensor_error, slabs_reused
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
 from ._errors import DeviceError, DTypeNotSupportedError, SerializeError
@@ -442,7 +442,7 @@ class TorchAdapter:
                 # copy of the whole tensor added its size to the save's peak memory. Each slab
                 # is yielded as an array that owns a reference to it, so that a consumer that
                 # keeps a chunk (small ones are gathered) keeps its memory alive.
-                yield from _slabs(t.detach())
+                yield from _slabs(t.detach(), reuse_all=reused)
                 return
             nbytes = t.numel() * t.element_size()
             if nbytes == 0:
@@ -452,17 +452,24 @@ class TorchAdapter:
             # Keep `t` alive until the consumer has written the bytes.
             del t
 
-        return TensorData(name, dtype, shape, chunks, keepalive=tensor)
+        # Set before any chunk is made: a CPU tensor whose memory is not in file order is
+        # copied a slab at a time, every slab through one buffer where it is large.
+        reused = (
+            tensor.device.type == "cpu"
+            and not source.is_contiguous()
+            and slabs_reused(tensor.numel() * tensor.element_size())
+        )
+        return TensorData(name, dtype, shape, chunks, keepalive=tensor, reused=reused)
 
 
-def _slabs(tensor: torch.Tensor) -> Iterator[np.ndarray]:
+def _slabs(tensor: torch.Tensor, *, reuse_all: bool = False) -> Iterator[np.ndarray]:
     """The bytes of a CPU tensor in row-major order, a slab at a time (see
     :func:`copied_slabs`), copied by torch through a numpy view of its bits."""
     bits = _BITS_BY_SIZE.get(tensor.element_size())
     # Integers of the element's size: any dtype's bits (float8, float4 pairs, bool) as a
     # numpy dtype; complex128, the one 16-byte type, numpy has as it is.
     view = (tensor if bits is None else tensor.view(bits)).numpy()
-    return copied_slabs(view, _torch_copy)
+    return copied_slabs(view, _torch_copy, reuse_all=reuse_all)
 
 
 #: Integer types by element size: copies of raw bits (any dtype, float4 and float8 included,

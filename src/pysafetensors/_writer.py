@@ -158,12 +158,12 @@ def _ordered_chunks(
                 break
             if not view.nbytes:
                 continue
-            if reused:
-                if view.nbytes < _WRITEV_BYTES:
-                    view = memoryview(bytes(view))
-                yield view, False
-            else:
-                yield view, got == info.nbytes
+            if reused and view.nbytes < _WRITEV_BYTES:
+                view = memoryview(bytes(view))
+            yield view, not reused and got == info.nbytes
+            # Not held while the next chunk is made: a tensor's last chunk kept the producer's
+            # buffer alive until the next tensor's was allocated (two buffers at the peak).
+            del chunk, view
         if got != info.nbytes:
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}invalid shape, data type, or offset for tensor "
@@ -290,6 +290,7 @@ def write_layout(
             batch, batch_bytes = [], 0
         for start in range(0, size, piece):
             flush([view[start : start + piece]])
+        del view  # written: let its memory go before the next chunk is made (see above)
     flush(batch)
 
 

@@ -83,4 +83,6 @@ def test_copies_do_not_add_the_model_s_size_to_the_peak(tmp_path: Path, how: str
             save_model_sharded(model, sys.argv[2], "100MB")
     """
     grew = peak_growth_kib(setup, action, how, str(tmp_path / "out"))
-    assert grew < 64 * 1024, f"grew by {grew} KiB"
+    # One 16 MiB slab buffer: ~18 MiB measured; 34 MiB while each tensor's last slab had
+    # memory of its own and the previous tensor's buffer was still held.
+    assert grew < 26 * 1024, f"grew by {grew} KiB"
