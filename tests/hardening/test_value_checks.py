@@ -46,11 +46,14 @@ def _expected(value: np.ndarray, data_offset: int) -> tuple[int, int, int | None
     return int(nan.sum()), int(inf.sum()), first
 
 
+@pytest.mark.parametrize("sub_chunks", [False, True])
 @pytest.mark.parametrize("code", list(FLOATS))
 def test_value_checks_count_exactly_across_chunks(
-    tmp_path: Path, code: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, code: str, sub_chunks: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(validate_mod, "CHUNK_BYTES", 48)  # many chunks, none splitting one
+    if sub_chunks:  # each chunk looked at in two halves
+        monkeypatch.setattr(validate_mod, "_SUB_CHUNK_BYTES", 24)
     rng = np.random.default_rng(len(code))
     dtype = FLOATS[code]
     tensors: dict[str, np.ndarray] = {}
