@@ -36,6 +36,15 @@ _t.save(_sd, "pytorch_model.bin")
 import os as _os
 _os.makedirs("src_dir", exist_ok=True)
 _t.save({"w": _t.ones(2, 2)}, "src_dir/pytorch_model.bin")
+import argparse as _argparse
+class Config:  # pickled as __main__.Config, as a training script's own class is
+    lr = 0.1
+import sys as _sys
+_sys.modules["__main__"].Config = Config  # where pickle looks the class up
+_t.save(
+    {"model": {"w": _t.ones(2)}, "args": _argparse.Namespace(lr=0.1), "config": Config()},
+    "checkpoint.pt",
+)
 """,
 }
 
@@ -94,7 +103,9 @@ assert sorted(part) == ["step", "weight"]
 assert rows.shape == (128, 16)
 """,
     "report = convert_file(": """
-assert report.dropped == {"lm_head.weight": "embed.weight"}, report.dropped
+assert report.skipped_objects == {"args": "argparse.Namespace", "config": "__main__.Config"}
+with safe_open("model.safetensors", framework="pt") as _f:
+    assert _f.keys() == ["model.w"]
 with safe_open("dst_dir", framework="pt") as _f:
     assert _f.keys() == ["w"]
 """,
