@@ -146,6 +146,10 @@ class Unconvertible:
         )
 
 
+#: How protocol 0 and 1 pickles build a plain object of a class (``copyreg.__reduce_ex__``).
+_RECONSTRUCTOR: Final = "copyreg._reconstructor"
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class SkippedObject:
     """An object of a global the converter does not know, kept as an inert placeholder
@@ -425,10 +429,21 @@ class TorchPolicy:
             f"global {full} is not on the allow-list", full, offset, skippable=skippable
         )
 
-    def skip_call(self, func: SkippedObject, offset: int) -> SkippedObject:
+    def skip_call(self, func: SkippedObject, offset: int, args: Any = None) -> SkippedObject:
         """What calling (or building) a placeholder makes: another placeholder of the same
-        name. The arguments are dropped: nothing is called, no tensor in them is converted."""
+        name. The arguments are dropped: nothing is called, no tensor in them is converted.
+
+        A protocol 0 or 1 pickle builds a plain object as ``copyreg._reconstructor(cls,
+        object, None)``: its placeholder is named after ``cls`` when that is a placeholder too,
+        as the class is what a report of it should name (protocol 2 names it directly)."""
         self.budget.grow(1, 0, offset)
+        if (
+            func.name == _RECONSTRUCTOR
+            and type(args) is tuple
+            and args
+            and isinstance(args[0], SkippedObject)
+        ):
+            return SkippedObject(args[0].name, offset)
         return SkippedObject(func.name, offset)
 
     def skip_value(self, name: str, message: str, offset: int) -> SkippedObject:
@@ -463,7 +478,7 @@ class TorchPolicy:
     def reduce(self, func: Any, args: Any, offset: int, opcode: str) -> Any:
         """Dispatch a call on a stand-in to our own handler for that exact name."""
         if isinstance(func, SkippedObject):
-            return self.skip_call(func, offset)
+            return self.skip_call(func, offset, args)
         if not isinstance(func, Stand):
             raise unsafe_global(f"{opcode} on a non-callable {type(func).__name__}", None, offset)
         if opcode in ("NEWOBJ_EX", "INST", "OBJ") or (

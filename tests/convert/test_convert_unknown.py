@@ -526,3 +526,28 @@ def test_random_nested_checkpoints_match_torch_load(
         assert glob in report.unknown_globals
         if where in report.non_tensors:  # else inside a leaf (a list without tensors)
             assert report.non_tensors[where] == f"<skipped {glob}>"
+
+
+class _Plain:
+    """A plain class, pickled by reference to this module (as a script's config is)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+@pytest.mark.parametrize("protocol", [1, 2])
+def test_low_protocol_objects_are_named_after_their_class(tmp_path: Path, protocol: int) -> None:
+    # Below protocol 2 a plain object is pickled as copyreg._reconstructor(cls, object, None):
+    # the report named that helper, not the class the user has to look for.
+    torch = pytest.importorskip("torch")
+    torch.save(
+        {"w": torch.ones(3), "cfg": _Plain(1), "cfgs": [_Plain(2)]},
+        tmp_path / "p.pt",
+        pickle_protocol=protocol,
+    )
+    report = convert_file(tmp_path / "p.pt", tmp_path / "p.safetensors", unknown="skip")
+    cls = f"{__name__}._Plain"
+    assert report.tensors == ["w"]
+    assert report.skipped_objects == {"cfg": cls, "cfgs.0": cls}
+    assert report.non_tensors["cfg"] == f"<skipped {cls}>"
+    assert cls in report.unknown_globals
