@@ -125,6 +125,11 @@ def _key_text(key: Any, prefix: str = "") -> str:
         )
     if type(key) in (int, bool) or key is None:
         return str(key)
+    if isinstance(key, SkippedObject):  # its class, not the placeholder's
+        where = f" under {prefix!r}" if prefix else ""
+        raise bad_checkpoint(
+            f"state dict key{where} is a skipped {key.name} object, which cannot name a tensor"
+        )
     raise bad_checkpoint(f"state dict key of type {type(key).__name__} cannot name a tensor")
 
 
@@ -318,7 +323,8 @@ class Skipped:
 
     objects: dict[str, str] = field(default_factory=dict)
     """Where each placeholder sits in the state dict, by dotted name (a placeholder inside a
-    set, or a dict key, is listed under its container's name), and the global it stands for;
+    set, a dict key, or one nested over 16 levels deep is listed under its container's name),
+    and the global it stands for;
     at most :data:`MAX_SKIPPED_LISTED`, in state dict order."""
     globals: list[str] = field(default_factory=list)
     """Every global skipped, sorted, wherever it was (also inside other skipped objects)."""
@@ -327,31 +333,46 @@ class Skipped:
     objects' state): not converted."""
 
 
+#: Levels of the non-tensor values named in :attr:`Skipped.objects` (as many as their
+#: renderings show).
+_NAMED_LEVELS: Final = 16
+
+
 def _skipped_paths(leaves: dict[str, Any]) -> dict[str, str]:
     """Where the placeholders sit inside the non-tensor leaves, by dotted name.
 
-    Bounded as the renderings of the leaves are (:data:`MAX_LEAF_NODES` values walked, 16
-    levels) and in the characters of the names made, since containers shared many times over
-    are walked once per path to them.
+    Bounded as the renderings of the leaves are (:data:`MAX_LEAF_NODES` values walked) and in
+    the characters of the names made, since containers shared many times over are walked once
+    per path to them. Names stop growing at :data:`_NAMED_LEVELS` levels: a placeholder deeper
+    than that is listed under its container at that level (else it was not listed at all, and
+    the report said there was none).
     """
     found: dict[str, str] = {}
     nodes, chars = MAX_LEAF_NODES, MAX_NAME_CHARS
     for name, value in leaves.items():
         todo: list[tuple[str, Any, int]] = [(name, value, 0)]
+        deep: set[int] = set()
         while todo and nodes > 0 and chars > 0 and len(found) < MAX_SKIPPED_LISTED:
             path, v, depth = todo.pop()
             nodes -= 1
             if isinstance(v, SkippedObject):
                 found.setdefault(path, v.name)
                 continue
-            if depth >= 16 or type(v) not in (dict, list, tuple, set, frozenset):
+            if type(v) not in (dict, list, tuple, set, frozenset):
                 continue
+            named = depth < _NAMED_LEVELS
+            if not named:
+                # Below the named levels one walk of each container is enough (every path to
+                # it names the same container): a list that holds itself ends here.
+                if id(v) in deep:
+                    continue
+                deep.add(id(v))
             children: list[tuple[str, Any, int]] = []
             if type(v) is dict:
                 for k, x in v.items():
                     if isinstance(k, SkippedObject):
                         children.append((path, k, depth + 1))
-                    text = f"{path}.{_leaf_key_text(k)}"
+                    text = f"{path}.{_leaf_key_text(k)}" if named else path
                     chars -= len(text)
                     children.append((text, x, depth + 1))
                     if len(children) > nodes:
@@ -360,7 +381,7 @@ def _skipped_paths(leaves: dict[str, Any]) -> dict[str, str]:
                 for i, x in enumerate(v):
                     if len(children) > nodes:
                         break
-                    text = f"{path}.{i}"
+                    text = f"{path}.{i}" if named else path
                     chars -= len(text)
                     children.append((text, x, depth + 1))
             else:

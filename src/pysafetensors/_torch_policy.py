@@ -689,6 +689,8 @@ def _outline(value: Any, levels: int) -> str:
         return f"{kind.__name__}({body})"
     if isinstance(value, (Stand, StorageRef, TensorRef)):
         return repr(value)
+    if isinstance(value, SkippedObject):  # as the non-tensor values show it
+        return f"<skipped {value.name}>"
     return f"<{kind.__name__}>"
 
 

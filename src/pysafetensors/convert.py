@@ -111,9 +111,9 @@ class ConversionReport:
     our own reading of the checkpoint), or None when not verified."""
     skipped_objects: dict[str, str] = field(default_factory=dict)
     """``unknown="skip"``: where each unknown object sat, ``{dotted name: global}``, e.g.
-    ``{"args": "argparse.Namespace"}`` (an object inside a set or used as a dict key is listed
-    under its container's name). They are among :attr:`non_tensors` too, as
-    ``"<skipped argparse.Namespace>"``."""
+    ``{"args": "argparse.Namespace"}`` (an object inside a set, used as a dict key, or nested
+    over 16 levels deep is listed under its container's name). They are among
+    :attr:`non_tensors` too, as ``"<skipped argparse.Namespace>"``."""
     unknown_globals: list[str] = field(default_factory=list)
     """``unknown="skip"``: every global skipped, sorted, also those only inside other skipped
     objects' state."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pysafetensors import UnsafePickleError, safe_open
+from pysafetensors import CheckpointError, UnsafePickleError, safe_open
 from pysafetensors._torch_pickle import load_checkpoint
 from pysafetensors.convert import convert_file, convert_folder, verify_conversion
 from pysafetensors.numpy import load_file
@@ -480,6 +480,30 @@ def test_skipped_objects_inside_sets_and_keys(tmp_path: Path) -> None:
     make_zip(tmp_path / "k.pt", state_dict([("w", tensor()), ("meta", leaf)]))
     report = convert_file(tmp_path / "k.pt", tmp_path / "k.safetensors", unknown="skip")
     assert report.skipped_objects == {"meta.a": "mylib.Thing", "meta": "mylib.Thing"}
+    # A placeholder key is named by its class in the names of the values (not "<SkippedObject>").
+    assert report.skipped_non_tensors == ["meta.a", "meta.<skipped mylib.Thing>"]
+    # A placeholder key over a tensor: refused, naming the class.
+    make_zip(tmp_path / "t.pt", state_dict([("d", b"}" + thing + tensor() + b"s")]))
+    with pytest.raises(CheckpointError, match=r"under 'd' is a skipped mylib\.Thing object"):
+        convert_file(tmp_path / "t.pt", tmp_path / "t.safetensors", unknown="skip")
+
+
+def test_deeply_nested_skipped_objects_are_listed(tmp_path: Path) -> None:
+    # 1000 lists deep: listed under the list 16 levels down (it was not listed at all, and the
+    # command said there was none); a list holding itself is walked once below that level.
+    thing = P.g("mylib", "Thing") + b")\x81"
+    deep = b"(" * 1000 + thing + b"l" * 1000
+    cycle = b"]q\x00h\x00a" + thing + b"a"
+    make_zip(tmp_path / "d.pt", state_dict([("w", tensor()), ("deep", deep), ("c", cycle)]))
+    report = convert_file(tmp_path / "d.pt", tmp_path / "d.safetensors", unknown="skip")
+    assert report.skipped_objects["deep" + ".0" * 16] == "mylib.Thing"
+    assert report.skipped_objects["c.1"] == "mylib.Thing"
+    assert set(report.skipped_objects.values()) == {"mylib.Thing"}
+    assert all(len(k.split(".")) <= 17 for k in report.skipped_objects)
+    res = _cli("convert", "--skip-unknown", str(tmp_path / "d.pt"), str(tmp_path / "e.safetensors"))
+    assert res.returncode == 0, res.stderr
+    assert "(none in the converted part)" not in res.stdout
+    assert "deep" + ".0" * 16 + " (mylib.Thing)" in res.stdout
 
 
 def test_legacy_format_and_folders(written: Any, tmp_path: Path) -> None:
