@@ -67,6 +67,7 @@ from ._torch_policy import (
 )
 
 __all__ = [
+    "SKIPPED_WHOLE",
     "Checkpoint",
     "Skipped",
     "StorageRef",
@@ -77,6 +78,8 @@ __all__ = [
     "sniff",
 ]
 
+#: The ``kind`` of the error for a checkpoint that is one skipped object as a whole.
+SKIPPED_WHOLE: Final = "SkippedWholeCheckpoint"
 LEGACY_PROTOCOL: Final = 1001
 #: Largest object pickle read into memory.
 MAX_PICKLE_BYTES: Final = 1 << 30
@@ -207,9 +210,10 @@ def _flatten(
     if isinstance(root, Unconvertible):
         raise root.refusal(None)
     if isinstance(root, SkippedObject):
-        raise bad_checkpoint(
+        raise CheckpointError(
             f"the checkpoint is a {root.name} object, not a state dict: skipped, it leaves "
-            "nothing to convert (its tensors are reached only by running its code)"
+            "nothing to convert (any tensors in it are reached only by running its code)",
+            kind=SKIPPED_WHOLE,
         )
     if isinstance(root, TensorRef):
         raise bad_checkpoint(

@@ -31,6 +31,7 @@ Globals the scanner grades dangerous (``os.system``, ``builtins.eval``...) are r
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -59,7 +60,7 @@ from ._errors import (
 from ._format import N_LEN, parse_header, parse_header_length
 from ._mapped_pages import drop_mapped_pages, file_mappings
 from ._sources import check_regular, open_regular_file
-from ._torch_pickle import Checkpoint, TensorRecord, load_checkpoint, plan_shared
+from ._torch_pickle import SKIPPED_WHOLE, Checkpoint, TensorRecord, load_checkpoint, plan_shared
 from ._writer import TensorData, write_file
 
 __all__ = [
@@ -130,6 +131,10 @@ class FolderReport:
     """One report per converted checkpoint."""
     index: str | None = None
     """The ``model.safetensors.index.json`` written, if the source was sharded."""
+    left_out: dict[str, str] = field(default_factory=dict)
+    """``unknown="skip"``: checkpoints not converted because each is one object of an unknown
+    class as a whole (a Trainer's ``training_args.bin``, a whole optimizer), ``{path: why}``.
+    Never a shard of the index or a ``pytorch_model*`` file: those are the model."""
 
 
 Unknown = Literal["error", "skip"]
@@ -673,7 +678,10 @@ def convert_folder(
     All or nothing: every input is checked to exist and open first, the outputs are written to
     a temporary folder inside ``dst_dir`` and moved into place (the index last) only once every
     file converted. On failure ``dst_dir`` keeps what it held (and is removed again if this
-    call created it), and the error names the checkpoint that failed.
+    call created it), and the error names the checkpoint that failed. With ``unknown="skip"``,
+    a checkpoint beside the model that is one object of an unknown class as a whole (a
+    Trainer's ``training_args.bin``, a whole optimizer) is left out instead
+    (:attr:`FolderReport.left_out`); an index shard or ``pytorch_model*`` file never is.
 
     Args:
         src_dir: Folder holding the checkpoints.
@@ -746,8 +754,27 @@ def convert_folder(
             (os.path.join(src_s, n), os.path.join(work, o))
             for n, o in zip(names, outs, strict=True)
         ]
-        results = _run_jobs(jobs, executor, progress, kwargs, dst_s)
+        # With unknown="skip", a file beside the model that pickles one object as a whole (a
+        # Trainer folder always holds training_args.bin) is left out rather than failing the
+        # folder; the model's own files must convert.
+        leavable = {
+            s
+            for (s, _), n in zip(jobs, names, strict=True)
+            if kwargs.get("unknown") == "skip"
+            and index is None
+            and not n.startswith("pytorch_model")
+        }
+        done = _run_jobs(jobs, executor, progress, kwargs, dst_s, leavable)
+        results = [r for r in done if isinstance(r, ConversionReport)]
         report = FolderReport(files=results)
+        report.left_out = {
+            s: str(r) for (s, _), r in zip(jobs, done, strict=True) if type(r) is str
+        }
+        if not results:
+            raise CheckpointError(
+                f"{src_s}: nothing converted: every checkpoint is one object of an unknown "
+                f"class as a whole ({', '.join(sorted(map(os.path.basename, report.left_out)))})"
+            )
         index_tmp: str | None = None
         if index is not None:
             index_tmp = _write_index(index, results, work)
@@ -805,12 +832,17 @@ def _run_jobs(
     progress: Callable[[str, int, int], None] | None,
     kwargs: dict[str, Any],
     dst_dir: str,
-) -> list[ConversionReport]:
-    results: list[ConversionReport] = []
+    leavable: set[str],
+) -> list[ConversionReport | str]:
+    """Each job's report, or for a checkpoint of ``leavable`` that is one skipped object as a
+    whole, why it was left out."""
+    results: list[ConversionReport | str] = []
     if executor is None:
         for i, (s, d) in enumerate(jobs):
             try:
-                results.append(convert_file(s, d, **kwargs))
+                results.append(
+                    _left_out_or_raise(functools.partial(convert_file, s, d, **kwargs), s, leavable)
+                )
             except WriteError as exc:
                 raise _user_facing(exc, s, dst_dir) from exc
             if progress is not None:
@@ -822,7 +854,7 @@ def _run_jobs(
     try:
         for i, fut in enumerate(futures):
             try:
-                results.append(fut.result())
+                results.append(_left_out_or_raise(fut.result, jobs[i][0], leavable))
             except WriteError as exc:
                 raise _user_facing(exc, jobs[i][0], dst_dir) from exc
             if progress is not None:
@@ -834,6 +866,20 @@ def _run_jobs(
         wait(futures)
         raise
     return results
+
+
+def _left_out_or_raise(
+    call: Callable[[], ConversionReport], src: str, leavable: set[str]
+) -> ConversionReport | str:
+    """``call()``'s report, or where ``src`` is ``leavable`` and is one skipped object as a
+    whole, why it was left out."""
+    try:
+        return call()
+    except CheckpointError as exc:
+        if src not in leavable or exc.kind != SKIPPED_WHOLE:
+            raise
+        text = str(exc)
+        return text[len(src) + 2 :] if text.startswith(f"{src}: ") else text
 
 
 def _write_index(index: dict[str, Any], results: list[ConversionReport], folder: str) -> str:

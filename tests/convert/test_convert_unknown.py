@@ -575,3 +575,56 @@ def test_low_protocol_objects_are_named_after_their_class(tmp_path: Path, protoc
     assert report.skipped_objects == {"cfg": cls, "cfgs.0": cls}
     assert report.non_tensors["cfg"] == f"<skipped {cls}>"
     assert cls in report.unknown_globals
+
+
+def test_trainer_folder_leaves_out_files_that_are_one_object(tmp_path: Path) -> None:
+    # A Trainer checkpoint folder always holds training_args.bin (one pickled dataclass), often
+    # a whole optimizer: with skip, those files failed the whole folder.
+    torch = pytest.importorskip("torch")
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = tmp_path / "checkpoint-500"
+    src.mkdir()
+    model = torch.nn.Linear(3, 2)
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    torch.save(torch.optim.SGD(model.parameters(), lr=0.1), src / "optimizer.pt")
+    torch.save(_Plain(3), src / "training_args.bin")
+    torch.save({"last_epoch": 1, "base_lrs": [0.1]}, src / "scheduler.pt")
+    with pytest.raises(UnsafePickleError):
+        convert_folder(src, tmp_path / "err")
+    pool = ThreadPoolExecutor(2)
+    for executor in (None, pool):
+        dst = tmp_path / f"out-{executor is None}"
+        folder = convert_folder(src, dst, unknown="skip", executor=executor)
+        assert sorted(p.name for p in dst.iterdir()) == [
+            "model.safetensors",
+            "scheduler.safetensors",
+        ]
+        assert [Path(r.src).name for r in folder.files] == ["pytorch_model.bin", "scheduler.pt"]
+        assert sorted(Path(p).name for p in folder.left_out) == [
+            "optimizer.pt",
+            "training_args.bin",
+        ]
+        assert "torch.optim.sgd.SGD object" in folder.left_out[str(src / "optimizer.pt")]
+        assert load_file(dst / "model.safetensors")["weight"].tobytes() == bytes(
+            model.weight.detach().numpy()
+        )
+    pool.shutdown()
+    res = _cli("convert", "--skip-unknown", "--json", str(src), str(tmp_path / "cli"))
+    assert res.returncode == 0, res.stderr
+    assert sorted(Path(p).name for p in json.loads(res.stdout)["left_out"]) == [
+        "optimizer.pt",
+        "training_args.bin",
+    ]
+    res = _cli("convert", "--skip-unknown", str(src), str(tmp_path / "cli2"))
+    assert f"{src / 'training_args.bin'}: left out, the checkpoint is a" in res.stdout
+    # The model's own file is never left out; nor is a folder with nothing else converted.
+    torch.save(model, src / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: the checkpoint is a"):
+        convert_folder(src, tmp_path / "whole", unknown="skip")
+    (src / "pytorch_model.bin").unlink()
+    (src / "scheduler.pt").unlink()
+    with pytest.raises(CheckpointError, match="nothing converted") as exc:
+        convert_folder(src, tmp_path / "none", unknown="skip")
+    assert "optimizer.pt, training_args.bin" in str(exc.value)
+    assert not (tmp_path / "whole").exists() and not (tmp_path / "none").exists()

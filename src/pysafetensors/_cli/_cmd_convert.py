@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         "unknown": "skip" if args.skip_unknown else "error",
     }
     index = None
+    left_out: dict[str, str] = {}
     # Folders created for the output are removed again (when still empty) if convert fails.
     with OutputFolders() as folders:
         if os.path.isdir(args.src):
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                 # A folder with no checkpoint is a target that cannot be read (exit 2), as
                 # for every other command, not a malformed file.
                 raise UsageError(str(exc)) from None
-            reports, index = folder.files, folder.index
+            reports, index, left_out = folder.files, folder.index, folder.left_out
         else:
             make_parent(args.dst, folders)
             # The same bar as every other command: after a second of work, on a terminal only.
@@ -128,7 +129,14 @@ def run(args: argparse.Namespace) -> int:
             json.dumps([r.__dict__ for r in reports], default=str), parse_constant=lambda _: None
         )
         print_json(
-            {"schema": SCHEMA, "src": args.src, "dst": args.dst, "index": index, "files": files}
+            {
+                "schema": SCHEMA,
+                "src": args.src,
+                "dst": args.dst,
+                "index": index,
+                "files": files,
+                "left_out": left_out,
+            }
         )
     elif not args.quiet:
         for r in reports:
@@ -146,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
                 why = " (their names are metadata keys)" if r.kept_non_tensors else ""
                 print(f"  skipped non-tensor values{why}: {skipped}")
             _print_skipped_objects(r)
+        for path, why in left_out.items():
+            print(f"{sanitize(path)}: left out, {sanitize(why)}")
     return 0
 
 
