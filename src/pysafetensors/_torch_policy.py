@@ -522,7 +522,13 @@ class TorchPolicy:
     def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
         """Turn ``("storage", type, key, location, numel[, view])`` into a StorageRef."""
         if opcode != "BINPERSID":
-            raise bad_checkpoint("text persistent ids (PERSID) are not written by torch", offset)
+            # torch.save(..., pickle_protocol=0) writes them (str() of the storage tuple),
+            # and torch.load refuses them too ("saved_id must be a tuple").
+            raise bad_checkpoint(
+                "text persistent ids (PERSID, written by torch.save with pickle_protocol=0) "
+                "do not name a storage; torch.load cannot read them either",
+                offset,
+            )
         arity = 6 if self.legacy else 5
         if type(pid) is not tuple or len(pid) != arity or pid[0] != "storage":
             raise bad_checkpoint(

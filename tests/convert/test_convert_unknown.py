@@ -628,3 +628,15 @@ def test_trainer_folder_leaves_out_files_that_are_one_object(tmp_path: Path) -> 
         convert_folder(src, tmp_path / "none", unknown="skip")
     assert "optimizer.pt, training_args.bin" in str(exc.value)
     assert not (tmp_path / "whole").exists() and not (tmp_path / "none").exists()
+
+
+def test_protocol_0_checkpoints_are_refused_for_what_they_are(tmp_path: Path) -> None:
+    # torch.save with pickle_protocol=0 writes text persistent ids, which neither torch.load
+    # nor the converter can read: the error said torch never writes them.
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.ones(2)}, tmp_path / "p0.pt", pickle_protocol=0)
+    with pytest.raises(CheckpointError, match="pickle_protocol=0") as exc:
+        convert_file(tmp_path / "p0.pt", tmp_path / "p0.safetensors", unknown="skip")
+    assert "not written by torch" not in str(exc.value)
+    with pytest.raises(Exception, match="saved_id must be a tuple"):
+        torch.load(tmp_path / "p0.pt", weights_only=False)
