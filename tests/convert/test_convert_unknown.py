@@ -217,7 +217,7 @@ def test_error_mode_refuses_with_a_hint(written: Any, tmp_path: Path) -> None:
     assert res.returncode == 1 and not dst.exists()
     lines = res.stderr.splitlines()
     assert lines[0].startswith("error: ") and "torch.optim.adamw.AdamW" in lines[0]
-    assert lines[1].startswith("hint: --skip-unknown converts the tensors")
+    assert lines[1].startswith("hint: --skip-unknown leaves out objects of unknown classes ")
 
 
 def test_main_classes_are_unknown_not_dunder_lookups(tmp_path: Path) -> None:

@@ -89,8 +89,11 @@ def _unsafe_pickle_hint(exc: UnsafePickleError, skipping: bool) -> None:
     """Say what ``--skip-unknown`` would do about a refused checkpoint."""
     if exc.skippable and not skipping:
         hint = (
-            "--skip-unknown converts the tensors without this object (nothing of it is run; "
-            "tensors inside it are left out)"
+            # Only the first refusal is known here: a dangerous global later in the file, or
+            # a file that is this one object and nothing else, still fails with the flag.
+            "--skip-unknown leaves out objects of unknown classes like this one (nothing of "
+            "them is run; tensors inside them are left out) and converts the rest, unless "
+            "something else in the file is refused in any case"
         )
     elif not exc.skippable:
         hint = (
