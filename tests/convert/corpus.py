@@ -128,6 +128,30 @@ ZIP_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
 ZIP_END = struct.Struct("<4sHHHHIIH")
 
 
+def big_endian_copy(little: Path, big: Path) -> None:
+    """Write ``little`` (a ``torch.save`` zip) to ``big`` as a big-endian machine writes it:
+    ``byteorder`` says ``big`` and every storage's elements are byte-swapped (a complex
+    number's two halves each on its own)."""
+    import numpy as np
+
+    from pysafetensors._torch_pickle import load_checkpoint
+
+    with load_checkpoint(little) as ck:
+        units = {
+            r.storage_key: r.itemsize // (2 if r.dtype.code == "C64" else 1)
+            for r in ck.tensors.values()
+        }
+    with zipfile.ZipFile(little) as zin, zipfile.ZipFile(big, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            rel = info.filename.split("/", 1)[1]
+            if rel == "byteorder":
+                data = b"big"
+            elif rel.startswith("data/"):
+                data = np.frombuffer(data, f"<u{units[rel[5:]]}").byteswap().tobytes()
+            zout.writestr(info.filename, data)
+
+
 def zip_local(name: str, data: bytes) -> bytes:
     """A STORED member's local header (UTF-8 name, CRC computed) followed by its bytes."""
     n, crc, size = name.encode(), zlib.crc32(data), len(data)

@@ -20,6 +20,8 @@ from conftest import peak_growth_kib  # noqa: E402
 from pysafetensors._torch_pickle import load_checkpoint  # noqa: E402
 from pysafetensors.convert import convert_file  # noqa: E402
 
+from .corpus import big_endian_copy  # noqa: E402
+
 
 def _state() -> dict[str, Any]:
     """Tensors of every path through the reader: contiguous (several chunks, a tail shorter
@@ -41,24 +43,6 @@ def _state() -> dict[str, Any]:
     }
 
 
-def _big_endian(little: Path, big: Path) -> None:
-    """``little`` as a big-endian machine's torch.save writes it."""
-    with load_checkpoint(little) as ck:
-        units = {
-            r.storage_key: r.itemsize // (2 if r.dtype.code == "C64" else 1)
-            for r in ck.tensors.values()
-        }
-    with zipfile.ZipFile(little) as zin, zipfile.ZipFile(big, "w") as zout:
-        for info in zin.infolist():
-            data = zin.read(info)
-            rel = info.filename.split("/", 1)[1]
-            if rel == "byteorder":
-                data = b"big"
-            elif rel.startswith("data/"):
-                data = np.frombuffer(data, f"<u{units[rel[5:]]}").byteswap().tobytes()
-            zout.writestr(info.filename, data)
-
-
 def _deflated(src: Path, dst: Path) -> None:
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
         for info in zin.infolist():
@@ -69,7 +53,7 @@ def _checkpoint(tmp_path: Path, kind: str) -> Path:
     src = tmp_path / "plain.pt"
     torch.save(_state(), src, _use_new_zipfile_serialization=kind != "legacy")
     if kind == "big-endian":
-        _big_endian(src, tmp_path / "big.pt")
+        big_endian_copy(src, tmp_path / "big.pt")
         return tmp_path / "big.pt"
     if kind == "deflated":
         _deflated(src, tmp_path / "deflated.pt")
