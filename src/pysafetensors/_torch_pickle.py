@@ -42,6 +42,7 @@ from ._dtypes import DType, dtype_from_code
 from ._errors import CheckpointError
 from ._pickle_vm import LIMIT, TRUNCATED, Limits, Result
 from ._torch_archive import CHUNK, BoundedFile, Buffer, FileBytes, ZipView, open_zip
+from ._torch_modules import ModuleViews
 from ._torch_policy import (
     LEGACY_MAGIC,
     LEGACY_MAGIC_OPS,
@@ -201,14 +202,28 @@ def _safe_key(key: Any) -> str:
 
 
 def _flatten(
-    root: Any, skipped_keys: dict[str, str] | None = None
+    root: Any,
+    skipped_keys: dict[str, str] | None = None,
+    modules: dict[str, str] | None = None,
 ) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
     """Walk the graph iteratively, with a depth cap and cycle detection. Placeholders used as
-    keys of the dicts walked are put in ``skipped_keys``, under the dict's name."""
+    keys of the dicts walked are put in ``skipped_keys``, under the dict's name.
+
+    A placeholder whose state is an ``nn.Module``'s (skip mode: a whole pickled model, as the
+    checkpoint or as a value in it) is walked as its ``state_dict()`` would be, through its
+    view (:mod:`._torch_modules`); where each such module sat is put in ``modules``, by
+    dotted name (``""`` for the checkpoint itself), with its class."""
     tensors: list[tuple[str, TensorRef]] = []
     leaves: dict[str, Any] = {}
+    views = ModuleViews()
+    if modules is None:
+        modules = {}
     if isinstance(root, Unconvertible):
         raise root.refusal(None)
+    view = views.of(root)
+    if view is not None:
+        modules[""] = root.name
+        root = view
     if isinstance(root, SkippedObject):
         raise CheckpointError(
             f"the checkpoint is a {root.name} object, not a state dict: skipped, it leaves "
@@ -221,8 +236,8 @@ def _flatten(
         )
     if type(root) is not dict:
         raise bad_checkpoint(f"the checkpoint holds a {type(root).__name__}, not a state dict")
-    contains = _tensor_containers(root)
-    return _ordered(root, contains, tensors, leaves, skipped_keys)
+    contains = _tensor_containers(root, views)
+    return _ordered(root, contains, tensors, leaves, skipped_keys, views, modules)
 
 
 def _ordered(
@@ -231,6 +246,8 @@ def _ordered(
     tensors: list[tuple[str, TensorRef]],
     leaves: dict[str, Any],
     skipped_keys: dict[str, str] | None,
+    views: ModuleViews,
+    modules: dict[str, str],
 ) -> tuple[list[tuple[str, TensorRef]], dict[str, Any]]:
     # Depth-first in key order, iteratively: an explicit stack of iterators.
     stack: list[tuple[str, Iterator[tuple[Any, Any]], int]] = [("", iter(root.items()), 0)]
@@ -250,6 +267,10 @@ def _ordered(
             and len(skipped_keys) < MAX_SKIPPED_LISTED
         ):
             skipped_keys.setdefault(prefix, key.name)
+        module = value if isinstance(value, SkippedObject) else None
+        view = views.of(module)
+        if view is not None:
+            value = view  # walked as the module's state_dict() would be
         # Only a name that leads to a tensor must be one a safetensors file can hold; a float
         # or tuple key of a config value is shown in outline.
         holds = isinstance(value, (TensorRef, Unconvertible)) or id(value) in contains
@@ -269,6 +290,10 @@ def _ordered(
         if isinstance(value, TensorRef):
             tensors.append((name, value))
             continue
+        if module is not None and view is not None:
+            modules[name] = module.name
+            if not view:
+                continue  # a module without parameters or buffers (a ReLU) adds no entry
         nested = (type(value) is dict and value) or (
             type(value) in (list, tuple) and id(value) in contains
         )
@@ -285,8 +310,9 @@ def _ordered(
     return tensors, leaves
 
 
-def _tensor_containers(root: Any) -> set[int]:
-    """ids of the lists/tuples/dicts that (transitively) hold a tensor; iterative, cycle-safe."""
+def _tensor_containers(root: Any, views: ModuleViews) -> set[int]:
+    """ids of the lists/tuples/dicts (and module views) that (transitively) hold a tensor;
+    iterative, cycle-safe."""
     parents: dict[int, list[int]] = {}
     seen: set[int] = set()
     todo = [root]
@@ -299,6 +325,8 @@ def _tensor_containers(root: Any) -> set[int]:
             raise bad_checkpoint("state dict too large to walk")
         values = obj.values() if type(obj) is dict else obj
         for v in values:
+            if isinstance(v, SkippedObject):
+                v = views.of(v)  # a module's view, or a leaf (None)
             if isinstance(v, (TensorRef, Unconvertible)):
                 holders.add(id(obj))
             elif type(v) in (dict, list, tuple):
@@ -335,6 +363,10 @@ class Skipped:
     tensors: int = 0
     """Tensors the pickle built that no name of the state dict reaches (inside skipped
     objects' state): not converted."""
+    modules: dict[str, str] = field(default_factory=dict)
+    """Placeholders walked as ``nn.Module`` objects (a whole pickled model), by the dotted
+    prefix of their entries (``""`` for the checkpoint itself), with their class, in state
+    dict order. Their own ``state_dict`` code is not run: the default rule is applied."""
 
 
 #: Levels of the non-tensor values named in :attr:`Skipped.objects` (as many as their
@@ -752,7 +784,8 @@ def _records(
 ) -> tuple[dict[str, TensorRecord], dict[str, Any], Skipped]:
     """Name every tensor and check it against the storages' real sizes."""
     keys: dict[str, str] = {}
-    named, leaves = _flatten(root, keys)
+    modules: dict[str, str] = {}
+    named, leaves = _flatten(root, keys, modules)
     skipped = Skipped()
     if policy.skipped:
         reached = {id(ref) for _, ref in named}
@@ -760,6 +793,7 @@ def _records(
             {**keys, **_skipped_paths(leaves)},
             sorted(policy.skipped),
             len(policy.built_tensors() - reached),
+            modules,
         )
     if policy.first_unconvertible is not None:
         # Built but not reached as a value of the state dict (a dict key, say): still refused.

@@ -12,7 +12,9 @@ With ``skip_unknown``, a global outside the table that the scanner does not grad
 ``dangerous`` (a user's ``__main__.Config``, an ``argparse.Namespace``) becomes a
 :class:`SkippedObject` instead of an error: an inert placeholder naming it. Calling it, building
 it or filling it keeps the placeholder and drops the arguments, never calling anything; tensors
-built inside those arguments are not reached from the state dict, so they are not converted. A
+built inside those arguments are not reached from the state dict, so they are not converted.
+The one thing a placeholder keeps is the dict state BUILD gives it (an object's attributes), as
+inert data: a whole pickled ``nn.Module`` is converted from it (:mod:`._torch_modules`). A
 ``dangerous`` global is refused in either mode.
 """
 
@@ -150,7 +152,7 @@ class Unconvertible:
 _RECONSTRUCTOR: Final = "copyreg._reconstructor"
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class SkippedObject:
     """An object of a global the converter does not know, kept as an inert placeholder
     (``skip_unknown``): the global itself, or what calling or building it would have made."""
@@ -159,6 +161,10 @@ class SkippedObject:
     """The global's ``module.name``, as the unpickler would import it."""
     offset: int
     """Where in the pickle it was named or called."""
+    state: dict[Any, Any] | None = None
+    """The attributes BUILD gave an object of the class (its ``__dict__``, with its slots),
+    kept as the data they are: where a whole pickled ``nn.Module`` holds its parameters
+    (:mod:`._torch_modules`). None for the global itself and for objects never built."""
 
 
 #: numpy dtypes decoded into real values, as ``numpy.dtype.__reduce__`` writes them (bool,
@@ -503,10 +509,12 @@ class TorchPolicy:
 
     def build(self, obj: Any, state: Any, offset: int) -> Any:
         """BUILD: accepted (and ignored) only on dicts, e.g. an OrderedDict's ``_metadata``,
-        and on placeholders (the state is dropped); a numpy dtype's sets its byte order."""
+        and on placeholders (which keep a dict state as data, see :meth:`_keep_state`); a numpy
+        dtype's sets its byte order."""
         if type(obj) is dict and (state is None or type(state) in (dict, tuple)):
             return obj
         if isinstance(obj, SkippedObject):
+            self._keep_state(obj, state, offset)
             return obj
         if isinstance(obj, NumpyDtype):
             _numpy_dtype_state(obj, state, offset)
@@ -519,8 +527,45 @@ class TorchPolicy:
             raise unsafe_global(f"BUILD changes the attributes of {obj.name}", obj.name, offset)
         raise unsafe_global(f"BUILD on {type(obj).__name__}", None, offset)
 
+    def _keep_state(self, obj: SkippedObject, state: Any, offset: int) -> None:
+        """Keep the attributes BUILD gives an object of an unknown class, as data.
+
+        Only what ``object.__setstate__`` would set is kept: a dict (the ``__dict__``), or a
+        ``(dict or None, slots dict)`` pair, merged into one dict as the attributes they
+        become (a second BUILD on the same object adds to them, charged to the budget as a
+        copy). Nothing is called and nothing new is reachable: every value was already built
+        by the machine from allowed globals or is another placeholder. Any other state (what
+        a class's own ``__setstate__`` would read) is dropped, as is a state given to the
+        global itself (the placeholder every reference to the class shares).
+        """
+        if obj is self.skipped.get(obj.name):
+            return
+        if type(state) is dict:
+            parts: tuple[dict[Any, Any], ...] = (state,)
+        elif (
+            type(state) is tuple
+            and len(state) == 2
+            and (state[0] is None or type(state[0]) is dict)
+            and type(state[1]) is dict
+        ):
+            parts = tuple(p for p in state if p is not None)
+        else:
+            return
+        if obj.state is None and len(parts) == 1:
+            obj.state = parts[0]  # the machine's own dict: nothing copied
+            return
+        merged: dict[Any, Any] = {}
+        for part in (obj.state or {}, *parts):
+            self.budget.grow(0, len(part), offset)
+            merged.update(part)  # keys already hashed by the machine
+        self.budget.grow(1, 0, offset)
+        obj.state = merged
+
     def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
-        """Turn ``("storage", type, key, location, numel[, view])`` into a StorageRef."""
+        """Turn ``("storage", type, key, location, numel[, view])`` into a StorageRef (and in
+        the legacy format, ``("module", class, source file, source)`` into the class)."""
+        if self.legacy and type(pid) is tuple and len(pid) == 4 and pid[0] == "module":
+            return _module_class(pid, offset)
         if opcode != "BINPERSID":
             # torch.save(..., pickle_protocol=0) writes them (str() of the storage tuple),
             # and torch.load refuses them too ("saved_id must be a tuple").
@@ -653,6 +698,29 @@ class TorchPolicy:
         ref = TensorRef(storage, offset + storage.view_offset, size_t, stride_t, tdtype, neg, conj)
         self.tensors.append(ref)
         return ref
+
+
+def _module_class(pid: tuple[Any, ...], offset: int) -> SkippedObject:
+    """The class of a legacy ``("module", class, source file, source)`` persistent id.
+
+    The legacy format names each ``nn.Module`` class of a whole pickled model this way the
+    first time it occurs, with its source code (which torch only compares with the class's
+    current source, to warn). A module class is unknown to the converter: the class is
+    already a placeholder in skip mode and refused before this in the other, so this only
+    hands the placeholder on.
+    """
+    cls, source_file, source = pid[1], pid[2], pid[3]
+    if (
+        not isinstance(cls, SkippedObject)
+        or not (source_file is None or type(source_file) is str)
+        or not (source is None or type(source) is str)
+    ):
+        raise bad_checkpoint(
+            f"legacy module persistent id {short_text(pid)} does not name a module class "
+            f"(at byte {offset})",
+            offset,
+        )
+    return cls
 
 
 def short_text(value: Any) -> str:

@@ -25,7 +25,10 @@ A checkpoint that pickles objects of classes the converter does not know (a scri
 ``__main__.Config``, an ``argparse.Namespace``, an optimizer object) is refused by default;
 ``unknown="skip"`` converts its tensors anyway, with each such object replaced by an inert
 placeholder that nothing calls (:attr:`ConversionReport.skipped_objects` says where they were).
-Globals the scanner grades dangerous (``os.system``, ``builtins.eval``...) are refused either way.
+A whole pickled model (``torch.save(model)``, as the checkpoint or as a value in it) is then
+converted as ``model.state_dict()`` names its tensors, read from the attributes pickled for
+each module (:attr:`ConversionReport.modules`). Globals the scanner grades dangerous
+(``os.system``, ``builtins.eval``...) are refused either way.
 """
 
 from __future__ import annotations
@@ -121,6 +124,12 @@ class ConversionReport:
     skipped_tensors: int = 0
     """``unknown="skip"``: tensors inside skipped objects' state (no state dict name reaches
     them), not converted."""
+    modules: dict[str, str] = field(default_factory=dict)
+    """``unknown="skip"``: the ``nn.Module`` objects of a whole pickled model
+    (``torch.save(model)``) whose tensors were converted as ``module.state_dict()`` names them,
+    ``{dotted prefix: class}`` in state dict order, ``""`` for the model itself. Nothing of
+    theirs ran: a class's own ``state_dict`` hooks, ``_save_to_state_dict`` or
+    ``get_extra_state`` are not honoured (check the classes listed if yours has any)."""
 
 
 @dataclass
@@ -146,12 +155,17 @@ def _check_unknown(unknown: Any) -> None:
         raise ValueError(f"unknown must be 'error' or 'skip', not {unknown!r}")
 
 
-def _under(names: dict[str, Any], subtree: str | None) -> dict[str, Any]:
-    """The entries under ``subtree``, named without its prefix (all of them without one)."""
+def _under(names: dict[str, Any], subtree: str | None, *, itself: bool = False) -> dict[str, Any]:
+    """The entries under ``subtree``, named without its prefix (all of them without one);
+    with ``itself``, the entry named ``subtree`` too, as ``""``."""
     if not subtree:
         return dict(names)
     pre = subtree + "."
-    return {k[len(pre) :]: v for k, v in names.items() if k.startswith(pre)}
+    return {
+        ("" if k == subtree else k[len(pre) :]): v
+        for k, v in names.items()
+        if k.startswith(pre) or (itself and k == subtree)
+    }
 
 
 def _select(tensors: dict[str, TensorRecord], leaves: dict[str, Any], subtree: str | None) -> Any:
@@ -208,7 +222,10 @@ def convert_file(
             inert placeholder (its arguments and state are dropped, nothing is called: tensors
             inside it are not converted) and converts the rest, unless the scanner grades the
             global dangerous (:func:`pysafetensors.scan.grade_pickled_global`), which is
-            refused in both modes. numpy scalars and dtypes are decoded in both modes.
+            refused in both modes. An ``nn.Module`` object (a whole pickled model) is the
+            exception: its tensors are converted under the names ``module.state_dict()``
+            gives them by default (:attr:`ConversionReport.modules`). numpy scalars and dtypes
+            are decoded in both modes.
 
     Returns:
         A :class:`ConversionReport`.
@@ -320,6 +337,7 @@ def _convert_file(
             skipped_objects=_under(ck.skipped.objects, subtree),
             unknown_globals=list(ck.skipped.globals),
             skipped_tensors=ck.skipped.tensors,
+            modules=_under(ck.skipped.modules, subtree, itself=True),
         )
         for name, value in leaves.items():
             # A pickle may hold lone surrogates, which no header can: such names are written

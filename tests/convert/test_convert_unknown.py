@@ -618,8 +618,14 @@ def test_trainer_folder_leaves_out_files_that_are_one_object(tmp_path: Path) -> 
     ]
     res = _cli("convert", "--skip-unknown", str(src), str(tmp_path / "cli2"))
     assert f"{src / 'training_args.bin'}: left out, the checkpoint is a" in res.stdout
-    # The model's own file is never left out; nor is a folder with nothing else converted.
+    # A whole pickled model as the model's file converts as its state_dict() ...
     torch.save(model, src / "pytorch_model.bin")
+    folder = convert_folder(src, tmp_path / "model", unknown="skip")
+    assert folder.files[0].tensors == ["weight", "bias"]
+    assert folder.files[0].modules == {"": "torch.nn.modules.linear.Linear"}
+    # ... but the model's own file is never left out; nor is a folder with nothing else
+    # converted.
+    torch.save(_Plain(4), src / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: the checkpoint is a"):
         convert_folder(src, tmp_path / "whole", unknown="skip")
     (src / "pytorch_model.bin").unlink()

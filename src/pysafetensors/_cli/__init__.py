@@ -92,7 +92,8 @@ def _unsafe_pickle_hint(exc: UnsafePickleError, skipping: bool) -> None:
             # Only the first refusal is known here: a dangerous global later in the file, or
             # a file that is this one object and nothing else, still fails with the flag.
             "--skip-unknown leaves out objects of unknown classes like this one (nothing of "
-            "them is run; tensors inside them are left out) and converts the rest, unless "
+            "them is run; tensors inside them are left out, except an nn.Module's: a whole "
+            "pickled model converts as its state_dict()) and converts the rest, unless "
             "something else in the file is refused in any case"
         )
     elif not exc.skippable:

@@ -54,7 +54,9 @@ def register(subparsers: Any) -> None:
         help=(
             "convert the tensors even if the checkpoint pickles objects of unknown classes "
             "(a script's config, argparse.Namespace, an optimizer object): each is left out, "
-            "nothing of it is run; what the scanner grades dangerous is still refused"
+            "nothing of it is run; what the scanner grades dangerous is still refused. A whole "
+            "pickled model (torch.save(model)) is converted as model.state_dict() names its "
+            "tensors"
         ),
     )
     p.add_argument(
@@ -159,19 +161,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_modules(r: Any) -> None:
+    """The module classes of a whole pickled model that were walked, with how many of each:
+    their own ``state_dict`` code did not run, so a reader can check none of them has any."""
+    if not r.modules:
+        return
+    counts: dict[str, int] = {}
+    for cls in r.modules.values():
+        counts[cls] = counts.get(cls, 0) + 1
+    shown = [f"{sanitize(c)}" + (f" x{n}" if n > 1 else "") for c, n in list(counts.items())[:10]]
+    more = len(counts) - 10
+    listed = ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+    print(
+        f"  whole model: {plural(len(r.modules), 'module')} converted as state_dict() does by "
+        f"default (their own state_dict code is not run): {listed}"
+    )
+
+
 def _print_skipped_objects(r: Any) -> None:
     """What ``--skip-unknown`` left out of one file: where, of which class, and the tensors
     inside those objects (not converted)."""
     if not r.unknown_globals:
         return
+    _print_modules(r)
     where = [f"{quoted(k)} ({sanitize(v)})" for k, v in list(r.skipped_objects.items())[:10]]
     more = len(r.skipped_objects) - 10
     listed = ", ".join(where) + (f" and {more} more" if more > 0 else "")
-    print(f"  skipped unknown objects: {listed or '(none in the converted part)'}")
+    if listed or not r.modules:  # a whole model with nothing else has nothing to list
+        print(f"  skipped unknown objects: {listed or '(none in the converted part)'}")
     print(f"  unknown globals: {', '.join(sanitize(g) for g in r.unknown_globals)}")
     if r.skipped_tensors:
         n = r.skipped_tensors
+        also = " or non-persistent buffers" if r.modules else ""
         print(
-            f"  {plural(n, 'tensor')} inside skipped objects {'was' if n == 1 else 'were'} "
+            f"  {plural(n, 'tensor')} inside skipped objects{also} {'was' if n == 1 else 'were'} "
             "not converted"
         )
