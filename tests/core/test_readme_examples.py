@@ -45,6 +45,14 @@ _t.save(
     {"model": {"w": _t.ones(2)}, "args": _argparse.Namespace(lr=0.1), "config": Config()},
     "checkpoint.pt",
 )
+class Net(_t.nn.Module):  # a whole model, pickled with its class as __main__.Net
+    def __init__(self):
+        super().__init__()
+        self.fc1 = _t.nn.Linear(4, 3)
+        self.fc2 = _t.nn.Linear(3, 2)
+_sys.modules["__main__"].Net = Net
+_net = Net()
+_t.save(_net, "model.pt")
 """,
 }
 
@@ -104,6 +112,11 @@ assert rows.shape == (128, 16)
 """,
     "report = convert_file(": """
 assert report.skipped_objects == {"args": "argparse.Namespace", "config": "__main__.Config"}
+assert list(whole.modules.items())[:2] == [
+    ("", "__main__.Net"),
+    ("fc1", "torch.nn.modules.linear.Linear"),
+]
+assert whole.tensors == list(_net.state_dict())
 with safe_open("model.safetensors", framework="pt") as _f:
     assert _f.keys() == ["model.w"]
 with safe_open("dst_dir", framework="pt") as _f:
