@@ -62,6 +62,7 @@ from ._torch_policy import (
     bad_checkpoint,
     check_ints,
     is_int,
+    module_class,
     policy_machine,
     short_text,
     unsafe_global,
@@ -1109,11 +1110,14 @@ class _TarGraphPolicy(TorchPolicy):
         return super().built_tensors() | self.referenced
 
     def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
-        """``int(pid)`` looked up in the tables, as torch's ``persistent_load`` does."""
+        """``int(pid)`` looked up in the tables, as torch's ``persistent_load`` does (and a
+        ``(class, source file, source)`` tuple, which names a module class, as that class)."""
         if type(pid) is tuple:
-            raise bad_checkpoint(
-                "pickled nn.Module classes (module persistent ids) are not supported", offset
-            )
+            if len(pid) != 3:
+                raise bad_checkpoint(
+                    f"unknown persistent id {short_text(pid)} (at byte {offset})", offset
+                )
+            return module_class(pid, pid, offset)
         if type(pid) is str and pid.isascii() and pid.isdigit() and len(pid) <= 40:
             key = int(pid)
         elif is_int(pid):

@@ -565,7 +565,7 @@ class TorchPolicy:
         """Turn ``("storage", type, key, location, numel[, view])`` into a StorageRef (and in
         the legacy format, ``("module", class, source file, source)`` into the class)."""
         if self.legacy and type(pid) is tuple and len(pid) == 4 and pid[0] == "module":
-            return _module_class(pid, offset)
+            return module_class(pid, pid[1:], offset)
         if opcode != "BINPERSID":
             # torch.save(..., pickle_protocol=0) writes them (str() of the storage tuple),
             # and torch.load refuses them too ("saved_id must be a tuple").
@@ -700,23 +700,25 @@ class TorchPolicy:
         return ref
 
 
-def _module_class(pid: tuple[Any, ...], offset: int) -> SkippedObject:
-    """The class of a legacy ``("module", class, source file, source)`` persistent id.
+def module_class(pid: tuple[Any, ...], parts: tuple[Any, ...], offset: int) -> SkippedObject:
+    """The class of a module persistent id ``pid``, whose ``parts`` are ``(class, source
+    file, source)``: the legacy format's ``("module", class, source file, source)``, the tar
+    format's ``(class, source file, source)``.
 
-    The legacy format names each ``nn.Module`` class of a whole pickled model this way the
-    first time it occurs, with its source code (which torch only compares with the class's
-    current source, to warn). A module class is unknown to the converter: the class is
-    already a placeholder in skip mode and refused before this in the other, so this only
-    hands the placeholder on.
+    Those formats name each ``nn.Module`` class of a whole pickled model this way the first
+    time it occurs, with its source code (which torch only compares with the class's current
+    source, to warn). A module class is unknown to the converter: the class is already a
+    placeholder in skip mode and refused before this in the other, so this only hands the
+    placeholder on.
     """
-    cls, source_file, source = pid[1], pid[2], pid[3]
+    cls, source_file, source = parts
     if (
         not isinstance(cls, SkippedObject)
         or not (source_file is None or type(source_file) is str)
         or not (source is None or type(source) is str)
     ):
         raise bad_checkpoint(
-            f"legacy module persistent id {short_text(pid)} does not name a module class "
+            f"module persistent id {short_text(pid)} does not name a module class "
             f"(at byte {offset})",
             offset,
         )

@@ -280,3 +280,65 @@ def test_duplicate_member_refused(tmp_path: Path) -> None:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     _refused_file(tmp_path, src, CheckpointError, "twice")
+
+
+def _u(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def test_whole_pickled_module_converts_with_skip_unknown(tmp_path: Path) -> None:
+    # torch 0.1 named a module's class by a (class, source file, source) persistent id.
+    cls = b"ctorch.nn.modules.linear\nLinear\n"
+    graph = (
+        b"\x80\x02("
+        + cls
+        + _u("linear.py")
+        + _u("class Linear: ...")
+        + b"tQ)\x81}("
+        + _u("_parameters")
+        + b"}("
+        + _u("weight")
+        + _u("100")
+        + b"Q"
+        + _u("bias")
+        + b"Nu"
+        + _u("_buffers")
+        + b"}("
+        + _u("count")
+        + _u("104")
+        + b"Qu"
+        + _u("_modules")
+        + b"}"
+        + _u("training")
+        + b"\x88ub."
+    )
+    src = write_tar(tmp_path / "model.pt", _members(pickle=graph))
+    oracle = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys, torch; m = torch.load(sys.argv[1], weights_only=False); "
+            "print(json.dumps({k: v.reshape(-1).tolist() for k, v in m.state_dict().items()}))",
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert oracle.returncode == 0, oracle.stderr
+    expected = json.loads(oracle.stdout.strip().splitlines()[-1])
+    assert list(expected) == ["weight", "count"]
+    with pytest.raises(UnsafePickleError, match="torch.nn.modules.linear.Linear"):
+        convert_file(src, tmp_path / "err.safetensors")
+    report = convert_file(src, tmp_path / "m.safetensors", unknown="skip")
+    assert report.tensors == list(expected)
+    assert report.modules == {"": "torch.nn.modules.linear.Linear"}
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        for name, values in expected.items():
+            assert f.get_tensor(name).reshape(-1).tolist() == values
+    # Another tuple is no persistent id torch writes.
+    bad = write_tar(tmp_path / "bad.pt", _members(pickle=graph.replace(b"tQ)", b"NtQ)", 1)))
+    with pytest.raises(CheckpointError, match="unknown persistent id"):
+        convert_file(bad, tmp_path / "bad.safetensors", unknown="skip")
