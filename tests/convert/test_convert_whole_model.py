@@ -107,6 +107,9 @@ _WRITER = textwrap.dedent(
     for name, model in models.items():
         torch.save(model, os.path.join(out, name + ".pt"))
         oracles[name + ".pt"] = oracle(model.state_dict())
+    for proto in (1, 5):  # protocol 1 builds objects by copyreg._reconstructor
+        torch.save(nested, os.path.join(out, f"proto{proto}.pt"), pickle_protocol=proto)
+        oracles[f"proto{proto}.pt"] = oracle(nested.state_dict())
     torch.save(mlp, os.path.join(out, "legacy.pt"), _use_new_zipfile_serialization=False)
     oracles["legacy.pt"] = oracle(mlp.state_dict())
     torch.save(nested, os.path.join(out, "legacy_nested.pt"), _use_new_zipfile_serialization=False)
@@ -179,15 +182,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 # -- real models --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mlp.pt", "buffers.pt", "tied.pt", "nested.pt"])
+@pytest.mark.parametrize(
+    "name", ["mlp.pt", "buffers.pt", "tied.pt", "nested.pt", "proto1.pt", "proto5.pt"]
+)
 def test_whole_models_convert_as_their_state_dict(written: Any, tmp_path: Path, name: str) -> None:
     folder, oracles = written
     report = _check_against_oracle(
         folder / name, tmp_path / "out.safetensors", oracles[name], verify=True
     )
     assert report.verified is not None
-    classes = {"mlp.pt": "MLP", "buffers.pt": "Buffers", "tied.pt": "Tied", "nested.pt": "Nested"}
-    assert next(iter(report.modules.items())) == ("", f"__main__.{classes[name]}")
+    classes = {"mlp.pt": "MLP", "buffers.pt": "Buffers", "tied.pt": "Tied"}
+    assert next(iter(report.modules.items())) == ("", f"__main__.{classes.get(name, 'Nested')}")
     assert report.skipped_objects == {}
     assert all(g in report.unknown_globals for g in set(report.modules.values()))
 
