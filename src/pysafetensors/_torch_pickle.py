@@ -40,6 +40,7 @@ import numpy as np
 
 from ._dtypes import DType, dtype_from_code
 from ._errors import CheckpointError
+from ._numpy_arrays import substitute
 from ._pickle_vm import LIMIT, TRUNCATED, Limits, Result
 from ._torch_archive import CHUNK, BoundedFile, Buffer, FileBytes, ZipView, open_zip
 from ._torch_modules import ModuleViews
@@ -165,6 +166,19 @@ def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> An
         return value if math.isfinite(value) else str(value)
     if depth > 16:
         return "..."
+    if type(value) is np.ndarray:
+        # A decoded numpy array: the nested lists ``tolist()`` gives, bounded as lists are
+        # (indexing makes views: nothing past what is rendered is converted).
+        if value.ndim == 0:
+            budget[0] += 1
+            return _jsonable(value[()], budget, depth)
+        items = []
+        for i in range(len(value)):
+            if i == 1000 or budget[0] <= 0:
+                items.append("...")
+                break
+            items.append(_jsonable(value[i], budget, depth + 1))
+        return items
     if type(value) in (list, tuple, set, frozenset):
         out = []
         for i, v in enumerate(value):
@@ -784,6 +798,7 @@ def _records(
     policy: TorchPolicy, root: Any, sizes: dict[str, int]
 ) -> tuple[dict[str, TensorRecord], dict[str, Any], Skipped]:
     """Name every tensor and check it against the storages' real sizes."""
+    root = substitute(root, {i: ph for i, (_, ph) in policy.array_placeholders.items()})
     keys: dict[str, str] = {}
     modules: dict[str, str] = {}
     named, leaves = _flatten(root, keys, modules)

@@ -30,6 +30,7 @@ import numpy as np
 
 from ._dtypes import DType
 from ._errors import CheckpointError, UnsafePickleError
+from ._numpy_arrays import fill_array, new_array
 from ._pickle_vm import Budget, Limits, Machine
 
 __all__ = [
@@ -379,6 +380,14 @@ class TorchPolicy:
         """Legacy storage views by view key (torch builds each once, see :meth:`persistent`)."""
         self.first_unconvertible: Unconvertible | None = None
         """The first tensor built that safetensors cannot hold, refused by :func:`_records`."""
+        self.arrays: dict[int, np.ndarray[Any, Any]] = {}
+        """numpy arrays made by ``_reconstruct`` and not yet given their state, by id."""
+        self.array_data: dict[int, bytes] = {}
+        """The data of every array filled so far, by id (a second array from the same bytes
+        is charged as a copy: see :meth:`build_array`)."""
+        self.array_placeholders: dict[int, tuple[np.ndarray[Any, Any], SkippedObject]] = {}
+        """Arrays of a dtype not decoded (skip mode), by id, with their placeholder, which
+        replaces them wherever the pickle put them (see :func:`._numpy_arrays.substitute`)."""
         self.budget = Budget(Limits(), self)
         """What the calls build is charged here: the budget of the machine running the
         stream (bound by :func:`policy_machine`)."""
@@ -510,7 +519,7 @@ class TorchPolicy:
     def build(self, obj: Any, state: Any, offset: int) -> Any:
         """BUILD: accepted (and ignored) only on dicts, e.g. an OrderedDict's ``_metadata``,
         and on placeholders (which keep a dict state as data, see :meth:`_keep_state`); a numpy
-        dtype's sets its byte order."""
+        dtype's sets its byte order, a numpy array's its shape, dtype and data."""
         if type(obj) is dict and (state is None or type(state) in (dict, tuple)):
             return obj
         if isinstance(obj, SkippedObject):
@@ -519,6 +528,8 @@ class TorchPolicy:
         if isinstance(obj, NumpyDtype):
             _numpy_dtype_state(obj, state, offset)
             return obj
+        if type(obj) is np.ndarray:
+            return self.build_array(obj, state, offset)
         if isinstance(obj, (TensorRef, Unconvertible)) and (
             state is None or state == {} or state == ((), {})
         ):
@@ -560,6 +571,45 @@ class TorchPolicy:
             merged.update(part)  # keys already hashed by the machine
         self.budget.grow(1, 0, offset)
         obj.state = merged
+
+    def build_array(self, obj: np.ndarray[Any, Any], state: Any, offset: int) -> Any:
+        """Fill an array that ``_reconstruct`` made with its ``(1, shape, dtype, is_fortran,
+        rawdata)`` state (see :mod:`._numpy_arrays`), once.
+
+        numpy keeps the data's ``bytes`` or copies it (small, unaligned or byte-swapped
+        arrays): at most the size of a ``bytes`` object that the stream holds or a call made,
+        both bounded already. Arrays filled from one ``bytes`` object of the memo are five
+        bytes of the stream each, so every use after the first is charged as a copy.
+        """
+        if self.arrays.pop(id(obj), None) is not obj:
+            raise bad_checkpoint(
+                f"BUILD on a numpy array that already has its state (at byte {offset})", offset
+            )
+        if type(state) is not tuple or len(state) != 5:
+            raise bad_checkpoint(
+                f"numpy array state {short_text(state)} is not (version, shape, dtype, "
+                f"is_fortran, data) (at byte {offset})",
+                offset,
+            )
+        dtype = state[2]
+        if isinstance(dtype, SkippedObject):
+            # A dtype not decoded (objects, strings, records): skip mode only, the dtype itself
+            # was refused otherwise.
+            placeholder = self.skip_value("numpy.ndarray", "numpy array of a skipped dtype", offset)
+            self.array_placeholders[id(obj)] = (obj, placeholder)  # kept alive: its id is key
+            return obj
+        if not isinstance(dtype, NumpyDtype):
+            raise bad_checkpoint(
+                f"numpy array state with the dtype {short_text(dtype)} (at byte {offset})", offset
+            )
+        raw = state[4]
+        if type(raw) is bytes:
+            if id(raw) in self.array_data:
+                self.budget.copy(len(raw), offset)
+            else:
+                self.array_data[id(raw)] = raw
+        fill_array(obj, state, dtype.dtype, offset, short_text)
+        return obj
 
     def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
         """Turn ``("storage", type, key, location, numel[, view])`` into a StorageRef (and in
@@ -808,6 +858,8 @@ _SIMPLE: Final[dict[str, Stand]] = {
     "builtins.set": Stand("set", "builtins.set"),
     "builtins.frozenset": Stand("set", "builtins.frozenset"),
     "builtins.bytearray": Stand("bytearray", "builtins.bytearray"),
+    # Protocols 0-2 pickle b"" as bytes() (an empty numpy array's data, say).
+    "builtins.bytes": Stand("bytes", "builtins.bytes"),
     "builtins.complex": Stand("complex", "builtins.complex"),
     "_codecs.encode": Stand("encode", "_codecs.encode"),
     # How torch pickles a torch.layout value (``torch.strided`` kept in a state dict): by name.
@@ -817,6 +869,15 @@ _SIMPLE: Final[dict[str, Stand]] = {
     "numpy.dtype": Stand("np_dtype", "numpy.dtype"),
     "numpy.core.multiarray.scalar": Stand("np_scalar", "numpy.core.multiarray.scalar"),
     "numpy._core.multiarray.scalar": Stand("np_scalar", "numpy._core.multiarray.scalar"),
+    # numpy arrays of those dtypes: _reconstruct(numpy.ndarray, (0,), b"b"), then BUILD with
+    # the shape, dtype and bytes (see _numpy_arrays); the class is only ever an argument.
+    "numpy.ndarray": Stand("np_ndarray", "numpy.ndarray"),
+    "numpy.core.multiarray._reconstruct": Stand(
+        "np_reconstruct", "numpy.core.multiarray._reconstruct"
+    ),
+    "numpy._core.multiarray._reconstruct": Stand(
+        "np_reconstruct", "numpy._core.multiarray._reconstruct"
+    ),
     # Constants that only the rebuilds of tensors safetensors cannot hold take (quantization
     # schemes, layouts): inert, so that the refusal names the tensor (see Unconvertible).
     **{
@@ -916,6 +977,12 @@ def _h_bytearray(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> An
         p.budget.copy(len(args[0]), at)
         return bytearray(args[0])
     raise bad_checkpoint(f"bytearray called with {short_text(args)}", at)
+
+
+def _h_bytes(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    if args == ():
+        return b""
+    raise bad_checkpoint(f"bytes called with {short_text(args)}", at)
 
 
 def _h_complex(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
@@ -1056,7 +1123,36 @@ def _h_np_scalar(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> An
     raise bad_checkpoint(f"{f.name} called with {short_text(args)}", at)
 
 
+def _h_np_reconstruct(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
+    # numpy's ndarray.__reduce__ writes exactly _reconstruct(numpy.ndarray, (0,), b"b"): an
+    # empty array that the BUILD after it fills. Nothing else is accepted (another class, shape
+    # or dtype code would be numpy building something of its own choosing).
+    if len(args) == 3 and isinstance(args[0], SkippedObject):
+        # An ndarray subclass of a class not known (numpy.matrix, skip mode): skipped whole.
+        return p.skip_call(args[0], at)
+    if (
+        len(args) == 3
+        and isinstance(args[0], Stand)
+        and args[0].kind == "np_ndarray"
+        and type(args[1]) is tuple
+        and len(args[1]) == 1
+        and type(args[1][0]) is int
+        and args[1][0] == 0
+        and type(args[2]) is bytes
+        and args[2] == b"b"
+    ):
+        array = new_array()
+        p.arrays[id(array)] = array
+        return array
+    raise bad_checkpoint(
+        f"{f.name} called with {short_text(args)}; only (numpy.ndarray, (0,), b'b'), as numpy "
+        f"pickles an array, is read (at byte {at})",
+        at,
+    )
+
+
 _HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], Any]]] = {
+    "np_reconstruct": _h_np_reconstruct,
     "unconvertible": _h_unconvertible,
     "np_dtype": _h_np_dtype,
     "np_scalar": _h_np_scalar,
@@ -1067,6 +1163,7 @@ _HANDLERS: Final[dict[str, Callable[[TorchPolicy, Stand, tuple[Any, ...], int], 
     "layout": _h_layout,
     "set": _h_set,
     "bytearray": _h_bytearray,
+    "bytes": _h_bytes,
     "complex": _h_complex,
     "encode": _h_encode,
     "rebuild": _h_rebuild,

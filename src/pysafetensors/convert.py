@@ -560,7 +560,7 @@ def _torch_reference(
     mapped = False
     for options in ({"mmap": True}, {}) if mappable else ({},):  # mmap: STORED zips only
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _numpy_arrays_allowed(torch):
                 warnings.simplefilter("ignore")  # torch warns about protocol-4 pickles
                 obj = torch.load(path, map_location="cpu", weights_only=True, **options)
             mapped = bool(options)
@@ -599,6 +599,36 @@ def _torch_reference(
         pre = subtree + "."
         out = {k[len(pre) :]: v for k, v in out.items() if k.startswith(pre)}
     return out
+
+
+def _numpy_arrays_allowed(torch: Any) -> contextlib.AbstractContextManager[Any]:
+    """Let torch's ``weights_only`` loader build the numpy arrays the converter decodes (a
+    Trainer's ``rng_state.pth`` holds one), so their checkpoints are verified against torch
+    too: numpy's ``_reconstruct``, ``ndarray`` and the dtypes of the decoded codes, as
+    ``torch.serialization.add_safe_globals`` is documented to take them. The file was parsed by
+    the converter first, so it holds no array of another dtype. Without that API (torch before
+    2.6, or one that refuses the names), nothing is added."""
+    import numpy as np
+
+    from ._torch_policy import NUMPY_CODES
+
+    try:
+        core = getattr(np, "_core", None) or np.core  # numpy 2, numpy 1
+        reconstruct = core.multiarray._reconstruct
+        allowed: list[Any] = [
+            reconstruct,
+            np.ndarray,
+            np.dtype,
+            *sorted({type(np.dtype(code)) for code in NUMPY_CODES}, key=str),
+        ]
+        own = f"{reconstruct.__module__}.{reconstruct.__name__}"
+        if torch.__version__ >= "2.6":  # (object, name) entries: pickles of the other numpy
+            other = {"numpy.core": "numpy._core", "numpy._core": "numpy.core"}
+            module = own.rsplit(".", 2)[0]
+            allowed.append((reconstruct, own.replace(module, other.get(module, module), 1)))
+        return torch.serialization.safe_globals(allowed)  # type: ignore[no-any-return]
+    except (AttributeError, TypeError):
+        return contextlib.nullcontext()
 
 
 #: Tensors are hashed in contiguous pieces of about this many bytes.

@@ -161,7 +161,18 @@ _NESTED_LOADERS: Final = frozenset(
 # and ``tuple`` are a ``defaultdict``'s factory (an optimizer object's state), ``object`` the
 # base of protocol 0/1 pickles of plain objects (``copyreg._reconstructor(cls, object, None)``).
 _SAFE_BUILTINS: Final = frozenset(
-    {"set", "frozenset", "bytearray", "complex", "slice", "dict", "list", "tuple", "object"}
+    {
+        "set",
+        "frozenset",
+        "bytearray",
+        "bytes",
+        "complex",
+        "slice",
+        "dict",
+        "list",
+        "tuple",
+        "object",
+    }
 )
 # The pickle machine's notices about FRAME boundaries that CPython itself reads in two ways. With
 # bytes (``pickle.loads``, or a buffered file and a frame under 8 KiB) its C unpickler reads on
