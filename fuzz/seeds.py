@@ -96,7 +96,7 @@ def malformed_files() -> dict[str, bytes]:
 
 
 def pickle_files() -> dict[str, bytes]:
-    """A few real torch checkpoints (zip and legacy), if torch is installed."""
+    """A few real torch checkpoints (zip and legacy, numpy values), if torch is installed."""
     try:
         import torch
     except ImportError:
@@ -133,6 +133,22 @@ def pickle_files() -> dict[str, bytes]:
         buf,
     )
     out["ckpt_unknown"] = buf.getvalue()
+    # numpy arrays (decoded in both modes): a Trainer's RNG state, byte orders, Fortran order,
+    # 0-d, empty and object arrays (the last skipped or refused).
+    buf = io.BytesIO()
+    torch.save(
+        {
+            "cpu": torch.ones(4, dtype=torch.uint8),
+            "numpy": np.random.RandomState(0).get_state(),
+            "be": np.arange(6, dtype=">f4").reshape(2, 3),
+            "fortran": np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3)),
+            "zero_d": np.array(1 + 2j),
+            "empty": np.zeros((0, 3), dtype=np.bool_),
+            "objects": np.array([1, None], dtype=object),
+        },
+        buf,
+    )
+    out["ckpt_numpy_arrays"] = buf.getvalue()
     return out
 
 
