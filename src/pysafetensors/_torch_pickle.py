@@ -466,7 +466,8 @@ class Checkpoint:
     tensors: dict[str, TensorRecord]
     """Every tensor by dotted name, in file order (before deduplication)."""
     non_tensors: dict[str, Any]
-    """Every other leaf by dotted name (plain values; stand-ins rendered as strings)."""
+    """Every other leaf by dotted name (plain values; stand-ins rendered as strings, numpy
+    arrays as nested lists)."""
     byteorder: str
     """Byte order of the storages (``"little"`` or ``"big"``)."""
     _file: FileBytes = field(repr=False)

@@ -104,7 +104,8 @@ class ConversionReport:
     dropped: dict[str, str] = field(default_factory=dict)
     """Shared tensors not written: ``{dropped_name: kept_name}`` (also in the metadata)."""
     non_tensors: dict[str, Any] = field(default_factory=dict)
-    """Non-tensor leaves (``epoch``, hyper-parameters...), JSON-ready."""
+    """Non-tensor leaves (``epoch``, hyper-parameters...), JSON-ready (numpy arrays as nested
+    lists, abbreviated)."""
     kept_non_tensors: list[str] = field(default_factory=list)
     """Non-tensor leaves stored as metadata strings (``keep_non_tensors=True``)."""
     skipped_non_tensors: list[str] = field(default_factory=list)
@@ -224,8 +225,9 @@ def convert_file(
             global dangerous (:func:`pysafetensors.scan.grade_pickled_global`), which is
             refused in both modes. An ``nn.Module`` object (a whole pickled model) is the
             exception: its tensors are converted under the names ``module.state_dict()``
-            gives them by default (:attr:`ConversionReport.modules`). numpy scalars and dtypes
-            are decoded in both modes.
+            gives them by default (:attr:`ConversionReport.modules`). numpy scalars, dtypes and
+            arrays of bool, integer, float and complex dtypes are decoded in both modes (arrays
+            are non-tensor values).
 
     Returns:
         A :class:`ConversionReport`.

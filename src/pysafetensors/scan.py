@@ -5,11 +5,10 @@ becomes an inert record and every call a symbolic node, so ``STACK_GLOBAL`` oper
 through the memo are just the stack values they are (see ``docs/scan.md``).
 Each global is graded from an allow-list:
 
-* ``safe``: nothing that runs code: what the torch-free converter reads (numpy scalars and
-  dtypes included), what it refuses only because safetensors cannot hold it (sparse, quantized
-  tensors...), inert builtins (``dict``, ``list``, ``slice``...) and numpy arrays (not decoded
-  by the converter, refused by torch's ``weights_only`` loader unless allowed; see
-  ``docs/scan.md``);
+* ``safe``: nothing that runs code: what the torch-free converter reads (numpy scalars,
+  dtypes and arrays included), what it refuses only because safetensors cannot hold it
+  (sparse, quantized tensors...) and inert builtins (``dict``, ``list``, ``slice``...); see
+  ``docs/scan.md``;
 * ``dangerous``: known code-running, file, network or name-resolving callables, and files that
   two readers would read as different programs (an operand running past the end of its FRAME,
   a zip whose central directory torch's reader and ``zipfile`` find in different places);
@@ -113,9 +112,6 @@ _NPY_MAX_HEADER: Final = 1 << 20
 _EXTRA_SAFE: Final = frozenset(
     {
         "collections.Counter",
-        "numpy.ndarray",
-        "numpy.core.multiarray._reconstruct",
-        "numpy._core.multiarray._reconstruct",
         "torch.strided",
         "torch.sparse_coo",
         "torch.sparse_csr",
