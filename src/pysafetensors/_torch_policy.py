@@ -382,6 +382,8 @@ class TorchPolicy:
         """The first tensor built that safetensors cannot hold, refused by :func:`_records`."""
         self.arrays: dict[int, np.ndarray[Any, Any]] = {}
         """numpy arrays made by ``_reconstruct`` and not yet given their state, by id."""
+        self.encoded: dict[int, str] = {}
+        """Every text ``_codecs.encode`` encoded so far, by id (see ``_h_encode``)."""
         self.array_data: dict[int, bytes] = {}
         """The data of every array filled so far, by id (a second array from the same bytes
         is charged as a copy: see :meth:`build_array`)."""
@@ -999,7 +1001,13 @@ def _h_complex(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
 def _h_encode(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:
     # The protocol-2 way to pickle bytes: _codecs.encode(text, "latin1"). Nothing else.
     if len(args) == 2 and type(args[0]) is str and args[1] in ("latin1", "latin-1"):
-        p.budget.copy(len(args[0]), at)
+        # The first encoding of a text is at most as large as the text, which the stream holds
+        # (a numpy array's data: hundreds of MB in a real checkpoint); encoding the same text
+        # of the memo again is five bytes of the stream each time, so it is charged as a copy.
+        if id(args[0]) in p.encoded:
+            p.budget.copy(len(args[0]), at)
+        else:
+            p.encoded[id(args[0])] = args[0]
         try:
             return args[0].encode("latin-1")
         except UnicodeEncodeError:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from pysafetensors import CheckpointError, UnsafePickleError, safe_open
+from pysafetensors._pickle_vm import Limits
 from pysafetensors._torch_pickle import load_checkpoint
 from pysafetensors._torch_policy import TorchPolicy, policy_machine
 from pysafetensors.convert import convert_file
@@ -401,3 +402,23 @@ def test_arrays_count_toward_the_pickle_budget(tmp_path: Path) -> None:
     make_zip(tmp_path / "m.pt", state_dict([("w", tensor()), ("x", many)]))
     with pytest.raises(CheckpointError, match="copy over 268435456 bytes"):
         convert_file(tmp_path / "m.pt", tmp_path / "m.safetensors")
+
+
+def test_array_data_of_the_stream_is_not_charged_as_a_copy(tmp_path: Path) -> None:
+    # Protocol 2 pickles an array's data as _codecs.encode(text, "latin1"): the first encoding
+    # of a text is bounded by the stream that holds it (arrays of hundreds of MB were refused
+    # at the 256 MiB cap on copies); encoding the same text of the memo again is charged.
+    src = tmp_path / "p2.pt"
+    values = np.arange(4000, dtype=np.float32)
+    torch.save({"w": torch.ones(2), "a": values, "b": values + 1}, src, pickle_protocol=2)
+    with load_checkpoint(src, limits=Limits(max_copied_bytes=1000)) as ck:
+        assert ck.non_tensors["b"] == _rendered(values + 1)
+    text = P.u("\x00" * 16)
+    encode = P.g("_codecs", "encode") + b"q\x05" + text + b"q\x06" + P.u("latin1") + b"\x86R"
+    again = b"h\x05h\x06" + P.u("latin1") + b"\x86R"
+    value = b"](" + encode + again * 100 + b"e"
+    make_zip(tmp_path / "e.pt", state_dict([("w", tensor()), ("x", value)]))
+    with load_checkpoint(tmp_path / "e.pt", limits=Limits(max_copied_bytes=1600)) as ck:
+        assert ck.non_tensors["x"] == ["<16 bytes>"] * 101
+    with pytest.raises(CheckpointError, match="copy over 1000 bytes"):
+        load_checkpoint(tmp_path / "e.pt", limits=Limits(max_copied_bytes=1000))
