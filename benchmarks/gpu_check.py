@@ -72,8 +72,9 @@ class CpuOps:
     def new_stream(self) -> Any:
         return None
 
-    def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
-        dst[dst_offset : dst_offset + nbytes].copy_(host[:nbytes])
+    def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
+        for dst, at, begin, nbytes in pieces:
+            dst[at : at + nbytes].copy_(host[begin : begin + nbytes])
         return None
 
     def producer_event(self) -> Any:
@@ -335,8 +336,29 @@ def main() -> int:
         for name, t in ref_dev.items():
             if not same_bytes(t, cpu[name]):
                 bad.append(f"llama: the reference disagrees on {name}")
+        # Each loaded tensor has a device allocation of its own, as the reference's: storages
+        # of exactly the tensor's bytes, none shared, and one tensor kept alone keeps no other.
+        own = ours.load_file(path, device=dev)
+        for name, t in own.items():
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                bad.append(f"llama storage of {name}: {t.untyped_storage().nbytes()} bytes")
+        if len({t.untyped_storage().data_ptr() for t in own.values()}) != len(own):
+            bad.append("llama: loaded tensors share a storage")
+        sizes = {k: v.numel() for k, v in own.items()}
+        kept_name = min(sizes, key=sizes.__getitem__)
+        kept = own[kept_name]
+        del own, name, t
+        if not dry:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            held_bytes = torch.cuda.memory_allocated() - sum(
+                x.numel() * x.element_size() for x in ref_dev.values()
+            )
+            if held_bytes > kept.numel() * kept.element_size() + (2 << 20):
+                bad.append(f"llama: {held_bytes} device bytes held for one tensor ({kept_name})")
+        del kept
         # (a loop variable would keep the last tensor, and with it a mapping, alive)
-        del ref_dev, cpu, t
+        del ref_dev, cpu
         failures += bad
         report.add(
             "llama correctness",
@@ -643,6 +665,78 @@ def main() -> int:
         )
     except Exception:
         report.error("tensor-parallel")
+
+    # ------------------------------------------------------------------ many small tensors
+    try:
+        lora, moe = (100, 2000) if dry else (1000, 20000)
+        small_files = {
+            f"LoRA ({lora:,} tensors of 8 KiB)": _files.ensure_file(
+                args.work, "gpu_lora", _files.lora_shapes(lora)
+            ),
+            f"MoE ({moe:,} tensors of 256 bytes)": _files.ensure_file(
+                args.work, "gpu_moe", _files.moe_shapes(moe)
+            ),
+        }
+        small_bad: list[str] = []
+        small_times: dict[str, dict[str, list[float]]] = {}
+        lines = []
+        for what, small_path in small_files.items():
+            small_arms: dict[str, Callable[[], Any]] = {
+                "pysafetensors pread": lambda p=small_path: ours.load_file(
+                    p, device=dev, backend="pread"
+                ),
+                "pysafetensors mmap": lambda p=small_path: ours.load_file(
+                    p, device=dev, backend="mmap"
+                ),
+                "reference mmap": lambda p=small_path: ref.load_file(p, device=dev),
+            }
+            want = ours.load_file(small_path)
+            for arm, fn in small_arms.items():
+                got = fn()
+                for name, t in want.items():
+                    if not same_bytes(got[name], t):
+                        small_bad.append(f"small {what} {arm} {name}")
+                        break
+                if arm.startswith("pysafetensors") and any(
+                    t.untyped_storage().nbytes() != t.numel() * t.element_size()
+                    for t in got.values()
+                ):
+                    small_bad.append(f"small {what} {arm}: a storage that is not the tensor's")
+                del got
+            del want
+            times = small_times[what] = {k: [] for k in small_arms}
+            for _ in range(args.reps):
+                for arm, fn in small_arms.items():
+                    elapsed, _peak = timed(fn, lambda p=small_path: _cache.warm(p))
+                    times[arm].append(elapsed)
+            base = statistics.median(times["reference mmap"])
+            lines += [
+                f"{what}, load_file to the device, warm, median of {args.reps}:",
+                "",
+                "| arm | median s | min s | x reference |",
+                "|---|---|---|---|",
+                *(
+                    f"| {arm} | {statistics.median(ts):.4f} | {min(ts):.4f} | "
+                    f"{statistics.median(ts) / base:.2f}x |"
+                    for arm, ts in times.items()
+                ),
+                "",
+            ]
+        failures += small_bad
+        foreach = loader_defaults._FOREACH_COPY[0]
+        report.add(
+            "small tensors",
+            {"times": small_times, "failures": small_bad, "foreach_copy": foreach},
+            [
+                "every tensor equal to the CPU load, each in a storage of its own: "
+                + ("OK" if not small_bad else f"{small_bad[:10]}"),
+                f"a chunk's pieces copied by torch._foreach_copy_: {foreach}",
+                "",
+                *lines,
+            ],
+        )
+    except Exception:
+        report.error("small tensors")
 
     # ------------------------------------------------------------------ saves from the device
     def host_peak_reset() -> int:

@@ -1,15 +1,15 @@
 """Moving tensor bytes between files and accelerator memory through reused pinned buffers.
 
-**Loads** (:func:`stage_to_device`) overlap disk and transfer.
+**Loads** (:func:`stage_items_to_device`) overlap disk and transfer.
 
 The reference copies each tensor with one blocking host-to-device transfer after reading it, so
 the disk, the ``memcpy`` into pinned memory and the PCIe transfer take turns. Here the bytes of
 the requested tensors are read in chunks by worker threads (one per core, 4 to 16), each chunk
-into one of a ring of pinned host buffers, and copied to one device allocation with an
-asynchronous copy on the worker's own stream. A buffer goes back into the ring with the event
-of its copy, and is reused only once that event has completed, so chunk ``i + 1`` is read from
-disk while chunk ``i`` crosses the bus. Positioned reads release the GIL, so the threads really
-overlap.
+into one of a ring of pinned host buffers, and copied to the tensors' device allocations (one
+per tensor, as the reference's) with asynchronous copies on the worker's own stream. A buffer
+goes back into the ring with the event of its copy, and is reused only once that event has
+completed, so chunk ``i + 1`` is read from disk while chunk ``i`` crosses the bus. Positioned
+reads release the GIL, so the threads really overlap.
 
 **Saves** of device tensors (:func:`chunks_from_device`) copy each tensor to the host in 16 MiB
 pieces through a ring of three pinned buffers, while the writer writes the piece before: no
@@ -27,11 +27,12 @@ import collections
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from ._sources import lay_out_runs, run_parallel, run_pieces
+from ._format import gc_paused
+from ._sources import run_parallel, run_pieces
 
 __all__ = [
     "CHUNK_BYTES",
@@ -41,7 +42,7 @@ __all__ = [
     "TorchCudaOps",
     "chunks_from_device",
     "gather_to_device",
-    "stage_runs_to_device",
+    "stage_items_to_device",
     "stage_to_device",
 ]
 
@@ -71,6 +72,10 @@ SAVE_RING: Final = 3
 #: flight to the device.
 GATHER_RING: Final = 3
 
+#: ``(device buffer, offset in it, offset in the host buffer, bytes)``: one copy of part of a
+#: staged chunk into the device allocation of the tensor it belongs to.
+Piece = tuple[Any, int, int, int]
+
 
 class DeviceOps(Protocol):
     """What the staging pipeline needs from a device runtime."""
@@ -87,8 +92,9 @@ class DeviceOps(Protocol):
         """A stream (queue of asynchronous work) for one worker."""
         ...
 
-    def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
-        """Start copying ``host[:nbytes]`` to ``dst[dst_offset:]``; return its event."""
+    def copy_async(self, host: Any, pieces: Sequence[Piece], stream: Any) -> Any:
+        """Start copying each ``(dst, dst_offset, host_offset, nbytes)`` piece of ``host`` to
+        ``dst[dst_offset:]``, in order on ``stream``; return the event of the last one."""
         ...
 
     def copy_to_host_async(
@@ -140,6 +146,9 @@ class StagingStats:
 #: Whether the fallback to pageable staging buffers was reported (once per process).
 _PAGEABLE_WARNED = False
 
+#: Whether ``torch._foreach_copy_`` copies a chunk's pieces (cleared where it fails once).
+_FOREACH_COPY: list[bool] = [True]
+
 #: Each thread's side streams, by device, kept across loads: model loaders call ``get_tensor``
 #: once per tensor, and the reader threads live for the whole process.
 _STREAMS = threading.local()
@@ -187,8 +196,30 @@ class TorchCudaOps:
             stream = streams[self.device] = self._torch.cuda.Stream(device=self.device)
         return stream
 
-    def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
-        return self._copy_on(stream, dst[dst_offset : dst_offset + nbytes], host[:nbytes])
+    def copy_async(self, host: Any, pieces: Sequence[Piece], stream: Any) -> Any:
+        torch = self._torch
+        dsts = []
+        srcs = []
+        for dst, at, begin, nbytes in pieces:
+            dsts.append(dst if at == 0 and nbytes == dst.numel() else dst[at : at + nbytes])
+            srcs.append(host[begin : begin + nbytes])
+        with torch.cuda.stream(stream):
+            copied = False
+            if len(dsts) > 1 and _FOREACH_COPY[0]:
+                # One call for a chunk holding many small tensors (the loop runs in C++).
+                try:
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                    copied = True
+                except (AttributeError, TypeError, NotImplementedError, RuntimeError):
+                    # A torch without it, or one refusing copies between devices: one call
+                    # per piece (a piece copied twice holds the same bytes).
+                    _FOREACH_COPY[0] = False
+            if not copied:
+                for dst, src in zip(dsts, srcs, strict=True):
+                    dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
 
     def copy_to_host_async(
         self, host: Any, src: Any, src_offset: int, nbytes: int, stream: Any
@@ -249,7 +280,7 @@ def stage_to_device(
     Returns:
         The device buffer and what the pipeline did.
     """
-    device_buf, _, stats = stage_runs_to_device(
+    buffers, stats = stage_items_to_device(
         read,
         [(offset, nbytes)],
         ops,
@@ -257,70 +288,83 @@ def stage_to_device(
         workers=workers,
         spare_buffers=spare_buffers,
     )
-    return device_buf, stats
+    return buffers[0], stats
 
 
-def stage_runs_to_device(
+def stage_items_to_device(
     read: Callable[[int, memoryview], None],
-    runs: list[tuple[int, int]],
+    items: Sequence[tuple[int, int]],
     ops: DeviceOps,
     *,
-    align: int = 64,
+    max_gap: int = 0,
     chunk_bytes: int = CHUNK_BYTES,
     workers: int = WORKERS,
     spare_buffers: int = SPARE_BUFFERS,
-) -> tuple[Any, list[int], StagingStats]:
-    """Copy several ``(offset, nbytes)`` runs of a source into one new device buffer.
+) -> tuple[list[Any], StagingStats]:
+    """Copy several ``(offset, nbytes)`` items of a source (tensors, or parts of tensors)
+    into device buffers of their own, through one pipeline.
 
-    Each run lands at a multiple of ``align`` in the buffer (the first at 0), so that tensors
-    viewing it are aligned; all runs go through one pipeline (a tensor-parallel rank's rows of
-    every tensor, say). Arguments as for :func:`stage_to_device`.
+    Each item gets an allocation of its own, as the reference's one ``.to(device)`` per tensor
+    gives it: a tensor kept alone keeps only its own bytes on the device, ``torch.save`` of it
+    writes only them, and tensors free their memory one by one. The reads need not follow
+    the items: items in file order less than ``max_gap`` bytes apart are read as one run (the
+    bytes between read and dropped), so that a file of many small tensors is read in a few
+    large chunks, and a chunk spanning several items reaches each through its own
+    asynchronous copy (all of a chunk's copies in one call). Overlapping items are read apart.
+    Other arguments as for :func:`stage_to_device`.
 
     Returns:
-        The device buffer, the offset of each run in it, and what the pipeline did.
+        The device buffer of each item, in the order given, and what the pipeline did.
     """
-    offsets, total = lay_out_runs(runs, align)
+    targets = _Targets(ops, items, max_gap)
+    runs = targets.runs
     nbytes = sum(length for _, length in runs)
     stats = StagingStats(bytes=nbytes)
-    device_buf = ops.alloc_device(total)
     if nbytes == 0:
-        return device_buf, offsets, stats
+        return targets.buffers, stats
     # Ranges smaller than a chunk per worker are cut finer (down to MIN_CHUNK_BYTES), so that
     # all workers read.
     per_worker = max(MIN_CHUNK_BYTES, -(-nbytes // max(1, workers)))
     chunk_bytes = max(1, min(chunk_bytes, nbytes, per_worker))
-    chunks = run_pieces(runs, offsets, chunk_bytes)
+    with gc_paused():  # a few objects per chunk and per item
+        chunks = run_pieces(runs, targets.run_starts, chunk_bytes)
+        copies = targets.copies_of(chunks)
     workers = max(1, min(workers, len(chunks)))
     ring = _GrowingRing(ops, chunk_bytes, max(1, min(len(chunks), workers + max(0, spare_buffers))))
     lock = threading.Lock()
     local = threading.local()  # per call: each worker's stream waits for the producer once
-    # The fresh device buffer may reuse memory that work queued on the caller's stream still
+    # The fresh device buffers may reuse memory that work queued on the caller's stream still
     # uses (the allocator hands a freed block straight back to its stream): the copies on
     # the workers' streams wait for that work. The event is taken here, on the caller's
     # thread, whose current stream it is.
     producer = ops.producer_event()
     used: list[Any] = []  # the streams this call copied on, to wait for at the end
 
-    def one(chunk: tuple[int, int, int]) -> None:
-        src, dest, n = chunk
+    def one(number: int) -> None:
+        src, _, n = chunks[number]
         taken = ring.take()
         if taken is None:
             return  # no buffer could be pinned: the worker that tried raises the error
         index, host, view, pending = taken
+        event = pending
         try:
             if pending is not None:
                 # The previous copy out of this buffer must finish before it is overwritten.
                 ops.wait(pending)
+                event = None
             read(src, view[:n])
-            stream = getattr(local, "stream", None)
-            if stream is None:
-                stream = local.stream = ops.new_stream()
-                ops.wait_event(stream, producer)
-                with lock:
-                    used.append(stream)
-            event = ops.copy_async(device_buf, dest, host, n, stream)
+            pieces = copies[number]
+            if pieces:
+                stream = getattr(local, "stream", None)
+                if stream is None:
+                    stream = local.stream = ops.new_stream()
+                    ops.wait_event(stream, producer)
+                    with lock:
+                        used.append(stream)
+                with gc_paused():  # a slice or two per piece: thousands for tiny tensors
+                    event = ops.copy_async(host, pieces, stream)
         except BaseException:
-            ring.give((index, host, view, pending))
+            ring.give((index, host, view, event))
             raise
         ring.give((index, host, view, event))
         with lock:
@@ -328,13 +372,71 @@ def stage_runs_to_device(
             stats.reuse[index] = stats.reuse.get(index, 0) + 1
 
     try:
-        run_parallel(one, chunks, workers)
+        run_parallel(one, range(len(chunks)), workers)
     finally:
         # Every copy must have landed before the pinned buffers can be freed or reused, and
         # before the tensors are used (also when a read failed half way).
         ops.synchronize(used)
         stats.host_buffers = ring.made
-    return device_buf, offsets, stats
+    return targets.buffers, stats
+
+
+class _Targets:
+    """The device buffers of a staging run's items, the runs read for them, and which bytes
+    of a chunk go where.
+
+    The runs are laid end to end in one "staging space" (where chunks say their bytes go);
+    each item with bytes is a span of it, the spans sorted and disjoint.
+    """
+
+    def __init__(self, ops: DeviceOps, items: Sequence[tuple[int, int]], max_gap: int) -> None:
+        with gc_paused():  # a few objects per item, thousands of items in a mixture of experts
+            self._lay_out(ops, items, max_gap)
+
+    def _lay_out(self, ops: DeviceOps, items: Sequence[tuple[int, int]], max_gap: int) -> None:
+        self.buffers: list[Any] = [ops.alloc_device(nbytes) for _, nbytes in items]
+        self.runs: list[tuple[int, int]] = []  # (source offset, length)
+        self.run_starts: list[int] = []  # each run's start in the staging space
+        self._spans: list[tuple[int, int, Any]] = []  # (start, end, buffer), by start
+        run_end = -1  # source offset where the current run ends
+        space = 0  # staging space used so far
+        for i in sorted(range(len(items)), key=lambda i: items[i][0]):
+            offset, nbytes = items[i]
+            if nbytes <= 0:
+                continue
+            if self.runs and run_end <= offset <= run_end + max_gap:
+                run_offset, _ = self.runs[-1]
+                self.runs[-1] = (run_offset, offset + nbytes - run_offset)
+                start = self.run_starts[-1] + offset - run_offset
+            else:
+                self.runs.append((offset, nbytes))
+                self.run_starts.append(space)
+                start = space
+            run_end = offset + nbytes
+            space = start + nbytes
+            self._spans.append((start, start + nbytes, self.buffers[i]))
+
+    def copies_of(self, chunks: Sequence[tuple[int, int, int]]) -> list[list[Piece]]:
+        """The copies of each ``(source offset, staging offset, length)`` chunk, in staging
+        order as :func:`run_pieces` makes them: to each item the chunk overlaps (none for
+        bytes between items)."""
+        spans = self._spans
+        out: list[list[Piece]] = []
+        i = 0
+        for _, dest, nbytes in chunks:
+            end = dest + nbytes
+            while i < len(spans) and spans[i][1] <= dest:
+                i += 1  # spans wholly before this chunk (chunks come in staging order)
+            pieces: list[Piece] = []
+            j = i
+            while j < len(spans) and spans[j][0] < end:
+                start, stop, buffer = spans[j]
+                lo = max(start, dest)
+                hi = min(stop, end)
+                pieces.append((buffer, lo - start, lo - dest, hi - lo))
+                j += 1
+            out.append(pieces)
+        return out
 
 
 #: A ring entry: (index, host tensor, byte view, event of the copy last issued from it or None).
@@ -414,11 +516,11 @@ def gather_to_device(
     parts: list[tuple[Fill, int, int]],
     ops: DeviceOps,
     *,
-    align: int = 64,
     chunk_bytes: int = CHUNK_BYTES,
     ring: int = GATHER_RING,
-) -> tuple[Any, list[int], StagingStats]:
-    """Copy parts assembled on the host, block of rows by block, into one new device buffer.
+) -> tuple[list[Any], StagingStats]:
+    """Copy parts assembled on the host, block of rows by block, into new device buffers, one
+    per part.
 
     For selections that are not one byte run (a column split reads a piece of every row). Each
     part is ``(fill, rows, row_bytes)``: ``fill(first, end, view)`` writes the part's rows
@@ -436,16 +538,14 @@ def gather_to_device(
     Args:
         parts: ``(fill, rows, row_bytes)`` of each part.
         ops: The device runtime.
-        align: Each part lands at a multiple of this in the buffer (the first at 0).
         chunk_bytes: Bytes per block (at least one row).
         ring: Pinned buffers.
 
     Returns:
-        The device buffer, the offset of each part in it, and what the pipeline did.
+        The device buffer of each part, and what the pipeline did.
     """
-    offsets, total = lay_out_runs([(0, rows * row_bytes) for _, rows, row_bytes in parts], align)
     stats = StagingStats(bytes=sum(rows * row_bytes for _, rows, row_bytes in parts))
-    device_buf = ops.alloc_device(total)
+    device_bufs = [ops.alloc_device(rows * row_bytes) for _, rows, row_bytes in parts]
     # (part, first row, end row) of every block, part by part.
     blocks: list[tuple[int, int, int]] = []
     block_bytes = 0
@@ -456,10 +556,10 @@ def gather_to_device(
         block_bytes = max(block_bytes, per_block * row_bytes)
         blocks += [(number, j, min(rows, j + per_block)) for j in range(0, rows, per_block)]
     if not blocks:
-        return device_buf, offsets, stats
+        return device_bufs, stats
     buffers: list[list[Any]] = []  # [host tensor, byte view, event of its last copy or None]
     stream = ops.new_stream()
-    # The fresh device buffer may reuse memory that work queued on the current stream still
+    # The fresh device buffers may reuse memory that work queued on the current stream still
     # uses: the copies on the side stream wait for that work.
     ops.wait_for_producer(stream)
     try:
@@ -474,8 +574,8 @@ def gather_to_device(
                 ops.wait(pending)
             n = (end - first) * row_bytes
             fill(first, end, view[:n])
-            at = offsets[part] + first * row_bytes
-            buffers[slot][2] = ops.copy_async(device_buf, at, host, n, stream)
+            piece = (device_bufs[part], first * row_bytes, 0, n)
+            buffers[slot][2] = ops.copy_async(host, [piece], stream)
             stats.chunks += 1
             stats.reuse[slot] = stats.reuse.get(slot, 0) + 1
     finally:
@@ -483,7 +583,7 @@ def gather_to_device(
         # (also when a fill failed half way).
         ops.synchronize([stream])
     stats.host_buffers = len(buffers)
-    return device_buf, offsets, stats
+    return device_bufs, stats
 
 
 def chunks_from_device(

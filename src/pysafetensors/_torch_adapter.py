@@ -14,7 +14,7 @@ from ._adapter import copied_slabs, invalid_tensor_error, slabs_reused
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
 from ._errors import DeviceError, DTypeNotSupportedError, SerializeError
-from ._format import SERIALIZE_PREFIX
+from ._format import SERIALIZE_PREFIX, gc_paused
 from ._slicing import contiguous_strides
 from ._writer import TensorData
 
@@ -28,6 +28,10 @@ _FROM_TORCH: Final[dict[Any, DType]] = {
     getattr(torch, d.torch): d for d in DTYPES if d.torch and hasattr(torch, d.torch)
 }
 
+#: Tensors loaded to a CUDA device less than this apart in the file are read as one run (the
+#: bytes between them read and dropped): cheaper than another chunk for the pipeline, and a
+#: load of every tensor (no gaps) reads the data region in chunks that ignore tensor bounds.
+_DEVICE_READ_GAP: Final = 64 << 10
 
 _SEQUENCE_AS_TUPLE: Final = (
     "Using a non-tuple sequence for multidimensional indexing is deprecated and will be changed "
@@ -127,7 +131,8 @@ def carve(base: Any, items: Iterable[Item]) -> dict[str, Any]:
     """Tensors viewing a 1-D uint8 tensor ``base`` (CPU or device) at byte ranges.
 
     One typed view of ``base`` per dtype, then one ``as_strided`` per tensor: all of them views
-    of ``base``'s storage (a device allocation cannot be split into storages of its own).
+    of ``base``'s storage (the staging pipeline gives each tensor a buffer of its own, so
+    there each call carves one tensor).
     """
     typed: dict[Any, Any] = {}
     total = base.numel()
@@ -300,15 +305,15 @@ class TorchAdapter:
         ops = _staging_ops(device, ops)
         if ops is None:
             return None
-        from ._cuda_staging import stage_to_device
+        from ._cuda_staging import stage_items_to_device
 
         if not items:
             return {}
-        _refuse_unholdable(items)
-        lo = min(begin for _, _, _, begin, _ in items)
-        hi = max(end for _, _, _, _, end in items)
-        device_buf, _ = stage_to_device(read, offset + lo, hi - lo, ops)
-        return carve(device_buf, ((n, d, s, b - lo, e - lo) for n, d, s, b, e in items))
+        with gc_paused():
+            _refuse_unholdable(items)
+            spans = [(offset + begin, end - begin) for _, _, _, begin, end in items]
+        buffers, _ = stage_items_to_device(read, spans, ops, max_gap=_DEVICE_READ_GAP)
+        return _carve_each(buffers, items)
 
     def to_device_runs(
         self,
@@ -333,13 +338,14 @@ class TorchAdapter:
         ops = _staging_ops(device, ops)
         if ops is None:
             return None
-        from ._cuda_staging import stage_runs_to_device
+        from ._cuda_staging import stage_items_to_device
 
-        _refuse_unholdable(items)
-        device_buf, offsets, _ = stage_runs_to_device(
-            read, [(offset, nbytes) for _, _, _, offset, nbytes in items], ops
-        )
-        return _carve_laid_out(device_buf, items, offsets)
+        with gc_paused():
+            _refuse_unholdable(items)
+            spans = [(offset, nbytes) for _, _, _, offset, nbytes in items]
+        # Only the runs' own bytes are read (a row split leaves the other ranks' rows alone).
+        buffers, _ = stage_items_to_device(read, spans, ops)
+        return _carve_each(buffers, items)
 
     def gather_to_device(
         self,
@@ -372,12 +378,12 @@ class TorchAdapter:
             for name, _, rows, row_bytes, dtype, shape in parts
         ]
         _refuse_unholdable(items)
-        device_buf, offsets, _ = gather_to_device(
+        buffers, _ = gather_to_device(
             [(fill, rows, row_bytes) for _, fill, rows, row_bytes, _, _ in parts],
             ops,
             chunk_bytes=chunk_bytes or CHUNK_BYTES,
         )
-        return _carve_laid_out(device_buf, items, offsets)
+        return _carve_each(buffers, items)
 
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if not isinstance(tensor, torch.Tensor):
@@ -512,20 +518,19 @@ def _check_memory(name: str, tensor: Any) -> None:
         )
 
 
-def _carve_laid_out(
-    device_buf: Any,
-    items: list[Item],
-    offsets: list[int],
-) -> dict[str, Any]:
-    """Tensors viewing a staging run's buffer: item ``i`` (``(name, dtype, shape, _,
-    nbytes)``) at ``offsets[i]``, as the pipeline laid them out."""
-    return carve(
-        device_buf,
-        (
-            (name, dtype, shape, at, at + nbytes)
-            for (name, dtype, shape, _, nbytes), at in zip(items, offsets, strict=True)
-        ),
-    )
+def _carve_each(buffers: list[Any], items: list[Item]) -> dict[str, Any]:
+    """Tensors each over a device buffer of its own (from the staging pipeline): item ``i``
+    (``(name, dtype, shape, _, _)``) is ``buffers[i]``, all of whose bytes it holds."""
+    out: dict[str, Any] = {}
+    with gc_paused():  # a tensor or two per item (a mixture of experts has thousands)
+        for buf, (name, dtype, shape, _, _) in zip(buffers, items, strict=True):
+            if dtype.bits % 8 or buf.numel() == 0:
+                out.update(carve(buf, ((name, dtype, shape, 0, buf.numel()),)))
+                continue
+            tdtype = torch_dtype(dtype)
+            typed = buf if tdtype is torch.uint8 else buf.view(tdtype)
+            out[name] = typed.view(shape)
+    return out
 
 
 def _staging_ops(device: Device, ops: Any) -> Any:

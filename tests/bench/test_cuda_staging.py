@@ -43,6 +43,7 @@ class LateCopyOps:
         self.stream_waits = 0
         self.producer_fill = producer_fill
         self.producer_writes: list[Any] = []
+        self.copies = 0
 
     def alloc_device(self, nbytes: int) -> Any:
         buf = torch.full((nbytes,), 0xEE, dtype=torch.uint8)
@@ -76,22 +77,25 @@ class LateCopyOps:
             self.streams += 1
         return object()
 
-    def copy_async(self, dst: Any, dst_offset: int, host: Any, nbytes: int, stream: Any) -> Any:
-        event = {"dst": dst, "off": dst_offset, "host": host, "n": nbytes, "done": False}
-        with self.lock:
-            self.pending.append(event)
-            self.max_in_flight = max(self.max_in_flight, len(self.pending))
+    def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
+        assert pieces, "a copy of nothing"
+        event = {"pieces": list(pieces), "host": host, "stream": stream, "done": False}
+        self._queue(event)
         return event
 
     def copy_to_host_async(
         self, host: Any, src: Any, src_offset: int, nbytes: int, stream: Any
     ) -> Any:
         event = {"to_host": True, "host": host, "src": src, "off": src_offset, "n": nbytes}
-        event["done"] = False
+        event.update(stream=stream, done=False)
+        self._queue(event)
+        return event
+
+    def _queue(self, event: dict[str, Any]) -> None:
         with self.lock:
             self.pending.append(event)
+            self.copies += 1
             self.max_in_flight = max(self.max_in_flight, len(self.pending))
-        return event
 
     def wait_for_producer(self, stream: Any) -> None:
         with self.lock:
@@ -100,19 +104,29 @@ class LateCopyOps:
 
     def _complete(self, event: dict[str, Any]) -> None:
         if not event["done"]:
-            off, n = event["off"], event["n"]
             if event.get("to_host"):
+                off, n = event["off"], event["n"]
                 event["host"][:n].copy_(event["src"][off : off + n])
             else:
-                event["dst"][off : off + n].copy_(event["host"][:n])
+                for dst, at, begin, n in event["pieces"]:
+                    assert at >= 0 and at + n <= dst.numel() and n > 0
+                    dst[at : at + n].copy_(event["host"][begin : begin + n])
             event["done"] = True
 
     def wait(self, event: Any) -> None:
         with self.lock:
-            self._complete(event)
+            # A stream runs its work in order: the copies queued on the event's stream before
+            # it have completed too (and only those).
+            ids = [id(e) for e in self.pending]
+            upto = ids.index(id(event)) if id(event) in ids else -1
+            done = [
+                e for e in self.pending[: upto + 1] if e is event or e["stream"] is event["stream"]
+            ]
+            for e in done:
+                self._complete(e)
             # By identity (events hold tensors, which do not compare as booleans); waiting on
             # an event a second time is allowed, as for CUDA events.
-            self.pending = [e for e in self.pending if e is not event]
+            self.pending = [e for e in self.pending if not any(e is d for d in done)]
 
     def synchronize(self, streams: Any) -> None:
         with self.lock:
@@ -299,7 +313,7 @@ def test_adapter_loads_a_file_through_the_pipeline(tmp_path: Path) -> None:
         items = [(i.name, i.dtype, i.shape, i.begin, i.end) for i in header.tensors.values()]
         ops = LateCopyOps()
         got = ADAPTER.to_device_many(source.readinto, header.data_start, items, CPU, ops=ops)
-        # A subset: only the covering range of the requested tensors is staged.
+        # A subset: only the requested tensors' bytes are staged.
         some = ADAPTER.to_device_many(
             source.readinto, header.data_start, items[1:3], CPU, ops=LateCopyOps()
         )
@@ -313,6 +327,14 @@ def test_adapter_loads_a_file_through_the_pipeline(tmp_path: Path) -> None:
     for name in some:
         assert torch.equal(some[name], want[name])
     assert ops.host_allocs >= 1
+    # Each tensor has a storage of its own bytes, as the reference's .to(device) gives it:
+    # one kept alone keeps no other, torch.save of one writes its bytes alone, and no two
+    # are shared tensors to save_model.
+    for name, t in got.items():
+        storage = t.untyped_storage()
+        assert storage.nbytes() == t.numel() * t.element_size(), name
+    pointers = [t.untyped_storage().data_ptr() for t in got.values() if t.numel()]
+    assert len(set(pointers)) == len(pointers)
 
 
 def test_a_range_smaller_than_a_chunk_per_worker_is_cut_finer() -> None:
@@ -408,21 +430,60 @@ def test_saving_device_tensors_through_the_ring_gives_the_reference_bytes(
 # --- several runs (a tensor-parallel rank's parts) through one pipeline
 
 
-def test_several_runs_land_aligned_in_one_device_buffer() -> None:
-    from pysafetensors._cuda_staging import stage_runs_to_device
+def test_items_land_in_device_buffers_of_their_own() -> None:
+    """Items in any order, one empty, two overlapping: each gets a buffer of exactly its
+    bytes; only the items' bytes are read with no gap allowed."""
+    from pysafetensors._cuda_staging import stage_items_to_device
 
     data = _data(50_000)
-    runs = [(10, 3000), (7000, 1), (9001, 20_000), (40_000, 0), (45_000, 4999)]
+    items = [(9001, 20_000), (10, 3000), (7000, 1), (40_000, 0), (45_000, 4999), (9500, 100)]
     ops = LateCopyOps()
-    dev, offsets, stats = stage_runs_to_device(
-        BufferSource(data).readinto, runs, ops, chunk_bytes=4096, workers=3
-    )
-    assert offsets[0] == 0 and all(at % 64 == 0 for at in offsets)
-    got = dev.numpy()
-    for (offset, n), at in zip(runs, offsets, strict=True):
-        assert bytes(got[at : at + n]) == data[offset : offset + n]
-    assert stats.bytes == sum(n for _, n in runs)
+    reads: list[tuple[int, int]] = []
+
+    def read(offset: int, view: memoryview) -> None:
+        reads.append((offset, len(view)))
+        BufferSource(data).readinto(offset, view)
+
+    bufs, stats = stage_items_to_device(read, items, ops, chunk_bytes=4096, workers=3)
+    assert len(bufs) == len(items)
+    for (offset, n), buf in zip(items, bufs, strict=True):
+        assert buf.numel() == n
+        assert bytes(buf.numpy()) == data[offset : offset + n]
+    assert stats.bytes == sum(n for _, n in items)
+    assert sum(n for _, n in reads) == stats.bytes
     assert ops.host_allocs == stats.host_buffers <= 3 + 2
+    assert not ops.pending
+
+
+@pytest.mark.parametrize("max_gap", [0, 100, 10_000])
+def test_items_close_together_are_read_as_one_run(max_gap: int) -> None:
+    """Adjacent items (many small tensors) are read in chunks that ignore their bounds, each
+    chunk copied to every item it holds; items up to max_gap apart too, the gap read and
+    dropped."""
+    from pysafetensors._cuda_staging import stage_items_to_device
+
+    data = _data(200_000)
+    sizes = [1, 7, 64, 300, 0, 5000, 2, 999, 4096, 13]
+    items: list[tuple[int, int]] = []
+    at = 100
+    for i, n in enumerate(sizes * 5):
+        items.append((at, n))
+        at += n + (50 if i % 7 == 6 else 0)  # a gap of 50 bytes now and then
+    reads: list[tuple[int, int]] = []
+
+    def read(offset: int, view: memoryview) -> None:
+        reads.append((offset, len(view)))
+        BufferSource(data).readinto(offset, view)
+
+    ops = LateCopyOps()
+    bufs, stats = stage_items_to_device(read, items, ops, max_gap=max_gap, chunk_bytes=8000)
+    for (offset, n), buf in zip(items, bufs, strict=True):
+        assert bytes(buf.numpy()) == data[offset : offset + n]
+    # Every gap is of 50 bytes: read only with a max_gap of 50 or more (then all is one run).
+    spanned = items[-1][0] + items[-1][1] - items[0][0]
+    assert stats.bytes == (sum(n for _, n in items) if max_gap < 50 else spanned)
+    assert stats.chunks == len(reads) < len(items)
+    assert ops.copies == stats.chunks  # one copy call per chunk, whatever it holds
     assert not ops.pending
 
 
@@ -477,6 +538,8 @@ def test_shard_parts_go_to_the_device_through_one_pipeline(
         for name, t in want.items():
             assert got[name].dtype == t.dtype and got[name].shape == t.shape
             assert torch.equal(got[name].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+            # A part has a storage of its own (one kept alone keeps no other rank's rows).
+            assert got[name].untyped_storage().nbytes() == t.numel() * t.element_size()
     assert calls == [len(tensors), len(tensors)]
 
 
@@ -492,7 +555,7 @@ def test_gathered_blocks_land_in_order_and_reuse_the_ring(
 ) -> None:
     """Each block is filled into a buffer only after the copy out of it completed (the
     stand-in copies as late as it can, so an early refill would land the wrong bytes); the
-    parts of one call share the ring and land aligned in one buffer."""
+    parts of one call share the ring and land each in a buffer of its own."""
     from pysafetensors._cuda_staging import GATHER_RING, gather_to_device
 
     datas = [_data(rows * row_bytes + 1)[: rows * row_bytes] for rows, row_bytes in shapes]
@@ -509,11 +572,9 @@ def test_gathered_blocks_land_in_order_and_reuse_the_ring(
 
     ops = LateCopyOps()
     parts = [(filler(i), rows, row_bytes) for i, (rows, row_bytes) in enumerate(shapes)]
-    dev, offsets, stats = gather_to_device(parts, ops, chunk_bytes=chunk)
-    got = dev.numpy()
-    assert offsets[0] == 0 and all(at % 64 == 0 for at in offsets)
-    for data, at in zip(datas, offsets, strict=True):
-        assert bytes(got[at : at + len(data)]) == data
+    bufs, stats = gather_to_device(parts, ops, chunk_bytes=chunk)
+    for data, buf in zip(datas, bufs, strict=True):
+        assert bytes(buf.numpy()) == data
     blocks = [
         (i, j, min(rows, j + max(1, chunk // row_bytes)))
         for i, (rows, row_bytes) in enumerate(shapes)
