@@ -8,9 +8,11 @@ Not run by ``make bench``. The script, each section recorded even when a later o
    parts on the device, must equal the CPU load byte for byte;
 2. **llama**: a random bf16 LLaMA-shaped file (``--gib`` GiB, default 2), every tensor loaded to
    the device by pysafetensors (both backends, ``get_tensors`` and ``get_tensor``) and by the
-   reference must equal the CPU load; then, three times, a tensor loaded into device memory
-   just freed while a write into it was still queued on the current stream (behind a GPU
-   sleep) must come back intact (the staging copies wait for that work: **stream order**);
+   reference must equal the CPU load, each of ours in a storage of its own bytes, one kept
+   alone holding no more device memory than its own; then, three times, a tensor loaded into
+   device memory just freed while a write into it was still queued on the current stream
+   (behind a GPU sleep) must come back intact (the staging copies wait for that work:
+   **stream order**);
 3. **warm**: GB/s with the file in the page cache, median of ``--reps``, each run timed up to
    ``torch.cuda.synchronize()``, peak device memory per arm: pysafetensors (pread and mmap),
    the reference (mmap and pread), and two ceilings: the whole data region in one pinned
@@ -20,11 +22,14 @@ Not run by ``make bench``. The script, each section recorded even when a later o
    backend (``auto``, ``pread``, ``mmap``) against the reference's ``get_slice`` loop on the
    device: parts equal, then timed warm, and the first call of a fresh process (which pays for
    pinning its buffers) of the column split and of a whole-file ``load_file``;
-5. **saves**: the 2 GiB of device tensors saved by both libraries, to the page cache and
+5. **small tensors**: files of 1,000 (LoRA-shaped) and 20,000 (MoE-shaped) small tensors
+   loaded to the device by both libraries: every tensor equal to the CPU load and in a storage
+   of its own, then timed warm;
+6. **saves**: the 2 GiB of device tensors saved by both libraries, to the page cache and
    durable, files compared by SHA-256, peak host memory added;
-6. **sweep**: the staging pipeline alone (``stage_to_device`` over a pread source) for worker
+7. **sweep**: the staging pipeline alone (``stage_to_device`` over a pread source) for worker
    counts and chunk sizes around the defaults;
-7. **cold**: pysafetensors (pread) and the reference (mmap) with the file dropped from the page
+8. **cold**: pysafetensors (pread) and the reference (mmap) with the file dropped from the page
    cache before each run (``posix_fadvise(DONTNEED)``, residency checked), when eviction works.
 
 It prints markdown tables and writes ``gpu_results.json`` and ``gpu_results.md`` into ``--out``

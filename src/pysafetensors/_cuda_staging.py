@@ -154,6 +154,26 @@ _FOREACH_COPY: list[bool] = [True]
 _STREAMS = threading.local()
 
 
+def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece]) -> None:
+    """Queue the copies of a chunk's pieces of ``host`` (``non_blocking``, on the current
+    stream): one ``torch._foreach_copy_`` call for several pieces (a chunk holding many small
+    tensors; its loop runs in C++), else, or where that call fails once (a torch without it,
+    or refusing copies between devices), one ``copy_`` per piece."""
+    dsts = []
+    srcs = []
+    for dst, at, begin, nbytes in pieces:
+        dsts.append(dst if at == 0 and nbytes == dst.numel() else dst[at : at + nbytes])
+        srcs.append(host[begin : begin + nbytes])
+    if len(dsts) > 1 and _FOREACH_COPY[0]:
+        try:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            return
+        except (AttributeError, TypeError, NotImplementedError, RuntimeError):
+            _FOREACH_COPY[0] = False  # a piece copied again below holds the same bytes
+    for dst, src in zip(dsts, srcs, strict=True):
+        dst.copy_(src, non_blocking=True)
+
+
 class TorchCudaOps:
     """:class:`DeviceOps` over ``torch.cuda``: pinned buffers, side streams, events."""
 
@@ -198,25 +218,8 @@ class TorchCudaOps:
 
     def copy_async(self, host: Any, pieces: Sequence[Piece], stream: Any) -> Any:
         torch = self._torch
-        dsts = []
-        srcs = []
-        for dst, at, begin, nbytes in pieces:
-            dsts.append(dst if at == 0 and nbytes == dst.numel() else dst[at : at + nbytes])
-            srcs.append(host[begin : begin + nbytes])
         with torch.cuda.stream(stream):
-            copied = False
-            if len(dsts) > 1 and _FOREACH_COPY[0]:
-                # One call for a chunk holding many small tensors (the loop runs in C++).
-                try:
-                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                    copied = True
-                except (AttributeError, TypeError, NotImplementedError, RuntimeError):
-                    # A torch without it, or one refusing copies between devices: one call
-                    # per piece (a piece copied twice holds the same bytes).
-                    _FOREACH_COPY[0] = False
-            if not copied:
-                for dst, src in zip(dsts, srcs, strict=True):
-                    dst.copy_(src, non_blocking=True)
+            copy_pieces(torch, host, pieces)
             event = torch.cuda.Event()
             event.record(stream)
         return event

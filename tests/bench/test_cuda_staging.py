@@ -743,3 +743,37 @@ def test_save_pieces_are_at_least_the_writers_batch() -> None:
     from pysafetensors._cuda_staging import PIECE_BYTES
 
     assert PIECE_BYTES >= _writer._WRITEV_BYTES
+
+
+# --- the real runtime's copy of a chunk's pieces (run on CPU tensors; streams need a GPU)
+
+
+@pytest.mark.parametrize("foreach_works", [True, False])
+def test_copy_pieces_lands_each_piece(foreach_works: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TorchCudaOps.copy_async's copies: whole destinations and parts of them, by one
+    _foreach_copy_ call or, where that raises, one copy_ per piece (remembered)."""
+    import pysafetensors._cuda_staging as staging
+
+    monkeypatch.setattr(staging, "_FOREACH_COPY", [True])
+    calls: list[int] = []
+    real = torch._foreach_copy_
+
+    def foreach(dsts: Any, srcs: Any, non_blocking: bool = False) -> None:
+        calls.append(len(dsts))
+        if not foreach_works:
+            raise RuntimeError("expected all tensors to be on the same device")
+        real(dsts, srcs, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", foreach)
+    host = torch.from_numpy(np.frombuffer(bytearray(_data(1000)), np.uint8))
+    a, b, c = (torch.zeros(n, dtype=torch.uint8) for n in (10, 300, 50))
+    staging.copy_pieces(torch, host, [(a, 0, 0, 10), (b, 100, 10, 200), (c, 0, 500, 50)])
+    assert torch.equal(a, host[:10]) and torch.equal(c, host[500:550])
+    assert torch.equal(b[100:], host[10:210]) and not b[:100].any()
+    staging.copy_pieces(torch, host, [(b, 0, 800, 100)])  # one piece: a plain copy_
+    assert torch.equal(b[:100], host[800:900])
+    assert calls == [3]
+    assert staging._FOREACH_COPY[0] is foreach_works
+    staging.copy_pieces(torch, host, [(a, 0, 20, 5), (a, 5, 40, 5)])
+    assert torch.equal(a, torch.cat([host[20:25], host[40:45]]))
+    assert calls == ([3, 2] if foreach_works else [3])
