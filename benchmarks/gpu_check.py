@@ -265,6 +265,13 @@ def main() -> int:
                     part = f.get_slice(name)[3:20, 5:40] if t.dim() == 2 else None
                     if part is not None and not same_bytes(part, t[3:20, 5:40]):
                         failures.append(f"dtypes {backend} get_slice {name}")
+                    rows = f.get_slice(name)[3:20] if t.dim() == 2 else None  # one byte run
+                    if rows is not None and not (
+                        same_bytes(rows, t[3:20])
+                        and rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
+                    ):
+                        failures.append(f"dtypes {backend} get_slice rows {name}")
+                    checked += 1
         # Tensor-parallel parts on the device (rows, columns, whole tensors) equal the CPU's.
         from pysafetensors.parallel import load_shard
 

@@ -1065,12 +1065,37 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         if plan is None and is_advanced(index):
             return self._read_advanced(info, index, source)
         plan = self._checked_plan(info, index, plan)
-        part = self._gather_part(info, plan, source) if self._device.type != "cpu" else None
+        if self._device.type != "cpu":
+            staged = self._stage_slice(info, plan, source)
+            if staged is not None:
+                return staged
+        return self._read_plain(info, plan, source)
+
+    def _stage_slice(self, info: TensorInfo, plan: SlicePlan, source: ByteSource) -> Any:
+        """A slice for an accelerator through the adapter's staging pipeline (torch + CUDA):
+        one byte run (a range of rows) read by the pipeline's workers straight into its own
+        device allocation, a fragmented selection (a column split) gathered block by block;
+        None where neither applies (the caller reads it into host memory and moves it, the
+        reference's way)."""
+        to_device = getattr(self._adapter, "to_device_runs", None)
+        if to_device is not None and not info.dtype.bits % 8 and plan.run_count() <= 1:
+            # (no run: an empty selection, for which the device allocation is all there is)
+            first = int(plan.starts[0]) if plan.nbytes else 0
+            start = self._header.data_start + info.begin + first
+            with self._reading(info):
+                staged: dict[str, Any] | None = to_device(
+                    source.readinto,
+                    [(info.name, info.dtype, plan.shape, start, plan.nbytes)],
+                    self._device,
+                )
+            if staged is not None:
+                return staged[info.name]
+        part = self._gather_part(info, plan, source)
         if part is not None:
             gathered = self._gather_to_device([(info.name, info, plan, part)])
             if gathered is not None:
                 return gathered[info.name]
-        return self._read_plain(info, plan, source)
+        return None
 
     def _read_plain(
         self, info: TensorInfo, plan: SlicePlan, source: ByteSource | None = None

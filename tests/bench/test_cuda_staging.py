@@ -490,7 +490,6 @@ def test_items_close_together_are_read_as_one_run(max_gap: int) -> None:
 def _stand_in_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = None) -> None:
     """Open every file as if on ``"cuda:0"``, with the staging pipeline's copies done by a
     stand-in (``calls`` gets the number of runs of each pipeline run)."""
-    from pysafetensors._devices import Device
     from pysafetensors._torch_adapter import TorchAdapter
 
     real = TorchAdapter.to_device_runs
@@ -501,11 +500,19 @@ def _stand_in_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = No
         return real(self, read, items, device, ops=LateCopyOps())
 
     monkeypatch.setattr(TorchAdapter, "to_device_runs", staged)
+    _on_cuda(monkeypatch)
+
+
+def _on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Open every file as if on ``"cuda:0"``."""
+    from pysafetensors._devices import Device
+
     real_open = safe_open.__init__
 
     def on_device(self: Any, *args: Any, **kwargs: Any) -> None:
         real_open(self, *args, **kwargs)
         self._device = Device("cuda", 0)  # as if opened with device="cuda:0"
+        self._small_reads = None  # get_tensor's CPU short path, never taken on a device
 
     monkeypatch.setattr(safe_open, "__init__", on_device)
 
@@ -777,3 +784,79 @@ def test_copy_pieces_lands_each_piece(foreach_works: bool, monkeypatch: pytest.M
     staging.copy_pieces(torch, host, [(a, 0, 20, 5), (a, 5, 40, 5)])
     assert torch.equal(a, torch.cat([host[20:25], host[40:45]]))
     assert calls == ([3, 2] if foreach_works else [3])
+
+
+def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the public API on a (stand-in) CUDA device, every way of loading (get_tensors,
+    get_tensor, row and column slices, load_shard, a sharded folder) gives tensors equal to the
+    CPU's, each with a storage of exactly its bytes, as the reference's one .to() per tensor:
+    save_model takes them as they are, and torch.save of one writes its bytes alone."""
+    import io
+
+    import pysafetensors._torch_adapter as adapter
+    from pysafetensors.parallel import load_shard
+    from pysafetensors.torch import load_model, save_file, save_model, save_sharded
+
+    staged: list[str] = []
+
+    def stand_in(device: Any, ops: Any) -> Any:
+        if ops is None and device.type == "cuda":
+            staged.append(device.type)
+            return LateCopyOps()
+        return ops
+
+    monkeypatch.setattr(adapter, "_staging_ops", stand_in)
+    _on_cuda(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.LayerNorm(48))
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tensors["big"] = torch.randn(300, 200, generator=gen)
+    tensors["flag"] = torch.tensor(True)
+    tensors["none"] = torch.zeros(0, 3)
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, path)
+
+    def own(t: Any) -> bool:
+        return bool(t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+    with safe_open(path, "pt") as f:
+        loads = {"get_tensors": f.get_tensors()}
+        loads["get_tensor"] = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        rows = f.get_slice("big")[10:90]
+        cols = f.get_slice("big")[:, 5:50]
+    assert torch.equal(rows, tensors["big"][10:90]) and own(rows)
+    assert torch.equal(cols, tensors["big"][:, 5:50]) and own(cols)
+    for how, got in loads.items():
+        assert sorted(got) == sorted(tensors), how
+        for name, t in tensors.items():
+            assert torch.equal(got[name], t) and own(got[name]), (how, name)
+        pointers = [t.untyped_storage().data_ptr() for t in got.values() if t.numel()]
+        assert len(set(pointers)) == len(pointers), how
+    for along in ("rows", "columns"):
+
+        def rule(name: str, shape: tuple[int, ...], along: str = along) -> str:
+            return along if len(shape) == 2 else "replicate"
+
+        part = load_shard(path, 1, 4, rule, framework="pt")
+        for name, t in part.items():
+            assert own(t), (along, name)
+    folder = tmp_path / "sharded"
+    save_sharded(tensors, folder, max_shard_size=100_000)
+    with safe_open(folder, "pt") as f:
+        assert len({f.shard_of(name) for name in tensors}) > 1
+        got = f.get_tensors()
+    assert all(torch.equal(got[name], t) and own(got[name]) for name, t in tensors.items())
+    assert len(staged) >= 8
+
+    # What the storages are for: save_model takes the loaded parameters as they are (it
+    # refuses tensors sharing a storage), and torch.save of one writes its own bytes.
+    loaded = loads["get_tensors"]
+    load_model(model, path, strict=False)
+    model.load_state_dict({k: loaded[k] for k in model.state_dict()}, assign=True)
+    assert model[0].bias.untyped_storage().data_ptr() == loaded["0.bias"].data_ptr()
+    save_model(model, tmp_path / "model.safetensors")
+    buf = io.BytesIO()
+    torch.save(loaded["0.bias"], buf)
+    assert len(buf.getvalue()) < 48 * 4 + 2000
