@@ -310,7 +310,7 @@ def stage_items_to_device(
     Each item gets an allocation of its own, as the reference's one ``.to(device)`` per tensor
     gives it: a tensor kept alone keeps only its own bytes on the device, ``torch.save`` of it
     writes only them, and tensors free their memory one by one. The reads need not follow
-    the items: items in file order less than ``max_gap`` bytes apart are read as one run (the
+    the items: items in file order at most ``max_gap`` bytes apart are read as one run (the
     bytes between read and dropped), so that a file of many small tensors is read in a few
     large chunks, and a chunk spanning several items reaches each through its own
     asynchronous copy (all of a chunk's copies in one call). Overlapping items are read apart.

@@ -28,7 +28,7 @@ _FROM_TORCH: Final[dict[Any, DType]] = {
     getattr(torch, d.torch): d for d in DTYPES if d.torch and hasattr(torch, d.torch)
 }
 
-#: Tensors loaded to a CUDA device less than this apart in the file are read as one run (the
+#: Tensors loaded to a CUDA device at most this far apart in the file are read as one run (the
 #: bytes between them read and dropped): cheaper than another chunk for the pipeline, and a
 #: load of every tensor (no gaps) reads the data region in chunks that ignore tensor bounds.
 _DEVICE_READ_GAP: Final = 64 << 10
