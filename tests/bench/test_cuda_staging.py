@@ -44,6 +44,7 @@ class LateCopyOps:
         self.producer_fill = producer_fill
         self.producer_writes: list[Any] = []
         self.copies = 0
+        self.spanning = 0  # copies of a chunk holding pieces of several items
 
     def alloc_device(self, nbytes: int) -> Any:
         buf = torch.full((nbytes,), 0xEE, dtype=torch.uint8)
@@ -79,6 +80,7 @@ class LateCopyOps:
 
     def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
         assert pieces, "a copy of nothing"
+        self.spanning += len(pieces) > 1
         event = {"pieces": list(pieces), "host": host, "stream": stream, "done": False}
         self._queue(event)
         return event
@@ -860,3 +862,84 @@ def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
     buf = io.BytesIO()
     torch.save(loaded["0.bias"], buf)
     assert len(buf.getvalue()) < 48 * 4 + 2000
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_device_loads_equal_the_cpu(
+    seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random files (dtypes, shapes, empty and scalar tensors), random slices and tensor-
+    parallel splits through the stand-in device with small chunks (so chunks span tensors and
+    tensors span chunks): byte for byte the CPU's, each result in a storage of its own."""
+    import pysafetensors._cuda_staging as staging
+    import pysafetensors._torch_adapter as adapter
+    from pysafetensors.parallel import load_shard
+    from pysafetensors.torch import save_file
+
+    rng = np.random.default_rng(seed)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool]
+    tensors: dict[str, Any] = {}
+    for i in range(int(rng.integers(1, 25))):
+        ndim = int(rng.integers(0, 4))
+        shape = tuple(int(rng.integers(0 if rng.random() < 0.1 else 1, 40)) for _ in range(ndim))
+        raw = torch.from_numpy(rng.integers(0, 256, max(1, int(np.prod(shape))) * 8, np.uint8))
+        dtype = dtypes[int(rng.integers(len(dtypes)))]
+        n = int(np.prod(shape))
+        t = (raw[:n].bool() if dtype is torch.bool else raw.view(dtype)[:n]).reshape(shape)
+        tensors[f"t{i}"] = t.clone()
+    path = tmp_path / "r.safetensors"
+    save_file(tensors, path)
+    with safe_open(path, "pt") as f:
+        want = f.get_tensors()
+        slices = {}
+        for name, t in want.items():
+            if t.dim() == 0:
+                continue
+            index = tuple(
+                slice(int(a), int(a) + int(rng.integers(0, s + 1)), int(rng.integers(1, 3)))
+                for s, a in (
+                    (s, rng.integers(0, s + 1))
+                    for s in t.shape[: int(rng.integers(1, t.dim() + 1))]
+                )
+            )
+            slices[name] = (index, f.get_slice(name)[index])
+    world = int(rng.integers(1, 5))
+    rank = int(rng.integers(world))
+
+    def rule(name: str, shape: tuple[int, ...]) -> str:
+        return ("rows", "columns")[len(name) % 2] if len(shape) >= 2 else "replicate"
+
+    want_shard = load_shard(path, rank, world, rule, framework="pt")
+
+    monkeypatch.setattr(staging, "MIN_CHUNK_BYTES", 64)
+    monkeypatch.setattr(staging, "CHUNK_BYTES", int(rng.integers(64, 2000)))
+    made: list[LateCopyOps] = []
+
+    def stand_in(device: Any, ops: Any) -> Any:
+        if ops is None and device.type == "cuda":
+            made.append(LateCopyOps())
+            return made[-1]
+        return ops
+
+    monkeypatch.setattr(adapter, "_staging_ops", stand_in)
+    _on_cuda(monkeypatch)
+
+    def same(a: Any, b: Any) -> bool:
+        own = a.untyped_storage().nbytes() == a.numel() * a.element_size()
+        return bool(
+            own
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+
+    for backend in ("pread", "mmap"):
+        with safe_open(path, "pt", backend=backend) as f:
+            got = f.get_tensors()
+            assert all(same(got[name], t) for name, t in want.items())
+            for name, (index, t) in slices.items():
+                assert same(f.get_slice(name)[index], t), (backend, name, index)
+        got = load_shard(path, rank, world, rule, framework="pt", backend=backend)
+        assert all(same(got[name], t) for name, t in want_shard.items()), backend
+    if sum(1 for t in want.values() if t.numel()) >= 4:
+        assert sum(o.spanning for o in made) > 0  # chunks did span tensors
