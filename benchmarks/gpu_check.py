@@ -35,11 +35,14 @@ Not run by ``make bench``. The script, each section recorded even when a later o
 It prints markdown tables and writes ``gpu_results.json`` and ``gpu_results.md`` into ``--out``
 (default: next to this script) after every section. ``--dry-run`` runs the same code on the
 CPU with a small file (the copies are CPU copies), to check the script itself without a GPU;
-``--correctness-only`` stops after the correctness sections.
+``--correctness-only`` stops after the correctness sections; ``--skip warm,sweep,...`` leaves
+out timed sections (to fit a short lease). Each section's report says how long the run has
+taken so far.
 
 Usage::
 
     python benchmarks/gpu_check.py [--device cuda:0] [--gib 2] [--reps 5] [--out DIR]
+        [--skip warm,tp,first-calls,small,saves,sweep,cold]
 """
 
 from __future__ import annotations
@@ -107,12 +110,16 @@ class Report:
         self.lines: list[str] = []
 
     def add(self, section: str, value: Any, lines: list[str]) -> None:
+        lines = [*lines, "", f"({time.perf_counter() - STARTED:.0f} s since the start)"]
         self.data["sections"][section] = value
         self.lines += [f"## {section}", "", *lines, ""]
         print("\n".join([f"## {section}", "", *lines, ""]), flush=True)
         self.save()
 
     def error(self, section: str) -> None:
+        if isinstance(sys.exc_info()[1], SectionSkipped):
+            self.add(section, "skipped", ["skipped (--skip)"])
+            return
         text = traceback.format_exc()
         self.data["errors"].append({"section": section, "traceback": text})
         self.lines += [f"## {section}: FAILED", "", "```", text, "```", ""]
@@ -125,6 +132,17 @@ class Report:
             json.dump(self.data, f, indent=1)
         with open(os.path.join(self.out, "gpu_results.md"), "w") as f:
             f.write("\n".join(self.lines) + "\n")
+
+
+class SectionSkipped(Exception):
+    """Raised at the start of a section that ``--skip`` names."""
+
+
+#: When the script started (each section's report says how long the run has taken so far).
+STARTED = time.perf_counter()
+
+#: The timed sections ``--skip`` can leave out.
+SECTIONS = ("warm", "tp", "first-calls", "small", "saves", "sweep", "cold")
 
 
 def same_bytes(a: Any, b: Any) -> bool:
@@ -148,7 +166,19 @@ def main() -> int:
     ap.add_argument("--out", default=HERE)
     ap.add_argument("--dry-run", action="store_true", help="CPU only, to test the script")
     ap.add_argument("--correctness-only", action="store_true", help="skip the timings")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help=f"timed sections to leave out, comma-separated: {','.join(SECTIONS)}",
+    )
     args = ap.parse_args()
+    skip = {name for name in args.skip.split(",") if name}
+    if skip - set(SECTIONS):
+        ap.error(f"--skip: unknown sections {sorted(skip - set(SECTIONS))}")
+
+    def start(section: str) -> None:
+        if section in skip:
+            raise SectionSkipped(section)
 
     import numpy as np
     import torch
@@ -452,6 +482,7 @@ def main() -> int:
         return lines
 
     try:
+        start("warm")
         bufs = {
             "pinned": torch.empty(data_size, dtype=torch.uint8, pin_memory=not dry),
             "device": torch.empty(data_size, dtype=torch.uint8, device=dev),
@@ -527,6 +558,7 @@ def main() -> int:
 
     # ------------------------------------------------------------------ tensor-parallel parts
     try:
+        start("tp")
         from pysafetensors.parallel import load_shard
 
         tp = 8
@@ -629,7 +661,7 @@ def main() -> int:
             "print(time.perf_counter() - t0)\n"
         )
         fresh_times: dict[str, dict[str, list[float]]] = {}
-        if not dry:
+        if not dry and "first-calls" not in skip:
             import subprocess
 
             root = os.path.dirname(HERE)
@@ -680,6 +712,7 @@ def main() -> int:
 
     # ------------------------------------------------------------------ many small tensors
     try:
+        start("small")
         lora, moe = (100, 2000) if dry else (1000, 20000)
         small_files = {
             f"LoRA ({lora:,} tensors of 8 KiB)": _files.ensure_file(
@@ -781,6 +814,7 @@ def main() -> int:
         return 0
 
     try:
+        start("saves")
         import hashlib
 
         held = {"device": ours.load_file(path, device=dev)}
@@ -869,6 +903,7 @@ def main() -> int:
 
     # ------------------------------------------------------------------ sweep
     try:
+        start("sweep")
         ops: Any = CpuOps() if dry else TorchCudaOps(dev)
         fd = os.open(path, os.O_RDONLY)
         source = PreadSource(fd, path)
@@ -905,6 +940,7 @@ def main() -> int:
 
     # ------------------------------------------------------------------ cold
     try:
+        start("cold")
         residency = _cache.evict(path)
         if residency > 0.01:
             report.add("cold", {"skipped": residency}, [f"eviction failed ({residency:.2f})"])

@@ -6,6 +6,7 @@ No timing is asserted: this only guards the harness against bit rot.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,36 @@ def test_quick_remote_benchmark_writes_table_and_json(tmp_path: Path) -> None:
     assert worked["requests"] < 50 and worked["fetched"] == loop["fetched"]
     table = (out / "REMOTE.md").read_text()
     assert table.count("| load_shard rank 0 of 8") == 2 and "Machine:" in table
+
+
+def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
+    """The GPU check (run by hand on a machine with a GPU) runs its whole code on the CPU
+    (``--dry-run``: CPU copies instead of a device's) and finds nothing wrong: its stand-in of
+    the device runtime still matches the staging pipeline's interface, every section runs."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--dry-run",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    data = json.loads((out / "gpu_results.json").read_text())
+    assert data["errors"] == []
+    sections = data["sections"]
+    assert sections["verdict"] == {"failures": [], "errors": 0}
+    for name in ("dtypes", "llama correctness", "warm", "tensor-parallel", "small tensors"):
+        assert name in sections, name
+    assert sections["dtypes"]["checked"] > 500
+    assert "| pysafetensors pread |" in (out / "gpu_results.md").read_text()
