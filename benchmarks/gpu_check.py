@@ -198,6 +198,7 @@ def main() -> int:
 
     import pysafetensors
     import pysafetensors._cuda_staging as loader_defaults
+    import pysafetensors._torch_adapter as torch_adapter
     import pysafetensors.torch as ours
     from pysafetensors._cuda_staging import (
         CHUNK_BYTES,
@@ -214,6 +215,7 @@ def main() -> int:
 
     report = Report(args.out)
     failures: list[str] = []
+    default_direct = torch_adapter.DIRECT_BYTES
 
     def verdict() -> int:
         """Record the outcome; the exit status (1 on any failure or failed section)."""
@@ -287,21 +289,28 @@ def main() -> int:
                         got[name], t
                     ):
                         failures.append(f"dtypes {backend} {spelling!r} load_file {name}")
-            with pysafetensors.safe_open(path, "pt", device=dev, backend=backend) as f:
-                for name, t in cpu.items():
-                    checked += 2
-                    if not same_bytes(f.get_tensor(name), t):
-                        failures.append(f"dtypes {backend} get_tensor {name}")
-                    part = f.get_slice(name)[3:20, 5:40] if t.dim() == 2 else None
-                    if part is not None and not same_bytes(part, t[3:20, 5:40]):
-                        failures.append(f"dtypes {backend} get_slice {name}")
-                    rows = f.get_slice(name)[3:20] if t.dim() == 2 else None  # one byte run
-                    if rows is not None and not (
-                        same_bytes(rows, t[3:20])
-                        and rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
-                    ):
-                        failures.append(f"dtypes {backend} get_slice rows {name}")
-                    checked += 1
+            # Small tensors and slices go the direct way by default (read, then one .to);
+            # staged too, with the threshold lowered, so the pipeline is checked on them.
+            for direct in (torch_adapter.DIRECT_BYTES, -1):
+                torch_adapter.DIRECT_BYTES = direct
+                try:
+                    with pysafetensors.safe_open(path, "pt", device=dev, backend=backend) as f:
+                        for name, t in cpu.items():
+                            how = f"dtypes {backend} direct<={direct}"
+                            checked += 3
+                            if not same_bytes(f.get_tensor(name), t):
+                                failures.append(f"{how} get_tensor {name}")
+                            if t.dim() != 2:
+                                continue
+                            if not same_bytes(f.get_slice(name)[3:20, 5:40], t[3:20, 5:40]):
+                                failures.append(f"{how} get_slice {name}")
+                            rows = f.get_slice(name)[3:20]  # one byte run
+                            own = rows.numel() * rows.element_size()
+                            nbytes = rows.untyped_storage().nbytes()
+                            if not same_bytes(rows, t[3:20]) or nbytes != own:
+                                failures.append(f"{how} get_slice rows {name}")
+                finally:
+                    torch_adapter.DIRECT_BYTES = default_direct
         # Tensor-parallel parts on the device (rows, columns, whole tensors) equal the CPU's.
         from pysafetensors.parallel import load_shard
 
@@ -746,7 +755,20 @@ def main() -> int:
 
                     return run
 
+                def staged(run: Callable[[], Any]) -> Callable[[], Any]:
+                    def forced() -> Any:
+                        torch_adapter.DIRECT_BYTES = -1  # every call through the pipeline
+                        try:
+                            return run()
+                        finally:
+                            torch_adapter.DIRECT_BYTES = default_direct
+
+                    return forced
+
                 small_arms["pysafetensors get_tensor loop (pread)"] = loop(pysafetensors, "pread")
+                small_arms["pysafetensors get_tensor loop, staged (pread)"] = staged(
+                    loop(pysafetensors, "pread")
+                )
                 small_arms["reference get_tensor loop (mmap)"] = loop(safetensors, "mmap")
             want = ours.load_file(small_path)
             for arm, fn in small_arms.items():

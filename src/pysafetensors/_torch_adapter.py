@@ -28,6 +28,15 @@ _FROM_TORCH: Final[dict[Any, DType]] = {
     getattr(torch, d.torch): d for d in DTYPES if d.torch and hasattr(torch, d.torch)
 }
 
+#: One tensor (or slice) of at most this many bytes goes to a CUDA device the reference's way,
+#: read into host memory on the calling thread and moved by one ``.to``: the staging pipeline
+#: gains nothing on one small chunk (nothing to overlap) and costs a fixed ~35-50 us of Python
+#: per call (measured with a CPU stand-in for the device, before the CUDA calls), several times
+#: a small ``.to``. Several tensors at once (``get_tensors``, ``load_shard``) are staged
+#: whatever their size. Not yet measured on a GPU: ``benchmarks/gpu_check.py`` times a
+#: ``get_tensor`` loop over 8 KiB tensors both ways.
+DIRECT_BYTES = 256 << 10
+
 #: Tensors loaded to a CUDA device at most this far apart in the file are read as one run (the
 #: bytes between them read and dropped): cheaper than another chunk for the pipeline, and a
 #: load of every tensor (no gaps) reads the data region in chunks that ignore tensor bounds.
@@ -302,7 +311,7 @@ class TorchAdapter:
             The tensors, or None when this path does not apply (not CUDA) and the caller should
             use :meth:`from_bytes`.
         """
-        ops = _staging_ops(device, ops)
+        ops = _staging_ops(device, ops, items[0][4] - items[0][3] if len(items) == 1 else None)
         if ops is None:
             return None
         from ._cuda_staging import stage_items_to_device
@@ -335,7 +344,7 @@ class TorchAdapter:
         Returns:
             The tensors, or None when this path does not apply (not CUDA).
         """
-        ops = _staging_ops(device, ops)
+        ops = _staging_ops(device, ops, items[0][4] if len(items) == 1 else None)
         if ops is None:
             return None
         from ._cuda_staging import stage_items_to_device
@@ -368,7 +377,8 @@ class TorchAdapter:
         Returns:
             The parts by name, or None when this path does not apply (not CUDA).
         """
-        ops = _staging_ops(device, ops)
+        single = parts[0][2] * parts[0][3] if len(parts) == 1 else None
+        ops = _staging_ops(device, ops, single)
         if ops is None:
             return None
         from ._cuda_staging import CHUNK_BYTES, gather_to_device
@@ -533,11 +543,15 @@ def _carve_each(buffers: list[Any], items: list[Item]) -> dict[str, Any]:
     return out
 
 
-def _staging_ops(device: Device, ops: Any) -> Any:
+def _staging_ops(device: Device, ops: Any, single: int | None = None) -> Any:
     """The runtime a load to ``device`` stages through: ``ops`` when given (tests pass a CPU
-    stand-in), else CUDA's for a CUDA device; None where staging does not apply."""
+    stand-in), else CUDA's for a CUDA device; None where staging does not apply (the caller
+    then reads into host memory and moves the result with ``.to``): another device, or one
+    tensor of ``single`` bytes, at most :data:`DIRECT_BYTES`."""
     if ops is not None:
         return ops
+    if single is not None and single <= DIRECT_BYTES:
+        return None
     if device.type == "anonymous" and torch.cuda.is_available():
         # A bare integer is torch's current accelerator: CUDA's when there is CUDA.
         return _device_ops(torch.device("cuda", device.index or 0))

@@ -803,7 +803,7 @@ def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
 
     staged: list[str] = []
 
-    def stand_in(device: Any, ops: Any) -> Any:
+    def stand_in(device: Any, ops: Any, single: int | None = None) -> Any:
         if ops is None and device.type == "cuda":
             staged.append(device.type)
             return LateCopyOps()
@@ -915,7 +915,7 @@ def test_random_device_loads_equal_the_cpu(
     monkeypatch.setattr(staging, "CHUNK_BYTES", int(rng.integers(64, 2000)))
     made: list[LateCopyOps] = []
 
-    def stand_in(device: Any, ops: Any) -> Any:
+    def stand_in(device: Any, ops: Any, single: int | None = None) -> Any:
         if ops is None and device.type == "cuda":
             made.append(LateCopyOps())
             return made[-1]
@@ -943,3 +943,19 @@ def test_random_device_loads_equal_the_cpu(
         assert all(same(got[name], t) for name, t in want_shard.items()), backend
     if sum(1 for t in want.values() if t.numel()) >= 4:
         assert sum(o.spanning for o in made) > 0  # chunks did span tensors
+
+
+def test_one_small_tensor_goes_the_direct_way() -> None:
+    """One tensor of at most DIRECT_BYTES is read on the calling thread and moved by .to (None:
+    no staging runtime); a larger one, or several at once, is staged."""
+    from pysafetensors._devices import Device
+    from pysafetensors._torch_adapter import DIRECT_BYTES, _staging_ops
+
+    cuda = Device("cuda", 0)
+    assert _staging_ops(cuda, None, 0) is None
+    assert _staging_ops(cuda, None, DIRECT_BYTES) is None
+    assert _staging_ops(cuda, None, DIRECT_BYTES + 1) is not None
+    assert _staging_ops(cuda, None, None) is not None  # several tensors
+    assert _staging_ops(Device("cpu", None), None, None) is None
+    given = LateCopyOps()
+    assert _staging_ops(cuda, given, 10) is given  # a runtime given is always used

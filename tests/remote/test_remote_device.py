@@ -28,7 +28,7 @@ def test_a_remote_file_loads_to_the_device_through_the_pipeline(
         cols = f.get_slice("proj")[:, 16:80]
     made: list[LateCopyOps] = []
 
-    def stand_in(device: Any, ops: Any) -> Any:
+    def stand_in(device: Any, ops: Any, single: int | None = None) -> Any:
         if ops is None and device.type == "cuda":
             made.append(LateCopyOps())
             return made[-1]
