@@ -505,6 +505,25 @@ def _stand_in_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = No
     _on_cuda(monkeypatch)
 
 
+def stage_on_cuda(monkeypatch: pytest.MonkeyPatch) -> list[LateCopyOps]:
+    """Open every file as if on ``"cuda:0"`` and stage every load through a fresh stand-in
+    (whatever its size: the direct path of small tensors needs a real device); returns the
+    stand-ins made, one per pipeline run."""
+    import pysafetensors._torch_adapter as adapter
+
+    made: list[LateCopyOps] = []
+
+    def stand_in(device: Any, ops: Any, single: int | None = None) -> Any:
+        if ops is None and device.type == "cuda":
+            made.append(LateCopyOps())
+            return made[-1]
+        return ops
+
+    monkeypatch.setattr(adapter, "_staging_ops", stand_in)
+    _on_cuda(monkeypatch)
+    return made
+
+
 def _on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Open every file as if on ``"cuda:0"``."""
     from pysafetensors._devices import Device
@@ -797,20 +816,10 @@ def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
     save_model takes them as they are, and torch.save of one writes its bytes alone."""
     import io
 
-    import pysafetensors._torch_adapter as adapter
     from pysafetensors.parallel import load_shard
     from pysafetensors.torch import load_model, save_file, save_model, save_sharded
 
-    staged: list[str] = []
-
-    def stand_in(device: Any, ops: Any, single: int | None = None) -> Any:
-        if ops is None and device.type == "cuda":
-            staged.append(device.type)
-            return LateCopyOps()
-        return ops
-
-    monkeypatch.setattr(adapter, "_staging_ops", stand_in)
-    _on_cuda(monkeypatch)
+    staged = stage_on_cuda(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.LayerNorm(48))
     tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -872,7 +881,6 @@ def test_random_device_loads_equal_the_cpu(
     parallel splits through the stand-in device with small chunks (so chunks span tensors and
     tensors span chunks): byte for byte the CPU's, each result in a storage of its own."""
     import pysafetensors._cuda_staging as staging
-    import pysafetensors._torch_adapter as adapter
     from pysafetensors.parallel import load_shard
     from pysafetensors.torch import save_file
 
@@ -913,16 +921,7 @@ def test_random_device_loads_equal_the_cpu(
 
     monkeypatch.setattr(staging, "MIN_CHUNK_BYTES", 64)
     monkeypatch.setattr(staging, "CHUNK_BYTES", int(rng.integers(64, 2000)))
-    made: list[LateCopyOps] = []
-
-    def stand_in(device: Any, ops: Any, single: int | None = None) -> Any:
-        if ops is None and device.type == "cuda":
-            made.append(LateCopyOps())
-            return made[-1]
-        return ops
-
-    monkeypatch.setattr(adapter, "_staging_ops", stand_in)
-    _on_cuda(monkeypatch)
+    made = stage_on_cuda(monkeypatch)
 
     def same(a: Any, b: Any) -> bool:
         own = a.untyped_storage().nbytes() == a.numel() * a.element_size()

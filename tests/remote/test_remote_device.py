@@ -5,14 +5,12 @@ of its own, fetched by ranged requests that read each byte once."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import pysafetensors._torch_adapter as adapter  # noqa: E402
-from bench.test_cuda_staging import LateCopyOps, _on_cuda  # noqa: E402
+from bench.test_cuda_staging import stage_on_cuda  # noqa: E402
 from pysafetensors import safe_open  # noqa: E402
 
 from .rangeserver import RangeServer  # noqa: E402
@@ -26,16 +24,7 @@ def test_a_remote_file_loads_to_the_device_through_the_pipeline(
         want = f.get_tensors()
         rows = f.get_slice("embed")[100:300]
         cols = f.get_slice("proj")[:, 16:80]
-    made: list[LateCopyOps] = []
-
-    def stand_in(device: Any, ops: Any, single: int | None = None) -> Any:
-        if ops is None and device.type == "cuda":
-            made.append(LateCopyOps())
-            return made[-1]
-        return ops
-
-    monkeypatch.setattr(adapter, "_staging_ops", stand_in)
-    _on_cuda(monkeypatch)
+    made = stage_on_cuda(monkeypatch)
     server.reset()
     with safe_open(url, "pt") as f:
         got = f.get_tensors()
