@@ -795,6 +795,36 @@ def load_checkpoint(
         raise
 
 
+def _checkpoint(
+    file: FileBytes,
+    fmt: str,
+    policy: TorchPolicy,
+    result: Result,
+    storages: dict[str, _StorageLoc],
+    *,
+    byteorder: str = "little",
+    zip_view: ZipView | None = None,
+) -> Checkpoint:
+    """The :class:`Checkpoint` of a pickle run to its end (``result``: its value and protocol)
+    over ``storages``, every format alike: its tensors named and checked against the storages'
+    real sizes (:func:`_records`)."""
+    tensors, leaves, skipped = _records(
+        policy, result.value, {k: v.nbytes for k, v in storages.items()}
+    )
+    return Checkpoint(
+        file.path,
+        fmt,
+        tensors,
+        leaves,
+        byteorder,
+        file,
+        zip_view,
+        storages,
+        result.protocol,
+        skipped=skipped,
+    )
+
+
 def _records(
     policy: TorchPolicy, root: Any, sizes: dict[str, int]
 ) -> tuple[dict[str, TensorRecord], dict[str, Any], Skipped]:
@@ -958,21 +988,7 @@ def _load_zip(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoint:
                 f"({ref.nbytes} bytes) but {member!r} holds {m.file_size} bytes"
             )
         storages[key] = _StorageLoc(ref.nbytes, member=member)
-    tensors, leaves, skipped = _records(
-        policy, result.value, {k: v.nbytes for k, v in storages.items()}
-    )
-    return Checkpoint(
-        file.path,
-        "zip",
-        tensors,
-        leaves,
-        byteorder,
-        file,
-        zv,
-        storages,
-        result.protocol,
-        skipped=skipped,
-    )
+    return _checkpoint(file, "zip", policy, result, storages, byteorder=byteorder, zip_view=zv)
 
 
 #: The newest archive format torch's reader reads (``kMaxSupportedFileFormatVersion``).
@@ -1067,21 +1083,7 @@ def _legacy_storages(
     missing = set(policy.storages) - set(storages)
     if missing:
         raise bad_checkpoint(f"storages {sorted(missing)[:5]} declared but not present")
-    tensors, leaves, skipped = _records(
-        policy, graph.value, {k: v.nbytes for k, v in storages.items()}
-    )
-    return Checkpoint(
-        file.path,
-        "legacy",
-        tensors,
-        leaves,
-        "little",
-        file,
-        None,
-        storages,
-        graph.protocol,
-        skipped=skipped,
-    )
+    return _checkpoint(file, "legacy", policy, graph, storages)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1402,21 +1404,7 @@ def _load_tar(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoint:
     graph = policy_machine(data, policy, limits, base=start).run(0)
     if graph.end != len(data):
         raise bad_checkpoint(f"tar pickle: {len(data) - graph.end} bytes after STOP")
-    tensors, leaves, skipped = _records(
-        policy, graph.value, {k: v.nbytes for k, v in storages.items()}
-    )
-    return Checkpoint(
-        file.path,
-        "tar",
-        tensors,
-        leaves,
-        "little",
-        file,
-        None,
-        storages,
-        graph.protocol,
-        skipped=skipped,
-    )
+    return _checkpoint(file, "tar", policy, graph, storages)
 
 
 # --------------------------------------------------------------------------------------------
