@@ -7,13 +7,17 @@ that would run code try to create a canary file, so a test can prove nothing ran
 from __future__ import annotations
 
 import io
+import json
 import struct
+import subprocess
+import sys
 import tarfile
 import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pysafetensors._errors import CheckpointError, SafetensorError, UnsafePickleError
 
@@ -651,3 +655,30 @@ CASES: list[Case] = [
         C,
     ),
 ]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The command-line tool run in a fresh interpreter, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "pysafetensors", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_writer(folder: Path, script: str) -> Any:
+    """Run ``script`` (one that saves checkpoints with real ``torch.save``) in a fresh
+    interpreter as ``script FOLDER CANARY``; what it printed last, as JSON."""
+    path = folder / "writer.py"
+    path.write_text(script)
+    res = subprocess.run(
+        [sys.executable, str(path), str(folder), str(folder / "canary")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from pysafetensors.convert import convert_file, convert_folder, verify_conversio
 from pysafetensors.numpy import load_file
 from pysafetensors.scan import grade_pickled_global, scan_file
 
-from .corpus import F32x4, P, make_zip, pid, state_dict, tensor
+from .corpus import F32x4, P, cli, make_zip, pid, run_writer, state_dict, tensor
 
 #: Run as ``__main__`` in a child: writes the checkpoints named on the command line, then
 #: loads each back with ``torch.load(weights_only=False)`` and prints the SHA-256 of every
@@ -168,17 +166,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, d
     """The checkpoints, and ``{file: {tensor name: sha256}}`` as ``torch.load`` reads them."""
     pytest.importorskip("torch")
     folder = tmp_path_factory.mktemp("written")
-    script = folder / "writer.py"
-    script.write_text(_WRITER)
-    res = subprocess.run(
-        [sys.executable, str(script), str(folder), str(folder / "canary")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr
-    return folder, json.loads(res.stdout.strip().splitlines()[-1])
+    return folder, run_writer(folder, _WRITER)
 
 
 def _digests(path: Path, dropped: dict[str, str]) -> dict[str, str]:
@@ -189,16 +177,6 @@ def _digests(path: Path, dropped: dict[str, str]) -> dict[str, str]:
     }
     out.update({d: out[k] for d, k in dropped.items()})
     return out
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pysafetensors", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 # -- error mode ---------------------------------------------------------------------------------
@@ -214,7 +192,7 @@ def test_error_mode_refuses_with_a_hint(written: Any, tmp_path: Path) -> None:
     assert str(exc.value).startswith(f"{folder / 'training.pt'}: global torch.optim.adamw.AdamW")
     assert any('unknown="skip"' in note for note in getattr(exc.value, "__notes__", []))
     assert not dst.exists()
-    res = _cli("convert", str(folder / "training.pt"), str(dst))
+    res = cli("convert", str(folder / "training.pt"), str(dst))
     assert res.returncode == 1 and not dst.exists()
     lines = res.stderr.splitlines()
     assert lines[0].startswith("error: ") and "torch.optim.adamw.AdamW" in lines[0]
@@ -359,7 +337,7 @@ def test_dangerous_globals_are_refused_in_skip_mode_too(written: Any, tmp_path: 
         assert exc.value.skippable is (unknown == "error")
         assert not dst.exists() and not canary.exists()
     assert scan_file(folder / "evil.pt").grade == "dangerous"
-    res = _cli("convert", "--skip-unknown", str(folder / "evil.pt"), str(dst))
+    res = cli("convert", "--skip-unknown", str(folder / "evil.pt"), str(dst))
     assert res.returncode == 1 and not dst.exists() and not canary.exists()
     assert "posix.system" in res.stderr
     assert "hint: this is refused even with --skip-unknown" in res.stderr
@@ -501,7 +479,7 @@ def test_deeply_nested_skipped_objects_are_listed(tmp_path: Path) -> None:
     assert report.skipped_objects["c.1"] == "mylib.Thing"
     assert set(report.skipped_objects.values()) == {"mylib.Thing"}
     assert all(len(k.split(".")) <= 17 for k in report.skipped_objects)
-    res = _cli("convert", "--skip-unknown", str(tmp_path / "d.pt"), str(tmp_path / "e.safetensors"))
+    res = cli("convert", "--skip-unknown", str(tmp_path / "d.pt"), str(tmp_path / "e.safetensors"))
     assert res.returncode == 0, res.stderr
     assert "(none in the converted part)" not in res.stdout
     assert "deep" + ".0" * 16 + " (mylib.Thing)" in res.stdout
@@ -613,13 +591,13 @@ def test_trainer_folder_leaves_out_files_that_are_one_object(tmp_path: Path) -> 
             model.weight.detach().numpy()
         )
     pool.shutdown()
-    res = _cli("convert", "--skip-unknown", "--json", str(src), str(tmp_path / "cli"))
+    res = cli("convert", "--skip-unknown", "--json", str(src), str(tmp_path / "cli"))
     assert res.returncode == 0, res.stderr
     assert sorted(Path(p).name for p in json.loads(res.stdout)["left_out"]) == [
         "optimizer.pt",
         "training_args.bin",
     ]
-    res = _cli("convert", "--skip-unknown", str(src), str(tmp_path / "cli2"))
+    res = cli("convert", "--skip-unknown", str(src), str(tmp_path / "cli2"))
     assert f"{src / 'training_args.bin'}: left out, the checkpoint is a" in res.stdout
     # A whole pickled model as the model's file converts as its state_dict() ...
     torch.save(model, src / "pytorch_model.bin")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -26,7 +24,17 @@ from pysafetensors._torch_pickle import load_checkpoint
 from pysafetensors.convert import convert_file, convert_folder
 from pysafetensors.numpy import load_file
 
-from .corpus import F32x4, P, legacy_tensor, make_legacy, make_zip, state_dict, tensor
+from .corpus import (
+    F32x4,
+    P,
+    cli,
+    legacy_tensor,
+    make_legacy,
+    make_zip,
+    run_writer,
+    state_dict,
+    tensor,
+)
 
 _WRITER = textwrap.dedent(
     """
@@ -132,17 +140,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, l
     ``state_dict()`` order."""
     pytest.importorskip("torch")
     folder = tmp_path_factory.mktemp("models")
-    script = folder / "writer.py"
-    script.write_text(_WRITER)
-    res = subprocess.run(
-        [sys.executable, str(script), str(folder), str(folder / "canary")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr
-    return folder, json.loads(res.stdout.strip().splitlines()[-1])
+    return folder, run_writer(folder, _WRITER)
 
 
 def _written_as(path: Path, dropped: dict[str, str]) -> dict[str, list[Any]]:
@@ -167,16 +165,6 @@ def _check_against_oracle(src: Path, dst: Path, oracle: list[Any], **kwargs: Any
     written = _written_as(dst, report.dropped)
     assert {n: written[n] for n in names} == {row[0]: row[1:] for row in oracle}
     return report
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pysafetensors", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 # -- real models --------------------------------------------------------------------------------
@@ -273,7 +261,7 @@ def test_error_mode_still_refuses_with_its_hint(written: Any, tmp_path: Path) ->
         convert_file(folder / "mlp.pt", dst)
     assert exc.value.skippable and exc.value.global_name == "__main__.MLP"
     assert not dst.exists()
-    res = _cli("convert", str(folder / "mlp.pt"), str(dst))
+    res = cli("convert", str(folder / "mlp.pt"), str(dst))
     assert res.returncode == 1 and not dst.exists()
     hint = res.stderr.splitlines()[1]
     assert hint.startswith("hint: --skip-unknown") and "whole pickled model" in hint
@@ -282,14 +270,14 @@ def test_error_mode_still_refuses_with_its_hint(written: Any, tmp_path: Path) ->
 def test_cli_names_the_module_classes_walked(written: Any, tmp_path: Path) -> None:
     folder, _ = written
     dst = tmp_path / "out.safetensors"
-    res = _cli("convert", "--skip-unknown", str(folder / "tied.pt"), str(dst))
+    res = cli("convert", "--skip-unknown", str(folder / "tied.pt"), str(dst))
     assert res.returncode == 0, res.stderr
     line = next(x for x in res.stdout.splitlines() if "whole model" in x)
     assert "5 modules" in line and "state_dict code is not run" in line
     assert "__main__.Tied, torch.nn.modules.sparse.Embedding, " in line
     assert "torch.nn.modules.linear.Linear x3" in line
     assert "skipped unknown objects" not in res.stdout
-    res = _cli("convert", "--skip-unknown", "--json", str(folder / "tied.pt"), str(dst))
+    res = cli("convert", "--skip-unknown", "--json", str(folder / "tied.pt"), str(dst))
     assert json.loads(res.stdout)["files"][0]["modules"][""] == "__main__.Tied"
 
 

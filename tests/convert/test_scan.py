@@ -20,6 +20,7 @@ from pysafetensors.scan import grade_global, scan_file
 from .corpus import (
     LEGACY_MAGIC,
     P,
+    cli,
     good_pickle,
     make_legacy,
     make_zip,
@@ -159,13 +160,7 @@ def test_unknown_global_is_suspicious(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pysafetensors", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return cli(*args, timeout=60)
 
 
 def test_cli_exit_codes(tmp_path: Path) -> None:
