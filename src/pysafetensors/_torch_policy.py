@@ -403,17 +403,18 @@ class TorchPolicy:
         # unknown class like any other, not a dunder lookup (a dunder *name* still is one).
         dunder_module = module != "__main__" and any(p.startswith("__") for p in module.split("."))
         dotted = "." in name or name.startswith("__") or dunder_module
-        stand = None if dotted else lookup_global(module, name)
-        if stand is not None:
-            if opcode in ("INST", "OBJ"):
-                raise unsafe_global(f"{opcode} opcode calling {full}", full, offset)
-            return stand
-        if not dotted and (module, name) in UNCONVERTIBLE:
-            if opcode in ("INST", "OBJ"):
-                raise unsafe_global(f"{opcode} opcode calling {full}", full, offset)
-            # Refused where a name is known (see Unconvertible), or at the end.
-            return _UNCONVERTIBLE_STANDS[(module, name)]
-        return self._unknown_global(module, name, offset, opcode, dotted)
+        # An unconvertible rebuild's stand is refused where a name is known (see
+        # Unconvertible), or at the end.
+        stand = (
+            None
+            if dotted
+            else lookup_global(module, name) or _UNCONVERTIBLE_STANDS.get((module, name))
+        )
+        if stand is None:
+            return self._unknown_global(module, name, offset, opcode, dotted)
+        if opcode in ("INST", "OBJ"):
+            raise unsafe_global(f"{opcode} opcode calling {full}", full, offset)
+        return stand
 
     def _unknown_global(
         self, module: str, name: str, offset: int, opcode: str, dotted: bool
