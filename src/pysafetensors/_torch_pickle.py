@@ -606,36 +606,24 @@ class Checkpoint:
             flat, shape=rec.torch_shape, strides=strides, writeable=False
         )
         np_dtype = numpy_dtype(rec.dtype)
-        if reuse:
-            blocks = _blocks(rec.torch_shape, rec.itemsize)
-            first = next(blocks)
-            # Every block into the file's one scratch buffer (the first block is the largest),
-            # then swapped and negated where it lies.
-            with self._located(rec.storage_key, start, 0)[0].scratch(view[first].nbytes) as scratch:
-                buffer = np.frombuffer(scratch, unit)
-                for index in itertools.chain((first,), blocks):
-                    part = view[index]
-                    block = buffer[: part.size].reshape(part.shape)
-                    np.copyto(block, part)
-                    if swap:
-                        _byteswap_array(block, rec, in_place=True)
-                    values = block.view(np_dtype)
-                    if rec.conj:
-                        np.conjugate(values, out=values)
-                    if rec.neg:
-                        np.negative(values, out=values)
-                    yield block.reshape(-1).view(np.uint8)
+        fixed = swap or rec.conj or rec.neg
+        blocks = _blocks(rec.torch_shape, rec.itemsize)
+        if not reuse:
+            for index in blocks:
+                block = np.ascontiguousarray(view[index])  # a view where it already is one
+                if fixed and not block.flags.writeable:
+                    block = block.copy()
+                yield _fixed_block(block, rec, swap, np_dtype)
             return
-        for index in _blocks(rec.torch_shape, rec.itemsize):
-            block = np.ascontiguousarray(view[index])
-            if swap:
-                block = _byteswap_array(block, rec)
-            values = block.view(np_dtype)
-            if rec.conj:
-                values = np.conjugate(values)
-            if rec.neg:
-                values = np.negative(values)
-            yield _as_bytes_array(values)
+        first = next(blocks)
+        # Every block into the file's one scratch buffer (the first block is the largest).
+        with self._located(rec.storage_key, start, 0)[0].scratch(view[first].nbytes) as scratch:
+            buffer = np.frombuffer(scratch, unit)
+            for index in itertools.chain((first,), blocks):
+                part = view[index]
+                block = buffer[: part.size].reshape(part.shape)
+                np.copyto(block, part)
+                yield _fixed_block(block, rec, swap, np_dtype)
 
     def tensor_array(self, rec: TensorRecord) -> np.ndarray[Any, Any]:
         """The whole tensor in memory, as a contiguous array of its real dtype (ml_dtypes for
@@ -680,8 +668,20 @@ def numpy_dtype(dtype: DType) -> np.dtype[Any]:
         return found
 
 
-def _as_bytes_array(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+def _fixed_block(
+    block: np.ndarray[Any, Any], rec: TensorRecord, swap: bool, np_dtype: np.dtype[Any]
+) -> np.ndarray[Any, Any]:
+    """A contiguous block of a tensor's elements as its little-endian values, each byte order,
+    conjugation and negation the record asks for applied where the block lies (writable
+    whenever one is); its bytes."""
+    if swap:
+        _byteswap_array(block, rec, in_place=True)
+    values = block.view(np_dtype)
+    if rec.conj:
+        np.conjugate(values, out=values)
+    if rec.neg:
+        np.negative(values, out=values)
+    return block.reshape(-1).view(np.uint8)
 
 
 def _swap_unit(rec: TensorRecord) -> int:
