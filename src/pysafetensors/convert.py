@@ -172,11 +172,10 @@ def _under(names: dict[str, Any], subtree: str | None, *, itself: bool = False) 
 def _select(tensors: dict[str, TensorRecord], leaves: dict[str, Any], subtree: str | None) -> Any:
     if not subtree:
         return tensors, leaves
-    pre = subtree + "."
-    t = {k[len(pre) :]: v for k, v in tensors.items() if k.startswith(pre)}
+    t = _under(tensors, subtree)
     if not t:
         raise CheckpointError(f"no tensors under {subtree!r} in the checkpoint")
-    return t, {k[len(pre) :]: v for k, v in leaves.items() if k.startswith(pre)}
+    return t, _under(leaves, subtree)
 
 
 def _chunks_with_progress(
