@@ -15,7 +15,6 @@ from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
 from ._errors import DeviceError, DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX, gc_paused
-from ._slicing import contiguous_strides
 from ._writer import TensorData
 
 __all__ = ["ADAPTER", "TorchAdapter", "torch_dtype"]
@@ -136,37 +135,12 @@ def _carve_items(
     return out
 
 
-def carve(base: Any, items: Iterable[Item]) -> dict[str, Any]:
-    """Tensors viewing a 1-D uint8 tensor ``base`` (CPU or device) at byte ranges.
-
-    One typed view of ``base`` per dtype, then one ``as_strided`` per tensor: all of them views
-    of ``base``'s storage (the staging pipeline gives each tensor a buffer of its own, so
-    there each call carves one tensor).
-    """
-    typed: dict[Any, Any] = {}
-    total = base.numel()
-
-    def cut_typed(tdtype: Any, size: int, begin: int, end: int, shape: tuple[int, ...]) -> Any:
-        view = typed.get(tdtype)
-        if view is None:
-            usable = base[: total - total % size]
-            if usable.numel() == 0:
-                # Nothing to view (only empty tensors): torch refuses to retype a 0-byte view.
-                view = torch.empty(0, dtype=tdtype, device=base.device)
-            else:
-                view = usable if tdtype is torch.uint8 else usable.view(tdtype)
-            typed[tdtype] = view
-        return torch.as_strided(view, shape, contiguous_strides(shape), begin // size)
-
-    return _carve_items(items, lambda begin, end: base[begin:end], cut_typed)
-
-
 def carve_host(buf: np.ndarray, items: Iterable[Item]) -> dict[str, Any]:
     """Tensors over byte ranges of one writable host buffer, each with a storage of its own
     bytes (``torch.frombuffer``), none copied.
 
-    As the reference's: a tensor's storage is the tensor. Views of one storage (as
-    :func:`carve` makes them) are shared tensors to ``save_model``, the hub's
+    As the reference's: a tensor's storage is the tensor. Views of one storage are shared
+    tensors to ``save_model``, the hub's
     ``save_torch_state_dict`` and its shard sizing, and ``torch.save`` of one of them writes
     the whole buffer. The buffer lives as long as any of its tensors.
     """
@@ -534,12 +508,14 @@ def _carve_each(buffers: list[Any], items: list[Item]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with gc_paused():  # a tensor or two per item (a mixture of experts has thousands)
         for buf, (name, dtype, shape, _, _) in zip(buffers, items, strict=True):
-            if dtype.bits % 8 or buf.numel() == 0:
-                out.update(carve(buf, ((name, dtype, shape, 0, buf.numel()),)))
-                continue
             tdtype = torch_dtype(dtype)
-            typed = buf if tdtype is torch.uint8 else buf.view(tdtype)
-            out[name] = typed.view(shape)
+            storage_shape = _storage_shape(dtype, shape)  # F4: packed pairs
+            if buf.numel() == 0:
+                # torch refuses to retype a 0-byte tensor.
+                out[name] = torch.empty(storage_shape, dtype=tdtype, device=buf.device)
+            else:
+                typed = buf if tdtype is torch.uint8 else buf.view(tdtype)
+                out[name] = typed.view(storage_shape)
     return out
 
 

@@ -305,6 +305,11 @@ def test_adapter_loads_a_file_through_the_pipeline(tmp_path: Path) -> None:
         "c": torch.randint(0, 100, (5, 6, 7), generator=gen, dtype=torch.int64),
         "d": torch.randn(2, 3, generator=gen).to(torch.float16),
         "e": torch.zeros(0, 4),
+        # Packed pairs of 4-bit floats: one byte each, torch's shape half the file's.
+        "f4": torch.randint(0, 256, (5, 3), generator=gen, dtype=torch.uint8).view(
+            torch.float4_e2m1fn_x2
+        ),
+        "f4_empty": torch.zeros(0, 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
     }
     path = tmp_path / "m.safetensors"
     save_file(tensors, path)
