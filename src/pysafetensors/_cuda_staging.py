@@ -393,14 +393,15 @@ class _Targets:
     """
 
     def __init__(self, ops: DeviceOps, items: Sequence[tuple[int, int]], max_gap: int) -> None:
-        with gc_paused():  # a few objects per item, thousands of items in a mixture of experts
-            self._lay_out(ops, items, max_gap)
-
-    def _lay_out(self, ops: DeviceOps, items: Sequence[tuple[int, int]], max_gap: int) -> None:
-        self.buffers: list[Any] = [ops.alloc_device(nbytes) for _, nbytes in items]
+        self.buffers: list[Any] = []
         self.runs: list[tuple[int, int]] = []  # (source offset, length)
         self.run_starts: list[int] = []  # each run's start in the staging space
         self._spans: list[tuple[int, int, Any]] = []  # (start, end, buffer), by start
+        with gc_paused():  # a few objects per item, thousands of items in a mixture of experts
+            self.buffers = [ops.alloc_device(nbytes) for _, nbytes in items]
+            self._lay_out(items, max_gap)
+
+    def _lay_out(self, items: Sequence[tuple[int, int]], max_gap: int) -> None:
         run_end = -1  # source offset where the current run ends
         space = 0  # staging space used so far
         for i in sorted(range(len(items)), key=lambda i: items[i][0]):
