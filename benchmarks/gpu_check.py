@@ -216,6 +216,7 @@ def main() -> int:
     report = Report(args.out)
     failures: list[str] = []
     default_direct = torch_adapter.DIRECT_BYTES
+    default_scratch = loader_defaults.SCRATCH_PIECES
 
     def verdict() -> int:
         """Record the outcome; the exit status (1 on any failure or failed section)."""
@@ -744,6 +745,22 @@ def main() -> int:
                 ),
                 "reference mmap": lambda p=small_path: ref.load_file(p, device=dev),
             }
+
+            def from_host(run: Callable[[], Any]) -> Callable[[], Any]:
+                # A chunk's pieces copied from the pinned buffer one by one (as before the
+                # scratch allocation), for the comparison in one run.
+                def forced() -> Any:
+                    loader_defaults.SCRATCH_PIECES = 1 << 62
+                    try:
+                        return run()
+                    finally:
+                        loader_defaults.SCRATCH_PIECES = default_scratch
+
+                return forced
+
+            small_arms["pysafetensors pread, pieces copied from host"] = from_host(
+                small_arms["pysafetensors pread"]
+            )
             if "LoRA" in what:
                 # One call per tensor, as model loaders make them: each of ours is a staging
                 # run of its own (workers, a pinned buffer, an event), each of the
@@ -802,11 +819,70 @@ def main() -> int:
                 ),
                 "",
             ]
+        # Where one tensor is better staged than moved by a plain .to (DIRECT_BYTES): a
+        # get_tensor loop over tensors of one size, both ways.
+        sizes = [64 << 10, 256 << 10] if dry else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+        per_call: dict[str, dict[str, list[float]]] = {}
+        size_lines = [
+            "| tensor size | tensors | direct us/call | staged us/call | "
+            "reference us/call | direct / staged / reference |",
+            "|---|---|---|---|---|---|",
+        ]
+        for size in sizes:
+            count = max(8, min(256, (64 << 20) // size))
+            size_path = _files.ensure_file(
+                args.work, f"gpu_size_{size}", [(f"t{i}", [size // 2]) for i in range(count)]
+            )
+
+            def size_loop(module: Any, direct: int, p: str = size_path) -> Callable[[], Any]:
+                def run() -> Any:
+                    torch_adapter.DIRECT_BYTES = direct
+                    try:
+                        with module.safe_open(p, "pt", device=dev) as f:
+                            return [f.get_tensor(name) for name in f.keys()]  # noqa: SIM118
+                    finally:
+                        torch_adapter.DIRECT_BYTES = default_direct
+
+                return run
+
+            size_arms = {
+                "direct": size_loop(pysafetensors, 1 << 62),
+                "staged": size_loop(pysafetensors, -1),
+                "reference": size_loop(safetensors, default_direct),
+            }
+            want_list = list(ours.load_file(size_path).values())
+            for arm, fn in size_arms.items():
+                if not all(same_bytes(g, w) for g, w in zip(fn(), want_list, strict=True)):
+                    small_bad.append(f"size {size} {arm}")
+            key = f"{size // 1024} KiB"
+            per_call[key] = {arm: [] for arm in size_arms}
+            for _ in range(args.reps):
+                for arm, fn in size_arms.items():
+                    elapsed, _peak = timed(fn, lambda p=size_path: _cache.warm(p))
+                    per_call[key][arm].append(elapsed / count * 1e6)
+            med = {arm: statistics.median(v) for arm, v in per_call[key].items()}
+            size_lines.append(
+                f"| {key} | {count} | {med['direct']:.0f} | {med['staged']:.0f} | "
+                f"{med['reference']:.0f} | {med['direct'] / med['reference']:.2f}x / "
+                f"{med['staged'] / med['reference']:.2f}x / 1.00x |"
+            )
+        lines += [
+            f"get_tensor loop, one size per file, warm, median of {args.reps} "
+            f"(DIRECT_BYTES is {default_direct >> 10} KiB):",
+            "",
+            *size_lines,
+            "",
+        ]
         failures += small_bad
         foreach = loader_defaults._FOREACH_COPY[0]
         report.add(
             "small tensors",
-            {"times": small_times, "failures": small_bad, "foreach_copy": foreach},
+            {
+                "times": small_times,
+                "per_call_us": per_call,
+                "failures": small_bad,
+                "foreach_copy": foreach,
+            },
             [
                 "every tensor equal to the CPU load, each in a storage of its own: "
                 + ("OK" if not small_bad else f"{small_bad[:10]}"),

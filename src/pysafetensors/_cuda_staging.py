@@ -149,21 +149,38 @@ _PAGEABLE_WARNED = False
 #: Whether ``torch._foreach_copy_`` copies a chunk's pieces (cleared where it fails once).
 _FOREACH_COPY: list[bool] = [True]
 
+#: Pieces from which a chunk goes to the device through a scratch allocation (see
+#: :func:`copy_pieces`). Below it the extra device-side pass saves too few host-side calls.
+SCRATCH_PIECES = 8
+
 #: Each thread's side streams, by device, kept across loads: model loaders call ``get_tensor``
 #: once per tensor, and the reader threads live for the whole process.
 _STREAMS = threading.local()
 
 
-def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece]) -> None:
+def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece], device: Any = None) -> None:
     """Queue the copies of a chunk's pieces of ``host`` (``non_blocking``, on the current
-    stream): one ``torch._foreach_copy_`` call for several pieces (a chunk holding many small
-    tensors; its loop runs in C++), else, or where that call fails once (a torch without it,
-    or refusing copies between devices), one ``copy_`` per piece."""
+    stream).
+
+    A chunk of at least :data:`SCRATCH_PIECES` pieces (many small tensors) with ``device``
+    given crosses the link in one copy, into a scratch allocation on ``device``, and reaches
+    its tensors by one device-side ``torch._foreach_copy_``: between tensors of one device and
+    dtype that call copies a list of tensors per kernel launch, where copies from host memory
+    are one ``cudaMemcpyAsync`` each (a mixture of experts' 20,000 tensors of 256 bytes were
+    20,000 of them, from one thread: its whole file is one chunk). The scratch is freed on the
+    current stream, which the allocator reuses it on only after the copies queued there.
+
+    Otherwise one ``torch._foreach_copy_`` call for several pieces (its loop runs in C++), else,
+    or where that call fails once (a torch without it, or refusing copies between devices), one
+    ``copy_`` per piece.
+    """
     dsts = []
-    srcs = []
-    for dst, at, begin, nbytes in pieces:
+    for dst, at, _, nbytes in pieces:
         dsts.append(dst if at == 0 and nbytes == dst.numel() else dst[at : at + nbytes])
-        srcs.append(host[begin : begin + nbytes])
+    if device is not None and len(pieces) >= SCRATCH_PIECES and _FOREACH_COPY[0]:
+        srcs = _scratch_views(torch, host, pieces, device)
+    else:
+        srcs = [host[begin : begin + nbytes] for _, _, begin, nbytes in pieces]
     if len(dsts) > 1 and _FOREACH_COPY[0]:
         try:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
@@ -172,6 +189,27 @@ def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece]) -> None:
             _FOREACH_COPY[0] = False  # a piece copied again below holds the same bytes
     for dst, src in zip(dsts, srcs, strict=True):
         dst.copy_(src, non_blocking=True)
+
+
+def _scratch_views(torch: Any, host: Any, pieces: Sequence[Piece], device: Any) -> Any:
+    """The bytes of ``pieces`` (in host order, disjoint) copied in one piece to a fresh
+    allocation on ``device``: a view of it per piece, cut by one ``split`` (one C++ call where
+    a slice each cost a Python call per piece). Bytes between pieces cross too, unused."""
+    low = pieces[0][2]
+    high = pieces[-1][2] + pieces[-1][3]
+    scratch = torch.empty(high - low, dtype=torch.uint8, device=device)
+    scratch.copy_(host[low:high], non_blocking=True)
+    sizes: list[int] = []
+    wanted: list[int] = []  # which of the split's parts are pieces (the others are gaps)
+    at = low
+    for _, _, begin, nbytes in pieces:
+        if begin > at:
+            sizes.append(begin - at)
+        wanted.append(len(sizes))
+        sizes.append(nbytes)
+        at = begin + nbytes
+    parts = scratch.split(sizes)
+    return parts if len(wanted) == len(parts) else [parts[i] for i in wanted]
 
 
 class TorchCudaOps:
@@ -219,7 +257,7 @@ class TorchCudaOps:
     def copy_async(self, host: Any, pieces: Sequence[Piece], stream: Any) -> Any:
         torch = self._torch
         with torch.cuda.stream(stream):
-            copy_pieces(torch, host, pieces)
+            copy_pieces(torch, host, pieces, self.device)
             event = torch.cuda.Event()
             event.record(stream)
         return event

@@ -387,6 +387,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # get_tensor's short path for small tensors (see _small): read into fresh memory (what
         # _raw does for these sources), a view of the mapping, or none.
         self._small_reads: str | None = None
+        self._small_limit = MIN_PARALLEL_CHUNK  # bytes of the largest tensor it takes
         if self._device.type == "cpu":
             if type(source) is PreadSource or (
                 type(source) is MmapSource and getattr(self._adapter, "private_per_call", False)
@@ -394,6 +395,13 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 self._small_reads = "read"
             elif type(source) is MmapSource:
                 self._small_reads = "view"
+        elif type(source) is PreadSource or type(source) is MmapSource:
+            # On a device, tensors the adapter moves by one plain copy from host memory (what
+            # _get_tensor would do for them, after its dispatch): a get_tensor loop over a
+            # LoRA file's 8 KiB tensors to an H200 took 41 us a call that way, the reference 30.
+            self._small_limit = getattr(self._adapter, "direct_bytes", 0)
+            if self._small_limit > 0:
+                self._small_reads = "read"
         # SafeSlice's short paths as far as the file decides them, worked out once here (in
         # each slice they were half of get_slice's cost): on the CPU, row slices of up to this
         # many bytes are read in one piece (0: never), and tuples of plain slices of a small
@@ -542,7 +550,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 info = self._header.tensors.get(name)
                 if (
                     info is not None
-                    and 0 < info.end - info.begin <= MIN_PARALLEL_CHUNK
+                    and 0 < info.end - info.begin <= self._small_limit
                     and not info.dtype.bits % 8
                     and len(info.shape) <= MAX_NDIM
                 ):
@@ -550,11 +558,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             return self._get_tensor(source, name)
 
     def _small(self, source: ByteSource, info: TensorInfo) -> Any:
-        """A whole-byte tensor of at most ``MIN_PARALLEL_CHUNK`` bytes on the CPU from a file:
-        what :meth:`_get_tensor` does for it (one positioned read into fresh memory, or a view
-        of the mapping), without its dispatch (a ``get_tensor`` loop over small tensors paid
-        ~7 us a call by pread, the reference ~3.5 us). Such a shape always fits a framework
-        (``check_representable``)."""
+        """A whole-byte tensor of at most ``MIN_PARALLEL_CHUNK`` bytes on the CPU from a file
+        (on a device: of at most the adapter's ``direct_bytes``): what :meth:`_get_tensor` does
+        for it (one positioned read into fresh memory, or a view of the mapping; then the
+        adapter's move to the device), without its dispatch (a ``get_tensor`` loop over small
+        tensors paid ~7 us a call by pread, the reference ~3.5 us). Such a shape always fits a
+        framework (``check_representable``)."""
         start = self._header.data_start + info.begin
         nbytes = info.end - info.begin
         try:
@@ -655,9 +664,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         loader = getattr(self._adapter, "to_device_many", None)
         if loader is None:
             return None
-        items = [(i.name, i.dtype, i.shape, i.begin, i.end) for i in infos]
+        # A TensorInfo is the loader's (name, dtype, shape, begin, end) tuple already.
         result: dict[str, Any] | None = loader(
-            source.readinto, self._header.data_start, items, self._device
+            source.readinto, self._header.data_start, infos, self._device
         )
         return result
 

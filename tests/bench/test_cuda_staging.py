@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pysafetensors import safe_open  # noqa: E402
+from pysafetensors import SafetensorError, safe_open  # noqa: E402
 from pysafetensors._cuda_staging import chunks_from_device, stage_to_device  # noqa: E402
 from pysafetensors._devices import CPU  # noqa: E402
 from pysafetensors._sources import BufferSource  # noqa: E402
@@ -812,6 +812,64 @@ def test_copy_pieces_lands_each_piece(foreach_works: bool, monkeypatch: pytest.M
     assert calls == ([3, 2] if foreach_works else [3])
 
 
+@pytest.mark.parametrize("foreach_works", [True, False])
+def test_copy_pieces_through_a_scratch_allocation(
+    foreach_works: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of many pieces with a device given crosses in one copy (to a scratch
+    allocation on that device) and is scattered from there by one _foreach_copy_ between
+    tensors of one device: partial first and last pieces, gaps between pieces (not copied to
+    any tensor), pieces of one tensor. Where _foreach_copy_ raises, one copy_ per piece."""
+    import pysafetensors._cuda_staging as staging
+
+    monkeypatch.setattr(staging, "_FOREACH_COPY", [True])
+    calls: list[tuple[int, set[int]]] = []  # (pieces, ids of the sources' storages)
+    real = torch._foreach_copy_
+
+    def foreach(dsts: Any, srcs: Any, non_blocking: bool = False) -> None:
+        calls.append((len(dsts), {s.untyped_storage().data_ptr() for s in srcs}))
+        if not foreach_works:
+            raise RuntimeError("expected all tensors to be on the same device")
+        real(dsts, srcs, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", foreach)
+    host = torch.from_numpy(np.frombuffer(bytearray(_data(4000)), np.uint8))
+    n = staging.SCRATCH_PIECES + 3
+    head = torch.zeros(100, dtype=torch.uint8)  # its last 40 bytes start the chunk
+    tail = torch.zeros(100, dtype=torch.uint8)  # its first 30 bytes end it
+    smalls = [torch.zeros(17 + i, dtype=torch.uint8) for i in range(n)]
+    pieces: list[Any] = [(head, 60, 0, 40)]
+    at = 40
+    for i, t in enumerate(smalls):
+        at += 9 * (i % 2)  # a gap before every other piece
+        pieces.append((t, 0, at, t.numel()))
+        at += t.numel()
+    split = torch.zeros(50, dtype=torch.uint8)  # one tensor in two pieces, a gap between
+    pieces += [(split, 0, at, 20), (split, 20, at + 25, 30), (tail, 0, at + 55, 30)]
+    staging.copy_pieces(torch, host, pieces, "cpu")
+    for dst, offset, begin, nbytes in pieces:
+        assert torch.equal(dst[offset : offset + nbytes], host[begin : begin + nbytes])
+    assert not head[:60].any() and not tail[30:].any()
+    assert len(calls) == 1 and calls[0][0] == len(pieces)
+    # Every source was a view of one allocation, not of the host buffer.
+    assert calls[0][1] != {host.untyped_storage().data_ptr()} and len(calls[0][1]) == 1
+    assert staging._FOREACH_COPY[0] is foreach_works
+    # Fewer pieces, or no device: straight from the host buffer.
+    calls.clear()
+    few = [(torch.zeros(20, dtype=torch.uint8), 0, 3000 + 100 * i, 20) for i in range(3)]
+    staging.copy_pieces(torch, host, few, "cpu")
+    staging.copy_pieces(torch, host, [(t, at, begin + 1, n) for t, at, begin, n in pieces])
+    for dst, offset, begin, nbytes in few:
+        assert torch.equal(dst[offset : offset + nbytes], host[begin : begin + nbytes])
+    for dst, offset, begin, nbytes in pieces:
+        begin += 1
+        assert torch.equal(dst[offset : offset + nbytes], host[begin : begin + nbytes])
+    if foreach_works:
+        assert [c[1] for c in calls] == [{host.untyped_storage().data_ptr()}] * 2
+    else:
+        assert calls == []
+
+
 def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -963,3 +1021,57 @@ def test_one_small_tensor_goes_the_direct_way() -> None:
     assert _staging_ops(Device("cpu", None), None, None) is None
     given = LateCopyOps()
     assert _staging_ops(cuda, given, 10) is given  # a runtime given is always used
+
+
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+def test_get_tensor_on_a_device_takes_the_short_path_for_small_tensors(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get_tensor on a device: a tensor of at most DIRECT_BYTES is read by the handle's short
+    path and handed to the adapter's plain move (from_bytes), without the staging dispatch; a
+    larger one goes to the staging pipeline. Both equal the CPU load; a truncated file still
+    names the tensor."""
+    from pysafetensors._devices import Device
+    from pysafetensors._torch_adapter import DIRECT_BYTES, TorchAdapter
+    from pysafetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(9)
+    small = torch.randint(0, 255, (1024,), dtype=torch.uint8, generator=gen)
+    tensors = {
+        "small": small.view(torch.bfloat16).view(16, 32),
+        "edge": torch.randint(0, 255, (DIRECT_BYTES,), dtype=torch.uint8, generator=gen),
+        "large": torch.randint(0, 255, (DIRECT_BYTES + 8,), dtype=torch.uint8, generator=gen),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, path)
+    want = load_file(path)
+
+    moved: list[tuple[str, Any]] = []  # (shape, device) of each plain move
+    staged: list[list[Any]] = []  # the items of each staging run
+    real_from_bytes = TorchAdapter.from_bytes
+    real_many = TorchAdapter.to_device_many
+
+    def from_bytes(self: Any, buf: Any, dtype: Any, shape: Any, device: Any) -> Any:
+        moved.append((shape, device))
+        return real_from_bytes(self, buf, dtype, shape, Device("cpu"))  # no GPU here
+
+    def to_device_many(self: Any, read: Any, offset: int, items: Any, device: Any) -> Any:
+        staged.append(list(items))
+        return real_many(self, read, offset, items, device, ops=LateCopyOps())
+
+    monkeypatch.setattr(TorchAdapter, "check_device", lambda self, d: Device("cuda", 0))
+    monkeypatch.setattr(TorchAdapter, "from_bytes", from_bytes)
+    monkeypatch.setattr(TorchAdapter, "to_device_many", to_device_many)
+    with safe_open(path, "pt", device="cuda:0", backend=backend) as f:
+        for name in ("small", "edge", "large"):
+            assert torch.equal(f.get_tensor(name), want[name]), name
+    assert [m[0] for m in moved] == [(16, 32), (DIRECT_BYTES,)]
+    assert all(m[1] == Device("cuda", 0) for m in moved)
+    assert [[item[0] for item in items] for items in staged] == [["large"]]
+
+    # A read error on the short path names the tensor.
+    with safe_open(path, "pt", device="cuda:0", backend=backend) as f:
+        with open(path, "r+b") as raw:
+            raw.truncate(raw.seek(0, 2) - DIRECT_BYTES - 100)
+        with pytest.raises(SafetensorError, match="'edge'"):
+            f.get_tensor("edge")
