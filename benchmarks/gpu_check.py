@@ -819,14 +819,14 @@ def main() -> int:
                 ),
                 "",
             ]
-        # Where one tensor is better staged than moved by a plain .to (DIRECT_BYTES): a
-        # get_tensor loop over tensors of one size, both ways.
-        sizes = [64 << 10, 256 << 10] if dry else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+        # Where one tensor is better staged than moved directly (DIRECT_BYTES), and what the
+        # pinned memory of the direct way gains: a get_tensor loop over tensors of one size.
+        sizes = [64 << 10, 256 << 10] if dry else [64 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20]
         per_call: dict[str, dict[str, list[float]]] = {}
         size_lines = [
-            "| tensor size | tensors | direct us/call | staged us/call | "
-            "reference us/call | direct / staged / reference |",
-            "|---|---|---|---|---|---|",
+            "| tensor size | tensors | direct (pinned) us/call | direct (pageable) us/call | "
+            "staged us/call | reference us/call | pinned / pageable / staged vs reference |",
+            "|---|---|---|---|---|---|---|",
         ]
         for size in sizes:
             count = max(8, min(256, (64 << 20) // size))
@@ -834,19 +834,26 @@ def main() -> int:
                 args.work, f"gpu_size_{size}", [(f"t{i}", [size // 2]) for i in range(count)]
             )
 
-            def size_loop(module: Any, direct: int, p: str = size_path) -> Callable[[], Any]:
+            def size_loop(
+                module: Any, direct: int, pageable: bool = False, p: str = size_path
+            ) -> Callable[[], Any]:
                 def run() -> Any:
                     torch_adapter.DIRECT_BYTES = direct
+                    if pageable:  # no pinned memory: the pageable .to, the reference's way
+                        torch_adapter._PINNED_OK[0] = False
+                        torch_adapter._PINNED.__dict__.pop("kept", None)
                     try:
                         with module.safe_open(p, "pt", device=dev) as f:
                             return [f.get_tensor(name) for name in f.keys()]  # noqa: SIM118
                     finally:
                         torch_adapter.DIRECT_BYTES = default_direct
+                        torch_adapter._PINNED_OK[0] = True
 
                 return run
 
             size_arms = {
                 "direct": size_loop(pysafetensors, 1 << 62),
+                "pageable": size_loop(pysafetensors, 1 << 62, pageable=True),
                 "staged": size_loop(pysafetensors, -1),
                 "reference": size_loop(safetensors, default_direct),
             }
@@ -862,9 +869,13 @@ def main() -> int:
                     per_call[key][arm].append(elapsed / count * 1e6)
             med = {arm: statistics.median(v) for arm, v in per_call[key].items()}
             size_lines.append(
-                f"| {key} | {count} | {med['direct']:.0f} | {med['staged']:.0f} | "
-                f"{med['reference']:.0f} | {med['direct'] / med['reference']:.2f}x / "
-                f"{med['staged'] / med['reference']:.2f}x / 1.00x |"
+                f"| {key} | {count} | {med['direct']:.0f} | {med['pageable']:.0f} | "
+                f"{med['staged']:.0f} | {med['reference']:.0f} | "
+                + " / ".join(
+                    f"{med[arm] / med['reference']:.2f}x"
+                    for arm in ("direct", "pageable", "staged")
+                )
+                + " |"
             )
         lines += [
             f"get_tensor loop, one size per file, warm, median of {args.reps} "

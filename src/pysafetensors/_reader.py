@@ -396,12 +396,11 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             elif type(source) is MmapSource:
                 self._small_reads = "view"
         elif type(source) is PreadSource or type(source) is MmapSource:
-            # On a device, tensors the adapter moves by one plain copy from host memory (what
-            # _get_tensor would do for them, after its dispatch): a get_tensor loop over a
-            # LoRA file's 8 KiB tensors to an H200 took 41 us a call that way, the reference 30.
+            # On a device, tensors the adapter moves without its staging pipeline go straight
+            # to its move_small, without _get_tensor's dispatch (~5 us a call).
             self._small_limit = getattr(self._adapter, "direct_bytes", 0)
             if self._small_limit > 0:
-                self._small_reads = "read"
+                self._small_reads = "device"
         # SafeSlice's short paths as far as the file decides them, worked out once here (in
         # each slice they were half of get_slice's cost): on the CPU, row slices of up to this
         # many bytes are read in one piece (0: never), and tuples of plain slices of a small
@@ -560,13 +559,19 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     def _small(self, source: ByteSource, info: TensorInfo) -> Any:
         """A whole-byte tensor of at most ``MIN_PARALLEL_CHUNK`` bytes on the CPU from a file
         (on a device: of at most the adapter's ``direct_bytes``): what :meth:`_get_tensor` does
-        for it (one positioned read into fresh memory, or a view of the mapping; then the
-        adapter's move to the device), without its dispatch (a ``get_tensor`` loop over small
-        tensors paid ~7 us a call by pread, the reference ~3.5 us). Such a shape always fits a
-        framework (``check_representable``)."""
+        for it (one positioned read into fresh memory, or a view of the mapping; on a device,
+        the adapter's ``move_small``, else the read moved by ``from_bytes``), without its
+        dispatch (a ``get_tensor`` loop over small tensors paid ~7 us a call by pread, the
+        reference ~3.5 us). Such a shape always fits a framework (``check_representable``)."""
         start = self._header.data_start + info.begin
         nbytes = info.end - info.begin
         try:
+            if self._small_reads == "device":
+                moved = self._adapter.move_small(  # type: ignore[attr-defined]
+                    source.readinto, start, info.dtype, info.shape, nbytes, self._device
+                )
+                if moved is not None:
+                    return moved
             if self._small_reads == "view":
                 buf = np.frombuffer(source.view(start, nbytes), np.uint8)  # type: ignore[arg-type]
             else:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
@@ -27,14 +29,21 @@ _FROM_TORCH: Final[dict[Any, DType]] = {
     getattr(torch, d.torch): d for d in DTYPES if d.torch and hasattr(torch, d.torch)
 }
 
-#: One tensor (or slice) of at most this many bytes goes to a CUDA device the reference's way,
-#: read into host memory on the calling thread and moved by one ``.to``: the staging pipeline
-#: gains nothing on one small chunk (nothing to overlap) and costs a fixed ~35-50 us of Python
-#: per call (measured with a CPU stand-in for the device, before the CUDA calls), several times
-#: a small ``.to``. On an H200 a ``get_tensor`` loop over 1,000 tensors of 8 KiB took 41 ms
-#: this way and 186 ms staged (the reference: 30 ms). Several tensors at once
-#: (``get_tensors``, ``load_shard``) are staged whatever their size.
-DIRECT_BYTES = 256 << 10
+#: One tensor (or slice) of at most this many bytes goes to a CUDA device without the staging
+#: pipeline: read on the calling thread into pinned host memory kept for the purpose, then one
+#: blocking copy (:func:`_move_small`). Up to ``_cuda_staging.MIN_CHUNK_BYTES`` a pipeline run
+#: is one chunk, so it has nothing to overlap, and it costs a fixed ~150 us a call on an H200
+#: (threads, events; a get_tensor loop over 1,000 tensors of 8 KiB took 186 ms staged against
+#: 41 ms moved by ``.to`` from fresh pageable memory and 30 ms for the reference). Several
+#: tensors at once (``get_tensors``, ``load_shard``) are staged whatever their size.
+DIRECT_BYTES = 8 << 20
+
+#: Pinned host memory each thread keeps for :func:`_move_small`; a larger tensor takes a buffer
+#: from torch's pinned-memory cache for the call.
+_KEPT_PINNED: Final = 1 << 20
+_PINNED = threading.local()
+#: Cleared where page-locked memory cannot be had (the pageable ``.to`` is used instead).
+_PINNED_OK: list[bool] = [True]
 
 #: Tensors loaded to a CUDA device at most this far apart in the file are read as one run (the
 #: bytes between them read and dropped): cheaper than another chunk for the pipeline, and a
@@ -174,6 +183,23 @@ class TorchAdapter:
         (:data:`DIRECT_BYTES`), read at each open."""
         return DIRECT_BYTES
 
+    def move_small(
+        self,
+        read: Callable[[int, memoryview], None],
+        offset: int,
+        dtype: DType,
+        shape: tuple[int, ...],
+        nbytes: int,
+        device: Device,
+    ) -> Any:
+        """One tensor of at most :attr:`direct_bytes` (``nbytes`` at ``offset`` of a source
+        read by ``read(offset, view)``) moved to ``device`` through pinned memory
+        (:func:`_move_small`); None where that does not apply (not CUDA, pinning failed)."""
+        target = _direct_target(device, None, nbytes)
+        if target is None:
+            return None
+        return _move_small(lambda view: read(offset, view), nbytes, dtype, shape, target)
+
     def check_device(self, device: Any) -> Device:
         dev = parse_device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -291,7 +317,15 @@ class TorchAdapter:
             The tensors, or None when this path does not apply (not CUDA) and the caller should
             use :meth:`from_bytes`.
         """
-        ops = _staging_ops(device, ops, items[0][4] - items[0][3] if len(items) == 1 else None)
+        if len(items) == 1:
+            name, dtype, shape, begin, end = items[0]
+            target = _direct_target(device, ops, end - begin)
+            if target is not None:
+                moved = _move_small(
+                    lambda view: read(offset + begin, view), end - begin, dtype, shape, target
+                )
+                return None if moved is None else {name: moved}
+        ops = _staging_ops(device, ops)
         if ops is None:
             return None
         from ._cuda_staging import stage_items_to_device
@@ -324,7 +358,13 @@ class TorchAdapter:
         Returns:
             The tensors, or None when this path does not apply (not CUDA).
         """
-        ops = _staging_ops(device, ops, items[0][4] if len(items) == 1 else None)
+        if len(items) == 1:
+            name, dtype, shape, offset, nbytes = items[0]
+            target = _direct_target(device, ops, nbytes)
+            if target is not None:
+                moved = _move_small(lambda view: read(offset, view), nbytes, dtype, shape, target)
+                return None if moved is None else {name: moved}
+        ops = _staging_ops(device, ops)
         if ops is None:
             return None
         from ._cuda_staging import stage_items_to_device
@@ -357,8 +397,15 @@ class TorchAdapter:
         Returns:
             The parts by name, or None when this path does not apply (not CUDA).
         """
-        single = parts[0][2] * parts[0][3] if len(parts) == 1 else None
-        ops = _staging_ops(device, ops, single)
+        if len(parts) == 1:
+            name, fill, rows, row_bytes, dtype, shape = parts[0]
+            target = _direct_target(device, ops, rows * row_bytes)
+            if target is not None:
+                moved = _move_small(
+                    lambda view: fill(0, rows, view), rows * row_bytes, dtype, shape, target
+                )
+                return None if moved is None else {name: moved}
+        ops = _staging_ops(device, ops)
         if ops is None:
             return None
         from ._cuda_staging import CHUNK_BYTES, gather_to_device
@@ -525,21 +572,83 @@ def _carve_each(buffers: list[Any], items: list[Item]) -> dict[str, Any]:
     return out
 
 
-def _staging_ops(device: Device, ops: Any, single: int | None = None) -> Any:
+@functools.cache
+def _cuda_target(device: Device) -> Any:
+    """The torch device of a CUDA ``device`` (a bare integer is CUDA's when there is CUDA);
+    None for any other. Cached: asked once per small tensor moved (~1 us a ``torch.device``)."""
+    if device.type == "anonymous" and torch.cuda.is_available():
+        return torch.device("cuda", device.index or 0)
+    if device.type == "cuda":
+        return torch.device(device.torch_spec)
+    return None
+
+
+def _direct_target(device: Device, ops: Any, nbytes: int) -> Any:
+    """Where one tensor (or slice) of ``nbytes`` goes by :func:`_move_small`: the CUDA device,
+    when it is at most :data:`DIRECT_BYTES` and no runtime was given (tests pass a CPU stand-in
+    for the staging pipeline); else None."""
+    if ops is not None or nbytes > DIRECT_BYTES:
+        return None
+    return _cuda_target(device)
+
+
+def _staging_ops(device: Device, ops: Any) -> Any:
     """The runtime a load to ``device`` stages through: ``ops`` when given (tests pass a CPU
-    stand-in), else CUDA's for a CUDA device; None where staging does not apply (the caller
-    then reads into host memory and moves the result with ``.to``): another device, or one
-    tensor of ``single`` bytes, at most :data:`DIRECT_BYTES`."""
+    stand-in), else CUDA's for a CUDA device; None where staging does not apply (another
+    device: the caller reads into host memory and moves the result with ``.to``)."""
     if ops is not None:
         return ops
-    if single is not None and single <= DIRECT_BYTES:
+    target = _cuda_target(device)
+    return None if target is None else _device_ops(target)
+
+
+def _move_small(
+    fill: Callable[[memoryview], None],
+    nbytes: int,
+    dtype: DType,
+    shape: tuple[int, ...],
+    target: Any,
+) -> Any:
+    """One tensor of ``nbytes`` moved to ``target``: ``fill(view)`` writes its bytes into pinned
+    host memory, one blocking copy takes them to the device (it returns once they landed, so
+    the memory is free again). The reference's ``.to`` from pageable memory costs the driver a
+    copy into its own pinned buffers (and fresh memory the page faults of a first touch): an
+    H200 took 60 against 45 us a call for 64 KiB, 1,160 against 756 for 4 MiB. None where
+    page-locked memory cannot be had (the caller's pageable path)."""
+    tdtype = torch_dtype(dtype)
+    storage_shape = _storage_shape(dtype, shape)  # F4: packed pairs
+    if nbytes == 0:
+        return torch.empty(storage_shape, dtype=tdtype, device=target)
+    host = _pinned_host(nbytes)
+    if host is None:
         return None
-    if device.type == "anonymous" and torch.cuda.is_available():
-        # A bare integer is torch's current accelerator: CUDA's when there is CUDA.
-        return _device_ops(torch.device("cuda", device.index or 0))
-    if device.type != "cuda":
+    view = host[1][:nbytes]
+    fill(view)
+    flat = torch.frombuffer(view, dtype=tdtype)  # one call where slice + view(dtype) took two
+    # copy=True: a new allocation also where target is the host (CPU tests of this path).
+    return _shaped(flat, storage_shape).to(target, copy=True)
+
+
+def _pinned_host(nbytes: int) -> tuple[Any, memoryview] | None:
+    """Pinned host memory of at least ``nbytes`` for :func:`_move_small`: the calling thread's
+    kept buffer (``_KEPT_PINNED``), or one from torch's pinned-memory cache for a larger
+    tensor; None where page-locked memory cannot be had (remembered)."""
+    if nbytes <= _KEPT_PINNED:
+        kept: tuple[Any, memoryview] | None = getattr(_PINNED, "kept", None)
+        if kept is not None:
+            return kept
+    if not _PINNED_OK[0]:
         return None
-    return _device_ops(torch.device(device.torch_spec))
+    try:
+        buf = torch.empty(max(nbytes, _KEPT_PINNED), dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        # Scarce page-locked memory (WSL2, a low RLIMIT_MEMLOCK): plain .to copies instead.
+        _PINNED_OK[0] = False
+        return None
+    host = (buf, buf.numpy().data.cast("B"))
+    if nbytes <= _KEPT_PINNED:
+        _PINNED.kept = host
+    return host
 
 
 def _refuse_unholdable(items: Iterable[Item]) -> None:

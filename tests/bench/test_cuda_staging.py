@@ -518,13 +518,14 @@ def stage_on_cuda(monkeypatch: pytest.MonkeyPatch) -> list[LateCopyOps]:
 
     made: list[LateCopyOps] = []
 
-    def stand_in(device: Any, ops: Any, single: int | None = None) -> Any:
+    def stand_in(device: Any, ops: Any) -> Any:
         if ops is None and device.type == "cuda":
             made.append(LateCopyOps())
             return made[-1]
         return ops
 
     monkeypatch.setattr(adapter, "_staging_ops", stand_in)
+    monkeypatch.setattr(adapter, "_direct_target", lambda device, ops, nbytes: None)
     _on_cuda(monkeypatch)
     return made
 
@@ -1008,70 +1009,120 @@ def test_random_device_loads_equal_the_cpu(
 
 
 def test_one_small_tensor_goes_the_direct_way() -> None:
-    """One tensor of at most DIRECT_BYTES is read on the calling thread and moved by .to (None:
-    no staging runtime); a larger one, or several at once, is staged."""
+    """One tensor of at most DIRECT_BYTES on a CUDA device goes the direct way (a target);
+    a larger one, or one for a given runtime, is staged; other devices neither."""
     from pysafetensors._devices import Device
-    from pysafetensors._torch_adapter import DIRECT_BYTES, _staging_ops
+    from pysafetensors._torch_adapter import DIRECT_BYTES, _direct_target, _staging_ops
 
     cuda = Device("cuda", 0)
-    assert _staging_ops(cuda, None, 0) is None
-    assert _staging_ops(cuda, None, DIRECT_BYTES) is None
-    assert _staging_ops(cuda, None, DIRECT_BYTES + 1) is not None
-    assert _staging_ops(cuda, None, None) is not None  # several tensors
-    assert _staging_ops(Device("cpu", None), None, None) is None
+    assert _direct_target(cuda, None, 0) == torch.device("cuda", 0)
+    assert _direct_target(cuda, None, DIRECT_BYTES) == torch.device("cuda", 0)
+    assert _direct_target(cuda, None, DIRECT_BYTES + 1) is None
+    assert _direct_target(Device("cpu", None), None, 10) is None
     given = LateCopyOps()
-    assert _staging_ops(cuda, given, 10) is given  # a runtime given is always used
+    assert _direct_target(cuda, given, 10) is None
+    assert _staging_ops(cuda, None) is not None
+    assert _staging_ops(cuda, given) is given  # a runtime given is always used
+    assert _staging_ops(Device("cpu", None), None) is None
 
 
 @pytest.mark.parametrize("backend", ["pread", "mmap"])
-def test_get_tensor_on_a_device_takes_the_short_path_for_small_tensors(
+def test_small_tensors_and_slices_move_through_kept_pinned_memory(
     tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """get_tensor on a device: a tensor of at most DIRECT_BYTES is read by the handle's short
-    path and handed to the adapter's plain move (from_bytes), without the staging dispatch; a
-    larger one goes to the staging pipeline. Both equal the CPU load; a truncated file still
-    names the tensor."""
+    """On a device (the host standing in for it), one tensor or slice of at most DIRECT_BYTES
+    is read into pinned memory the thread keeps (a larger one: a pinned buffer for the call)
+    and copied to a new allocation: get_tensor by the handle's short path, row and column
+    slices; a larger tensor goes to the staging pipeline. Where pinning fails, the pageable
+    .to (remembered). Everything equals the CPU load; a read error names the tensor."""
+    import pysafetensors._torch_adapter as adapter
     from pysafetensors._devices import Device
-    from pysafetensors._torch_adapter import DIRECT_BYTES, TorchAdapter
+    from pysafetensors._torch_adapter import TorchAdapter
     from pysafetensors.torch import load_file, save_file
 
+    monkeypatch.setattr(adapter, "DIRECT_BYTES", 64 << 10)
+    monkeypatch.setattr(adapter, "_KEPT_PINNED", 16 << 10)
+    monkeypatch.setattr(adapter, "_PINNED_OK", [True])
+    monkeypatch.setattr(adapter, "_PINNED", threading.local())
     gen = torch.Generator().manual_seed(9)
-    small = torch.randint(0, 255, (1024,), dtype=torch.uint8, generator=gen)
+
+    def rand(n: int) -> Any:
+        return torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen)
+
     tensors = {
-        "small": small.view(torch.bfloat16).view(16, 32),
-        "edge": torch.randint(0, 255, (DIRECT_BYTES,), dtype=torch.uint8, generator=gen),
-        "large": torch.randint(0, 255, (DIRECT_BYTES + 8,), dtype=torch.uint8, generator=gen),
+        "small": rand(1024).view(torch.bfloat16).view(16, 32),
+        "small2": rand(4096).view(torch.int32).view(32, 32),
+        "edge": rand(64 << 10),  # DIRECT_BYTES, more than the kept buffer
+        "large": rand((64 << 10) + 8),
+        "mat": rand(8192).view(torch.int16).view(64, 64),
     }
     path = tmp_path / "m.safetensors"
     save_file(tensors, path)
     want = load_file(path)
 
-    moved: list[tuple[str, Any]] = []  # (shape, device) of each plain move
-    staged: list[list[Any]] = []  # the items of each staging run
+    pinned: list[int] = []  # sizes of the pinned allocations asked for
+    real_empty = torch.empty
+    pin_fails = [False]
+
+    def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        if pin_memory:
+            if pin_fails[0]:
+                raise RuntimeError("cudaHostAlloc failed")
+            pinned.append(int(args[0]))
+        return real_empty(*args, **kwargs)
+
+    moved: list[Any] = []  # shapes moved by the pageable fallback (from_bytes)
+    staged: list[list[str]] = []  # the items of each staging run
     real_from_bytes = TorchAdapter.from_bytes
-    real_many = TorchAdapter.to_device_many
 
     def from_bytes(self: Any, buf: Any, dtype: Any, shape: Any, device: Any) -> Any:
-        moved.append((shape, device))
-        return real_from_bytes(self, buf, dtype, shape, Device("cpu"))  # no GPU here
+        moved.append(shape)
+        return real_from_bytes(self, buf, dtype, shape, CPU)  # no GPU here
+
+    def staging_ops(device: Any, ops: Any) -> Any:
+        return ops or LateCopyOps()
+
+    real_stage = adapter.TorchAdapter.to_device_many
 
     def to_device_many(self: Any, read: Any, offset: int, items: Any, device: Any) -> Any:
-        staged.append(list(items))
-        return real_many(self, read, offset, items, device, ops=LateCopyOps())
+        if len(items) > 1 or items[0][4] - items[0][3] > adapter.DIRECT_BYTES:
+            staged.append([item[0] for item in items])
+        return real_stage(self, read, offset, items, device)
 
+    monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(TorchAdapter, "check_device", lambda self, d: Device("cuda", 0))
     monkeypatch.setattr(TorchAdapter, "from_bytes", from_bytes)
     monkeypatch.setattr(TorchAdapter, "to_device_many", to_device_many)
-    with safe_open(path, "pt", device="cuda:0", backend=backend) as f:
-        for name in ("small", "edge", "large"):
-            assert torch.equal(f.get_tensor(name), want[name]), name
-    assert [m[0] for m in moved] == [(16, 32), (DIRECT_BYTES,)]
-    assert all(m[1] == Device("cuda", 0) for m in moved)
-    assert [[item[0] for item in items] for items in staged] == [["large"]]
+    monkeypatch.setattr(adapter, "_cuda_target", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(adapter, "_staging_ops", staging_ops)
 
-    # A read error on the short path names the tensor.
+    with safe_open(path, "pt", device="cuda:0", backend=backend) as f:
+        got = {name: f.get_tensor(name) for name in ("small", "small2", "edge", "large")}
+        rows = f.get_slice("mat")[8:40]
+        cols = f.get_slice("mat")[:, 16:48]
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+    assert torch.equal(rows, want["mat"][8:40]) and torch.equal(cols, want["mat"][:, 16:48])
+    assert staged == [["large"]] and moved == []
+    # One kept buffer for the small ones and the slices, one for the call of "edge".
+    assert pinned == [16 << 10, 64 << 10]
+    kept = adapter._PINNED.kept[0]
+    assert all(t.data_ptr() != kept.data_ptr() for t in [*got.values(), rows, cols])
+
+    # A read error names the tensor.
     with safe_open(path, "pt", device="cuda:0", backend=backend) as f:
         with open(path, "r+b") as raw:
-            raw.truncate(raw.seek(0, 2) - DIRECT_BYTES - 100)
+            raw.truncate(raw.seek(0, 2) - (64 << 10) - 100)
         with pytest.raises(SafetensorError, match="'edge'"):
             f.get_tensor("edge")
+
+    # No page-locked memory: the pageable .to, and pinning is not tried again.
+    save_file(tensors, path)
+    adapter._PINNED.__dict__.clear()
+    pin_fails[0] = True
+    pinned.clear()
+    with safe_open(path, "pt", device="cuda:0", backend=backend) as f:
+        assert torch.equal(f.get_tensor("small"), want["small"])
+        assert torch.equal(f.get_tensor("small2"), want["small2"])
+    assert moved == [(16, 32), (32, 32)] and adapter._PINNED_OK == [False] and pinned == []
