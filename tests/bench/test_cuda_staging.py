@@ -1055,6 +1055,7 @@ def test_small_tensors_and_slices_move_through_kept_pinned_memory(
         "edge": rand(64 << 10),  # DIRECT_BYTES, more than the kept buffer
         "large": rand((64 << 10) + 8),
         "mat": rand(8192).view(torch.int16).view(64, 64),
+        "wide": rand(32768).view(torch.int16).view(128, 128),
     }
     path = tmp_path / "m.safetensors"
     save_file(tensors, path)
@@ -1100,15 +1101,22 @@ def test_small_tensors_and_slices_move_through_kept_pinned_memory(
         got = {name: f.get_tensor(name) for name in ("small", "small2", "edge", "large")}
         rows = f.get_slice("mat")[8:40]
         cols = f.get_slice("mat")[:, 16:48]
+        # Larger than the kept buffer: rows read in pieces, columns gathered whole.
+        wide_rows = f.get_slice("wide")[10:120]
+        wide_cols = f.get_slice("wide")[:, :100]
     for name, t in got.items():
         assert torch.equal(t, want[name]), name
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
     assert torch.equal(rows, want["mat"][8:40]) and torch.equal(cols, want["mat"][:, 16:48])
+    assert torch.equal(wide_rows, want["wide"][10:120])
+    assert torch.equal(wide_cols, want["wide"][:, :100])
     assert staged == [["large"]] and moved == []
-    # One kept buffer for the small ones and the slices, one for the call of "edge".
-    assert pinned == [16 << 10, 64 << 10]
+    # One kept buffer for the small ones and the slices, one for each call larger than it.
+    assert pinned == [16 << 10, 64 << 10, 110 * 256, 128 * 200]
     kept = adapter._PINNED.kept[0]
     assert all(t.data_ptr() != kept.data_ptr() for t in [*got.values(), rows, cols])
+    for t in (rows, cols, wide_rows, wide_cols):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
     # A read error names the tensor.
     with safe_open(path, "pt", device="cuda:0", backend=backend) as f:
