@@ -957,13 +957,14 @@ def main() -> int:
                     elapsed, _peak = timed(fn, lambda p=size_path: _cache.warm(p))
                     per_call[key][arm].append(elapsed / count * 1e6)
             med = {arm: statistics.median(v) for arm, v in per_call[key].items()}
-            arms = ("direct", "non-blocking", "pageable", "staged")
+            size_order = ("direct", "non-blocking", "pageable", "staged")
             size_lines.append(
                 f"| {key} | {count} | "
-                + " | ".join(f"{med[arm]:.0f}" if arm in med else "-" for arm in arms)
+                + " | ".join(f"{med[arm]:.0f}" if arm in med else "-" for arm in size_order)
                 + f" | {med['reference']:.0f} | "
                 + " / ".join(
-                    f"{med[arm] / med['reference']:.2f}x" if arm in med else "-" for arm in arms
+                    f"{med[arm] / med['reference']:.2f}x" if arm in med else "-"
+                    for arm in size_order
                 )
                 + " |"
             )
