@@ -385,7 +385,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         self._slice_hold: _SliceHold | None = None
         self._lock = threading.Lock()
         # get_tensor's short path for small tensors (see _small): read into fresh memory (what
-        # _raw does for these sources), a view of the mapping, or none.
+        # _raw does for these sources), a view of the mapping, the adapter's move to a device
+        # (_small_to_device), or none.
         self._small_reads: str | None = None
         self._small_limit = MIN_PARALLEL_CHUNK  # bytes of the largest tensor it takes
         if self._device.type == "cpu":
@@ -397,7 +398,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 self._small_reads = "view"
         elif type(source) is PreadSource or type(source) is MmapSource:
             # On a device, tensors the adapter moves without its staging pipeline go straight
-            # to its move_small, without _get_tensor's dispatch (~5 us a call).
+            # to its move_small, without _get_tensor's dispatch (~5 us a call); those it does
+            # not move so take _get_tensor, as without the short path.
             self._small_limit = getattr(self._adapter, "direct_bytes", 0)
             if self._small_limit > 0:
                 self._small_reads = "device"
@@ -553,25 +555,39 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     and not info.dtype.bits % 8
                     and len(info.shape) <= MAX_NDIM
                 ):
-                    return self._small(source, info)
+                    if self._small_reads != "device":
+                        return self._small(source, info)
+                    moved = self._small_to_device(source, info)
+                    if moved is not None:
+                        return moved
             return self._get_tensor(source, name)
 
+    def _small_to_device(self, source: ByteSource, info: TensorInfo) -> Any:
+        """A whole-byte tensor of at most the adapter's ``direct_bytes`` moved to the device by
+        the adapter's ``move_small``, without :meth:`_get_tensor`'s dispatch; None where the
+        adapter does not move it so (not CUDA, no pinned memory), for the general path."""
+        try:
+            return self._adapter.move_small(  # type: ignore[attr-defined]
+                source.readinto,
+                self._header.data_start + info.begin,
+                info.dtype,
+                info.shape,
+                info.end - info.begin,
+                self._device,
+            )
+        except SafetensorError as exc:
+            self._name_read_error(exc, info)
+            raise
+
     def _small(self, source: ByteSource, info: TensorInfo) -> Any:
-        """A whole-byte tensor of at most ``MIN_PARALLEL_CHUNK`` bytes on the CPU from a file
-        (on a device: of at most the adapter's ``direct_bytes``): what :meth:`_get_tensor` does
-        for it (one positioned read into fresh memory, or a view of the mapping; on a device,
-        the adapter's ``move_small``, else the read moved by ``from_bytes``), without its
-        dispatch (a ``get_tensor`` loop over small tensors paid ~7 us a call by pread, the
-        reference ~3.5 us). Such a shape always fits a framework (``check_representable``)."""
+        """A whole-byte tensor of at most ``MIN_PARALLEL_CHUNK`` bytes on the CPU from a file:
+        what :meth:`_get_tensor` does for it (one positioned read into fresh memory, or a view
+        of the mapping), without its dispatch (a ``get_tensor`` loop over small tensors paid
+        ~7 us a call by pread, the reference ~3.5 us). Such a shape always fits a framework
+        (``check_representable``)."""
         start = self._header.data_start + info.begin
         nbytes = info.end - info.begin
         try:
-            if self._small_reads == "device":
-                moved = self._adapter.move_small(  # type: ignore[attr-defined]
-                    source.readinto, start, info.dtype, info.shape, nbytes, self._device
-                )
-                if moved is not None:
-                    return moved
             if self._small_reads == "view":
                 buf = np.frombuffer(source.view(start, nbytes), np.uint8)  # type: ignore[arg-type]
             else:
