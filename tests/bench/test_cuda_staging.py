@@ -510,6 +510,12 @@ def _stand_in_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = No
     _on_cuda(monkeypatch)
 
 
+def owns_its_storage(t: Any) -> bool:
+    """Whether ``t``'s storage holds exactly its bytes, as a tensor of the reference's own
+    ``.to`` does (none shared with another tensor)."""
+    return bool(t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
 def stage_on_cuda(monkeypatch: pytest.MonkeyPatch) -> list[LateCopyOps]:
     """Open every file as if on ``"cuda:0"`` and stage every load through a fresh stand-in
     (whatever its size: the direct path of small tensors needs a real device); returns the
@@ -573,7 +579,7 @@ def test_shard_parts_go_to_the_device_through_one_pipeline(
             assert got[name].dtype == t.dtype and got[name].shape == t.shape
             assert torch.equal(got[name].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
             # A part has a storage of its own (one kept alone keeps no other rank's rows).
-            assert got[name].untyped_storage().nbytes() == t.numel() * t.element_size()
+            assert owns_its_storage(got[name])
     assert calls == [len(tensors), len(tensors)]
 
 
@@ -893,20 +899,17 @@ def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
     path = tmp_path / "m.safetensors"
     save_file(tensors, path)
 
-    def own(t: Any) -> bool:
-        return bool(t.untyped_storage().nbytes() == t.numel() * t.element_size())
-
     with safe_open(path, "pt") as f:
         loads = {"get_tensors": f.get_tensors()}
         loads["get_tensor"] = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
         rows = f.get_slice("big")[10:90]
         cols = f.get_slice("big")[:, 5:50]
-    assert torch.equal(rows, tensors["big"][10:90]) and own(rows)
-    assert torch.equal(cols, tensors["big"][:, 5:50]) and own(cols)
+    assert torch.equal(rows, tensors["big"][10:90]) and owns_its_storage(rows)
+    assert torch.equal(cols, tensors["big"][:, 5:50]) and owns_its_storage(cols)
     for how, got in loads.items():
         assert sorted(got) == sorted(tensors), how
         for name, t in tensors.items():
-            assert torch.equal(got[name], t) and own(got[name]), (how, name)
+            assert torch.equal(got[name], t) and owns_its_storage(got[name]), (how, name)
         pointers = [t.untyped_storage().data_ptr() for t in got.values() if t.numel()]
         assert len(set(pointers)) == len(pointers), how
     for along in ("rows", "columns"):
@@ -916,13 +919,15 @@ def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
 
         part = load_shard(path, 1, 4, rule, framework="pt")
         for name, t in part.items():
-            assert own(t), (along, name)
+            assert owns_its_storage(t), (along, name)
     folder = tmp_path / "sharded"
     save_sharded(tensors, folder, max_shard_size=100_000)
     with safe_open(folder, "pt") as f:
         assert len({f.shard_of(name) for name in tensors}) > 1
         got = f.get_tensors()
-    assert all(torch.equal(got[name], t) and own(got[name]) for name, t in tensors.items())
+    assert all(
+        torch.equal(got[name], t) and owns_its_storage(got[name]) for name, t in tensors.items()
+    )
     assert len(staged) >= 8
 
     # What the storages are for: save_model takes the loaded parameters as they are (it
@@ -988,9 +993,8 @@ def test_random_device_loads_equal_the_cpu(
     made = stage_on_cuda(monkeypatch)
 
     def same(a: Any, b: Any) -> bool:
-        own = a.untyped_storage().nbytes() == a.numel() * a.element_size()
         return bool(
-            own
+            owns_its_storage(a)
             and a.dtype == b.dtype
             and a.shape == b.shape
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
@@ -1106,7 +1110,7 @@ def test_small_tensors_and_slices_move_through_kept_pinned_memory(
         wide_cols = f.get_slice("wide")[:, :100]
     for name, t in got.items():
         assert torch.equal(t, want[name]), name
-        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+        assert owns_its_storage(t), name
     assert torch.equal(rows, want["mat"][8:40]) and torch.equal(cols, want["mat"][:, 16:48])
     assert torch.equal(wide_rows, want["wide"][10:120])
     assert torch.equal(wide_cols, want["wide"][:, :100])
@@ -1116,7 +1120,7 @@ def test_small_tensors_and_slices_move_through_kept_pinned_memory(
     kept = adapter._PINNED.kept[0]
     assert all(t.data_ptr() != kept.data_ptr() for t in [*got.values(), rows, cols])
     for t in (rows, cols, wide_rows, wide_cols):
-        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert owns_its_storage(t)
 
     # A read error names the tensor.
     with safe_open(path, "pt", device="cuda:0", backend=backend) as f:
