@@ -64,7 +64,7 @@ import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import accumulate, chain, repeat
 from typing import Any, Final, NamedTuple
 
 from ._dtypes import DTYPES, UINT64_MAX, DType, checked_nbits, dtype_from_code
@@ -1070,12 +1070,21 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
         shape_of[shape_text] = shape
         elements_of[shape_text] = nbits // widest
     item_size = {code: dtype.bits // 8 for code, dtype in dtype_of.items()}
-    sizes = map(
-        operator.mul,
-        map(elements_of.__getitem__, shape_texts),
-        map(item_size.__getitem__, codes),
-    )
-    if list(sizes) != list(map(operator.sub, ends, begins)):
+    sizes: Iterable[int]
+    if len(item_size) == 1:
+        # One dtype (most checkpoints): each shape's byte size once, one lookup an entry.
+        (only_size,) = item_size.values()
+        bytes_of = {text: elements * only_size for text, elements in elements_of.items()}
+        sizes = map(bytes_of.__getitem__, shape_texts)
+    else:
+        sizes = map(
+            operator.mul,
+            map(elements_of.__getitem__, shape_texts),
+            map(item_size.__getitem__, codes),
+        )
+    # Begins are the previous ends (checked above), so every size matches exactly when the
+    # running sums of the sizes are the ends.
+    if list(accumulate(sizes)) != ends:
         return None
     tensors = _tensor_infos(
         names,

@@ -165,6 +165,26 @@ def test_large_header_agrees() -> None:
     assert fast == fmt._parse_generic(text, n, data_size, "")
 
 
+@pytest.mark.parametrize(
+    "dtypes", [(np.float16, np.float16, np.float16), (np.float16, np.float32, np.float16)]
+)
+def test_a_size_that_disagrees_with_its_shape_is_refused(dtypes: tuple[Any, ...]) -> None:
+    # One dtype and several dtypes take different size checks; a shape that no longer fits
+    # its offsets (the total unchanged) must fall to the generic path, which refuses it.
+    tensors = {f"t{i}": np.ones((2, 4), dt) for i, dt in enumerate(dtypes)}
+    text, n, data_size = _split(save(tensors))
+    assert fmt._canonical_header(text, n, data_size) is not None
+    for changed in (
+        text.replace('"t0":{"dtype":"F16","shape":[2,4]', '"t0":{"dtype":"F16","shape":[2,2]'),
+        text.replace('"t2":{"dtype":"F16","shape":[2,4]', '"t2":{"dtype":"F16","shape":[4,4]'),
+    ):
+        assert changed != text
+        assert fmt._canonical_header(changed, n, data_size) is None
+        assert _generic(changed, n, data_size) is not None
+        with pytest.raises(SafetensorError, match="t0|t2"):
+            fmt.parse_header(changed.encode(), data_size)
+
+
 @pytest.mark.parametrize("meta", ["{}", "null", '{"a":"b","c":""}'])
 def test_metadata_forms_agree(meta: str) -> None:
     text = '{"__metadata__":' + meta + ',"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}  '
