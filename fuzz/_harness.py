@@ -154,6 +154,36 @@ def guard(fn: Callable[[], Any]) -> Any:
         raise Violation("RecursionError escaped") from exc
 
 
+def check_compact_path(data: bytes) -> None:
+    """The compact-header fast path may only accept what the generic parser accepts, as is.
+
+    Its result must equal the generic parser's to the last field: the same entries in the
+    same order with the same dtypes, shapes and offsets, and the same metadata.
+    """
+    from pysafetensors._format import _canonical_header, _parse_generic
+
+    if len(data) < 8:
+        return
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        return
+    try:
+        text = data[8 : 8 + n].decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    data_size = len(data) - 8 - n
+    fast = guard(lambda: _canonical_header(text, n, data_size))
+    if fast is None:
+        return
+    generic = guard(lambda: _parse_generic(text, n, data_size, ""))
+    if generic is None:
+        raise Violation("the compact path accepted a header the generic parser refuses")
+    if list(fast.tensors.items()) != list(generic.tensors.items()):
+        raise Violation("the compact path's entries differ from the generic parser's")
+    if fast.metadata != generic.metadata or fast.header_size != generic.header_size:
+        raise Violation("the compact path's metadata differs from the generic parser's")
+
+
 def check_header(data: bytes) -> None:
     """Parse a whole file's framing and header; a valid result must tile the data buffer."""
     from pysafetensors._format import parse_header, parse_header_length
@@ -163,6 +193,7 @@ def check_header(data: bytes) -> None:
         return parse_header(data[8 : 8 + n], len(data) - 8 - n)
 
     header = guard(run)
+    check_compact_path(data)
     if header is None:
         return
     running = 0
