@@ -62,7 +62,7 @@ import operator
 import re
 import struct
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
 from typing import Any, Final, NamedTuple
@@ -127,16 +127,99 @@ class TensorInfo(NamedTuple):
         return self.end - self.begin
 
 
-@dataclass(frozen=True, slots=True)
 class Header:
-    """A parsed and validated header."""
+    """A parsed and validated header.
 
-    tensors: dict[str, TensorInfo]
-    """Entries in data-offset (file) order."""
+    Every rule is checked when the header is parsed; for a compact header (see
+    ``_canonical_header``) only the per-entry :class:`TensorInfo` records are built later, on
+    the first use of :attr:`tensors`: an open that only lists names (``keys()``) or reads the
+    metadata never pays for them (a quarter of a 1,000-entry header's parse).
+    """
+
+    __slots__ = ("_build", "_data_size", "_names", "_tensors", "header_size", "metadata")
+
+    #: ``__metadata__``; None when absent or null.
     metadata: dict[str, str] | None
-    """``__metadata__``; None when absent or null."""
+    #: N, the length of the header region including padding.
     header_size: int
-    """N, the length of the header region including padding."""
+
+    def __init__(
+        self,
+        tensors: dict[str, TensorInfo],
+        metadata: dict[str, str] | None,
+        header_size: int,
+    ) -> None:
+        """A header whose entries are built already.
+
+        Args:
+            tensors: Entries in data-offset (file) order.
+            metadata: ``__metadata__``; None when absent or null.
+            header_size: N, the length of the header region including padding.
+        """
+        self._tensors: dict[str, TensorInfo] | None = tensors
+        self._build: Callable[[], dict[str, TensorInfo]] | None = None
+        self._names: Sequence[str] | None = None
+        last = next(reversed(tensors.values()), None)
+        self._data_size = last.end if last is not None else 0
+        self.metadata = metadata
+        self.header_size = header_size
+
+    @classmethod
+    def deferred(
+        cls,
+        names: Sequence[str],
+        build: Callable[[], dict[str, TensorInfo]],
+        data_size: int,
+        metadata: dict[str, str] | None,
+        header_size: int,
+    ) -> Header:
+        """A validated header whose entries ``build`` makes on first use.
+
+        Args:
+            names: The distinct entry names, in file order.
+            build: Returns the entries (``{name: TensorInfo}`` in file order). Threads that
+                race to be first may each call it, so it must be repeatable.
+            data_size: Length of the data buffer the entries cover.
+            metadata: ``__metadata__``; None when absent or null.
+            header_size: N, the length of the header region including padding.
+        """
+        header = cls.__new__(cls)
+        header._tensors = None
+        header._build = build
+        header._names = names
+        header._data_size = data_size
+        header.metadata = metadata
+        header.header_size = header_size
+        return header
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Entries in data-offset (file) order.
+
+        A property (not ``__getattr__``, which would slow every attribute of the class); hot
+        paths keep the dict once they have it (``safe_open._entries``).
+        """
+        tensors = self._tensors
+        if tensors is not None:
+            return tensors
+        build = self._build
+        if build is None:  # another thread stored them after this one's first look
+            tensors = self._tensors
+            assert tensors is not None
+            return tensors
+        with gc_paused():  # thousands of records that all survive (see gc_paused)
+            tensors = build()
+        # Racing threads build equal dicts; whichever is stored last is kept. Stored before
+        # _build is cleared, so a thread that finds no builder finds the entries.
+        self._tensors = tensors
+        self._build = None
+        return tensors
+
+    @property
+    def names(self) -> Collection[str]:
+        """Entry names in data-offset (file) order, without building the entries."""
+        names = self._names
+        return names if names is not None else self.tensors.keys()
 
     @property
     def data_start(self) -> int:
@@ -146,8 +229,24 @@ class Header:
     @property
     def data_size(self) -> int:
         """Length of the data buffer."""
-        last = next(reversed(self.tensors.values()), None)
-        return last.end if last is not None else 0
+        return self._data_size
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Header):
+            return NotImplemented
+        return (
+            self.header_size == other.header_size
+            and self.metadata == other.metadata
+            and list(self.tensors.items()) == list(other.tensors.items())
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable contents, as the dataclass had
+
+    def __repr__(self) -> str:
+        return (
+            f"Header(tensors={self.tensors!r}, metadata={self.metadata!r}, "
+            f"header_size={self.header_size!r})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -1045,7 +1144,6 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
     # Ends rise (positive sizes, below), so the last bounds them all: every one fits in u64.
     if ends[-1] != data_size:
         return None
-    begins = [0, *ends[:-1]]
     # Checkpoints repeat a handful of dtypes and shapes, so both are converted once each.
     dtype_of: dict[str, DType] = {}
     for code in set(codes):
@@ -1086,16 +1184,21 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
     # running sums of the sizes are the ends.
     if list(accumulate(sizes)) != ends:
         return None
-    tensors = _tensor_infos(
-        names,
-        map(dtype_of.__getitem__, codes),
-        map(shape_of.__getitem__, shape_texts),
-        begins,
-        ends,
-    )
-    if len(tensors) != count or "__metadata__" in tensors:
+    distinct = set(names)
+    if len(distinct) != count or "__metadata__" in distinct:
         return None  # a repeated name (serde's last-wins order needs the exact path)
-    return Header(tensors=tensors, metadata=metadata, header_size=header_size)
+
+    def build() -> dict[str, TensorInfo]:
+        return _tensor_infos(
+            names,
+            map(dtype_of.__getitem__, codes),
+            map(shape_of.__getitem__, shape_texts),
+            [0, *ends[:-1]],
+            ends,
+        )
+
+    # Everything is checked; the records are built when first asked for (see Header).
+    return Header.deferred(names, build, data_size, metadata, header_size)
 
 
 def _parse_text(text: str, header_size: int, data_size: int, prefix_text: str) -> Header:

@@ -380,6 +380,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # Both at once (no call between the two stores, so no KeyboardInterrupt either): close()
         # and the finalizer find the source only together with its lease.
         self._source, self._lease = source, lease
+        #: header.tensors, kept once built (a compact header builds its entries on first use).
+        self._entries: dict[str, TensorInfo] | None = None
         #: The one hold on the lease that all this handle's slices share (see _SliceHold), made
         #: at the first get_slice.
         self._slice_hold: _SliceHold | None = None
@@ -462,12 +464,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
         self._live()
-        return sorted(self._header.tensors)
+        return sorted(self._header.names)
 
     def offset_keys(self) -> list[str]:
         """Tensor names in file (data offset) order."""
         self._live()
-        return list(self._header.tensors)
+        return list(self._header.names)
 
     def metadata(self) -> dict[str, str] | None:
         """``__metadata__``: None when absent or null, ``{}`` when written empty."""
@@ -475,10 +477,17 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         meta = self._header.metadata
         return None if meta is None else dict(meta)
 
+    def _tensors(self) -> dict[str, TensorInfo]:
+        """The header's entries, built on first use and kept."""
+        entries = self._entries
+        if entries is None:
+            entries = self._entries = self._header.tensors
+        return entries
+
     def _info(self, name: str) -> TensorInfo:
         check_tensor_name(name)
         try:
-            return self._header.tensors[name]
+            return (self._entries or self._tensors())[name]
         except KeyError:
             raise TensorNotFoundError(
                 f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
@@ -548,7 +557,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # uninitialised memory instead of raising).
         with self._lease as source:
             if self._small_reads:
-                info = self._header.tensors.get(name)
+                info = (self._entries or self._tensors()).get(name)
                 if (
                     info is not None
                     and 0 < info.end - info.begin <= self._small_limit
@@ -632,9 +641,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         if exc.tensor is None and (isinstance(exc, OSError) or exc.kind in _READ_ERRORS):
             if info is None and exc.offset is not None:
                 at = exc.offset - self._header.data_start
-                info = next(
-                    (i for i in self._header.tensors.values() if i.begin <= at < i.end), None
-                )
+                info = next((i for i in self._tensors().values() if i.begin <= at < i.end), None)
             if info is not None:
                 begin = self._header.data_start + info.begin
                 exc.tensor = info.name
@@ -659,7 +666,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def _get_tensors(self, source: ByteSource) -> dict[str, Any]:
         header = self._header
-        tensors = header.tensors
+        tensors = self._tensors()
         if not tensors:
             return {}
         for info in tensors.values():
@@ -693,7 +700,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def _views(self, buf: np.ndarray) -> dict[str, Any]:
         """Tensors for every header entry, viewing ``buf`` (the whole data region)."""
-        tensors = self._header.tensors
+        tensors = self._tensors()
         many = getattr(self._adapter, "from_bytes_many", None)
         with gc_paused():
             if many is not None:
@@ -1318,11 +1325,11 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def __len__(self) -> int:
         self._live()
-        return len(self._header.tensors)
+        return len(self._header.names)
 
     def __contains__(self, name: object) -> bool:
         self._live()
-        return name in self._header.tensors
+        return name in self._tensors()
 
 
 show_init_signature(safe_open)

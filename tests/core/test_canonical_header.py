@@ -253,3 +253,77 @@ def test_misplaced_pieces_are_declined(entry: str) -> None:
     text = "{" + entry + "}"
     assert fmt._canonical_header(text, len(text), 8) is None
     assert _generic(text, len(text), 8) is not None
+
+
+def test_a_compact_header_builds_its_entries_once_on_first_use(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening and listing names never builds the per-entry records; the first read does, once."""
+    import pysafetensors
+
+    calls = []
+    real = fmt._tensor_infos
+
+    def counting(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(fmt, "_tensor_infos", counting)
+    tensors = {f"layer.{i}.weight": np.full((3, 2), i, np.float32) for i in range(50)}
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(save(tensors, metadata={"format": "np"}))
+    with pysafetensors.safe_open(path, "np") as f:
+        assert f.keys() == sorted(tensors)
+        assert f.offset_keys() == sorted(tensors)  # the writers' order: same dtype, by name
+        assert len(f) == 50
+        assert f.metadata() == {"format": "np"}
+        assert f.header.data_size == 50 * 24
+        assert calls == []
+        np.testing.assert_array_equal(f.get_tensor("layer.7.weight"), tensors["layer.7.weight"])
+        assert calls == [1]
+        assert "layer.3.weight" in f
+        assert f.get_slice("layer.9.weight")[1:].tolist() == [[9.0, 9.0], [9.0, 9.0]]
+        loaded = f.get_tensors()
+        assert calls == [1]
+    assert all(np.array_equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_a_deferred_header_matches_the_generic_one_however_it_is_read() -> None:
+    text, n, data_size = _split(HEADERS[0])
+    fast = fmt._canonical_header(text, n, data_size)
+    generic = fmt._parse_generic(text, n, data_size, "")
+    assert fast is not None
+    assert list(fast.names) == list(generic.names) == list(generic.tensors)
+    assert fast.data_size == generic.data_size == data_size
+    assert fast.data_start == generic.data_start == 8 + n
+    assert repr(fast) == repr(generic)
+    assert fast == generic
+    assert fast != "a header"
+    with pytest.raises(TypeError):
+        hash(fast)
+
+
+def test_threads_racing_to_build_the_entries_all_get_them() -> None:
+    import threading
+
+    tensors = {f"w{i}": np.ones((i % 7 + 1, 3), np.float16) for i in range(2000)}
+    text, n, data_size = _split(save(tensors))
+    expected = fmt._parse_generic(text, n, data_size, "").tensors
+    for _ in range(20):
+        header = fmt._canonical_header(text, n, data_size)
+        assert header is not None
+        barrier = threading.Barrier(8)
+        seen: list[Any] = []
+
+        def read(header: Any, barrier: threading.Barrier, seen: list[Any]) -> None:
+            barrier.wait()
+            seen.append(header.tensors)
+
+        threads = [threading.Thread(target=read, args=(header, barrier, seen)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(seen) == 8
+        assert all(list(s.items()) == list(expected.items()) for s in seen)
+        assert header.tensors is header.tensors  # kept once built
