@@ -242,6 +242,10 @@ class Header:
 
     __hash__ = None  # type: ignore[assignment]  # mutable contents, as the dataclass had
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled and copied as built entries: the builder is a closure over the parse.
+        return (Header, (self.tensors, self.metadata, self.header_size))
+
     def __repr__(self) -> str:
         return (
             f"Header(tensors={self.tensors!r}, metadata={self.metadata!r}, "

@@ -303,6 +303,23 @@ def test_a_deferred_header_matches_the_generic_one_however_it_is_read() -> None:
         hash(fast)
 
 
+def test_a_deferred_header_pickles_and_copies_as_its_entries() -> None:
+    import copy
+    import pickle
+
+    text, n, data_size = _split(HEADERS[3])
+    for make in (
+        lambda: fmt._canonical_header(text, n, data_size),
+        lambda: fmt._parse_generic(text, n, data_size, ""),
+    ):
+        header = make()
+        assert header is not None
+        for other in (pickle.loads(pickle.dumps(header)), copy.copy(header), copy.deepcopy(header)):
+            assert other == header
+            assert list(other.names) == list(header.names)
+            assert other.data_size == header.data_size
+
+
 def test_threads_racing_to_build_the_entries_all_get_them() -> None:
     import threading
 
