@@ -162,16 +162,15 @@ def check_compact_path(data: bytes) -> None:
     """
     from pysafetensors._format import _canonical_header, _parse_generic
 
-    if len(data) < 8:
+    parts = split(data)
+    if parts is None:
         return
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        return
+    header, body = parts
     try:
-        text = data[8 : 8 + n].decode("utf-8")
+        text = header.decode("utf-8")
     except UnicodeDecodeError:
         return
-    data_size = len(data) - 8 - n
+    n, data_size = len(header), len(body)
     fast = guard(lambda: _canonical_header(text, n, data_size))
     if fast is None:
         return
