@@ -194,10 +194,10 @@ class Header:
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:
-        """Entries in data-offset (file) order.
+        """Entries in data-offset (file) order, built on first use and kept.
 
-        A property (not ``__getattr__``, which would slow every attribute of the class); hot
-        paths keep the dict once they have it (``safe_open._entries``).
+        A property, not ``__getattr__``, which would slow every attribute of the class (~40 ns
+        a read against a plain attribute: under 1% of a ``get_tensor``).
         """
         tensors = self._tensors
         if tensors is not None:

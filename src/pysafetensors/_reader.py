@@ -380,8 +380,6 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # Both at once (no call between the two stores, so no KeyboardInterrupt either): close()
         # and the finalizer find the source only together with its lease.
         self._source, self._lease = source, lease
-        #: header.tensors, kept once built (a compact header builds its entries on first use).
-        self._entries: dict[str, TensorInfo] | None = None
         #: The one hold on the lease that all this handle's slices share (see _SliceHold), made
         #: at the first get_slice.
         self._slice_hold: _SliceHold | None = None
@@ -477,17 +475,10 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         meta = self._header.metadata
         return None if meta is None else dict(meta)
 
-    def _tensors(self) -> dict[str, TensorInfo]:
-        """The header's entries, built on first use and kept."""
-        entries = self._entries
-        if entries is None:
-            entries = self._entries = self._header.tensors
-        return entries
-
     def _info(self, name: str) -> TensorInfo:
         check_tensor_name(name)
         try:
-            return (self._entries or self._tensors())[name]
+            return self._header.tensors[name]
         except KeyError:
             raise TensorNotFoundError(
                 f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
@@ -557,7 +548,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # uninitialised memory instead of raising).
         with self._lease as source:
             if self._small_reads:
-                info = (self._entries or self._tensors()).get(name)
+                info = self._header.tensors.get(name)
                 if (
                     info is not None
                     and 0 < info.end - info.begin <= self._small_limit
@@ -641,7 +632,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         if exc.tensor is None and (isinstance(exc, OSError) or exc.kind in _READ_ERRORS):
             if info is None and exc.offset is not None:
                 at = exc.offset - self._header.data_start
-                info = next((i for i in self._tensors().values() if i.begin <= at < i.end), None)
+                info = next(
+                    (i for i in self._header.tensors.values() if i.begin <= at < i.end), None
+                )
             if info is not None:
                 begin = self._header.data_start + info.begin
                 exc.tensor = info.name
@@ -666,7 +659,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def _get_tensors(self, source: ByteSource) -> dict[str, Any]:
         header = self._header
-        tensors = self._tensors()
+        tensors = header.tensors
         if not tensors:
             return {}
         for info in tensors.values():
@@ -700,7 +693,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def _views(self, buf: np.ndarray) -> dict[str, Any]:
         """Tensors for every header entry, viewing ``buf`` (the whole data region)."""
-        tensors = self._tensors()
+        tensors = self._header.tensors
         many = getattr(self._adapter, "from_bytes_many", None)
         with gc_paused():
             if many is not None:
@@ -1329,7 +1322,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def __contains__(self, name: object) -> bool:
         self._live()
-        return name in self._tensors()
+        return name in self._header.tensors
 
 
 show_init_signature(safe_open)
