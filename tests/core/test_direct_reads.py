@@ -1,0 +1,214 @@
+"""Large runs of a cold file are read with direct I/O (``O_DIRECT``), exactly and safely.
+
+``read_runs_fresh`` (a tensor-parallel row split, whole tensors read together) reads runs that
+are large and not in the page cache straight into its buffer, whole 4 KiB blocks at a time.
+These tests lower the size thresholds so that small files take that path, and check the bytes
+against the file: runs at unaligned offsets, a run ending at an unaligned end of file, cached
+runs left to the page cache, a refused or failing direct read finished through the cache, and
+a file cut short while it is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pysafetensors import SafetensorError, _sources
+from pysafetensors._sources import PreadSource, read_runs_fresh
+from pysafetensors.numpy import save_file
+from pysafetensors.parallel import load_shard, shard_range
+
+KiB = 1 << 10
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(autouse=True)
+def small_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not getattr(os, "O_DIRECT", 0) or not hasattr(os, "posix_fadvise"):
+        pytest.skip("needs O_DIRECT and posix_fadvise")
+    monkeypatch.setattr(_sources, "DIRECT_RUN_MIN", 64 * KiB)
+    monkeypatch.setattr(_sources, "DIRECT_MIN", 256 * KiB)
+
+
+@pytest.fixture
+def direct_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """``(offset, wanted)`` of every direct read made."""
+    calls: list[tuple[int, int]] = []
+    real = _sources._read_direct
+
+    def spy(fd: int, source: PreadSource, offset: int, out: memoryview, wanted: int) -> None:
+        calls.append((offset, wanted))
+        real(fd, source, offset, out, wanted)
+
+    monkeypatch.setattr(_sources, "_read_direct", spy)
+    return calls
+
+
+@pytest.fixture
+def odd_file(tmp_path: Path) -> Iterator[Path]:
+    """Tensors of sizes that are no multiple of 4 KiB, after a header of odd length, the last
+    one ending the file off a block boundary; dropped from the page cache."""
+    rng = np.random.default_rng(7)
+    tensors = {
+        "a": rng.integers(0, 255, (301, 1031), np.uint8),  # ~303 KiB
+        "b": rng.integers(0, 255, (97,), np.uint8),
+        "c": rng.integers(0, 255, (517, 613), np.uint8),  # ~309 KiB
+        "d": rng.integers(0, 255, (1000, 333), np.uint8),  # ~325 KiB, the end of the file
+    }
+    path = tmp_path / "odd.safetensors"
+    save_file(tensors, str(path), metadata={"pad": "x" * 13})
+    assert os.path.getsize(path) % 4096
+    if _direct_refused(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    _evict(path)
+    yield path
+
+
+def _direct_refused(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return True
+    return False
+
+
+def _runs(path: Path) -> list[tuple[int, int]]:
+    """Byte runs of every tensor, each cut a little on both sides (no run block-aligned), the
+    last one up to the very end of the file."""
+    from pysafetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        header = f._header
+        base = header.data_start
+        runs = [(base + info.begin + 3, info.nbytes - 5) for info in header.tensors.values()]
+    last_offset, _ = runs[-1]
+    runs[-1] = (last_offset, os.path.getsize(path) - last_offset)
+    _evict(path)  # reading the header cached the start of the file
+    return runs
+
+
+@contextlib.contextmanager
+def _source(path: Path) -> Iterator[PreadSource]:
+    source = PreadSource(os.open(path, os.O_RDONLY), str(path))
+    try:
+        yield source
+    finally:
+        source.close()
+
+
+def _check(path: Path, runs: list[tuple[int, int]], buf: np.ndarray, offsets: list[int]) -> None:
+    raw = path.read_bytes()
+    for (offset, length), at in zip(runs, offsets, strict=True):
+        assert buf[at : at + length].tobytes() == raw[offset : offset + length]
+
+
+def _read(path: Path, runs: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
+    with _source(path) as source:
+        return read_runs_fresh(source, runs)
+
+
+def test_cold_large_runs_are_read_directly_and_exactly(
+    odd_file: Path, direct_calls: list[tuple[int, int]]
+) -> None:
+    runs = _runs(odd_file)
+    buf, offsets = _read(odd_file, runs)
+    _check(odd_file, runs, buf, offsets)
+    large = [run for run in runs if run[1] >= 64 * KiB]
+    assert len(large) == 3
+    # Every direct read starts on a block; each large run went that way, placed at its phase.
+    assert len(direct_calls) == 3 and all(offset % 4096 == 0 for offset, _ in direct_calls)
+    for (offset, length), at in zip(runs, offsets, strict=True):
+        if length >= 64 * KiB:
+            assert at % 4096 == offset % 4096
+
+
+def test_cached_runs_keep_the_page_cache(
+    odd_file: Path, direct_calls: list[tuple[int, int]]
+) -> None:
+    runs = _runs(odd_file)
+    odd_file.read_bytes()  # cached now
+    buf, offsets = _read(odd_file, runs)
+    _check(odd_file, runs, buf, offsets)
+    assert direct_calls == []
+
+
+def test_direct_reads_can_be_turned_off(
+    odd_file: Path, direct_calls: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_sources, "DIRECT_READS", False)
+    runs = _runs(odd_file)
+    buf, offsets = _read(odd_file, runs)
+    _check(odd_file, runs, buf, offsets)
+    assert direct_calls == []
+
+
+def test_a_file_that_cannot_be_reopened_for_direct_io_is_read_through_the_cache(
+    odd_file: Path, direct_calls: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused: Callable[[PreadSource], Any] = lambda self: None  # noqa: E731
+    monkeypatch.setattr(PreadSource, "reopen_direct", refused)
+    runs = _runs(odd_file)
+    buf, offsets = _read(odd_file, runs)
+    _check(odd_file, runs, buf, offsets)
+    assert direct_calls == []
+
+
+def test_a_failing_direct_read_is_finished_through_the_cache(
+    odd_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.preadv
+    failed: list[int] = []
+
+    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        if os.get_blocking(fd) and os.O_DIRECT & _flags(fd):
+            failed.append(offset)
+            raise OSError(22, "Invalid argument")  # as a device refusing the alignment
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    runs = _runs(odd_file)
+    buf, offsets = _read(odd_file, runs)
+    _check(odd_file, runs, buf, offsets)
+    assert failed
+
+
+def _flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def test_a_file_cut_short_raises_a_clear_error(odd_file: Path) -> None:
+    runs = _runs(odd_file)
+    with _source(odd_file) as source:
+        os.truncate(odd_file, runs[-1][0] + 10)  # the last run loses all but 10 bytes
+        with pytest.raises(SafetensorError, match="ended early"):
+            read_runs_fresh(source, runs)
+
+
+def test_row_split_of_a_cold_file_reads_directly(
+    odd_file: Path, direct_calls: list[tuple[int, int]]
+) -> None:
+    from pysafetensors.numpy import load_file
+
+    expected = load_file(str(odd_file), backend="pread")
+    _evict(odd_file)
+    got = load_shard(str(odd_file), 1, 2, {"*": "rows"}, framework="np")
+    assert direct_calls
+    for name, array in expected.items():
+        start, end = shard_range(array.shape[0], 1, 2)
+        np.testing.assert_array_equal(got[name], array[start:end])
