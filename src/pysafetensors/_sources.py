@@ -808,9 +808,9 @@ def read_runs_fresh(
     the device takes, where reads through the page cache fill it 4 KiB page by page (requests
     of ~1 MiB here) and then copy it. A cold row split of a 2 GiB file (255 MiB in 39 runs)
     took 103-127 ms this way against 164-206 ms (fresh processes, alternating). Such a run is
-    placed at its file offset's
-    phase within a 4 KiB block (its tensor as aligned as in a mapping of the file), and its
-    whole blocks are read, so the buffer holds up to 4 KiB of its neighbours' bytes either side.
+    placed at its file offset's phase within a 4 KiB block (its tensor as aligned as in a
+    mapping of the file), and its whole blocks are read, so the buffer holds up to 4 KiB of its
+    neighbours' bytes either side.
 
     Returns:
         The buffer and the offset of each run in it.

@@ -24,16 +24,9 @@ from pysafetensors._sources import PreadSource, read_runs_fresh
 from pysafetensors.numpy import save_file
 from pysafetensors.parallel import load_shard, shard_range
 
+from .test_partial_reads import _evict
+
 KiB = 1 << 10
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture(autouse=True)
@@ -110,23 +103,21 @@ def _source(path: Path) -> Iterator[PreadSource]:
         source.close()
 
 
-def _check(path: Path, runs: list[tuple[int, int]], buf: np.ndarray, offsets: list[int]) -> None:
+def _read_checked(path: Path, runs: list[tuple[int, int]]) -> list[int]:
+    """``read_runs_fresh`` of the runs, each checked against the file; their offsets."""
+    with _source(path) as source:
+        buf, offsets = read_runs_fresh(source, runs)
     raw = path.read_bytes()
     for (offset, length), at in zip(runs, offsets, strict=True):
         assert buf[at : at + length].tobytes() == raw[offset : offset + length]
-
-
-def _read(path: Path, runs: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
-    with _source(path) as source:
-        return read_runs_fresh(source, runs)
+    return offsets
 
 
 def test_cold_large_runs_are_read_directly_and_exactly(
     odd_file: Path, direct_calls: list[tuple[int, int]]
 ) -> None:
     runs = _runs(odd_file)
-    buf, offsets = _read(odd_file, runs)
-    _check(odd_file, runs, buf, offsets)
+    offsets = _read_checked(odd_file, runs)
     large = [run for run in runs if run[1] >= 64 * KiB]
     assert len(large) == 3
     # Every direct read starts on a block; each large run went that way, placed at its phase.
@@ -141,8 +132,7 @@ def test_cached_runs_keep_the_page_cache(
 ) -> None:
     runs = _runs(odd_file)
     odd_file.read_bytes()  # cached now
-    buf, offsets = _read(odd_file, runs)
-    _check(odd_file, runs, buf, offsets)
+    _read_checked(odd_file, runs)
     assert direct_calls == []
 
 
@@ -151,8 +141,7 @@ def test_direct_reads_can_be_turned_off(
 ) -> None:
     monkeypatch.setattr(_sources, "DIRECT_READS", False)
     runs = _runs(odd_file)
-    buf, offsets = _read(odd_file, runs)
-    _check(odd_file, runs, buf, offsets)
+    _read_checked(odd_file, runs)
     assert direct_calls == []
 
 
@@ -162,8 +151,7 @@ def test_a_file_that_cannot_be_reopened_for_direct_io_is_read_through_the_cache(
     refused: Callable[[PreadSource], Any] = lambda self: None  # noqa: E731
     monkeypatch.setattr(PreadSource, "reopen_direct", refused)
     runs = _runs(odd_file)
-    buf, offsets = _read(odd_file, runs)
-    _check(odd_file, runs, buf, offsets)
+    _read_checked(odd_file, runs)
     assert direct_calls == []
 
 
@@ -181,8 +169,7 @@ def test_a_failing_direct_read_is_finished_through_the_cache(
 
     monkeypatch.setattr(os, "preadv", preadv)
     runs = _runs(odd_file)
-    buf, offsets = _read(odd_file, runs)
-    _check(odd_file, runs, buf, offsets)
+    _read_checked(odd_file, runs)
     assert failed
 
 
