@@ -13,7 +13,7 @@ import operator
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn, SupportsIndex, TypeAlias
 
@@ -72,6 +72,7 @@ from ._sources import (
     open_regular_file,
     pread_exact,
     read_fresh,
+    read_pieces_into,
     read_ranges_into,
     read_runs_fresh,
     run_parallel,
@@ -676,6 +677,30 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         else:
             buf = read_fresh(source, header.data_start, size)
         return self._views(buf)
+
+    def read_into(self, targets: Mapping[str, Any]) -> None:
+        """Read tensors' bytes into memory the caller already has (an extension).
+
+        Each value is a writable, C-contiguous buffer (a numpy array, a ``bytearray``, a
+        ``memoryview``) exactly as large as its tensor's data, which receives the bytes as they
+        are in the file (little-endian). All of them are read at once, by the reader threads
+        in file order: memory that is already faulted in is not supplied again by the kernel,
+        and no second copy of the data is made. ``torch.load_model`` reads a model's
+        parameters in place this way.
+
+        Raises:
+            TensorNotFoundError: A name is not in the file.
+            ValueError: A buffer is read-only, not contiguous, or not the tensor's size.
+            ClosedFileError: The handle was closed.
+        """
+        self._live()
+        pieces = []
+        for name, target in targets.items():
+            info = self._info(name)
+            out = _writable_bytes(target, info)
+            pieces.append((self._header.data_start + info.begin, out))
+        with self._lease as source, self._reading(None):
+            read_pieces_into(source, pieces)
 
     def _to_device(self, source: ByteSource, infos: list[TensorInfo]) -> dict[str, Any] | None:
         """Load straight into an accelerator when the adapter can (torch + CUDA: pipelined
@@ -1373,6 +1398,39 @@ def _safe_open_handle(
     check_backend(backend)
     f.fileno  # noqa: B018 - the reference's check, and its AttributeError
     return safe_open(f.name, framework, device=device, backend=backend)
+
+
+def _writable_bytes(target: Any, info: TensorInfo) -> memoryview:
+    """``target`` as writable bytes for :meth:`safe_open.read_into`, checked against ``info``.
+
+    Raises:
+        ValueError: ``target`` is read-only, not C-contiguous, or not ``info``'s size.
+    """
+    if isinstance(target, np.ndarray):
+        # As bytes first: arrays of the dtypes numpy lacks (bfloat16, float8: ml_dtypes)
+        # cannot export a buffer of their own type.
+        if not target.flags.writeable:
+            raise ValueError(f"the buffer for tensor {info.name!r} is read-only")
+        if not target.flags.c_contiguous:
+            raise ValueError(f"the buffer for tensor {info.name!r} is not C-contiguous")
+        target = target.reshape(-1).view(np.uint8)
+    try:
+        view = memoryview(target)
+    except TypeError:
+        raise ValueError(
+            f"the buffer for tensor {info.name!r} is of type {type(target).__name__}, which "
+            "does not expose its memory (expected a numpy array, bytearray or memoryview)"
+        ) from None
+    if view.readonly:
+        raise ValueError(f"the buffer for tensor {info.name!r} is read-only")
+    if not view.c_contiguous:
+        raise ValueError(f"the buffer for tensor {info.name!r} is not C-contiguous")
+    if view.nbytes != info.nbytes:
+        raise ValueError(
+            f"the buffer for tensor {info.name!r} holds {view.nbytes} bytes; the tensor's data "
+            f"is {info.nbytes} bytes ({info.dtype.code} {list(info.shape)})"
+        )
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
 
 def check_tensor_name(name: object) -> None:

@@ -26,7 +26,7 @@ import operator
 import os
 import re
 import threading
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any, Final, NamedTuple, TypeVar
 
 from ._adapter import get_adapter
@@ -980,6 +980,22 @@ class ShardedSafeOpen(HandleBehaviour):
                 finally:
                     let_go(shard, handle, pinned)
         return out
+
+    def read_into(self, targets: Mapping[str, Any]) -> None:
+        """Read tensors' bytes into memory the caller already has, each shard's together
+        (see :meth:`safe_open.read_into`).
+
+        Raises:
+            TensorNotFoundError: A name is not in the checkpoint.
+            ValueError: A buffer is read-only, not contiguous, or not the tensor's size.
+        """
+        self._live()
+
+        def read(handle: safe_open, group: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+            handle.read_into(dict(group))
+            return []
+
+        self._per_shard(list(targets.items()), operator.itemgetter(0), read)
 
     def get_slice(self, name: str) -> SafeSlice:
         """A lazy view of one tensor that reads only what is indexed."""

@@ -49,6 +49,7 @@ __all__ = [
     "empty_bytes",
     "open_regular_file",
     "read_fresh",
+    "read_pieces_into",
     "read_ranges_into",
     "reader_thread_count",
     "run_parallel",
@@ -1577,3 +1578,46 @@ def read_ranges_into(
     for offset, start, length in positions:
         if length:
             source.readinto(offset, out[start : start + length])
+
+
+def _bytes_view(out: memoryview) -> memoryview:
+    return out.cast("B") if out.format != "B" or out.ndim != 1 else out
+
+
+def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]]) -> None:
+    """Fill each ``(offset, out)`` piece from ``source``: reads into memory the caller owns.
+
+    From a local file (positioned reads or a mapping, whose reads are positioned reads too)
+    the pieces are cut into :data:`PARALLEL_CHUNK` parts that the reader threads take in file
+    order, with the disk kept busy ahead of them on a cold file (:func:`read_ahead`); other
+    sources (remote, file objects, buffers) read piece after piece, each as their
+    ``readinto`` reads a range.
+    """
+    ordered = sorted(
+        ((offset, _bytes_view(out)) for offset, out in pieces), key=lambda piece: piece[0]
+    )
+    for offset, out in ordered:
+        _check_range(source, offset, out.nbytes)
+    total = sum(out.nbytes for _, out in ordered)
+    local = isinstance(source, (PreadSource, MmapSource))
+    if not local or total <= MIN_PARALLEL_CHUNK or worker_count(source) < 2:
+        for offset, out in ordered:
+            if out.nbytes:
+                source.readinto(offset, out)
+        return
+    parts = [
+        (offset + at, out[at : at + PARALLEL_CHUNK])
+        for offset, out in ordered
+        for at in range(0, out.nbytes, PARALLEL_CHUNK)
+    ]
+    first = ordered[0][0]
+    last = max(offset + out.nbytes for offset, out in ordered)
+    if isinstance(source, PreadSource):
+        with source._held as fd, read_ahead(fd, first, last - first):
+            run_parallel(
+                lambda part: pread_exact(fd, source.name, part[0], part[1]),
+                parts,
+                worker_count(source),
+            )
+        return
+    run_parallel(lambda part: source.readinto(part[0], part[1]), parts, worker_count(source))

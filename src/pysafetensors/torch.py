@@ -33,6 +33,7 @@ from ._format import check_metadata
 from ._reader import safe_open
 from ._sharding import save_model_sharded, save_sharded
 from ._torch_adapter import _TO_TORCH, ADAPTER
+from ._torch_in_place import in_place_targets, maps_file, tensor_bytes
 
 __all__ = [
     "TensorSpec",
@@ -425,6 +426,24 @@ def load_model(
 ) -> tuple[set[str], list[str]]:
     """Load a file into a model, restoring tied weights that :func:`save_model` dropped.
 
+    A local file under ``backend="mmap"`` is loaded as views of its mapping, which
+    ``load_state_dict`` copies into the model (no private copy of the weights besides the
+    model's own). Otherwise (``backend="pread"``, a URL, a file object) a load would read the
+    whole file into fresh memory first: instead, on the CPU, the file's bytes are read by the
+    reader threads straight into the model's own parameters and buffers where they fit (same
+    dtype and shape, contiguous, loaded by torch's own code without state-dict hooks), and
+    ``load_state_dict`` then runs as usual (its copy of a tensor onto itself is skipped) and
+    copies the rest. If a read fails part way, the tensors read so far hold the file's values.
+
+    Args:
+        model: The model to load into.
+        filename: A path, URL or binary file object; a model folder or index file loads a
+            sharded checkpoint.
+        strict: Raise if keys are missing or unexpected (after restoring tied weights).
+        device: Where the file's tensors are loaded before ``load_state_dict``; only a CPU
+            load reads in place.
+        backend: ``"mmap"`` or ``"pread"``, for the tensors not read in place.
+
     Returns:
         ``(missing, unexpected)``: the set of missing keys and the list of unexpected ones (the
         reference's types).
@@ -432,7 +451,16 @@ def load_model(
     Raises:
         RuntimeError: ``strict`` and keys are missing or unexpected.
     """
-    state_dict = load_file(filename, device=device, backend=backend)
+    with safe_open(filename, "pt", device=device, backend=backend) as f:
+        in_place = {} if maps_file(filename, backend) else in_place_targets(model, f, device)
+        if in_place:
+            f.read_into({name: tensor_bytes(t) for name, t in in_place.items()})
+            state_dict = {
+                name: in_place[name] if name in in_place else f.get_tensor(name)
+                for name in f.offset_keys()
+            }
+        else:
+            state_dict = f.get_tensors()
     to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=state_dict.keys())
     missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = set(missing_list)

@@ -1,0 +1,249 @@
+"""``torch.load_model`` reading parameters in place: the same model state, return values and
+errors as the reference's ``load_model`` (which loads the file and copies), whichever tensors
+are read in place and whichever are left to ``load_state_dict``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ref = pytest.importorskip("safetensors.torch")
+
+import pysafetensors.torch as st_torch  # noqa: E402
+from pysafetensors import safe_open  # noqa: E402
+from pysafetensors._torch_in_place import in_place_targets  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dtype: Any = torch.float32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.block = torch.nn.Sequential(
+            torch.nn.Linear(32, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 32)
+        )
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.tensor([2.5]))
+        self.register_buffer("scratch", torch.ones(3), persistent=False)
+        self.to(dtype)
+
+
+def _bits(model: torch.nn.Module) -> dict[str, bytes]:
+    return {
+        k: v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        for k, v in model.state_dict().items()
+    }
+
+
+def _saved(tmp_path: Path, dtype: Any = torch.float32) -> tuple[Path, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = Net(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+        model.block[1].running_mean.normal_()
+        model.block[1].num_batches_tracked.fill_(7)
+    path = tmp_path / "net.safetensors"
+    st_torch.save_model(model, path)
+    return path, model
+
+
+def _both(make: Callable[[], torch.nn.Module], path: Path, **kwargs: Any) -> tuple[Any, Any]:
+    """Load ``path`` into two fresh models, ours and the reference's; compare their state."""
+    torch.manual_seed(1)
+    ours_model, ref_model = make(), make()
+    # The same starting values (copied directly: load_state_dict would run the models' hooks).
+    targets = ref_model.state_dict()
+    with torch.no_grad():
+        for name, value in ours_model.state_dict().items():
+            targets[name].copy_(value)
+    ours = ref_err = None
+    try:
+        ours = st_torch.load_model(ours_model, path, **kwargs)
+    except RuntimeError as exc:
+        ours = exc
+    kwargs.pop("backend", None)
+    try:
+        ref_err = ref.load_model(ref_model, str(path), **kwargs)
+    except RuntimeError as exc:
+        ref_err = exc
+    assert _bits(ours_model) == _bits(ref_model)
+    return ours, ref_err
+
+
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+def test_plain_model_is_read_in_place(tmp_path: Path, backend: str) -> None:
+    path, saved = _saved(tmp_path)
+    model = Net()
+    before = {name: t.data_ptr() for name, t in model.state_dict(keep_vars=True).items()}
+    versions = {name: p._version for name, p in model.named_parameters()}
+    with safe_open(path, "pt") as f:
+        # Everything in the file fits: the tied head is not in it (save_model dropped it).
+        assert sorted(in_place_targets(model, f, "cpu")) == sorted(f.keys())
+    assert st_torch.load_model(model, path, backend=backend) == (set(), [])
+    assert _bits(model) == _bits(saved)
+    assert {n: t.data_ptr() for n, t in model.state_dict(keep_vars=True).items()} == before
+    assert model.head.weight is model.embed.weight
+    # load_state_dict's copy onto itself still counts as a write, as any load does.
+    assert all(p._version > versions[name] for name, p in model.named_parameters())
+
+
+def test_pread_load_leaves_no_second_copy(tmp_path: Path, monkeypatch: Any) -> None:
+    """The in-place path reads no tensor of its own: every value handed to load_state_dict is
+    the model's tensor itself."""
+    path, _ = _saved(tmp_path)
+    model = Net()
+    own = model.state_dict(keep_vars=True)
+    seen: dict[str, Any] = {}
+    original = torch.nn.Module.load_state_dict
+
+    def recording(self: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.update(state_dict)
+        return original(self, state_dict, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", recording)
+    st_torch.load_model(model, path, backend="pread")
+    assert sorted(seen) == sorted(name for name in own if name != "head.weight")
+    assert all(seen[name] is own[name] for name in seen)
+
+
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+def test_dtype_and_shape_mismatches_behave_as_the_reference(tmp_path: Path, backend: str) -> None:
+    path, _ = _saved(tmp_path)
+    # Another dtype: load_state_dict casts (nothing is read in place).
+    ours, theirs = _both(lambda: Net(torch.float64), path, backend=backend)
+    assert ours == theirs == (set(), [])
+
+    class Wider(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block[2] = torch.nn.Linear(1024, 48)
+
+    ours, theirs = _both(Wider, path, backend=backend)
+    assert isinstance(ours, RuntimeError) and isinstance(theirs, RuntimeError)
+    assert str(ours) == str(theirs)
+    assert "size mismatch for block.2.weight" in str(ours)
+
+
+def test_unexpected_and_missing_keys_as_the_reference(tmp_path: Path) -> None:
+    path, _ = _saved(tmp_path)
+
+    class Fewer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 32)
+            self.extra = torch.nn.Linear(2, 2)
+
+    ours, theirs = _both(Fewer, path, backend="pread", strict=False)
+    assert ours == theirs
+    ours, theirs = _both(Fewer, path, backend="pread")
+    assert str(ours) == str(theirs)
+
+
+def test_hooks_and_custom_loading_fall_back(tmp_path: Path) -> None:
+    path, _ = _saved(tmp_path)
+
+    def blend(module: Any, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # Reads the parameter's value before the load: reading in place first would change it.
+        key = prefix + "embed.weight"
+        state_dict[key] = state_dict[key] * 0.5 + module.embed.weight.detach() * 0.5
+
+    def hooked() -> torch.nn.Module:
+        model = Net()
+        model._register_load_state_dict_pre_hook(blend, with_module=True)
+        return model
+
+    with safe_open(path, "pt") as f:
+        assert in_place_targets(hooked(), f, "cpu") == {}
+    ours, theirs = _both(hooked, path, backend="pread")
+    assert ours == theirs
+
+    class Custom(torch.nn.Linear):
+        def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"] + self.weight.detach()
+            super()._load_from_state_dict(state_dict, prefix, *args)
+
+    class WithCustom(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block[2] = Custom(1024, 32)
+
+    with safe_open(path, "pt") as f:
+        assert in_place_targets(WithCustom(), f, "cpu") == {}
+    ours, theirs = _both(WithCustom, path, backend="pread")
+    assert ours == theirs
+
+
+def test_unfit_tensors_are_left_to_load_state_dict(tmp_path: Path) -> None:
+    path, saved = _saved(tmp_path)
+
+    class Transposed(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            # A parameter whose memory is not its tensor's order: copied, not read into.
+            self.block[0].weight = torch.nn.Parameter(torch.empty(32, 1024).t())
+
+    model = Transposed()
+    with safe_open(path, "pt") as f:
+        targets = in_place_targets(model, f, "cpu")
+    assert "block.0.weight" not in targets and "block.2.weight" in targets
+    st_torch.load_model(model, path, backend="pread")
+    assert _bits(model) == _bits(saved)
+
+
+def test_two_file_names_on_one_memory_are_copied_in_order(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    path = tmp_path / "both.safetensors"
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["head.weight"] = torch.randn(64, 32)  # differs from embed.weight in the file
+    st_torch.save_file(state, path)
+    fresh = Net()
+    with safe_open(path, "pt") as f:
+        targets = in_place_targets(fresh, f, "cpu")
+    assert "embed.weight" not in targets and "head.weight" not in targets
+    ours, theirs = _both(Net, path, backend="pread")
+    assert str(ours) == str(theirs)
+
+
+def test_load_model_from_a_sharded_folder_in_place(tmp_path: Path) -> None:
+    path, saved = _saved(tmp_path)
+    folder = tmp_path / "sharded"
+    st_torch.save_model_sharded(saved, folder, max_shard_size="100KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    model = Net()
+    assert st_torch.load_model(model, folder, backend="pread") == (set(), [])
+    assert _bits(model) == _bits(saved)
+
+
+def test_extra_state_goes_through_set_extra_state(tmp_path: Path) -> None:
+    class Counted(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = torch.zeros(4)
+            self.calls = 0
+
+        def get_extra_state(self) -> Any:
+            return self.seen
+
+        def set_extra_state(self, state: Any) -> None:
+            self.calls += 1
+            self.seen = state.clone() + 1
+
+    torch.manual_seed(0)
+    saved = Counted()
+    saved.seen = torch.arange(4.0)
+    path = tmp_path / "extra.safetensors"
+    st_torch.save_model(saved, path)
+    model = Counted()
+    with safe_open(path, "pt") as f:
+        assert "_extra_state" in f
+        assert "_extra_state" not in in_place_targets(model, f, "cpu")
+    ours, theirs = _both(Counted, path, backend="pread")
+    assert ours == theirs
+    st_torch.load_model(model, path, backend="pread")
+    assert model.calls == 1 and torch.equal(model.seen, torch.arange(4.0) + 1)
