@@ -7,7 +7,9 @@ with the benchmark LLaMA file's names, shapes and dtype (its memory written, as 
 model's is), reads the file back into the page cache (or drops it, ``--cold``), then times
 ``load_model`` alone and checks the loaded bytes against the file. Arms: ours with the default
 ``backend="mmap"`` (views of the mapping, copied by ``load_state_dict``), ours with
-``backend="pread"`` (read in place into the parameters), and the reference's ``load_model``.
+``backend="pread"`` (read in place into the parameters), what that did before (``load_file``
+with ``backend="pread"`` into fresh memory, then ``load_state_dict``), and the reference's
+``load_model``.
 Prints a markdown table of medians and ranges.
 """
 
@@ -24,7 +26,7 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ARMS = ("ours mmap", "ours pread", "reference")
+ARMS = ("ours mmap", "ours pread", "load_file pread + copy", "reference")
 
 
 def _model(path: str) -> Any:
@@ -64,7 +66,14 @@ def _worker(arm: str, path: str, cold: bool) -> None:
         from pysafetensors.torch import load_model
     kwargs = {"backend": "pread"} if arm == "ours pread" else {}
     start = time.perf_counter()
-    load_model(model, path, **kwargs)
+    if arm == "load_file pread + copy":
+        # What load_model did under pread before it read in place: a load into fresh
+        # memory, then load_state_dict's copy.
+        from pysafetensors.torch import load_file as ours_load_file
+
+        model.load_state_dict(ours_load_file(path, backend="pread"))
+    else:
+        load_model(model, path, **kwargs)
     elapsed = time.perf_counter() - start
     from safetensors.torch import load_file
 
