@@ -12,6 +12,7 @@ import contextlib
 import operator
 import os
 import stat
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -681,12 +682,12 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     def read_into(self, targets: Mapping[str, Any]) -> None:
         """Read tensors' bytes into memory the caller already has (an extension).
 
-        Each value is a writable, C-contiguous buffer (a numpy array, a ``bytearray``, a
-        ``memoryview``) exactly as large as its tensor's data, which receives the bytes as they
-        are in the file (little-endian). All of them are read at once, by the reader threads
-        in file order: memory that is already faulted in is not supplied again by the kernel,
-        and no second copy of the data is made. ``torch.load_model`` reads a model's
-        parameters in place this way.
+        Each value is a writable, C-contiguous buffer (a numpy array, a CPU torch tensor, a
+        ``bytearray``, a ``memoryview``) exactly as large as its tensor's data, which receives
+        the bytes as they are in the file (little-endian), whatever its own dtype and shape.
+        All of them are read at once, by the reader threads in file order: memory that is
+        already faulted in is not supplied again by the kernel, and no second copy of the data
+        is made. ``torch.load_model`` reads a model's parameters in place this way.
 
         Raises:
             TensorNotFoundError: A name is not in the file.
@@ -1406,6 +1407,21 @@ def _writable_bytes(target: Any, info: TensorInfo) -> memoryview:
     Raises:
         ValueError: ``target`` is read-only, not C-contiguous, or not ``info``'s size.
     """
+    torch = sys.modules.get("torch")  # never imported here: a tensor means it is loaded
+    if torch is not None and isinstance(target, torch.Tensor):
+        if target.device.type != "cpu":
+            raise ValueError(
+                f"the buffer for tensor {info.name!r} is on {target.device}; read_into fills "
+                "CPU memory"
+            )
+        if not target.is_contiguous():
+            raise ValueError(f"the buffer for tensor {info.name!r} is not C-contiguous")
+        if target.is_conj() or target.is_neg():
+            raise ValueError(
+                f"the buffer for tensor {info.name!r} is a lazy conjugate or negation view"
+            )
+        # Its bytes, whatever its dtype (numpy lacks bfloat16 and the float8 types).
+        target = target.detach().reshape(-1).view(torch.uint8).numpy()
     if isinstance(target, np.ndarray):
         # As bytes first: arrays of the dtypes numpy lacks (bfloat16, float8: ml_dtypes)
         # cannot export a buffer of their own type.
@@ -1419,7 +1435,8 @@ def _writable_bytes(target: Any, info: TensorInfo) -> memoryview:
     except TypeError:
         raise ValueError(
             f"the buffer for tensor {info.name!r} is of type {type(target).__name__}, which "
-            "does not expose its memory (expected a numpy array, bytearray or memoryview)"
+            "does not expose its memory (expected a numpy array, CPU torch tensor, bytearray "
+            "or memoryview)"
         ) from None
     if view.readonly:
         raise ValueError(f"the buffer for tensor {info.name!r} is read-only")

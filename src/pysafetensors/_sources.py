@@ -1589,15 +1589,21 @@ def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]
 
     From a local file (positioned reads or a mapping, whose reads are positioned reads too)
     the pieces are cut into :data:`PARALLEL_CHUNK` parts that the reader threads take in file
-    order, with the disk kept busy ahead of them on a cold file (:func:`read_ahead`); other
-    sources (remote, file objects, buffers) read piece after piece, each as their
-    ``readinto`` reads a range.
+    order, with the disk kept busy ahead of them on a cold file (:func:`read_ahead`); remote
+    sources fetch all pieces in one plan (``readinto_scattered``); file objects and buffers
+    read piece after piece.
     """
     ordered = sorted(
         ((offset, _bytes_view(out)) for offset, out in pieces), key=lambda piece: piece[0]
     )
     for offset, out in ordered:
         _check_range(source, offset, out.nbytes)
+    scattered = getattr(source, "readinto_scattered", None)
+    if scattered is not None:
+        # Remote sources: one plan for all pieces (nearby ranges merged into balanced requests
+        # on parallel connections), each received straight into its buffer.
+        scattered([(offset, out.nbytes, out, 0) for offset, out in ordered])
+        return
     total = sum(out.nbytes for _, out in ordered)
     local = isinstance(source, (PreadSource, MmapSource))
     if not local or total <= MIN_PARALLEL_CHUNK or worker_count(source) < 2:

@@ -15,13 +15,12 @@ import os
 import sys
 from typing import Any
 
-import numpy as np
 import torch
 
 from ._format import TensorInfo
 from ._torch_adapter import ADAPTER, torch_dtype
 
-__all__ = ["in_place_targets", "maps_file", "tensor_bytes"]
+__all__ = ["in_place_targets", "maps_file"]
 
 #: Per-module hooks that can rename, replace or transform what is saved or loaded.
 _HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks")
@@ -125,9 +124,3 @@ def in_place_targets(model: torch.nn.Module, handle: Any, device: Any) -> dict[s
     infos = dict(zip(names, handle._infos(names), strict=True))
     fitting = {name: own[name] for name in names if _fits(own[name], infos[name])}
     return _apart(fitting)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """A writable uint8 array over ``tensor``'s memory (contiguous, on the CPU)."""
-    flat: np.ndarray = tensor.detach().reshape(-1).view(torch.uint8).numpy()
-    return flat

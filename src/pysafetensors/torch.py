@@ -33,7 +33,7 @@ from ._format import check_metadata
 from ._reader import safe_open
 from ._sharding import save_model_sharded, save_sharded
 from ._torch_adapter import _TO_TORCH, ADAPTER
-from ._torch_in_place import in_place_targets, maps_file, tensor_bytes
+from ._torch_in_place import in_place_targets, maps_file
 
 __all__ = [
     "TensorSpec",
@@ -454,7 +454,7 @@ def load_model(
     with safe_open(filename, "pt", device=device, backend=backend) as f:
         in_place = {} if maps_file(filename, backend) else in_place_targets(model, f, device)
         if in_place:
-            f.read_into({name: tensor_bytes(t) for name, t in in_place.items()})
+            f.read_into(in_place)
             state_dict = {
                 name: in_place[name] if name in in_place else f.get_tensor(name)
                 for name in f.offset_keys()

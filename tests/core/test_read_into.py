@@ -130,3 +130,21 @@ def test_read_into_a_sharded_checkpoint(tmp_path: Path) -> None:
             f.read_into({"missing": bytearray(1)})
     for name, value in arrays.items():
         assert np.array_equal(outs[name], value)
+
+
+def test_read_into_torch_tensors(path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    expected = _tensors()
+    big = torch.zeros(3 << 20, dtype=torch.int32)
+    # Any dtype and shape of the right size: the file's bytes as they are.
+    half = torch.zeros(66, dtype=torch.uint8)
+    grad = torch.zeros(300, 70, requires_grad=True)
+    with safe_open(path, "pt") as f:
+        f.read_into({"big": big, "half": half, "mid": grad})
+        with pytest.raises(ValueError, match="buffer for tensor 'mid' is not C-contiguous"):
+            f.read_into({"mid": torch.zeros(70, 300).t()})
+        with pytest.raises(ValueError, match="buffer for tensor 'mid' is a lazy conjugate"):
+            f.read_into({"mid": torch.zeros(300, 35, dtype=torch.complex64).conj()})
+    assert big.numpy().tobytes() == expected["big"].tobytes()
+    assert half.numpy().tobytes() == expected["half"].tobytes()
+    assert grad.detach().numpy().tobytes() == expected["mid"].tobytes()

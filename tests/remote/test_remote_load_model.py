@@ -1,5 +1,6 @@
 """``torch.load_model`` from a URL: the parameters are read in place from the loopback range
-server, each byte fetched once, with no copy of the weights besides the model's."""
+server, all in one plan of requests, each byte fetched once, with no copy of the weights
+besides the model's."""
 
 from __future__ import annotations
 
@@ -34,3 +35,5 @@ def test_load_model_over_http_reads_each_byte_once(server: RangeServer, data_dir
     # The header and the data once each: nothing read twice, nothing past the file.
     size = path.stat().st_size
     assert size - 4096 < server.bytes_sent(path.name) <= size
+    # The open's request, then all six tensors in one plan: one request for their 2 MiB.
+    assert server.requests(path.name) == 2
