@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -100,3 +101,26 @@ def ensure_file(folder: str, key: str, shapes: list[tuple[str, list[int]]]) -> s
     with open(stamp, "w") as f:
         f.write(want)
     return path
+
+
+def module_like(path: str, device: str = "cpu") -> Any:
+    """A module tree with a bf16 parameter per tensor of ``path``, of its name and shape, on
+    ``device``, its memory written (as a constructed model's is): a model to ``load_model``
+    the file into."""
+    import torch
+
+    from pysafetensors import safe_open
+
+    root = torch.nn.Module()
+    with safe_open(path, "pt") as f:
+        for name in f.offset_keys():
+            meta = f.get_tensor_meta(name)
+            *parents, leaf = name.split(".")
+            module = root
+            for part in parents:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            value = torch.full(meta.shape, 0.5, dtype=torch.bfloat16, device=device)
+            module.register_parameter(leaf, torch.nn.Parameter(value))
+    return root

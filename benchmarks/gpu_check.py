@@ -32,6 +32,10 @@ Not run by ``make bench``. The script, each section recorded even when a later o
 8. **cold**: pysafetensors (pread) and the reference (mmap) with the file dropped from the page
    cache before each run (``posix_fadvise(DONTNEED)``, residency checked), when eviction works.
 
+Between 2 and 3 (part of the correctness sections): **load_model**, the llama file loaded into
+a model already on the device by both libraries, three times each: equal bytes, time and the
+device memory each adds (ours reads into the parameters in place).
+
 It prints markdown tables and writes ``gpu_results.json`` and ``gpu_results.md`` into ``--out``
 (default: next to this script) after every section. ``--dry-run`` runs the same code on the
 CPU with a small file (the copies are CPU copies), to check the script itself without a GPU;
@@ -507,10 +511,6 @@ def main() -> int:
         except Exception:
             report.error("stream order")
 
-    if args.correctness_only:
-        return verdict()
-
-    # ------------------------------------------------------------------ warm throughput
     def timed(fn: Callable[[], Any], prepare: Callable[[], Any]) -> tuple[float, int]:
         prepare()
         sync()
@@ -528,6 +528,60 @@ def main() -> int:
             torch.cuda.empty_cache()
         return elapsed, peak
 
+    # ------------------------------------------------------------------ load_model in place
+    try:
+        # A model already on the device: ours reads the file into its parameters through the
+        # staging pipeline (no second copy of the weights on the device), the reference loads
+        # the file to the device and copies. Equal bytes; time and device memory added.
+        reference = ours.load_file(path, backend="pread")
+        model_times: dict[str, list[float]] = {"pysafetensors": [], "reference": []}
+        model_peaks: dict[str, int] = {}
+        bad = []
+        for rep in range(3):
+            for arm, loader in (("pysafetensors", ours.load_model), ("reference", ref.load_model)):
+                models = [_files.module_like(path, dev)]
+                elapsed, model_peaks[arm] = timed(
+                    lambda: loader(models[0], path, device=dev),  # noqa: B023 - called here
+                    sync,
+                )
+                model_times[arm].append(elapsed)
+                model = models.pop()
+                if rep == 0:
+                    state = model.state_dict()
+                    bad += [
+                        f"load_model {arm} {name}"
+                        for name, t in reference.items()
+                        if not same_bytes(state[name], t)
+                    ]
+                    del state
+                del model
+                if not dry:
+                    torch.cuda.empty_cache()
+        del reference
+        failures += bad
+        lines = ["| arm | median s | min s | device GiB added |", "|---|---|---|---|"]
+        for arm, ts in model_times.items():
+            lines.append(
+                f"| {arm} | {statistics.median(ts):.3f} | {min(ts):.3f} | "
+                f"{model_peaks.get(arm, 0) / 2**30:.2f} |"
+            )
+        report.add(
+            "load_model",
+            {"times": model_times, "peaks": model_peaks, "failures": bad},
+            [
+                "load_model into a model on the device (3 runs each, warm): "
+                + ("OK" if not bad else f"{bad[:20]}"),
+                "",
+                *lines,
+            ],
+        )
+    except Exception:
+        report.error("load_model")
+
+    if args.correctness_only:
+        return verdict()
+
+    # ------------------------------------------------------------------ warm throughput
     def table(times: dict[str, list[float]], peaks: dict[str, int], base: str) -> list[str]:
         lines = [
             "| arm | median s | min s | GB/s | x reference | device GiB allocated |",

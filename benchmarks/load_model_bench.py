@@ -23,38 +23,17 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = ("ours mmap", "ours pread", "load_file pread + copy", "reference")
 
 
-def _model(path: str) -> Any:
-    """A module tree with a parameter per tensor of ``path``, of its shape, written once."""
-    import torch
-
-    from pysafetensors import safe_open
-
-    root = torch.nn.Module()
-    with safe_open(path, "pt") as f:
-        for name in f.offset_keys():
-            meta = f.get_tensor_meta(name)
-            *parents, leaf = name.split(".")
-            module = root
-            for part in parents:
-                if not hasattr(module, part):
-                    module.add_module(part, torch.nn.Module())
-                module = getattr(module, part)
-            value = torch.full(meta.shape, 0.5, dtype=torch.bfloat16)
-            module.register_parameter(leaf, torch.nn.Parameter(value))
-    return root
-
-
 def _worker(arm: str, path: str, cold: bool) -> None:
     import _cache
+    import _files
     import torch
 
-    model = _model(path)
+    model = _files.module_like(path)
     if cold:
         _cache.evict(path)
     else:

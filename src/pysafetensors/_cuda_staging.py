@@ -341,6 +341,7 @@ def stage_items_to_device(
     chunk_bytes: int = CHUNK_BYTES,
     workers: int = WORKERS,
     spare_buffers: int = SPARE_BUFFERS,
+    buffers: Sequence[Any] | None = None,
 ) -> tuple[list[Any], StagingStats]:
     """Copy several ``(offset, nbytes)`` items of a source (tensors, or parts of tensors)
     into device buffers of their own, through one pipeline.
@@ -352,12 +353,15 @@ def stage_items_to_device(
     bytes between read and dropped), so that a file of many small tensors is read in a few
     large chunks, and a chunk spanning several items reaches each through its own
     asynchronous copy (all of a chunk's copies in one call). Overlapping items are read apart.
-    Other arguments as for :func:`stage_to_device`.
+    ``buffers``, if given, are the items' device buffers (1-D bytes of their sizes: a
+    model's parameters, loaded in place) instead of new allocations; the copies into them
+    wait for the work queued on the caller's stream, as for new ones. Other arguments as for
+    :func:`stage_to_device`.
 
     Returns:
         The device buffer of each item, in the order given, and what the pipeline did.
     """
-    targets = _Targets(ops, items, max_gap)
+    targets = _Targets(ops, items, max_gap, buffers)
     runs = targets.runs
     nbytes = sum(length for _, length in runs)
     stats = StagingStats(bytes=nbytes)
@@ -430,13 +434,24 @@ class _Targets:
     each item with bytes is a span of it, the spans sorted and disjoint.
     """
 
-    def __init__(self, ops: DeviceOps, items: Sequence[tuple[int, int]], max_gap: int) -> None:
+    def __init__(
+        self,
+        ops: DeviceOps,
+        items: Sequence[tuple[int, int]],
+        max_gap: int,
+        buffers: Sequence[Any] | None = None,
+    ) -> None:
         self.buffers: list[Any] = []
         self.runs: list[tuple[int, int]] = []  # (source offset, length)
         self.run_starts: list[int] = []  # each run's start in the staging space
         self._spans: list[tuple[int, int, Any]] = []  # (start, end, buffer), by start
+        if buffers is not None and len(buffers) != len(items):
+            raise ValueError(f"{len(buffers)} buffers for {len(items)} items")
         with gc_paused():  # a few objects per item, thousands of items in a mixture of experts
-            self.buffers = [ops.alloc_device(nbytes) for _, nbytes in items]
+            if buffers is None:
+                self.buffers = [ops.alloc_device(nbytes) for _, nbytes in items]
+            else:
+                self.buffers = list(buffers)
             self._lay_out(items, max_gap)
 
     def _lay_out(self, items: Sequence[tuple[int, int]], max_gap: int) -> None:

@@ -682,12 +682,14 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     def read_into(self, targets: Mapping[str, Any]) -> None:
         """Read tensors' bytes into memory the caller already has (an extension).
 
-        Each value is a writable, C-contiguous buffer (a numpy array, a CPU torch tensor, a
-        ``bytearray``, a ``memoryview``) exactly as large as its tensor's data, which receives
-        the bytes as they are in the file (little-endian), whatever its own dtype and shape.
-        All of them are read at once, by the reader threads in file order: memory that is
-        already faulted in is not supplied again by the kernel, and no second copy of the data
-        is made. ``torch.load_model`` reads a model's parameters in place this way.
+        Each value is a writable, C-contiguous buffer (a numpy array, a torch tensor on the CPU
+        or a CUDA device, a ``bytearray``, a ``memoryview``) exactly as large as its tensor's
+        data, which receives the bytes as they are in the file (little-endian), whatever its
+        own dtype and shape. All of them are read at once, by the reader threads in file order:
+        memory that is already faulted in is not supplied again by the kernel, and no second
+        copy of the data is made; CUDA tensors are filled through the pinned staging pipeline
+        of ``device="cuda"`` loads. ``torch.load_model`` reads a model's parameters in place
+        this way.
 
         Raises:
             TensorNotFoundError: A name is not in the file.
@@ -696,12 +698,21 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         """
         self._live()
         pieces = []
+        on_device = []
         for name, target in targets.items():
             info = self._info(name)
-            out = _writable_bytes(target, info)
-            pieces.append((self._header.data_start + info.begin, out))
+            start = self._header.data_start + info.begin
+            flat = _device_bytes(target, info)
+            if flat is not None:
+                on_device.append((start, flat))
+            else:
+                pieces.append((start, _writable_bytes(target, info)))
         with self._lease as source, self._reading(None):
             read_pieces_into(source, pieces)
+            if on_device:
+                from ._torch_adapter import ADAPTER as TORCH
+
+                TORCH.read_into_device(source.readinto, on_device)
 
     def _to_device(self, source: ByteSource, infos: list[TensorInfo]) -> dict[str, Any] | None:
         """Load straight into an accelerator when the adapter can (torch + CUDA: pipelined
@@ -1401,6 +1412,43 @@ def _safe_open_handle(
     return safe_open(f.name, framework, device=device, backend=backend)
 
 
+def _tensor_bytes(target: Any, info: TensorInfo) -> Any:
+    """A torch tensor's memory as 1-D uint8 (whatever its dtype: numpy lacks bfloat16 and the
+    float8 types), checked to be fillable in place.
+
+    Raises:
+        ValueError: Not on the CPU or a CUDA device, not contiguous, or a lazy conjugate or
+            negation view.
+    """
+    if target.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"the buffer for tensor {info.name!r} is on {target.device}; read_into fills CPU "
+            "memory and CUDA tensors"
+        )
+    if not target.is_contiguous():
+        raise ValueError(f"the buffer for tensor {info.name!r} is not C-contiguous")
+    if target.is_conj() or target.is_neg():
+        raise ValueError(
+            f"the buffer for tensor {info.name!r} is a lazy conjugate or negation view"
+        )
+    flat = target.detach().reshape(-1).view(sys.modules["torch"].uint8)
+    if flat.numel() != info.nbytes:
+        raise ValueError(
+            f"the buffer for tensor {info.name!r} holds {flat.numel()} bytes; the tensor's data "
+            f"is {info.nbytes} bytes ({info.dtype.code} {list(info.shape)})"
+        )
+    return flat
+
+
+def _device_bytes(target: Any, info: TensorInfo) -> Any:
+    """A CUDA torch tensor's memory as 1-D uint8 (see :func:`_tensor_bytes`), or None for
+    anything else (host memory, for :func:`_writable_bytes`)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(target, torch.Tensor) or target.device.type != "cuda":
+        return None
+    return _tensor_bytes(target, info)
+
+
 def _writable_bytes(target: Any, info: TensorInfo) -> memoryview:
     """``target`` as writable bytes for :meth:`safe_open.read_into`, checked against ``info``.
 
@@ -1409,19 +1457,7 @@ def _writable_bytes(target: Any, info: TensorInfo) -> memoryview:
     """
     torch = sys.modules.get("torch")  # never imported here: a tensor means it is loaded
     if torch is not None and isinstance(target, torch.Tensor):
-        if target.device.type != "cpu":
-            raise ValueError(
-                f"the buffer for tensor {info.name!r} is on {target.device}; read_into fills "
-                "CPU memory"
-            )
-        if not target.is_contiguous():
-            raise ValueError(f"the buffer for tensor {info.name!r} is not C-contiguous")
-        if target.is_conj() or target.is_neg():
-            raise ValueError(
-                f"the buffer for tensor {info.name!r} is a lazy conjugate or negation view"
-            )
-        # Its bytes, whatever its dtype (numpy lacks bfloat16 and the float8 types).
-        target = target.detach().reshape(-1).view(torch.uint8).numpy()
+        target = _tensor_bytes(target, info).numpy()
     if isinstance(target, np.ndarray):
         # As bytes first: arrays of the dtypes numpy lacks (bfloat16, float8: ml_dtypes)
         # cannot export a buffer of their own type.

@@ -338,6 +338,32 @@ class TorchAdapter:
         buffers, _ = stage_items_to_device(read, spans, ops, max_gap=_DEVICE_READ_GAP)
         return _carve_each(buffers, items)
 
+    def read_into_device(
+        self, read: Any, pieces: list[tuple[int, Any]], *, ops: Any = None
+    ) -> None:
+        """Read ``(offset, bytes)`` pieces of a source straight into device memory the caller
+        has (1-D uint8 views of CUDA tensors: a model's parameters), through the pinned staging
+        pipeline, device by device; returns once every copy has landed.
+
+        Args:
+            read: ``read(offset, view)`` for the source (a byte source's ``readinto``).
+            pieces: Absolute offset and destination of each piece.
+            ops: The device runtime (tests pass a CPU stand-in); CUDA's by default.
+        """
+        from ._cuda_staging import stage_items_to_device
+
+        by_device: dict[Any, list[tuple[int, Any]]] = {}
+        for offset, flat in pieces:
+            by_device.setdefault(flat.device, []).append((offset, flat))
+        for device, group in by_device.items():
+            stage_items_to_device(
+                read,
+                [(offset, flat.numel()) for offset, flat in group],
+                ops if ops is not None else _device_ops(device),
+                max_gap=_DEVICE_READ_GAP,
+                buffers=[flat for _, flat in group],
+            )
+
     def to_device_runs(
         self,
         read: Any,

@@ -2,11 +2,12 @@
 
 ``load_model`` used to load the file (fresh tensors, or views of a mapping) and let
 ``load_state_dict`` copy each into the model: the model's memory is already there, so the bytes
-can go straight into it instead (one copy, no second set of tensors, no fresh memory for the
-kernel to supply and zero). ``load_state_dict`` still runs, with those tensors themselves as
-the values (a copy of a tensor onto itself is skipped by torch), so its checks, key handling
-and post hooks are unchanged. Only what that cannot change is read in place: models whose
-loading is torch's own code, without hooks that could rename or transform the values.
+can go straight into it instead (one copy, no second set of tensors: no fresh host memory for
+the kernel to supply and zero, no second copy of the weights on a CUDA device).
+``load_state_dict`` still runs, with those tensors themselves as the values (a copy of a tensor
+onto itself is skipped by torch), so its checks, key handling and post hooks are unchanged.
+Only what that cannot change is read in place: models whose loading is torch's own code,
+without hooks that could rename or transform the values.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from ._format import TensorInfo
-from ._torch_adapter import ADAPTER, torch_dtype
+from ._torch_adapter import ADAPTER, _cuda_target, torch_dtype
 
 __all__ = ["in_place_targets", "maps_file"]
 
@@ -65,11 +66,12 @@ def _plain_loading(model: torch.nn.Module) -> bool:
     return True
 
 
-def _fits(tensor: Any, info: TensorInfo) -> bool:
-    """Whether ``info``'s bytes, as they are in the file, are ``tensor``'s memory exactly."""
+def _fits(tensor: Any, info: TensorInfo, where: torch.device) -> bool:
+    """Whether ``info``'s bytes, as they are in the file, are ``tensor``'s memory exactly, on
+    the device loaded to."""
     return (
         type(tensor) in (torch.Tensor, torch.nn.Parameter)
-        and tensor.device.type == "cpu"
+        and tensor.device == where
         and tensor.numel() > 0
         and tensor.is_contiguous()
         and not tensor.is_conj()
@@ -97,19 +99,40 @@ def _apart(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t for name, t in tensors.items() if name not in shared}
 
 
-def in_place_targets(model: torch.nn.Module, handle: Any, device: Any) -> dict[str, torch.Tensor]:
+def _device_loaded_to(device: Any) -> torch.device | None:
+    """The torch device of ``load_model``'s ``device``: the CPU, or a CUDA device with its
+    index (parameters' devices have one); None for others (no staging to them)."""
+    parsed = ADAPTER.check_device(device)
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    where = _cuda_target(parsed)
+    if where is None:
+        return None
+    if where.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return where  # type: ignore[no-any-return]
+
+
+def in_place_targets(
+    model: torch.nn.Module, handle: Any, device: Any, *, mapped: bool = False
+) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers that the file's tensors of the same names can be
-    read straight into: on the CPU, contiguous, of the file's dtype and shape, and loaded by
-    torch's own code (see the module's docstring). Empty when none can.
+    read straight into: on the device loaded to, contiguous, of the file's dtype and shape,
+    and loaded by torch's own code (see the module's docstring). Empty when none can.
 
     Args:
         model: The model being loaded.
         handle: The open file (``safe_open``, or a sharded checkpoint's handle).
-        device: ``load_model``'s device: only a CPU load reads in place.
+        device: ``load_model``'s device: the CPU, or a CUDA device (through the pinned
+            staging pipeline; a load would otherwise hold a second copy of the weights on the
+            device until ``load_state_dict`` has copied them).
+        mapped: The load would view a mapping of the file (see :func:`maps_file`): a CPU
+            load then copies out of it instead.
     """
-    if sys.byteorder != "little" or ADAPTER.check_device(device).type != "cpu":
+    if sys.byteorder != "little":
         return {}
-    if not _plain_loading(model):
+    where = _device_loaded_to(device)
+    if where is None or (mapped and where.type == "cpu") or not _plain_loading(model):
         return {}
     own = model.state_dict(keep_vars=True)
     # Only entries that are the parameters and buffers themselves (not a module's extra state,
@@ -122,5 +145,5 @@ def in_place_targets(model: torch.nn.Module, handle: Any, device: Any) -> dict[s
         if name in own and own[name] is tensors.get(name)
     ]
     infos = dict(zip(names, handle._infos(names), strict=True))
-    fitting = {name: own[name] for name in names if _fits(own[name], infos[name])}
+    fitting = {name: own[name] for name in names if _fits(own[name], infos[name], where)}
     return _apart(fitting)

@@ -426,22 +426,23 @@ def load_model(
 ) -> tuple[set[str], list[str]]:
     """Load a file into a model, restoring tied weights that :func:`save_model` dropped.
 
-    A local file under ``backend="mmap"`` is loaded as views of its mapping, which
+    A CPU load of a local file under ``backend="mmap"`` views a mapping of it, which
     ``load_state_dict`` copies into the model (no private copy of the weights besides the
-    model's own). Otherwise (``backend="pread"``, a URL, a file object) a load would read the
-    whole file into fresh memory first: instead, on the CPU, the file's bytes are read by the
-    reader threads straight into the model's own parameters and buffers where they fit (same
-    dtype and shape, contiguous, loaded by torch's own code without state-dict hooks), and
-    ``load_state_dict`` then runs as usual (its copy of a tensor onto itself is skipped) and
-    copies the rest. If a read fails part way, the tensors read so far hold the file's values.
+    model's own). Any other load would first read the whole file into fresh memory (on the
+    device, for ``device="cuda"``): instead the file's bytes are read straight into the
+    model's own parameters and buffers where they fit (on that device, same dtype and shape,
+    contiguous, loaded by torch's own code without state-dict hooks), by the reader threads
+    or, on a CUDA device, through the pinned staging pipeline; ``load_state_dict`` then runs
+    as usual (its copy of a tensor onto itself is skipped) and copies the rest. If a read
+    fails part way, the tensors read so far hold the file's values.
 
     Args:
         model: The model to load into.
         filename: A path, URL or binary file object; a model folder or index file loads a
             sharded checkpoint.
         strict: Raise if keys are missing or unexpected (after restoring tied weights).
-        device: Where the file's tensors are loaded before ``load_state_dict``; only a CPU
-            load reads in place.
+        device: Where the file's tensors are loaded: the model's parameters on that device
+            are read in place (the CPU, or a CUDA device).
         backend: ``"mmap"`` or ``"pread"``, for the tensors not read in place.
 
     Returns:
@@ -452,7 +453,7 @@ def load_model(
         RuntimeError: ``strict`` and keys are missing or unexpected.
     """
     with safe_open(filename, "pt", device=device, backend=backend) as f:
-        in_place = {} if maps_file(filename, backend) else in_place_targets(model, f, device)
+        in_place = in_place_targets(model, f, device, mapped=maps_file(filename, backend))
         if in_place:
             f.read_into(in_place)
             state_dict = {

@@ -1138,3 +1138,37 @@ def test_small_tensors_and_slices_move_through_kept_pinned_memory(
         assert torch.equal(f.get_tensor("small"), want["small"])
         assert torch.equal(f.get_tensor("small2"), want["small2"])
     assert moved == [(16, 32), (32, 32)] and adapter._PINNED_OK == [False] and pinned == []
+
+
+@pytest.mark.parametrize("producer_fill", [None, 0x22])
+def test_bytes_are_staged_into_buffers_the_caller_has(producer_fill: int | None) -> None:
+    """``load_model``'s path to a CUDA model: the file's bytes go straight into the model's
+    parameters (given buffers, not new allocations), after any write to them still queued on
+    the caller's stream (else that write, landing late, would overwrite the loaded bytes)."""
+    from pysafetensors._torch_adapter import ADAPTER
+
+    data = _data(300_000)
+    ops = LateCopyOps(producer_fill=producer_fill)
+    params = [torch.full((n,), 0x11, dtype=torch.uint8) for n in (100_000, 7, 150_000, 1)]
+    offsets = [120_000, 5, 100_010, 299_999]
+    if producer_fill is not None:
+        ops.producer_writes.extend(params)  # kernels queued earlier still write them
+    ADAPTER.read_into_device(
+        BufferSource(data).readinto, list(zip(offsets, params, strict=True)), ops=ops
+    )
+    for offset, param in zip(offsets, params, strict=True):
+        assert bytes(param.numpy()) == data[offset : offset + param.numel()]
+    assert not ops.pending
+    assert ops.host_allocs <= 3 + 2
+
+
+def test_given_buffers_must_match_the_items() -> None:
+    from pysafetensors._cuda_staging import stage_items_to_device
+
+    with pytest.raises(ValueError, match="1 buffers for 2 items"):
+        stage_items_to_device(
+            BufferSource(b"x" * 100).readinto,
+            [(0, 10), (20, 10)],
+            LateCopyOps(),
+            buffers=[torch.zeros(10, dtype=torch.uint8)],
+        )

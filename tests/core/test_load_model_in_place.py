@@ -247,3 +247,19 @@ def test_extra_state_goes_through_set_extra_state(tmp_path: Path) -> None:
     assert ours == theirs
     st_torch.load_model(model, path, backend="pread")
     assert model.calls == 1 and torch.equal(model.seen, torch.arange(4.0) + 1)
+
+
+def test_a_mapped_cpu_load_copies_out_of_the_mapping(tmp_path: Path) -> None:
+    from pysafetensors._torch_in_place import maps_file
+
+    path, saved = _saved(tmp_path)
+    assert maps_file(path, "mmap") and maps_file(str(path), "mmap")
+    assert not maps_file(path, "pread")
+    assert not maps_file("https://host/model.safetensors", "mmap")
+    with open(path, "rb") as fileobj:
+        assert not maps_file(fileobj, "mmap")
+    model = Net()
+    with safe_open(path, "pt") as f:
+        assert in_place_targets(model, f, "cpu", mapped=True) == {}
+    assert st_torch.load_model(model, path) == (set(), [])
+    assert _bits(model) == _bits(saved)
