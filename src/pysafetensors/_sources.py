@@ -22,6 +22,7 @@ import errno
 import gc
 import mmap
 import os
+import queue
 import stat
 import sys
 import threading
@@ -1605,6 +1606,8 @@ def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]
         scattered([(offset, out.nbytes, out, 0) for offset, out in ordered])
         return
     total = sum(out.nbytes for _, out in ordered)
+    if isinstance(source, PreadSource) and _read_pieces_direct(source, ordered, total):
+        return
     local = isinstance(source, (PreadSource, MmapSource))
     if not local or total <= MIN_PARALLEL_CHUNK or worker_count(source) < 2:
         for offset, out in ordered:
@@ -1627,3 +1630,93 @@ def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]
             )
         return
     run_parallel(lambda part: source.readinto(part[0], part[1]), parts, worker_count(source))
+
+
+#: Direct reads for :func:`read_pieces_into` go through bounce buffers of this size (the
+#: destinations are the caller's memory: neither they nor the pieces' file offsets need be
+#: aligned as direct I/O requires)...
+_BOUNCE_BYTES: Final = 8 << 20
+#: ... read by this many threads at once (128 MiB of bounce buffers in all). Each is one
+#: synchronous read the device serves as a few requests; together they keep its queue full,
+#: while other threads copy what has arrived. A cold 2 GiB model read in place took 666-679 ms
+#: this way against 740-765 ms with 8 threads of 16 MiB, 704-891 ms with 16 of 4 MiB, and
+#: 1.16-2.08 s through the page cache (4 reader threads, read-ahead thread), in alternating
+#: fresh processes.
+DIRECT_THREADS: Final = 16
+
+
+def _bounce_plan(
+    ordered: Sequence[tuple[int, memoryview]],
+) -> list[tuple[int, int, list[tuple[int, np.ndarray]]]]:
+    """The bounce reads that cover ``ordered`` (pieces sorted by offset, disjoint):
+    ``(block-aligned offset, bytes wanted, [(piece offset, piece array)])`` for every
+    :data:`_BOUNCE_BYTES` stretch that holds bytes of a piece."""
+    arrays = [(offset, np.frombuffer(out, np.uint8)) for offset, out in ordered if out.nbytes]
+    plan: list[tuple[int, int, list[tuple[int, np.ndarray]]]] = []
+    i = 0
+    at = arrays[0][0] - arrays[0][0] % _DIRECT_BLOCK if arrays else 0
+    while i < len(arrays):
+        offset, array = arrays[i]
+        if offset + array.nbytes <= at:
+            i += 1
+            continue
+        if offset >= at + _BOUNCE_BYTES:
+            at = offset - offset % _DIRECT_BLOCK  # a gap: skip to the next piece's block
+        end = at + _BOUNCE_BYTES
+        inside = []
+        j = i
+        while j < len(arrays) and arrays[j][0] < end:
+            inside.append(arrays[j])
+            j += 1
+        last = max(o + a.nbytes for o, a in inside)
+        plan.append((at, min(end, last) - at, inside))
+        at = end
+    return plan
+
+
+def _read_pieces_direct(
+    source: PreadSource, ordered: Sequence[tuple[int, memoryview]], total: int
+) -> bool:
+    """:func:`read_pieces_into` by direct I/O through bounce buffers, for a large, dense and
+    mostly uncached range (a model loaded in place from a cold file); False (nothing read)
+    where that does not apply.
+
+    The pages read this way are not left in the page cache: a load that reads the file once
+    leaves the cache to the memory it just filled. Whatever the direct reads leave (the end of
+    the file, a refusal) is read through the page cache, which raises as any read does.
+    """
+    if not DIRECT_READS or not getattr(os, "O_DIRECT", 0) or total < DIRECT_MIN:
+        return False
+    first = ordered[0][0]
+    span = max(offset + out.nbytes for offset, out in ordered) - first
+    if total * 2 < span or not source.uncached(first, span):
+        return False  # sparse (a bounce read would fetch mostly unwanted bytes), or cached
+    fd = source.reopen_direct()
+    if fd is None:
+        return False
+    try:
+        plan = _bounce_plan(ordered)
+        threads = min(DIRECT_THREADS, len(plan))
+        region = mmap.mmap(-1, threads * _BOUNCE_BYTES)  # page-aligned, as direct reads need
+        bounce = np.frombuffer(region, np.uint8)
+        free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(threads):
+            free.put(slot * _BOUNCE_BYTES)
+
+        def one(item: tuple[int, int, list[tuple[int, np.ndarray]]]) -> None:
+            at, wanted, inside = item
+            slot = free.get()
+            try:
+                size = wanted + -wanted % _DIRECT_BLOCK
+                _read_direct(fd, source, at, bounce.data[slot : slot + size], wanted)
+                for offset, array in inside:
+                    lo, hi = max(offset, at), min(offset + array.nbytes, at + wanted)
+                    # numpy copies without the GIL: the other threads' copies run alongside.
+                    array[lo - offset : hi - offset] = bounce[slot + lo - at : slot + hi - at]
+            finally:
+                free.put(slot)
+
+        run_parallel(one, plan, threads)  # the buffers go with this frame
+    finally:
+        os.close(fd)
+    return True

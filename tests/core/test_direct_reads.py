@@ -199,3 +199,111 @@ def test_row_split_of_a_cold_file_reads_directly(
     for name, array in expected.items():
         start, end = shard_range(array.shape[0], 1, 2)
         np.testing.assert_array_equal(got[name], array[start:end])
+
+
+# ------------------------------------------------------------ reads into the caller's memory
+
+
+def _into(path: Path, names: list[str], *, offset: int = 0) -> dict[str, np.ndarray]:
+    """``safe_open.read_into`` of ``names`` into unaligned arrays, checked against the file."""
+    from pysafetensors import safe_open
+
+    with safe_open(str(path), "np", backend="pread") as f:
+        sizes = {name: f.header.tensors[name].nbytes for name in names}
+        # Every destination starts off any block boundary: direct reads cannot land there.
+        outs = {name: np.zeros(n + offset, np.uint8)[offset:] for name, n in sizes.items()}
+        _evict(path)  # the open cached the header's page
+        f.read_into(outs)
+        expected = {name: f.get_tensor(name).reshape(-1).view(np.uint8) for name in names}
+    for name in names:
+        assert outs[name].tobytes() == expected[name].tobytes(), name
+    return outs
+
+
+def test_read_into_a_cold_file_goes_through_bounce_buffers(
+    odd_file: Path, direct_calls: list[tuple[int, int]]
+) -> None:
+    _into(odd_file, ["a", "b", "c", "d"], offset=3)
+    assert direct_calls and all(offset % 4096 == 0 for offset, _ in direct_calls)
+    # The last read wants the end of the file, off a block boundary: finished through the cache.
+    assert max(offset + wanted for offset, wanted in direct_calls) == os.path.getsize(odd_file)
+
+
+def test_read_into_skips_the_stretches_between_pieces(
+    odd_file: Path, direct_calls: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pysafetensors import safe_open
+
+    monkeypatch.setattr(_sources, "_BOUNCE_BYTES", 64 * KiB)
+    with safe_open(str(odd_file), "np") as f:
+        base = f.header.data_start
+        c = f.header.tensors["c"]
+        c_start, c_end = base + c.begin, base + c.end
+    _into(odd_file, ["a", "b", "d"], offset=1)
+    assert len(direct_calls) > 5
+    # No bounce read lies wholly inside "c", which was not asked for.
+    assert not [o for o, n in direct_calls if c_start + 4096 <= o and o + n <= c_end - 4096]
+
+
+def test_read_into_a_cached_or_small_selection_uses_the_page_cache(
+    odd_file: Path, direct_calls: list[tuple[int, int]]
+) -> None:
+    odd_file.read_bytes()
+    from pysafetensors import safe_open
+
+    with safe_open(str(odd_file), "np", backend="pread") as f:
+        outs = {name: np.empty(f.header.tensors[name].nbytes, np.uint8) for name in "abcd"}
+        f.read_into(outs)  # cached: no direct read
+        assert direct_calls == []
+        _evict(odd_file)
+        f.read_into({"b": outs["b"]})  # below the size threshold
+        assert direct_calls == []
+        f.read_into({"a": outs["a"]})  # above it
+        assert direct_calls
+
+
+def test_read_into_finishes_a_refused_direct_read_through_the_cache(
+    odd_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.preadv
+    failed: list[int] = []
+
+    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        if os.O_DIRECT & _flags(fd):
+            failed.append(offset)
+            raise OSError(22, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    _into(odd_file, ["a", "b", "c", "d"], offset=5)
+    assert failed
+
+
+def test_read_into_a_file_cut_short_names_the_tensor(odd_file: Path) -> None:
+    from pysafetensors import safe_open
+
+    with safe_open(str(odd_file), "np", backend="pread") as f:
+        base = f.header.data_start
+        d = f.header.tensors["d"]
+        outs = {name: np.empty(f.header.tensors[name].nbytes, np.uint8) for name in "abcd"}
+        os.truncate(odd_file, base + d.begin + 100)
+        _evict(odd_file)
+        with pytest.raises(SafetensorError, match="'d'") as caught:
+            f.read_into(outs)
+    assert caught.value.tensor == "d"
+
+
+def test_a_sparse_selection_is_not_read_through_bounce_buffers(
+    odd_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_sources, "DIRECT_MIN", 64 * KiB)
+    size = os.path.getsize(odd_file)
+    first, last = np.zeros(64 * KiB, np.uint8), np.zeros(64 * KiB, np.uint8)
+    pieces = [(0, first.data.cast("B")), (size - 64 * KiB, last.data.cast("B"))]
+    with _source(odd_file) as source:
+        # 128 KiB wanted of a ~1 MiB span: direct reads would fetch mostly unwanted bytes.
+        assert not _sources._read_pieces_direct(source, pieces, 128 * KiB)
+        assert not first.any() and not last.any()
+        # One of them alone is dense: read directly.
+        assert _sources._read_pieces_direct(source, pieces[1:], 64 * KiB)
+    assert last.tobytes() == odd_file.read_bytes()[-64 * KiB :]
