@@ -155,19 +155,26 @@ def test_a_file_that_cannot_be_reopened_for_direct_io_is_read_through_the_cache(
     assert direct_calls == []
 
 
-def test_a_failing_direct_read_is_finished_through_the_cache(
-    odd_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def refused_direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every direct read fails as a device refusing the alignment; the offsets tried."""
     real = os.preadv
     failed: list[int] = []
 
     def preadv(fd: int, buffers: list[Any], offset: int) -> int:
-        if os.get_blocking(fd) and os.O_DIRECT & _flags(fd):
+        if os.O_DIRECT & _flags(fd):
             failed.append(offset)
-            raise OSError(22, "Invalid argument")  # as a device refusing the alignment
+            raise OSError(22, "Invalid argument")
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
+    return failed
+
+
+def test_a_failing_direct_read_is_finished_through_the_cache(
+    odd_file: Path, refused_direct_reads: list[int]
+) -> None:
+    failed = refused_direct_reads
     runs = _runs(odd_file)
     _read_checked(odd_file, runs)
     assert failed
@@ -263,18 +270,9 @@ def test_read_into_a_cached_or_small_selection_uses_the_page_cache(
 
 
 def test_read_into_finishes_a_refused_direct_read_through_the_cache(
-    odd_file: Path, monkeypatch: pytest.MonkeyPatch
+    odd_file: Path, refused_direct_reads: list[int]
 ) -> None:
-    real = os.preadv
-    failed: list[int] = []
-
-    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
-        if os.O_DIRECT & _flags(fd):
-            failed.append(offset)
-            raise OSError(22, "Invalid argument")
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", preadv)
+    failed = refused_direct_reads
     _into(odd_file, ["a", "b", "c", "d"], offset=5)
     assert failed
 
