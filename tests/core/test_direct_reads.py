@@ -305,3 +305,30 @@ def test_a_sparse_selection_is_not_read_through_bounce_buffers(
         # One of them alone is dense: read directly.
         assert _sources._read_pieces_direct(source, pieces[1:], 64 * KiB)
     assert last.tobytes() == odd_file.read_bytes()[-64 * KiB :]
+
+
+def test_read_into_many_small_tensors_across_bounce_buffers(
+    tmp_path: Path, direct_calls: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hundreds of tensors of odd sizes, many straddling the bounce buffers' edges, some
+    skipped: each lands whole, the skipped ones' bytes untouched."""
+    monkeypatch.setattr(_sources, "_BOUNCE_BYTES", 16 * KiB)
+    rng = np.random.default_rng(11)
+    tensors = {
+        f"t{i:03d}": rng.integers(0, 255, (int(rng.integers(1, 5000)),), np.uint8)
+        for i in range(300)
+    }
+    path = tmp_path / "many.safetensors"
+    save_file(tensors, str(path))
+    if _direct_refused(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    wanted = [name for i, name in enumerate(sorted(tensors)) if i % 7 != 3]
+    from pysafetensors import safe_open
+
+    outs = {name: np.zeros(tensors[name].size + 1, np.uint8)[1:] for name in wanted}
+    with safe_open(str(path), "np", backend="pread") as f:
+        _evict(path)
+        f.read_into(outs)
+    assert len(direct_calls) > 10
+    for name in wanted:
+        assert np.array_equal(outs[name], tensors[name]), name
