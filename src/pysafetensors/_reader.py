@@ -1412,31 +1412,37 @@ def _safe_open_handle(
     return safe_open(f.name, framework, device=device, backend=backend)
 
 
+def _unfit(info: TensorInfo, why: str) -> ValueError:
+    """The error for a :meth:`safe_open.read_into` buffer that cannot take ``info``'s bytes."""
+    return ValueError(f"the buffer for tensor {info.name!r} {why}")
+
+
+def _check_size(info: TensorInfo, nbytes: int) -> None:
+    """Refuse a buffer of ``nbytes`` for ``info``'s data of another size."""
+    if nbytes != info.nbytes:
+        raise _unfit(
+            info,
+            f"holds {nbytes} bytes; the tensor's data is {info.nbytes} bytes "
+            f"({info.dtype.code} {list(info.shape)})",
+        )
+
+
 def _tensor_bytes(target: Any, info: TensorInfo) -> Any:
     """A torch tensor's memory as 1-D uint8 (whatever its dtype: numpy lacks bfloat16 and the
     float8 types), checked to be fillable in place.
 
     Raises:
-        ValueError: Not on the CPU or a CUDA device, not contiguous, or a lazy conjugate or
-            negation view.
+        ValueError: Not on the CPU or a CUDA device, not contiguous, a lazy conjugate or
+            negation view, or not ``info``'s size.
     """
     if target.device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"the buffer for tensor {info.name!r} is on {target.device}; read_into fills CPU "
-            "memory and CUDA tensors"
-        )
+        raise _unfit(info, f"is on {target.device}; read_into fills CPU memory and CUDA tensors")
     if not target.is_contiguous():
-        raise ValueError(f"the buffer for tensor {info.name!r} is not C-contiguous")
+        raise _unfit(info, "is not C-contiguous")
     if target.is_conj() or target.is_neg():
-        raise ValueError(
-            f"the buffer for tensor {info.name!r} is a lazy conjugate or negation view"
-        )
+        raise _unfit(info, "is a lazy conjugate or negation view")
     flat = target.detach().reshape(-1).view(sys.modules["torch"].uint8)
-    if flat.numel() != info.nbytes:
-        raise ValueError(
-            f"the buffer for tensor {info.name!r} holds {flat.numel()} bytes; the tensor's data "
-            f"is {info.nbytes} bytes ({info.dtype.code} {list(info.shape)})"
-        )
+    _check_size(info, flat.numel())
     return flat
 
 
@@ -1460,30 +1466,27 @@ def _writable_bytes(target: Any, info: TensorInfo) -> memoryview:
         target = _tensor_bytes(target, info).numpy()
     if isinstance(target, np.ndarray):
         # As bytes first: arrays of the dtypes numpy lacks (bfloat16, float8: ml_dtypes)
-        # cannot export a buffer of their own type.
+        # cannot export a buffer of their own type. Checked before the reshape, which would
+        # copy a non-contiguous array (and the bytes would land in the copy).
         if not target.flags.writeable:
-            raise ValueError(f"the buffer for tensor {info.name!r} is read-only")
+            raise _unfit(info, "is read-only")
         if not target.flags.c_contiguous:
-            raise ValueError(f"the buffer for tensor {info.name!r} is not C-contiguous")
+            raise _unfit(info, "is not C-contiguous")
         target = target.reshape(-1).view(np.uint8)
     try:
         view = memoryview(target)
     except TypeError:
-        raise ValueError(
-            f"the buffer for tensor {info.name!r} is of type {type(target).__name__}, which "
-            "does not expose its memory (expected a numpy array, CPU torch tensor, bytearray "
-            "or memoryview)"
+        raise _unfit(
+            info,
+            f"is of type {type(target).__name__}, which does not expose its memory (expected "
+            "a numpy array, CPU torch tensor, bytearray or memoryview)",
         ) from None
     if view.readonly:
-        raise ValueError(f"the buffer for tensor {info.name!r} is read-only")
+        raise _unfit(info, "is read-only")
     if not view.c_contiguous:
-        raise ValueError(f"the buffer for tensor {info.name!r} is not C-contiguous")
-    if view.nbytes != info.nbytes:
-        raise ValueError(
-            f"the buffer for tensor {info.name!r} holds {view.nbytes} bytes; the tensor's data "
-            f"is {info.nbytes} bytes ({info.dtype.code} {list(info.shape)})"
-        )
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+        raise _unfit(info, "is not C-contiguous")
+    _check_size(info, view.nbytes)
+    return view  # read_pieces_into reads it as bytes
 
 
 def check_tensor_name(name: object) -> None:

@@ -1581,10 +1581,6 @@ def read_ranges_into(
             source.readinto(offset, out[start : start + length])
 
 
-def _bytes_view(out: memoryview) -> memoryview:
-    return out.cast("B") if out.format != "B" or out.ndim != 1 else out
-
-
 def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]]) -> None:
     """Fill each ``(offset, out)`` piece from ``source``: reads into memory the caller owns.
 
@@ -1595,18 +1591,25 @@ def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]
     read piece after piece.
     """
     ordered = sorted(
-        ((offset, _bytes_view(out)) for offset, out in pieces), key=lambda piece: piece[0]
+        (
+            (offset, out.cast("B") if out.format != "B" or out.ndim != 1 else out)
+            for offset, out in pieces
+        ),
+        key=lambda piece: piece[0],
     )
-    for offset, out in ordered:
-        _check_range(source, offset, out.nbytes)
     scattered = getattr(source, "readinto_scattered", None)
     if scattered is not None:
         # Remote sources: one plan for all pieces (nearby ranges merged into balanced requests
-        # on parallel connections), each received straight into its buffer.
+        # on parallel connections), each received straight into its buffer; it checks the
+        # ranges itself.
         scattered([(offset, out.nbytes, out, 0) for offset, out in ordered])
         return
+    for offset, out in ordered:
+        _check_range(source, offset, out.nbytes)
     total = sum(out.nbytes for _, out in ordered)
-    if isinstance(source, PreadSource) and _read_pieces_direct(source, ordered, total):
+    first = ordered[0][0] if ordered else 0
+    last = max((offset + out.nbytes for offset, out in ordered), default=0)
+    if isinstance(source, PreadSource) and _read_pieces_direct(source, ordered, total, first, last):
         return
     local = isinstance(source, (PreadSource, MmapSource))
     if not local or total <= MIN_PARALLEL_CHUNK or worker_count(source) < 2:
@@ -1619,8 +1622,6 @@ def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]
         for offset, out in ordered
         for at in range(0, out.nbytes, PARALLEL_CHUNK)
     ]
-    first = ordered[0][0]
-    last = max(offset + out.nbytes for offset, out in ordered)
     if isinstance(source, PreadSource):
         with source._held as fd, read_ahead(fd, first, last - first):
             run_parallel(
@@ -1668,18 +1669,23 @@ def _bounce_plan(
         while j < len(arrays) and arrays[j][0] < end:
             inside.append(arrays[j])
             j += 1
-        last = max(o + a.nbytes for o, a in inside)
-        plan.append((at, min(end, last) - at, inside))
+        last_offset, last_array = inside[-1]  # (sorted and disjoint: it ends last)
+        plan.append((at, min(end, last_offset + last_array.nbytes) - at, inside))
         at = end
     return plan
 
 
 def _read_pieces_direct(
-    source: PreadSource, ordered: Sequence[tuple[int, memoryview]], total: int
+    source: PreadSource,
+    ordered: Sequence[tuple[int, memoryview]],
+    total: int,
+    first: int,
+    last: int,
 ) -> bool:
     """:func:`read_pieces_into` by direct I/O through bounce buffers, for a large, dense and
     mostly uncached range (a model loaded in place from a cold file); False (nothing read)
-    where that does not apply.
+    where that does not apply. ``total`` is the pieces' bytes, ``first`` and ``last`` the
+    start and end of the range they span.
 
     The pages read this way are not left in the page cache: a load that reads the file once
     leaves the cache to the memory it just filled. Whatever the direct reads leave (the end of
@@ -1687,8 +1693,7 @@ def _read_pieces_direct(
     """
     if not DIRECT_READS or not getattr(os, "O_DIRECT", 0) or total < DIRECT_MIN:
         return False
-    first = ordered[0][0]
-    span = max(offset + out.nbytes for offset, out in ordered) - first
+    span = last - first
     if total * 2 < span or not source.uncached(first, span):
         return False  # sparse (a bounce read would fetch mostly unwanted bytes), or cached
     fd = source.reopen_direct()

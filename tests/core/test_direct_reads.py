@@ -300,10 +300,10 @@ def test_a_sparse_selection_is_not_read_through_bounce_buffers(
     pieces = [(0, first.data.cast("B")), (size - 64 * KiB, last.data.cast("B"))]
     with _source(odd_file) as source:
         # 128 KiB wanted of a ~1 MiB span: direct reads would fetch mostly unwanted bytes.
-        assert not _sources._read_pieces_direct(source, pieces, 128 * KiB)
+        assert not _sources._read_pieces_direct(source, pieces, 128 * KiB, 0, size)
         assert not first.any() and not last.any()
         # One of them alone is dense: read directly.
-        assert _sources._read_pieces_direct(source, pieces[1:], 64 * KiB)
+        assert _sources._read_pieces_direct(source, pieces[1:], 64 * KiB, size - 64 * KiB, size)
     assert last.tobytes() == odd_file.read_bytes()[-64 * KiB :]
 
 

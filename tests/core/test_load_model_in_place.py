@@ -61,18 +61,19 @@ def _both(make: Callable[[], torch.nn.Module], path: Path, **kwargs: Any) -> tup
     with torch.no_grad():
         for name, value in ours_model.state_dict().items():
             targets[name].copy_(value)
-    ours = ref_err = None
+    ours: Any
+    theirs: Any
     try:
         ours = st_torch.load_model(ours_model, path, **kwargs)
     except RuntimeError as exc:
         ours = exc
     kwargs.pop("backend", None)
     try:
-        ref_err = ref.load_model(ref_model, str(path), **kwargs)
+        theirs = ref.load_model(ref_model, str(path), **kwargs)
     except RuntimeError as exc:
-        ref_err = exc
+        theirs = exc
     assert _bits(ours_model) == _bits(ref_model)
-    return ours, ref_err
+    return ours, theirs
 
 
 @pytest.mark.parametrize("backend", ["pread", "mmap"])
