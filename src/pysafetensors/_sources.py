@@ -33,6 +33,7 @@ from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from . import tuning
 from ._errors import ClosedFileError, SafetensorError
 from ._format import gc_paused
 from ._syscalls import MAP_FIXED, MAP_NORESERVE, libc_mmap, madvise, mincore
@@ -428,13 +429,7 @@ class BufferSource:
         self._view = memoryview(b"")
 
 
-#: Huge pages for large fresh read destinations: ``"auto"`` (probe, see :func:`empty_bytes`),
-#: ``True`` (numpy's default: always ask), ``False`` (never: 4 KiB pages).
-HUGEPAGE_DESTINATIONS: bool | str = "auto"
-
-#: Direct I/O (``O_DIRECT``) for the large runs of :func:`read_runs_fresh` that are not in the
-#: page cache (a cold row split): ``True`` (default) or ``False`` (always through the cache).
-DIRECT_READS: bool = True
+# Huge pages for fresh destinations and direct reads are chosen by ``tuning``.
 _HUGEPAGE_LOCK = threading.Lock()
 #: Destinations at least this large are candidates for huge pages. Tensor-parallel slices are
 #: mostly 4-32 MiB each: 256 MiB of row slices of a 2 GiB file took ~100 ms to read into 4 KiB
@@ -613,7 +608,7 @@ class _HugeRegion:
 
 def _hugepages_worth_trying(nbytes: int) -> bool:
     """Whether a fresh destination of ``nbytes`` should start in huge pages ("auto" mode)."""
-    if HUGEPAGE_DESTINATIONS != "auto" or nbytes < _HUGEPAGE_MIN:
+    if tuning.settings().hugepage_destinations != "auto" or nbytes < _HUGEPAGE_MIN:
         return False
     return nbytes >= _SELF_PROBED_MIN or time.monotonic() >= _HugeRegion.slow_until
 
@@ -641,8 +636,8 @@ def _probed_hugepages(nbytes: int) -> np.ndarray | None:
 
 
 def empty_bytes(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 array to read into, honouring :data:`HUGEPAGE_DESTINATIONS`."""
-    mode = HUGEPAGE_DESTINATIONS
+    """An uninitialised uint8 array to read into, in huge pages as ``tuning`` chooses."""
+    mode = tuning.settings().hugepage_destinations
     if nbytes < (4 << 20) or mode is True:
         return np.empty(nbytes, np.uint8)
     if _hugepages_worth_trying(nbytes):
@@ -717,7 +712,7 @@ def _cold_large_runs(source: PreadSource, runs: Sequence[tuple[int, int]]) -> se
 
     A direct read goes to the disk even for cached pages, so a cached run keeps the page cache.
     """
-    if not DIRECT_READS or not getattr(os, "O_DIRECT", 0):
+    if not tuning.settings().direct_reads or not getattr(os, "O_DIRECT", 0):
         return set()
     # (Never a run small enough to be read in a span with its neighbours.)
     smallest = max(DIRECT_RUN_MIN, _SMALL_RUN + 1)
@@ -805,14 +800,14 @@ def read_runs_fresh(
     apart are read as one span each and copied to their places (see :data:`_SMALL_RUN`),
     unless ``spans`` is False (only the runs' own bytes are read).
 
-    Large runs mostly not in the page cache (:func:`_cold_large_runs`) are read with direct I/O
-    (:data:`DIRECT_READS`): the disk writes straight into the buffer, in requests as large as
-    the device takes, where reads through the page cache fill it 4 KiB page by page (requests
-    of ~1 MiB here) and then copy it. A cold row split of a 2 GiB file (255 MiB in 39 runs)
-    took 103-127 ms this way against 164-206 ms (fresh processes, alternating). Such a run is
-    placed at its file offset's phase within a 4 KiB block (its tensor as aligned as in a
-    mapping of the file), and its whole blocks are read, so the buffer holds up to 4 KiB of its
-    neighbours' bytes either side.
+    Large runs mostly not in the page cache (:func:`_cold_large_runs`) are read with direct
+    I/O (``tuning``'s ``direct_reads``): the disk writes straight into the buffer, in requests
+    as large as the device takes, where reads through the page cache fill it 4 KiB page by
+    page (requests of ~1 MiB here) and then copy it. A cold row split of a 2 GiB file (255
+    MiB in 39 runs) took 103-127 ms this way against 164-206 ms (fresh processes,
+    alternating). Such a run is placed at its file offset's phase within a 4 KiB block (its
+    tensor as aligned as in a mapping of the file), and its whole blocks are read, so the
+    buffer holds up to 4 KiB of its neighbours' bytes either side.
 
     Returns:
         The buffer and the offset of each run in it.
@@ -866,7 +861,7 @@ def _read_work(
         )
     else:
         # Numpy's own huge pages where asked for (True), else 4 KiB pages.
-        buf = _numpy_empty(total, HUGEPAGE_DESTINATIONS is True)
+        buf = _numpy_empty(total, tuning.settings().hugepage_destinations is True)
     view = buf.data.cast("B")
 
     def one(item: tuple[int, ...] | list[int]) -> None:
@@ -1313,8 +1308,8 @@ class PreadSource:
 
 
 class PrefetchSupport:
-    """Whether :meth:`MmapSource.prefetch` may populate ranges (switched off for the process
-    the first time the kernel refuses, and settable to turn the prefetch off)."""
+    """Whether the kernel lets :meth:`MmapSource.prefetch` populate ranges (switched off for
+    the process the first time it refuses; ``tuning``'s ``prefetch`` turns the prefetch off)."""
 
     enabled: bool = hasattr(mmap.mmap, "madvise") and mincore is not None
 
@@ -1453,6 +1448,8 @@ class MmapSource:
             Whether the range was populated (False: small, mostly cached, or unsupported).
         """
         if self._map is None or length < PREFETCH_MIN or not PrefetchSupport.enabled:
+            return False
+        if not tuning.settings().prefetch:
             return False
         _check_range(self, offset, length)
         self._check_not_truncated(offset, length)
@@ -1691,7 +1688,7 @@ def _read_pieces_direct(
     leaves the cache to the memory it just filled. Whatever the direct reads leave (the end of
     the file, a refusal) is read through the page cache, which raises as any read does.
     """
-    if not DIRECT_READS or not getattr(os, "O_DIRECT", 0) or total < DIRECT_MIN:
+    if not tuning.settings().direct_reads or not getattr(os, "O_DIRECT", 0) or total < DIRECT_MIN:
         return False
     span = last - first
     if total * 2 < span or not source.uncached(first, span):

@@ -35,6 +35,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
+from . import tuning
 from ._dtypes import DType
 from ._errors import PathArg, SafetensorError, SerializeError, add_note, output_path, write_error
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout, gc_paused
@@ -65,11 +66,10 @@ _LARGE_WRITE_BYTES: Final = 1 << 30
 #: Buffers smaller than this are gathered into one ``writev`` with their neighbours.
 _IOV_MAX: Final = min(1024, getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024)
 
-#: Reserve the file's space with ``posix_fallocate`` before writing. Off by default: on ext4,
-#: buffered writes into the preallocated (unwritten) extents made 2 GiB saves about 2x slower
-#: than plain appends in benchmarks/RESULTS.md (median of 5; the raw-write ceiling, which does
-#: not preallocate, was 3.7x faster than the preallocating writer).
-PREALLOCATE: bool = False
+# Reserving the file's space first (``posix_fallocate``) is ``tuning``'s ``preallocate``, off
+# by default: on ext4, buffered writes into the preallocated (unwritten) extents made 2 GiB
+# saves about 2x slower than plain appends in benchmarks/RESULTS.md (median of 5; the
+# raw-write ceiling, which does not preallocate, was 3.7x faster than the preallocating writer).
 
 #: A durable save hands its bytes to the disk in pieces of about this size as soon as they are
 #: written (:class:`Writeback`).
@@ -881,7 +881,7 @@ def write_file(
     """
     layout = layout_for(tensors, metadata, max_header_size=max_header_size)
     with atomic_output(filename, fsync=fsync, group=group) as fd:
-        if PREALLOCATE and layout.file_size > (1 << 20):
+        if tuning.settings().preallocate and layout.file_size > (1 << 20):
             # Reserve the space up front: ENOSPC before writing anything.
             with contextlib.suppress(OSError, AttributeError):
                 os.posix_fallocate(fd, 0, layout.file_size)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pysafetensors import SafetensorError, _sources
+from pysafetensors import SafetensorError, _sources, tuning
 from pysafetensors._sources import PreadSource, read_runs_fresh
 from pysafetensors.numpy import save_file
 from pysafetensors.parallel import load_shard, shard_range
@@ -137,12 +137,15 @@ def test_cached_runs_keep_the_page_cache(
 
 
 def test_direct_reads_can_be_turned_off(
-    odd_file: Path, direct_calls: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+    odd_file: Path, direct_calls: list[tuple[int, int]]
 ) -> None:
-    monkeypatch.setattr(_sources, "DIRECT_READS", False)
     runs = _runs(odd_file)
-    _read_checked(odd_file, runs)
+    with tuning.configured(direct_reads=False):
+        _read_checked(odd_file, runs)
     assert direct_calls == []
+    _evict(odd_file)
+    _read_checked(odd_file, runs)  # on again after the block
+    assert direct_calls
 
 
 def test_a_file_that_cannot_be_reopened_for_direct_io_is_read_through_the_cache(

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pysafetensors
-from pysafetensors import _sources
+from pysafetensors import _sources, tuning
 from pysafetensors._sources import MmapSource, PreadSource
 from pysafetensors.numpy import save_file
 
@@ -170,6 +170,16 @@ def test_cold_column_split_of_a_mapping_is_read_in_first(
     span = 2047 * 8192 + 1024
     assert prefetch_calls == [(span, True)]
     assert _mapped_residency(path) > 0.9  # the whole span, not only the selected pages
+
+
+def test_prefetch_can_be_turned_off(
+    cold_matrix: tuple[Path, np.ndarray], prefetch_calls: list[tuple[int, bool]]
+) -> None:
+    path, matrix = cold_matrix
+    with tuning.configured(prefetch=False), pysafetensors.safe_open(str(path), "np") as f:
+        got = f.get_slice("w")[:, :1024]
+    assert np.array_equal(got, matrix[:, :1024])
+    assert prefetch_calls == [(2047 * 8192 + 1024, False)]  # asked, and declined
 
 
 def test_sparse_selection_of_a_cold_mapping_is_not_read_in(

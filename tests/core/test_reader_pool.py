@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pysafetensors import _sources, safe_open
+from pysafetensors import _sources, safe_open, tuning
 from pysafetensors._sources import PreadSource, run_parallel
 from pysafetensors.numpy import save_file
 
@@ -145,7 +145,7 @@ def _check_destination(buf: np.ndarray, nbytes: int) -> None:
 
 @pytest.mark.parametrize("mode", ["auto", True, False])
 def test_large_destinations_in_every_mode(monkeypatch: pytest.MonkeyPatch, mode: object) -> None:
-    monkeypatch.setattr(_sources, "HUGEPAGE_DESTINATIONS", mode)
+    monkeypatch.setattr(tuning, "_current", tuning.Settings(hugepage_destinations=mode))
     nbytes = (80 << 20) + 123
     _check_destination(_sources.empty_bytes(nbytes), nbytes)
 
@@ -231,7 +231,7 @@ def test_fresh_reads_fault_in_as_they_go_and_match(
     if setting == "auto-slow":
         monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
         setting = "auto"
-    monkeypatch.setattr(_sources, "HUGEPAGE_DESTINATIONS", setting)
+    monkeypatch.setattr(tuning, "_current", tuning.Settings(hugepage_destinations=setting))
     monkeypatch.setattr(_sources, "ONE_READ_MAX", 0)  # this size is read in one piece else
     size = _sources._HUGEPAGE_MIN + (5 << 20) + 17
     data = np.random.default_rng(3).integers(0, 256, size + 4096, np.uint8)
@@ -423,7 +423,7 @@ def test_hugepage_destinations_true_reaches_batched_part_reads(
         return real(nbytes, hugepages)
 
     monkeypatch.setattr(_sources, "_numpy_empty", spy)
-    monkeypatch.setattr(_sources, "HUGEPAGE_DESTINATIONS", True)
+    monkeypatch.setattr(tuning, "_current", tuning.Settings(hugepage_destinations=True))
     part = load_shard(tmp_path / "m.safetensors", 0, 2, {"w": "rows"}, framework="np")
     assert part["w"].shape == (32, 1024) and asked and all(asked)
 

@@ -1,0 +1,179 @@
+"""Process-wide choices of how files are read and written.
+
+Every default is the strategy measured fastest on Linux (see ``docs/performance.md``); these
+switches pick another one explicitly. Choices that belong to one call stay that call's
+arguments (``backend=``, ``threads=``, ``fsync=``); what is here applies to every call in the
+process:
+
+* ``hugepage_destinations``: fresh memory for large eager reads. ``"auto"`` (default) asks
+  for transparent huge pages for destinations of 4 MiB or more and falls back to 4 KiB pages
+  while huge pages fault in slowly; ``True`` always asks for them (numpy's own behaviour);
+  ``False`` never does.
+* ``direct_reads``: ``True`` (default) reads large runs of a file that are mostly not in the
+  page cache (a cold tensor-parallel row split, a cold ``read_into`` or in-place
+  ``load_model``) with direct I/O (``O_DIRECT``), which skips the page cache; ``False`` reads
+  everything through it, so that other processes reading the same file share the pages.
+* ``prefetch``: ``True`` (default) reads a large, mostly uncached span of a memory-mapped
+  file into the page cache on the reader threads before a slice is copied out of it (a
+  column split of a cold file); ``False`` leaves the page faults of the copy to read it.
+* ``preallocate``: ``True`` reserves a saved file's space before writing it
+  (``posix_fallocate``: a full disk fails before anything is written, but buffered writes
+  into the reserved space were about 2x slower on ext4); ``False`` (default) does not.
+
+Each can also be set before the process starts, by environment variables read when this
+module is first imported: ``PYSAFETENSORS_HUGEPAGES`` (``auto``, ``1``/``on``/``true``,
+``0``/``off``/``false``), ``PYSAFETENSORS_DIRECT_READS``, ``PYSAFETENSORS_PREFETCH`` and
+``PYSAFETENSORS_PREALLOCATE`` (``1``/``on``/``true`` or ``0``/``off``/``false``).
+
+Example:
+    >>> from pysafetensors import tuning
+    >>> previous = tuning.configure(direct_reads=False)
+    >>> tuning.settings().direct_reads
+    False
+    >>> _ = tuning.configure(**previous.as_dict())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, Final, Literal
+
+__all__ = ["Settings", "configure", "configured", "settings"]
+
+HugePages = bool | Literal["auto"]
+
+_TRUE: Final = frozenset({"1", "on", "true", "yes"})
+_FALSE: Final = frozenset({"0", "off", "false", "no"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The strategies in force (see the module's documentation for each)."""
+
+    hugepage_destinations: HugePages = "auto"
+    direct_reads: bool = True
+    prefetch: bool = True
+    preallocate: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as keyword arguments for :func:`configure`."""
+        return dataclasses.asdict(self)
+
+
+def _checked(name: str, value: object) -> Any:
+    """``value`` if it is allowed for setting ``name``, else a ``ValueError`` naming both."""
+    allowed: tuple[object, ...] = (
+        (True, False, "auto") if name == "hugepage_destinations" else (True, False)
+    )
+    # ``1 == True``, so compare types too: an int or a string in place of a bool is a mistake.
+    if not any(value is a or (type(value) is str and value == a) for a in allowed):
+        choices = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"tuning: {name} must be one of {choices} (got {value!r})")
+    return value
+
+
+def _from_environment(environ: Mapping[str, str]) -> Settings:
+    """The defaults, overridden by the ``PYSAFETENSORS_*`` variables that are set."""
+    found: dict[str, Any] = {}
+    for variable, name in (
+        ("PYSAFETENSORS_HUGEPAGES", "hugepage_destinations"),
+        ("PYSAFETENSORS_DIRECT_READS", "direct_reads"),
+        ("PYSAFETENSORS_PREFETCH", "prefetch"),
+        ("PYSAFETENSORS_PREALLOCATE", "preallocate"),
+    ):
+        raw = environ.get(variable)
+        if raw is None or raw.strip() == "":
+            continue
+        text = raw.strip().lower()
+        if text in _TRUE:
+            found[name] = True
+        elif text in _FALSE:
+            found[name] = False
+        elif text == "auto" and name == "hugepage_destinations":
+            found[name] = "auto"
+        else:
+            extra = ", auto" if name == "hugepage_destinations" else ""
+            raise ValueError(
+                f"environment variable {variable}={raw!r}: expected 1, on, true, 0, off,"
+                f" false{extra}"
+            )
+    return dataclasses.replace(Settings(), **found)
+
+
+# Read by the readers and the writer at every call: one attribute lookup, and replaced whole
+# (never mutated), so a thread sees either the old settings or the new ones.
+_current: Settings = _from_environment(os.environ)
+
+
+def settings() -> Settings:
+    """The strategies in force now."""
+    return _current
+
+
+def configure(
+    *,
+    hugepage_destinations: HugePages | None = None,
+    direct_reads: bool | None = None,
+    prefetch: bool | None = None,
+    preallocate: bool | None = None,
+) -> Settings:
+    """Change some strategies for the whole process; ``None`` leaves one as it is.
+
+    Args:
+        hugepage_destinations: ``"auto"``, ``True`` or ``False``.
+        direct_reads: ``True`` or ``False``.
+        prefetch: ``True`` or ``False``.
+        preallocate: ``True`` or ``False``.
+
+    Returns:
+        The settings that were in force before, to restore them with
+        ``configure(**previous.as_dict())``.
+
+    Raises:
+        ValueError: A value that is not one of the allowed ones (nothing is changed).
+    """
+    global _current
+    changes = {
+        name: _checked(name, value)
+        for name, value in (
+            ("hugepage_destinations", hugepage_destinations),
+            ("direct_reads", direct_reads),
+            ("prefetch", prefetch),
+            ("preallocate", preallocate),
+        )
+        if value is not None
+    }
+    previous = _current
+    _current = dataclasses.replace(previous, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def configured(
+    *,
+    hugepage_destinations: HugePages | None = None,
+    direct_reads: bool | None = None,
+    prefetch: bool | None = None,
+    preallocate: bool | None = None,
+) -> Iterator[Settings]:
+    """:func:`configure` for the duration of a ``with`` block, then restore what was there.
+
+    The change is process-wide while the block runs: reads and saves in other threads see it
+    too.
+
+    Yields:
+        The settings in force inside the block.
+    """
+    previous = configure(
+        hugepage_destinations=hugepage_destinations,
+        direct_reads=direct_reads,
+        prefetch=prefetch,
+        preallocate=preallocate,
+    )
+    try:
+        yield _current
+    finally:
+        configure(**previous.as_dict())
