@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from ._format import gc_paused
-from ._sources import run_parallel, run_pieces
+from ._range_reads import run_pieces
+from ._reader_pool import run_parallel
 
 __all__ = [
     "CHUNK_BYTES",

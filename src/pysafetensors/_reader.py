@@ -45,6 +45,9 @@ from ._format import (
     parse_header,
     parse_header_length,
 )
+from ._fresh_memory import empty_bytes
+from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
+from ._reader_pool import MAX_READ_THREADS, run_parallel, worker_count
 from ._signatures import show_init_signature
 from ._slicing import (
     BYTES,
@@ -59,7 +62,6 @@ from ._slicing import (
     split_advanced,
 )
 from ._sources import (
-    MAX_READ_THREADS,
     MIN_PARALLEL_CHUNK,
     PREFETCH_MIN,
     BufferSource,
@@ -68,17 +70,10 @@ from ._sources import (
     MmapSource,
     PreadSource,
     Shared,
-    empty_bytes,
-    lay_out_runs,
     open_regular_file,
     pread_exact,
     read_fresh,
-    read_pieces_into,
-    read_ranges_into,
-    read_runs_fresh,
-    run_parallel,
     starts_like_safetensors,
-    worker_count,
 )
 
 __all__ = ["SafeSlice", "TensorMeta", "open_source_for", "read_header", "safe_open"]

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pysafetensors import SafetensorError, _sources, tuning
-from pysafetensors._sources import PreadSource, read_runs_fresh
+from pysafetensors import SafetensorError, _range_reads, tuning
+from pysafetensors._range_reads import read_runs_fresh
+from pysafetensors._sources import PreadSource
 from pysafetensors.numpy import save_file
 from pysafetensors.parallel import load_shard, shard_range
 
@@ -33,21 +34,21 @@ KiB = 1 << 10
 def small_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
     if not getattr(os, "O_DIRECT", 0) or not hasattr(os, "posix_fadvise"):
         pytest.skip("needs O_DIRECT and posix_fadvise")
-    monkeypatch.setattr(_sources, "DIRECT_RUN_MIN", 64 * KiB)
-    monkeypatch.setattr(_sources, "DIRECT_MIN", 256 * KiB)
+    monkeypatch.setattr(_range_reads, "DIRECT_RUN_MIN", 64 * KiB)
+    monkeypatch.setattr(_range_reads, "DIRECT_MIN", 256 * KiB)
 
 
 @pytest.fixture
 def direct_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """``(offset, wanted)`` of every direct read made."""
     calls: list[tuple[int, int]] = []
-    real = _sources._read_direct
+    real = _range_reads._read_direct
 
     def spy(fd: int, source: PreadSource, offset: int, out: memoryview, wanted: int) -> None:
         calls.append((offset, wanted))
         real(fd, source, offset, out, wanted)
 
-    monkeypatch.setattr(_sources, "_read_direct", spy)
+    monkeypatch.setattr(_range_reads, "_read_direct", spy)
     return calls
 
 
@@ -244,7 +245,7 @@ def test_read_into_skips_the_stretches_between_pieces(
 ) -> None:
     from pysafetensors import safe_open
 
-    monkeypatch.setattr(_sources, "_BOUNCE_BYTES", 64 * KiB)
+    monkeypatch.setattr(_range_reads, "_BOUNCE_BYTES", 64 * KiB)
     with safe_open(str(odd_file), "np") as f:
         base = f.header.data_start
         c = f.header.tensors["c"]
@@ -297,16 +298,16 @@ def test_read_into_a_file_cut_short_names_the_tensor(odd_file: Path) -> None:
 def test_a_sparse_selection_is_not_read_through_bounce_buffers(
     odd_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_sources, "DIRECT_MIN", 64 * KiB)
+    monkeypatch.setattr(_range_reads, "DIRECT_MIN", 64 * KiB)
     size = os.path.getsize(odd_file)
     first, last = np.zeros(64 * KiB, np.uint8), np.zeros(64 * KiB, np.uint8)
     pieces = [(0, first.data.cast("B")), (size - 64 * KiB, last.data.cast("B"))]
     with _source(odd_file) as source:
         # 128 KiB wanted of a ~1 MiB span: direct reads would fetch mostly unwanted bytes.
-        assert not _sources._read_pieces_direct(source, pieces, 128 * KiB, 0, size)
+        assert not _range_reads._read_pieces_direct(source, pieces, 128 * KiB, 0, size)
         assert not first.any() and not last.any()
         # One of them alone is dense: read directly.
-        assert _sources._read_pieces_direct(source, pieces[1:], 64 * KiB, size - 64 * KiB, size)
+        assert _range_reads._read_pieces_direct(source, pieces[1:], 64 * KiB, size - 64 * KiB, size)
     assert last.tobytes() == odd_file.read_bytes()[-64 * KiB :]
 
 
@@ -315,7 +316,7 @@ def test_read_into_many_small_tensors_across_bounce_buffers(
 ) -> None:
     """Hundreds of tensors of odd sizes, many straddling the bounce buffers' edges, some
     skipped: each lands whole, the skipped ones' bytes untouched."""
-    monkeypatch.setattr(_sources, "_BOUNCE_BYTES", 16 * KiB)
+    monkeypatch.setattr(_range_reads, "_BOUNCE_BYTES", 16 * KiB)
     rng = np.random.default_rng(11)
     tensors = {
         f"t{i:03d}": rng.integers(0, 255, (int(rng.integers(1, 5000)),), np.uint8)

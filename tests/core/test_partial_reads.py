@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pysafetensors
-from pysafetensors import _sources, tuning
+from pysafetensors import _fresh_memory, _residency, _sources, tuning
 from pysafetensors._sources import MmapSource, PreadSource
 from pysafetensors.numpy import save_file
 
@@ -115,7 +115,7 @@ def _mapped_residency(path: Path) -> float:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = np.frombuffer(mm, np.uint8)
         try:
-            fraction = _sources.resident_fraction(view.ctypes.data, len(view))
+            fraction = _residency.resident_fraction(view.ctypes.data, len(view))
         finally:
             del view
     if fraction is None:
@@ -162,7 +162,7 @@ def test_cold_column_split_of_a_mapping_is_read_in_first(
     if not _sources.PrefetchSupport.enabled:
         pytest.skip("no MADV_POPULATE_READ or mincore here")
     if not libc_madvise:  # the mmap module's madvise, where libc's cannot be called
-        monkeypatch.setattr(_sources, "madvise", None)
+        monkeypatch.setattr(_fresh_memory, "madvise", None)
     path, matrix = cold_matrix
     with pysafetensors.safe_open(str(path), "np") as f:
         got = f.get_slice("w")[:, :1024]  # 1 KiB of every 8 KiB row: every other page
@@ -241,7 +241,7 @@ def willneed_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         real(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", recording)
-    monkeypatch.setattr(_sources, "READ_AHEAD_MIN", 8 * MiB)
+    monkeypatch.setattr(_residency, "READ_AHEAD_MIN", 8 * MiB)
     return calls
 
 
@@ -256,7 +256,7 @@ def test_cold_eager_load_reads_ahead(
 ) -> None:
     fd = os.open(cold_file, os.O_RDONLY)
     try:
-        assert _sources.mostly_uncached(fd, 0, os.fstat(fd).st_size)
+        assert _residency.mostly_uncached(fd, 0, os.fstat(fd).st_size)
     finally:
         os.close(fd)
     with pysafetensors.safe_open(str(cold_file), "np", backend="pread") as f:
@@ -277,8 +277,8 @@ def test_warm_load_does_not_read_ahead(
     cold_file.read_bytes()  # now cached
     fd = os.open(cold_file, os.O_RDONLY)
     try:
-        assert not _sources.mostly_uncached(fd, 0, os.fstat(fd).st_size)
-        assert not _sources.mostly_uncached(fd, 0, os.fstat(fd).st_size + MiB)  # past the end
+        assert not _residency.mostly_uncached(fd, 0, os.fstat(fd).st_size)
+        assert not _residency.mostly_uncached(fd, 0, os.fstat(fd).st_size + MiB)  # past the end
     finally:
         os.close(fd)
     with pysafetensors.safe_open(str(cold_file), "np", backend="pread") as f:
@@ -291,7 +291,7 @@ def test_read_ahead_stops_when_the_read_fails(
 ) -> None:
     fd = os.open(cold_file, os.O_RDONLY)
     try:
-        with pytest.raises(RuntimeError), _sources.read_ahead(fd, 0, 32 * MiB):
+        with pytest.raises(RuntimeError), _residency.read_ahead(fd, 0, 32 * MiB):
             raise RuntimeError("read failed")
     finally:
         os.close(fd)

@@ -14,15 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pysafetensors import _sources, safe_open, tuning
-from pysafetensors._sources import PreadSource, run_parallel
+from pysafetensors import _fresh_memory, _range_reads, _reader_pool, _sources, safe_open, tuning
+from pysafetensors._reader_pool import run_parallel
+from pysafetensors._sources import PreadSource
 from pysafetensors.numpy import save_file
 
 
 @pytest.fixture(autouse=True)
 def _memory_not_marked_slow(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts as if no destination had met slow huge pages (process-wide state)."""
-    monkeypatch.setattr(_sources._HugeRegion, "slow_until", 0.0)
+    monkeypatch.setattr(_fresh_memory._HugeRegion, "slow_until", 0.0)
 
 
 def test_items_run_on_reader_threads_and_nested_calls_run_inline() -> None:
@@ -103,7 +104,7 @@ def test_split_reads_give_the_file_bytes(tmp_path: Path, size: int) -> None:
     finally:
         src.close()
     if size >= 4 << 20:
-        assert _sources.reader_thread_count() >= 4  # threads kept for the next read
+        assert _reader_pool.reader_thread_count() >= 4  # threads kept for the next read
 
 
 @pytest.mark.parametrize(
@@ -147,29 +148,29 @@ def _check_destination(buf: np.ndarray, nbytes: int) -> None:
 def test_large_destinations_in_every_mode(monkeypatch: pytest.MonkeyPatch, mode: object) -> None:
     monkeypatch.setattr(tuning, "_current", tuning.Settings(hugepage_destinations=mode))
     nbytes = (80 << 20) + 123
-    _check_destination(_sources.empty_bytes(nbytes), nbytes)
+    _check_destination(_fresh_memory.empty_bytes(nbytes), nbytes)
 
 
 def test_slow_huge_pages_fall_back_after_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    if _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None:
+    if _fresh_memory._probed_hugepages(_fresh_memory._HUGEPAGE_MIN) is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
     steps: list[int] = []
-    real = _sources._madvise
+    real = _fresh_memory._madvise
 
     def counting(mapping: object, address: int, start: int, length: int, advice: int) -> None:
-        if advice == _sources._MADV_POPULATE_WRITE:
+        if advice == _fresh_memory._MADV_POPULATE_WRITE:
             steps.append(start)
         real(mapping, address, start, length, advice)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_sources, "_madvise", counting)
-    monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
+    monkeypatch.setattr(_fresh_memory, "_madvise", counting)
+    monkeypatch.setattr(_fresh_memory, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
     nbytes = 256 << 20
-    buf = _sources._probed_hugepages(nbytes)
+    buf = _fresh_memory._probed_hugepages(nbytes)
     assert buf is not None
     _check_destination(buf, nbytes)
     # The first step, then at most a few more per thread before the switch to 4 KiB pages.
     assert 1 <= len(steps) < 3 + 2 * os.cpu_count()  # type: ignore[operator]
-    assert len(steps) < nbytes // _sources._POPULATE_STEP
+    assert len(steps) < nbytes // _fresh_memory._POPULATE_STEP
 
 
 @pytest.mark.parametrize("libc_madvise", [True, False])
@@ -179,11 +180,11 @@ def test_populate_through_libc_or_the_mmap_module(
     # libc's madvise (the GIL released while the kernel zeroes pages) where there is one, the
     # mmap module's otherwise: the same pages either way.
     if not libc_madvise:
-        monkeypatch.setattr(_sources, "madvise", None)
-    elif _sources.madvise is None:
+        monkeypatch.setattr(_fresh_memory, "madvise", None)
+    elif _fresh_memory.madvise is None:
         pytest.skip("no libc madvise here")
     nbytes = 24 << 20
-    buf = _sources._probed_hugepages(nbytes)
+    buf = _fresh_memory._probed_hugepages(nbytes)
     if buf is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
     _check_destination(buf, nbytes)
@@ -192,19 +193,19 @@ def test_populate_through_libc_or_the_mmap_module(
 def test_refused_advice_raises_with_the_errno() -> None:
     region = _sources.mmap.mmap(-1, 1 << 20)
     try:
-        address = _sources._address_of(region)
+        address = _fresh_memory._address_of(region)
         with pytest.raises(OSError) as info:
-            _sources._madvise(region, address, 0, 1 << 20, -12345)
+            _fresh_memory._madvise(region, address, 0, 1 << 20, -12345)
         assert info.value.errno == errno.EINVAL
     finally:
         region.close()
 
 
 def test_destination_without_populate_support_uses_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_sources, "_MADV_POPULATE_WRITE", -12345)  # refused by the kernel
-    assert _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None
-    nbytes = _sources._HUGEPAGE_MIN + 1
-    buf = _sources.empty_bytes(nbytes)
+    monkeypatch.setattr(_fresh_memory, "_MADV_POPULATE_WRITE", -12345)  # refused by the kernel
+    assert _fresh_memory._probed_hugepages(_fresh_memory._HUGEPAGE_MIN) is None
+    nbytes = _fresh_memory._HUGEPAGE_MIN + 1
+    buf = _fresh_memory.empty_bytes(nbytes)
     _check_destination(buf, nbytes)
     assert buf.base is None or not isinstance(buf.base, memoryview)
 
@@ -229,11 +230,11 @@ def test_fresh_reads_fault_in_as_they_go_and_match(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | bool
 ) -> None:
     if setting == "auto-slow":
-        monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
+        monkeypatch.setattr(_fresh_memory, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
         setting = "auto"
     monkeypatch.setattr(tuning, "_current", tuning.Settings(hugepage_destinations=setting))
     monkeypatch.setattr(_sources, "ONE_READ_MAX", 0)  # this size is read in one piece else
-    size = _sources._HUGEPAGE_MIN + (5 << 20) + 17
+    size = _fresh_memory._HUGEPAGE_MIN + (5 << 20) + 17
     data = np.random.default_rng(3).integers(0, 256, size + 4096, np.uint8)
     path = tmp_path / "d.bin"
     path.write_bytes(data.tobytes())
@@ -253,15 +254,15 @@ def test_fresh_reads_with_odd_sizes_and_thread_counts(
     # Chunk sizes from nbytes / threads are not page multiples; chunks must still start on
     # page boundaries (an unaligned madvise is refused, which would cost the huge pages).
     starts: list[int] = []
-    real = _sources._HugeRegion.populate
+    real = _fresh_memory._HugeRegion.populate
 
     def recording(self: object, start: int, length: int, **kw: bool) -> None:
         starts.append(start)
         real(self, start, length, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_sources._HugeRegion, "populate", recording)
+    monkeypatch.setattr(_fresh_memory._HugeRegion, "populate", recording)
     monkeypatch.setattr(_sources, "ONE_READ_MAX", 0)  # this size is read in one piece else
-    size = _sources._HUGEPAGE_MIN + 12345
+    size = _fresh_memory._HUGEPAGE_MIN + 12345
     data = np.random.default_rng(threads).integers(0, 256, size + 10, np.uint8)
     path = tmp_path / "d.bin"
     path.write_bytes(data.tobytes())
@@ -281,7 +282,7 @@ def test_fresh_reads_up_to_the_limit_are_one_read_on_the_calling_thread(
     monkeypatch.setattr(_sources, "ONE_READ_MAX", limit)
     monkeypatch.setattr(_sources, "MIN_PARALLEL_CHUNK", 64 << 10)
     calls: list[int] = []
-    real = _sources.run_parallel
+    real = _reader_pool.run_parallel
 
     def recording(fn: object, items: object, threads: int) -> None:
         calls.append(threads)
@@ -302,14 +303,14 @@ def test_fresh_reads_up_to_the_limit_are_one_read_on_the_calling_thread(
 
 
 def test_unaligned_populate_and_failing_steps_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    region = _sources._HugeRegion.create(_sources._SELF_PROBED_MIN)
+    region = _fresh_memory._HugeRegion.create(_fresh_memory._SELF_PROBED_MIN)
     if region is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
     region.populate(4097, 5 << 20, strict=True)  # an unaligned start is rounded down
-    monkeypatch.setattr(_sources, "_MADV_POPULATE_WRITE", -12345)  # every further step fails
+    monkeypatch.setattr(_fresh_memory, "_MADV_POPULATE_WRITE", -12345)  # every further step fails
     region.populate(8 << 20, 8 << 20)  # gives up quietly: the reads fault pages in instead
     assert region._slow.is_set()
-    _check_destination(region.array(), _sources._SELF_PROBED_MIN)
+    _check_destination(region.array(), _fresh_memory._SELF_PROBED_MIN)
 
 
 def _is_region(buf: np.ndarray) -> bool:
@@ -321,13 +322,13 @@ def _is_region(buf: np.ndarray) -> bool:
 
 def test_slice_sized_destinations_start_in_huge_pages() -> None:
     """Tensor-parallel slices are mostly 4-32 MiB: they get huge-page regions too."""
-    if _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None:
+    if _fresh_memory._probed_hugepages(_fresh_memory._HUGEPAGE_MIN) is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
     nbytes = (8 << 20) + 5
-    buf = _sources.empty_bytes(nbytes)
+    buf = _fresh_memory.empty_bytes(nbytes)
     _check_destination(buf, nbytes)
     assert _is_region(buf)
-    assert not _is_region(_sources.empty_bytes((4 << 20) - 1))  # below the floor: numpy
+    assert not _is_region(_fresh_memory.empty_bytes((4 << 20) - 1))  # below the floor: numpy
 
 
 def test_after_slow_huge_pages_small_destinations_use_small_pages_for_a_while(
@@ -335,26 +336,26 @@ def test_after_slow_huge_pages_small_destinations_use_small_pages_for_a_while(
 ) -> None:
     """A small region cannot tell slow memory by its own steps; one that met a slow step makes
     the next small destinations skip huge pages for a few seconds. Large ones still probe."""
-    if _sources._probed_hugepages(_sources._HUGEPAGE_MIN) is None:
+    if _fresh_memory._probed_hugepages(_fresh_memory._HUGEPAGE_MIN) is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
-    monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
-    first = _sources.empty_bytes(8 << 20)
+    monkeypatch.setattr(_fresh_memory, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
+    first = _fresh_memory.empty_bytes(8 << 20)
     _check_destination(first, 8 << 20)
     assert _is_region(first)  # it did not know yet
-    second = _sources.empty_bytes(8 << 20)
+    second = _fresh_memory.empty_bytes(8 << 20)
     _check_destination(second, 8 << 20)
     assert not _is_region(second)
-    large = _sources.empty_bytes(_sources._SELF_PROBED_MIN)
+    large = _fresh_memory.empty_bytes(_fresh_memory._SELF_PROBED_MIN)
     assert _is_region(large)  # probes, and falls back by itself
-    monkeypatch.setattr(_sources._HugeRegion, "slow_until", 0.0)  # the hold has passed
-    assert _is_region(_sources.empty_bytes(8 << 20))
+    monkeypatch.setattr(_fresh_memory._HugeRegion, "slow_until", 0.0)  # the hold has passed
+    assert _is_region(_fresh_memory.empty_bytes(8 << 20))
 
 
 def test_one_pool_whatever_thread_counts_are_asked_for() -> None:
     """Each distinct ``threads=`` used to keep a pool of its own for the life of the process."""
     for threads in (2, 3, 5, 7, 9, 3, 2):
         run_parallel(lambda i: None, range(16), threads)
-    size = _sources.reader_thread_count()
+    size = _reader_pool.reader_thread_count()
     assert size >= 9
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # replaced pools' threads exit once idle
@@ -394,8 +395,8 @@ def test_huge_thread_counts_are_capped() -> None:
         time.sleep(0.002)
 
     run_parallel(item, range(500), 10**6)
-    assert len(seen) <= _sources.MAX_READ_THREADS
-    assert _sources.reader_thread_count() <= _sources.MAX_READ_THREADS
+    assert len(seen) <= _reader_pool.MAX_READ_THREADS
+    assert _reader_pool.reader_thread_count() <= _reader_pool.MAX_READ_THREADS
 
 
 @pytest.mark.parametrize("threads", [1, 2, 17])
@@ -416,13 +417,13 @@ def test_hugepage_destinations_true_reaches_batched_part_reads(
 
     save_file({"w": np.ones((64, 1024), np.float32)}, str(tmp_path / "m.safetensors"))
     asked: list[bool] = []
-    real = _sources._numpy_empty
+    real = _fresh_memory._numpy_empty
 
     def spy(nbytes: int, hugepages: bool) -> np.ndarray:
         asked.append(hugepages)
         return real(nbytes, hugepages)
 
-    monkeypatch.setattr(_sources, "_numpy_empty", spy)
+    monkeypatch.setattr(_range_reads, "_numpy_empty", spy)  # where the part reads take it
     monkeypatch.setattr(tuning, "_current", tuning.Settings(hugepage_destinations=True))
     part = load_shard(tmp_path / "m.safetensors", 0, 2, {"w": "rows"}, framework="np")
     assert part["w"].shape == (32, 1024) and asked and all(asked)
@@ -505,7 +506,7 @@ def test_runs_read_into_one_buffer_small_ones_by_span(tmp_path: Path) -> None:
     """read_runs_fresh: every run lands at its aligned offset with the file's bytes, whether
     read alone (large, far apart, empty, out of order, overlapping) or as part of a span of
     small runs less than a page apart (a rank's rows of many small tensors)."""
-    from pysafetensors._sources import _group_small_runs, read_runs_fresh
+    from pysafetensors._range_reads import _group_small_runs, read_runs_fresh
 
     data = np.random.default_rng(3).integers(0, 256, 24 << 20, np.uint8)
     path = tmp_path / "data.bin"
@@ -542,20 +543,20 @@ def test_a_step_timed_across_a_collection_does_not_count_as_slow(
     """A garbage collection holds the GIL that a populate step needs back to time itself (a
     full one takes ~80 ms with torch imported): such a step says nothing about the memory, and
     three of them in a row made a load give up huge pages."""
-    region = _sources._HugeRegion.create(_sources._SELF_PROBED_MIN)
+    region = _fresh_memory._HugeRegion.create(_fresh_memory._SELF_PROBED_MIN)
     if region is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
-    monkeypatch.setattr(_sources, "_HUGEPAGE_MIN_RATE", 1e30)  # every timed step is slow...
-    real = _sources._madvise
+    monkeypatch.setattr(_fresh_memory, "_HUGEPAGE_MIN_RATE", 1e30)  # every timed step is slow...
+    real = _fresh_memory._madvise
 
     def collecting(*args: object) -> None:
         real(*args)  # type: ignore[arg-type]
         gc.collect()  # ...but a collection ran during each of them
 
-    monkeypatch.setattr(_sources, "_madvise", collecting)
+    monkeypatch.setattr(_fresh_memory, "_madvise", collecting)
     region.populate(4 << 20, 16 << 20)
     assert not region._slow.is_set()
-    monkeypatch.setattr(_sources, "_madvise", real)  # slow steps without collections count
+    monkeypatch.setattr(_fresh_memory, "_madvise", real)  # slow steps without collections count
     region.populate(20 << 20, 16 << 20)
     assert region._slow.is_set()
-    _check_destination(region.array(), _sources._SELF_PROBED_MIN)
+    _check_destination(region.array(), _fresh_memory._SELF_PROBED_MIN)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pysafetensors import _sources, tuning
+from pysafetensors import _fresh_memory, tuning
 from pysafetensors.numpy import load_file, save_file
 
 
@@ -154,7 +154,7 @@ def test_hugepage_destinations_off_never_asks_for_huge_pages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     asked: list[bool] = []
-    real = _sources._numpy_empty
+    real = _fresh_memory._numpy_empty
 
     def spy(nbytes: int, hugepages: bool) -> np.ndarray:
         asked.append(hugepages)
@@ -163,12 +163,12 @@ def test_hugepage_destinations_off_never_asks_for_huge_pages(
     def no_region(nbytes: int) -> None:
         raise AssertionError("a huge-page region was made")
 
-    monkeypatch.setattr(_sources, "_numpy_empty", spy)
-    monkeypatch.setattr(_sources._HugeRegion, "create", staticmethod(no_region))
+    monkeypatch.setattr(_fresh_memory, "_numpy_empty", spy)
+    monkeypatch.setattr(_fresh_memory._HugeRegion, "create", staticmethod(no_region))
     data = {"w": np.random.default_rng(1).integers(0, 255, (80 << 20,), np.uint8)}
     save_file(data, str(tmp_path / "big.safetensors"))
     with tuning.configured(hugepage_destinations=False):
         got = load_file(str(tmp_path / "big.safetensors"), backend="pread")
-        assert _sources.empty_bytes(64 << 20).nbytes == 64 << 20
+        assert _fresh_memory.empty_bytes(64 << 20).nbytes == 64 << 20
     assert np.array_equal(got["w"], data["w"])
     assert asked and not any(asked)

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pysafetensors._sources import _address_of, map_file
+from pysafetensors._fresh_memory import _address_of
+from pysafetensors._sources import map_file
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="/proc/self/maps and setitimer"

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from pysafetensors._range_reads import read_ranges_into
 from pysafetensors._remote import (
     DEFAULT_HEAD_BYTES,
     FsspecSource,
@@ -22,7 +23,6 @@ from pysafetensors._remote import (
     open_source,
     read_prefix,
 )
-from pysafetensors._sources import read_ranges_into
 
 from .test_remote_http import _tensor_span
 

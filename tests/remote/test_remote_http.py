@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pysafetensors._errors import ClosedFileError, RemoteError, SafetensorError
+from pysafetensors._range_reads import read_ranges_into
 from pysafetensors._remote import (
     DEFAULT_HEAD_BYTES,
     HTTPSource,
@@ -21,7 +22,6 @@ from pysafetensors._remote import (
     open_source,
     read_prefix,
 )
-from pysafetensors._sources import read_ranges_into
 
 from .rangeserver import SLOW_SECONDS, TOKEN, RangeServer
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pysafetensors._errors import RemoteError
+from pysafetensors._range_reads import read_ranges_into
 from pysafetensors._remote import (
     DEFAULT_HEAD_BYTES,
     RemoteNotFoundError,
@@ -18,7 +19,6 @@ from pysafetensors._remote import (
     open_source,
     read_prefix,
 )
-from pysafetensors._sources import read_ranges_into
 
 from .conftest import BUCKET
 from .test_remote_http import _tensor_span
