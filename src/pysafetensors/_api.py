@@ -15,7 +15,8 @@ from ._adapter import Adapter
 from ._dtypes import DType, dtype_from_code, dtype_from_name
 from ._errors import PathArg, SafetensorError, SerializeError, not_an_instance
 from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE, check_max_header_size, gc_paused
-from ._reader import check_representable, read_header, safe_open
+from ._reader import read_header, safe_open
+from ._representable import check_representable
 from ._signatures import show_init_signature
 from ._sources import BufferSource
 from ._writer import TensorData, serialize_to_bytes, write_file

@@ -30,26 +30,21 @@ __all__ = [
 # Whether fresh destinations use huge pages is ``tuning``'s ``hugepage_destinations``.
 _HUGEPAGE_LOCK = threading.Lock()
 
-
 #: Destinations at least this large are candidates for huge pages. Tensor-parallel slices are
 #: mostly 4-32 MiB each: 256 MiB of row slices of a 2 GiB file took ~100 ms to read into 4 KiB
 #: pages (faulted in at ~2 GB/s) and ~70 ms into huge pages, measured.
 _HUGEPAGE_MIN: Final = 4 << 20
-
 
 #: Destinations smaller than this are too short to tell slow huge pages by their own steps
 #: (:data:`_SLOW_STEPS` of them): they use huge pages only while no destination has met slow
 #: ones in the last :data:`_SLOW_MEMORY_HOLD` seconds.
 _SELF_PROBED_MIN: Final = 64 << 20
 
-
 _SLOW_MEMORY_HOLD: Final = 5.0
-
 
 #: Fault-in rate (bytes/s, per thread) below which a step counts as slow: 4 KiB pages fault in
 #: at ~2 GB/s here, fast huge pages at 6-11 GB/s, slow ones at ~0.5 GB/s.
 _HUGEPAGE_MIN_RATE: Final = 1e9
-
 
 #: Consecutive slow steps that switch the rest of a destination to 4 KiB pages.
 _SLOW_STEPS: Final = 3
@@ -74,9 +69,7 @@ def _collections() -> int:
 
 _MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; not exported by the mmap module
 
-
 _MADV_POPULATE_READ: Final = 22
-
 
 _POPULATE_STEP: Final = 4 << 20
 

@@ -74,10 +74,8 @@ def run_pieces(
 #: Runs of at least this many bytes that are not in the page cache are read with direct I/O...
 DIRECT_RUN_MIN: Final = 1 << 20
 
-
 #: ... when such runs add up to at least this many bytes (below, the page cache is as fast).
 DIRECT_MIN: Final = 64 << 20
-
 
 #: Direct reads start, end and land on multiples of this (the largest logical block size in
 #: common use; a multiple of the smaller ones).
@@ -273,7 +271,6 @@ def _read_work(
 #: Runs of at most this many bytes...
 _SMALL_RUN: Final = 64 << 10
 
-
 #: ... less than a page apart (so reading the span reads no page the runs do not touch) are
 #: read as one span of at most this many bytes. A rank's rows of a checkpoint of many small
 #: tensors (a mixture of experts: 20,000 tensors of a few hundred bytes) were one positioned
@@ -406,7 +403,6 @@ def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]
 #: destinations are the caller's memory: neither they nor the pieces' file offsets need be
 #: aligned as direct I/O requires)...
 _BOUNCE_BYTES: Final = 8 << 20
-
 
 #: ... read by this many threads at once (128 MiB of bounce buffers in all). Each is one
 #: synchronous read the device serves as a few requests; together they keep its queue full,

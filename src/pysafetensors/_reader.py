@@ -12,23 +12,20 @@ import contextlib
 import operator
 import os
 import stat
-import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn, SupportsIndex, TypeAlias
+from typing import Any, Final, NoReturn, SupportsIndex
 
 import numpy as np
 
 from ._adapter import Adapter, get_adapter
 from ._cuda_staging import Fill
 from ._devices import Device
-from ._dtypes import DType
 from ._errors import (
     ClosedFileError,
     SafetensorError,
     SliceError,
-    TensorInfoError,
     TensorNotFoundError,
     input_path,
     not_an_instance,
@@ -47,16 +44,31 @@ from ._format import (
 )
 from ._fresh_memory import empty_bytes
 from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
-from ._reader_pool import MAX_READ_THREADS, run_parallel, worker_count
+from ._read_targets import device_bytes, writable_bytes
+from ._reader_pool import MAX_READ_THREADS
+from ._representable import MAX_NDIM, check_representable
 from ._signatures import show_init_signature
+from ._slice_gather import (
+    SMALL_BATCH,
+    STAGED_ROW_MAX,
+    Batched,
+    GatherBlock,
+    PartRead,
+    Selected,
+    byte_selection,
+    copy_in_parallel,
+    copy_selections,
+    fetch_gathered,
+    gather_blocks,
+    gather_slice,
+    part_read,
+)
 from ._slicing import (
     BYTES,
     Part,
     SlicePlan,
     as_whole_bytes,
-    contiguous_strides,
     is_advanced,
-    part_run,
     plan_slice,
     render_index,
     split_advanced,
@@ -79,46 +91,16 @@ from ._sources import (
 __all__ = ["SafeSlice", "TensorMeta", "open_source_for", "read_header", "safe_open"]
 
 BACKENDS: Final = ("mmap", "pread")
+
 #: How slices are read from sources without a memory map (see ``safe_open``).
 SLICE_READS: Final = ("exact", "coalesce")
+
 #: Bytes read speculatively when opening: one read usually brings the prefix and the header.
 _HEAD_GUESS: Final = 64 << 10
-#: numpy (2.x) and torch both refuse arrays of more than 64 dimensions.
-MAX_NDIM: Final = 64
-_INTP_MAX: Final = (1 << 63) - 1
+
 #: Smallest data region a numpy ``get_tensors`` under mmap maps privately; smaller ones are
 #: copied (a copy costs less than a mapping).
 _PRIVATE_MAP_MIN: Final = 1 << 20
-
-
-def check_representable(shape: tuple[int, ...], dtype: DType, name: str) -> None:
-    """Refuse a shape no framework can hold, before any adapter sees it.
-
-    The header rules only bound a tensor's byte count, so a zero-size tensor may declare any
-    dimensions (``[0, 2**62]``) and a one-byte tensor any number of 1s. numpy and torch compute
-    strides from the non-zero dimensions and cap the rank, and fail with their own exceptions
-    (``ValueError``, ``RuntimeError``) when those limits are crossed; this turns that into a
-    :class:`TensorInfoError` naming the tensor. Nothing is allocated either way.
-
-    Raises:
-        TensorInfoError: More than 64 dimensions, or a stride that does not fit in 63 bits.
-    """
-    if len(shape) > MAX_NDIM:
-        raise TensorInfoError(
-            f"tensor `{name}` has {len(shape)} dimensions; frameworks hold at most {MAX_NDIM}",
-            kind="TooManyDimensions",
-            tensor=name,
-        )
-    extent = max(1, dtype.bits // 8)
-    for dim in shape:
-        extent *= dim or 1
-        if extent > _INTP_MAX:
-            raise TensorInfoError(
-                f"tensor `{name}` ({dtype.code} {list(shape)}) has no data but its strides "
-                "overflow 63 bits: numpy cannot hold its shape, nor torch.empty make it",
-                kind="ShapeTooLarge",
-                tensor=name,
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -697,11 +679,11 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         for name, target in targets.items():
             info = self._info(name)
             start = self._header.data_start + info.begin
-            flat = _device_bytes(target, info)
+            flat = device_bytes(target, info)
             if flat is not None:
                 on_device.append((start, flat))
             else:
-                pieces.append((start, _writable_bytes(target, info)))
+                pieces.append((start, writable_bytes(target, info)))
         with self._lease as source, self._reading(None):
             read_pieces_into(source, pieces)
             if on_device:
@@ -830,7 +812,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         singles: list[tuple[str, TensorInfo, Any, SlicePlan | None]] = []
         # How a part is read, by (shape, dtype, part): a mixture of experts repeats a few
         # shapes over thousands of tensors, and working it out per tensor cost ~2-3 us each.
-        part_reads: dict[tuple[tuple[int, ...], str, Part], _PartRead] = {}
+        part_reads: dict[tuple[tuple[int, ...], str, Part], PartRead] = {}
         gathers = (
             on_cpu
             and (isinstance(source, PreadSource) or remote)
@@ -851,7 +833,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     key = (info.shape, info.dtype.code, index)  # a DType hashes in Python
                     how = part_reads.get(key)
                     if how is None:
-                        how = part_reads[key] = _part_read(info, index, batching, gathers_small)
+                        how = part_reads[key] = part_read(info, index, batching, gathers_small)
                     if how[0] is not None:
                         batched.append((name, info, *how[0], index))
                         out[name] = None  # keeps the requested order
@@ -1049,7 +1031,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     ) -> None:
         """Fragmented selections (column splits) of small tensors: the tensors read whole (by
         positioned reads, small ones less than a page apart as one span, see
-        :func:`read_runs_fresh`) into a scratch buffer of at most :data:`_SMALL_BATCH` bytes at
+        :func:`read_runs_fresh`) into a scratch buffer of at most :data:`SMALL_BATCH` bytes at
         a time, and each selection copied out of it by numpy into one destination (remote
         sources: :meth:`_fetch_remote`).
 
@@ -1065,7 +1047,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         while batch_start < len(parts):
             batch_end, size = batch_start, 0
             while batch_end < len(parts) and (
-                batch_end == batch_start or size + parts[batch_end][1].nbytes <= _SMALL_BATCH
+                batch_end == batch_start or size + parts[batch_end][1].nbytes <= SMALL_BATCH
             ):
                 size += parts[batch_end][1].nbytes
                 batch_end += 1
@@ -1076,7 +1058,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 runs = [(base + part[1].begin, part[1].nbytes) for part in batch]
             scratch, starts = read_runs_fresh(source, runs)
             with gc_paused():
-                _copy_selections(batch, scratch, starts, buf, offsets[batch_start:batch_end])
+                copy_selections(batch, scratch, starts, buf, offsets[batch_start:batch_end])
             batch_start = batch_end
         self._carve(buf, (part[:4] for part in parts), offsets, out)
 
@@ -1183,7 +1165,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             return None
         rows = plan.shape[0]
         row_bytes = plan.nbytes // rows
-        if row_bytes > _STAGED_ROW_MAX:
+        if row_bytes > STAGED_ROW_MAX:
             return None
         start, step = first.start, first.step
         rest = plan.selection[1:]
@@ -1361,22 +1343,14 @@ show_init_signature(safe_open)
 
 #: Kinds of read errors a byte source raises without knowing which tensor it was reading.
 _READ_ERRORS: Final = frozenset({"FileTruncated", "ShortRead", "OutOfBounds"})
+
 #: A mapped slice whose bytes are at least 1/this of the span they lie in is read in ahead of
 #: its copy when the span is mostly uncached (a 1/8 column split is 1/8 of its span).
 _PREFETCH_DENSITY: Final = 16
+
 #: Tensors of at most this many bytes: their slices are copied by numpy (torch's set-up costs
 #: more), and load_shard reads them whole for their fragmented parts (see _gather_small).
 _SMALL_PART: Final = 64 << 10
-#: Scratch bytes :meth:`safe_open._gather_small` reads at a time.
-_SMALL_BATCH: Final = 64 << 20
-#: Slices whose byte runs average less than this are read as whole row blocks and gathered in
-#: memory: one large read beats thousands of tiny ones (a 1/8 column split of a 4096-wide bf16
-#: matrix is 4096 runs of 1 KiB per tensor).
-_GATHER_RUN_BYTES: Final = 256 << 10
-#: ... unless the selection is so sparse that reading the covering rows would waste too much.
-_GATHER_MIN_DENSITY: Final = 1 / 64
-#: Rows are read and gathered in blocks of about this size, each by one worker thread.
-_GATHER_BLOCK: Final = 8 << 20
 
 
 def check_backend(backend: object) -> None:
@@ -1407,83 +1381,6 @@ def _safe_open_handle(
     return safe_open(f.name, framework, device=device, backend=backend)
 
 
-def _unfit(info: TensorInfo, why: str) -> ValueError:
-    """The error for a :meth:`safe_open.read_into` buffer that cannot take ``info``'s bytes."""
-    return ValueError(f"the buffer for tensor {info.name!r} {why}")
-
-
-def _check_size(info: TensorInfo, nbytes: int) -> None:
-    """Refuse a buffer of ``nbytes`` for ``info``'s data of another size."""
-    if nbytes != info.nbytes:
-        raise _unfit(
-            info,
-            f"holds {nbytes} bytes; the tensor's data is {info.nbytes} bytes "
-            f"({info.dtype.code} {list(info.shape)})",
-        )
-
-
-def _tensor_bytes(target: Any, info: TensorInfo) -> Any:
-    """A torch tensor's memory as 1-D uint8 (whatever its dtype: numpy lacks bfloat16 and the
-    float8 types), checked to be fillable in place.
-
-    Raises:
-        ValueError: Not on the CPU or a CUDA device, not contiguous, a lazy conjugate or
-            negation view, or not ``info``'s size.
-    """
-    if target.device.type not in ("cpu", "cuda"):
-        raise _unfit(info, f"is on {target.device}; read_into fills CPU memory and CUDA tensors")
-    if not target.is_contiguous():
-        raise _unfit(info, "is not C-contiguous")
-    if target.is_conj() or target.is_neg():
-        raise _unfit(info, "is a lazy conjugate or negation view")
-    flat = target.detach().reshape(-1).view(sys.modules["torch"].uint8)
-    _check_size(info, flat.numel())
-    return flat
-
-
-def _device_bytes(target: Any, info: TensorInfo) -> Any:
-    """A CUDA torch tensor's memory as 1-D uint8 (see :func:`_tensor_bytes`), or None for
-    anything else (host memory, for :func:`_writable_bytes`)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(target, torch.Tensor) or target.device.type != "cuda":
-        return None
-    return _tensor_bytes(target, info)
-
-
-def _writable_bytes(target: Any, info: TensorInfo) -> memoryview:
-    """``target`` as writable bytes for :meth:`safe_open.read_into`, checked against ``info``.
-
-    Raises:
-        ValueError: ``target`` is read-only, not C-contiguous, or not ``info``'s size.
-    """
-    torch = sys.modules.get("torch")  # never imported here: a tensor means it is loaded
-    if torch is not None and isinstance(target, torch.Tensor):
-        target = _tensor_bytes(target, info).numpy()
-    if isinstance(target, np.ndarray):
-        # As bytes first: arrays of the dtypes numpy lacks (bfloat16, float8: ml_dtypes)
-        # cannot export a buffer of their own type. Checked before the reshape, which would
-        # copy a non-contiguous array (and the bytes would land in the copy).
-        if not target.flags.writeable:
-            raise _unfit(info, "is read-only")
-        if not target.flags.c_contiguous:
-            raise _unfit(info, "is not C-contiguous")
-        target = target.reshape(-1).view(np.uint8)
-    try:
-        view = memoryview(target)
-    except TypeError:
-        raise _unfit(
-            info,
-            f"is of type {type(target).__name__}, which does not expose its memory (expected "
-            "a numpy array, CPU torch tensor, bytearray or memoryview)",
-        ) from None
-    if view.readonly:
-        raise _unfit(info, "is read-only")
-    if not view.c_contiguous:
-        raise _unfit(info, "is not C-contiguous")
-    _check_size(info, view.nbytes)
-    return view  # read_pieces_into reads it as bytes
-
-
 def check_tensor_name(name: object) -> None:
     """Refuse a tensor name that is not a ``str`` with the reference's argument error, word for
     word (a wrong type, not a tensor that is not found).
@@ -1493,371 +1390,6 @@ def check_tensor_name(name: object) -> None:
     """
     if not isinstance(name, str):
         raise not_an_instance("name", name)
-
-
-#: A part that is one byte run, for ``_read_slices``: ``(name, info, shape of the part, offset
-#: of its run in the tensor, its bytes, the index asked for)``.
-Batched: TypeAlias = tuple[str, TensorInfo, tuple[int, ...], int, int, Any]
-
-#: A fragmented selection of a small tensor for ``_gather_small``: ``(name, info, shape of the
-#: selection, its bytes)`` and its :func:`byte_selection` ``(source shape, index, destination
-#: shape)``.
-Selected: TypeAlias = tuple[
-    str,
-    TensorInfo,
-    tuple[int, ...],
-    int,
-    tuple[int, ...],
-    tuple[int | slice, ...],
-    tuple[int, ...],
-]
-
-
-def _copy_selections(
-    parts: Sequence[Selected],
-    scratch: np.ndarray,
-    starts: Sequence[int],
-    dest: np.ndarray,
-    offsets: Sequence[int],
-) -> None:
-    """Copy each part's selection out of its tensor's bytes at ``scratch[starts[i]:]`` into
-    ``dest[offsets[i]:]`` (``_gather_small``).
-
-    Consecutive parts of one selection (same shapes and index) whose tensors and
-    destinations lie at constant strides are copied as one: a strided view of all the
-    tensors, one numpy copy. A mixture of experts' column split is thousands of such parts,
-    and one copy each cost ~2 us.
-    """
-    count = len(parts)
-    i = 0
-    while i < count:
-        part = parts[i]
-        nbytes, src_shape, index, dest_shape = part[3:]
-        start, at = starts[i], offsets[i]
-        j = i + 1
-        if j < count:
-            step, dest_step = starts[j] - start, offsets[j] - at
-            while (
-                j < count
-                and parts[j][3:] == part[3:]
-                and starts[j] - starts[j - 1] == step
-                and offsets[j] - offsets[j - 1] == dest_step
-            ):
-                j += 1
-        if j - i == 1:
-            whole = scratch[start : start + part[1].nbytes].reshape(src_shape)
-            np.copyto(dest[at : at + nbytes].reshape(dest_shape), whole[index])
-        else:
-            every: tuple[int | slice, ...] = (slice(None), *index)  # each tensor's selection
-            np.copyto(
-                _stacked(dest, at, j - i, dest_step, dest_shape),
-                _stacked(scratch, start, j - i, step, src_shape)[every],
-            )
-        i = j
-
-
-def _stacked(
-    buf: np.ndarray, offset: int, count: int, step: int, shape: tuple[int, ...]
-) -> np.ndarray:
-    """``count`` C-contiguous uint8 arrays of ``shape`` in ``buf``, the first at ``offset``
-    and each ``step`` bytes after the one before, as one array of shape ``(count, *shape)``."""
-    stacked: np.ndarray = np.ndarray(
-        (count, *shape),
-        np.uint8,
-        buffer=buf,
-        offset=offset,
-        strides=(step, *contiguous_strides(shape)),
-    )
-    return stacked
-
-
-#: How :meth:`safe_open._read_requests` reads one part: its byte run (:func:`part_run`), else
-#: its selection to gather (:func:`part_selection`), else neither (the general path).
-_PartRead: TypeAlias = tuple[
-    tuple[tuple[int, ...], int, int] | None,
-    tuple[tuple[int, ...], int, tuple[int, ...], tuple[int | slice, ...], tuple[int, ...]] | None,
-]
-
-
-def _part_read(info: TensorInfo, part: Part, batching: bool, gathers_small: bool) -> _PartRead:
-    """:data:`_PartRead` for ``part`` of a tensor like ``info`` (its shape and dtype decide,
-    so the answer holds for every tensor of that shape and dtype).
-
-    Raises:
-        TensorInfoError: The part's shape cannot be held (``check_representable``), named
-            after ``info``'s tensor.
-    """
-    shape, dtype = info.shape, info.dtype
-    if len(shape) <= MAX_NDIM:
-        run = part_run(shape, dtype, part) if batching else None
-        if run is not None:
-            check_representable(run[0], dtype, info.name)
-            return run, None
-    selected = part_selection(shape, dtype.bits // 8, part) if gathers_small else None
-    if selected is not None:
-        check_representable(selected[0], dtype, info.name)
-    return None, selected
-
-
-def part_selection(
-    shape: tuple[int, ...], itemsize: int, part: Part
-) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int | slice, ...], tuple[int, ...]] | None:
-    """A tensor-parallel part (of a whole-byte tensor) as ``(shape of the part, its bytes)`` and
-    :func:`byte_selection`'s ``(source shape, index, destination shape)``, without a plan (a
-    mixture of experts' column split plans thousands); None when it selects nothing or does
-    not fit the shape (the general path words that)."""
-    dim, start, stop = part
-    ndim = len(shape)
-    if dim is None or not 0 <= dim < ndim or not 0 <= start < stop <= shape[dim] or 0 in shape:
-        return None
-    size = stop - start
-    part_shape = (*shape[:dim], size, *shape[dim + 1 :])
-    nbytes = itemsize
-    for extent in part_shape:
-        nbytes *= extent
-    last = ndim - 1
-    index: tuple[int | slice, ...] = (
-        *(slice(start, stop) if d == dim else slice(None) for d in range(last)),
-        slice(start * itemsize, stop * itemsize) if dim == last else slice(None),
-    )
-    src_shape = (*shape[:-1], shape[-1] * itemsize)
-    dest_shape = (*part_shape[:-1], part_shape[-1] * itemsize)
-    return part_shape, nbytes, src_shape, index, dest_shape
-
-
-def byte_selection(
-    shape: tuple[int, ...], itemsize: int, plan: SlicePlan
-) -> tuple[tuple[int, ...], tuple[int | slice, ...], tuple[int, ...]]:
-    """Express a slice over the tensor's bytes: ``(source shape, index, destination shape)``.
-
-    The last dimension is folded into bytes, so that numpy copies each contiguous run as one
-    inner loop instead of ``itemsize`` bytes at a time (a 1/8 column split of a bf16 matrix
-    copies 1 KiB runs, not 2-byte elements).
-    """
-    *lead, last = plan.selection
-    if isinstance(last, int):
-        index_last = slice(last * itemsize, (last + 1) * itemsize)
-        dest = (*plan.shape, itemsize)
-    elif last.step == 1:
-        index_last = slice(last.start * itemsize, last.stop * itemsize)
-        dest = (*plan.shape[:-1], plan.shape[-1] * itemsize)
-    else:
-        return (*shape, itemsize), (*plan.selection, slice(None)), (*plan.shape, itemsize)
-    return (*shape[:-1], shape[-1] * itemsize), (*lead, index_last), dest
-
-
-def gather_slice(
-    source: ByteSource,
-    base: int,
-    info: TensorInfo,
-    plan: SlicePlan,
-    out: np.ndarray,
-) -> bool:
-    """Read a fragmented slice as blocks of whole rows and gather the selection from each.
-
-    Local files read the blocks on the reader threads; remote sources (HTTP, S3, fsspec) in
-    one plan of coalesced, parallel requests (:func:`fetch_gathered`). For those, a request
-    per run meant a Python object per run: ``[:, ::2]`` of a 4 MiB tensor over HTTP took
-    1.45 s and ~150 MB for a 2 MiB result (their ranges were merged into the covering rows
-    anyway, closer than ``max_gap``).
-
-    Returns False (reading nothing) when per-run reads are the better plan (see
-    :func:`gather_blocks`) or the source has no positioned reads.
-    """
-    remote = hasattr(source, "readinto_many")  # a RemoteSource, without importing it here
-    if not (isinstance(source, PreadSource) or remote):
-        return False
-    blocks = gather_blocks(base, info, plan, out)
-    if blocks is None:
-        return False
-    if not isinstance(source, PreadSource):
-        fetch_gathered(source, blocks)
-        return True
-    local = threading.local()
-    # Each thread's scratch holds the largest block (not always _GATHER_BLOCK: allocating
-    # and freeing 8 MiB cost a one-block slice more than its read).
-    size = max(block[1] for block in blocks)
-
-    def one(block: GatherBlock) -> None:
-        at, want, src_shape, index, target = block
-        scratch = getattr(local, "buf", None)
-        if scratch is None:
-            scratch = local.buf = np.empty(size, np.uint8)
-        source.pread_exact(at, scratch.data[:want])
-        target[...] = scratch[:want].reshape(src_shape)[index]
-
-    run_parallel(one, blocks, worker_count(source))
-    return True
-
-
-#: A block of a gathered selection: ``(file offset, bytes read there, the shape they are read
-#: as, the selection within that, where the selected elements go)``.
-GatherBlock: TypeAlias = tuple[int, int, tuple[int, ...], tuple[Any, ...], np.ndarray]
-
-
-def gather_blocks(
-    base: int, info: TensorInfo, plan: SlicePlan, out: np.ndarray
-) -> list[GatherBlock] | None:
-    """The blocks of whole rows (of at most about :data:`_GATHER_BLOCK` bytes) that a
-    fragmented selection of the tensor at file offset ``base`` lies in, each with what it
-    gives to ``out`` (``plan.nbytes`` bytes, uint8).
-
-    None when per-run reads are the better plan: few or large runs, a very sparse selection,
-    a sub-byte tensor whose rows are not whole bytes (the others come here as bytes, see
-    :func:`as_whole_bytes`), rows too large to buffer that cannot be split.
-    """
-    shape = info.shape
-    if info.dtype.bits % 8 or len(shape) < 2:
-        return None
-    # Counted without listing the runs (a strided slice has millions).
-    runs = plan.run_count()
-    if runs < 2 or plan.nbytes // runs >= _GATHER_RUN_BYTES:
-        return None
-    first, last = int(plan.starts[0]), int(plan.starts[-1]) + plan.run_bytes
-    if plan.nbytes < (last - first) * _GATHER_MIN_DENSITY:
-        return None
-    row_bytes = info.nbytes // shape[0]
-    src_shape, index, dest_shape = byte_selection(shape, info.dtype.bits // 8, plan)
-    sel0, rest = index[0], index[1:]
-    inner = src_shape[1:]
-    dest = out.reshape(dest_shape)
-    if isinstance(sel0, int) and row_bytes <= _GATHER_BLOCK:
-        # One row: read it whole and pick the selection out of it.
-        return [(base + sel0 * row_bytes, row_bytes, inner, rest, dest)]
-    if isinstance(sel0, int):  # one row too large to buffer: as one of several below
-        start, step, dest = sel0, 1, dest[np.newaxis]
-    else:
-        start, _, step = sel0.indices(shape[0])
-    blocks: list[GatherBlock] = []
-    if row_bytes <= _GATHER_BLOCK:
-        per_block = max(1, _GATHER_BLOCK // max(1, row_bytes * step))
-        for j0 in range(0, plan.shape[0], per_block):
-            j1 = min(plan.shape[0], j0 + per_block)
-            at = base + (start + j0 * step) * row_bytes
-            nrows = (j1 - j0 - 1) * step + 1
-            blocks.append(
-                (
-                    at,
-                    nrows * row_bytes,
-                    (nrows, *inner),
-                    (slice(None, None, step), *rest),
-                    dest[j0:j1],
-                )
-            )
-        return blocks
-    # Rows too large to buffer (a fused-experts weight split along its last dimension: each
-    # reader thread held a 112 MiB row for a 14 MiB share of it): each selected row is
-    # gathered in blocks of its second dimension, or the runs are read one by one.
-    sel1 = rest[0] if rest else None
-    if not isinstance(sel1, slice) or len(inner) < 2:
-        return None
-    sub_bytes = row_bytes // inner[0]
-    if sub_bytes > _GATHER_BLOCK:
-        return None
-    start1, stop1, step1 = sel1.indices(inner[0])
-    count1 = len(range(start1, stop1, step1))
-    per_block = max(1, _GATHER_BLOCK // max(1, sub_bytes * step1))
-    for j in range(len(dest)):
-        row_at = base + (start + j * step) * row_bytes
-        for k0 in range(0, count1, per_block):
-            k1 = min(count1, k0 + per_block)
-            at = row_at + (start1 + k0 * step1) * sub_bytes
-            nsub = (k1 - k0 - 1) * step1 + 1
-            blocks.append(
-                (
-                    at,
-                    nsub * sub_bytes,
-                    (nsub, *inner[1:]),
-                    (slice(None, None, step1), *rest[1:]),
-                    dest[j, k0:k1],
-                )
-            )
-    return blocks
-
-
-def fetch_gathered(
-    source: ByteSource,
-    blocks: list[GatherBlock],
-    pieces: list[tuple[int, int, memoryview, int]] | None = None,
-    *,
-    max_gap: int | None = None,
-) -> None:
-    """Fetch gather ``blocks`` and plain ``pieces`` (``(file offset, length, buffer, position
-    in it)``) from a remote source in one plan of coalesced, parallel requests
-    (``readinto_scattered``), and gather each block's selection to its place.
-
-    Taken in file order, in batches of at most :data:`_SMALL_BATCH` bytes of blocks (their
-    scratch buffer, reused): a batch's requests span only its own pieces' offsets, so no byte
-    is fetched twice, and each batch's requests run in parallel. Fetched apart, a request
-    merged across a gap of one group fetched again the bytes another group's requests
-    fetched (a 6 MB file's column split fetched 10.3 MB), and a large tensor's column split
-    came one 8 MiB request after another.
-    """
-    readinto_scattered = source.readinto_scattered  # type: ignore[attr-defined]
-    with gc_paused():  # a few objects per piece
-        # (file offset, position in blocks, or -1 - position in pieces), in file order.
-        order = sorted(
-            [(block[0], k) for k, block in enumerate(blocks)]
-            + [(piece[0], -1 - k) for k, piece in enumerate(pieces or ())]
-        )
-        largest = max((block[1] for block in blocks), default=0)
-        total = sum(block[1] for block in blocks)
-    # Blocks back to back in one scratch buffer, so that touching ones are received in place.
-    scratch = empty_bytes(min(total, max(_SMALL_BATCH, largest)))
-    scratch_view = scratch.data
-    # Each batch: its pieces for readinto_scattered, and its blocks in scratch order.
-    batches: list[tuple[list[tuple[int, int, memoryview, int]], list[GatherBlock]]] = [([], [])]
-    at = 0
-    with gc_paused():
-        for offset, k in order:
-            batch_pieces, batch_blocks = batches[-1]
-            if k < 0:
-                batch_pieces.append(pieces[-1 - k])  # type: ignore[index]
-                continue
-            block = blocks[k]
-            if at + block[1] > scratch.nbytes:
-                batch_pieces, batch_blocks, at = [], [], 0
-                batches.append((batch_pieces, batch_blocks))
-            batch_pieces.append((offset, block[1], scratch_view, at))
-            batch_blocks.append(block)
-            at += block[1]
-    for batch_pieces, batch_blocks in batches:
-        readinto_scattered(batch_pieces, max_gap=max_gap)
-        with gc_paused():
-            at = 0
-            for _, want, src_shape, index, target in batch_blocks:
-                target[...] = scratch[at : at + want].reshape(src_shape)[index]
-                at += want
-
-
-#: Rows of a fragmented selection larger than this go to a device by one plain copy: staging
-#: them through pinned buffers would pin a few of them at once.
-_STAGED_ROW_MAX: Final = 64 << 20
-
-#: Copies out of a mapping smaller than this stay on the calling thread.
-_PARALLEL_COPY_MIN: Final = 4 << 20
-
-
-def copy_in_parallel(dest: np.ndarray, src: np.ndarray, source: ByteSource) -> None:
-    """``dest[...] = src``, split along the first axis across the reader threads.
-
-    A fresh destination costs a page fault per 4 KiB page, and faults (like the copy) run on
-    one core per thread: with both cores a row or column split copied out of a mapping takes
-    about half the time (the reference's torch ``clone`` copies with all cores too). numpy
-    releases the GIL for these copies.
-    """
-    rows = dest.shape[0] if dest.ndim else 0
-    threads = worker_count(source)
-    if dest.nbytes < _PARALLEL_COPY_MIN or rows < 2 or threads < 2:
-        dest[...] = src
-        return
-    pieces = min(rows, threads, dest.nbytes // (_PARALLEL_COPY_MIN // 2))
-    step = -(-rows // pieces)
-
-    def one(start: int) -> None:
-        dest[start : start + step] = src[start : start + step]
-
-    run_parallel(one, range(0, rows, step), threads)
 
 
 class _Reading:

@@ -25,10 +25,8 @@ __all__ = [
 #: kernel's copies (and, for cold files, the device's queue).
 READ_THREADS: Final = max(2, min(8, (os.cpu_count() or 2) * 2))
 
-
 #: The most reader threads a process keeps, whatever ``threads=`` asks for.
 MAX_READ_THREADS: Final = 64
-
 
 _T = TypeVar("_T")
 
@@ -40,12 +38,9 @@ _T = TypeVar("_T")
 # workers in the shared pool. (One pool per thread count kept every count ever asked for.)
 _POOL: ThreadPoolExecutor | None = None
 
-
 _POOL_SIZE = 0
 
-
 _POOLS_LOCK = threading.Lock()
-
 
 _WORKER = threading.local()
 

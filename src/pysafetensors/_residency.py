@@ -30,10 +30,8 @@ __all__ = [
 #: as it is, with no read-in (mapped slices) and no read-ahead thread (large preads).
 _MOSTLY_RESIDENT: Final = 0.5
 
-
 #: ``resident_fraction`` looks at this many windows of a long range...
 _RESIDENCY_WINDOWS: Final = 8
-
 
 #: ... of this many pages each (mincore walks the page cache page by page: asking about all of
 #: a 2 GiB mapping took 30-40 ms, as long as a fifth of a warm column split).
@@ -75,7 +73,6 @@ def resident_fraction(address: int, length: int) -> float | None:
 
 #: Reads at least this large get a read-ahead thread when most of their range is uncached.
 READ_AHEAD_MIN: Final = 256 << 20
-
 
 #: Window of each ``POSIX_FADV_WILLNEED`` the read-ahead thread issues.
 _READ_AHEAD_STEP: Final = 2 << 20

@@ -60,16 +60,13 @@ __all__ = [
     "starts_like_safetensors",
 ]
 
-
 _T = TypeVar("_T")
 
 #: Reads larger than this are split across threads.
 PARALLEL_CHUNK: Final = 16 << 20
 
-
 #: Smallest piece a read is split into for parallel threads.
 MIN_PARALLEL_CHUNK: Final = 2 << 20
-
 
 #: Reads into fresh memory (:func:`read_fresh`) up to this size are one read on the calling
 #: thread. In a fresh process (where the reader threads start at their first read) an 8 MiB
@@ -296,7 +293,6 @@ class BufferSource:
 #: Mapped ranges at least this large are read into the page cache before a copy out of them,
 #: when mostly uncached (:meth:`MmapSource.prefetch`).
 PREFETCH_MIN: Final = 4 << 20
-
 
 #: Piece each reader thread populates at a time: on the disk measured, 2 MiB pieces on all
 #: reader threads kept the device busiest (4 MiB varied more, 8-16 MiB was slower than none).

@@ -46,7 +46,7 @@ from ._format import (
     build_layout,
     check_metadata,
 )
-from ._reader import MAX_NDIM
+from ._representable import MAX_NDIM
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,
     MAX_SHARD_SIZE,

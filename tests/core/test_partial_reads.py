@@ -351,9 +351,9 @@ def test_slices_of_rows_too_large_to_buffer_read_their_parts(
     # With rows over the gather block, each reader thread held a whole row (a 112 MiB row of
     # an (8, 14336, 4096) BF16 weight for a 14 MiB share of it); they are now gathered in
     # blocks of their second dimension. A small block makes these rows "too large".
-    from pysafetensors import _reader
+    from pysafetensors import _reader, _slice_gather
 
-    monkeypatch.setattr(_reader, "_GATHER_BLOCK", 1024)
+    monkeypatch.setattr(_slice_gather, "_GATHER_BLOCK", 1024)
     monkeypatch.setattr(_reader, "_SMALL_PART", 0)  # not read whole as a small tensor
     rng = np.random.default_rng(5)
     value = rng.standard_normal((4, 40, 32)).astype(np.float32)  # rows of 5 KiB

@@ -108,9 +108,9 @@ def test_load_shard_of_repeated_shapes_equals_get_slice(
 
 
 def test_selections_copied_in_strided_groups_equal_one_by_one() -> None:
-    """``_copy_selections`` on random layouts: runs of one selection at constant strides (a
+    """``copy_selections`` on random layouts: runs of one selection at constant strides (a
     group), broken by another selection, a stride change in the source or in the destination."""
-    from pysafetensors._reader import _copy_selections, part_selection
+    from pysafetensors._slice_gather import copy_selections, part_selection
     from pysafetensors._slicing import Part
 
     rng = np.random.default_rng(3)
@@ -140,7 +140,7 @@ def test_selections_copied_in_strided_groups_equal_one_by_one() -> None:
             dest_at += selected[1]
         scratch = rng.integers(0, 256, src_at, dtype=np.uint8)
         dest = np.zeros(dest_at, np.uint8)
-        _copy_selections(parts, scratch, starts, dest, offsets)
+        copy_selections(parts, scratch, starts, dest, offsets)
         want = np.zeros(dest_at, np.uint8)
         for (_, info, _, nbytes, src_shape, index, dest_shape), start, at in zip(
             parts, starts, offsets, strict=True

@@ -685,13 +685,14 @@ def test_remote_column_splits_buffer_a_bounded_scratch(
 ) -> None:
     """Whatever max_gap says: a tensor under a large max_gap was gathered from the tensor
     fetched whole (a 300 MB tensor under max_gap=1 GiB: 300 MB of scratch). Blocks of rows
-    now, at most _SMALL_BATCH of them buffered (shrunk here with the block size)."""
-    from pysafetensors import _reader
+    now, at most SMALL_BATCH of them buffered (shrunk here with the block size)."""
+    from pysafetensors import _reader, _slice_gather
     from pysafetensors.numpy import save_file
     from pysafetensors.parallel import load_shard
 
-    monkeypatch.setattr(_reader, "_SMALL_BATCH", 1 << 20)
-    monkeypatch.setattr(_reader, "_GATHER_BLOCK", 256 << 10)
+    monkeypatch.setattr(_reader, "SMALL_BATCH", 1 << 20)
+    monkeypatch.setattr(_slice_gather, "SMALL_BATCH", 1 << 20)
+    monkeypatch.setattr(_slice_gather, "_GATHER_BLOCK", 256 << 10)
     sizes: list[int] = []
     real = _reader.empty_bytes
 
