@@ -286,8 +286,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             {"Authorization": "Bearer ..."}}`` for HTTP, ``{"endpoint_url": ...}`` for S3, or
             an fsspec filesystem's options.
         threads: Reader threads for large positioned reads (``backend="pread"``: whole-file
-            loads and split slice reads); default ``min(8, 2 x cores)``. See
-            ``docs/performance.md``.
+            loads and split slice reads); default ``tuning``'s ``read_threads``, which is
+            ``min(8, 2 x cores)`` unless set. See ``docs/performance.md``.
 
     Raises:
         SafetensorError: The framework, device or backend is invalid.

@@ -13,9 +13,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Final, TypeVar
 
+from . import tuning
+from .tuning import MAX_READ_THREADS
+
 __all__ = [
     "MAX_READ_THREADS",
     "READ_THREADS",
+    "default_threads",
     "reader_thread_count",
     "run_parallel",
     "worker_count",
@@ -25,8 +29,6 @@ __all__ = [
 #: kernel's copies (and, for cold files, the device's queue).
 READ_THREADS: Final = max(2, min(8, (os.cpu_count() or 2) * 2))
 
-#: The most reader threads a process keeps, whatever ``threads=`` asks for.
-MAX_READ_THREADS: Final = 64
 
 _T = TypeVar("_T")
 
@@ -172,7 +174,13 @@ def _wait_all(futures: list[Future[None]], failed: threading.Event) -> BaseExcep
 _DONE: Final = object()
 
 
+def default_threads() -> int:
+    """Reader threads for a read whose caller did not say: ``tuning``'s ``read_threads``, else
+    :data:`READ_THREADS`."""
+    return tuning.settings().read_threads or READ_THREADS
+
+
 def worker_count(source: object) -> int:
     """Threads to use for parallel reads from ``source`` (its ``threads``, else the default)."""
     threads = getattr(source, "threads", None)
-    return max(1, int(threads)) if threads else READ_THREADS
+    return max(1, int(threads)) if threads else default_threads()

@@ -42,7 +42,7 @@ from ._fresh_memory import (
     _madvise,
     empty_bytes,
 )
-from ._reader_pool import READ_THREADS, run_parallel
+from ._reader_pool import default_threads, run_parallel, worker_count
 from ._residency import mapped_mostly_uncached, mostly_uncached, read_ahead
 from ._syscalls import MAP_FIXED, MAP_NORESERVE, libc_mmap, madvise, mincore
 
@@ -382,7 +382,8 @@ class PreadSource:
     """Positioned reads from a file descriptor into caller memory.
 
     Attributes:
-        threads: Threads used for one large read (``READ_THREADS`` by default).
+        threads: Threads used for one large read (by default ``tuning``'s ``read_threads``, else
+            ``READ_THREADS``).
         chunk_size: Bytes per thread task for large reads (``PARALLEL_CHUNK`` by default).
     """
 
@@ -400,7 +401,7 @@ class PreadSource:
         self._name = name
         self._owns_fd = owns_fd
         self._size = os.fstat(fd).st_size if size is None else size
-        self.threads = threads or READ_THREADS
+        self.threads = threads or default_threads()
         self.chunk_size = chunk_size or PARALLEL_CHUNK
         self._exact: PreadSource | None = None
         self._exact_lock = threading.Lock()
@@ -749,7 +750,7 @@ class MmapSource:
             _madvise(mapping, address, at, min(_PREFETCH_STEP, end - at), _MADV_POPULATE_READ)
 
         try:
-            run_parallel(populate, range(start, end, _PREFETCH_STEP), READ_THREADS)
+            run_parallel(populate, range(start, end, _PREFETCH_STEP), worker_count(self))
         except OSError as exc:
             # Kernels before 5.14 refuse the advice (EINVAL): stop asking. Anything else (a
             # file truncated meanwhile) is left to the copy, which checks and reports it.

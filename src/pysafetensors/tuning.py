@@ -16,6 +16,11 @@ process:
 * ``prefetch``: ``True`` (default) reads a large, mostly uncached span of a memory-mapped
   file into the page cache on the reader threads before a slice is copied out of it (a
   column split of a cold file); ``False`` leaves the page faults of the copy to read it.
+* ``read_threads``: reader threads for large positioned reads (``backend="pread"``, eager
+  loads, row splits, ``read_into``) when a call does not say (``safe_open(threads=N)`` does).
+  ``0`` (default) means ``min(8, 2 x cores)``, at least 2; more threads help cold caches and
+  network filesystems (more requests in flight), on a warm cache two per core is enough. At
+  most :data:`MAX_READ_THREADS`. A handle keeps the count in force when it was opened.
 * ``preallocate``: ``True`` reserves a saved file's space before writing it
   (``posix_fallocate``: a full disk fails before anything is written, but buffered writes
   into the reserved space were about 2x slower on ext4); ``False`` (default) does not.
@@ -23,7 +28,8 @@ process:
 Each can also be set before the process starts, by environment variables read when this
 module is first imported: ``PYSAFETENSORS_HUGEPAGES`` (``auto``, ``1``/``on``/``true``,
 ``0``/``off``/``false``), ``PYSAFETENSORS_DIRECT_READS``, ``PYSAFETENSORS_PREFETCH`` and
-``PYSAFETENSORS_PREALLOCATE`` (``1``/``on``/``true`` or ``0``/``off``/``false``).
+``PYSAFETENSORS_PREALLOCATE`` (``1``/``on``/``true`` or ``0``/``off``/``false``),
+``PYSAFETENSORS_READ_THREADS`` (a count, ``0`` for the default).
 
 Example:
     >>> from pysafetensors import tuning
@@ -41,7 +47,10 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal
 
-__all__ = ["Settings", "configure", "configured", "settings"]
+__all__ = ["MAX_READ_THREADS", "Settings", "configure", "configured", "settings"]
+
+#: The most reader threads a process keeps, whatever a setting or ``threads=`` asks for.
+MAX_READ_THREADS: Final = 64
 
 HugePages = bool | Literal["auto"]
 
@@ -56,6 +65,7 @@ class Settings:
     hugepage_destinations: HugePages = "auto"
     direct_reads: bool = True
     prefetch: bool = True
+    read_threads: int = 0
     preallocate: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -65,6 +75,13 @@ class Settings:
 
 def _checked(name: str, value: object) -> Any:
     """``value`` if it is allowed for setting ``name``, else a ``ValueError`` naming both."""
+    if name == "read_threads":
+        if type(value) is not int or not 0 <= value <= MAX_READ_THREADS:
+            raise ValueError(
+                f"tuning: read_threads must be an int from 0 (the default count) to"
+                f" {MAX_READ_THREADS} (got {value!r})"
+            )
+        return value
     allowed: tuple[object, ...] = (
         (True, False, "auto") if name == "hugepage_destinations" else (True, False)
     )
@@ -82,12 +99,21 @@ def _from_environment(environ: Mapping[str, str]) -> Settings:
         ("PYSAFETENSORS_HUGEPAGES", "hugepage_destinations"),
         ("PYSAFETENSORS_DIRECT_READS", "direct_reads"),
         ("PYSAFETENSORS_PREFETCH", "prefetch"),
+        ("PYSAFETENSORS_READ_THREADS", "read_threads"),
         ("PYSAFETENSORS_PREALLOCATE", "preallocate"),
     ):
         raw = environ.get(variable)
         if raw is None or raw.strip() == "":
             continue
         text = raw.strip().lower()
+        if name == "read_threads":
+            if not text.isdigit() or int(text) > MAX_READ_THREADS:
+                raise ValueError(
+                    f"environment variable {variable}={raw!r}: expected a count from 0 to"
+                    f" {MAX_READ_THREADS}"
+                )
+            found[name] = int(text)
+            continue
         if text in _TRUE:
             found[name] = True
         elif text in _FALSE:
@@ -118,6 +144,7 @@ def configure(
     hugepage_destinations: HugePages | None = None,
     direct_reads: bool | None = None,
     prefetch: bool | None = None,
+    read_threads: int | None = None,
     preallocate: bool | None = None,
 ) -> Settings:
     """Change some strategies for the whole process; ``None`` leaves one as it is.
@@ -126,6 +153,7 @@ def configure(
         hugepage_destinations: ``"auto"``, ``True`` or ``False``.
         direct_reads: ``True`` or ``False``.
         prefetch: ``True`` or ``False``.
+        read_threads: ``0`` (the default count) to :data:`MAX_READ_THREADS`.
         preallocate: ``True`` or ``False``.
 
     Returns:
@@ -142,6 +170,7 @@ def configure(
             ("hugepage_destinations", hugepage_destinations),
             ("direct_reads", direct_reads),
             ("prefetch", prefetch),
+            ("read_threads", read_threads),
             ("preallocate", preallocate),
         )
         if value is not None
@@ -157,6 +186,7 @@ def configured(
     hugepage_destinations: HugePages | None = None,
     direct_reads: bool | None = None,
     prefetch: bool | None = None,
+    read_threads: int | None = None,
     preallocate: bool | None = None,
 ) -> Iterator[Settings]:
     """:func:`configure` for the duration of a ``with`` block, then restore what was there.
@@ -171,6 +201,7 @@ def configured(
         hugepage_destinations=hugepage_destinations,
         direct_reads=direct_reads,
         prefetch=prefetch,
+        read_threads=read_threads,
         preallocate=preallocate,
     )
     try:

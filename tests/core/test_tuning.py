@@ -4,6 +4,7 @@ environment variables, and that each one changes what the readers and the writer
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pysafetensors import _fresh_memory, tuning
+from pysafetensors import _fresh_memory, _reader_pool, _sources, safe_open, tuning
 from pysafetensors.numpy import load_file, save_file
 
 
@@ -26,7 +27,11 @@ def restored() -> Iterator[None]:
 
 def test_defaults_are_the_measured_fastest() -> None:
     assert tuning.Settings() == tuning.Settings(
-        hugepage_destinations="auto", direct_reads=True, prefetch=True, preallocate=False
+        hugepage_destinations="auto",
+        direct_reads=True,
+        prefetch=True,
+        read_threads=0,
+        preallocate=False,
     )
 
 
@@ -64,17 +69,24 @@ def test_configured_restores_after_the_block_even_on_error() -> None:
         ("prefetch", "false"),  # a string, not a bool
         ("hugepage_destinations", "always"),
         ("hugepage_destinations", 1.0),
+        ("read_threads", -1),
+        ("read_threads", 65),  # above MAX_READ_THREADS
+        ("read_threads", True),  # a bool is not a count
+        ("read_threads", "4"),
+        ("read_threads", 2.0),
     ],
 )
 def test_values_outside_the_choices_are_refused_and_nothing_changes(
     name: str, value: object
 ) -> None:
     start = tuning.settings()
-    pattern = f"tuning: {name} must be one of .* \\(got {value!r}\\)"
+    pattern = f"tuning: {name} must be .* \\(got {re.escape(repr(value))}\\)"
     with pytest.raises(ValueError, match=pattern):
         # A valid change of another setting in the same call is not made either.
         other = "preallocate" if name != "preallocate" else "direct_reads"
         changes: dict[str, Any] = {other: not getattr(start, other), name: value}
+        if name == "read_threads":
+            changes["direct_reads"] = not start.direct_reads
         tuning.configure(**changes)
     assert tuning.settings() == start
 
@@ -87,10 +99,15 @@ def test_environment_variables_are_parsed() -> None:
             "PYSAFETENSORS_HUGEPAGES": "Off",
             "PYSAFETENSORS_DIRECT_READS": " 0 ",
             "PYSAFETENSORS_PREFETCH": "no",
+            "PYSAFETENSORS_READ_THREADS": "12",
             "PYSAFETENSORS_PREALLOCATE": "TRUE",
         }
     ) == tuning.Settings(
-        hugepage_destinations=False, direct_reads=False, prefetch=False, preallocate=True
+        hugepage_destinations=False,
+        direct_reads=False,
+        prefetch=False,
+        read_threads=12,
+        preallocate=True,
     )
     assert parse({"PYSAFETENSORS_HUGEPAGES": "auto"}).hugepage_destinations == "auto"
     assert parse({"PYSAFETENSORS_HUGEPAGES": "1"}).hugepage_destinations is True
@@ -99,6 +116,9 @@ def test_environment_variables_are_parsed() -> None:
         parse({"PYSAFETENSORS_DIRECT_READS": "auto"})
     with pytest.raises(ValueError, match="PYSAFETENSORS_HUGEPAGES='2'.*auto"):
         parse({"PYSAFETENSORS_HUGEPAGES": "2"})
+    for bad in ("-1", "65", "four", "1.5"):
+        with pytest.raises(ValueError, match=f"PYSAFETENSORS_READ_THREADS='{bad}'.* 0 to 64"):
+            parse({"PYSAFETENSORS_READ_THREADS": bad})
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -172,3 +192,29 @@ def test_hugepage_destinations_off_never_asks_for_huge_pages(
         assert _fresh_memory.empty_bytes(64 << 20).nbytes == 64 << 20
     assert np.array_equal(got["w"], data["w"])
     assert asked and not any(asked)
+
+
+def test_read_threads_apply_to_reads_that_do_not_choose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[int] = []
+    real = _sources.run_parallel
+
+    def recording(fn: Any, items: Any, threads: int) -> None:
+        asked.append(threads)
+        real(fn, items, threads)
+
+    monkeypatch.setattr(_sources, "run_parallel", recording)  # PreadSource's parallel reads
+    data = {"w": np.random.default_rng(2).integers(0, 255, (40 << 20,), np.uint8)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(data, path)
+    with tuning.configured(read_threads=3, direct_reads=False):
+        got = load_file(path, backend="pread")
+        assert asked and set(asked) == {3}
+        asked.clear()
+        with safe_open(path, "np", backend="pread", threads=5) as f:  # the call's own choice
+            assert np.array_equal(f.get_tensor("w"), data["w"])
+        assert asked and set(asked) == {5}
+        assert _reader_pool.worker_count(object()) == 3
+    assert np.array_equal(got["w"], data["w"])
+    assert _reader_pool.worker_count(object()) == _reader_pool.READ_THREADS
