@@ -22,6 +22,16 @@ import pytest
 __all__ = ["compact_json", "peak_growth_kib", "raw_file"]
 
 
+@pytest.fixture(autouse=True)
+def default_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts from the library's default strategies, whatever ``PYSAFETENSORS_*``
+    variables the environment sets (tests of the defaults would fail under them; the whole
+    rest of the suite passes with every strategy switched by them)."""
+    from pysafetensors import tuning
+
+    monkeypatch.setattr(tuning, "_current", tuning.Settings())
+
+
 def compact_json(obj: Any) -> bytes:
     """JSON the way the reference writes it: compact, not ASCII-escaped, UTF-8."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
