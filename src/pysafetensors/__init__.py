@@ -2,7 +2,9 @@
 
 The top level imports no framework. Framework functions live in ``pysafetensors.numpy``,
 ``pysafetensors.torch``, ``pysafetensors.flax``, ``pysafetensors.tensorflow``,
-``pysafetensors.paddle`` and ``pysafetensors.mlx``.
+``pysafetensors.paddle`` and ``pysafetensors.mlx``; ``pysafetensors.parallel`` loads across
+processes, ``pysafetensors.convert`` and ``pysafetensors.scan`` handle pickle checkpoints, and
+``pysafetensors.tuning`` chooses the read and save strategies for the whole process.
 """
 
 from __future__ import annotations

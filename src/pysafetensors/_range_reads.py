@@ -169,8 +169,8 @@ def read_runs_fresh(
 
     Each run starts at a multiple of ``align`` in the buffer, so that tensors viewing it are
     aligned. One destination for all runs (huge pages faulted in by the thread that reads each
-    piece, as in :func:`read_fresh`) costs fewer page faults than one per run, and all runs
-    are read at once: a rank's rows of every tensor of a 2 GiB file (256 MiB in 39 runs of
+    piece, as in :func:`._sources.read_fresh`) costs fewer page faults than one per run, and
+    all runs are read at once: a rank's rows of every tensor of a 2 GiB file (256 MiB in 39 runs of
     4-32 MiB) took 50-71 ms this way against 77-104 ms one tensor at a time (10 runs each; in
     the machine's slow spells, 147-166 ms against 204-225 ms). Small runs less than a page
     apart are read as one span each and copied to their places (see :data:`_SMALL_RUN`),

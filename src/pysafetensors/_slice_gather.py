@@ -120,8 +120,9 @@ def _stacked(
     return stacked
 
 
-#: How :meth:`safe_open._read_requests` reads one part: its byte run (:func:`part_run`), else
-#: its selection to gather (:func:`part_selection`), else neither (the general path).
+#: How :meth:`._reader.safe_open._read_requests` reads one part: its byte run
+#: (:func:`part_run`), else its selection to gather (:func:`part_selection`), else neither
+#: (the general path).
 PartRead: TypeAlias = tuple[
     tuple[tuple[int, ...], int, int] | None,
     tuple[tuple[int, ...], int, tuple[int, ...], tuple[int | slice, ...], tuple[int, ...]] | None,
@@ -253,7 +254,7 @@ def gather_blocks(
 
     None when per-run reads are the better plan: few or large runs, a very sparse selection,
     a sub-byte tensor whose rows are not whole bytes (the others come here as bytes, see
-    :func:`as_whole_bytes`), rows too large to buffer that cannot be split.
+    :func:`._slicing.as_whole_bytes`), rows too large to buffer that cannot be split.
     """
     shape = info.shape
     if info.dtype.bits % 8 or len(shape) < 2:

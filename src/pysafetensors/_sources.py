@@ -304,9 +304,9 @@ def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
 
     From a :class:`PreadSource`, up to :data:`ONE_READ_MAX` bytes are one read on the calling
     thread; a larger destination is a huge-page region that each reader thread faults in
-    (:class:`_HugeRegion`) right before reading its piece, so on a cold file the faults overlap
-    the other threads' waits for the disk instead of preceding them. Other sources read into
-    :func:`empty_bytes`.
+    (:class:`._fresh_memory._HugeRegion`) right before reading its piece, so on a cold file
+    the faults overlap the other threads' waits for the disk instead of preceding them. Other
+    sources read into :func:`._fresh_memory.empty_bytes`.
     """
     if isinstance(source, PreadSource) and nbytes <= ONE_READ_MAX:
         # One read on this thread into plain memory: cheaper than starting the reader threads
