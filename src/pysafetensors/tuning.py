@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal
 
@@ -132,6 +133,8 @@ def _from_environment(environ: Mapping[str, str]) -> Settings:
 # Read by the readers and the writer at every call: one attribute lookup, and replaced whole
 # (never mutated), so a thread sees either the old settings or the new ones.
 _current: Settings = _from_environment(os.environ)
+# Two threads configuring at once must not lose one's change (a read-modify-write).
+_CONFIGURE_LOCK = threading.Lock()
 
 
 def settings() -> Settings:
@@ -175,8 +178,9 @@ def configure(
         )
         if value is not None
     }
-    previous = _current
-    _current = dataclasses.replace(previous, **changes)
+    with _CONFIGURE_LOCK:
+        previous = _current
+        _current = dataclasses.replace(previous, **changes)
     return previous
 
 

@@ -218,3 +218,22 @@ def test_read_threads_apply_to_reads_that_do_not_choose(
         assert _reader_pool.worker_count(object()) == 3
     assert np.array_equal(got["w"], data["w"])
     assert _reader_pool.worker_count(object()) == _reader_pool.READ_THREADS
+
+
+def test_concurrent_configures_lose_no_change() -> None:
+    import threading
+
+    start = threading.Barrier(2)
+
+    def flip(name: str) -> None:
+        start.wait()
+        for i in range(2000):
+            tuning.configure(**{name: bool(i % 2)})
+
+    threads = [threading.Thread(target=flip, args=(n,)) for n in ("direct_reads", "prefetch")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Each thread's last write (True: 1999 is odd) survived the other's.
+    assert tuning.settings().direct_reads is True and tuning.settings().prefetch is True
