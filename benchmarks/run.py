@@ -225,6 +225,14 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]
     return out
 
 
+def strategies() -> dict[str, Any]:
+    """The process-wide strategies the workers run with: the defaults unless ``PYSAFETENSORS_*``
+    variables (which the workers inherit) set others."""
+    from pysafetensors import tuning
+
+    return tuning.settings().as_dict()
+
+
 def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict[str, int]) -> str:
     m = meta["machine"]
     lines = [
@@ -236,6 +244,15 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "",
         "Machine: " + "; ".join(f"{k}: {v}" for k, v in m.items()),
         "",
+        *(
+            [
+                "Strategies in force (`pysafetensors.tuning`, as the environment set them): "
+                + "; ".join(f"{k}: {v}" for k, v in meta["strategies"].items()),
+                "",
+            ]
+            if "strategies" in meta
+            else []
+        ),
         "Starting state: right before every timed operation except opens, the worker touches "
         "and frees 1.25x the file's size of memory, so that every arm draws recently used "
         "memory (on this VM, memory the guest has not touched recently faults in several times "
@@ -388,6 +405,7 @@ def write_outputs(
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wall_s": time.time() - t_start,
         "machine": machine(),
+        "strategies": strategies(),
         "loadavg_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
         "notes": notes,
     }

@@ -32,6 +32,13 @@ def test_quick_benchmark_writes_table_and_json(tmp_path: Path) -> None:
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["quick"] is True
     assert {"cpu", "cores", "kernel", "python", "numpy", "torch"} <= set(data["meta"]["machine"])
+    assert set(data["meta"]["strategies"]) == {
+        "hugepage_destinations",
+        "direct_reads",
+        "prefetch",
+        "read_threads",
+        "preallocate",
+    }
     summary = data["summary"]
     # Every cell ran and produced a positive median, with the memory fields present.
     failed = {k: v for k, v in summary.items() if v.get("n", 0) == 0}
@@ -53,6 +60,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path: Path) -> None:
     assert all(line.count("|") == columns for line in rows[:8])
     assert "x ref" in header
     assert "Machine:" in table
+    assert "Strategies in force (`pysafetensors.tuning`" in table
 
 
 def test_quick_remote_benchmark_writes_table_and_json(tmp_path: Path) -> None:
