@@ -20,15 +20,16 @@ process:
   loads, row splits, ``read_into``) when a call does not say (``safe_open(threads=N)`` does).
   ``0`` (default) means ``min(8, 2 x cores)``, at least 2; more threads help cold caches and
   network filesystems (more requests in flight), on a warm cache two per core is enough. At
-  most :data:`MAX_READ_THREADS`. A handle keeps the count in force when it was opened.
+  most :data:`MAX_READ_THREADS`. A ``pread`` handle keeps the count in force when it was
+  opened.
 * ``preallocate``: ``True`` reserves a saved file's space before writing it
   (``posix_fallocate``: a full disk fails before anything is written, but buffered writes
   into the reserved space were about 2x slower on ext4); ``False`` (default) does not.
 
 Each can also be set before the process starts, by environment variables read when this
-module is first imported: ``PYSAFETENSORS_HUGEPAGES`` (``auto``, ``1``/``on``/``true``,
-``0``/``off``/``false``), ``PYSAFETENSORS_DIRECT_READS``, ``PYSAFETENSORS_PREFETCH`` and
-``PYSAFETENSORS_PREALLOCATE`` (``1``/``on``/``true`` or ``0``/``off``/``false``),
+module is first imported: ``PYSAFETENSORS_HUGEPAGES`` (``auto``, or a switch),
+``PYSAFETENSORS_DIRECT_READS``, ``PYSAFETENSORS_PREFETCH`` and ``PYSAFETENSORS_PREALLOCATE``
+(a switch: ``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``), and
 ``PYSAFETENSORS_READ_THREADS`` (a count, ``0`` for the default).
 
 Example:
@@ -94,7 +95,11 @@ def _checked(name: str, value: object) -> Any:
 
 
 def _from_environment(environ: Mapping[str, str]) -> Settings:
-    """The defaults, overridden by the ``PYSAFETENSORS_*`` variables that are set."""
+    """The defaults, overridden by the ``PYSAFETENSORS_*`` variables that are set.
+
+    Each value is read as the setting's type and then checked by :func:`_checked`, the one
+    place that knows what each setting allows; a refusal names the variable.
+    """
     found: dict[str, Any] = {}
     for variable, name in (
         ("PYSAFETENSORS_HUGEPAGES", "hugepage_destinations"),
@@ -107,26 +112,21 @@ def _from_environment(environ: Mapping[str, str]) -> Settings:
         if raw is None or raw.strip() == "":
             continue
         text = raw.strip().lower()
+        value: object
         if name == "read_threads":
-            if not text.isdigit() or int(text) > MAX_READ_THREADS:
-                raise ValueError(
-                    f"environment variable {variable}={raw!r}: expected a count from 0 to"
-                    f" {MAX_READ_THREADS}"
-                )
-            found[name] = int(text)
-            continue
-        if text in _TRUE:
-            found[name] = True
-        elif text in _FALSE:
-            found[name] = False
-        elif text == "auto" and name == "hugepage_destinations":
-            found[name] = "auto"
+            value = int(text) if text.isdigit() else text
+            expected = f"a count from 0 to {MAX_READ_THREADS}"
         else:
-            extra = ", auto" if name == "hugepage_destinations" else ""
+            value = True if text in _TRUE else False if text in _FALSE else text
+            expected = "1, on, true, yes, 0, off, false, no"
+            if name == "hugepage_destinations":
+                expected += ", auto"
+        try:
+            found[name] = _checked(name, value)
+        except ValueError:
             raise ValueError(
-                f"environment variable {variable}={raw!r}: expected 1, on, true, 0, off,"
-                f" false{extra}"
-            )
+                f"environment variable {variable}={raw!r}: expected {expected}"
+            ) from None
     return dataclasses.replace(Settings(), **found)
 
 
