@@ -110,8 +110,8 @@ def slabs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
         import pysafetensors._writer as writer
 
         monkeypatch.setattr(adapter, "SLAB_BYTES", 24)
-        monkeypatch.setattr(adapter, "_WRITEV_BYTES", 8)
-        monkeypatch.setattr(writer, "_WRITEV_BYTES", 8)
+        monkeypatch.setattr(adapter, "WRITEV_BYTES", 8)
+        monkeypatch.setattr(writer, "WRITEV_BYTES", 8)
 
 
 def peak_growth_kib(setup: str, action: str, *argv: str) -> int:

@@ -47,11 +47,11 @@ from ._streaming import ShardedStreamingWriter, StreamingWriter
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError",
     "MAX_HEADER_SIZE",
+    "CheckpointError",
     "ClosedFileError",
-    "DeviceError",
     "DTypeNotSupportedError",
+    "DeviceError",
     "HeaderDecodeError",
     "HeaderError",
     "HeaderSizeError",

@@ -28,22 +28,22 @@ from ._errors import (
     not_an_instance,
 )
 from ._format import SERIALIZE_PREFIX
-from ._writer import _WRITEV_BYTES, TensorData
+from ._writer import WRITEV_BYTES, TensorData
 
 __all__ = [
     "Adapter",
     "NumpyAdapter",
     "as_array",
     "check_cpu_device",
-    "invalid_tensor_error",
-    "non_contiguous_error",
-    "get_adapter",
     "chunk_values",
     "chunk_values_widened",
     "copied_slabs",
-    "slabs_reused",
+    "get_adapter",
+    "invalid_tensor_error",
+    "non_contiguous_error",
     "numpy_dtype",
     "pack_subbyte",
+    "slabs_reused",
     "unpack_subbyte",
     "widened_bf16",
 ]
@@ -212,7 +212,7 @@ def slabs_reused(nbytes: int) -> bool:
     own added a slab to the save's peak (32 MiB for a save of large transposed arrays, 16
     MiB with the last one through the buffer too). A small one is one small slab, kept in
     memory of its own, which the writer then gathers without copying it again."""
-    return nbytes >= _WRITEV_BYTES
+    return nbytes >= WRITEV_BYTES
 
 
 def _numpy_copy(out: np.ndarray, piece: np.ndarray) -> None:
@@ -252,7 +252,7 @@ def copied_slabs(
             yield piece.reshape(-1).view(np.uint8)
         else:
             nbytes = piece.nbytes
-            if not reuse_all and (following is None or nbytes < _WRITEV_BYTES):
+            if not reuse_all and (following is None or nbytes < WRITEV_BYTES):
                 out = np.empty(nbytes, np.uint8)
             else:
                 if buffer is None or buffer.nbytes < nbytes:

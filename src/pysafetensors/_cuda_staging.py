@@ -64,7 +64,7 @@ WORKERS: Final = max(4, min(16, os.cpu_count() or 4))
 #: for one; two spares cover that, where two buffers per worker would pin twice the memory.
 SPARE_BUFFERS: Final = 2
 #: Bytes per piece of a device tensor copied to the host for a save. At least the writer's
-#: batching threshold (``_writer._WRITEV_BYTES``), so that every piece but a tensor's last is
+#: batching threshold (``_writer.WRITEV_BYTES``), so that every piece but a tensor's last is
 #: written before the next one is asked for, which is what lets the ring reuse its buffers.
 PIECE_BYTES: Final = 16 << 20
 #: Pinned buffers per device tensor being saved: one being written, two in flight.

@@ -19,9 +19,10 @@ from typing import Final
 from ._errors import DTypeNotSupportedError, SerializeError, TensorInfoError
 
 __all__ = [
+    "BY_CODE",
     "DTYPES",
-    "DType",
     "UINT64_MAX",
+    "DType",
     "byte_size",
     "checked_nbits",
     "dtype_from_code",
@@ -87,7 +88,7 @@ DTYPES: Final[tuple[DType, ...]] = tuple(
     )
 )
 
-_BY_CODE: Final = {d.code: d for d in DTYPES}
+BY_CODE: Final = {d.code: d for d in DTYPES}
 # Accept both the reference's TensorSpec names and numpy names (they differ only for bool/F6).
 _BY_NAME: Final = {**{d.numpy: d for d in DTYPES if d.numpy}, **{d.name: d for d in DTYPES}}
 
@@ -130,10 +131,10 @@ def dtype_from_code(code: str) -> DType:
         DTypeNotSupportedError: The code is not one of the 22 safetensors codes.
     """
     try:
-        return _BY_CODE[code]
+        return BY_CODE[code]
     except KeyError:
         raise DTypeNotSupportedError(
-            f"unknown dtype code {code!r}; expected one of {', '.join(_BY_CODE)}",
+            f"unknown dtype code {code!r}; expected one of {', '.join(BY_CODE)}",
             kind="UnknownDtype",
         ) from None
 

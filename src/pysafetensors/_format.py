@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
 from typing import Any, Final, NamedTuple
 
-from ._dtypes import DTYPES, UINT64_MAX, DType, checked_nbits, dtype_from_code
+from ._dtypes import BY_CODE, DTYPES, UINT64_MAX, DType, checked_nbits, dtype_from_code
 from ._errors import (
     HeaderDecodeError,
     HeaderSizeError,
@@ -89,7 +89,10 @@ __all__ = [
     "Header",
     "Layout",
     "TensorInfo",
+    "all_u64",
     "build_layout",
+    "decode_json",
+    "parse_entry",
     "parse_header",
     "parse_header_length",
 ]
@@ -590,7 +593,8 @@ def _walked_error(
     return _decode_error(prefix_text, str(found), tensor)
 
 
-def _decode_json(text: str, prefix_text: str) -> Any:
+def decode_json(text: str, prefix_text: str) -> Any:
+    """Decode a header's JSON ``text`` as serde_json would, or raise its error text."""
     decoder = _DECODER_SLOW if _MAYBE_NEG_ZERO.search(text) else _DECODER
     try:
         return decoder.decode(text)
@@ -613,7 +617,8 @@ def _u64(value: Any) -> bool:
     return type(value) is int and 0 <= value <= UINT64_MAX
 
 
-def _all_u64(values: list[Any]) -> bool:
+def all_u64(values: list[Any]) -> bool:
+    """Whether every value is an ``int`` that fits a u64 (``bool`` is not one)."""
     return all(type(value) is int and 0 <= value <= UINT64_MAX for value in values)
 
 
@@ -766,17 +771,16 @@ def _parse_offsets(value: Any) -> list[int] | str:
 
 _FIELDS: Final = ("dtype", "shape", "data_offsets")
 _FIELD_SET: Final = frozenset(_FIELDS)
-_BY_CODE: Final = {d.code: d for d in DTYPES}
 _FIELD_PARSERS: Final = (_parse_dtype, _parse_shape, _parse_offsets)
 
 
-def _parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[int], list[int]]:
+def parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[int], list[int]]:
     """Deserialize one tensor entry as serde's derived ``TensorInfo`` visitor would."""
     if type(value) is _Obj and value.dup_pairs is None:
         # Fast path for the common, valid entry; anything unusual takes the exact path below,
         # which also produces serde's message.
         code = value.get("dtype")
-        dtype = _BY_CODE.get(code) if type(code) is str else None
+        dtype = BY_CODE.get(code) if type(code) is str else None
         shape = value.get("shape")
         offsets = value.get("data_offsets")
         if (
@@ -784,8 +788,8 @@ def _parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[i
             and type(shape) is list
             and type(offsets) is list
             and len(offsets) == 2
-            and _all_u64(shape)
-            and _all_u64(offsets)
+            and all_u64(shape)
+            and all_u64(offsets)
         ):
             return dtype, shape, offsets
     found: dict[str, Any] = {}
@@ -1018,7 +1022,7 @@ def _fast_entries(
         return None
     try:
         fields = list(map(_GET_FIELDS, values))
-        dtypes = list(map(_BY_CODE.get, [f[0] for f in fields]))
+        dtypes = list(map(BY_CODE.get, [f[0] for f in fields]))
     except (KeyError, TypeError):  # a missing field, or an unhashable dtype value
         return None
     shapes = [f[1] for f in fields]
@@ -1151,7 +1155,7 @@ def _canonical_header(text: str, header_size: int, data_size: int) -> Header | N
     # Checkpoints repeat a handful of dtypes and shapes, so both are converted once each.
     dtype_of: dict[str, DType] = {}
     for code in set(codes):
-        dtype = _BY_CODE.get(code)
+        dtype = BY_CODE.get(code)
         if dtype is None or dtype.bits % 8:
             return None  # unknown (the exact path words the error) or sub-byte
         dtype_of[code] = dtype
@@ -1219,7 +1223,7 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
         return _check_entries(fast[0], fast[1], header_size, data_size, prefix_text)
     trailing: _TrailingCharacters | None = None
     try:
-        obj = _decode_json(text, prefix_text)
+        obj = decode_json(text, prefix_text)
     except _TrailingCharacters as exc:
         obj, trailing = exc.value, exc
     if not isinstance(obj, _Obj):
@@ -1245,7 +1249,7 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
     parsed: dict[str, tuple[DType, list[int], list[int]]] = {}
     for name, value in raw:
         try:
-            parsed[name] = _parse_entry(name, value, prefix_text)
+            parsed[name] = parse_entry(name, value, prefix_text)
         except HeaderDecodeError:
             _raise_buffered_problem(raw, text, prefix_text, check_surrogates)
             raise

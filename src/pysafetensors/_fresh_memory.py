@@ -24,7 +24,13 @@ from ._reader_pool import READ_THREADS, run_parallel
 from ._syscalls import madvise
 
 __all__ = [
+    "MADV_POPULATE_READ",
+    "POPULATE_STEP",
+    "address_of",
+    "advise_range",
     "empty_bytes",
+    "huge_region",
+    "numpy_empty",
 ]
 
 # Whether fresh destinations use huge pages is ``tuning``'s ``hugepage_destinations``.
@@ -67,14 +73,17 @@ def _collections() -> int:
     return sum(generation["collections"] for generation in gc.get_stats())
 
 
-_MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; not exported by the mmap module
+# The populate advices: Linux >= 5.14, not exported by the mmap module.
+_MADV_POPULATE_WRITE: Final = 23
+MADV_POPULATE_READ: Final = 22
 
-_MADV_POPULATE_READ: Final = 22
+#: Bytes a destination is faulted in by per ``madvise`` call (and the alignment of the reads
+#: that follow it, so each read lands in memory already faulted in).
+POPULATE_STEP: Final = 4 << 20
 
-_POPULATE_STEP: Final = 4 << 20
 
-
-def _numpy_empty(nbytes: int, hugepages: bool) -> np.ndarray:
+def numpy_empty(nbytes: int, hugepages: bool) -> np.ndarray:
+    """``np.empty(nbytes, uint8)`` with numpy's huge-page advice switched to ``hugepages``."""
     core = getattr(np, "_core", None) or getattr(np, "core", None)
     setter = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
     if setter is None:  # pragma: no cover - numpy without the switch
@@ -88,12 +97,12 @@ def _numpy_empty(nbytes: int, hugepages: bool) -> np.ndarray:
             setter(previous)
 
 
-def _address_of(mapping: mmap.mmap) -> int:
+def address_of(mapping: mmap.mmap) -> int:
     """The address of a mapping's first byte (0 for an empty one)."""
     return int(np.frombuffer(mapping, np.uint8).ctypes.data) if len(mapping) else 0
 
 
-def _madvise(mapping: mmap.mmap, address: int, start: int, length: int, advice: int) -> None:
+def advise_range(mapping: mmap.mmap, address: int, start: int, length: int, advice: int) -> None:
     """``madvise`` on ``[start, start + length)`` of ``mapping`` (at ``address``), with the GIL
     released where libc's call is available (see :data:`._syscalls.madvise`).
 
@@ -127,7 +136,7 @@ class _HugeRegion:
 
     def __init__(self, region: mmap.mmap, nbytes: int) -> None:
         self._region = region
-        self._address = _address_of(region)
+        self._address = address_of(region)
         self.nbytes = nbytes
         self._slow = threading.Event()
         self._slow_steps = 0  # consecutive slow steps (single hiccups happen in fast memory too)
@@ -146,7 +155,7 @@ class _HugeRegion:
             return None
         made = cls(region, nbytes)
         try:
-            made.populate(0, min(nbytes, _POPULATE_STEP), strict=True)
+            made.populate(0, min(nbytes, POPULATE_STEP), strict=True)
         except OSError:
             region.close()
             return None
@@ -163,11 +172,11 @@ class _HugeRegion:
         end = min(self.nbytes, start + length)
         start -= start % mmap.PAGESIZE  # madvise wants page-aligned starts
         while start < end and not self._slow.is_set():
-            step = min(_POPULATE_STEP, end - start)
+            step = min(POPULATE_STEP, end - start)
             collections = _collections()
             began = time.perf_counter()
             try:
-                _madvise(self._region, self._address, start, step, _MADV_POPULATE_WRITE)
+                advise_range(self._region, self._address, start, step, _MADV_POPULATE_WRITE)
             except OSError:
                 if strict:
                     raise
@@ -209,7 +218,8 @@ def _hugepages_worth_trying(nbytes: int) -> bool:
     return nbytes >= _SELF_PROBED_MIN or time.monotonic() >= _HugeRegion.slow_until
 
 
-def _huge_region(nbytes: int) -> _HugeRegion | None:
+def huge_region(nbytes: int) -> _HugeRegion | None:
+    """A huge-page region of ``nbytes``, or None where huge pages are not worth trying."""
     if not _hugepages_worth_trying(nbytes):
         return None
     return _HugeRegion.create(nbytes)
@@ -224,8 +234,8 @@ def _probed_hugepages(nbytes: int) -> np.ndarray | None:
     # each see a fraction of a core and mistake it for slow pages.
     cores = max(1, min(READ_THREADS, os.cpu_count() or 1))
     run_parallel(
-        lambda start: region.populate(start, _POPULATE_STEP),
-        range(_POPULATE_STEP, nbytes, _POPULATE_STEP),
+        lambda start: region.populate(start, POPULATE_STEP),
+        range(POPULATE_STEP, nbytes, POPULATE_STEP),
         cores,
     )
     return region.array()
@@ -240,4 +250,4 @@ def empty_bytes(nbytes: int) -> np.ndarray:
         probed = _probed_hugepages(nbytes)
         if probed is not None:
             return probed
-    return _numpy_empty(nbytes, False)
+    return numpy_empty(nbytes, False)

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import tuning
 from ._format import gc_paused
-from ._fresh_memory import _huge_region, _numpy_empty
+from ._fresh_memory import huge_region, numpy_empty
 from ._reader_pool import run_parallel, worker_count
 from ._residency import read_ahead
 from ._sources import (
@@ -31,7 +31,7 @@ from ._sources import (
     ByteSource,
     MmapSource,
     PreadSource,
-    _check_range,
+    check_range,
     pread_exact,
 )
 
@@ -225,7 +225,7 @@ def _read_work(
     direct_fd: int | None,
 ) -> tuple[np.ndarray, list[int]]:
     """The reads of :func:`read_runs_fresh`, into a fresh buffer of ``total`` bytes."""
-    region = _huge_region(total)
+    region = huge_region(total)
     if region is not None:
         buf = region.array()
     elif direct_fd is not None:
@@ -237,7 +237,7 @@ def _read_work(
         )
     else:
         # Numpy's own huge pages where asked for (True), else 4 KiB pages.
-        buf = _numpy_empty(total, tuning.settings().hugepage_destinations is True)
+        buf = numpy_empty(total, tuning.settings().hugepage_destinations is True)
     view = buf.data.cast("B")
 
     def one(item: tuple[int, ...] | list[int]) -> None:
@@ -371,7 +371,7 @@ def read_pieces_into(source: ByteSource, pieces: Sequence[tuple[int, memoryview]
         scattered([(offset, out.nbytes, out, 0) for offset, out in ordered])
         return
     for offset, out in ordered:
-        _check_range(source, offset, out.nbytes)
+        check_range(source, offset, out.nbytes)
     total = sum(out.nbytes for _, out in ordered)
     first = ordered[0][0] if ordered else 0
     last = max((offset + out.nbytes for offset, out in ordered), default=0)

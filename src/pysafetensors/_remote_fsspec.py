@@ -17,11 +17,11 @@ from ._remote_source import (
     DEFAULT_HEAD_BYTES,
     DEFAULT_MAX_GAP,
     DEFAULT_PART_SIZE,
+    RangePart,
     RemoteSource,
-    _Part,
-    _Transient,
+    Transient,
 )
-from ._remote_urls import _option_secrets, _url_secrets, shown_location
+from ._remote_urls import option_secrets, shown_location, url_secrets
 
 
 class FsspecSource(RemoteSource):
@@ -81,8 +81,8 @@ class FsspecSource(RemoteSource):
         # What fsspec's and its backends' exceptions may quote and must not show: the URL's
         # credentials and query string (fsspec keeps them in the path) and secret options.
         self._secrets = tuple(
-            (_url_secrets(target, query=True) if isinstance(target, str) else [])
-            + _option_secrets(storage_options)
+            (url_secrets(target, query=True) if isinstance(target, str) else [])
+            + option_secrets(storage_options)
         )
         failure: Exception | None = None
         if fs is not None:
@@ -109,7 +109,7 @@ class FsspecSource(RemoteSource):
         name = target if isinstance(target, str) and "://" in target else fs.unstrip_protocol(path)
         if not isinstance(target, str):
             # An OpenFile's path keeps the query string its URL was opened with.
-            self._secrets += tuple(_url_secrets(name, query=True))
+            self._secrets += tuple(url_secrets(name, query=True))
         self._name = shown_location(name)
         self._fs = fs
         self._path = path
@@ -179,7 +179,7 @@ class FsspecSource(RemoteSource):
         refusal as such, anything else as a RemoteError of ``kind`` saying what ``failed``
         (default: the read at ``offset``). ``where`` names the file (default: this source)."""
         where = self._name if where is None else where
-        if isinstance(exc, (RemoteError, _Transient)):
+        if isinstance(exc, (RemoteError, Transient)):
             return exc
         text = self._clean(exc)
         if isinstance(exc, FileNotFoundError):
@@ -202,7 +202,7 @@ class FsspecSource(RemoteSource):
                 offset=offset,
             )
         if len(data) != want:
-            raise _Transient(
+            raise Transient(
                 f"{self._name}: short read: got {len(data)} of {want} bytes at offset {offset}",
                 "Truncated",
             )
@@ -220,7 +220,7 @@ class FsspecSource(RemoteSource):
         self._check_length(data, offset, out.nbytes)
         out[:] = data
 
-    def _run(self, parts: list[_Part]) -> None:
+    def _run(self, parts: list[RangePart]) -> None:
         if len(parts) < 2 or not getattr(self._fs, "async_impl", False):
             super()._run(parts)
             return
@@ -239,7 +239,7 @@ class FsspecSource(RemoteSource):
             failure = exc
         if failure is not None:
             self._raise(self._error(failure, parts[0].offset), failure)
-        failed: list[_Part] = []
+        failed: list[RangePart] = []
         for part, blob in zip(parts, blobs, strict=True):
             if isinstance(blob, BaseException) or len(blob) != part.length:
                 failed.append(part)

@@ -28,13 +28,13 @@ from ._remote_source import (
     DEFAULT_MAX_GAP,
     DEFAULT_PART_SIZE,
     RemoteSource,
-    _int_option,
-    _parse_content_range,
-    _seconds_option,
-    _shown_value,
-    _Transient,
+    Transient,
+    int_option,
+    parse_content_range,
+    seconds_option,
+    shown_value,
 )
-from ._remote_urls import _redact
+from ._remote_urls import redact
 
 _USER_AGENT: Final = "pysafetensors"
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
@@ -113,7 +113,7 @@ def _headers_option(headers: object) -> dict[str, str]:
     seen: dict[str, str] = {}
     for name, value in headers.items():
         if not isinstance(name, str):
-            raise TypeError(f"headers: a header name must be a string, got {_shown_value(name)}")
+            raise TypeError(f"headers: a header name must be a string, got {shown_value(name)}")
         if not isinstance(value, str):
             raise TypeError(
                 f"headers: the value of {name!r} must be a string, got {type(value).__name__}"
@@ -199,7 +199,7 @@ def _parse_http_url(url: str) -> tuple[_Key, str]:
         RemoteError: The URL cannot be requested (kind ``InvalidURL``): not http(s), no host,
             a bad port, or control characters.
     """
-    where = _redact(url)
+    where = redact(url)
     if _CONTROL.search(url):
         raise RemoteError(
             f"{where!r}: the URL contains a control character (tab, line break...); "
@@ -579,13 +579,13 @@ class HTTPSource(RemoteSource):
         if not isinstance(url, str):
             raise TypeError(f"an http(s) URL must be a string, got {type(url).__name__}")
         if url.partition("://")[0].lower() not in ("http", "https"):
-            raise ValueError(f"not an http(s) URL: {_redact(url)}")
+            raise ValueError(f"not an http(s) URL: {redact(url)}")
         # Options are checked before anything is sent: a bad one must not surface later as a
         # failed request, or as a crash in the middle of a retry.
         own_headers = _headers_option(headers)
-        timeout = _seconds_option("timeout", timeout)
-        deadline = _seconds_option("deadline", deadline)
-        max_redirects = _int_option("max_redirects", max_redirects, 0)
+        timeout = seconds_option("timeout", timeout)
+        deadline = seconds_option("deadline", deadline)
+        max_redirects = int_option("max_redirects", max_redirects, 0)
         if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
             raise TypeError(
                 f"ssl_context must be an ssl.SSLContext or None, got {type(ssl_context).__name__}"
@@ -593,7 +593,7 @@ class HTTPSource(RemoteSource):
         # Malformed URLs fail here, before any request and without retries.
         origin_key, _ = _parse_http_url(url)
         super().__init__(
-            _redact(url),
+            redact(url),
             max_connections=max_connections,
             part_size=part_size,
             max_gap=max_gap,
@@ -703,7 +703,7 @@ class HTTPSource(RemoteSource):
                 if late:
                     assert clock is not None
                     raise self._past_deadline(clock, "before the reply") from exc
-                raise _Transient(
+                raise Transient(
                     f"request to {self._name} failed: {exc!r}", "ConnectionError"
                 ) from exc
             except BaseException:
@@ -720,8 +720,8 @@ class HTTPSource(RemoteSource):
                 raise self._past_deadline(clock, "before the reply")
             return resp, conn, key, clock
 
-    def _past_deadline(self, clock: _Clock, when: str) -> _Transient:
-        return _Transient(
+    def _past_deadline(self, clock: _Clock, when: str) -> Transient:
+        return Transient(
             f"{self._name}: request took longer than the deadline of {clock.deadline:g} s ({when})",
             "Timeout",
         )
@@ -777,12 +777,12 @@ class HTTPSource(RemoteSource):
                 except ValueError as exc:
                     raise RemoteError(
                         f"{self._name}: redirect ({status}) to a malformed URL "
-                        f"{_redact(location)} ({_invalid_url(location, exc)})",
+                        f"{redact(location)} ({_invalid_url(location, exc)})",
                         kind="InvalidURL",
                     ) from None
                 if url.partition("://")[0].lower() not in ("http", "https"):
                     raise RemoteError(
-                        f"{self._name}: redirected ({status}) to {_redact(url)}, which is not "
+                        f"{self._name}: redirected ({status}) to {redact(url)}, which is not "
                         "an http(s) URL",
                         kind="InvalidURL",
                     )
@@ -812,7 +812,7 @@ class HTTPSource(RemoteSource):
         request's deadline passed meanwhile.
 
         Raises:
-            _Transient: The deadline passed (kind ``Timeout``).
+            Transient: The deadline passed (kind ``Timeout``).
         """
         if resp.chunked or resp.length is None or resp.length > _REDIRECT_BODY_MAX:
             # Not read: a chunked body may end in endless trailer lines, which http.client
@@ -846,7 +846,7 @@ class HTTPSource(RemoteSource):
         clock: _Clock | None,
     ) -> None:
         status = resp.status
-        where = _redact(url)
+        where = redact(url)
         if status in (200, 206):
             self._check_encoding(resp, where)
         if status == 206:
@@ -854,7 +854,7 @@ class HTTPSource(RemoteSource):
         elif status == 200:
             self._handle_whole(resp, where, offset, out, probing, clock)
         elif status == 416:
-            total = _parse_content_range(resp.getheader("Content-Range"), where)[2]
+            total = parse_content_range(resp.getheader("Content-Range"), where)[2]
             if probing and total == 0:
                 # An empty file has no byte 0 to ask for; it is still a valid (empty) object.
                 self._size = 0
@@ -895,7 +895,7 @@ class HTTPSource(RemoteSource):
                 kind="PermissionDenied",
             )
         elif status in _TRANSIENT_STATUS:
-            raise _Transient(
+            raise Transient(
                 f"{where}: server error {status} {resp.reason}",
                 "HTTPError",
                 _retry_after(resp.getheader("Retry-After")),
@@ -977,7 +977,7 @@ class HTTPSource(RemoteSource):
                 f"{where}: server answered a single range with a multipart body",
                 kind="RangeNotSupported",
             )
-        first, last, total = _parse_content_range(resp.getheader("Content-Range"), where)
+        first, last, total = parse_content_range(resp.getheader("Content-Range"), where)
         length = _int_header(resp, "Content-Length", where)
         if probing:
             if first is None or last is None or total is None:
@@ -1010,7 +1010,7 @@ class HTTPSource(RemoteSource):
                 kind="RangeMismatch",
             )
         if length is not None and length != want:
-            raise _Transient(
+            raise Transient(
                 f"{where}: Content-Length {length} disagrees with the range of {want} bytes",
                 "Truncated",
             )
@@ -1047,7 +1047,7 @@ class HTTPSource(RemoteSource):
                 raise self._past_deadline(
                     clock, f"after {done} of {total} bytes at offset {offset}"
                 ) from exc
-            raise _Transient(
+            raise Transient(
                 f"{where}: connection dropped after {done} of {total} bytes at offset {offset} "
                 f"({exc!r})",
                 "Truncated",
@@ -1058,7 +1058,7 @@ class HTTPSource(RemoteSource):
             # of the body): nothing read under a fired deadline is kept.
             raise self._past_deadline(clock, f"after {done} of {total} bytes at offset {offset}")
         if done < total:
-            raise _Transient(
+            raise Transient(
                 f"{where}: response truncated: got {done} of {total} bytes at offset {offset}",
                 "Truncated",
             )

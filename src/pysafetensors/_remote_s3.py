@@ -18,12 +18,12 @@ from ._remote_source import (
     DEFAULT_MAX_GAP,
     DEFAULT_PART_SIZE,
     RemoteSource,
-    _optional_str,
-    _parse_content_range,
-    _shown_value,
-    _Transient,
+    Transient,
+    optional_str,
+    parse_content_range,
+    shown_value,
 )
-from ._remote_urls import _url_secrets
+from ._remote_urls import url_secrets
 
 #: Where botocore finds credentials given to it: their values are kept out of messages.
 _CREDENTIAL_VARIABLES: Final = (
@@ -125,9 +125,9 @@ class S3Source(RemoteSource):
             ("region_name", region_name),
             ("version_id", version_id),
         ):
-            _optional_str(option, value)
+            optional_str(option, value)
         if not isinstance(anon, bool):
-            raise TypeError(f"anon must be True or False, got {_shown_value(anon)}")
+            raise TypeError(f"anon must be True or False, got {shown_value(anon)}")
         if client_kwargs is not None and not isinstance(client_kwargs, Mapping):
             raise TypeError(
                 f"client_kwargs must be a mapping or None, got {type(client_kwargs).__name__}"
@@ -172,7 +172,7 @@ class S3Source(RemoteSource):
         #: botocore refuse the URL, quoting the token).
         secrets: list[str] = []
         for url_given in (endpoint, given_endpoint):
-            secrets.extend(_url_secrets(url_given, query=True) if url_given else ())
+            secrets.extend(url_secrets(url_given, query=True) if url_given else ())
         # The credentials given, which an error may quote (a header value refused for a line
         # break quotes it whole): kept out of messages too.
         for value in (
@@ -278,7 +278,7 @@ class S3Source(RemoteSource):
         )
 
     def _error(self, exc: Exception, offset: int, probing: bool) -> Exception:
-        """Translate a botocore exception into a RemoteError or a _Transient."""
+        """Translate a botocore exception into a RemoteError or a Transient."""
         bexc = self._botoexc
         where = self._name
         if isinstance(exc, bexc.ClientError):
@@ -323,7 +323,7 @@ class S3Source(RemoteSource):
                     offset=offset,
                 )
             if status >= 500 or code in ("SlowDown", "InternalError", "RequestTimeout"):
-                return _Transient(f"{where}: {code or status}: {message}", "HTTPError")
+                return Transient(f"{where}: {code or status}: {message}", "HTTPError")
             return RemoteError(f"{where}: {code or status}: {message}", kind="HTTPError")
         if self._is_credentials_error(exc):
             return self._credentials_error(exc)
@@ -336,7 +336,7 @@ class S3Source(RemoteSource):
                 bexc.ConnectionClosedError,
             ),
         ):
-            return _Transient(f"{where}: transfer interrupted: {self._clean(exc)}", "Truncated")
+            return Transient(f"{where}: transfer interrupted: {self._clean(exc)}", "Truncated")
         # Endpoint unreachable and the like: botocore already retried.
         return RemoteError(f"{where}: {self._clean(exc)}", kind="ConnectionError")
 
@@ -368,7 +368,7 @@ class S3Source(RemoteSource):
             return
         if failure is not None:
             error = self._error(failure, offset, probing)
-            if isinstance(failure, bexc.BotoCoreError) and isinstance(error, _Transient):
+            if isinstance(failure, bexc.BotoCoreError) and isinstance(error, Transient):
                 # botocore already retried the request itself (its max_attempts): a timeout or
                 # a dropped connection here is final, not a truncated body for our retries
                 # (which multiplied botocore's: ~20 minutes against a stalled endpoint at the
@@ -411,7 +411,7 @@ class S3Source(RemoteSource):
         self, resp: Mapping[str, Any], body: Any, offset: int, out: memoryview, probing: bool
     ) -> None:
         where = self._name
-        first, last, total = _parse_content_range(resp.get("ContentRange"), where)
+        first, last, total = parse_content_range(resp.get("ContentRange"), where)
         length = int(resp.get("ContentLength", -1))
         etag = resp.get("ETag")
         if first is None or last is None or total is None:
@@ -466,7 +466,7 @@ class S3Source(RemoteSource):
         finally:
             self.stats.add(nbytes=done)
         if done < total:
-            raise _Transient(
+            raise Transient(
                 f"{self._name}: response truncated: got {done} of {total} bytes at offset {offset}",
                 "Truncated",
             )
@@ -532,7 +532,7 @@ class S3Folder(S3Source):
             failure = exc
         if failure is not None:
             error = self._error(failure, 0, True)
-            if isinstance(error, _Transient):
+            if isinstance(error, Transient):
                 # botocore retried it already (its max_attempts): final here.
                 error = RemoteError(str(error), kind=error.kind)
             self._raise(error, failure)

@@ -23,8 +23,8 @@ from ._errors import (
     RemoteError,
 )
 from ._remote_read_ahead import DEFAULT_READ_AHEAD, ReadAhead, may_wait_here
-from ._remote_urls import _quotes_secret, _scrubbed
-from ._sources import _check_range
+from ._remote_urls import quotes_secret, scrubbed
+from ._sources import check_range
 
 #: Bytes fetched when a source opens. The hub reads 100 kB for the same purpose and reports that
 #: about 97% of headers of popular models fit; 64 KiB keeps small files to one request while
@@ -51,9 +51,7 @@ _CONTENT_RANGE: Final = re.compile(
 )
 
 
-def _parse_content_range(
-    value: str | None, where: str
-) -> tuple[int | None, int | None, int | None]:
+def parse_content_range(value: str | None, where: str) -> tuple[int | None, int | None, int | None]:
     """Parse a ``Content-Range`` value; parts it does not give (or no header) are None.
 
     Raises:
@@ -139,7 +137,7 @@ class RemoteStats:
         )
 
 
-class _Transient(Exception):
+class Transient(Exception):
     """A failure worth retrying: 5xx, 429, reset connections, truncated bodies."""
 
     def __init__(self, message: str, kind: str, retry_after: float | None = None) -> None:
@@ -159,7 +157,7 @@ class _Item:
 
 
 @dataclass
-class _Part:
+class RangePart:
     """One request. ``direct`` parts land in ``target``; others are scattered to ``items``."""
 
     offset: int
@@ -172,12 +170,12 @@ def _as_bytes(out: memoryview) -> memoryview:
     return out if out.format == "B" and out.ndim == 1 else out.cast("B")
 
 
-def _shown_value(value: object) -> str:
+def shown_value(value: object) -> str:
     """An option's value as error messages quote it: its repr, shortened, and its type."""
     return f"{reprlib.repr(value)} ({type(value).__name__})"
 
 
-def _int_option(name: str, value: object, minimum: int) -> int:
+def int_option(name: str, value: object, minimum: int) -> int:
     """Check an integer option (numpy integers are fine, bool and float are not).
 
     Raises:
@@ -185,7 +183,7 @@ def _int_option(name: str, value: object, minimum: int) -> int:
         ValueError: It is below ``minimum``.
     """
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-        raise TypeError(f"{name} must be an integer, got {_shown_value(value)}")
+        raise TypeError(f"{name} must be an integer, got {shown_value(value)}")
     number = operator.index(value)
     if number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}")
@@ -200,11 +198,11 @@ def _seconds(name: str, value: object) -> float:
     """
     # numbers.Real: numpy's floats and ints too (np.float32 is no float subclass).
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, got {_shown_value(value)}")
+        raise TypeError(f"{name} must be a number of seconds, got {shown_value(value)}")
     return float(value)
 
 
-def _seconds_option(name: str, value: object) -> float | None:
+def seconds_option(name: str, value: object) -> float | None:
     """Check a time limit (a timeout, a deadline): above 0; None or infinity mean no limit
     and give None.
 
@@ -235,9 +233,10 @@ def _delay_option(name: str, value: object) -> float:
     return seconds
 
 
-def _optional_str(name: str, value: object) -> None:
+def optional_str(name: str, value: object) -> None:
+    """Refuse an option ``name`` that is neither a string nor None, with a TypeError."""
     if value is not None and not isinstance(value, str):
-        raise TypeError(f"{name} must be a string or None, got {_shown_value(value)}")
+        raise TypeError(f"{name} must be a string or None, got {shown_value(value)}")
 
 
 _S = TypeVar("_S", bound="RemoteSource")
@@ -256,13 +255,13 @@ class RemoteSource:
 
     def _clean(self, exc: BaseException | str) -> str:
         """An exception's text without the credentials and secrets it may quote."""
-        text = _scrubbed(exc) if isinstance(exc, BaseException) else exc
+        text = scrubbed(exc) if isinstance(exc, BaseException) else exc
         for secret in self._secrets:
             text = text.replace(secret + "@", "").replace(secret, "...")
         return text
 
     def _quotes_secret(self, exc: BaseException) -> bool:
-        return _quotes_secret(exc, self._secrets)
+        return quotes_secret(exc, self._secrets)
 
     def _raise(self, error: Exception, cause: BaseException) -> NoReturn:
         """Raise ``error`` chained to ``cause``, unless ``cause`` quotes credentials (then a
@@ -288,14 +287,14 @@ class RemoteSource:
         # Checked and converted before anything is sent (subclasses call this before any
         # request): a bad option must not surface later as a failed request.
         self._name = name
-        self._max_connections = _int_option("max_connections", max_connections, 1)
-        self._part_size = _int_option("part_size", part_size, 1)
-        self._max_gap = _int_option("max_gap", max_gap, 0)
-        self._head_bytes = _int_option("head_bytes", head_bytes, 0)
-        self._retries = _int_option("retries", retries, 0)
+        self._max_connections = int_option("max_connections", max_connections, 1)
+        self._part_size = int_option("part_size", part_size, 1)
+        self._max_gap = int_option("max_gap", max_gap, 0)
+        self._head_bytes = int_option("head_bytes", head_bytes, 0)
+        self._retries = int_option("retries", retries, 0)
         self._backoff = _delay_option("backoff", backoff)
-        self._accept_full_body = _int_option("accept_full_body", accept_full_body, 0)
-        self._read_ahead = _int_option("read_ahead", read_ahead, 0)
+        self._accept_full_body = int_option("accept_full_body", accept_full_body, 0)
+        self._read_ahead = int_option("read_ahead", read_ahead, 0)
         # Made once the size is known (see readinto); None: not yet, or read_ahead=0.
         self._ahead: ReadAhead | None = None
         self._size = -1
@@ -352,7 +351,7 @@ class RemoteSource:
         """
         out = _as_bytes(out)
         self._check_open()
-        _check_range(self, offset, out.nbytes)
+        check_range(self, offset, out.nbytes)
         n = out.nbytes
         head = self._head  # once: prefetch_head() may replace it meanwhile
         if 0 < n < self._part_size and self._read_ahead and offset + n > len(head):
@@ -403,7 +402,7 @@ class RemoteSource:
         items: list[_Item] = []
         pos = 0
         for offset, length in ranges:
-            _check_range(self, offset, length)
+            check_range(self, offset, length)
             if length:
                 items.append(_Item(offset, pos, length, out))
             pos += length
@@ -423,7 +422,7 @@ class RemoteSource:
         """
         out = _as_bytes(out)
         self._check_open()
-        _check_range(self, offset, out.nbytes)
+        check_range(self, offset, out.nbytes)
         if not out.nbytes:
             return
         part = min(
@@ -459,7 +458,7 @@ class RemoteSource:
                 # Refused before any request, not by the socket's readinto mid-read.
                 raise ValueError("each piece's buffer must be writable and contiguous")
             out = _as_bytes(piece_out)  # the same object for a 1-D byte buffer
-            _check_range(self, offset, length)
+            check_range(self, offset, length)
             if not 0 <= pos <= pos + length <= out.nbytes:
                 raise ValueError(f"{length} bytes at {pos} do not fit a buffer of {out.nbytes}")
             if length:
@@ -518,7 +517,7 @@ class RemoteSource:
         object) and records ``self._head``.
 
         Raises:
-            _Transient: The failure may go away on retry.
+            Transient: The failure may go away on retry.
             RemoteError: It will not.
         """
         raise NotImplementedError
@@ -548,7 +547,7 @@ class RemoteSource:
             try:
                 self._fetch_once(offset, out, probing)
                 return
-            except _Transient as exc:
+            except Transient as exc:
                 if attempt >= self._retries or self._closed:
                     raise RemoteError(
                         f"{exc} (gave up on {self._name} after {attempt + 1} attempts)",
@@ -589,7 +588,9 @@ class RemoteSource:
                 rest.append(it)
         return rest
 
-    def _plan(self, items: list[_Item], max_gap: int, part_size: int | None = None) -> list[_Part]:
+    def _plan(
+        self, items: list[_Item], max_gap: int, part_size: int | None = None
+    ) -> list[RangePart]:
         """Group ranges closer than ``max_gap``, then cut each group into balanced parts of
         at most ``part_size`` (the source's by default)."""
         items = sorted(items, key=lambda it: it.offset)
@@ -602,12 +603,12 @@ class RemoteSource:
             else:
                 groups.append([it])
                 end = it.offset + it.length
-        parts: list[_Part] = []
+        parts: list[RangePart] = []
         for group in groups:
             parts.extend(self._cut(group, part_size or self._part_size))
         return parts
 
-    def _cut(self, group: list[_Item], part_size: int) -> list[_Part]:
+    def _cut(self, group: list[_Item], part_size: int) -> list[RangePart]:
         start = group[0].offset
         stop = max(it.offset + it.length for it in group)
         hull = stop - start
@@ -620,7 +621,7 @@ class RemoteSource:
             last = (it.offset + it.length - 1 - start) // step
             for k in range(first, last + 1):
                 buckets[k].append(it)
-        parts: list[_Part] = []
+        parts: list[RangePart] = []
         for k, bucket in enumerate(buckets):
             if not bucket:
                 continue  # a part that falls wholly inside a gap
@@ -633,7 +634,7 @@ class RemoteSource:
         return parts
 
     @staticmethod
-    def _part(p_start: int, p_stop: int, bucket: list[_Item]) -> _Part:
+    def _part(p_start: int, p_stop: int, bucket: list[_Item]) -> RangePart:
         # Direct when every item maps file bytes to one buffer with one shift and they tile
         # the part without gaps: the usual case of adjacent tensors read in file order.
         out = bucket[0].out
@@ -647,10 +648,10 @@ class RemoteSource:
             covered = max(covered, it.offset + it.length)
         if direct and covered >= p_stop:
             target = out[p_start + delta : p_stop + delta]
-            return _Part(p_start, p_stop - p_start, target, [])
-        return _Part(p_start, p_stop - p_start, None, bucket)
+            return RangePart(p_start, p_stop - p_start, target, [])
+        return RangePart(p_start, p_stop - p_start, None, bucket)
 
-    def _do_part(self, part: _Part) -> None:
+    def _do_part(self, part: RangePart) -> None:
         if part.target is not None:
             self._fetch(part.offset, part.target)
             return
@@ -659,7 +660,7 @@ class RemoteSource:
         self._scatter(part, scratch)
 
     @staticmethod
-    def _scatter(part: _Part, data: bytes | bytearray) -> None:
+    def _scatter(part: RangePart, data: bytes | bytearray) -> None:
         """Copy a fetched part's bytes to the pieces of its items."""
         p_stop = part.offset + part.length
         view = memoryview(data)  # slices of it copy nothing
@@ -669,7 +670,7 @@ class RemoteSource:
             dst = it.pos + (a - it.offset)
             it.out[dst : dst + (b - a)] = view[a - part.offset : b - part.offset]
 
-    def _run(self, parts: list[_Part]) -> None:
+    def _run(self, parts: list[RangePart]) -> None:
         if not parts:
             return
         if len(parts) == 1:
@@ -714,7 +715,7 @@ class _Workers:
                 )
             return self._pool
 
-    def run(self, do: Callable[[_Part], None], parts: list[_Part], width: int) -> None:
+    def run(self, do: Callable[[RangePart], None], parts: list[RangePart], width: int) -> None:
         """``do(part)`` for every part on at most ``width`` workers; re-raise the first failure
         once every worker has stopped (none writes into the caller's buffer after that)."""
         if getattr(self._local, "worker", False):

@@ -19,7 +19,7 @@ _URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+
 _HEADER_VALUE: Final = re.compile(r"(Invalid header value)\b[^\n]*")
 
 
-def _scrubbed(exc: BaseException) -> str:
+def scrubbed(exc: BaseException) -> str:
     """An exception's text without ``user:password@`` in the URLs it quotes (botocore names
     the endpoint URL as given, credentials included), nor the header values it quotes."""
     text = _URL_CREDENTIALS.sub(r"\1", str(exc))
@@ -27,7 +27,7 @@ def _scrubbed(exc: BaseException) -> str:
 
 
 def _url_userinfo(url: str) -> str:
-    """The ``user:password`` a URL carries before its host ('' when none), as :func:`_redact`
+    """The ``user:password`` a URL carries before its host ('' when none), as :func:`redact`
     drops it: in a URL that does not parse (or has no ``://``), everything up to the last
     ``@``."""
     scheme, sep, rest = url.partition("://")
@@ -51,7 +51,7 @@ def _chain(url: str) -> list[str]:
     return _CHAIN.split(url)
 
 
-def _url_secrets(url: str, *, query: bool = False) -> list[str]:
+def url_secrets(url: str, *, query: bool = False) -> list[str]:
     """What of ``url`` (each URL of an fsspec chain) an exception quoting it must not show: its
     ``user:password`` and the password alone (where long enough not to match ordinary text);
     with ``query``, its query string too (a signed URL's signature). Exceptions quote URLs also
@@ -75,7 +75,7 @@ _SECRET_OPTION: Final = re.compile(
 )
 
 
-def _option_secrets(options: Mapping[str, Any]) -> list[str]:
+def option_secrets(options: Mapping[str, Any]) -> list[str]:
     """String values of secret-looking storage options (nested mappings too), long enough not
     to match ordinary text."""
     found: list[str] = []
@@ -89,7 +89,7 @@ def _option_secrets(options: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def _quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
+def quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
     """Whether ``exc``, or any exception it chains to, quotes a URL with credentials or one of
     ``secrets``: in its message, its arguments, (botocore's) keyword arguments, its notes or
     file names, or an exception it groups."""
@@ -124,10 +124,10 @@ def _quotes_secret(exc: BaseException, secrets: Sequence[str]) -> bool:
 def shown_location(path: str) -> str:
     """A path or URL as messages and output show it: a URL without its credentials and query
     string (a password or a signed URL's signature must not reach a terminal, logs or JSON)."""
-    return _redact(path) if "://" in path else path
+    return redact(path) if "://" in path else path
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     """Drop credentials and the query string (signed URLs carry secrets there), from every URL
     of an fsspec chain (``simplecache::ftp://user:pw@host/f``).
 
@@ -139,7 +139,7 @@ def _redact(url: str) -> str:
     """
     links = _chain(url)
     if len(links) > 1:
-        return "::".join(_redact(link) if "://" in link else link for link in links)
+        return "::".join(redact(link) if "://" in link else link for link in links)
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises on a port that is not a number
@@ -209,6 +209,11 @@ def url_join(base: str, name: str) -> str:
     if base.partition("://")[0].lower() in ("http", "https"):
         name = urllib.parse.quote(name, safe="/")
     return posixpath.join(base, name)
+
+
+def is_url(target: str) -> bool:
+    """Whether ``target`` is a URL (``scheme://...``) rather than a local path."""
+    return "://" in target
 
 
 def is_folder_url(url: str) -> bool:

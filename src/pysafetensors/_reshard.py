@@ -32,7 +32,8 @@ from typing import Any, Final
 
 from ._errors import SafetensorError, input_path, output_path, write_error
 from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
-from ._sharded import MAX_INDEX_SIZE, ShardedSafeOpen, _is_url, _shown, is_index_path
+from ._remote_urls import is_url
+from ._sharded import MAX_INDEX_SIZE, ShardedSafeOpen, is_index_path, shown
 from ._sharding import (
     COMPUTED_KEYS,
     DEFAULT_FILENAME_PATTERN,
@@ -211,7 +212,7 @@ def _refuse_output_over_source(
         return
     sources = [src.path, *src.files()] if is_index_path(src.path) else [src.path]
     for path in sources:
-        if _is_url(path) or not _same_file(out, path):
+        if is_url(path) or not _same_file(out, path):
             continue
         if whole and not is_index_path(src.path):
             return
@@ -226,7 +227,7 @@ def _refuse_single_file_beside_index(src: ShardedSafeOpen, out: str, *, op: str)
     """Refuse a single file written next to the source's index under the name of its single
     file (``model.safetensors`` beside ``model.safetensors.index.json``): the hub's tools and
     transformers look for that file before the index, and would load it as the model."""
-    if _is_url(src.path) or not is_index_path(src.path):
+    if is_url(src.path) or not is_index_path(src.path):
         return
     folder, index = os.path.split(src.path)
     single = index.removesuffix(".index.json")
@@ -235,7 +236,7 @@ def _refuse_single_file_beside_index(src: ShardedSafeOpen, out: str, *, op: str)
     if not _same_file(os.path.dirname(out) or ".", folder or "."):
         return
     raise SafetensorError(
-        f"{op}: the output {out!r} would sit beside the source's index {_shown(src.path)} "
+        f"{op}: the output {out!r} would sit beside the source's index {shown(src.path)} "
         f"under the name loaders open before any index ({single}): they would load it as the "
         "whole model. Write to another path.",
         kind="OutputIsSource",
@@ -253,13 +254,13 @@ def _refuse_sharded_output_over_source(
     the source), a reshard does unless its source is one shard of a larger checkpoint there
     (the folder's index names it), which would leave that shard's tensors only.
     """
-    if _is_url(src.path) or not os.path.isdir(out):
+    if is_url(src.path) or not os.path.isdir(out):
         return
     if is_index_path(src.path):
         if whole or not _same_file(out, os.path.dirname(src.path) or "."):
             return  # resharding a checkpoint in place: every file is rewritten or kept
         raise SafetensorError(
-            f"{op}: the output folder {out!r} holds the source checkpoint {_shown(src.path)}; "
+            f"{op}: the output folder {out!r} holds the source checkpoint {shown(src.path)}; "
             "writing there would replace it with part of it. Write to another folder.",
             kind="OutputIsSource",
         )
@@ -286,7 +287,7 @@ def _refuse_sharded_output_over_source(
         else "a file the sharded output would replace or delete"
     )
     raise SafetensorError(
-        f"{op}: the source {_shown(src.path)} is {what}; writing the output into {out!r} "
+        f"{op}: the source {shown(src.path)} is {what}; writing the output into {out!r} "
         f"would leave only {'its' if whole else 'part of its'} tensors. Write to another "
         "folder" + (", or reshard the whole checkpoint (its folder or index)." if whole else "."),
         kind="OutputIsSource",
@@ -444,7 +445,7 @@ def _remove_replaced_source(
     index of the folder names stays (two checkpoints may share shards); a single-file source
     goes only when the folder itself was the source (``whole_folder``), not a file named in
     it."""
-    if _is_url(src.path):
+    if is_url(src.path):
         return
     folder = os.path.dirname(src.path) or "."
     if not _same_file(out, folder):
@@ -598,7 +599,7 @@ def reshard(
 def _in_place_pattern(src: ShardedSafeOpen, out: str) -> str | None:
     """The source's own file name pattern (``diffusion_pytorch_model{suffix}.safetensors``
     from its index or single file) when ``out`` is the source's folder, else None."""
-    if _is_url(src.path) or not os.path.isdir(out):
+    if is_url(src.path) or not os.path.isdir(out):
         return None
     folder, name = os.path.split(src.path)
     if not _same_file(out, folder or "."):
@@ -739,7 +740,7 @@ def extract(
         names = select_names(_source_order(src), pats, regex=regex)
         if not names:
             raise SafetensorError(
-                f"no tensor of {_shown(src.path)} matches {', '.join(map(repr, pats))}",
+                f"no tensor of {shown(src.path)} matches {', '.join(map(repr, pats))}",
                 kind="NoMatch",
             )
         _refuse_output_over_source(

@@ -52,6 +52,7 @@ from ._reader import (
 from ._remote_urls import (
     check_index_options,
     is_folder_url,
+    is_url,
     shown_location,
     shown_name,
     url_dirname,
@@ -75,6 +76,7 @@ __all__ = [
     "ShardIndexError",
     "ShardedSafeOpen",
     "resolve_checkpoint",
+    "shown",
 ]
 
 #: What ``ShardedSafeOpen._per_shard`` groups: a tensor name, or a request naming one.
@@ -102,18 +104,14 @@ class MissingShardError(SafetensorError, FileNotFoundError):
     or a folder holds shards without their index (kind ``MissingIndex``)."""
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
-def _shown(path: str) -> str:
+def shown(path: str) -> str:
     """A path or URL for an error message: a URL without its credentials and query string
     (user:password, a signed URL's signature)."""
     return repr(shown_location(path))
 
 
 def _join(base: str, name: str) -> str:
-    return url_join(base, name) if _is_url(base) else os.path.join(base, name)
+    return url_join(base, name) if is_url(base) else os.path.join(base, name)
 
 
 def is_index_path(path: str) -> bool:
@@ -121,7 +119,7 @@ def is_index_path(path: str) -> bool:
 
     A local file so named that holds tensors is no index (the reference opens it as a file).
     """
-    if _is_url(path):
+    if is_url(path):
         return url_path(path).endswith(".index.json")
     return path.endswith(".index.json") and not starts_like_safetensors(path)
 
@@ -162,7 +160,7 @@ def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None)
         ValueError: ``storage_options`` that cannot go to every shard (S3's ``version_id``
             for an index or folder URL).
     """
-    if _is_url(path):
+    if is_url(path):
         folder = is_folder_url(path)
         if folder or is_index_path(path):
             check_index_options(path, storage_options)
@@ -198,7 +196,7 @@ def _resolve_folder_url(url: str, storage_options: dict[str, Any] | None) -> Res
         source.close()
         return Resolved(candidate, False)
     raise RemoteNotFoundError(
-        f"no safetensors checkpoint at the folder URL {_shown(url)}: neither {INDEX_NAME} nor "
+        f"no safetensors checkpoint at the folder URL {shown(url)}: neither {INDEX_NAME} nor "
         f"{SINGLE_NAME} is there (a folder over HTTP cannot be listed: give the URL of its "
         "index or file)",
         kind="NotFound",
@@ -231,7 +229,7 @@ def _choose(
         # would otherwise open as the whole model, silently missing the other shards' tensors.
         listed = ", ".join(m.group(0) for m in shards[:5]) + (" ..." if len(shards) > 5 else "")
         raise MissingShardError(
-            f"folder {_shown(folder)} holds shards of a checkpoint ({listed}) but no index: the "
+            f"folder {shown(folder)} holds shards of a checkpoint ({listed}) but no index: the "
             "checkpoint is incomplete (a save or download that did not finish?); pass one "
             "shard's path to open that file alone",
             kind="MissingIndex",
@@ -240,14 +238,14 @@ def _choose(
         return files[0], False
     if not indexes and not files:
         raise MissingShardError(
-            f"no safetensors checkpoint in folder {_shown(folder)}: expected {INDEX_NAME}, "
+            f"no safetensors checkpoint in folder {shown(folder)}: expected {INDEX_NAME}, "
             f"{SINGLE_NAME}, "
             "a single *.safetensors.index.json or a single *.safetensors",
             kind="NoCheckpoint",
         )
     found = ", ".join(indexes + files)
     raise ShardIndexError(
-        f"folder {_shown(folder)} holds several checkpoints and no {INDEX_NAME} or {SINGLE_NAME} "
+        f"folder {shown(folder)} holds several checkpoints and no {INDEX_NAME} or {SINGLE_NAME} "
         "says "
         f"which to open: {found}; pass the index or file path instead",
         kind="AmbiguousFolder",
@@ -258,7 +256,7 @@ def _check_shard_name(name: str, index: str, tensor: str) -> None:
     why = unsafe_shard_name(name)
     if why is not None:
         raise ShardIndexError(
-            f"index {_shown(index)} names shard {name!r} for tensor {tensor!r}, which is refused "
+            f"index {shown(index)} names shard {name!r} for tensor {tensor!r}, which is refused "
             f"({why}): an index may name only .safetensors files inside its own folder",
             kind="UnsafeShardName",
             tensor=tensor,
@@ -275,7 +273,7 @@ def _read_bytes(
     try:
         if source.size > MAX_INDEX_SIZE:
             raise ShardIndexError(
-                f"index {_shown(path)} is {source.size} bytes; the limit is {MAX_INDEX_SIZE}",
+                f"index {shown(path)} is {source.size} bytes; the limit is {MAX_INDEX_SIZE}",
                 kind="InvalidIndex",
             )
         buf = bytearray(source.size)
@@ -296,18 +294,18 @@ def _parse_index(
         # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise ShardIndexError(
-            f"index {_shown(path)} is not valid JSON: {why}", kind="InvalidIndex"
+            f"index {shown(path)} is not valid JSON: {why}", kind="InvalidIndex"
         ) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise ShardIndexError(
-            f'index {_shown(path)} must be a JSON object with a "weight_map" object',
+            f'index {shown(path)} must be a JSON object with a "weight_map" object',
             kind="InvalidIndex",
         )
     weight_map: dict[str, str] = {}
     for tensor, shard in obj["weight_map"].items():
         if not isinstance(shard, str):
             raise ShardIndexError(
-                f"index {_shown(path)}: weight_map[{tensor!r}] must be a file name, got "
+                f"index {shown(path)}: weight_map[{tensor!r}] must be a file name, got "
                 f"{type(shard).__name__}",
                 kind="InvalidIndex",
                 tensor=tensor,
@@ -317,7 +315,7 @@ def _parse_index(
     metadata = obj.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise ShardIndexError(
-            f'index {_shown(path)}: "metadata" must be an object, got {type(metadata).__name__}',
+            f'index {shown(path)}: "metadata" must be an object, got {type(metadata).__name__}',
             kind="InvalidIndex",
         )
     return weight_map, metadata
@@ -329,7 +327,7 @@ def _read_index(
     """:func:`_parse_index`, and for a local index the identity of the version read (None for
     a URL, which may come opened: ``source``, closed here). Read again if it changed while
     being read (a save renaming a new one in)."""
-    if _is_url(path):
+    if is_url(path):
         return (*_parse_index(path, storage_options, source), None)
     for _ in range(3):
         try:
@@ -344,7 +342,7 @@ def _read_index(
         if after == before:
             return weight_map, metadata, after
     raise ShardIndexError(
-        f"index {_shown(path)} kept changing while it was read (a save in progress?); open it "
+        f"index {shown(path)} kept changing while it was read (a save in progress?); open it "
         "again once the save is done",
         kind="CheckpointChanged",
     )
@@ -419,7 +417,7 @@ class ShardedSafeOpen(HandleBehaviour):
         path = os.fsdecode(os.fspath(filename))
         target, is_index, opened = resolve_checkpoint(path, self._options.get("storage_options"))
         self._path = target
-        self._base = url_dirname(target) if _is_url(target) else os.path.dirname(target)
+        self._base = url_dirname(target) if is_url(target) else os.path.dirname(target)
         # A single file opened as a checkpoint is read from its own path (a URL keeps its
         # query string and escapes), not rebuilt from its folder and name.
         self._single: tuple[str, str] | None = None
@@ -431,7 +429,7 @@ class ShardedSafeOpen(HandleBehaviour):
                 target, self._options.get("storage_options"), opened
             )
             self._shards = sorted(set(self._weight_map.values()))
-            if not _is_url(target):
+            if not is_url(target):
                 for shard in self._shards:
                     path = self._shard_path(shard)
                     if not os.path.isfile(path):
@@ -442,7 +440,7 @@ class ShardedSafeOpen(HandleBehaviour):
                             else f"does not exist in {self._base!r}"
                         )
                         raise MissingShardError(
-                            f"index {_shown(target)} places tensors (e.g. {example!r}) in shard "
+                            f"index {shown(target)} places tensors (e.g. {example!r}) in shard "
                             f"{shard!r}, which {what}",
                             kind="MissingShard",
                             tensor=example,
@@ -627,7 +625,7 @@ class ShardedSafeOpen(HandleBehaviour):
                 and shard in self._shards  # listed, so it was there once
             ):
                 raise MissingShardError(
-                    f"shard {shard!r} of {_shown(self._path)} no longer exists (removed "
+                    f"shard {shard!r} of {shown(self._path)} no longer exists (removed "
                     "since the checkpoint was opened)",
                     kind="MissingShard",
                 ) from exc
@@ -645,7 +643,7 @@ class ShardedSafeOpen(HandleBehaviour):
 
     def _new_shard_handle(self, shard: str) -> safe_open:
         path = self._shard_path(shard)
-        local = not _is_url(path)
+        local = not is_url(path)
         if local and (self._budget is None or len(self._handles) >= self._budget):
             self._set_budget()
         try:
@@ -669,7 +667,7 @@ class ShardedSafeOpen(HandleBehaviour):
                 raise
             raise OSError(
                 exc.errno,
-                f"out of file descriptors opening shard {shard!r} of {_shown(self._path)}: this "
+                f"out of file descriptors opening shard {shard!r} of {shown(self._path)}: this "
                 f"handle keeps {len(self._handles)} shards open, and slices keep their shard "
                 "open until they are freed; raise the limit (`ulimit -n`)",
                 path,
@@ -700,7 +698,7 @@ class ShardedSafeOpen(HandleBehaviour):
         except HeaderError as exc:
             # The header's own message says what is wrong, not in which of the shards.
             raise type(exc)(
-                f"shard {_shown(path)}: {exc}",
+                f"shard {shown(path)}: {exc}",
                 kind=exc.kind,
                 tensor=exc.tensor,
                 offset=exc.offset,
@@ -717,7 +715,7 @@ class ShardedSafeOpen(HandleBehaviour):
             first = self._identities.setdefault(shard, identity)
         if first != identity:
             raise ShardIndexError(
-                f"shard {shard!r} of {_shown(self._path)} changed since it was first read "
+                f"shard {shard!r} of {shown(self._path)} changed since it was first read "
                 "(replaced or rewritten, the index not): its tensors may not be the ones read "
                 "before. Open the checkpoint again.",
                 kind="CheckpointChanged",
@@ -741,7 +739,7 @@ class ShardedSafeOpen(HandleBehaviour):
             now = None
         if now != self._index_identity:
             raise ShardIndexError(
-                f"checkpoint {_shown(self._path)} was saved again (or is being saved) since it was "
+                f"checkpoint {shown(self._path)} was saved again (or is being saved) since it was "
                 f"opened: shard {shard!r} may hold the new save's tensors. Open it again.",
                 kind="CheckpointChanged",
             )
@@ -752,14 +750,14 @@ class ShardedSafeOpen(HandleBehaviour):
             placed = self._weight_map.get(name)
             if placed is None:
                 raise ShardIndexError(
-                    f"shard {shard!r} holds tensor {name!r}, which index {_shown(self._path)} does "
+                    f"shard {shard!r} holds tensor {name!r}, which index {shown(self._path)} does "
                     "not list",
                     kind="UnindexedTensor",
                     tensor=name,
                 )
             if placed != shard:
                 raise ShardIndexError(
-                    f"tensor {name!r} is in shard {shard!r} but index {_shown(self._path)} places "
+                    f"tensor {name!r} is in shard {shard!r} but index {shown(self._path)} places "
                     f"it in {placed!r}",
                     kind="TensorInTwoShards",
                     tensor=name,
@@ -774,7 +772,7 @@ class ShardedSafeOpen(HandleBehaviour):
         for name in self._by_shard.get(shard, ()):
             if name not in present:
                 raise ShardIndexError(
-                    f"index {_shown(self._path)} places tensor {name!r} in shard {shard!r}, which "
+                    f"index {shown(self._path)} places tensor {name!r} in shard {shard!r}, which "
                     "does not contain it",
                     kind="TensorNotInShard",
                     tensor=name,
@@ -809,7 +807,7 @@ class ShardedSafeOpen(HandleBehaviour):
         self._live()
         seen: dict[str, str] = {}
         data_bytes = 0
-        remote = _is_url(self._path)
+        remote = is_url(self._path)
 
         def opened(shard: str) -> tuple[safe_open, bool, Exception | None]:
             """The shard opened unchecked (so that a tensor in two shards is reported as
@@ -869,7 +867,7 @@ class ShardedSafeOpen(HandleBehaviour):
             and declared_total_size(total) != data_bytes
         ):
             raise ShardIndexError(
-                f"index {_shown(self._path)} declares total_size {total!r} but its shards hold "
+                f"index {shown(self._path)} declares total_size {total!r} but its shards hold "
                 f"{data_bytes} bytes of tensor data",
                 kind="TotalSizeMismatch",
             )

@@ -55,14 +55,16 @@ __all__ = [
     "DEFAULT_FILENAME_PATTERN",
     "MAX_SHARD_SIZE",
     "ShardPlan",
+    "adapter_for",
     "as_header_metadata",
     "check_filename_pattern",
-    "pattern_for_stem",
     "checkpoint_group",
     "index_filename",
     "index_json",
+    "is_torch",
     "model_metadata",
     "parse_size",
+    "pattern_for_stem",
     "remove_stale_files",
     "save_model_sharded",
     "save_sharded",
@@ -566,7 +568,8 @@ class StaleFileWarning(UserWarning):
 # ---------------------------------------------------------------------------- framework sizing
 
 
-def _is_torch(value: Any) -> bool:
+def is_torch(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor (or subclass), without importing torch."""
     # By module name first, so that numpy-only callers never import torch; then by class, for
     # subclasses defined elsewhere (a model's own Parameter, bitsandbytes' Params4bit, ...),
     # which can exist only once torch is imported.
@@ -579,7 +582,7 @@ def _is_torch(value: Any) -> bool:
 def _copied_to_save(value: Any) -> bool:
     """Whether ``force_contiguous`` saves a copy of ``value`` (see ``torch._copied_to_save``:
     the writer copies it a slab at a time); torch is imported only where a value is a tensor."""
-    if not _is_torch(value):
+    if not is_torch(value):
         return False
     from .torch import _copied_to_save as copied
 
@@ -610,14 +613,15 @@ def torch_storage_id(tensor: Any) -> Any:
     return (tensor.device, ptr, torch_storage_size(tensor))
 
 
-def _adapter_for(value: Any) -> Adapter:
-    return get_adapter("pt" if _is_torch(value) else "numpy")
+def adapter_for(value: Any) -> Adapter:
+    """The adapter that saves ``value``: torch's for a torch tensor, numpy's otherwise."""
+    return get_adapter("pt" if is_torch(value) else "numpy")
 
 
 def _data_size(name: str, value: Any) -> int:
-    if _is_torch(value):
+    if is_torch(value):
         return torch_storage_size(value)
-    data = _adapter_for(value).to_data(name, value)
+    data = adapter_for(value).to_data(name, value)
     nbits = 1
     for dim in data.shape:
         nbits *= dim
@@ -630,7 +634,7 @@ def _copy_size(tensor: Any) -> int:
 
 
 def _storage_id(value: Any) -> Any:
-    return torch_storage_id(value) if _is_torch(value) else None
+    return torch_storage_id(value) if is_torch(value) else None
 
 
 # ------------------------------------------------------------------------------------- saving
@@ -645,7 +649,7 @@ def _drop_shared(
 
     Each dropped name is recorded as ``metadata[dropped] = kept`` unless the caller set it.
     """
-    torch_part = {k: v for k, v in tensors.items() if _is_torch(v)}
+    torch_part = {k: v for k, v in tensors.items() if is_torch(v)}
     if not torch_part:
         return tensors
     from .torch import _remove_duplicate_names
@@ -764,12 +768,12 @@ def save_sharded(
 
     def write_shard(path: str, names: list[str], group: SaveGroup) -> None:
         shard = {name: state[name] for name in names}
-        if shard and all(_is_torch(v) for v in shard.values()):
+        if shard and all(is_torch(v) for v in shard.values()):
             from .torch import _flatten
 
             # The reference's checks (sparse, meta, non-contiguous) with its messages.
             _flatten({k: v for k, v in shard.items() if id(v) not in copied})
-        data: list[TensorData] = [_adapter_for(v).to_data(k, v) for k, v in shard.items()]
+        data: list[TensorData] = [adapter_for(v).to_data(k, v) for k, v in shard.items()]
         write_file(path, data, per_file, fsync=fsync, max_header_size=max_header_size, group=group)
 
     write_checkpoint(

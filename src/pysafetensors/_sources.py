@@ -35,12 +35,12 @@ import numpy as np
 from . import tuning
 from ._errors import ClosedFileError, SafetensorError
 from ._fresh_memory import (
-    _MADV_POPULATE_READ,
-    _POPULATE_STEP,
-    _address_of,
-    _huge_region,
-    _madvise,
+    MADV_POPULATE_READ,
+    POPULATE_STEP,
+    address_of,
+    advise_range,
     empty_bytes,
+    huge_region,
 )
 from ._reader_pool import default_threads, run_parallel, worker_count
 from ._residency import mapped_mostly_uncached, mostly_uncached, read_ahead
@@ -54,6 +54,7 @@ __all__ = [
     "NotRegularFileError",
     "PreadSource",
     "Shared",
+    "check_range",
     "check_regular",
     "open_regular_file",
     "read_fresh",
@@ -146,7 +147,7 @@ def map_file(fd: int, length: int, *, offset: int = 0) -> tuple[mmap.mmap, int]:
     # room to slide it to the 2 MiB phase of its offset where it is large enough to care.
     room = _HUGE if length >= _HUGE else 0
     owner = mmap.mmap(-1, length + room, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
-    base = _address_of(owner)
+    base = address_of(owner)
     at = (offset - base) % _HUGE if room else 0
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     got = libc_mmap(base + at, length, prot, mmap.MAP_PRIVATE | MAP_FIXED, fd, offset)
@@ -243,7 +244,8 @@ def pread_exact(fd: int, name: str, offset: int, out: memoryview) -> None:
         done += n
 
 
-def _check_range(source: ByteSource, offset: int, length: int) -> None:
+def check_range(source: ByteSource, offset: int, length: int) -> None:
+    """Refuse a read of ``length`` bytes at ``offset`` that does not lie inside ``source``."""
     if offset < 0 or length < 0 or offset + length > source.size:
         raise SafetensorError(
             f"read of {length} bytes at offset {offset} is outside {source.name} "
@@ -278,11 +280,11 @@ class BufferSource:
         return self._name
 
     def readinto(self, offset: int, out: memoryview) -> None:
-        _check_range(self, offset, out.nbytes)
+        check_range(self, offset, out.nbytes)
         out[:] = self._view[offset : offset + out.nbytes]
 
     def view(self, offset: int, length: int) -> memoryview | None:
-        _check_range(self, offset, length)
+        check_range(self, offset, length)
         return self._view[offset : offset + length]
 
     def close(self) -> None:
@@ -314,10 +316,10 @@ def read_fresh(source: ByteSource, offset: int, nbytes: int) -> np.ndarray:
         buf = np.empty(nbytes, np.uint8)
         source.readinto(offset, buf.data, parallel=False)
         return buf
-    region = _huge_region(nbytes) if isinstance(source, PreadSource) else None
+    region = huge_region(nbytes) if isinstance(source, PreadSource) else None
     if isinstance(source, PreadSource) and region is not None:
         buf = region.array()
-        source.readinto(offset, buf.data, prepare=region.populate, align=_POPULATE_STEP)
+        source.readinto(offset, buf.data, prepare=region.populate, align=POPULATE_STEP)
         return buf
     buf = empty_bytes(nbytes)
     if nbytes:
@@ -542,7 +544,7 @@ class PreadSource:
         calling thread whatever the size.
         """
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
-        _check_range(self, offset, out.nbytes)
+        check_range(self, offset, out.nbytes)
         if prepare is None and (not parallel or out.nbytes <= MIN_PARALLEL_CHUNK):
             # One piece, read here (the path below would too): without its set-up, which
             # cost small reads (a tensor of a few KiB) more than the read itself.
@@ -675,7 +677,7 @@ class MmapSource:
         file replaced since keeps its old inode for both). Writes this process made into
         views of the copy-on-write mapping are private to the mapping and not read here.
         """
-        _check_range(self, offset, out.nbytes)
+        check_range(self, offset, out.nbytes)
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         if self._fd < 0:
             out[:] = self._view[offset : offset + out.nbytes]
@@ -690,7 +692,7 @@ class MmapSource:
             raise
 
     def view(self, offset: int, length: int) -> memoryview | None:
-        _check_range(self, offset, length)
+        check_range(self, offset, length)
         self._closed_check(length)
         self._check_not_truncated(offset, length)
         return self._view[offset : offset + length]
@@ -706,7 +708,7 @@ class MmapSource:
 
         None for a closed source (as :meth:`view` would fail for it).
         """
-        _check_range(self, offset, length)
+        check_range(self, offset, length)
         self._closed_check(length)
         self._check_not_truncated(offset, length)
         fd = self._fd  # once: a concurrent close() sets it to -1
@@ -734,20 +736,20 @@ class MmapSource:
             return False
         if not tuning.settings().prefetch:
             return False
-        _check_range(self, offset, length)
+        check_range(self, offset, length)
         self._check_not_truncated(offset, length)
         mapping = self._map
-        address = _address_of(mapping) + self._at
+        address = address_of(mapping) + self._at
         if not mapped_mostly_uncached(address + offset, length):
             return False
         start = offset - offset % mmap.PAGESIZE
         end = offset + length
 
         def populate(at: int) -> None:
-            # Without the GIL (see _madvise): a thread waiting here for the disk no longer
+            # Without the GIL (see advise_range): a thread waiting here for the disk no longer
             # stops every other thread of the process. Populating a cold 2 GiB file ran at the
             # disk's ~2 GB/s either way; the kernel's readahead kept its queue busy.
-            _madvise(mapping, address, at, min(_PREFETCH_STEP, end - at), _MADV_POPULATE_READ)
+            advise_range(mapping, address, at, min(_PREFETCH_STEP, end - at), MADV_POPULATE_READ)
 
         try:
             run_parallel(populate, range(start, end, _PREFETCH_STEP), worker_count(self))
@@ -798,7 +800,7 @@ class FileObjSource:
 
     def readinto(self, offset: int, out: memoryview) -> None:
         out = out.cast("B")
-        _check_range(self, offset, out.nbytes)
+        check_range(self, offset, out.nbytes)
         with self._lock:
             self._f.seek(offset)
             done = 0

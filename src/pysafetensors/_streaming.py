@@ -96,17 +96,17 @@ def as_dtype(value: Any) -> DType:
 
 
 def _declare(name: Any, value: Any) -> TensorDecl:
-    from ._sharding import _adapter_for, _is_torch
+    from ._sharding import adapter_for, is_torch
 
-    if _is_torch(value) and value.is_meta:
+    if is_torch(value) and value.is_meta:
         # Only the dtype and shape are wanted: a meta tensor has no data to convert. Its shape
         # is the file's by the torch adapter's rule (float4_e2m1fn_x2 packs two values).
         from ._torch_adapter import logical_shape
 
         dtype = _declared_dtype(name, value.dtype)
         return str(name), dtype, logical_shape(dtype, _dims(name, value.shape))
-    if isinstance(value, np.ndarray) or _is_torch(value):
-        data = _adapter_for(value).to_data(str(name), value)
+    if isinstance(value, np.ndarray) or is_torch(value):
+        data = adapter_for(value).to_data(str(name), value)
         return str(name), data.dtype, data.shape
     if hasattr(value, "dtype") and hasattr(value, "shape"):  # TensorMeta, SafeSlice
         return str(name), _declared_dtype(name, value.dtype), _dims(name, value.shape)
@@ -214,10 +214,10 @@ def _declarations(tensors: Any) -> list[TensorDecl]:
 
 def _payload(name: str, info: TensorInfo, data: Any) -> tuple[int, Iterator[memoryview]]:
     """Byte length and byte chunks of what a caller passed to ``write``."""
-    from ._sharding import _adapter_for, _is_torch
+    from ._sharding import adapter_for, is_torch
 
-    if isinstance(data, np.ndarray) or _is_torch(data):
-        td = _adapter_for(data).to_data(name, data)
+    if isinstance(data, np.ndarray) or is_torch(data):
+        td = adapter_for(data).to_data(name, data)
         if td.dtype is not info.dtype:
             raise SerializeError(
                 f"{SERIALIZE_PREFIX}tensor `{name}` was declared {info.dtype.code} but data of "

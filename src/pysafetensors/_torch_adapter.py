@@ -19,10 +19,16 @@ from ._errors import DeviceError, DTypeNotSupportedError, SerializeError
 from ._format import SERIALIZE_PREFIX, gc_paused
 from ._writer import TensorData
 
-__all__ = ["ADAPTER", "TorchAdapter", "torch_dtype"]
+__all__ = [
+    "ADAPTER",
+    "TO_TORCH",
+    "TorchAdapter",
+    "cuda_target",
+    "torch_dtype",
+]
 
 # Resolved once from the shared table; dtypes this torch build lacks are simply absent.
-_TO_TORCH: Final[dict[str, Any]] = {
+TO_TORCH: Final[dict[str, Any]] = {
     d.code: getattr(torch, d.torch) for d in DTYPES if d.torch and hasattr(torch, d.torch)
 }
 _FROM_TORCH: Final[dict[Any, DType]] = {
@@ -74,7 +80,7 @@ def torch_dtype(dtype: DType) -> Any:
         DTypeNotSupportedError: torch has no such dtype (F6, or an old torch).
     """
     try:
-        return _TO_TORCH[dtype.code]
+        return TO_TORCH[dtype.code]
     except KeyError:
         raise DTypeNotSupportedError(
             f"Dtype not understood: {dtype.code} (torch {torch.__version__} has no such dtype; "
@@ -599,7 +605,7 @@ def _carve_each(buffers: list[Any], items: list[Item]) -> dict[str, Any]:
 
 
 @functools.cache
-def _cuda_target(device: Device) -> Any:
+def cuda_target(device: Device) -> Any:
     """The torch device of a CUDA ``device`` (a bare integer is CUDA's when there is CUDA);
     None for any other. Cached: asked once per small tensor moved (~1 us a ``torch.device``)."""
     if device.type == "anonymous" and torch.cuda.is_available():
@@ -615,7 +621,7 @@ def _direct_target(device: Device, ops: Any, nbytes: int) -> Any:
     for the staging pipeline); else None."""
     if ops is not None or nbytes > DIRECT_BYTES:
         return None
-    return _cuda_target(device)
+    return cuda_target(device)
 
 
 def _staging_ops(device: Device, ops: Any) -> Any:
@@ -624,7 +630,7 @@ def _staging_ops(device: Device, ops: Any) -> Any:
     device: the caller reads into host memory and moves the result with ``.to``)."""
     if ops is not None:
         return ops
-    target = _cuda_target(device)
+    target = cuda_target(device)
     return None if target is None else _device_ops(target)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ._format import TensorInfo
-from ._torch_adapter import ADAPTER, _cuda_target, torch_dtype
+from ._torch_adapter import ADAPTER, cuda_target, torch_dtype
 
 __all__ = ["in_place_targets", "maps_file"]
 
@@ -105,7 +105,7 @@ def _device_loaded_to(device: Any) -> torch.device | None:
     parsed = ADAPTER.check_device(device)
     if parsed.type == "cpu":
         return torch.device("cpu")
-    where = _cuda_target(parsed)
+    where = cuda_target(parsed)
     if where is None:
         return None
     if where.index is None:

@@ -35,9 +35,9 @@ from ._errors import HeaderError, SafetensorError
 from ._format import (
     MAX_HEADER_SIZE,
     N_LEN,
-    _all_u64,
-    _decode_json,
-    _parse_entry,
+    all_u64,
+    decode_json,
+    parse_entry,
     parse_header,
     parse_header_length,
     top_level_members,
@@ -45,6 +45,7 @@ from ._format import (
 from ._ordered_opens import ahead_for, in_order
 from ._planned_reads import plan_reads
 from ._remote_urls import (
+    is_url,
     shown_location,
     shown_name,
     url_dirname,
@@ -131,7 +132,7 @@ def _salvaged_offsets(value: Any) -> tuple[int, int] | None:
         offsets = value[2]  # serde's sequence form: dtype, shape, data_offsets
     else:
         return None
-    if type(offsets) is not list or len(offsets) != 2 or not _all_u64(offsets):
+    if type(offsets) is not list or len(offsets) != 2 or not all_u64(offsets):
         return None
     return offsets[0], offsets[1]
 
@@ -256,7 +257,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
         )
         return None
     try:
-        obj = _decode_json(text, "")
+        obj = decode_json(text, "")
     except HeaderError as exc:
         col.error(exc.kind, str(exc), offset=exc.offset)
         return None
@@ -306,7 +307,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 metadata = dict(value)
             continue
         try:
-            dtype, shape, (begin, end) = _parse_entry(name, value, "")
+            dtype, shape, (begin, end) = parse_entry(name, value, "")
         except HeaderError as exc:
             message = str(exc).removesuffix(f" (tensor `{name}`)")
             col.error(exc.kind, message, tensor=name, offset=key_offset(name))
@@ -720,10 +721,6 @@ class ModelFiles:
         return self.index_path is not None or len(self.files) > 1
 
 
-def _is_url(target: str) -> bool:
-    return "://" in target
-
-
 def open_model_file(path: str, storage_options: Mapping[str, Any] | None = None) -> ByteSource:
     """Open one file of a model for positioned reads: a URL through the remote sources (with
     ``storage_options``), a local path only if it is a regular file (:func:`open_regular_file`:
@@ -733,7 +730,7 @@ def open_model_file(path: str, storage_options: Mapping[str, Any] | None = None)
         NotRegularFileError: A local path names a FIFO, socket or device.
         OSError: The file cannot be opened.
     """
-    if _is_url(path):
+    if is_url(path):
         from ._reader import open_source_for
 
         return open_source_for(path, "pread", dict(storage_options or {}))
@@ -753,7 +750,7 @@ def _read_small(
 ) -> bytes:
     """The bytes of the index ``target``; a URL's read through ``opened`` if given (then closed
     here)."""
-    if _is_url(target):
+    if is_url(target):
         from ._remote import open_source
 
         if opened is None:
@@ -777,7 +774,7 @@ def _read_small(
 def _join(base: str, name: str) -> str:
     """The shard ``name`` next to the index ``base``. For a URL, as ``safe_open`` resolves
     it: the index's query string (a signature, ``?download=true``) is not passed on."""
-    if _is_url(base):
+    if is_url(base):
         return url_join(url_dirname(base), name)
     return os.path.join(os.path.dirname(base), name)
 
@@ -805,7 +802,7 @@ def locate_model(
             URL (an S3 ``version_id``).
     """
     path = os.fspath(target)
-    if _is_url(path) or os.path.isdir(path):
+    if is_url(path) or os.path.isdir(path):
         # The same rules as safe_open(folder or URL), so every tool opens the same files. An
         # index URL is told as the reader tells it (is_index_path): by the path without query
         # string or fragment, and for s3:// by the whole key, where '?' and '#' are characters
@@ -978,7 +975,7 @@ def _check_index(
                 "IndexTotalSize",
                 f"index total_size is {total!r} but the listed tensors hold {held}",
             )
-    if model.index_path is not None and not _is_url(model.index_path):
+    if model.index_path is not None and not is_url(model.index_path):
         folder = os.path.dirname(model.index_path)
         listed = set(model.labels)
         for name in sorted(os.listdir(folder or ".")):
@@ -1030,7 +1027,7 @@ def validate(
 
     def open_one(item: tuple[str, str]) -> ByteSource | None:
         path = item[0]
-        if model.sharded and not _is_url(path) and os.path.isdir(path):
+        if model.sharded and not is_url(path) and os.path.isdir(path):
             return None
         return open_model_file(path, storage_options)
 

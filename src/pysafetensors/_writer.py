@@ -42,9 +42,10 @@ from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout, gc
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 __all__ = [
+    "WRITEV_BYTES",
+    "SaveGroup",
     "TensorData",
     "Writeback",
-    "SaveGroup",
     "atomic_output",
     "layout_for",
     "serialize_to_bytes",
@@ -56,7 +57,7 @@ __all__ = [
 #: cut large tensors into pieces of this size (so that :class:`Writeback` hands them to the
 #: disk early). Large tensors are cut at fixed offsets from their own start, never re-cut to
 #: fill a batch (several times faster in early measurements).
-_WRITEV_BYTES: Final = 4 << 20
+WRITEV_BYTES: Final = 4 << 20
 #: Saves to the page cache write a large tensor in calls of up to this size (whole tensors, in
 #: practice). Measured with every arm starting from recently used memory, 2 GiB saves took
 #: 434-460 ms this way against 453-677 ms in 4 MiB calls (6 interleaved runs; the reference,
@@ -96,7 +97,7 @@ class TensorData:
 
     A producer may reuse a chunk's memory once the chunk after it is asked for (device tensors
     are copied out through a ring of pinned buffers), except for chunks smaller than
-    ``_WRITEV_BYTES`` and a tensor's last chunk: consumers write every other chunk before
+    ``WRITEV_BYTES`` and a tensor's last chunk: consumers write every other chunk before
     asking for the next, and may keep those two kinds (``write_layout`` gathers small ones).
     """
     keepalive: Any = field(default=None, compare=False)
@@ -158,7 +159,7 @@ def _ordered_chunks(
                 break
             if not view.nbytes:
                 continue
-            if reused and view.nbytes < _WRITEV_BYTES:
+            if reused and view.nbytes < WRITEV_BYTES:
                 view = memoryview(bytes(view))
             yield view, not reused and got == info.nbytes
             # Not held while the next chunk is made: a tensor's last chunk kept the producer's
@@ -249,11 +250,11 @@ def write_layout(
     """Write the header and every tensor's bytes to ``fd`` at its current position.
 
     Chunks are written directly from their memory (nothing is copied in user space), in
-    ``writev`` calls: small chunks are gathered into calls of about ``_WRITEV_BYTES``, large
-    ones are written in pieces of up to ``_LARGE_WRITE_BYTES`` (``_WRITEV_BYTES`` for durable
+    ``writev`` calls: small chunks are gathered into calls of about ``WRITEV_BYTES``, large
+    ones are written in pieces of up to ``_LARGE_WRITE_BYTES`` (``WRITEV_BYTES`` for durable
     saves). ``writeback`` (durable saves) is told about every write.
     """
-    piece = _WRITEV_BYTES if writeback is not None else _LARGE_WRITE_BYTES
+    piece = WRITEV_BYTES if writeback is not None else _LARGE_WRITE_BYTES
     by_name = {t.name: t for t in tensors}
     base = os.lseek(fd, 0, os.SEEK_CUR) if writeback is not None else 0
     done = 0  # bytes of the layout written
@@ -276,11 +277,11 @@ def write_layout(
     batch_bytes = len(layout.header)
     for view, _ in _ordered_chunks(layout, by_name):
         size = view.nbytes
-        if size < _WRITEV_BYTES:
+        if size < WRITEV_BYTES:
             # Small chunks are gathered with their neighbours.
             batch.append(view)
             batch_bytes += size
-            if len(batch) >= _IOV_MAX or batch_bytes >= _WRITEV_BYTES:
+            if len(batch) >= _IOV_MAX or batch_bytes >= WRITEV_BYTES:
                 flush(batch)
                 batch, batch_bytes = [], 0
             continue
@@ -906,5 +907,5 @@ def serialize_to_bytes(
     parts: list[Any] = [layout.header]
     for view, last in _ordered_chunks(layout, {t.name: t for t in tensors}):
         # TensorData.chunks: only a tensor's last chunk and small ones stay valid.
-        parts.append(view if last or view.nbytes < _WRITEV_BYTES else bytes(view))
+        parts.append(view if last or view.nbytes < WRITEV_BYTES else bytes(view))
     return b"".join(parts)

@@ -23,7 +23,7 @@ from ._api import (
     serialize,
     serialize_file,
 )
-from ._dtypes import _BY_CODE, DTYPES, DType
+from ._dtypes import BY_CODE, DTYPES, DType
 from ._errors import DTypeNotSupportedError, PathArg
 from ._reader import safe_open
 
@@ -123,7 +123,7 @@ def _getdtype(dtype_str: str) -> Any:
     Raises:
         KeyError: Not a code of :data:`_TYPES`.
     """
-    dtype = _BY_CODE.get(dtype_str)
+    dtype = BY_CODE.get(dtype_str)
     found = None if dtype is None else _numpy_type(dtype)
     if found is None:
         raise KeyError(dtype_str)

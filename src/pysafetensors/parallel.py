@@ -50,9 +50,9 @@ from ._slicing import Part
 from ._validate import Problem, validate
 
 __all__ = [
-    "ShardSpec",
     "RuleSplit",
     "Rules",
+    "ShardSpec",
     "Split",
     "hash_files",
     "load_shard",

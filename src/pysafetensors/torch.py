@@ -32,7 +32,7 @@ from ._errors import PathArg, SerializeError, SharedTensorsError
 from ._format import check_metadata
 from ._reader import safe_open
 from ._sharding import save_model_sharded, save_sharded
-from ._torch_adapter import _TO_TORCH, ADAPTER
+from ._torch_adapter import ADAPTER, TO_TORCH
 from ._torch_in_place import in_place_targets, maps_file
 
 __all__ = [
@@ -41,12 +41,12 @@ __all__ = [
     "load",
     "load_file",
     "load_model",
+    "safe_open",
     "save",
     "save_file",
     "save_model",
     "save_model_sharded",
     "save_sharded",
-    "safe_open",
     "serialize",
     "serialize_file",
     "storage_ptr",
@@ -62,7 +62,7 @@ _TensorT = TypeVar("_TensorT", bound=torch.Tensor)
 # from it: ``safe_open``, ``serialize``, ``serialize_file`` and ``deserialize`` above, and these.
 
 #: Format code to torch dtype (``"BF16"`` -> ``torch.bfloat16``), every dtype this torch has.
-_TYPES: dict[str, torch.dtype] = dict(_TO_TORCH)
+_TYPES: dict[str, torch.dtype] = dict(TO_TORCH)
 
 #: torch dtype to bytes per element (``float4_e2m1fn_x2`` holds two values in one byte).
 _SIZE: dict[torch.dtype, int] = {t: t.itemsize for t in _TYPES.values()}

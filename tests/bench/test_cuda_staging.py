@@ -782,7 +782,7 @@ def test_save_pieces_are_at_least_the_writers_batch() -> None:
     from pysafetensors import _writer
     from pysafetensors._cuda_staging import PIECE_BYTES
 
-    assert PIECE_BYTES >= _writer._WRITEV_BYTES
+    assert PIECE_BYTES >= _writer.WRITEV_BYTES
 
 
 # --- the real runtime's copy of a chunk's pieces (run on CPU tensors; streams need a GPU)
@@ -1098,7 +1098,7 @@ def test_small_tensors_and_slices_move_through_kept_pinned_memory(
     monkeypatch.setattr(TorchAdapter, "check_device", lambda self, d: Device("cuda", 0))
     monkeypatch.setattr(TorchAdapter, "from_bytes", from_bytes)
     monkeypatch.setattr(TorchAdapter, "to_device_many", to_device_many)
-    monkeypatch.setattr(adapter, "_cuda_target", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(adapter, "cuda_target", lambda device: torch.device("cpu"))
     monkeypatch.setattr(adapter, "_staging_ops", staging_ops)
 
     with safe_open(path, "pt", device="cuda:0", backend=backend) as f:

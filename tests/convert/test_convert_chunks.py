@@ -73,7 +73,7 @@ def test_small_chunks_write_the_same_file(
     monkeypatch.setattr(archive, "CHUNK", 24)
     monkeypatch.setattr(torch_pickle, "CHUNK", 24)
     monkeypatch.setattr(torch_pickle, "_SPAN_READ_MAX", 0)
-    monkeypatch.setattr(writer, "_WRITEV_BYTES", 8)
+    monkeypatch.setattr(writer, "WRITEV_BYTES", 8)
     report = convert_file(src, tmp_path / "small.safetensors", verify=True)
     assert report.verified in ("torch", "reader")
     small = (tmp_path / "small.safetensors").read_bytes()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from conftest import raw_file
 
-__all__ = ["CASES", "Case", "REFERENCE_KINDS", "kind_of_reference_message"]
+__all__ = ["CASES", "REFERENCE_KINDS", "Case", "kind_of_reference_message"]
 
 #: How a reference message maps to its Rust variant name (the reference exposes only text).
 REFERENCE_KINDS: tuple[tuple[str, str], ...] = (

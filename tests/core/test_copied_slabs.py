@@ -63,7 +63,7 @@ def test_a_file_of_every_layout_is_the_reference_s(tmp_path: Path) -> None:
 
 def test_slabs_are_bounded_and_kept_chunks_own_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(adapter, "SLAB_BYTES", 64)
-    monkeypatch.setattr(adapter, "_WRITEV_BYTES", 32)
+    monkeypatch.setattr(adapter, "WRITEV_BYTES", 32)
     arr = np.arange(40 * 30, dtype=np.float32).reshape(40, 30).T  # rows of 160 bytes
     # Consumed as a writer does (each chunk used before the next is asked for): the values.
     joined = b"".join(bytes(c) for c in adapter.copied_slabs(arr))
@@ -100,7 +100,7 @@ def test_large_tensors_hand_every_slab_over_through_the_buffer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(adapter, "SLAB_BYTES", 64)
-    monkeypatch.setattr(adapter, "_WRITEV_BYTES", 32)
+    monkeypatch.setattr(adapter, "WRITEV_BYTES", 32)
     arr = np.arange(40 * 30, dtype=np.float32).reshape(40, 30).T
     assert adapter.slabs_reused(arr.nbytes) and not adapter.slabs_reused(16)
     chunks = list(adapter.copied_slabs(arr, reuse_all=True))

@@ -216,7 +216,7 @@ def test_kernel_refusing_the_prefetch_turns_it_off(
     if not _sources.PrefetchSupport.enabled:
         pytest.skip("no MADV_POPULATE_READ or mincore here")
     monkeypatch.setattr(_sources.PrefetchSupport, "enabled", True)  # restored afterwards
-    monkeypatch.setattr(_sources, "_MADV_POPULATE_READ", -12345)  # EINVAL, as before 5.14
+    monkeypatch.setattr(_sources, "MADV_POPULATE_READ", -12345)  # EINVAL, as before 5.14
     path, matrix = cold_matrix
     with pysafetensors.safe_open(str(path), "np") as f:
         got = f.get_slice("w")[:, 1024:2048]

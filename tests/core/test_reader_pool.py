@@ -155,14 +155,14 @@ def test_slow_huge_pages_fall_back_after_a_few_steps(monkeypatch: pytest.MonkeyP
     if _fresh_memory._probed_hugepages(_fresh_memory._HUGEPAGE_MIN) is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
     steps: list[int] = []
-    real = _fresh_memory._madvise
+    real = _fresh_memory.advise_range
 
     def counting(mapping: object, address: int, start: int, length: int, advice: int) -> None:
         if advice == _fresh_memory._MADV_POPULATE_WRITE:
             steps.append(start)
         real(mapping, address, start, length, advice)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_fresh_memory, "_madvise", counting)
+    monkeypatch.setattr(_fresh_memory, "advise_range", counting)
     monkeypatch.setattr(_fresh_memory, "_HUGEPAGE_MIN_RATE", 1e30)  # every step counts as slow
     nbytes = 256 << 20
     buf = _fresh_memory._probed_hugepages(nbytes)
@@ -170,7 +170,7 @@ def test_slow_huge_pages_fall_back_after_a_few_steps(monkeypatch: pytest.MonkeyP
     _check_destination(buf, nbytes)
     # The first step, then at most a few more per thread before the switch to 4 KiB pages.
     assert 1 <= len(steps) < 3 + 2 * os.cpu_count()  # type: ignore[operator]
-    assert len(steps) < nbytes // _fresh_memory._POPULATE_STEP
+    assert len(steps) < nbytes // _fresh_memory.POPULATE_STEP
 
 
 @pytest.mark.parametrize("libc_madvise", [True, False])
@@ -193,9 +193,9 @@ def test_populate_through_libc_or_the_mmap_module(
 def test_refused_advice_raises_with_the_errno() -> None:
     region = _sources.mmap.mmap(-1, 1 << 20)
     try:
-        address = _fresh_memory._address_of(region)
+        address = _fresh_memory.address_of(region)
         with pytest.raises(OSError) as info:
-            _fresh_memory._madvise(region, address, 0, 1 << 20, -12345)
+            _fresh_memory.advise_range(region, address, 0, 1 << 20, -12345)
         assert info.value.errno == errno.EINVAL
     finally:
         region.close()
@@ -417,13 +417,13 @@ def test_hugepage_destinations_true_reaches_batched_part_reads(
 
     save_file({"w": np.ones((64, 1024), np.float32)}, str(tmp_path / "m.safetensors"))
     asked: list[bool] = []
-    real = _fresh_memory._numpy_empty
+    real = _fresh_memory.numpy_empty
 
     def spy(nbytes: int, hugepages: bool) -> np.ndarray:
         asked.append(hugepages)
         return real(nbytes, hugepages)
 
-    monkeypatch.setattr(_range_reads, "_numpy_empty", spy)  # where the part reads take it
+    monkeypatch.setattr(_range_reads, "numpy_empty", spy)  # where the part reads take it
     monkeypatch.setattr(tuning, "_current", tuning.Settings(hugepage_destinations=True))
     part = load_shard(tmp_path / "m.safetensors", 0, 2, {"w": "rows"}, framework="np")
     assert part["w"].shape == (32, 1024) and asked and all(asked)
@@ -547,16 +547,16 @@ def test_a_step_timed_across_a_collection_does_not_count_as_slow(
     if region is None:
         pytest.skip("no MADV_POPULATE_WRITE here")
     monkeypatch.setattr(_fresh_memory, "_HUGEPAGE_MIN_RATE", 1e30)  # every timed step is slow...
-    real = _fresh_memory._madvise
+    real = _fresh_memory.advise_range
 
     def collecting(*args: object) -> None:
         real(*args)  # type: ignore[arg-type]
         gc.collect()  # ...but a collection ran during each of them
 
-    monkeypatch.setattr(_fresh_memory, "_madvise", collecting)
+    monkeypatch.setattr(_fresh_memory, "advise_range", collecting)
     region.populate(4 << 20, 16 << 20)
     assert not region._slow.is_set()
-    monkeypatch.setattr(_fresh_memory, "_madvise", real)  # slow steps without collections count
+    monkeypatch.setattr(_fresh_memory, "advise_range", real)  # slow steps without collections count
     region.populate(20 << 20, 16 << 20)
     assert region._slow.is_set()
     _check_destination(region.array(), _fresh_memory._SELF_PROBED_MIN)

@@ -174,7 +174,7 @@ def test_hugepage_destinations_off_never_asks_for_huge_pages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     asked: list[bool] = []
-    real = _fresh_memory._numpy_empty
+    real = _fresh_memory.numpy_empty
 
     def spy(nbytes: int, hugepages: bool) -> np.ndarray:
         asked.append(hugepages)
@@ -183,7 +183,7 @@ def test_hugepage_destinations_off_never_asks_for_huge_pages(
     def no_region(nbytes: int) -> None:
         raise AssertionError("a huge-page region was made")
 
-    monkeypatch.setattr(_fresh_memory, "_numpy_empty", spy)
+    monkeypatch.setattr(_fresh_memory, "numpy_empty", spy)
     monkeypatch.setattr(_fresh_memory._HugeRegion, "create", staticmethod(no_region))
     data = {"w": np.random.default_rng(1).integers(0, 255, (80 << 20,), np.uint8)}
     save_file(data, str(tmp_path / "big.safetensors"))

@@ -466,9 +466,9 @@ def test_serialize_copies_chunks_whose_memory_the_producer_reuses() -> None:
     come through a ring of pinned buffers), except for a tensor's last chunk and small ones:
     those are copied as they come, the others joined from where they are."""
     from pysafetensors._dtypes import dtype_from_code
-    from pysafetensors._writer import _WRITEV_BYTES, TensorData, serialize_to_bytes
+    from pysafetensors._writer import WRITEV_BYTES, TensorData, serialize_to_bytes
 
-    piece = _WRITEV_BYTES
+    piece = WRITEV_BYTES
     ring = bytearray(piece)
 
     def chunks() -> Any:

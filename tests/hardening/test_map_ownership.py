@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pysafetensors._fresh_memory import _address_of
+from pysafetensors._fresh_memory import address_of
 from pysafetensors._sources import map_file
 
 pytestmark = pytest.mark.skipif(
@@ -46,7 +46,7 @@ def test_maps_hold_the_file_s_bytes_privately(data: Path, offset: int, length: i
     assert bytes(view) == expected
     if length >= 2 << 20 and sys.version_info < (3, 13):
         # Placed where the file's 2 MiB boundaries fall on the address's (2 MiB faults).
-        assert (_address_of(owner) + at) % (2 << 20) == offset % (2 << 20)
+        assert (address_of(owner) + at) % (2 << 20) == offset % (2 << 20)
     view[0] ^= 0xFF  # copy-on-write: the file is untouched
     assert data.read_bytes()[offset : offset + length] == expected
     fd = os.open(data, os.O_RDONLY)

@@ -257,7 +257,7 @@ def test_an_option_in_both_the_url_and_storage_options_is_named() -> None:
 
 
 def test_chained_urls_show_no_credentials(tmp_path: Path) -> None:
-    # fsspec chains (simplecache::..., zip://m::...) were shown whole: _redact and the secrets
+    # fsspec chains (simplecache::..., zip://m::...) were shown whole: redact and the secrets
     # took the chain for one URL that did not parse.
     with pytest.raises(RemoteNotFoundError) as info:
         FsspecSource("simplecache::memory://al:secretpw9@x/m.safetensors")
@@ -295,15 +295,15 @@ def test_a_connection_string_option_is_a_secret() -> None:
 
 
 def test_redact_takes_chains_and_ipv6_hosts() -> None:
-    from pysafetensors._remote_urls import _redact
+    from pysafetensors._remote_urls import redact
 
-    assert _redact("http://u:pw@[::1]:8080/m.safetensors?sig=1") == (
+    assert redact("http://u:pw@[::1]:8080/m.safetensors?sig=1") == (
         "http://[::1]:8080/m.safetensors?..."
     )
-    assert _redact("simplecache::s3://k:s@bucket/m.safetensors") == (
+    assert redact("simplecache::s3://k:s@bucket/m.safetensors") == (
         "simplecache::s3://bucket/m.safetensors"
     )
-    assert _redact("zip://m.safetensors::https://u:p@host/a.zip?x=1") == (
+    assert redact("zip://m.safetensors::https://u:p@host/a.zip?x=1") == (
         "zip://m.safetensors::https://host/a.zip?..."
     )
 

@@ -14,7 +14,7 @@ import pytest
 from pysafetensors._errors import RemoteError
 from pysafetensors._remote import HTTPSource, RemotePermissionError
 from pysafetensors._remote_http import _credentials_may_go
-from pysafetensors._remote_source import _parse_content_range
+from pysafetensors._remote_source import parse_content_range
 
 from .rangeserver import TOKEN, TRICKLE_SECONDS, RangeServer
 
@@ -208,13 +208,13 @@ def test_non_ascii_digits_are_a_remote_error(server: RangeServer, mode: str, hea
 
 
 def test_content_range_forms() -> None:
-    assert _parse_content_range("bytes 0-9/100", "u") == (0, 9, 100)
-    assert _parse_content_range("Bytes  5 - 9 / * ", "u") == (5, 9, None)
-    assert _parse_content_range("bytes */100", "u") == (None, None, 100)
-    assert _parse_content_range(None, "u") == (None, None, None)
+    assert parse_content_range("bytes 0-9/100", "u") == (0, 9, 100)
+    assert parse_content_range("Bytes  5 - 9 / * ", "u") == (5, 9, None)
+    assert parse_content_range("bytes */100", "u") == (None, None, 100)
+    assert parse_content_range(None, "u") == (None, None, None)
     for bad in ("", "bytes 0-9", "items 0-9/100", "bytes 0-9/１００", "bytes -9/100"):
         with pytest.raises(RemoteError):
-            _parse_content_range(bad, "u")
+            parse_content_range(bad, "u")
 
 
 def test_compressed_body_is_reported_at_once(server: RangeServer) -> None:

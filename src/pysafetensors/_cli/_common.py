@@ -44,6 +44,7 @@ from .._validate import (
 
 __all__ = [
     "CHUNK_BYTES",
+    "LazyRows",
     "Model",
     "OutputFolders",
     "ShardFile",
@@ -51,20 +52,19 @@ __all__ = [
     "Ui",
     "UsageError",
     "add_filter_args",
+    "check_source",
     "finite_json",
     "human_bytes",
-    "check_source",
-    "url_argument_errors",
     "human_count",
     "make_parent",
-    "shown",
     "open_model",
     "print_json",
-    "LazyRows",
-    "sanitize",
     "quoted",
+    "sanitize",
+    "shown",
     "to_float64",
     "tolerance",
+    "url_argument_errors",
 ]
 
 #: Bytes read per step when streaming tensor data: a multiple of every element size and of the
