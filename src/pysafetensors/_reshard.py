@@ -31,7 +31,8 @@ from contextlib import AbstractContextManager
 from typing import Any, Final
 
 from ._errors import SafetensorError, input_path, output_path, write_error
-from ._format import MAX_HEADER_SIZE, TensorInfo, build_layout
+from ._format import MAX_HEADER_SIZE, TensorInfo
+from ._layout import build_layout
 from ._remote_urls import is_url
 from ._sharded import MAX_INDEX_SIZE, ShardedSafeOpen, is_index_path, shown
 from ._sharding import (

@@ -38,14 +38,8 @@ from ._errors import (
     output_path,
     write_error,
 )
-from ._format import (
-    MAX_HEADER_SIZE,
-    SERIALIZE_PREFIX,
-    Layout,
-    TensorInfo,
-    build_layout,
-    check_metadata,
-)
+from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, TensorInfo
+from ._layout import Layout, build_layout, check_metadata
 from ._representable import MAX_NDIM
 from ._sharding import (
     DEFAULT_FILENAME_PATTERN,

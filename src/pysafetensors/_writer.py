@@ -38,7 +38,8 @@ except ImportError:  # pragma: no cover - not POSIX
 from . import tuning
 from ._dtypes import DType
 from ._errors import PathArg, SafetensorError, SerializeError, add_note, output_path, write_error
-from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, Layout, build_layout, gc_paused
+from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, gc_paused
+from ._layout import Layout, build_layout
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 __all__ = [
@@ -119,7 +120,7 @@ def layout_for(
     *,
     max_header_size: int = MAX_HEADER_SIZE,
 ) -> Layout:
-    """Plan the file for ``tensors`` (see ``_format.build_layout``), with the collector paused
+    """Plan the file for ``tensors`` (see ``_layout.build_layout``), with the collector paused
     over the few objects per tensor that the plan keeps (see ``_api._to_data``)."""
     with gc_paused():
         return build_layout(

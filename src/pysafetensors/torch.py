@@ -29,7 +29,7 @@ from ._api import (
 from ._devices import CPU
 from ._dtypes import dtype_from_code
 from ._errors import PathArg, SerializeError, SharedTensorsError
-from ._format import check_metadata
+from ._layout import check_metadata
 from ._reader import safe_open
 from ._sharding import save_model_sharded, save_sharded
 from ._torch_adapter import ADAPTER, TO_TORCH

@@ -24,8 +24,8 @@ _ALLOWED_PRIVATE: frozenset[tuple[str, str]] = frozenset(
     }
 )
 
-# The format layer: headers parsed and built with no I/O and no numpy.
-_FORMAT_LAYER = ("_format", "_dtypes", "_serde_number", "_serde_syntax")
+# The format layer: headers parsed and planned with no I/O and no numpy.
+_FORMAT_LAYER = ("_format", "_layout", "_dtypes", "_serde_number", "_serde_syntax")
 _IO_MODULES = frozenset({"io", "mmap", "socket", "numpy", "threading", "concurrent"})
 
 

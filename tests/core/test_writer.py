@@ -17,7 +17,7 @@ import pysafetensors
 from conftest import compact_json
 from pysafetensors import SerializeError, TensorSpec, safe_open, serialize
 from pysafetensors._dtypes import DTYPES
-from pysafetensors._format import build_layout
+from pysafetensors._layout import build_layout
 from pysafetensors.numpy import load_file, save, save_file
 
 
