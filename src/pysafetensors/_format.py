@@ -50,7 +50,7 @@ import re
 import struct
 import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, repeat
 from typing import Any, Final, NamedTuple
 
 from ._dtypes import BY_CODE, DTYPES, UINT64_MAX, DType, checked_nbits, dtype_from_code
@@ -61,8 +61,21 @@ from ._errors import (
     SafetensorError,
     TensorInfoError,
 )
-from ._serde_number import f64_text, number_in_range, serde_integer, unexpected_number
-from ._serde_syntax import SyntaxErrorAt, debug_str, first_syntax_error, position_of_index
+from ._serde_json import (
+    MAYBE_NEG_ZERO,
+    MAYBE_SURROGATE,
+    JsonObject,
+    all_u64,
+    big_int_problem,
+    decoder_for,
+    is_u64,
+    reject_constant,
+    scan_value,
+    serde_syntax_message,
+    surrogate_message,
+    unexpected,
+)
+from ._serde_syntax import SyntaxErrorAt, first_syntax_error, position_of_index
 
 __all__ = [
     "DESERIALIZE_PREFIX",
@@ -72,7 +85,6 @@ __all__ = [
     "SERIALIZE_PREFIX",
     "Header",
     "TensorInfo",
-    "all_u64",
     "decode_json",
     "parse_entry",
     "parse_header",
@@ -325,97 +337,6 @@ def parse_header_length(
     return int(n)
 
 
-class _Obj(dict[str, Any]):
-    """A JSON object that keeps every ``(key, value)`` pair when a key appears more than once.
-
-    serde deserializes each occurrence of a repeated key (and fails on a bad one) before the
-    last one wins, so validation must see the earlier values too, not only the dict's.
-    """
-
-    __slots__ = ("dup_pairs",)
-
-    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
-        super().__init__(pairs)
-        self.dup_pairs: list[tuple[str, Any]] | None = pairs if len(self) != len(pairs) else None
-
-    def pairs(self) -> list[tuple[str, Any]]:
-        """Every pair in document order, repeated keys included."""
-        return self.dup_pairs if self.dup_pairs is not None else list(self.items())
-
-
-class _NotInt:
-    """A JSON number that serde_json reads as a float (``1.0``, ``1e1``, ``-0``, ``2**64``)."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-#: Float literals this short have at most 15 significant digits; where their power of ten is
-#: also exact (10**22 at most, either way), serde's f64 arithmetic (the significand times or
-#: over that power) rounds once, as ``float()`` does, so the value can stand for the literal.
-_EXACT_FLOAT: Final = 16
-
-
-def _parse_float(text: str) -> float | _NotInt:
-    if len(text) <= _EXACT_FLOAT:
-        # A float (24 bytes) instead of the text in a wrapper (~100): a header of millions
-        # of numbers in an unknown field is held whole while it is checked.
-        if "e" not in text and "E" not in text:
-            return float(text)  # 15 decimals at most: the power is exact
-        mantissa, _, exponent = text.lower().partition("e")
-        if -22 <= int(exponent) - len(mantissa.partition(".")[2]) <= 22:
-            return float(text)
-    if not number_in_range(text):
-        raise ValueError("number out of range")
-    return _NotInt(text)
-
-
-def _parse_int(text: str) -> int | _NotInt:
-    # serde_json reads "-0" as the float -0.0, and integers outside u64/i64 as f64 (which may
-    # overflow), so neither is an integer there.
-    if text == "-0":
-        return _NotInt(text)
-    if len(text) <= 19:
-        return int(text)  # at most 19 digits: within u64 or i64 whatever they are
-    value = serde_integer(text)
-    if value is not None:
-        return value
-    if not number_in_range(text):
-        raise ValueError("number out of range")
-    return _NotInt(text)
-
-
-def _reject_constant(name: str) -> Any:
-    # serde_json has no NaN/Infinity literals: "-Infinity" fails inside its number parser.
-    raise ValueError("invalid number" if name.startswith("-") else "expected value")
-
-
-_DECODER: Final = json.JSONDecoder(
-    object_pairs_hook=_Obj, parse_float=_parse_float, parse_constant=_reject_constant
-)
-_DECODER_SLOW: Final = json.JSONDecoder(
-    object_pairs_hook=_Obj,
-    parse_float=_parse_float,
-    parse_int=_parse_int,
-    parse_constant=_reject_constant,
-)
-# Cheap pre-check that decides whether the slower integer hook is needed at all ("-0" may also
-# be inside a string; the slow path is still exact). Integers too large for u64 are left to the
-# C scanner and checked afterwards: a regex for long digit runs costs seconds on a 100 MB header.
-_MAYBE_NEG_ZERO: Final = re.compile(r"-0(?![0-9.eE])")
-_MAYBE_SURROGATE: Final = re.compile(r"\\u[dD][89a-fA-F]")
-_SURROGATE: Final = re.compile("[\ud800-\udfff]")
-
-#: serde_json's recursion limit: with the top-level object, 127 nested arrays/objects parse and
-#: 128 fail (found by testing the reference: 125 nested arrays in an unknown tensor field pass).
-_MAX_DEPTH: Final = 127
-
-
 def _decode_error(prefix_text: str, detail: str, tensor: str | None = None) -> HeaderDecodeError:
     where = f" (tensor `{tensor}`)" if tensor is not None else ""
     return HeaderDecodeError(
@@ -424,71 +345,6 @@ def _decode_error(prefix_text: str, detail: str, tensor: str | None = None) -> H
         tensor=tensor,
         offset=N_LEN,
     )
-
-
-def _describe(value: Any) -> str:
-    """Render a value as serde's ``Unexpected`` does (``integer `5```, ``string "x"``, ...)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"boolean `{str(value).lower()}`"
-    if isinstance(value, int):
-        return unexpected_number(str(value))
-    if isinstance(value, _NotInt):
-        return unexpected_number(value.text)
-    if isinstance(value, float):  # a short float literal (see _parse_float)
-        return f"floating point `{f64_text(value)}`"
-    if isinstance(value, str):
-        return f"string {debug_str(value)}"
-    if isinstance(value, list):
-        return "sequence"
-    return "map"
-
-
-def _unexpected(value: Any, expected: str, *, invalid: str = "type") -> str:
-    """serde's error for a value it cannot take: ``invalid type: <value>, expected <what>``; or
-    ``number out of range`` for an integer too large even for an f64, which serde_json refuses
-    while parsing, before any type is checked."""
-    if type(value) is int and not number_in_range(str(value)):
-        return "number out of range"
-    return f"invalid {invalid}: {_describe(value)}, expected {expected}"
-
-
-def _serde_syntax_message(exc: json.JSONDecodeError) -> str:
-    """Translate a ``json`` syntax error into serde_json's wording for the same problem."""
-    msg, text, pos = exc.msg, exc.doc, exc.pos
-    at_eof = not text[pos:].strip(" \t\r\n")
-    if msg.startswith("Expecting value"):
-        if at_eof:
-            return "EOF while parsing a value"
-        before = text[:pos].rstrip(" \t\r\n")
-        if before.endswith(","):
-            closing = text[pos:].lstrip(" \t\r\n")[:1] in ("]", "}")
-            return "trailing comma" if closing else "expected value"
-        return "expected value"
-    if msg.startswith("Extra data"):
-        return "trailing characters"
-    if msg.startswith("Expecting property name"):
-        if at_eof:
-            return "EOF while parsing an object"
-        if text[:pos].rstrip(" \t\r\n").endswith(","):
-            return "trailing comma"
-        return "key must be a string"
-    if msg.startswith("Expecting ',' delimiter"):
-        if at_eof:
-            return "EOF while parsing a value"
-        if pos > 0 and text[pos - 1] == "0" and text[pos : pos + 1].isdigit():
-            return "invalid number"  # a leading zero such as 016
-        return "expected `,` or `}`"
-    if msg.startswith("Expecting ':' delimiter"):
-        return "EOF while parsing an object" if at_eof else "expected `:`"
-    if msg.startswith("Unterminated string"):
-        return "EOF while parsing a string"
-    if msg.startswith("Invalid control character"):
-        return "control character (\\u0000-\\u001F) found while parsing a string"
-    if msg.startswith("Invalid \\"):
-        return "invalid escape"
-    return msg  # pragma: no cover - every message of the stdlib scanner is mapped above
 
 
 class _TrailingCharacters(HeaderDecodeError):
@@ -540,7 +396,7 @@ def _top_level_type_error(text: str, value: Any, prefix_text: str) -> HeaderDeco
     end = start if isinstance(value, list) else _EXTENT_DECODER.raw_decode(text, start)[1]
     raw = text[:end].encode("utf-8", "surrogatepass")
     line, column = position_of_index(raw, len(raw))
-    detail = _unexpected(value, "struct HashMetadata")
+    detail = unexpected(value, "struct HashMetadata")
     return _decode_error(prefix_text, f"{detail} at line {line} column {column}")
 
 
@@ -557,11 +413,11 @@ def _walked_error(
 
 def decode_json(text: str, prefix_text: str) -> Any:
     """Decode a header's JSON ``text`` as serde_json would, or raise its error text."""
-    decoder = _DECODER_SLOW if _MAYBE_NEG_ZERO.search(text) else _DECODER
+    decoder = decoder_for(text)
     try:
         return decoder.decode(text)
     except json.JSONDecodeError as exc:
-        fallback = f"{_serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}"
+        fallback = f"{serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}"
         raise _serde_syntax_error(text, fallback, decoder, prefix_text) from None
     except ValueError as exc:  # raised by our number and constant hooks
         detail = str(exc)
@@ -575,87 +431,26 @@ def decode_json(text: str, prefix_text: str) -> Any:
         raise _serde_syntax_error(text, "recursion limit exceeded", decoder, prefix_text) from None
 
 
-def _u64(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= UINT64_MAX
-
-
-def all_u64(values: list[Any]) -> bool:
-    """Whether every value is an ``int`` that fits a u64 (``bool`` is not one)."""
-    return all(type(value) is int and 0 <= value <= UINT64_MAX for value in values)
-
-
-def _surrogate_message(value: str) -> str | None:
-    found = _SURROGATE.search(value)
-    if found is None:
-        return None
-    # serde_json: a high surrogate not followed by an escape ends the escape early; a low one
-    # first is "lone leading".
-    if found.group() < "\udc00":
-        return "unexpected end of hex escape"
-    return "lone leading surrogate in hex escape"
-
-
-def _scan(value: Any, check_surrogates: bool, depth: int) -> str | None:
-    """What serde_json refuses while merely parsing a value: lone surrogates, deep nesting.
-
-    ``depth`` counts the containers around ``value``. Iterative, so that it works for values
-    nested as deep as the ``json`` module allows, and in document order (serde reports the
-    first problem it meets). A stack of iterators, one per open container, rather than an
-    item per element: a list of millions of numbers took a tuple each (~50 bytes a number).
-    """
-    stack: list[tuple[Iterator[Any], int]] = [(iter((value,)), depth)]
-    while stack:
-        items, level = stack[-1]
-        for item in items:
-            if isinstance(item, str):
-                if check_surrogates:
-                    problem = _surrogate_message(item)
-                    if problem:
-                        return problem
-            elif type(item) is int:
-                problem = _big_int_problem(item)
-                if problem == "number out of range":
-                    return problem
-            elif isinstance(item, dict):
-                if level + 1 > _MAX_DEPTH:
-                    return "recursion limit exceeded"
-                if not item:
-                    continue  # nothing inside (a field of millions of {} took 4 us each)
-                pairs = item.pairs() if isinstance(item, _Obj) else item.items()
-                stack.append((chain.from_iterable(pairs), level + 1))  # key, value, key...
-                break
-            elif isinstance(item, list):
-                if level + 1 > _MAX_DEPTH:
-                    return "recursion limit exceeded"
-                if not item:
-                    continue
-                stack.append((iter(item), level + 1))
-                break
-        else:
-            stack.pop()
-    return None
-
-
 _CODES: Final = frozenset(d.code for d in DTYPES)
 _CODE_LIST: Final = ", ".join(f"`{d.code}`" for d in DTYPES)
 
 
 def _scan_entry(value: Any, check_surrogates: bool) -> str | None:
-    """:func:`_scan` for one tensor entry, skipping what field parsing checks anyway.
+    """:func:`scan_value` for one tensor entry, skipping what field parsing checks anyway.
 
     A plain entry holds only ``dtype``, ``shape`` and ``data_offsets``, whose values are
     type-checked later; walking them too would cost a second pass over large headers. Unknown
     fields, repeated fields, odd entries and (when the text has surrogate escapes) everything
     are walked.
     """
-    if check_surrogates or not isinstance(value, _Obj):
-        return _scan(value, check_surrogates, 1)
+    if check_surrogates or not isinstance(value, JsonObject):
+        return scan_value(value, check_surrogates, 1)
     if value.dup_pairs is None and value.keys() <= _FIELD_SET:
         return None
     # Unknown and repeated fields (the known ones are type-checked when the entry is parsed).
     for key, item in value.pairs():
         if key not in _FIELDS:
-            problem = _scan(item, False, 2)
+            problem = scan_value(item, False, 2)
             if problem:
                 return problem
     return None
@@ -667,48 +462,39 @@ def _parse_dtype(value: Any) -> DType | str:
     if isinstance(value, dict):
         # serde's externally tagged form of a unit variant: {"F32": null}. Its pairs are
         # counted, not its keys: {"F32": null, "F32": null} is two (refused there too).
-        pairs = value.pairs() if isinstance(value, _Obj) else list(value.items())
+        pairs = value.pairs() if isinstance(value, JsonObject) else list(value.items())
         if len(pairs) != 1:
             return "invalid value: map, expected map with a single key"
         ((code, inner),) = pairs
         if code in _CODES and inner is not None:
-            return _unexpected(inner, "unit")
+            return unexpected(inner, "unit")
     elif not isinstance(code, str):
-        return _unexpected(value, "string or map")
+        return unexpected(value, "string or map")
     try:
         return dtype_from_code(code)
     except SafetensorError:
         return f"unknown variant `{code}`, expected one of {_CODE_LIST}"
 
 
-def _big_int_problem(item: int) -> str | None:
-    """serde_json reads integers outside u64/i64 as f64: out of range, or not an integer."""
-    if -(1 << 63) <= item <= UINT64_MAX:
-        return None
-    if not number_in_range(str(item)):
-        return "number out of range"
-    return f"invalid type: {unexpected_number(str(item))}"
-
-
 def _usize_problem(item: Any) -> str | None:
-    if _u64(item):
+    if is_u64(item):
         return None
     if isinstance(item, (list, dict)):
         # serde buffered the whole entry first, so nesting too deep fails before the type.
-        deep = _scan(item, False, 3)
+        deep = scan_value(item, False, 3)
         if deep:
             return deep
     if type(item) is int:
-        big = _big_int_problem(item)
+        big = big_int_problem(item)
         if big:
             return f"{big}, expected usize" if big.startswith("invalid") else big
-        return _unexpected(item, "usize", invalid="value")
-    return _unexpected(item, "usize")
+        return unexpected(item, "usize", invalid="value")
+    return unexpected(item, "usize")
 
 
 def _parse_shape(value: Any) -> list[int] | str:
     if not isinstance(value, list):
-        return _unexpected(value, "a sequence")
+        return unexpected(value, "a sequence")
     for item in value:
         problem = _usize_problem(item)
         if problem:
@@ -719,7 +505,7 @@ def _parse_shape(value: Any) -> list[int] | str:
 def _parse_offsets(value: Any) -> list[int] | str:
     # A (usize, usize) tuple: serde reads two elements, then complains about the length.
     if not isinstance(value, list):
-        return _unexpected(value, "a tuple of size 2")
+        return unexpected(value, "a tuple of size 2")
     for item in value[:2]:
         problem = _usize_problem(item)
         if problem:
@@ -738,7 +524,7 @@ _FIELD_PARSERS: Final = (_parse_dtype, _parse_shape, _parse_offsets)
 
 def parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[int], list[int]]:
     """Deserialize one tensor entry as serde's derived ``TensorInfo`` visitor would."""
-    if type(value) is _Obj and value.dup_pairs is None:
+    if type(value) is JsonObject and value.dup_pairs is None:
         # Fast path for the common, valid entry; anything unusual takes the exact path below,
         # which also produces serde's message.
         code = value.get("dtype")
@@ -772,7 +558,7 @@ def parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[in
             raise _decode_error(
                 prefix_text, f"invalid length {len(value)}, expected 3 elements in sequence", name
             )
-    elif isinstance(value, _Obj):
+    elif isinstance(value, JsonObject):
         # Fields are visited in document order: a repeated field fails when it is met again,
         # a bad value when it is met; unknown fields are skipped (their syntax was checked).
         for key, item in value.pairs():
@@ -788,23 +574,23 @@ def parse_entry(name: str, value: Any, prefix_text: str) -> tuple[DType, list[in
             if field not in found:
                 raise _decode_error(prefix_text, f"missing field `{field}`", name)
     else:
-        raise _decode_error(prefix_text, _unexpected(value, "struct TensorInfo"), name)
+        raise _decode_error(prefix_text, unexpected(value, "struct TensorInfo"), name)
     return found["dtype"], found["shape"], found["data_offsets"]
 
 
 def _parse_metadata(value: Any, prefix_text: str, check_surrogates: bool) -> dict[str, str] | None:
     if value is None:
         return None
-    if not isinstance(value, _Obj):
-        raise _decode_error(prefix_text, _unexpected(value, "a map"))
+    if not isinstance(value, JsonObject):
+        raise _decode_error(prefix_text, unexpected(value, "a map"))
     # serde reads __metadata__ as it streams: each key, then its value, in document order;
     # with repeated keys every value must be a string and the last one wins.
     for key, item in value.pairs():
-        problem = _surrogate_message(key) if check_surrogates else None
+        problem = surrogate_message(key) if check_surrogates else None
         if problem is None and not isinstance(item, str):
-            problem = _unexpected(item, "a string")
+            problem = unexpected(item, "a string")
         if problem is None and check_surrogates:
-            problem = _surrogate_message(item)
+            problem = surrogate_message(item)
         if problem:
             raise _decode_error(prefix_text, f"{problem} (in __metadata__)")
     return dict(value)
@@ -919,7 +705,7 @@ def _not_ordinary(_text: str) -> Any:
     raise ValueError("a float")
 
 
-_PLAIN_DECODER: Final = json.JSONDecoder(parse_float=_not_ordinary, parse_constant=_reject_constant)
+_PLAIN_DECODER: Final = json.JSONDecoder(parse_float=_not_ordinary, parse_constant=reject_constant)
 _GET_FIELDS: Final = operator.itemgetter("dtype", "shape", "data_offsets")
 
 
@@ -949,7 +735,7 @@ def _fast_entries(
     """Parse an ordinary header with the C decoder alone, or return None.
 
     Ordinary means what writers produce: no repeated keys, no unknown fields, no odd forms,
-    every value well typed. The exact path (``_Obj`` pairs, serde's order and messages) is
+    every value well typed. The exact path (``JsonObject`` pairs, serde's order and messages) is
     several times slower on large headers and only needed when something is unusual, so any
     doubt returns None and the caller takes it.
 
@@ -958,7 +744,7 @@ def _fast_entries(
     sequences, never fewer. So if the text holds exactly as many ``":`` as the decoded objects
     hold keys, no key was repeated and nothing was dropped by the plain ``dict``.
     """
-    if _MAYBE_NEG_ZERO.search(text) or _MAYBE_SURROGATE.search(text) or _SPACED_COLON.search(text):
+    if MAYBE_NEG_ZERO.search(text) or MAYBE_SURROGATE.search(text) or _SPACED_COLON.search(text):
         return None
     try:
         obj = _PLAIN_DECODER.decode(text)
@@ -1188,15 +974,15 @@ def _parse_generic(text: str, header_size: int, data_size: int, prefix_text: str
         obj = decode_json(text, prefix_text)
     except _TrailingCharacters as exc:
         obj, trailing = exc.value, exc
-    if not isinstance(obj, _Obj):
-        if isinstance(obj, str) and _MAYBE_SURROGATE.search(text):
+    if not isinstance(obj, JsonObject):
+        if isinstance(obj, str) and MAYBE_SURROGATE.search(text):
             # serde parses a top-level string before refusing its type: a lone surrogate in
             # it is the error it meets first.
             found = first_syntax_error(text.encode("utf-8", "surrogatepass"))
             if found is not None and not found.typed and found.message != "trailing characters":
                 raise _walked_error(found, prefix_text)
         raise _top_level_type_error(text, obj, prefix_text)
-    check_surrogates = _MAYBE_SURROGATE.search(text) is not None
+    check_surrogates = MAYBE_SURROGATE.search(text) is not None
 
     # Pass 1, as serde streams the top-level object: __metadata__ is deserialized where it
     # stands; every other entry is only parsed (buffered), which already refuses lone
@@ -1231,20 +1017,20 @@ def _raise_buffered_problem(
     walked whole, in document order.
     """
     for name, value in raw:
-        problem = _scan(value, check_surrogates, 1)
+        problem = scan_value(value, check_surrogates, 1)
         if problem:
             raise _serde_first(text, _decode_error(prefix_text, problem, name), prefix_text)
 
 
 def _stream_pass(
-    obj: _Obj, prefix_text: str, check_surrogates: bool
+    obj: JsonObject, prefix_text: str, check_surrogates: bool
 ) -> tuple[dict[str, str] | None, list[tuple[str, Any]]]:
     """Pass 1 of :func:`_parse_generic`: ``(metadata, buffered entries)``."""
     metadata: dict[str, str] | None = None
     seen_metadata = False
     raw: list[tuple[str, Any]] = []
     for name, value in obj.pairs():
-        problem = _surrogate_message(name) if check_surrogates else None
+        problem = surrogate_message(name) if check_surrogates else None
         if problem:
             raise _decode_error(prefix_text, problem)
         if name == "__metadata__":

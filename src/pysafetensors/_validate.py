@@ -35,7 +35,6 @@ from ._errors import HeaderError, SafetensorError
 from ._format import (
     MAX_HEADER_SIZE,
     N_LEN,
-    all_u64,
     decode_json,
     parse_entry,
     parse_header,
@@ -51,6 +50,7 @@ from ._remote_urls import (
     url_dirname,
     url_join,
 )
+from ._serde_json import all_u64
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
 

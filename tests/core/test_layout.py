@@ -25,7 +25,7 @@ _ALLOWED_PRIVATE: frozenset[tuple[str, str]] = frozenset(
 )
 
 # The format layer: headers parsed and planned with no I/O and no numpy.
-_FORMAT_LAYER = ("_format", "_layout", "_dtypes", "_serde_number", "_serde_syntax")
+_FORMAT_LAYER = ("_format", "_layout", "_dtypes", "_serde_json", "_serde_number", "_serde_syntax")
 _IO_MODULES = frozenset({"io", "mmap", "socket", "numpy", "threading", "concurrent"})
 
 

@@ -321,7 +321,7 @@ def test_short_floats_kept_as_floats_are_shown_as_serde_does() -> None:
     """Float literals of at most 16 characters whose power of ten is exact are held as Python
     floats (not their text): serde's f64 of them is ``float()``'s, so its messages come out the
     same, against the reference and against the digit-by-digit emulation."""
-    from pysafetensors._format import _describe, _parse_float
+    from pysafetensors._serde_json import _describe, _parse_float
     from pysafetensors._serde_number import unexpected_number
 
     rng = random.Random(20261201)
