@@ -211,11 +211,6 @@ def url_join(base: str, name: str) -> str:
     return posixpath.join(base, name)
 
 
-def is_url(target: str) -> bool:
-    """Whether ``target`` is a URL (``scheme://...``) rather than a local path."""
-    return "://" in target
-
-
 def is_folder_url(url: str) -> bool:
     """Whether the URL ``url`` names a folder: its path ends with ``/``.
 

@@ -30,10 +30,9 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
-from ._errors import SafetensorError, input_path, output_path, write_error
+from ._errors import SafetensorError, input_path, looks_like_url, output_path, write_error
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._layout import build_layout
-from ._remote_urls import is_url
 from ._sharded import MAX_INDEX_SIZE, ShardedSafeOpen, is_index_path, shown
 from ._sharding import (
     COMPUTED_KEYS,
@@ -213,7 +212,7 @@ def _refuse_output_over_source(
         return
     sources = [src.path, *src.files()] if is_index_path(src.path) else [src.path]
     for path in sources:
-        if is_url(path) or not _same_file(out, path):
+        if looks_like_url(path) or not _same_file(out, path):
             continue
         if whole and not is_index_path(src.path):
             return
@@ -228,7 +227,7 @@ def _refuse_single_file_beside_index(src: ShardedSafeOpen, out: str, *, op: str)
     """Refuse a single file written next to the source's index under the name of its single
     file (``model.safetensors`` beside ``model.safetensors.index.json``): the hub's tools and
     transformers look for that file before the index, and would load it as the model."""
-    if is_url(src.path) or not is_index_path(src.path):
+    if looks_like_url(src.path) or not is_index_path(src.path):
         return
     folder, index = os.path.split(src.path)
     single = index.removesuffix(".index.json")
@@ -255,7 +254,7 @@ def _refuse_sharded_output_over_source(
     the source), a reshard does unless its source is one shard of a larger checkpoint there
     (the folder's index names it), which would leave that shard's tensors only.
     """
-    if is_url(src.path) or not os.path.isdir(out):
+    if looks_like_url(src.path) or not os.path.isdir(out):
         return
     if is_index_path(src.path):
         if whole or not _same_file(out, os.path.dirname(src.path) or "."):
@@ -446,7 +445,7 @@ def _remove_replaced_source(
     index of the folder names stays (two checkpoints may share shards); a single-file source
     goes only when the folder itself was the source (``whole_folder``), not a file named in
     it."""
-    if is_url(src.path):
+    if looks_like_url(src.path):
         return
     folder = os.path.dirname(src.path) or "."
     if not _same_file(out, folder):
@@ -600,7 +599,7 @@ def reshard(
 def _in_place_pattern(src: ShardedSafeOpen, out: str) -> str | None:
     """The source's own file name pattern (``diffusion_pytorch_model{suffix}.safetensors``
     from its index or single file) when ``out`` is the source's folder, else None."""
-    if is_url(src.path) or not os.path.isdir(out):
+    if looks_like_url(src.path) or not os.path.isdir(out):
         return None
     folder, name = os.path.split(src.path)
     if not _same_file(out, folder or "."):

@@ -36,6 +36,7 @@ from ._errors import (
     RemoteNotFoundError,
     SafetensorError,
     TensorNotFoundError,
+    looks_like_url,
 )
 from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo, check_max_header_size
@@ -52,7 +53,6 @@ from ._reader import (
 from ._remote_urls import (
     check_index_options,
     is_folder_url,
-    is_url,
     shown_location,
     shown_name,
     url_dirname,
@@ -111,7 +111,7 @@ def shown(path: str) -> str:
 
 
 def _join(base: str, name: str) -> str:
-    return url_join(base, name) if is_url(base) else os.path.join(base, name)
+    return url_join(base, name) if looks_like_url(base) else os.path.join(base, name)
 
 
 def is_index_path(path: str) -> bool:
@@ -119,7 +119,7 @@ def is_index_path(path: str) -> bool:
 
     A local file so named that holds tensors is no index (the reference opens it as a file).
     """
-    if is_url(path):
+    if looks_like_url(path):
         return url_path(path).endswith(".index.json")
     return path.endswith(".index.json") and not starts_like_safetensors(path)
 
@@ -160,7 +160,7 @@ def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None)
         ValueError: ``storage_options`` that cannot go to every shard (S3's ``version_id``
             for an index or folder URL).
     """
-    if is_url(path):
+    if looks_like_url(path):
         folder = is_folder_url(path)
         if folder or is_index_path(path):
             check_index_options(path, storage_options)
@@ -327,7 +327,7 @@ def _read_index(
     """:func:`_parse_index`, and for a local index the identity of the version read (None for
     a URL, which may come opened: ``source``, closed here). Read again if it changed while
     being read (a save renaming a new one in)."""
-    if is_url(path):
+    if looks_like_url(path):
         return (*_parse_index(path, storage_options, source), None)
     for _ in range(3):
         try:
@@ -417,7 +417,7 @@ class ShardedSafeOpen(HandleBehaviour):
         path = os.fsdecode(os.fspath(filename))
         target, is_index, opened = resolve_checkpoint(path, self._options.get("storage_options"))
         self._path = target
-        self._base = url_dirname(target) if is_url(target) else os.path.dirname(target)
+        self._base = url_dirname(target) if looks_like_url(target) else os.path.dirname(target)
         # A single file opened as a checkpoint is read from its own path (a URL keeps its
         # query string and escapes), not rebuilt from its folder and name.
         self._single: tuple[str, str] | None = None
@@ -429,7 +429,7 @@ class ShardedSafeOpen(HandleBehaviour):
                 target, self._options.get("storage_options"), opened
             )
             self._shards = sorted(set(self._weight_map.values()))
-            if not is_url(target):
+            if not looks_like_url(target):
                 for shard in self._shards:
                     path = self._shard_path(shard)
                     if not os.path.isfile(path):
@@ -643,7 +643,7 @@ class ShardedSafeOpen(HandleBehaviour):
 
     def _new_shard_handle(self, shard: str) -> safe_open:
         path = self._shard_path(shard)
-        local = not is_url(path)
+        local = not looks_like_url(path)
         if local and (self._budget is None or len(self._handles) >= self._budget):
             self._set_budget()
         try:
@@ -807,7 +807,7 @@ class ShardedSafeOpen(HandleBehaviour):
         self._live()
         seen: dict[str, str] = {}
         data_bytes = 0
-        remote = is_url(self._path)
+        remote = looks_like_url(self._path)
 
         def opened(shard: str) -> tuple[safe_open, bool, Exception | None]:
             """The shard opened unchecked (so that a tensor in two shards is reported as

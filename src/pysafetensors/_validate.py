@@ -31,7 +31,7 @@ from typing import Any, Final, Literal
 import numpy as np
 
 from ._dtypes import DType, checked_nbits, dtype_from_code
-from ._errors import HeaderError, SafetensorError
+from ._errors import HeaderError, SafetensorError, looks_like_url
 from ._format import (
     MAX_HEADER_SIZE,
     N_LEN,
@@ -44,7 +44,6 @@ from ._format import (
 from ._ordered_opens import ahead_for, in_order
 from ._planned_reads import plan_reads
 from ._remote_urls import (
-    is_url,
     shown_location,
     shown_name,
     url_dirname,
@@ -730,7 +729,7 @@ def open_model_file(path: str, storage_options: Mapping[str, Any] | None = None)
         NotRegularFileError: A local path names a FIFO, socket or device.
         OSError: The file cannot be opened.
     """
-    if is_url(path):
+    if looks_like_url(path):
         from ._reader import open_source_for
 
         return open_source_for(path, "pread", dict(storage_options or {}))
@@ -750,7 +749,7 @@ def _read_small(
 ) -> bytes:
     """The bytes of the index ``target``; a URL's read through ``opened`` if given (then closed
     here)."""
-    if is_url(target):
+    if looks_like_url(target):
         from ._remote import open_source
 
         if opened is None:
@@ -774,7 +773,7 @@ def _read_small(
 def _join(base: str, name: str) -> str:
     """The shard ``name`` next to the index ``base``. For a URL, as ``safe_open`` resolves
     it: the index's query string (a signature, ``?download=true``) is not passed on."""
-    if is_url(base):
+    if looks_like_url(base):
         return url_join(url_dirname(base), name)
     return os.path.join(os.path.dirname(base), name)
 
@@ -802,7 +801,7 @@ def locate_model(
             URL (an S3 ``version_id``).
     """
     path = os.fspath(target)
-    if is_url(path) or os.path.isdir(path):
+    if looks_like_url(path) or os.path.isdir(path):
         # The same rules as safe_open(folder or URL), so every tool opens the same files. An
         # index URL is told as the reader tells it (is_index_path): by the path without query
         # string or fragment, and for s3:// by the whole key, where '?' and '#' are characters
@@ -975,7 +974,7 @@ def _check_index(
                 "IndexTotalSize",
                 f"index total_size is {total!r} but the listed tensors hold {held}",
             )
-    if model.index_path is not None and not is_url(model.index_path):
+    if model.index_path is not None and not looks_like_url(model.index_path):
         folder = os.path.dirname(model.index_path)
         listed = set(model.labels)
         for name in sorted(os.listdir(folder or ".")):
@@ -1027,7 +1026,7 @@ def validate(
 
     def open_one(item: tuple[str, str]) -> ByteSource | None:
         path = item[0]
-        if model.sharded and not is_url(path) and os.path.isdir(path):
+        if model.sharded and not looks_like_url(path) and os.path.isdir(path):
             return None
         return open_model_file(path, storage_options)
 
