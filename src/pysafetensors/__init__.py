@@ -41,8 +41,9 @@ from ._reader import SafeSlice, TensorMeta, safe_open
 from ._reader import _safe_open_handle as _safe_open_handle  # the reference exports it too
 from ._reshard import extract, merge, reshard
 from ._sharded import MissingShardError, ShardedSafeOpen, ShardIndexError
-from ._sharding import ShardPlan, StaleFileWarning, save_sharded
+from ._sharding import ShardPlan, save_sharded
 from ._streaming import ShardedStreamingWriter, StreamingWriter
+from ._writer import StaleFileWarning
 
 __version__ = "0.1.0"
 

@@ -42,6 +42,7 @@ from ._errors import SerializeError, SharedTensorsError, output_path, write_erro
 from ._format import MAX_HEADER_SIZE
 from ._writer import (
     SaveGroup,
+    StaleFileWarning,
     TensorData,
     atomic_output,
     partial_stem,
@@ -559,10 +560,6 @@ def remove_stale_files(
             continue
         removed.append(name)
     return removed
-
-
-class StaleFileWarning(UserWarning):
-    """A save completed but could not remove a file of the checkpoint it replaced."""
 
 
 # ---------------------------------------------------------------------------- framework sizing

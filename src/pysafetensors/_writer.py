@@ -26,6 +26,7 @@ import signal
 import stat
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -45,6 +46,7 @@ from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 __all__ = [
     "WRITEV_BYTES",
     "SaveGroup",
+    "StaleFileWarning",
     "TensorData",
     "Writeback",
     "atomic_output",
@@ -679,6 +681,10 @@ def descriptor_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+class StaleFileWarning(UserWarning):
+    """A save completed but could not remove a file of the checkpoint it replaced."""
+
+
 class SaveGroup:
     """Files saved together (the shards and index of a checkpoint): renamed into place together.
 
@@ -807,7 +813,7 @@ class SaveGroup:
                 # An index this save replaced with a single file (or a single file it
                 # replaced with shards): deleted here, not left to the clean-up, which a
                 # crash or clean=False would skip and leave the old entry point in charge.
-                self._remove_first(self._retire)
+                self._retire_old(self._retire)
         except BaseException as exc:
             left = [tmp for tmp, target, _ in pending if target not in done]
             if changed and left:
@@ -823,12 +829,42 @@ class SaveGroup:
                 _fsync_dir(folder)
         return done
 
+    def _retire_old(self, path: str) -> None:
+        """Delete the previous save's other entry point, once every new file is in place.
+
+        Raised from here, a failure read as a save that failed while the new checkpoint stood
+        complete (a CLI's exit status 2, a caller retrying or cleaning up): said as the
+        clean-up of older files says it, and left.
+        """
+        try:
+            self._remove_first(path)
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                # The new file's name is legal and the index's (11 bytes longer) is not: no
+                # such file can exist.
+                return
+            warnings.warn(
+                f"the save to {path!r}'s folder is complete, but the previous save's "
+                f"{os.path.basename(path)!r} could not be removed ({exc.strerror or exc}); "
+                "loaders that open it first may still read the previous checkpoint",
+                StaleFileWarning,
+                stacklevel=4,
+            )
+
     def _remove_first(self, path: str) -> bool:
-        """Delete ``path`` (if there), durably with ``fsync``; whether it was there."""
+        """Delete ``path`` (if there), durably with ``fsync``; whether it was there.
+
+        Raises:
+            WriteError: It is there and could not be deleted.
+        """
         try:
             os.unlink(path)
         except FileNotFoundError:
             return False
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                return False  # no file of that name can exist
+            raise write_error(exc, path) from exc
         if self._fsync:
             _fsync_dir(os.path.dirname(path) or ".")
         return True

@@ -625,3 +625,27 @@ def test_a_stale_file_that_cannot_be_removed_is_a_warning_after_a_complete_save(
         save_sharded(new, tmp_path, max_shard_size=2500)
     loaded = load_file(tmp_path)
     assert all(np.array_equal(loaded[k], v) for k, v in new.items())
+
+
+def test_a_single_file_with_the_longest_legal_name_saves_without_an_error(
+    tmp_path: Path,
+) -> None:
+    # The save retires the previous save's index, "<name>.index.json": for a name of 244-255
+    # bytes that is past the file system's 255, and unlink's ENAMETOOLONG escaped as a bare
+    # OSError after the file was in place (the CLI said the write failed; exit status 2).
+    pattern = "m" * 236 + "{suffix}.safetensors"  # a single file of 248 bytes
+    save_sharded({"a": np.arange(4, dtype=np.float32)}, tmp_path, filename_pattern=pattern)
+    assert [len(p.name) for p in tmp_path.iterdir()] == [248]
+    assert np.array_equal(load_file(tmp_path)["a"], np.arange(4, dtype=np.float32))
+
+
+def test_an_old_index_that_cannot_be_retired_is_a_warning_after_a_complete_save(
+    tmp_path: Path,
+) -> None:
+    # A single file replacing a sharded checkpoint deletes the old index once it is in place;
+    # a failure there (here a folder with the index's name) came out as a bare OSError.
+    (tmp_path / "model.safetensors.index.json" / "x").mkdir(parents=True)
+    with pytest.warns(StaleFileWarning, match=r"(?i)model\.safetensors\.index\.json.*directory"):
+        save_sharded({"a": np.ones(4, np.float32)}, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        assert np.array_equal(f.get_tensor("a"), np.ones(4, np.float32))
