@@ -98,6 +98,11 @@ MAX_NAME_CHARS: Final = 64 << 20
 #: (reports and metadata show the rest as "...").
 MAX_LEAF_NODES: Final = 1_000_000
 MAX_NODES_PER_LEAF: Final = 10_000
+#: Characters of strings and dict keys rendered in all the non-tensor leaves together. A
+#: string shared through the pickle's memo costs the file two bytes per use and the rendering
+#: its whole length each time (a 1 MB file asked for 10 GB of JSON); past this, a string is
+#: rendered as ``"<str of N characters>"`` and a dict's remaining keys are dropped.
+MAX_LEAF_CHARS: Final = 16 << 20
 #: An expanded tensor (stride 0: torch stores one copy of a repeated value) is written out in
 #: full; one that would write more than this many bytes and over MAX_EXPANSION times what it
 #: stores is refused (a 1.5 KB checkpoint asked for 256 GiB).
@@ -150,15 +155,23 @@ def _leaf_key_text(key: Any) -> str:
 
 def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> Any:
     """A JSON-ready rendering of a non-tensor leaf (for reports and metadata), bounded: at most
-    16 levels, 1000 items per container, and ``budget[0]`` values in all (default
-    :data:`MAX_NODES_PER_LEAF`), decremented as they are rendered; past it, ``"..."``. A leaf
-    that shares containers renders them once per occurrence, so the total needs the cap."""
+    16 levels, 1000 items per container, ``budget[0]`` values in all (default
+    :data:`MAX_NODES_PER_LEAF`) and ``budget[1]`` characters of strings and keys (default
+    :data:`MAX_LEAF_CHARS`), decremented as they are rendered; past them, ``"..."`` and
+    ``"<str of N characters>"``. A leaf that shares containers or strings renders them once
+    per occurrence, so the totals need the caps."""
     if budget is None:
-        budget = [MAX_NODES_PER_LEAF]
+        budget = [MAX_NODES_PER_LEAF, MAX_LEAF_CHARS]
     if budget[0] <= 0:
         return "..."
     budget[0] -= 1
-    if value is None or type(value) in (bool, str):
+    if value is None or type(value) is bool:
+        return value
+    if type(value) is str:
+        if len(value) > budget[1]:
+            budget[1] = 0
+            return f"<str of {len(value)} characters>"
+        budget[1] -= len(value)
         return value
     if type(value) is int:
         return value if value.bit_length() <= 256 else short_text(value)
@@ -190,9 +203,11 @@ def _jsonable(value: Any, budget: list[int] | None = None, depth: int = 0) -> An
     if type(value) is dict:
         rendered: dict[str, Any] = {}
         for i, (k, v) in enumerate(value.items()):
-            if i == 1000 or budget[0] <= 0:
+            key = _safe_key(k)
+            if i == 1000 or budget[0] <= 0 or len(key) > budget[1]:
                 break
-            rendered[_safe_key(k)] = _jsonable(v, budget, depth + 1)
+            budget[1] -= len(key)
+            rendered[key] = _jsonable(v, budget, depth + 1)
         return rendered
     if isinstance(value, Stand):
         return f"<{value.name}>"
@@ -861,29 +876,48 @@ def _records(
         if name in out:
             raise bad_checkpoint(f"a tensor and another value share the name {name!r}")
     total = [MAX_LEAF_NODES]
+    chars = MAX_LEAF_CHARS  # shared by every leaf, as the strings of the memo are
     rendered: dict[str, Any] = {}
     for k, v in leaves.items():
-        budget = [min(MAX_NODES_PER_LEAF, max(1, total[0]))]
+        budget = [min(MAX_NODES_PER_LEAF, max(1, total[0])), chars]
         before = budget[0]
         rendered[k] = _jsonable(v, budget) if total[0] > 0 else "..."
         total[0] -= before - budget[0]
+        chars = budget[1]
     return out, rendered, skipped
 
 
 def _check_total_expansion(records: dict[str, TensorRecord], sizes: dict[str, int]) -> None:
-    """Refuse expanded tensors that together would write far more than the checkpoint
-    stores: each is bounded by :func:`_record`, but a thousand of them from one 4-byte storage
-    would still fill a disk (a 1.7 KB file wrote 2 GiB with eight)."""
+    """Refuse tensors that together would write far more than the checkpoint stores.
+
+    Each expanded tensor is bounded by :func:`_record`, but a thousand of them from one 4-byte
+    storage would still fill a disk (a 1.7 KB file wrote 2 GiB with eight). Views that overlap
+    without any stride 0 do it too: 2,000 views ``M[k:]`` of one 1 MiB storage, each written
+    in full, made 2 GB from a 1.1 MB file. So the whole output is bounded as well; views equal
+    in every respect (tied weights, stored once) count once.
+    """
     extra = 0
+    written = 0
+    seen: set[tuple[Any, ...]] = set()
     for rec in records.values():
         start, stop = rec.span
         extra += max(0, rec.nbytes - (stop - start))
+        view = (rec.storage_key, rec.torch_dtype, rec.storage_offset, rec.torch_shape, rec.stride)
+        if view not in seen:
+            seen.add(view)
+            written += rec.nbytes
     stored = sum(sizes.values())
     limit = max(EXPANSION_FLOOR, MAX_EXPANSION * stored)
     if extra > limit:
         raise CheckpointError(
             f"expanded tensors (stride 0) would write {extra} bytes beyond the {stored} bytes "
             f"the checkpoint stores, over {limit}; refusing them",
+            kind="ExpandedTensor",
+        )
+    if written > limit:
+        raise CheckpointError(
+            f"overlapping views of the checkpoint's storages would write {written} bytes "
+            f"from the {stored} bytes it stores, over {limit}; refusing them",
             kind="ExpandedTensor",
         )
 

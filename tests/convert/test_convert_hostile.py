@@ -9,6 +9,7 @@ exit status and peak RSS are what is checked.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import resource
 import struct
@@ -649,3 +650,45 @@ def test_legacy_checkpoints_of_every_pickle_protocol_still_convert(tmp_path: Pat
         convert_file(src, out)
         with safe_open(out, "np") as f:
             assert f.get_tensor("w").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_overlapping_views_of_one_storage_are_bounded_in_all(tmp_path: Path) -> None:
+    """Views ``M[k:]`` of one storage have no stride 0, so only the expanded-tensor bound saw
+    them: 2,000 of a 1 MiB storage (a 1.1 MB file, read by ``torch.load`` as 2,000 views
+    sharing it) wrote a 2 GB file. The whole output is bounded now."""
+    numel, views = 1 << 18, 300  # ~300 MiB out of 1 MiB stored, over the 256 MiB floor
+    items = [(f"t{k}", tensor(offset=k, size=(numel - k,), numel=numel)) for k in range(views)]
+    src = tmp_path / "views.pt"
+    make_zip(src, state_dict(items), {"0": bytes(numel * 4)})
+    with pytest.raises(CheckpointError, match=r"overlapping views .* would write \d+ bytes") as e:
+        convert_file(src, tmp_path / "views.safetensors")
+    assert e.value.kind == "ExpandedTensor"
+    assert not (tmp_path / "views.safetensors").exists()
+    # A few overlapping views (well under the bound) still convert, each in full.
+    make_zip(src, state_dict(items[:3]), {"0": bytes(numel * 4)})
+    assert convert_file(src, tmp_path / "few.safetensors").tensors == ["t0", "t1", "t2"]
+    assert [v.size for v in _loaded(tmp_path / "few.safetensors").values()] == [
+        numel,
+        numel - 1,
+        numel - 2,
+    ]
+
+
+def test_a_string_shared_through_the_memo_is_rendered_within_a_budget(tmp_path: Path) -> None:
+    """``keep_non_tensors``: a 1 MiB string used 10,000 times through BINGET (two bytes of
+    pickle each) rendered 10 GB of JSON and ended in a foreign MemoryError."""
+    big = "x" * (1 << 20)
+    inner = b"](" + P.u(big) + b"q\x00" + b"h\x00" * 999 + b"eq\x01"  # [big] * 1000
+    note = b"](" + inner + b"h\x01" * 9 + b"e"  # [that list] * 10
+    src = tmp_path / "strings.pt"
+    make_zip(src, P.PROTO2 + b"}(" + P.u("w") + tensor() + P.u("note") + note + b"u.")
+    out = tmp_path / "strings.safetensors"
+    convert_file(src, out, keep_non_tensors=True)
+    assert out.stat().st_size < 40 << 20
+    with safe_open(out, "np") as f:
+        rendered = json.loads(f.metadata()["note"])
+    flat = [s for row in rendered for s in row]
+    kept = [s for s in flat if s == big]
+    # 16 MiB of characters whole, then a marker each, up to the leaf's 10,000 values ("...").
+    assert len(kept) == 16 and len(flat) > 9_900
+    assert set(flat) - {big} == {f"<str of {1 << 20} characters>", "..."}
