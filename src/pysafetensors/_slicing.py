@@ -635,7 +635,9 @@ def split_advanced(
             box.append(slice(0, 0))
             pick.append(0)  # outside the empty box
         elif arr.dtype == np.bool_ and arr.ndim == 0:
-            pick.append(bool(arr))  # a new axis of length 1 (True) or 0 (False)
+            # A new axis of length 1 (True) or 0 (False). A numpy bool scalar stays one: numpy
+            # takes it as a bool, torch refuses it (it takes Python bools and 0-d arrays).
+            pick.append(item if isinstance(item, np.bool_) else bool(arr))
         elif arr.dtype == np.bool_:
             dims = shape[dim : dim + arr.ndim]
             mismatched = any(

@@ -82,21 +82,36 @@ def _fits(tensor: Any, info: TensorInfo, where: torch.device) -> bool:
     )
 
 
-def _apart(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` less any whose memory overlaps another's: two names of one tied weight both
-    in the file are copied by ``load_state_dict`` in its own order, as they would have been."""
-    spans = sorted(
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-        for name, t in tensors.items()
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``tensor`` spans in its memory, from its strides (a transposed or expanded
+    view spans more than its element count says)."""
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
     )
+    begin = tensor.data_ptr()
+    return begin, begin + (last + 1) * tensor.element_size()
+
+
+def _apart(
+    fitting: dict[str, torch.Tensor], named: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``fitting`` less any whose memory overlaps another tensor of ``named`` (every model
+    tensor the file names, fitting or not): ``load_state_dict`` copies the names of one tied
+    weight in its own order, the last one's values winning, as they would have been. Checked
+    among the fitting ones alone, a tied weight's fitting name was read in place and its other
+    name (another dtype in the file) copied over it afterwards: the first name's values won.
+    """
+    spans = sorted((str(t.device), *_extent(t), name) for name, t in named.items() if t.numel() > 0)
     shared: set[str] = set()
-    reach, holder = -1, ""
-    for begin, end, name in spans:
+    device, reach, holder = "", -1, ""
+    for where, begin, end, name in spans:
+        if where != device:
+            device, reach, holder = where, -1, ""
         if begin < reach:
             shared.update((name, holder))
         if end > reach:
             reach, holder = end, name
-    return {name: t for name, t in tensors.items() if name not in shared}
+    return {name: t for name, t in fitting.items() if name not in shared}
 
 
 def _device_loaded_to(device: Any) -> torch.device | None:
@@ -146,4 +161,4 @@ def in_place_targets(
     ]
     infos = dict(zip(names, handle._infos(names), strict=True))
     fitting = {name: own[name] for name in names if _fits(own[name], infos[name], where)}
-    return _apart(fitting)
+    return _apart(fitting, {name: own[name] for name in names})

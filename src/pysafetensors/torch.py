@@ -406,8 +406,10 @@ def save_model(
     except SharedTensorsError:
         raise
     except SerializeError as exc:
-        if exc.kind not in _CONTIGUITY_HINTED:
-            raise  # a meta tensor or an unstorable dtype: the hint would mislead
+        if force_contiguous or exc.kind not in _CONTIGUITY_HINTED:
+            # A meta tensor, an unstorable dtype, or a sparse tensor with the option already
+            # given: the hint would mislead.
+            raise
         raise SerializeError(
             f"{exc} Or use save_model(..., force_contiguous=True), read the docs for potential "
             "caveats.",

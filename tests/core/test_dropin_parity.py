@@ -227,6 +227,28 @@ def test_bool_is_an_axis_not_an_integer(model: Path) -> None:
         assert tuple(f.get_slice("a")[False].shape) == (0, 3, 4, 5)
 
 
+def test_numpy_bool_scalars_follow_each_frameworks_rules(model: Path) -> None:
+    # torch (and the reference's torch slices) refuse a numpy bool item; numpy takes it as a
+    # bool. It was served as numpy does for "pt" too.
+    t = ours_torch.load_file(model)["a"]
+    with ref.safe_open(str(model), "pt") as r, safe_open(model, "pt") as o:
+        for index in [np.True_, (0, np.False_), (slice(None), np.True_, 1)]:
+            with pytest.raises(IndexError) as torch_said:
+                t[index]
+            with pytest.raises(IndexError, match="got numpy.bool"):
+                r.get_slice("a")[index]
+            with pytest.raises(SliceError) as ours_said:
+                o.get_slice("a")[index]
+            assert str(torch_said.value) in str(ours_said.value)
+        # Python bools and 0-d bool arrays are taken by torch, and so by both.
+        for index in [True, np.array(True), (0, np.array(False))]:
+            assert tuple(o.get_slice("a")[index].shape) == tuple(t[index].shape)
+    full = ours_np.load_file(model)["a"]
+    with safe_open(model, "np") as f:
+        for index in [np.True_, (0, np.False_), (slice(None), np.True_, 1)]:
+            assert f.get_slice("a")[index].shape == full[index].shape
+
+
 # ---------------------------------------------------------------------- slice error texts
 
 
@@ -925,6 +947,13 @@ def test_save_model_hints_at_force_contiguous_only_where_it_helps(tmp_path: Path
         lambda: ours_torch.save_model(sparse, tmp_path / "s.safetensors", force_contiguous=False)
     )
     assert "force_contiguous=True" in mine[2] and mine[2] == theirs[2]
+    # With the option given (the default), the hint told the user to pass it: left out. (The
+    # reference crashes in torch's own `.contiguous()` of the sparse tensor instead.)
+    with pytest.raises(SafetensorError, match="sparse tensors: `\\['s'\\]`") as info:
+        ours_torch.save_model(sparse, tmp_path / "t.safetensors")
+    assert "force_contiguous" not in str(info.value) and info.value.kind == "SparseTensor"
+    with pytest.raises(RuntimeError, match="unsupported memory format"):
+        ref_torch.save_model(sparse, tmp_path / "u.safetensors")
 
 
 def test_none_arguments_have_the_reference_s_type_errors(model: Path) -> None:

@@ -211,6 +211,26 @@ def test_two_file_names_on_one_memory_are_copied_in_order(tmp_path: Path) -> Non
     assert str(ours) == str(theirs)
 
 
+def test_a_tied_name_that_does_not_fit_keeps_the_others_out(tmp_path: Path) -> None:
+    # Overlaps were checked among the fitting names only: "head.weight" (float32) was read in
+    # place, then load_state_dict copied "embed.weight" (bfloat16 in the file) over it, so the
+    # first name's values won where the reference's last one does.
+    torch.manual_seed(0)
+    model = Net()
+    path = tmp_path / "mixed.safetensors"
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["embed.weight"] = torch.full((64, 32), 1.0, dtype=torch.bfloat16)
+    state["head.weight"] = torch.full((64, 32), 2.0)
+    ref.save_file(state, path)
+    with safe_open(path, "pt") as f:
+        targets = in_place_targets(Net(), f, "cpu")
+    assert "head.weight" not in targets and "block.0.weight" in targets
+    _both(Net, path, backend="pread", strict=False)
+    model = Net()
+    st_torch.load_model(model, path, backend="pread", strict=False)
+    assert model.embed.weight.unique().tolist() == [2.0]
+
+
 def test_load_model_from_a_sharded_folder_in_place(tmp_path: Path) -> None:
     path, saved = _saved(tmp_path)
     folder = tmp_path / "sharded"
