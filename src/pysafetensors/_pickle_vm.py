@@ -200,6 +200,10 @@ def _text_int(raw: bytes, offset: int) -> int | bool:
     when ``strtol`` overflows or stops before the line ends."""
     if not raw:
         raise _err("invalid operand (INT is empty)", offset)
+    if raw[:1] == b"\0":
+        # strtol reads no digits and stops at the NUL, which ends the C string: CPython takes
+        # 0 (a scanner that refused it stopped parsing where pickle.load goes on to run code).
+        return False if len(raw) == 2 else 0
     match = _STRTOL.match(raw)
     if match is not None and raw[match.end() : match.end() + 1] in (b"", b"\0"):
         sign, digits = match.groups()

@@ -9,6 +9,7 @@ large tensors and for ``get_tensors()``, and reads only the bytes a slice select
 from __future__ import annotations
 
 import contextlib
+import io
 import operator
 import os
 import stat
@@ -175,6 +176,10 @@ def _is_sharded_target(filename: Any) -> bool:
     return os.path.isdir(path)
 
 
+#: File objects whose bytes are their descriptor's (see :func:`open_source_for`).
+_PLAIN_FILES: Final = (io.FileIO, io.BufferedReader, io.BufferedRandom, io.BufferedWriter)
+
+
 def open_source_for(
     filename: Any, backend: str, storage_options: dict[str, Any] | None = None
 ) -> ByteSource:
@@ -188,18 +193,31 @@ def open_source_for(
         return BufferSource(filename)
     if _is_fileobj(filename):
         fd = -1
-        try:
-            fd = filename.fileno()
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+        # Only the standard library's plain file objects hold exactly their descriptor's bytes
+        # (a gzip or bz2 file's fileno() is the compressed file's); writes still in their
+        # buffer are flushed first, or the file would be read without them. Any other object
+        # is read through its own methods.
+        if isinstance(filename, _PLAIN_FILES):
+            try:
+                filename.flush()
+                fd = filename.fileno()
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    fd = -1
+            except (AttributeError, OSError, ValueError):
                 fd = -1
-        except (AttributeError, OSError, ValueError):
-            fd = -1
         name = str(getattr(filename, "name", "<file object>"))
         if fd < 0:
             return FileObjSource(filename, name)
         if backend == "mmap":
-            return MmapSource(fd, name)
-        return PreadSource(fd, name, owns_fd=False)
+            return MmapSource(fd, name)  # maps its own duplicate of the descriptor
+        # A duplicate, as the mapping keeps: the caller's descriptor closed, its number could
+        # be given to a file opened afterwards, whose bytes the handle would then read.
+        own = os.dup(fd)
+        try:
+            return PreadSource(own, name)
+        except BaseException:
+            os.close(own)
+            raise
     path = input_path(filename)
     if "://" in path:
         from ._remote import open_source

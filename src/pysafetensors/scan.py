@@ -1149,10 +1149,20 @@ def _scan_tar_members(report: ScanReport, tar: tarfile.TarFile, where: str, dept
         if m.name in seen:
             report._add("suspicious", "duplicate tar member", member)
         seen.add(m.name)
-        if not m.isfile():
+        unknown = m.type not in tarfile.SUPPORTED_TYPES
+        if not m.isfile() and not unknown:
             if m.issym() or m.islnk():
                 report._add("suspicious", "link in a checkpoint tar", member)
             continue
+        # tarfile reads and extracts a member of an unknown type as a regular file (torch's
+        # legacy loader extracts "storages" and unpickles it): scanned as one. A sparse member
+        # is extracted chunk by chunk, later chunks over earlier ones, where extractfile reads
+        # the first chunk of each place: the bytes scanned need not be the bytes torch loads.
+        # torch.save writes neither.
+        if unknown:
+            report._add("suspicious", f"tar member of unknown type {m.type!r}", member)
+        if m.sparse is not None:
+            report._add("suspicious", "sparse tar member (read and extracted unlike)", member)
         f = tar.extractfile(m)
         if f is None or m.size > MAX_PICKLE_BYTES:
             report._add("suspicious", "member too large or unreadable", member)

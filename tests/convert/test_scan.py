@@ -949,3 +949,54 @@ def test_zip_members_outside_the_archive_s_one_folder_are_suspicious(tmp_path: P
         assert [f.message for f in report.findings] == [
             f"zip members under several folders {sorted(['archive', extra.split('/')[0]])}"
         ]
+
+
+_OPEN_CALL = b"cbuiltins\nopen\n(Vmarker\nVw\ntR."
+
+
+def test_an_int_line_starting_with_nul_is_read_as_cpython_reads_it(tmp_path: Path) -> None:
+    # CPython's strtol reads no digits from "\0..." and stops at the NUL: INT 0. The scanner
+    # refused the operand and stopped there, where pickle.load goes on to the call; a
+    # safetensors-shaped file (header length 0x49: "I\0...") was graded safe that way.
+    assert pickle.loads(b"I\x00anything\n.") == 0 and pickle.loads(b"I\x00a\n.") is False
+    payload = b"\n0" + _OPEN_CALL
+    header = json.dumps(
+        {"x": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}},
+        separators=(",", ":"),
+    ).encode()
+    polyglot = struct.pack("<Q", 0x49) + header.ljust(0x49, b" ") + payload
+    report = scan_file(_write(tmp_path / "model.bin", polyglot))
+    assert report.grade == "dangerous"
+    assert [(g.module, g.name) for g in report.globals] == [("builtins", "open")]
+    zipped = tmp_path / "nul.pt"
+    with zipfile.ZipFile(zipped, "w") as zf:
+        zf.writestr("archive/data.pkl", b"I\x00\n0" + _OPEN_CALL)
+    assert scan_file(zipped).grade == "dangerous"
+
+
+def test_tar_members_torch_would_read_unlike_the_scanner_are_flagged(tmp_path: Path) -> None:
+    import tarfile
+
+    # A member of an unknown type is extracted (and read) as a regular file: it was skipped.
+    unknown = tmp_path / "unknown.pt"
+    with tarfile.open(unknown, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("storages")
+        info.size, info.type = len(_OPEN_CALL), b"Z"
+        tar.addfile(info, io.BytesIO(_OPEN_CALL))
+    assert scan_file(unknown).grade == "dangerous"
+    # A sparse member whose map lists one place twice: extraction keeps the second chunk,
+    # extractfile (what the scanner read) the first, a harmless table.
+    evil = _OPEN_CALL
+    benign = b"V" + b"a" * (len(evil) - 8) + b"\n0K\x00.]."
+    sparse = tmp_path / "sparse.pt"
+    info = tarfile.TarInfo("storages")
+    info.size = 2 * len(evil)
+    info.pax_headers = {
+        "GNU.sparse.map": f"0,{len(evil)},0,{len(evil)}",
+        "GNU.sparse.size": str(len(evil)),
+    }
+    with tarfile.open(sparse, "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info, io.BytesIO(benign + evil))
+    report = scan_file(sparse)
+    assert report.grade != "safe"
+    assert any("sparse tar member" in str(f) for f in report.findings)

@@ -1,0 +1,61 @@
+"""``safe_open`` of open file objects: read through their descriptor only where it holds
+exactly their bytes, and through a descriptor of its own."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pysafetensors import safe_open
+from pysafetensors.numpy import save, save_file
+
+BACKENDS = ["mmap", "pread"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_closed_callers_descriptor_reused_by_another_file_is_not_read(
+    tmp_path: Path, backend: str
+) -> None:
+    # pread used the caller's descriptor itself: closed, its number went to the next file
+    # opened, and the handle returned that file's bytes as its own tensor.
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, a)
+    save_file({"a": np.full(4, 7, np.float32)}, b)
+    with open(a, "rb") as fh:
+        handle = safe_open(fh, "np", backend=backend)
+    with open(b, "rb") as other, handle:
+        assert other.fileno() >= 0
+        assert np.array_equal(handle.get_tensor("a"), np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opener", [gzip.open, bz2.open])
+def test_compressed_file_objects_are_read_through_the_object(
+    tmp_path: Path, backend: str, opener: object
+) -> None:
+    # Their fileno() is the compressed file's: it was read as the safetensors file.
+    path = tmp_path / "m.safetensors.z"
+    with opener(path, "wb") as out:  # type: ignore[operator]
+        out.write(save({"a": np.arange(10, dtype=np.float32)}))
+    with opener(path, "rb") as fh, safe_open(fh, "np", backend=backend) as f:  # type: ignore[operator]
+        assert np.array_equal(f.get_tensor("a"), np.arange(10, dtype=np.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_writes_still_in_the_objects_buffer_are_read(tmp_path: Path, backend: str) -> None:
+    # The descriptor was read without flushing: a header error, or the file's older bytes.
+    with tempfile.TemporaryFile(dir=tmp_path) as tmp:
+        tmp.write(save({"a": np.arange(10, dtype=np.float32)}))
+        with safe_open(tmp, "np", backend=backend) as f:
+            assert np.array_equal(f.get_tensor("a"), np.arange(10, dtype=np.float32))
+    path = tmp_path / "s.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, path)
+    with open(path, "r+b") as fh:
+        fh.write(save({"a": np.full(4, 7, np.float32)}))
+        with safe_open(fh, "np", backend=backend) as f:
+            assert np.array_equal(f.get_tensor("a"), np.full(4, 7, np.float32))
