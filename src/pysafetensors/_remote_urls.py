@@ -142,7 +142,13 @@ def redact(url: str) -> str:
         return "::".join(redact(link) if "://" in link else link for link in links)
     try:
         parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - raises on a port that is not a number
+        port = parts.port  # raises on a port that is not a number
+        if port is not None and "@" not in parts.netloc and "@" in url.partition("://")[2]:
+            # ``http://user:2024/pw@host/f``: a password of digits up to an unencoded '/'
+            # parses as a port, and the rest of it as the path. Shown as a URL that does not
+            # parse is shown (a path after a port that really holds an '@' is shown from
+            # after it).
+            raise ValueError("an '@' after the authority")
     except ValueError:  # that, or an unbalanced '[' in the host
         scheme, sep, rest = url.partition("://")
         if sep and "@" in rest:

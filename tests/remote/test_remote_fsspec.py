@@ -294,6 +294,17 @@ def test_a_connection_string_option_is_a_secret() -> None:
     assert "AccountKey=abc123xyz" not in _shown(info.value)
 
 
+def test_redact_hides_a_password_that_parses_as_a_port_and_a_path() -> None:
+    # "2024/hunter2" unencoded: host "alice", port 2024, path "/hunter2@..." to urlsplit;
+    # shown whole in every message. An '@' in an S3 key (no port) keeps its meaning.
+    from pysafetensors._remote_urls import redact
+
+    shown = redact("http://alice:2024/hunter2@127.0.0.1:9/model.safetensors")
+    assert "hunter2" not in shown and "2024" not in shown
+    assert shown == "http://127.0.0.1:9/model.safetensors"
+    assert redact("s3://bucket/a@b/m.safetensors") == "s3://bucket/a@b/m.safetensors"
+
+
 def test_redact_takes_chains_and_ipv6_hosts() -> None:
     from pysafetensors._remote_urls import redact
 
