@@ -24,6 +24,7 @@ __all__ = [
     "TO_TORCH",
     "TorchAdapter",
     "cuda_target",
+    "end_ptr",
     "torch_dtype",
 ]
 
@@ -605,6 +606,22 @@ def _carve_each(buffers: list[Any], items: list[Item]) -> dict[str, Any]:
 
 
 @functools.cache
+def end_ptr(tensor: torch.Tensor) -> int:
+    """One past the last byte a tensor's elements occupy (the shared-tensor checks of saves,
+    and the overlaps ``load_model`` reads in place around).
+
+    Computed from the strides (torch's are never negative, so the last element is the furthest
+    one), not as the reference does by ``tensor.view(-1)``, which raises torch's ``view size is
+    not compatible`` for a transposed or expanded tensor sharing its storage with another, so
+    that neither the shared-tensor error nor ``save_model`` is reached.
+    """
+    if tensor.nelement():
+        sizes_strides = zip(tensor.shape, tensor.stride(), strict=True)
+        span = sum((size - 1) * stride for size, stride in sizes_strides)
+        return int(tensor.data_ptr()) + (span + 1) * tensor.element_size()
+    return int(tensor.data_ptr())
+
+
 def cuda_target(device: Device) -> Any:
     """The torch device of a CUDA ``device`` (a bare integer is CUDA's when there is CUDA);
     None for any other. Cached: asked once per small tensor moved (~1 us a ``torch.device``)."""

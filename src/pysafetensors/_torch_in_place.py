@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ._format import TensorInfo
-from ._torch_adapter import ADAPTER, cuda_target, torch_dtype
+from ._torch_adapter import ADAPTER, cuda_target, end_ptr, torch_dtype
 
 __all__ = ["in_place_targets", "maps_file"]
 
@@ -82,16 +82,6 @@ def _fits(tensor: Any, info: TensorInfo, where: torch.device) -> bool:
     )
 
 
-def _extent(tensor: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``tensor`` spans in its memory, from its strides (a transposed or expanded
-    view spans more than its element count says)."""
-    last = sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    begin = tensor.data_ptr()
-    return begin, begin + (last + 1) * tensor.element_size()
-
-
 def _apart(
     fitting: dict[str, torch.Tensor], named: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -101,7 +91,9 @@ def _apart(
     among the fitting ones alone, a tied weight's fitting name was read in place and its other
     name (another dtype in the file) copied over it afterwards: the first name's values won.
     """
-    spans = sorted((str(t.device), *_extent(t), name) for name, t in named.items() if t.numel() > 0)
+    spans = sorted(
+        (str(t.device), t.data_ptr(), end_ptr(t), name) for name, t in named.items() if t.numel()
+    )
     shared: set[str] = set()
     device, reach, holder = "", -1, ""
     for where, begin, end, name in spans:

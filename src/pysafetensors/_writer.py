@@ -38,7 +38,15 @@ except ImportError:  # pragma: no cover - not POSIX
 
 from . import tuning
 from ._dtypes import DType
-from ._errors import PathArg, SafetensorError, SerializeError, add_note, output_path, write_error
+from ._errors import (
+    PathArg,
+    SafetensorError,
+    SerializeError,
+    WriteError,
+    add_note,
+    output_path,
+    write_error,
+)
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, gc_paused
 from ._layout import Layout, build_layout
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
@@ -838,14 +846,10 @@ class SaveGroup:
         """
         try:
             self._remove_first(path)
-        except OSError as exc:
-            if exc.errno == errno.ENAMETOOLONG:
-                # The new file's name is legal and the index's (11 bytes longer) is not: no
-                # such file can exist.
-                return
+        except WriteError as exc:
             warnings.warn(
-                f"the save to {path!r}'s folder is complete, but the previous save's "
-                f"{os.path.basename(path)!r} could not be removed ({exc.strerror or exc}); "
+                f"the save to {os.path.dirname(path) or '.'!r} is complete, but the previous "
+                f"save's {os.path.basename(path)!r} could not be removed ({exc.strerror or exc}); "
                 "loaders that open it first may still read the previous checkpoint",
                 StaleFileWarning,
                 stacklevel=4,
@@ -863,7 +867,9 @@ class SaveGroup:
             return False
         except OSError as exc:
             if exc.errno == errno.ENAMETOOLONG:
-                return False  # no file of that name can exist
+                # No file of that name can exist: a single file's legal name, and its index's
+                # 11 bytes longer, past the file system's limit.
+                return False
             raise write_error(exc, path) from exc
         if self._fsync:
             _fsync_dir(os.path.dirname(path) or ".")

@@ -32,7 +32,7 @@ from ._errors import PathArg, SerializeError, SharedTensorsError
 from ._layout import check_metadata
 from ._reader import safe_open
 from ._sharding import save_model_sharded, save_sharded
-from ._torch_adapter import ADAPTER, TO_TORCH
+from ._torch_adapter import ADAPTER, TO_TORCH, end_ptr
 from ._torch_in_place import in_place_targets, maps_file
 
 __all__ = [
@@ -123,19 +123,8 @@ def storage_size(tensor: torch.Tensor) -> int:
         return 0
 
 
-def _end_ptr(tensor: torch.Tensor) -> int:
-    """One past the last byte a tensor's elements occupy.
-
-    Computed from the strides (torch's are never negative, so the last element is the furthest
-    one), not as the reference does by ``tensor.view(-1)``, which raises torch's ``view size is
-    not compatible`` for a transposed or expanded tensor sharing its storage with another, so
-    that neither the shared-tensor error nor ``save_model`` is reached.
-    """
-    if tensor.nelement():
-        sizes_strides = zip(tensor.shape, tensor.stride(), strict=True)
-        span = sum((size - 1) * stride for size, stride in sizes_strides)
-        return int(tensor.data_ptr()) + (span + 1) * tensor.element_size()
-    return int(tensor.data_ptr())
+#: The reference's name (``safetensors.torch._end_ptr``), for code that calls it.
+_end_ptr = end_ptr
 
 
 def _filter_shared_not_shared(
@@ -148,7 +137,7 @@ def _filter_shared_not_shared(
             filtered.append(shared)
             continue
         areas = sorted(
-            (state_dict[name].data_ptr(), _end_ptr(state_dict[name]), name) for name in shared
+            (state_dict[name].data_ptr(), end_ptr(state_dict[name]), name) for name in shared
         )
         _, last_stop, last_name = areas[0]
         filtered.append({last_name})
