@@ -4,7 +4,8 @@
 
 The reference copies each tensor with one blocking host-to-device transfer after reading it, so
 the disk, the ``memcpy`` into pinned memory and the PCIe transfer take turns. Here the bytes of
-the requested tensors are read in chunks by worker threads (one per core, 4 to 16), each chunk
+the requested tensors are read in chunks by worker threads (one per core, 4 to 16, or as many as
+the caller's ``threads`` or ``tuning``'s ``read_threads`` ask, up to 16), each chunk
 into one of a ring of pinned host buffers, and copied to the tensors' device allocations (one
 per tensor, as the reference's) with asynchronous copies on the worker's own stream. A buffer
 goes back into the ring with the event of its copy, and is reused only once that event has
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from . import tuning
 from ._format import gc_paused
 from ._range_reads import run_pieces
 from ._reader_pool import run_parallel
@@ -45,6 +47,7 @@ __all__ = [
     "gather_to_device",
     "stage_items_to_device",
     "stage_to_device",
+    "staging_workers",
 ]
 
 #: Bytes per chunk: large enough for full-speed reads and transfers, small enough to pipeline.
@@ -59,6 +62,8 @@ MIN_CHUNK_BYTES: Final = 8 << 20
 #: (an H200 over PCIe 5 x16: 55 GB/s for one pinned copy), so one thread per core up to 16:
 #: staging 2 GiB ran at 15-20 GB/s with 4 threads, 25-30 GB/s with 16 (benchmarks/GPU.md).
 WORKERS: Final = max(4, min(16, os.cpu_count() or 4))
+#: The most workers a load may ask for: each holds a 16 MiB pinned buffer and a stream.
+MAX_WORKERS: Final = 16
 #: Pinned buffers beyond one per worker. A buffer's copy to the device takes far less time than
 #: filling the next one (16 MiB: 0.3 ms over the link, ~3 ms to read), so a worker rarely waits
 #: for one; two spares cover that, where two buffers per worker would pin twice the memory.
@@ -296,6 +301,14 @@ class TorchCudaOps:
             stream.synchronize()
 
 
+def staging_workers(threads: int | None = None) -> int:
+    """Worker threads for one staging run: the caller's ``threads`` (a handle opened with
+    ``threads=``), else ``tuning``'s ``read_threads`` where set, else :data:`WORKERS`; at most
+    :data:`MAX_WORKERS`. A caller capping its reader threads caps its device loads too."""
+    count = threads or tuning.settings().read_threads or WORKERS
+    return max(1, min(count, MAX_WORKERS))
+
+
 def stage_to_device(
     read: Callable[[int, memoryview], None],
     offset: int,
@@ -303,7 +316,7 @@ def stage_to_device(
     ops: DeviceOps,
     *,
     chunk_bytes: int = CHUNK_BYTES,
-    workers: int = WORKERS,
+    workers: int | None = None,
     spare_buffers: int = SPARE_BUFFERS,
 ) -> tuple[Any, StagingStats]:
     """Copy ``nbytes`` starting at ``offset`` of a source into one new device buffer.
@@ -315,7 +328,8 @@ def stage_to_device(
         nbytes: Bytes to copy.
         ops: The device runtime.
         chunk_bytes: Bytes per chunk (and per pinned buffer).
-        workers: Threads reading and issuing copies, each on its own stream.
+        workers: Threads reading and issuing copies, each on its own stream (default
+            :func:`staging_workers`).
         spare_buffers: Pinned buffers in the ring beyond one per worker (buffers whose copy
             to the device is still in flight while their worker fills another).
 
@@ -340,7 +354,7 @@ def stage_items_to_device(
     *,
     max_gap: int = 0,
     chunk_bytes: int = CHUNK_BYTES,
-    workers: int = WORKERS,
+    workers: int | None = None,
     spare_buffers: int = SPARE_BUFFERS,
     buffers: Sequence[Any] | None = None,
 ) -> tuple[list[Any], StagingStats]:
@@ -370,6 +384,8 @@ def stage_items_to_device(
         return targets.buffers, stats
     # Ranges smaller than a chunk per worker are cut finer (down to MIN_CHUNK_BYTES), so that
     # all workers read.
+    if workers is None:
+        workers = staging_workers()
     per_worker = max(MIN_CHUNK_BYTES, -(-nbytes // max(1, workers)))
     chunk_bytes = max(1, min(chunk_bytes, nbytes, per_worker))
     with gc_paused():  # a few objects per chunk and per item

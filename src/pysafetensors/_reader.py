@@ -707,7 +707,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             if on_device:
                 from ._torch_adapter import ADAPTER as TORCH
 
-                TORCH.read_into_device(source.readinto, on_device)
+                TORCH.read_into_device(
+                    source.readinto, on_device, threads=getattr(source, "threads", None)
+                )
 
     def _to_device(self, source: ByteSource, infos: list[TensorInfo]) -> dict[str, Any] | None:
         """Load straight into an accelerator when the adapter can (torch + CUDA: pipelined
@@ -719,7 +721,11 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             return None
         # A TensorInfo is the loader's (name, dtype, shape, begin, end) tuple already.
         result: dict[str, Any] | None = loader(
-            source.readinto, self._header.data_start, infos, self._device
+            source.readinto,
+            self._header.data_start,
+            infos,
+            self._device,
+            threads=getattr(source, "threads", None),
         )
         return result
 
@@ -939,6 +945,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     for (name, info, shape, *_), (offset, nbytes) in zip(batched, runs, strict=True)
                 ],
                 self._device,
+                threads=getattr(source, "threads", None),
             )
             for name, info, _, _, _, index in batched:
                 if staged is not None:
@@ -1149,6 +1156,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     source.readinto,
                     [(info.name, info.dtype, plan.shape, start, plan.nbytes)],
                     self._device,
+                    threads=getattr(source, "threads", None),
                 )
             if staged is not None:
                 return staged[info.name]

@@ -310,6 +310,7 @@ class TorchAdapter:
         device: Device,
         *,
         ops: Any = None,
+        threads: int | None = None,
     ) -> dict[str, Any] | None:
         """Load tensors straight into a CUDA device through reused pinned staging buffers.
 
@@ -319,6 +320,8 @@ class TorchAdapter:
             items: ``(name, dtype, shape, begin, end)`` of the tensors to load.
             device: The target device.
             ops: The device runtime (tests pass a CPU stand-in); CUDA by default.
+            threads: The caller's reader threads (a handle's ``threads=``); None for the
+                default (``_cuda_staging.staging_workers``).
 
         Returns:
             The tensors, or None when this path does not apply (not CUDA) and the caller should
@@ -342,11 +345,18 @@ class TorchAdapter:
         with gc_paused():
             _refuse_unholdable(items)
             spans = [(offset + begin, end - begin) for _, _, _, begin, end in items]
-        buffers, _ = stage_items_to_device(read, spans, ops, max_gap=_DEVICE_READ_GAP)
+        buffers, _ = stage_items_to_device(
+            read, spans, ops, max_gap=_DEVICE_READ_GAP, workers=threads
+        )
         return _carve_each(buffers, items)
 
     def read_into_device(
-        self, read: Any, pieces: list[tuple[int, Any]], *, ops: Any = None
+        self,
+        read: Any,
+        pieces: list[tuple[int, Any]],
+        *,
+        ops: Any = None,
+        threads: int | None = None,
     ) -> None:
         """Read ``(offset, bytes)`` pieces of a source straight into device memory the caller
         has (1-D uint8 views of CUDA tensors: a model's parameters), through the pinned staging
@@ -356,6 +366,7 @@ class TorchAdapter:
             read: ``read(offset, view)`` for the source (a byte source's ``readinto``).
             pieces: Absolute offset and destination of each piece.
             ops: The device runtime (tests pass a CPU stand-in); CUDA's by default.
+            threads: The caller's reader threads; None for the default.
         """
         from ._cuda_staging import stage_items_to_device
 
@@ -368,6 +379,7 @@ class TorchAdapter:
                 [(offset, flat.numel()) for offset, flat in group],
                 ops if ops is not None else _device_ops(device),
                 max_gap=_DEVICE_READ_GAP,
+                workers=threads,
                 buffers=[flat for _, flat in group],
             )
 
@@ -378,6 +390,7 @@ class TorchAdapter:
         device: Device,
         *,
         ops: Any = None,
+        threads: int | None = None,
     ) -> dict[str, Any] | None:
         """Load byte runs (parts of tensors) into a CUDA device through one staging pipeline.
 
@@ -387,6 +400,7 @@ class TorchAdapter:
                 and the absolute offset and length of its bytes in the source.
             device: The target device.
             ops: The device runtime (tests pass a CPU stand-in); CUDA by default.
+            threads: The caller's reader threads; None for the default.
 
         Returns:
             The tensors, or None when this path does not apply (not CUDA).
@@ -406,7 +420,7 @@ class TorchAdapter:
             _refuse_unholdable(items)
             spans = [(offset, nbytes) for _, _, _, offset, nbytes in items]
         # Only the runs' own bytes are read (a row split leaves the other ranks' rows alone).
-        buffers, _ = stage_items_to_device(read, spans, ops)
+        buffers, _ = stage_items_to_device(read, spans, ops, workers=threads)
         return _carve_each(buffers, items)
 
     def gather_to_device(
@@ -605,7 +619,6 @@ def _carve_each(buffers: list[Any], items: list[Item]) -> dict[str, Any]:
     return out
 
 
-@functools.cache
 def end_ptr(tensor: torch.Tensor) -> int:
     """One past the last byte a tensor's elements occupy (the shared-tensor checks of saves,
     and the overlaps ``load_model`` reads in place around).
@@ -622,6 +635,7 @@ def end_ptr(tensor: torch.Tensor) -> int:
     return int(tensor.data_ptr())
 
 
+@functools.cache
 def cuda_target(device: Device) -> Any:
     """The torch device of a CUDA ``device`` (a bare integer is CUDA's when there is CUDA);
     None for any other. Cached: asked once per small tensor moved (~1 us a ``torch.device``)."""

@@ -114,7 +114,8 @@ def _from_environment(environ: Mapping[str, str]) -> Settings:
         text = raw.strip().lower()
         value: object
         if name == "read_threads":
-            value = int(text) if text.isdigit() else text
+            # ASCII digits only: ``str.isdigit`` also accepts ``"²"``, which ``int`` refuses.
+            value = int(text) if text.isascii() and text.isdigit() else text
             expected = f"a count from 0 to {MAX_READ_THREADS}"
         else:
             value = True if text in _TRUE else False if text in _FALSE else text
@@ -196,7 +197,9 @@ def configured(
     """:func:`configure` for the duration of a ``with`` block, then restore what was there.
 
     The change is process-wide while the block runs: reads and saves in other threads see it
-    too.
+    too. Leaving the block restores only the settings it named, and only those still holding
+    the block's value: a change made meanwhile (by another thread, or inside the block by
+    :func:`configure`) stays.
 
     Yields:
         The settings in force inside the block.
@@ -208,7 +211,32 @@ def configured(
         read_threads=read_threads,
         preallocate=preallocate,
     )
+    # What this block put in force: the settings it named, as they were checked and set.
+    applied = {
+        name: getattr(_current, name)
+        for name, value in (
+            ("hugepage_destinations", hugepage_destinations),
+            ("direct_reads", direct_reads),
+            ("prefetch", prefetch),
+            ("read_threads", read_threads),
+            ("preallocate", preallocate),
+        )
+        if value is not None
+    }
     try:
         yield _current
     finally:
-        configure(**previous.as_dict())
+        _restore(previous, applied)
+
+
+def _restore(previous: Settings, applied: Mapping[str, object]) -> None:
+    """Put back ``previous``'s value of each setting in ``applied`` that still holds the value
+    ``applied`` gives it (the same object and type: ``1`` is not ``True``)."""
+    global _current
+    with _CONFIGURE_LOCK:
+        untouched = {
+            name: getattr(previous, name)
+            for name, value in applied.items()
+            if type(getattr(_current, name)) is type(value) and getattr(_current, name) == value
+        }
+        _current = dataclasses.replace(_current, **untouched)

@@ -501,10 +501,12 @@ def _stand_in_cuda(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = No
 
     real = TorchAdapter.to_device_runs
 
-    def staged(self: Any, read: Any, items: Any, device: Any, *, ops: Any = None) -> Any:
+    def staged(
+        self: Any, read: Any, items: Any, device: Any, *, ops: Any = None, threads: Any = None
+    ) -> Any:
         if calls is not None:
             calls.append(len(items))
-        return real(self, read, items, device, ops=LateCopyOps())
+        return real(self, read, items, device, ops=LateCopyOps(), threads=threads)
 
     monkeypatch.setattr(TorchAdapter, "to_device_runs", staged)
     _on_cuda(monkeypatch)
@@ -1089,10 +1091,12 @@ def test_small_tensors_and_slices_move_through_kept_pinned_memory(
 
     real_stage = adapter.TorchAdapter.to_device_many
 
-    def to_device_many(self: Any, read: Any, offset: int, items: Any, device: Any) -> Any:
+    def to_device_many(
+        self: Any, read: Any, offset: int, items: Any, device: Any, **kwargs: Any
+    ) -> Any:
         if len(items) > 1 or items[0][4] - items[0][3] > adapter.DIRECT_BYTES:
             staged.append([item[0] for item in items])
-        return real_stage(self, read, offset, items, device)
+        return real_stage(self, read, offset, items, device, **kwargs)
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(TorchAdapter, "check_device", lambda self, d: Device("cuda", 0))
@@ -1172,3 +1176,38 @@ def test_given_buffers_must_match_the_items() -> None:
             LateCopyOps(),
             buffers=[torch.zeros(10, dtype=torch.uint8)],
         )
+
+
+def test_device_loads_read_on_the_threads_the_caller_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handle's ``threads=`` and ``tuning``'s ``read_threads`` cap the staging workers as they
+    cap CPU reads (a capped caller on a shared host got 4-16 reading threads on a device)."""
+    from pysafetensors import tuning
+    from pysafetensors._cuda_staging import MAX_WORKERS, WORKERS, staging_workers
+    from pysafetensors._sources import PreadSource
+    from pysafetensors.parallel import load_shard
+    from pysafetensors.torch import save_file
+
+    path = tmp_path / "big.safetensors"
+    value = torch.arange(8 << 20, dtype=torch.int32)  # 32 MiB: four 8 MiB chunks
+    save_file({"a": value}, path)
+    readers: set[int] = set()
+    real = PreadSource.readinto
+
+    def counted(self: Any, offset: int, view: Any) -> Any:
+        readers.add(threading.get_ident())
+        return real(self, offset, view)
+
+    monkeypatch.setattr(PreadSource, "readinto", counted)
+    stage_on_cuda(monkeypatch)
+    with safe_open(path, "pt", backend="pread", threads=1) as f:
+        assert torch.equal(f.get_tensor("a"), value)
+    assert len(readers) == 1
+    readers.clear()
+    with tuning.configured(read_threads=2):
+        assert staging_workers() == 2 and staging_workers(3) == 3
+        assert torch.equal(load_shard(path, 0, 1, {}, framework="pt")["a"], value)
+    assert 1 <= len(readers) <= 2
+    assert staging_workers() == WORKERS
+    assert staging_workers(64) == MAX_WORKERS

@@ -59,6 +59,22 @@ def test_configured_restores_after_the_block_even_on_error() -> None:
     assert tuning.settings() == start
 
 
+def test_configured_restores_only_what_it_set_and_what_was_not_changed_since() -> None:
+    start = tuning.settings()
+    with tuning.configured(prefetch=not start.prefetch):
+        tuning.configure(read_threads=4)  # another setting, changed meanwhile: stays
+    assert tuning.settings() == tuning.Settings(**{**start.as_dict(), "read_threads": 4})
+    with tuning.configured(read_threads=2):
+        tuning.configure(read_threads=7)  # the same setting, changed again meanwhile: stays
+    assert tuning.settings().read_threads == 7
+    with tuning.configured(direct_reads=False):  # nested: each restores its own
+        with tuning.configured(direct_reads=True, preallocate=not start.preallocate):
+            assert tuning.settings().direct_reads is True
+        assert tuning.settings().direct_reads is False
+        assert tuning.settings().preallocate == start.preallocate
+    assert tuning.settings().direct_reads == start.direct_reads
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -116,7 +132,7 @@ def test_environment_variables_are_parsed() -> None:
         parse({"PYSAFETENSORS_DIRECT_READS": "auto"})
     with pytest.raises(ValueError, match="PYSAFETENSORS_HUGEPAGES='2'.*auto"):
         parse({"PYSAFETENSORS_HUGEPAGES": "2"})
-    for bad in ("-1", "65", "four", "1.5"):
+    for bad in ("-1", "65", "four", "1.5", "²", "٣"):  # digits int() refuses or reads
         with pytest.raises(ValueError, match=f"PYSAFETENSORS_READ_THREADS='{bad}'.* 0 to 64"):
             parse({"PYSAFETENSORS_READ_THREADS": bad})
 
