@@ -1,13 +1,13 @@
 """Side-by-side benchmark: pysafetensors vs the reference (Rust), torch, and raw ceilings.
 
-Every measurement runs in a fresh subprocess (``_worker.py``); arms are interleaved within each
-repetition and medians are reported. Writes ``benchmarks/RESULTS.md`` and
+Every measurement runs in a fresh subprocess (``_worker.py``), the cells in a new random order
+every repetition (seeded), and medians are reported. Writes ``benchmarks/RESULTS.md`` and
 ``benchmarks/results.json`` (``--quick`` writes ``RESULTS.quick.md``/``results.quick.json`` under
 ``benchmarks/_work/`` unless ``--out`` says otherwise).
 
 Usage::
 
-    python benchmarks/run.py            # full run (~25 minutes on a 2-core VM)
+    python benchmarks/run.py            # full run (~27 minutes on a 2-core VM)
     python benchmarks/run.py --quick    # tiny files, 1 repetition, < 60 s
 """
 
@@ -17,9 +17,12 @@ import argparse
 import json
 import os
 import platform
+import random
+import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -35,16 +38,16 @@ PLAN: list[tuple[str, str, tuple[str, ...], list[str]]] = [
     ("llama", "lazy", ("warm", "cold"), ["pysafetensors", "ref_mmap", "torch", "ceiling_mmap"]),
     ("llama", "tp_rows", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread"]),
     ("llama", "tp_cols", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread"]),
-    ("llama", "tp_rows", ("warm",), ["torch"]),
-    ("llama", "tp_cols", ("warm",), ["torch"]),
+    ("llama", "tp_rows", ("warm", "cold"), ["torch"]),
+    ("llama", "tp_cols", ("warm", "cold"), ["torch"]),
     ("llama", "save", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
     ("llama", "save_durable", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
     ("lora", "load", ("warm",), LOAD_ARMS),
     ("lora", "save", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
-    ("lora", "save_durable", ("-",), ["pysafetensors", "ref", "ceiling_write"]),
-    ("lora", "open", ("warm",), ["pysafetensors", "ref_mmap", "ref_pread"]),
-    ("moe", "open", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread"]),
-    ("moe", "lazy", ("warm",), ["pysafetensors", "ref_mmap"]),
+    ("lora", "save_durable", ("-",), ["pysafetensors", "ref", "torch", "ceiling_write"]),
+    ("lora", "open", ("warm",), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
+    ("moe", "open", ("warm", "cold"), ["pysafetensors", "ref_mmap", "ref_pread", "torch"]),
+    ("moe", "lazy", ("warm",), ["pysafetensors", "ref_mmap", "torch"]),
 ]
 
 OP_TITLES = {
@@ -80,6 +83,13 @@ CEILING_TARGETS: dict[tuple[str, str, str], tuple[str, float]] = {
     ("llama", "save", "-"): ("ceiling_write", 1.15),
     ("llama", "save_durable", "-"): ("ceiling_write", 1.15),
 }
+# Peak extra memory of ours (VmHWM during the operation minus RSS before it), in bytes.
+MEMORY_TARGETS: dict[tuple[str, str, str], int] = {
+    ("llama", "save", "-"): 64 << 20,
+    ("llama", "save_durable", "-"): 64 << 20,
+}
+# How often the parent samples a worker's RssAnon/RssFile during the timed operation.
+SAMPLE_S = 0.002
 
 
 def machine() -> dict[str, Any]:
@@ -153,16 +163,81 @@ def prepare(work: str, quick: bool) -> dict[str, dict[str, str]]:
     return paths
 
 
+def _rss_kinds(pid: int) -> tuple[int, int] | None:
+    """``RssAnon`` and ``RssFile`` of process ``pid`` in bytes (None once it is gone)."""
+    anon = file = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1]) * 1024
+                elif line.startswith("RssFile:"):
+                    file = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return anon, file
+
+
+def peak_split(pid: int, fd: int, peaks: dict[str, int]) -> None:
+    """Sample the worker's anonymous and file-backed RSS every :data:`SAMPLE_S` between its
+    start and end signals on ``fd`` (the kernel keeps a peak of their sum only, ``VmHWM``),
+    into ``peaks``. Sampled from this process, so the worker's operation runs undisturbed."""
+    started = False
+    while True:
+        ready, _, _ = select.select([fd], [], [], SAMPLE_S if started else None)
+        data = os.read(fd, 16) if ready else b""
+        if ready and not data:
+            return  # the worker exited
+        started = started or b"s" in data
+        if started:
+            now = _rss_kinds(pid)
+            if now is not None:
+                peaks["anon"] = max(peaks.get("anon", 0), now[0])
+                peaks["file"] = max(peaks.get("file", 0), now[1])
+                peaks["samples"] = peaks.get("samples", 0) + 1
+        if b"e" in data:
+            return
+
+
 def run_one(case: dict[str, Any], timeout: float) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_worker.py"), json.dumps(case)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """One case in a fresh worker process, with its peak anonymous and file-backed memory
+    sampled from here during the timed operation."""
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "_worker.py"),
+                json.dumps({**case, "signal_fd": write_end}),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            pass_fds=(write_end,),
+        )
+    finally:
+        os.close(write_end)
+    peaks: dict[str, int] = {}
+    sampler = threading.Thread(target=peak_split, args=(proc.pid, read_end, peaks), daemon=True)
+    sampler.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    finally:
+        sampler.join(timeout=5)
+        os.close(read_end)
     if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+        return {"error": (err or out).strip().splitlines()[-1:]}
+    res = dict(json.loads(out.strip().splitlines()[-1]))
+    if peaks.get("samples"):
+        # The end state counts too (a result still growing at the last sample).
+        res["peak_anon_delta"] = max(peaks["anon"], res["anon_after"]) - res["anon_before"]
+        res["peak_file_delta"] = max(peaks["file"], res["file_after"]) - res["file_before"]
+        res["peak_samples"] = peaks["samples"]
+    return res
 
 
 def run_batch(cases: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
@@ -206,7 +281,7 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]
         if not ok:
             out[key] = {"error": runs[0].get("error"), "n": 0}
             continue
-        med: dict[str, Any] = {"n": len(ok)}
+        med: dict[str, Any] = {"n": len(ok), "errors": [r["error"] for r in runs if "error" in r]}
         for field in (
             "seconds",
             "read_bytes",
@@ -216,6 +291,10 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]
             "file_delta",
         ):
             med[field] = statistics.median(r[field] for r in ok)
+        # Sampled by run_one only (not in quick mode's batch, nor in results before run 38).
+        for field in ("peak_anon_delta", "peak_file_delta"):
+            sampled = [r[field] for r in ok if field in r]
+            med[field] = statistics.median(sampled) if sampled else None
         # Older results lack it (added later); 0 there reads as "not recorded".
         med["file_pmd_mapped"] = statistics.median(r.get("file_pmd_mapped", 0) for r in ok)
         med["min_seconds"] = min(r["seconds"] for r in ok)
@@ -240,7 +319,13 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "",
         f"Generated by `benchmarks/run.py{' --quick' if meta['quick'] else ''}` on {meta['date']} "
         f"in {meta['wall_s']:.0f} s; {meta['reps']} repetitions per cell, each in a fresh "
-        "subprocess, arms interleaved; medians.",
+        "subprocess, "
+        + (
+            f"every cell in a new random order every repetition (seed {meta['order_seed']})"
+            if "order_seed" in meta
+            else "arms interleaved"
+        )
+        + "; medians (a cell with fewer successful repetitions shows `(n=k)`).",
         "",
         "Machine: " + "; ".join(f"{k}: {v}" for k, v in m.items()),
         "",
@@ -263,7 +348,8 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "dropped from the page cache and read back sequentially before every repetition, so "
         "that every arm starts from the same cache layout (2 MiB folios where memory allows; "
         "the worker reports `file_pmd_mapped`, the bytes mapped 2 MiB at a time). Cold: "
-        "dropped, residency checked.",
+        "dropped, residency checked (a repetition that finds more than 1% of the file the arm "
+        "reads still cached fails instead of being timed).",
         "",
         "1-minute load average at start / end of the run: "
         + " / ".join(str(x) for x in meta.get("loadavg_start_end", []))
@@ -279,8 +365,11 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         '`"auto"`) for tensor-parallel parts: row parts are read at once into one buffer by '
         "positioned reads, column parts are copied out of a mapping of the same open file, "
         "`save_file`); **ref mmap** / **ref pread** = safetensors 0.8.0 with that backend "
-        "(mmap results are `clone()`d where the operation asks for private memory); **torch** = "
-        "`torch.load(mmap=True, weights_only=True)` (+ `clone()`) / `torch.save`; **ceiling** = "
+        "(mmap results are `clone()`d where the operation asks for private memory; saves, "
+        "which have no backend, show the reference's `save_file` under **ref mmap**); "
+        "**torch** = `torch.load(mmap=True, weights_only=True)` of a `torch.save` twin of the "
+        "file (+ `clone()` where private memory is asked for; its open lists the keys) / "
+        "`torch.save`; **ceiling** = "
         "`pread` into a reused, pre-faulted buffer (4 threads x 16 MiB) / `memcpy` between "
         "pre-faulted buffers / plain `mmap` touch / plain sequential 4 MiB `write`s of the "
         "same bytes. "
@@ -301,6 +390,13 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
             def sec(arm: str, file: str = file, op: str = op, state: str = state) -> float | None:
                 v = summary.get(f"{file}|{op}|{state}|{arm}")
                 return None if v is None or v.get("n", 0) == 0 else float(v["seconds"])
+
+            def shown(arm: str, file: str = file, op: str = op, state: str = state) -> str:
+                v = summary.get(f"{file}|{op}|{state}|{arm}")
+                text = fmt_s(sec(arm))
+                if v is not None and 0 < v.get("n", 0) < meta["reps"]:
+                    text += f" (n={v['n']})"
+                return text
 
             ours = sec("pysafetensors")
             if op.startswith("save"):
@@ -331,9 +427,17 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
                 c = ours / float(sec(ct[0]) or 1)
                 tgt_parts.append(f"<= {ct[1]}x ceiling ({c:.2f}x)")
                 met_parts.append("yes" if c <= ct[1] else "**no**")
+            mt = MEMORY_TARGETS.get((file, op, state))
+            mine = summary.get(f"{file}|{op}|{state}|pysafetensors")
+            if mt is not None and mine and mine.get("n", 0):
+                peak = float(mine["peak_rss_delta"])
+                tgt_parts.append(f"peak extra memory <= {fmt_b(mt)} ({fmt_b(peak)})")
+                met_parts.append("yes" if peak <= mt else "**no**")
+            ref_mmap_arm = "ref" if op.startswith("save") else "ref_mmap"
             lines.append(
-                f"| {file} | {OP_TITLES[op]} | {state} | {fmt_s(ours)} | {fmt_s(r_mmap)} | "
-                f"{fmt_s(r_pread)} | {fmt_s(sec('torch'))} | {ceil_txt or 'n/a'} | "
+                f"| {file} | {OP_TITLES[op]} | {state} | {shown('pysafetensors')} | "
+                f"{shown(ref_mmap_arm)} | {shown('ref_pread')} | {shown('torch')} | "
+                f"{ceil_txt or 'n/a'} | "
                 f"{'n/a' if ratio is None else f'{ratio:.2f}x'} | "
                 f"{'n/a' if ratio_m is None else f'{ratio_m:.2f}x'} | "
                 f"{'; '.join(tgt_parts) or '-'} | {'; '.join(met_parts) or '-'} |"
@@ -343,37 +447,49 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "",
         "## Memory and bytes read (medians)",
         "",
-        "Peak = VmHWM during the operation minus RSS before it; anon/file = change of RssAnon / "
+        "Peak RSS = VmHWM during the operation minus RSS before it (the kernel's exact peak of "
+        "both kinds together). Peak anon / peak file = the highest RssAnon / RssFile during "
+        "the operation minus before it, sampled every "
+        f"{SAMPLE_S * 1000:.0f} ms by the parent process (so a spike shorter than that can be "
+        "missed; opens are too short to sample). Anon / file after = change of RssAnon / "
         "RssFile across the operation with the result still alive (file-backed pages are "
         "reclaimable page cache mapped by the process; anonymous pages are private copies). "
-        "Read from disk = `/proc/self/io` `read_bytes` (cold rows only; warm reads hit the cache). "
+        "Read from disk = `/proc/self/io` `read_bytes` (cold rows only; warm reads hit the "
+        "cache); read() bytes = `rchar`, the bytes asked of read system calls (a rank's bytes "
+        "by positioned reads, warm or cold; copies out of a mapping do not count). "
         "2 MiB-mapped = `FilePmdMapped` after the operation: how much of the file the process "
         "maps with 2 MiB entries (one fault per 2 MiB; the rest is mapped 4-64 KiB per fault), "
         "which depends on the page cache's folio sizes (see `docs/performance.md`).",
         "",
-        "| file | operation | cache | arm | peak RSS | anon | file-backed | 2 MiB-mapped "
-        "| read from disk |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| file | operation | cache | arm | peak RSS | peak anon | peak file | anon after "
+        "| file after | 2 MiB-mapped | read from disk | read() bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for file, op, states, arms in PLAN:
         for state in states:
             for arm in arms:
                 v = summary.get(f"{file}|{op}|{state}|{arm}")
-                if not v or v.get("n", 0) == 0:
-                    continue
-                if op == "open" or (file != "llama" and op != "save"):
+                if not v or v.get("n", 0) == 0 or op == "open":
                     continue
                 rb = fmt_b(v["read_bytes"]) if state == "cold" else "-"
                 lines.append(
                     f"| {file} | {op} | {state} | {arm} | {fmt_b(v['peak_rss_delta'])} | "
+                    f"{fmt_b(v.get('peak_anon_delta'))} | {fmt_b(v.get('peak_file_delta'))} | "
                     f"{fmt_b(v['anon_delta'])} | {fmt_b(v['file_delta'])} | "
-                    f"{fmt_b(v.get('file_pmd_mapped', 0))} | {rb} |"
+                    f"{fmt_b(v.get('file_pmd_mapped', 0))} | {rb} | {fmt_b(v['rchar'])} |"
                 )
     errors = [k for k, v in summary.items() if v.get("n", 0) == 0]
     if errors:
         lines += [
             "",
             "Failed cells: " + ", ".join(f"`{k}` ({summary[k]['error']})" for k in errors),
+        ]
+    partial = [k for k, v in summary.items() if v.get("errors") and v.get("n", 0)]
+    if partial:
+        lines += [
+            "",
+            "Failed repetitions: "
+            + ", ".join(f"`{k}` ({'; '.join(map(str, summary[k]['errors']))})" for k in partial),
         ]
     lines += ["", meta.get("notes", "")]
     return "\n".join(lines).rstrip() + "\n"
@@ -391,6 +507,7 @@ def write_outputs(
     t_start: float,
     load_start: tuple[float, float, float],
     sizes: dict[str, int],
+    order_seed: int,
 ) -> None:
     """Write RESULTS.md and results.json for the repetitions collected so far."""
     complete = {k: v[:reps] for k, v in raw.items()}
@@ -407,6 +524,7 @@ def write_outputs(
         "machine": machine(),
         "strategies": strategies(),
         "loadavg_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+        "order_seed": order_seed,
         "notes": notes,
     }
     tag = ".quick" if quick and out_arg is None else ""
@@ -426,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated ops or files to run")
     ap.add_argument("--out", default=None, help="folder for RESULTS.md and results.json")
     ap.add_argument("--work", default=os.path.join(HERE, "_work"), help="scratch folder")
+    ap.add_argument(
+        "--seed", type=int, default=None, help="seed of the cells' order (default: random)"
+    )
     ap.add_argument(
         "--render",
         action="store_true",
@@ -466,20 +587,29 @@ def main(argv: list[str] | None = None) -> int:
             for arm in arms:
                 cases.append({"file": file, "op": op, "state": state, "arm": arm, **files[file]})
     raw: dict[str, list[dict[str, Any]]] = {}
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     total = len(cases) * reps
     if quick:
-        # A smoke run: all cells in one subprocess (interpreter start-up dominates tiny files).
+        # A smoke run: most cells in one subprocess (interpreter start-up dominates tiny
+        # files); the cold load cells of ours and the reference's through run_one, the full
+        # run's path (a fresh worker each, the peaks sampled).
+        alone = [c for c in cases if c["op"] == "load" and c["state"] == "cold"][:2]
+        batched = [c for c in cases if c not in alone]
         for _rep in range(reps):
-            for case, res in zip(cases, run_batch(cases, timeout=300), strict=True):
+            for case, res in zip(batched, run_batch(batched, timeout=300), strict=True):
                 raw.setdefault(case_key(case), []).append(res)
+            for case in alone:
+                raw.setdefault(case_key(case), []).append(run_one(case, timeout=300))
         total = 0
     done = 0
     for rep in range(reps if total else 0):
-        # Rotate the order each repetition so no arm always runs right after the same neighbour.
-        order = cases[rep % len(cases) :] + cases[: rep % len(cases)]
+        # A new order every repetition: no cell always runs right after the same neighbour
+        # (a rotation kept every cell's predecessor), and the order is reproducible.
+        order = list(cases)
+        random.Random(seed * 1000 + rep).shuffle(order)
         if rep:
             # Results so far, so that an interrupted run still leaves complete repetitions.
-            write_outputs(raw, rep, quick, args.out, out_dir, t_start, load_start, sizes)
+            write_outputs(raw, rep, quick, args.out, out_dir, t_start, load_start, sizes, seed)
         for case in order:
             key = case_key(case)
             res = run_one(case, timeout=300)
@@ -492,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"{res['seconds']:.3f}s" if "seconds" in res else str(res)),
                     flush=True,
                 )
-    write_outputs(raw, reps, quick, args.out, out_dir, t_start, load_start, sizes)
+    write_outputs(raw, reps, quick, args.out, out_dir, t_start, load_start, sizes, seed)
     return 0
 
 

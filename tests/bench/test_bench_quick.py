@@ -47,6 +47,19 @@ def test_quick_benchmark_writes_table_and_json(tmp_path: Path) -> None:
         assert cell["seconds"] > 0, key
         for field in ("peak_rss_delta", "anon_delta", "file_delta", "read_bytes"):
             assert field in cell, (key, field)
+    # The cold cells were cold: the worker refuses to time a repetition that is not.
+    for key, cell in summary.items():
+        if key.split("|")[2] == "cold":
+            assert cell["residency_before"] < 0.01, key
+    # The cells run as the full run runs them (a fresh worker each) have their peaks of each
+    # kind sampled between the worker's signals (at least once, and never below the change
+    # the worker measured itself at the end).
+    sampled = {k: v for k, v in summary.items() if v.get("peak_anon_delta") is not None}
+    assert {k.split("|")[3] for k in sampled} == {"pysafetensors", "ref_mmap"}, sampled
+    for key, cell in sampled.items():
+        assert cell["peak_anon_delta"] >= cell["anon_delta"], (key, cell)
+        assert cell["peak_file_delta"] >= cell["file_delta"], (key, cell)
+        assert all(run["peak_samples"] >= 1 for run in data["raw"][key]), key
     ops = {key.split("|")[1] for key in summary}
     assert {"load", "lazy", "open", "tp_rows", "tp_cols", "save", "save_durable"} <= ops
     arms = {key.split("|")[3] for key in summary}
@@ -61,6 +74,8 @@ def test_quick_benchmark_writes_table_and_json(tmp_path: Path) -> None:
     assert "x ref" in header
     assert "Machine:" in table
     assert "Strategies in force (`pysafetensors.tuning`" in table
+    assert "| peak anon | peak file |" in table
+    assert "peak extra memory <= 64 MiB" in table
 
 
 def test_quick_remote_benchmark_writes_table_and_json(tmp_path: Path) -> None:
