@@ -28,6 +28,7 @@ import numbers
 import os
 import posixpath
 import re
+import secrets
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -62,6 +63,7 @@ __all__ = [
     "checkpoint_group",
     "index_filename",
     "index_json",
+    "index_text",
     "is_torch",
     "model_metadata",
     "parse_size",
@@ -419,7 +421,43 @@ def index_json(plan: ShardPlan, metadata: Mapping[str, Any] | None = None) -> st
         "metadata": {**plan.metadata, **(metadata or {})},
         "weight_map": plan.tensor_to_filename,
     }
-    return json.dumps(index, indent=2)
+    return index_text(index)
+
+
+def index_text(index: Mapping[str, Any]) -> str:
+    """An index as ``json.dumps(index, indent=2)`` writes it (the hub's bytes), but always
+    strict JSON.
+
+    Python's ``json`` writes an infinite float as ``Infinity`` and NaN as ``NaN``, which no
+    strict parser reads (serde, JavaScript); such floats come from user metadata or from an
+    index read back (``1e400`` in a source index reads as infinity). Here an infinity is
+    written ``1e400`` / ``-1e400`` (valid JSON, read back by Python as the same infinity) and
+    NaN, which JSON cannot hold, as ``null``.
+    """
+    try:
+        return json.dumps(index, indent=2, allow_nan=False)
+    except ValueError:
+        pass
+    # Each non-finite float becomes a string token unique to this call, then its quoted text
+    # in the output is replaced by the JSON number (or null).
+    nonce = secrets.token_hex(8)
+    found: dict[str, str] = {}
+
+    def strict(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            token = f"nonfinite-{nonce}-{len(found)}"
+            found[token] = "null" if math.isnan(value) else "1e400" if value > 0 else "-1e400"
+            return token
+        if isinstance(value, Mapping):
+            return {k: strict(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [strict(v) for v in value]
+        return value
+
+    text = json.dumps(strict(index), indent=2)
+    for token, number in found.items():
+        text = text.replace(f'"{token}"', number)
+    return text
 
 
 def write_index(

@@ -1166,3 +1166,75 @@ def test_cast_from_may_be_repeated(cli, tmp_path: Path) -> None:
             "c": "F32",  # not named: copied
         }
     assert cli("cast", path, out, "--to", "F16", "--from", ",").code == 2
+
+
+def test_cast_refuses_an_uncastable_from_whatever_the_file_holds(cli, tmp_path: Path) -> None:
+    # The refusal came only for a selected tensor of that dtype: the same command exited 0
+    # (a plain copy, "cast 0 of 2 tensors") where the file had none or -f left it out.
+    path, out = tmp_path / "m.safetensors", tmp_path / "out.safetensors"
+    save_file({"w": np.ones(4, np.float32), "n": np.ones(4, np.int32)}, str(path))
+    for extra in ([], ["-f", "w"]):
+        for codes in ("I32", "U8", "F32,BOOL", "C64"):
+            r = cli("cast", path, out, "--to", "F16", "--from", codes, *extra)
+            assert r.code == 2 and "cannot cast" in r.err, (codes, extra, r)
+            assert not out.exists()
+
+
+def test_a_sharded_cast_writes_a_strict_json_index(cli, tmp_path: Path) -> None:
+    # 1e400 in the source index reads as infinity and was written back as Infinity (and NaN
+    # as NaN), which strict JSON parsers refuse.
+    src = write_sharded(
+        tmp_path / "src",
+        {"a": np.ones(4, np.float32), "b": np.zeros(4, np.float32)},
+        [["a"], ["b"]],
+    )
+    index = src / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["metadata"].update(big=1e400, small=-1e400, nothing=float("nan"), fine=1.5)
+    index.write_text(json.dumps(doc, indent=2))
+    out = tmp_path / "out"
+    assert cli("cast", src, out, "--to", "BF16").code == 0
+
+    def refuse(constant: str) -> None:
+        raise ValueError(constant)
+
+    written = json.loads((out / "model.safetensors.index.json").read_text(), parse_constant=refuse)
+    meta = written["metadata"]
+    assert meta["big"] == float("inf") and meta["small"] == float("-inf")
+    assert meta["nothing"] is None and meta["fine"] == 1.5
+
+
+def test_stats_histogram_before_the_target_says_how_to_write_it(cli, example: Path) -> None:
+    r = cli("stats", "--histogram", example)
+    assert r.code == 2 and "put --histogram after TARGET" in r.err
+    assert cli("stats", example, "--histogram").code == 0
+    assert cli("stats", "--histogram", "3", example).code == 0
+
+
+@pytest.mark.parametrize(
+    ("count", "shown"),
+    [
+        (999, "999"),
+        (1000, "1K"),
+        (12_500, "12.5K"),
+        (999_499, "999K"),
+        (999_950, "1M"),  # was 1e+03K
+        (999_999_999, "1B"),  # was 1e+03M
+        (7_240_000_000, "7.24B"),
+        (999_999_999_999_999, "1000T"),
+    ],
+)
+def test_parameter_counts_round_before_choosing_the_unit(count: int, shown: str) -> None:
+    from pysafetensors._cli._common import human_count
+
+    assert human_count(count) == shown
+
+
+@pytest.mark.parametrize(
+    ("size", "shown"),
+    [(999, "999 B"), (999_949, "999.9 kB"), (999_960, "1.0 MB"), (4_900_000_000, "4.9 GB")],
+)
+def test_byte_sizes_round_before_choosing_the_unit(size: int, shown: str) -> None:
+    from pysafetensors._cli._common import human_bytes
+
+    assert human_bytes(size) == shown

@@ -255,3 +255,27 @@ def test_stale_shards_removed_on_resave(tmp_path: Path) -> None:
     assert all(f"-of-{count:05d}" in f for f in files if f.startswith("model-"))
     save_sharded(sd, tmp_path, "500KB")
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "model.safetensors.backup"]
+
+
+def test_index_files_are_strict_json_even_with_non_finite_metadata(tmp_path: Path) -> None:
+    """The hub writes ``json.dumps(index, indent=2)``: an infinite or NaN metadata value comes
+    out as ``Infinity``/``NaN``, which strict parsers refuse. Ours: ``1e400`` (read back by
+    Python as the same infinity) and ``null``; finite indexes keep the hub's bytes."""
+    from pysafetensors._sharding import index_text
+
+    finite = {"metadata": {"total_size": 8, "x": 1.5}, "weight_map": {"a": "m.safetensors"}}
+    assert index_text(finite) == json.dumps(finite, indent=2)
+    tensors = {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)}
+    save_sharded(
+        tensors,
+        tmp_path,
+        max_shard_size=8,
+        metadata={"inf": float("inf"), "neg": [float("-inf")], "nan": float("nan")},
+    )
+
+    def refuse(constant: str) -> None:
+        raise ValueError(constant)
+
+    text = (tmp_path / "model.safetensors.index.json").read_text()
+    meta = json.loads(text, parse_constant=refuse)["metadata"]
+    assert meta["inf"] == float("inf") and meta["neg"] == [float("-inf")] and meta["nan"] is None

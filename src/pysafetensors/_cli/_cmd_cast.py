@@ -17,7 +17,6 @@ A sharded model is written as a folder with the same shard names and an index wh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, Final
@@ -27,7 +26,7 @@ import numpy as np
 from .._adapter import chunk_values_widened, numpy_dtype
 from .._dtypes import DType, dtype_from_code
 from .._remote_urls import shown_name
-from .._sharding import pattern_for_stem, remove_stale_files
+from .._sharding import index_text, pattern_for_stem, remove_stale_files
 from .._writer import SaveGroup, TensorData, atomic_output, write_file
 from . import _chunk_work
 from ._chunk_work import ChunkWorkers, element_chunks
@@ -152,13 +151,17 @@ def _plan(
     if not sources:
         given = ",".join(args.sources or ())
         raise UsageError(f"--from names no dtype ({given!r}); give codes such as F32,F16")
+    # Refused whatever the file holds: the same command line must not be accepted for one
+    # model and refused for another (or with another --filter).
+    uncastable = sorted(d.code for d in sources if d.bits % 8 or not d.is_float or d.code == "C64")
+    if uncastable:
+        codes_text = ",".join(uncastable)
+        raise UsageError(f"cannot cast {codes_text} tensors (--from {codes_text})")
     target = dtype_from_code(args.to)
     accept = name_filter(args)
     per_file: dict[str, list[TensorData]] = {f.label: [] for f in model.files}
     for ref in model.tensors.values():
         cast = ref.dtype in sources and ref.dtype != target and accept(ref.name)
-        if cast and (ref.dtype.bits % 8 or not ref.dtype.is_float or ref.dtype.code == "C64"):
-            raise UsageError(f"cannot cast {ref.dtype.code} tensors (--from {ref.dtype.code})")
         per_file[ref.file.label].append(
             TensorData(
                 ref.name,
@@ -301,6 +304,6 @@ def _write_index(model: Model, path: str, data_bytes: dict[str, int], group: Sav
     meta["total_size"] = sum(data_bytes.values())
     index["metadata"] = meta
     with atomic_output(path, group=group) as fd:
-        view = memoryview((json.dumps(index, indent=2) + "\n").encode("utf-8"))
+        view = memoryview((index_text(index) + "\n").encode("utf-8"))
         while view:
             view = view[os.write(fd, view) :]

@@ -55,7 +55,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--histogram",
         nargs="?",
-        type=int,
+        type=_bin_count,
         const=10,
         default=None,
         metavar="BINS",
@@ -64,6 +64,18 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
     add_remote_args(p)
     p.set_defaults(func=run)
+
+
+def _bin_count(text: str) -> int:
+    """``--histogram``'s optional number. Given before TARGET without one, it takes TARGET as
+    its number (argparse's way with optional values): the refusal says how to write it."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a number of bins: {text!r} (put --histogram after TARGET, or give it a"
+            " number: --histogram 10 TARGET)"
+        ) from None
 
 
 def _first_pass(dtype: DType) -> Callable[[np.ndarray], Part]:

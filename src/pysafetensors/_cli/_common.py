@@ -275,18 +275,34 @@ def quoted(text: str) -> str:
 
 
 def human_count(n: int) -> str:
-    """Parameter counts as the hub shows them: ``7.24B``, ``135M``, ``12.5K``."""
-    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+    """Parameter counts as the hub shows them: ``7.24B``, ``135M``, ``12.5K``.
+
+    The unit is chosen after rounding: 999,950 rounds to 1,000K, shown ``1M`` (``.3g`` of
+    999.95 is ``1e+03``).
+    """
+    units = (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3))
+    for i, (unit, scale) in enumerate(units):
         if n >= scale:
-            value = n / scale
-            return f"{value:.3g}{unit}" if value < 1000 else f"{value:.0f}{unit}"
+            text = f"{n / scale:.3g}"
+            if float(text) >= 1000:
+                if i == 0:  # no larger unit: the whole number of T
+                    return f"{n / scale:.0f}{unit}"
+                unit, scale = units[i - 1]
+                text = f"{n / scale:.3g}"
+            return f"{text}{unit}"
     return str(n)
 
 
 def human_bytes(n: int) -> str:
-    """Decimal byte sizes (as the hub and ``max_shard_size`` use): ``4.9 GB``, ``312 B``."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+    """Decimal byte sizes (as the hub and ``max_shard_size`` use): ``4.9 GB``, ``312 B``.
+
+    The unit is chosen after rounding: 999,960 bytes is ``1.0 MB``, not ``1000.0 kB``.
+    """
+    units = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+    for i, (unit, scale) in enumerate(units):
         if n >= scale:
+            if round(n / scale, 1) >= 1000 and i > 0:
+                unit, scale = units[i - 1]
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
 
