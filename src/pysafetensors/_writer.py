@@ -352,13 +352,37 @@ def _replaced_mode(target: str) -> int | None:
     return info.st_mode & 0o777 if stat.S_ISREG(info.st_mode) else None
 
 
-def _fsync_dir(folder: str) -> None:
-    with contextlib.suppress(OSError):
+#: What ``fsync`` of a folder fails with where the system or file system cannot sync folders at
+#: all: nothing more can be done there, and failing every durable save would help no one.
+_DIR_SYNC_UNSUPPORTED: Final = frozenset(
+    {errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP}
+)
+
+
+def _fsync_dir(folder: str, saved: str | None = None) -> None:
+    """Make ``folder``'s entries durable (saves with ``fsync=True``, after their renames).
+
+    A folder that cannot be synced (one the user may write in but not read, an I/O error)
+    leaves the new names undurable: raised as a :class:`WriteError` naming the folder, with a
+    note that ``saved`` is in place (a save that returned had promised durability). With
+    ``saved`` None, best effort: nothing is raised.
+    """
+    try:
         dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    except OSError as exc:
+        if saved is None or exc.errno in _DIR_SYNC_UNSUPPORTED:
+            return
+        err = write_error(exc, folder)
+        add_note(
+            err,
+            f"{saved} saved and in place, but its folder could not be synced (fsync=True):"
+            " the new name may not survive a power cut",
+        )
+        raise err from exc
 
 
 def _lock_partial(fd: int) -> bool:
@@ -618,7 +642,7 @@ def _atomic_output(
         with interrupts_deferred():
             os.replace(tmp, target)
             if fsync:
-                _fsync_dir(folder)
+                _fsync_dir(folder, repr(target))
     except BaseException as exc:
         # Not in a forked child that inherited this save (its copy of the generator is
         # finalized when the child exits): the file is the parent's, still being written.
@@ -834,7 +858,7 @@ class SaveGroup:
             raise
         if self._fsync:
             for folder in folders:
-                _fsync_dir(folder)
+                _fsync_dir(folder, f"every file of this save in {folder!r}")
         return done
 
     def _retire_old(self, path: str) -> None:
@@ -872,6 +896,8 @@ class SaveGroup:
                 return False
             raise write_error(exc, path) from exc
         if self._fsync:
+            # Best effort: the new checkpoint is durable already; this only retires an old
+            # entry point (a failure here would read as one to delete it).
             _fsync_dir(os.path.dirname(path) or ".")
         return True
 

@@ -522,9 +522,9 @@ def test_an_interrupt_during_the_final_rename_is_raised_after_the_commit(
         os.kill(os.getpid(), signal.SIGINT)  # arrives as the rename returns
         events.append("after the signal")
 
-    def fsync_dir(folder: str) -> None:
+    def fsync_dir(folder: str, saved: str | None = None) -> None:
         events.append("folder synced")
-        real_fsync_dir(folder)
+        real_fsync_dir(folder, saved)
 
     monkeypatch.setattr(writer.os, "replace", replace)
     monkeypatch.setattr(writer, "_fsync_dir", fsync_dir)
