@@ -607,19 +607,36 @@ class gc_paused:  # noqa: N801 - used as a function: ``with gc_paused(): ...``
     A class rather than a ``contextlib.contextmanager`` generator: it is entered several times
     per call on short paths (a small tensor staged to a GPU went through five), and the
     generator's set-up cost ~1.5 us each time against ~0.3 us.
+
+    Paused by raising the collector's first threshold, not by ``gc.disable()``: a program that
+    disables the collector (or sets its thresholds) while a load runs in another thread keeps
+    its choice, where ``gc.disable()``/``gc.enable()`` here turned the collector back on behind
+    its back. The pause that raised the threshold puts it back on leaving, and only if it still
+    holds the pause's value; a pause that finds it raised already (nested, or another thread's)
+    leaves it alone. Threads racing to pause can at worst end another's pause early (a
+    collection may then run inside it): never leave the threshold raised.
     """
 
-    __slots__ = ("_paused",)
+    __slots__ = ("_saved",)
 
     def __enter__(self) -> None:
-        # Already paused (nested, or by the program): leave it to whoever paused it.
-        self._paused = gc.isenabled()
-        if self._paused:
-            gc.disable()
+        first = gc.get_threshold()[0]
+        if first == _GC_PAUSED:
+            self._saved = None
+        else:
+            self._saved = first
+            gc.set_threshold(_GC_PAUSED, *gc.get_threshold()[1:])
 
     def __exit__(self, *_exc: object) -> None:
-        if self._paused:
-            gc.enable()
+        if self._saved is not None:
+            now = gc.get_threshold()
+            if now[0] == _GC_PAUSED:  # else the program set its own meanwhile: kept
+                gc.set_threshold(self._saved, *now[1:])
+
+
+#: The first threshold while paused: no automatic collection of the youngest generation (the
+#: one allocations set off) before this many allocations.
+_GC_PAUSED: Final = 1 << 30
 
 
 _JSON_WS: Final = re.compile(r"[ \t\n\r]*")

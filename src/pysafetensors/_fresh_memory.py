@@ -36,6 +36,17 @@ __all__ = [
 # Whether fresh destinations use huge pages is ``tuning``'s ``hugepage_destinations``.
 _HUGEPAGE_LOCK = threading.Lock()
 
+
+def _new_lock_in_child() -> None:
+    # A child forked while another thread held the lock would wait for it forever: that
+    # thread does not exist in the child.
+    global _HUGEPAGE_LOCK
+    _HUGEPAGE_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
+
 #: Destinations at least this large are candidates for huge pages. Tensor-parallel slices are
 #: mostly 4-32 MiB each: 256 MiB of row slices of a 2 GiB file took ~100 ms to read into 4 KiB
 #: pages (faulted in at ~2 GB/s) and ~70 ms into huge pages, measured.

@@ -349,10 +349,13 @@ class Shared(Generic[_T]):
             ClosedFileError: :meth:`close` was called.
         """
         with self._lock:
-            if self._closing:
-                raise ClosedFileError("File is closed", kind="FileClosed")
-            self._holders += 1
-            return self._value
+            if not self._closing:
+                self._holders += 1
+                return self._value
+        # Raised with the lock released: making the exception can set off a collection whose
+        # finalizers (a slice's hold, garbage in a cycle) release a hold, taking this lock on
+        # this very thread. Nothing under the lock allocates an object the collector tracks.
+        raise ClosedFileError("File is closed", kind="FileClosed")
 
     # ``with shared as value:`` holds it for the block (a class context manager: reads of a
     # few bytes each, millions for a strided slice, pay no generator frame).

@@ -138,6 +138,16 @@ _current: Settings = _from_environment(os.environ)
 _CONFIGURE_LOCK = threading.Lock()
 
 
+def _new_lock_in_child() -> None:
+    # A child forked while another thread configured would wait for the lock forever.
+    global _CONFIGURE_LOCK
+    _CONFIGURE_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def settings() -> Settings:
     """The strategies in force now."""
     return _current
