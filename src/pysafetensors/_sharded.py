@@ -26,6 +26,7 @@ import operator
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any, Final, NamedTuple, TypeVar
 
@@ -348,6 +349,22 @@ def _read_index(
     )
 
 
+# Every sharded handle, so that a forked child gets new locks: one that another thread held at
+# the fork (opening a shard, which can take a while) would be waited for forever, that thread
+# being absent from the child.
+_HANDLES: weakref.WeakSet[ShardedSafeOpen] = weakref.WeakSet()
+
+
+def _new_locks_in_child() -> None:
+    for handle in list(_HANDLES):
+        handle._lock = threading.RLock()
+        handle._opening = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_in_child)
+
+
 class ShardedSafeOpen(HandleBehaviour):
     """A sharded checkpoint opened as one file: the same methods as :class:`safe_open`.
 
@@ -411,6 +428,7 @@ class ShardedSafeOpen(HandleBehaviour):
         self._backend = backend
         self._max_header_size = check_max_header_size(max_header_size)
         self._lock = threading.RLock()
+        _HANDLES.add(self)  # for new locks in a forked child
         # The shards the checkpoint lists (a single file's only once it has been read).
         self._shards: list[str] = []
 

@@ -149,3 +149,42 @@ def test_a_child_forked_while_a_thread_held_a_lock_does_not_wait_for_it(where: s
     done.set()
     thread.join()
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
+def test_a_child_reads_a_sharded_handle_another_thread_was_opening_a_shard_of(
+    tmp_path: Path,
+) -> None:
+    from pysafetensors import safe_open, save_sharded
+
+    tensors = {f"t{i}": np.full(100, i, np.float32) for i in range(3)}
+    save_sharded(tensors, tmp_path, max_shard_size=500)
+    handle = safe_open(tmp_path, "np")
+    shard = handle.shard_of("t2")
+    held, done = threading.Event(), threading.Event()
+
+    def opening() -> None:
+        # What a thread opening the shard holds, for as long as the open takes.
+        with handle._lock, handle._opening.setdefault(shard, threading.Lock()):
+            held.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=opening)
+    thread.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import signal
+
+            signal.alarm(10)
+            code = 0 if handle.get_tensor("t2").tolist() == [2.0] * 100 else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    done.set()
+    thread.join()
+    handle.close()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
