@@ -177,18 +177,25 @@ def configure(
     Raises:
         ValueError: A value that is not one of the allowed ones (nothing is changed).
     """
-    global _current
-    changes = {
-        name: _checked(name, value)
-        for name, value in (
-            ("hugepage_destinations", hugepage_destinations),
-            ("direct_reads", direct_reads),
-            ("prefetch", prefetch),
-            ("read_threads", read_threads),
-            ("preallocate", preallocate),
+    return _apply(
+        _named(
+            hugepage_destinations=hugepage_destinations,
+            direct_reads=direct_reads,
+            prefetch=prefetch,
+            read_threads=read_threads,
+            preallocate=preallocate,
         )
-        if value is not None
-    }
+    )
+
+
+def _named(**settings: object) -> dict[str, Any]:
+    """The settings given (not None), each checked (a refusal changes nothing)."""
+    return {name: _checked(name, value) for name, value in settings.items() if value is not None}
+
+
+def _apply(changes: Mapping[str, Any]) -> Settings:
+    """Put ``changes`` in force; the settings in force before."""
+    global _current
     with _CONFIGURE_LOCK:
         previous = _current
         _current = dataclasses.replace(previous, **changes)
@@ -214,25 +221,15 @@ def configured(
     Yields:
         The settings in force inside the block.
     """
-    previous = configure(
+    # What this block puts in force: the settings it names.
+    applied = _named(
         hugepage_destinations=hugepage_destinations,
         direct_reads=direct_reads,
         prefetch=prefetch,
         read_threads=read_threads,
         preallocate=preallocate,
     )
-    # What this block put in force: the settings it named, as they were checked and set.
-    applied = {
-        name: getattr(_current, name)
-        for name, value in (
-            ("hugepage_destinations", hugepage_destinations),
-            ("direct_reads", direct_reads),
-            ("prefetch", prefetch),
-            ("read_threads", read_threads),
-            ("preallocate", preallocate),
-        )
-        if value is not None
-    }
+    previous = _apply(applied)
     try:
         yield _current
     finally:

@@ -4,13 +4,16 @@ while another thread held one of the library's process-wide locks does not wait 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 
 import numpy as np
@@ -115,16 +118,15 @@ def test_a_finalizer_run_by_a_collection_in_a_closed_handle_does_not_deadlock(
     assert proc.returncode == 0 and proc.stdout.strip() == "refused 79", proc.stderr
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-# JAX, imported by other tests of the same run, warns at every fork; the child runs no JAX.
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
-@pytest.mark.parametrize("where", ["huge pages", "tuning"])
-def test_a_child_forked_while_a_thread_held_a_lock_does_not_wait_for_it(where: str) -> None:
-    lock = _fresh_memory._HUGEPAGE_LOCK if where == "huge pages" else tuning._CONFIGURE_LOCK
+def _forked_while_held(
+    locks: Callable[[], ContextManager[object]], child: Callable[[], bool]
+) -> int:
+    """Fork while another thread holds ``locks()``; the child runs ``child()`` (a hang ends it
+    with SIGALRM) and exits 0 if it returned True. The child's wait status."""
     held, done = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with lock:
+        with locks():
             held.set()
             done.wait(30)
 
@@ -135,20 +137,35 @@ def test_a_child_forked_while_a_thread_held_a_lock_does_not_wait_for_it(where: s
     if pid == 0:  # the child: the holding thread is not here
         code = 1
         try:
-            import signal
-
-            signal.alarm(10)  # a hang ends the child with SIGALRM
-            if where == "huge pages":
-                _fresh_memory.numpy_empty(1 << 20, False)
-            else:
-                tuning.configure(prefetch=tuning.settings().prefetch)
-            code = 0
+            signal.alarm(10)
+            code = 0 if child() else 3
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     done.set()
     thread.join()
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    return status
+
+
+def _exited_cleanly(status: int) -> bool:
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+# JAX, imported by other tests of the same run, warns at every fork; the child runs no JAX.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
+@pytest.mark.parametrize("where", ["huge pages", "tuning"])
+def test_a_child_forked_while_a_thread_held_a_lock_does_not_wait_for_it(where: str) -> None:
+    def child() -> bool:
+        if where == "huge pages":
+            _fresh_memory.numpy_empty(1 << 20, False)
+        else:
+            tuning.configure(prefetch=tuning.settings().prefetch)
+        return True
+
+    lock = _fresh_memory._HUGEPAGE_LOCK if where == "huge pages" else tuning._CONFIGURE_LOCK
+    status = _forked_while_held(lambda: lock, child)
+    assert _exited_cleanly(status), status
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -162,29 +179,13 @@ def test_a_child_reads_a_sharded_handle_another_thread_was_opening_a_shard_of(
     save_sharded(tensors, tmp_path, max_shard_size=500)
     handle = safe_open(tmp_path, "np")
     shard = handle.shard_of("t2")
-    held, done = threading.Event(), threading.Event()
 
-    def opening() -> None:
+    @contextlib.contextmanager
+    def opening() -> Iterator[None]:
         # What a thread opening the shard holds, for as long as the open takes.
         with handle._lock, handle._opening.setdefault(shard, threading.Lock()):
-            held.set()
-            done.wait(30)
+            yield
 
-    thread = threading.Thread(target=opening)
-    thread.start()
-    assert held.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            import signal
-
-            signal.alarm(10)
-            code = 0 if handle.get_tensor("t2").tolist() == [2.0] * 100 else 3
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    done.set()
-    thread.join()
+    status = _forked_while_held(opening, lambda: handle.get_tensor("t2").tolist() == [2.0] * 100)
     handle.close()
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert _exited_cleanly(status), status
