@@ -620,12 +620,12 @@ class gc_paused:  # noqa: N801 - used as a function: ``with gc_paused(): ...``
     __slots__ = ("_saved",)
 
     def __enter__(self) -> None:
-        first = gc.get_threshold()[0]
-        if first == _GC_PAUSED:
+        now = gc.get_threshold()
+        if now[0] == _GC_PAUSED:
             self._saved = None
         else:
-            self._saved = first
-            gc.set_threshold(_GC_PAUSED, *gc.get_threshold()[1:])
+            self._saved = now[0]
+            gc.set_threshold(_GC_PAUSED, *now[1:])
 
     def __exit__(self, *_exc: object) -> None:
         if self._saved is not None:

@@ -338,7 +338,7 @@ class TorchAdapter:
         ops = _staging_ops(device, ops)
         if ops is None:
             return None
-        from ._cuda_staging import stage_items_to_device
+        from ._cuda_staging import stage_items_to_device, staging_workers
 
         if not items:
             return {}
@@ -346,7 +346,7 @@ class TorchAdapter:
             _refuse_unholdable(items)
             spans = [(offset + begin, end - begin) for _, _, _, begin, end in items]
         buffers, _ = stage_items_to_device(
-            read, spans, ops, max_gap=_DEVICE_READ_GAP, workers=threads
+            read, spans, ops, max_gap=_DEVICE_READ_GAP, workers=staging_workers(threads)
         )
         return _carve_each(buffers, items)
 
@@ -368,7 +368,7 @@ class TorchAdapter:
             ops: The device runtime (tests pass a CPU stand-in); CUDA's by default.
             threads: The caller's reader threads; None for the default.
         """
-        from ._cuda_staging import stage_items_to_device
+        from ._cuda_staging import stage_items_to_device, staging_workers
 
         by_device: dict[Any, list[tuple[int, Any]]] = {}
         for offset, flat in pieces:
@@ -379,7 +379,7 @@ class TorchAdapter:
                 [(offset, flat.numel()) for offset, flat in group],
                 ops if ops is not None else _device_ops(device),
                 max_gap=_DEVICE_READ_GAP,
-                workers=threads,
+                workers=staging_workers(threads),
                 buffers=[flat for _, flat in group],
             )
 
@@ -414,13 +414,13 @@ class TorchAdapter:
         ops = _staging_ops(device, ops)
         if ops is None:
             return None
-        from ._cuda_staging import stage_items_to_device
+        from ._cuda_staging import stage_items_to_device, staging_workers
 
         with gc_paused():
             _refuse_unholdable(items)
             spans = [(offset, nbytes) for _, _, _, offset, nbytes in items]
         # Only the runs' own bytes are read (a row split leaves the other ranks' rows alone).
-        buffers, _ = stage_items_to_device(read, spans, ops, workers=threads)
+        buffers, _ = stage_items_to_device(read, spans, ops, workers=staging_workers(threads))
         return _carve_each(buffers, items)
 
     def gather_to_device(

@@ -1211,3 +1211,17 @@ def test_device_loads_read_on_the_threads_the_caller_allows(
     assert 1 <= len(readers) <= 2
     assert staging_workers() == WORKERS
     assert staging_workers(64) == MAX_WORKERS
+    # A handle's threads= beyond the staging bound is held to it (a pinned buffer each).
+    import pysafetensors._cuda_staging as staging
+
+    asked: list[int] = []
+    real_stage = staging.stage_items_to_device
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["workers"])
+        return real_stage(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "stage_items_to_device", recorded)
+    with safe_open(path, "pt", backend="pread", threads=64) as f:
+        assert torch.equal(f.get_tensor("a"), value)
+    assert asked == [MAX_WORKERS]
