@@ -247,6 +247,15 @@ def build_layout(
             )
         dims, nbytes = known
         end = offset + nbytes
+        if end > UINT64_MAX:
+            # Each tensor's size fits, their sum does not: offsets no reader can parse (a
+            # streaming writer then failed with a bare OverflowError making its file).
+            raise SerializeError(
+                f"{SERIALIZE_PREFIX}overflow computing the data offsets: tensor `{name}` "
+                f"({dtype.code} {list(shape)}) would end at byte {end} of the data, past 2^64-1",
+                kind="ValidationOverflow",
+                tensor=name,
+            )
         seen.add(name)
         parts.append(
             f'{_json_string(name)}:{{"dtype":"{dtype.code}","shape":[{dims}],'

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 import posixpath
 import re
 from typing import Any, NoReturn
@@ -17,7 +18,6 @@ from ._remote_source import (
     DEFAULT_HEAD_BYTES,
     DEFAULT_MAX_GAP,
     DEFAULT_PART_SIZE,
-    RangePart,
     RemoteSource,
     Transient,
 )
@@ -27,16 +27,20 @@ from ._remote_urls import option_secrets, shown_location, url_secrets
 class FsspecSource(RemoteSource):
     """Random access to a file on any fsspec filesystem (``gcs://``, ``az://``, ``hf://``...).
 
-    Reads go through ``fs.cat_file(path, start, end)``; several parts through one
-    ``fs.cat_ranges`` call on asynchronous filesystems (which run them concurrently), else
-    through worker threads. Each range counts as one request in ``stats``, as does learning
+    Reads go through ``fs.cat_file(path, start, end)``, several parts on up to
+    ``max_connections`` worker threads, each copying its part into place as it arrives. That
+    holds for asynchronous filesystems too (gcsfs, adlfs, fsspec's HTTP): a worker's
+    ``cat_file`` runs on the filesystem's event loop, so the parts still travel concurrently,
+    at most ``max_connections`` at once and never all held in memory together (one
+    ``cat_ranges`` call returns every part before any is copied, and some filesystems run
+    its ranges one by one). Each range counts as one request in ``stats``, as does learning
     the size.
 
     Args:
         target: A URL (``memory://x.safetensors``), an ``fsspec.core.OpenFile``, or a path on
             ``fs``.
         fs: The filesystem ``target`` is a path on.
-        max_connections: Worker threads for synchronous filesystems.
+        max_connections: Parts read at once (worker threads).
         part_size: Largest single range when a read is split.
         max_gap: Ranges closer than this are merged by ``readinto_many``.
         head_bytes: Bytes fetched and cached when opening.
@@ -48,7 +52,10 @@ class FsspecSource(RemoteSource):
 
     Raises:
         ImportError: fsspec is not installed.
+        ValueError: ``target`` is an ``OpenFile`` that decompresses (``compression=``): the
+            source reads the stored bytes by range, which a compressed stream cannot serve.
         RemoteNotFoundError: The file does not exist.
+        RemoteError: ``target`` names a folder, or the filesystem reports no size for it.
         RemotePermissionError: The filesystem refused access.
     """
 
@@ -101,6 +108,13 @@ class FsspecSource(RemoteSource):
             if failure is not None:  # outside the except clause: see _raise
                 self._setup_failed(target, failure)
         elif hasattr(target, "fs") and hasattr(target, "path"):
+            if getattr(target, "compression", None):
+                # Its fs and path name the compressed object: read by range, its bytes would
+                # be taken for the file's (a garbage length prefix).
+                raise ValueError(
+                    f"cannot read an fsspec OpenFile with compression={target.compression!r}"
+                    " by range; decompress the file first, or open it without compression"
+                )
             fs, path = target.fs, str(target.path)
         else:
             raise TypeError(
@@ -120,11 +134,26 @@ class FsspecSource(RemoteSource):
         self.stats.add(requests=1)
         failure: Exception | None = None
         try:
-            self._size = int(self._fs.size(self._path))
+            # info, not size: the same request, and it says whether the path is a folder
+            # (object stores and memory:// give a folder size 0, read as an empty file).
+            info = self._fs.info(self._path)
         except Exception as exc:
             failure = exc
         if failure is not None:
             self._raise(self._error(failure, 0, "asking its size failed"), failure)
+        if info.get("type") == "directory":
+            raise RemoteError(
+                f"{self._name}: is a folder, not a file (a folder URL ends with '/', and is"
+                " opened as a sharded checkpoint)",
+                kind="IsADirectory",
+            )
+        size = _byte_count(info.get("size"))
+        if size is None:
+            raise RemoteError(
+                f"{self._name}: the filesystem reports no size for it ({info.get('size')!r})",
+                kind="NoSize",
+            )
+        self._size = size
         if self._head_bytes and self._size:
             self.prefetch_head(self._head_bytes)
 
@@ -220,38 +249,19 @@ class FsspecSource(RemoteSource):
         self._check_length(data, offset, out.nbytes)
         out[:] = data
 
-    def _run(self, parts: list[RangePart]) -> None:
-        if len(parts) < 2 or not getattr(self._fs, "async_impl", False):
-            super()._run(parts)
-            return
-        # Async filesystems fetch a batch concurrently on their own event loop.
-        n = len(parts)
-        self.stats.add(requests=n)
-        failure: Exception | None = None
-        try:
-            blobs = self._fs.cat_ranges(
-                [self._path] * n,
-                [p.offset for p in parts],
-                [p.offset + p.length for p in parts],
-                on_error="return",
-            )
-        except Exception as exc:
-            failure = exc
-        if failure is not None:
-            self._raise(self._error(failure, parts[0].offset), failure)
-        failed: list[RangePart] = []
-        for part, blob in zip(parts, blobs, strict=True):
-            if isinstance(blob, BaseException) or len(blob) != part.length:
-                failed.append(part)
-                continue
-            self.stats.add(nbytes=len(blob))
-            if part.target is not None:
-                part.target[:] = blob
-            else:
-                self._scatter(part, blob)
-        # Anything that failed goes through the one-request path, with its retries and errors.
-        for part in failed:
-            self._do_part(part)
+
+def _byte_count(value: object) -> int | None:
+    """A size as a filesystem's ``info`` gives it (an int, a numpy integer, a whole float), or
+    None for anything else (None, a negative number, a bool, text)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and value >= 0 else None
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return count if count >= 0 else None
 
 
 class FsspecFolder(FsspecSource):

@@ -7,7 +7,7 @@ import os
 import posixpath
 import re
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 _URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+@")
@@ -164,16 +164,51 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
 
 
+def _object_link(url: str) -> tuple[list[str], int]:
+    """The links of an fsspec chain and the index of the one naming the object read: the first
+    with a path (``s3://b/k`` in ``simplecache::s3://b/k``, the member ``zip://m`` in
+    ``zip://m::file:///x.zip``). Folders and neighbours of a chain's object are found by
+    changing that link alone; the others (the archive, the cache) stay as they are.
+
+    An ``http(s)://`` or ``s3://`` URL is read by this library's own sources, not through a
+    chain, so a ``::`` in it is part of its path or key.
+    """
+    if url.partition("://")[0].lower() in ("http", "https", "s3", "s3a"):
+        return [url], 0
+    links = _chain(url)
+    for i, link in enumerate(links):
+        if "://" in link:
+            return links, i
+    return links, 0
+
+
+def _on_object_link(url: str, change: Callable[[str], str]) -> str:
+    """``url`` with ``change`` applied to the link of its chain naming the object."""
+    links, i = _object_link(url)
+    if len(links) == 1:
+        return change(url)
+    links[i] = change(links[i])
+    return "::".join(links)
+
+
 def url_path(url: str) -> str:
     """The part of a URL that names the object, for tests on its name such as the suffix.
 
     For ``http(s)://`` and fsspec URLs that is the path, without query string or fragment
     (``.../model.safetensors.index.json?download=true`` is an index). For ``s3://`` it is
-    ``bucket/key`` whole, since S3 keys may contain ``?`` and ``#``.
+    ``bucket/key`` whole, since S3 keys may contain ``?`` and ``#``. For an fsspec chain it is
+    that of the link naming the object (``m.index.json`` in ``zip://m.index.json::file:///x.zip``).
     """
+    links, i = _object_link(url)
+    if len(links) > 1:
+        return url_path(links[i])
     scheme, sep, rest = url.partition("://")
     if sep and scheme.lower() in ("s3", "s3a"):
         return rest
+    if sep and scheme.lower() not in ("http", "https"):
+        # An fsspec URL's object may come right after the scheme (``memory://m.index.json``,
+        # ``zip://m.index.json``), where urlsplit would take it for a host.
+        return rest.partition("?")[0].partition("#")[0]
     try:
         return urllib.parse.urlsplit(url).path
     except ValueError:
@@ -192,8 +227,12 @@ def url_dirname(url: str) -> str:
     """The URL of the folder holding the object ``url`` names, without query or fragment.
 
     A query string belongs to one object (a signed URL's signature, ``?download=true``), so it
-    is not carried to the folder's other objects.
+    is not carried to the folder's other objects. For an fsspec chain, the folder of the
+    object in the same archive or cache (``zip://sub::file:///x.zip`` for
+    ``zip://sub/m.index.json::file:///x.zip``).
     """
+    if len(_object_link(url)[0]) > 1:
+        return _on_object_link(url, url_dirname)
     scheme, sep, rest = url.partition("://")
     if scheme.lower() in ("http", "https"):
         try:
@@ -203,6 +242,10 @@ def url_dirname(url: str) -> str:
         return urllib.parse.urlunsplit(
             (parts.scheme, parts.netloc, posixpath.dirname(parts.path), "", "")
         )
+    if sep:
+        # Not posixpath.dirname(url): for a top-level object (``memory://m.index.json``) it
+        # would eat the scheme's slashes and give ``memory:``.
+        return f"{scheme}{sep}{posixpath.dirname(rest)}"
     return posixpath.dirname(url)
 
 
@@ -210,8 +253,11 @@ def url_join(base: str, name: str) -> str:
     """The URL of file ``name`` (a relative path, as in an index) in the folder ``base``.
 
     For ``http(s)`` the name is percent-encoded, so that ``?``, ``#`` or ``%`` in a file name
-    stay part of the path; S3 keys and fsspec paths take names as they are.
+    stay part of the path; S3 keys and fsspec paths take names as they are. For an fsspec
+    chain the name joins the link naming the folder (:func:`url_dirname`).
     """
+    if len(_object_link(base)[0]) > 1:
+        return _on_object_link(base, lambda link: url_join(link, name))
     if base.partition("://")[0].lower() in ("http", "https"):
         name = urllib.parse.quote(name, safe="/")
     return posixpath.join(base, name)
@@ -222,8 +268,12 @@ def is_folder_url(url: str) -> bool:
 
     For ``http(s)`` the path without query string or fragment
     (``.../resolve/main/?download=true`` is a folder); for ``s3://``, where ``?`` and ``#``
-    are characters of a key, and for fsspec URLs, the URL as written.
+    are characters of a key, and for fsspec URLs, the URL as written (for a chain, its link
+    naming the object: ``zip://sub/::file:///x.zip``).
     """
+    links, i = _object_link(url)
+    if len(links) > 1:
+        return is_folder_url(links[i])
     if url.partition("://")[0].lower() in ("http", "https"):
         return url_path(url).endswith("/")
     return url.endswith("/")
@@ -236,6 +286,8 @@ def url_in_folder(folder: str, name: str) -> str:
     file found there with it, as an index URL's own request keeps it) and the name is
     percent-encoded; its fragment is dropped. S3 and fsspec folders take the name as it is.
     """
+    if len(_object_link(folder)[0]) > 1:
+        return _on_object_link(folder, lambda link: url_in_folder(link, name))
     if folder.partition("://")[0].lower() in ("http", "https"):
         try:
             parts = urllib.parse.urlsplit(folder)

@@ -2,8 +2,10 @@
 
 The header must be known before any data, so every tensor's name, dtype and shape is declared
 up front; the layout (and so each tensor's place in the file) is then fixed, and each write goes
-straight to its computed offset with ``pwrite``. Nothing is buffered: peak memory is whatever
-the caller passes to one :meth:`StreamingWriter.write` call.
+straight to its computed offset with ``pwrite``. Nothing is buffered: the data in memory is
+whatever the caller passes to one :meth:`StreamingWriter.write` call. The record of the ranges
+written (:class:`~pysafetensors._coverage.Coverage`) grows with the number of separate ranges,
+not with bytes: touching writes merge into one.
 
 The writer keeps, per tensor, the byte ranges written so far. It refuses writes outside a
 tensor, writes that overlap earlier ones, and committing while any byte is still unwritten.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import operator
 import os
 import threading
@@ -35,6 +38,7 @@ from ._errors import (
     PathArg,
     SafetensorError,
     SerializeError,
+    add_note,
     output_path,
     write_error,
 )
@@ -296,6 +300,27 @@ def _check_whole(info: TensorInfo, length: int) -> None:
         )
 
 
+def _check_element_offset(info: TensorInfo, offset: int, data: Any) -> None:
+    """Refuse an array written at a byte offset inside one of the tensor's elements.
+
+    Its elements would straddle the tensor's, every value garbled: the usual sign of an offset
+    given in elements rather than bytes. Raw bytes may be cut anywhere.
+    """
+    width = info.dtype.bits // 8
+    if width <= 1 or not offset % width:
+        return
+    from ._sharding import is_torch
+
+    if isinstance(data, np.ndarray) or is_torch(data):
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}an array written to `{info.name}` at byte offset {offset}, "
+            f"which is not a multiple of its {width}-byte {info.dtype.code} elements (offsets "
+            "are in bytes: element i of the data starts at byte i * itemsize)",
+            kind="MisalignedSlice",
+            tensor=info.name,
+        )
+
+
 def _offset(name: str, offset: Any) -> int:
     """A write's offset as an int: any integer, numpy's too (offsets from ``np.cumsum`` are
     ``np.int64``); a float or a bool is refused."""
@@ -373,12 +398,25 @@ class StreamingWriter:
         self._inflight: dict[object, int] = {}
         self._idle = threading.Condition(self._lock)
         self._stopping = False
+        # What became of the file once no longer open for writes: "closing" while a close()
+        # commits it (outside the lock: an fsync can take long), then "committed", "aborted"
+        # or "failed". A second close() waits for the first's outcome and reports it: it
+        # returned at once, before the file existed (or after the commit had failed), and a
+        # sharded close then committed its index without that shard.
+        self._state = "open"
+        self._failure: BaseException | None = None
         self.filename = output_path(filename, file=True)
         cm = atomic_output(self.filename, fsync=fsync, group=group)
         fd = cm.__enter__()
         try:
             # A sparse file of the final size: writes may land anywhere, in any order.
-            os.ftruncate(fd, self.layout.file_size)
+            try:
+                os.ftruncate(fd, self.layout.file_size)
+            except OverflowError:
+                # Past the largest file offset (2^63-1): the file system's own refusal.
+                raise write_error(
+                    OSError(errno.EFBIG, os.strerror(errno.EFBIG)), self.filename
+                ) from None
             pwrite_all(fd, self.layout.header, 0)
         except BaseException as exc:
             cm.__exit__(type(exc), exc, exc.__traceback__)
@@ -449,6 +487,7 @@ class StreamingWriter:
         info = self._info(name)
         at = _offset(name, offset)
         length, chunks = _payload(name, info, data)
+        _check_element_offset(info, at, data)
         return self._write_payload(info, at, length, chunks)
 
     def _write_payload(
@@ -493,7 +532,14 @@ class StreamingWriter:
                     if self._cursor[name] == offset + length:
                         self._cursor[name] = cursor
             if isinstance(exc, OSError) and not isinstance(exc, SafetensorError):
-                raise write_error(exc, self.filename) from exc
+                error = write_error(exc, self.filename)
+                error.tensor = name
+                add_note(
+                    error,
+                    f"while writing bytes [{offset}, {offset + length}) of tensor `{name}` "
+                    f"(file offset {self._data_start + info.begin + offset})",
+                )
+                raise error from exc
             raise
         finally:
             with self._lock:
@@ -566,19 +612,25 @@ class StreamingWriter:
     def close(self) -> None:
         """Commit: check every byte was written, then atomically replace the target.
 
+        A second ``close()`` after a commit does nothing; one made while another thread's
+        close is committing waits for it, and reports what it reports.
+
         Raises:
             SerializeError: Some bytes were never written (kind ``Incomplete``); the writer
                 stays open so they can still be written, or :meth:`abort` can discard it.
+            ClosedFileError: The writer was aborted, or an earlier close failed to commit the
+                file: nothing was committed (kind ``FileClosed``).
         """
         with self._lock:
-            if self._cm is None:
-                return
-            # Writes in progress in other threads finish first (or fail, and then their bytes
-            # count as missing).
-            while self._writes_elsewhere():
+            while True:
+                if self._cm is None:
+                    self._wait_settled()
+                    return
+                # Writes in progress in other threads finish first (or fail, and then their
+                # bytes count as missing).
+                if not self._writes_elsewhere():
+                    break
                 self._idle.wait()
-            if self._cm is None:
-                return  # another close() or abort() finished it while this one waited
             missing = self._missing()
             if missing:
                 listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
@@ -590,23 +642,68 @@ class StreamingWriter:
                     tensor=next(iter(missing)),
                 )
             cm, self._cm = self._cm, None
-        with _OPEN_WRITERS_LOCK:
-            _OPEN_WRITERS.discard(self)
-        cm.__exit__(None, None, None)
+            self._state = "closing"
+        try:
+            cm.__exit__(None, None, None)
+        except BaseException as exc:
+            self._settle("failed", exc)
+            raise
+        finally:
+            with _OPEN_WRITERS_LOCK:
+                _OPEN_WRITERS.discard(self)
+        self._settle("committed")
+
+    def _settle(self, state: str, failure: BaseException | None = None) -> None:
+        """Record what became of the file, and wake the closes waiting for it."""
+        with self._lock:
+            self._state = state
+            self._failure = failure
+            self._idle.notify_all()
+
+    def _wait_settled(self) -> None:
+        """Wait (lock held) for a commit in progress, then return if it committed; else raise
+        ClosedFileError saying why nothing was."""
+        while self._state == "closing":
+            self._idle.wait()
+        if self._state == "committed":
+            return
+        if self._state == "failed":
+            raise ClosedFileError(
+                f"cannot finish {self.filename!r}: committing it failed earlier "
+                f"({type(self._failure).__name__}: {self._failure}); nothing was written in "
+                "its place",
+                kind="FileClosed",
+            ) from self._failure
+        raise ClosedFileError(
+            f"cannot finish {self.filename!r}: the streaming writer was aborted",
+            kind="FileClosed",
+        )
+
+    @property
+    def committed(self) -> bool:
+        """True once :meth:`close` has put the file in place (for a writer of a group,
+        handed it to the group)."""
+        return self._state == "committed"
 
     def abort(self) -> None:
         """Discard: delete the temporary file; the target is left as it was. Writes in progress
         in other threads stop at their next chunk (with ``ClosedFileError``) and are waited
-        for, so that none writes after the file is gone."""
+        for, so that none writes after the file is gone. A writer already closed is left as
+        it is (a commit in progress is waited for: it is not undone)."""
         with self._lock:
             if self._cm is None:
+                while self._state == "closing":
+                    self._idle.wait()
                 return
             self._stopping = True
             while self._writes_elsewhere():
                 self._idle.wait()
             if self._cm is None:
+                while self._state == "closing":
+                    self._idle.wait()
                 return  # another close() or abort() finished it while this one waited
             cm, self._cm = self._cm, None
+            self._state = "aborted"
         with _OPEN_WRITERS_LOCK:
             _OPEN_WRITERS.discard(self)
         exc = _Discard()
@@ -676,7 +773,15 @@ class ShardedStreamingWriter:
         fsync: bool = False,
     ) -> None:
         self._writers: dict[str, StreamingWriter] = {}
+        # No more writes (closing, closed or aborted); set with the lock held, which a shard's
+        # opening checks, so that no shard writer is begun after an abort collected them.
         self._closed = False
+        # As StreamingWriter's: "open", "closing", "committed", "aborted" or "failed".
+        self._state = "open"
+        self._failure: BaseException | None = None
+        # A shard whose commit failed when its last byte was written (its temporary file is
+        # gone, its bytes cannot be written again): the checkpoint cannot be committed.
+        self._failed_shard: tuple[str, BaseException] | None = None
         decls = _declarations(tensors)
         by_name = {d[0]: d for d in decls}
         # The checks a single-file writer makes (sizes that overflow, among others), before any
@@ -710,12 +815,21 @@ class ShardedStreamingWriter:
         self._decls = {
             fname: [by_name[n] for n in names] for fname, names in plan.filename_to_tensors.items()
         }
+        for fname, decls_of_file in self._decls.items():
+            # Each shard's header, now: one too large was refused only at the first write to
+            # its shard (at close() for a shard of empty tensors), after the rest was streamed.
+            try:
+                build_layout(decls_of_file, per_file)
+            except SerializeError as exc:
+                add_note(exc, f"in shard {fname}")
+                raise
         self._pattern = filename_pattern
         self._clean = clean
         self._fsync = fsync
         # Every shard joins it when opened, and close() renames them with the index.
         self._group = checkpoint_group(self.folder, plan, filename_pattern, fsync=fsync)
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
         # A folder this writer makes is removed again by abort() (if nothing else came in).
         self._made_folder = not os.path.isdir(self.folder)
         try:
@@ -744,7 +858,11 @@ class ShardedStreamingWriter:
     ) -> int:
         """A write to a shard handed over complete (:meth:`_finish_if_complete`): every byte
         is written, so only an empty write passes; the others get the errors they got before
-        (an out-of-range offset, a wrong dtype, an overlap, a part for ``write_tensor``)."""
+        (an out-of-range offset, a wrong dtype, an overlap, a part for ``write_tensor``). A
+        shard whose commit failed takes no write: its error is raised again."""
+        if not writer.committed:
+            with writer._lock:
+                writer._wait_settled()  # raises unless a commit in progress succeeds
         info = writer._info(name)
         at: Any = offset
         if offset is None:
@@ -772,14 +890,39 @@ class ShardedStreamingWriter:
             writer.close()
         except SerializeError as exc:
             if exc.kind != "Incomplete":
+                self._shard_failed(writer, exc)
                 raise
             # Another thread's write to it failed meanwhile: its bytes are missing again, and
             # the shard stays open for them.
+        except BaseException as exc:
+            self._shard_failed(writer, exc)
+            raise
+
+    def _shard_failed(self, writer: StreamingWriter, exc: BaseException) -> None:
+        """Remember that ``writer``'s shard could not be committed (an I/O error as its last
+        byte was written): close() refuses the checkpoint (it was committed without the shard,
+        or with an earlier save's file of its name), and abort() discards the rest."""
+        with self._lock:
+            if self._failed_shard is None:
+                self._failed_shard = (os.path.basename(writer.filename), exc)
+
+    def _check_no_failed_shard(self) -> None:
+        """Raise (lock held) if a shard's commit failed."""
+        if self._failed_shard is not None:
+            fname, exc = self._failed_shard
+            raise ClosedFileError(
+                f"cannot finish {self.folder!r}: shard {fname} could not be committed when its "
+                f"last byte was written ({type(exc).__name__}: {exc}); its bytes are lost: "
+                "abort() the writer and write the checkpoint again",
+                kind="FileClosed",
+            ) from exc
 
     def _shard_writer(self, fname: str) -> StreamingWriter:
         with self._lock:
             writer = self._writers.get(fname)
             if writer is None:
+                if self._closed:
+                    raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
                 if len(self._writers) % 128 == 127:
                     # Each shard begun stays open until close (writes come in any order):
                     # thousands of shards need that many descriptors.
@@ -843,12 +986,20 @@ class ShardedStreamingWriter:
     def close(self) -> None:
         """Commit every shard, then the index (the index is the last file to appear).
 
+        A second ``close()`` after a commit does nothing; one made while another is committing
+        waits for it, and reports what it reports.
+
         Raises:
             SerializeError: Bytes are missing (kind ``Incomplete``); nothing was committed and
                 the writer stays open.
+            ClosedFileError: A shard's commit failed earlier (when its last byte was written),
+                the writer was aborted, or an earlier close failed: nothing was committed.
         """
-        if self._closed:
-            return
+        with self._lock:
+            if self._state != "open":
+                self._wait_settled()
+                return
+            self._check_no_failed_shard()
         missing = self.missing()
         if missing:
             listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
@@ -859,36 +1010,91 @@ class ShardedStreamingWriter:
             )
         for fname in self._decls:
             self._shard_writer(fname)  # shards holding only empty tensors
-        self._closed = True
-        with _OPEN_WRITERS_LOCK:
-            _OPEN_WRITERS.discard(self)
-        writers = {os.path.join(self.folder, f): w for f, w in self._writers.items()}
+        with self._lock:
+            if self._state != "open":  # aborted, or closed by another thread, meanwhile
+                self._wait_settled()
+                return
+            self._check_no_failed_shard()
+            self._closed = True
+            self._state = "closing"
+            writers = {os.path.join(self.folder, f): w for f, w in self._writers.items()}
 
         def finish(path: str, names: list[str], group: SaveGroup) -> None:
-            writers[path].close()  # complete; renamed with the rest of the group
+            # Complete; renamed with the rest of the group. A shard another thread is
+            # committing is waited for, and one whose commit failed fails the checkpoint.
+            writers[path].close()
 
-        write_checkpoint(
-            self.folder,
-            self.plan,
-            self._meta,
-            finish,
-            filename_pattern=self._pattern,
-            fsync=self._fsync,
-            clean=self._clean,
-            group=self._group,
+        try:
+            write_checkpoint(
+                self.folder,
+                self.plan,
+                self._meta,
+                finish,
+                filename_pattern=self._pattern,
+                fsync=self._fsync,
+                clean=self._clean,
+                group=self._group,
+            )
+        except BaseException as exc:
+            self._settle("failed", exc)
+            raise
+        finally:
+            with _OPEN_WRITERS_LOCK:
+                _OPEN_WRITERS.discard(self)
+        self._settle("committed")
+
+    def _settle(self, state: str, failure: BaseException | None = None) -> None:
+        with self._lock:
+            self._state = state
+            self._failure = failure
+            self._settled.notify_all()
+
+    def _wait_settled(self) -> None:
+        """As :meth:`StreamingWriter._wait_settled` (lock held)."""
+        while self._state == "closing":
+            self._settled.wait()
+        if self._state == "committed":
+            return
+        if self._state == "failed":
+            raise ClosedFileError(
+                f"cannot finish {self.folder!r}: committing it failed earlier "
+                f"({type(self._failure).__name__}: {self._failure}); abort() discards what is "
+                "left",
+                kind="FileClosed",
+            ) from self._failure
+        raise ClosedFileError(
+            f"cannot finish {self.folder!r}: the streaming writer was aborted", kind="FileClosed"
         )
 
     def abort(self) -> None:
-        """Discard every shard not yet committed."""
-        self._closed = True
+        """Discard every shard not yet committed (nothing, once :meth:`close` committed the
+        checkpoint; a close in progress is waited for)."""
+        with self._lock:
+            while self._state == "closing":
+                self._settled.wait()
+            if self._state == "committed":
+                return
+            self._closed = True
+            if self._state == "open":
+                self._state = "aborted"
+            writers = list(self._writers.values())
         with _OPEN_WRITERS_LOCK:
             _OPEN_WRITERS.discard(self)
-        for writer in self._writers.values():
-            writer.abort()
-        self._group.discard()
-        if self._made_folder:
-            with contextlib.suppress(OSError):  # only if empty: what this writer made
-                os.rmdir(self.folder)
+        failures: list[Exception] = []
+        try:
+            for writer in writers:
+                try:
+                    writer.abort()
+                except Exception as exc:  # noqa: BLE001 - the other shards are still discarded
+                    failures.append(exc)
+        finally:
+            # Shards already handed over wait in the group: discarded whatever happened above.
+            self._group.discard()
+            if self._made_folder:
+                with contextlib.suppress(OSError):  # only if empty: what this writer made
+                    os.rmdir(self.folder)
+        if failures:
+            raise failures[0]
 
     def __del__(self) -> None:
         # As StreamingWriter's: an unclosed writer is an abandoned one. Its finished shards

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import random
 import socket
 import struct
+import threading
+import time
 import traceback
+import tracemalloc
 import uuid
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,42 +93,87 @@ def test_adjacent_ranges_one_request(mem_url: tuple[str, Path]) -> None:
         assert src.stats.requests == 1
 
 
-def _batching_memory_fs(calls: list[int]) -> Any:
-    """A memory filesystem that looks asynchronous, so parts go through one cat_ranges call
-    (each call's number of ranges appended to ``calls``)."""
-    fs = fsspec.filesystem("memory")
+class _CountingMemoryFS(memory_fs.MemoryFileSystem):  # type: ignore[misc]
+    """A memory filesystem whose ranged reads take a little while and count how many run at
+    once, and how many bytes they hand back."""
 
-    class Batching(type(fs)):  # type: ignore[misc]
-        async_impl = True
+    cachable = False
+    lock = threading.Lock()
+    now = peak = calls = 0
 
-        def cat_ranges(self, paths, starts, ends, **kwargs):  # type: ignore[no-untyped-def]
-            calls.append(len(paths))
-            return super().cat_ranges(paths, starts, ends, **kwargs)
+    def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
+        cls = type(self)
+        with cls.lock:
+            cls.now += 1
+            cls.calls += 1
+            cls.peak = max(cls.peak, cls.now)
+        try:
+            time.sleep(0.01)
+            return super().cat_file(path, start, end, **kwargs)  # type: ignore[no-any-return]
+        finally:
+            with cls.lock:
+                cls.now -= 1
 
-    return Batching(skip_instance_cache=True)
+
+def _async_counting_fs() -> Any:
+    """fsspec's own asynchronous wrapper (``async_wrapper::``) over the counting filesystem:
+    a real ``async_impl`` filesystem whose coroutines run on fsspec's event loop."""
+    wrapper = pytest.importorskip("fsspec.implementations.asyn_wrapper")
+    _CountingMemoryFS.now = _CountingMemoryFS.peak = _CountingMemoryFS.calls = 0
+    fs = wrapper.AsyncFileSystemWrapper(_CountingMemoryFS(skip_instance_cache=True))
+    assert fs.async_impl
+    return fs
 
 
-def test_batched_cat_ranges_on_async_filesystems(mem_url: tuple[str, Path]) -> None:
+def test_async_filesystems_read_max_connections_parts_at_once(mem_url: tuple[str, Path]) -> None:
+    """Parts of a read from an asynchronous filesystem travel concurrently, at most
+    max_connections at once, each copied into place as it arrives: one cat_ranges call
+    returned them all before any was copied (a read held twice in memory), ran up to
+    fsspec's batch size (1280) at once, and ran one at a time on this wrapper."""
     root, data_dir = mem_url
     data = (data_dir / "blob.bin").read_bytes()
-    calls: list[int] = []
-    batching = _batching_memory_fs(calls)
     path = f"{root}/blob.bin".removeprefix("memory://")
-    with FsspecSource(path, fs=batching, head_bytes=0, part_size=100_000) as src:
-        ranges = [(10, 5), (500_000, 250_000), (2_000_000, 7)]
-        out = bytearray(250_012)
+    fs = _async_counting_fs()
+    with FsspecSource(
+        path, fs=fs, head_bytes=0, read_ahead=0, part_size=100_000, max_connections=3
+    ) as src:
+        ranges = [(10, 5), (500_000, 950_000), (2_000_000, 7)]
+        out = bytearray(950_012)
         src.readinto_many(ranges, memoryview(out))
         assert bytes(out) == b"".join(data[o : o + n] for o, n in ranges)
-    assert calls == [5]  # one call for 1 + 3 + 1 parts
+        assert src.stats.bytes_fetched == 950_012
+        assert src.stats.requests == _CountingMemoryFS.calls + 1  # and asking the size
+    assert _CountingMemoryFS.calls >= 12  # 1 + at least 10 + 1 parts
+    assert 2 <= _CountingMemoryFS.peak <= 3
+
+
+def test_async_filesystems_hold_a_few_parts_not_the_whole_read(mem_url: tuple[str, Path]) -> None:
+    root, _ = mem_url
+    fs = _async_counting_fs()
+    blob = bytes(range(256)) * (32 << 12)  # 32 MiB
+    path = f"{root}/big.bin".removeprefix("memory://")
+    fs.pipe_file(path, blob)
+    out = bytearray(len(blob))
+    with FsspecSource(
+        path, fs=fs, head_bytes=0, read_ahead=0, part_size=1 << 20, max_connections=4
+    ) as src:
+        tracemalloc.start()
+        try:
+            src.readinto(0, memoryview(out))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert out == blob
+    # Four 1 MiB parts in flight (and their copies inside the filesystem), not 32 MiB.
+    assert peak < 12 << 20, peak
 
 
 def test_scattered_pieces_on_async_filesystems(mem_url: tuple[str, Path]) -> None:
-    """readinto_scattered through one cat_ranges call: pieces to several buffers, some
+    """readinto_scattered on an asynchronous filesystem: pieces to several buffers, some
     merged into one part (scattered from it), a large one split into parts (received whole)."""
     root, data_dir = mem_url
     data = (data_dir / "blob.bin").read_bytes()
-    calls: list[int] = []
-    batching = _batching_memory_fs(calls)
+    fs = _async_counting_fs()
     path = f"{root}/blob.bin".removeprefix("memory://")
     shared = bytearray(300)
     large = bytearray(250_000)
@@ -132,11 +183,88 @@ def test_scattered_pieces_on_async_filesystems(mem_url: tuple[str, Path]) -> Non
         (1100, 50, memoryview(shared), 100),
         (600_000, 250_000, memoryview(large), 0),  # three parts, received in place
     ]
-    with FsspecSource(path, fs=batching, head_bytes=0, part_size=100_000) as src:
+    with FsspecSource(path, fs=fs, head_bytes=0, read_ahead=0, part_size=100_000) as src:
         src.readinto_scattered(pieces)
+        assert src.stats.requests == _CountingMemoryFS.calls + 1 == 5  # and asking the size
     assert bytes(shared) == data[1000:1100] + data[1100:1150] + bytes(50) + data[1150:1250]
     assert bytes(large) == data[600_000:850_000]
-    assert calls == [4]
+
+
+def test_a_folder_is_not_read_as_an_empty_file(mem_url: tuple[str, Path], tmp_path: Path) -> None:
+    # memory:// and object stores give a folder size 0: it was "header too small (file is
+    # 0 bytes)", naming neither the URL nor the folder; on file:// an IsADirectoryError.
+    root, _ = mem_url
+    for url in (root, tmp_path.as_uri()):
+        with pytest.raises(RemoteError) as info:
+            FsspecSource(url)
+        assert info.value.kind == "IsADirectory"
+        assert "is a folder, not a file" in str(info.value)
+        assert url in str(info.value)
+
+
+class _NoSizeFS(memory_fs.MemoryFileSystem):  # type: ignore[misc]
+    """A filesystem that knows a file exists but not its size (some HTTP servers)."""
+
+    cachable = False
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        return {**super().info(path, **kwargs), "size": None}
+
+
+def test_a_filesystem_that_gives_no_size_is_a_clear_error(mem_url: tuple[str, Path]) -> None:
+    # It was "asking its size failed: TypeError: int() argument must be ... not 'NoneType'".
+    root, _ = mem_url
+    path = f"{root}/model.safetensors".removeprefix("memory://")
+    with pytest.raises(RemoteError) as info:
+        FsspecSource(path, fs=_NoSizeFS(skip_instance_cache=True))
+    assert info.value.kind == "NoSize"
+    assert "reports no size" in str(info.value)
+
+
+def test_a_compressed_open_file_is_refused(tmp_path: Path, data_dir: Path) -> None:
+    # Its fs and path name the compressed bytes, which were served as the file's: a garbage
+    # length prefix (HeaderTooLarge) instead of saying why.
+    local = tmp_path / "model.safetensors.gz"
+    with gzip.open(local, "wb") as f:
+        f.write((data_dir / "small.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="compression='gzip'"):
+        FsspecSource(fsspec.open(str(local), "rb", compression="gzip"))
+
+
+def test_a_sharded_checkpoint_inside_a_zip_archive(tmp_path: Path) -> None:
+    """An index read through a chain (zip://member::file:///x.zip) is an index, and its shards
+    are found beside it in the same archive. The chain's outer path was taken for the
+    object's: the index was opened as a safetensors file (HeaderTooLarge)."""
+    np = pytest.importorskip("numpy")
+    from pysafetensors import safe_open
+    from pysafetensors.numpy import save
+
+    shards = {
+        "sub/model-00001-of-00002.safetensors": save({"a": np.arange(4, dtype=np.int32)}),
+        "sub/model-00002-of-00002.safetensors": save({"b": np.arange(3, dtype=np.int32)}),
+    }
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        },
+    }
+    archive = tmp_path / "ckpt.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name, blob in shards.items():
+            zf.writestr(name, blob)
+        zf.writestr("sub/model.safetensors.index.json", json.dumps(index))
+        zf.writestr(
+            "top.safetensors.index.json",
+            json.dumps({"weight_map": {"a": "sub/model-00001-of-00002.safetensors"}}),
+        )
+    outer = archive.as_uri()
+    with safe_open(f"zip://sub/model.safetensors.index.json::{outer}", "numpy") as f:
+        got = {k: f.get_tensor(k).tolist() for k in f.keys()}  # noqa: SIM118 - the API
+        assert got == {"a": [0, 1, 2, 3], "b": [0, 1, 2]}
+    with safe_open(f"zip://top.safetensors.index.json::{outer}", "numpy") as f:
+        assert f.get_tensor("a").tolist() == [0, 1, 2, 3]
 
 
 def test_open_file_and_file_url(tmp_path: Path, data_dir: Path) -> None:
@@ -346,3 +474,29 @@ def test_a_filesystem_ignoring_ranges_is_refused_at_once() -> None:
     assert "does not honour ranged reads" in str(info.value)
     assert _NoRangeFS.calls == 1
     fs.rm("/norange", recursive=True)
+
+
+def test_index_urls_name_their_object_and_neighbours() -> None:
+    from pysafetensors._remote_urls import is_folder_url, url_dirname, url_join, url_path
+
+    cases = {
+        # A top-level object of an fsspec URL was taken for a host: not an index, and its
+        # folder "memory:" (the scheme's slashes eaten).
+        "memory://m.safetensors.index.json": ("m.safetensors.index.json", "memory://"),
+        "zip://d/m.index.json::file:///x.zip": ("d/m.index.json", "zip://d::file:///x.zip"),
+        "simplecache::s3://b/d/m.index.json": ("b/d/m.index.json", "simplecache::s3://b/d"),
+        "gs://b/d/m.index.json?x=1": ("b/d/m.index.json", "gs://b/d"),
+        # Read by this library's own sources, never as chains: '::' is in the path or host.
+        "https://h/a::b/m.index.json": ("/a::b/m.index.json", "https://h/a::b"),
+        "http://[::1]:8000/d/m.index.json": ("/d/m.index.json", "http://[::1]:8000/d"),
+        "s3://b/a::b/m.index.json": ("b/a::b/m.index.json", "s3://b/a::b"),
+    }
+    for url, (path, folder) in cases.items():
+        assert (url_path(url), url_dirname(url)) == (path, folder), url
+    assert url_join("memory://", "s.safetensors") == "memory://s.safetensors"
+    assert (
+        url_join("zip://d::file:///x.zip", "s.safetensors")
+        == "zip://d/s.safetensors::file:///x.zip"
+    )
+    assert is_folder_url("zip://d/::file:///x.zip")
+    assert not is_folder_url("zip://d/m.index.json::file:///x/")

@@ -1,0 +1,261 @@
+"""What a streaming writer's commit does when it fails, races another close, or an abort."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pysafetensors import (
+    ClosedFileError,
+    SafetensorError,
+    SerializeError,
+    ShardedStreamingWriter,
+    StreamingWriter,
+    WriteError,
+)
+from pysafetensors.numpy import load_file
+
+#: One 400-byte tensor per shard under a 400-byte limit: three shards.
+SD = {f"l{i}": np.full(100, i, np.float32) for i in range(3)}
+
+
+def _fsync_failing_on(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """Make the ``call``-th ``os.fsync`` from now fail as a disk's I/O error would."""
+    real = os.fsync
+    calls = [0]
+
+    def fsync(fd: int) -> None:
+        calls[0] += 1
+        if calls[0] == call:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def _slow_fsync_in_workers(
+    monkeypatch: pytest.MonkeyPatch, entered: threading.Event, fail: bool = False
+) -> None:
+    """fsync on threads other than the main one signals ``entered`` and takes a while (a large
+    shard's durable commit), then fails with ``fail``."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            time.sleep(0.3)
+            if fail:
+                raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def _in_thread(do: Callable[[], object], errors: list[BaseException]) -> threading.Thread:
+    def run() -> None:
+        try:
+            do()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("earlier_save", [False, True])
+def test_a_shard_whose_commit_fails_fails_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier_save: bool
+) -> None:
+    """The shard's writer was closed, its temporary file gone, its bytes recorded as written:
+    a retry was an overlap, missing() said nothing was, and close() committed the checkpoint
+    without the shard (or, over an earlier save, with that save's file of its name, which
+    loaded without error and held the old values)."""
+    folder = tmp_path / "ckpt"
+    if earlier_save:
+        with ShardedStreamingWriter(folder, SD, 400) as w:
+            for name, values in SD.items():
+                w.write_tensor(name, -values)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()} if earlier_save else {}
+    w = ShardedStreamingWriter(folder, SD, 400, fsync=True)
+    w.write_tensor("l0", SD["l0"])
+    _fsync_failing_on(monkeypatch, 1)  # the second shard's, as its last byte is written
+    with pytest.raises(WriteError, match="Input/output error"):
+        w.write_tensor("l1", SD["l1"])
+    monkeypatch.undo()
+    with pytest.raises(ClosedFileError, match="00002-of-00003.safetensors.: committing it failed"):
+        w.write_tensor("l1", SD["l1"])  # its bytes cannot be written again
+    w.write_tensor("l2", SD["l2"])
+    with pytest.raises(ClosedFileError, match="could not be committed"):
+        w.close()
+    w.abort()
+    after = {p.name: p.read_bytes() for p in folder.iterdir()} if folder.exists() else {}
+    assert after == before
+
+
+def test_a_close_waits_for_a_shard_another_thread_is_committing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard's writer counted as closed from the start of its commit: a close() meanwhile
+    committed the index without it, and the worker's commit then found the group finished."""
+    folder = tmp_path / "ckpt"
+    w = ShardedStreamingWriter(folder, SD, 400, fsync=True)
+    w.write_tensor("l0", SD["l0"])
+    w.write_tensor("l2", SD["l2"])
+    entered = threading.Event()
+    _slow_fsync_in_workers(monkeypatch, entered)
+    errors: list[BaseException] = []
+    worker = _in_thread(lambda: w.write_tensor("l1", SD["l1"]), errors)
+    assert entered.wait(10)
+    w.close()
+    worker.join()
+    assert errors == []
+    assert {k: v.tolist() for k, v in load_file(str(folder)).items()} == {
+        k: v.tolist() for k, v in SD.items()
+    }
+
+
+def test_a_second_close_reports_the_first_one_s_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It returned at once, as if committed, before the first close's commit failed."""
+    target = tmp_path / "x.safetensors"
+    w = StreamingWriter(target, {"x": ("U8", (4,))}, fsync=True)
+    w.write("x", b"1234")
+    entered = threading.Event()
+    _slow_fsync_in_workers(monkeypatch, entered, fail=True)
+    errors: list[BaseException] = []
+    first = _in_thread(w.close, errors)
+    assert entered.wait(10)
+    with pytest.raises(ClosedFileError, match="committing it failed earlier"):
+        w.close()
+    first.join()
+    assert [type(e) for e in errors] == [WriteError]
+    assert not target.exists()
+    assert os.listdir(tmp_path) == []
+
+
+def test_close_after_an_abort_or_a_failed_close_says_nothing_was_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = StreamingWriter(tmp_path / "a.safetensors", {"x": ("U8", (4,))}, fsync=True)
+    w.write("x", b"1234")
+    _fsync_failing_on(monkeypatch, 1)
+    with pytest.raises(WriteError):
+        w.close()
+    monkeypatch.undo()
+    with pytest.raises(ClosedFileError, match="committing it failed earlier"):
+        w.close()
+    w.abort()  # nothing left to discard
+    for make in (
+        lambda: StreamingWriter(tmp_path / "b.safetensors", {"x": ("U8", (4,))}),
+        lambda: ShardedStreamingWriter(tmp_path / "c", SD, 400),
+    ):
+        writer = make()
+        writer.abort()
+        with pytest.raises(ClosedFileError, match="was aborted"):
+            writer.close()
+    committed = StreamingWriter(tmp_path / "d.safetensors", {"x": ("U8", (4,))})
+    committed.write("x", b"1234")
+    committed.close()
+    committed.close()  # a commit is not repeated, nor refused
+    committed.abort()  # nor undone
+    assert load_file(str(tmp_path / "d.safetensors"))["x"].tolist() == [49, 50, 51, 52]
+    assert sorted(os.listdir(tmp_path)) == ["d.safetensors"]
+
+
+def test_an_abort_racing_writes_to_new_shards_leaves_nothing(tmp_path: Path) -> None:
+    """A worker that had passed the closed check began a shard while abort() went through
+    the shard writers: RuntimeError (dictionary changed size), the group never discarded, and
+    the finished shards' temporary files stayed on disk."""
+    names = [f"t{i:04d}" for i in range(200)]
+    for trial in range(12):
+        folder = tmp_path / f"ckpt{trial}"
+        w = ShardedStreamingWriter(folder, {n: ("U8", (64,)) for n in names}, 64)
+
+        def worker(k: int, w: ShardedStreamingWriter = w) -> None:
+            for name in names[k::4]:
+                try:
+                    w.write(name, bytes(64))
+                except ClosedFileError:
+                    return
+
+        workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in workers:
+            t.start()
+        time.sleep(0.001 * trial)
+        w.abort()
+        for t in workers:
+            t.join()
+        assert not folder.exists() or os.listdir(folder) == [], trial
+
+
+def test_a_failed_write_names_its_tensor_and_offsets(tmp_path: Path) -> None:
+    """A file size limit (as a full disk) reached by a write: it named only the file."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        from pysafetensors import StreamingWriter, WriteError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        w = StreamingWriter({str(tmp_path / "x.safetensors")!r},
+                            {{"head": ("U8", (100,)), "big": ("U8", (1 << 20,))}})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        try:
+            w.write("big", bytes(8192), offset=8192)
+        except WriteError as exc:
+            print(exc.tensor, exc.errno, "|".join(getattr(exc, "__notes__", [])))
+        w.abort()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.strip()
+    tensor, code, note = out.split(" ", 2)
+    assert (tensor, int(code)) == ("big", errno.EFBIG)
+    assert note.startswith("while writing bytes [8192, 16384) of tensor `big` (file offset ")
+    assert os.listdir(tmp_path) == []
+
+
+def test_total_sizes_past_the_largest_file_are_refused_at_once(tmp_path: Path) -> None:
+    # Each size fits in 64 bits, their sum does not (offsets no reader can parse), or the file
+    # would pass the largest file offset: a bare OverflowError naming nothing.
+    with pytest.raises(SerializeError, match="overflow computing the data offsets") as info:
+        StreamingWriter(tmp_path / "x", {f"t{i:02d}": ("U8", (2**60,)) for i in range(16)})
+    assert (info.value.kind, info.value.tensor) == ("ValidationOverflow", "t15")
+    with pytest.raises(WriteError, match="File too large") as too_large:
+        StreamingWriter(tmp_path / "x", {f"t{i:02d}": ("U8", (2**60,)) for i in range(8)})
+    assert too_large.value.errno == errno.EFBIG
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_array_written_inside_an_element_is_refused(tmp_path: Path) -> None:
+    """An offset in elements where bytes are meant: committed with every value garbled."""
+    values = np.arange(4, dtype=np.float32)
+    with StreamingWriter(tmp_path / "x.safetensors", {"x": ("F32", (8,))}) as w:
+        with pytest.raises(SerializeError, match="byte offset 2, which is not a multiple") as e:
+            w.write("x", values, offset=2)
+        assert (e.value.kind, e.value.tensor) == ("MisalignedSlice", "x")
+        w.write("x", values, offset=16)
+        w.write("x", values.tobytes()[:6])  # raw bytes may be cut anywhere
+        w.write("x", values.tobytes()[6:], offset=6)
+    assert load_file(str(tmp_path / "x.safetensors"))["x"].tolist() == [0, 1, 2, 3] * 2
+
+
+def test_a_shard_header_too_large_is_refused_when_the_writer_opens(tmp_path: Path) -> None:
+    # It was refused only at the first write to that shard, after the rest had been streamed.
+    decls = {f"t{i}": ("U8", (1,)) for i in range(4)}
+    with pytest.raises(SerializeError, match="header too large") as info:
+        ShardedStreamingWriter(tmp_path / "d", decls, metadata={"k": "v" * 100_000_100})
+    assert info.value.kind == "HeaderTooLarge"
+    assert not (tmp_path / "d").exists()
+    assert isinstance(info.value, SafetensorError)
