@@ -353,7 +353,7 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "",
         "1-minute load average at start / end of the run: "
         + " / ".join(str(x) for x in meta.get("loadavg_start_end", []))
-        + " (2 cores; the machine was shared with other sessions).",
+        + " (2 cores; other work may have run on the machine meanwhile).",
         "",
         "Files (random bytes, bf16): "
         + "; ".join(f"`{k}` {fmt_b(v)}" for k, v in sizes.items())

@@ -47,7 +47,7 @@ def model_state(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def cli(*args: str) -> None:
     """Run the command-line tool as a user would."""
-    print(f"\n$ pysafetensors {' '.join(args)}")
+    print(f"\n$ pysafetensors {' '.join(args)}", flush=True)  # before the command's own output
     subprocess.run([sys.executable, "-m", "pysafetensors", *args], check=False)
 
 
