@@ -101,10 +101,19 @@ class FilePool:
                 pooled._release()
 
     def _starved(self) -> None:
-        """The process ran out of descriptors (files of its own): keep half as many open.
-        Called under the lock."""
+        """The process ran out of descriptors (files of its own): close every file not being
+        read, for the open that ran out to take one of theirs, and keep half as many open
+        from now on. Called under the lock.
+
+        Shrinking to the new limit alone freed nothing with :data:`MIN_OPEN` files or fewer
+        open (half of them is still ``MIN_OPEN``): the retry failed while the pool held that
+        many idle descriptors.
+        """
         self._capacity = self._limit = self._limit_until = max(MIN_OPEN, len(self._open) // 2)
-        self._shrink()
+        for pooled in list(self._open):
+            if not pooled._reading:
+                self._open.pop(pooled)
+                pooled._release()
 
     def _forget(self, pooled: PooledFile) -> None:
         with self._lock:
@@ -144,7 +153,18 @@ class PooledFile:
                 if exc.errno not in (errno.EMFILE, errno.ENFILE):
                     raise
                 self._pool._starved()
-                fd = open_regular_file(self._path)
+                try:
+                    fd = open_regular_file(self._path)
+                except OSError as again:
+                    if again.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    raise OSError(
+                        again.errno,
+                        f"out of file descriptors reopening {self._path}: the files being read "
+                        f"keep {len(self._pool._open)} open, the rest are the process's own; "
+                        "raise the limit (`ulimit -n`)",
+                        self._path,
+                    ) from again
             try:
                 if file_identity(os.fstat(fd)) != self._identity:
                     raise SafetensorError(

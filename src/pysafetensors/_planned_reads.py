@@ -8,8 +8,9 @@ read of the source (which the remote sources split into parallel parts), coverin
 ranges from the first byte asked for, across gaps of at most the source's ``max_gap``. Bytes
 fetched are the planned ones plus those gaps, each once when the reads come in file order. A
 read out of that order (one before the previous read's end, or skipping planned bytes)
-fetches only the rest of its own planned range: any order stays correct, and costs at most
-what reading each range as asked would.
+fetches only its own bytes: any order stays correct, and a block fetched beyond what was
+asked is one that reads in order had come as far as (and one ahead of it, as large), so an
+order that breaks off wastes at most about what it had read.
 
 While the reads in order take a block, the block after it (as far as the reads have come, up
 to half the room, as the block itself) is fetched in the background, so that a command
@@ -19,11 +20,14 @@ wasted only when it fails. A block is then at most half of :data:`BLOCK_BYTES`, 
 block and the one ahead of it fit. A block fetched ahead that the reads go past is dropped; one
 that failed is fetched again when a read needs it, which raises the error for that read.
 
-Reads in order may interleave: two streams through the file (a cast or a diff reading two
-dtype groups in name order) each keep a block, sharing :data:`BLOCK_BYTES` (a read larger than
-a stream's share still gets a block of its size: at most twice that in all). One reader at a
-time holds blocks among those that share a :class:`BlockBudget`: a model's files are read one
-after another, and hundreds of shards must not each hold a block.
+Reads in order may interleave: up to :data:`STREAMS` streams through the file (a cast or a
+diff reading dtype groups in name order: F32, BF16, I64...) each keep a block, sharing
+:data:`BLOCK_BYTES` (a read larger than a stream's share still gets a block of its size: at
+most twice that in all). One reader at a time holds blocks among those that share a
+:class:`BlockBudget`: a model's files are read one after another, and hundreds of shards must
+not each hold a block. A reader taking the budget back from another (reads alternating
+between shards) reads its own bytes only, and reaches ahead again from the first block's
+reach: it no longer knows that its order goes on.
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ BLOCK_BYTES: Final = 64 << 20
 #: How far the first block of reads in order reaches; later ones reach as far as those reads
 #: have come, up to a block.
 FIRST_REACH: Final = 1 << 20
-#: Reads in order that may interleave (a cast or diff reads two files' dtype groups, F32 and
-#: F16, in name order: two streams through the file), each with a block of its own.
-STREAMS: Final = 2
+#: Reads in order that may interleave (a cast or diff reads a file's dtype groups, F32, F16,
+#: I64..., in name order: a stream through the file for each), each with a block of its own.
+#: With two, a third group's reads started over the least recently used stream, throwing
+#: away its block and the one fetched ahead (1.7-1.9x the bytes of the file).
+STREAMS: Final = 4
 
 
 class BlockBudget:
@@ -66,6 +72,15 @@ class BlockBudget:
         if self._holder is not None and self._holder is not reader:
             self._holder.release()
         self._holder = reader
+
+    def taken_by_another(self, reader: PlannedReads) -> bool:
+        """Whether another reader than ``reader`` holds blocks now."""
+        return self._holder is not None and self._holder is not reader
+
+    def leave(self, reader: PlannedReads) -> None:
+        """``reader`` is done: the next reader takes the budget from nobody."""
+        if self._holder is reader:
+            self._holder = None
 
 
 def plan_reads(
@@ -181,6 +196,13 @@ class PlannedReads:
             self._source.readinto(offset, out)
             return
         stream, in_order = self._stream_for(offset)
+        if in_order and self._budget.taken_by_another(self):
+            # Reads that alternate between files sharing the budget (a diff of a model whose
+            # shards interleave against the other's order) each take it back: each would
+            # fetch a block as far as its order had come, and one ahead, both dropped at the
+            # next switch (22x the bytes read). Such a read fetches its own range; the reads
+            # in order after it reach ahead again from the first block's reach.
+            in_order = False
         if stream.last < 0 or not in_order:
             stream.first = offset
         stream.last = offset + n
@@ -214,20 +236,22 @@ class PlannedReads:
             self._fetch(offset, out)  # as large as a block: no copy through one
             return
         # Only reads in a stream's order reach ahead: one out of order (a second pass, a
-        # jump) fetches its own range, or each jump would fetch a block that the next one
-        # throws away (19x the file, before streams). A block reaches as far ahead as its
-        # stream's reads have come (1 MiB at first): a guess that the order goes on costs at
-        # most what it has been right for. The streams' blocks share ``block_bytes``, half
-        # of a stream's room for the block it reads, half for the one fetched ahead.
+        # jump) fetches just its bytes, or each jump would fetch a block that the next one
+        # throws away (19x the file, before streams). Not the rest of its planned range
+        # either: a range read backwards in chunks fetched it again for every chunk (16x),
+        # reads in random order up to 1,400x; the reads that follow one in order reach ahead
+        # from it. A block reaches as far ahead as its stream's reads have come (1 MiB at
+        # first): a guess that the order goes on costs at most what it has been right for.
+        # The streams' blocks share ``block_bytes``, half of a stream's room for the block it
+        # reads, half for the one fetched ahead.
         room = self._room(stream)
         if in_order:
             stop = self._extent(offset, offset + n, self._reach(stream, room), stream)
             stream.ahead = None  # the reads went past it: its fetch finishes on its own
         else:
             # A second pass over a tensor comes back to where the first left off: the block
-            # fetched ahead stays for it (a block of its own beside it, within the room).
-            beside = stream.ahead.length if stream.ahead is not None else 0
-            stop = self._own(offset, offset + n, room - beside)
+            # fetched ahead stays for it.
+            stop = offset + n
         self._budget.take(self)
         length = stop - offset
         stream.buf = self._buffer(stream, length, room)
@@ -320,7 +344,7 @@ class PlannedReads:
         others = sum(st.held for st in self._streams if st is not stream)
         if not others:
             return self._block_bytes
-        half = self._block_bytes // STREAMS
+        half = self._block_bytes // 2  # two streams reading in turn share it evenly
         return max(min(self._block_bytes - others, half), min(FIRST_REACH, half))
 
     def _stream_for(self, offset: int) -> tuple[_Stream, bool]:
@@ -377,13 +401,6 @@ class PlannedReads:
             return True  # past the plan: nothing to skip
         return offset <= max(last, self._starts[i])
 
-    def _own(self, offset: int, stop: int, room: int) -> int:
-        """Where a block for a read out of order ends: at the end of the planned range it
-        lies in (within ``room``), ``stop`` at least."""
-        i = bisect.bisect_right(self._ends, offset)
-        end = self._ends[i] if i < len(self._ends) and self._starts[i] <= offset else stop
-        return max(stop, min(end, offset + room, self._source.size))
-
     def _extent(self, offset: int, stop: int, reach: int, stream: _Stream) -> int:
         """Where a block starting at ``offset`` (and reaching ``stop`` at least) ends: past the
         planned ranges ahead that are no further than ``max_gap`` apart, within
@@ -416,13 +433,16 @@ class PlannedReads:
         return limit
 
     def release(self) -> None:
-        """Let go of the blocks (the next reads fetch others)."""
+        """Let go of the blocks (the next reads fetch others), and of how far the reads in
+        order had come: they reach ahead from the first block's reach again."""
         for stream in self._streams:
             stream.drop()
+            stream.run = 0
 
     def close(self) -> None:
         """Release the blocks and wait for the fetches ahead still running (the source is
         closed next, by its owner); the source stays open."""
         self.release()
+        self._budget.leave(self)
         if may_wait_here():
             wait(list(self._fetching))  # their outcomes are nobody's: the blocks are dropped

@@ -9,6 +9,7 @@ The limits are set in child processes, so the test run keeps its own.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -218,6 +219,71 @@ def test_pool_reopens_closed_files_and_refuses_replaced_ones(tmp_path: Path) -> 
     files[1].close()
     with pytest.raises(SafetensorError, match="File is closed"):
         files[1].readinto(start, memoryview(bytearray(16)))
+
+
+def test_pool_out_of_descriptors_gives_up_its_idle_files(tmp_path: Path) -> None:
+    """The process's other files take every descriptor: reopening a pooled file closes the
+    pool's idle ones and goes on. With 8 or fewer open, halving the pool freed nothing (its
+    floor is 8), and the retry failed while the pool held 8 idle descriptors."""
+    arrays = {i: np.arange(16, dtype=np.uint8) + i for i in range(20)}
+    paths, _, start = _pooled_files(tmp_path, arrays, FilePool(capacity=1))
+    proc = _child(
+        f"""
+        import os
+        from pysafetensors._file_pool import FilePool
+        from pysafetensors._sources import PreadSource, open_regular_file
+        paths = {[str(p) for p in paths]!r}
+        pool = FilePool()
+        files = [pool.adopt(p, PreadSource(open_regular_file(p), p)) for p in paths]
+        assert len(pool._open) == 8, len(pool._open)  # the budget under this low limit
+        hog = []
+        try:
+            while True:
+                hog.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        for i, pooled in enumerate(files):  # closed ones among them: reopened
+            buf = bytearray(16)
+            pooled.readinto({start}, memoryview(buf))
+            assert buf == bytes(range(i, i + 16)), i
+        for fd in hog:
+            os.close(fd)
+        print("read", len(files))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["read", "20"]
+
+
+def test_pool_out_of_descriptors_with_none_idle_says_so(tmp_path: Path) -> None:
+    arrays = {i: np.arange(16, dtype=np.uint8) for i in range(2)}
+    paths, _, _ = _pooled_files(tmp_path, arrays, FilePool(capacity=1))
+    proc = _child(
+        f"""
+        import os
+        from pysafetensors._file_pool import FilePool
+        from pysafetensors._sources import PreadSource, open_regular_file
+        paths = {[str(p) for p in paths]!r}
+        pool = FilePool(capacity=1)
+        files = [pool.adopt(p, PreadSource(open_regular_file(p), p)) for p in paths]
+        assert files[0]._source is None  # closed for the capacity of 1
+        files[1]._reading += 1  # being read: nothing idle is left to give up
+        hog = []
+        try:
+            while True:
+                hog.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            files[0].readinto(0, memoryview(bytearray(4)))
+        except OSError as exc:
+            print(exc.errno, exc)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    code, message = proc.stdout.split(" ", 1)
+    assert int(code) == errno.EMFILE
+    assert "out of file descriptors reopening" in message and "ulimit -n" in message
 
 
 def test_pool_is_shared_by_threads(tmp_path: Path) -> None:
