@@ -357,11 +357,11 @@ class NumpyAdapter:
     """numpy arrays; BF16, FP8, F4 and F6 through ml_dtypes."""
 
     framework = "numpy"
-    #: Under the mmap backend every call gets bytes of its own: ``get_tensor`` a copy, and
-    #: ``get_tensors`` a copy-on-write mapping of that call's own. The reference copies each
-    #: numpy array it hands out, so an edit to one never shows in a later read, which one
-    #: mapping shared by all of a handle's calls would allow. (torch tensors share the
-    #: handle's mapping, as the reference's do.)
+    #: Under the mmap backend every call gets bytes of its own, copies (in parallel for
+    #: ``get_tensors``). The reference copies each numpy array it hands out,
+    #: so an edit to one never shows in a later read, and a file rewritten or truncated
+    #: afterwards leaves them as they were. (torch tensors share the handle's mapping, as the
+    #: reference's do.)
     private_per_call = True
 
     def check_device(self, device: Any) -> Device:

@@ -99,10 +99,6 @@ SLICE_READS: Final = ("exact", "coalesce")
 #: Bytes read speculatively when opening: one read usually brings the prefix and the header.
 _HEAD_GUESS: Final = 64 << 10
 
-#: Smallest data region a numpy ``get_tensors`` under mmap maps privately; smaller ones are
-#: copied (a copy costs less than a mapping).
-_PRIVATE_MAP_MIN: Final = 1 << 20
-
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
@@ -502,22 +498,21 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def _mapped(self, source: ByteSource, offset: int, length: int) -> memoryview | None:
         """``length`` bytes at ``offset`` as mapped memory (mmap backend), else None (the
-        caller reads them into fresh memory). For adapters that ask for it (numpy, whose
-        ``get_tensors`` comes here; its ``get_tensor`` copies, see :meth:`_raw`), bytes of this
-        call's own: a mapping of its own, or a copy out of the handle's mapping for ranges under
-        :data:`_PRIVATE_MAP_MIN` and where no mapping can be made."""
+        caller reads them into fresh memory).
+
+        None for adapters whose arrays are copies (numpy, as the reference's numpy arrays
+        are). A private mapping per ``get_tensors`` served them before, copied only where
+        written: its other pages stayed the page cache's, so a file rewritten in place (the
+        reference's own ``save_file`` truncates and rewrites) changed arrays already
+        returned, and one truncated made touching them kill the process (SIGBUS), where the
+        reference's copies are unaffected.
+        """
         if self._backend != "mmap" or isinstance(source, BufferSource):
             # An in-memory buffer is the caller's: a view of it would change with it (and
             # writes to a tensor would change it, or crash on read-only memory). Copied.
             return None
-        if getattr(self._adapter, "private_per_call", False) and isinstance(source, MmapSource):
-            if length >= _PRIVATE_MAP_MIN:
-                try:
-                    return source.private_view(offset, length)
-                except OSError:  # ENOMEM: out of mappings or address space
-                    pass
-            shared = source.view(offset, length)
-            return None if shared is None else memoryview(bytearray(shared))
+        if getattr(self._adapter, "private_per_call", False):
+            return None
         return source.view(offset, length)
 
     def _raw(self, source: ByteSource, info: TensorInfo) -> np.ndarray:

@@ -705,23 +705,6 @@ class MmapSource:
         if self._map is None and length:
             raise ClosedFileError("File is closed", kind="FileClosed")
 
-    def private_view(self, offset: int, length: int) -> memoryview | None:
-        """Like :meth:`view`, over a new copy-on-write mapping of the range: writes through it
-        stay out of this source's mapping and out of every other private view.
-
-        None for a closed source (as :meth:`view` would fail for it).
-        """
-        check_range(self, offset, length)
-        self._closed_check(length)
-        self._check_not_truncated(offset, length)
-        fd = self._fd  # once: a concurrent close() sets it to -1
-        if fd < 0 or length == 0:
-            return self.view(offset, length)
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mapping, at = map_file(fd, offset + length - start, offset=start)
-        begin = at + offset - start
-        return memoryview(mapping)[begin : begin + length]
-
     def prefetch(self, offset: int, length: int) -> bool:
         """Read a mostly uncached range into the page cache ahead of a copy out of it.
 

@@ -91,7 +91,8 @@ def load_file(
     Args:
         filename: What to read: a file, a model folder, an index file, or their URL
             (a sharded checkpoint is loaded whole).
-        backend: ``"mmap"`` (zero-copy copy-on-write views) or ``"pread"`` (fresh memory).
+        backend: ``"mmap"`` or ``"pread"``: numpy arrays are copies either way (as the
+            reference's are), made in parallel, out of the mapping or by positioned reads.
         storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
     """
     return load_file_with("numpy", filename, "cpu", backend, storage_options)

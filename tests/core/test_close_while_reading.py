@@ -136,9 +136,8 @@ def test_a_closed_mapping_refuses_views_instead_of_handing_out_nothing(tmp_path:
     f = safe_open(tmp_path / "m.safetensors", "np", backend="mmap")
     source = f._source
     f.close()
-    for call in (lambda: source.view(8, 1024), lambda: source.private_view(8, 1 << 20)):
-        with pytest.raises(ClosedFileError):
-            call()
+    with pytest.raises(ClosedFileError):
+        source.view(8, 1024)
 
 
 def test_numpy_arrays_hold_no_file_descriptors(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from pysafetensors import SafetensorError, safe_open
-from pysafetensors.numpy import save_file
+from pysafetensors.numpy import load_file, save_file
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX file semantics")
 
@@ -90,8 +90,15 @@ _MMAP_CHILD = textwrap.dedent(
         except SafetensorError as exc:
             print("error", exc.kind, exc.offset, flush=True)
         print("a", int(f.get_tensor("a").sum()), flush=True)
+    elif mode == "numpy-copies":
+        w = f.get_tensors()["w"]       # copies, as the reference's numpy arrays are
+        before = float(w.sum())
+        os.truncate(path, start + 1000)
+        print("same", float(w.sum()) == before, flush=True)
     else:
-        w = f.get_tensors()["w"]       # a zero-copy view of a mapping (get_tensor copies)
+        import torch
+        with safe_open(path, "pt", backend="mmap") as t:
+            w = t.get_tensors()["w"]   # a zero-copy view of the mapping, as the reference's
         print("got view", flush=True)
         os.truncate(path, start + 1000)
         print("sum", float(w.sum()), flush=True)   # touches pages past the new end
@@ -119,8 +126,36 @@ def test_truncated_file_mmap_raises_before_handing_out_a_view(tmp_path: Path) ->
     assert lines[2] == f"a {sum(range(16))}"
 
 
+def test_numpy_arrays_survive_a_truncation(tmp_path: Path) -> None:
+    """numpy get_tensors/load_file under mmap gave private mappings, not copies: touching one
+    after the file was truncated killed the process (SIGBUS), where the reference's numpy
+    arrays (copies) are unaffected."""
+    path = tmp_path / "m.safetensors"
+    _make(path, 1.0)
+    proc = _child(path, "numpy-copies")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-500:])
+    assert proc.stdout.split() == ["same", "True"]
+
+
+def test_numpy_arrays_do_not_change_with_a_file_rewritten_in_place(tmp_path: Path) -> None:
+    # The reference's own save_file truncates and rewrites a file in place: pages of a private
+    # mapping not yet written to are the page cache's, so the arrays changed with the file.
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.zeros(1 << 20, np.float32)}, str(path))
+    for backend in ("mmap", "pread"):
+        got = load_file(str(path), backend=backend)
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.seek(size - 4 * (1 << 20))
+            f.write(np.ones(1 << 20, np.float32).tobytes())
+        assert float(got["w"].sum()) == 0.0, backend
+        save_file({"w": np.zeros(1 << 20, np.float32)}, str(path))
+
+
 def test_truncated_file_mmap_view_already_handed_out_is_sigbus(tmp_path: Path) -> None:
-    """The documented limit of the mmap backend: an existing view of truncated pages."""
+    """The documented limit of the mmap backend: an existing view of truncated pages (torch
+    tensors view the mapping, as the reference's do)."""
+    pytest.importorskip("torch")
     path = tmp_path / "m.safetensors"
     _make(path, 1.0)
     proc = _child(path, "view-first")
