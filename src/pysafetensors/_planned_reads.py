@@ -20,14 +20,14 @@ wasted only when it fails. A block is then at most half of :data:`BLOCK_BYTES`, 
 block and the one ahead of it fit. A block fetched ahead that the reads go past is dropped; one
 that failed is fetched again when a read needs it, which raises the error for that read.
 
-Reads in order may interleave: up to :data:`STREAMS` streams through the file (a cast or a
-diff reading dtype groups in name order: F32, BF16, I64...) each keep a block, sharing
+Reads in order may interleave: up to :data:`STREAMS` streams through the file (a cast or a diff
+reading dtype groups in name order: F32, BF16, I64...) each keep a block, sharing
 :data:`BLOCK_BYTES` (a read larger than a stream's share still gets a block of its size: at
-most twice that in all). One reader at a time holds blocks among those that share a
-:class:`BlockBudget`: a model's files are read one after another, and hundreds of shards must
-not each hold a block. A reader taking the budget back from another (reads alternating
-between shards) reads its own bytes only, and reaches ahead again from the first block's
-reach: it no longer knows that its order goes on.
+most :data:`BLOCK_BYTES` and one such read per stream in all). One reader at a time holds
+blocks among those that share a :class:`BlockBudget`: a model's files are read one after
+another, and hundreds of shards must not each hold a block. A reader taking the budget back
+from another (reads alternating between shards) reads its own bytes only, and reaches ahead
+again from the first block's reach: it no longer knows that its order goes on.
 """
 
 from __future__ import annotations

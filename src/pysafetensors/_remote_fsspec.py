@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import posixpath
 import re
+import threading
 from typing import Any, NoReturn
 
 from ._errors import (
@@ -127,6 +129,10 @@ class FsspecSource(RemoteSource):
         self._name = shown_location(name)
         self._fs = fs
         self._path = path
+        # fsspec's caching layers (blockcache::, filecache::, simplecache::) are not safe for
+        # concurrent reads: blockcache:: served wrong bytes to parts read on several threads.
+        # Their reads go one at a time.
+        self._one_at_a_time: threading.Lock | None = threading.Lock() if _is_caching(fs) else None
         self._open()
 
     def _open(self) -> None:
@@ -148,6 +154,10 @@ class FsspecSource(RemoteSource):
                 kind="IsADirectory",
             )
         size = _byte_count(info.get("size"))
+        if size is None:
+            # Caching layers (blockcache::, filecache::) give no size in info, yet know it.
+            with contextlib.suppress(Exception):
+                size = _byte_count(self._fs.size(self._path))
         if size is None:
             raise RemoteError(
                 f"{self._name}: the filesystem reports no size for it ({info.get('size')!r})",
@@ -240,7 +250,11 @@ class FsspecSource(RemoteSource):
         self.stats.add(requests=1)
         failure: Exception | None = None
         try:
-            data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
+            if self._one_at_a_time is not None:
+                with self._one_at_a_time:
+                    data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
+            else:
+                data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
         except Exception as exc:
             failure = exc
         if failure is not None:
@@ -248,6 +262,16 @@ class FsspecSource(RemoteSource):
         self.stats.add(nbytes=len(data))
         self._check_length(data, offset, out.nbytes)
         out[:] = data
+
+
+def _is_caching(fs: Any) -> bool:
+    """Whether ``fs`` is one of fsspec's caching layers (by class, without importing them
+    where fsspec lacks them)."""
+    try:
+        from fsspec.implementations.cached import CachingFileSystem
+    except ImportError:  # pragma: no cover - every supported fsspec has it
+        return False
+    return isinstance(fs, CachingFileSystem)
 
 
 def _byte_count(value: object) -> int | None:

@@ -307,8 +307,8 @@ def _check_element_offset(info: TensorInfo, offset: int, data: Any) -> None:
     given in elements rather than bytes. Raw bytes may be cut anywhere.
     """
     width = info.dtype.bits // 8
-    if width <= 1 or not offset % width:
-        return
+    if width <= 1 or not offset % width or not 0 <= offset < info.nbytes:
+        return  # (a write outside the tensor is refused as such when its range is reserved)
     from ._sharding import is_torch
 
     if isinstance(data, np.ndarray) or is_torch(data):
@@ -405,6 +405,10 @@ class StreamingWriter:
         # sharded close then committed its index without that shard.
         self._state = "open"
         self._failure: BaseException | None = None
+        # The thread (and process) committing: a wait for the commit made on that thread
+        # (an interrupt's handler, __exit__ after an interrupted close) or in a forked child
+        # would never end.
+        self._closer: tuple[int, int] | None = None
         self.filename = output_path(filename, file=True)
         cm = atomic_output(self.filename, fsync=fsync, group=group)
         fd = cm.__enter__()
@@ -621,50 +625,84 @@ class StreamingWriter:
             ClosedFileError: The writer was aborted, or an earlier close failed to commit the
                 file: nothing was committed (kind ``FileClosed``).
         """
-        with self._lock:
-            while True:
-                if self._cm is None:
-                    self._wait_settled()
-                    return
-                # Writes in progress in other threads finish first (or fail, and then their
-                # bytes count as missing).
-                if not self._writes_elsewhere():
-                    break
-                self._idle.wait()
-            missing = self._missing()
-            if missing:
-                listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
-                more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-                raise SerializeError(
-                    f"{SERIALIZE_PREFIX}cannot finish {self.filename!r}: unwritten bytes in "
-                    f"{listed}{more}",
-                    kind="Incomplete",
-                    tensor=next(iter(missing)),
-                )
-            cm, self._cm = self._cm, None
-            self._state = "closing"
+        # Everything from the state's change on is inside the try: an interrupt (Ctrl-C) at
+        # any point settles the state (a close left "closing" made every later close() and
+        # abort(), the with block's and atexit's among them, wait for ever), and a temporary
+        # file not yet handed to its commit is discarded rather than left behind.
+        mine = False
+        cm: contextlib.AbstractContextManager[int] | None = None
+        exited = False
+        outcome, failure = "failed", None
         try:
+            with self._lock:
+                while True:
+                    if self._cm is None:
+                        self._wait_settled()
+                        return
+                    # Writes in progress in other threads finish first (or fail, and then
+                    # their bytes count as missing).
+                    if not self._writes_elsewhere():
+                        break
+                    self._idle.wait()
+                missing = self._missing()
+                if missing:
+                    listed = ", ".join(f"`{k}` ({v} bytes)" for k, v in list(missing.items())[:10])
+                    more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+                    raise SerializeError(
+                        f"{SERIALIZE_PREFIX}cannot finish {self.filename!r}: unwritten bytes "
+                        f"in {listed}{more}",
+                        kind="Incomplete",
+                        tensor=next(iter(missing)),
+                    )
+                mine = True
+                self._closer = (threading.get_ident(), os.getpid())
+                self._state = "closing"
+                cm, self._cm = self._cm, None
+            exited = True
             cm.__exit__(None, None, None)
+            outcome = "committed"
         except BaseException as exc:
-            self._settle("failed", exc)
+            failure = exc
             raise
         finally:
-            with _OPEN_WRITERS_LOCK:
-                _OPEN_WRITERS.discard(self)
-        self._settle("committed")
+            if mine:
+                if cm is not None and not exited:
+                    with contextlib.suppress(_Discard):
+                        cm.__exit__(_Discard, _Discard(), None)
+                if self._state == "closing":
+                    self._settle(outcome, failure)
+                with _OPEN_WRITERS_LOCK:
+                    _OPEN_WRITERS.discard(self)
 
     def _settle(self, state: str, failure: BaseException | None = None) -> None:
         """Record what became of the file, and wake the closes waiting for it."""
+        # Set before taking the lock: an interrupt while it is taken leaves the outcome set.
+        self._state = state
+        self._failure = failure
         with self._lock:
-            self._state = state
-            self._failure = failure
             self._idle.notify_all()
+
+    def _wait_closing(self) -> bool:
+        """Wait (lock held) while another thread commits; False where the commit cannot be
+        waited for: one of this thread's own (an interrupt's handler), or of a parent process
+        (a forked child), which would never end."""
+        while self._state == "closing":
+            if self._closer is not None and self._closer[1] != os.getpid():
+                return False
+            if self._closer is not None and self._closer[0] == threading.get_ident():
+                return False
+            self._idle.wait()
+        return True
 
     def _wait_settled(self) -> None:
         """Wait (lock held) for a commit in progress, then return if it committed; else raise
         ClosedFileError saying why nothing was."""
-        while self._state == "closing":
-            self._idle.wait()
+        if not self._wait_closing():
+            raise ClosedFileError(
+                f"cannot finish {self.filename!r}: its commit by this thread (or a parent "
+                "process) has not ended",
+                kind="FileClosed",
+            )
         if self._state == "committed":
             return
         if self._state == "failed":
@@ -689,18 +727,16 @@ class StreamingWriter:
         """Discard: delete the temporary file; the target is left as it was. Writes in progress
         in other threads stop at their next chunk (with ``ClosedFileError``) and are waited
         for, so that none writes after the file is gone. A writer already closed is left as
-        it is (a commit in progress is waited for: it is not undone)."""
+        it is (a commit in progress goes on: it is not undone)."""
         with self._lock:
+            # A commit in progress is not waited for: abort() is what __exit__, atexit and
+            # finalizers call after an interrupt, which may have left a close unsettled.
             if self._cm is None:
-                while self._state == "closing":
-                    self._idle.wait()
                 return
             self._stopping = True
             while self._writes_elsewhere():
                 self._idle.wait()
             if self._cm is None:
-                while self._state == "closing":
-                    self._idle.wait()
                 return  # another close() or abort() finished it while this one waited
             cm, self._cm = self._cm, None
             self._state = "aborted"
@@ -717,6 +753,8 @@ class StreamingWriter:
         if exc_type is not None:
             self.abort()
             return
+        if self._state == "aborted":
+            return  # discarded on purpose inside the block: nothing to commit
         try:
             self.close()
         except BaseException:
@@ -779,6 +817,7 @@ class ShardedStreamingWriter:
         # As StreamingWriter's: "open", "closing", "committed", "aborted" or "failed".
         self._state = "open"
         self._failure: BaseException | None = None
+        self._closer: tuple[int, int] | None = None  # (thread, process) of the commit
         # A shard whose commit failed when its last byte was written (its temporary file is
         # gone, its bytes cannot be written again): the checkpoint cannot be committed.
         self._failed_shard: tuple[str, BaseException] | None = None
@@ -890,12 +929,16 @@ class ShardedStreamingWriter:
             writer.close()
         except SerializeError as exc:
             if exc.kind != "Incomplete":
-                self._shard_failed(writer, exc)
+                if writer._state == "failed":
+                    self._shard_failed(writer, exc)
                 raise
             # Another thread's write to it failed meanwhile: its bytes are missing again, and
             # the shard stays open for them.
         except BaseException as exc:
-            self._shard_failed(writer, exc)
+            # Only a commit that failed loses the shard: an interrupt while its close waited
+            # for other writes left it open, every byte still there for the next close().
+            if writer._state == "failed":
+                self._shard_failed(writer, exc)
             raise
 
     def _shard_failed(self, writer: StreamingWriter, exc: BaseException) -> None:
@@ -1016,6 +1059,7 @@ class ShardedStreamingWriter:
                 return
             self._check_no_failed_shard()
             self._closed = True
+            self._closer = (threading.get_ident(), os.getpid())
             self._state = "closing"
             writers = {os.path.join(self.folder, f): w for f, w in self._writers.items()}
 
@@ -1024,6 +1068,7 @@ class ShardedStreamingWriter:
             # committing is waited for, and one whose commit failed fails the checkpoint.
             writers[path].close()
 
+        outcome, failure = "failed", None
         try:
             write_checkpoint(
                 self.folder,
@@ -1035,24 +1080,39 @@ class ShardedStreamingWriter:
                 clean=self._clean,
                 group=self._group,
             )
+            outcome = "committed"
         except BaseException as exc:
-            self._settle("failed", exc)
+            failure = exc
             raise
         finally:
+            self._settle(outcome, failure)  # whatever happens: see StreamingWriter.close
             with _OPEN_WRITERS_LOCK:
                 _OPEN_WRITERS.discard(self)
-        self._settle("committed")
 
     def _settle(self, state: str, failure: BaseException | None = None) -> None:
+        self._state = state  # before the lock, as StreamingWriter._settle
+        self._failure = failure
         with self._lock:
-            self._state = state
-            self._failure = failure
             self._settled.notify_all()
+
+    def _wait_closing(self) -> bool:
+        """As :meth:`StreamingWriter._wait_closing` (lock held)."""
+        while self._state == "closing":
+            if self._closer is not None and self._closer[1] != os.getpid():
+                return False
+            if self._closer is not None and self._closer[0] == threading.get_ident():
+                return False
+            self._settled.wait()
+        return True
 
     def _wait_settled(self) -> None:
         """As :meth:`StreamingWriter._wait_settled` (lock held)."""
-        while self._state == "closing":
-            self._settled.wait()
+        if not self._wait_closing():
+            raise ClosedFileError(
+                f"cannot finish {self.folder!r}: its commit by this thread (or a parent "
+                "process) has not ended",
+                kind="FileClosed",
+            )
         if self._state == "committed":
             return
         if self._state == "failed":
@@ -1068,12 +1128,10 @@ class ShardedStreamingWriter:
 
     def abort(self) -> None:
         """Discard every shard not yet committed (nothing, once :meth:`close` committed the
-        checkpoint; a close in progress is waited for)."""
+        checkpoint or while it commits)."""
         with self._lock:
-            while self._state == "closing":
-                self._settled.wait()
-            if self._state == "committed":
-                return
+            if self._state in ("closing", "committed"):
+                return  # not undone; not waited for either (see StreamingWriter.abort)
             self._closed = True
             if self._state == "open":
                 self._state = "aborted"
@@ -1113,6 +1171,8 @@ class ShardedStreamingWriter:
         if exc_type is not None:
             self.abort()
             return
+        if self._state == "aborted":
+            return  # discarded on purpose inside the block: nothing to commit
         try:
             self.close()
         except BaseException:

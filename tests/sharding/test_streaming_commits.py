@@ -187,8 +187,8 @@ def test_an_abort_racing_writes_to_new_shards_leaves_nothing(tmp_path: Path) -> 
             for name in names[k::4]:
                 try:
                     w.write(name, bytes(64))
-                except ClosedFileError:
-                    return
+                except (ClosedFileError, SerializeError):
+                    return  # aborted (a shard committing meanwhile finds its group discarded)
 
         workers = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
         for t in workers:
@@ -198,6 +198,26 @@ def test_an_abort_racing_writes_to_new_shards_leaves_nothing(tmp_path: Path) -> 
         for t in workers:
             t.join()
         assert not folder.exists() or os.listdir(folder) == [], trial
+
+
+def test_a_with_block_left_after_an_abort_inside_it_is_quiet(tmp_path: Path) -> None:
+    # close() after abort() raises; leaving the with block normally after a deliberate
+    # abort() inside it must not.
+    with StreamingWriter(tmp_path / "x.safetensors", {"x": ("U8", (4,))}) as w:
+        w.abort()
+    with ShardedStreamingWriter(tmp_path / "d", SD, 400) as s:
+        s.write_tensor("l0", SD["l0"])
+        s.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_misaligned_array_outside_the_tensor_is_out_of_range(tmp_path: Path) -> None:
+    with StreamingWriter(tmp_path / "x.safetensors", {"x": ("F32", (4,))}) as w:
+        for offset in (-2, 1001):
+            with pytest.raises(SerializeError) as info:
+                w.write("x", np.zeros(1, np.float32), offset=offset)
+            assert info.value.kind == "OutOfRange"
+        w.write("x", np.zeros(4, np.float32))
 
 
 def test_a_failed_write_names_its_tensor_and_offsets(tmp_path: Path) -> None:
@@ -259,3 +279,36 @@ def test_a_shard_header_too_large_is_refused_when_the_writer_opens(tmp_path: Pat
     assert info.value.kind == "HeaderTooLarge"
     assert not (tmp_path / "d").exists()
     assert isinstance(info.value, SafetensorError)
+
+
+def test_an_interrupt_late_in_close_leaves_nothing_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C landing after the commit, in close()'s clean-up, left the writer "closing"
+    for ever: the with block's abort(), atexit's and any later close() waited on it."""
+    from pysafetensors import _streaming
+
+    w = StreamingWriter(tmp_path / "x.safetensors", {"a": ("F32", (4,))})
+    w.write("a", np.arange(4, dtype=np.float32))
+    real = _streaming._OPEN_WRITERS.discard
+
+    def interrupted(item: object) -> None:
+        monkeypatch.setattr(_streaming._OPEN_WRITERS, "discard", real)
+        raise KeyboardInterrupt("a Ctrl-C")
+
+    monkeypatch.setattr(_streaming._OPEN_WRITERS, "discard", interrupted)
+    errors: list[BaseException] = []
+
+    def leave_with_block() -> None:
+        with w:
+            pass
+
+    thread = _in_thread(leave_with_block, errors)
+    thread.join(10)
+    assert not thread.is_alive(), "the with block hung"
+    assert [type(e) for e in errors] == [KeyboardInterrupt]
+    later = _in_thread(w.close, errors)
+    later.join(10)
+    assert not later.is_alive(), "a later close() hung"
+    assert w.committed and len(errors) == 1
+    assert load_file(str(tmp_path / "x.safetensors"))["a"].tolist() == [0, 1, 2, 3]
