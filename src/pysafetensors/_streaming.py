@@ -682,40 +682,10 @@ class StreamingWriter:
         with self._lock:
             self._idle.notify_all()
 
-    def _wait_closing(self) -> bool:
-        """Wait (lock held) while another thread commits; False where the commit cannot be
-        waited for: one of this thread's own (an interrupt's handler), or of a parent process
-        (a forked child), which would never end."""
-        while self._state == "closing":
-            if self._closer is not None and self._closer[1] != os.getpid():
-                return False
-            if self._closer is not None and self._closer[0] == threading.get_ident():
-                return False
-            self._idle.wait()
-        return True
-
     def _wait_settled(self) -> None:
         """Wait (lock held) for a commit in progress, then return if it committed; else raise
         ClosedFileError saying why nothing was."""
-        if not self._wait_closing():
-            raise ClosedFileError(
-                f"cannot finish {self.filename!r}: its commit by this thread (or a parent "
-                "process) has not ended",
-                kind="FileClosed",
-            )
-        if self._state == "committed":
-            return
-        if self._state == "failed":
-            raise ClosedFileError(
-                f"cannot finish {self.filename!r}: committing it failed earlier "
-                f"({type(self._failure).__name__}: {self._failure}); nothing was written in "
-                "its place",
-                kind="FileClosed",
-            ) from self._failure
-        raise ClosedFileError(
-            f"cannot finish {self.filename!r}: the streaming writer was aborted",
-            kind="FileClosed",
-        )
+        _wait_settled(self, self._idle, self.filename, "nothing was written in its place")
 
     @property
     def committed(self) -> bool:
@@ -770,6 +740,42 @@ class StreamingWriter:
                 self.abort()
         except Exception:  # noqa: BLE001, S110
             pass
+
+
+def _wait_settled(
+    owner: StreamingWriter | ShardedStreamingWriter,
+    settled: threading.Condition,
+    where: str,
+    after_failure: str,
+) -> None:
+    """Wait (``settled``'s lock held) while another thread commits ``owner``, then return if
+    it committed; else raise ClosedFileError saying why nothing was (``where`` names the
+    output; ``after_failure`` what is left after a failed commit).
+
+    A commit of this thread's own (an interrupt's handler) or of a parent process (a forked
+    child) is not waited for, which would never end: it is refused.
+    """
+    while owner._state == "closing":
+        closer = owner._closer
+        if closer is not None and (closer[1] != os.getpid() or closer[0] == threading.get_ident()):
+            raise ClosedFileError(
+                f"cannot finish {where!r}: its commit by this thread (or a parent process) "
+                "has not ended",
+                kind="FileClosed",
+            )
+        settled.wait()
+    if owner._state == "committed":
+        return
+    if owner._state == "failed":
+        failure = owner._failure
+        raise ClosedFileError(
+            f"cannot finish {where!r}: committing it failed earlier "
+            f"({type(failure).__name__}: {failure}); {after_failure}",
+            kind="FileClosed",
+        ) from failure
+    raise ClosedFileError(
+        f"cannot finish {where!r}: the streaming writer was aborted", kind="FileClosed"
+    )
 
 
 #: ``ShardedStreamingWriter._write``'s offset for ``write_tensor``.
@@ -1095,36 +1101,9 @@ class ShardedStreamingWriter:
         with self._lock:
             self._settled.notify_all()
 
-    def _wait_closing(self) -> bool:
-        """As :meth:`StreamingWriter._wait_closing` (lock held)."""
-        while self._state == "closing":
-            if self._closer is not None and self._closer[1] != os.getpid():
-                return False
-            if self._closer is not None and self._closer[0] == threading.get_ident():
-                return False
-            self._settled.wait()
-        return True
-
     def _wait_settled(self) -> None:
         """As :meth:`StreamingWriter._wait_settled` (lock held)."""
-        if not self._wait_closing():
-            raise ClosedFileError(
-                f"cannot finish {self.folder!r}: its commit by this thread (or a parent "
-                "process) has not ended",
-                kind="FileClosed",
-            )
-        if self._state == "committed":
-            return
-        if self._state == "failed":
-            raise ClosedFileError(
-                f"cannot finish {self.folder!r}: committing it failed earlier "
-                f"({type(self._failure).__name__}: {self._failure}); abort() discards what is "
-                "left",
-                kind="FileClosed",
-            ) from self._failure
-        raise ClosedFileError(
-            f"cannot finish {self.folder!r}: the streaming writer was aborted", kind="FileClosed"
-        )
+        _wait_settled(self, self._settled, self.folder, "abort() discards what is left")
 
     def abort(self) -> None:
         """Discard every shard not yet committed (nothing, once :meth:`close` committed the
