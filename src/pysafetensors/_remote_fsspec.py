@@ -250,10 +250,7 @@ class FsspecSource(RemoteSource):
         self.stats.add(requests=1)
         failure: Exception | None = None
         try:
-            if self._one_at_a_time is not None:
-                with self._one_at_a_time:
-                    data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
-            else:
+            with self._one_at_a_time or contextlib.nullcontext():
                 data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
         except Exception as exc:
             failure = exc
