@@ -313,17 +313,20 @@ _WRITE_ERRORS: dict[type[OSError], type[WriteError]] = {
 }
 
 
-def write_error(exc: OSError, path: str | None = None) -> WriteError:
+def write_error(exc: OSError, path: str | None = None, *, detail: str = "") -> WriteError:
     """The :class:`WriteError` for an ``OSError`` a save ran into, in the reference's words.
 
     Args:
         exc: The error the operating system reported.
         path: The file the save was writing (named rather than the temporary file or whatever
             ``exc`` names); ``exc.filename`` when None.
+        detail: Appended to the message (what was being done, where the reference's text
+            cannot say it).
 
     Returns:
-        ``Error while serializing: I/O error: <reason> (os error N) at path "<path>"``, with the
-        ``errno``, ``strerror`` and ``filename`` of ``exc``; raise it ``from exc``.
+        ``Error while serializing: I/O error: <reason> (os error N) at path "<path>"``, then
+        ``detail``, with the ``errno``, ``strerror`` and ``filename`` of ``exc``; raise it
+        ``from exc``.
     """
     # A WriteError named again (for another path) keeps its class.
     cls = type(exc) if isinstance(exc, WriteError) else _WRITE_ERRORS.get(type(exc), WriteError)
@@ -331,7 +334,7 @@ def write_error(exc: OSError, path: str | None = None) -> WriteError:
     reason = exc.strerror or str(exc)
     code = f" (os error {exc.errno})" if exc.errno is not None else ""
     at = f' at path "{where}"' if where is not None else ""
-    err = cls(f"Error while serializing: I/O error: {reason}{code}{at}", kind="IoError")
+    err = cls(f"Error while serializing: I/O error: {reason}{code}{at}{detail}", kind="IoError")
     err.errno, err.strerror, err.filename = exc.errno, exc.strerror, where
     for note in getattr(exc, "__notes__", ()):  # what the writer knew (which tensor)
         add_note(err, note)

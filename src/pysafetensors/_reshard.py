@@ -67,22 +67,30 @@ _FALLBACK_ERRNOS: Final = frozenset(
 Progress = Callable[[int, int], None]
 
 
-def _short(src_off: int, length: int) -> SafetensorError:
+def _short(source: str, src_off: int, length: int) -> SafetensorError:
     return SafetensorError(
-        f"source ended early while copying {length} bytes at offset {src_off} (was it truncated "
-        "while being copied?)",
+        f"{source} ended early while copying {length} bytes at offset {src_off} (was it "
+        "truncated while being copied?)",
         kind="ShortRead",
         offset=src_off,
     )
 
 
-def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, length: int) -> None:
+def copy_range(
+    src_fd: int,
+    src_off: int,
+    dst_fd: int,
+    dst_off: int,
+    length: int,
+    *,
+    source: str = "the source",
+) -> None:
     """Copy ``length`` bytes between two files at explicit offsets, without a Python buffer
     when the kernel allows it.
 
     Tries ``os.copy_file_range``, then ``os.sendfile``, then ``pread``/``pwrite`` in chunks of
     :data:`COPY_CHUNK` bytes. Neither file's position matters (except that ``sendfile`` moves
-    the destination's).
+    the destination's). ``source`` names the source file in errors.
 
     Raises:
         SafetensorError: The source is shorter than expected.
@@ -95,7 +103,7 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, length: int
             while done < length:
                 n = cfr(src_fd, dst_fd, min(length - done, 1 << 30), src_off + done, dst_off + done)
                 if n <= 0:
-                    raise _short(src_off + done, length - done)
+                    raise _short(source, src_off + done, length - done)
                 done += n
             return
         except OSError as exc:
@@ -108,7 +116,7 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, length: int
             while done < length:
                 n = sendfile(dst_fd, src_fd, src_off + done, min(length - done, 1 << 30))
                 if n <= 0:
-                    raise _short(src_off + done, length - done)
+                    raise _short(source, src_off + done, length - done)
                 done += n
             return
         except OSError as exc:
@@ -120,7 +128,7 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, length: int
         want = min(len(buf), length - done)
         n = os.preadv(src_fd, [view[:want]], src_off + done)
         if n <= 0:
-            raise _short(src_off + done, length - done)
+            raise _short(source, src_off + done, length - done)
         pwrite_all(dst_fd, view[:n], dst_off + done)
         done += n
 
@@ -145,15 +153,33 @@ class _Sources:
     def __init__(self, source_at: Callable[[str], AbstractContextManager[ByteSource]]) -> None:
         self._source_at = source_at
 
-    def copy(self, path: str, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
+    def copy(
+        self, path: str, name: str, src_off: int, dst_fd: int, dst_off: int, n: int, output: str
+    ) -> None:
+        """Copy tensor ``name``'s ``n`` bytes at ``src_off`` of shard ``path`` to ``dst_off``
+        of ``output`` (open as ``dst_fd``).
+
+        Raises:
+            SafetensorError: The shard ended early, or an I/O error (a :class:`WriteError`
+                naming the tensor and both files: a copy in the kernel does not say which
+                side failed).
+        """
         if not n:
             return
-        with self._source_at(path) as source:
-            fd = getattr(source, "fd", -1)
-            if fd >= 0:  # a local file: copied by the kernel
-                copy_range(fd, src_off, dst_fd, dst_off, n)
-            else:
-                _copy_from_source(source, src_off, dst_fd, dst_off, n)
+        where = f"{shown(path)} (tensor {name!r})"
+        try:
+            with self._source_at(path) as source:
+                fd = getattr(source, "fd", -1)
+                if fd >= 0:  # a local file: copied by the kernel
+                    copy_range(fd, src_off, dst_fd, dst_off, n, source=where)
+                else:
+                    _copy_from_source(source, src_off, dst_fd, dst_off, n)
+        except OSError as exc:
+            if isinstance(exc, SafetensorError):  # a remote source's error: already ours
+                raise
+            raise write_error(
+                exc, output, detail=f", copying {n} bytes from offset {src_off} of {where}"
+            ) from exc
 
 
 def _source_order(src: ShardedSafeOpen) -> list[str]:
@@ -278,7 +304,11 @@ def _refuse_sharded_output_over_source(
     in_replaced = _index_names_file(replaced, src.path)
     if not names and not in_replaced:
         return  # not a file the save writes or cleans up: the source stays
-    a_shard = in_replaced or names[0] in _named_by_other_indexes(out, set())
+    # Named by an index, or by its own name when the index is gone (a save killed in its
+    # commit, shards fetched without it): the clean-up would delete the other shards.
+    a_shard = (
+        in_replaced or names[0] in _named_by_other_indexes(out, set()) or _shard_of_many(names[0])
+    )
     if whole and not a_shard:
         return  # the folder's single-file checkpoint, resharded in place
     what = (
@@ -319,7 +349,7 @@ def _write_one(
         writeback = Writeback(fd) if fsync else None
         for planned in layout.tensors:
             spath, off, info = by_name[planned.name]
-            sources.copy(spath, off, fd, base + planned.begin, info.nbytes)
+            sources.copy(spath, planned.name, off, fd, base + planned.begin, info.nbytes, path)
             if writeback is not None:
                 writeback.wrote(base + planned.begin, info.nbytes)
             if progress is not None:
@@ -344,6 +374,10 @@ def _rewrite(
 ) -> ShardPlan:
     located = {name: src._locate(name) for name in names}
     sizes = {name: located[name][2].nbytes for name in names}
+    if clean and max_shard_size is not None and not fsync:
+        # The clean-up deletes source files there once the new ones are renamed in: the new
+        # ones must be on the disk first, or a power cut soon after could leave neither.
+        fsync = _folder_of_source(src, out, {path for path, _, _ in located.values()})
     fmt, own = _source_metadata(src, fmt)
     meta = dict(own if metadata is None else metadata)
     # What every source file's header holds stays in every output file's header (transformers
@@ -433,6 +467,15 @@ def _rewrite(
     if clean:
         _remove_replaced_source(src, out, plan, filename_pattern, whole_folder=source_is_folder)
     return plan
+
+
+def _folder_of_source(src: ShardedSafeOpen, out: str, paths: set[str]) -> bool:
+    """Whether the folder ``out`` holds the source's index or single file, or one of ``paths``
+    (its shards)."""
+    if looks_like_url(src.path) or not os.path.isdir(out):
+        return False
+    folders = {os.path.dirname(p) or "." for p in (src.path, *paths)}
+    return any(_same_file(out, folder) for folder in folders)
 
 
 def _remove_replaced_source(
@@ -551,7 +594,8 @@ def reshard(
         clean: Delete stale files of an earlier save with the same pattern in ``output``;
             resharding a sharded checkpoint into its own folder also deletes its files the
             new one did not replace (its index and shards under another pattern).
-        fsync: Make every file durable before returning.
+        fsync: Make every file durable before returning. Always done when ``output`` is the
+            source's folder and ``clean`` is on: the old files are deleted afterwards.
         max_header_size: Largest header accepted, read and written.
         progress: Called as ``progress(bytes_done, bytes_total)`` after each tensor.
         storage_options: For a URL source: options for the remote source of the index and
@@ -606,12 +650,18 @@ def _in_place_pattern(src: ShardedSafeOpen, out: str) -> str | None:
         return None
     stem = name.removesuffix(".index.json").removesuffix(".safetensors")
     if stem == name or _SHARD_NAME_TAIL.search(stem):
-        return None  # not a checkpoint's single file or index (one shard: refused anyway)
+        return None  # not a checkpoint's single file or index (one shard of several: refused)
     return pattern_for_stem(stem)  # None for a name no pattern can give: the default one
 
 
 #: A shard's ``-NNNNN-of-NNNNN`` ending.
 _SHARD_NAME_TAIL: Final = re.compile(SHARD_SUFFIX + "$")
+
+
+def _shard_of_many(name: str) -> bool:
+    """Whether a file's name is that of one shard of several (``...-00001-of-00003``)."""
+    found = _SHARD_NAME_TAIL.search(name.removesuffix(".safetensors"))
+    return found is not None and int(found["count"]) > 1
 
 
 def merge(

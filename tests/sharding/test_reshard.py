@@ -587,3 +587,86 @@ def test_a_source_that_is_not_there_is_the_os_error_safe_open_raises(tmp_path: P
         assert info.value.filename == str(missing)
         assert not isinstance(info.value, MissingShardError)
     assert os.listdir(tmp_path) == []
+
+
+def test_resharding_one_shard_of_a_folder_without_index_is_refused(tmp_path: Path) -> None:
+    # Shards whose index is gone (a save killed in its commit, shards fetched without it):
+    # resharding one into the folder deleted the others in its clean-up.
+    sd = {f"t{i}": np.arange(100 + i, dtype=np.float32) for i in range(4)}
+    folder = tmp_path / "m"
+    save_sharded(sd, folder, max_shard_size=900)
+    (folder / "model.safetensors.index.json").unlink()
+    shards = sorted(p.name for p in folder.iterdir())
+    assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    with pytest.raises(SafetensorError, match="one shard of the checkpoint") as info:
+        reshard(folder / shards[0], folder, "10GB")
+    assert info.value.kind == "OutputIsSource"
+    assert _cli_code("reshard", folder / shards[0], folder) == 1
+    assert sorted(p.name for p in folder.iterdir()) == shards
+    with safe_open(folder / shards[1], "numpy") as f:
+        assert sorted(f.keys()) == ["t2", "t3"]
+    # A file named as the one shard of one is a whole checkpoint: resharded in place.
+    single = tmp_path / "one"
+    save_file(sd, str(tmp_path / "x.safetensors"))
+    single.mkdir()
+    os.replace(tmp_path / "x.safetensors", single / "model-00001-of-00001.safetensors")
+    reshard(single / "model-00001-of-00001.safetensors", single, "1KB")
+    assert sorted(load_file(single)) == sorted(sd)
+
+
+def test_a_reshard_into_the_source_s_folder_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The old files are deleted once the new ones are renamed in: the new ones must be flushed
+    # first, whatever fsync= says.
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    sd = model(3)
+    save_sharded(sd, tmp_path / "src", 800)
+    reshard(tmp_path / "src", tmp_path / "elsewhere", 1200)
+    assert synced == []  # not in place: as asked
+    files = len(list((tmp_path / "elsewhere").glob("*.safetensors")))
+    reshard(tmp_path / "src", tmp_path / "src", 1200)
+    assert len(synced) > files  # every new file, then the folder
+    assert_same_tree(tmp_path / "src", tmp_path / "elsewhere")
+    synced.clear()
+    for command in (
+        ("reshard", tmp_path / "src", tmp_path / "cli", "-s", "1200", "--fsync"),
+        ("merge", tmp_path / "src", tmp_path / "merged.safetensors", "--fsync"),
+        ("extract", tmp_path / "src", tmp_path / "part.safetensors", "*.q", "--fsync"),
+    ):
+        assert _cli_code(*command) == 0
+        assert synced, command
+        synced.clear()
+
+
+@pytest.mark.parametrize("failure", ["short", "eio"])
+def test_a_failed_copy_names_the_shard_and_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    sd = {f"t{i}": np.full(1000, i, np.float32) for i in range(4)}
+    save_sharded(sd, tmp_path / "src", max_shard_size=8000)
+
+    def copy_file_range(src: int, dst: int, n: int, src_off: int, dst_off: int) -> int:
+        if failure == "short":
+            return 0  # the source ended: truncated while being copied
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range, raising=False)
+    out = tmp_path / "merged.safetensors"
+    with pytest.raises(SafetensorError) as info:
+        merge(tmp_path / "src", out)
+    text = str(info.value)
+    assert "model-00001-of-00002.safetensors" in text and "'t0'" in text
+    if failure == "short":
+        assert info.value.kind == "ShortRead" and "ended early" in text
+    else:
+        assert info.value.kind == "IoError" and info.value.errno == errno.EIO
+        assert str(out) in text and "copying 4000 bytes from offset" in text
+    assert not out.exists()

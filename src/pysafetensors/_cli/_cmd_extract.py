@@ -11,7 +11,13 @@ import re
 from typing import Any
 
 from .._sharding import DEFAULT_FILENAME_PATTERN
-from ._cmd_reshard import add_shard_args, check_pattern, parse_size_arg, progress_for
+from ._cmd_reshard import (
+    add_fsync_arg,
+    add_shard_args,
+    check_pattern,
+    parse_size_arg,
+    progress_for,
+)
 from ._common import (
     OutputFolders,
     Ui,
@@ -43,6 +49,7 @@ def register(subparsers: Any) -> None:
     )
     add_shard_args(p, default=None)
     p.add_argument("--list", action="store_true", help="print the names extracted, one a line")
+    add_fsync_arg(p)
     add_remote_args(p)
     p.set_defaults(func=run)
 
@@ -82,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 regex=args.regex,
                 max_shard_size=parse_size_arg(args.max_shard_size),
                 filename_pattern=pattern,
+                fsync=args.fsync,
                 progress=report,
                 storage_options=options,
             )

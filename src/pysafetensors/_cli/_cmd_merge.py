@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from ._cmd_reshard import progress_for
+from ._cmd_reshard import add_fsync_arg, progress_for
 from ._common import (
     OutputFolders,
     Ui,
@@ -34,6 +34,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("source", metavar="SOURCE", help="model folder or *.index.json")
     p.add_argument("output", metavar="OUTPUT", help="output .safetensors file")
+    add_fsync_arg(p)
     add_remote_args(p)
     p.set_defaults(func=run)
 
@@ -47,7 +48,13 @@ def run(args: argparse.Namespace) -> int:
     ui = Ui(args)
     with OutputFolders() as folders, progress_for(ui, "merging") as report:
         make_parent(args.output, folders)
-        merge(args.source, args.output, progress=report, storage_options=options)
+        merge(
+            args.source,
+            args.output,
+            fsync=args.fsync,
+            progress=report,
+            storage_options=options,
+        )
     warn_beside_index(args.output)
     ui.note(f"wrote {sanitize(args.output)} ({human_bytes(os.path.getsize(args.output))})")
     return 0

@@ -38,8 +38,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("source", metavar="SOURCE", help="model folder, *.index.json or .safetensors")
     p.add_argument("output", metavar="OUTPUT", help="output folder")
     add_shard_args(p, default="5GB")
+    add_fsync_arg(p)
     add_remote_args(p)
     p.set_defaults(func=run)
+
+
+def add_fsync_arg(p: argparse.ArgumentParser) -> None:
+    """``--fsync``, shared with ``merge`` and ``extract``."""
+    p.add_argument(
+        "--fsync",
+        action="store_true",
+        help="flush the output to disk before returning (a reshard into the source's folder "
+        "always does: it deletes the old files)",
+    )
 
 
 def add_shard_args(p: argparse.ArgumentParser, *, default: str | None) -> None:
@@ -138,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             args.output,
             parse_size_arg(args.max_shard_size) or "5GB",
             filename_pattern=args.filename_pattern,
+            fsync=args.fsync,
             progress=report,
             storage_options=options,
         )
