@@ -7,7 +7,9 @@ the kernel to supply and zero, no second copy of the weights on a CUDA device).
 ``load_state_dict`` still runs, with those tensors themselves as the values (a copy of a tensor
 onto itself is skipped by torch), so its checks, key handling and post hooks are unchanged.
 Only what that cannot change is read in place: models whose loading is torch's own code,
-without hooks that could rename or transform the values.
+without hooks that could rename or transform the values, and without code of their own run in
+the middle of the load (``set_extra_state``, post hooks below the root) that could see or
+change tensors already read.
 """
 
 from __future__ import annotations
@@ -59,9 +61,17 @@ def _plain_loading(model: torch.nn.Module) -> bool:
             _torch_own(kind._load_from_state_dict)
             and _torch_own(kind._save_to_state_dict)
             and kind.state_dict is torch.nn.Module.state_dict
+            # A module's own code that runs in the middle of the load (its extra state is set
+            # after its tensors, before its children's; a post hook runs after its subtree,
+            # before the next sibling's) could see or change tensors that, read in place,
+            # already hold the file's values: the copy that would have overwritten its
+            # changes is skipped. The root's post hooks run last, after every copy.
+            and kind.set_extra_state is torch.nn.Module.set_extra_state
         ):
             return False
         if any(getattr(module, hooks, None) for hooks in _HOOKS):
+            return False
+        if module is not model and getattr(module, "_load_state_dict_post_hooks", None):
             return False
     return True
 

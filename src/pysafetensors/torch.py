@@ -424,8 +424,10 @@ def load_model(
     model's own parameters and buffers where they fit (on that device, same dtype and shape,
     contiguous, loaded by torch's own code without state-dict hooks), by the reader threads
     or, on a CUDA device, through the pinned staging pipeline; ``load_state_dict`` then runs
-    as usual (its copy of a tensor onto itself is skipped) and copies the rest. If a read
-    fails part way, the tensors read so far hold the file's values.
+    as usual (its copy of a tensor onto itself is skipped) and copies the rest. A load that
+    is refused (a tensor the file cannot give, tensors of the model sharing memory) leaves
+    the model as it was; if a read fails part way, the tensors read so far hold the file's
+    values.
 
     Args:
         model: The model to load into.
@@ -446,14 +448,21 @@ def load_model(
     with safe_open(filename, "pt", device=device, backend=backend) as f:
         in_place = in_place_targets(model, f, device, mapped=maps_file(filename, backend))
         if in_place:
+            # Everything that can refuse the load (the other tensors' reads, every shard's
+            # header, the model's shared tensors) comes before the first byte goes into the
+            # model: a refused load leaves it as it was, as the reference's does.
+            names = f.offset_keys()
+            rest = {name: f.get_tensor(name) for name in names if name not in in_place}
+            to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=names)
             f.read_into(in_place)
             state_dict = {
-                name: in_place[name] if name in in_place else f.get_tensor(name)
-                for name in f.offset_keys()
+                name: in_place[name] if name in in_place else rest[name] for name in names
             }
         else:
             state_dict = f.get_tensors()
-    to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=state_dict.keys())
+            to_removes = _remove_duplicate_names(
+                model.state_dict(), preferred_names=state_dict.keys()
+            )
     missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = set(missing_list)
     unexpected = list(unexpected)

@@ -4,6 +4,7 @@ are read in place and whichever are left to ``load_state_dict``."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -284,3 +285,118 @@ def test_a_mapped_cpu_load_copies_out_of_the_mapping(tmp_path: Path) -> None:
         assert in_place_targets(model, f, "cpu", mapped=True) == {}
     assert st_torch.load_model(model, path) == (set(), [])
     assert _bits(model) == _bits(saved)
+
+
+def _refused(model: torch.nn.Module, path: Path, error: type[Exception]) -> None:
+    """Load ``path`` into ``model`` read in place: refused, and the model is unchanged."""
+    before = _bits(model)
+    with pytest.raises(error):
+        st_torch.load_model(model, path, strict=False, backend="pread")
+    assert _bits(model) == before
+
+
+def test_a_refused_load_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    # Parameters that are views of one flat buffer (none covering it): the reference refuses
+    # them before it touches the model; reading in place came first and overwrote them.
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            flat = torch.zeros(6)
+            self.lin = torch.nn.Linear(2, 2)
+            self.lin.weight = torch.nn.Parameter(flat[:4].view(2, 2))
+            self.lin.bias = torch.nn.Parameter(flat[4:])
+
+    path = tmp_path / "flat.safetensors"
+    st_torch.save_file({"lin.weight": torch.full((2, 2), 7.0), "lin.bias": torch.ones(2)}, path)
+    with safe_open(path, "pt") as f:
+        assert in_place_targets(Flat(), f, "cpu")  # the model is one read in place
+    _refused(Flat(), path, RuntimeError)
+    with pytest.raises(RuntimeError, match="None is covering the entire storage"):
+        ref.load_model(Flat(), str(path))
+
+    # A tensor of the file that torch cannot hold (F4 with an odd last dimension).
+    odd = tmp_path / "odd.safetensors"
+    header = (
+        b'{"weight":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},'
+        b'"bias":{"dtype":"F32","shape":[2],"data_offsets":[16,24]},'
+        b'"extra":{"dtype":"F4","shape":[2,3],"data_offsets":[24,27]}}'
+    )
+    header += b" " * (-len(header) % 8)
+    data = torch.full((6,), 7.0).numpy().tobytes() + b"\0\0\0"
+    odd.write_bytes(len(header).to_bytes(8, "little") + header + data)
+    torch.manual_seed(0)
+    _refused(torch.nn.Linear(2, 2), odd, TypeError)
+
+    # A damaged shard that holds only a name the model lacks (an unexpected key).
+    class Big(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.register_buffer("z_extra", torch.zeros(64))
+
+    folder = tmp_path / "sharded"
+    st_torch.save_model_sharded(Big(), folder, max_shard_size=300)
+    shards = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert shards["z_extra"] != shards["a.weight"]
+    with open(folder / shards["z_extra"], "r+b") as f:
+        f.seek(8)
+        f.write(b"!")  # the header is no longer JSON
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(8, 8)
+    _refused(model, folder, ValueError)
+
+
+def test_code_run_in_the_middle_of_the_load_sees_what_the_reference_does(
+    tmp_path: Path,
+) -> None:
+    # torch loads a module's tensors, then sets its extra state, then loads its children, then
+    # runs its post hooks. Tensors read in place before all that would keep what such code
+    # wrote into them (their copy is skipped), where the reference's copy overwrites it.
+    class Parent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = torch.nn.Linear(2, 2, bias=False)
+
+        def get_extra_state(self) -> Any:
+            return torch.tensor([2.0])
+
+        def set_extra_state(self, state: Any) -> None:
+            with torch.no_grad():
+                self.child.weight.mul_(state)
+
+    path = tmp_path / "extra.safetensors"
+    st_torch.save_model(Parent(), path)
+    with safe_open(path, "pt") as f:
+        assert in_place_targets(Parent(), f, "cpu") == {}
+    ours, theirs = _both(Parent, path, backend="pread")
+    assert ours == theirs
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(2, 2, bias=False)
+            self.b = torch.nn.Linear(2, 2, bias=False)
+
+            def hook(module: Any, incompatible: Any) -> None:
+                with torch.no_grad():
+                    self.b.weight.copy_(module.weight * 10)
+
+            self.a.register_load_state_dict_post_hook(hook)
+
+    path = tmp_path / "two.safetensors"
+    st_torch.save_model(Two(), path)
+    with safe_open(path, "pt") as f:
+        assert in_place_targets(Two(), f, "cpu") == {}
+    ours, theirs = _both(Two, path, backend="pread")
+    assert ours == theirs
+
+    # The root's own post hooks run after every copy: reading in place stays.
+    def rooted() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        model.register_load_state_dict_post_hook(lambda module, incompatible: None)
+        return model
+
+    path = tmp_path / "rooted.safetensors"
+    st_torch.save_model(rooted(), path)
+    with safe_open(path, "pt") as f:
+        assert in_place_targets(rooted(), f, "cpu")
