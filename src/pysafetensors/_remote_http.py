@@ -882,6 +882,14 @@ class HTTPSource(RemoteSource):
                 kind="NotFound",
                 offset=None if probing else offset,
             )
+        elif status in (401, 403) and self._withheld(url):
+            raise RemotePermissionError(
+                f"{where}: {'authentication required' if status == 401 else 'access denied'} "
+                f"({status}) after a redirect from {self._name}: the headers given "
+                "were not sent there, as they go to the original scheme, host and port only; "
+                "open the redirect's target with them instead",
+                kind="PermissionDenied",
+            )
         elif status == 401:
             raise RemotePermissionError(
                 f"{where}: authentication required (401); pass credentials with "
@@ -962,6 +970,11 @@ class HTTPSource(RemoteSource):
                 "it may have been replaced); reopen it"
             )
         return RemoteError(text, kind="Changed", offset=offset)
+
+    def _withheld(self, url: str) -> bool:
+        """Whether headers given were left out of the request to ``url`` (another host)."""
+        private = any(k.lower() not in _PUBLIC_HEADERS for k in self._headers)
+        return private and not _credentials_may_go(self._origin_key, _parse_http_url(url)[0])
 
     def _handle_partial(
         self,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+import threading
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from ._errors import (
@@ -49,6 +52,107 @@ _S3_DENIED: Final = frozenset(
         "403",
     }
 )
+
+
+class _SharedClients:
+    """The clients the library makes, one per set of options, shared by the sources open with
+    them (the shards of one checkpoint) and closed with the last of them.
+
+    A boto3 session and client cost ~12 MB and keep up to ``max_pool_connections`` sockets
+    each: made per shard, a 40-shard checkpoint held 520 MB and 234 sockets (the HTTP source
+    shares its idle connections across shards the same way). The key holds every ``AWS_*``
+    variable, as botocore reads credentials and settings from them when a client is made.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[Any, ...], list[Any]] = {}  # key -> [client, users]
+        if hasattr(os, "register_at_fork"):  # a lock held by a parent's thread stays held
+            os.register_at_fork(after_in_child=self._renew_lock)
+
+    def _renew_lock(self) -> None:
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple[Any, ...] | None, make: Callable[[], Any]) -> Any:
+        """The client for ``key`` (made by ``make`` if none is open); ``key`` None: a new one
+        of its own. Each take is given back with :meth:`give_back`."""
+        if key is None:
+            return make()
+        with self._lock:  # also keeps boto3's session building to one thread at a time
+            entry = self._clients.get(key)
+            if entry is None:
+                entry = self._clients[key] = [make(), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def give_back(self, key: tuple[Any, ...] | None, client: Any) -> None:
+        """Release one take; the last user of a client closes its connections."""
+        if key is not None:
+            with self._lock:
+                entry = self._clients.get(key)
+                if entry is None or entry[0] is not client:
+                    return
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del self._clients[key]
+        close = getattr(client, "close", None)
+        if close is not None:
+            close()
+
+
+_SHARED: Final = _SharedClients()
+
+
+def _client_key(
+    endpoint: str | None,
+    region_name: str | None,
+    anon: bool,
+    max_connections: int,
+    client_kwargs: Mapping[str, Any],
+) -> tuple[Any, ...] | None:
+    """What makes two clients the same, or None when an option cannot be compared (such a
+    client is not shared). A ``Config`` object compares by identity."""
+    key = (
+        endpoint,
+        region_name,
+        anon,
+        max(10, max_connections),
+        tuple(sorted(client_kwargs.items(), key=lambda item: str(item[0]))),
+        tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+#: The process whose connections each client holds. A forked child inherits its parent's idle
+#: keep-alive sockets: two processes sending requests on one connection read each other's
+#: replies (wrong tensor bytes, or a reply's headers taken for data).
+_CONNECTIONS_OF: Final[weakref.WeakKeyDictionary[Any, int]] = weakref.WeakKeyDictionary()
+_CONNECTIONS_LOCK = [threading.Lock()]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _CONNECTIONS_LOCK.__setitem__(0, threading.Lock()))
+
+
+def _own_connections(client: Any) -> None:
+    """Make ``client`` this process's: in a forked child, close the connections it holds,
+    which are the parent's sockets (closing the child's copies leaves the parent's open), so
+    that it opens its own."""
+    pid = os.getpid()
+    try:
+        if _CONNECTIONS_OF.get(client, pid) == pid:
+            return
+    except TypeError:  # a client given that cannot be weakly referred to: left as it is
+        return
+    with _CONNECTIONS_LOCK[0]:
+        if _CONNECTIONS_OF.get(client, pid) != pid:
+            close = getattr(client, "close", None)
+            if close is not None:
+                close()  # the client stays usable: the next request connects anew
+            _CONNECTIONS_OF[client] = pid
 
 
 def _split_s3_url(url: str) -> tuple[str, str]:
@@ -182,12 +286,21 @@ class S3Source(RemoteSource):
             if isinstance(value, str) and len(value.strip()) >= 8:
                 secrets.extend({value, value.strip()})
         self._secrets = tuple(secrets)
+        #: The shared client's key; None for a client given or not shared.
+        self._client_key: tuple[Any, ...] | None = None
+        self._own_client = client is None
         if client is None:
             failure: Exception | None = None
+            options = client_kwargs or {}
+            key = _client_key(endpoint, region_name, anon, max_connections, options)
             try:
-                client = self._make_client(
-                    endpoint, region_name, anon, max_connections, client_kwargs or {}
+                client = _SHARED.take(
+                    key,
+                    lambda: self._make_client(
+                        endpoint, region_name, anon, max_connections, options
+                    ),
                 )
+                self._client_key = key
             except Exception as exc:
                 if not isinstance(exc, self._botoexc.BotoCoreError) and not self._quotes_secret(
                     exc
@@ -205,6 +318,8 @@ class S3Source(RemoteSource):
                     f"refused: {self._clean(failure)}"
                 ) from None
         self._client = client
+        with _CONNECTIONS_LOCK[0], contextlib.suppress(TypeError):  # not weakly referable
+            _CONNECTIONS_OF.setdefault(client, os.getpid())
         try:
             self._open()
         except BaseException:
@@ -213,6 +328,22 @@ class S3Source(RemoteSource):
 
     #: ``(bucket, key)`` of an ``s3://`` URL (a folder's: see :class:`S3Folder`).
     _split_url = staticmethod(_split_s3_url)
+
+    def _release(self) -> None:
+        """Give the client back, once (a client given as ``client=`` is the caller's).
+
+        A forked child gives back its copy of the take: the shared clients it inherited
+        count the sources it inherited.
+        """
+        client = self.__dict__.get("_client")
+        owned, self._own_client = self.__dict__.get("_own_client", False), False
+        if client is not None and owned:
+            _SHARED.give_back(self._client_key, client)
+
+    def _client_here(self) -> Any:
+        """The client, with connections of this process's own (see ``_own_connections``)."""
+        _own_connections(self._client)
+        return self._client
 
     @staticmethod
     def _make_client(
@@ -324,7 +455,9 @@ class S3Source(RemoteSource):
                 )
             if status >= 500 or code in ("SlowDown", "InternalError", "RequestTimeout"):
                 return Transient(f"{where}: {code or status}: {message}", "HTTPError")
-            return RemoteError(f"{where}: {code or status}: {message}", kind="HTTPError")
+            return RemoteError(
+                f"{where}: {code or status}: {message}{self._elsewhere(exc)}", kind="HTTPError"
+            )
         if self._is_credentials_error(exc):
             return self._credentials_error(exc)
         if isinstance(
@@ -339,6 +472,22 @@ class S3Source(RemoteSource):
             return Transient(f"{where}: transfer interrupted: {self._clean(exc)}", "Truncated")
         # Endpoint unreachable and the like: botocore already retried.
         return RemoteError(f"{where}: {self._clean(exc)}", kind="ConnectionError")
+
+    def _elsewhere(self, exc: Any) -> str:
+        """Where a store that redirects a bucket (in another region: botocore follows that
+        on AWS's own endpoint, not on another) says it is, for the message."""
+        err = exc.response.get("Error", {})
+        headers = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        region = headers.get("x-amz-bucket-region") or err.get("Region")
+        endpoint = err.get("Endpoint")
+        if not region and not endpoint:
+            return ""
+        where = ", ".join(
+            f"{what} {self._clean(str(value))!r}"
+            for what, value in (("region", region), ("endpoint", endpoint))
+            if value
+        )
+        return f" (the store names {where}: pass region_name= or endpoint_url=)"
 
     def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
         bexc = self._botoexc
@@ -355,7 +504,7 @@ class S3Source(RemoteSource):
         failure: Exception | None = None
         empty = False
         try:
-            resp = self._client.get_object(**kwargs)
+            resp = self._client_here().get_object(**kwargs)
         except bexc.ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             # An empty object has no byte 0; ask for its size instead.
@@ -368,12 +517,16 @@ class S3Source(RemoteSource):
             return
         if failure is not None:
             error = self._error(failure, offset, probing)
-            if isinstance(failure, bexc.BotoCoreError) and isinstance(error, Transient):
-                # botocore already retried the request itself (its max_attempts): a timeout or
-                # a dropped connection here is final, not a truncated body for our retries
-                # (which multiplied botocore's: ~20 minutes against a stalled endpoint at the
-                # defaults).
-                error = RemoteError(f"{self._name}: {self._clean(failure)}", kind="ConnectionError")
+            if isinstance(error, Transient):
+                # botocore already retried the request itself (its max_attempts, throttling
+                # and 5xx replies included): final here, not a truncated body for our retries,
+                # which multiplied botocore's (~20 minutes against a stalled endpoint at the
+                # defaults; 20 requests into a store that asked to slow down).
+                error = (
+                    RemoteError(f"{self._name}: {self._clean(failure)}", kind="ConnectionError")
+                    if isinstance(failure, bexc.BotoCoreError)
+                    else RemoteError(str(error), kind=error.kind)
+                )
             self._raise(error, failure)
         body = resp["Body"]
         try:
@@ -393,7 +546,7 @@ class S3Source(RemoteSource):
         self.stats.add(requests=1)
         failure: Exception | None = None
         try:
-            resp = self._client.head_object(**kwargs)
+            resp = self._client_here().head_object(**kwargs)
         except (bexc.ClientError, bexc.BotoCoreError) as exc:
             failure = exc
         if failure is not None:
@@ -411,10 +564,11 @@ class S3Source(RemoteSource):
         self, resp: Mapping[str, Any], body: Any, offset: int, out: memoryview, probing: bool
     ) -> None:
         where = self._name
-        first, last, total = parse_content_range(resp.get("ContentRange"), where)
+        content_range = resp.get("ContentRange")
+        first, last, total = parse_content_range(content_range, where)
         length = int(resp.get("ContentLength", -1))
         etag = resp.get("ETag")
-        if first is None or last is None or total is None:
+        if content_range is None:
             # No ContentRange: the range was ignored and the body is the whole object.
             if length < 0 or length > self._accept_full_body:
                 raise RemoteError(
@@ -436,6 +590,15 @@ class S3Source(RemoteSource):
             want = min(out.nbytes, max(0, length - offset))
             out[:want] = whole[offset : offset + want]
             return
+        if first is None or last is None or (total is None and probing):
+            # "bytes */N", or a size the store did not give ("/*"): not one to learn it from.
+            raise RemoteError(
+                f"{where}: reply without a usable ContentRange ({content_range!r}); "
+                "cannot learn the object's size",
+                kind="RangeNotSupported",
+            )
+        if total is None:
+            total = self._size  # unknown here: the ETag still names the version
         want = min(out.nbytes, total - offset) if probing else out.nbytes
         if first != offset or last != offset + want - 1:
             raise RemoteError(
@@ -527,7 +690,7 @@ class S3Folder(S3Source):
         self.stats.add(requests=1)
         failure: Exception | None = None
         try:
-            page: Mapping[str, Any] = self._client.list_objects_v2(**kwargs)
+            page: Mapping[str, Any] = self._client_here().list_objects_v2(**kwargs)
         except (bexc.ClientError, bexc.BotoCoreError) as exc:
             failure = exc
         if failure is not None:

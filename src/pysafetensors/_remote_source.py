@@ -13,6 +13,7 @@ import re
 import reprlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -308,6 +309,7 @@ class RemoteSource:
         self._running = 0
         self._pid = os.getpid()
         self._closed = False
+        _LIVE.add(self)
         self.stats = RemoteStats()
         """Counters of requests and bytes transferred by this source."""
 
@@ -778,5 +780,20 @@ class _Workers:
 
 
 _WORKERS: Final = _Workers()
+
+#: The sources of this process, whose locks a forked child renews: a parent's thread may have
+#: held one at the fork (``prefetch_head`` holds the head's across a request), and the child's
+#: next read would wait for it for ever.
+_LIVE: Final[weakref.WeakSet[RemoteSource]] = weakref.WeakSet()
+
+
+def _renew_locks() -> None:
+    for source in list(_LIVE):
+        source._head_lock = threading.Lock()
+        source._runs = threading.Condition()
+        source._running = 0  # the parent's reads in flight are not here
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WORKERS._reset)  # the parent's threads are not here
+    os.register_at_fork(after_in_child=_renew_locks)

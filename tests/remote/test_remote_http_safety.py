@@ -44,7 +44,8 @@ def test_credentials_do_not_follow_a_redirect_to_another_port(
     other = RangeServer(data_dir)
     try:
         server.redirect_base = f"http://127.0.0.1:{other.port}"
-        with pytest.raises(RemotePermissionError, match="401"):
+        # The message says why the headers given did not reach it, and where they go.
+        with pytest.raises(RemotePermissionError, match=r"401\) after a redirect from .*not sent"):
             HTTPSource(server.url("redirect-to/auth/small.safetensors"), headers=AUTH)
         (record,) = other.records("auth/small.safetensors")
         assert record.authorization is None and record.status == 401

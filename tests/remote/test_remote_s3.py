@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import struct
 from pathlib import Path
@@ -21,6 +22,7 @@ from pysafetensors._remote import (
 )
 
 from .conftest import BUCKET
+from .rangeserver import RangeServer
 from .test_remote_http import _tensor_span
 
 boto3 = pytest.importorskip("boto3")
@@ -419,3 +421,170 @@ def test_an_anonymous_read_denied_does_not_advise_anon(moto_endpoint: str) -> No
         S3Source(_url("small.safetensors"), endpoint_url=moto_endpoint, anon=True)
     assert "anon=True sends no credentials" in str(info.value)
     assert "pass anon=True" not in str(info.value)
+
+
+def _client_error(code: str, status: int, headers: dict[str, str] | None = None) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError(
+        {
+            "Error": {"Code": code, "Message": f"{code} message"},
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": headers or {}},
+        },
+        "GetObject",
+    )
+
+
+@pytest.mark.parametrize(("code", "status"), [("SlowDown", 503), ("InternalError", 500)])
+def test_a_server_error_botocore_retried_is_not_retried_again(code: str, status: int) -> None:
+    # botocore retries throttling and 5xx replies itself: retrying them again sent 4x its
+    # requests (20 in all) into a store that had asked to slow down.
+    class Throttled:
+        calls = 0
+
+        def get_object(self, **kwargs: Any) -> dict[str, Any]:
+            Throttled.calls += 1
+            raise _client_error(code, status)
+
+    with pytest.raises(RemoteError) as info:
+        S3Source(_url("k"), client=Throttled(), backoff=0.01)
+    assert info.value.kind == "HTTPError" and code in str(info.value)
+    assert Throttled.calls == 1
+
+
+def test_a_bucket_elsewhere_names_its_region() -> None:
+    class Redirected:
+        def get_object(self, **kwargs: Any) -> dict[str, Any]:
+            raise _client_error("PermanentRedirect", 301, {"x-amz-bucket-region": "eu-west-1"})
+
+    with pytest.raises(RemoteError, match="PermanentRedirect") as info:
+        S3Source(_url("k"), client=Redirected())
+    assert "region 'eu-west-1'" in str(info.value) and "region_name=" in str(info.value)
+
+
+def test_a_range_reply_of_unknown_total_is_not_the_whole_object() -> None:
+    # "bytes 0-65535/*" (RFC 9110 allows an unknown total) was taken as a store ignoring Range:
+    # its 64 KiB became the object's size, and the file then failed as a corrupt one.
+    import io
+    import re
+
+    data = bytes(range(256)) * 1000
+
+    class Unknown:
+        total = "*"
+
+        def get_object(self, Bucket: str, Key: str, Range: str) -> dict[str, Any]:  # noqa: N803
+            match = re.match(r"bytes=(\d+)-(\d+)", Range)
+            assert match is not None
+            a, b = int(match[1]), min(int(match[2]), len(data) - 1)
+            return {
+                "Body": io.BytesIO(data[a : b + 1]),
+                "ContentRange": f"bytes {a}-{b}/{Unknown.total}",
+                "ContentLength": b - a + 1,
+                "ETag": '"v1"',
+            }
+
+    with pytest.raises(RemoteError, match="cannot learn the object's size") as info:
+        S3Source(_url("k"), client=Unknown())
+    assert info.value.kind == "RangeNotSupported"
+    # Once the size is known, a reply that leaves the total out is read.
+    Unknown.total = str(len(data))
+    with S3Source(_url("k"), client=Unknown(), read_ahead=0) as src:
+        Unknown.total = "*"
+        assert _read(src, 100_000, 1000) == data[100_000:101_000]
+
+
+def test_the_shards_of_a_checkpoint_share_one_client_closed_with_the_last(
+    moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A boto3 session and client per shard: ~12 MB and a few sockets each, kept after close().
+    import numpy as np
+
+    from pysafetensors import safe_open, save_sharded
+
+    made: list[Any] = []
+    make = S3Source._make_client
+
+    def counted(*args: Any) -> Any:
+        made.append(make(*args))
+        return made[-1]
+
+    monkeypatch.setattr(S3Source, "_make_client", staticmethod(counted))
+    sd = {f"t{i}": np.full(1000, i, np.float32) for i in range(8)}
+    assert save_sharded(sd, tmp_path, "5KB").is_sharded
+    upload = boto3.session.Session().client("s3", endpoint_url=moto_endpoint)
+    for path in tmp_path.iterdir():
+        upload.put_object(Bucket=BUCKET, Key=f"share/{path.name}", Body=path.read_bytes())
+    opts = {"endpoint_url": moto_endpoint}
+    with safe_open(_url("share/model.safetensors.index.json"), "np", storage_options=opts) as f:
+        for name, value in sd.items():
+            np.testing.assert_array_equal(f.get_tensor(name), value)
+        # The index's (closed once read, with its client), then the eight shards' one.
+        assert len(made) == 2
+        assert len(made[0]._endpoint.http_session._manager.pools) == 0
+        pools = made[1]._endpoint.http_session._manager.pools
+        assert len(pools) == 1
+    assert len(pools) == 0  # closed with the last shard
+    # Another set of options is another client.
+    with S3Source(_url("small.safetensors"), endpoint_url=moto_endpoint, max_connections=32):
+        assert len(made) == 3
+
+
+def _pooled_socket_inodes(client: Any) -> set[int]:
+    """The idle connections of a boto3 client, by their sockets' inode."""
+    import os
+
+    inodes = set()
+    for pool in list(client._endpoint.http_session._manager.pools._container.values()):
+        for conn in list(pool.pool.queue):
+            sock = getattr(conn, "sock", None)
+            if sock is not None:
+                inodes.add(os.fstat(sock.fileno()).st_ino)
+    return inodes
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+@pytest.mark.parametrize("given", [False, True])
+def test_a_forked_child_does_not_use_its_parent_s_connections(
+    data_dir: Path, tmp_path: Path, given: bool
+) -> None:
+    # Two processes sending requests on one inherited keep-alive connection read each other's
+    # replies: wrong tensor bytes, with no error (DataLoader workers forked after an open).
+    # Served by a keep-alive loopback server (moto's closes every connection) as bucket "b".
+    import os
+
+    data = (data_dir / "model.safetensors").read_bytes()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "model.safetensors").write_bytes(data)
+    server = RangeServer(tmp_path)
+    try:
+        endpoint = server.url("").rstrip("/")
+        client = S3Source._make_client(endpoint, "us-east-1", True, 8, {}) if given else None
+        opts: dict[str, Any] = (
+            {"client": client} if given else {"endpoint_url": endpoint, "anon": True}
+        )
+        with S3Source("s3://b/model.safetensors", read_ahead=0, head_bytes=0, **opts) as src:
+            assert _read(src, 100, 1000) == data[100:1100]
+            parents = _pooled_socket_inodes(src._client)
+            assert parents
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    ok = _read(src, 5000, 3000) == data[5000:8000]
+                    open_now = set()
+                    for fd in os.listdir("/proc/self/fd"):
+                        with contextlib.suppress(OSError):  # the listing's own descriptor
+                            open_now.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+                    code = 0 if ok and not parents & open_now else 2
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            # The parent's connection is its own still.
+            assert _read(src, 200, 100) == data[200:300]
+            assert _pooled_socket_inodes(src._client) == parents
+    finally:
+        server.close()
