@@ -55,6 +55,7 @@ __all__ = [
     "HeaderSizeError",
     "OffsetError",
     "PathArg",
+    "ReadError",
     "RemoteError",
     "RemoteNotFoundError",
     "RemotePermissionError",
@@ -69,6 +70,7 @@ __all__ = [
     "UnsafePickleError",
     "WriteError",
     "add_note",
+    "read_error",
     "write_error",
 ]
 
@@ -257,6 +259,30 @@ class SharedTensorsError(SerializeError, RuntimeError):
     """Raised when tensors to be saved share memory (use ``save_model`` for tied weights)."""
 
 
+def _reduce_os_error(self: SafetensorError) -> tuple[object, ...]:
+    """``__reduce__`` of the errors that are also an ``OSError``: their ``errno``,
+    ``strerror`` and ``filename`` survive pickling (multiprocessing sends errors back)."""
+    assert isinstance(self, OSError)
+    return (
+        _rebuild_os_error,
+        (type(self), str(self), self.kind, self.errno, self.strerror, self.filename),
+    )
+
+
+def _rebuild_os_error(
+    cls: type[SafetensorError],
+    message: str,
+    kind: str,
+    errno: int | None,
+    strerror: str | None,
+    filename: str | None,
+) -> SafetensorError:
+    err = cls(message, kind=kind)
+    assert isinstance(err, OSError)
+    err.errno, err.strerror, err.filename = errno, strerror, filename
+    return err
+
+
 class WriteError(SafetensorError, OSError):
     """Raised when a save cannot create, write or rename its file (an ``OSError`` underneath).
 
@@ -264,23 +290,28 @@ class WriteError(SafetensorError, OSError):
     FileNotFoundError`` and ``except SafetensorError`` both catch a save into a missing folder.
     """
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (
-            _rebuild_write_error,
-            (type(self), str(self), self.kind, self.errno, self.strerror, self.filename),
-        )
+    __reduce__ = _reduce_os_error
 
 
-def _rebuild_write_error(
-    cls: type[WriteError],
-    message: str,
-    kind: str,
-    errno: int | None,
-    strerror: str | None,
-    filename: str | None,
-) -> WriteError:
-    err = cls(message, kind=kind)
-    err.errno, err.strerror, err.filename = errno, strerror, filename
+class ReadError(SafetensorError, OSError):
+    """Raised when reading a file fails (an ``OSError`` underneath: an I/O error of the disk or
+    of a network file system), naming the file and the bytes (and the tensor, where a tensor
+    was read); ``errno`` is the cause's."""
+
+    __reduce__ = _reduce_os_error
+
+
+def read_error(exc: OSError, name: str, offset: int, length: int) -> ReadError:
+    """The :class:`ReadError` for an ``OSError`` reading ``length`` bytes at ``offset`` of the
+    file ``name``; raise it ``from exc``."""
+    reason = exc.strerror or str(exc)
+    code = f" (os error {exc.errno})" if exc.errno is not None else ""
+    err = ReadError(
+        f"{name}: I/O error reading {length} bytes at offset {offset}: {reason}{code}",
+        kind="IoError",
+        offset=offset,
+    )
+    err.errno, err.strerror, err.filename = exc.errno, exc.strerror, name
     return err
 
 

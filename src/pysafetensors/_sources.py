@@ -33,7 +33,7 @@ from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from . import tuning
-from ._errors import ClosedFileError, SafetensorError
+from ._errors import ClosedFileError, SafetensorError, read_error
 from ._fresh_memory import (
     MADV_POPULATE_READ,
     POPULATE_STEP,
@@ -234,14 +234,23 @@ def starts_like_safetensors(path: str) -> bool:
 
 
 def pread_exact(fd: int, name: str, offset: int, out: memoryview) -> None:
-    """Fill ``out`` from ``offset`` of ``fd`` (loops on short reads; raises at end of file)."""
+    """Fill ``out`` from ``offset`` of ``fd`` (loops on short reads; raises at end of file).
+
+    Raises:
+        SafetensorError: The file ended first (kind ``ShortRead``).
+        ReadError: The read failed (an I/O error of the disk or of a network file system),
+            naming the file and the bytes, where a bare ``OSError`` named neither.
+    """
     done = 0
     total = out.nbytes
-    while done < total:
-        n = os.preadv(fd, [out[done:]], offset + done)
-        if n <= 0:
-            raise _short_read(name, offset, total, done)
-        done += n
+    try:
+        while done < total:
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n <= 0:
+                raise _short_read(name, offset, total, done)
+            done += n
+    except OSError as exc:
+        raise read_error(exc, name, offset + done, total - done) from exc
 
 
 def check_range(source: ByteSource, offset: int, length: int) -> None:
