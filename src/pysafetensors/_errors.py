@@ -265,7 +265,16 @@ def _reduce_os_error(self: SafetensorError) -> tuple[object, ...]:
     assert isinstance(self, OSError)
     return (
         _rebuild_os_error,
-        (type(self), str(self), self.kind, self.errno, self.strerror, self.filename),
+        (
+            type(self),
+            str(self),
+            self.kind,
+            self.errno,
+            self.strerror,
+            self.filename,
+            self.tensor,
+            self.offset,
+        ),
     )
 
 
@@ -276,8 +285,10 @@ def _rebuild_os_error(
     errno: int | None,
     strerror: str | None,
     filename: str | None,
+    tensor: str | None = None,
+    offset: int | None = None,
 ) -> SafetensorError:
-    err = cls(message, kind=kind)
+    err = cls(message, kind=kind, tensor=tensor, offset=offset)
     assert isinstance(err, OSError)
     err.errno, err.strerror, err.filename = errno, strerror, filename
     return err

@@ -285,7 +285,7 @@ def edit_metadata(
         with atomic_output(target, fsync=fsync, like=os.fstat(fd)) as out:
             prefix = struct.pack("<Q", len(padded)) + padded
             pwrite_all(out, prefix, 0)
-            copy_range(fd, N_LEN + n, out, len(prefix), data_size, source=repr(given))
+            copy_range(fd, N_LEN + n, out, len(prefix), data_size, source=given)
         return False
     finally:
         if source is not None:

@@ -135,6 +135,12 @@ class FsspecSource(RemoteSource):
         self._one_at_a_time: threading.Lock | None = threading.Lock() if _is_caching(fs) else None
         self._open()
 
+    def _after_fork(self) -> None:
+        """The base class's, and a new lock for the caching layers' reads (held across one)."""
+        super()._after_fork()
+        if self._one_at_a_time is not None:
+            self._one_at_a_time = threading.Lock()
+
     def _open(self) -> None:
         """Learn the size (one request) and cache the first ``head_bytes``."""
         self.stats.add(requests=1)

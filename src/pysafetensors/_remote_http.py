@@ -885,9 +885,8 @@ class HTTPSource(RemoteSource):
         elif status in (401, 403) and self._withheld(url):
             raise RemotePermissionError(
                 f"{where}: {'authentication required' if status == 401 else 'access denied'} "
-                f"({status}) after a redirect from {self._name}: the headers given "
-                "were not sent there, as they go to the original scheme, host and port only; "
-                "open the redirect's target with them instead",
+                f"({status}) after a redirect from {self._name}; the headers given were "
+                "not sent to it (they go to the original scheme, host and port only)",
                 kind="PermissionDenied",
             )
         elif status == 401:

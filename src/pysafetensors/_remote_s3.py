@@ -61,7 +61,9 @@ class _SharedClients:
     A boto3 session and client cost ~12 MB and keep up to ``max_pool_connections`` sockets
     each: made per shard, a 40-shard checkpoint held 520 MB and 234 sockets (the HTTP source
     shares its idle connections across shards the same way). The key holds every ``AWS_*``
-    variable, as botocore reads credentials and settings from them when a client is made.
+    variable and ``REQUESTS_CA_BUNDLE``, which botocore reads when a client is made; a
+    shared credentials file rewritten meanwhile is read again by the next client only (the
+    first file opened after the last one closed).
     """
 
     def __init__(self) -> None:
@@ -78,12 +80,22 @@ class _SharedClients:
         of its own. Each take is given back with :meth:`give_back`."""
         if key is None:
             return make()
-        with self._lock:  # also keeps boto3's session building to one thread at a time
+        with self._lock:
+            entry = self._clients.get(key)
+            if entry is not None:
+                entry[1] += 1
+                return entry[0]
+        # Made outside the lock: resolving credentials may take seconds (instance metadata,
+        # an STS role, a credential_process), which other keys' sources must not wait for.
+        client = make()
+        with self._lock:
             entry = self._clients.get(key)
             if entry is None:
-                entry = self._clients[key] = [make(), 0]
+                self._clients[key] = [client, 1]
+                return client
             entry[1] += 1
-            return entry[0]
+        _close(client)  # another thread made one meanwhile
+        return entry[0]
 
     def give_back(self, key: tuple[Any, ...] | None, client: Any) -> None:
         """Release one take; the last user of a client closes its connections."""
@@ -96,9 +108,13 @@ class _SharedClients:
                 if entry[1] > 0:
                     return
                 del self._clients[key]
-        close = getattr(client, "close", None)
-        if close is not None:
-            close()
+        _close(client)
+
+
+def _close(client: Any) -> None:
+    close = getattr(client, "close", None)
+    if close is not None:
+        close()
 
 
 _SHARED: Final = _SharedClients()
@@ -117,9 +133,15 @@ def _client_key(
         endpoint,
         region_name,
         anon,
-        max(10, max_connections),
+        max_connections,
         tuple(sorted(client_kwargs.items(), key=lambda item: str(item[0]))),
-        tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))),
+        tuple(
+            sorted(
+                (k, v)
+                for k, v in os.environ.items()
+                if k.startswith("AWS_") or k == "REQUESTS_CA_BUNDLE"
+            )
+        ),
     )
     try:
         hash(key)
@@ -185,7 +207,8 @@ class S3Source(RemoteSource):
         anon: Send unsigned requests (public buckets).
         version_id: Read this version of the object.
         client_kwargs: Extra keyword arguments for ``boto3.session.Session().client``.
-        max_connections: Parallel requests (also the client's connection pool size).
+        max_connections: Parallel requests (the client's connection pool holds twice as many:
+            files opened with the same options share it).
         part_size: Largest single request when a read is split.
         max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
         head_bytes: Bytes fetched and cached when opening.
@@ -286,9 +309,9 @@ class S3Source(RemoteSource):
             if isinstance(value, str) and len(value.strip()) >= 8:
                 secrets.extend({value, value.strip()})
         self._secrets = tuple(secrets)
-        #: The shared client's key; None for a client given or not shared.
-        self._client_key: tuple[Any, ...] | None = None
-        self._own_client = client is None
+        #: Gives the library's client back, once: at close(), or when the source is
+        #: collected unclosed. None for a client given (the caller's).
+        self._give_back: weakref.finalize[Any, Any] | None = None
         if client is None:
             failure: Exception | None = None
             options = client_kwargs or {}
@@ -300,7 +323,7 @@ class S3Source(RemoteSource):
                         endpoint, region_name, anon, max_connections, options
                     ),
                 )
-                self._client_key = key
+                self._give_back = weakref.finalize(self, _SHARED.give_back, key, client)
             except Exception as exc:
                 if not isinstance(exc, self._botoexc.BotoCoreError) and not self._quotes_secret(
                     exc
@@ -335,10 +358,9 @@ class S3Source(RemoteSource):
         A forked child gives back its copy of the take: the shared clients it inherited
         count the sources it inherited.
         """
-        client = self.__dict__.get("_client")
-        owned, self._own_client = self.__dict__.get("_own_client", False), False
-        if client is not None and owned:
-            _SHARED.give_back(self._client_key, client)
+        give_back = self.__dict__.get("_give_back")
+        if give_back is not None:
+            give_back()  # at most once, whichever thread calls it first
 
     def _client_here(self) -> Any:
         """The client, with connections of this process's own (see ``_own_connections``)."""
@@ -358,7 +380,9 @@ class S3Source(RemoteSource):
         from botocore.config import Config
 
         config = Config(
-            max_pool_connections=max(10, max_connections),
+            # Shared by every file opened with the same options (shards opened ahead while
+            # others read): beyond its size, urllib3 drops connections and opens new ones.
+            max_pool_connections=max(16, 2 * max_connections),
             retries={"max_attempts": 4, "mode": "standard"},
             signature_version=botocore.UNSIGNED if anon else None,
         )
@@ -479,6 +503,8 @@ class S3Source(RemoteSource):
         err = exc.response.get("Error", {})
         headers = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
         region = headers.get("x-amz-bucket-region") or err.get("Region")
+        if region == getattr(getattr(self._client, "meta", None), "region_name", None):
+            region = None  # the client's own: not where the bucket is elsewhere
         endpoint = err.get("Endpoint")
         if not region and not endpoint:
             return ""
@@ -488,6 +514,17 @@ class S3Source(RemoteSource):
             if value
         )
         return f" (the store names {where}: pass region_name= or endpoint_url=)"
+
+    def _final(self, error: Exception, failure: Exception) -> Exception:
+        """``error`` for a request botocore gave up on: already retried by botocore (its
+        max_attempts, throttling and 5xx replies included), so final here, not a truncated
+        body for our retries, which multiplied botocore's (~20 minutes against a stalled
+        endpoint at the defaults; 20 requests into a store that asked to slow down)."""
+        if not isinstance(error, Transient):
+            return error
+        if isinstance(failure, self._botoexc.BotoCoreError):
+            return RemoteError(f"{self._name}: {self._clean(failure)}", kind="ConnectionError")
+        return RemoteError(str(error), kind=error.kind)
 
     def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
         bexc = self._botoexc
@@ -516,18 +553,7 @@ class S3Source(RemoteSource):
             self._probe_empty()
             return
         if failure is not None:
-            error = self._error(failure, offset, probing)
-            if isinstance(error, Transient):
-                # botocore already retried the request itself (its max_attempts, throttling
-                # and 5xx replies included): final here, not a truncated body for our retries,
-                # which multiplied botocore's (~20 minutes against a stalled endpoint at the
-                # defaults; 20 requests into a store that asked to slow down).
-                error = (
-                    RemoteError(f"{self._name}: {self._clean(failure)}", kind="ConnectionError")
-                    if isinstance(failure, bexc.BotoCoreError)
-                    else RemoteError(str(error), kind=error.kind)
-                )
-            self._raise(error, failure)
+            self._raise(self._final(self._error(failure, offset, probing), failure), failure)
         body = resp["Body"]
         try:
             self._consume(resp, body, offset, out, probing)
@@ -550,7 +576,7 @@ class S3Source(RemoteSource):
         except (bexc.ClientError, bexc.BotoCoreError) as exc:
             failure = exc
         if failure is not None:
-            self._raise(self._error(failure, 0, True), failure)
+            self._raise(self._final(self._error(failure, 0, True), failure), failure)
         size = int(resp.get("ContentLength", 0))
         if size != 0:
             raise RemoteError(
@@ -593,8 +619,8 @@ class S3Source(RemoteSource):
         if first is None or last is None or (total is None and probing):
             # "bytes */N", or a size the store did not give ("/*"): not one to learn it from.
             raise RemoteError(
-                f"{where}: reply without a usable ContentRange ({content_range!r}); "
-                "cannot learn the object's size",
+                f"{where}: reply without a usable ContentRange ({content_range!r})"
+                + ("; cannot learn the object's size" if probing else ""),
                 kind="RangeNotSupported",
             )
         if total is None:
@@ -694,9 +720,5 @@ class S3Folder(S3Source):
         except (bexc.ClientError, bexc.BotoCoreError) as exc:
             failure = exc
         if failure is not None:
-            error = self._error(failure, 0, True)
-            if isinstance(error, Transient):
-                # botocore retried it already (its max_attempts): final here.
-                error = RemoteError(str(error), kind=error.kind)
-            self._raise(error, failure)
+            self._raise(self._final(self._error(failure, 0, True), failure), failure)
         return page

@@ -527,6 +527,14 @@ class RemoteSource:
     def _release(self) -> None:
         """Release backend resources (connections, clients)."""
 
+    def _after_fork(self) -> None:
+        """In a forked child: new locks for those a parent's thread may have held at the fork
+        (subclasses add theirs)."""
+        self._head_lock = threading.Lock()
+        self._runs = threading.Condition()
+        self._running = 0  # the parent's reads in flight are not here
+        self.stats._lock = threading.Lock()
+
     def _open(self) -> None:
         """Learn the size and cache the first ``head_bytes`` with one request.
 
@@ -789,9 +797,7 @@ _LIVE: Final[weakref.WeakSet[RemoteSource]] = weakref.WeakSet()
 
 def _renew_locks() -> None:
     for source in list(_LIVE):
-        source._head_lock = threading.Lock()
-        source._runs = threading.Condition()
-        source._running = 0  # the parent's reads in flight are not here
+        source._after_fork()
 
 
 if hasattr(os, "register_at_fork"):

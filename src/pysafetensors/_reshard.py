@@ -167,19 +167,21 @@ class _Sources:
         if not n:
             return
         where = f"{shown(path)} (tensor {name!r})"
-        try:
-            with self._source_at(path) as source:
-                fd = getattr(source, "fd", -1)
+        # Opening the shard again (after the handle closed it for want of descriptors) fails
+        # as an error of its own, outside the try: it names the shard, not the output.
+        with self._source_at(path) as source:
+            fd = getattr(source, "fd", -1)
+            try:
                 if fd >= 0:  # a local file: copied by the kernel
                     copy_range(fd, src_off, dst_fd, dst_off, n, source=where)
                 else:
                     _copy_from_source(source, src_off, dst_fd, dst_off, n)
-        except OSError as exc:
-            if isinstance(exc, SafetensorError):  # a remote source's error: already ours
-                raise
-            raise write_error(
-                exc, output, detail=f", copying {n} bytes from offset {src_off} of {where}"
-            ) from exc
+            except OSError as exc:
+                if isinstance(exc, SafetensorError):  # the source's own error (remote, read)
+                    raise
+                raise write_error(
+                    exc, output, detail=f", copying {n} bytes from offset {src_off} of {where}"
+                ) from exc
 
 
 def _source_order(src: ShardedSafeOpen) -> list[str]:
@@ -306,9 +308,8 @@ def _refuse_sharded_output_over_source(
         return  # not a file the save writes or cleans up: the source stays
     # Named by an index, or by its own name when the index is gone (a save killed in its
     # commit, shards fetched without it): the clean-up would delete the other shards.
-    a_shard = (
-        in_replaced or names[0] in _named_by_other_indexes(out, set()) or _shard_of_many(names[0])
-    )
+    indexed = in_replaced or names[0] in _named_by_other_indexes(out, set())
+    a_shard = indexed or _shard_of_many(names[0])
     if whole and not a_shard:
         return  # the folder's single-file checkpoint, resharded in place
     what = (
@@ -316,10 +317,17 @@ def _refuse_sharded_output_over_source(
         if a_shard
         else "a file the sharded output would replace or delete"
     )
+    instead = "."
+    if whole:
+        instead = (
+            ", or reshard the whole checkpoint (its folder or index)."
+            if indexed
+            else ", or restore the checkpoint's index and reshard it whole."
+        )
     raise SafetensorError(
         f"{op}: the source {shown(src.path)} is {what}; writing the output into {out!r} "
         f"would leave only {'its' if whole else 'part of its'} tensors. Write to another "
-        "folder" + (", or reshard the whole checkpoint (its folder or index)." if whole else "."),
+        f"folder{instead}",
         kind="OutputIsSource",
     )
 

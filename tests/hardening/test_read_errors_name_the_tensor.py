@@ -69,3 +69,5 @@ def test_an_io_error_names_the_file_the_bytes_and_the_tensor(
             f.get_tensors()
         copy = pickle.loads(pickle.dumps(info.value))
         assert type(copy) is ReadError and copy.errno == errno.EIO and str(copy) == str(info.value)
+        assert (copy.tensor, copy.offset) == (info.value.tensor, info.value.offset)
+        assert copy.tensor is not None and copy.offset is not None

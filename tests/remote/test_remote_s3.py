@@ -259,7 +259,7 @@ def test_a_given_client_config_is_merged_not_replacing_anonymous_access() -> Non
     )
     config = client.meta.config
     assert config.signature_version is botocore.UNSIGNED
-    assert config.read_timeout == 5 and config.max_pool_connections == 32
+    assert config.read_timeout == 5 and config.max_pool_connections == 64  # shared: 2x
     assert config.retries == {"mode": "standard", "total_max_attempts": 5}  # our max_attempts=4
 
 
@@ -452,6 +452,22 @@ def test_a_server_error_botocore_retried_is_not_retried_again(code: str, status:
     assert Throttled.calls == 1
 
 
+def test_a_server_error_on_the_size_of_an_empty_object_is_not_retried_again() -> None:
+    class EmptyThrottled:
+        calls = 0
+
+        def get_object(self, **kwargs: Any) -> dict[str, Any]:
+            raise _client_error("InvalidRange", 416)  # an empty object has no byte 0
+
+        def head_object(self, **kwargs: Any) -> dict[str, Any]:
+            EmptyThrottled.calls += 1
+            raise _client_error("SlowDown", 503)
+
+    with pytest.raises(RemoteError, match="SlowDown"):
+        S3Source(_url("k"), client=EmptyThrottled(), backoff=0.01)
+    assert EmptyThrottled.calls == 1
+
+
 def test_a_bucket_elsewhere_names_its_region() -> None:
     class Redirected:
         def get_object(self, **kwargs: Any) -> dict[str, Any]:
@@ -528,6 +544,15 @@ def test_the_shards_of_a_checkpoint_share_one_client_closed_with_the_last(
     # Another set of options is another client.
     with S3Source(_url("small.safetensors"), endpoint_url=moto_endpoint, max_connections=32):
         assert len(made) == 3
+    # A source collected without close() gives its client back too.
+    import gc
+
+    src = S3Source(_url("small.safetensors"), endpoint_url=moto_endpoint)
+    pools = made[3]._endpoint.http_session._manager.pools
+    assert len(pools) == 1
+    del src
+    gc.collect()
+    assert len(pools) == 0
 
 
 def _pooled_socket_inodes(client: Any) -> set[int]:
