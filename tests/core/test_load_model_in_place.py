@@ -346,6 +346,16 @@ def test_a_refused_load_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     _refused(model, folder, ValueError)
 
 
+def _loads_the_plain_way(make: Callable[[], torch.nn.Module], path: Path) -> None:
+    """Save ``make()``; nothing of a fresh one is read in place, and a load ends as the
+    reference's does."""
+    st_torch.save_model(make(), path)
+    with safe_open(path, "pt") as f:
+        assert in_place_targets(make(), f, "cpu") == {}
+    ours, theirs = _both(make, path, backend="pread")
+    assert ours == theirs
+
+
 def test_code_run_in_the_middle_of_the_load_sees_what_the_reference_does(
     tmp_path: Path,
 ) -> None:
@@ -364,12 +374,7 @@ def test_code_run_in_the_middle_of_the_load_sees_what_the_reference_does(
             with torch.no_grad():
                 self.child.weight.mul_(state)
 
-    path = tmp_path / "extra.safetensors"
-    st_torch.save_model(Parent(), path)
-    with safe_open(path, "pt") as f:
-        assert in_place_targets(Parent(), f, "cpu") == {}
-    ours, theirs = _both(Parent, path, backend="pread")
-    assert ours == theirs
+    _loads_the_plain_way(Parent, tmp_path / "extra.safetensors")
 
     class Two(torch.nn.Module):
         def __init__(self) -> None:
@@ -383,12 +388,7 @@ def test_code_run_in_the_middle_of_the_load_sees_what_the_reference_does(
 
             self.a.register_load_state_dict_post_hook(hook)
 
-    path = tmp_path / "two.safetensors"
-    st_torch.save_model(Two(), path)
-    with safe_open(path, "pt") as f:
-        assert in_place_targets(Two(), f, "cpu") == {}
-    ours, theirs = _both(Two, path, backend="pread")
-    assert ours == theirs
+    _loads_the_plain_way(Two, tmp_path / "two.safetensors")
 
     # The root's own post hooks run after every copy: reading in place stays.
     def rooted() -> torch.nn.Module:
