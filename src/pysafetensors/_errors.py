@@ -312,13 +312,17 @@ class ReadError(SafetensorError, OSError):
     __reduce__ = _reduce_os_error
 
 
+def _os_reason(exc: OSError) -> str:
+    """What went wrong, in the reference's (Rust's) words: ``<reason> (os error N)``."""
+    code = f" (os error {exc.errno})" if exc.errno is not None else ""
+    return f"{exc.strerror or exc}{code}"
+
+
 def read_error(exc: OSError, name: str, offset: int, length: int) -> ReadError:
     """The :class:`ReadError` for an ``OSError`` reading ``length`` bytes at ``offset`` of the
     file ``name``; raise it ``from exc``."""
-    reason = exc.strerror or str(exc)
-    code = f" (os error {exc.errno})" if exc.errno is not None else ""
     err = ReadError(
-        f"{name}: I/O error reading {length} bytes at offset {offset}: {reason}{code}",
+        f"{name}: I/O error reading {length} bytes at offset {offset}: {_os_reason(exc)}",
         kind="IoError",
         offset=offset,
     )
@@ -373,10 +377,8 @@ def write_error(exc: OSError, path: str | None = None, *, detail: str = "") -> W
     # A WriteError named again (for another path) keeps its class.
     cls = type(exc) if isinstance(exc, WriteError) else _WRITE_ERRORS.get(type(exc), WriteError)
     where = path if path is not None else exc.filename
-    reason = exc.strerror or str(exc)
-    code = f" (os error {exc.errno})" if exc.errno is not None else ""
     at = f' at path "{where}"' if where is not None else ""
-    err = cls(f"Error while serializing: I/O error: {reason}{code}{at}{detail}", kind="IoError")
+    err = cls(f"Error while serializing: I/O error: {_os_reason(exc)}{at}{detail}", kind="IoError")
     err.errno, err.strerror, err.filename = exc.errno, exc.strerror, where
     for note in getattr(exc, "__notes__", ()):  # what the writer knew (which tensor)
         add_note(err, note)

@@ -670,17 +670,9 @@ class StreamingWriter:
                     with contextlib.suppress(_Discard):
                         cm.__exit__(_Discard, _Discard(), None)
                 if self._state == "closing":
-                    self._settle(outcome, failure)
+                    _settle(self, self._idle, outcome, failure)
                 with _OPEN_WRITERS_LOCK:
                     _OPEN_WRITERS.discard(self)
-
-    def _settle(self, state: str, failure: BaseException | None = None) -> None:
-        """Record what became of the file, and wake the closes waiting for it."""
-        # Set before taking the lock: an interrupt while it is taken leaves the outcome set.
-        self._state = state
-        self._failure = failure
-        with self._lock:
-            self._idle.notify_all()
 
     def _wait_settled(self) -> None:
         """Wait (lock held) for a commit in progress, then return if it committed; else raise
@@ -740,6 +732,20 @@ class StreamingWriter:
                 self.abort()
         except Exception:  # noqa: BLE001, S110
             pass
+
+
+def _settle(
+    owner: StreamingWriter | ShardedStreamingWriter,
+    settled: threading.Condition,
+    state: str,
+    failure: BaseException | None,
+) -> None:
+    """Record what became of ``owner``'s output, and wake the closes waiting for it."""
+    # Set before taking the lock: an interrupt while it is taken leaves the outcome set.
+    owner._state = state
+    owner._failure = failure
+    with settled:
+        settled.notify_all()
 
 
 def _wait_settled(
@@ -1091,15 +1097,11 @@ class ShardedStreamingWriter:
             failure = exc
             raise
         finally:
-            self._settle(outcome, failure)  # whatever happens: see StreamingWriter.close
+            _settle(
+                self, self._settled, outcome, failure
+            )  # whatever happens: see StreamingWriter.close
             with _OPEN_WRITERS_LOCK:
                 _OPEN_WRITERS.discard(self)
-
-    def _settle(self, state: str, failure: BaseException | None = None) -> None:
-        self._state = state  # before the lock, as StreamingWriter._settle
-        self._failure = failure
-        with self._lock:
-            self._settled.notify_all()
 
     def _wait_settled(self) -> None:
         """As :meth:`StreamingWriter._wait_settled` (lock held)."""
