@@ -50,7 +50,7 @@ from ._sharding import (
     write_checkpoint,
 )
 from ._sources import ByteSource
-from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all
+from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all, write_all
 
 __all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
 
@@ -350,9 +350,7 @@ def _write_one(
     )
     with atomic_output(path, fsync=fsync, group=group) as fd:
         os.ftruncate(fd, layout.file_size)
-        head = memoryview(layout.header)
-        while head:
-            head = head[os.write(fd, head) :]
+        write_all(fd, layout.header)
         base = len(layout.header)
         writeback = Writeback(fd) if fsync else None
         for planned in layout.tensors:

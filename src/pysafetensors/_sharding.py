@@ -49,6 +49,7 @@ from ._writer import (
     partial_stem,
     partial_target,
     remove_stale_partial,
+    write_all,
     write_file,
 )
 
@@ -473,9 +474,7 @@ def write_index(
     path = os.path.join(os.fspath(folder), index_filename(filename_pattern))
     data = index_json(plan, metadata).encode("utf-8")
     with atomic_output(path, fsync=fsync, group=group) as fd:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
     return path
 
 

@@ -59,7 +59,9 @@ __all__ = [
     "Writeback",
     "atomic_output",
     "layout_for",
+    "pwrite_all",
     "serialize_to_bytes",
+    "write_all",
     "write_file",
     "write_layout",
 ]
@@ -226,6 +228,15 @@ class Writeback:
             self._sync = None  # not supported on this file system: stop asking
 
 
+def _wrote(n: int) -> int:
+    """``n``, the bytes a write call moved, checked for progress: a call that moves nothing while
+    bytes remain (a full FUSE or network file system may answer so) would have the loop call it
+    forever, so it is an I/O error, as Rust's ``write_all`` makes it (``WriteZero``)."""
+    if n <= 0:
+        raise OSError(errno.EIO, "a write call wrote 0 bytes of what remained to write")
+    return n
+
+
 def _write_all(fd: int, views: list[memoryview]) -> int:
     """``writev`` until every byte of ``views`` is written (handles short writes).
 
@@ -234,7 +245,7 @@ def _write_all(fd: int, views: list[memoryview]) -> int:
     """
     total = sum(v.nbytes for v in views)
     while views:
-        n = os.writev(fd, views)
+        n = _wrote(os.writev(fd, views))
         while views and n >= views[0].nbytes:
             n -= views[0].nbytes
             views.pop(0)
@@ -252,7 +263,14 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
     view = memoryview(data)
     done = 0
     while done < view.nbytes:
-        done += os.pwrite(fd, view[done : done + _PWRITE_MAX], offset + done)
+        done += _wrote(os.pwrite(fd, view[done : done + _PWRITE_MAX], offset + done))
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """``write`` all of ``data`` at ``fd``'s position (a call may write less than it was given)."""
+    view = memoryview(data)
+    while view:
+        view = view[_wrote(os.write(fd, view)) :]
 
 
 def write_layout(

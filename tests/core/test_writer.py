@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -318,6 +319,39 @@ def test_failed_write_leaves_target(tmp_path: Path) -> None:
         save_file({"__metadata__": np.zeros(1)}, path)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["f.safetensors"]
+
+
+@pytest.mark.parametrize("call", ["writev", "write", "pwrite"])
+def test_a_write_call_that_writes_nothing_fails_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """A file system that takes no bytes and reports no error (some FUSE and network ones):
+    retried forever before; an I/O error now, the previous file kept."""
+    path = tmp_path / "f.safetensors"
+    save_file({"x": np.zeros(2)}, path)
+    before = path.read_bytes()
+    calls = []
+
+    def nothing(*args: Any) -> int:
+        calls.append(args)
+        if len(calls) > 100:
+            raise AssertionError("the write was retried without end")
+        return 0
+
+    monkeypatch.setattr(os, call, nothing)
+    with pytest.raises(OSError) as caught:
+        if call == "writev":
+            save_file({"x": np.ones(4)}, path)
+        elif call == "write":
+            tensors = {"a": np.ones(4), "b": np.ones(4)}
+            pysafetensors.save_sharded(tensors, tmp_path / "shards", max_shard_size=40)
+        else:
+            pysafetensors.edit_metadata(path, {"k": "v"})
+    assert caught.value.errno == errno.EIO and len(calls) == 1
+    assert isinstance(caught.value, pysafetensors.SafetensorError)
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) in (["f.safetensors"], ["f.safetensors", "shards"])
+    assert not (tmp_path / "shards").exists() or not os.listdir(tmp_path / "shards")
 
 
 # ------------------------------------------------------------------------ TensorSpec / serialize

@@ -27,7 +27,7 @@ from .._adapter import chunk_values_widened, numpy_dtype
 from .._dtypes import DType, dtype_from_code
 from .._remote_urls import shown_name
 from .._sharding import index_text, pattern_for_stem, remove_stale_files
-from .._writer import SaveGroup, TensorData, atomic_output, write_file
+from .._writer import SaveGroup, TensorData, atomic_output, write_all, write_file
 from . import _chunk_work
 from ._chunk_work import ChunkWorkers, element_chunks
 from ._common import (
@@ -304,6 +304,4 @@ def _write_index(model: Model, path: str, data_bytes: dict[str, int], group: Sav
     meta["total_size"] = sum(data_bytes.values())
     index["metadata"] = meta
     with atomic_output(path, group=group) as fd:
-        view = memoryview((index_text(index) + "\n").encode("utf-8"))
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, (index_text(index) + "\n").encode("utf-8"))
