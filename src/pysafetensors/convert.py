@@ -51,6 +51,7 @@ from typing import Any, Final, Literal
 from ._errors import (
     CheckpointError,
     SafetensorError,
+    SerializeError,
     UnsafePickleError,
     WriteError,
     add_note,
@@ -258,7 +259,9 @@ def convert_file(
             fsync=fsync,
             unknown=unknown,
         )
-    except (CheckpointError, UnsafePickleError) as exc:
+    except (CheckpointError, UnsafePickleError, SerializeError) as exc:
+        # SerializeError: a tensor the pickle declares and the writer refuses (a shape whose
+        # product overflows 64 bits before its 0). I/O errors keep their own arguments.
         if isinstance(exc, UnsafePickleError) and exc.skippable:
             add_note(
                 exc,

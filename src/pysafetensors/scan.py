@@ -501,6 +501,15 @@ class _ScanPolicy:
                 self.where,
                 offset,
             )
+        elif _made_by(obj, REBUILDS):
+            # Tensor.__setstate__: a (storage, offset, size, stride) state points the tensor
+            # anywhere (torch's legacy set_ path); torch.save never writes one.
+            self.report._add(
+                "dangerous",
+                f"BUILD sets the state of a tensor {_maker(obj)} made",
+                self.where,
+                offset,
+            )
         return obj
 
     def persistent(self, pid: Any, offset: int, opcode: str) -> Any:
@@ -527,6 +536,16 @@ class _ScanPolicy:
             self.report._add(
                 "suspicious", f"{opcode} into a {type(target).__name__}", self.where, offset
             )
+        elif _made_by(target, REBUILDS):
+            # Items stored into a tensor: the pattern of CVE-2026-24747 (memory corruption
+            # under torch.load's weights_only).
+            self.report._add(
+                "dangerous", f"{opcode} into a tensor {_maker(target)} made", self.where, offset
+            )
+        elif not _made_by(target, _CONTAINERS):
+            self.report._add(
+                "suspicious", f"{opcode} into what {_maker(target)} returned", self.where, offset
+            )
 
     def unhashable(self, key: Any, offset: int) -> Any:
         return _Opaque()
@@ -543,6 +562,27 @@ class _ScanPolicy:
 
     def proto(self, protocol: int, offset: int) -> None:
         self.protocol = protocol
+
+
+#: Callables whose results pickles fill with SETITEM(S)/APPEND(S)/ADDITEMS: containers
+#: (``OrderedDict`` is how torch.save writes every state dict).
+_CONTAINERS: Final = {
+    (module, name)
+    for module in ("builtins", "__builtin__", "collections")
+    for name in ("dict", "list", "set", "OrderedDict", "defaultdict", "Counter")
+}
+
+
+def _made_by(value: Any, makers: set[tuple[str, str]]) -> bool:
+    """Whether ``value`` is what calling one of ``makers`` (``(module, name)`` globals) gave."""
+    func = value.func if isinstance(value, _SymCall) else None
+    return isinstance(func, _SymGlobal) and (func.module, func.name) in makers
+
+
+def _maker(value: _SymCall) -> str:
+    """The callable a call result came from, as findings name it."""
+    func = value.func
+    return f"{func.module}.{func.name}" if isinstance(func, _SymGlobal) else "a computed call"
 
 
 def _text(value: Any) -> str:

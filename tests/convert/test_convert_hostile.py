@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import random
 import resource
 import struct
 import subprocess
@@ -538,8 +539,19 @@ def test_a_tensor_safetensors_cannot_hold_is_refused_wherever_it_sits() -> None:
     policy = TorchPolicy()
     root = policy_machine(data, policy, None).run(0).value
     with pytest.raises(CheckpointError, match=r"^the checkpoint holds sparse tensors \(") as info:
-        _records(policy, root, {})
+        _records(policy, root, {}, 0)
     assert info.value.offset is not None and info.value.tensor is None
+
+
+def test_a_shape_the_writer_refuses_names_the_checkpoint(tmp_path: Path) -> None:
+    """A zero-size tensor whose product overflows 64 bits before its 0 passes every check
+    of the pickle and is refused by the writer, whose message did not say which file."""
+    src = tmp_path / "empty.pt"
+    make_zip(src, state_dict([("w", tensor(size=(1 << 62, 4, 0), stride=(0, 0, 1)))]))
+    with pytest.raises(SafetensorError, match=r"overflow") as info:
+        convert_file(src, tmp_path / "out.safetensors")
+    assert str(info.value).startswith(f"{src}: ") and info.value.kind == "ValidationOverflow"
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def _long1(value: int) -> bytes:
@@ -672,6 +684,26 @@ def test_overlapping_views_of_one_storage_are_bounded_in_all(tmp_path: Path) -> 
         numel - 1,
         numel - 2,
     ]
+
+
+def test_compressed_storages_do_not_multiply_the_bound(tmp_path: Path) -> None:
+    """The bound was a multiple of the storages' inflated size, which DEFLATE makes up to 100
+    times the bytes in the file: a 113 KB checkpoint of overlapping views wrote 629 MB. It is
+    a multiple of the file's size now (writing each storage once stays allowed)."""
+    numel, views = 2 << 20, 40  # an 8 MiB storage, ~60x compressed; 40 views write ~320 MiB
+    data = bytearray(numel * 4)
+    data[::64] = random.Random(0).randbytes(len(data) // 64)
+    items = [(f"t{k}", tensor(offset=k, size=(numel - k,), numel=numel)) for k in range(views)]
+    src = tmp_path / "deflated.pt"
+    make_zip(src, state_dict(items), {"0": bytes(data)}, compress=zipfile.ZIP_DEFLATED)
+    # Under the old bound (64 times the 8 MiB inflated), over the floor and 64 times the file.
+    assert src.stat().st_size * 64 < 256 << 20 < views * numel * 4 < 64 * numel * 4
+    with pytest.raises(CheckpointError, match=r"overlapping views .* would write \d+ bytes") as e:
+        convert_file(src, tmp_path / "out.safetensors")
+    assert e.value.kind == "ExpandedTensor" and not (tmp_path / "out.safetensors").exists()
+    # Two of the views (16 MiB, well under the bound) still convert.
+    make_zip(src, state_dict(items[:2]), {"0": bytes(data)}, compress=zipfile.ZIP_DEFLATED)
+    assert convert_file(src, tmp_path / "two.safetensors").tensors == ["t0", "t1"]
 
 
 def test_a_string_shared_through_the_memo_is_rendered_within_a_budget(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from pysafetensors import CheckpointError
 from pysafetensors.scan import grade_global, scan_file
 
 from .corpus import (
@@ -25,7 +26,9 @@ from .corpus import (
     make_legacy,
     make_zip,
     payload,
+    pid,
     state_dict,
+    tensor,
     write_tar,
 )
 
@@ -157,6 +160,52 @@ def test_legacy_with_trailing_pickle(tmp_path: Path) -> None:
 def test_unknown_global_is_suspicious(tmp_path: Path) -> None:
     data = P.PROTO2 + P.g("mylib.models", "Net") + b")R."
     assert scan_file(_write(tmp_path / "s.pkl", data)).grade == "suspicious"
+
+
+_MUTATED_TENSORS = {
+    # Items stored into a tensor: the pattern of CVE-2026-24747.
+    "SETITEM": tensor() + P.i(100) + P.u("x") + b"s",
+    "SETITEMS": tensor() + b"(" + P.i(100) + P.u("x") + b"u",
+    "APPENDS": tensor() + b"(" + P.i(100) + b"e",
+    # Tensor.__setstate__'s legacy set_ state: the tensor pointed past its storage.
+    "BUILD": tensor() + b"(" + pid() + P.i(1 << 20) + P.tup((1 << 16,)) + P.tup((1,)) + b"tb",
+}
+
+
+@pytest.mark.parametrize("opcode", list(_MUTATED_TENSORS))
+def test_pickles_that_change_a_tensor_are_dangerous(tmp_path: Path, opcode: str) -> None:
+    """Only globals and odd targets were graded: a tensor from an allowed rebuild, changed
+    afterwards, was "safe" (the converter refused it all along)."""
+    from pysafetensors import UnsafePickleError
+    from pysafetensors.convert import convert_file
+
+    pkl = state_dict([("w", _MUTATED_TENSORS[opcode])])
+    make_zip(tmp_path / "m.pt", pkl)
+    for path in (tmp_path / "m.pt", _write(tmp_path / "m.pkl", pkl)):
+        report = scan_file(path)
+        assert report.grade == "dangerous", path
+        assert any(f"{opcode} " in f.message and "tensor" in f.message for f in report.findings)
+    with pytest.raises((UnsafePickleError, CheckpointError)):
+        convert_file(tmp_path / "m.pt", tmp_path / "m.safetensors")
+
+
+def test_containers_filled_or_built_after_their_call_stay_safe(tmp_path: Path) -> None:
+    # How torch.save writes a state dict: OrderedDict() filled by SETITEMS, its _metadata set
+    # by BUILD; a defaultdict and a Counter are filled the same way.
+    odict = P.g("collections", "OrderedDict") + b")R"
+    filled = odict + b"(" + P.u("w") + tensor() + b"u}" + P.u("_metadata") + odict + b"sb"
+    counter = P.g("collections", "Counter") + b")R" + b"(" + P.u("a") + P.i(1) + b"u"
+    pkl = state_dict([("sd", filled), ("n", counter)])
+    make_zip(tmp_path / "c.pt", pkl)
+    report = scan_file(tmp_path / "c.pt")
+    assert (report.grade, report.findings) == ("safe", [])
+
+
+def test_items_stored_into_an_unknown_call_result_are_suspicious(tmp_path: Path) -> None:
+    data = P.PROTO2 + P.g("torch", "Size") + b")R" + P.i(0) + P.i(1) + b"s."
+    report = scan_file(_write(tmp_path / "s.pkl", data))
+    assert report.grade == "suspicious"
+    assert [f.message for f in report.findings] == ["SETITEM into what torch.Size returned"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
