@@ -199,6 +199,17 @@ def _whole_bytes(arr: np.ndarray) -> memoryview | None:
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 
 
+def _packed_blocks(arr: np.ndarray, dtype: DType) -> Iterator[np.ndarray]:
+    """An F4/F6 array's file bytes (one code a byte in memory, packed in the file), packed
+    ``SLAB_BYTES`` codes at a time: packing makes several temporaries of its input's size,
+    which for the whole array at once added three times the file's size to the save's peak
+    memory. The block's size is a multiple of every packing's group (2 or 4 codes), so blocks
+    pack on their own; ``arr.flat`` copies a block of a non-contiguous array in C order."""
+    flat = arr.reshape(-1) if arr.flags.c_contiguous else arr.flat
+    for start in range(0, arr.size, SLAB_BYTES):
+        yield pack_subbyte(np.asarray(flat[start : start + SLAB_BYTES]), dtype)
+
+
 def _array_slabs(arr: np.ndarray) -> Callable[[], Iterator[Any]]:
     """Bytes of ``arr`` in row-major little-endian order, copied a slab at a time: for the
     arrays whose memory does not hold them so (:func:`_whole_bytes` gives the others' as
@@ -224,9 +235,11 @@ def copied_slabs(
     copy: Callable[[np.ndarray, np.ndarray], None] = _numpy_copy,
     *,
     reuse_all: bool = False,
+    copy_all: bool = False,
 ) -> Iterator[np.ndarray]:
     """The bytes of ``arr`` in row-major little-endian order, as flat ``uint8`` arrays of at
-    most about ``SLAB_BYTES`` each, copied only where its memory does not hold them so.
+    most about ``SLAB_BYTES`` each, copied only where its memory does not hold them so (with
+    ``copy_all``, every slab is copied: ``copy`` changes the values on the way).
 
     Copies go through one buffer, reused for the next copy once the next chunk is asked for
     (as :attr:`TensorData.chunks` allows), except for the last chunk and small ones, which a
@@ -244,11 +257,11 @@ def copied_slabs(
     """
     target = arr.dtype.newbyteorder("<")
     buffer: np.ndarray | None = None
-    pieces = _row_blocks(arr)
+    pieces = _row_blocks(arr, whole=not copy_all)
     piece = next(pieces, None)
     while piece is not None:
         following = next(pieces, None)
-        if _whole_bytes(piece) is not None:
+        if not copy_all and _whole_bytes(piece) is not None:
             yield piece.reshape(-1).view(np.uint8)
         else:
             nbytes = piece.nbytes
@@ -263,20 +276,20 @@ def copied_slabs(
         piece = following
 
 
-def _row_blocks(arr: np.ndarray) -> Iterator[np.ndarray]:
+def _row_blocks(arr: np.ndarray, *, whole: bool = True) -> Iterator[np.ndarray]:
     """``arr`` cut into blocks of rows of at most about ``SLAB_BYTES`` (rows larger than that
-    cut into their own rows), in order; views, not copies. An array whose memory holds its
-    bytes in file order is one block: nothing to copy."""
+    cut into their own rows), in order; views, not copies. With ``whole``, an array whose
+    memory holds its bytes in file order is one block: nothing to copy."""
     if not arr.size:
         return
-    if arr.ndim == 0 or _whole_bytes(arr) is not None:
+    if arr.ndim == 0 or (whole and _whole_bytes(arr) is not None):
         yield arr
         return
     rows = arr.shape[0]
     row_bytes = arr.nbytes // rows
     if row_bytes > SLAB_BYTES and arr.ndim > 1:
         for row in range(rows):
-            yield from _row_blocks(arr[row])
+            yield from _row_blocks(arr[row], whole=whole)
         return
     step = max(1, SLAB_BYTES // row_bytes)
     for start in range(0, rows, step):
@@ -404,11 +417,7 @@ class NumpyAdapter:
         shape = tuple(tensor.shape)
         if dtype.packed:
             arr = tensor
-
-            def packed() -> Iterator[Any]:
-                yield pack_subbyte(np.ascontiguousarray(arr), dtype)
-
-            return TensorData(name, dtype, shape, packed, keepalive=tensor)
+            return TensorData(name, dtype, shape, lambda: _packed_blocks(arr, dtype), tensor)
         whole = _whole_bytes(tensor)
         if whole is not None:
             return TensorData(name, dtype, shape, (whole,).__iter__, tensor, whole)

@@ -509,11 +509,14 @@ class TorchAdapter:
             _check_memory(name, tensor)
         shape = logical_shape(dtype, tuple(tensor.shape))
         source = tensor
-        if tensor.is_conj() or tensor.is_neg():
-            # A lazy conjugate or negative view: its memory holds the values before the
-            # conjugation/negation, which is what writing that memory would save (the reference
-            # does: silently wrong values). Resolved into a copy instead.
-            source = tensor.resolve_conj().resolve_neg()
+        # A lazy conjugate or negative view: its memory holds the values before the
+        # conjugation/negation, which is what writing that memory would save (the reference
+        # does: silently wrong values). On the CPU the values are resolved a slab at a time
+        # (a copy of the whole tensor added its size to the save's peak); elsewhere the
+        # device makes the copy, in its own memory.
+        lazy = tensor.is_conj() or tensor.is_neg()
+        if lazy and tensor.device.type != "cpu":
+            source, lazy = tensor.resolve_conj().resolve_neg(), False
 
         def chunks() -> Iterator[Any]:
             t = source
@@ -527,6 +530,9 @@ class TorchAdapter:
                 return
             if t.device.type != "cpu":
                 t = t.to("cpu")
+            if lazy:
+                yield from _resolved_slabs(t, reuse_all=reused)
+                return
             if not t.is_contiguous():
                 # A slab of rows at a time (as numpy's non-contiguous arrays are written): a
                 # copy of the whole tensor added its size to the save's peak memory. Each slab
@@ -546,7 +552,7 @@ class TorchAdapter:
         # copied a slab at a time, every slab through one buffer where it is large.
         reused = (
             tensor.device.type == "cpu"
-            and not source.is_contiguous()
+            and (lazy or not source.is_contiguous())
             and slabs_reused(tensor.numel() * tensor.element_size())
         )
         return TensorData(name, dtype, shape, chunks, keepalive=tensor, reused=reused)
@@ -555,11 +561,35 @@ class TorchAdapter:
 def _slabs(tensor: torch.Tensor, *, reuse_all: bool = False) -> Iterator[np.ndarray]:
     """The bytes of a CPU tensor in row-major order, a slab at a time (see
     :func:`copied_slabs`), copied by torch through a numpy view of its bits."""
+    return copied_slabs(_bits_of(tensor), _torch_copy, reuse_all=reuse_all)
+
+
+def _bits_of(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory, as integers of the element's size: any dtype's
+    bits (float8, float4 pairs, bool) as a numpy dtype; complex128, the one 16-byte type,
+    numpy has as it is."""
     bits = _BITS_BY_SIZE.get(tensor.element_size())
-    # Integers of the element's size: any dtype's bits (float8, float4 pairs, bool) as a
-    # numpy dtype; complex128, the one 16-byte type, numpy has as it is.
-    view = (tensor if bits is None else tensor.view(bits)).numpy()
-    return copied_slabs(view, _torch_copy, reuse_all=reuse_all)
+    return (tensor if bits is None else tensor.view(bits)).numpy()
+
+
+def _resolved_slabs(tensor: torch.Tensor, *, reuse_all: bool) -> Iterator[np.ndarray]:
+    """The values of a lazy conjugate or negative CPU tensor, a slab at a time: its memory
+    (a plain tensor over the same storage, which torch lets numpy see) copied into each slab
+    and conjugated or negated there."""
+    memory = torch.empty(0, dtype=tensor.dtype).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+    )
+    conj, neg = tensor.is_conj(), tensor.is_neg()
+
+    def copy(out: np.ndarray, piece: np.ndarray) -> None:
+        _torch_copy(out, piece)
+        values = torch.from_numpy(out).view(tensor.dtype)
+        if conj:
+            values.conj_physical_()
+        if neg:
+            values.neg_()
+
+    return copied_slabs(_bits_of(memory.detach()), copy, reuse_all=reuse_all, copy_all=True)
 
 
 #: Integer types by element size: copies of raw bits (any dtype, float4 and float8 included,

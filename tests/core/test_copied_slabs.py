@@ -14,7 +14,7 @@ import pytest
 
 import pysafetensors._adapter as adapter
 from conftest import peak_growth_kib
-from pysafetensors.numpy import save, save_file
+from pysafetensors.numpy import load, save, save_file
 
 reference = pytest.importorskip("safetensors.numpy")
 
@@ -126,3 +126,66 @@ def test_a_save_holds_one_slab_at_a_time(tmp_path: Path, layout: str) -> None:
     # One 16 MiB buffer: 15.8 MiB measured. The last slab of each array in memory of its own,
     # and the previous array's buffer still held when the next one's was made: 31.8 MiB.
     assert grew < 24 * 1024, f"grew by {grew} KiB"
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e3m2fn])
+def test_sub_byte_arrays_are_packed_a_block_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, dtype: type
+) -> None:
+    # Blocks of 8 codes: a 6x10 array packs in 8 blocks, transposed too.
+    monkeypatch.setattr(adapter, "SLAB_BYTES", 8)
+    codes = np.random.default_rng(1).integers(0, 16, (6, 10), dtype=np.uint8).view(dtype)
+    for arr in (codes, codes.T, codes[::-1]):
+        monkeypatch.setattr(adapter, "SLAB_BYTES", 8)
+        blocked = save({"x": arr})
+        monkeypatch.setattr(adapter, "SLAB_BYTES", 1 << 20)
+        assert blocked == save({"x": np.ascontiguousarray(arr)})
+        assert np.array_equal(load(blocked)["x"].view(np.uint8), arr.view(np.uint8))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_a_sub_byte_save_holds_one_block_at_a_time(tmp_path: Path) -> None:
+    setup = """
+        import ml_dtypes, numpy as np
+        from pysafetensors.numpy import save_file
+        # 256 MiB of codes (128 MiB in the file), packed whole: 384 MiB of temporaries.
+        codes = np.ones((16384, 16384), np.uint8).view(ml_dtypes.float4_e2m1fn)
+        arrays = {"c": codes, "t": codes[:4096].T}
+    """
+    grew = peak_growth_kib(setup, "save_file(arrays, sys.argv[1])", str(tmp_path / "o"))
+    assert grew < 64 * 1024, f"grew by {grew} KiB"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_a_lazy_conjugate_is_resolved_a_slab_at_a_time(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    setup = """
+        import torch
+        from pysafetensors.torch import save_file
+        # 256 MiB, conjugated lazily: resolved whole, a copy of its size.
+        tensors = {"c": torch.ones((4096, 8192), dtype=torch.complex64).conj()}
+    """
+    grew = peak_growth_kib(setup, "save_file(tensors, sys.argv[1])", str(tmp_path / "o"))
+    assert grew < 64 * 1024, f"grew by {grew} KiB"
+
+
+def test_lazy_conjugates_and_negatives_keep_their_values_across_slabs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    from pysafetensors._torch_adapter import ADAPTER
+
+    monkeypatch.setattr(adapter, "SLAB_BYTES", 64)
+    monkeypatch.setattr(adapter, "WRITEV_BYTES", 32)
+    base = torch.randn(12, 7, dtype=torch.complex64)
+    views = {
+        "conj": base.conj(),
+        "conj_t": base.conj().T,
+        "neg": base._neg_view(),
+        "both_strided": base._neg_view().conj()[::2, 1::3],
+        "neg_real_t": base.conj().imag.T,
+    }
+    for name, view in views.items():
+        data = ADAPTER.to_data(name, view)
+        written = b"".join(bytes(chunk) for chunk in data.chunks())
+        assert written == view.resolve_conj().resolve_neg().contiguous().numpy().tobytes(), name
