@@ -443,6 +443,13 @@ def input_path(value: Any, argument: str = "filename") -> str:
     """A path to read from (:func:`path_argument`); one with a NUL byte is not found."""
     path = path_argument(value, argument)
     if "\x00" in path:
+        if isinstance(value, bytes):
+            # A file's contents given as its name (the reference refuses bytes here): the
+            # message would otherwise quote all of them.
+            raise TypeError(
+                f"argument '{argument}': bytes with a NUL byte ({len(value)} bytes) are no file "
+                "name; pass a file's contents as a bytearray, memoryview or file object"
+            )
         raise nul_in_path(path, writing=False)
     return path
 

@@ -252,14 +252,24 @@ def plan_slice(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
     return _plan_general(shape, dtype, index)
 
 
+def _length(r: range) -> int:
+    """``len(r)``, also for a range longer than ``sys.maxsize``, where ``len`` raises
+    ``OverflowError`` (a dimension of 2^63 or more, which a zero-size tensor may declare):
+    the plan's shape then says so, and the shape check refuses it with a named error."""
+    try:
+        return len(r)
+    except OverflowError:
+        return max(0, (r.stop - r.start + r.step - (1 if r.step > 0 else -1)) // r.step)
+
+
 def _plan_general(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan:
     """:func:`plan_slice` for any index (see the module docstring)."""
     if isinstance(index, tuple) and index == ():
         index = (Ellipsis,)
     sel = _normalize(index, shape)
-    out_shape = tuple(len(s) for s in sel if isinstance(s, range))
+    out_shape = tuple(_length(s) for s in sel if isinstance(s, range))
     selection = tuple(s if isinstance(s, int) else slice(s.start, s.stop, s.step) for s in sel)
-    counts = [1 if isinstance(s, int) else len(s) for s in sel]
+    counts = [1 if isinstance(s, int) else _length(s) for s in sel]
     nelem = 1
     for c in counts:
         nelem *= c
@@ -275,7 +285,7 @@ def _plan_general(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan
     k = len(sel)
     while k > 0:
         s = sel[k - 1]
-        if isinstance(s, range) and s.step == 1 and len(s) == shape[k - 1]:
+        if isinstance(s, range) and s.step == 1 and _length(s) == shape[k - 1]:
             k -= 1
             continue
         break
@@ -285,9 +295,9 @@ def _plan_general(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan
     lead = k
     if k > 0:
         s = sel[k - 1]
-        if isinstance(s, int) or s.step == 1 or len(s) == 1:
+        if isinstance(s, int) or s.step == 1 or _length(s) == 1:
             # A step-1 range (or a single index) extends the run; its start is the base offset.
-            run_elems *= 1 if isinstance(s, int) else len(s)
+            run_elems *= 1 if isinstance(s, int) else _length(s)
             lead = k - 1
 
     # Offsets are computed in bytes where elements are whole bytes, and in place: a selection
@@ -489,7 +499,7 @@ def as_whole_bytes(
     last = sel[k - 1]
     if isinstance(last, int):
         last = slice(last, last + 1, 1)
-    count = len(range(last.start, last.stop, last.step))
+    count = _length(range(last.start, last.stop, last.step))
     if last.step == 1 or count == 1:
         begin, end = last.start, last.start + count
     elif k < len(sel):
@@ -513,14 +523,14 @@ def _advanced_item(item: Any) -> np.ndarray | None:
         return None
     if isinstance(item, (bool, np.bool_)):
         return np.asarray(item)
-    if isinstance(item, (list, tuple, np.ndarray)) or hasattr(item, "__array__"):
+    if isinstance(item, (list, tuple, range, np.ndarray)) or hasattr(item, "__array__"):
         try:
             arr = np.asarray(item)
         except (ValueError, TypeError):  # ragged nesting
             return np.asarray(item, dtype=object)
         if arr.ndim == 0 and arr.dtype.kind in "iu":
             return None  # a 0-d integer array (or tensor) is an integer
-        if isinstance(item, (list, tuple)) and arr.size == 0:
+        if isinstance(item, (list, tuple, range)) and arr.size == 0:
             arr = arr.astype(np.int64)  # [] is an empty integer index, not float64
         return arr
     return None

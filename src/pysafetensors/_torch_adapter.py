@@ -15,7 +15,7 @@ import torch
 from ._adapter import copied_slabs, invalid_tensor_error, slabs_reused
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
-from ._errors import DeviceError, DTypeNotSupportedError, SerializeError
+from ._errors import DeviceError, DTypeNotSupportedError, SerializeError, SliceError
 from ._format import SERIALIZE_PREFIX, gc_paused
 from ._writer import TensorData
 
@@ -63,6 +63,40 @@ _SEQUENCE_AS_TUPLE: Final = (
     "interpreted as tensor index, x[torch.tensor(seq)], which will result either in an error or "
     "a different result"
 )
+
+
+#: torch's words for a byte tensor used as an index, which it reads as a boolean mask.
+_BYTE_MASK: Final = (
+    "indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead."
+)
+#: Integer tensors torch takes as index values; its other integer tensors it refuses.
+_INDEX_DTYPES: Final = (torch.int64, torch.int32, torch.uint8, torch.bool)
+
+
+def _torch_index_item(item: Any) -> Any:
+    """One item of a ``get_slice`` index as torch reads it: a ``uint8`` tensor or array (0-d
+    included) is a boolean mask, as torch takes it (with its deprecation warning), not the
+    integers numpy sees; integer tensors of other widths are refused, as torch refuses them.
+
+    Raises:
+        SliceError: A tensor of an integer type torch does not index with.
+    """
+    if isinstance(item, torch.Tensor):
+        if item.dtype == torch.uint8:
+            if item.ndim:  # torch warns of masks, not of a 0-d one (an axis of 1 or 0)
+                warnings.warn(_BYTE_MASK, UserWarning, stacklevel=5)
+            return np.asarray(item.numpy(force=True) != 0)  # 0-d stays an array, not np.bool_
+        if item.ndim and item.dtype not in _INDEX_DTYPES and not item.is_floating_point():
+            raise SliceError(
+                "tensors used as indices must be long, int, byte or bool tensors (got "
+                f"{item.dtype})",
+                kind="InvalidSlice",
+            )
+    elif isinstance(item, np.ndarray) and item.dtype == np.uint8:
+        if item.ndim:
+            warnings.warn(_BYTE_MASK, UserWarning, stacklevel=5)
+        return np.asarray(item != 0)
+    return item
 
 
 def _tuple_like(item: Any) -> bool:
@@ -249,8 +283,10 @@ class TorchAdapter:
         """
         if isinstance(index, list) and len(index) < 32 and any(map(_tuple_like, index)):
             warnings.warn(_SEQUENCE_AS_TUPLE, UserWarning, stacklevel=4)
-            return tuple(index)
-        return index
+            index = tuple(index)
+        if isinstance(index, tuple):
+            return tuple(map(_torch_index_item, index))
+        return _torch_index_item(index)
 
     def pick_cells(self, cells: np.ndarray, pick: tuple[Any, ...]) -> np.ndarray:
         """``cells[pick]`` by torch's indexing rules (used by advanced ``get_slice`` indices).

@@ -220,6 +220,66 @@ def test_empty_mask_axes_match_any_dimension_as_numpy_not_torch(model: Path, bac
         f.get_slice("a")[torch.tensor([], dtype=torch.bool)]
 
 
+_BYTE_MASK_WARNING = "indexing with dtype torch.uint8 is now deprecated"
+
+
+def _torch_index_items() -> dict[str, Any]:
+    return {
+        "uint8 tensor": torch.tensor([1, 0, 1], dtype=torch.uint8),
+        "uint8 array": np.array([0, 0, 2], np.uint8),
+        "0-d uint8 tensor": torch.tensor(2, dtype=torch.uint8),
+        "0-d uint8 zero": torch.tensor(0, dtype=torch.uint8),
+        "0-d uint8 array": np.array(3, np.uint8),
+        "uint8 scalar": np.uint8(2),
+        "2-d uint8 mask": (torch.arange(12).reshape(3, 4) % 3 == 0).to(torch.uint8),
+        "row, uint8 mask": (0, torch.tensor([1, 0, 0, 1], dtype=torch.uint8)),
+        "int16 array": np.array([0, 2], np.int16),
+        "uint64 array": np.array([2, 1], np.uint64),
+        "int32 tensor": torch.tensor([2, 0], dtype=torch.int32),
+        "0-d int16 tensor": torch.tensor(1, dtype=torch.int16),
+        "int8 tensor": torch.tensor([0, 2], dtype=torch.int8),
+        "uint16 tensor": torch.tensor([0, 2], dtype=torch.uint16),
+        "uint64 tensor": torch.tensor([0, 2], dtype=torch.uint64),
+        "range": range(2),
+        "range, reversed": (slice(None), range(3, 0, -1)),
+    }
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+@pytest.mark.parametrize("case", list(_torch_index_items()))
+def test_torch_index_tensors_are_read_as_torch_reads_them(
+    model: Path, backend: str, case: str
+) -> None:
+    """torch reads a uint8 tensor or array (0-d included) as a boolean mask, and refuses
+    integer tensors of other widths than 32 and 64 bits; these were read as numpy reads them
+    (rows 1, 0, 1), unlike the reference's torch slices. ``range`` is a list to both."""
+    index = _torch_index_items()[case]
+    with ref.safe_open(str(model), "pt") as r, safe_open(model, "pt", backend=backend) as o:
+        with warnings.catch_warnings(record=True) as theirs_warned:
+            warnings.simplefilter("always")
+            theirs = _outcome(lambda: r.get_slice("a")[index])
+        with warnings.catch_warnings(record=True) as ours_warned:
+            warnings.simplefilter("always")
+            mine = _outcome(lambda: o.get_slice("a")[index])
+    assert mine[0] == theirs[0], (mine, theirs)
+    if mine[0] == "ok":
+        assert mine[1].shape == theirs[1].shape and torch.equal(mine[1], theirs[1])
+    else:
+        assert issubclass(mine[1], IndexError) and issubclass(mine[1], SafetensorError)
+        assert mine[2].startswith(theirs[2])
+    # torch's own words, which it follows with where in its sources it said them.
+    for warned in (theirs_warned, ours_warned):
+        said = any(str(w.message).startswith(_BYTE_MASK_WARNING) for w in warned)
+        assert said == ("uint8" in case and not case.startswith(("0-d", "uint8 scalar"))), warned
+
+
+def test_numpy_slices_take_a_range_as_numpy_does(model: Path) -> None:
+    full = ours_np.load_file(model)["a"]
+    with safe_open(model, "np") as f:
+        for index in (range(2), (0, range(3, 0, -1)), range(0)):
+            assert np.array_equal(f.get_slice("a")[index], full[index]), index
+
+
 def test_bool_is_an_axis_not_an_integer(model: Path) -> None:
     # Python bools are ints; indexing with one must not silently select row 1.
     with safe_open(model, "pt") as f:
@@ -1125,6 +1185,21 @@ def test_a_nul_in_a_filename_is_an_os_error_as_there(tmp_path: Path) -> None:
         ours_np.save_file({"a": np.ones(1)}, path)
     assert info.value.errno == 22 and isinstance(info.value, OSError)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_s_bytes_given_as_its_name_are_a_short_type_error(model: Path) -> None:
+    """bytes name a file here, and a file's bytes hold NULs: the not-found error quoted all
+    of them (16 MB of message for a 4 MB file). The reference refuses bytes as TypeError."""
+    from pysafetensors.parallel import load_shard
+
+    data = model.read_bytes()
+    assert _outcome(lambda: ref.safe_open(data, "np"))[1] is TypeError
+    for call in (lambda: safe_open(data, "np"), lambda: load_shard(data, 0, 2, {}, "np")):
+        with pytest.raises(TypeError, match=r"bytes with a NUL byte") as info:
+            call()
+        assert len(str(info.value)) < 200 and "bytearray, memoryview or file object" in str(
+            info.value
+        )
 
 
 @pytest.mark.parametrize(

@@ -184,6 +184,27 @@ def test_scalar_and_zero_size(tmp_path: Path) -> None:
         assert f.get_slice("z")[:5].shape == (0, 3)
 
 
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_slices_of_a_dimension_past_63_bits_are_named_errors(
+    tmp_path: Path, framework: str
+) -> None:
+    """A zero-size tensor may declare a dimension of 2^63 or more: its slices raised Python's
+    OverflowError (``len`` of the range), no SafetensorError."""
+    if framework == "pt":
+        pytest.importorskip("torch")
+    huge = 2**63 + 5
+    header = {"a": {"dtype": "F32", "shape": [huge, 0], "data_offsets": [0, 0]}}
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(raw_file(header))
+    with safe_open(path, framework) as f:
+        s = f.get_slice("a")
+        for index, rows in ((..., huge), (slice(1, None), huge - 1)):
+            with pytest.raises(SafetensorError, match=rf"tensor `a` \(F32 \[{rows}, 0\]\)"):
+                s[index]
+        assert tuple(s[:5].shape) == (5, 0)
+        assert tuple(s[huge - 2 :].shape) == (2, 0)
+
+
 def test_same_as_reference_for_in_range(sample: tuple[Path, dict[str, np.ndarray]]) -> None:
     """Where the reference's Rust slicer accepts an index, the results are equal."""
     ref = pytest.importorskip("safetensors")
