@@ -335,6 +335,11 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
 
     # R6/R7: the same walk as the strict parser, but a failure is recorded and the walk goes on
     # from the furthest byte covered so far.
+    def where_in_data(pos: int, name: str) -> int | None:
+        # A byte of the file where there is one; an offset past its end (a header may say
+        # 2^64 - 1) would be no place to look, so the tensor's key in the header instead.
+        return data_start + pos if pos <= data_size else key_offset(name)
+
     entries.sort(key=lambda e: (e.begin, e.end, e.name))
     running = 0
     previous: str | None = None
@@ -345,7 +350,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 "InvalidOffset",
                 f"invalid offset: {where} ends before it begins",
                 tensor=e.name,
-                offset=data_start + e.begin,
+                offset=where_in_data(e.begin, e.name),
             )
             e.ok = False
             continue
@@ -355,7 +360,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 f"invalid offset: {where} leaves a hole of {e.begin - running} bytes after "
                 + (f"tensor {previous!r}" if previous is not None else "the start of the data"),
                 tensor=e.name,
-                offset=data_start + running,
+                offset=where_in_data(running, e.name),
             )
             e.ok = False
         elif e.begin < running:
@@ -364,7 +369,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 f"invalid offset: {where} overlaps the previous tensor {previous!r}, which ends "
                 f"at {running}",
                 tensor=e.name,
-                offset=data_start + e.begin,
+                offset=where_in_data(e.begin, e.name),
             )
             e.ok = False
         nbits = checked_nbits(e.shape, e.dtype)
@@ -374,7 +379,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 f"overflow computing buffer size from shape and/or element type "
                 f"({e.dtype.code} {list(e.shape)})",
                 tensor=e.name,
-                offset=data_start + e.begin,
+                offset=where_in_data(e.begin, e.name),
             )
             e.ok = False
         elif nbits % 8:
@@ -382,7 +387,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 "MisalignedSlice",
                 f"{e.dtype.code} {list(e.shape)} is {nbits} bits, not a whole number of bytes",
                 tensor=e.name,
-                offset=data_start + e.begin,
+                offset=where_in_data(e.begin, e.name),
             )
             e.ok = False
         elif e.end - e.begin != nbits // 8:
@@ -391,7 +396,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 f"invalid shape, data type, or offset: {e.dtype.code} {list(e.shape)} needs "
                 f"{nbits // 8} bytes but {where} span {e.end - e.begin}",
                 tensor=e.name,
-                offset=data_start + e.begin,
+                offset=where_in_data(e.begin, e.name),
             )
             e.ok = False
         if e.end > running:
@@ -711,6 +716,8 @@ class ModelFiles:
     """The index JSON, when it could be read."""
     weight_map: dict[str, str] | None = None
     """Tensor name to shard label, from the index."""
+    refused: set[str] = field(default_factory=set)
+    """Tensors the index lists with a shard name it cannot have (reported as problems)."""
     problems: list[Problem] = field(default_factory=list)
     """Errors met while locating the files (bad index, unsafe or missing shard names)."""
 
@@ -756,9 +763,7 @@ def _read_small(
             opened = open_source(target, storage_options=storage_options)
         with contextlib.closing(opened) as src:
             if src.size > limit:
-                raise SafetensorError(
-                    f"{shown_location(target)}: index is {src.size} bytes, over {limit}"
-                )
+                raise _IndexTooLarge(f"index is {src.size} bytes, over the limit of {limit}")
             buf = bytearray(src.size)
             if src.size:
                 src.readinto(0, memoryview(buf))
@@ -766,8 +771,13 @@ def _read_small(
     with open(open_regular_file(target), "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise SafetensorError(f"{target}: index is over {limit} bytes")
+        raise _IndexTooLarge(f"index is over the limit of {limit} bytes")
     return data
+
+
+class _IndexTooLarge(SafetensorError):
+    """An index over the size limit: a problem of the model (``IndexInvalid``), as any other
+    unusable index, not a failure to run."""
 
 
 def _join(base: str, name: str) -> str:
@@ -837,6 +847,9 @@ def _from_index(
         # Decoded as the reader decodes it: strict UTF-8 (json.loads of bytes would also take
         # UTF-16/32 and a byte-order mark, which the reader refuses).
         obj = json.loads(_read_small(index_path, limit, storage_options, opened).decode("utf-8"))
+    except _IndexTooLarge as exc:
+        bad("IndexInvalid", str(exc))
+        return model
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # RecursionError: arrays or objects nested deeper than the parser's recursion limit.
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
@@ -863,12 +876,14 @@ def _from_index(
                 f"weight_map value is {type(shard).__name__}, not a file name",
                 tensor,
             )
+            model.refused.add(tensor)
             continue
         why = unsafe_shard_name(shard)
         if why is not None:
             if shard not in refused:
                 bad("UnsafeShardName", f"refusing shard name {shard!r}: {why}", tensor)
                 refused.add(shard)
+            model.refused.add(tensor)
             continue
         shard = normal_shard_name(shard)
         clean[tensor] = shard
@@ -919,6 +934,8 @@ def _check_index(
         if model.sharded:
             col.warn("NoIndex", "several safetensors files but no *.safetensors.index.json")
         return
+    if model.weight_map is None:
+        return  # no weight_map to check against (an IndexInvalid problem already)
     for tensor, shard in weight_map.items():
         tensors = headers.get(shard)
         if tensors is None or tensor in tensors:
@@ -937,7 +954,8 @@ def _check_index(
                 tensor=tensor,
             )
     for tensor, shards in holders.items():
-        if tensor not in weight_map:
+        # A tensor listed with a refused shard name is listed (its problem is that name).
+        if tensor not in weight_map and tensor not in model.refused:
             col.error(
                 "IndexTensorUnlisted",
                 f"{', '.join(shards)} holds this tensor but the index does not list it",
@@ -960,7 +978,9 @@ def _check_index(
         # a problem of its own, not a repeat of the ones above.
         low = sum(n for t, n in sizes.items() if t in weight_map)
         unlisted = sum(n for t, n in sizes.items() if t not in weight_map)
-        missing = any(t not in sizes for t in weight_map)
+        # A tensor listed with a refused shard name counts as missing: held or not, the
+        # total may count it, so there is no upper bound.
+        missing = bool(model.refused) or any(t not in sizes for t in weight_map)
         declared = declared_total_size(total)
         if declared is None or declared < low or (not missing and declared > low + unlisted):
             if missing:

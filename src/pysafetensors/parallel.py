@@ -583,6 +583,12 @@ def load_shard(
     """
     rank, world_size = _check_group(rank, world_size)  # before opening anything
     _check_options(rules, default, uneven)
+    if isinstance(backend, str) and backend not in ("auto", "mmap", "pread"):
+        # safe_open's own check would list only its two, not this function's default.
+        raise SafetensorError(
+            f'backend "{backend}" is invalid (expected one of: "auto", "mmap", "pread")',
+            kind="InvalidBackend",
+        )
     if isinstance(names, (str, bytes)):
         raise TypeError(f"names must be an iterable of tensor names, not one name: {names!r:.60}")
     # "auto" reads by positioned reads and maps the same open file for the column splits.

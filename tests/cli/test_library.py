@@ -86,6 +86,15 @@ def test_validator_collects_many_problems() -> None:
     assert all(p.offset is not None for p in problems if p.tensor in ("b", "c"))
 
 
+def test_offsets_past_the_end_of_the_file_point_at_the_tensor_s_key() -> None:
+    # A header may declare any offsets (2^64 - 1): reported as bytes of the file, they were
+    # past its end (and past 2^64, which many JSON readers cannot hold exactly).
+    text = '{"a":{"dtype":"U8","shape":[0],"data_offsets":[18446744073709551615,0]}}'
+    data = raw_file(text.encode(), bytes(8))
+    problems = [p for p in validate_source(BufferSource(data)) if p.code == "InvalidOffset"]
+    assert problems and all(p.offset == 8 + text.index('"a"') for p in problems), problems
+
+
 def test_validator_locates_each_tensor_by_its_own_key() -> None:
     # Offsets came from the first textual match of `"name":`: a tensor named "dtype" was
     # placed at the first tensor's dtype field, a tensor named like a metadata key inside the

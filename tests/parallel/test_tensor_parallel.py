@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 
 import pysafetensors.torch as ptorch  # noqa: E402
+from pysafetensors import SafetensorError  # noqa: E402
 from pysafetensors.numpy import save_file  # noqa: E402
 from pysafetensors.parallel import load_shard, plan_shard, shard_range  # noqa: E402
 
@@ -371,6 +372,10 @@ def test_malformed_options_are_refused_whatever_the_tensors(tmp_path: Path) -> N
         load_shard(path, 0, 2, {}, framework="np", names="a.norm.weight")
     with pytest.raises(TypeError, match="dimension"):
         plan_shard({"a": [4.7]}, 0, 2, {"*": "rows"})  # was silently 4
+    # safe_open's message listed its two backends, not the default "auto" of load_shard.
+    expected = r'backend "AUTO" is invalid \(expected one of: "auto", "mmap", "pread"\)'
+    with pytest.raises(SafetensorError, match=expected):
+        load_shard(path, 0, 2, {}, framework="np", backend="AUTO")  # type: ignore[arg-type]
 
 
 def test_in_memory_buffers_are_copied_not_viewed() -> None:

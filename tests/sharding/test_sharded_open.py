@@ -19,7 +19,7 @@ from pysafetensors import (
     safe_open,
     save_sharded,
 )
-from pysafetensors._validate import validate
+from pysafetensors._validate import locate_model, validate
 from pysafetensors.numpy import load_file, save_file
 
 
@@ -264,6 +264,37 @@ def test_unsafe_shard_names(tmp_path: Path, bad: str) -> None:
     # The command line's validate refuses the same names by the same rule.
     codes = [p.code for p in validate(str(tmp_path)) if p.severity == "error"]
     assert "UnsafeShardName" in codes
+
+
+@pytest.mark.parametrize("entry", ["../x.safetensors", 7, None])
+def test_a_refused_index_entry_is_its_only_problem(tmp_path: Path, entry: Any) -> None:
+    """A tensor listed with a shard name the index cannot have was then counted as unlisted
+    (its shard holds it) and left out of the total's bounds: two false errors beside the one
+    about its name."""
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A, "b": B}})
+    _write_index(tmp_path, {"a": "s1.safetensors", "b": entry}, total_size=64)
+    problems = [p for p in validate(str(tmp_path)) if p.severity == "error"]
+    assert [(p.code, p.tensor) for p in problems] == [
+        ("UnsafeShardName" if isinstance(entry, str) else "IndexInvalid", "b")
+    ]
+
+
+def test_an_index_without_a_weight_map_is_its_only_problem(tmp_path: Path) -> None:
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 16}, "weight_map": []}))
+    codes = [p.code for p in validate(str(tmp_path)) if p.severity == "error"]
+    assert codes == ["IndexInvalid"]  # and no IndexTotalSize against no tensors
+
+
+def test_an_index_over_the_size_limit_is_a_problem_of_the_model(tmp_path: Path) -> None:
+    """It raised, which the command line reports as a failure to run (exit 2, no JSON)."""
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}})
+    _write_index(tmp_path, {"a": "s1.safetensors"}, note="x" * 200)
+    model = locate_model(tmp_path, max_index_size=100)
+    assert [(p.code, p.message) for p in model.problems] == [
+        ("IndexInvalid", "index is over the limit of 100 bytes")
+    ]
 
 
 def test_shard_names_with_nul_are_refused_by_the_reader_too(tmp_path: Path) -> None:
