@@ -85,6 +85,36 @@ def test_a_shard_of_a_cold_file_reads_only_its_bytes(cold_file: Path) -> None:
             assert np.array_equal(v, f.get_tensor(k)[64:128])
 
 
+def test_row_slices_of_a_cold_mapping_read_only_their_bytes(
+    cold_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copied out of the mapping, a part's pages came in readahead windows that ran past it:
+    4-5 times its bytes off the disk. A part not in the page cache is read by positioned
+    reads with readahead off instead, under backend="mmap" too (get_slice and load_shard)."""
+    from pysafetensors import _reader
+    from pysafetensors.parallel import load_shard
+
+    monkeypatch.setattr(_reader, "PREFETCH_MIN", 256 * 1024)  # the parts here are 512 KiB
+    wanted = 8 * 64 * 8192  # 4 MiB of the 32 MiB file
+    with pysafetensors.safe_open(str(cold_file), "np") as f:
+        whole = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    for rows in (slice(64, 128), slice(448, 512)):
+        _evict(cold_file)
+        before = _read_bytes()
+        with pysafetensors.safe_open(str(cold_file), "np", backend="mmap") as f:
+            got = {k: f.get_slice(k)[rows] for k in f.keys()}  # noqa: SIM118
+        fetched = _read_bytes() - before
+        # The header's pages and page rounding: a few hundred KiB more, not the windows.
+        assert wanted <= fetched <= wanted + 512 * 1024, (rows, fetched)
+        assert all(np.array_equal(v, whole[k][rows]) for k, v in got.items())
+    _evict(cold_file)
+    before = _read_bytes()
+    parts = load_shard(str(cold_file), 1, 8, {"*": "rows"}, framework="np", backend="mmap")
+    fetched = _read_bytes() - before
+    assert wanted <= fetched <= wanted + 512 * 1024, fetched
+    assert all(np.array_equal(v, whole[k][64:128]) for k, v in parts.items())
+
+
 def test_reopened_descriptor_is_the_same_file(tmp_path: Path) -> None:
     path = tmp_path / "x.bin"
     path.write_bytes(bytes(range(256)) * 64)
