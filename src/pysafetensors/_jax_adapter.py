@@ -91,8 +91,12 @@ class JaxAdapter:
                 UserWarning,
                 stacklevel=_caller_stacklevel(),
             )
-        # jnp.asarray copies into a jax buffer, so views of a memory map are not kept alive.
-        return jnp.asarray(_NUMPY.from_bytes(buf, dtype, shape, device))
+        # jnp.asarray copies into a jax buffer, but asynchronously: ``buf`` may view a memory
+        # map, which the copy read after the load had returned (a file truncated meanwhile
+        # killed the process with SIGBUS; one rewritten put its new bytes into the array).
+        # Waited for here, the array holds the file's bytes as they were and maps nothing.
+        array = jnp.asarray(_NUMPY.from_bytes(buf, dtype, shape, device))
+        return array.block_until_ready()
 
     def to_data(self, name: str, tensor: Any) -> TensorData:
         if isinstance(tensor, jax.Array):

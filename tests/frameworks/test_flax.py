@@ -134,3 +134,35 @@ def test_x64_warning_points_at_the_callers_line(tmp_path: Any) -> None:
             f.get_tensor("i")
             f.get_slice("i")[:2]
     assert {w.filename for w in caught} == {__file__}
+
+
+def test_loaded_arrays_do_not_read_the_file_afterwards(tmp_path: Any) -> None:
+    """jnp.asarray copies asynchronously: the copy out of the memory map ran after the load
+    had returned, so a file truncated right after killed the process (SIGBUS) and one
+    rewritten put its new bytes into arrays already returned. Run in a child, which such a
+    crash kills instead of the test run."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "t.safetensors"
+    script = f"""
+import os, numpy as np, jax
+import pysafetensors, pysafetensors.flax, pysafetensors.numpy
+path = {str(path)!r}
+sums = []
+for load in ("get_tensor", "load_file"):
+    pysafetensors.numpy.save_file({{"a": np.ones(1 << 20, np.float32)}}, path)
+    if load == "get_tensor":
+        with pysafetensors.safe_open(path, "flax") as f:
+            t = f.get_tensor("a")
+    else:
+        t = pysafetensors.flax.load_file(path)["a"]
+    os.truncate(path, 100)
+    sums.append(float(t.sum()))
+print(sums)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.strip() == str([float(1 << 20)] * 2)
