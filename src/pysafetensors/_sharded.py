@@ -25,6 +25,7 @@ import json
 import operator
 import os
 import re
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
@@ -303,6 +304,9 @@ def _parse_index(
             kind="InvalidIndex",
         )
     weight_map: dict[str, str] = {}
+    # Each distinct shard name checked once: a million entries naming a few hundred shards
+    # took 7 s checking each entry's name (Windows path rules included), 1.4 s to parse.
+    normal: dict[str, str] = {}
     for tensor, shard in obj["weight_map"].items():
         if not isinstance(shard, str):
             raise ShardIndexError(
@@ -311,8 +315,11 @@ def _parse_index(
                 kind="InvalidIndex",
                 tensor=tensor,
             )
-        _check_shard_name(shard, path, tensor)
-        weight_map[tensor] = normal_shard_name(shard)
+        name = normal.get(shard)
+        if name is None:
+            _check_shard_name(shard, path, tensor)
+            name = normal[shard] = normal_shard_name(shard)
+        weight_map[tensor] = name
     metadata = obj.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise ShardIndexError(
@@ -436,6 +443,13 @@ class ShardedSafeOpen(HandleBehaviour):
         target, is_index, opened = resolve_checkpoint(path, self._options.get("storage_options"))
         self._path = target
         self._base = url_dirname(target) if looks_like_url(target) else os.path.dirname(target)
+        # Where the files are, to open and stat them: shards are opened as their tensors are
+        # first read, and a relative path is the folder it named then, not wherever os.chdir
+        # has gone since (the index, looked up there, read as saved again). Paths shown and
+        # returned stay as given.
+        local = not looks_like_url(target)
+        self._path_at = os.path.abspath(target) if local else target
+        self._base_at = os.path.abspath(self._base) if local else self._base
         # A single file opened as a checkpoint is read from its own path (a URL keeps its
         # query string and escapes), not rebuilt from its folder and name.
         self._single: tuple[str, str] | None = None
@@ -450,7 +464,17 @@ class ShardedSafeOpen(HandleBehaviour):
             if not looks_like_url(target):
                 for shard in self._shards:
                     path = self._shard_path(shard)
-                    if not os.path.isfile(path):
+                    try:
+                        st = os.stat(path)
+                    except OSError:
+                        st = None
+                    if st is not None and stat.S_ISREG(st.st_mode):
+                        # Each shard's version as the checkpoint is opened: one rewritten in
+                        # place before its first read (a saver that writes shards under their
+                        # names and the index last, as transformers and accelerate do, leaves
+                        # the index as it was) is refused when opened, not read as this save.
+                        self._identities[shard] = file_identity(st)
+                    else:
                         example = next(t for t, s in self._weight_map.items() if s == shard)
                         what = (
                             "is not a regular file"
@@ -516,6 +540,12 @@ class ShardedSafeOpen(HandleBehaviour):
         if self._single is not None and self._single[0] == shard:
             return self._single[1]
         return _join(self._base, shard)
+
+    def _shard_file(self, shard: str) -> str:
+        """:meth:`_shard_path` for opening the file: absolute where the path given was not."""
+        if self._single is not None and self._single[0] == shard:
+            return self._path_at
+        return _join(self._base_at, shard)
 
     def files(self) -> list[str]:
         """Paths of the shards, in shard-name order."""
@@ -628,10 +658,12 @@ class ShardedSafeOpen(HandleBehaviour):
                 evicted.append(self._handles.pop(shard))
         return evicted
 
-    def _checked_handle(self, shard: str, *, validate: bool = True) -> safe_open:
-        """A new handle on ``shard``, checked against the index; the caller owns it."""
+    def _checked_handle(self, shard: str, *, validate: bool = True, raw: bool = False) -> safe_open:
+        """A new handle on ``shard``, checked against the index (``validate``: its tensors
+        too), or ``raw`` (:meth:`_open_raw`) checked only to be this checkpoint's shard; the
+        caller owns it."""
         try:
-            handle = self._new_shard_handle(shard)
+            handle = self._new_shard_handle(shard, raw=raw)
         except OSError as exc:
             # Gone or unreadable since the checkpoint was opened: a save over it (with other
             # shard names, or the hub's, which removes the old files first) says so before
@@ -659,37 +691,50 @@ class ShardedSafeOpen(HandleBehaviour):
             raise
         return handle
 
-    def _new_shard_handle(self, shard: str) -> safe_open:
-        path = self._shard_path(shard)
+    def _new_shard_handle(self, shard: str, *, raw: bool = False) -> safe_open:
+        path = self._shard_file(shard)
+        open_handle = self._open_raw if raw else self._open_handle
         local = not looks_like_url(path)
         if local and (self._budget is None or len(self._handles) >= self._budget):
             self._set_budget()
         try:
-            return self._open_handle(path)
+            return open_handle(path)
         except OSError as exc:
             if not local or exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
         # Out of descriptors (other files of the process, slices holding shards open, a
         # lower limit than the budget assumed): close every shard not in use and try again,
-        # keeping half as many open from now on.
+        # keeping half as many open from now on; then the same of the process's other
+        # checkpoint handles, each of which counted the limit for itself.
+        failure: OSError | None = None
+        for handles in ([self], [h for h in list(_HANDLES) if h is not self]):
+            if not sum(h._give_back_idle() for h in handles) and failure is not None:
+                break  # nothing more to close
+            try:
+                return open_handle(path)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                failure = exc
+        assert failure is not None
+        raise OSError(
+            failure.errno,
+            f"out of file descriptors opening shard {shard!r} of {shown(self._path)}: this "
+            f"handle keeps {len(self._handles)} shards open, and slices keep their shard "
+            "open until they are freed; raise the limit (`ulimit -n`)",
+            path,
+        ) from failure
+
+    def _give_back_idle(self) -> int:
+        """Close every local shard not in use and keep half as many open from now on (the
+        process ran out of descriptors). Returns how many were closed."""
         with self._lock:
             self._budget = self._starved = max(MIN_OPEN, len(self._handles) // 2)
             idle = [s for s in self._handles if s not in self._pins]
             evicted = [self._handles.pop(s) for s in idle]
         for old in evicted:
             old.close()
-        try:
-            return self._open_handle(path)
-        except OSError as exc:
-            if exc.errno not in (errno.EMFILE, errno.ENFILE):
-                raise
-            raise OSError(
-                exc.errno,
-                f"out of file descriptors opening shard {shard!r} of {shown(self._path)}: this "
-                f"handle keeps {len(self._handles)} shards open, and slices keep their shard "
-                "open until they are freed; raise the limit (`ulimit -n`)",
-                path,
-            ) from exc
+        return len(evicted)
 
     def _set_budget(self) -> None:
         """Ask for descriptors enough for the shards open so far and more, and keep as many
@@ -698,10 +743,28 @@ class ShardedSafeOpen(HandleBehaviour):
         # closed: a checkpoint of 1,500 shards ran out of them under the common soft limit of
         # 1,024, and one of 2,500 under a hard limit of 4,096.
         budget = descriptor_budget(len(self._handles))
+        if budget is not None:
+            # The budget is the process's: shards other handles keep open count against it
+            # (each handle counting the whole limit for itself, seven handles of 600 shards
+            # left the process no descriptor to open anything else).
+            others = sum(len(h._handles) for h in list(_HANDLES) if h is not self)
+            budget = max(MIN_OPEN, budget - others)
         with self._lock:
             if self._starved is not None:
                 budget = self._starved if budget is None else min(budget, self._starved)
             self._budget = budget
+
+    def _open_raw(self, path: str) -> safe_open:
+        """A shard opened as it is, for :meth:`validate` to read every header: not checked
+        against the index (so that a tensor in two shards is reported as such), numpy arrays
+        by positioned reads."""
+        return safe_open(
+            path,
+            "numpy",
+            backend="pread",
+            max_header_size=self._max_header_size,
+            storage_options=self._options.get("storage_options"),
+        )
 
     def _open_handle(self, path: str) -> safe_open:
         try:
@@ -723,8 +786,9 @@ class ShardedSafeOpen(HandleBehaviour):
             ) from exc
 
     def _check_same_version(self, shard: str, handle: safe_open) -> None:
-        """Refuse a shard that is not the file first opened under its name (it was closed for
-        the descriptor budget, and replaced meanwhile without a new index)."""
+        """Refuse a shard that is not the file found under its name when the checkpoint was
+        opened (rewritten in place before its first read, or closed for the descriptor budget
+        and replaced meanwhile, without a new index)."""
         fd = getattr(handle._live(), "fd", -1)
         if fd < 0:
             return
@@ -733,9 +797,9 @@ class ShardedSafeOpen(HandleBehaviour):
             first = self._identities.setdefault(shard, identity)
         if first != identity:
             raise ShardIndexError(
-                f"shard {shard!r} of {shown(self._path)} changed since it was first read "
-                "(replaced or rewritten, the index not): its tensors may not be the ones read "
-                "before. Open the checkpoint again.",
+                f"shard {shard!r} of {shown(self._path)} changed since the checkpoint was opened "
+                "(replaced or rewritten, the index not): its tensors may not be of the save the "
+                "others were read from. Open the checkpoint again.",
                 kind="CheckpointChanged",
             )
 
@@ -752,7 +816,7 @@ class ShardedSafeOpen(HandleBehaviour):
         if self._index_identity is None:
             return
         try:
-            now = file_identity(os.stat(self._path))
+            now = file_identity(os.stat(self._path_at))
         except OSError:
             now = None
         if now != self._index_identity:
@@ -828,18 +892,13 @@ class ShardedSafeOpen(HandleBehaviour):
         remote = looks_like_url(self._path)
 
         def opened(shard: str) -> tuple[safe_open, bool, Exception | None]:
-            """The shard opened unchecked (so that a tensor in two shards is reported as
-            such), and for a remote checkpoint its checked handle pinned too, or why not:
-            raised in the shard's turn, after the unchecked checks."""
-            raw = safe_open(
-                self._shard_path(shard),
-                "numpy",
-                backend="pread",
-                max_header_size=self._max_header_size,
-                storage_options=self._options.get("storage_options"),
-            )
+            """The shard opened raw (:meth:`_open_raw`), and for a remote checkpoint its
+            checked handle pinned too, or why not: raised in the shard's turn, after the raw
+            checks. A local one is checked to be the shard the checkpoint was opened with
+            (a save since, another version of the file), within the descriptor budget."""
             if not remote:
-                return raw, False, None
+                return self._checked_handle(shard, validate=False, raw=True), False, None
+            raw = self._open_raw(self._shard_path(shard))
             try:
                 self._pin(shard)
             except Exception as exc:  # noqa: BLE001 - raised in its turn, see above

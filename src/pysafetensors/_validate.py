@@ -867,6 +867,7 @@ def _from_index(
     if meta is not None and not isinstance(meta, dict):
         bad("IndexInvalid", "index `metadata` is not an object")
     clean: dict[str, str] = {}
+    normal: dict[str, str] = {}  # shard names as given -> as checked and normalised
     refused: set[str] = set()
     listed: set[str] = set()  # model.labels as a set: a list lookup per tensor was quadratic
     for tensor, shard in weight_map.items():
@@ -878,14 +879,20 @@ def _from_index(
             )
             model.refused.add(tensor)
             continue
-        why = unsafe_shard_name(shard)
-        if why is not None:
-            if shard not in refused:
-                bad("UnsafeShardName", f"refusing shard name {shard!r}: {why}", tensor)
-                refused.add(shard)
+        if shard in refused:
             model.refused.add(tensor)
             continue
-        shard = normal_shard_name(shard)
+        if shard in normal:
+            shard = normal[shard]
+        else:
+            # Each distinct name checked once (a million entries name a few hundred shards).
+            why = unsafe_shard_name(shard)
+            if why is not None:
+                bad("UnsafeShardName", f"refusing shard name {shard!r}: {why}", tensor)
+                refused.add(shard)
+                model.refused.add(tensor)
+                continue
+            shard = normal[shard] = normal_shard_name(shard)
         clean[tensor] = shard
         if shard not in listed:
             listed.add(shard)

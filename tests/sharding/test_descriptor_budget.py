@@ -119,6 +119,46 @@ def test_handle_reads_every_shard_under_a_low_limit(folder: Path) -> None:
     assert proc.stdout.strip() == "all read"
 
 
+def test_validate_under_a_very_low_limit_closes_idle_shards(folder: Path) -> None:
+    """validate() opened every shard's header outside the budget: at 16 descriptors it ran
+    out where every other read of the handle went on."""
+    code = f"""
+        from pysafetensors import safe_open
+        with safe_open({str(folder)!r}, "np", backend="pread") as f:
+            f.get_tensor(f.keys()[0])
+            f.validate()
+        print("valid")
+        """
+    args = [sys.executable, "-c", _LIMIT_THEN_EXEC, "16", sys.executable, "-c"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [*args, textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "valid"
+
+
+def test_handles_of_one_process_share_the_budget(folder: Path) -> None:
+    """Each handle counted the whole limit for itself: a second one grew until the process
+    ran out, and nothing was left for the rest of it (the 128 descriptors kept for it)."""
+    code = f"""
+        from pysafetensors import safe_open
+        handles = [safe_open({str(folder)!r}, "np", backend="pread") for _ in range(3)]
+        for f in handles:
+            for name in f.keys():
+                f.get_tensor(name)
+        spare = [open("/dev/null") for _ in range(50)]  # of the 128 kept, less 2 handles at 8
+        print("opened", len(spare))
+        """
+    args = [sys.executable, "-c", _LIMIT_THEN_EXEC, "512", sys.executable, "-c"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [*args, textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "opened 50"
+
+
 def test_shard_replaced_while_closed_for_the_budget_is_refused(
     folder: Path, tmp_path: Path
 ) -> None:
@@ -141,7 +181,8 @@ def test_shard_replaced_while_closed_for_the_budget_is_refused(
             try:
                 again = f.get_tensor(names[0])
             except SafetensorError as exc:
-                print(type(exc).__name__, exc.kind, "changed since it was first read" in str(exc))
+                said = "changed since the checkpoint was opened" in str(exc)
+                print(type(exc).__name__, exc.kind, said)
             else:
                 print("read", (again == before).all())
         """

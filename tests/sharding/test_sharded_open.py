@@ -463,6 +463,53 @@ def test_one_shard_under_two_spellings_is_one_shard(tmp_path: Path) -> None:
         assert f.files() == [str(tmp_path / "x.safetensors")]
 
 
+def _three_shards(folder: Path) -> None:
+    _write_shards(folder, {f"s{i}.safetensors": {f"t{i}": A + i} for i in range(3)})
+    _write_index(folder, {f"t{i}": f"s{i}.safetensors" for i in range(3)}, total_size=48)
+
+
+def test_a_shard_rewritten_in_place_before_its_first_read_is_a_changed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """transformers and accelerate write shards under their names and the index last: the
+    index unchanged, a handle read one tensor of the old save and the next of the new."""
+    _three_shards(tmp_path)
+    with safe_open(tmp_path, "np") as f:
+        assert f.get_tensor("t0").tolist() == A.tolist()
+        save_file({"t1": A + 100}, tmp_path / "s1.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ShardIndexError, match="changed since the checkpoint was opened") as e:
+            f.get_tensor("t1")
+        assert e.value.kind == "CheckpointChanged"
+
+
+def test_validate_after_a_save_over_the_shards_is_a_changed_checkpoint(tmp_path: Path) -> None:
+    # It compared the new shards' bytes with the old index: a wrong total_size.
+    _three_shards(tmp_path)
+    with safe_open(tmp_path, "np") as f:
+        f.get_tensor("t0")
+        save_file({"t2": np.arange(9, dtype=np.float32)}, tmp_path / "s2.safetensors")
+        with pytest.raises(ShardIndexError) as e:
+            f.validate()
+        assert e.value.kind == "CheckpointChanged"
+
+
+def test_a_relative_path_is_the_folder_it_named_when_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards open as first read: relative to the working folder of that moment, the index
+    looked up there read as saved again (and validate() read another folder's shards)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    _three_shards(tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    for target in ("ckpt", "ckpt/model.safetensors.index.json"):
+        with safe_open(target, "np") as f:
+            monkeypatch.chdir(tmp_path / "elsewhere")
+            assert f.get_tensor("t2").tolist() == (A + 2).tolist()
+            f.validate()
+            monkeypatch.chdir(tmp_path)
+
+
 def test_a_chmod_of_the_index_is_no_new_save(tmp_path: Path) -> None:
     save_sharded({f"t{i}": np.full(16, i, np.float32) for i in range(4)}, tmp_path, 64)
     with safe_open(tmp_path, "np") as f:
