@@ -52,15 +52,17 @@ _LIMIT_THEN_EXEC = (
 )
 
 
-def _run(args: list[str], *, limited: bool = False) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], *, limited: bool = False, limit: int = LIMIT
+) -> subprocess.CompletedProcess[str]:
     if limited:
-        args = [sys.executable, "-c", _LIMIT_THEN_EXEC, str(LIMIT), *args]
+        args = [sys.executable, "-c", _LIMIT_THEN_EXEC, str(limit), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, check=False)
 
 
-def _child(code: str, limited: bool = True) -> subprocess.CompletedProcess[str]:
-    return _run([sys.executable, "-c", textwrap.dedent(code)], limited=limited)
+def _child(code: str, limited: bool = True, limit: int = LIMIT) -> subprocess.CompletedProcess[str]:
+    return _run([sys.executable, "-c", textwrap.dedent(code)], limited=limited, limit=limit)
 
 
 def test_handle_reads_every_shard_under_a_low_limit(folder: Path) -> None:
@@ -129,11 +131,7 @@ def test_validate_under_a_very_low_limit_closes_idle_shards(folder: Path) -> Non
             f.validate()
         print("valid")
         """
-    args = [sys.executable, "-c", _LIMIT_THEN_EXEC, "16", sys.executable, "-c"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [*args, textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = _child(code, limit=16)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "valid"
 
@@ -150,11 +148,7 @@ def test_handles_of_one_process_share_the_budget(folder: Path) -> None:
         spare = [open("/dev/null") for _ in range(50)]  # of the 128 kept, less 2 handles at 8
         print("opened", len(spare))
         """
-    args = [sys.executable, "-c", _LIMIT_THEN_EXEC, "512", sys.executable, "-c"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [*args, textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = _child(code, limit=512)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "opened 50"
 
