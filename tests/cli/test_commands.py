@@ -408,6 +408,7 @@ def test_hash_digests(cli, example: Path, tmp_path: Path) -> None:
     n = int.from_bytes(data[:8], "little")
     assert doc["files"][0]["header"] == hashlib.sha256(data[: 8 + n]).hexdigest()
     meta = {t["name"]: t for t in cli("inspect", example, "--json").json()["tensors"]}
+    assert sorted(row["name"] for row in doc["tensors"]) == sorted(meta)  # every one, once
     for row in doc["tensors"]:
         b, e = meta[row["name"]]["file_offsets"]
         assert row["digest"] == hashlib.sha256(data[b:e]).hexdigest()
@@ -449,6 +450,7 @@ def test_hash_of_large_tensors_across_chunks(
         assert doc["files"][0]["file"] == hashlib.new(algorithm, data).hexdigest()
         with pysafetensors.safe_open(str(path), "np") as f:
             start = f.header.data_start
+            assert sorted(row["name"] for row in doc["tensors"]) == ["a", "b", "c"]
             for row in doc["tensors"]:
                 info = f.header.tensors[row["name"]]
                 want = hashlib.new(algorithm, data[start + info.begin : start + info.end])
