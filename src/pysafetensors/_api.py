@@ -192,20 +192,45 @@ def _spec_to_data(name: Any, value: Any) -> TensorData:
     if isinstance(value, TensorSpec):
         return value.to_data(name)
     if isinstance(value, Mapping) and {"dtype", "shape", "data"} <= set(value):
-        # The pre-0.8 dict form; the dtype may be a name ("float32") or a code ("F32").
-        code = str(value["dtype"])
-        try:
-            dtype = dtype_from_code(code)
-        except SafetensorError:
-            dtype = dtype_from_name(code)
-        data = value["data"]
-        return TensorData(name, dtype, tuple(int(d) for d in value["shape"]), lambda: [data])
+        return _legacy_spec_to_data(name, value)
     raise not_an_instance(
         "tensor_dict",
         value,
         "TensorSpec",
         f"(tensor `{name}`: a TensorSpec, or a dict with dtype, shape and data)",
     )
+
+
+def _legacy_spec_to_data(name: str, value: Mapping[str, Any]) -> TensorData:
+    """The pre-0.8 dict form (``{"dtype", "shape", "data"}``; the dtype a name, ``"float32"``,
+    or a code, ``"F32"``), checked as a :class:`TensorSpec` is and named: ``int()`` of each
+    item made a shape of ``"12"`` into ``[1, 2]``, of ``[2.9]`` into ``[2]``, silently.
+
+    Raises:
+        SerializeError: An unknown dtype.
+        TypeError: A shape that is no sequence of integers, or data that is no buffer.
+        OverflowError: A dimension below 0 or of 2^64 or more.
+    """
+    code = str(value["dtype"])
+    try:
+        try:
+            dtype = dtype_from_code(code)
+        except SafetensorError:
+            dtype = dtype_from_name(code)
+    except SerializeError as exc:
+        raise SerializeError(f"{exc} (tensor `{name}`)", kind=exc.kind, tensor=name) from None
+    try:
+        shape = tuple(_unsigned(d, "shape") for d in _sequence(value["shape"], "shape"))
+    except (TypeError, OverflowError) as exc:
+        raise type(exc)(f"{exc} (tensor `{name}`)") from None
+    data = value["data"]
+    try:
+        memoryview(data)
+    except TypeError:
+        raise TypeError(
+            f"tensor `{name}`: data must be a bytes-like object, not {type(data).__name__}"
+        ) from None
+    return TensorData(name, dtype, shape, lambda: [data])
 
 
 def _check_dict(tensor_dict: Any) -> Mapping[Any, Any]:

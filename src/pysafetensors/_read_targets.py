@@ -9,13 +9,27 @@ that names the tensor.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ._format import TensorInfo
 
-__all__ = ["device_bytes", "tensor_bytes", "writable_bytes"]
+__all__ = ["check_targets", "device_bytes", "tensor_bytes", "writable_bytes"]
+
+
+def check_targets(targets: Any) -> None:
+    """Refuse a ``read_into`` argument that is no mapping of names to buffers (a list of
+    pairs raised ``AttributeError: 'list' object has no attribute 'items'``).
+
+    Raises:
+        TypeError: ``targets`` is not a mapping.
+    """
+    if not isinstance(targets, Mapping):
+        raise TypeError(
+            f"read_into() takes a mapping of tensor names to buffers, not {type(targets).__name__}"
+        )
 
 
 def _unfit(info: TensorInfo, why: str) -> ValueError:

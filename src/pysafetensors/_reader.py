@@ -45,7 +45,7 @@ from ._format import (
 )
 from ._fresh_memory import empty_bytes
 from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
-from ._read_targets import device_bytes, writable_bytes
+from ._read_targets import check_targets, device_bytes, writable_bytes
 from ._reader_pool import MAX_READ_THREADS
 from ._representable import MAX_NDIM, check_representable
 from ._signatures import show_init_signature
@@ -687,6 +687,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             ClosedFileError: The handle was closed.
         """
         self._live()
+        check_targets(targets)
         pieces = []
         on_device = []
         for name, target in targets.items():

@@ -43,6 +43,7 @@ from ._errors import (
 from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo, check_max_header_size
 from ._ordered_opens import ahead_for, in_order
+from ._read_targets import check_targets
 from ._reader import (
     HandleBehaviour,
     SafeSlice,
@@ -1065,6 +1066,7 @@ class ShardedSafeOpen(HandleBehaviour):
             ValueError: A buffer is read-only, not contiguous, or not the tensor's size.
         """
         self._live()
+        check_targets(targets)
 
         def read(handle: safe_open, group: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
             handle.read_into(dict(group))

@@ -677,7 +677,9 @@ class MmapSource:
                 f"{length} bytes at offset {offset} from the memory map would crash the process "
                 "(SIGBUS). Reopen the file, or use backend='pread' for files that change.",
                 kind="FileTruncated",
-                offset=now,
+                # The first byte asked for that is gone: where the tensor reading it is found
+                # (the new end may lie in the header, before any tensor).
+                offset=max(offset, now),
             )
 
     def readinto(self, offset: int, out: memoryview) -> None:

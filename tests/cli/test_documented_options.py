@@ -191,3 +191,18 @@ def test_version(cli) -> None:
 
     r = cli("--version")
     assert r.code == 0 and r.out.strip() == f"pysafetensors {pysafetensors.__version__}"
+
+
+@pytest.mark.parametrize("command", ["inspect", "hash", "stats"])
+def test_an_unusable_index_is_named_with_its_model_and_tensor(
+    cli, tmp_path: Path, command: str
+) -> None:
+    # "model.safetensors.index.json: ..." alone: with diff's two models, which one?
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, folder / "s1.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": 7}}))
+    r = cli(command, folder)
+    assert r.code == 1
+    assert f"{folder}: model.safetensors.index.json: weight_map value is int" in r.err
+    assert "(tensor 'a')" in r.err

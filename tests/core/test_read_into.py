@@ -148,3 +148,10 @@ def test_read_into_torch_tensors(path: Path) -> None:
     assert big.numpy().tobytes() == expected["big"].tobytes()
     assert half.numpy().tobytes() == expected["half"].tobytes()
     assert grad.detach().numpy().tobytes() == expected["mid"].tobytes()
+
+
+def test_read_into_takes_a_mapping_only(path: Path) -> None:
+    with safe_open(path, "np") as f:
+        for wrong in ([("a", np.empty(1))], None):
+            with pytest.raises(TypeError, match=r"read_into\(\) takes a mapping of tensor names"):
+                f.read_into(wrong)  # type: ignore[arg-type]

@@ -366,6 +366,30 @@ def _spec(module: Any, arr: np.ndarray, dtype: str | None = None) -> Any:
     )
 
 
+@pytest.mark.parametrize(
+    ("shape", "error"),
+    [
+        ("12", TypeError),
+        ([2.0], TypeError),
+        ([2.9], TypeError),
+        (None, TypeError),
+        ([-1], OverflowError),
+    ],
+)
+def test_the_older_dict_form_checks_its_shape(shape: Any, error: type) -> None:
+    """``int()`` of each item made ``"12"`` the shape ``[1, 2]`` and ``[2.9]`` the shape
+    ``[2]``, written without a word; as ``TensorSpec`` checks it now, naming the tensor."""
+    with pytest.raises(error, match="tensor `a`"):
+        serialize({"a": {"dtype": "F32", "shape": shape, "data": bytes(8)}})
+    with pytest.raises(TypeError, match="tensor `a`: data must be a bytes-like object"):
+        serialize({"a": {"dtype": "F32", "shape": [2], "data": None}})
+    with pytest.raises(SerializeError, match="tensor `a`") as info:
+        serialize({"a": {"dtype": "Q8", "shape": [2], "data": bytes(8)}})
+    assert info.value.tensor == "a"
+    good = serialize({"a": {"dtype": "float32", "shape": (np.int64(2),), "data": bytes(8)}})
+    assert good == save({"a": np.zeros(2, np.float32)})
+
+
 def test_tensorspec_properties() -> None:
     arr = np.zeros((2, 6), np.uint8)
     spec = _spec(pysafetensors, arr, "float4_e2m1fn_x2")

@@ -70,6 +70,24 @@ def test_truncated_file_pread_raises_short_read(tmp_path: Path) -> None:
         np.testing.assert_array_equal(f.get_tensor("a"), np.arange(16))
 
 
+@pytest.mark.parametrize("call", ["get_tensors", "read_into"])
+def test_a_mapped_file_cut_inside_its_header_names_the_tensor(tmp_path: Path, call: str) -> None:
+    """The error's offset was the new end of the file, inside the header, so no tensor was
+    found to name; it is the first byte asked for that is gone."""
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.arange(4, dtype=np.float32)}, path)
+    with safe_open(path, "np") as f:
+        start = f.header.data_start + f.header.tensors["a"].begin
+        os.truncate(path, 20)
+        with pytest.raises(SafetensorError) as info:
+            if call == "get_tensors":
+                f.get_tensors()
+            else:
+                f.read_into({"a": np.empty(4, np.float32)})
+    assert info.value.kind == "FileTruncated" and info.value.tensor == "a"
+    assert info.value.offset == start
+
+
 _MMAP_CHILD = textwrap.dedent(
     """
     import os, sys

@@ -605,10 +605,14 @@ def open_model(target: str, storage_options: dict[str, Any] | None = None) -> Mo
     with url_argument_errors():
         located = locate_model(target, storage_options=storage_options)
     if located.problems:
+        # Named by the model as given (``diff`` opens two) and the tensor the entry is for.
         first = located.problems[0]
+        about = "" if first.tensor is None else f" (tensor {first.tensor!r})"
         raise SafetensorError(
-            f"{first.file}: {first.message} (run `pysafetensors validate` for every problem)",
+            f"{shown(target)}: {first.file}: {first.message}{about} (run `pysafetensors "
+            "validate` for every problem)",
             kind=first.code,
+            tensor=first.tensor,
         )
     model = Model(shown(target), located)
 
