@@ -245,8 +245,10 @@ class RemotePermissionError(RemoteError, PermissionError):
 
 
 class DeviceError(SafetensorError, ValueError):
-    """Raised when the requested device is not available to the framework (a CPU-only build,
-    no GPU). Also a ``ValueError``, as Paddle's own refusal is."""
+    """Raised when a device named by a string (``"cuda:0"``, ``"mps"``) is not available to
+    the framework (a CPU-only build, no GPU); an integer device is left to the framework at
+    the first tensor, as the reference leaves it. Also a ``ValueError``, as Paddle's own
+    refusal is."""
 
 
 class ClosedFileError(SafetensorError, ValueError):

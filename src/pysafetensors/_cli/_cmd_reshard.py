@@ -38,18 +38,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("source", metavar="SOURCE", help="model folder, *.index.json or .safetensors")
     p.add_argument("output", metavar="OUTPUT", help="output folder")
     add_shard_args(p, default="5GB")
-    add_fsync_arg(p)
+    add_fsync_arg(p, reshard=True)
     add_remote_args(p)
     p.set_defaults(func=run)
 
 
-def add_fsync_arg(p: argparse.ArgumentParser) -> None:
-    """``--fsync``, shared with ``merge`` and ``extract``."""
+def add_fsync_arg(p: argparse.ArgumentParser, *, reshard: bool = False) -> None:
+    """``--fsync``, shared with ``merge`` and ``extract`` (``reshard``: its own case said)."""
+    always = " (a reshard into the source's folder always does: it deletes the old files)"
     p.add_argument(
         "--fsync",
         action="store_true",
-        help="flush the output to disk before returning (a reshard into the source's folder "
-        "always does: it deletes the old files)",
+        help="flush the output to disk before returning" + (always if reshard else ""),
     )
 
 
