@@ -65,7 +65,7 @@ class TensorSpec:
         # the dtype's name.
         if not isinstance(dtype, str):
             raise not_an_instance("dtype", dtype)
-        dims = [_unsigned(d, "shape") for d in _sequence(shape, "shape")]
+        dims = _shape_argument(shape)
         ptr = _unsigned(data_ptr, "data_ptr")
         length = _unsigned(data_len, "data_len")
         dt = dtype_from_name(dtype)
@@ -186,6 +186,12 @@ def _unsigned(value: Any, argument: str) -> int:
     return number
 
 
+def _shape_argument(value: Any) -> list[int]:
+    """A ``shape`` argument as the reference's binding takes it: a sequence of 64-bit
+    unsigned integers (its ``TypeError``/``OverflowError`` otherwise)."""
+    return [_unsigned(d, "shape") for d in _sequence(value, "shape")]
+
+
 def _spec_to_data(name: Any, value: Any) -> TensorData:
     if not isinstance(name, str):
         raise not_an_instance("tensor_dict", name, detail=f"(tensor name {name!r})")
@@ -220,7 +226,7 @@ def _legacy_spec_to_data(name: str, value: Mapping[str, Any]) -> TensorData:
     except SerializeError as exc:
         raise SerializeError(f"{exc} (tensor `{name}`)", kind=exc.kind, tensor=name) from None
     try:
-        shape = tuple(_unsigned(d, "shape") for d in _sequence(value["shape"], "shape"))
+        shape = tuple(_shape_argument(value["shape"]))
     except (TypeError, OverflowError) as exc:
         raise type(exc)(f"{exc} (tensor `{name}`)") from None
     data = value["data"]

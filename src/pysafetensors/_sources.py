@@ -737,10 +737,10 @@ class MmapSource:
             return False
         check_range(self, offset, length)
         self._check_not_truncated(offset, length)
+        if not self.mostly_uncached(offset, length):
+            return False
         mapping = self._map
         address = address_of(mapping) + self._at
-        if not mapped_mostly_uncached(address + offset, length):
-            return False
         start = offset - offset % mmap.PAGESIZE
         end = offset + length
 
