@@ -523,17 +523,64 @@ def _advanced_item(item: Any) -> np.ndarray | None:
         return None
     if isinstance(item, (bool, np.bool_)):
         return np.asarray(item)
-    if isinstance(item, (list, tuple, range, np.ndarray)) or hasattr(item, "__array__"):
+    if isinstance(item, range):
+        # A 1-D integer index whatever its values; they are built by _range_values once the
+        # dimension is known, as a range's length is not bounded by anything in the file.
+        return _RANGE_STANDIN
+    if isinstance(item, (list, tuple, np.ndarray)) or hasattr(item, "__array__"):
         try:
             arr = np.asarray(item)
         except (ValueError, TypeError):  # ragged nesting
             return np.asarray(item, dtype=object)
         if arr.ndim == 0 and arr.dtype.kind in "iu":
             return None  # a 0-d integer array (or tensor) is an integer
-        if isinstance(item, (list, tuple, range)) and arr.size == 0:
+        if isinstance(item, (list, tuple)) and arr.size == 0:
             arr = arr.astype(np.int64)  # [] is an empty integer index, not float64
         return arr
     return None
+
+
+#: What _advanced_item gives for a range: its kind and number of dimensions, not its values.
+_RANGE_STANDIN: Final = np.zeros(0, np.int64)
+#: The most entries a range index is built with when it cannot be all in bounds, or indexes a
+#: tensor of no elements, whose dimensions bound nothing in the file (2^24 int64s: 128 MiB).
+_LONG_RANGE: Final = 2**24
+
+
+def _range_values(item: range, index: Any, shape: tuple[int, ...], dim: int) -> np.ndarray:
+    """The values of a ``range`` index for dimension ``dim``; a long one is refused before
+    it is built where nothing in the file bounds it.
+
+    A range's values are distinct, so one of more than ``2 * size`` entries (``-size`` to
+    ``size - 1``) holds some out of bounds. numpy and torch check them only where the
+    selection is not empty (torch: where it picks an element), so a short one is built and
+    checked as any index array; a long one (``range(2**40)``) would take more memory than any
+    file could justify.
+
+    Raises:
+        SliceError: Too many entries, or values that do not fit an int64 (out of bounds).
+    """
+    size = shape[dim]
+    count = _length(item)
+    where = f"Error during slicing {render_index(index)} with shape {list(shape)}: index {item}"
+    if count > _LONG_RANGE and count > 2 * size:
+        raise SliceError(
+            f"{where} has {count} entries, so some are out of bounds for tensor dimension "
+            f"#{dim} of size {size}",
+            kind="SliceOutOfRange",
+        )
+    if count > _LONG_RANGE and 0 in shape:
+        raise SliceError(
+            f"{where} has {count} entries, more than {_LONG_RANGE} on a tensor of no elements",
+            kind="InvalidSlice",
+        )
+    try:
+        return np.arange(item.start, item.stop, item.step, dtype=np.int64)
+    except OverflowError:  # a value of 2^63 or more: out of bounds for any dimension
+        raise SliceError(
+            f"{where} out of bounds for tensor dimension #{dim} of size {size}",
+            kind="SliceOutOfRange",
+        ) from None
 
 
 def is_advanced(index: Any) -> bool:
@@ -670,7 +717,11 @@ def split_advanced(
             pick.append(arr[crop])
         elif arr.dtype.kind in "iu":
             size = shape[dim]
-            values = arr.astype(np.int64)
+            values = (
+                _range_values(item, index, shape, dim)
+                if isinstance(item, range)
+                else arr.astype(np.int64)
+            )
             bad = (values < -size) | (values >= size)
             if bad.any():
                 out_of_range = out_of_range or SliceError(
@@ -686,9 +737,14 @@ def split_advanced(
                 box.append(slice(low, high + 1))
                 # Bad values become the box's length: out of range there too, never wrapped.
                 pick.append(np.where(bad, high + 1 - low, values - low))
+            elif values.size and size:
+                # Every value out of range: a box of one, and values past it. An empty box would
+                # make torch refuse even an empty selection (it checks nothing else lazily).
+                box.append(slice(0, 1))
+                pick.append(np.ones_like(values))
             else:
                 box.append(slice(0, 0))
-                pick.append(np.zeros_like(values))  # outside the empty box
+                pick.append(np.zeros_like(values))  # nothing to pick, or outside the empty box
         else:
             raise SliceError(
                 f"Unsupported slice index at position {dim}: arrays used as indices must be of "

@@ -242,6 +242,11 @@ def _torch_index_items() -> dict[str, Any]:
         "uint64 tensor": torch.tensor([0, 2], dtype=torch.uint64),
         "range": range(2),
         "range, reversed": (slice(None), range(3, 0, -1)),
+        # torch checks index values only where it picks an element.
+        "out of range, no rows": (slice(3, 1), [7]),
+        "out of range range, no rows": (slice(2, 2), range(4, 6)),
+        "range longer than its dimension, no rows": (slice(3, 1), range(9)),
+        "out of range rows, no columns": ([5, -9], slice(4, 2)),
     }
 
 

@@ -205,6 +205,48 @@ def test_slices_of_a_dimension_past_63_bits_are_named_errors(
         assert tuple(s[huge - 2 :].shape) == (2, 0)
 
 
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_a_range_index_is_bounded_by_its_dimension_before_it_is_built(
+    tmp_path: Path, framework: str
+) -> None:
+    """A range is an index list of any length for a few bytes: ``range(2**40)`` was expanded
+    value by value (hours, 8 TiB) before its bounds were checked, and a range past 2^63
+    raised numpy's OverflowError. A short one is checked as any index array: only where the
+    selection is not empty (numpy), or where an element is picked (torch)."""
+    if framework == "pt":
+        pytest.importorskip("torch")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    header = {
+        "a": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
+        "e": {"dtype": "F32", "shape": [0, 2**40], "data_offsets": [48, 48]},
+    }
+    path = tmp_path / "r.safetensors"
+    path.write_bytes(raw_file(header, a.tobytes()))
+    with safe_open(path, framework) as f:
+        s = f.get_slice("a")
+        cases = [
+            ((slice(None), range(2**40)), r"has 1099511627776 entries, so some are out of"),
+            (range(2**63, 2**63 + 1), r"index range\(9223372036854775808, .* out of bounds"),
+            (range(-4, 0), r"index -4 out of bounds for tensor dimension #0 of size 3"),
+        ]
+        for index, message in cases:
+            with pytest.raises(SliceError, match=message) as info:
+                s[index]
+            assert info.value.kind == "SliceOutOfRange"
+        if framework == "pt":
+            assert tuple(s[3:1, range(9)].shape) == (0, 9)
+        else:
+            with pytest.raises(SliceError, match="index 4 out of bounds for tensor dimension #1"):
+                s[3:1, range(9)]
+        # -size .. size - 1 is every value a dimension takes: twice its length, not refused.
+        got = np.asarray(s[range(-3, 3), range(3, -3, -1)])
+        assert np.array_equal(got, a[range(-3, 3), range(3, -3, -1)])
+        e = f.get_slice("e")
+        assert tuple(e[:, range(5, 0, -2)].shape) == (0, 3)
+        with pytest.raises(SliceError, match=r"more than 16777216 on a tensor of no elements"):
+            e[:, range(2**25)]
+
+
 def test_same_as_reference_for_in_range(sample: tuple[Path, dict[str, np.ndarray]]) -> None:
     """Where the reference's Rust slicer accepts an index, the results are equal."""
     ref = pytest.importorskip("safetensors")
