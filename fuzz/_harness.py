@@ -258,7 +258,31 @@ def random_index(rng: random.Random, ndim: int, dims: tuple[int, ...]) -> Any:
             return 0 if b is None else b
         if r < 0.8:
             return Ellipsis
+        if r < 0.9:
+            return advanced()
         return rng.choice([None, 1.5, "a", [0], [], True, (1,), slice(1.5, 2)])
+
+    def advanced() -> Any:
+        # get_slice's advanced items (numpy's rules): ranges, integer lists and arrays,
+        # boolean masks of the right length and of a wrong one.
+        size = dims[rng.randrange(len(dims))] if dims else 1
+        r = rng.random()
+        if r < 0.3:
+            return range(
+                rng.choice([0, 1, -1, size]),
+                rng.choice([0, size, size + 1, -1]),
+                rng.choice([1, 2, -1, 3]),
+            )
+        picks = [rng.choice([0, 1, -1, size - 1, size, -size]) for _ in range(rng.randrange(4))]
+        if r < 0.55:
+            return picks
+        if r < 0.8:
+            kind = rng.choice([np.int64, np.int32, np.uint8, np.intp])
+            if all(np.iinfo(kind).min <= p <= np.iinfo(kind).max for p in picks):
+                return np.array(picks, dtype=kind)
+            return picks
+        length = size if rng.random() < 0.8 else size + 1
+        return np.array([rng.random() < 0.5 for _ in range(min(length, 64))], dtype=bool)
 
     r = rng.random()
     if r < 0.05:
@@ -284,7 +308,7 @@ def _supported(index: Any, advanced: bool = False) -> bool:
     if isinstance(index, list):
         return index == [] or advanced
     for it in items:
-        if advanced and (it is None or isinstance(it, (bool, list, tuple, np.ndarray))):
+        if advanced and (it is None or isinstance(it, (bool, list, tuple, range, np.ndarray))):
             continue
         if isinstance(it, (bool, np.bool_)):
             return False
@@ -310,10 +334,20 @@ def _supported(index: Any, advanced: bool = False) -> bool:
     return True
 
 
+def _length(r: range) -> int:
+    """``len(r)``, which raises OverflowError past ``sys.maxsize``."""
+    return max(0, (r.stop - r.start + r.step - (1 if r.step > 0 else -1)) // r.step)
+
+
 def numpy_index(full: np.ndarray, index: Any) -> np.ndarray | None:
     """numpy's answer for ``full[index]``, or None if numpy refuses it."""
     # Index a same-size unsigned view: numpy scalars would normalise BOOL bytes and NaN bits.
     raw = full.view(f"u{full.dtype.itemsize}")
+    items = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(it, range) and _length(it) > 2**24 for it in items):
+        # numpy builds a range value by value; pysafetensors refuses one longer than twice its
+        # dimension (some values out of bounds) or than 2^24 on a tensor of no elements.
+        return None
     try:
         return np.asarray(raw[index]).view(full.dtype)
     except (IndexError, TypeError, ValueError, OverflowError, MemoryError):
@@ -350,6 +384,75 @@ def check_slice_result(
         raise Violation(f"slice {index!r} of {full.dtype}{full.shape} accepted, numpy refuses")
     if not same_array(np.asarray(got), want):
         raise Violation(f"slice {index!r} of {full.dtype}{full.shape}: wrong data")
+
+
+def _torch_difference(index: Any) -> bool:
+    """Whether ``index`` is one where ``"pt"`` slices keep numpy's rule on purpose
+    (docs/differences.md): two ellipses, a step torch's length computation overflows on, a
+    range too long to build."""
+    items = index if isinstance(index, tuple) else (index,)
+    return (
+        sum(1 for it in items if it is Ellipsis) > 1
+        or any(isinstance(it, slice) and _huge_step(it.step) for it in items)
+        or any(isinstance(it, range) and _length(it) > 2**24 for it in items)
+    )
+
+
+def _huge_step(step: Any) -> bool:
+    import operator
+
+    try:
+        return step is not None and operator.index(step) >= 2**63 - 1
+    except TypeError:
+        return False
+
+
+def check_torch_slice(full: Any, index: Any, get: Callable[[], Any]) -> None:
+    """Compare ``get()`` (a ``"pt"`` SafeSlice read) with torch's indexing of the whole tensor,
+    which the reference's torch slices use: the same elements, or a refusal where torch
+    refuses."""
+    import warnings
+
+    import torch
+
+    if _torch_difference(index):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's uint8-mask and list-as-tuple deprecations
+        try:
+            want = full[index]
+        except RuntimeError:
+            if full.numel() == 0 and max(full.shape) >= 2**31:
+                return  # torch's strides (step x row length) overflow int64: its own bug
+            want = None
+        except (IndexError, TypeError, ValueError, OverflowError):
+            want = None
+        except SystemError:
+            # torch raising its own warning with an exception already set (seen only under
+            # the fuzzer's tracing): no answer to compare with.
+            return
+        try:
+            got = get()
+        except Exception as exc:
+            if not _is_safetensor_error(exc):
+                raise Violation(
+                    f"torch slice {index!r}: foreign {type(exc).__name__}: {exc}"
+                ) from exc
+            if want is not None:
+                raise Violation(
+                    f"torch slice {index!r} of {tuple(full.shape)} refused: {exc}"
+                ) from exc
+            return
+    if want is None:
+        raise Violation(f"torch slice {index!r} of {tuple(full.shape)} accepted, torch refuses")
+
+    def bits(t: Any) -> bytes:
+        # A fresh tensor: a contiguous one may keep any stride on a dimension of 1.
+        fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+        return bytes(fresh.reshape(-1).view(torch.uint8).numpy())
+
+    if got.dtype != want.dtype or got.shape != want.shape or bits(got) != bits(want):
+        raise Violation(f"torch slice {index!r} of {tuple(full.shape)}: wrong data")
 
 
 def check_file(
@@ -404,6 +507,11 @@ def _exercise(
                     shape[-1] //= 2  # torch's float4_e2m1fn_x2 holds two values per element
                 if list(tensor.shape) != shape:
                     raise Violation(f"torch tensor {name!r} has the wrong shape")
+                if info.dtype.bits % 8 == 0:
+                    sl = f.get_slice(name)
+                    for _ in range(3):
+                        index = random_index(rng, len(info.shape), info.shape)
+                        check_torch_slice(tensor, index, lambda index=index, sl=sl: sl[index])
                 continue
             want = expected_array(raw, info.dtype.code, info.shape)
             if not same_array(tensor, want):
