@@ -54,7 +54,14 @@ from ._sharding import (
     split_into_shards,
     write_checkpoint,
 )
-from ._writer import SaveGroup, Writeback, allow_descriptors, atomic_output, pwrite_all
+from ._writer import (
+    CommitReceipt,
+    SaveGroup,
+    Writeback,
+    allow_descriptors,
+    atomic_output,
+    pwrite_all,
+)
 
 __all__ = ["ShardedStreamingWriter", "StreamingWriter", "TensorDecl", "as_dtype"]
 
@@ -116,7 +123,13 @@ def _declare(name: Any, value: Any) -> TensorDecl:
             tensor=str(name),
         )
     dtype, shape = value
-    return str(name), _declared_dtype(name, dtype), _dims(name, shape)
+    declared = _declared_dtype(name, dtype)
+    if type(dtype).__module__ == "torch":
+        # torch's shape, as a meta tensor's above: a (3, 4) float4_e2m1fn_x2 is F4 [3, 8].
+        from ._torch_adapter import logical_shape
+
+        return str(name), declared, logical_shape(declared, _dims(name, shape))
+    return str(name), declared, _dims(name, shape)
 
 
 def _declared_dtype(name: Any, value: Any) -> DType:
@@ -139,6 +152,7 @@ def _dims(name: Any, shape: Any) -> tuple[int, ...]:
             kind="TensorInvalidInfo",
             tensor=str(name),
         )
+    shape = list(shape)  # once: a generator's values are gone after one pass
     for d in shape:
         try:
             value = -1 if isinstance(d, (bool, np.bool_)) else operator.index(d)
@@ -146,7 +160,7 @@ def _dims(name: Any, shape: Any) -> tuple[int, ...]:
             value = -1
         if value < 0:
             raise SerializeError(
-                f"{SERIALIZE_PREFIX}tensor `{name}` is declared with shape {list(shape)}: "
+                f"{SERIALIZE_PREFIX}tensor `{name}` is declared with shape {shape}: "
                 "dimensions must be non-negative integers",
                 kind="TensorInvalidInfo",
                 tensor=str(name),
@@ -345,6 +359,8 @@ class StreamingWriter:
         tensors: Declarations: ``{name: (dtype, shape)}``, ``{name: array}`` (its dtype and
             shape; no data is read), ``{name: TensorMeta}``, or ``[(name, dtype, shape)]``.
             A dtype may be a code (``"BF16"``), a name (``"bfloat16"``), a numpy or a torch dtype.
+            With a torch dtype the shape is torch's, as a tensor's (``float4_e2m1fn_x2`` of
+            shape ``(3, 4)`` is F4 ``[3, 8]``); with a code or name, it is the file's.
         metadata: ``__metadata__`` (str to str) or None.
         fsync: Make the file durable on close.
         max_header_size: Largest header accepted.
@@ -410,7 +426,8 @@ class StreamingWriter:
         # would never end.
         self._closer: tuple[int, int] | None = None
         self.filename = output_path(filename, file=True)
-        cm = atomic_output(self.filename, fsync=fsync, group=group)
+        self._receipt = CommitReceipt()
+        cm = atomic_output(self.filename, fsync=fsync, group=group, receipt=self._receipt)
         fd = cm.__enter__()
         try:
             # A sparse file of the final size: writes may land anywhere, in any order.
@@ -487,7 +504,7 @@ class StreamingWriter:
                 write (nothing is written then).
             ClosedFileError: The writer was closed.
         """
-        self._live()
+        self._live(name)
         info = self._info(name)
         at = _offset(name, offset)
         length, chunks = _payload(name, info, data)
@@ -505,7 +522,7 @@ class StreamingWriter:
         try:
             with self._lock:
                 if self._cm is None or self._stopping:
-                    raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
+                    raise self._closed_error(name)
                 fd = self._fd
                 cursor = self._cursor[name]
                 self._reserve(info, offset, length)
@@ -523,6 +540,14 @@ class StreamingWriter:
                     raise SerializeError(f"{SERIALIZE_PREFIX}internal error: chunk overrun")
                 pwrite_all(fd, view, pos + got)
                 got += view.nbytes
+            if got != length:
+                # Counted as written whole once this returns: a short producer would leave
+                # a hole that close() commits.
+                raise SerializeError(
+                    f"{SERIALIZE_PREFIX}internal error: {got} of {length} bytes of tensor "
+                    f"`{name}` were produced",
+                    tensor=name,
+                )
             if self._writeback is not None:
                 # Still counted in flight: close() cannot have closed the descriptor yet.
                 self._writeback.wrote(pos, got)
@@ -568,13 +593,13 @@ class StreamingWriter:
         Returns:
             The number of bytes written.
         """
-        self._live()
+        self._live(name)
         return self.write(name, data, self._cursor[self._info(name).name])
 
     def write_tensor(self, name: str, data: Any) -> int:
         """Write a whole tensor at once: ``write(name, data, 0)`` of data that must hold all
         of its bytes (a part is refused here, not at :meth:`close` as a missing range)."""
-        self._live()
+        self._live(name)
         info = self._info(name)
         length, chunks = _payload(name, info, data)
         _check_whole(info, length)
@@ -606,10 +631,14 @@ class StreamingWriter:
         """True once committed or discarded."""
         return self._cm is None
 
-    def _live(self) -> int:
+    def _live(self, name: Any) -> int:
         if self._cm is None:
-            raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
+            raise self._closed_error(name)
         return self._fd
+
+    def _closed_error(self, name: Any) -> ClosedFileError:
+        """The error for a write to tensor ``name`` after close() or abort()."""
+        return _closed_error(self.filename, self._state, name)
 
     # ------------------------------------------------------------------------ commit/discard
 
@@ -666,13 +695,19 @@ class StreamingWriter:
             raise
         finally:
             if mine:
-                if cm is not None and not exited:
-                    with contextlib.suppress(_Discard):
-                        cm.__exit__(_Discard, _Discard(), None)
-                if self._state == "closing":
-                    _settle(self, self._idle, outcome, failure)
-                with _OPEN_WRITERS_LOCK:
-                    _OPEN_WRITERS.discard(self)
+                try:
+                    if cm is not None and not exited:
+                        with contextlib.suppress(_Discard):
+                            cm.__exit__(_Discard, _Discard(), None)
+                    if self._state == "closing":
+                        if self._receipt.passed:
+                            # In place: a Ctrl-C held over the rename, or a failed sync of its
+                            # folder, came after the file was committed.
+                            outcome = "committed"
+                        _settle(self, self._idle, outcome, failure)
+                finally:
+                    with _OPEN_WRITERS_LOCK:
+                        _OPEN_WRITERS.discard(self)
 
     def _wait_settled(self) -> None:
         """Wait (lock held) for a commit in progress, then return if it committed; else raise
@@ -734,6 +769,18 @@ class StreamingWriter:
             pass
 
 
+def _closed_error(where: str, state: str, name: Any) -> ClosedFileError:
+    """A write after the writer of ``where`` was committed or discarded (``state``), to
+    tensor ``name`` if known."""
+    what = {"committed": "committed", "aborted": "aborted"}.get(state, "closed")
+    to = "" if name is None else f": cannot write to tensor `{name}`"
+    return ClosedFileError(
+        f"the streaming writer of {where!r} is {what}{to}",
+        kind="FileClosed",
+        tensor=None if name is None else str(name),
+    )
+
+
 def _settle(
     owner: StreamingWriter | ShardedStreamingWriter,
     settled: threading.Condition,
@@ -744,7 +791,10 @@ def _settle(
     # Set before taking the lock: an interrupt while it is taken leaves the outcome set.
     owner._state = state
     owner._failure = failure
-    with settled:
+    # The lock's own context manager, not the condition's: those are Python functions, and a
+    # Ctrl-C landing in their first instructions left the lock held for good (every later
+    # abort(), the with block's and atexit's among them, waited for ever).
+    with owner._lock:
         settled.notify_all()
 
 
@@ -893,7 +943,7 @@ class ShardedStreamingWriter:
 
     def _writer(self, name: str) -> StreamingWriter:
         if self._closed:
-            raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
+            raise _closed_error(self.folder, self._state, name)
         try:
             fname = self.plan.tensor_to_filename[name]
         except (KeyError, TypeError):
@@ -977,7 +1027,7 @@ class ShardedStreamingWriter:
             writer = self._writers.get(fname)
             if writer is None:
                 if self._closed:
-                    raise ClosedFileError("the streaming writer is closed", kind="FileClosed")
+                    raise _closed_error(self.folder, self._state, None)
                 if len(self._writers) % 128 == 127:
                     # Each shard begun stays open until close (writes come in any order):
                     # thousands of shards need that many descriptors.
@@ -1097,11 +1147,15 @@ class ShardedStreamingWriter:
             failure = exc
             raise
         finally:
-            _settle(
-                self, self._settled, outcome, failure
-            )  # whatever happens: see StreamingWriter.close
-            with _OPEN_WRITERS_LOCK:
-                _OPEN_WRITERS.discard(self)
+            try:
+                # Whatever happens (see StreamingWriter.close); committed once every file is
+                # renamed, even if a Ctrl-C or the clean-up of older files failed after.
+                _settle(
+                    self, self._settled, "committed" if self._group.committed else outcome, failure
+                )
+            finally:
+                with _OPEN_WRITERS_LOCK:
+                    _OPEN_WRITERS.discard(self)
 
     def _wait_settled(self) -> None:
         """As :meth:`StreamingWriter._wait_settled` (lock held)."""

@@ -53,6 +53,7 @@ from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 __all__ = [
     "WRITEV_BYTES",
+    "CommitReceipt",
     "SaveGroup",
     "StaleFileWarning",
     "TensorData",
@@ -490,6 +491,15 @@ def remove_stale_partial(path: str) -> bool:
     return False
 
 
+@dataclass
+class CommitReceipt:
+    """Whether an :func:`atomic_output` passed its commit point: the file renamed into place
+    (or handed to its group). Set before a Ctrl-C held over that step is raised, so that the
+    caller can tell a commit interrupted once done from one that never happened."""
+
+    passed: bool = False
+
+
 @contextlib.contextmanager
 def atomic_output(
     filename: PathArg,
@@ -497,6 +507,7 @@ def atomic_output(
     fsync: bool = False,
     group: SaveGroup | None = None,
     like: os.stat_result | None = None,
+    receipt: CommitReceipt | None = None,
 ) -> Iterator[int]:
     """Open a temporary sibling of ``filename`` for writing; rename it over ``filename`` on success.
 
@@ -509,6 +520,7 @@ def atomic_output(
             permission bits, and where allowed its owner and group, are given to the temporary
             file before the rename, so that the file never shows other permissions under the
             name. Without it, permissions follow the umask.
+        receipt: Marked once the file is in place (or handed to ``group``).
 
     Yields:
         The file descriptor to write to. On any exception the temporary file is removed and the
@@ -520,7 +532,7 @@ def atomic_output(
     """
     target = output_path(filename, file=True)
     try:
-        with _atomic_output(target, fsync=fsync, group=group, like=like) as fd:
+        with _atomic_output(target, fsync=fsync, group=group, like=like, receipt=receipt) as fd:
             yield fd
     except OSError as exc:
         if isinstance(exc, SafetensorError):  # remote sources' errors, already ours
@@ -572,7 +584,12 @@ def interrupts_deferred() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _atomic_output(
-    target: str, *, fsync: bool, group: SaveGroup | None = None, like: os.stat_result | None = None
+    target: str,
+    *,
+    fsync: bool,
+    group: SaveGroup | None = None,
+    like: os.stat_result | None = None,
+    receipt: CommitReceipt | None = None,
 ) -> Iterator[int]:
     folder = os.path.dirname(target) or "."
     if os.path.isdir(target):
@@ -651,6 +668,8 @@ def _atomic_output(
                     raise
                 group._add(tmp, target, fd)  # still open: the lock keeps it from stale cleanup
                 handed_over = True
+                if receipt is not None:
+                    receipt.passed = True
             return
         os.close(fd)
         # The commit. A Ctrl-C that lands in the rename (which can take a while: ext4 writes
@@ -659,6 +678,8 @@ def _atomic_output(
         # that sync and looked like a save that had not happened.
         with interrupts_deferred():
             os.replace(tmp, target)
+            if receipt is not None:
+                receipt.passed = True
             if fsync:
                 _fsync_dir(folder, repr(target))
     except BaseException as exc:
@@ -777,6 +798,10 @@ class SaveGroup:
         self._partials: dict[str, list[str]] = {}
         self.done = False
         """True once committed or discarded."""
+        self.committed = False
+        """True once every file is renamed into place (set before a Ctrl-C held over the
+        renames is raised, so that the caller can tell a commit interrupted from one that
+        did not happen)."""
 
     def stale_partials(self, folder: str) -> list[str]:
         """The temporary files in ``folder`` when the group first saved there, listed once.
@@ -874,6 +899,7 @@ class SaveGroup:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
             raise
+        self.committed = True
         if self._fsync:
             for folder in folders:
                 _fsync_dir(folder, f"every file of this save in {folder!r}")

@@ -358,6 +358,31 @@ def test_declared_shapes_must_be_non_negative_integers(tmp_path: Path, shape: tu
     assert not any(tmp_path.iterdir()) or not list(tmp_path.glob("**/*.safetensors"))
 
 
+def test_a_declared_generator_shape_is_quoted_whole(tmp_path: Path) -> None:
+    with pytest.raises(SerializeError, match=r"declared with shape \[2, -1\]"):
+        StreamingWriter(tmp_path / "m.safetensors", {"a": ("F32", (d for d in (2, -1)))})
+
+
+def test_writes_after_close_name_the_file_and_the_tensor(tmp_path: Path) -> None:
+    """They said only "the streaming writer is closed", among many writers and tensors."""
+    path = tmp_path / "m.safetensors"
+    w = StreamingWriter(path, {"a": ("U8", (1,))})
+    w.write("a", b"x")
+    w.close()
+    for write in (w.write, w.write_chunk, w.write_tensor):
+        with pytest.raises(ClosedFileError, match=r"m.safetensors' is committed: .* tensor `a`"):
+            write("a", b"x")
+    w = StreamingWriter(path, {"a": ("U8", (1,))})
+    w.abort()
+    with pytest.raises(ClosedFileError, match="is aborted: cannot write to tensor `a`") as info:
+        w.write("a", b"x")
+    assert info.value.tensor == "a"
+    sharded = ShardedStreamingWriter(tmp_path / "s", {"a": ("U8", (1,))})
+    sharded.abort()
+    with pytest.raises(ClosedFileError, match=r"s' is aborted: cannot write to tensor `a`"):
+        sharded.write("a", b"x")
+
+
 def test_a_repeated_declaration_is_refused_by_both_writers(tmp_path: Path) -> None:
     from pysafetensors import ShardedStreamingWriter, StreamingWriter
 
@@ -545,6 +570,12 @@ def test_packed_meta_tensors_declare_their_logical_shape(tmp_path: Path) -> None
     with StreamingWriter(path, {"x": meta}) as w:
         assert [(t.dtype.code, t.shape) for t in w.layout.tensors] == [("F4", (3, 8))]
         w.write("x", real)
+    # (torch dtype, torch shape) declares what the meta tensor does (it was F4 [3, 4], and
+    # the tensor's 12 bytes overran it); a code's shape is the file's.
+    for declared, shape in (((real.dtype, (3, 4)), (3, 8)), (("F4", (3, 8)), (3, 8))):
+        with StreamingWriter(path, [("x", *declared)]) as w:
+            assert [t.shape for t in w.layout.tensors] == [shape]
+            w.write_tensor("x", real)
 
 
 def test_a_forked_child_leaves_its_parents_writer_alone(tmp_path: Path) -> None:
@@ -683,3 +714,24 @@ def test_numpy_integer_offsets_are_taken(tmp_path: Path, sharded: bool) -> None:
             with pytest.raises(SerializeError, match="offset of a write to `t` must be an int"):
                 w.write("t", b"", bad)
     assert np.array_equal(load_file(target)["t"], np.concatenate(parts))
+
+
+def test_a_producer_that_yields_too_few_bytes_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write counted its whole range as written once its chunks ran out, however many bytes
+    they held: a short producer would leave a hole in a committed file."""
+    from pysafetensors import _streaming
+
+    real = _streaming._payload
+
+    def short(*args: Any) -> Any:
+        length, chunks = real(*args)
+        return length, [next(iter(chunks))[:4]]
+
+    w = StreamingWriter(tmp_path / "m.safetensors", {"a": ("U8", (8,))})
+    monkeypatch.setattr(_streaming, "_payload", short)
+    with pytest.raises(SerializeError, match="4 of 8 bytes of tensor `a` were produced"):
+        w.write("a", bytes(range(8)))
+    assert w.missing() == {"a": 8}
+    w.abort()

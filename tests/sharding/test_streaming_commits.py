@@ -312,3 +312,136 @@ def test_an_interrupt_late_in_close_leaves_nothing_waiting(
     assert not later.is_alive(), "a later close() hung"
     assert w.committed and len(errors) == 1
     assert load_file(str(tmp_path / "x.safetensors"))["a"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_ctrl_c_on_any_call_of_the_settling_step_frees_the_lock(tmp_path: Path) -> None:
+    """A real Ctrl-C raised at the start of each Python call close() makes while recording
+    its outcome: one in the condition's ``__exit__`` left the writer's lock held for good,
+    so the with block's abort() and the exit handler's waited for ever."""
+    script = textwrap.dedent(
+        """
+        import os, signal, sys
+        import numpy as np
+        from pysafetensors import StreamingWriter, _streaming
+
+        n = int(sys.argv[2])
+        w = StreamingWriter(sys.argv[1], {"x": ("F32", (4,))})
+        w.write("x", np.arange(4, dtype=np.float32))
+        seen = [0]
+
+        def hook(frame, event, arg):
+            caller = frame.f_back
+            if event == "call" and caller and caller.f_code is _streaming._settle.__code__:
+                seen[0] += 1
+                if seen[0] == n:
+                    sys.setprofile(None)
+                    os.kill(os.getpid(), signal.SIGINT)  # raised as the call starts
+
+        sys.setprofile(hook)
+        try:
+            w.close()
+        except KeyboardInterrupt:
+            pass
+        sys.setprofile(None)
+        free = w._lock.acquire(timeout=5)
+        if free:
+            w._lock.release()
+        w.abort()
+        print(seen[0] >= n, free, w.committed)
+        """
+    )
+    target = tmp_path / "x.safetensors"
+    for n in (1, 2, 3):
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(target), str(n)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        reached, free, committed = done.stdout.split()
+        assert (free, committed) == ("True", "True"), (n, done.stdout)
+        if n == 1:
+            assert reached == "True"  # at least one Python call there to land in
+        assert load_file(str(target))["x"].tolist() == [0, 1, 2, 3]
+        target.unlink()
+
+
+def _interrupt_after(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
+    """Make ``owner.name`` do its work, then take a real Ctrl-C (SIGINT) as it returns."""
+    import signal
+
+    real = getattr(owner, name)
+
+    def then_interrupted(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(owner, name, real)
+        result = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(owner, name, then_interrupted)
+
+
+def test_a_ctrl_c_held_over_the_rename_leaves_the_writer_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename holds a Ctrl-C until the file is in place, then raises it: close() recorded
+    that as a failed commit, and a second close() said nothing was written in its place."""
+    from pysafetensors import _writer
+
+    w = StreamingWriter(tmp_path / "x.safetensors", {"a": ("F32", (4,))})
+    w.write("a", np.arange(4, dtype=np.float32))
+    _interrupt_after(monkeypatch, _writer.os, "replace")
+    with pytest.raises(KeyboardInterrupt):
+        w.close()
+    assert w.committed
+    w.close()  # settled as committed: returns
+    w.abort()  # and is not undone
+    assert load_file(str(tmp_path / "x.safetensors"))["a"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_ctrl_c_held_over_a_shards_hand_over_keeps_the_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished shard handed to the group as a Ctrl-C came was marked failed: the
+    checkpoint's close() then refused it (its bytes "lost") though they were in the group."""
+    from pysafetensors import _writer
+
+    w = ShardedStreamingWriter(
+        tmp_path / "ck", {"a": ("F32", (4,)), "b": ("F32", (4,))}, max_shard_size=16
+    )
+    _interrupt_after(monkeypatch, _writer.SaveGroup, "_add")
+    with pytest.raises(KeyboardInterrupt):
+        w.write("a", np.ones(4, np.float32))  # its shard's last byte: handed over
+    w.write("b", np.full(4, 2, np.float32))
+    w.close()
+    got = {
+        k: v.tolist()
+        for f in sorted((tmp_path / "ck").glob("*.safetensors"))
+        for k, v in load_file(str(f)).items()
+    }
+    assert got == {"a": [1, 1, 1, 1], "b": [2, 2, 2, 2]}
+    assert not list((tmp_path / "ck").glob(".*.partial"))
+
+
+def test_a_ctrl_c_after_a_checkpoints_renames_leaves_it_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file renamed, then a Ctrl-C in the clean-up of an earlier save's files: the
+    checkpoint was settled as failed, and a second close() said so."""
+    from pysafetensors import _sharding
+
+    w = ShardedStreamingWriter(tmp_path / "ck", {"a": ("F32", (4,))})
+    w.write("a", np.ones(4, np.float32))
+    real = _sharding.remove_stale_files
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(_sharding, "remove_stale_files", real)
+        raise KeyboardInterrupt("a Ctrl-C")
+
+    monkeypatch.setattr(_sharding, "remove_stale_files", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.close()
+    w.close()  # committed: returns
+    w.abort()
+    assert load_file(str(tmp_path / "ck" / "model.safetensors"))["a"].tolist() == [1] * 4
