@@ -33,7 +33,7 @@ class FsspecSource(RemoteSource):
     ``max_connections`` worker threads, each copying its part into place as it arrives. That
     holds for asynchronous filesystems too (gcsfs, adlfs, fsspec's HTTP): a worker's
     ``cat_file`` runs on the filesystem's event loop, so the parts still travel concurrently,
-    at most ``max_connections`` at once and never all held in memory together (one
+    at most ``max_connections`` at once for a read and never all held in memory together (one
     ``cat_ranges`` call returns every part before any is copied, and some filesystems run
     its ranges one by one). Each range counts as one request in ``stats``, as does learning
     the size.
@@ -42,7 +42,8 @@ class FsspecSource(RemoteSource):
         target: A URL (``memory://x.safetensors``), an ``fsspec.core.OpenFile``, or a path on
             ``fs``.
         fs: The filesystem ``target`` is a path on.
-        max_connections: Parts read at once (worker threads).
+        max_connections: Parts of one read fetched at once (worker threads); reads from
+            several threads each take up to that many.
         part_size: Largest single range when a read is split.
         max_gap: Ranges closer than this are merged by ``readinto_many``.
         head_bytes: Bytes fetched and cached when opening.

@@ -533,7 +533,8 @@ class HTTPSource(RemoteSource):
             (None: no limit), status line and headers included: when it passes the request's
             socket is shut down. A request past it fails as a timeout and is retried like one.
             It must allow a ``part_size`` request at the slowest acceptable rate.
-        max_connections: Parallel requests for split or coalesced reads.
+        max_connections: Parallel requests of one split or coalesced read (reads from
+            several threads each take up to that many).
         part_size: Largest single request when a read is split.
         max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
         head_bytes: Bytes fetched and cached when opening (0: only learn the size); at most

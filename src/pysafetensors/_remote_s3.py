@@ -207,8 +207,8 @@ class S3Source(RemoteSource):
         anon: Send unsigned requests (public buckets).
         version_id: Read this version of the object.
         client_kwargs: Extra keyword arguments for ``boto3.session.Session().client``.
-        max_connections: Parallel requests (the client's connection pool holds twice as many:
-            files opened with the same options share it).
+        max_connections: Parallel requests of one read (the client's connection pool holds
+            twice as many: files opened with the same options share it).
         part_size: Largest single request when a read is split.
         max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
         head_bytes: Bytes fetched and cached when opening.
