@@ -723,7 +723,10 @@ def convert_folder(
     With ``pytorch_model.bin.index.json``, each listed shard becomes
     ``model-0000x-of-0000y.safetensors`` and ``model.safetensors.index.json`` is written in the
     hub's format (``{"metadata": {"total_size": N}, "weight_map": {name: file}}``, other
-    metadata keys of the source index kept). Otherwise ``pytorch_model.bin`` becomes
+    metadata keys of the source index kept); an index that lists a tensor in another shard
+    than the one holding it, or in none, is refused, and a ``model.safetensors`` beside the
+    new index (an earlier conversion's, which transformers opens first) is deleted once the
+    index is in place. Otherwise ``pytorch_model.bin`` becomes
     ``model.safetensors`` and every other ``*.bin/*.pt/*.pth/*.ckpt`` becomes
     ``<stem>.safetensors``. Other files are not copied.
 
@@ -750,8 +753,9 @@ def convert_folder(
     Raises:
         UnsafePickleError: A checkpoint imports a global outside the allow-list (the message
             starts with its path).
-        CheckpointError: An input is missing, broken or unsupported, the index is invalid, or
-            the folder holds nothing to convert.
+        CheckpointError: An input is missing (kind ``"MissingCheckpoint"``), broken or
+            unsupported, the index is invalid or disagrees with its shards (``"IndexMismatch"``),
+            or the folder holds nothing to convert (``"NothingToConvert"``).
         OSError: A file cannot be read or written.
     """
     src_s, dst_s = input_path(src_dir, "src_dir"), output_path(dst_dir, "dst_dir")
@@ -829,6 +833,7 @@ def convert_folder(
             )
         index_tmp: str | None = None
         if index is not None:
+            _check_index_agrees(index["weight_map"], results, index_path, kwargs)
             index_tmp = _write_index(index, results, work)
         for r in results:
             final = os.path.join(dst_s, os.path.basename(r.dst))
@@ -838,6 +843,12 @@ def convert_folder(
             # Last, so a reader never sees an index naming shards not yet in place.
             report.index = os.path.join(dst_s, _INDEX_OUT)
             _move(index_tmp, report.index)
+            single = report.index.removesuffix(".index.json")
+            if single not in {r.dst for r in results}:
+                # An earlier single-file conversion's model.safetensors: transformers opens it
+                # before any index, and would load the old weights (as a sharded save does).
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(single)
         ok = True
         return report
     finally:
@@ -854,7 +865,8 @@ def _check_inputs(src_dir: str, names: list[str], index_path: str | None) -> Non
         where = f"listed in {index_path}" if index_path else "in the folder"
         raise CheckpointError(
             f"{len(missing)} checkpoint file(s) {where} missing or not files: "
-            + ", ".join(repr(os.path.join(src_dir, n)) for n in missing[:5])
+            + ", ".join(repr(os.path.join(src_dir, n)) for n in missing[:5]),
+            kind="MissingCheckpoint",
         )
     for n in names:
         # PermissionError names the file; a FIFO put in place since is refused, not waited on.
@@ -932,6 +944,38 @@ def _left_out_or_raise(
             raise
         text = str(exc)
         return text[len(src) + 2 :] if text.startswith(f"{src}: ") else text
+
+
+def _check_index_agrees(
+    weight_map: dict[str, Any],
+    results: list[ConversionReport],
+    index_path: str,
+    kwargs: dict[str, Any],
+) -> None:
+    """Refuse a source index that lists a tensor in another shard than the one holding it, or
+    one that no shard holds (the output's index, built from the shards, would drop it without
+    a word). Tensors of skipped objects and a ``subtree``'s renamed ones cannot be matched."""
+    held: dict[str, str] = {}
+    for r in results:
+        for name in (*r.tensors, *r.dropped):
+            held[name] = os.path.basename(r.src)
+    lenient = kwargs.get("subtree") is not None or any(
+        r.skipped_tensors or r.skipped_objects for r in results
+    )
+    misplaced = [
+        f"{name!r} (listed in {shard}, held by {held[name]})"
+        for name, shard in weight_map.items()
+        if name in held and shard != held[name]
+    ]
+    absent = [] if lenient else [repr(name) for name in weight_map if name not in held]
+    for problems, what in ((misplaced, "in another shard"), (absent, "in no shard")):
+        if problems:
+            more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+            raise CheckpointError(
+                f"{index_path} lists {len(problems)} tensor(s) {what}: "
+                f"{', '.join(problems[:5])}{more}",
+                kind="IndexMismatch",
+            )
 
 
 def _write_index(index: dict[str, Any], results: list[ConversionReport], folder: str) -> str:

@@ -540,3 +540,25 @@ def test_a_single_file_beside_another_checkpoints_index_is_warned_of(
     )
     alone = tmp_path / "alone" / "model.safetensors"
     assert "warning" not in _write_one_file(cli, command, tmp_path, example, alone).err
+
+
+def test_a_folder_convert_beside_another_checkpoints_index_is_warned_of(
+    cli, tmp_path: Path
+) -> None:
+    """Converting a folder into one with an older index said nothing (a single file's
+    conversion warned); an index naming a shard that is not there is exit 2, as elsewhere."""
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "out"
+    write_sharded(out, example_tensors(), _halves())
+    torch.save({"w": torch.ones(3)}, out / "pytorch_model.bin")
+    r = cli("convert", out, out)
+    assert r.code == 0, r.err
+    assert "warning: " in r.err and "opens by that index here" in r.err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    listed = {"w": "pytorch_model-00001-of-00002.bin", "v": "pytorch_model-00002-of-00002.bin"}
+    (broken / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": listed}))
+    torch.save({"w": torch.ones(3)}, broken / "pytorch_model-00001-of-00002.bin")
+    r = cli("convert", broken, tmp_path / "dst")
+    assert r.code == 2, r.err
+    assert "pytorch_model-00002-of-00002.bin" in r.err

@@ -298,6 +298,65 @@ def test_sharded_folder_with_index(tmp_path: Path) -> None:
                 assert torch.equal(loaded[k], v)
 
 
+def _sharded_bin(folder: Path, weight_map: dict[str, str] | None = None) -> None:
+    """Two .bin shards (``a`` in the first, ``b`` in the second) and their index."""
+    folder.mkdir()
+    shards = {
+        "pytorch_model-00001-of-00002.bin": {"a": torch.ones(4)},
+        "pytorch_model-00002-of-00002.bin": {"b": torch.zeros(4)},
+    }
+    listed = {}
+    for fname, part in shards.items():
+        torch.save(part, folder / fname)
+        listed.update({k: fname for k in part})
+    index = {"metadata": {}, "weight_map": weight_map if weight_map is not None else listed}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+
+
+def test_a_sharded_conversion_retires_an_earlier_single_file(tmp_path: Path) -> None:
+    """An earlier conversion's model.safetensors stayed beside the new shards and index:
+    transformers opens it before any index, and loaded the old weights."""
+    src = tmp_path / "m"
+    _sharded_bin(src)
+    st_torch.save_file({"old": torch.ones(1)}, str(src / "model.safetensors"))
+    convert_folder(src, src)
+    assert not (src / "model.safetensors").exists()
+    assert (src / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("weight_map", "message"),
+    [
+        (
+            {
+                "a": "pytorch_model-00002-of-00002.bin",
+                "b": "pytorch_model-00001-of-00002.bin",
+            },
+            r"lists 2 tensor\(s\) in another shard: 'a' \(listed in pytorch_model-00002",
+        ),
+        (
+            {
+                "a": "pytorch_model-00001-of-00002.bin",
+                "b": "pytorch_model-00002-of-00002.bin",
+                "lm_head.weight": "pytorch_model-00002-of-00002.bin",
+            },
+            r"lists 1 tensor\(s\) in no shard: 'lm_head.weight'",
+        ),
+    ],
+)
+def test_an_index_that_disagrees_with_its_shards_is_refused(
+    tmp_path: Path, weight_map: dict[str, str], message: str
+) -> None:
+    """The output index was built from the shards alone: a tensor the source index listed
+    and no shard held was dropped without a word."""
+    src = tmp_path / "m"
+    _sharded_bin(src, weight_map)
+    with pytest.raises(CheckpointError, match=message) as info:
+        convert_folder(src, tmp_path / "out")
+    assert info.value.kind == "IndexMismatch"
+    assert not (tmp_path / "out").exists()
+
+
 def _sharded_src(src: Path) -> dict[str, dict[str, Any]]:
     src.mkdir()
     shards = {

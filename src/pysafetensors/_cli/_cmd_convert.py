@@ -112,12 +112,16 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     folder = convert_folder(args.src, args.dst, **kwargs)
             except CheckpointError as exc:
-                if exc.kind != "NothingToConvert":
+                if exc.kind not in ("NothingToConvert", "MissingCheckpoint"):
                     raise
-                # A folder with no checkpoint is a target that cannot be read (exit 2), as
-                # for every other command, not a malformed file.
+                # A folder with no checkpoint, or an index naming one that is not there, is a
+                # target that cannot be read (exit 2), as for every other command, not a
+                # malformed file.
                 raise UsageError(str(exc)) from None
             reports, index, left_out = folder.files, folder.index, folder.left_out
+            if index is None:
+                for r in reports:
+                    warn_beside_index(r.dst)
         else:
             make_parent(args.dst, folders)
             # The same bar as every other command: after a second of work, on a terminal only.
