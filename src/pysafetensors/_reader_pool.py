@@ -51,23 +51,31 @@ def _mark_worker() -> None:
     _WORKER.active = True
 
 
-def _submit(task: Callable[[], None], copies: int) -> list[Future[None]]:
+def _submit(task: Callable[[], None], copies: int, futures: list[Future[None]]) -> None:
     """Run ``copies`` of ``task`` in the shared pool, grown first (replaced by a larger one)
-    to at least ``copies`` workers. Submitting under the lock: a pool being replaced is never
-    handed out, so nothing is submitted to one that was shut down."""
+    to at least ``copies`` workers, each one's future appended to ``futures`` as it is
+    submitted (so that the caller knows which started when a later one fails). Submitting under
+    the lock: a pool being replaced is never handed out, so nothing is submitted to one that
+    was shut down. A read started meanwhile on this thread (a signal handler's) runs inline:
+    it would wait for the lock for ever."""
     global _POOL, _POOL_SIZE
-    with _POOLS_LOCK:
-        if _POOL is None or copies > _POOL_SIZE:
-            old = _POOL
-            _POOL = ThreadPoolExecutor(
-                max_workers=copies,
-                thread_name_prefix="pysafetensors-read",
-                initializer=_mark_worker,
-            )
-            _POOL_SIZE = copies
-            if old is not None:
-                old.shutdown(wait=False)  # its threads finish their work, then exit
-        return [_POOL.submit(task) for _ in range(copies)]
+    _WORKER.submitting = True
+    try:
+        with _POOLS_LOCK:
+            if _POOL is None or copies > _POOL_SIZE:
+                old = _POOL
+                _POOL = ThreadPoolExecutor(
+                    max_workers=copies,
+                    thread_name_prefix="pysafetensors-read",
+                    initializer=_mark_worker,
+                )
+                _POOL_SIZE = copies
+                if old is not None:
+                    old.shutdown(wait=False)  # its threads finish their work, then exit
+            for _ in range(copies):
+                futures.append(_POOL.submit(task))
+    finally:
+        _WORKER.submitting = False
 
 
 def reader_thread_count() -> int:
@@ -101,7 +109,7 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
     """
     work = list(items)
     threads = min(threads, MAX_READ_THREADS, len(work))
-    if threads <= 1 or getattr(_WORKER, "active", False):
+    if threads <= 1 or getattr(_WORKER, "active", False) or getattr(_WORKER, "submitting", False):
         for item in work:
             fn(item)
         return
@@ -137,14 +145,27 @@ def _run_workers(
     worker: Callable[[], None], threads: int, failed: threading.Event
 ) -> BaseException | None:
     """``threads`` copies of ``worker`` on the shared pool, waited for (:func:`_wait_all`).
-    Once the interpreter is shutting down (a thread still loading after the main thread
-    returned) pools take no more work: this thread then does it all, and a failure is raised
-    from here as it happens."""
+
+    Where a worker cannot start (the interpreter shutting down, after the main thread
+    returned; a limit on threads or memory), this thread works beside those that did, and
+    returns once they all have. An interrupt while submitting stops the workers started and
+    waits for them: raised at once, it let them read on into memory the caller then freed
+    (and descriptors it closed).
+    """
+    futures: list[Future[None]] = []
     try:
-        futures = _submit(worker, threads)
+        _submit(worker, threads, futures)
     except RuntimeError:
-        worker()
-        return None
+        try:
+            worker()
+        except BaseException as own:  # noqa: BLE001 - raised by the caller, after the wait
+            _wait_all(futures, failed)
+            return own
+        return _wait_all(futures, failed)
+    except BaseException:
+        failed.set()
+        _wait_all(futures, failed)
+        raise
     return _wait_all(futures, failed)
 
 

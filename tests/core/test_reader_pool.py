@@ -10,11 +10,19 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from pysafetensors import _fresh_memory, _range_reads, _reader_pool, _sources, safe_open, tuning
+from pysafetensors import (
+    _fresh_memory,
+    _range_reads,
+    _reader_pool,
+    _sources,
+    safe_open,
+    tuning,
+)
 from pysafetensors._reader_pool import run_parallel
 from pysafetensors._sources import PreadSource
 from pysafetensors.numpy import save_file
@@ -475,6 +483,98 @@ def test_an_interrupt_while_waiting_returns_only_after_the_workers() -> None:
         assert len(done) == finished < 200  # and nobody started anything afterwards
     finally:
         timer.cancel()
+
+
+def _pool_failing_at(
+    monkeypatch: pytest.MonkeyPatch, call: int, error: BaseException, before: Any = None
+) -> None:
+    """A fresh shared pool whose ``call``-th submit raises ``error`` (after ``before()``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = [0]
+
+    class Failing(ThreadPoolExecutor):
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == call:
+                if before is not None:
+                    before()
+                raise error
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(_reader_pool, "ThreadPoolExecutor", Failing)
+    monkeypatch.setattr(_reader_pool, "_POOL", None)
+    monkeypatch.setattr(_reader_pool, "_POOL_SIZE", 0)
+
+
+def _slow_first(done: list[int], error: BaseException | None = None) -> Any:
+    def work(item: int) -> None:
+        if item == 0:
+            time.sleep(0.3)
+            if error is not None:
+                raise error
+        done.append(item)
+
+    return work
+
+
+def test_a_thread_that_cannot_start_leaves_no_worker_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread start failing after the first (a limit on threads or memory): the caller did
+    the work itself and returned while the worker that had started still wrote into its
+    buffer, and that worker's error was lost."""
+    _pool_failing_at(monkeypatch, 2, RuntimeError("can't start new thread"))
+    done: list[int] = []
+    run_parallel(_slow_first(done), range(4), 4)
+    assert sorted(done) == [0, 1, 2, 3]
+    _pool_failing_at(monkeypatch, 2, RuntimeError("can't start new thread"))
+    done = []
+    with pytest.raises(OSError, match="EIO"):
+        run_parallel(_slow_first(done, OSError(errno.EIO, "EIO")), range(4), 4)
+    time.sleep(0.4)
+    assert sorted(done) == [1, 2, 3]
+
+
+def test_an_interrupt_while_submitting_waits_for_the_workers_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C between two submits was raised at once: the workers started read on, into
+    buffers the caller freed and descriptors it closed."""
+    done: list[int] = []
+    _pool_failing_at(monkeypatch, 2, KeyboardInterrupt(), before=lambda: time.sleep(0.05))
+    with pytest.raises(KeyboardInterrupt):
+        run_parallel(_slow_first(done), range(100), 4)
+    finished = sorted(done)
+    assert 0 in finished  # the item at work when the interrupt came was finished first
+    time.sleep(0.4)
+    assert sorted(done) == finished and len(finished) < 100  # and nothing was taken after
+
+
+def test_a_read_started_on_a_thread_that_is_submitting_runs_inline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal handler's load while its thread submitted workers (under the pool's lock)
+    waited for that lock for ever."""
+    nested: list[int] = []
+
+    def handler_load() -> None:
+        run_parallel(nested.append, range(8), 4)
+
+    _pool_failing_at(monkeypatch, 2, RuntimeError("stop here"), before=handler_load)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            run_parallel(lambda item: None, range(8), 4)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the nested load waited for the pool's lock"
+    assert nested == list(range(8)) and not outcome
 
 
 @pytest.mark.usefixtures("_sigint_raises")
