@@ -341,11 +341,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         self._adapter: Adapter = get_adapter(framework)
         self._device: Device = self._adapter.check_device(device)
         check_backend(backend)
-        if slice_reads not in SLICE_READS:
-            raise SafetensorError(
-                f'slice_reads "{slice_reads}" is invalid (expected one of: "exact", "coalesce")',
-                kind="InvalidSliceReads",
-            )
+        check_slice_reads(slice_reads)
         self._slice_reads = slice_reads
         self._backend = backend
         max_header_size = check_max_header_size(max_header_size)
@@ -357,14 +353,10 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             raise
         if threads is not None:
             try:
-                count = -1 if isinstance(threads, bool) else operator.index(threads)
-            except TypeError:
-                count = -1
-            if count < 1:
+                count = check_threads(threads)
+            except SafetensorError:
                 source.close()
-                raise SafetensorError(
-                    f"threads must be a positive integer, got {threads!r}", kind="InvalidThreads"
-                )
+                raise
             if isinstance(source, PreadSource):
                 # More than the process keeps would only queue: see MAX_READ_THREADS.
                 source.threads = min(count, MAX_READ_THREADS)
@@ -1399,6 +1391,28 @@ _PREFETCH_DENSITY: Final = 16
 #: Tensors of at most this many bytes: their slices are copied by numpy (torch's set-up costs
 #: more), and load_shard reads them whole for their fragmented parts (see _gather_small).
 _SMALL_PART: Final = 64 << 10
+
+
+def check_slice_reads(slice_reads: object) -> None:
+    """Refuse a ``slice_reads`` option other than ``"exact"`` or ``"coalesce"``."""
+    if slice_reads not in SLICE_READS:
+        raise SafetensorError(
+            f'slice_reads "{slice_reads}" is invalid (expected one of: "exact", "coalesce")',
+            kind="InvalidSliceReads",
+        )
+
+
+def check_threads(threads: Any) -> int:
+    """``threads`` as a count of reader threads; refused unless a positive integer."""
+    try:
+        count = -1 if isinstance(threads, bool) else operator.index(threads)
+    except TypeError:
+        count = -1
+    if count < 1:
+        raise SafetensorError(
+            f"threads must be a positive integer, got {threads!r}", kind="InvalidThreads"
+        )
+    return count
 
 
 def check_backend(backend: object) -> None:

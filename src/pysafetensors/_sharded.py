@@ -49,7 +49,9 @@ from ._reader import (
     SafeSlice,
     TensorMeta,
     check_backend,
+    check_slice_reads,
     check_tensor_name,
+    check_threads,
     open_source_for,
     safe_open,
 )
@@ -431,6 +433,10 @@ class ShardedSafeOpen(HandleBehaviour):
         # the first tensor.
         get_adapter(framework).check_device(device)
         check_backend(backend)
+        if "slice_reads" in options:
+            check_slice_reads(options["slice_reads"])
+        if options.get("threads") is not None:
+            check_threads(options["threads"])
         self._framework = framework
         self._device = device
         self._backend = backend

@@ -13,6 +13,7 @@ import pytest
 from pysafetensors import (
     ClosedFileError,
     MissingShardError,
+    SafetensorError,
     ShardedSafeOpen,
     ShardIndexError,
     TensorNotFoundError,
@@ -532,3 +533,21 @@ def test_a_safetensors_file_named_like_an_index_opens_as_a_file(tmp_path: Path) 
     (index,) = folder.glob("*.index.json")
     with safe_open(index, "np") as f:
         assert isinstance(f, ShardedSafeOpen) and f.keys() == ["y", "z"]
+
+
+@pytest.mark.parametrize(
+    ("option", "kind"),
+    [
+        ({"threads": 0}, "InvalidThreads"),
+        ({"threads": True}, "InvalidThreads"),
+        ({"slice_reads": "bogus"}, "InvalidSliceReads"),
+    ],
+)
+def test_a_checkpoints_reader_options_are_checked_at_open(
+    tmp_path: Path, option: dict[str, Any], kind: str
+) -> None:
+    """A folder opened with them, and its keys() listed; the first tensor read failed."""
+    save_sharded({"a": np.ones(4), "b": np.zeros(4)}, tmp_path, max_shard_size=40)
+    with pytest.raises(SafetensorError) as info:
+        safe_open(tmp_path, "np", **option)
+    assert info.value.kind == kind
