@@ -92,8 +92,7 @@ def load_file(
         filename: What to read: a file, a model folder, an index file, or their URL
             (a sharded checkpoint is loaded whole).
         backend: ``"mmap"`` or ``"pread"``: numpy arrays are copies either way (as the
-            reference's are): under ``"pread"`` read in parallel on the reader threads, under
-            ``"mmap"`` by positioned reads of the mapped file on the calling thread.
+            reference's are), made in parallel, out of the mapping or by positioned reads.
         storage_options: For URLs: headers, credentials, endpoint (as for ``safe_open``).
     """
     return load_file_with("numpy", filename, "cpu", backend, storage_options)

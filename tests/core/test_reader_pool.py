@@ -660,3 +660,34 @@ def test_a_step_timed_across_a_collection_does_not_count_as_slow(
     region.populate(20 << 20, 16 << 20)
     assert region._slow.is_set()
     _check_destination(region.array(), _fresh_memory._SELF_PROBED_MIN)
+
+
+def test_numpy_loads_of_a_mapped_file_are_read_in_parallel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy's arrays are copies: under backend="mmap" they were one read on the calling
+    thread, though documented as made in parallel."""
+    from pysafetensors import SafetensorError
+    from pysafetensors.numpy import load_file
+
+    path = tmp_path / "m.safetensors"
+    rng = np.random.default_rng(5)
+    tensors = {"a": rng.integers(0, 255, 40 << 20, dtype=np.uint8), "b": np.arange(3.0)}
+    save_file(tensors, str(path))
+    runs: list[int] = []
+    real = _sources.run_parallel
+
+    def counted(fn: Any, items: Any, threads: int) -> None:
+        work = list(items)
+        runs.append(len(work))
+        real(fn, work, threads)
+
+    monkeypatch.setattr(_sources, "run_parallel", counted)
+    got = load_file(str(path), backend="mmap")
+    assert all(np.array_equal(got[k], v) for k, v in tensors.items())
+    assert runs and max(runs) > 1  # the data region in pieces, on the reader threads
+    with safe_open(path, "np", backend="mmap") as f:
+        os.truncate(path, 1 << 20)  # cut short after the open: named as a mapped file's is
+        with pytest.raises(SafetensorError, match="was truncated") as info:
+            f.get_tensors()
+    assert info.value.kind == "FileTruncated"
