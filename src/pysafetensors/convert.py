@@ -63,6 +63,7 @@ from ._errors import (
 )
 from ._format import N_LEN, parse_header, parse_header_length
 from ._mapped_pages import drop_mapped_pages, file_mappings
+from ._sharding import remove_stale_files
 from ._sources import check_regular, open_regular_file
 from ._torch_pickle import SKIPPED_WHOLE, Checkpoint, TensorRecord, load_checkpoint, plan_shared
 from ._writer import TensorData, write_file
@@ -82,6 +83,8 @@ __all__ = [
 CHECKPOINT_SUFFIXES: Final = (".bin", ".pt", ".pth", ".ckpt")
 _INDEX_IN: Final = "pytorch_model.bin.index.json"
 _INDEX_OUT: Final = "model.safetensors.index.json"
+#: The hub's names of a safetensors checkpoint, the outputs' of a sharded folder.
+_OUTPUT_PATTERN: Final = "model{suffix}.safetensors"
 _MAX_INDEX_BYTES: Final = 100_000_000
 
 Progress = Callable[[int, int], None]
@@ -724,9 +727,9 @@ def convert_folder(
     ``model-0000x-of-0000y.safetensors`` and ``model.safetensors.index.json`` is written in the
     hub's format (``{"metadata": {"total_size": N}, "weight_map": {name: file}}``, other
     metadata keys of the source index kept); an index that lists a tensor in another shard
-    than the one holding it, or in none, is refused, and a ``model.safetensors`` beside the
-    new index (an earlier conversion's, which transformers opens first) is deleted once the
-    index is in place. Otherwise ``pytorch_model.bin`` becomes
+    than the one holding it, or in none, is refused, and files of the hub's names the new
+    index does not name (a ``model.safetensors``, which transformers opens first; shards of
+    another count) are deleted once the index is in place. Otherwise ``pytorch_model.bin`` becomes
     ``model.safetensors`` and every other ``*.bin/*.pt/*.pth/*.ckpt`` becomes
     ``<stem>.safetensors``. Other files are not copied.
 
@@ -843,12 +846,12 @@ def convert_folder(
             # Last, so a reader never sees an index naming shards not yet in place.
             report.index = os.path.join(dst_s, _INDEX_OUT)
             _move(index_tmp, report.index)
-            single = report.index.removesuffix(".index.json")
-            if single not in {r.dst for r in results}:
-                # An earlier single-file conversion's model.safetensors: transformers opens it
-                # before any index, and would load the old weights (as a sharded save does).
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(single)
+            # Files of an earlier save of the hub's names that the new index does not name,
+            # as a sharded save removes them: shards of another count, and a single-file
+            # conversion's model.safetensors, which transformers opens before any index (it
+            # loaded the old weights).
+            written = [os.path.basename(r.dst) for r in results]
+            remove_stale_files(dst_s, _OUTPUT_PATTERN, [*written, _INDEX_OUT])
         ok = True
         return report
     finally:

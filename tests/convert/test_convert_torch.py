@@ -315,13 +315,22 @@ def _sharded_bin(folder: Path, weight_map: dict[str, str] | None = None) -> None
 
 def test_a_sharded_conversion_retires_an_earlier_single_file(tmp_path: Path) -> None:
     """An earlier conversion's model.safetensors stayed beside the new shards and index:
-    transformers opens it before any index, and loaded the old weights."""
+    transformers opens it before any index, and loaded the old weights. Shards of another
+    count stayed too, as a sharded save removes them."""
     src = tmp_path / "m"
     _sharded_bin(src)
     st_torch.save_file({"old": torch.ones(1)}, str(src / "model.safetensors"))
+    stale = src / "model-00003-of-00003.safetensors"  # an earlier save of another count
+    st_torch.save_file({"old": torch.ones(1)}, str(stale))
+    (src / "notes.safetensors").write_bytes(b"kept")  # not of the hub's names: left alone
     convert_folder(src, src)
-    assert not (src / "model.safetensors").exists()
-    assert (src / "model.safetensors.index.json").exists()
+    assert not (src / "model.safetensors").exists() and not stale.exists()
+    assert (src / "notes.safetensors").read_bytes() == b"kept"
+    assert sorted(p.name for p in src.glob("model*")) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
 
 
 @pytest.mark.parametrize(
