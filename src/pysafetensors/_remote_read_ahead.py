@@ -391,8 +391,9 @@ class ReadAhead:
             pending.future.cancel()
 
     def _take(self, pending: _Next, offset: int, out: memoryview) -> bool:
-        """Serve a read in order that reached the window fetched in the background: wait for
-        it (or fetch it here if no thread has started it), then make it the window."""
+        """Serve a read that falls in a window on its way (fetched in the background, or by
+        another thread's read): wait for it (or fetch it here if no thread has started it),
+        then make it the window."""
         try:
             if pending.future.cancel():
                 self._fetch(pending.at, pending.data.data)

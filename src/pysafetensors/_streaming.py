@@ -772,7 +772,7 @@ class StreamingWriter:
 def _closed_error(where: str, state: str, name: Any) -> ClosedFileError:
     """A write after the writer of ``where`` was committed or discarded (``state``), to
     tensor ``name`` if known."""
-    what = {"committed": "committed", "aborted": "aborted"}.get(state, "closed")
+    what = state if state in ("committed", "aborted") else "closed"
     to = "" if name is None else f": cannot write to tensor `{name}`"
     return ClosedFileError(
         f"the streaming writer of {where!r} is {what}{to}",
