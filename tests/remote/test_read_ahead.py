@@ -137,14 +137,15 @@ def test_threads_reading_one_handle_get_their_own_bytes(lora: tuple[RangeServer,
     assert not errors
 
 
-@pytest.mark.parametrize(("threads", "bound"), [(2, 1.5), (8, 2.5)])
+@pytest.mark.parametrize(("threads", "bound"), [(2, 1.2), (8, 1.3), (16, 1.3), (32, 1.5)])
 def test_threads_reading_in_file_order_fetch_each_byte_about_once(
     lora: tuple[RangeServer, dict], threads: int, bound: float
 ) -> None:
     """A pool's reads in file order: each thread took its read for the next in order and
     fetched a window of its own over the others' (8 threads: 5-7 times the file, and the
-    windows past the budget). Reads that overtake the window on its way still fetch their
-    own bytes (8 threads: 1.2-1.7 times)."""
+    windows past the budget). Then reads of threads left behind were taken for reads out of
+    order, and the window on its way was fetched again (16 threads: 1.7-3.6 times the file);
+    now 0.97-1.02 times."""
     server, tensors = lora
     size = _size(server, "lora.safetensors")
     for _ in range(3):
@@ -155,6 +156,47 @@ def test_threads_reading_in_file_order_fetch_each_byte_about_once(
                 got = list(pool.map(f.get_tensor, keys))
         assert all(np.array_equal(g, tensors[k]) for g, k in zip(got, keys, strict=True))
         assert server.bytes_sent() <= bound * size, server.bytes_sent() / size
+
+
+def test_a_read_left_behind_by_other_threads_keeps_the_run() -> None:
+    """A read in the window before the one held (a thread that fell behind the others) is
+    fetched as asked, and the window on its way stays: it was dropped, fetched again, and
+    the run started over small."""
+    data = random.Random(4).randbytes(1 << 20)
+    fetched: list[int] = []
+    gate = threading.Event()
+
+    def fetch(at: int, view: memoryview) -> None:
+        if threading.current_thread().name.startswith("pysafetensors-read-ahead"):
+            gate.wait(10)  # the window after the held one stays on its way
+        fetched.append(at)
+        view[:] = data[at : at + view.nbytes]
+
+    ahead = ReadAhead(1 << 20, len(data), fetch)
+    out = bytearray(2048)
+    pos = 0
+    try:
+        while len(fetched) < 2 or ahead._pending is None or not ahead._pending.future.running():
+            gate.set()  # the first windows arrive; the third is held back
+            if len(fetched) >= 2:
+                gate.clear()
+            if ahead.read(pos, memoryview(out)):
+                assert out == data[pos : pos + 2048]
+            pos += 2048
+            time.sleep(0.001)
+        on_its_way, behind = ahead._pending, fetched[0] + 4096
+        assert behind < ahead._window_bytes[0]  # type: ignore[index]
+        assert not ahead.read(behind, memoryview(out))  # the caller fetches it
+        assert ahead._pending is on_its_way
+        gate.set()
+        while pos < on_its_way.end:
+            assert ahead.read(pos, memoryview(out))
+            assert out == data[pos : pos + 2048]
+            pos += 2048
+    finally:
+        gate.set()
+        ahead.close()
+    assert len(fetched) == len(set(fetched)), fetched  # no window fetched twice
 
 
 def test_windows_of_all_sources_stay_within_the_budget(lora: tuple[RangeServer, dict]) -> None:
