@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import posixpath
 import re
 import threading
-from typing import Any, NoReturn
+import weakref
+from typing import Any, Final, NoReturn
 
 from ._errors import (
     RemoteError,
@@ -38,6 +40,12 @@ class FsspecSource(RemoteSource):
     its ranges one by one). Each range counts as one request in ``stats``, as does learning
     the size.
 
+    Only filesystems known to serve concurrent reads correctly get parts at once: the
+    asynchronous ones, local files, ``memory://`` and ``zip://`` (zipfile locks the archive
+    around each read). Every other filesystem (``tar://``, ``ftp://``, the caching layers,
+    ``hf://``...) is read one part at a time, by all the sources on that filesystem instance
+    together: parallel reads from ``tar://`` returned other parts' bytes, without an error.
+
     Args:
         target: A URL (``memory://x.safetensors``), an ``fsspec.core.OpenFile``, or a path on
             ``fs``.
@@ -48,7 +56,7 @@ class FsspecSource(RemoteSource):
         max_gap: Ranges closer than this are merged by ``readinto_many``.
         head_bytes: Bytes fetched and cached when opening.
         retries: Repeats after a short read.
-        backoff: First retry delay in seconds.
+        backoff: First retry delay in seconds; doubles each time, with jitter, up to 20 s.
         read_ahead: The largest window read ahead for small reads in file order (a
             ``get_tensor`` loop); 0 fetches every read as asked.
         **storage_options: Passed to the filesystem when ``target`` is a URL.
@@ -130,17 +138,18 @@ class FsspecSource(RemoteSource):
         self._name = shown_location(name)
         self._fs = fs
         self._path = path
-        # fsspec's caching layers (blockcache::, filecache::, simplecache::) are not safe for
-        # concurrent reads: blockcache:: served wrong bytes to parts read on several threads.
-        # Their reads go one at a time.
-        self._one_at_a_time: threading.Lock | None = threading.Lock() if _is_caching(fs) else None
+        # Parts of a read run on several threads, which only some filesystems serve right (see
+        # _reads_may_overlap); the others' reads go one at a time.
+        self._one_at_a_time: threading.Lock | None = (
+            None if _reads_may_overlap(fs) else _TURNS.of(fs)
+        )
         self._open()
 
     def _after_fork(self) -> None:
-        """The base class's, and a new lock for the caching layers' reads (held across one)."""
+        """The base class's, and a new lock for the filesystem's reads (held across one)."""
         super()._after_fork()
         if self._one_at_a_time is not None:
-            self._one_at_a_time = threading.Lock()
+            self._one_at_a_time = _TURNS.of(self._fs)
 
     def _open(self) -> None:
         """Learn the size (one request) and cache the first ``head_bytes``."""
@@ -268,14 +277,78 @@ class FsspecSource(RemoteSource):
         out[:] = data
 
 
-def _is_caching(fs: Any) -> bool:
-    """Whether ``fs`` is one of fsspec's caching layers (by class, without importing them
-    where fsspec lacks them)."""
-    try:
-        from fsspec.implementations.cached import CachingFileSystem
-    except ImportError:  # pragma: no cover - every supported fsspec has it
-        return False
-    return isinstance(fs, CachingFileSystem)
+#: Filesystems (and their subclasses) known to serve ``cat_file`` calls from several threads at
+#: once: each call opens a file of its own (local files, zip members: zipfile locks the archive
+#: around each seek and read), reads an immutable buffer (memory), or runs on the filesystem's
+#: event loop (every asynchronous one: HTTP, S3, GCS, Azure...).
+_OVERLAPPING_READS: Final = frozenset(
+    {
+        "fsspec.asyn.AsyncFileSystem",
+        "fsspec.implementations.local.LocalFileSystem",
+        "fsspec.implementations.memory.MemoryFileSystem",
+        "fsspec.implementations.zip.ZipFileSystem",
+    }
+)
+#: Asynchronous filesystems that read through another filesystem (named by the attribute),
+#: whose reads are as safe as that one's.
+_WRAPPED: Final = {
+    "fsspec.implementations.asyn_wrapper.AsyncFileSystemWrapper": "sync_fs",
+    "fsspec.implementations.dirfs.DirFileSystem": "fs",
+}
+#: Asynchronous filesystems whose reads are not safe to overlap: kerchunk's references read
+#: from any filesystem, through lazily loaded caches.
+_ONE_AT_A_TIME: Final = frozenset({"fsspec.implementations.reference.ReferenceFileSystem"})
+
+
+def _reads_may_overlap(fs: Any) -> bool:
+    """Whether ``fs`` is known to serve several ``cat_file`` calls at once correctly.
+
+    Only those of :data:`_OVERLAPPING_READS` are (after unwrapping :data:`_WRAPPED`): the
+    others' reads go one at a time. Up to 8 parts at once served wrong bytes from fsspec's tar
+    filesystem (one file object for every member, seek then read, no lock), its caching layers
+    (blockcache::), and its FTP filesystem (one control connection), with no error.
+    """
+    for _ in range(8):  # wrappers of wrappers, not for ever
+        names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(fs).__mro__}
+        wrapped = next((_WRAPPED[n] for n in names if n in _WRAPPED), None)
+        if wrapped is None:
+            return not names & _ONE_AT_A_TIME and bool(names & _OVERLAPPING_READS)
+        fs = getattr(fs, wrapped, None)
+    return False
+
+
+class _Turns:
+    """One lock per filesystem instance whose reads go one at a time, shared by every source
+    on it: fsspec hands the sources of one server the same instance (``ftp://host/a`` and
+    ``ftp://host/b`` share one FTP connection), which a lock per source let two of them use
+    at once."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._guard = threading.Lock()
+        self._locks: dict[int, threading.Lock] = {}
+
+    def of(self, fs: Any) -> threading.Lock:
+        """The lock of ``fs``'s reads (a new one in a forked child: a parent's thread may have
+        held the old one at the fork)."""
+        if os.getpid() != self._pid:
+            self._reset()
+        key = id(fs)
+        with self._guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+                # Forgotten with the filesystem, before its id can be another's. One that
+                # cannot be referenced weakly keeps its entry (a lock's worth).
+                with contextlib.suppress(TypeError):
+                    weakref.finalize(fs, self._locks.pop, key, None)
+            return lock
+
+
+_TURNS: Final = _Turns()
 
 
 def _byte_count(value: object) -> int | None:

@@ -13,8 +13,9 @@ import ssl
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 from ._errors import (
     RemoteError,
@@ -27,11 +28,13 @@ from ._remote_source import (
     DEFAULT_HEAD_BYTES,
     DEFAULT_MAX_GAP,
     DEFAULT_PART_SIZE,
+    HEADER_NUMBER,
     RemoteSource,
     Transient,
     int_option,
     parse_content_range,
     seconds_option,
+    shown_header,
     shown_value,
 )
 from ._remote_urls import redact
@@ -41,7 +44,7 @@ _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 #: Bytes of a redirect's body read to keep its connection for reuse; a longer body closes it.
 _REDIRECT_BODY_MAX: Final = 64 << 10
 _TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
-_DECIMAL: Final = re.compile(r"[ \t]*(\d+)[ \t]*", re.ASCII)
+_DECIMAL: Final = re.compile(rf"[ \t]*{HEADER_NUMBER}[ \t]*", re.ASCII)
 
 
 def _refused_request(exc: Exception, headers: Mapping[str, str]) -> str:
@@ -150,8 +153,26 @@ def _int_header(resp: http.client.HTTPResponse, name: str, where: str) -> int | 
         return None
     match = _DECIMAL.fullmatch(value)
     if match is None:
-        raise RemoteError(f"{where}: malformed {name} {value!r}", kind="InvalidResponse")
+        raise RemoteError(
+            f"{where}: malformed {name} {shown_header(value)}", kind="InvalidResponse"
+        )
     return int(match.group(1))
+
+
+def _location(resp: http.client.HTTPResponse) -> str | None:
+    """A redirect's ``Location``, its raw UTF-8 bytes read as UTF-8 (as ``requests`` does).
+
+    http.client decodes header bytes as Latin-1: ``/modèle`` sent as UTF-8 became
+    ``/modÃ¨le``, percent-encoded again into a request for another path. A value that is not
+    UTF-8 is kept as decoded.
+    """
+    location = resp.getheader("Location")
+    if location is None:
+        return None
+    try:
+        return location.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return location
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -425,11 +446,21 @@ class _ConnectionPool:
     never handed to a source that would have verified its peer otherwise), at most
     :data:`_IDLE_PER_HOST` each: kept per source, a handle on 200 shards of one server held
     over a thousand idle sockets and ran out of descriptors. Each request sets its own timeout.
+
+    The idle connections of a TLS context given as ``ssl_context`` are closed with the last
+    open source using it (:meth:`close`, or when it is collected): no other source may take
+    them, and a context made for each file kept every closed file's connections open.
     """
 
     def __init__(self, timeout: float | None, ssl_context: ssl.SSLContext | None) -> None:
         self._timeout = timeout
         self._ssl = ssl_context
+        _IDLE.retain(ssl_context)
+        self._released = weakref.finalize(self, _IDLE.release, ssl_context)
+
+    def close(self) -> None:
+        """Stop using the TLS context (once): its idle connections close with its last user."""
+        self._released()
 
     def get(self, key: _Key) -> tuple[_Conn, bool]:
         """Return a connection and whether it was reused (so may have gone stale)."""
@@ -445,10 +476,71 @@ class _ConnectionPool:
         else:
             made = http.client.HTTPConnection(host, port, timeout=self._timeout)
         made.response_class = _Response
+        made._create_connection = _connect  # type: ignore[attr-defined]  # see _connect
         return made, False
 
     def put(self, key: _Key, conn: _Conn) -> None:
         _IDLE.give((key, self._ssl), conn)
+
+
+def _resolve(host: str, port: int, timeout: float | None) -> list[Any]:
+    """``getaddrinfo`` for a TCP connection to ``host``, within ``timeout`` seconds.
+
+    The system resolver takes no timeout of its own: a name server that did not answer held
+    a read for its retries (30 s and more), past ``timeout`` and the deadline alike. It runs
+    on a thread of its own, left to finish in the background when it takes too long.
+
+    Raises:
+        TimeoutError: No answer within ``timeout``.
+        OSError: The name does not resolve.
+    """
+    if timeout is None:
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    outcome: list[Any] = []
+    answered = threading.Event()
+
+    def lookup() -> None:
+        try:
+            outcome.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            outcome.append(exc)
+        answered.set()
+
+    threading.Thread(target=lookup, name="pysafetensors-resolve", daemon=True).start()
+    if not answered.wait(timeout):
+        raise TimeoutError(f"resolving {host} took over {timeout:g} s")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    infos: list[Any] = outcome[0]
+    return infos
+
+
+def _connect(
+    address: tuple[str, int], timeout: Any = None, source_address: Any = None
+) -> socket.socket:
+    """``socket.create_connection`` with the name resolved within ``timeout`` (see
+    :func:`_resolve`); http.client calls it to connect (its ``_create_connection``)."""
+    if not isinstance(timeout, (int, float)):
+        timeout = None  # socket's "global default" stand-in: no timeout was set
+    host, port = address
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in _resolve(host, port, timeout):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if timeout is not None:
+                sock.settimeout(timeout)
+            if source_address:
+                sock.bind(source_address)
+            sock.connect(sockaddr)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:  # a Ctrl-C while connecting: the socket is nobody's
+            sock.close()
+            raise
+        return sock
+    raise error or OSError(f"{host} resolves to no address")
 
 
 #: Idle connections kept per (scheme, host, port, TLS context), for all sources together.
@@ -459,12 +551,36 @@ class _IdleConnections:
     """The process-wide store of idle keep-alive connections (see :class:`_ConnectionPool`)."""
 
     def __init__(self) -> None:
+        #: Open sources using each TLS context given (the default one, None, is not counted).
+        self._users: dict[ssl.SSLContext, int] = {}
         self._reset()
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
         # The key holds the TLS context itself (not its id), so it cannot be reused by another.
         self._idle: dict[tuple[_Key, ssl.SSLContext | None], list[_Conn]] = {}
+
+    def retain(self, ctx: ssl.SSLContext | None) -> None:
+        """A source starts using ``ctx``."""
+        if ctx is not None:
+            with self._lock:
+                self._users[ctx] = self._users.get(ctx, 0) + 1
+
+    def release(self, ctx: ssl.SSLContext | None) -> None:
+        """A source stops using ``ctx``: with the last one, its idle connections are closed."""
+        if ctx is None:
+            return
+        with self._lock:
+            left = self._users.get(ctx, 0) - 1
+            if left > 0:
+                self._users[ctx] = left
+                return
+            self._users.pop(ctx, None)
+            keys = [k for k in self._idle if k[1] is ctx]
+            conns = [c for k in keys for c in self._idle.pop(k)]
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.close()
 
     def take(self, key: tuple[_Key, ssl.SSLContext | None]) -> _Conn | None:
         with self._lock:
@@ -473,14 +589,18 @@ class _IdleConnections:
 
     def give(self, key: tuple[_Key, ssl.SSLContext | None], conn: _Conn) -> None:
         with self._lock:
-            idle = self._idle.setdefault(key, [])
-            if len(idle) < _IDLE_PER_HOST:
-                idle.append(conn)
-                return
+            # A context no open source uses any more (a read that ended after the last close):
+            # nothing would take the connection.
+            if key[1] is None or key[1] in self._users:
+                idle = self._idle.setdefault(key, [])
+                if len(idle) < _IDLE_PER_HOST:
+                    idle.append(conn)
+                    return
         conn.close()
 
     def _after_fork(self) -> None:
-        # The child's copies of the parent's sockets: closed here, the parent's stay open.
+        # The child's copies of the parent's sockets: closed here, the parent's stay open. The
+        # child's copies of the sources still release their contexts.
         conns = [c for idle in self._idle.values() for c in idle]
         self._reset()
         for conn in conns:
@@ -525,8 +645,9 @@ class HTTPSource(RemoteSource):
         headers: Extra request headers, e.g. ``{"Authorization": "Bearer ..."}``; names and
             values are strings. A ``User-Agent`` replaces the library's. ``Range`` cannot be
             given, nor an ``Accept-Encoding`` other than ``identity``.
-        timeout: Seconds to wait for a connection, or for each read on it (None: no limit).
-            It bounds every socket operation, not a whole request: a server that keeps sending
+        timeout: Seconds to wait for the host's name to resolve, for a connection, or for
+            each read on it (None: no limit). It bounds every socket operation, not a whole
+            request: a server that keeps sending
             a few bytes before each timeout runs out holds a request open indefinitely (see
             ``deadline``).
         deadline: Seconds one request may take in all, from sending it to its last body byte
@@ -540,7 +661,7 @@ class HTTPSource(RemoteSource):
         head_bytes: Bytes fetched and cached when opening (0: only learn the size); at most
             the file's size is kept.
         retries: Repeats after transient failures (5xx, 429, resets, truncated bodies).
-        backoff: First retry delay in seconds; doubles each time, with jitter.
+        backoff: First retry delay in seconds; doubles each time, with jitter, up to 20 s.
         read_ahead: The largest window read ahead for small reads in file order (a
             ``get_tensor`` loop); 0 fetches every read as asked.
         max_redirects: Redirects followed per request.
@@ -617,13 +738,17 @@ class HTTPSource(RemoteSource):
         # Validator of servers that send no ETag (``python -m http.server``, some CDNs).
         self._modified: str | None = None
         self._max_redirects = max_redirects
-        # Idle connections live in the process-wide store: nothing to release at close.
+        # Idle connections live in the process-wide store; those of a TLS context given go with
+        # its last user (_release).
         self._conns = _ConnectionPool(timeout, ssl_context)
         try:
             self._open()
         except BaseException:
             self.close()
             raise
+
+    def _release(self) -> None:
+        self._conns.close()
 
     @property
     def url(self) -> str:
@@ -758,7 +883,7 @@ class HTTPSource(RemoteSource):
             resp, conn, key, clock = self._send(url, offset, last)
             status = resp.status
             if status in _REDIRECTS:
-                location = resp.getheader("Location")
+                location = _location(resp)
                 try:
                     self._skip_body(resp, clock)
                 except BaseException:

@@ -213,7 +213,7 @@ class S3Source(RemoteSource):
         max_gap: Ranges closer than this are merged into one request by ``readinto_many``.
         head_bytes: Bytes fetched and cached when opening.
         retries: Repeats after a truncated body (botocore retries throttling and 5xx itself).
-        backoff: First retry delay in seconds.
+        backoff: First retry delay in seconds; doubles each time, with jitter, up to 20 s.
         read_ahead: The largest window read ahead for small reads in file order (a
             ``get_tensor`` loop); 0 fetches every read as asked.
 

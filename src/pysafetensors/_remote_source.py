@@ -45,11 +45,26 @@ DEFAULT_ACCEPT_FULL_BODY: Final = 1 << 20
 
 #: Longest ``Retry-After`` honoured; beyond it the backoff schedule applies.
 _MAX_RETRY_AFTER: Final = 10.0
+#: Longest delay before a retry, as botocore's standard retry mode caps it: doubled without a
+#: bound, the backoff slept for minutes (0.5 s doubled 11 times, with jitter: up to 25 minutes).
+MAX_BACKOFF: Final = 20.0
 
+#: A byte position or count in a header: 20 digits at most (more than any file has), after any
+#: leading zeros. Unbounded, a value of over 4300 digits made int() raise a bare ValueError.
+HEADER_NUMBER: Final = r"0*(\d{1,20})"
 _CONTENT_RANGE: Final = re.compile(
-    r"[ \t]*bytes[ \t]+(?:(\d+)[ \t]*-[ \t]*(\d+)|\*)[ \t]*/[ \t]*(\d+|\*)[ \t]*",
+    rf"[ \t]*bytes[ \t]+(?:{HEADER_NUMBER}[ \t]*-[ \t]*{HEADER_NUMBER}|\*)"
+    rf"[ \t]*/[ \t]*(?:{HEADER_NUMBER}|\*)[ \t]*",
     re.ASCII | re.IGNORECASE,
 )
+_HEADER_REPR: Final = reprlib.Repr()
+_HEADER_REPR.maxstring = 100
+
+
+def shown_header(value: str) -> str:
+    """A header's value as messages quote it: its repr, shortened to 100 characters (a hostile
+    server's may be megabytes long)."""
+    return _HEADER_REPR.repr(value)
 
 
 def parse_content_range(value: str | None, where: str) -> tuple[int | None, int | None, int | None]:
@@ -63,14 +78,15 @@ def parse_content_range(value: str | None, where: str) -> tuple[int | None, int 
     match = _CONTENT_RANGE.fullmatch(value)
     if match is None:
         raise RemoteError(
-            f"{where}: malformed Content-Range {value!r} (expected 'bytes first-last/total')",
+            f"{where}: malformed Content-Range {shown_header(value)} (expected "
+            "'bytes first-last/total')",
             kind="InvalidResponse",
         )
     first, last, total = match.groups()
     return (
         None if first is None else int(first),
         None if last is None else int(last),
-        None if total == "*" else int(total),
+        None if total is None else int(total),
     )
 
 
@@ -255,11 +271,15 @@ class RemoteSource:
     _secrets: tuple[str, ...] = ()
 
     def _clean(self, exc: BaseException | str) -> str:
-        """An exception's text without the credentials and secrets it may quote."""
-        text = scrubbed(exc) if isinstance(exc, BaseException) else exc
+        """An exception's text without the credentials and secrets it may quote.
+
+        The exact secrets go first: scrubbing ``user:password@`` first could leave a password
+        that holds an '@' in part, which no longer matched it whole.
+        """
+        text = str(exc)
         for secret in self._secrets:
             text = text.replace(secret + "@", "").replace(secret, "...")
-        return text
+        return scrubbed(text)
 
     def _quotes_secret(self, exc: BaseException) -> bool:
         return quotes_secret(exc, self._secrets)
@@ -564,12 +584,21 @@ class RemoteSource:
                         kind=exc.kind,
                         offset=offset,
                     ) from exc
-                delay = self._backoff * (2**attempt) * (0.5 + random.random())
-                if exc.retry_after is not None:
-                    delay = max(delay, min(exc.retry_after, _MAX_RETRY_AFTER))
+                delay = self._retry_delay(attempt, exc.retry_after)
                 attempt += 1
                 self.stats.add(retries=1)
                 time.sleep(delay)
+
+    def _retry_delay(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds to wait before retry number ``attempt + 1``: ``backoff`` doubled each time,
+        with jitter (x0.5 to x1.5), at most :data:`MAX_BACKOFF`; at least a ``Retry-After``
+        the server sent, up to :data:`_MAX_RETRY_AFTER`."""
+        # A bounded exponent: 2.0**1024 overflows a float.
+        delay = self._backoff * 2.0 ** min(attempt, 64) * (0.5 + random.random())
+        delay = min(delay, MAX_BACKOFF)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, _MAX_RETRY_AFTER))
+        return delay
 
     def _cached_whole(self, body: bytes, size: int) -> None:
         """Keep a whole small object in memory after a server ignored ``Range``."""

@@ -10,7 +10,9 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-_URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+@")
+#: ``scheme://user:password@`` in a quoted URL: up to the last '@' before the path (a password
+#: may hold an unencoded '@'; stopping at the first one showed the rest of it as the host).
+_URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s\"']+@")
 
 
 #: http.client's refusal of a header value quotes the value, which may be a credential (an
@@ -19,9 +21,10 @@ _URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s\"']+
 _HEADER_VALUE: Final = re.compile(r"(Invalid header value)\b[^\n]*")
 
 
-def scrubbed(exc: BaseException) -> str:
-    """An exception's text without ``user:password@`` in the URLs it quotes (botocore names
-    the endpoint URL as given, credentials included), nor the header values it quotes."""
+def scrubbed(exc: BaseException | str) -> str:
+    """An exception's text (or a text) without ``user:password@`` in the URLs it quotes
+    (botocore names the endpoint URL as given, credentials included), nor the header values it
+    quotes."""
     text = _URL_CREDENTIALS.sub(r"\1", str(exc))
     return _HEADER_VALUE.sub(r"\1 (not shown: it may hold a credential)", text)
 
@@ -143,11 +146,11 @@ def redact(url: str) -> str:
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port  # raises on a port that is not a number
-        if port is not None and "@" not in parts.netloc and "@" in url.partition("://")[2]:
-            # ``http://user:2024/pw@host/f``: a password of digits up to an unencoded '/'
-            # parses as a port, and the rest of it as the path. Shown as a URL that does not
-            # parse is shown (a path after a port that really holds an '@' is shown from
-            # after it).
+        if port is not None and "@" not in parts.netloc and _password_as_port(url, parts.path):
+            # ``http://user:2024/pw@host/f``: a password of digits up to an unencoded '/', '?'
+            # or '#' parses as a port, and the rest of it as the path, query or fragment.
+            # Shown as a URL that does not parse is shown (a path after a port that really
+            # holds an '@' is shown from after it).
             raise ValueError("an '@' after the authority")
     except ValueError:  # that, or an unbalanced '[' in the host
         scheme, sep, rest = url.partition("://")
@@ -162,6 +165,16 @@ def redact(url: str) -> str:
     netloc = parts.netloc.rpartition("@")[2]
     suffix = "?..." if parts.query else ""
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
+
+
+def _password_as_port(url: str, path: str) -> bool:
+    """Whether an '@' after a URL's port may end a password that parsed as the port and what
+    follows: one before the query and fragment (``user:2024/pw@host/f``), or anywhere when
+    the query or fragment starts right after the port (``user:2024?pw@host``). An '@' in the
+    query of a URL with a path is the query's (``host:1/f?email=me@corp.example`` was shown
+    as ``http://corp.example``)."""
+    rest = url.partition("://")[2]
+    return "@" in re.split(r"[?#]", rest, maxsplit=1)[0] or (not path and "@" in rest)
 
 
 def _object_link(url: str) -> tuple[list[str], int]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import random
 import socket
 import struct
+import tarfile
 import threading
 import time
 import traceback
@@ -500,3 +502,68 @@ def test_index_urls_name_their_object_and_neighbours() -> None:
     )
     assert is_folder_url("zip://d/::file:///x.zip")
     assert not is_folder_url("zip://d/m.index.json::file:///x/")
+
+
+def test_tar_members_read_right_in_parallel(tmp_path: Path) -> None:
+    """fsspec's tar filesystem reads every member through one shared file object (seek, then
+    read, no lock): the parts of a read fetched on several threads got each other's bytes, so
+    tensors loaded from tar:// held wrong values (or failed with ReadError)."""
+    np = pytest.importorskip("numpy")
+    from pysafetensors.numpy import load_file, save
+
+    rng = np.random.default_rng(7)
+    tensors = {f"t{i:02d}": rng.standard_normal((64, 1024)).astype(np.float32) for i in range(24)}
+    blob = save(tensors)  # 6 MiB: about a hundred parts of 64 KiB
+    archive = tmp_path / "ckpt.tar"
+    with tarfile.open(archive, "w") as tf:
+        info = tarfile.TarInfo("model.safetensors")
+        info.size = len(blob)
+        tf.addfile(info, io.BytesIO(blob))
+    for _ in range(3):
+        got = load_file(
+            f"tar://model.safetensors::{archive.as_uri()}",
+            storage_options={"part_size": 64 << 10, "max_connections": 8},
+        )
+        assert sorted(got) == sorted(tensors)
+        for name, tensor in tensors.items():
+            np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+
+
+def test_sources_sharing_a_filesystem_that_is_not_thread_safe_take_turns(
+    tmp_path: Path,
+) -> None:
+    """fsspec hands the sources of one server the same filesystem instance (ftp://host/a and
+    ftp://host/b share one FTP connection): reads serialised per source still ran two at once
+    on it. Two members of a tar archive on one shared instance stand in for that here."""
+    tar_fs = pytest.importorskip("fsspec.implementations.tar")
+    names = ("a.safetensors", "b.safetensors")
+    archive = tmp_path / "ckpt.tar"
+    blobs = {name: random.Random(name).randbytes(3 << 20) for name in names}
+    with tarfile.open(archive, "w") as tf:
+        for name, blob in blobs.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tf.addfile(info, io.BytesIO(blob))
+    fs = tar_fs.TarFileSystem(str(archive), skip_instance_cache=True)
+    results: dict[str, bytes | Exception] = {}
+
+    def read(name: str) -> None:
+        try:
+            with FsspecSource(name, fs=fs, head_bytes=0, read_ahead=0, part_size=32 << 10) as src:
+                for _ in range(3):
+                    out = bytearray(src.size)
+                    src.readinto(0, memoryview(out))
+                    if out != blobs[name]:
+                        results[name] = bytes(out)
+                        return
+                results[name] = blobs[name]
+        except Exception as exc:  # noqa: BLE001 - checked below
+            results[name] = exc
+
+    threads = [threading.Thread(target=read, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name in names:
+        assert results[name] == blobs[name], name

@@ -14,6 +14,7 @@ import pytest
 
 from pysafetensors import RemoteError, safe_open
 from pysafetensors._remote_http import HTTPSource
+from pysafetensors._remote_source import parse_content_range
 from pysafetensors.numpy import save
 
 from .rangeserver import RangeServer
@@ -189,3 +190,64 @@ def test_an_s3_reply_without_the_etag_the_object_had_is_a_change(
         source.readinto(len(OLD) - 1000, memoryview(bytearray(1000)))
     assert info.value.kind == "Changed"
     assert len(replies) >= 2 and replies[0].startswith(b"GET /models/x.safetensors")
+
+
+@pytest.mark.parametrize("header", ["Content-Range", "Content-Length"])
+def test_a_number_too_long_to_convert_is_a_malformed_reply(
+    raw: Callable[[Script], RawServer], header: str
+) -> None:
+    """A header value of more digits than Python converts (4300) raised a bare ValueError
+    from int(), naming neither the URL nor the header; S3's Content-Range went the same way."""
+    huge = b"9" * 5000
+    fields = {
+        "Content-Range": b"Content-Range: bytes 0-9/%s\r\nContent-Length: 10" % huge,
+        "Content-Length": b"Content-Range: bytes 0-9/20\r\nContent-Length: %s" % huge,
+    }
+
+    def script(conn: socket.socket, request: bytes) -> None:
+        conn.sendall(b"HTTP/1.1 206 Partial Content\r\n%s\r\n\r\n%s" % (fields[header], bytes(10)))
+
+    server = raw(script)
+    with pytest.raises(RemoteError, match=f"malformed {header}") as info:
+        HTTPSource(server.url(), head_bytes=10, retries=0)
+    assert info.value.kind == "InvalidResponse"
+    assert str(info.value).startswith(server.url() + ": ")
+    assert len(str(info.value)) < 300  # the value is not quoted whole
+    with pytest.raises(RemoteError, match="malformed Content-Range") as s3:
+        parse_content_range("bytes 0-9/" + "9" * 5000, "s3://b/k")
+    assert s3.value.kind == "InvalidResponse" and str(s3.value).startswith("s3://b/k: ")
+    # Leading zeros are still only zeros.
+    assert parse_content_range("bytes 0-9/" + "0" * 5000 + "20", "u") == (0, 9, 20)
+
+
+def test_a_redirect_to_a_location_in_raw_utf8_is_followed_to_that_path(
+    raw: Callable[[Script], RawServer],
+) -> None:
+    """A Location header of raw UTF-8 bytes (``/modèle.safetensors``, as some servers send
+    it): http.client decodes header bytes as Latin-1, and the mojibake was percent-encoded
+    again, so the request went to ``/mod%C3%83%C2%A8le.safetensors`` (a 404)."""
+    data = save({"w": np.arange(1000, dtype=np.float32)})
+
+    def script(conn: socket.socket, request: bytes) -> None:
+        while request:
+            path = request.split(b" ", 2)[1]
+            if path == b"/start":
+                reply = b"HTTP/1.1 302 Found\r\nLocation: /mod\xc3\xa8le.safetensors\r\n"
+                conn.sendall(reply + b"Content-Length: 0\r\n\r\n")
+            elif path == b"/mod%C3%A8le.safetensors":
+                first, last = requested_range(request)
+                last = min(last, len(data) - 1)
+                conn.sendall(
+                    b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes %d-%d/%d\r\n"
+                    b"Content-Length: %d\r\n\r\n%s"
+                    % (first, last, len(data), last - first + 1, data[first : last + 1])
+                )
+            else:
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+            request = server.read_request(conn)
+
+    server = raw(script)
+    with safe_open(server.url("start"), "np") as f:
+        assert f.get_tensor("w").tolist() == list(range(1000))
+    with HTTPSource(server.url("start")) as src:
+        assert src.url == server.url("modèle.safetensors")

@@ -393,6 +393,22 @@ def test_persistent_server_errors_give_up(server: RangeServer) -> None:
     assert server.requests() == 3
 
 
+def test_retry_delays_are_capped(server: RangeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backoff doubled without bound: with retries=12 and backoff=0.5 the last delay was
+    0.5 * 2**11 * jitter, up to about 25 minutes of one sleep."""
+    import pysafetensors._remote_source as remote_source
+
+    slept: list[float] = []
+    monkeypatch.setattr(remote_source.time, "sleep", slept.append)
+    server.inject("blob.bin", *([503] * 13))
+    with pytest.raises(RemoteError, match="server error 503.*after 13 attempts"):
+        HTTPSource(server.url("blob.bin"), retries=12, backoff=0.5)
+    assert len(slept) == 12
+    assert max(slept) <= remote_source.MAX_BACKOFF
+    assert slept[-1] == remote_source.MAX_BACKOFF  # reached, and held there
+    assert slept[0] <= 0.75  # the schedule below the cap is as before
+
+
 def test_redirect_is_followed_once_then_reused(server: RangeServer, data_dir: Path) -> None:
     data = (data_dir / "blob.bin").read_bytes()
     with HTTPSource(server.url("redirect/blob.bin")) as src:

@@ -5,15 +5,17 @@ ETags, and servers too slow for a deadline."""
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pysafetensors._errors import RemoteError
 from pysafetensors._remote import HTTPSource, RemotePermissionError
-from pysafetensors._remote_http import _credentials_may_go
+from pysafetensors._remote_http import _IDLE, _credentials_may_go
 from pysafetensors._remote_source import parse_content_range
 
 from .rangeserver import TOKEN, TRICKLE_SECONDS, RangeServer
@@ -79,6 +81,51 @@ def test_https_source_reads_over_tls(tls_server: RangeServer, tls_cert: tuple[Pa
     ctx = ssl.create_default_context(cafile=str(tls_cert[0]))
     with HTTPSource(tls_server.url("auth/small.safetensors"), headers=AUTH, ssl_context=ctx) as src:
         assert src.size > 0
+
+
+def _key(server: RangeServer) -> tuple[str, str, int]:
+    """The idle connections' key of ``server``'s origin."""
+    return ("https", "127.0.0.1", server.port)
+
+
+def _idle_with(contexts: list[ssl.SSLContext]) -> int:
+    """Idle connections kept for any of ``contexts``."""
+    with _IDLE._lock:
+        return sum(len(conns) for (_, ctx), conns in _IDLE._idle.items() if ctx in contexts)
+
+
+def test_idle_connections_of_a_tls_context_no_source_uses_are_closed(
+    tls_server: RangeServer, tls_cert: tuple[Path, Path]
+) -> None:
+    """Idle connections are kept per TLS context: a context made for each file (30 files, 8
+    parallel parts each) left every one's connections open after its file was closed, never
+    to be reused (only a source with that very context may take them): 186 sockets."""
+    contexts = []
+    for _ in range(30):
+        contexts.append(ssl.create_default_context(cafile=str(tls_cert[0])))
+        with HTTPSource(
+            tls_server.url("blob.bin"), ssl_context=contexts[-1], part_size=1 << 17
+        ) as src:
+            _read(src, 0, 1 << 20)  # 8 parts at once: 8 connections
+            assert _idle_with(contexts[-1:]) >= 1
+    assert _idle_with(contexts) == 0
+    # Files sharing a context (the shards of a checkpoint) still share its connections, until
+    # the last of them is closed.
+    shared = ssl.create_default_context(cafile=str(tls_cert[0]))
+    first = HTTPSource(tls_server.url("blob.bin"), ssl_context=shared, part_size=1 << 17)
+    with HTTPSource(
+        tls_server.url("blob.bin"), ssl_context=shared, head_bytes=0, read_ahead=0
+    ) as second:
+        _read(first, 0, 1 << 20)
+        first.close()
+        with _IDLE._lock:
+            ports = {c.sock.getsockname()[1] for c in _IDLE._idle[(_key(tls_server), shared)]}
+        assert ports
+        tls_server.reset()
+        _read(second, 0, 10)
+        (record,) = tls_server.records()
+        assert record.client_port in ports  # a connection the closed file had used
+    assert _idle_with([shared]) == 0
 
 
 def test_which_redirects_keep_credentials() -> None:
@@ -290,3 +337,33 @@ def test_reads_under_a_deadline_are_exact(server: RangeServer, data_dir: Path) -
         assert _read(src, 3, 7) == data[3:10]
     with pytest.raises(ValueError, match="deadline"):
         HTTPSource(server.url("blob.bin"), deadline=0)
+
+
+@pytest.mark.parametrize("bound", ["timeout", "deadline"])
+def test_a_name_that_resolves_slowly_is_bounded(
+    server: RangeServer, bound: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The system resolver takes no timeout: a name server that did not answer held the open
+    for its own retries, past ``timeout`` and ``deadline`` alike. (No resolver here can be
+    made slow: the lookup of one name is delayed in the process.)"""
+    real = socket.getaddrinfo
+    port = server.url("x").split(":")[2].split("/")[0]
+
+    def slow(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow.invalid":
+            time.sleep(3)
+            return real("127.0.0.1", *args, **kwargs)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    limit = {"timeout": 0.3} if bound == "timeout" else {"timeout": 30, "deadline": 0.3}
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(f"http://slow.invalid:{port}/small.safetensors", retries=0, **limit)
+    assert time.monotonic() - started < 2
+    if bound == "timeout":  # as a connection that times out
+        assert "resolving slow.invalid took over 0.3 s" in str(info.value)
+    else:
+        assert info.value.kind == "Timeout" and "deadline of 0.3 s" in str(info.value)
+    # A name that answers in time is connected to as before.
+    HTTPSource(server.url("small.safetensors"), retries=0, **limit).close()

@@ -14,6 +14,7 @@ import pytest
 from pysafetensors import safe_open
 from pysafetensors._errors import RemoteError
 from pysafetensors._remote import HTTPSource, S3Source, shown_location
+from pysafetensors._remote_urls import scrubbed
 
 from .rangeserver import RangeServer
 
@@ -154,3 +155,46 @@ def test_apis_that_take_local_paths_do_not_show_a_url_s_secrets() -> None:
         _shows_no_secret(info.value)
         assert "127.0.0.1:1/x" in str(info.value)
     assert not Path("https:").exists()  # nothing was created under the URL as a local path
+
+
+def test_a_password_with_an_unencoded_at_sign_is_not_shown_in_part() -> None:
+    """``user:p@ssword@host``: the scrub of ``user:password@`` in quoted URLs stopped at the
+    first '@', and ran before the exact password was taken out, so botocore's "Could not
+    connect to the endpoint URL" showed the rest of the password (``http://ssword@host``)."""
+    pytest.importorskip("boto3")
+    port = _closed_port()
+    password = f"{SECRET_PARTS[0]}@{SECRET_PARTS[1]}"
+    endpoint = f"http://{USER}:{password}@127.0.0.1:{port}"
+    with pytest.raises(RemoteError) as info:
+        S3Source("s3://bucket/x.safetensors", **_s3_options(endpoint))  # type: ignore[arg-type]
+    assert not _shows_secret(_everything_printed(info.value)), info.value
+    assert f"http://127.0.0.1:{port}/bucket/x.safetensors" in str(info.value)
+    with pytest.raises(RemoteError) as http:
+        HTTPSource(f"http://{USER}:{password}@127.0.0.1:{port}/x.safetensors", retries=0)
+    assert not _shows_secret(_everything_printed(http.value)), http.value
+    assert f"http://127.0.0.1:{port}/x.safetensors" in str(http.value)
+
+
+def test_quoted_urls_lose_everything_up_to_the_last_at_sign_of_their_authority() -> None:
+    # Exceptions that quote a URL whose password the source was not told of (a redirect's,
+    # botocore's own) kept all but the first part of a password holding an '@'.
+    text = scrubbed(ValueError('bad "http://u:p@ss@w0rd@host:1/a@b/c" and ftp://x:y@h/p@q'))
+    assert text == 'bad "http://host:1/a@b/c" and ftp://h/p@q'
+
+
+def test_an_at_sign_in_the_query_after_a_port_does_not_rename_the_host() -> None:
+    """``?email=me@corp.example`` after an explicit port was taken for a password that parses
+    as a port (``user:2024/pw@host``): the error named ``http://corp.example``, a host the
+    request never went to. A password of digits up to an unencoded '/', '?' or '#' is still
+    not shown."""
+    port = _closed_port()
+    url = f"http://127.0.0.1:{port}/model.safetensors?email=me@corp.example"
+    assert shown_location(url) == f"http://127.0.0.1:{port}/model.safetensors?..."
+    assert shown_location(url.replace("?", "#")) == f"http://127.0.0.1:{port}/model.safetensors"
+    with pytest.raises(RemoteError) as info:
+        HTTPSource(url, retries=0)
+    assert f"http://127.0.0.1:{port}/model.safetensors?..." in str(info.value)
+    assert "corp.example" not in str(info.value)
+    for sep in "/?#":
+        shown = shown_location(f"http://{USER}:2024{sep}{SECRET_PARTS[1]}@127.0.0.1:9/m")
+        assert shown == "http://127.0.0.1:9/m", shown
