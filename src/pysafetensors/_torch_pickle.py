@@ -32,9 +32,9 @@ import tarfile
 import tempfile
 import zipfile
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
@@ -1065,31 +1065,31 @@ def _load_legacy(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoi
     # raw storages that follow are read on demand. (Reading MAX_PICKLE_BYTES up front held up
     # to 2 GiB, two copies, for pickles of a few hundred KiB.)
     stop = file.size
-    values = ValuePolicy()
     not_legacy = "not a PyTorch checkpoint: the first pickle is not the legacy magic number"
     # A first pickle longer than the magic number's is refused at once, not run to its end
     # (an 8 MB stream of trivial opcodes took 9 s before the same answer).
     lim = limits or Limits()
     magic_limits = dataclasses.replace(lim, max_ops=min(lim.max_ops, LEGACY_MAGIC_OPS))
     try:
-        magic = _run_pickle_at(file, 0, stop, values, magic_limits)
+        magic, _ = _run_pickle_at(file, 0, stop, ValuePolicy, magic_limits)
     except CheckpointError as exc:
         if exc.kind != LIMIT:
             raise
         raise bad_checkpoint(not_legacy) from None
     if type(magic.value) is not int or magic.value != LEGACY_MAGIC:
         raise bad_checkpoint(not_legacy)
-    proto = _run_pickle_at(file, magic.end, stop, values, limits)
+    proto, _ = _run_pickle_at(file, magic.end, stop, ValuePolicy, limits)
     if proto.value != LEGACY_PROTOCOL or type(proto.value) is not int:
         raise bad_checkpoint(f"unsupported legacy protocol version {short_text(proto.value)}")
-    info = _run_pickle_at(file, proto.end, stop, values, limits)
+    info, _ = _run_pickle_at(file, proto.end, stop, ValuePolicy, limits)
     if type(info.value) is not dict or info.value.get("little_endian") is not True:
         raise bad_checkpoint(
             "legacy sys_info is missing or declares big-endian storages (unsupported)"
         )
-    policy = TorchPolicy(legacy=True, skip_unknown=skip)
-    graph = _run_pickle_at(file, info.end, stop, policy, limits)
-    keys_res = _run_pickle_at(file, graph.end, stop, values, limits)
+    graph, policy = _run_pickle_at(
+        file, info.end, stop, lambda: TorchPolicy(legacy=True, skip_unknown=skip), limits
+    )
+    keys_res, _ = _run_pickle_at(file, graph.end, stop, ValuePolicy, limits)
     keys = keys_res.value
     if type(keys) is not list or not all(type(k) is str for k in keys):
         raise bad_checkpoint("legacy storage key list is not a list of strings")
@@ -1279,20 +1279,31 @@ def _tar_members(file: FileBytes) -> dict[str, tuple[int, int]]:
     return out
 
 
+_Policy = TypeVar("_Policy", bound=TorchPolicy)
+
+
 def _run_pickle_at(
-    file: FileBytes, start: int, stop: int, policy: Any, limits: Limits | None
-) -> Result:
+    file: FileBytes,
+    start: int,
+    stop: int,
+    new_policy: Callable[[], _Policy],
+    limits: Limits | None,
+) -> tuple[Result, _Policy]:
     """Run the pickle at file offset ``start`` (inside a member or file ending at ``stop``).
 
     Reads a small window and grows it 8x at a time while the stream runs past it (up to
-    MAX_PICKLE_BYTES), so the raw storage bytes that follow are never loaded whole.
+    MAX_PICKLE_BYTES), so the raw storage bytes that follow are never loaded whole. Each run
+    gets a policy of its own from ``new_policy``: a policy keeps what it built (tensors,
+    storages, placeholders), and one reused after a window that was too small reported the
+    tensors of the failed partial run as skipped ("not converted") ones.
 
     Returns:
-        The result, its ``end`` a file offset.
+        The result, its ``end`` a file offset, and the policy of the run that gave it.
     """
     size = min(stop - start, _TAR_WINDOW)
     while True:
         data = file.read(start, size)
+        policy = new_policy()
         try:
             res = policy_machine(data, policy, limits, base=start).run(0)
         except CheckpointError as exc:
@@ -1300,15 +1311,19 @@ def _run_pickle_at(
                 raise
             size = min(stop - start, size * 8, MAX_PICKLE_BYTES)
             continue
-        return dataclasses.replace(res, end=start + res.end)
+        return dataclasses.replace(res, end=start + res.end), policy
 
 
 def _run_at(
-    file: FileBytes, start: int, stop: int, policy: TorchPolicy, limits: Limits | None
+    file: FileBytes,
+    start: int,
+    stop: int,
+    new_policy: Callable[[], TorchPolicy],
+    limits: Limits | None,
 ) -> tuple[Any, int]:
     """The value of the pickle at ``start`` and the file offset after it (see
     :func:`_run_pickle_at`)."""
-    res = _run_pickle_at(file, start, stop, policy, limits)
+    res, _ = _run_pickle_at(file, start, stop, new_policy, limits)
     return res.value, res.end
 
 
@@ -1324,7 +1339,6 @@ def _load_tar(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoint:
             raise bad_checkpoint(
                 "tar sys_info is not a dict or declares big-endian storages (unsupported)"
             )
-    table = _TablePolicy()
     objects: dict[int, StorageRef | TensorRef] = {}
     storages: dict[str, _StorageLoc] = {}
 
@@ -1341,14 +1355,14 @@ def _load_tar(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoint:
         """The record count that starts a table member: ``(count, position, member end)``."""
         start, size = members[member]
         stop = start + size
-        count, pos = _run_at(file, start, stop, table, limits)
+        count, pos = _run_at(file, start, stop, _TablePolicy, limits)
         if not is_int(count) or count < 0 or count > size:
             raise bad_checkpoint(f"tar {member}: invalid {what} count {short_text(count)}")
         return count, pos, stop
 
     def record(pos: int, stop: int, what: str, fields: str) -> tuple[tuple[Any, ...], int]:
         """One ``(key, ..., type)`` record pickle of a table member."""
-        rec, pos = _run_at(file, pos, stop, table, limits)
+        rec, pos = _run_at(file, pos, stop, _TablePolicy, limits)
         if type(rec) is not tuple or len(rec) != 3:
             raise bad_checkpoint(f"tar {what} record {short_text(rec)} is not ({fields})")
         return rec, pos
@@ -1379,7 +1393,7 @@ def _load_tar(file: FileBytes, limits: Limits | None, skip: bool) -> Checkpoint:
         objects[key] = ref
         storages[ref.key] = _StorageLoc(ref.nbytes, offset=pos + 8)
         pos += 8 + ref.nbytes
-    views, pos = _run_at(file, pos, stop, table, limits)
+    views, pos = _run_at(file, pos, stop, _TablePolicy, limits)
     if type(views) is not list:
         raise bad_checkpoint("tar storages: the view list is not a list")
     for view in views:

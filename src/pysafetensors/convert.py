@@ -114,7 +114,8 @@ class ConversionReport:
     """Non-tensor leaves stored as metadata strings (``keep_non_tensors=True``)."""
     skipped_non_tensors: list[str] = field(default_factory=list)
     """Non-tensor leaves not stored: all of them without ``keep_non_tensors``; with it, those
-    whose name is already a metadata key (``format``, a ``metadata=`` key, a tied name)."""
+    whose name is already a metadata key (``format``, a ``metadata=`` key, a tied name), and
+    those whose JSON text is a tensor name of the file (it would read as a tied name)."""
     verified: str | None = None
     """``"torch"`` (compared with ``torch.load(weights_only=True)``), ``"reader"`` (compared with
     our own reading of the checkpoint), or None when not verified."""
@@ -213,7 +214,11 @@ def convert_file(
             strings in the metadata, under their dotted names. Only JSON values survive as they
             are: bytes become ``"<N bytes>"``, other objects ``"<TypeName>"``, NaN and
             infinities strings, and lists or dicts over 1,000 items are cut short with
-            ``"..."`` (a record of what was there, not a way to restore it).
+            ``"..."`` (a record of what was there, not a way to restore it). A value is left
+            out (listed in :attr:`ConversionReport.skipped_non_tensors`) when its name is
+            already a metadata key, or when its JSON text is the name of a tensor of the file
+            (``1`` beside a tensor ``"1"``), which would read as a tied name
+            ``{dropped: kept}``.
         verify: Reload the result and compare every tensor, with
             ``torch.load(weights_only=True)`` when torch is importable and can read the file,
             otherwise with our own reading of the checkpoint. A mismatch removes ``dst``.
@@ -315,6 +320,14 @@ def _utf8_or_escaped(text: str) -> str:
     return text
 
 
+def kept_text(value: Any) -> str:
+    """How ``keep_non_tensors`` stores a non-tensor value (as rendered in
+    :attr:`ConversionReport.non_tensors`): its JSON, ASCII-escaped only where it holds lone
+    surrogates (no UTF-8 for them; the escapes read back the same)."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if _utf8_or_escaped(text) == text else json.dumps(value)
+
+
 def _convert_file(
     src_s: str,
     dst_s: str,
@@ -346,17 +359,20 @@ def _convert_file(
             skipped_tensors=ck.skipped.tensors,
             modules=_under(ck.skipped.modules, subtree, itself=True),
         )
+        kept = {n: r for n, r in tensors.items() if n not in dropped}
         for name, value in leaves.items():
             # A pickle may hold lone surrogates, which no header can: such names are written
             # with their escapes, such values as ASCII JSON (which reads back the same).
             key = _utf8_or_escaped(name)
-            if not keep_non_tensors or key in meta:
+            text = kept_text(value)
+            # A value whose JSON names a tensor of the file ({"epoch": "1"} beside a tensor
+            # "1") reads as a tie {dropped: kept}: to_torch_bin(restore_shared=True) made the
+            # epoch a copy of that tensor. Left out, so that every such entry is a tie.
+            if not keep_non_tensors or key in meta or text in kept:
                 report.skipped_non_tensors.append(name)
                 continue
-            text = json.dumps(value, ensure_ascii=False)
-            meta[key] = text if _utf8_or_escaped(text) == text else json.dumps(value)
+            meta[key] = text
             report.kept_non_tensors.append(key)
-        kept = {n: r for n, r in tensors.items() if n not in dropped}
         total = sum(r.nbytes for r in kept.values())
         done = 0
 
@@ -1018,7 +1034,10 @@ def to_torch_bin(
         restore_shared: For metadata entries ``{dropped: kept}`` naming a tensor of the file
             (as :func:`convert_file` and ``save_model`` write them), add ``dropped`` back as the
             same tensor. Any entry whose value is a tensor name counts (``"format"`` excepted),
-            so use it on files those functions wrote.
+            so use it on files those functions wrote. :func:`convert_file` never keeps a
+            non-tensor value whose JSON text is a tensor name; one written by an earlier
+            version with ``keep_non_tensors`` (``{"epoch": "1"}`` beside a tensor ``"1"``)
+            cannot be told from a tie, and comes back as that tensor.
 
     Returns:
         The tensor names written.

@@ -21,11 +21,12 @@ checkpoints are five pickles plus raw data; extra streams after STOP are scanned
 something, whatever its name (CRC, flag bits and local-name mismatches are ignored, as torch's
 reader ignores them), except tensor storages (``data/N``), raw bytes torch never unpickles,
 which are only reported (suspicious) when they are one whole pickle that imports; the members
-of 0.1.1 tar checkpoints, and pickles nested inside ``pickle.loads``/``torch.load``-style
-calls. Any opcode may start a pickle, as in CPython's unpickler, and Python 2 names are read as
-CPython reads them below protocol 3 (``commands.getoutput`` is ``subprocess.getoutput``). A
-file is read in every way a loader may read it (zip, tar as ``tarfile`` recognises one,
-pickle), graded by the worst.
+of 0.1.1 tar checkpoints, zip and tar archives held by a member (a checkpoint in a zipped
+model folder), and pickles nested inside ``pickle.loads``/``torch.load``-style calls. Any
+opcode may start a pickle, as in CPython's unpickler, and Python 2 names are read as CPython
+reads them below protocol 3 (``commands.getoutput`` is ``subprocess.getoutput``). A file is
+read in every way a loader may read it (zip, tar as ``tarfile`` recognises one, pickle),
+graded by the worst.
 
 Exit codes of ``pysafetensors scan``: 0 all safe, 1 suspicious (or not fully analysable),
 2 dangerous.
@@ -137,6 +138,26 @@ _DANGEROUS_MODULES: Final = frozenset(
     jinja2 logging posixpath ntpath genericpath macpath pathlib codecs fileinput zipfile
     tarfile gzip bz2 lzma mmap site sysconfig _sitebuiltins inspect""".split()  # noqa: SIM905 - a word list reads better as text
 )
+# numpy's pickling helpers for its random generators (``RandomState``, ``Generator``, their bit
+# generators and ``SeedSequence``, whose Cython-made helper only fills a ``SeedSequence``
+# subclass instance): the one place where dunder names are ordinary functions, so matched
+# exactly, before the dunder rule. They construct numpy RNG objects and nothing else, except
+# that ``__randomstate_ctor(name, ctor)`` and ``__generator_ctor`` call ``ctor(name)``: numpy
+# passes its own ``__bit_generator_ctor`` there, or nothing; anything else is a call gadget
+# (see ``_ScanPolicy._check_rng_ctor``). Not ``safe``, as the converter does not read them:
+# ``suspicious``, so ``convert --skip-unknown`` skips them. Every checkpoint holding a numpy
+# RNG (a training loop's state) used to be graded dangerous, and so refused in skip mode too.
+_NUMPY_RNG_MODULE: Final = "numpy.random._pickle"
+_NUMPY_RNG_HELPERS: Final = frozenset(
+    {
+        (_NUMPY_RNG_MODULE, "__randomstate_ctor"),
+        (_NUMPY_RNG_MODULE, "__generator_ctor"),
+        (_NUMPY_RNG_MODULE, "__bit_generator_ctor"),
+        ("numpy.random.bit_generator", "__pyx_unpickle_SeedSequence"),
+    }
+)
+#: The helpers that call their second argument (see ``_NUMPY_RNG_HELPERS``).
+_RNG_CALLING_CTORS: Final = ("__randomstate_ctor", "__generator_ctor")
 _DANGEROUS_NAMES: Final = frozenset(
     {"numpy.load", "numpy.loads", "numpy.fromfile", "pandas.read_pickle", "pandas.read_csv"}
 )
@@ -205,6 +226,8 @@ def grade_global(module: str, name: str) -> Grade:
     """
     module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
     full = f"{module}.{name}"
+    if (module, name) in _NUMPY_RNG_HELPERS:
+        return "suspicious"
     if "." in name or any(p.startswith("__") for p in name.split(".")):
         return "dangerous"
     if any(p.startswith("__") for p in module.split(".")) and module != "__main__":
@@ -445,6 +468,8 @@ class _ScanPolicy:
                         self._nested(arg, offset)
             if full == "torch._tensor._rebuild_from_type_v2":
                 self._check_rebuild_func(args, offset)
+            if func.module == _NUMPY_RNG_MODULE and func.name in _RNG_CALLING_CTORS:
+                self._check_rng_ctor(full, args, offset)
         elif not isinstance(func, (_SymCall, _SymGlobal)):
             self.report._add(
                 "suspicious", f"{opcode} on a {type(func).__name__} value", self.where, offset
@@ -473,6 +498,28 @@ class _ScanPolicy:
         self.report._add(
             "dangerous",
             f"_rebuild_from_type_v2 calls {what}, not a tensor rebuild",
+            self.where,
+            offset,
+        )
+
+    def _check_rng_ctor(self, full: str, args: Any, offset: int) -> None:
+        # __randomstate_ctor(name, ctor) and __generator_ctor(name, ctor) call ctor(name):
+        # numpy writes its own __bit_generator_ctor there, or leaves it out. Anything else
+        # runs a callable of the pickle's choice on an argument of its choice.
+        ctor = args[1] if type(args) is tuple and len(args) > 1 else None
+        if ctor is None or (
+            isinstance(ctor, _SymGlobal)
+            and (ctor.module, ctor.name) == (_NUMPY_RNG_MODULE, "__bit_generator_ctor")
+        ):
+            return
+        if isinstance(ctor, _SymGlobal):
+            what = f"{ctor.module}.{ctor.name}"
+        else:
+            what = "a computed object" if isinstance(ctor, _SymCall) else type(ctor).__name__
+        self.report._add(
+            "dangerous",
+            f"{full} calls {what} with the pickle's argument, not numpy's bit generator "
+            "constructor",
             self.where,
             offset,
         )
@@ -1059,7 +1106,12 @@ def _scan_member(
         if not complete:
             report._add("suspicious", f"pickle over {MAX_PICKLE_BYTES} bytes; not analysed", member)
             return
-        _scan_pickle_file(report, content, member, depth)
+        # torch.save(model, "model.pkl") writes a zip under a pickle's name.
+        kind = _archive_kind(content)
+        if kind is None:
+            _scan_pickle_file(report, content, member, depth)
+        elif _may_scan_archive(report, kind, len(content), member, depth):
+            _scan_bytes(report, content, member, depth + 1)
         return
     rel = info.filename.split("/", 1)[-1]
     key = rel[5:]
@@ -1068,6 +1120,10 @@ def _scan_member(
     # to find that its first opcode is not followed by a valid one.
     window = _PROBE_WINDOW
     content, complete = _zip_member(data, info, window)
+    kind = None if is_storage else _archive_kind(content)
+    if kind is not None:
+        _scan_archive_member(report, data, info, kind, member, depth)
+        return
     npy = _npy_header(content)
     if npy is not None or (not complete and content[: len(_NPY_MAGIC)] == _NPY_MAGIC):
         # An .npz member: numpy.load unpickles an object array's data after the header.
@@ -1136,6 +1192,56 @@ def _grade_storage(report: ScanReport, first: ScanReport, *, whole: bool, where:
     )
 
 
+def _archive_kind(head: bytes) -> str | None:
+    """``zip`` or ``tar`` when the bytes of a member (or their first 64 KiB) are an archive a
+    loader opens as such (``torch.load`` opens a zip only when it starts with a local header),
+    else None."""
+    if head[:4] == b"PK\x03\x04":
+        return "zip"
+    return "tar" if _is_tar(head) else None
+
+
+def _may_scan_archive(report: ScanReport, kind: str, size: int, where: str, depth: int) -> bool:
+    """Whether an archive held by a member (of ``size`` bytes) is scanned, under the caps of
+    nested pickles: :data:`MAX_NESTING` levels, :data:`MAX_NESTED_SCANS` per file, and the
+    :data:`MAX_PICKLE_BYTES` read into memory. When it is not, a finding says so: an archive
+    inside a zip (a checkpoint in a zipped model folder) was probed as a pickle only, and
+    graded safe whatever it held.
+    """
+    if depth >= MAX_NESTING:
+        why = f"more than {MAX_NESTING} levels deep"
+    elif size > MAX_PICKLE_BYTES:
+        why = f"over {MAX_PICKLE_BYTES} bytes"
+    elif report._nested_scans >= MAX_NESTED_SCANS:
+        why = f"past the {MAX_NESTED_SCANS} nested pickles and archives scanned per file"
+    else:
+        report._nested_scans += 1
+        return True
+    report._add("suspicious", f"nested archive ({kind}) {why}: not analysed", where)
+    return False
+
+
+def _scan_archive_member(
+    report: ScanReport, data: bytes, info: zipfile.ZipInfo, kind: str, member: str, depth: int
+) -> None:
+    """Scan a zip member that is itself a zip or tar (its every reading, see
+    :func:`_scan_bytes`), its members named ``member:inner``."""
+    stored = info.compress_type == zipfile.ZIP_STORED
+    declared = info.compress_size if stored else info.file_size
+    # Sizes first: a member known too large is not read (nor inflated) to learn it.
+    if not _may_scan_archive(report, kind, declared, member, depth):
+        return
+    content, complete = _zip_member(data, info, MAX_PICKLE_BYTES)
+    if not complete:  # inflates past what its header declares
+        report._add(
+            "suspicious",
+            f"nested archive ({kind}) over {MAX_PICKLE_BYTES} bytes: not analysed",
+            member,
+        )
+        return
+    _scan_bytes(report, content, member, depth + 1)
+
+
 def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, bool]:
     """The first ``limit`` bytes of a member, and whether that is all of it.
 
@@ -1152,7 +1258,6 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, 
         raise ValueError("member runs past the end of the file")
     if info.compress_type == zipfile.ZIP_STORED:
         return data[start : start + min(info.compress_size, limit)], info.compress_size <= limit
-    raw = data[start : start + info.compress_size]
     if info.compress_type == zipfile.ZIP_DEFLATED:
         # The converter's zip bomb rule: the declared ratio is checked before inflating
         # anything, and the real output is capped at the same ratio, since the declared size
@@ -1164,14 +1269,43 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, 
                 f"over {MAX_DEFLATE_RATIO} (possible zip bomb); not inflated"
             )
         # One byte over what is wanted tells whether there is more.
-        dec = zlib.decompressobj(-15)
-        out = dec.decompress(raw, min(limit, cap) + 1)
+        out = _inflate_head(data, start, info.compress_size, min(limit, cap) + 1)
         if len(out) > cap:
             raise ValueError(f"inflates past {cap} bytes (possible zip bomb)")
         if len(out) > limit:
             return out[:limit], False
         return out, True
     raise ValueError(f"compression method {info.compress_type}")
+
+
+#: Compressed bytes handed to the decompressor at a time (see :func:`_inflate_head`).
+_INFLATE_STEP: Final = 1 << 20
+
+
+def _inflate_head(data: bytes, start: int, size: int, want: int) -> bytes:
+    """The first ``want`` bytes (fewer if it is shorter) that the raw DEFLATE stream
+    ``data[start:start + size]`` inflates to.
+
+    The compressed bytes are fed :data:`_INFLATE_STEP` at a time, so memory holds one step and
+    the output: the whole compressed member used to be copied out of the mapping, and kept a
+    second time as the decompressor's unconsumed input, even to read a 64 KiB probe (2.3 GB
+    to scan an 800 MB ``np.savez_compressed`` file). The converter streams members the same
+    way (``ZipView._inflate``), from a file rather than from bytes or a mapping.
+    """
+    dec = zlib.decompressobj(-15)
+    parts: list[bytes] = []
+    got, pos, end = 0, start, start + size
+    while got < want and not dec.eof:
+        piece = dec.unconsumed_tail
+        if not piece and pos < end:
+            piece = data[pos : min(pos + _INFLATE_STEP, end)]
+            pos += len(piece)
+        out = dec.decompress(piece, want - got)
+        if not out and not piece:
+            break  # every input byte taken and nothing held back
+        parts.append(out)
+        got += len(out)
+    return b"".join(parts)
 
 
 def _scan_tar(report: ScanReport, data: bytes, where: str, depth: int) -> None:
@@ -1210,8 +1344,10 @@ def _scan_tar_members(report: ScanReport, tar: tarfile.TarFile, where: str, dept
         content = f.read()
         if m.name in ("storages", "tensors"):
             _scan_tar_table(report, content, member, depth, m.name == "tensors")
-        else:
+        elif (kind := _archive_kind(content)) is None:
             _scan_pickle_file(report, content, member, depth)
+        elif _may_scan_archive(report, kind, len(content), member, depth):
+            _scan_bytes(report, content, member, depth + 1)
 
 
 def _scan_tar_table(report: ScanReport, data: bytes, where: str, depth: int, tensors: bool) -> None:

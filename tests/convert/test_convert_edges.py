@@ -21,6 +21,8 @@ from pysafetensors._torch_policy import ValuePolicy  # noqa: E402
 from pysafetensors.convert import convert_file, to_torch_bin  # noqa: E402
 from pysafetensors.scan import scan_file  # noqa: E402
 
+from .corpus import cli  # noqa: E402
+
 
 def _loaded(path: Path) -> dict[str, Any]:
     with safe_open(path, "pt") as f:
@@ -203,3 +205,29 @@ def test_the_pickle_machine_caps_the_containers_it_builds() -> None:
         Machine(data, ValuePolicy(), Limits(max_containers=500)).run(0)
     with pytest.raises(CheckpointError, match="over 500 items"):
         Machine(data, ValuePolicy(), Limits(max_items=500)).run(0)
+
+
+def test_kept_values_that_read_as_tensor_names_are_not_taken_for_ties(tmp_path: Path) -> None:
+    # Tied names are recorded as {dropped: kept} metadata, and keep_non_tensors wrote
+    # {"epoch": "1"} beside a tensor named "1": to_torch_bin(restore_shared=True) turned the
+    # epoch into a copy of that tensor. Such a value is now left out (and reported).
+    m = torch.arange(4.0)
+    src = tmp_path / "r.pt"
+    torch.save({0: torch.zeros(2), 1: torch.ones(2), "a": m, "b": m, "epoch": 1, "step": 7}, src)
+    out = tmp_path / "r.safetensors"
+    report = convert_file(src, out, keep_non_tensors=True)
+    assert report.kept_non_tensors == ["step"]
+    assert report.skipped_non_tensors == ["epoch"]
+    assert report.dropped == {"b": "a"}
+    with safe_open(out, "np") as f:
+        meta = f.metadata()
+    assert "epoch" not in meta and json.loads(meta["step"]) == 7
+    back = tmp_path / "r2.bin"
+    to_torch_bin(out, back, restore_shared=True)
+    loaded = torch.load(back, weights_only=True)
+    assert set(loaded) == {"0", "1", "a", "b"}
+    assert torch.equal(loaded["b"], m)
+    # The command line says why the value was not kept.
+    res = cli("convert", str(src), str(tmp_path / "cli.safetensors"), "--keep-non-tensors")
+    assert res.returncode == 0, res.stderr
+    assert "skipped non-tensor values (their values are tensor names): epoch" in res.stdout

@@ -627,3 +627,50 @@ def test_protocol_0_checkpoints_are_refused_for_what_they_are(tmp_path: Path) ->
     assert "not written by torch" not in str(exc.value)
     with pytest.raises(Exception, match="saved_id must be a tuple"):
         torch.load(tmp_path / "p0.pt", weights_only=False)
+
+
+def test_large_legacy_checkpoints_count_only_the_tensors_left_out(tmp_path: Path) -> None:
+    # A legacy object pickle over the first 64 KiB window is run again on a larger one: the
+    # same policy was reused, so the tensors of the failed partial run were counted as
+    # "inside skipped objects, not converted" (3000 converted, 608 said to be left out).
+    torch = pytest.importorskip("torch")
+    sd: dict[str, Any] = {f"layer{i}.weight": torch.zeros(2) for i in range(3000)}
+    sd["args"] = argparse.Namespace(lr=0.1, mask=torch.ones(2))
+    for legacy in (True, False):
+        src = tmp_path / f"leg{legacy}.pt"
+        torch.save(sd, src, _use_new_zipfile_serialization=not legacy)
+        report = convert_file(src, tmp_path / "leg.safetensors", unknown="skip")
+        assert len(report.tensors) + len(report.dropped) == 3000
+        assert report.skipped_tensors == 1, legacy  # the mask, inside the Namespace
+
+
+def test_numpy_random_generators_are_skipped_not_refused(tmp_path: Path) -> None:
+    # numpy pickles RandomState and Generator objects through numpy.random._pickle's
+    # __randomstate_ctor/__generator_ctor/__bit_generator_ctor: their dunder names were
+    # refused as lookups even with unknown="skip", so a training checkpoint with RNG state
+    # could not be converted at all.
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "rng.pt"
+    torch.save(
+        {"w": torch.arange(3.0), "rng": np.random.RandomState(0), "gen": np.random.default_rng(1)},
+        src,
+    )
+    with pytest.raises(UnsafePickleError, match="not on the allow-list") as exc:
+        convert_file(src, tmp_path / "rng.safetensors")
+    assert exc.value.skippable
+    report = convert_file(src, tmp_path / "rng.safetensors", unknown="skip", verify=True)
+    assert report.tensors == ["w"]
+    assert report.skipped_objects == {
+        "rng": "numpy.random._pickle.__randomstate_ctor",
+        "gen": "numpy.random._pickle.__generator_ctor",
+    }
+    assert "numpy.random._pickle.__bit_generator_ctor" in report.unknown_globals
+    assert load_file(tmp_path / "rng.safetensors")["w"].tolist() == [0.0, 1.0, 2.0]
+    # Real dunder lookups in that module are still refused in skip mode.
+    make_zip(
+        tmp_path / "d.pt",
+        state_dict([("w", tensor()), ("x", P.g("numpy.random._pickle", "__builtins__"))]),
+    )
+    with pytest.raises(UnsafePickleError, match="dotted or dunder") as exc:
+        convert_file(tmp_path / "d.pt", tmp_path / "d.safetensors", unknown="skip")
+    assert not exc.value.skippable

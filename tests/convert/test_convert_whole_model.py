@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -447,3 +449,46 @@ def test_legacy_module_persistent_ids_must_name_a_class(tmp_path: Path) -> None:
     make_zip(tmp_path / "z.pt", graph(P.g("mylib", "Net")).replace(legacy_tensor(), tensor()))
     with pytest.raises(CheckpointError, match="unknown persistent id"):
         convert_file(tmp_path / "z.pt", tmp_path / "z.safetensors", unknown="skip")
+
+
+def test_a_state_dict_changed_after_build_is_not_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # BUILD copies the state into the object's __dict__ (CPython's and nn.Module's
+    # __setstate__ alike): a SETITEMS on the memoised state dict after BUILD changes nothing
+    # torch.load returns. The converter kept a reference to that dict, so it converted the
+    # tensor the later SETITEMS put there, not the one torch.load gives.
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):  # type: ignore[misc,name-defined]
+        pass
+
+    monkeypatch.setattr(sys.modules["__main__"], "Net", Net, raising=False)
+    pkl = (
+        P.PROTO2
+        + P.g("__main__", "Net")
+        + b")\x81}q\x01("
+        + P.u("_parameters")
+        + b"}("
+        + P.u("w")
+        + tensor("0")
+        + b"u"
+        + P.u("_buffers")
+        + b"}"
+        + P.u("_modules")
+        + b"}ub"
+        # Now the state dict again, with another _parameters: after BUILD.
+        + b"h\x01("
+        + P.u("_parameters")
+        + b"}("
+        + P.u("w")
+        + tensor("1")
+        + b"uu0."
+    )
+    second = struct.pack("<4f", -1.0, -2.0, -3.0, -4.0)
+    make_zip(tmp_path / "m.pt", pkl, {"0": F32x4, "1": second})
+    expected = torch.load(tmp_path / "m.pt", weights_only=False).state_dict()
+    assert torch.equal(expected["w"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    report = convert_file(tmp_path / "m.pt", tmp_path / "m.safetensors", unknown="skip")
+    assert report.tensors == ["w"] and report.modules == {"": "__main__.Net"}
+    assert load_file(tmp_path / "m.safetensors")["w"].tolist() == expected["w"].tolist()

@@ -1049,3 +1049,149 @@ def test_tar_members_torch_would_read_unlike_the_scanner_are_flagged(tmp_path: P
     report = scan_file(sparse)
     assert report.grade != "safe"
     assert any("sparse tar member" in str(f) for f in report.findings)
+
+
+def _zip_bytes(members: dict[str, bytes], compression: int = zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=compression) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def _tar_bytes(members: dict[str, bytes]) -> bytes:
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+#: A torch-style zip checkpoint whose data.pkl runs ``os.system("echo pwned")``.
+_EVIL_PICKLE = P.PROTO2 + P.g("os", "system") + P.u("echo pwned") + b"\x85R."
+_EVIL_CHECKPOINT = _zip_bytes({"archive/data.pkl": _EVIL_PICKLE, "archive/version": b"3\n"})
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_checkpoints_inside_archives_are_scanned(tmp_path: Path, compression: int) -> None:
+    # A checkpoint stored as a member of another zip (a downloaded model folder, zipped) was
+    # only probed as a raw pickle: the probe failed, nothing inside was read, the outer file
+    # was graded safe.
+    assert scan_file(_write(tmp_path / "inner.pt", _EVIL_CHECKPOINT)).grade == "dangerous"
+    outer = _zip_bytes({"model/pytorch_model.bin": _EVIL_CHECKPOINT}, compression)
+    report = scan_file(_write(tmp_path / "outer.zip", outer))
+    assert report.grade == "dangerous"
+    assert [(g.qualname, g.where) for g in report.globals] == [
+        ("os.system", "outer.zip:model/pytorch_model.bin:archive/data.pkl")
+    ]
+    # A checkpoint named like a pickle (torch.save(model, "model.pkl")) is read as what it is.
+    named = _zip_bytes({"model.pkl": _EVIL_CHECKPOINT}, compression)
+    assert scan_file(_write(tmp_path / "named.zip", named)).grade == "dangerous"
+    # A 0.1.1 tar checkpoint in a zip, and a zip checkpoint in a tar.
+    tar = _tar_bytes({"sys_info": pickle.dumps({}, 2), "pickle": _OPEN_CALL})
+    report = scan_file(_write(tmp_path / "tar.zip", _zip_bytes({"old/model.pt": tar})))
+    assert report.grade == "dangerous"
+    assert {g.where for g in report.globals} == {"tar.zip:old/model.pt:pickle"}
+    # (A README after it keeps the zip's end record out of the tar's tail, where it would make
+    # the whole tar a zip with data in front.)
+    tar = _tar_bytes({"m.pt": _EVIL_CHECKPOINT, "README": bytes(1 << 17)})
+    report = scan_file(_write(tmp_path / "zip.tar", tar))
+    assert report.grade == "dangerous"
+    assert {g.where for g in report.globals} == {"zip.tar:m.pt:archive/data.pkl"}
+    # A clean checkpoint inside a zip stays safe.
+    make_zip(tmp_path / "clean.pt", good_pickle())
+    clean = _zip_bytes({"m/clean.pt": (tmp_path / "clean.pt").read_bytes()}, compression)
+    report = scan_file(_write(tmp_path / "clean.zip", clean))
+    assert (report.grade, report.findings) == ("safe", [])
+
+
+def test_archives_nested_too_deep_or_too_large_are_not_safe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Archives nested past MAX_NESTING are reported, not silently passed over.
+    from pysafetensors import scan
+
+    data = _EVIL_CHECKPOINT
+    for level in range(scan.MAX_NESTING + 1):
+        data = _zip_bytes({f"level{level}/m.zip": data})
+    report = scan_file(_write(tmp_path / "deep.zip", data))
+    assert report.grade == "suspicious"
+    (finding,) = report.findings
+    assert "nested archive" in finding.message and "not analysed" in finding.message
+    assert finding.where.count(":") == scan.MAX_NESTING + 1
+    # One level less is read to the bottom.
+    data = _EVIL_CHECKPOINT
+    for level in range(scan.MAX_NESTING):
+        data = _zip_bytes({f"level{level}/m.zip": data})
+    assert scan_file(_write(tmp_path / "deep.zip", data)).grade == "dangerous"
+    # A nested archive over the size limit is not read into memory, and says so.
+    big = _zip_bytes({"archive/data.pkl": good_pickle(), "archive/data/0": bytes(8192)})
+    monkeypatch.setattr(scan, "MAX_PICKLE_BYTES", 4096)
+    report = scan_file(_write(tmp_path / "big.zip", _zip_bytes({"m/big.pt": big})))
+    assert report.grade == "suspicious"
+    assert [(f.message, f.where) for f in report.findings] == [
+        ("nested archive (zip) over 4096 bytes: not analysed", "big.zip:m/big.pt")
+    ]
+
+
+def test_deflated_members_are_inflated_in_bounded_memory(tmp_path: Path) -> None:
+    # The whole compressed member was copied out of the mapping to read a 64 KiB probe, and
+    # the decompressor kept a second copy as its unconsumed input: scanning an 800 MB
+    # np.savez_compressed file took 2.3 GB.
+    np = pytest.importorskip("numpy")
+    # Random nibbles: deflate halves them, so the compressed member is tens of MB.
+    values = np.random.default_rng(0).integers(0, 16, 64 << 20, dtype=np.uint8)
+    np.savez_compressed(tmp_path / "a.npz", a=values)
+    with zipfile.ZipFile(tmp_path / "a.npz") as zf:
+        assert zf.infolist()[0].compress_size > 24 << 20
+    report, peak = _scan_with_peak(tmp_path / "a.npz")
+    assert (report.grade, report.findings) == ("safe", [])
+    assert peak < 8 << 20
+
+
+def test_numpy_random_generators_are_not_dangerous(tmp_path: Path) -> None:
+    # numpy pickles its random generators through numpy.random._pickle.__randomstate_ctor,
+    # __generator_ctor and __bit_generator_ctor (and a SeedSequence through Cython's
+    # __pyx_unpickle_SeedSequence): the dunder names made every checkpoint with RNG state (a
+    # training checkpoint's) dangerous, and convert --skip-unknown refused it.
+    torch = pytest.importorskip("torch")
+    np = pytest.importorskip("numpy")
+    state = {
+        "w": torch.ones(2),
+        "rng": np.random.RandomState(0),
+        "gen": np.random.default_rng(0),
+        "bits": np.random.PCG64(1),
+    }
+    torch.save(state, tmp_path / "rng.pt")
+    report = scan_file(tmp_path / "rng.pt")
+    assert report.grade == "suspicious", [f for f in report.findings if f.grade == "dangerous"]
+    names = {g.qualname: g.grade for g in report.globals}
+    for ctor in ("__randomstate_ctor", "__generator_ctor", "__bit_generator_ctor"):
+        assert names[f"numpy.random._pickle.{ctor}"] == "suspicious"
+    # A Generator's SeedSequence comes back through the helper Cython made for it.
+    assert names["numpy.random.bit_generator.__pyx_unpickle_SeedSequence"] == "suspicious"
+    # True dunder lookups stay dangerous, in that module and everywhere.
+    assert grade_global("numpy.random._pickle", "__builtins__") == "dangerous"
+    assert grade_global("numpy.random", "__randomstate_ctor") == "dangerous"
+    assert grade_global("__builtin__", "__import__") == "dangerous"
+    assert grade_global("numpy.random._pickle", "__randomstate_ctor.__globals__") == "dangerous"
+
+
+def test_numpy_random_constructors_calling_other_callables_are_dangerous(tmp_path: Path) -> None:
+    # __randomstate_ctor(name, ctor) calls ctor(name): numpy passes its own
+    # __bit_generator_ctor there (or nothing), anything else makes it a call gadget.
+    ctor = P.g("numpy.random._pickle", "__randomstate_ctor")
+    own = P.g("numpy.random._pickle", "__bit_generator_ctor")
+    fine = P.PROTO2 + ctor + P.u("MT19937") + own + b"\x86R."
+    assert scan_file(_write(tmp_path / "fine.pkl", fine)).grade == "suspicious"
+    gadget = P.PROTO2 + ctor + P.u("echo pwned") + P.g("mylib", "run") + b"\x86R."
+    report = scan_file(_write(tmp_path / "gadget.pkl", gadget))
+    assert report.grade == "dangerous"
+    assert [f.message for f in report.findings if f.grade == "dangerous"] == [
+        "numpy.random._pickle.__randomstate_ctor calls mylib.run with the pickle's "
+        "argument, not numpy's bit generator constructor"
+    ]

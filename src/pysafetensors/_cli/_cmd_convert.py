@@ -152,17 +152,34 @@ def run(args: argparse.Namespace) -> int:
                 f"{sanitize(r.src)} -> {sanitize(r.dst)}: {plural(len(r.tensors), 'tensor')}, "
                 f"{r.total_size} bytes{extra}{checked}"
             )
-            if r.skipped_non_tensors:
-                # Names from the checkpoint: escaped, as every name printed from a file.
-                skipped = ", ".join(quoted(str(k)) for k in r.skipped_non_tensors[:10])
-                more = len(r.skipped_non_tensors) - 10
-                skipped += f" and {more} more" if more > 0 else ""
-                why = " (their names are metadata keys)" if r.kept_non_tensors else ""
-                print(f"  skipped non-tensor values{why}: {skipped}")
+            _print_skipped_values(r, keep=args.keep_non_tensors)
             _print_skipped_objects(r)
         for path, why in left_out.items():
             print(f"{sanitize(path)}: left out, {sanitize(why)}")
     return 0
+
+
+def _print_skipped_values(r: Any, *, keep: bool) -> None:
+    """The non-tensor values of one file not stored, and why (with ``--keep-non-tensors``)."""
+    from ..convert import kept_text
+
+    tensors = set(r.tensors)
+    # A value whose JSON is a tensor name would read as a tied name {dropped: kept}.
+    clash = [
+        k
+        for k in r.skipped_non_tensors
+        if keep and k in r.non_tensors and kept_text(r.non_tensors[k]) in tensors
+    ]
+    rest = [k for k in r.skipped_non_tensors if k not in clash]
+    why = " (their names are metadata keys)" if r.kept_non_tensors else ""
+    for names, because in ((rest, why), (clash, " (their values are tensor names)")):
+        if not names:
+            continue
+        # Names from the checkpoint: escaped, as every name printed from a file.
+        skipped = ", ".join(quoted(str(k)) for k in names[:10])
+        more = len(names) - 10
+        skipped += f" and {more} more" if more > 0 else ""
+        print(f"  skipped non-tensor values{because}: {skipped}")
 
 
 def _print_modules(r: Any) -> None:
