@@ -34,6 +34,7 @@ with atheris.instrument_imports(include=["pysafetensors", "_harness"]):
     import pysafetensors._reader  # noqa: E402, F401
     import pysafetensors._slicing  # noqa: E402, F401
     import pysafetensors._sources  # noqa: E402, F401
+    import pysafetensors._validate  # noqa: E402, F401
 
     # Written by other developers; instrumented when present.
     for _optional in ("pysafetensors._torch_pickle", "pysafetensors._streaming"):

@@ -211,6 +211,37 @@ def check_header(data: bytes) -> None:
         raise Violation("accepted non-string metadata")
 
 
+# ------------------------------------------------------------------ the validate target
+
+
+def check_validate(data: bytes) -> None:
+    """``validate`` never raises on bytes, reports errors exactly when the reader refuses the
+    file (the reader's reason among them: an error of its code), and lists no problem twice."""
+    from pysafetensors._errors import SafetensorError
+    from pysafetensors._format import parse_header, parse_header_length
+    from pysafetensors._sources import BufferSource
+    from pysafetensors._validate import validate_source
+
+    refused: SafetensorError | None = None
+    try:
+        n = parse_header_length(data[:8], len(data))
+        parse_header(data[8 : 8 + n], len(data) - 8 - n)
+    except SafetensorError as exc:
+        refused = exc
+    try:
+        problems = validate_source(BufferSource(data), strict=True, check_values=True)
+    except Exception as exc:
+        raise Violation(f"validate raised {type(exc).__name__}: {exc}") from exc
+    errors = [p for p in problems if p.severity == "error"]
+    if refused is None and errors:
+        raise Violation(f"the reader accepts the file, validate reports {errors}")
+    if refused is not None and not any(p.code == refused.kind for p in errors):
+        raise Violation(f"the reader refuses the file ({refused.kind}: {refused}); {errors}")
+    seen = [(p.severity, p.code, p.tensor, p.message) for p in problems]
+    if len(set(seen)) != len(seen):
+        raise Violation(f"a problem listed twice: {problems}")
+
+
 # ------------------------------------------------------------------ the safe_open target
 
 

@@ -25,7 +25,7 @@ run() {
 }
 
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(header safe_open slicing differential pickle safe_open_torch streaming)
+[ ${#targets[@]} -eq 0 ] && targets=(header safe_open slicing differential pickle safe_open_torch streaming validate)
 seeds_for() { [ "$1" = pickle ] && echo pickle || echo safetensors; }
 maxlen_for() { [ "$1" = pickle ] && echo 65536 || echo 16384; }
 

@@ -119,6 +119,11 @@ class Problem:
         }
 
 
+#: The words of what only the strict parser refuses in a header the walk decodes (serde's):
+#: lone surrogates (in names, metadata, ignored fields), nesting past its limit, integers
+#: past its range.
+_STRICT_ONLY: Final = ("hex escape", "recursion limit exceeded", "number out of range")
+
 #: The dtype an entry that failed to parse is counted with (see _walk_header).
 _PLAIN_BYTES: Final = dtype_from_code("U8")
 
@@ -151,17 +156,25 @@ class _Collector:
     file: str | None
     problems: list[Problem] = field(default_factory=list)
     strict: bool = False
+    # Each problem once: the entries of a repeated name, each with the same fault, listed it
+    # once per entry in the same words at the same place.
+    _listed: set[Problem] = field(default_factory=set)
+
+    def _add(self, problem: Problem) -> None:
+        if problem not in self._listed:
+            self._listed.add(problem)
+            self.problems.append(problem)
 
     def error(
         self, code: str, message: str, tensor: str | None = None, offset: int | None = None
     ) -> None:
-        self.problems.append(Problem("error", code, message, self.file, tensor, offset))
+        self._add(Problem("error", code, message, self.file, tensor, offset))
 
     def warn(
         self, code: str, message: str, tensor: str | None = None, offset: int | None = None
     ) -> None:
         if self.strict:
-            self.problems.append(Problem("warning", code, message, self.file, tensor, offset))
+            self._add(Problem("warning", code, message, self.file, tensor, offset))
 
 
 def _metadata_problem(value: Any) -> str | None:
@@ -227,13 +240,22 @@ def _check_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry
     if gate is None:
         col.problems.extend(p for p in walk.problems if p.severity != "error")
         return entries
-    # The reader's reason, unless the walk reported it (the same code, about the same tensor):
-    # some problems only the strict parser sees (a lone surrogate in a name, nesting past its
-    # limit), and another error of the same code elsewhere must not hide them.
-    if not any(p.code == gate.kind and gate.tensor in (None, p.tensor) for p in errors):
-        col.problems.append(
-            Problem("error", gate.kind, str(gate), col.file, gate.tensor, gate.offset)
-        )
+    words = str(gate).removesuffix(f" (tensor `{gate.tensor}`)")  # as the walk's
+    reason = Problem("error", gate.kind, words, col.file, gate.tensor, gate.offset)
+    if entries is None:
+        # The walk gave up on the whole header (not UTF-8, not JSON, not a map): the reader's
+        # words say why, with where ("expected a map" said less, and said it twice).
+        col.problems.extend(p for p in walk.problems if p.severity != "error")
+        col.problems.append(reason)
+        return None
+    # The reader's reason, unless the walk reported it (the same code, about the same tensor
+    # or the whole header; the two word it differently). Problems only the strict parser sees
+    # are always added: another error of their code, elsewhere or in the same tensor, hid them.
+    strict_only = any(words in str(gate) for words in _STRICT_ONLY)
+    if strict_only or not any(
+        p.code == gate.kind and gate.tensor in (None, p.tensor) for p in errors
+    ):
+        col.problems.append(reason)
     col.problems.extend(walk.problems)
     return entries
 
@@ -293,6 +315,9 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
 
     metadata: dict[str, str] | None = None
     parsed: dict[str, _Entry] = {}
+    # Entries whose offsets are lost (missing, or not two integers): their bytes may be any
+    # hole or the trailing bytes, so those are not reported besides the entry's own error.
+    unplaced = False
     for name, value in pairs:
         if name == "__metadata__":
             bad = _metadata_problem(value)
@@ -319,6 +344,8 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
                 begin, end = offsets
                 size = max(0, end - begin)
                 parsed[name] = _Entry(name, _PLAIN_BYTES, (size,), begin, end, ok=False)
+            else:
+                unplaced = True
             continue
         # A repeated name: the last entry wins, as in the reference.
         parsed[name] = _Entry(name, dtype, tuple(shape), begin, end)
@@ -354,7 +381,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
             )
             e.ok = False
             continue
-        if e.begin > running:
+        if e.begin > running and not unplaced:
             col.error(
                 "InvalidOffset",
                 f"invalid offset: {where} leaves a hole of {e.begin - running} bytes after "
@@ -401,7 +428,7 @@ def _walk_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry]
             e.ok = False
         if e.end > running:
             running, previous = e.end, e.name
-    if running != data_size:
+    if running > data_size or (running < data_size and not unplaced):
         what = "trailing bytes" if data_size > running else "missing bytes"
         col.error(
             "MetadataIncompleteBuffer",

@@ -124,6 +124,64 @@ def test_validator_keeps_the_readers_reason_beside_another_of_its_code() -> None
     assert ("InvalidHeaderDeserialization", "e") in found, problems
 
 
+@pytest.mark.parametrize(
+    ("first", "reason"),
+    [
+        # Only the strict parser sees these; a header-wide error (no tensor) was taken as
+        # reported by any error of its code the walk found elsewhere.
+        ('"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}', "hex escape"),
+        ('"__metadata__":{"k":"\\udc00"}', "surrogate"),
+        # The reader's own reason in the tensor another error of the walk names.
+        (
+            '"t":{"dtype":"X","shape":[1],"data_offsets":[0,1],"x":' + "[" * 200 + "]" * 200 + "}",
+            "recursion limit",
+        ),
+    ],
+)
+def test_validator_keeps_the_readers_reason_beside_another_of_its_code_anywhere(
+    first: str, reason: str
+) -> None:
+    text = "{" + first + ',"z":{"dtype":"X","shape":[0],"data_offsets":[1,1]}}'
+    problems = validate_source(BufferSource(raw_file(text.encode(), bytes(1))))
+    assert any(reason in p.message for p in problems), problems
+    assert any("unknown variant `X`" in p.message and p.tensor == "z" for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[]", "invalid type: sequence, expected struct HashMetadata at line 1 column 0"),
+        ('"x"', 'invalid type: string "x", expected struct HashMetadata at line 1 column 3'),
+        ('{"a\xff":{}}', "invalid UTF-8 in header: invalid utf-8 sequence"),
+    ],
+)
+def test_validator_gives_the_readers_words_for_a_header_it_cannot_walk(
+    text: str, reason: str
+) -> None:
+    # The walk's own "expected a map" said less than the reader, or both were listed.
+    problems = validate_source(BufferSource(raw_file(text.encode("latin-1"), b"")))
+    assert [p.message for p in problems if p.severity == "error"] == [
+        p.message for p in problems if reason in p.message
+    ], problems
+    assert len(problems) == 1, problems
+
+
+def test_validator_lists_the_same_fault_of_a_repeated_name_once() -> None:
+    # Each entry of the repeated name `t` lacks its shape: the same error, in the same words
+    # at the same place, was listed once per entry.
+    entry = '"t":{"dtype":"U8","data_offsets":[0,1]}'
+    text = "{" + entry + "," + entry + "}"
+    problems = validate_source(BufferSource(raw_file(text.encode(), bytes(1))))
+    assert [(p.code, p.tensor) for p in problems] == [("InvalidHeaderDeserialization", "t")]
+
+
+def test_validator_reports_an_entry_without_offsets_once() -> None:
+    # Its bytes were counted as trailing bytes too: a second error for the same cause.
+    text = '{"a":{"dtype":"F32","shape":[2]}}'
+    problems = validate_source(BufferSource(raw_file(text.encode(), bytes(8))))
+    assert [(p.code, p.tensor) for p in problems] == [("InvalidHeaderDeserialization", "a")]
+
+
 def test_validator_reads_an_index_as_strictly_as_the_reader(tmp_path: Path) -> None:
     # json.loads of bytes takes a byte-order mark (and UTF-16): validate said OK where
     # safe_open refuses the folder.

@@ -45,6 +45,12 @@ def test_header_parser_only_raises_safetensor_errors(data: bytes) -> None:
     _harness.check_header(data)
 
 
+@quick(300)
+@given(st.one_of(any_files, valid_files(), near_valid_files()))
+def test_validate_agrees_with_the_reader(data: bytes) -> None:
+    _harness.check_validate(data)
+
+
 @quick(250)
 @given(st.one_of(valid_files(), near_valid_files()), st.randoms(use_true_random=False))
 def test_safe_open_accessors_are_correct_or_refuse(data: bytes, rng: random.Random) -> None:
