@@ -35,6 +35,7 @@ SwarmUI #50 and lora-inspector #5 ask for metadata edits that do not rewrite gig
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -286,11 +287,29 @@ def edit_metadata(
             prefix = struct.pack("<Q", len(padded)) + padded
             pwrite_all(out, prefix, 0)
             copy_range(fd, N_LEN + n, out, len(prefix), data_size, source=given)
+            _copy_xattrs(fd, out)
         return False
     finally:
         if source is not None:
             source.close()  # the second descriptor read_header's partial reads opened
         os.close(fd)
+
+
+def _copy_xattrs(src: int, dst: int) -> None:
+    """Give the rewritten file the extended attributes of the one it replaces (user notes,
+    POSIX ACLs, security labels), each as far as the file system and the user's rights allow:
+    a metadata edit that rewrote the file dropped them, where one in place keeps them."""
+    if not hasattr(os, "listxattr"):
+        return  # no extended attributes on this platform
+    try:
+        names = os.listxattr(src)
+    except OSError:
+        return  # none on this file system
+    for name in names:
+        # One refused (a trusted.* name needs root; the target's file system may hold no
+        # ACLs) leaves the others to copy: the edit itself is what was asked for.
+        with contextlib.suppress(OSError):
+            os.setxattr(dst, name, os.getxattr(src, name))
 
 
 #: Errors of a file system that has no locks to take.

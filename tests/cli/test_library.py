@@ -334,6 +334,20 @@ def test_edit_metadata_rewrite_keeps_permissions_from_the_start(
     assert seen == [0o600] and stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+def test_edit_metadata_rewrite_keeps_extended_attributes(tmp_path: Path) -> None:
+    # Only mode and owner were carried over: a note in a user.* attribute (or an ACL) was
+    # dropped by an edit that rewrote the file, and kept by one in place.
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, str(path), metadata={"k": "v"})
+    try:
+        os.setxattr(path, "user.note", b"keep me")
+    except OSError as exc:  # the file system here holds no user attributes
+        pytest.skip(f"no extended attributes: {exc}")
+    assert pysafetensors.edit_metadata(path, set={"k": "w" * 5000}) is False  # rewritten
+    assert os.getxattr(path, "user.note") == b"keep me"
+    assert pysafetensors.safe_open(path, "np").metadata() == {"k": "w" * 5000}
+
+
 def test_edit_metadata_errors(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     save_file({"a": np.zeros(2, np.float32)}, str(path))
