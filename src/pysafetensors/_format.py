@@ -411,11 +411,35 @@ def _walked_error(
     return _decode_error(prefix_text, str(found), tensor)
 
 
+#: Frames :func:`_decode_with_room` adds to the recursion limit: ``json`` takes one or two a
+#: level, and serde reads at most 128 levels (more are refused by the walk in any case).
+_ROOM: Final = 600
+
+
+def _decode_with_room(decoder: json.JSONDecoder, text: str) -> Any:
+    """``decoder.decode(text)``, again with room above the recursion limit if it meets it:
+    ``json`` recurses once per level, and a caller already deep in the stack (~870 frames)
+    had a header of 125 levels, which serde reads, refused as nested too deeply. What is
+    still too deep with the room is refused as before."""
+    try:
+        return decoder.decode(text)
+    except RecursionError:
+        pass  # retried outside the handler: the first error's frames are not kept
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit + _ROOM)
+    try:
+        return decoder.decode(text)
+    finally:
+        # Unless another thread changed it meanwhile (its own room, which it puts back).
+        if sys.getrecursionlimit() == limit + _ROOM:
+            sys.setrecursionlimit(limit)
+
+
 def decode_json(text: str, prefix_text: str) -> Any:
     """Decode a header's JSON ``text`` as serde_json would, or raise its error text."""
     decoder = decoder_for(text)
     try:
-        return decoder.decode(text)
+        return _decode_with_room(decoder, text)
     except json.JSONDecodeError as exc:
         fallback = f"{serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}"
         raise _serde_syntax_error(text, fallback, decoder, prefix_text) from None

@@ -3,7 +3,9 @@ point, checked against the recorded verdict and, when installed, against the ref
 
 from __future__ import annotations
 
+import inspect
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +283,27 @@ def test_parse_depth_beyond_python_recursion() -> None:
     header = b'{"t":{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
     with pytest.raises(HeaderDecodeError, match="recursion limit exceeded"):
         deserialize(struct.pack("<Q", len(header)) + header)
+
+
+@pytest.mark.parametrize(("brackets", "reads"), [(125, True), (126, False)])
+def test_nesting_deep_in_the_callers_stack_is_judged_as_serde_does(
+    brackets: int, reads: bool
+) -> None:
+    """``json`` recurses once per level: under ~870 frames of the caller's, a header with 125
+    brackets in a field (the most serde reads) was refused as "recursion limit exceeded"."""
+    nested = b"[" * brackets + b"]" * brackets
+    header = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + nested + b"}}"
+    blob = struct.pack("<Q", len(header)) + header + b"\0"
+    room = sys.getrecursionlimit() - len(inspect.stack()) - 60
+
+    def deep(n: int) -> Any:
+        return deep(n - 1) if n else deserialize(blob)
+
+    if reads:
+        assert [name for name, _ in deep(room)] == ["t"]
+    else:
+        with pytest.raises(HeaderDecodeError, match="recursion limit exceeded"):
+            deep(room)
 
 
 def test_huge_integer_literal() -> None:
