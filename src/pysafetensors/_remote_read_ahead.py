@@ -23,12 +23,14 @@ Threads reading one source at once (a pool's ``get_tensor`` calls in file order)
 falls in a window on its way, fetched by another read or in the background, waits for it
 instead of fetching a window of its own over it, and a read of a thread left behind the
 window held (in the run's earlier windows) fetches its own bytes and leaves the run as it is
-(2 to 32 threads over 2 KiB tensors: 0.97-1.08 times the file).
+(2 to 64 threads over 2 KiB tensors: 0.97-1.08 times the file); many reads in order there (a
+loop over the file again) start the run over.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import sys
 import threading
@@ -67,6 +69,8 @@ _IN_ORDER: Final = 2
 NEAR: Final = 4 << 10
 #: The next window is fetched in the background once the reads have taken 1/_NEXT_AT of one.
 _NEXT_AT: Final = 2
+#: Reads in order behind the window that make a loop over the file again (see _started_over).
+_BACK_IN_ORDER: Final = 16
 
 
 class _Windows:
@@ -222,6 +226,10 @@ def may_wait_here() -> bool:
     return asyncio is None or asyncio._get_running_loop() is None
 
 
+#: Numbers the windows in the order they are made.
+_CREATED: Final = itertools.count()
+
+
 @dataclass(eq=False)
 class _Next:
     """A window being fetched in the background: ``data`` holds the bytes at ``at`` once
@@ -230,6 +238,8 @@ class _Next:
     at: int
     data: np.ndarray
     future: Future[None] = field(init=False)
+    #: Order of creation, of all windows (see ReadAhead._keep).
+    seq: int = field(init=False, default_factory=lambda: next(_CREATED))
 
     @property
     def end(self) -> int:
@@ -262,6 +272,10 @@ class ReadAhead:
         # Where the windows that led to it in order start: reads from there up to it are
         # other threads' left behind (see read; set with the first window).
         self._behind = 0
+        self._held_seq = -1  # the held window's _Next.seq
+        # Reads behind it that follow one another (see read): where the last ended, how many.
+        self._back_next = -1
+        self._back_reads = 0
         # The window after it, on its way (see _fetch_next); dropped with it.
         self._pending: _Next | None = None
         # Every background fetch not finished yet, dropped or not: close() waits for them all.
@@ -304,7 +318,12 @@ class ReadAhead:
                     # back. Fetched as asked, and the run goes on: taken for a read out of
                     # order, it dropped the window on its way (fetched again next) and started
                     # the run over small (16 threads fetched 2.3-3.6 times the file).
-                    return False
+                    if not self._started_over(offset, n):
+                        return False
+                    # Many in order there: a loop over the file again, which took every read
+                    # for one left behind (1,174 requests for 2,000 tensors). The run starts
+                    # over from here, as for any read out of order.
+                    self._behind = at
             in_order = 0 <= self._next <= offset <= self._next + NEAR
             pending = self._pending
             if pending is not None and not pending.at <= offset < pending.end:
@@ -357,7 +376,7 @@ class ReadAhead:
 
     def _keep(self, window: _Next) -> bool:
         """Make ``window``, fetched, the one held (once: each of the threads that waited for
-        it keeps it too); False if it is not held: closed meanwhile, or a window further on
+        it keeps it too); False if it is not held: closed meanwhile, or a window made after it
         is held already (threads that waited for this one would take the reads in order
         back to it, and every read in the newer one would start the run over)."""
         with self._lock:
@@ -368,8 +387,9 @@ class ReadAhead:
             held = self._window_bytes
             if held is not None and held[1] is window.data:
                 return True
-            if held is not None and held[0] > window.at:
-                return False
+            if held is not None and self._held_seq > window.seq:
+                return False  # made before the one held: threads waited for it meanwhile
+            self._held_seq = window.seq
             # The run's windows so far, if it goes on from the one held (see read).
             if held is not None and held[0] + held[1].size >= window.at:
                 self._behind = min(self._behind, held[0])
@@ -381,6 +401,16 @@ class ReadAhead:
             # record (the record would outlive the window).
             _WINDOWS.hold(self, window.data)
             return True
+
+    def _started_over(self, offset: int, n: int) -> bool:
+        """Count a read behind the window (lock held): whether it is the
+        :data:`_BACK_IN_ORDER`-th in a row that follow one another there. Threads left behind
+        make a few such rows (4 in a row restarted runs under 32 threads, which then fetched
+        up to 2.8 times the file); a loop over the file again makes one as long as it reads."""
+        again = 0 <= self._back_next <= offset <= self._back_next + NEAR
+        self._back_next = offset + n
+        self._back_reads = self._back_reads + 1 if again else 1
+        return self._back_reads >= _BACK_IN_ORDER
 
     def _fetch_next(self, at: int, current: np.ndarray) -> None:
         """Start fetching the window after ``current`` (which ends at ``at``) in the
@@ -424,7 +454,7 @@ class ReadAhead:
             return False
         if self._keep(pending):
             return self.read(offset, out)
-        # Closed meanwhile, or a window further on is held now: served from this one.
+        # Closed meanwhile, or a newer window is held now: served from this one.
         if offset + out.nbytes > pending.end:
             return False
         out[:] = pending.data.data[offset - pending.at : offset - pending.at + out.nbytes]

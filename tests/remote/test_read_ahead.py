@@ -54,6 +54,20 @@ def test_a_loop_in_file_order_takes_few_requests(lora: tuple[RangeServer, dict])
     assert server.requests() <= 12, server.requests()
 
 
+def test_a_loop_over_the_file_again_takes_few_requests(lora: tuple[RangeServer, dict]) -> None:
+    """A second pass, and one from the middle: their reads fell behind the window still held,
+    and were each taken for a thread's left behind, fetched alone (1,174 requests for 2,000
+    tensors)."""
+    server, tensors = lora
+    with safe_open(server.url("lora.safetensors"), "np") as f:
+        names = list(f.keys())
+        for start in (0, 0, N // 2):
+            server.reset()
+            for name in names[start:]:
+                np.testing.assert_array_equal(f.get_tensor(name), tensors[name])
+            assert server.requests() <= 40, server.requests()
+
+
 def test_reads_out_of_order_fetch_exactly_what_they_ask(lora: tuple[RangeServer, dict]) -> None:
     server, tensors = lora
     names = sorted(tensors)
@@ -137,7 +151,9 @@ def test_threads_reading_one_handle_get_their_own_bytes(lora: tuple[RangeServer,
     assert not errors
 
 
-@pytest.mark.parametrize(("threads", "bound"), [(2, 1.2), (8, 1.3), (16, 1.3), (32, 1.5)])
+@pytest.mark.parametrize(
+    ("threads", "bound"), [(2, 1.2), (8, 1.3), (16, 1.3), (32, 1.3), (64, 1.4)]
+)
 def test_threads_reading_in_file_order_fetch_each_byte_about_once(
     lora: tuple[RangeServer, dict], threads: int, bound: float
 ) -> None:
