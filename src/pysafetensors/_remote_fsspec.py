@@ -151,6 +151,13 @@ class FsspecSource(RemoteSource):
         if self._one_at_a_time is not None:
             self._one_at_a_time = _TURNS.of(self._fs)
 
+    def _turn(self) -> contextlib.AbstractContextManager[object]:
+        """The filesystem's turn, where its calls go one at a time (see the class): opens
+        too (on FTP, ``info`` lists the folder over the one control connection, which shards
+        opened ahead used while another source read)."""
+        lock = self._one_at_a_time
+        return contextlib.nullcontext() if lock is None else lock
+
     def _open(self) -> None:
         """Learn the size (one request) and cache the first ``head_bytes``."""
         self.stats.add(requests=1)
@@ -158,7 +165,8 @@ class FsspecSource(RemoteSource):
         try:
             # info, not size: the same request, and it says whether the path is a folder
             # (object stores and memory:// give a folder size 0, read as an empty file).
-            info = self._fs.info(self._path)
+            with self._turn():
+                info = self._fs.info(self._path)
         except Exception as exc:
             failure = exc
         if failure is not None:
@@ -172,7 +180,7 @@ class FsspecSource(RemoteSource):
         size = _byte_count(info.get("size"))
         if size is None:
             # Caching layers (blockcache::, filecache::) give no size in info, yet know it.
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), self._turn():
                 size = _byte_count(self._fs.size(self._path))
         if size is None:
             raise RemoteError(
@@ -266,7 +274,7 @@ class FsspecSource(RemoteSource):
         self.stats.add(requests=1)
         failure: Exception | None = None
         try:
-            with self._one_at_a_time or contextlib.nullcontext():
+            with self._turn():
                 data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
         except Exception as exc:
             failure = exc
@@ -349,6 +357,10 @@ class _Turns:
 
 
 _TURNS: Final = _Turns()
+if hasattr(os, "register_at_fork"):
+    # At the fork, not at the child's first use: two of its threads asking at once could
+    # each reset the table and get a lock of its own for one filesystem.
+    os.register_at_fork(after_in_child=_TURNS._reset)
 
 
 def _byte_count(value: object) -> int | None:

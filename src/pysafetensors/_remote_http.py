@@ -4,6 +4,7 @@ the process-wide pool of idle connections."""
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import http.client
 import os
@@ -520,15 +521,17 @@ def _connect(
 ) -> socket.socket:
     """``socket.create_connection`` with the name resolved within ``timeout`` (see
     :func:`_resolve`); http.client calls it to connect (its ``_create_connection``)."""
-    if not isinstance(timeout, (int, float)):
-        timeout = None  # socket's "global default" stand-in: no timeout was set
+    # socket's "global default" stand-in when no timeout was given: the socket keeps the
+    # process's default (as create_connection leaves it); None, given, makes it blocking.
+    given = timeout is None or isinstance(timeout, (int, float))
+    seconds = timeout if isinstance(timeout, (int, float)) else None
     host, port = address
     error: OSError | None = None
-    for family, kind, proto, _, sockaddr in _resolve(host, port, timeout):
+    for family, kind, proto, _, sockaddr in _resolve(host, port, seconds):
         sock = socket.socket(family, kind, proto)
         try:
-            if timeout is not None:
-                sock.settimeout(timeout)
+            if given:
+                sock.settimeout(seconds)
             if source_address:
                 sock.bind(source_address)
             sock.connect(sockaddr)
@@ -553,6 +556,8 @@ class _IdleConnections:
     def __init__(self) -> None:
         #: Open sources using each TLS context given (the default one, None, is not counted).
         self._users: dict[ssl.SSLContext, int] = {}
+        #: Contexts released and not yet counted down (see release).
+        self._released: collections.deque[ssl.SSLContext] = collections.deque()
         self._reset()
 
     def _reset(self) -> None:
@@ -565,29 +570,53 @@ class _IdleConnections:
         if ctx is not None:
             with self._lock:
                 self._users[ctx] = self._users.get(ctx, 0) + 1
+        self._settle_if_free()
 
     def release(self, ctx: ssl.SSLContext | None) -> None:
-        """A source stops using ``ctx``: with the last one, its idle connections are closed."""
-        if ctx is None:
-            return
-        with self._lock:
+        """A source stops using ``ctx``: with the last one, its idle connections are closed.
+
+        Queued, and counted down under the lock when it is free: a dropped source's finalizer
+        runs wherever the collector does, on a thread that may hold this lock (waiting for it
+        there deadlocked the thread on itself).
+        """
+        if ctx is not None:
+            self._released.append(ctx)
+            self._settle_if_free()
+
+    def _settle(self) -> list[_Conn]:
+        """Count down the contexts released (lock held); the idle connections of those no
+        source uses any more, to close after letting the lock go."""
+        conns: list[_Conn] = []
+        while self._released:
+            ctx = self._released.popleft()
             left = self._users.get(ctx, 0) - 1
             if left > 0:
                 self._users[ctx] = left
-                return
+                continue
             self._users.pop(ctx, None)
-            keys = [k for k in self._idle if k[1] is ctx]
-            conns = [c for k in keys for c in self._idle.pop(k)]
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.close()
+            for key in [k for k in self._idle if k[1] is ctx]:
+                conns += self._idle.pop(key)
+        return conns
+
+    def _settle_if_free(self) -> None:
+        while self._released and self._lock.acquire(blocking=False):
+            try:
+                conns = self._settle()
+            finally:
+                self._lock.release()
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    conn.close()
 
     def take(self, key: tuple[_Key, ssl.SSLContext | None]) -> _Conn | None:
         with self._lock:
             idle = self._idle.get(key)
-            return idle.pop() if idle else None
+            conn = idle.pop() if idle else None
+        self._settle_if_free()
+        return conn
 
     def give(self, key: tuple[_Key, ssl.SSLContext | None], conn: _Conn) -> None:
+        kept = False
         with self._lock:
             # A context no open source uses any more (a read that ended after the last close):
             # nothing would take the connection.
@@ -595,8 +624,10 @@ class _IdleConnections:
                 idle = self._idle.setdefault(key, [])
                 if len(idle) < _IDLE_PER_HOST:
                     idle.append(conn)
-                    return
-        conn.close()
+                    kept = True
+        self._settle_if_free()
+        if not kept:
+            conn.close()
 
     def _after_fork(self) -> None:
         # The child's copies of the parent's sockets: closed here, the parent's stay open. The

@@ -146,11 +146,13 @@ def redact(url: str) -> str:
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port  # raises on a port that is not a number
-        if port is not None and "@" not in parts.netloc and _password_as_port(url, parts.path):
+        if port is not None and "@" not in parts.netloc and "@" in url.partition("://")[2]:
             # ``http://user:2024/pw@host/f``: a password of digits up to an unencoded '/', '?'
             # or '#' parses as a port, and the rest of it as the path, query or fragment.
-            # Shown as a URL that does not parse is shown (a path after a port that really
-            # holds an '@' is shown from after it).
+            # Shown as a URL that does not parse is shown: from after the last '@'. A URL
+            # whose query holds an '@' (``host:1/f?email=me@corp.example``) is shown so too,
+            # naming the wrong host: telling the two apart by where the '@' falls showed most
+            # of ``user:2024/s3cr?t@host``'s password.
             raise ValueError("an '@' after the authority")
     except ValueError:  # that, or an unbalanced '[' in the host
         scheme, sep, rest = url.partition("://")
@@ -165,16 +167,6 @@ def redact(url: str) -> str:
     netloc = parts.netloc.rpartition("@")[2]
     suffix = "?..." if parts.query else ""
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + suffix
-
-
-def _password_as_port(url: str, path: str) -> bool:
-    """Whether an '@' after a URL's port may end a password that parsed as the port and what
-    follows: one before the query and fragment (``user:2024/pw@host/f``), or anywhere when
-    the query or fragment starts right after the port (``user:2024?pw@host``). An '@' in the
-    query of a URL with a path is the query's (``host:1/f?email=me@corp.example`` was shown
-    as ``http://corp.example``)."""
-    rest = url.partition("://")[2]
-    return "@" in re.split(r"[?#]", rest, maxsplit=1)[0] or (not path and "@" in rest)
 
 
 def _object_link(url: str) -> tuple[list[str], int]:

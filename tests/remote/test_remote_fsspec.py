@@ -567,3 +567,52 @@ def test_sources_sharing_a_filesystem_that_is_not_thread_safe_take_turns(
         thread.join()
     for name in names:
         assert results[name] == blobs[name], name
+
+
+def test_opening_a_file_takes_the_filesystems_turn_too(tmp_path: Path) -> None:
+    """Only reads took turns: ``info`` at open ran beside another source's ``cat_file`` on the
+    one connection (on FTP, a folder listing), as shards opened ahead do. A filesystem whose
+    calls record any overlap stands in for one with a single connection."""
+    fsspec = pytest.importorskip("fsspec")
+    blob = random.Random(3).randbytes(1 << 20)
+    overlaps: list[str] = []
+    busy = threading.Lock()
+
+    class OneConnection(fsspec.AbstractFileSystem):  # type: ignore[misc]
+        protocol = "oneconn"
+
+        def _call(self, what: str) -> None:
+            if not busy.acquire(blocking=False):
+                overlaps.append(what)
+                return
+            try:
+                time.sleep(0.002)
+            finally:
+                busy.release()
+
+        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+            self._call("info")
+            return {"name": path, "size": len(blob), "type": "file"}
+
+        def cat_file(self, path: str, start: Any = None, end: Any = None, **kw: Any) -> bytes:
+            self._call("cat_file")
+            return blob[start:end]
+
+    fs = OneConnection(skip_instance_cache=True)
+    stop = threading.Event()
+
+    def keep_reading() -> None:
+        with FsspecSource("a", fs=fs, head_bytes=0, read_ahead=0, part_size=64 << 10) as src:
+            out = bytearray(256 << 10)
+            while not stop.is_set():
+                src.readinto(0, memoryview(out))
+
+    reader = threading.Thread(target=keep_reading)
+    reader.start()
+    try:
+        for k in range(20):
+            FsspecSource(f"d{k}/b", fs=fs, head_bytes=0).close()
+    finally:
+        stop.set()
+        reader.join()
+    assert overlaps == []

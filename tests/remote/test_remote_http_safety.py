@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,30 @@ def test_idle_connections_of_a_tls_context_no_source_uses_are_closed(
         (record,) = tls_server.records()
         assert record.client_port in ports  # a connection the closed file had used
     assert _idle_with([shared]) == 0
+
+
+def test_a_context_released_while_its_lock_is_held_is_settled_later(
+    tls_server: RangeServer, tls_cert: tuple[Path, Path]
+) -> None:
+    """A dropped source's finalizer releases its TLS context wherever the collector runs, also
+    on a thread holding the store's lock: it waited for that lock, for ever."""
+    ctx = ssl.create_default_context(cafile=str(tls_cert[0]))
+    with HTTPSource(tls_server.url("blob.bin"), ssl_context=ctx, part_size=1 << 17) as src:
+        _read(src, 0, 1 << 20)
+        _IDLE.retain(ctx)  # the finalizer's source, still open
+    assert _idle_with([ctx]) >= 1
+    done = threading.Event()
+
+    def release_under_the_lock() -> None:
+        with _IDLE._lock:
+            _IDLE.release(ctx)  # as a finalizer run there by the collector
+        done.set()
+
+    worker = threading.Thread(target=release_under_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(5), "release waited for the lock its own thread held"
+    _IDLE.take((_key(tls_server), None))  # the next call settles it
+    assert _idle_with([ctx]) == 0
 
 
 def test_which_redirects_keep_credentials() -> None:
