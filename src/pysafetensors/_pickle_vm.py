@@ -119,7 +119,11 @@ class Policy(Protocol):
         """STACK_GLOBAL whose operands are not both ``str``."""
 
     def reduce(self, func: Any, args: Any, offset: int, opcode: str) -> Any:
-        """REDUCE, NEWOBJ, NEWOBJ_EX, INST, OBJ: ``func(*args)``."""
+        """REDUCE, NEWOBJ, NEWOBJ_EX, INST, OBJ: ``func(*args)``. ``args`` is a tuple, except
+        for a policy whose ``computed_arguments`` attribute is true: REDUCE and NEWOBJ then
+        hand over what the stack holds (a call's result, which the machine cannot know to be
+        a tuple) instead of stopping there (a scanner stopped reading, and missed what came
+        after)."""
 
     def build(self, obj: Any, state: Any, offset: int) -> Any:
         """BUILD: apply ``state`` to ``obj``; returns what replaces ``obj`` on the stack."""
@@ -552,7 +556,7 @@ class Machine:
             elif op == 0x52:  # REDUCE
                 args = pop(at)
                 func = pop(at)
-                if type(args) is not tuple:
+                if type(args) is not tuple and not getattr(policy, "computed_arguments", False):
                     raise _err("REDUCE arguments are not a tuple", base + at)
                 stack.append(policy.reduce(func, args, base + at, "REDUCE"))
             elif op == 0x51:  # BINPERSID
@@ -722,7 +726,7 @@ class Machine:
             elif op == 0x81:  # NEWOBJ
                 args = pop(at)
                 cls = pop(at)
-                if type(args) is not tuple:
+                if type(args) is not tuple and not getattr(policy, "computed_arguments", False):
                     raise _err("NEWOBJ arguments are not a tuple", base + at)
                 stack.append(policy.reduce(cls, args, base + at, "NEWOBJ"))
             elif op == 0x92:  # NEWOBJ_EX

@@ -86,6 +86,11 @@ MAX_NESTING: Final = 3
 #: Nested pickles scanned per file: a pickle can pass the same payload to ``pickle.loads`` a
 #: million times through the memo, each call a full scan of it (and of what it nests).
 MAX_NESTED_SCANS: Final = 256
+#: Bytes of nested archives (zip or tar members that are archives themselves) read into memory
+#: per file, all nesting levels together: each level held up to 1 GiB while the next was read,
+#: so a 35 MiB zip of 1 GiB zips nested three deep took 4 GB. One nested checkpoint of up to
+#: 1 GiB is still read whole.
+MAX_NESTED_ARCHIVE_BYTES: Final = 1 << 30
 #: Pickle streams analysed per buffer: a file of ``N.`` repeated is hundreds of millions of
 #: streams, no real checkpoint has more than a handful.
 MAX_STREAMS: Final = 10_000
@@ -300,6 +305,16 @@ class Finding:
 
 
 @dataclass
+class _Spent:
+    """What the scan of one file has spent of its per-file budgets, shared by every report
+    made while scanning it (a probe's report is merged into the file's, or dropped, only at
+    the end)."""
+
+    nested_archive_bytes: int = 0
+    """Bytes of nested archives read so far (see :data:`MAX_NESTED_ARCHIVE_BYTES`)."""
+
+
+@dataclass
 class ScanReport:
     """The result of scanning one file."""
 
@@ -317,6 +332,7 @@ class ScanReport:
     """Whether a stream stopped at a limit of the scanner (not at an error of the pickle)."""
     _ops: int = field(default=0, repr=False, compare=False)
     """Opcodes run for this file so far, all its streams together (see :data:`MAX_OPS`)."""
+    _spent: _Spent = field(default_factory=_Spent, repr=False, compare=False)
 
     @property
     def grade(self) -> Grade:
@@ -343,6 +359,11 @@ class ScanReport:
             "globals": [{**asdict(g), "qualname": g.qualname} for g in self.globals],
             "findings": [asdict(f) for f in self.findings],
         }
+
+    def _child(self) -> ScanReport:
+        """An empty report for a reading that may be kept or dropped (see :func:`_keep_probe`),
+        spending this file's budgets: a fresh one had budgets of its own."""
+        return ScanReport(self.path, _spent=self._spent)
 
     def _add(self, grade: Grade, message: str, where: str, offset: int | None = None) -> None:
         if len(self.findings) < MAX_LISTED:
@@ -411,6 +432,11 @@ class _Opaque:
 
 
 class _ScanPolicy:
+    #: REDUCE and NEWOBJ with arguments that are a call's result reach :meth:`reduce` (see
+    #: :class:`~._pickle_vm.Policy`): the machine stopped there, and whatever the pickle did
+    #: after (``os.system``) was not read, while CPython runs it.
+    computed_arguments = True
+
     def __init__(self, report: ScanReport, where: str, depth: int) -> None:
         self.report = report
         self.where = where
@@ -479,8 +505,22 @@ class _ScanPolicy:
         if isinstance(func, _SymCall):
             # Calling the result of a call: the getattr/getitem gadget pattern.
             self.report._add("suspicious", f"{opcode} calls a computed object", self.where, offset)
+        if type(args) is not tuple and opcode in ("REDUCE", "NEWOBJ"):
+            self.report._add("suspicious", f"{opcode} with computed arguments", self.where, offset)
         if opcode in ("OBJ", "NEWOBJ_EX"):
             self.report._add("suspicious", f"{opcode} opcode", self.where, offset)
+        if (
+            isinstance(func, _SymGlobal)
+            and (func.module, func.name) == ("builtins", "tuple")
+            and opcode != "NEWOBJ_EX"
+            and type(args) is tuple
+            and len(args) == 1
+            and type(args[0]) in (list, tuple)
+        ):
+            # tuple([...]) is that tuple, and is read as one: as a call result it was an
+            # argument tuple the machine refused (REDUCE arguments are not a tuple), so what
+            # it called and every opcode after it went unread, while CPython calls it.
+            return tuple(args[0])
         return _SymCall(func, args)
 
     def _check_rebuild_func(self, args: Any, offset: int) -> None:
@@ -506,7 +546,19 @@ class _ScanPolicy:
         # __randomstate_ctor(name, ctor) and __generator_ctor(name, ctor) call ctor(name):
         # numpy writes its own __bit_generator_ctor there, or leaves it out. Anything else
         # runs a callable of the pickle's choice on an argument of its choice.
-        ctor = args[1] if type(args) is tuple and len(args) > 1 else None
+        if type(args) is not tuple:
+            # numpy always writes a literal tuple. Computed arguments hide what is called, and
+            # passed as numpy's own. (The machine refuses REDUCE and NEWOBJ with them before
+            # this policy sees the call; this holds whatever opcode hands them over.)
+            self.report._add(
+                "dangerous",
+                f"{full} called with computed arguments (numpy writes a tuple of a name and "
+                "its own bit generator constructor)",
+                self.where,
+                offset,
+            )
+            return
+        ctor = args[1] if len(args) > 1 else None
         if ctor is None or (
             isinstance(ctor, _SymGlobal)
             and (ctor.module, ctor.name) == (_NUMPY_RNG_MODULE, "__bit_generator_ctor")
@@ -797,7 +849,9 @@ class _Values(_ScanPolicy):
         raise SafetensorError("not a plain value")
 
 
-def _scan_bytes(report: ScanReport, data: bytes, where: str, depth: int) -> None:
+def _scan_bytes(
+    report: ScanReport, data: bytes, where: str, depth: int, *, pickled: bool = False
+) -> None:
     """Scan bytes of unknown kind (a file, a member, a nested payload).
 
     Every reading that some loader may apply is scanned, never only the first that matches:
@@ -805,10 +859,13 @@ def _scan_bytes(report: ScanReport, data: bytes, where: str, depth: int) -> None
     as a tar first (``tarfile`` takes any block with a valid header checksum, old V7 headers
     without ``ustar`` included) and unpickles it when that fails, and ``pickle.load`` reads any
     file from its first byte. A file that is several of these at once is graded by the worst.
+
+    Args:
+        pickled: Whether the caller scanned ``data`` as a pickle from its first byte already
+            (a member torch unpickles by its name), so that it is not read so again.
     """
     containers: list[str] = []
     zip_at_0 = data[:4] == b"PK\x03\x04"
-    pickled = False  # whether the bytes were scanned as a pickle from their first byte
     if zip_at_0 or b"PK\x05\x06" in data[-(22 + 0xFFFF) :]:
         containers.append("zip")
         if report.format == "unknown":
@@ -816,8 +873,9 @@ def _scan_bytes(report: ScanReport, data: bytes, where: str, depth: int) -> None
         if not zip_at_0 and _looks_like_pickle(data):
             # A pickle prepended to a zip: both sides are read by someone.
             report._add("suspicious", "data before the zip archive", where, 0)
-            _scan_pickle_file(report, data, where, depth)
-            pickled = True
+            if not pickled:
+                _scan_pickle_file(report, data, where, depth)
+                pickled = True
         _scan_zip(report, data, where, depth)
     if _is_tar(data):
         containers.append("tar")
@@ -943,7 +1001,7 @@ def _scan_npy(
             _scan_streams(report, data, where, depth, end)
         return False
     if _looks_like_pickle(data, start):
-        parsed = ScanReport(report.path)
+        parsed = report._child()
         end, _ = _run_stream(parsed, data, start, where, depth)
         _keep_probe(report, parsed, end is not None, keep_clean=False)
     return False
@@ -972,7 +1030,7 @@ def _probe(report: ScanReport, data: bytes, where: str, depth: int, *, keep_clea
     """
     if not _looks_like_pickle(data):
         return False
-    parsed = ScanReport(report.path)
+    parsed = report._child()
     first_ok = _scan_pickle_file(parsed, data, where, depth)
     return _keep_probe(report, parsed, first_ok, keep_clean=keep_clean)
 
@@ -1106,12 +1164,7 @@ def _scan_member(
         if not complete:
             report._add("suspicious", f"pickle over {MAX_PICKLE_BYTES} bytes; not analysed", member)
             return
-        # torch.save(model, "model.pkl") writes a zip under a pickle's name.
-        kind = _archive_kind(content)
-        if kind is None:
-            _scan_pickle_file(report, content, member, depth)
-        elif _may_scan_archive(report, kind, len(content), member, depth):
-            _scan_bytes(report, content, member, depth + 1)
+        _scan_pickled_member(report, content, member, depth)
         return
     rel = info.filename.split("/", 1)[-1]
     key = rel[5:]
@@ -1121,9 +1174,10 @@ def _scan_member(
     window = _PROBE_WINDOW
     content, complete = _zip_member(data, info, window)
     kind = None if is_storage else _archive_kind(content)
-    if kind is not None:
-        _scan_archive_member(report, data, info, kind, member, depth)
+    if kind is not None and _scan_archive_member(report, data, info, kind, member, depth):
         return
+    # Not an archive, or one past a limit of this scanner: its bytes are still probed as a
+    # pickle (a tar's first bytes are a member name, which can be one).
     npy = _npy_header(content)
     if npy is not None or (not complete and content[: len(_NPY_MAGIC)] == _NPY_MAGIC):
         # An .npz member: numpy.load unpickles an object array's data after the header.
@@ -1141,7 +1195,7 @@ def _scan_member(
     while True:
         if not _looks_like_pickle(content):
             return
-        first = ScanReport(report.path)
+        first = report._child()
         end, policy = _run_stream(first, content, 0, member, depth)
         if end is None and policy.truncated and not complete and window < MAX_PICKLE_BYTES:
             window = min(window * 8, MAX_PICKLE_BYTES)
@@ -1151,7 +1205,7 @@ def _scan_member(
     if is_storage:
         _grade_storage(report, first, whole=complete and end == len(content), where=member)
         return
-    parsed = ScanReport(report.path)
+    parsed = report._child()
     if end is not None and not complete:
         # The first stream parsed: later streams may follow anywhere in the member.
         content, complete = _zip_member(data, info, MAX_PICKLE_BYTES)
@@ -1201,21 +1255,47 @@ def _archive_kind(head: bytes) -> str | None:
     return "tar" if _is_tar(head) else None
 
 
-def _may_scan_archive(report: ScanReport, kind: str, size: int, where: str, depth: int) -> bool:
-    """Whether an archive held by a member (of ``size`` bytes) is scanned, under the caps of
-    nested pickles: :data:`MAX_NESTING` levels, :data:`MAX_NESTED_SCANS` per file, and the
-    :data:`MAX_PICKLE_BYTES` read into memory. When it is not, a finding says so: an archive
-    inside a zip (a checkpoint in a zipped model folder) was probed as a pickle only, and
-    graded safe whatever it held.
+def _scan_pickled_member(report: ScanReport, content: bytes, where: str, depth: int) -> None:
+    """A member that a loader unpickles by its name (a ``*.pkl`` zip member, a tar
+    checkpoint's member): read as a pickle whatever else it is, and as an archive too when it
+    is one (``torch.save(model, "model.pkl")`` writes a zip under a pickle's name).
+
+    The pickle reading comes first and is never skipped: it was made only when the member was
+    not an archive, so a ``data.pkl`` that ``tarfile`` takes for a tar (any block with a right
+    checksum, its name field a pickle) was not read at all once a limit skipped the archive
+    reading (256 tiny zips before it), and graded suspicious where ``torch.load`` runs it.
     """
+    kind = _archive_kind(content)
+    if kind == "zip":
+        # A zip's first byte is PERSID, which every unpickler refuses (none has a
+        # persistent_load that takes a string): kept only if it acts, as in _scan_bytes.
+        _probe(report, content, where, depth, keep_clean=False)
+    else:
+        _scan_pickle_file(report, content, where, depth)
+    if kind is not None and _may_scan_archive(report, kind, len(content), where, depth):
+        _scan_bytes(report, content, where, depth + 1, pickled=True)
+
+
+def _may_scan_archive(report: ScanReport, kind: str, size: int, where: str, depth: int) -> bool:
+    """Whether an archive held by a member (of ``size`` bytes) is scanned as one, under the
+    caps of nested pickles: :data:`MAX_NESTING` levels, :data:`MAX_NESTED_SCANS` per file,
+    :data:`MAX_PICKLE_BYTES` each, and :data:`MAX_NESTED_ARCHIVE_BYTES` all together, which
+    ``size`` is charged to. When it is not, a finding says so: an archive inside a zip (a
+    checkpoint in a zipped model folder) was probed as a pickle only, and graded safe
+    whatever it held.
+    """
+    spent = report._spent
     if depth >= MAX_NESTING:
         why = f"more than {MAX_NESTING} levels deep"
     elif size > MAX_PICKLE_BYTES:
         why = f"over {MAX_PICKLE_BYTES} bytes"
     elif report._nested_scans >= MAX_NESTED_SCANS:
         why = f"past the {MAX_NESTED_SCANS} nested pickles and archives scanned per file"
+    elif spent.nested_archive_bytes + size > MAX_NESTED_ARCHIVE_BYTES:
+        why = f"past the {MAX_NESTED_ARCHIVE_BYTES} bytes of nested archives read per file"
     else:
         report._nested_scans += 1
+        spent.nested_archive_bytes += size
         return True
     report._add("suspicious", f"nested archive ({kind}) {why}: not analysed", where)
     return False
@@ -1223,23 +1303,31 @@ def _may_scan_archive(report: ScanReport, kind: str, size: int, where: str, dept
 
 def _scan_archive_member(
     report: ScanReport, data: bytes, info: zipfile.ZipInfo, kind: str, member: str, depth: int
-) -> None:
+) -> bool:
     """Scan a zip member that is itself a zip or tar (its every reading, see
-    :func:`_scan_bytes`), its members named ``member:inner``."""
+    :func:`_scan_bytes`), its members named ``member:inner``.
+
+    Returns:
+        Whether it was scanned; when not (past a limit, which a finding says), the caller
+        still reads it as it reads any member.
+    """
     stored = info.compress_type == zipfile.ZIP_STORED
     declared = info.compress_size if stored else info.file_size
-    # Sizes first: a member known too large is not read (nor inflated) to learn it.
+    # Sizes first: a member known too large is not read (nor inflated) to learn it. The size
+    # declared is what is charged, so no more than it is read.
     if not _may_scan_archive(report, kind, declared, member, depth):
-        return
-    content, complete = _zip_member(data, info, MAX_PICKLE_BYTES)
-    if not complete:  # inflates past what its header declares
+        return False
+    content, complete = _zip_member(data, info, declared)
+    if not complete:
         report._add(
             "suspicious",
-            f"nested archive ({kind}) over {MAX_PICKLE_BYTES} bytes: not analysed",
+            f"nested archive ({kind}) inflates past the {declared} bytes its header declares: "
+            "not analysed",
             member,
         )
-        return
+        return False
     _scan_bytes(report, content, member, depth + 1)
+    return True
 
 
 def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, bool]:
@@ -1344,10 +1432,8 @@ def _scan_tar_members(report: ScanReport, tar: tarfile.TarFile, where: str, dept
         content = f.read()
         if m.name in ("storages", "tensors"):
             _scan_tar_table(report, content, member, depth, m.name == "tensors")
-        elif (kind := _archive_kind(content)) is None:
-            _scan_pickle_file(report, content, member, depth)
-        elif _may_scan_archive(report, kind, len(content), member, depth):
-            _scan_bytes(report, content, member, depth + 1)
+        else:
+            _scan_pickled_member(report, content, member, depth)
 
 
 def _scan_tar_table(report: ScanReport, data: bytes, where: str, depth: int, tensors: bool) -> None:

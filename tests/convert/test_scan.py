@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pysafetensors import CheckpointError
+from pysafetensors import CheckpointError, SafetensorError
 from pysafetensors.scan import grade_global, scan_file
 
 from .corpus import (
@@ -1195,3 +1195,136 @@ def test_numpy_random_constructors_calling_other_callables_are_dangerous(tmp_pat
         "numpy.random._pickle.__randomstate_ctor calls mylib.run with the pickle's "
         "argument, not numpy's bit generator constructor"
     ]
+
+
+def _tar_header_pickle(pickled: bytes) -> bytes:
+    """A 512-byte block that ``tarfile`` takes for a tar (its checksum is right) and whose
+    first bytes, the member name, are ``pickled``."""
+    import tarfile
+
+    block = tarfile.TarInfo(pickled.decode("latin1")).tobuf(tarfile.USTAR_FORMAT, "latin1")
+    assert len(block) == 512 and block.startswith(pickled)
+    return block
+
+
+_TAR_SHAPED_RCE = _tar_header_pickle(b"cos\nsystem\n(S'touch /tmp/x'\ntR.")
+
+
+def test_pickle_members_shaped_like_archives_are_read_as_pickles_past_the_archive_budget(
+    tmp_path: Path,
+) -> None:
+    # A *.pkl member (or a tar checkpoint's member) that tarfile takes for a tar was read only
+    # as an archive: once the nested-archive budget was spent (256 tiny zips before it), it
+    # was not read at all and graded suspicious, while torch.load unpickles it and runs it.
+    from pysafetensors import scan
+
+    junk = _zip_bytes({"x": b""})
+    members = {f"archive/extra/{i}": junk for i in range(scan.MAX_NESTED_SCANS)}
+    members["archive/data.pkl"] = _TAR_SHAPED_RCE
+    report = scan_file(_write(tmp_path / "ckpt.pt", _zip_bytes(members)))
+    assert report.grade == "dangerous"
+    assert [(g.qualname, g.where) for g in report.globals] == [
+        ("os.system", "ckpt.pt:archive/data.pkl")
+    ]
+    assert any("nested archive (tar) past" in f.message for f in report.findings)
+    # The same member in a 0.1.1 tar checkpoint (a README keeps the zips' end records out of
+    # the tar's tail).
+    members = {f"extra/{i}": junk for i in range(scan.MAX_NESTED_SCANS)}
+    members["pickle"] = _TAR_SHAPED_RCE
+    members["README"] = bytes(1 << 17)
+    report = scan_file(_write(tmp_path / "ckpt.tar", _tar_bytes(members)))
+    assert report.grade == "dangerous"
+    assert [(g.qualname, g.where) for g in report.globals] == [("os.system", "ckpt.tar:pickle")]
+    # Within the budget, the member is read both ways, each once.
+    report = scan_file(_write(tmp_path / "one.pt", _zip_bytes({"a/data.pkl": _TAR_SHAPED_RCE})))
+    assert [(g.qualname, g.where) for g in report.globals] == [("os.system", "one.pt:a/data.pkl")]
+
+
+def test_nested_archives_share_one_memory_budget_per_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each nesting level could hold 1 GiB in memory at once: a 35 MiB zip of a 1 GiB zip of a
+    # 1 GiB zip of a 1 GiB zip peaked at 4.18 GB. The bytes of all nested archives a file
+    # makes the scanner hold are now one budget.
+    from pysafetensors import scan
+
+    inner = _zip_bytes({"m/c.pt": _EVIL_CHECKPOINT, "m/pad": bytes(4096)})
+    middle = _zip_bytes({"m/b.zip": inner, "m/pad": bytes(4096)}, zipfile.ZIP_DEFLATED)
+    outer = _zip_bytes({"m/a.zip": middle}, zipfile.ZIP_DEFLATED)
+    path = _write(tmp_path / "chain.zip", outer)
+    assert scan_file(path).grade == "dangerous"  # read to the bottom with the default budget
+    monkeypatch.setattr(scan, "MAX_NESTED_ARCHIVE_BYTES", len(middle) + len(inner) // 2)
+    read: list[tuple[str, int]] = []
+    zip_member = scan._zip_member
+
+    def spy(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, bool]:
+        read.append((info.filename, limit))
+        return zip_member(data, info, limit)
+
+    monkeypatch.setattr(scan, "_zip_member", spy)
+    report = scan_file(path)
+    assert report.grade == "suspicious"
+    assert [(f.message, f.where) for f in report.findings] == [
+        (
+            f"nested archive (zip) past the {len(middle) + len(inner) // 2} bytes of nested "
+            "archives read per file: not analysed",
+            "chain.zip:m/a.zip:m/b.zip",
+        )
+    ]
+    # b.zip's first window was read to learn that it is a zip, not the member to scan it, and
+    # nothing inside it was read.
+    assert [limit for name, limit in read if name == "m/b.zip"] == [scan._PROBE_WINDOW]
+    assert [name for name, _ in read if name.startswith("m/c.pt") or "archive/" in name] == []
+
+
+def test_numpy_random_constructors_with_computed_arguments_are_dangerous(
+    tmp_path: Path,
+) -> None:
+    # The call-gadget check read only a literal argument tuple, and the machine refuses a call
+    # whose arguments are a call result: builtins.tuple of a list holding mypkg.tools.run hid
+    # it (and every opcode after it), and the pickle was graded suspicious.
+    from pysafetensors import scan
+
+    ctor = P.g("numpy.random._pickle", "__randomstate_ctor")
+    items = P.u("MT19937") + P.g("mypkg.tools", "run")
+    computed = P.g("builtins", "tuple") + b"](" + items + b"e\x85R"
+    gadget = P.PROTO2 + ctor + computed + b"R."
+    report = scan_file(_write(tmp_path / "gadget.pkl", gadget))
+    assert report.grade == "dangerous"
+    assert [f.message for f in report.findings if f.grade == "dangerous"] == [
+        "numpy.random._pickle.__randomstate_ctor calls mypkg.tools.run with the pickle's "
+        "argument, not numpy's bit generator constructor"
+    ]
+    # Opcodes after such a call are read: a payload behind list(tuple([])) went unread.
+    hidden = b"cbuiltins\nlist\ncbuiltins\ntuple\n]\x85RR0cos\nsystem\n(S'echo x'\ntR."
+    assert scan_file(_write(tmp_path / "hidden.pkl", hidden)).grade == "dangerous"
+    # Arguments that are not a literal tuple at all, whatever opcode hands them over.
+    report = scan.ScanReport("x")
+    args = scan._SymCall(scan._SymGlobal("builtins", "tuple"), ())
+    scan._ScanPolicy(report, "x", 0)._check_rng_ctor("f", args, 0)
+    assert [f.grade for f in report.findings] == ["dangerous"]
+    # numpy's own forms stay suspicious: the name alone, and with its constructor.
+    own = P.g("numpy.random._pickle", "__bit_generator_ctor")
+    for args_ in (P.u("MT19937") + b"\x85", P.u("MT19937") + own + b"\x86"):
+        data = P.PROTO2 + ctor + args_ + b"R."
+        assert scan_file(_write(tmp_path / "own.pkl", data)).grade == "suspicious"
+
+
+@pytest.mark.parametrize("opcode", [b"R", b"\x81"])
+def test_calls_after_one_with_computed_arguments_are_read(tmp_path: Path, opcode: bytes) -> None:
+    """``list(list([]))``: REDUCE (or NEWOBJ) whose arguments are a call's result stopped the
+    machine ("arguments are not a tuple"), and the ``os.system`` after it was never read: the
+    file was graded suspicious, while pickle.loads runs it. The converter still refuses it."""
+    from pysafetensors.convert import convert_file
+
+    program = (
+        b"\x80\x02cbuiltins\nlist\ncbuiltins\nlist\n(]tR" + opcode + b"0"
+        b"cos\nsystem\n(S'echo pwned'\ntR."
+    )
+    path = tmp_path / "computed.pkl"
+    path.write_bytes(program)
+    report = scan_file(str(path))
+    assert report.grade == "dangerous", report.findings
+    assert any(g.module == "os" and g.name == "system" for g in report.globals), report.globals
+    with pytest.raises(SafetensorError):
+        convert_file(str(path), str(tmp_path / "out.safetensors"))
