@@ -75,7 +75,7 @@ from ._serde_json import (
     surrogate_message,
     unexpected,
 )
-from ._serde_syntax import SyntaxErrorAt, first_syntax_error, position_of_index
+from ._serde_syntax import WALK_LIMIT, SyntaxErrorAt, first_syntax_error, position_of_index
 
 __all__ = [
     "DESERIALIZE_PREFIX",
@@ -411,35 +411,11 @@ def _walked_error(
     return _decode_error(prefix_text, str(found), tensor)
 
 
-#: Frames :func:`_decode_with_room` adds to the recursion limit: ``json`` takes one or two a
-#: level, and serde reads at most 128 levels (more are refused by the walk in any case).
-_ROOM: Final = 600
-
-
-def _decode_with_room(decoder: json.JSONDecoder, text: str) -> Any:
-    """``decoder.decode(text)``, again with room above the recursion limit if it meets it:
-    ``json`` recurses once per level, and a caller already deep in the stack (~870 frames)
-    had a header of 125 levels, which serde reads, refused as nested too deeply. What is
-    still too deep with the room is refused as before."""
-    try:
-        return decoder.decode(text)
-    except RecursionError:
-        pass  # retried outside the handler: the first error's frames are not kept
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(limit + _ROOM)
-    try:
-        return decoder.decode(text)
-    finally:
-        # Unless another thread changed it meanwhile (its own room, which it puts back).
-        if sys.getrecursionlimit() == limit + _ROOM:
-            sys.setrecursionlimit(limit)
-
-
 def decode_json(text: str, prefix_text: str) -> Any:
     """Decode a header's JSON ``text`` as serde_json would, or raise its error text."""
     decoder = decoder_for(text)
     try:
-        return _decode_with_room(decoder, text)
+        return decoder.decode(text)
     except json.JSONDecodeError as exc:
         fallback = f"{serde_syntax_message(exc)} at line {exc.lineno} column {exc.colno}"
         raise _serde_syntax_error(text, fallback, decoder, prefix_text) from None
@@ -452,6 +428,17 @@ def decode_json(text: str, prefix_text: str) -> Any:
         # problem, where it places it.
         raise _serde_syntax_error(text, detail, decoder, prefix_text) from None
     except RecursionError:
+        raw = text.encode("utf-8", "surrogatepass")
+        if len(raw) <= WALK_LIMIT and first_syntax_error(raw) is None:
+            # Nested no deeper than serde reads (the walk, which does not recurse, checks it):
+            # json recurses once per level and met the caller's own depth (~870 frames). No
+            # verdict on the file, which was refused as malformed: Python's error, as any code
+            # that recursed there would meet. (A limit raised for the retry is the process's:
+            # threads decoding at once pushed it up until the C stack overflowed.)
+            raise RecursionError(
+                "maximum recursion depth exceeded while decoding a header (the caller's stack "
+                "is too deep; the header is nested no deeper than serde reads)"
+            ) from None
         raise _serde_syntax_error(text, "recursion limit exceeded", decoder, prefix_text) from None
 
 

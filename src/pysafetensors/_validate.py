@@ -251,7 +251,9 @@ def _check_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry
     # The reader's reason, unless the walk reported it (the same code, about the same tensor
     # or the whole header; the two word it differently). Problems only the strict parser sees
     # are always added: another error of their code, elsewhere or in the same tensor, hid them.
-    strict_only = any(words in str(gate) for words in _STRICT_ONLY)
+    # (In the reader's words without the tensor's name, which may hold them too.)
+    bare = words if gate.tensor is None else words.replace(f"`{gate.tensor}`", "")
+    strict_only = any(kind in bare for kind in _STRICT_ONLY)
     if strict_only or not any(
         p.code == gate.kind and gate.tensor in (None, p.tensor) for p in errors
     ):

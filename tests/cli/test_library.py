@@ -175,6 +175,14 @@ def test_validator_lists_the_same_fault_of_a_repeated_name_once() -> None:
     assert [(p.code, p.tensor) for p in problems] == [("InvalidHeaderDeserialization", "t")]
 
 
+def test_validator_reports_a_fault_once_whatever_the_tensors_name() -> None:
+    # A name holding the words of a problem only the strict parser sees made the reader's
+    # reason count as one the walk could not see: the size mismatch was listed twice.
+    text = '{"number out of range":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}'
+    problems = validate_source(BufferSource(raw_file(text.encode(), bytes(4))))
+    assert [p.code for p in problems] == ["TensorInvalidInfo"], problems
+
+
 def test_validator_reports_an_entry_without_offsets_once() -> None:
     # Its bytes were counted as trailing bytes too: a second error for the same cause.
     text = '{"a":{"dtype":"F32","shape":[2]}}'

@@ -286,11 +286,13 @@ def test_parse_depth_beyond_python_recursion() -> None:
 
 
 @pytest.mark.parametrize(("brackets", "reads"), [(125, True), (126, False)])
-def test_nesting_deep_in_the_callers_stack_is_judged_as_serde_does(
+def test_nesting_deep_in_the_callers_stack_is_not_called_malformed(
     brackets: int, reads: bool
 ) -> None:
     """``json`` recurses once per level: under ~870 frames of the caller's, a header with 125
-    brackets in a field (the most serde reads) was refused as "recursion limit exceeded"."""
+    brackets in a field (the most serde reads) was refused as malformed ("recursion limit
+    exceeded"). It is Python's RecursionError there, as for any code recursing that deep, and
+    read at an ordinary depth; one level more is the file's fault at any depth."""
     nested = b"[" * brackets + b"]" * brackets
     header = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + nested + b"}}"
     blob = struct.pack("<Q", len(header)) + header + b"\0"
@@ -299,11 +301,16 @@ def test_nesting_deep_in_the_callers_stack_is_judged_as_serde_does(
     def deep(n: int) -> Any:
         return deep(n - 1) if n else deserialize(blob)
 
+    limit = sys.getrecursionlimit()
     if reads:
-        assert [name for name, _ in deep(room)] == ["t"]
-    else:
-        with pytest.raises(HeaderDecodeError, match="recursion limit exceeded"):
+        with pytest.raises(RecursionError, match="the caller's stack is too deep"):
             deep(room)
+        assert [name for name, _ in deserialize(blob)] == ["t"]
+    else:
+        for depth in (0, room):
+            with pytest.raises(HeaderDecodeError, match="recursion limit exceeded"):
+                deep(depth)
+    assert sys.getrecursionlimit() == limit  # the process's, left alone
 
 
 def test_huge_integer_literal() -> None:
