@@ -1161,6 +1161,12 @@ class ShardedStreamingWriter:
         """As :meth:`StreamingWriter._wait_settled` (lock held)."""
         _wait_settled(self, self._settled, self.folder, "abort() discards what is left")
 
+    @property
+    def committed(self) -> bool:
+        """True once :meth:`close` has put every shard and the index in place (also when a
+        Ctrl-C, or the clean-up of an earlier save's files, came after that)."""
+        return self._state == "committed"
+
     def abort(self) -> None:
         """Discard every shard not yet committed (nothing, once :meth:`close` committed the
         checkpoint or while it commits)."""

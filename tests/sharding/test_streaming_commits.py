@@ -440,8 +440,10 @@ def test_a_ctrl_c_after_a_checkpoints_renames_leaves_it_committed(
         raise KeyboardInterrupt("a Ctrl-C")
 
     monkeypatch.setattr(_sharding, "remove_stale_files", interrupted)
+    assert not w.committed
     with pytest.raises(KeyboardInterrupt):
         w.close()
+    assert w.committed  # as a file's writer says (the sharded one had no such property)
     w.close()  # committed: returns
     w.abort()
     assert load_file(str(tmp_path / "ck" / "model.safetensors"))["a"].tolist() == [1] * 4
