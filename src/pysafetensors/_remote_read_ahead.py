@@ -23,8 +23,8 @@ Threads reading one source at once (a pool's ``get_tensor`` calls in file order)
 falls in a window on its way, fetched by another read or in the background, waits for it
 instead of fetching a window of its own over it, and a read of a thread left behind the
 window held (in the run's earlier windows) fetches its own bytes and leaves the run as it is
-(2 to 64 threads over 2 KiB tensors: 0.97-1.08 times the file); many reads in order there (a
-loop over the file again) start the run over.
+(2 to 32 threads over 2 KiB tensors: 0.97-1.08 times the file, 64: 0.97-1.14); 64 reads in
+order there (a loop over the file again) start the run over.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ NEAR: Final = 4 << 10
 #: The next window is fetched in the background once the reads have taken 1/_NEXT_AT of one.
 _NEXT_AT: Final = 2
 #: Reads in order behind the window that make a loop over the file again (see _started_over).
-_BACK_IN_ORDER: Final = 16
+_BACK_IN_ORDER: Final = 64
 
 
 class _Windows:
@@ -405,8 +405,9 @@ class ReadAhead:
     def _started_over(self, offset: int, n: int) -> bool:
         """Count a read behind the window (lock held): whether it is the
         :data:`_BACK_IN_ORDER`-th in a row that follow one another there. Threads left behind
-        make a few such rows (4 in a row restarted runs under 32 threads, which then fetched
-        up to 2.8 times the file); a loop over the file again makes one as long as it reads."""
+        make short rows (4 in a row restarted runs under 32 threads, 16 under 64, which then
+        fetched up to 2.8 and 4.4 times the file); a loop over the file again makes one as long
+        as it reads (its first 64 reads are fetched alone)."""
         again = 0 <= self._back_next <= offset <= self._back_next + NEAR
         self._back_next = offset + n
         self._back_reads = self._back_reads + 1 if again else 1
