@@ -214,6 +214,15 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _identity(path: str) -> tuple[int, int] | str:
+    """What tells files apart: device and inode, or the resolved path of one not there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return st.st_dev, st.st_ino
+
+
 def _refuse_output_over_source(
     src: ShardedSafeOpen,
     out: str,
@@ -285,11 +294,26 @@ def _refuse_sharded_output_over_source(
     if looks_like_url(src.path) or not os.path.isdir(out):
         return
     if is_index_path(src.path):
-        if whole or not _same_file(out, os.path.dirname(src.path) or "."):
+        home = _same_file(out, os.path.dirname(src.path) or ".")
+        if whole and home:
             return  # resharding a checkpoint in place: every file is rewritten or kept
+        # Shards may sit in a subfolder of the index's ("sub/model-00001-of-00003..."): an
+        # output there replaces or cleans them up, and the index left names files gone.
+        family = pattern_family(pattern)
+        inside = [
+            p
+            for p in src.files()
+            if family.fullmatch(os.path.basename(p)) and _same_file(out, os.path.dirname(p) or ".")
+        ]
+        if not home and not inside:
+            return
+        what = f"the source checkpoint {shown(src.path)}"
+        if not home:
+            what = f"shard {shown(inside[0])} of {what}"
         raise SafetensorError(
-            f"{op}: the output folder {out!r} holds the source checkpoint {shown(src.path)}; "
-            "writing there would replace it with part of it. Write to another folder.",
+            f"{op}: the output folder {out!r} holds {what}; writing there would "
+            f"{'replace it with part of it' if home else 'replace or delete that shard'}. "
+            "Write to another folder.",
             kind="OutputIsSource",
         )
     # The source as the folder names it, if it does: by identity, so that a path through a
@@ -505,7 +529,14 @@ def _remove_replaced_source(
     if plan.is_sharded:
         written.add(index_filename(filename_pattern))
     doomed = [src.path, *src.files()] if is_index_path(src.path) else [src.path]
-    doomed = [p for p in doomed if os.path.relpath(p, folder) not in written]
+    # By identity, not by name: an index may spell a shard another way than the file just
+    # written under it (through a symlink, in another case on a case-insensitive disk).
+    new_files = {_identity(os.path.join(folder, name)) for name in written}
+    doomed = [
+        p
+        for p in doomed
+        if os.path.relpath(p, folder) not in written and _identity(p) not in new_files
+    ]
     if not doomed:
         return
     # An index too large to read may name any file: none is deleted on its account.

@@ -417,9 +417,13 @@ def index_json(plan: ShardPlan, metadata: Mapping[str, Any] | None = None) -> st
     Args:
         plan: The split.
         metadata: User metadata, merged after ``total_size`` (user keys win, as in the hub).
+            A ``total_parameters`` there goes first, as transformers (v5) writes it.
     """
+    merged = {**plan.metadata, **(metadata or {})}
+    if "total_parameters" in merged:
+        merged = {"total_parameters": merged["total_parameters"], **merged}
     index = {
-        "metadata": {**plan.metadata, **(metadata or {})},
+        "metadata": merged,
         "weight_map": plan.tensor_to_filename,
     }
     return index_text(index)

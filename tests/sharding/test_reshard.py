@@ -670,3 +670,65 @@ def test_a_failed_copy_names_the_shard_and_tensor(
         assert info.value.kind == "IoError" and info.value.errno == errno.EIO
         assert str(out) in text and "copying 4000 bytes from offset" in text
     assert not out.exists()
+
+
+def _index_with_shards_in(folder: Path, sub: str, max_size: int = 8_000) -> dict[str, np.ndarray]:
+    """A checkpoint whose index sits in ``folder`` and names its shards in ``folder/sub``
+    (``"sub/model-00001-of-00003.safetensors"``), as the hub allows."""
+    sd = {f"t{i}": np.full((1000,), i, np.float32) for i in range(6)}
+    save_sharded(sd, folder / sub, max_size)
+    index = json.loads((folder / sub / "model.safetensors.index.json").read_text())
+    (folder / sub / "model.safetensors.index.json").unlink()
+    index["weight_map"] = {k: f"{sub}/{v}" for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return sd
+
+
+@pytest.mark.parametrize("op", ["extract", "reshard"])
+def test_an_output_into_the_folder_of_the_source_s_shards_is_refused(
+    tmp_path: Path, op: str
+) -> None:
+    # The shards' folder is not the index's: an extract there deleted every source shard it
+    # did not write (the rest of the model), a reshard left the source index naming none.
+    sd = _index_with_shards_in(tmp_path, "sub")
+    before = sorted(os.listdir(tmp_path / "sub"))
+    with pytest.raises(SafetensorError, match="shard .*sub/model-00001-of-00003") as info:
+        if op == "extract":
+            extract(tmp_path, tmp_path / "sub", ["t0"], max_shard_size="8KB")
+        else:
+            reshard(tmp_path, tmp_path / "sub", "16KB")
+    assert info.value.kind == "OutputIsSource"
+    assert sorted(os.listdir(tmp_path / "sub")) == before
+    loaded = load_file(tmp_path)
+    assert sorted(loaded) == sorted(sd)
+    # Into the index's own folder a reshard rewrites the checkpoint whole, as before.
+    reshard(tmp_path, tmp_path, "16KB")
+    assert sorted(load_file(tmp_path)) == sorted(sd)
+
+
+def test_an_in_place_reshard_keeps_shards_its_index_spelled_another_way(tmp_path: Path) -> None:
+    # The index names its shards through a link to the folder itself ("same/model-..."): the
+    # new shards, written under the same names, were taken for old ones and deleted.
+    sd = _index_with_shards_in(tmp_path, "real", max_size=16_000)
+    for name in os.listdir(tmp_path / "real"):
+        os.rename(tmp_path / "real" / name, tmp_path / name)
+    (tmp_path / "real").rmdir()
+    (tmp_path / "real").symlink_to(".")
+    reshard(tmp_path, tmp_path, "16KB")  # a new split under the same two names
+    loaded = load_file(tmp_path)
+    assert sorted(loaded) == sorted(sd)
+    for name, array in sd.items():
+        np.testing.assert_array_equal(loaded[name], array)
+
+
+def test_an_index_with_total_parameters_keeps_it_first(tmp_path: Path) -> None:
+    # transformers v5 writes {"total_parameters": N, "total_size": M}; a reshard wrote the
+    # keys the other way round, so its index was not the one transformers writes.
+    save_sharded(model(0), tmp_path / "src", 1000)
+    index_path = tmp_path / "src" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"] = {"total_parameters": 1, **index["metadata"]}
+    index_path.write_text(json.dumps(index, indent=2))
+    reshard(tmp_path / "src", tmp_path / "out", 2000)
+    written = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert list(written["metadata"]) == ["total_parameters", "total_size"]
