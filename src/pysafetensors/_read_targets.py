@@ -92,6 +92,8 @@ def writable_bytes(target: Any, info: TensorInfo) -> memoryview:
             raise _unfit(info, "is read-only")
         if not target.flags.c_contiguous:
             raise _unfit(info, "is not C-contiguous")
+        if target.dtype.hasobject:  # numpy's own TypeError named no tensor
+            raise _unfit(info, f"holds Python objects ({target.dtype}), not raw memory")
         target = target.reshape(-1).view(np.uint8)
     try:
         view = memoryview(target)

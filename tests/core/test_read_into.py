@@ -77,6 +77,9 @@ def test_read_into_a_subset_leaves_the_rest(path: Path) -> None:
         (np.zeros((300, 140), np.float32)[:, ::2], "is not C-contiguous"),
         (np.zeros((300, 70), np.float32).view(np.uint8)[::-1], "is not C-contiguous"),
         (object(), "is of type object, which does not expose its memory"),
+        # numpy's own TypeError for these named no tensor.
+        (np.empty(21000, object), "holds Python objects \\(object\\), not raw memory"),
+        (np.zeros(5250, [("o", "O"), ("f", "f8")]), "holds Python objects"),
     ],
 )
 def test_read_into_refuses_unfit_buffers(path: Path, target: Any, message: str) -> None:
@@ -128,6 +131,12 @@ def test_read_into_a_sharded_checkpoint(tmp_path: Path) -> None:
         f.read_into(outs)
         with pytest.raises(TensorNotFoundError):
             f.read_into({"missing": bytearray(1)})
+        # Every buffer is checked before any is filled, as in one file: read shard by shard,
+        # the first shard's buffers were overwritten before a later one was refused.
+        first, last = np.zeros_like(arrays["layer0.w"]), bytearray(3)
+        with pytest.raises(ValueError, match="buffer for tensor 'layer5.w' holds 3 bytes"):
+            f.read_into({"layer0.w": first, "layer5.w": last})
+        assert not first.any()
     for name, value in arrays.items():
         assert np.array_equal(outs[name], value)
 

@@ -185,22 +185,55 @@ def test_tensor_not_where_index_says(tmp_path: Path) -> None:
 
 
 def test_tensor_in_two_shards(tmp_path: Path) -> None:
-    _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"a": A, "b": B}})
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"a": B, "b": B}})
     _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
     with safe_open(tmp_path, "np") as f:
         with pytest.raises(ShardIndexError, match="two shards") as info:
             f.validate()
         assert info.value.kind == "TensorInTwoShards" and info.value.tensor == "a"
-        with pytest.raises(ShardIndexError, match="s2.safetensors"):
-            f.get_tensor("b")
+        # Reads take each tensor from the shard the index places it in.
+        loaded = f.get_tensors()
+        assert list(f.offset_keys()) == ["a", "b"] == list(loaded)
+        np.testing.assert_array_equal(loaded["a"], A)
+        np.testing.assert_array_equal(f.get_tensor("b"), B)
 
 
 def test_unindexed_tensor(tmp_path: Path) -> None:
+    # A tensor the index does not list is no part of the checkpoint read (the index is what
+    # a loader reads by), and leaves the shard's other tensors readable; validate names it.
     _write_shards(tmp_path, {"s1.safetensors": {"a": A, "extra": B}})
     _write_index(tmp_path, {"a": "s1.safetensors"})
-    with safe_open(tmp_path, "np") as f, pytest.raises(ShardIndexError, match="extra") as info:
-        f.get_tensor("a")
+    with safe_open(tmp_path, "np") as f:
+        np.testing.assert_array_equal(f.get_tensor("a"), A)
+        assert f.offset_keys() == ["a"] == list(f.get_tensors())
+        with pytest.raises(TensorNotFoundError):
+            f.get_tensor("extra")
+        with pytest.raises(ShardIndexError, match="extra") as info:
+            f.validate()
     assert info.value.kind == "UnindexedTensor"
+
+
+def test_an_index_entry_left_from_another_save_fails_only_its_own_reads(tmp_path: Path) -> None:
+    # As on the hub: an index still lists a tensor its shard no longer holds (a layer dropped
+    # from a later save). Every other tensor of that shard reads; the lost one, and the reads
+    # of the whole checkpoint, name it.
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"b": B}})
+    _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors", "gone": "s2.safetensors"})
+    with safe_open(tmp_path, "np") as f:
+        np.testing.assert_array_equal(f.get_tensor("b"), B)
+        assert f.get_slice("b")[:2].tolist() == B[:2].tolist()
+        assert f.get_tensor_meta("b").shape == list(B.shape)
+        for read in (
+            lambda: f.get_tensor("gone"),
+            lambda: f.get_slice("gone"),
+            lambda: f.read_into({"b": np.empty_like(B), "gone": bytearray(0)}),
+            f.get_tensors,
+            f.offset_keys,
+            f.validate,
+        ):
+            with pytest.raises(ShardIndexError, match="'gone' in shard 's2.safetensors'") as info:
+                read()
+            assert info.value.kind == "TensorNotInShard" and info.value.tensor == "gone"
 
 
 def test_total_size_mismatch(tmp_path: Path) -> None:
