@@ -402,7 +402,7 @@ def test_stats_json_matches_numpy(cli, tmp_path: Path) -> None:
 
 def test_hash_digests(cli, example: Path, tmp_path: Path) -> None:
     doc = cli("hash", example, "--json").json()
-    assert doc["schema"] == "pysafetensors.hash/1"
+    assert doc["schema"] == "pysafetensors.hash/2"
     data = example.read_bytes()
     assert doc["files"][0]["file"] == hashlib.sha256(data).hexdigest()
     n = int.from_bytes(data[:8], "little")
@@ -483,9 +483,32 @@ def test_cast_reports_overflow_and_filter(cli, tmp_path: Path) -> None:
     save_file({"a": np.array([1e6, 1.0], np.float32), "b": np.ones(2, np.float32)}, str(path))
     out = tmp_path / "f16.safetensors"
     r = cli("cast", path, out, "--to", "F16", "--filter", "a")
-    assert r.code == 0 and "1 finite values of a became Inf/NaN in F16" in r.err
+    assert r.code == 0 and "1 finite value of a became Inf/NaN in F16" in r.err
     dst = load_file(str(out))
     assert dst["a"].dtype == np.float16 and np.isinf(dst["a"][0]) and dst["b"].dtype == np.float32
+
+
+def test_cast_reports_values_flushed_to_zero_and_infinities_lost(cli, tmp_path: Path) -> None:
+    # Below the target's smallest subnormal a value becomes 0, and an infinity becomes NaN
+    # in an FP8 type without one: a whole tensor came out as zeros with no word said.
+    path = tmp_path / "small.safetensors"
+    x = np.array([1.0, 7e4, -1e300, np.nan, np.inf, 1e-50, 0.0, -0.0], np.float64)
+    save_file({"w": np.array([1e-4, -3e-4, 2e-5, 9e-4], np.float32), "x": x}, str(path))
+    r = cli("cast", path, tmp_path / "f8.safetensors", "--to", "F8_E4M3")
+    assert r.code == 0
+    assert r.err.splitlines() == [
+        "warning: 4 nonzero values of w became 0 in F8_E4M3 (below its smallest subnormal)",
+        "warning: 2 finite values of x became Inf/NaN in F8_E4M3",
+        "warning: 1 nonzero value of x became 0 in F8_E4M3 (below its smallest subnormal)",
+        "warning: 1 infinity of x became NaN in F8_E4M3, which has no infinity",
+    ]
+    assert not load_file(str(tmp_path / "f8.safetensors"))["w"].astype(np.float32).any()
+    # F16 has infinities, and holds w.
+    r = cli("cast", path, tmp_path / "f16.safetensors", "--to", "F16")
+    assert r.err.splitlines() == [
+        "warning: 2 finite values of x became Inf/NaN in F16",
+        "warning: 1 nonzero value of x became 0 in F16 (below its smallest subnormal)",
+    ]
 
 
 # --------------------------------------------------------------------------------- metadata
@@ -1240,3 +1263,17 @@ def test_byte_sizes_round_before_choosing_the_unit(size: int, shown: str) -> Non
     from pysafetensors._cli._common import human_bytes
 
     assert human_bytes(size) == shown
+
+
+def test_hash_model_digests_of_different_models_differ_whatever_the_names(
+    cli, tmp_path: Path
+) -> None:
+    # Written bare, a name holding NUL and newline spelled a whole other tensor's line: a
+    # one-tensor file had the model digest of this two-tensor one.
+    a, b = np.zeros(1, np.float32), np.ones(1, np.float32)
+    two, one = tmp_path / "two.safetensors", tmp_path / "one.safetensors"
+    save_file({"a": a, "b": b}, str(two))
+    line_a = f"a\0F32\0[1]\0{hashlib.sha256(a.tobytes()).hexdigest()}\nb"
+    save_file({line_a: b}, str(one))
+    digests = {cli("hash", p, "--json").json()["model"] for p in (two, one)}
+    assert len(digests) == 2

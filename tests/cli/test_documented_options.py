@@ -119,7 +119,8 @@ def test_hash_lists_every_tensor_and_the_documented_model_digest(cli, three: Pat
         for name in sorted(raw):
             shape = json.dumps(meta[name].get_shape(), separators=(",", ":"))
             digest = hashlib.sha256(raw[name]).hexdigest()
-            lines += f"{name}\0{meta[name].get_dtype()}\0{shape}\0{digest}\n"
+            quoted = json.dumps(name, ensure_ascii=False)
+            lines += f"{quoted}\0{meta[name].get_dtype()}\0{shape}\0{digest}\n"
     assert {t["name"]: t["digest"] for t in doc["tensors"]} == {
         name: hashlib.sha256(data).hexdigest() for name, data in raw.items()
     }

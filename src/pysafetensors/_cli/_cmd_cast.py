@@ -81,7 +81,7 @@ def register(sub: Any) -> None:
 def _converted(
     ref: TensorRef,
     target: DType,
-    overflow: dict[str, int],
+    overflow: dict[str, list[int]],
     progress: Callable[[int], None],
     workers: ChunkWorkers,
 ) -> Callable[[], Iterator[np.ndarray]]:
@@ -91,8 +91,8 @@ def _converted(
     # writes for every target (every BF16 value tested), but F16's NaN (see _quiet_nans).
     widened_to_f16 = source.code == "BF16" and target.code == "F16"
 
-    def convert(raw: np.ndarray) -> tuple[np.ndarray, int]:
-        """A chunk cast, and how many of its finite values became Inf/NaN (on any thread)."""
+    def convert(raw: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """A chunk cast, and how many of its values it lost (:data:`_LOSSES`; on any thread)."""
         values = chunk_values_widened(source, raw)
         with np.errstate(over="ignore", invalid="ignore"):  # per thread
             cast = values.astype(out_dtype, copy=False)  # BF16 widened to F32: as it is
@@ -100,21 +100,38 @@ def _converted(
                 _quiet_nans(values, cast)
             # A cast never makes a value finite (NaN and Inf stay, or become NaN): the values
             # it lost are the non-finite ones it has beyond the source's, counted in the
-            # source only when the cast has any.
-            lost = cast.size - int(np.count_nonzero(np.isfinite(cast)))
-            if lost:
-                lost -= values.size - int(np.count_nonzero(np.isfinite(values)))
-        return cast.view(np.uint8), lost
+            # source only when the cast has any. Infinities become NaN in the FP8 types
+            # without one. Nor does it make a zero nonzero: the zeros it has beyond the
+            # source's are values below its smallest subnormal.
+            lost = to_nan = 0
+            non_finite = cast.size - int(np.count_nonzero(np.isfinite(cast)))
+            if non_finite:
+                non_finite_before = values.size - int(np.count_nonzero(np.isfinite(values)))
+                lost = non_finite - non_finite_before
+                if non_finite_before:
+                    to_nan = int(np.count_nonzero(np.isinf(values) & np.isnan(cast)))
+            flushed = int(np.count_nonzero(cast == 0)) - int(np.count_nonzero(values == 0))
+        return cast.view(np.uint8), (lost, flushed, to_nan)
 
     def chunks() -> Iterator[np.ndarray]:
         alone = ref.numel <= _chunk_work.CHUNK_ELEMENTS
-        for raw, (cast, lost) in workers.ordered(convert, element_chunks(ref), alone=alone):
-            if lost:
-                overflow[ref.name] = overflow.get(ref.name, 0) + lost
+        for raw, (cast, losses) in workers.ordered(convert, element_chunks(ref), alone=alone):
+            if any(losses):
+                counts = overflow.setdefault(ref.name, [0] * len(_LOSSES))
+                for i, n in enumerate(losses):
+                    counts[i] += n
             progress(raw.size)
             yield cast
 
     return chunks
+
+
+#: What a cast can lose, as each count is reported (see ``convert`` in :func:`_converted`).
+_LOSSES: Final = (
+    "finite {values} of {name} became Inf/NaN in {to}",
+    "nonzero {values} of {name} became 0 in {to} (below its smallest subnormal)",
+    "{infinities} of {name} became NaN in {to}, which has no infinity",
+)
 
 
 def _quiet_nans(wide: np.ndarray, half: np.ndarray) -> None:
@@ -138,7 +155,7 @@ def _copied(ref: TensorRef, progress: Callable[[int], None]) -> Callable[[], Ite
 def _plan(
     model: Model,
     args: argparse.Namespace,
-    overflow: dict[str, int],
+    overflow: dict[str, list[int]],
     progress: Callable[[int], None],
     workers: ChunkWorkers,
 ) -> dict[str, list[TensorData]]:
@@ -178,7 +195,7 @@ def _plan(
 def run(args: argparse.Namespace) -> int:
     """Run ``cast``."""
     ui = Ui(args)
-    overflow: dict[str, int] = {}
+    overflow: dict[str, list[int]] = {}
     # Folders the cast creates are removed again (when still empty) if it fails.
     with open_model(args.target, remote_options(args)) as model, OutputFolders() as folders:
         model.refuse_inconsistent()  # as reshard/merge/extract: never write a model from it
@@ -225,8 +242,12 @@ def run(args: argparse.Namespace) -> int:
         converted = sum(
             1 for ts in plan.values() for t in ts if t.dtype != model.tensors[t.name].dtype
         )
-    for name, count in overflow.items():
-        ui.warn(f"{count} finite values of {quoted(name)} became Inf/NaN in {args.to}")
+    for name, counts in overflow.items():
+        for count, text in zip(counts, _LOSSES, strict=True):
+            if count:
+                words = {"values": "value" if count == 1 else "values"}
+                words["infinities"] = "infinity" if count == 1 else "infinities"
+                ui.warn(f"{count} " + text.format(name=quoted(name), to=args.to, **words))
     ui.done(
         f"{sanitize(args.output)}: cast {converted} of {plural(len(model.tensors), 'tensor')} "
         f"to {args.to}; "

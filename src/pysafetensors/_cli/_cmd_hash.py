@@ -29,7 +29,7 @@ from ._common import (
 )
 from ._remote_args import add_remote_args, remote_options
 
-SCHEMA: Final = "pysafetensors.hash/1"
+SCHEMA: Final = "pysafetensors.hash/2"
 
 
 def register(sub: Any) -> None:
@@ -61,7 +61,10 @@ def model_digest(algorithm: str, rows: list[tuple[str, str, list[int], str]]) ->
     """The layout-independent digest over ``(name, dtype, shape, tensor digest)`` rows."""
     h = hashlib.new(algorithm)
     for name, dtype, shape, digest in sorted(rows):
-        line = f"{name}\0{dtype}\0{json.dumps(shape, separators=(',', ':'))}\0{digest}\n"
+        # The name as a JSON string: a name may hold NUL and newline, and written bare, one
+        # tensor's name could spell another tensor's whole line (two models, one digest).
+        quoted = json.dumps(name, ensure_ascii=False)
+        line = f"{quoted}\0{dtype}\0{json.dumps(shape, separators=(',', ':'))}\0{digest}\n"
         h.update(line.encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
