@@ -486,6 +486,11 @@ def test_cast_reports_overflow_and_filter(cli, tmp_path: Path) -> None:
     assert r.code == 0 and "1 finite value of a became Inf/NaN in F16" in r.err
     dst = load_file(str(out))
     assert dst["a"].dtype == np.float16 and np.isinf(dst["a"][0]) and dst["b"].dtype == np.float32
+    # A filter that matches nothing casts nothing: said, not a silent copy.
+    r = cli("cast", path, out, "--to", "F16", "--filter", "nothing.*")
+    assert r.code == 0
+    assert "warning: --filter/--regex matched no tensor: the output is a copy" in r.err
+    assert "matched no tensor" not in cli("cast", path, out, "--to", "F16", "--regex", "^b").err
 
 
 def test_cast_reports_values_flushed_to_zero_and_infinities_lost(cli, tmp_path: Path) -> None:

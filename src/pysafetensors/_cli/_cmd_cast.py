@@ -248,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
                 words = {"values": "value" if count == 1 else "values"}
                 words["infinities"] = "infinity" if count == 1 else "infinities"
                 ui.warn(f"{count} " + text.format(name=quoted(name), to=args.to, **words))
+    if (args.filter or args.regex) and not any(map(name_filter(args), model.tensors)):
+        ui.warn("--filter/--regex matched no tensor: the output is a copy of the input")
     ui.done(
         f"{sanitize(args.output)}: cast {converted} of {plural(len(model.tensors), 'tensor')} "
         f"to {args.to}; "
