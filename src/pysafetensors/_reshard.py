@@ -532,11 +532,7 @@ def _remove_replaced_source(
     # By identity, not by name: an index may spell a shard another way than the file just
     # written under it (through a symlink, in another case on a case-insensitive disk).
     new_files = {_identity(os.path.join(folder, name)) for name in written}
-    doomed = [
-        p
-        for p in doomed
-        if os.path.relpath(p, folder) not in written and _identity(p) not in new_files
-    ]
+    doomed = [p for p in doomed if _identity(p) not in new_files]
     if not doomed:
         return
     # An index too large to read may name any file: none is deleted on its account.

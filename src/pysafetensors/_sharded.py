@@ -31,7 +31,7 @@ import re
 import stat
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping
 from typing import Any, Final, NamedTuple, TypeVar
 
 from ._adapter import get_adapter
@@ -866,9 +866,18 @@ class ShardedSafeOpen(HandleBehaviour):
             self._by_shard = by_shard  # one dict swapped in whole: no lock needed
         return by_shard.get(shard, [])
 
-    def _here(self, shard: str, names: Iterable[str]) -> list[str]:
-        """Those of ``names`` (a shard's tensors) the index places in ``shard``: the others
-        are left out of reads, as an index that omits them asks."""
+    def _indexed(self, shard: str, handle: safe_open, names: Collection[str]) -> Collection[str]:
+        """Those of ``names`` (every tensor of ``shard``) the index places there, checked to
+        be all it places there: the others are left out of reads, as an index that omits
+        them asks. ``names`` itself when that is all of them.
+
+        Raises:
+            ShardIndexError: A tensor placed there is not there (``TensorNotInShard``).
+        """
+        placed = self._placed(shard)
+        self._in_shard(shard, handle, placed)
+        if len(names) == len(placed):
+            return names
         return [n for n in names if self._weight_map.get(n) == shard]
 
     def _in_shard(self, shard: str, handle: safe_open, names: Iterable[str]) -> None:
@@ -994,10 +1003,7 @@ class ShardedSafeOpen(HandleBehaviour):
         out: list[str] = []
         with contextlib.closing(self._pinned_in_turn(self._shards)) as pinned:
             for shard, handle in pinned:
-                placed = self._placed(shard)
-                self._in_shard(shard, handle, placed)
-                names = handle.offset_keys()
-                out.extend(names if len(names) == len(placed) else self._here(shard, names))
+                out.extend(self._indexed(shard, handle, handle.offset_keys()))
         return out
 
     def metadata(self) -> dict[str, str] | None:
@@ -1083,12 +1089,10 @@ class ShardedSafeOpen(HandleBehaviour):
             for shard, future in opens:
                 handle, pinned = future.result()
                 try:
-                    placed = self._placed(shard)
-                    self._in_shard(shard, handle, placed)
+                    names = handle.header.tensors
+                    kept = self._indexed(shard, handle, names)  # checked before any read
                     tensors = handle.get_tensors()
-                    if len(tensors) != len(placed):  # tensors the index lists elsewhere or not
-                        tensors = {k: tensors[k] for k in self._here(shard, tensors)}
-                    out.update(tensors)
+                    out.update(tensors if kept is names else {k: tensors[k] for k in kept})
                 finally:
                     let_go(shard, handle, pinned)
         return out
