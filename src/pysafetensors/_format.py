@@ -257,6 +257,8 @@ def _other_format(prefix: bytes) -> str | None:
     """What a file whose first bytes are ``prefix`` looks like, where that is a format people
     mistake for safetensors (their first bytes make an absurd header length)."""
     convert = "; `pysafetensors convert` converts PyTorch checkpoints"
+    # A zip's local-header signature (``_zip_directory.LOCAL_SIG``; the format layer imports
+    # nothing that reads files).
     if prefix.startswith(b"PK\x03\x04"):
         return f"a zip archive, as torch.save writes them, not a safetensors file{convert}"
     if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):

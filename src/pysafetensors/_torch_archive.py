@@ -23,7 +23,7 @@ import numpy as np
 
 from ._errors import CheckpointError
 from ._sources import open_regular_file
-from ._zip_directory import EOCD_SIG, ZIP64_EOCD, end_records
+from ._zip_directory import EOCD_SIG, LOCAL_SIG, ZIP64_EOCD, end_records
 
 __all__ = ["BoundedFile", "FileBytes", "ZipMember", "ZipView", "caseless", "open_zip"]
 
@@ -404,7 +404,7 @@ def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
     Raises:
         CheckpointError: Anything that is not a clean, unambiguous zip.
     """
-    if file.size < 4 or file.read(0, 4) != b"PK\x03\x04":
+    if file.size < 4 or file.read(0, 4) != LOCAL_SIG:
         raise _bad("not a zip checkpoint: the file does not start with a local file header")
     eocd = _find_eocd(file)
     if file.read(eocd + 4, file.size - eocd - 4).find(EOCD_SIG) >= 0:
@@ -459,7 +459,7 @@ def open_zip(file: FileBytes, *, allow_deflate: bool = True, strict: bool = True
         if local is None:
             raise _bad(f"zip member {name!r}: local header past the central directory")
         sig, _, _, _, _, _, _, _, _, nlen, xlen = _LOCAL.unpack(local)
-        if sig != b"PK\x03\x04":
+        if sig != LOCAL_SIG:
             raise _bad(f"zip member {name!r}: no local header at offset {hdr}", hdr)
         local_name = file.read(hdr + 30, nlen)
         central_name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")

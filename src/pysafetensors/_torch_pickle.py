@@ -68,6 +68,7 @@ from ._torch_policy import (
     short_text,
     unsafe_global,
 )
+from ._zip_directory import LOCAL_SIG
 
 __all__ = [
     "SKIPPED_WHOLE",
@@ -758,7 +759,7 @@ def _rechunk(pieces: Iterable[Buffer], step: int, total: int) -> Iterator[Buffer
 
 def sniff(head: bytes) -> str:
     """Classify a file by its first bytes: ``zip``, ``tar``, ``pickle`` or ``unknown``."""
-    if head.startswith(b"PK\x03\x04"):
+    if head.startswith(LOCAL_SIG):
         return "zip"
     if len(head) >= 262 and head[257:262] == b"ustar":
         return "tar"

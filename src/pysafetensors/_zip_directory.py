@@ -21,14 +21,22 @@ from typing import Final
 __all__ = [
     "EOCD",
     "EOCD_SIG",
+    "LOCAL_SIG",
     "ZIP64_EOCD",
+    "ZIP64_EOCD_SIG",
     "ZIP64_LOCATOR",
+    "ZIP64_LOCATOR_SIG",
     "Directory",
     "EndRecords",
     "end_records",
 ]
 
+#: The signature of a local file header, the first bytes of any zip that ``torch.load`` and
+#: this package's converter and scanner open as one.
+LOCAL_SIG: Final = b"PK\x03\x04"
 EOCD_SIG: Final = b"PK\x05\x06"
+ZIP64_LOCATOR_SIG: Final = b"PK\x06\x07"
+ZIP64_EOCD_SIG: Final = b"PK\x06\x06"
 EOCD: Final = struct.Struct("<4sHHHHIIH")
 ZIP64_LOCATOR: Final = struct.Struct("<4sIQI")
 ZIP64_EOCD: Final = struct.Struct("<4sQHHIIQQQQ")
@@ -79,7 +87,7 @@ def end_records(read_at: Callable[[int, int], bytes], size: int, eocd: int) -> E
     locator, located, locator_spans_disks = None, 0, False
     miniz = zipfile = plain
     loc_at = eocd - ZIP64_LOCATOR.size
-    if loc_at >= 0 and read_at(loc_at, 4) == b"PK\x06\x07":
+    if loc_at >= 0 and read_at(loc_at, 4) == ZIP64_LOCATOR_SIG:
         _, disk, located, disks = ZIP64_LOCATOR.unpack(read_at(loc_at, ZIP64_LOCATOR.size))
         locator, locator_spans_disks = loc_at, disk != 0 or disks > 1
         # miniz looks for a zip64 record only when it and the locator fit before the end
@@ -102,6 +110,6 @@ def _zip64(read_at: Callable[[int, int], bytes], size: int, at: int) -> Director
     if at < 0 or at + ZIP64_EOCD.size > size:
         return None
     rec = ZIP64_EOCD.unpack(read_at(at, ZIP64_EOCD.size))
-    if rec[0] != b"PK\x06\x06":
+    if rec[0] != ZIP64_EOCD_SIG:
         return None
     return _directory(rec[4:], at)

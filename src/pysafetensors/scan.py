@@ -61,7 +61,7 @@ from ._torch_policy import (
     lookup_global,
     py2_name,
 )
-from ._zip_directory import EOCD, EOCD_SIG, ZIP64_EOCD, end_records
+from ._zip_directory import EOCD, EOCD_SIG, LOCAL_SIG, ZIP64_EOCD, end_records
 
 __all__ = [
     "GRADES",
@@ -865,8 +865,8 @@ def _scan_bytes(
             (a member torch unpickles by its name), so that it is not read so again.
     """
     containers: list[str] = []
-    zip_at_0 = data[:4] == b"PK\x03\x04"
-    if zip_at_0 or b"PK\x05\x06" in data[-(22 + 0xFFFF) :]:
+    zip_at_0 = data[:4] == LOCAL_SIG
+    if zip_at_0 or EOCD_SIG in data[-(22 + 0xFFFF) :]:
         containers.append("zip")
         if report.format == "unknown":
             report.format = "zip"
@@ -1250,7 +1250,7 @@ def _archive_kind(head: bytes) -> str | None:
     """``zip`` or ``tar`` when the bytes of a member (or their first 64 KiB) are an archive a
     loader opens as such (``torch.load`` opens a zip only when it starts with a local header),
     else None."""
-    if head[:4] == b"PK\x03\x04":
+    if head[:4] == LOCAL_SIG:
         return "zip"
     return "tar" if _is_tar(head) else None
 
@@ -1336,7 +1336,7 @@ def _zip_member(data: bytes, info: zipfile.ZipInfo, limit: int) -> tuple[bytes, 
     Read like torch's reader: no CRC, flag or local-name checks.
     """
     hdr = info.header_offset
-    if hdr + 30 > len(data) or data[hdr : hdr + 4] != b"PK\x03\x04":
+    if hdr + 30 > len(data) or data[hdr : hdr + 4] != LOCAL_SIG:
         raise ValueError("no local header")
     nlen, xlen = struct.unpack_from("<HH", data, hdr + 26)
     start = hdr + 30 + nlen + xlen
@@ -1560,7 +1560,7 @@ def scan_file(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> 
 def _is_zip_or_safetensors(head: bytes) -> bool:
     # Both are read in place through the mapping, touching only their pickles (a safetensors
     # file only as far as its first bytes parse as one): a 10 GB model is not "too large".
-    return head[:4] == b"PK\x03\x04" or head[8:9] == b"{"
+    return head[:4] == LOCAL_SIG or head[8:9] == b"{"
 
 
 def _is_legacy(head: bytes) -> bool:
