@@ -536,8 +536,9 @@ def write_checkpoint(
 
 
 #: The ``{suffix}`` of a shard among several, as :func:`split_into_shards` writes it
-#: (``-00002-of-00005``); group ``count``: how many shards.
-SHARD_SUFFIX: Final = r"-\d{5}-of-(?P<count>\d{5})"
+#: (``-00002-of-00005``; six digits and more past 99,999 shards, as the hub's own pattern);
+#: group ``count``: how many shards.
+SHARD_SUFFIX: Final = r"-\d{5,}-of-(?P<count>\d{5,})"
 
 
 def pattern_family(filename_pattern: str) -> re.Pattern[str]:

@@ -257,6 +257,27 @@ def test_stale_shards_removed_on_resave(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "model.safetensors.backup"]
 
 
+def test_six_digit_shard_names_are_recognised(tmp_path: Path) -> None:
+    """Past 99,999 shards the hub's ``{idx:05d}`` pattern writes six digits: such files left
+    from an earlier save are cleaned up, and a folder of them without an index is refused as
+    incomplete, like five-digit ones."""
+    from pysafetensors import SafetensorError
+
+    stale = tmp_path / "model-100000-of-100001.safetensors"
+    stale.write_bytes(b"old")
+    sd = random_state_dict(5, n=4)
+    save_sharded(sd, tmp_path, "1KB")
+    assert not stale.exists()
+    assert (tmp_path / "model.safetensors.index.json").exists()
+
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    save_sharded(sd, lone, "500KB")
+    (lone / "model.safetensors").rename(lone / "model-000001-of-100000.safetensors")
+    with pytest.raises(SafetensorError, match="holds shards of a checkpoint .* but no index"):
+        safe_open(lone, "np")
+
+
 def test_index_files_are_strict_json_even_with_non_finite_metadata(tmp_path: Path) -> None:
     """The hub writes ``json.dumps(index, indent=2)``: an infinite or NaN metadata value comes
     out as ``Infinity``/``NaN``, which strict parsers refuse. Ours: ``1e400`` (read back by
