@@ -86,11 +86,16 @@ def _parse_float(text: str) -> float | _NotInt:
     return _NotInt(text)
 
 
+#: Every ``-0`` of a header: one object, not one each (a 100 MB header of ``-0,`` held 33
+#: million wrappers, over 4 GB).
+_NEG_ZERO: Final = _NotInt("-0")
+
+
 def _parse_int(text: str) -> int | _NotInt:
     # serde_json reads "-0" as the float -0.0, and integers outside u64/i64 as f64 (which may
     # overflow), so neither is an integer there.
     if text == "-0":
-        return _NotInt(text)
+        return _NEG_ZERO
     if len(text) <= 19:
         return int(text)  # at most 19 digits: within u64 or i64 whatever they are
     value = serde_integer(text)

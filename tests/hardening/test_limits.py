@@ -207,6 +207,18 @@ def test_millions_of_numbers_in_an_unknown_field(tmp_path: Path) -> None:
     assert out["shapes"] == [[1]]
 
 
+def test_millions_of_negative_zeros_in_an_unknown_field(tmp_path: Path) -> None:
+    """serde reads ``-0`` as a float, so the parser wraps it: one wrapper (~100 bytes with its
+    text) per ``-0`` made a 99 MB header of them take 4 GB. One shared wrapper now."""
+    header = '{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[' + "-0," * 2_000_000
+    header += '0]},"__metadata__":{"k":"v"}}'
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(_frame(header, b"x"))
+    out = _run(path, 12 * len(header), "pread")
+    assert out["outcome"] == "accepted", out
+    assert out["shapes"] == [[1]]
+
+
 def _many(n: int, begin_end: tuple[int, int], shape: list[int]) -> bytes:
     b, e = begin_end
     parts = ",".join(
