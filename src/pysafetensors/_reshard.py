@@ -26,7 +26,8 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
@@ -387,6 +388,22 @@ def _write_one(
                 progress(state[0], state[1])
 
 
+def _warn_disagreeing_keys(src: ShardedSafeOpen, kept: Collection[str]) -> None:
+    """Warn of the metadata keys some source shards hold that the output does not keep (not in
+    ``kept``: the shards disagree on them), where the caller gave no ``metadata``."""
+    held = {k for meta in src.shard_metadata() for k in meta or {}}
+    dropped = sorted(held - set(kept))
+    if dropped:
+        keys = ", ".join(repr(k) for k in dropped[:5]) + (" ..." if len(dropped) > 5 else "")
+        warnings.warn(
+            f"the shards of {shown(src.path)} disagree on metadata {keys} (some shards hold "
+            "it, or they hold different values): the output keeps only what every shard "
+            "agrees on (metadata= sets it, as `pysafetensors metadata set` on the output does)",
+            UserWarning,
+            stacklevel=4,  # the caller of reshard/merge/extract
+        )
+
+
 def _rewrite(
     src: ShardedSafeOpen,
     names: list[str],
@@ -421,6 +438,7 @@ def _rewrite(
             for k, v in shared.items()
             if k != "format" and k not in COMPUTED_KEYS and k not in (source_index or {})
         }
+        _warn_disagreeing_keys(src, shared.keys() | (source_index or {}).keys())
     # transformers v5 records total_parameters in its index; recomputed for the tensors
     # actually written, it goes into the output's index, as total_size does. A single output
     # file has no index and gets neither (as a single-file save by transformers): in its header

@@ -1060,6 +1060,26 @@ def test_diff_compares_complex_values_not_their_magnitudes(cli, tmp_path: Path) 
     assert tensor["values"]["differing"] == 2  # 3+4j is not 5, 1j is not 1
 
 
+def test_diff_compares_a_complex_nan_part_by_part(cli, tmp_path: Path) -> None:
+    """numpy's isnan of a complex value is true where either part is NaN: 1+nanj against
+    2+nanj (and nan+1j against nan+5j) counted as NaN against NaN, identical, exit 0."""
+    nan = float("nan")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"z": np.array([complex(1, nan), complex(nan, 1), complex(nan, nan)], "c8")}, str(a))
+    save_file({"z": np.array([complex(2, nan), complex(nan, 5), complex(nan, nan)], "c8")}, str(b))
+    r = cli("diff", a, b, "--json")
+    assert r.code == 1
+    (tensor,) = r.json()["tensors"]
+    assert tensor["status"] == "changed" and tensor["values"]["differing"] == 2
+    z = np.array([complex(1, nan), complex(nan, 1), complex(nan, nan)], "c8")
+    bits = z.view(np.uint32)
+    bits[np.isnan(z.view(np.float32))] |= 1  # other NaN payloads: compared as values, not bytes
+    other = tmp_path / "payloads.safetensors"
+    save_file({"z": z}, str(other))
+    r = cli("diff", a, other, "--json")
+    assert r.code == 0 and r.json()["tensors"][0]["values"]["identical"] is False
+
+
 def test_stats_gives_exact_extremes_of_wide_integers(cli, tmp_path: Path) -> None:
     """float64 rounded them: the max of 2**63 - 1 showed as 2**63, outside I64."""
     path = tmp_path / "i.safetensors"

@@ -7,12 +7,13 @@ import json
 import os
 import shutil
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pysafetensors import merge, reshard, safe_open
+from pysafetensors import edit_metadata, extract, merge, reshard, safe_open
 from pysafetensors.numpy import save_file
 
 from .conftest import example_tensors, raw_file, write_sharded
@@ -39,6 +40,64 @@ def test_diff_compares_the_index_metadata(cli, sharded: Path, tmp_path: Path) ->
     assert "+ metadata license: gpl" in r.out
     doc = cli("diff", sharded, other, "--json").json()
     assert doc["equal"] is False
+
+
+def test_diff_compares_a_key_the_shards_disagree_on_tensor_by_tensor(
+    cli, sharded: Path, tmp_path: Path
+) -> None:
+    """A key in one shard only is in no model metadata (the shards disagree), so a change to
+    it was no difference at all: exit 0. transformers reads such keys from each shard."""
+    other = tmp_path / "other"
+    shutil.copytree(sharded, other)
+    edit_metadata(other / "model-00002-of-00002.safetensors", set={"quant_method": "gptq"})
+    r = cli("diff", sharded, other)
+    assert r.code == 1 and "metadata differs" in r.out
+    assert (
+        "~ metadata quant_method by file: model-00001-of-00002.safetensors: -, "
+        "model-00002-of-00002.safetensors: - -> model-00001-of-00002.safetensors: -, "
+        "model-00002-of-00002.safetensors: gptq"
+    ) in r.out
+    doc = cli("diff", sharded, other, "--json").json()
+    assert doc["metadata"]["by_shard"]["quant_method"][1] == {
+        "model-00001-of-00002.safetensors": None,
+        "model-00002-of-00002.safetensors": "gptq",
+    }
+    assert not doc["metadata"]["added"] and not doc["metadata"]["changed"]
+    # The same value for every tensor, however the files split the tensors: no difference.
+    names = list(example_tensors())
+    split = write_sharded(
+        tmp_path / "split", example_tensors(), [[names[0]], names[1:2], names[2:]]
+    )
+    edit_metadata(split / "model-00003-of-00003.safetensors", set={"quant_method": "gptq"})
+    r = cli("diff", other, split)
+    assert r.code == 0, r.out
+    # A merge keeps the entries every shard agrees on: the key is lost, and diff says so.
+    merged = tmp_path / "merged.safetensors"
+    with pytest.warns(UserWarning, match="disagree on metadata 'quant_method'"):
+        merge(other, merged)
+    r = cli("diff", other, merged, "--json")
+    assert r.code == 1 and list(r.json()["metadata"]["by_shard"]) == ["quant_method"]
+
+
+def test_a_rewrite_warns_of_keys_the_shards_disagree_on(cli, sharded: Path, tmp_path: Path) -> None:
+    """merge/reshard/extract keep what every shard agrees on: a key in one shard only was
+    lost without a word."""
+    edit_metadata(sharded / "model-00002-of-00002.safetensors", set={"quant_method": "gptq"})
+    r = cli("merge", sharded, tmp_path / "m.safetensors")
+    assert r.code == 0
+    assert "warning: the shards of" in r.err and "disagree on metadata 'quant_method'" in r.err
+    assert "UserWarning" not in r.err  # a command's own warning line, not Python's
+    for rewrite in (
+        lambda: merge(sharded, tmp_path / "m2.safetensors"),
+        lambda: reshard(sharded, tmp_path / "r", "1KB"),
+        lambda: extract(sharded, tmp_path / "e.safetensors", ["model.*"]),
+    ):
+        with pytest.warns(UserWarning, match="disagree on metadata 'quant_method'") as seen:
+            rewrite()
+        assert seen[0].filename == __file__  # names the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merge(sharded, tmp_path / "m3.safetensors", metadata={"quant_method": "gptq"})
 
 
 def test_a_sharded_model_equals_its_merge(cli, sharded: Path, tmp_path: Path) -> None:
@@ -105,7 +164,12 @@ def test_a_merge_of_files_without_format_gains_it_and_diff_says_so(cli, tmp_path
     merged = tmp_path / "merged.safetensors"
     assert cli("merge", source, merged).code == 0
     doc = cli("diff", source, merged, "--json").json()
-    assert doc["metadata"] == {"added": {"format": "pt"}, "removed": {}, "changed": {}}
+    assert doc["metadata"] == {
+        "added": {"format": "pt"},
+        "removed": {},
+        "changed": {},
+        "by_shard": {},
+    }
     assert doc["summary"]["identical"] == 2 and doc["equal"] is False
 
 

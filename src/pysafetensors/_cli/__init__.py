@@ -17,8 +17,9 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, TextIO
 
 from .._errors import RemotePermissionError, SafetensorError, UnsafePickleError
 from ._common import sanitize
@@ -114,6 +115,18 @@ def _print_traceback(exc: BaseException) -> None:
             print(sanitize(line), file=sys.stderr)
 
 
+def _print_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """Show a warning as the commands' own ``warning:`` lines are (not Python's source line)."""
+    print(f"warning: {sanitize(str(message))}", file=sys.stderr)
+
+
 def _stand_in_for_closed_streams() -> None:
     """Give a closed stdout or stderr a stand-in that discards what is written.
 
@@ -142,7 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Commands whose 1 means "a negative answer" (validate, diff) report failures as 2.
     trouble = getattr(args, "trouble_code", None)
     try:
-        code = args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _print_warning
+            code = args.func(args)
         sys.stdout.flush()
         return int(code or 0)
     except BrokenPipeError:

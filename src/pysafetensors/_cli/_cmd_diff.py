@@ -194,10 +194,20 @@ def _finite_differences(
     return _Differences(False, differ, outside, float(diff.max()), 0.0 if rel != rel else rel)
 
 
+def _equal_or_both_nan(va: np.ndarray, vb: np.ndarray) -> np.ndarray:
+    """Where two arrays of real values hold the same value or both NaN."""
+    same: np.ndarray = (va == vb) | (np.isnan(va) & np.isnan(vb))
+    return same
+
+
 def _any_differences(va: np.ndarray, vb: np.ndarray, atol: float, rtol: float) -> _Differences:
     """The differences of two chunks of values, any values (NaN, Inf, complex)."""
-    # Equal: same value, same-sign infinities, or NaN against NaN (whatever payload).
-    eq = (va == vb) | (np.isnan(va) & np.isnan(vb))
+    # Equal: same value, same-sign infinities, or NaN against NaN (whatever payload); a complex
+    # value part by part (np.isnan of one is true where either part is NaN: 1+nanj against
+    # 2+nanj would pass).
+    eq = _equal_or_both_nan(va.real, vb.real)
+    if np.iscomplexobj(va) or np.iscomplexobj(vb):
+        eq &= _equal_or_both_nan(va.imag, vb.imag)
     ne = ~eq
     n_ne = int(ne.sum())
     if not n_ne:
@@ -269,6 +279,36 @@ def value_pairs(ma: Model, mb: Model, args: argparse.Namespace) -> list[str]:
     ]
 
 
+def _varying_keys(model: Model, agreed: dict[str, str]) -> set[str]:
+    """The metadata keys some of a model's files hold that are not in its ``agreed`` metadata:
+    the files disagree on them (an index key, which wins, is agreed)."""
+    keys = {k for f in model.files for k in f.header.metadata or {}}
+    return keys - agreed.keys()
+
+
+def _file_values(model: Model, key: str) -> dict[str, str | None]:
+    """``key``'s value in each of a model's files (None where a file lacks it), by label."""
+    return {model.label(f.label): (f.header.metadata or {}).get(key) for f in model.files}
+
+
+def _by_shard_changes(ma: Model, mb: Model, keys: list[str]) -> dict[str, Any]:
+    """The keys, of those on which a model's files disagree, that a tensor in both models sees
+    differently (its file's value of the key in A against B's), each as ``[A's files' values,
+    B's]``. The models' files may split the tensors differently: a key the same for every
+    tensor is no difference, however the files hold it."""
+    changed: dict[str, Any] = {}
+    both = [n for n in ma.tensors if n in mb.tensors]
+    for key in keys:
+        seen_a = _file_values(ma, key)
+        seen_b = _file_values(mb, key)
+        if any(
+            seen_a[ma.label(ma.tensors[n].file.label)] != seen_b[mb.label(mb.tensors[n].file.label)]
+            for n in both
+        ):
+            changed[key] = [seen_a, seen_b]
+    return changed
+
+
 def diff_models(
     ma: Model,
     mb: Model,
@@ -282,10 +322,18 @@ def diff_models(
     # own keys count (its total_size, which the tensors' bytes decide, does not).
     meta_a = ma.model_metadata(computed=False) or {}
     meta_b = mb.model_metadata(computed=False) or {}
+    # A key on which a model's shards disagree is in neither model's metadata; it is compared
+    # tensor by tensor instead (transformers reads a quantizer's keys from each shard).
+    varying = _varying_keys(ma, meta_a) | _varying_keys(mb, meta_b)
     metadata = {
-        "added": {k: v for k, v in meta_b.items() if k not in meta_a},
-        "removed": {k: v for k, v in meta_a.items() if k not in meta_b},
-        "changed": {k: [v, meta_b[k]] for k, v in meta_a.items() if k in meta_b and meta_b[k] != v},
+        "added": {k: v for k, v in meta_b.items() if k not in meta_a and k not in varying},
+        "removed": {k: v for k, v in meta_a.items() if k not in meta_b and k not in varying},
+        "changed": {
+            k: [v, meta_b[k]]
+            for k, v in meta_a.items()
+            if k in meta_b and meta_b[k] != v and k not in varying
+        },
+        "by_shard": _by_shard_changes(ma, mb, sorted(varying)),
     }
     names = [n for n in ma.tensors if accept(n)] + [
         n for n in mb.tensors if n not in ma.tensors and accept(n)
@@ -353,6 +401,18 @@ def _num(v: float | None) -> str:
     return "inf" if v is None else f"{v:.4g}"
 
 
+def _by_file(values: dict[str, str | None]) -> str:
+    """A key's value in each file (``-`` where a file lacks it), the first few (``--json``
+    lists them all)."""
+    shown = [f"{sanitize(f)}: {'-' if v is None else quoted(v)}" for f, v in values.items()]
+    more = len(shown) - _FILES_SHOWN
+    return ", ".join(shown[:_FILES_SHOWN]) + (f", ... ({more} more)" if more > 0 else "")
+
+
+#: Files whose value of a key ``diff`` prints on its line, for each model.
+_FILES_SHOWN: Final = 4
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``diff``."""
     ui = Ui(args)
@@ -390,6 +450,9 @@ def run(args: argparse.Namespace) -> int:
         ui.line(f"+ metadata {quoted(key)}: {quoted(value)}", style="green")
     for key, (old, new) in meta["changed"].items():
         ui.line(f"~ metadata {quoted(key)}: {quoted(old)} -> {quoted(new)}", style="yellow")
+    for key, sides in meta["by_shard"].items():
+        old, new = (_by_file(side) for side in sides)
+        ui.line(f"~ metadata {quoted(key)} by file: {old} -> {new}", style="yellow")
     tol = f"atol={args.atol:g}, rtol={args.rtol:g}"
     for row in result["tensors"]:
         name = quoted(row["name"])
