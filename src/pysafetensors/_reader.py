@@ -66,9 +66,11 @@ from ._slice_gather import (
 )
 from ._slicing import (
     BYTES,
+    SPARSE_GAP,
     Part,
     SlicePlan,
     as_whole_bytes,
+    compact_box,
     is_advanced,
     plan_slice,
     render_index,
@@ -1330,7 +1332,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     def _read_advanced(self, info: TensorInfo, index: Any, source: ByteSource) -> Any:
         """``tensor[index]`` for an index with ``None``, bools or index arrays (numpy rules).
 
-        Reads the smallest box that holds the selection, as a basic slice would, then picks the
+        Reads the smallest box that holds the selection, as a basic slice would (in parts
+        where an index array leaves wide gaps in it: :func:`compact_box`), then picks the
         elements out of its bytes in memory, so every framework gets numpy's (and torch's)
         answer.
         """
@@ -1345,14 +1348,23 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # (``t[0, :, [1, 4]]``) and refuses masks numpy takes: each framework its own rules.
         pick_cells = getattr(self._adapter, "pick_cells", None)
         split = split_advanced(index, info.shape, empty_mask_axes_match=pick_cells is None)
-        box_plan = self._checked_plan(info, split.box)
-        data = self._read_plan(info, box_plan, source)
+        itemsize = info.dtype.bits // 8
+        # A sparse index array (``[:, [0, 4095]]``) reads its box in parts, not whole.
+        parts = compact_box(
+            split, info.shape, itemsize, 0 if self._slice_reads == "exact" else SPARSE_GAP
+        )
+        boxes, pick, axis = ([split.box], split.pick, 0) if parts is None else parts
         # Elements as integers of their width (every dtype has 1, 2, 4 or 8 bytes), so that the
         # index applies to whole elements with the same positions as on the tensor itself.
-        cells = data.view(f"<i{info.dtype.bits // 8}").reshape(box_plan.shape)
+        pieces = []
+        for box in boxes:
+            box_plan = self._checked_plan(info, box)
+            data = self._read_plan(info, box_plan, source)
+            pieces.append(data.view(f"<i{itemsize}").reshape(box_plan.shape))
+        cells = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
         try:
             picked = np.ascontiguousarray(
-                cells[split.pick] if pick_cells is None else pick_cells(cells, split.pick)
+                cells[pick] if pick_cells is None else pick_cells(cells, pick)
             )
         except (IndexError, ValueError, MemoryError, RuntimeError) as exc:
             if split.out_of_range is not None:

@@ -37,7 +37,9 @@ __all__ = [
     "AdvancedSplit",
     "Part",
     "SlicePlan",
+    "SPARSE_GAP",
     "as_whole_bytes",
+    "compact_box",
     "is_advanced",
     "part_run",
     "plan_slice",
@@ -281,11 +283,13 @@ def _plan_general(shape: tuple[int, ...], dtype: DType, index: Any) -> SlicePlan
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
 
-    # The contiguous tail: trailing dimensions taken whole, plus one more taken with step 1.
+    # The contiguous tail: trailing dimensions taken whole, plus one more taken with step 1. A
+    # dimension of size 1 is whole whatever selects its one element (``[:, 0]`` of an (N, 1)
+    # tensor is one run, not N runs of one element: F4 refused them as misaligned).
     k = len(sel)
     while k > 0:
-        s = sel[k - 1]
-        if isinstance(s, range) and s.step == 1 and _length(s) == shape[k - 1]:
+        s, size = sel[k - 1], shape[k - 1]
+        if size == 1 or (isinstance(s, range) and s.step == 1 and _length(s) == size):
             k -= 1
             continue
         break
@@ -607,6 +611,75 @@ class AdvancedSplit:
     out_of_range: SliceError | None
     """An index value outside its dimension. numpy raises only if the selection is not empty
     (its index arrays broadcast to something), so this is raised when picking fails."""
+    sparse: tuple[int, int, np.ndarray] | None = None
+    """For the integer index array whose values are sparsest in their box (the one
+    :func:`compact_box` may read in parts): ``(dimension, its position in pick, its values in
+    range, sorted and unique)``."""
+
+
+#: Rows of a box dimension skipped between two selected ones are read through (one read) when
+#: they are fewer bytes than this, else the box is read in separate parts.
+SPARSE_GAP: Final = 1 << 20
+
+#: At most this many parts (the closest ones are read as one beyond it).
+SPARSE_PARTS: Final = 1024
+
+
+def compact_box(
+    split: AdvancedSplit, shape: tuple[int, ...], itemsize: int, max_gap: int
+) -> tuple[list[tuple[slice, ...]], tuple[Any, ...], int] | None:
+    """The box of ``split`` read in parts along its sparsest index array: ``[:, [0, 4095]]`` of
+    a 2048x4096 tensor selects 2 columns, and its box is the whole tensor.
+
+    Returns ``(boxes, pick, dim)``: the boxes to read, each ``split.box`` but for a range of
+    dimension ``dim``, whose reads joined along ``dim`` ``pick`` picks the selection from;
+    None where the box is better read whole (one part).
+
+    Args:
+        split: The advanced index.
+        shape: The tensor's shape.
+        itemsize: Bytes per element.
+        max_gap: Bytes of skipped rows below which two parts are read as one (0: every gap
+            splits, as ``slice_reads="exact"`` wants).
+    """
+    if split.sparse is None:
+        return None
+    dim, at, rows = split.sparse
+    box = split.box
+    extent = box[dim].stop - box[dim].start
+    if len(rows) < 2 or len(rows) == extent:
+        return None
+    box_bytes = itemsize
+    for d, part in enumerate(box):
+        box_bytes *= len(range(*part.indices(shape[d])))
+    row_bytes = box_bytes // extent
+    gaps = np.diff(rows) - 1
+    split_at = gaps * row_bytes >= max(max_gap, 1)  # a gap of 0 rows never splits
+    candidates = np.nonzero(split_at)[0]
+    if len(candidates) >= SPARSE_PARTS:
+        # Too many parts: only the widest gaps split.
+        widest = candidates[np.argsort(gaps[candidates], kind="stable")[-(SPARSE_PARTS - 1) :]]
+        split_at = np.zeros_like(split_at)
+        split_at[widest] = True
+    if not split_at.any():
+        return None
+    firsts = np.concatenate(([0], np.nonzero(split_at)[0] + 1))
+    lows = rows[firsts]
+    highs = np.concatenate((rows[firsts[1:] - 1], rows[-1:]))
+    boxes = [
+        (*box[:dim], slice(int(lo), int(hi) + 1), *box[dim + 1 :])
+        for lo, hi in zip(lows, highs, strict=True)
+    ]
+    # Positions in the joined parts: each part starts where the ones before it end. Values
+    # outside the tensor (at the box's length) stay outside: the joined length.
+    starts = np.concatenate(([0], np.cumsum(highs - lows + 1)[:-1]))
+    old = split.pick[at]
+    values = old + box[dim].start
+    part = np.searchsorted(lows, values, side="right") - 1
+    inside = old < extent
+    new = np.where(inside, starts[part] + values - lows[part], int(np.sum(highs - lows + 1)))
+    pick = (*split.pick[:at], new, *split.pick[at + 1 :])
+    return boxes, pick, dim
 
 
 def split_advanced(
@@ -656,6 +729,7 @@ def split_advanced(
     out_of_range: SliceError | None = None
     box: list[slice] = []
     pick: list[Any] = []
+    sparse: tuple[int, int, np.ndarray] | None = None
     for item, arr in zip(items, arrays, strict=True):
         dim = len(box)
         if item is Ellipsis:
@@ -737,6 +811,11 @@ def split_advanced(
                 box.append(slice(low, high + 1))
                 # Bad values become the box's length: out of range there too, never wrapped.
                 pick.append(np.where(bad, high + 1 - low, values - low))
+                rows = np.unique(good)
+                if sparse is None or len(rows) * (sparse[2][-1] - sparse[2][0] + 1) < len(
+                    sparse[2]
+                ) * (high + 1 - low):
+                    sparse = (dim, len(pick) - 1, rows)
             elif values.size and size:
                 # Every value out of range: a box of one, and values past it. An empty box would
                 # make torch refuse even an empty selection (it checks nothing else lazily).
@@ -752,4 +831,4 @@ def split_advanced(
                 kind="InvalidSlice",
             )
     box.extend([slice(None)] * (ndim - len(box)))
-    return AdvancedSplit(tuple(box), tuple(pick), out_of_range)
+    return AdvancedSplit(tuple(box), tuple(pick), out_of_range, sparse)

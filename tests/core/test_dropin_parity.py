@@ -138,11 +138,13 @@ ADVANCED: list[Any] = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["mmap", "pread"])
-def test_torch_advanced_indices_match_torch(model: Path, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "slice_reads"), [("mmap", "coalesce"), ("pread", "coalesce"), ("pread", "exact")]
+)
+def test_torch_advanced_indices_match_torch(model: Path, backend: str, slice_reads: str) -> None:
     full = ref_torch.load_file(model)
     masks = [full["a"][:, :, 0] > 20, full["a"] > 30, full["a"][:, :, 0] > 1000]
-    with safe_open(model, "pt", backend=backend) as f:
+    with safe_open(model, "pt", backend=backend, slice_reads=slice_reads) as f:
         for name in ("a", "b"):
             s = f.get_slice(name)
             for index in [*ADVANCED, *((m,) for m in masks), (torch.tensor([2, 0]),)]:
@@ -151,11 +153,13 @@ def test_torch_advanced_indices_match_torch(model: Path, backend: str) -> None:
                 assert got.dtype == expected.dtype and torch.equal(got, expected), index
 
 
-@pytest.mark.parametrize("backend", ["mmap", "pread"])
-def test_numpy_advanced_indices_match_numpy(model: Path, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "slice_reads"), [("mmap", "coalesce"), ("pread", "coalesce"), ("pread", "exact")]
+)
+def test_numpy_advanced_indices_match_numpy(model: Path, backend: str, slice_reads: str) -> None:
     full = ours_np.load_file(model)
     masks = [full["a"][:, :, 0] > 20, full["a"] > 30]
-    with safe_open(model, "np", backend=backend) as f:
+    with safe_open(model, "np", backend=backend, slice_reads=slice_reads) as f:
         for name in ("a", "b"):
             s = f.get_slice(name)
             for index in [*ADVANCED, *((m,) for m in masks)]:

@@ -15,7 +15,7 @@ import pytest
 from conftest import raw_file
 from pysafetensors import SafetensorError, SliceError, safe_open
 from pysafetensors._adapter import pack_subbyte
-from pysafetensors._dtypes import DTYPES
+from pysafetensors._dtypes import DTYPES, dtype_from_code
 from pysafetensors._slicing import plan_slice, render_index
 
 SHAPE = (4, 6)
@@ -351,6 +351,50 @@ def test_pread_dense_fragments_read_exact_bytes_when_asked(
     assert sum(calls) == arr[index].nbytes
 
 
+@pytest.mark.parametrize(
+    ("index", "elements"),
+    [
+        ((slice(None), [0, 4095]), 64 * 2),
+        ((slice(None), np.array([[4095, 7], [0, 8]])), 64 * 4),
+        (([1, 5, 60], slice(0, 16)), 3 * 16),
+        (([40, 3, 40], None, slice(None, None, 1000)), 2 * 5),  # a repeated row read once
+        # Two arrays: the sparser one (columns) is read in parts, the other's box whole.
+        (([2, 63], [4095, 0]), 62 * 2),
+        ((np.arange(0, 64, 2), 5), 32),
+    ],
+)
+def test_pread_index_arrays_read_exact_bytes_when_asked(
+    big: tuple[Path, np.ndarray], index: Any, elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index array's box was read whole even with ``slice_reads="exact"``: ``[:, [0,
+    4095]]`` read the whole tensor for two columns. Its box is now read in parts, the
+    selected rows only."""
+    path, arr = big
+    got, calls = _count_preads(path, index, monkeypatch, slice_reads="exact")
+    np.testing.assert_array_equal(got, arr[index])
+    assert sum(calls) == elements * 4, index
+
+
+def test_a_sparse_index_array_reads_its_box_in_parts() -> None:
+    """Gaps wider than SPARSE_GAP split the box (where no gap is, it stays whole), at most
+    SPARSE_PARTS parts, and the pick addresses the joined parts."""
+    from pysafetensors._slicing import SPARSE_GAP, SPARSE_PARTS, compact_box, split_advanced
+
+    shape = (2048, 4096)
+    split = split_advanced((slice(None), [4095, 0, 4095]), shape)
+    boxes, pick, axis = compact_box(split, shape, 2, SPARSE_GAP) or ((), (), -1)
+    assert axis == 1 and boxes == [(slice(None), slice(0, 1)), (slice(None), slice(4095, 4096))]
+    assert pick[1].tolist() == [1, 0, 1]
+    near = split_advanced((slice(None), [0, 9]), shape)
+    assert compact_box(near, shape, 2, SPARSE_GAP) is None  # 8 columns: read through
+    assert compact_box(split_advanced(([0, 1, 2],), shape), shape, 2, 0) is None  # no gap
+    many = split_advanced((np.arange(0, 4096 * 2, 2) % 4096,), (4096, 4096))
+    boxes, pick, axis = compact_box(many, (4096, 4096), 1, 0) or ((), (), -1)
+    assert len(boxes) <= SPARSE_PARTS and axis == 0
+    joined = np.concatenate([np.arange(4096)[b[0]] for b in boxes])
+    np.testing.assert_array_equal(joined[pick[0]], np.arange(0, 4096 * 2, 2) % 4096)
+
+
 @pytest.mark.parametrize(("index", "rows"), DENSE_FRAGMENTS)
 @pytest.mark.parametrize("slice_reads", ["coalesce", None])
 def test_pread_coalesce_reads_covering_rows(
@@ -421,6 +465,38 @@ def _byte_positions(plan: Any) -> np.ndarray:
     return np.concatenate(
         [np.arange(off, off + length) for off, length in plan.coalesced()] or [np.zeros(0)]
     ).astype(np.int64)
+
+
+@pytest.mark.parametrize(
+    ("shape", "index"),
+    [
+        ((4, 1), (slice(None), 0)),
+        ((4, 1), (Ellipsis, 0)),
+        ((4, 1), (slice(0, 2), 0)),
+        ((2, 1, 2), (slice(None), 0)),
+        ((2, 2, 1), (0, slice(None), 0)),
+        ((3, 1, 1, 4), (slice(1, 3), 0, slice(None, None, 5))),
+    ],
+)
+def test_a_dimension_of_size_one_is_taken_whole(tmp_path: Path, shape: tuple, index: tuple) -> None:
+    """Whatever selects the one element of a size-1 dimension, the tail stays one run: [:, 0]
+    of an (N, 1) tensor was N runs of one element (3 s instead of 0.1 s for 2**25 rows), and
+    an F4 one was refused as splitting bytes (the reference's slicer takes it)."""
+    import ml_dtypes
+
+    from pysafetensors.numpy import save_file
+
+    plan = plan_slice((1 << 20, 1), dtype_from_code("U8"), (slice(None), 0))
+    assert len(plan.starts) == 1 and plan.nbytes == 1 << 20
+    n = math.prod(shape)
+    values = (np.arange(n) % 16).astype(np.uint8).view(ml_dtypes.float4_e2m1fn).reshape(shape)
+    path = tmp_path / "f4.safetensors"
+    save_file({"t": values}, path)
+    with safe_open(path, "np") as f:
+        got = f.get_slice("t")[index]
+    assert got.dtype == values.dtype and np.array_equal(
+        got.view(np.uint8), values[index].view(np.uint8)
+    )
 
 
 @pytest.mark.parametrize("code", ["F4", "F6_E2M3", "F6_E3M2"])
