@@ -46,7 +46,7 @@ from ._format import (
 from ._fresh_memory import empty_bytes
 from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
 from ._read_targets import check_targets, device_bytes, writable_bytes
-from ._reader_pool import MAX_READ_THREADS
+from ._reader_pool import MAX_READ_THREADS, run_parallel, worker_count
 from ._representable import MAX_NDIM, check_representable
 from ._signatures import show_init_signature
 from ._slice_gather import (
@@ -159,7 +159,7 @@ def _is_fileobj(obj: Any) -> bool:
 
 
 def _is_sharded_target(filename: Any) -> bool:
-    if not isinstance(filename, (str, os.PathLike)):
+    if not isinstance(filename, (str, bytes, os.PathLike)):
         return False
     path = os.fsdecode(os.fspath(filename))
     if "://" in path:
@@ -190,6 +190,15 @@ def open_source_for(
     if isinstance(filename, (bytearray, memoryview)):
         return BufferSource(filename)
     if _is_fileobj(filename):
+        readable = getattr(filename, "readable", None)
+        if readable is not None and not readable():
+            # A write-only file: its descriptor could still be reopened for reading, and
+            # every tensor read then failed as an I/O error ("Bad file descriptor").
+            mode = getattr(filename, "mode", None)
+            raise io.UnsupportedOperation(
+                f"{getattr(filename, 'name', '<file object>')!s}: the file object is not open "
+                "for reading" + (f" (mode {mode!r})" if isinstance(mode, str) else "")
+            )
         fd = -1
         # Only the standard library's plain file objects hold exactly their descriptor's bytes
         # (a gzip or bz2 file's fileno() is the compressed file's); writes still in their
@@ -1356,11 +1365,15 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         boxes, pick, axis = ([split.box], split.pick, 0) if parts is None else parts
         # Elements as integers of their width (every dtype has 1, 2, 4 or 8 bytes), so that the
         # index applies to whole elements with the same positions as on the tensor itself.
-        pieces = []
-        for box in boxes:
-            box_plan = self._checked_plan(info, box)
-            data = self._read_plan(info, box_plan, source)
-            pieces.append(data.view(f"<i{itemsize}").reshape(box_plan.shape))
+        plans = [self._checked_plan(info, box) for box in boxes]
+        pieces: list[np.ndarray] = [np.empty(0)] * len(plans)
+
+        def read(i: int) -> None:
+            data = self._read_plan(info, plans[i], source)
+            pieces[i] = data.view(f"<i{itemsize}").reshape(plans[i].shape)
+
+        # Parts at once (a remote file's are requests, which would otherwise wait in turn).
+        run_parallel(read, range(len(plans)), worker_count(source))
         cells = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
         try:
             picked = np.ascontiguousarray(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import io
+import os
 import tempfile
 from pathlib import Path
 
@@ -59,3 +61,28 @@ def test_writes_still_in_the_objects_buffer_are_read(tmp_path: Path, backend: st
         fh.write(save({"a": np.full(4, 7, np.float32)}))
         with safe_open(fh, "np", backend=backend) as f:
             assert np.array_equal(f.get_tensor("a"), np.full(4, 7, np.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_only_file_object_is_refused_at_open(tmp_path: Path, backend: str) -> None:
+    # pread opened it (its descriptor reopened for reading) and every tensor read failed as an
+    # I/O error, "Bad file descriptor"; mmap raised a bare PermissionError.
+    path = tmp_path / "w.safetensors"
+    with open(path, "wb") as fh:
+        fh.write(save({"a": np.zeros(4, np.float32)}))
+        fh.flush()
+        with pytest.raises(io.UnsupportedOperation, match="not open for reading .mode 'wb'"):
+            safe_open(fh, "np", backend=backend)
+
+
+def test_a_bytes_path_to_a_folder_or_index_opens_the_checkpoint(tmp_path: Path) -> None:
+    # Bytes paths open files; a folder or index given so was read as one file.
+    from pysafetensors import save_sharded
+    from pysafetensors.numpy import load_file
+
+    save_sharded({"a": np.ones(300, np.float32), "b": np.zeros(300, np.float32)}, tmp_path, 1500)
+    index = tmp_path / "model.safetensors.index.json"
+    for target in (os.fsencode(tmp_path), os.fsencode(index)):
+        with safe_open(target, "np") as f:
+            assert sorted(f.keys()) == ["a", "b"]
+        assert sorted(load_file(target)) == ["a", "b"]
