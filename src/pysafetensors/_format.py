@@ -75,7 +75,14 @@ from ._serde_json import (
     surrogate_message,
     unexpected,
 )
-from ._serde_syntax import WALK_LIMIT, SyntaxErrorAt, first_syntax_error, position_of_index
+from ._serde_syntax import (
+    OUT_OF_RANGE,
+    RECURSION_LIMIT,
+    WALK_LIMIT,
+    SyntaxErrorAt,
+    first_syntax_error,
+    position_of_index,
+)
 
 __all__ = [
     "DESERIALIZE_PREFIX",
@@ -425,7 +432,7 @@ def decode_json(text: str, prefix_text: str) -> Any:
         detail = str(exc)
         if "integer string conversion" in detail:
             # Python refuses > 4300 digits; serde reads such a literal as an f64 and overflows.
-            detail = "number out of range"
+            detail = OUT_OF_RANGE
         # NaN, Infinity, a number out of range, or a lone surrogate before them: serde's first
         # problem, where it places it.
         raise _serde_syntax_error(text, detail, decoder, prefix_text) from None
@@ -441,7 +448,7 @@ def decode_json(text: str, prefix_text: str) -> Any:
                 "maximum recursion depth exceeded while decoding a header (the caller's stack "
                 "is too deep; the header is nested no deeper than serde reads)"
             ) from None
-        raise _serde_syntax_error(text, "recursion limit exceeded", decoder, prefix_text) from None
+        raise _serde_syntax_error(text, RECURSION_LIMIT, decoder, prefix_text) from None
 
 
 _CODES: Final = frozenset(d.code for d in DTYPES)

@@ -18,7 +18,13 @@ from typing import Any, Final
 
 from ._dtypes import UINT64_MAX
 from ._serde_number import f64_text, number_in_range, serde_integer, unexpected_number
-from ._serde_syntax import debug_str
+from ._serde_syntax import (
+    OUT_OF_RANGE,
+    RECURSION_LIMIT,
+    SURROGATE_END,
+    SURROGATE_LEADING,
+    debug_str,
+)
 
 __all__ = [
     "MAYBE_NEG_ZERO",
@@ -82,7 +88,7 @@ def _parse_float(text: str) -> float | _NotInt:
         if -22 <= int(exponent) - len(mantissa.partition(".")[2]) <= 22:
             return float(text)
     if not number_in_range(text):
-        raise ValueError("number out of range")
+        raise ValueError(OUT_OF_RANGE)
     return _NotInt(text)
 
 
@@ -102,7 +108,7 @@ def _parse_int(text: str) -> int | _NotInt:
     if value is not None:
         return value
     if not number_in_range(text):
-        raise ValueError("number out of range")
+        raise ValueError(OUT_OF_RANGE)
     return _NotInt(text)
 
 
@@ -170,7 +176,7 @@ def unexpected(value: Any, expected: str, *, invalid: str = "type") -> str:
     ``number out of range`` for an integer too large even for an f64, which serde_json refuses
     while parsing, before any type is checked."""
     if type(value) is int and not number_in_range(str(value)):
-        return "number out of range"
+        return OUT_OF_RANGE
     return f"invalid {invalid}: {_describe(value)}, expected {expected}"
 
 
@@ -227,8 +233,8 @@ def surrogate_message(value: str) -> str | None:
     # serde_json: a high surrogate not followed by an escape ends the escape early; a low one
     # first is "lone leading".
     if found.group() < "\udc00":
-        return "unexpected end of hex escape"
-    return "lone leading surrogate in hex escape"
+        return SURROGATE_END
+    return SURROGATE_LEADING
 
 
 def scan_value(value: Any, check_surrogates: bool, depth: int) -> str | None:
@@ -250,11 +256,11 @@ def scan_value(value: Any, check_surrogates: bool, depth: int) -> str | None:
                         return problem
             elif type(item) is int:
                 problem = big_int_problem(item)
-                if problem == "number out of range":
+                if problem == OUT_OF_RANGE:
                     return problem
             elif isinstance(item, dict):
                 if level + 1 > _MAX_DEPTH:
-                    return "recursion limit exceeded"
+                    return RECURSION_LIMIT
                 if not item:
                     continue  # nothing inside (a field of millions of {} took 4 us each)
                 pairs = item.pairs() if isinstance(item, JsonObject) else item.items()
@@ -262,7 +268,7 @@ def scan_value(value: Any, check_surrogates: bool, depth: int) -> str | None:
                 break
             elif isinstance(item, list):
                 if level + 1 > _MAX_DEPTH:
-                    return "recursion limit exceeded"
+                    return RECURSION_LIMIT
                 if not item:
                     continue
                 stack.append((iter(item), level + 1))
@@ -277,5 +283,5 @@ def big_int_problem(item: int) -> str | None:
     if -(1 << 63) <= item <= UINT64_MAX:
         return None
     if not number_in_range(str(item)):
-        return "number out of range"
+        return OUT_OF_RANGE
     return f"invalid type: {unexpected_number(str(item))}"

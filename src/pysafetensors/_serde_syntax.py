@@ -20,7 +20,26 @@ from typing import Final
 
 from ._serde_number import exponent_overflow_at, number_in_range, unexpected_number
 
-__all__ = ["WALK_LIMIT", "SyntaxErrorAt", "first_syntax_error"]
+__all__ = [
+    "OUT_OF_RANGE",
+    "PARSE_ONLY_WORDS",
+    "RECURSION_LIMIT",
+    "SURROGATE_END",
+    "SURROGATE_LEADING",
+    "WALK_LIMIT",
+    "SyntaxErrorAt",
+    "first_syntax_error",
+]
+
+#: serde_json's words for what it refuses while merely parsing, whatever the value's type.
+OUT_OF_RANGE: Final = "number out of range"
+RECURSION_LIMIT: Final = "recursion limit exceeded"
+SURROGATE_END: Final = "unexpected end of hex escape"
+SURROGATE_LEADING: Final = "lone leading surrogate in hex escape"
+
+#: What a message holds where it is one of those (lone surrogates in names, metadata or
+#: ignored fields, nesting past the limit, integers past f64's range).
+PARSE_ONLY_WORDS: Final = ("hex escape", RECURSION_LIMIT, OUT_OF_RANGE)
 
 #: serde_json's ``remaining_depth`` at the start: the 128th nested container is refused.
 _RECURSION_LIMIT: Final = 128
@@ -110,7 +129,7 @@ class _Walk:
         if not number_in_range(text):
             # serde stops at the exponent digit that overflows an i32, else after the number.
             at = exponent_overflow_at(text)
-            raise _Found("number out of range", self.pos if at is None else start + at + 1)
+            raise _Found(OUT_OF_RANGE, self.pos if at is None else start + at + 1)
 
     def digits(self) -> None:
         # parse_integer (after an optional '-', already eaten)
@@ -176,7 +195,7 @@ class _Walk:
             raise self.error("invalid escape")
         unit = self.hex4()
         if 0xDC00 <= unit <= 0xDFFF:
-            raise self.error("lone leading surrogate in hex escape")
+            raise self.error(SURROGATE_LEADING)
         if not 0xD800 <= unit <= 0xDBFF:
             return
         # A leading surrogate: a trailing one must follow as \uXXXX.
@@ -186,9 +205,9 @@ class _Walk:
                 raise self.error("EOF while parsing a string")
             self.pos += 1
             if byte != expected:
-                raise self.error("unexpected end of hex escape")
+                raise self.error(SURROGATE_END)
         if not 0xDC00 <= self.hex4() <= 0xDFFF:
-            raise self.error("lone leading surrogate in hex escape")
+            raise self.error(SURROGATE_LEADING)
 
     def hex4(self) -> int:
         if self.n - self.pos < 4:
@@ -224,7 +243,7 @@ class _Walk:
         if byte in (0x5B, 0x7B):  # '[', '{'
             self.remaining_depth -= 1
             if self.remaining_depth == 0:
-                raise self.peek_error("recursion limit exceeded")
+                raise self.peek_error(RECURSION_LIMIT)
             self.pos += 1
             return "seq" if byte == 0x5B else "map"
         raise self.peek_error("expected value")

@@ -50,6 +50,7 @@ from ._remote_urls import (
     url_join,
 )
 from ._serde_json import all_u64
+from ._serde_syntax import PARSE_ONLY_WORDS
 from ._sharding import declared_total_size, normal_shard_name, unsafe_shard_name
 from ._sources import ByteSource, NotRegularFileError, PreadSource, open_regular_file
 
@@ -118,11 +119,6 @@ class Problem:
             "offset": self.offset,
         }
 
-
-#: The words of what only the strict parser refuses in a header the walk decodes (serde's):
-#: lone surrogates (in names, metadata, ignored fields), nesting past its limit, integers
-#: past its range.
-_STRICT_ONLY: Final = ("hex escape", "recursion limit exceeded", "number out of range")
 
 #: The dtype an entry that failed to parse is counted with (see _walk_header).
 _PLAIN_BYTES: Final = dtype_from_code("U8")
@@ -253,7 +249,8 @@ def _check_header(col: _Collector, header: bytes, data_size: int) -> list[_Entry
     # are always added: another error of their code, elsewhere or in the same tensor, hid them.
     # (In the reader's words without the tensor's name, which may hold them too.)
     bare = words if gate.tensor is None else words.replace(f"`{gate.tensor}`", "")
-    strict_only = any(kind in bare for kind in _STRICT_ONLY)
+    # What only the strict parser refuses in a header the walk decodes (serde's).
+    strict_only = any(kind in bare for kind in PARSE_ONLY_WORDS)
     if strict_only or not any(
         p.code == gate.kind and gate.tensor in (None, p.tensor) for p in errors
     ):
