@@ -1358,10 +1358,11 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         pick_cells = getattr(self._adapter, "pick_cells", None)
         split = split_advanced(index, info.shape, empty_mask_axes_match=pick_cells is None)
         itemsize = info.dtype.bits // 8
-        # A sparse index array (``[:, [0, 4095]]``) reads its box in parts, not whole.
-        parts = compact_box(
-            split, info.shape, itemsize, 0 if self._slice_reads == "exact" else SPARSE_GAP
-        )
+        # A sparse index array (``[[3, 17, 40000]]``) reads its box in parts, not whole;
+        # ``slice_reads`` applies to reads from a file, not to copies from a mapping.
+        mapped = self._backend == "mmap" or isinstance(source, MmapSource)
+        exact = self._slice_reads == "exact" and not mapped
+        parts = compact_box(split, info.shape, itemsize, 0 if exact else SPARSE_GAP, mapped=mapped)
         boxes, pick, axis = ([split.box], split.pick, 0) if parts is None else parts
         # Elements as integers of their width (every dtype has 1, 2, 4 or 8 bytes), so that the
         # index applies to whole elements with the same positions as on the tensor itself.

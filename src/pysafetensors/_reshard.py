@@ -392,7 +392,8 @@ def _warn_disagreeing_keys(src: ShardedSafeOpen, kept: Collection[str]) -> None:
     """Warn of the metadata keys some source shards hold that the output does not keep (not in
     ``kept``: the shards disagree on them), where the caller gave no ``metadata``."""
     held = {k for meta in src.shard_metadata() for k in meta or {}}
-    dropped = sorted(held - set(kept))
+    # ``format`` is written whatever the shards say, and the computed keys anew.
+    dropped = sorted(held - set(kept) - {"format", *COMPUTED_KEYS})
     if dropped:
         keys = ", ".join(repr(k) for k in dropped[:5]) + (" ..." if len(dropped) > 5 else "")
         warnings.warn(

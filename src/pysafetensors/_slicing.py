@@ -611,10 +611,9 @@ class AdvancedSplit:
     out_of_range: SliceError | None
     """An index value outside its dimension. numpy raises only if the selection is not empty
     (its index arrays broadcast to something), so this is raised when picking fails."""
-    sparse: tuple[int, int, np.ndarray] | None = None
-    """For the integer index array whose values are sparsest in their box (the one
-    :func:`compact_box` may read in parts): ``(dimension, its position in pick, its values in
-    range, sorted and unique)``."""
+    arrays: tuple[tuple[int, int, np.ndarray], ...] = ()
+    """The integer index arrays, along which :func:`compact_box` may read the box in parts:
+    ``(dimension, position in pick, the values in range, sorted and unique)`` each."""
 
 
 #: Rows of a box dimension skipped between two selected ones are read through (one read) when
@@ -626,10 +625,10 @@ SPARSE_PARTS: Final = 1024
 
 
 def compact_box(
-    split: AdvancedSplit, shape: tuple[int, ...], itemsize: int, max_gap: int
+    split: AdvancedSplit, shape: tuple[int, ...], itemsize: int, max_gap: int, *, mapped: bool
 ) -> tuple[list[tuple[slice, ...]], tuple[Any, ...], int] | None:
-    """The box of ``split`` read in parts along its sparsest index array: ``[:, [0, 4095]]`` of
-    a 2048x4096 tensor selects 2 columns, and its box is the whole tensor.
+    """The box of ``split`` read in parts along one of its index arrays: ``[[3, 17, 40000]]`` of
+    an embedding selects 3 rows, and its box is 39,998 rows.
 
     Returns ``(boxes, pick, dim)``: the boxes to read, each ``split.box`` but for a range of
     dimension ``dim``, whose reads joined along ``dim`` ``pick`` picks the selection from;
@@ -639,22 +638,38 @@ def compact_box(
         split: The advanced index.
         shape: The tensor's shape.
         itemsize: Bytes per element.
-        max_gap: Bytes of skipped rows below which two parts are read as one (0: every gap
-            splits, as ``slice_reads="exact"`` wants).
+        max_gap: Bytes skipped between two parts below which they are read as one (0: every
+            gap splits, as ``slice_reads="exact"`` wants).
+        mapped: The tensor is mapped, where a part is a strided copy of what it selects, along
+            any dimension. Read from a file, a part along a later dimension than the first
+            the box spans would be a read per row (``[:, [0, 4095]]`` of a tall tensor: 100x
+            slower than its box as one read), so only that first one is split there, where
+            each part is one span of the file and a gap is bytes not read.
     """
-    if split.sparse is None:
-        return None
-    dim, at, rows = split.sparse
     box = split.box
-    extent = box[dim].stop - box[dim].start
-    if len(rows) < 2 or len(rows) == extent:
+    if not split.arrays:
         return None
-    box_bytes = itemsize
-    for d, part in enumerate(box):
-        box_bytes *= len(range(*part.indices(shape[d])))
-    row_bytes = box_bytes // extent
+    try:
+        lengths = [_length(range(*part.indices(n))) for part, n in zip(box, shape, strict=True)]
+    except (TypeError, ValueError):
+        return None  # a slice of the index no plan takes: planning the box says why
+    best: tuple[float, int, int, np.ndarray, int] | None = None
+    for dim, at, rows in split.arrays:
+        extent = lengths[dim]
+        leading = all(n == 1 for n in lengths[:dim])
+        if len(rows) < 2 or len(rows) == extent or not (leading or mapped):
+            continue
+        # Bytes a skipped row of ``dim`` saves: the file's span of it where parts are spans,
+        # else the box's elements in it.
+        unit = itemsize * (math.prod(shape[dim + 1 :]) if leading else math.prod(lengths) // extent)
+        if best is None or len(rows) / extent < best[0]:
+            best = (len(rows) / extent, dim, at, rows, unit)
+    if best is None:
+        return None
+    _, dim, at, rows, unit = best
+    extent = lengths[dim]
     gaps = np.diff(rows) - 1
-    split_at = gaps * row_bytes >= max(max_gap, 1)  # a gap of 0 rows never splits
+    split_at = gaps * unit >= max(max_gap, 1)  # a gap of 0 rows never splits
     candidates = np.nonzero(split_at)[0]
     if len(candidates) >= SPARSE_PARTS:
         # Too many parts: only the widest gaps split.
@@ -729,7 +744,7 @@ def split_advanced(
     out_of_range: SliceError | None = None
     box: list[slice] = []
     pick: list[Any] = []
-    sparse: tuple[int, int, np.ndarray] | None = None
+    index_arrays: list[tuple[int, int, np.ndarray]] = []
     for item, arr in zip(items, arrays, strict=True):
         dim = len(box)
         if item is Ellipsis:
@@ -811,11 +826,7 @@ def split_advanced(
                 box.append(slice(low, high + 1))
                 # Bad values become the box's length: out of range there too, never wrapped.
                 pick.append(np.where(bad, high + 1 - low, values - low))
-                rows = np.unique(good)
-                if sparse is None or len(rows) * (sparse[2][-1] - sparse[2][0] + 1) < len(
-                    sparse[2]
-                ) * (high + 1 - low):
-                    sparse = (dim, len(pick) - 1, rows)
+                index_arrays.append((dim, len(pick) - 1, np.unique(good)))
             elif values.size and size:
                 # Every value out of range: a box of one, and values past it. An empty box would
                 # make torch refuse even an empty selection (it checks nothing else lazily).
@@ -831,4 +842,4 @@ def split_advanced(
                 kind="InvalidSlice",
             )
     box.extend([slice(None)] * (ndim - len(box)))
-    return AdvancedSplit(tuple(box), tuple(pick), out_of_range, sparse)
+    return AdvancedSplit(tuple(box), tuple(pick), out_of_range, tuple(index_arrays))

@@ -79,6 +79,21 @@ def test_diff_compares_a_key_the_shards_disagree_on_tensor_by_tensor(
     assert r.code == 1 and list(r.json()["metadata"]["by_shard"]) == ["quant_method"]
 
 
+def test_diff_by_shard_takes_a_models_own_value_where_its_index_sets_one(
+    cli, sharded: Path, tmp_path: Path
+) -> None:
+    """A key the index sets is the model's for every tensor (it wins over the shards'): it
+    went uncompared when the other model's shards disagreed on it (exit 0)."""
+    edit_metadata(sharded / "model-00001-of-00002.safetensors", set={"q": "1"})
+    edit_metadata(sharded / "model-00002-of-00002.safetensors", set={"q": "2"})
+    other = tmp_path / "other"
+    shutil.copytree(sharded, other)
+    _set_index_metadata(other, q="3")
+    doc = cli("diff", sharded, other, "--json").json()
+    assert doc["equal"] is False
+    assert set(doc["metadata"]["by_shard"]["q"][1].values()) == {"3"}
+
+
 def test_a_rewrite_warns_of_keys_the_shards_disagree_on(cli, sharded: Path, tmp_path: Path) -> None:
     """merge/reshard/extract keep what every shard agrees on: a key in one shard only was
     lost without a word."""
@@ -98,6 +113,12 @@ def test_a_rewrite_warns_of_keys_the_shards_disagree_on(cli, sharded: Path, tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         merge(sharded, tmp_path / "m3.safetensors", metadata={"quant_method": "gptq"})
+        # format is written whatever the shards say (one lacking it is no key left out).
+        edit_metadata(sharded / "model-00001-of-00002.safetensors", delete=["format"])
+        edit_metadata(sharded / "model-00001-of-00002.safetensors", set={"quant_method": "gptq"})
+        merge(sharded, tmp_path / "m4.safetensors")
+    with safe_open(tmp_path / "m4.safetensors", "np") as f:
+        assert f.metadata() == {"format": "pt", "quant_method": "gptq"}
 
 
 def test_a_sharded_model_equals_its_merge(cli, sharded: Path, tmp_path: Path) -> None:

@@ -354,21 +354,21 @@ def test_pread_dense_fragments_read_exact_bytes_when_asked(
 @pytest.mark.parametrize(
     ("index", "elements"),
     [
-        ((slice(None), [0, 4095]), 64 * 2),
-        ((slice(None), np.array([[4095, 7], [0, 8]])), 64 * 4),
         (([1, 5, 60], slice(0, 16)), 3 * 16),
         (([40, 3, 40], None, slice(None, None, 1000)), 2 * 5),  # a repeated row read once
-        # Two arrays: the sparser one (columns) is read in parts, the other's box whole.
-        (([2, 63], [4095, 0]), 62 * 2),
+        (([2, 63], [4095, 0]), 2 * 4096),  # the rows' parts; their columns' box whole
         ((np.arange(0, 64, 2), 5), 32),
+        ((np.array([[63, 0], [0, 63]]), slice(10, 12)), 2 * 2),
+        # Along a later dimension, parts would be a read per row: the box is one read.
+        ((slice(None), [0, 4095]), 64 * 4096),
+        ((3, [0, 4095]), 2),  # ... unless the dimensions before it are one row
     ],
 )
 def test_pread_index_arrays_read_exact_bytes_when_asked(
     big: tuple[Path, np.ndarray], index: Any, elements: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An index array's box was read whole even with ``slice_reads="exact"``: ``[:, [0,
-    4095]]`` read the whole tensor for two columns. Its box is now read in parts, the
-    selected rows only."""
+    """An index array's box was read whole even with ``slice_reads="exact"``: ``[[1, 5, 60],
+    :16]`` read 60 rows for 3. Its box is now read in parts, the selected rows only."""
     path, arr = big
     got, calls = _count_preads(path, index, monkeypatch, slice_reads="exact")
     np.testing.assert_array_equal(got, arr[index])
@@ -377,19 +377,26 @@ def test_pread_index_arrays_read_exact_bytes_when_asked(
 
 def test_a_sparse_index_array_reads_its_box_in_parts() -> None:
     """Gaps wider than SPARSE_GAP split the box (where no gap is, it stays whole), at most
-    SPARSE_PARTS parts, and the pick addresses the joined parts."""
+    SPARSE_PARTS parts, and the pick addresses the joined parts. Read from a file, only along
+    the first dimension the box spans; mapped, along any."""
     from pysafetensors._slicing import SPARSE_GAP, SPARSE_PARTS, compact_box, split_advanced
 
     shape = (2048, 4096)
-    split = split_advanced((slice(None), [4095, 0, 4095]), shape)
-    boxes, pick, axis = compact_box(split, shape, 2, SPARSE_GAP) or ((), (), -1)
+    columns = split_advanced((slice(None), [4095, 0, 4095]), shape)
+    assert compact_box(columns, shape, 2, SPARSE_GAP, mapped=False) is None
+    boxes, pick, axis = compact_box(columns, shape, 2, SPARSE_GAP, mapped=True) or ((), (), -1)
     assert axis == 1 and boxes == [(slice(None), slice(0, 1)), (slice(None), slice(4095, 4096))]
     assert pick[1].tolist() == [1, 0, 1]
-    near = split_advanced((slice(None), [0, 9]), shape)
-    assert compact_box(near, shape, 2, SPARSE_GAP) is None  # 8 columns: read through
-    assert compact_box(split_advanced(([0, 1, 2],), shape), shape, 2, 0) is None  # no gap
+    rows = split_advanced(([2000, 1, 1],), shape)
+    boxes, pick, axis = compact_box(rows, shape, 2, SPARSE_GAP, mapped=False) or ((), (), -1)
+    assert axis == 0 and [b[0] for b in boxes] == [slice(1, 2), slice(2000, 2001)]
+    assert pick[0].tolist() == [1, 0, 0]
+    near = split_advanced(([0, 9],), shape)  # 8 rows of 8 KiB between: read through
+    assert compact_box(near, shape, 2, SPARSE_GAP, mapped=False) is None
+    assert compact_box(near, shape, 2, 0, mapped=False) is not None  # exact: every gap
+    assert compact_box(split_advanced(([0, 1, 2],), shape), shape, 2, 0, mapped=False) is None
     many = split_advanced((np.arange(0, 4096 * 2, 2) % 4096,), (4096, 4096))
-    boxes, pick, axis = compact_box(many, (4096, 4096), 1, 0) or ((), (), -1)
+    boxes, pick, axis = compact_box(many, (4096, 4096), 1, 0, mapped=False) or ((), (), -1)
     assert len(boxes) <= SPARSE_PARTS and axis == 0
     joined = np.concatenate([np.arange(4096)[b[0]] for b in boxes])
     np.testing.assert_array_equal(joined[pick[0]], np.arange(0, 4096 * 2, 2) % 4096)
@@ -833,3 +840,15 @@ def test_small_tensor_box_of_a_truncated_file_names_the_tensor(tmp_path: Path) -
                 out.seek(start)
                 out.write(np.ones((8, 8), np.float32).tobytes())
             np.testing.assert_array_equal(f.get_slice("m")[:, :4], np.ones((8, 4), np.float32))
+
+
+@pytest.mark.parametrize(
+    "index", [([0, 40], slice(None, None, 0)), ([0, 40], slice(1.5, 2)), (slice(0, 1, 0), [0, 9])]
+)
+def test_a_bad_slice_beside_an_index_array_is_a_slice_error(
+    big: tuple[Path, np.ndarray], index: Any
+) -> None:
+    # Measuring the box to read it in parts raised Python's own ValueError/TypeError.
+    path, _ = big
+    with safe_open(path, "np") as f, pytest.raises(SliceError):
+        f.get_slice("x")[index]

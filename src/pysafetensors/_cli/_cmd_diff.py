@@ -286,12 +286,17 @@ def _varying_keys(model: Model, agreed: dict[str, str]) -> set[str]:
     return keys - agreed.keys()
 
 
-def _file_values(model: Model, key: str) -> dict[str, str | None]:
-    """``key``'s value in each of a model's files (None where a file lacks it), by label."""
+def _file_values(model: Model, agreed: dict[str, str], key: str) -> dict[str, str | None]:
+    """``key``'s value for the tensors of each of a model's files (None where a file lacks
+    it), by label: the model's own where it has one (an index key wins over the files')."""
+    if key in agreed:
+        return {model.label(f.label): agreed[key] for f in model.files}
     return {model.label(f.label): (f.header.metadata or {}).get(key) for f in model.files}
 
 
-def _by_shard_changes(ma: Model, mb: Model, keys: list[str]) -> dict[str, Any]:
+def _by_shard_changes(
+    ma: Model, meta_a: dict[str, str], mb: Model, meta_b: dict[str, str], keys: list[str]
+) -> dict[str, Any]:
     """The keys, of those on which a model's files disagree, that a tensor in both models sees
     differently (its file's value of the key in A against B's), each as ``[A's files' values,
     B's]``. The models' files may split the tensors differently: a key the same for every
@@ -299,8 +304,8 @@ def _by_shard_changes(ma: Model, mb: Model, keys: list[str]) -> dict[str, Any]:
     changed: dict[str, Any] = {}
     both = [n for n in ma.tensors if n in mb.tensors]
     for key in keys:
-        seen_a = _file_values(ma, key)
-        seen_b = _file_values(mb, key)
+        seen_a = _file_values(ma, meta_a, key)
+        seen_b = _file_values(mb, meta_b, key)
         if any(
             seen_a[ma.label(ma.tensors[n].file.label)] != seen_b[mb.label(mb.tensors[n].file.label)]
             for n in both
@@ -333,7 +338,7 @@ def diff_models(
             for k, v in meta_a.items()
             if k in meta_b and meta_b[k] != v and k not in varying
         },
-        "by_shard": _by_shard_changes(ma, mb, sorted(varying)),
+        "by_shard": _by_shard_changes(ma, meta_a, mb, meta_b, sorted(varying)),
     }
     names = [n for n in ma.tensors if accept(n)] + [
         n for n in mb.tensors if n not in ma.tensors and accept(n)
