@@ -1360,7 +1360,10 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         itemsize = info.dtype.bits // 8
         # A sparse index array (``[[3, 17, 40000]]``) reads its box in parts, not whole;
         # ``slice_reads`` applies to reads from a file, not to copies from a mapping.
-        mapped = self._backend == "mmap" or isinstance(source, MmapSource)
+        # (As _read_plan tells: a remote file opened with the default backend is not mapped.)
+        mapped = (self._backend == "mmap" or isinstance(source, MmapSource)) and source.view(
+            self._header.data_start + info.begin, info.nbytes
+        ) is not None
         exact = self._slice_reads == "exact" and not mapped
         parts = compact_box(split, info.shape, itemsize, 0 if exact else SPARSE_GAP, mapped=mapped)
         boxes, pick, axis = ([split.box], split.pick, 0) if parts is None else parts

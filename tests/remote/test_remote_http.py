@@ -656,6 +656,29 @@ def test_exact_slice_reads_fetch_only_the_selected_bytes_remotely(
     assert fetched["coalesce"] > 4 * selected
 
 
+def test_index_arrays_read_remotely_in_row_parts_and_column_boxes(
+    server: RangeServer, data_dir: Path
+) -> None:
+    """Rows far apart are fetched alone (``[[3, 17, 2900]]``: 3 rows, not 2,898); columns are
+    one box of few requests: as parts, each would be a request per row (with the default
+    backend the remote file counted as mapped, and "exact" took 7 s for 2 columns)."""
+    from pysafetensors import safe_open
+    from pysafetensors.numpy import save_file
+
+    values = np.arange(3000 * 512, dtype=np.float32).reshape(3000, 512)
+    save_file({"w": values}, str(data_dir / "rows.safetensors"))
+    url = server.url("rows.safetensors")
+    for mode in ("exact", "coalesce"):
+        with safe_open(url, "np", slice_reads=mode) as f:
+            before = len(server.records())
+            assert np.array_equal(f.get_slice("w")[[3, 17, 2900]], values[[3, 17, 2900]])
+            rows = server.records()[before:]
+            assert sum(r.nbytes for r in rows) < 40 * 2048, mode  # read through 14 rows
+            before = len(server.records())
+            assert np.array_equal(f.get_slice("w")[:, [0, 511]], values[:, [0, 511]])
+            assert len(server.records()) - before < 20, mode
+
+
 def test_column_splits_of_many_small_tensors_are_fetched_together(
     server: RangeServer, data_dir: Path
 ) -> None:
