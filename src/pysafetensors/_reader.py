@@ -1228,6 +1228,14 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         check_representable(plan.shape, info.dtype, info.name)
         return plan
 
+    def _mapped_view(self, info: TensorInfo, source: ByteSource) -> memoryview | None:
+        """``info``'s bytes in place where the tensor is read through a mapping (the ``mmap``
+        backend, a mapped file object, a buffer), else None (read by positioned reads: a
+        file, a remote one opened with the default backend too)."""
+        if self._backend != "mmap" and not isinstance(source, MmapSource):
+            return None
+        return source.view(self._header.data_start + info.begin, info.nbytes)
+
     def _read_plan(
         self,
         info: TensorInfo,
@@ -1246,8 +1254,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 byte_shape, plan = whole_bytes
                 info = info._replace(shape=byte_shape, dtype=BYTES)
         if plan.nbytes:
-            mapped = self._backend == "mmap" or isinstance(source, MmapSource)
-            view = source.view(base, info.nbytes) if mapped else None
+            view = self._mapped_view(info, source)
             if view is not None:
                 if self._read_cold_part(info, plan, source, base, buf):
                     return buf
@@ -1360,10 +1367,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         itemsize = info.dtype.bits // 8
         # A sparse index array (``[[3, 17, 40000]]``) reads its box in parts, not whole;
         # ``slice_reads`` applies to reads from a file, not to copies from a mapping.
-        # (As _read_plan tells: a remote file opened with the default backend is not mapped.)
-        mapped = (self._backend == "mmap" or isinstance(source, MmapSource)) and source.view(
-            self._header.data_start + info.begin, info.nbytes
-        ) is not None
+        mapped = self._mapped_view(info, source) is not None
         exact = self._slice_reads == "exact" and not mapped
         parts = compact_box(split, info.shape, itemsize, 0 if exact else SPARSE_GAP, mapped=mapped)
         boxes, pick, axis = ([split.box], split.pick, 0) if parts is None else parts

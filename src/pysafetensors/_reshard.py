@@ -191,16 +191,17 @@ def _source_order(src: ShardedSafeOpen) -> list[str]:
     return src.offset_keys()
 
 
-def _source_metadata(src: ShardedSafeOpen, fmt: str | None) -> tuple[str, dict[str, Any]]:
+def _source_metadata(
+    src: ShardedSafeOpen, shard_metas: list[dict[str, str] | None], fmt: str | None
+) -> tuple[str, dict[str, Any]]:
     """The ``format`` and the metadata a direct save of the source's tensors would have been
     given: the model's metadata (:func:`model_metadata`: what every shard agrees on, then the
     index's) without ``format`` and without the keys an index computes (a file's own
     ``total_size`` key would otherwise replace the index's, user keys winning as in the hub, and
     the index would declare a size its shards do not hold). The format is ``fmt`` where given,
-    else the source's own (a TensorFlow or Flax checkpoint stays one), else ``"pt"``."""
-    meta = model_metadata(
-        src.shard_metadata(), src.index_metadata() if is_index_path(src.path) else None
-    )
+    else the source's own (a TensorFlow or Flax checkpoint stays one), else ``"pt"``.
+    ``shard_metas``: the source's :meth:`~ShardedSafeOpen.shard_metadata`."""
+    meta = model_metadata(shard_metas, src.index_metadata() if is_index_path(src.path) else None)
     meta = {k: v for k, v in (meta or {}).items() if k not in COMPUTED_KEYS}
     own = meta.pop("format", None)
     if fmt is None:
@@ -388,10 +389,13 @@ def _write_one(
                 progress(state[0], state[1])
 
 
-def _warn_disagreeing_keys(src: ShardedSafeOpen, kept: Collection[str]) -> None:
-    """Warn of the metadata keys some source shards hold that the output does not keep (not in
-    ``kept``: the shards disagree on them), where the caller gave no ``metadata``."""
-    held = {k for meta in src.shard_metadata() for k in meta or {}}
+def _warn_disagreeing_keys(
+    src: ShardedSafeOpen, shard_metas: list[dict[str, str] | None], kept: Collection[str]
+) -> None:
+    """Warn of the metadata keys some source shards hold (``shard_metas``) that the output does
+    not keep (not in ``kept``: the shards disagree on them), where the caller gave no
+    ``metadata``."""
+    held = {k for meta in shard_metas for k in meta or {}}
     # ``format`` is written whatever the shards say, and the computed keys anew.
     dropped = sorted(held - set(kept) - {"format", *COMPUTED_KEYS})
     if dropped:
@@ -426,20 +430,22 @@ def _rewrite(
         # The clean-up deletes source files there once the new ones are renamed in: the new
         # ones must be on the disk first, or a power cut soon after could leave neither.
         fsync = _folder_of_source(src, out, {path for path, _, _ in located.values()})
-    fmt, own = _source_metadata(src, fmt)
+    # Each shard's header metadata, read once (a remote shard's header is a request).
+    shard_metas = src.shard_metadata()
+    fmt, own = _source_metadata(src, shard_metas, fmt)
     meta = dict(own if metadata is None else metadata)
     # What every source file's header holds stays in every output file's header (transformers
     # reads a quantizer's metadata back from each shard's header): not only in the index.
     in_headers: dict[str, Any] = {}
     if metadata is None:
         source_index = src.index_metadata() if is_index_path(src.path) else None
-        shared = model_metadata(src.shard_metadata(), None) or {}
+        shared = model_metadata(shard_metas, None) or {}
         in_headers = {
             k: v
             for k, v in shared.items()
             if k != "format" and k not in COMPUTED_KEYS and k not in (source_index or {})
         }
-        _warn_disagreeing_keys(src, shared.keys() | (source_index or {}).keys())
+        _warn_disagreeing_keys(src, shard_metas, shared.keys() | (source_index or {}).keys())
     # transformers v5 records total_parameters in its index; recomputed for the tensors
     # actually written, it goes into the output's index, as total_size does. A single output
     # file has no index and gets neither (as a single-file save by transformers): in its header
