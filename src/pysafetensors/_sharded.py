@@ -1035,6 +1035,39 @@ class ShardedSafeOpen(HandleBehaviour):
         self._live()
         return dict(self._weight_map)
 
+    def drop_stale_entries(self) -> dict[str, str]:
+        """Leave out of this handle the index's entries for tensors their shard does not hold
+        (entries left from an earlier save, say), as transformers loads such checkpoints.
+
+        Reads every shard's header. Afterwards :meth:`keys`, :meth:`offset_keys`,
+        :meth:`get_tensors` and the rest see only the tensors that are there; asking for a
+        dropped name is :class:`TensorNotFoundError`. :func:`pysafetensors.torch.load_model`
+        calls it, with a warning naming what it dropped. Call it before other threads read
+        through the handle.
+
+        Returns:
+            The entries dropped, tensor name to shard name, in the index's order.
+        """
+        self._live()
+        absent: set[str] = set()
+        with contextlib.closing(self._pinned_in_turn(self._shards)) as pinned:
+            for shard, handle in pinned:
+                present = handle.header.tensors
+                absent.update(n for n in self._placed(shard) if n not in present)
+        if not absent:
+            return {}
+        with self._lock:
+            weight_map = self._weight_map
+            dropped = {n: s for n, s in weight_map.items() if n in absent}
+            kept = {n: s for n, s in weight_map.items() if n not in absent}
+            by_shard: dict[str, list[str]] = {}
+            for tensor, placed in kept.items():
+                by_shard.setdefault(placed, []).append(tensor)
+            # Both swapped whole, the tensors per shard built from the map it goes with.
+            self._weight_map = kept
+            self._by_shard = by_shard
+        return dropped
+
     def get_tensor_meta(self, name: str) -> TensorMeta:
         """A tensor's dtype, shape and offsets (within its shard), without reading its data."""
         self._live()

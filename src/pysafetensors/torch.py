@@ -8,6 +8,7 @@ never modified, and ``save_file`` writes straight from tensor memory.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, TypeVar
@@ -31,6 +32,7 @@ from ._dtypes import dtype_from_code
 from ._errors import PathArg, SerializeError, SharedTensorsError
 from ._layout import check_metadata
 from ._reader import safe_open
+from ._sharded import ShardedSafeOpen, shown
 from ._sharding import save_model_sharded, save_sharded
 from ._torch_adapter import ADAPTER, TO_TORCH, end_ptr
 from ._torch_in_place import in_place_targets, maps_file
@@ -407,6 +409,20 @@ def save_model(
         ) from None
 
 
+def _warn_stale_entries(index: str, dropped: Mapping[str, str]) -> None:
+    """Warn that ``load_model`` left out index entries their shards do not hold."""
+    if not dropped:
+        return
+    named = ", ".join(f"{name!r} (in {shard!r})" for name, shard in list(dropped.items())[:5])
+    more = f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+    warnings.warn(
+        f"index {shown(index)} places {len(dropped)} tensor(s) in shards that do not hold them, "
+        f"left out of the load: {named}{more}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def load_model(
     model: torch.nn.Module,
     filename: Any,
@@ -432,7 +448,9 @@ def load_model(
     Args:
         model: The model to load into.
         filename: A path, URL or binary file object; a model folder or index file loads a
-            sharded checkpoint.
+            sharded checkpoint (index entries for tensors their shard does not hold are left
+            out with a ``UserWarning``, as transformers loads them: see
+            :meth:`~pysafetensors.ShardedSafeOpen.drop_stale_entries`).
         strict: Raise if keys are missing or unexpected (after restoring tied weights).
         device: Where the file's tensors are loaded: the model's parameters on that device
             are read in place (the CPU, or a CUDA device).
@@ -446,6 +464,8 @@ def load_model(
         RuntimeError: ``strict`` and keys are missing or unexpected.
     """
     with safe_open(filename, "pt", device=device, backend=backend) as f:
+        if isinstance(f, ShardedSafeOpen):
+            _warn_stale_entries(f.path, f.drop_stale_entries())
         in_place = in_place_targets(model, f, device, mapped=maps_file(filename, backend))
         if in_place:
             # Everything that can refuse the load (the other tensors' reads, every shard's

@@ -79,6 +79,54 @@ def test_torch_load_file_and_load_model_from_folder(tmp_path: Path) -> None:
         assert torch.equal(fresh.state_dict()[k], v)
 
 
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_load_model_leaves_out_index_entries_their_shards_do_not_hold(
+    tmp_path: Path, backend: str
+) -> None:
+    # transformers loads such checkpoints from the hub (an entry left from an earlier save);
+    # load_model does too, with a warning, and the model's own key that only the stale entry
+    # offered is missing, as strict= decides.
+    torch = pytest.importorskip("torch")
+    from pysafetensors.torch import load_model
+    from pysafetensors.torch import save_file as torch_save_file
+
+    source = torch.nn.Linear(4, 3)
+    torch_save_file({"weight": source.weight.detach()}, str(tmp_path / "s1.safetensors"))
+    torch_save_file({"bias": source.bias.detach()}, str(tmp_path / "s2.safetensors"))
+    _write_index(
+        tmp_path,
+        {"weight": "s1.safetensors", "bias": "s2.safetensors", "old.weight": "s1.safetensors"},
+    )
+    model = torch.nn.Linear(4, 3)
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\) .*'old.weight' \(in 's1.safetensors'\)"):
+        assert load_model(model, tmp_path, backend=backend) == (set(), [])
+    assert torch.equal(model.weight, source.weight) and torch.equal(model.bias, source.bias)
+
+    _write_index(tmp_path, {"weight": "s1.safetensors", "bias": "s1.safetensors"})
+    fresh = torch.nn.Linear(4, 3)
+    with pytest.warns(UserWarning, match="'bias'"), pytest.raises(RuntimeError, match='"bias"'):
+        load_model(fresh, tmp_path, backend=backend)
+    with pytest.warns(UserWarning, match="'bias'"):
+        assert load_model(fresh, tmp_path, strict=False, backend=backend) == ({"bias"}, [])
+    assert torch.equal(fresh.weight, source.weight)
+
+
+def test_load_model_names_the_first_five_stale_entries(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from pysafetensors.torch import load_model
+    from pysafetensors.torch import save_file as torch_save_file
+
+    torch_save_file({"weight": torch.zeros(2, 2)}, str(tmp_path / "s1.safetensors"))
+    _write_index(
+        tmp_path, {"weight": "s1.safetensors", **{f"g{i}": "s1.safetensors" for i in range(7)}}
+    )
+    with pytest.warns(UserWarning) as caught:
+        load_model(torch.nn.Linear(2, 2, bias=False), tmp_path)
+    message = str(caught[0].message)
+    assert "7 tensor(s)" in message and "'g4'" in message and "'g5'" not in message
+    assert message.endswith("and 2 more") and caught[0].filename == __file__
+
+
 def test_context_manager_and_close(tmp_path: Path) -> None:
     sd = random_arrays(1, 10)
     save_sharded(sd, tmp_path, 100)
@@ -234,6 +282,36 @@ def test_an_index_entry_left_from_another_save_fails_only_its_own_reads(tmp_path
             with pytest.raises(ShardIndexError, match="'gone' in shard 's2.safetensors'") as info:
                 read()
             assert info.value.kind == "TensorNotInShard" and info.value.tensor == "gone"
+
+
+def test_stale_index_entries_can_be_dropped_from_the_handle(tmp_path: Path) -> None:
+    # What load_model does with such an index: the entries whose shard does not hold them
+    # are left out, and the handle then reads as if the index never listed them.
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"b": B}})
+    _write_index(
+        tmp_path,
+        {
+            "gone": "s1.safetensors",
+            "a": "s1.safetensors",
+            "b": "s2.safetensors",
+            "lost": "s2.safetensors",
+        },
+    )
+    with safe_open(tmp_path, "np") as f:
+        assert f.drop_stale_entries() == {"gone": "s1.safetensors", "lost": "s2.safetensors"}
+        assert f.drop_stale_entries() == {}
+        assert f.keys() == ["a", "b"] == f.offset_keys() and len(f) == 2 and "gone" not in f
+        assert f.weight_map() == {"a": "s1.safetensors", "b": "s2.safetensors"}
+        loaded = f.get_tensors()
+        assert list(loaded) == ["a", "b"]
+        np.testing.assert_array_equal(loaded["b"], B)
+        with pytest.raises(TensorNotFoundError):
+            f.get_tensor("gone")
+    with safe_open(tmp_path, "np") as f:  # a new handle sees the index as it is
+        with pytest.raises(ShardIndexError, match="'gone'"):
+            f.get_tensors()
+        f.get_tensor("a")  # a shard opened before the drop is checked again by it
+        assert list(f.drop_stale_entries()) == ["gone", "lost"]
 
 
 def test_total_size_mismatch(tmp_path: Path) -> None:
