@@ -94,6 +94,20 @@ def test_diff_by_shard_takes_a_models_own_value_where_its_index_sets_one(
     assert set(doc["metadata"]["by_shard"]["q"][1].values()) == {"3"}
 
 
+def test_a_warning_made_an_error_by_the_users_filters_is_one_error_line(
+    cli, sharded: Path, tmp_path: Path
+) -> None:
+    """Under PYTHONWARNINGS=error a command's warning is raised: it was reported as a failure
+    no check foresaw (a traceback), not as the error the user asked for."""
+    edit_metadata(sharded / "model-00002-of-00002.safetensors", set={"quant_method": "gptq"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = cli("merge", sharded, tmp_path / "m.safetensors")
+    assert r.code == 1 and "Traceback" not in r.err
+    assert r.err.startswith("error: the shards of") and "'quant_method'" in r.err
+    assert not (tmp_path / "m.safetensors").exists() and os.listdir(tmp_path) == ["sharded"]
+
+
 def test_a_rewrite_warns_of_keys_the_shards_disagree_on(cli, sharded: Path, tmp_path: Path) -> None:
     """merge/reshard/extract keep what every shard agrees on: a key in one shard only was
     lost without a word."""

@@ -198,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, MemoryError("out of memory"), trouble or 1)
     except KeyboardInterrupt:
         return 130
+    except Warning as exc:
+        # A warning the user's filters turn into an error (PYTHONWARNINGS=error, -W error):
+        # one line, as the warning itself would have been, not a traceback.
+        return _fail(args, exc, trouble or 1)
     except Exception as exc:
         # A failure no check foresaw (a bug): its traceback, to report it, and the exit code
         # of a failure to run (for validate and diff, 1 means problems found, never this).
