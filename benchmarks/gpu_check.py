@@ -101,6 +101,9 @@ class CpuOps:
     def wait(self, event: Any) -> None:
         pass
 
+    def done(self, event: Any) -> bool:
+        return True
+
     def synchronize(self, streams: Any) -> None:
         pass
 

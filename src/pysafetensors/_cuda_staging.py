@@ -128,6 +128,10 @@ class DeviceOps(Protocol):
         """Block until ``event`` (from a copy) has completed."""
         ...
 
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` (from a copy) has completed, without blocking."""
+        ...
+
     def synchronize(self, streams: Iterable[Any]) -> None:
         """Block until the work queued on ``streams`` has completed (only theirs: other work
         on the device, a training step or another thread's load, is not waited for)."""
@@ -295,6 +299,9 @@ class TorchCudaOps:
 
     def wait(self, event: Any) -> None:
         event.synchronize()
+
+    def done(self, event: Any) -> bool:
+        return bool(event.query())
 
     def synchronize(self, streams: Iterable[Any]) -> None:
         for stream in streams:
@@ -527,8 +534,11 @@ class _GrowingRing:
     a worker that finds no free buffer pins one if no other worker is pinning, and otherwise
     waits for one to come back: the first chunk is read as soon as the first buffer exists,
     the others are pinned while chunks flow through those already made, and a load that
-    finishes early pins fewer. Free buffers are reused oldest first (the copy out of the
-    oldest is the likeliest to have completed).
+    finishes early pins fewer. A free buffer whose copy has completed is taken first; where
+    every free one's copy is still in flight, another is pinned while the ring may grow, and
+    only then is the oldest taken (its worker waits for its copy). So one worker alone still
+    reads its next chunk while the last crosses the bus: taking back the buffer it had just
+    given made it wait for every copy, and the ring never grew past one buffer.
 
     Where pinning fails once some buffers exist (a limit on locked memory, say), the ring stops
     growing and the load goes on with those; where the first fails, its worker raises and the
@@ -548,15 +558,20 @@ class _GrowingRing:
         """A buffer for the next chunk: a free one, a newly pinned one, or the next returned;
         None when none can be had."""
         with self._cond:
-            while not self._free:
-                if self._size == 0:
-                    return None
+            while True:
+                free = self._free
+                for i, slot in enumerate(free):
+                    if slot[3] is None or self._ops.done(slot[3]):
+                        del free[i]
+                        return slot
                 if not self._pinning and self.made < self._size:
                     self._pinning = True
                     break
+                if free:
+                    return free.popleft()
+                if self._size == 0:
+                    return None
                 self._cond.wait()
-            else:
-                return self._free.popleft()
         try:
             host, view = self._ops.alloc_host(self._nbytes)
         except BaseException as exc:

@@ -130,6 +130,10 @@ class LateCopyOps:
             # an event a second time is allowed, as for CUDA events.
             self.pending = [e for e in self.pending if not any(e is d for d in done)]
 
+    def done(self, event: Any) -> bool:
+        with self.lock:
+            return bool(event["done"])
+
     def synchronize(self, streams: Any) -> None:
         with self.lock:
             self.synced_streams = len(list(streams))
@@ -166,6 +170,48 @@ def test_bytes_land_and_buffers_are_reused(nbytes: int, chunk: int, workers: int
         assert max(stats.reuse.values()) > 1
     assert ops.streams <= workers
     assert not ops.pending
+
+
+class CountedWaitOps(LateCopyOps):
+    """Counts the waits that found their copy still in flight (a worker blocked on the bus);
+    with ``instant``, a copy has completed by the time anyone asks."""
+
+    def __init__(self, instant: bool = False) -> None:
+        super().__init__()
+        self.instant = instant
+        self.blocked = 0
+
+    def done(self, event: Any) -> bool:
+        if self.instant:
+            super().wait(event)  # landed, not waited for
+        return super().done(event)
+
+    def wait(self, event: Any) -> None:
+        if not event["done"]:
+            self.blocked += 1
+        super().wait(event)
+
+
+def test_one_worker_reads_its_next_chunk_while_the_last_is_copied() -> None:
+    # The worker gave its buffer back with the copy in flight and took the same one again:
+    # it waited for every copy before reading on (one buffer, 255 blocking waits of 256).
+    data = _data(1 << 20)
+    ops = CountedWaitOps()
+    dev, stats = stage_to_device(
+        BufferSource(data).readinto, 0, len(data), ops, chunk_bytes=4096, workers=1
+    )
+    assert bytes(dev.numpy()) == data and stats.chunks == 256
+    assert stats.host_buffers == 3  # the worker's buffer and the two spares
+    # Past the ring's three buffers a chunk waits for the copy out of its buffer two chunks
+    # back, not for the one just issued: two copies stay in flight behind every read.
+    assert ops.blocked == 256 - 3 and ops.max_in_flight >= 3
+
+    # Copies that complete at once pin no more than the one buffer they need.
+    fast = CountedWaitOps(instant=True)
+    dev, stats = stage_to_device(
+        BufferSource(data).readinto, 0, len(data), fast, chunk_bytes=4096, workers=1
+    )
+    assert bytes(dev.numpy()) == data and stats.host_buffers == 1 and fast.blocked == 0
 
 
 @pytest.mark.parametrize("workers", [1, 4])
