@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -70,6 +71,10 @@ def parse_device(device: Any) -> Device:
     if not isinstance(device, str) and type(device).__name__ == "device":
         # torch.device: has .type and .index.
         index = getattr(device, "index", None)
+        if index is None and str(device.type) == "cuda":
+            # torch.device("cuda") means the current device (torch.cuda.set_device: a process
+            # per GPU); the string "cuda" means cuda:0, as in the reference.
+            index = _current_cuda_index()
         return parse_device(str(device.type) + ("" if index is None else f":{index}"))
     if not isinstance(device, str):
         raise SafetensorError(f"device {device!r} is invalid", kind="InvalidDevice")
@@ -95,6 +100,15 @@ def parse_device(device: Any) -> Device:
             )
         return Device(kind)
     return Device(kind, index)
+
+
+def _current_cuda_index() -> int | None:
+    """torch's current CUDA device, where CUDA is there (torch is imported: its device object
+    was given); else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.current_device())
 
 
 def _rust_usize(text: str) -> int:

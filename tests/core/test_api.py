@@ -113,6 +113,25 @@ def test_cuda_on_cpu_only_machine(path: Path) -> None:
     assert info.value.kind == "InvalidDevice"
 
 
+def test_a_torch_cuda_device_without_an_index_is_the_current_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A process per GPU sets its device (torch.cuda.set_device(local_rank)) and loads with
+    # device=torch.device("cuda"): every rank's weights went to GPU 0. The string "cuda" stays
+    # cuda:0, as in the reference.
+    torch = pytest.importorskip("torch")
+    from pysafetensors._devices import Device, parse_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert parse_device(torch.device("cuda")) == Device("cuda", 3)
+    assert parse_device(torch.device("cuda", 1)) == Device("cuda", 1)
+    assert parse_device("cuda") == Device("cuda", 0)
+    assert parse_device(torch.device("cpu")) == Device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parse_device(torch.device("cuda")) == Device("cuda", 0)  # refused later, as "cuda"
+
+
 def test_open_errors_keep_oserror_subclass(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         safe_open(tmp_path / "missing.safetensors", "np")
