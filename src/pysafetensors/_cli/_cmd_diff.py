@@ -302,14 +302,19 @@ def _by_shard_changes(
     B's]``. The models' files may split the tensors differently: a key the same for every
     tensor is no difference, however the files hold it."""
     changed: dict[str, Any] = {}
-    both = [n for n in ma.tensors if n in mb.tensors]
+    if not keys:
+        return changed
+    # Which file of A and which of B each tensor in both lies in: a pair of files per
+    # tensor, but few pairs (shards), each checked once per key instead of every tensor.
+    pairs = {
+        (ma.label(ma.tensors[n].file.label), mb.label(mb.tensors[n].file.label))
+        for n in ma.tensors
+        if n in mb.tensors
+    }
     for key in keys:
         seen_a = _file_values(ma, meta_a, key)
         seen_b = _file_values(mb, meta_b, key)
-        if any(
-            seen_a[ma.label(ma.tensors[n].file.label)] != seen_b[mb.label(mb.tensors[n].file.label)]
-            for n in both
-        ):
+        if any(seen_a[a] != seen_b[b] for a, b in pairs):
             changed[key] = [seen_a, seen_b]
     return changed
 
