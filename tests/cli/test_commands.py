@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -660,13 +661,13 @@ def test_stats_histogram_bins_are_bounded(cli, example: Path, bins: str) -> None
 def test_stats_keeps_no_histogram_arrays_until_the_table_is_printed(
     cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The table comes first, so every tensor's histogram waited for it: as arrays, ~25 MB a
-    tensor at a million bins (1 GB for 40 tensors). Each is rendered as its tensor is done,
-    its arrays then let go, and the output is the same."""
+    """The table comes first, so every tensor's histogram waited for it: as arrays on the
+    heap, ~25 MB a tensor at a million bins (1 GB for 40 tensors). Each now waits in a
+    temporary file, its arrays let go, and the output is the same."""
     import gc
     import weakref
 
-    from pysafetensors._cli import _cmd_stats
+    from pysafetensors._cli import _cmd_stats, _histogram_spool
 
     rng = np.random.default_rng(5)
     tensors = {f"t{i}": rng.standard_normal(300).astype(np.float32) for i in range(6)}
@@ -688,7 +689,7 @@ def test_stats_keeps_no_histogram_arrays_until_the_table_is_printed(
 
     monkeypatch.setattr(_cmd_stats, "all_stats", watched)
     monkeypatch.setattr(_cmd_stats, "_BLOCK_LINES", 7)  # blocks end mid-histogram
-    monkeypatch.setattr(_cmd_stats, "_SPOOL_MEMORY", 100)  # and go to a temporary file
+    monkeypatch.setattr(_histogram_spool, "MEMORY_BYTES", 100)  # kept in a temporary file
     r = cli("stats", path, "--histogram", "20")
     assert r.code == 0 and len(alive) == 14
     sections = r.out.split("\n\n")[1:]
@@ -700,6 +701,52 @@ def test_stats_keeps_no_histogram_arrays_until_the_table_is_printed(
         assert len(lines) == 20 and lines[-1].split("]")[0].count("[") == 1
         counts = [int(re.split(r"[)\]]", line)[1].split()[0].replace(",", "")) for line in lines]
         assert counts == entry["histogram"]["counts"]
+
+
+def test_stats_runs_where_no_temporary_file_can_be_written(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The histograms' temporary file is a help, not a need: with the temporary folder gone
+    (or full), they wait on the heap as before, and the output is the same."""
+    import tempfile
+
+    from pysafetensors._cli import _histogram_spool
+
+    rng = np.random.default_rng(6)
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": rng.standard_normal(200).astype(np.float32) for i in range(5)}, path)
+    expected = cli("stats", path, "--histogram", "300")
+    assert expected.code == 0 and expected.out.count(")  ") == 5 * 299
+    monkeypatch.setattr(_histogram_spool, "MEMORY_BYTES", 10_000)  # two histograms, then disk
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    r = cli("stats", path, "--histogram", "300")
+    assert (r.code, r.out, r.err) == (0, expected.out, expected.err)
+
+
+def test_histogram_spool_keeps_what_it_wrote_when_a_write_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tempfile
+
+    from pysafetensors._cli._histogram_spool import HistogramSpool
+
+    class FillsUp(io.BytesIO):
+        def write(self, data: Any) -> int:
+            if self.tell() + len(data) > 100:
+                raise OSError(28, "No space left on device")
+            return super().write(data)
+
+    monkeypatch.setattr(tempfile, "SpooledTemporaryFile", lambda **_: FillsUp())
+    histograms = [
+        (np.arange(n + 1, dtype=np.float64), np.arange(n, dtype=np.int64)) for n in (2, 5, 1)
+    ]
+    with HistogramSpool() as spool:
+        kept = [spool.keep(e, c) for e, c in histograms]
+        assert kept[0] == (0, 2)  # 40 bytes in the file; the next 88 do not fit
+        assert kept[1][0] is histograms[1][0] and kept[2][0] is histograms[2][0]  # the heap
+        for (edges, counts), k in zip(histograms, kept, strict=True):
+            got = spool.get(k)
+            assert got[0].tolist() == edges.tolist() and got[1].tolist() == counts.tolist()
 
 
 def _inconsistent_models(root: Path) -> dict[str, Path]:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO, Any, Final, cast
+from typing import Any, Final, cast
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from ._common import (
     shown,
 )
 from ._histogram import histogram_edges
+from ._histogram_spool import HistogramSpool, Kept
 from ._remote_args import add_remote_args, remote_options
 from ._small_tensors import Batch, batched, read_batch, summarise_batch
 from ._value_stats import Part, Summary, summarise
@@ -42,10 +42,8 @@ from ._value_stats import Part, Summary, summarise
 SCHEMA: Final = "pysafetensors.stats/1"
 #: Most histogram bins (each an int64 counter).
 MAX_BINS: Final = 1_000_000
-#: Histogram lines rendered and written at once.
+#: Histogram lines drawn and written at once.
 _BLOCK_LINES: Final = 16_384
-#: Rendered histograms kept in memory before their spool goes to a temporary file.
-_SPOOL_MEMORY: Final = 1 << 20
 
 
 def register(sub: Any) -> None:
@@ -218,12 +216,9 @@ def run(args: argparse.Namespace) -> int:
 
         # Each bin is an int64 counter per tensor: 10**10 bins would ask for 75 GiB.
         raise UsageError(f"--histogram takes 1 to {MAX_BINS:,} bins, not {args.histogram:,}")
-    results: list[tuple[TensorRef, Summary, list[int]]] = []
-    # Each histogram is rendered as its tensor is done and kept as text in a spool (memory,
-    # then a temporary file), for after the table: the arrays of every tensor were kept until
-    # then, ~25 MB a tensor at a million bins (40 tensors: 1 GB).
-    spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_MEMORY)  # noqa: SIM115
-    with spool:
+    results: list[tuple[TensorRef, Summary, Kept | None]] = []
+    # The histograms wait for the table off the heap (see HistogramSpool).
+    with HistogramSpool() as spool:
         with open_model(args.target, remote_options(args)) as model:
             inconsistent = model.warn_index()
             refs = [t for t in model.tensors.values() if accept(t.name)]
@@ -255,21 +250,19 @@ def run(args: argparse.Namespace) -> int:
                     )
                     return inconsistent
                 for ref, summary in summaries:
-                    blocks = []
+                    kept = None
                     if summary.edges is not None and summary.counts is not None:
-                        for block in _histogram_blocks(summary.edges, summary.counts):
-                            blocks.append(spool.write(block.encode("utf-8")))
+                        kept = spool.keep(summary.edges, summary.counts)
                         summary.edges = summary.counts = None
-                    results.append((ref, summary, blocks))
+                    results.append((ref, summary, kept))
         _print_results(ui, results, spool)
     return inconsistent
 
 
 def _print_results(
-    ui: Ui, results: list[tuple[TensorRef, Summary, list[int]]], spool: IO[bytes]
+    ui: Ui, results: list[tuple[TensorRef, Summary, Kept | None]], spool: HistogramSpool
 ) -> None:
-    """The table of every tensor, then each histogram (``results``' blocks: lengths of
-    consecutive text in ``spool``)."""
+    """The table of every tensor, then each histogram (kept in ``spool``)."""
     rows = []
     for ref, s, _ in results:
         d = s.as_dict()
@@ -289,21 +282,20 @@ def _print_results(
         )
     numeric = ("COUNT", "MIN", "MAX", "MEAN", "STD", "NAN", "INF", "ZEROS")
     ui.table(["NAME", "DTYPE", *numeric], rows, right=numeric)
-    spool.seek(0)
-    for ref, _, blocks in results:
-        if not blocks:
+    for ref, _, kept in results:
+        if kept is None:
             continue
         ui.line()
         ui.line(f"{quoted(ref.name)}:", style="bold")
-        for length in blocks:
-            ui.line(spool.read(length).decode("utf-8"))
+        for block in _histogram_blocks(*spool.get(kept)):
+            ui.line(block)
 
 
 def _histogram_blocks(edges: np.ndarray, counts: np.ndarray) -> Iterator[str]:
     """A histogram's lines, :data:`_BLOCK_LINES` at a time joined by newlines.
 
     One write a block: a line each took a third of the time of 300 histograms of 1,000 bins;
-    a million bins in one string held ~100 MB."""
+    a million bins in one string held ~50 MB more."""
     values = counts.tolist()
     labels = _edge_labels(edges.tolist())
     peak = max(values) or 1

@@ -162,9 +162,9 @@ class Summary:
     edges: np.ndarray | None = field(default=None)
     """The histogram's bin edges (float64), when one was asked for."""
     counts: np.ndarray | None = field(default=None)
-    """The histogram's counts (int64): arrays, not lists, as a command may keep thousands of
-    histograms until it prints them (Python's numbers took ~70 bytes a bin, 1 GB for 20,000
-    tensors of 1,000 bins)."""
+    """The histogram's counts (int64): arrays, not lists (Python's numbers took ~70 bytes a
+    bin; ``stats`` keeps the arrays of every tensor's histogram until it prints them, in a
+    temporary file where it can)."""
     int_min: int | None = None
     int_max: int | None = None
     """Exact extremes of an integer tensor (float64 rounds integers beyond 2**53: the max of
