@@ -860,10 +860,14 @@ class ShardedSafeOpen(HandleBehaviour):
         if by_shard is None:
             # Built once: a scan of the whole weight map per shard opened made loading 50,000
             # tensors from 2,000 shards take 2.9 s instead of 0.4 s.
+            weight_map = self._weight_map
             by_shard = {}
-            for tensor, placed in self._weight_map.items():
+            for tensor, placed in weight_map.items():
                 by_shard.setdefault(placed, []).append(tensor)
-            self._by_shard = by_shard  # one dict swapped in whole: no lock needed
+            with self._lock:
+                # Not over the map drop_stale_entries swapped in meanwhile (with its own).
+                if self._weight_map is weight_map:
+                    self._by_shard = by_shard
         return by_shard.get(shard, [])
 
     def _indexed(self, shard: str, handle: safe_open, names: Collection[str]) -> Collection[str]:
@@ -1042,8 +1046,8 @@ class ShardedSafeOpen(HandleBehaviour):
         Reads every shard's header. Afterwards :meth:`keys`, :meth:`offset_keys`,
         :meth:`get_tensors` and the rest see only the tensors that are there; asking for a
         dropped name is :class:`TensorNotFoundError`. :func:`pysafetensors.torch.load_model`
-        calls it, with a warning naming what it dropped. Call it before other threads read
-        through the handle.
+        calls it, with a warning naming what it dropped. A read another thread has under way
+        meanwhile may still see the index as it was.
 
         Returns:
             The entries dropped, tensor name to shard name, in the index's order.

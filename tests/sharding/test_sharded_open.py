@@ -314,6 +314,31 @@ def test_stale_index_entries_can_be_dropped_from_the_handle(tmp_path: Path) -> N
         assert list(f.drop_stale_entries()) == ["gone", "lost"]
 
 
+def test_a_drop_meanwhile_is_not_undone_by_a_read_building_the_tensors_per_shard(
+    tmp_path: Path,
+) -> None:
+    # A read that began to group the index's tensors by shard before the drop published its
+    # grouping after it: the dropped names were back, and the shard's reads refused.
+    _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"b": B}})
+    _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors", "gone": "s2.safetensors"})
+    with safe_open(tmp_path, "np") as f:
+        dropped: list[dict[str, str]] = []
+        started: list[bool] = []
+
+        class DropsMidway(dict):  # type: ignore[type-arg]
+            def items(self) -> Any:
+                if not started:
+                    started.append(True)
+                    dropped.append(f.drop_stale_entries())  # another thread's, meanwhile
+                return super().items()
+
+        f._weight_map = DropsMidway(f._weight_map)
+        f._by_shard = None
+        f._placed("s2.safetensors")  # the read's grouping, begun over the old map
+        assert dropped == [{"gone": "s2.safetensors"}]
+        assert list(f.get_tensors()) == ["a", "b"]
+
+
 def test_total_size_mismatch(tmp_path: Path) -> None:
     _write_shards(tmp_path, {"s1.safetensors": {"a": A}, "s2.safetensors": {"b": B}})
     _write_index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, total_size=7)
