@@ -108,6 +108,34 @@ def test_a_warning_made_an_error_by_the_users_filters_is_one_error_line(
     assert not (tmp_path / "m.safetensors").exists() and os.listdir(tmp_path) == ["sharded"]
 
 
+def test_another_librarys_warning_made_an_error_says_what_it_was(
+    cli, sharded: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pysafetensors._cli import _cmd_inspect
+
+    def deprecated(args: object) -> int:
+        warnings.warn("np.foo is deprecated", DeprecationWarning, stacklevel=1)
+        return 0
+
+    monkeypatch.setattr(_cmd_inspect, "run", deprecated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = cli("inspect", sharded)
+    assert (r.code, r.err) == (1, "error: DeprecationWarning: np.foo is deprecated\n")
+
+    # Raised while the commands are imported, before any option is read.
+    import pysafetensors._cli as cli_module
+
+    def importing() -> None:
+        warnings.warn("a module is deprecated", FutureWarning, stacklevel=1)
+
+    monkeypatch.setattr(cli_module, "build_parser", importing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = cli("inspect", sharded)
+    assert (r.code, r.err) == (1, "error: FutureWarning: a module is deprecated\n")
+
+
 def test_a_rewrite_warns_of_keys_the_shards_disagree_on(cli, sharded: Path, tmp_path: Path) -> None:
     """merge/reshard/extract keep what every shard agrees on: a key in one shard only was
     lost without a word."""

@@ -127,6 +127,15 @@ def _print_warning(
     print(f"warning: {sanitize(str(message))}", file=sys.stderr)
 
 
+def _warning_error(exc: Warning) -> Warning:
+    """A warning raised as an error, as ``error:`` shows it: the commands' own warnings
+    (UserWarning) by their text, as their ``warning:`` lines; any other (a library's
+    DeprecationWarning, say) with its category, which says where it came from."""
+    if type(exc) is UserWarning:
+        return exc
+    return Warning(f"{type(exc).__name__}: {exc}")
+
+
 def _stand_in_for_closed_streams() -> None:
     """Give a closed stdout or stderr a stand-in that discards what is written.
 
@@ -152,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Ctrl-C while the options are read (building the parser imports the commands): the
         # exit code of an interrupted command, not a traceback.
         return 130
+    except Warning as exc:  # raised by the user's filters while the commands are imported
+        return _fail(argparse.Namespace(), _warning_error(exc), 1)
     # Commands whose 1 means "a negative answer" (validate, diff) report failures as 2.
     trouble = getattr(args, "trouble_code", None)
     try:
@@ -201,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Warning as exc:
         # A warning the user's filters turn into an error (PYTHONWARNINGS=error, -W error):
         # one line, as the warning itself would have been, not a traceback.
-        return _fail(args, exc, trouble or 1)
+        return _fail(args, _warning_error(exc), trouble or 1)
     except Exception as exc:
         # A failure no check foresaw (a bug): its traceback, to report it, and the exit code
         # of a failure to run (for validate and diff, 1 means problems found, never this).
