@@ -179,6 +179,7 @@ def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece], device: Any = No
     are one ``cudaMemcpyAsync`` each (a mixture of experts' 20,000 tensors of 256 bytes were
     20,000 of them, from one thread: its whole file is one chunk). The scratch is freed on the
     current stream, which the allocator reuses it on only after the copies queued there.
+    Where the scratch does not fit on the device, the pieces go straight from ``host``.
 
     Otherwise one ``torch._foreach_copy_`` call for several pieces (its loop runs in C++), else,
     or where that call fails once (a torch without it, or refusing copies between devices), one
@@ -187,9 +188,15 @@ def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece], device: Any = No
     dsts = []
     for dst, at, _, nbytes in pieces:
         dsts.append(dst if at == 0 and nbytes == dst.numel() else dst[at : at + nbytes])
+    srcs = None
     if device is not None and len(pieces) >= SCRATCH_PIECES and _FOREACH_COPY[0]:
-        srcs = _scratch_views(torch, host, pieces, device)
-    else:
+        try:
+            srcs = _scratch_views(torch, host, pieces, device)
+        except torch.cuda.OutOfMemoryError:
+            # Up to a chunk (16 MiB) per worker at once: on a device the load nearly fills,
+            # the pieces go straight from the host buffer instead, as the reference's copies.
+            srcs = None
+    if srcs is None:
         srcs = [host[begin : begin + nbytes] for _, _, begin, nbytes in pieces]
     if len(dsts) > 1 and _FOREACH_COPY[0]:
         try:
@@ -531,14 +538,14 @@ class _GrowingRing:
     MiB on an H200, so the 288 MiB ring of 16 workers took ~0.25 s (``benchmarks/GPU.md``,
     "First calls"), while torch's caching host allocator makes later rings nearly free. Pinned
     all up front, the ring held back every read of a process's first load for that long. Here
-    a worker that finds no free buffer pins one if no other worker is pinning, and otherwise
-    waits for one to come back: the first chunk is read as soon as the first buffer exists,
-    the others are pinned while chunks flow through those already made, and a load that
-    finishes early pins fewer. A free buffer whose copy has completed is taken first; where
-    every free one's copy is still in flight, another is pinned while the ring may grow, and
-    only then is the oldest taken (its worker waits for its copy). So one worker alone still
-    reads its next chunk while the last crosses the bus: taking back the buffer it had just
-    given made it wait for every copy, and the ring never grew past one buffer.
+    a worker takes a free buffer whose copy has completed; else, while the ring may grow and
+    no other worker is pinning, it pins one; else it takes the oldest free buffer (and waits
+    for its copy), or waits for one to come back. The first chunk is read as soon as the
+    first buffer exists, the others are pinned while chunks flow through those already made,
+    a load that finishes early pins fewer, and one worker alone still reads its next chunk
+    while the last crosses the bus (taking back the buffer it had just given made it wait for
+    every copy: the ring never grew past one buffer). Where copies complete faster than
+    chunks are read, no more is pinned than the workers use.
 
     Where pinning fails once some buffers exist (a limit on locked memory, say), the ring stops
     growing and the load goes on with those; where the first fails, its worker raises and the

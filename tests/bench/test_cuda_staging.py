@@ -925,6 +925,33 @@ def test_copy_pieces_through_a_scratch_allocation(
         assert calls == []
 
 
+def test_a_scratch_allocation_that_does_not_fit_leaves_the_copies_to_the_host_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each worker's scratch holds up to a chunk on the device: where the model nearly fills
+    it, an out-of-memory error failed the load, where copies from the host buffer fit."""
+    import pysafetensors._cuda_staging as staging
+
+    monkeypatch.setattr(staging, "_FOREACH_COPY", [True])
+    real_empty = torch.empty
+    tried: list[Any] = []
+
+    def empty(*args: Any, device: Any = None, **kwargs: Any) -> Any:
+        if device is not None:
+            tried.append(device)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    host = torch.from_numpy(np.frombuffer(bytearray(_data(1000)), np.uint8))
+    dsts = [torch.zeros(30, dtype=torch.uint8) for _ in range(staging.SCRATCH_PIECES + 1)]
+    pieces = [(t, 0, 40 * i, 30) for i, t in enumerate(dsts)]
+    staging.copy_pieces(torch, host, pieces, "cpu")
+    assert tried == ["cpu"] and staging._FOREACH_COPY[0]
+    for dst, _, begin, nbytes in pieces:
+        assert torch.equal(dst, host[begin : begin + nbytes])
+
+
 def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
