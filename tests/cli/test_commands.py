@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
 import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -723,30 +723,38 @@ def test_stats_runs_where_no_temporary_file_can_be_written(
     assert (r.code, r.out, r.err) == (0, expected.out, expected.err)
 
 
-def test_histogram_spool_keeps_what_it_wrote_when_a_write_fails(
-    monkeypatch: pytest.MonkeyPatch,
+_UNDER_A_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from pysafetensors._cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file size limits")
+@pytest.mark.parametrize("limit", [300_000, 1_000_000, 2_000_000])
+def test_stats_histograms_survive_a_temporary_file_that_fills_up(
+    tmp_path: Path, limit: int
 ) -> None:
-    import tempfile
+    """Histograms (3.2 MB here) move from memory to a temporary file past 1 MiB, then the
+    file fills up (a file size limit, as a full disk): the move, a write half done, or a
+    buffered write failing at the close printed cut histograms or failed the command."""
+    rng = np.random.default_rng(7)
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": rng.standard_normal(500).astype(np.float32) for i in range(40)}, path)
+    args = ["stats", str(path), "--histogram", "5000"]
 
-    from pysafetensors._cli._histogram_spool import HistogramSpool
+    def run(*prefix: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *prefix, *args], capture_output=True, text=True, timeout=120
+        )
 
-    class FillsUp(io.BytesIO):
-        def write(self, data: Any) -> int:
-            if self.tell() + len(data) > 100:
-                raise OSError(28, "No space left on device")
-            return super().write(data)
-
-    monkeypatch.setattr(tempfile, "SpooledTemporaryFile", lambda **_: FillsUp())
-    histograms = [
-        (np.arange(n + 1, dtype=np.float64), np.arange(n, dtype=np.int64)) for n in (2, 5, 1)
-    ]
-    with HistogramSpool() as spool:
-        kept = [spool.keep(e, c) for e, c in histograms]
-        assert kept[0] == (0, 2)  # 40 bytes in the file; the next 88 do not fit
-        assert kept[1][0] is histograms[1][0] and kept[2][0] is histograms[2][0]  # the heap
-        for (edges, counts), k in zip(histograms, kept, strict=True):
-            got = spool.get(k)
-            assert got[0].tolist() == edges.tolist() and got[1].tolist() == counts.tolist()
+    expected = run("-m", "pysafetensors")
+    assert expected.returncode == 0 and expected.stdout.count(")  ") == 40 * 4999
+    limited = run("-c", _UNDER_A_FILE_SIZE_LIMIT, str(limit))
+    assert (limited.returncode, limited.stderr) == (0, "")
+    assert limited.stdout == expected.stdout
 
 
 def _inconsistent_models(root: Path) -> dict[str, Path]:

@@ -76,7 +76,8 @@ def test_text_keeps_no_histogram_on_the_heap(
     peak = _peak([str(many)], str(out))
     text = out.read_text()
     assert text.count("\nt299:\n") == 1
-    # 4.0 MB measured. Kept on the heap for the table, the histograms took 300 x 1,000 bins x
-    # 16 bytes = 4.8 MB more as arrays (7.1 MB measured), 13 MB more as Python lists.
-    assert peak < 5 * 2**20, peak
+    # 4.0-4.5 MB measured (1 MiB of it the spool's memory part). Kept on the heap for the
+    # table, the histograms took 300 x 1,000 bins x 16 bytes = 4.8 MB more as arrays (7.1 MB
+    # measured), 13 MB more as Python lists.
+    assert peak < 6 * 2**20, peak
     assert os.path.getsize(out) > TENSORS * BINS * 20
