@@ -122,6 +122,29 @@ def test_another_librarys_warning_made_an_error_says_what_it_was(
         warnings.simplefilter("error")
         r = cli("inspect", sharded)
     assert (r.code, r.err) == (1, "error: DeprecationWarning: np.foo is deprecated\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = cli("--debug", "inspect", sharded)
+    assert r.code == 1 and "Traceback" in r.err and "in deprecated" in r.err  # where it was
+    assert r.err.endswith("error: DeprecationWarning: np.foo is deprecated\n")
+
+    class Quiet(DeprecationWarning):
+        pass
+
+    class Ours(UserWarning):  # a command's own kind of warning: its text, as warned
+        pass
+
+    for raised, shown in ((Quiet(), "Quiet"), (Ours("kept as is"), "kept as is")):
+
+        def raising(args: object, raised: Warning = raised) -> int:
+            warnings.warn(raised, stacklevel=1)
+            return 0
+
+        monkeypatch.setattr(_cmd_inspect, "run", raising)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            r = cli("inspect", sharded)
+        assert (r.code, r.err) == (1, f"error: {shown}\n")
 
     # Raised while the commands are imported, before any option is read.
     import pysafetensors._cli as cli_module

@@ -129,11 +129,13 @@ def _print_warning(
 
 def _warning_error(exc: Warning) -> Warning:
     """A warning raised as an error, as ``error:`` shows it: the commands' own warnings
-    (UserWarning) by their text, as their ``warning:`` lines; any other (a library's
-    DeprecationWarning, say) with its category, which says where it came from."""
-    if type(exc) is UserWarning:
+    (UserWarning and its kinds) by their text, as their ``warning:`` lines; any other (a
+    library's DeprecationWarning, say) with its category, which says where it came from.
+    Its traceback stays, for ``--debug``."""
+    if isinstance(exc, UserWarning):
         return exc
-    return Warning(f"{type(exc).__name__}: {exc}")
+    name = type(exc).__name__
+    return Warning(f"{name}: {exc}" if str(exc) else name).with_traceback(exc.__traceback__)
 
 
 def _stand_in_for_closed_streams() -> None:
