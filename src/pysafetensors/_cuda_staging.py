@@ -168,7 +168,7 @@ SCRATCH_PIECES = 8
 _STREAMS = threading.local()
 
 
-def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece], device: Any = None) -> None:
+def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece], device: Any = None) -> bool:
     """Queue the copies of a chunk's pieces of ``host`` (``non_blocking``, on the current
     stream).
 
@@ -179,7 +179,9 @@ def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece], device: Any = No
     are one ``cudaMemcpyAsync`` each (a mixture of experts' 20,000 tensors of 256 bytes were
     20,000 of them, from one thread: its whole file is one chunk). The scratch is freed on the
     current stream, which the allocator reuses it on only after the copies queued there.
-    Where the scratch does not fit on the device, the pieces go straight from ``host``.
+    Where the scratch does not fit on the device, the pieces go straight from ``host``, and
+    False is returned (for the caller to stop asking: torch empties its cache and retries
+    before it reports out-of-memory, a synchronising pass each time); else True.
 
     Otherwise one ``torch._foreach_copy_`` call for several pieces (its loop runs in C++), else,
     or where that call fails once (a torch without it, or refusing copies between devices), one
@@ -189,23 +191,25 @@ def copy_pieces(torch: Any, host: Any, pieces: Sequence[Piece], device: Any = No
     for dst, at, _, nbytes in pieces:
         dsts.append(dst if at == 0 and nbytes == dst.numel() else dst[at : at + nbytes])
     srcs = None
+    fits = True
     if device is not None and len(pieces) >= SCRATCH_PIECES and _FOREACH_COPY[0]:
         try:
             srcs = _scratch_views(torch, host, pieces, device)
         except torch.cuda.OutOfMemoryError:
             # Up to a chunk (16 MiB) per worker at once: on a device the load nearly fills,
             # the pieces go straight from the host buffer instead, as the reference's copies.
-            srcs = None
+            fits = False
     if srcs is None:
         srcs = [host[begin : begin + nbytes] for _, _, begin, nbytes in pieces]
     if len(dsts) > 1 and _FOREACH_COPY[0]:
         try:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            return
+            return fits
         except (AttributeError, TypeError, NotImplementedError, RuntimeError):
             _FOREACH_COPY[0] = False  # a piece copied again below holds the same bytes
     for dst, src in zip(dsts, srcs, strict=True):
         dst.copy_(src, non_blocking=True)
+    return fits
 
 
 def _scratch_views(torch: Any, host: Any, pieces: Sequence[Piece], device: Any) -> Any:
@@ -237,6 +241,9 @@ class TorchCudaOps:
 
         self._torch: Any = torch
         self.device = torch.device(device)
+        # Where chunks of many pieces go through a scratch allocation: None once one did not
+        # fit (for the rest of this load; any worker may clear it).
+        self._scratch_on: Any = self.device
 
     def alloc_device(self, nbytes: int) -> Any:
         return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
@@ -274,7 +281,8 @@ class TorchCudaOps:
     def copy_async(self, host: Any, pieces: Sequence[Piece], stream: Any) -> Any:
         torch = self._torch
         with torch.cuda.stream(stream):
-            copy_pieces(torch, host, pieces, self.device)
+            if not copy_pieces(torch, host, pieces, self._scratch_on):
+                self._scratch_on = None
             event = torch.cuda.Event()
             event.record(stream)
         return event

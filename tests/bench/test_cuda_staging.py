@@ -8,6 +8,7 @@ comparison with a plain CPU load would fail.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -946,10 +947,27 @@ def test_a_scratch_allocation_that_does_not_fit_leaves_the_copies_to_the_host_bu
     host = torch.from_numpy(np.frombuffer(bytearray(_data(1000)), np.uint8))
     dsts = [torch.zeros(30, dtype=torch.uint8) for _ in range(staging.SCRATCH_PIECES + 1)]
     pieces = [(t, 0, 40 * i, 30) for i, t in enumerate(dsts)]
-    staging.copy_pieces(torch, host, pieces, "cpu")
+    assert staging.copy_pieces(torch, host, pieces, "cpu") is False
     assert tried == ["cpu"] and staging._FOREACH_COPY[0]
     for dst, _, begin, nbytes in pieces:
         assert torch.equal(dst, host[begin : begin + nbytes])
+
+    # The runtime stops asking for the rest of its load: each refusal cost torch a pass of
+    # emptying its cache first.
+    class Event:
+        def record(self, stream: Any) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    ops = staging.TorchCudaOps("cpu")
+    for _ in range(3):
+        for dst in dsts:
+            dst.zero_()
+        ops.copy_async(host, pieces, None)
+        assert all(torch.equal(d, host[b : b + n]) for d, _, b, n in pieces)
+    assert tried == ["cpu", ops.device]
+    assert staging.TorchCudaOps("cpu")._scratch_on == torch.device("cpu")  # a new load asks
 
 
 def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
