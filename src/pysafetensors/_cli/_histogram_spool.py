@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import io
 import tempfile
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -40,7 +40,9 @@ class HistogramSpool:
     def __init__(self, memory_bytes: int | None = None) -> None:
         self._memory_bytes = MEMORY_BYTES if memory_bytes is None else memory_bytes
         self._memory: io.BytesIO | None = io.BytesIO()
-        self._disk: io.FileIO | None = None  # unbuffered: a write that returns has landed
+        # An unbuffered binary file (a FileIO; on Windows, tempfile's wrapper of one): a
+        # write that returns has landed.
+        self._disk: Any = None
         self._end = 0  # where the next histogram goes: a failed write leaves nothing counted
         self._failed = False
 
@@ -96,7 +98,7 @@ class HistogramSpool:
         """Copy what memory holds to a new temporary file, and write there from now on; the
         memory copy is let go only once the file holds all of it."""
         disk = tempfile.TemporaryFile(buffering=0)  # noqa: SIM115 - kept until __exit__
-        assert isinstance(disk, io.FileIO) and self._memory is not None
+        assert self._memory is not None
         try:
             with self._memory.getbuffer() as held:
                 _write_all(disk, 0, held[: self._end])
@@ -134,7 +136,7 @@ class HistogramSpool:
         return out
 
 
-def _write_all(file: io.FileIO, at: int, data: memoryview) -> None:
+def _write_all(file: Any, at: int, data: memoryview) -> None:
     """Write all of ``data`` at ``at`` (an unbuffered write may take part of it)."""
     file.seek(at)
     done = 0
