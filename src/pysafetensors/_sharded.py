@@ -378,6 +378,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_locks_in_child)
 
 
+def _tensors_by_shard(weight_map: Mapping[str, str]) -> dict[str, list[str]]:
+    """The tensors a weight map places in each shard, in the map's order."""
+    by_shard: dict[str, list[str]] = {}
+    for tensor, placed in weight_map.items():
+        by_shard.setdefault(placed, []).append(tensor)
+    return by_shard
+
+
 class ShardedSafeOpen(HandleBehaviour):
     """A sharded checkpoint opened as one file: the same methods as :class:`safe_open`.
 
@@ -861,9 +869,7 @@ class ShardedSafeOpen(HandleBehaviour):
             # Built once: a scan of the whole weight map per shard opened made loading 50,000
             # tensors from 2,000 shards take 2.9 s instead of 0.4 s.
             weight_map = self._weight_map
-            by_shard = {}
-            for tensor, placed in weight_map.items():
-                by_shard.setdefault(placed, []).append(tensor)
+            by_shard = _tensors_by_shard(weight_map)
             with self._lock:
                 # Not over the map drop_stale_entries swapped in meanwhile (with its own).
                 if self._weight_map is weight_map:
@@ -1064,12 +1070,9 @@ class ShardedSafeOpen(HandleBehaviour):
             weight_map = self._weight_map
             dropped = {n: s for n, s in weight_map.items() if n in absent}
             kept = {n: s for n, s in weight_map.items() if n not in absent}
-            by_shard: dict[str, list[str]] = {}
-            for tensor, placed in kept.items():
-                by_shard.setdefault(placed, []).append(tensor)
             # Both swapped whole, the tensors per shard built from the map it goes with.
             self._weight_map = kept
-            self._by_shard = by_shard
+            self._by_shard = _tensors_by_shard(kept)
         return dropped
 
     def get_tensor_meta(self, name: str) -> TensorMeta:
