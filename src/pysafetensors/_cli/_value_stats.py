@@ -15,6 +15,7 @@ from typing import Any, Final, cast
 import numpy as np
 
 from ._chunk_work import take_masks
+from ._common import array_rows
 
 __all__ = ["Part", "Summary", "summarise", "summarise_rows"]
 
@@ -223,5 +224,5 @@ class Summary:
             "zeros": self.zeros,
             "histogram": None
             if self.edges is None or self.counts is None
-            else {"edges": self.edges.tolist(), "counts": self.counts.tolist()},
+            else {"edges": array_rows(self.edges), "counts": array_rows(self.counts)},
         }
