@@ -147,6 +147,22 @@ class TensorNotFoundError(SafetensorError, KeyError):
     """Raised when a tensor name is not in the file."""
 
 
+def tensor_not_found(name: str) -> TensorNotFoundError:
+    """The reference's ``File does not contain tensor NAME``, for a name not in the file.
+
+    A name that is not valid Unicode (a lone surrogate, ``"\\ud800"``) is written escaped:
+    the message is then printable (as it stands, printing it raised ``UnicodeEncodeError``);
+    ``tensor`` keeps the name as given."""
+    try:
+        name.encode("utf-8")
+        shown = name
+    except UnicodeEncodeError:
+        shown = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return TensorNotFoundError(
+        f"File does not contain tensor {shown}", kind="TensorNotFound", tensor=str(name)
+    )
+
+
 class DTypeNotSupportedError(SafetensorError, TypeError):
     """Raised when a dtype cannot be represented by the requested framework or format."""
 

@@ -27,10 +27,10 @@ from ._errors import (
     ClosedFileError,
     SafetensorError,
     SliceError,
-    TensorNotFoundError,
     input_path,
     not_an_instance,
     path_argument,
+    tensor_not_found,
 )
 from ._format import (
     HEADER_PREFIX,
@@ -476,9 +476,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         try:
             return self._header.tensors[name]
         except KeyError:
-            raise TensorNotFoundError(
-                f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
-            ) from None
+            raise tensor_not_found(name) from None
 
     def get_tensor_meta(self, name: str) -> TensorMeta:
         """A tensor's dtype, shape and offsets, without reading its data."""

@@ -814,6 +814,7 @@ class HTTPSource(RemoteSource):
         while True:
             conn, reused = self._conns.get(key)
             clock = None
+            refusal: RemoteError | None = None
             try:
                 if self._deadline is not None:
                     clock = _Clock(self._deadline, self._timeout, conn)
@@ -835,39 +836,30 @@ class HTTPSource(RemoteSource):
                 conn.close()
                 # A read the watchdog cut short can fail in any way: the deadline decides.
                 late = clock is not None and (clock.done() or clock.expired())
-                if not late and isinstance(exc, ssl.SSLCertVerificationError):
-                    # Also a ValueError, but no refusal of ours: the server's certificate
-                    # failed verification, which no retry changes. Its reason names no secret.
-                    raise RemoteError(
-                        f"{self._name}: TLS certificate verification failed: "
-                        f"{exc.verify_message or exc.reason or exc}",
-                        kind="TLSError",
-                    ) from None
-                if not late and isinstance(exc, (http.client.InvalidURL, ValueError)):
-                    # http.client refused what we would send (a header value with a line
-                    # break, a character outside Latin-1): no retry can fix that. Its message
-                    # quotes the offending value, which may be a credential: name the headers,
-                    # not the values.
-                    raise RemoteError(
-                        f"{self._name}: cannot send the request: {_refused_request(exc, headers)}",
-                        kind="InvalidRequest",
-                    ) from None
-                if reused and not late and isinstance(exc, _STALE):
-                    # The server closed an idle keep-alive connection: not a failure, and
-                    # not worth a retry's backoff. Try again on a fresh connection.
-                    continue
-                self.stats.add(requests=1)
-                if late:
-                    assert clock is not None
-                    raise self._past_deadline(clock, "before the reply") from exc
-                raise Transient(
-                    f"request to {self._name} failed: {exc!r}", "ConnectionError"
-                ) from exc
+                refusal = None if late else self._refusal(exc, headers)
+                if refusal is None:
+                    if reused and not late and isinstance(exc, _STALE):
+                        # The server closed an idle keep-alive connection: not a failure,
+                        # and not worth a retry's backoff. Try again on a fresh connection.
+                        continue
+                    self.stats.add(requests=1)
+                    if late:
+                        assert clock is not None
+                        raise self._past_deadline(clock, "before the reply") from exc
+                    raise Transient(
+                        f"request to {self._name} failed: {exc!r}",
+                        # A timeout told apart from a refused or dropped connection.
+                        "Timeout" if isinstance(exc, TimeoutError) else "ConnectionError",
+                    ) from exc
             except BaseException:
                 conn.close()
                 if clock is not None:
                     clock.done()
                 raise
+            if refusal is not None:
+                # Outside the except clause: the exception refused may quote a header's value
+                # (a credential), which must not stay reachable as __context__ either.
+                raise refusal
             self.stats.add(requests=1)
             if clock is not None and clock.fired:
                 # The status line or headers were cut short by the watchdog, and may look
@@ -876,6 +868,26 @@ class HTTPSource(RemoteSource):
                 clock.done()
                 raise self._past_deadline(clock, "before the reply")
             return resp, conn, key, clock
+
+    def _refusal(self, exc: BaseException, headers: Mapping[str, str]) -> RemoteError | None:
+        """The error for a request that no retry can fix, or None: a server certificate that
+        failed verification, or a request http.client refused to send."""
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            # Also a ValueError, but no refusal of ours. Its reason names no secret.
+            return RemoteError(
+                f"{self._name}: TLS certificate verification failed: "
+                f"{exc.verify_message or exc.reason or exc}",
+                kind="TLSError",
+            )
+        if isinstance(exc, (http.client.InvalidURL, ValueError)):
+            # http.client refused what we would send (a header value with a line break, a
+            # character outside Latin-1): no retry can fix that. Its message quotes the
+            # offending value, which may be a credential: name the headers, not the values.
+            return RemoteError(
+                f"{self._name}: cannot send the request: {_refused_request(exc, headers)}",
+                kind="InvalidRequest",
+            )
+        return None
 
     def _past_deadline(self, clock: _Clock, when: str) -> Transient:
         return Transient(

@@ -495,7 +495,7 @@ class S3Source(RemoteSource):
         ):
             return Transient(f"{where}: transfer interrupted: {self._clean(exc)}", "Truncated")
         # Endpoint unreachable and the like: botocore already retried.
-        return RemoteError(f"{where}: {self._clean(exc)}", kind="ConnectionError")
+        return RemoteError(f"{where}: {self._clean(exc)}", kind=self._connection_kind(exc))
 
     def _elsewhere(self, exc: Any) -> str:
         """Where a store that redirects a bucket (in another region: botocore follows that
@@ -523,8 +523,17 @@ class S3Source(RemoteSource):
         if not isinstance(error, Transient):
             return error
         if isinstance(failure, self._botoexc.BotoCoreError):
-            return RemoteError(f"{self._name}: {self._clean(failure)}", kind="ConnectionError")
+            return RemoteError(
+                f"{self._name}: {self._clean(failure)}", kind=self._connection_kind(failure)
+            )
         return RemoteError(str(error), kind=error.kind)
+
+    def _connection_kind(self, exc: BaseException) -> str:
+        """``Timeout`` for botocore's timeouts (told apart from a refused or dropped
+        connection), else ``ConnectionError``."""
+        bexc = self._botoexc
+        timeouts = (bexc.ReadTimeoutError, bexc.ConnectTimeoutError)
+        return "Timeout" if isinstance(exc, timeouts) else "ConnectionError"
 
     def _fetch_once(self, offset: int, out: memoryview, probing: bool) -> None:
         bexc = self._botoexc

@@ -40,8 +40,8 @@ from ._errors import (
     HeaderError,
     RemoteNotFoundError,
     SafetensorError,
-    TensorNotFoundError,
     looks_like_url,
+    tensor_not_found,
 )
 from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo, check_max_header_size
@@ -572,6 +572,9 @@ class ShardedSafeOpen(HandleBehaviour):
     def shard_of(self, name: str) -> str:
         """Path of the shard that holds ``name`` (per the index).
 
+        For a URL, the shard's URL as it is opened: ``user:password@`` included (it is a
+        location to open, not a message; the index's query string is not in it).
+
         Raises:
             TensorNotFoundError: No tensor of that name.
         """
@@ -583,9 +586,7 @@ class ShardedSafeOpen(HandleBehaviour):
         try:
             return self._weight_map[name]
         except KeyError:
-            raise TensorNotFoundError(
-                f"File does not contain tensor {name}", kind="TensorNotFound", tensor=str(name)
-            ) from None
+            raise tensor_not_found(name) from None
 
     @contextlib.contextmanager
     def _shard(self, shard: str) -> Iterator[safe_open]:
@@ -698,6 +699,9 @@ class ShardedSafeOpen(HandleBehaviour):
                     "since the checkpoint was opened)",
                     kind="MissingShard",
                 ) from exc
+            missing = self._missing_remote_shard(shard, exc)
+            if missing is not None:
+                raise missing from exc
             raise
         try:
             self._check_index_unchanged(shard)
@@ -706,6 +710,22 @@ class ShardedSafeOpen(HandleBehaviour):
             handle.close()
             raise
         return handle
+
+    def _missing_remote_shard(self, shard: str, exc: OSError) -> MissingShardError | None:
+        """The error for a shard of a remote index that the server does not have, or None.
+
+        A remote index's shards are first asked for when read: one that is not there is the
+        index's missing shard, named with the index and a tensor placed there, as a local one
+        is when the index opens (not a bare 404 naming the shard's URL)."""
+        if not isinstance(exc, RemoteNotFoundError) or shard not in self._shards:
+            return None
+        example = next(t for t, s in self._weight_map.items() if s == shard)
+        return MissingShardError(
+            f"index {shown(self._path)} places tensors (e.g. {example!r}) in shard "
+            f"{shard!r}, which does not exist: {exc}",
+            kind="MissingShard",
+            tensor=example,
+        )
 
     def _new_shard_handle(self, shard: str, *, raw: bool = False) -> safe_open:
         path = self._shard_file(shard)
@@ -945,7 +965,13 @@ class ShardedSafeOpen(HandleBehaviour):
             (a save since, another version of the file), within the descriptor budget."""
             if not remote:
                 return self._checked_handle(shard, raw=True), False, None
-            raw = self._open_raw(self._shard_path(shard))
+            try:
+                raw = self._open_raw(self._shard_path(shard))
+            except OSError as exc:
+                missing = self._missing_remote_shard(shard, exc)
+                if missing is not None:
+                    raise missing from exc
+                raise
             try:
                 self._pin(shard)
             except Exception as exc:  # noqa: BLE001 - raised in its turn, see above

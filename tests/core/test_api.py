@@ -75,6 +75,25 @@ def test_missing_tensor(path: Path) -> None:
             assert isinstance(info.value, KeyError)
 
 
+def test_a_missing_name_that_is_not_valid_unicode_is_escaped_in_the_message(
+    path: Path, tmp_path: Path
+) -> None:
+    """A lone surrogate looked up: its message printed (or logged to a UTF-8 stream) raised
+    UnicodeEncodeError; the escape keeps it printable, the exception keeps the name."""
+    from pysafetensors.numpy import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"a": np.zeros(1, np.float32)}, folder / "model.safetensors")
+    for target in (path, folder):
+        with safe_open(target, "np") as f:
+            for call in (f.get_tensor, f.get_slice):
+                with pytest.raises(TensorNotFoundError) as info:
+                    call("x\ud800")
+                assert str(info.value) == "File does not contain tensor x\\ud800"
+                assert str(info.value).encode("utf-8") and info.value.tensor == "x\ud800"
+
+
 @pytest.mark.parametrize("framework", ["numpyy", "PT", "", "jnp"])
 def test_invalid_framework(path: Path, framework: str) -> None:
     with pytest.raises(SafetensorError, match=f"^framework {framework} is invalid$"):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pysafetensors._errors import RemoteError
@@ -236,6 +237,8 @@ def test_an_unsendable_header_s_value_is_not_quoted(server: RangeServer, value: 
         HTTPSource(server.url("small.safetensors"), headers={"Authorization": value})
     assert "'Authorization'" in str(info.value)
     assert "SECRET" not in str(info.value) and info.value.__cause__ is None
+    # Not even as the exception being handled when it was raised (error reporters walk it).
+    assert info.value.__context__ is None
 
 
 def test_sharded_errors_do_not_show_credentials_or_signatures(
@@ -259,6 +262,39 @@ def test_sharded_errors_do_not_show_credentials_or_signatures(
             f.validate()
         text = str(info.value)
         assert "hunter2" not in text and "SECRET" not in text, text
+
+
+def test_a_remote_index_s_missing_shard_is_a_missing_shard_error(
+    server: RangeServer, data_dir: Path
+) -> None:
+    """A shard the server does not have is the index's missing shard, as a local index's is
+    (the index and a tensor it places there named), not a bare 404 naming the shard's URL."""
+    import json
+
+    from pysafetensors import MissingShardError, safe_open
+    from pysafetensors._errors import RemoteNotFoundError
+    from pysafetensors.numpy import load_file, save_file
+
+    folder = data_dir / "gap"
+    folder.mkdir(exist_ok=True)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "here.safetensors", "b": "gone.safetensors"}})
+    )
+    save_file({"a": np.zeros(2, np.float32)}, folder / "here.safetensors")
+    url = server.url("gap/model.safetensors.index.json")
+    with safe_open(url, "np") as f:
+        assert f.get_tensor("a").nbytes == 8  # shards open as they are needed
+        calls = [lambda: f.get_tensor("b"), f.validate, f.offset_keys]
+        for call in calls:
+            with pytest.raises(MissingShardError) as info:
+                call()
+            assert info.value.kind == "MissingShard" and info.value.tensor == "b"
+            text = str(info.value)
+            assert "model.safetensors.index.json" in text and "'gone.safetensors'" in text
+            assert "not found (404)" in text
+            assert isinstance(info.value.__cause__, RemoteNotFoundError)
+    with pytest.raises(MissingShardError):
+        load_file(url)
 
 
 def test_redirect_to_another_scheme_is_refused(server: RangeServer) -> None:
