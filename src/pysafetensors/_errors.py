@@ -403,6 +403,36 @@ def write_error(exc: OSError, path: str | None = None, *, detail: str = "") -> W
     return err
 
 
+def make_folder(folder: str, named: str | None = None) -> None:
+    """``os.makedirs(folder, exist_ok=True)``, its failure a :class:`WriteError` naming
+    ``named`` (the output being written; ``folder`` when None), and naming the file in the way
+    where there is one.
+
+    ``makedirs`` reports a file where a folder should be as "File exists" (the file itself)
+    or "Not a directory" (a folder below it), naming neither clearly.
+
+    Raises:
+        WriteError: The folder cannot be created (``NotADirectoryError`` for a file in the way).
+    """
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        failure = exc
+    else:
+        return
+    # Outside the except clause: the error replaces makedirs', chained as its cause below.
+    blocker = folder.rstrip(os.sep) or folder  # the deepest part that exists
+    while blocker and not os.path.lexists(blocker):
+        parent = os.path.dirname(blocker)
+        blocker = "" if parent == blocker else parent
+    if blocker and not os.path.isdir(blocker):
+        in_the_way = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), blocker)
+        raise write_error(
+            in_the_way, named or folder, detail=f" ({blocker!r} is a file, not a folder)"
+        ) from failure
+    raise write_error(failure, named or folder) from failure
+
+
 def not_an_instance(
     argument: str, value: object, expected: str = "str", detail: str = ""
 ) -> TypeError:

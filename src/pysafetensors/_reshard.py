@@ -31,7 +31,14 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
-from ._errors import SafetensorError, input_path, looks_like_url, output_path, write_error
+from ._errors import (
+    SafetensorError,
+    input_path,
+    looks_like_url,
+    make_folder,
+    output_path,
+    write_error,
+)
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._layout import build_layout
 from ._sharded import MAX_INDEX_SIZE, ShardedSafeOpen, is_index_path, shown
@@ -492,10 +499,7 @@ def _rewrite(
     )
     if not plan.filename_to_tensors:
         plan = ShardPlan({"total_size": 0}, {filename_pattern.format(suffix=""): []}, {})
-    if os.path.exists(out) and not os.path.isdir(out):
-        not_a_folder = NotADirectoryError(errno.ENOTDIR, "the output is a file, not a folder")
-        raise write_error(not_a_folder, out)
-    os.makedirs(out, exist_ok=True)
+    make_folder(out)  # a file where the folder should be is named
     per_file: dict[str, str] = {"format": fmt}
     if not plan.is_sharded:
         per_file.update(as_header_metadata(meta))

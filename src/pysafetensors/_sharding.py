@@ -39,7 +39,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 
 from ._adapter import Adapter, get_adapter
-from ._errors import SerializeError, SharedTensorsError, output_path, write_error
+from ._errors import SerializeError, SharedTensorsError, make_folder, output_path
 from ._format import MAX_HEADER_SIZE
 from ._writer import (
     SaveGroup,
@@ -797,10 +797,7 @@ def save_sharded(
             tensor_to_filename={},
         )
     out = output_path(folder, "folder")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:  # e.g. a file where the folder should be
-        raise write_error(exc, out) from exc
+    make_folder(out)  # a file where the folder should be is named
     per_file: dict[str, str] = {"format": format}
     if not plan.is_sharded:
         per_file.update(meta)

@@ -39,6 +39,7 @@ from ._errors import (
     SafetensorError,
     SerializeError,
     add_note,
+    make_folder,
     output_path,
     write_error,
 )
@@ -933,10 +934,7 @@ class ShardedStreamingWriter:
         self._settled = threading.Condition(self._lock)
         # A folder this writer makes is removed again by abort() (if nothing else came in).
         self._made_folder = not os.path.isdir(self.folder)
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-        except OSError as exc:  # e.g. a file where the folder should be
-            raise write_error(exc, self.folder) from exc
+        make_folder(self.folder)  # a file where the folder should be is named
         self._pid = os.getpid()  # a forked child's copy is not the writer: see __del__
         with _OPEN_WRITERS_LOCK:
             _OPEN_WRITERS.add(self)

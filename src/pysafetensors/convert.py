@@ -58,6 +58,7 @@ from ._errors import (
     input_path,
     local_path_refused,
     looks_like_url,
+    make_folder,
     output_path,
     write_error,
 )
@@ -811,10 +812,7 @@ def convert_folder(
     if len(set(outs)) != len(outs):
         raise CheckpointError("two checkpoints would be written to the same safetensors file")
     created = not os.path.isdir(dst_s)
-    try:
-        os.makedirs(dst_s, exist_ok=True)
-    except OSError as exc:
-        raise write_error(exc, dst_s) from exc
+    make_folder(dst_s)  # a file where the folder should be is named
     # Everything is written to a private folder inside dst and moved into place only when
     # every file converted: a failure midway leaves dst as it was, never a half model that
     # looks valid (an index with missing shards, or only some of the files).

@@ -75,6 +75,53 @@ def test_a_sharded_cast_to_a_file_says_the_output_must_be_a_folder(
     assert out.read_bytes() == b"untouched"
 
 
+@pytest.mark.parametrize(
+    ("command", "output"),
+    [
+        (["merge"], "blocker/x.safetensors"),
+        (["extract"], "blocker/deep/x.safetensors"),
+        (["cast", "--to", "F16"], "blocker/x.safetensors"),
+        (["reshard"], "blocker/sub"),
+        (["convert"], "blocker/sub"),
+    ],
+)
+def test_a_file_in_the_way_of_the_output_folder_is_named(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str], output: str
+) -> None:
+    """makedirs said "[Errno 17] File exists" of the file in the way (or "Not a directory"
+    of a folder below it), naming neither the output nor the file."""
+    monkeypatch.chdir(tmp_path)
+    save_file({"a": np.zeros(3, np.float32)}, "m.safetensors")
+    Path("blocker").write_bytes(b"untouched")
+    args = [command[0], "m.safetensors", output, *command[1:]]
+    if command[0] == "extract":
+        args.append("a")
+    r = cli(*args)
+    assert r.code == 2, r
+    assert r.err.splitlines() == [
+        "error: Error while serializing: I/O error: Not a directory (os error 20) at path "
+        f"\"{output}\" ('blocker' is a file, not a folder)"
+    ]
+    assert Path("blocker").read_bytes() == b"untouched"
+    assert sorted(os.listdir()) == ["blocker", "m.safetensors"]
+
+
+def test_library_saves_name_the_file_in_the_way_of_their_folder(tmp_path: Path) -> None:
+    from pysafetensors import ShardedStreamingWriter, WriteError, save_sharded
+
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"untouched")
+    for folder in (blocker, blocker / "sub"):
+        with pytest.raises(WriteError, match="is a file, not a folder") as info:
+            save_sharded({"a": np.zeros(3, np.float32)}, folder)
+        assert isinstance(info.value, NotADirectoryError)
+        assert f"({str(blocker)!r} is a file" in str(info.value)
+        with pytest.raises(WriteError, match="is a file, not a folder"):
+            ShardedStreamingWriter(folder, {"a": ("F32", [3])})
+    assert blocker.read_bytes() == b"untouched"
+    assert sorted(os.listdir(tmp_path)) == ["blocker"]
+
+
 def _limit_file_size() -> None:
     import resource
 

@@ -23,7 +23,7 @@ from typing import Any, Final, TextIO
 import numpy as np
 
 from .._dtypes import DType
-from .._errors import SafetensorError
+from .._errors import SafetensorError, make_folder
 from .._file_pool import FilePool
 from .._format import Header
 from .._ordered_opens import ahead_for, in_order
@@ -103,10 +103,11 @@ class OutputFolders:
                 break
             path = parent
 
-    def makedirs(self, folder: str) -> None:
-        """``os.makedirs(folder, exist_ok=True)``, noting what it creates."""
+    def makedirs(self, folder: str, named: str | None = None) -> None:
+        """:func:`make_folder` (``os.makedirs(folder, exist_ok=True)``, a failure naming
+        ``named``), noting what it creates."""
         self.expect(folder)
-        os.makedirs(folder, exist_ok=True)
+        make_folder(folder, named)
 
     def remove_empty(self) -> None:
         """Remove the noted folders that exist and are empty, deepest first."""
@@ -138,11 +139,11 @@ def make_parent(path: str, folders: OutputFolders | None = None) -> None:
         # Written as a file, it would fail with "No such file or directory" or "Is a directory".
         what = "is a folder" if os.path.isdir(path) else "names a folder (it ends with a separator)"
         raise UsageError(f"the output {sanitize(path)!r} {what}; name the file to write")
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(path) or os.curdir  # as given: the file in the way is named so
     if folders is not None:
-        folders.makedirs(parent)
+        folders.makedirs(parent, path)
     else:
-        os.makedirs(parent, exist_ok=True)
+        make_folder(parent, path)
 
 
 def warn_beside_index(path: str) -> None:
