@@ -41,6 +41,7 @@ import json
 import mmap
 import os
 import struct
+import time
 from collections.abc import Iterable, Mapping
 from typing import Final
 
@@ -154,6 +155,7 @@ def edit_metadata(
     fsync: bool = True,
     max_header_size: int = MAX_HEADER_SIZE,
     in_place: bool | None = None,
+    lock_timeout: float | None = None,
 ) -> bool:
     """Change a file's ``__metadata__``: in place when that is safe, else by an atomic rewrite.
 
@@ -180,6 +182,10 @@ def edit_metadata(
             ``True``: in place whenever the new header fits the old one's ``N`` bytes, even
             across pages (fast on huge files; an interrupted multi-page write leaves a broken
             header). ``False``: always rewrite.
+        lock_timeout: Seconds to wait for the lock edits take turns on (see below) before
+            giving up with ``TimeoutError``; None (the default) waits as long as it takes,
+            0 not at all. Any process's ``flock`` on the file holds an edit back, not only
+            another edit's (a backup or sync tool's shared lock too).
 
     Edits of one file at the same time, by other threads or processes, take turns (an
     advisory lock on the file), so each sees the others' changes; not on Windows.
@@ -194,7 +200,9 @@ def edit_metadata(
         SerializeError: The new header would be larger than ``max_header_size``.
         TypeError: A key or value is not a string, ``set`` is not a mapping, ``reserve`` is
             not an int.
-        ValueError: ``reserve`` is negative.
+        ValueError: ``reserve`` or ``lock_timeout`` is negative.
+        TimeoutError: Another process held a lock on the file for ``lock_timeout`` seconds
+            (nothing was read or written).
         OSError: The file cannot be read or written: ``FileNotFoundError``,
             ``IsADirectoryError``, ``PermissionError`` (a file without write permission is
             refused, also where a rewrite would not need it), ``NotRegularFileError`` (a FIFO,
@@ -221,6 +229,14 @@ def edit_metadata(
         raise TypeError(f"reserve must be an int (bytes), not {type(reserve).__name__}")
     if reserve < 0:
         raise ValueError(f"reserve must be 0 or more bytes, not {reserve}")
+    if lock_timeout is not None:
+        if isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float)):
+            raise TypeError(
+                f"lock_timeout must be a number of seconds or None, not "
+                f"{type(lock_timeout).__name__}"
+            )
+        if not lock_timeout >= 0:  # NaN too
+            raise ValueError(f"lock_timeout must be 0 or more seconds, not {lock_timeout}")
     updates = dict(set or {})
     _check_strings(updates)
     # One key, not its letters; a key named twice is removed once.
@@ -228,7 +244,7 @@ def edit_metadata(
     for key in removals:
         if not isinstance(key, str):
             raise TypeError(f"delete takes str keys, not {type(key).__name__}: {key!r}")
-    fd = _open_locked(given, target)
+    fd = _open_locked(given, target, lock_timeout)
     source: PreadSource | None = None
     try:
         source = PreadSource(fd, target, owns_fd=False)
@@ -316,7 +332,7 @@ def _copy_xattrs(src: int, dst: int) -> None:
 _NO_LOCKS: Final = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
 
 
-def _open_locked(given: str, target: str) -> int:
+def _open_locked(given: str, target: str, timeout: float | None = None) -> int:
     """Open ``target`` as :func:`_open_for_edit` does, holding an exclusive lock on it.
 
     An edit reads the header, then writes it back or replaces the file: two at once both read
@@ -325,20 +341,22 @@ def _open_locked(given: str, target: str) -> int:
     processes and other threads alike, each open being its own). An editor that waited while
     another replaced the file holds a lock on the old one: it opens the new one and locks
     again. The lock goes with the descriptor's close. Without ``fcntl`` (Windows) edits are
-    not serialised.
+    not serialised. ``timeout``: seconds to wait for the lock in all (None: for ever).
 
     Raises:
         OSError: As :func:`_open_for_edit`.
+        TimeoutError: The lock was not free within ``timeout`` seconds.
     """
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         fd = _open_for_edit(given, target)
         try:
             if fcntl is None:
                 return fd
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                _lock(fd, given, deadline)
             except OSError as exc:
-                if exc.errno not in _NO_LOCKS:
+                if isinstance(exc, TimeoutError) or exc.errno not in _NO_LOCKS:
                     raise
                 return fd  # a file system without locks (some FUSE, old NFS): edit unlocked
             held = os.fstat(fd)
@@ -352,6 +370,35 @@ def _open_locked(given: str, target: str) -> int:
             os.close(fd)
             raise
         os.close(fd)
+
+
+def _lock(fd: int, given: str, deadline: float | None) -> None:
+    """``flock(fd, LOCK_EX)``, waiting until ``deadline`` (``time.monotonic()``; None: for
+    ever).
+
+    Raises:
+        TimeoutError: The lock was still held at ``deadline``.
+        OSError: ``flock`` failed otherwise (a file system without locks).
+    """
+    assert fcntl is not None
+    if deadline is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    delay = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"{given}: another process holds a lock on this file (another edit, or a "
+                "backup or sync tool); gave up waiting for it, nothing was changed"
+            )
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 0.1)  # a lock held for a moment is taken soon after
 
 
 def _open_for_edit(given: str, target: str) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +209,52 @@ def test_an_unusable_index_is_named_with_its_model_and_tensor(
     assert r.code == 1
     assert f"{folder}: model.safetensors.index.json: weight_map value is int" in r.err
     assert "(tensor 'a')" in r.err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="edits take turns by flock")
+def test_metadata_edits_say_they_wait_for_a_lock_and_give_up_at_lock_timeout(
+    cli_proc, tmp_path: Path
+) -> None:
+    """A lock held by another process (a backup tool's shared one) made the edit wait for
+    ever with no output. It now says so after a second, and --lock-timeout gives up."""
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.ones(2, np.float32)}, path, metadata={"format": "pt"})
+    before = path.read_bytes()
+    hold = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_SH)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(float(sys.argv[2]))\n"
+    )
+
+    def holding(seconds: float) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", hold, str(path), str(seconds)], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        return proc
+
+    holder = holding(30)
+    try:
+        r = cli_proc("metadata", "set", path, "k=v", "--lock-timeout", "2")
+        assert r.code == 2 and r.out == "", r
+        lines = r.err.splitlines()
+        assert len(lines) == 2, r
+        assert "another process holds a lock on the file" in lines[0]
+        assert "waiting for it, at most 1 s more" in lines[0]
+        assert lines[1].startswith("error: ") and "gave up waiting" in lines[1]
+        r = cli_proc("metadata", "delete", path, "format", "--lock-timeout", "0")
+        assert r.code == 2 and r.err.count("\n") == 1 and "gave up waiting" in r.err, r
+        assert path.read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait()
+    holder = holding(2)  # let go while the edit waits: the edit goes on
+    try:
+        r = cli_proc("metadata", "set", path, "k=v")
+    finally:
+        holder.wait()
+    assert r.code == 0 and "waiting for it (Ctrl-C to stop)" in r.err, r
+    with safe_open(path, "np") as f:
+        assert f.metadata() == {"format": "pt", "k": "v"}

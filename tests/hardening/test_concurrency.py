@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,3 +152,37 @@ def test_metadata_edits_at_once_are_all_kept(tmp_path: Path) -> None:
         meta = f.metadata()
         assert np.array_equal(f.get_tensor("w"), np.arange(1000, dtype=np.float32))
     assert {f"k{w}-{j}" for w in range(4) for j in range(20)} <= set(meta)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="edits take turns by flock")
+def test_an_edit_waits_for_a_lock_at_most_lock_timeout(tmp_path: Path) -> None:
+    """Any flock on the file holds an edit back (a backup tool's shared lock too): the edit
+    waited for ever without a word; lock_timeout bounds the wait, and nothing is changed."""
+    import fcntl
+    import os
+
+    from pysafetensors import edit_metadata
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.arange(10, dtype=np.float32)}, str(path), metadata={"format": "pt"})
+    before = path.read_bytes()
+    for bad, error in ((-1, ValueError), (float("nan"), ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="lock_timeout"):
+            edit_metadata(path, {"k": "v"}, lock_timeout=bad)  # type: ignore[arg-type]
+    holder = os.open(path, os.O_RDONLY)  # another open file: its lock is another holder's
+    try:
+        fcntl.flock(holder, fcntl.LOCK_SH)
+        for timeout in (0, 0.3):
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="another process holds a lock") as info:
+                edit_metadata(path, {"k": "v"}, lock_timeout=timeout)
+            assert timeout <= time.monotonic() - start < timeout + 5
+            assert str(path) in str(info.value) and info.value.__context__ is None
+        assert path.read_bytes() == before
+        # The lock let go while the edit waits: the edit goes on.
+        threading.Timer(0.3, fcntl.flock, (holder, fcntl.LOCK_UN)).start()
+        assert edit_metadata(path, {"k": "v"}, lock_timeout=30, fsync=False) is False
+    finally:
+        os.close(holder)
+    with safe_open(path, "np") as f:
+        assert f.metadata() == {"format": "pt", "k": "v"}

@@ -53,6 +53,7 @@ def register(sub: Any) -> None:
         help="if the file must be rewritten, leave this much spare header room for later edits",
     )
     _in_place_arg(s)
+    _lock_timeout_arg(s)
     s.set_defaults(func=run_set)
 
     d = actions.add_parser("delete", help="remove keys")
@@ -60,6 +61,7 @@ def register(sub: Any) -> None:
     d.add_argument("keys", nargs="+", metavar="KEY")
     d.add_argument("--missing-ok", action="store_true", help="ignore keys that are not present")
     _in_place_arg(d)
+    _lock_timeout_arg(d)
     d.set_defaults(func=run_delete)
 
 
@@ -79,6 +81,43 @@ def _in_place_arg(parser: argparse.ArgumentParser) -> None:
             "break the header); never: always rewrite"
         ),
     )
+
+
+def _lock_timeout_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lock-timeout",
+        type=whole_number(0, "seconds"),
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "give up (exit 2, nothing changed) if another process holds a lock on the file "
+            "this long (default: wait, saying so after a second)"
+        ),
+    )
+
+
+#: Seconds an edit waits for another process's lock on the file before it says it is waiting.
+_QUIET_WAIT: Final = 1.0
+
+
+def _edit(args: argparse.Namespace, **options: Any) -> bool:
+    """``edit_metadata(args.target, **options)``, waiting for another process's lock on the
+    file at most ``--lock-timeout`` seconds, and saying so after a second: an edit held back
+    by a lock (another edit's, a backup or sync tool's) waited without a word."""
+    limit = args.lock_timeout
+    first = _QUIET_WAIT if limit is None else min(_QUIET_WAIT, limit)
+    try:
+        return edit_metadata(args.target, lock_timeout=first, **options)
+    except TimeoutError:
+        if limit is not None and limit <= first:
+            raise
+    more = "" if limit is None else f", at most {limit - first:g} s more"
+    Ui(args).note(
+        f"{sanitize(args.target)}: another process holds a lock on the file (another edit, or "
+        f"a backup or sync tool); waiting for it{more} (Ctrl-C to stop)"
+    )
+    rest = None if limit is None else limit - first
+    return edit_metadata(args.target, lock_timeout=rest, **options)
 
 
 def run_get(args: argparse.Namespace) -> int:
@@ -157,8 +196,8 @@ def run_set(args: argparse.Namespace) -> int:
             raise UsageError(f"KEY=VALUE must be UTF-8 text, got {sanitize(repr(pair))}") from None
         updates[key] = value
     before = _current_metadata(args.target)
-    in_place = edit_metadata(
-        args.target,
+    in_place = _edit(
+        args,
         set=updates,
         replace=args.replace,
         reserve=args.reserve,
@@ -193,8 +232,8 @@ def run_delete(args: argparse.Namespace) -> int:
     # (A file that cannot be read: edit_metadata reports what is wrong with it.)
     before = dict(_current_metadata(args.target) or ())
     present = [key for key in args.keys if key in before]
-    in_place = edit_metadata(
-        args.target,
+    in_place = _edit(
+        args,
         delete=args.keys,
         missing_ok=args.missing_ok,
         in_place=_IN_PLACE[args.in_place],
