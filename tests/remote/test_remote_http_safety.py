@@ -278,7 +278,9 @@ def test_a_remote_index_s_missing_shard_is_a_missing_shard_error(
     folder = data_dir / "gap"
     folder.mkdir(exist_ok=True)
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"a": "here.safetensors", "b": "gone.safetensors"}})
+        # The missing shard last: opens ahead of the one that fails are not waited for, and
+        # a request still in flight would land in the next test's records.
+        json.dumps({"weight_map": {"a": "here.safetensors", "b": "zz-gone.safetensors"}})
     )
     save_file({"a": np.zeros(2, np.float32)}, folder / "here.safetensors")
     url = server.url("gap/model.safetensors.index.json")
@@ -290,7 +292,7 @@ def test_a_remote_index_s_missing_shard_is_a_missing_shard_error(
                 call()
             assert info.value.kind == "MissingShard" and info.value.tensor == "b"
             text = str(info.value)
-            assert "model.safetensors.index.json" in text and "'gone.safetensors'" in text
+            assert "model.safetensors.index.json" in text and "'zz-gone.safetensors'" in text
             assert "not found (404)" in text
             assert isinstance(info.value.__cause__, RemoteNotFoundError)
     with pytest.raises(MissingShardError):
