@@ -75,6 +75,7 @@ from ._sharding import (
     unsafe_shard_name,
 )
 from ._sources import ByteSource, starts_like_safetensors
+from ._writer import partial_target
 
 __all__ = [
     "INDEX_NAME",
@@ -211,6 +212,29 @@ def _resolve_folder_url(url: str, storage_options: dict[str, Any] | None) -> Res
     )
 
 
+def _unfinished_commit(names: list[str]) -> str:
+    """Why a folder of shards has no index, from the names it holds (sorted).
+
+    A save killed while it renamed its files into place (a few milliseconds; a reshard into
+    the source's own folder included) leaves its index, and the shards it had not renamed yet,
+    in temporary files: they may hold the only copy of some tensors, and the next save to
+    those names deletes them once they are a minute old. Such a save is finished by hand.
+    """
+    targets = {n: partial_target(n) or "" for n in names}
+    indexes = [n for n, t in targets.items() if t.endswith(".safetensors.index.json")]
+    if not indexes:
+        return "the checkpoint is incomplete (a save or download that did not finish?)"
+    # The index first: a folder may hold many shards.
+    pending = indexes + [n for n, t in targets.items() if t.endswith(".safetensors")]
+    waiting = ", ".join(pending[:5]) + (" ..." if len(pending) > 5 else "")
+    return (
+        "a save was stopped while it renamed its files into place. Its index and the shards it "
+        f"had not renamed yet wait in temporary files ({waiting}), which may hold the only "
+        "copy of some tensors: to finish that save, rename each to its name without the "
+        "leading '.' and the '.<12 hex digits>.partial' ending"
+    )
+
+
 def _choose(
     folder: str, is_file: Callable[[str], bool], listing: Callable[[], Iterable[str]]
 ) -> tuple[str, bool]:
@@ -237,9 +261,8 @@ def _choose(
         # would otherwise open as the whole model, silently missing the other shards' tensors.
         listed = ", ".join(m.group(0) for m in shards[:5]) + (" ..." if len(shards) > 5 else "")
         raise MissingShardError(
-            f"folder {shown(folder)} holds shards of a checkpoint ({listed}) but no index: the "
-            "checkpoint is incomplete (a save or download that did not finish?); pass one "
-            "shard's path to open that file alone",
+            f"folder {shown(folder)} holds shards of a checkpoint ({listed}) but no index: "
+            f"{_unfinished_commit(names)}; pass one shard's path to open that file alone",
             kind="MissingIndex",
         )
     if len(files) == 1 and not indexes:

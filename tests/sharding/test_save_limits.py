@@ -448,6 +448,58 @@ def test_shards_without_their_index_do_not_open_as_a_model(
     assert sorted(load_file(one)) == sorted(sd)
 
 
+_KILLED_DURING_THE_RENAMES = """
+import os, signal, sys
+import pysafetensors._sharding as sharding
+from pysafetensors import reshard
+
+real, done = os.replace, [0]
+
+def replace(src, dst):
+    if done[0] == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    done[0] += 1
+    real(src, dst)
+
+sharding.os.replace = replace  # the same os module everywhere
+reshard(sys.argv[1], sys.argv[1], max_shard_size=int(sys.argv[3]))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_a_reshard_in_place_killed_during_its_renames_says_how_to_finish_it(
+    tmp_path: Path,
+) -> None:
+    """Killed between its renames, a reshard into its source's own folder leaves some tensors
+    only in its temporary files (the old shard of that name already replaced). The folder,
+    without an index, said only "a save or download that did not finish?"; it now names the
+    temporary files and how to finish the save, and doing so gives the resharded model."""
+    sd = _tensors(8)
+    save_sharded(sd, tmp_path, max_shard_size=8500)  # two tensors a shard
+    assert len(os.listdir(tmp_path)) == 5
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_DURING_THE_RENAMES, str(tmp_path), "2", "4500"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr
+    with pytest.raises(MissingShardError, match="but no index") as info:
+        safe_open(tmp_path, "np")
+    text = str(info.value)
+    pending = sorted(n for n in os.listdir(tmp_path) if n.endswith(".partial"))
+    assert any(".index.json." in n for n in pending) and len(pending) == 7  # 8 shards + index
+    assert "stopped while it renamed its files into place" in text
+    assert pending[-1].startswith(".model.safetensors.index.json.")  # named first:
+    assert pending[-1] in text and all(n in text for n in pending[:4]) and " ..." in text
+    for name in pending:  # finished by hand, as the message says
+        os.rename(tmp_path / name, tmp_path / name[1:].rsplit(".", 2)[0])
+    got = load_file(tmp_path)
+    assert sorted(got) == sorted(sd) and all(np.array_equal(got[k], sd[k]) for k in sd)
+    with safe_open(tmp_path, "np") as f:
+        f.validate()
+        assert len({f.shard_of(k) for k in sd}) == 8  # one tensor a shard: the new split
+
+
 def test_shards_over_a_single_file_retire_it_after_the_renames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
