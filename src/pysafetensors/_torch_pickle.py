@@ -930,6 +930,11 @@ def _check_total_expansion(
         )
 
 
+#: The dtypes (safetensors codes) whose negative views torch resolves: not bool, the wide
+#: unsigned integers or the float8 and smaller floats.
+_NEGATABLE: Final = frozenset({"F64", "F32", "F16", "BF16", "C64", "I64", "I32", "I16", "I8", "U8"})
+
+
 def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
     code, itemsize = TORCH_DTYPES[ref.dtype]
     if code is None:
@@ -937,6 +942,19 @@ def _record(ref: TensorRef, sizes: dict[str, int], name: str) -> TensorRecord:
             f"tensor {name!r} has dtype torch.{ref.dtype}, which safetensors cannot store",
             kind="DtypeNotSupported",
             tensor=name,
+        )
+    if ref.neg and code not in _NEGATABLE:
+        # torch.load reads it but cannot make its values ("neg_cpu" not implemented).
+        raise CheckpointError(
+            f"tensor {name!r} is a negative view of a torch.{ref.dtype} tensor, which torch "
+            "cannot negate",
+            kind="DtypeNotSupported",
+            tensor=name,
+        )
+    if ref.conj and code != "C64":
+        raise bad_checkpoint(
+            f"tensor {name!r} is a conjugate view of a torch.{ref.dtype} tensor: only complex "
+            "tensors are conjugated"
         )
     storage_nbytes = sizes[ref.storage.key]
     numel = math.prod(ref.size)

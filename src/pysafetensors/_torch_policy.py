@@ -750,7 +750,8 @@ class TorchPolicy:
                 for k, v in metadata.items()
             ):
                 raise bad_checkpoint(f"unsupported tensor metadata {short_text(metadata)}", at)
-            neg, conj = bool(metadata.get("neg")), bool(metadata.get("conj"))
+            # As torch sets them: a key that is there counts, whatever its value.
+            neg, conj = "neg" in metadata, "conj" in metadata
         ref = TensorRef(storage, offset + storage.view_offset, size_t, stride_t, tdtype, neg, conj)
         self.tensors.append(ref)
         return ref

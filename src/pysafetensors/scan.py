@@ -38,6 +38,7 @@ import ast
 import errno
 import mmap
 import os
+import re
 import struct
 import tarfile
 import zipfile
@@ -141,7 +142,16 @@ _DANGEROUS_MODULES: Final = frozenset(
     torch.utils.data.datapipes torch.fx torch.package torch._export torch.export
     torch.storage torch.distributed torch.utils.cpp_extension setuptools distutils yaml
     jinja2 logging posixpath ntpath genericpath macpath pathlib codecs fileinput zipfile
-    tarfile gzip bz2 lzma mmap site sysconfig _sitebuiltins inspect""".split()  # noqa: SIM905 - a word list reads better as text
+    tarfile gzip bz2 lzma mmap site sysconfig _sitebuiltins inspect imp _imp _ctypes
+    _frozen_importlib _frozen_importlib_external pkg_resources pyximport Cython mako numexpr
+    sympy linecache tokenize _winapi msvcrt winreg numpy.ctypeslib numpy.lib.npyio
+    numpy.lib._npyio_impl numpy.lib.format pandas.io""".split()  # noqa: SIM905 - a word list reads better as text
+)
+# What torch's C extension has that loads, imports, compiles or unpickles (TorchScript, mobile
+# modules, its own pickler): the rest of ``torch._C`` is what a pickled model's functional
+# references name (``torch._C._nn.gelu``), ``suspicious`` like any unknown global.
+_TORCH_C_ACTING: Final = re.compile(
+    r"load|import|compile|pickle|backport|exec|eval|from_(?:file|buffer|bytes)", re.IGNORECASE
 )
 # numpy's pickling helpers for its random generators (``RandomState``, ``Generator``, their bit
 # generators and ``SeedSequence``, whose Cython-made helper only fills a ``SeedSequence``
@@ -249,6 +259,8 @@ def grade_global(module: str, name: str) -> Grade:
     for i in range(1, len(parts) + 1):
         if ".".join(parts[:i]) in _DANGEROUS_MODULES:
             return "dangerous"
+    if parts[:2] == ["torch", "_C"] and _TORCH_C_ACTING.search(name):
+        return "dangerous"
     return "suspicious"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -630,6 +631,59 @@ def test_records_torch_cannot_tell_apart_are_refused(
     report = scan_file(changed)
     assert "zip member names that differ only in case" in [f.message for f in report.findings]
     assert report.grade != "safe"
+
+
+@pytest.mark.parametrize(
+    ("value", "flag"),
+    [(torch.arange(1, 5, dtype=torch.float32), "neg"), (torch.tensor([1 + 2j, 3 - 4j]), "conj")],
+)
+def test_a_view_flag_counts_when_it_is_there_whatever_its_value(
+    tmp_path: Path, value: torch.Tensor, flag: str
+) -> None:
+    """torch sets a tensor's neg or conj bit when the rebuild's metadata has the key, also as
+    False (torch.save writes only True): the converter read the value, and wrote the
+    unnegated (unconjugated) values, which only --verify caught."""
+    src = tmp_path / "ck.pt"
+    view = value._neg_view() if flag == "neg" else value.conj()
+    torch.save({"w": view}, src)
+    pickled = zipfile.ZipFile(src).read("ck/data.pkl")
+    # The key (memoized: BINPUT n) and NEWTRUE, as pickle writes {"neg": True}: NEWFALSE.
+    key = re.escape(b"X" + len(flag).to_bytes(4, "little") + flag.encode())
+    pickled, found = re.subn(key + rb"(q.)\x88", lambda m: m.group()[:-1] + b"\x89", pickled)
+    assert found == 1
+    changed = _rewrite(src, tmp_path / "f.pt", replace=("data.pkl", pickled))
+    expected = (value.neg() if flag == "neg" else value.conj().resolve_conj()).tolist()
+    assert (
+        torch.load(changed, weights_only=True)["w"].resolve_neg().resolve_conj().tolist()
+        == expected
+    )
+    out = tmp_path / "out.safetensors"
+    convert_file(changed, out, verify=True)
+    assert st_torch.load_file(out)["w"].tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bool,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e8m0fnu,
+    ],
+)
+def test_a_negative_view_torch_cannot_negate_is_refused(tmp_path: Path, dtype: torch.dtype) -> None:
+    """bool failed with numpy's TypeError, the others with torch's NotImplementedError under
+    verify=True (float8_e8m0fnu's sign bit flipped into NaN without it)."""
+    src = tmp_path / "ck.pt"
+    torch.save({"w": torch.zeros(2, dtype=dtype)._neg_view()}, src)
+    out = tmp_path / "out.safetensors"
+    for verify in (False, True):
+        with pytest.raises(CheckpointError, match="cannot negate") as info:
+            convert_file(src, out, verify=verify)
+        assert info.value.kind == "DtypeNotSupported" and info.value.tensor == "w"
+        assert not out.exists()
 
 
 def _unconvertibles() -> dict[str, Any]:

@@ -69,6 +69,45 @@ def test_grades() -> None:
     assert grade_global("__main__", "__builtins__") == "dangerous"
 
 
+@pytest.mark.parametrize(
+    "full",
+    [
+        # Aliases of names graded dangerous, reached through another module.
+        "_ctypes.dlopen",
+        "pandas.io.pickle.read_pickle",
+        "numpy.lib.npyio.load",
+        "numpy.lib._npyio_impl.load",
+        "torch._C.import_ir_module",
+        # Code run or native code loaded.
+        "imp.load_source",
+        "_frozen_importlib_external.SourceFileLoader",
+        "numpy.ctypeslib.load_library",
+        "sympy.sympify",
+        "sympy.parsing.sympy_parser.parse_expr",
+        "Cython.Build.Inline.cython_inline",
+        "mako.template.Template",
+        "numexpr.evaluate",
+        "torch._C._load_for_lite_interpreter",
+        "torch._C._jit_script_compile",
+        "torch._C._pickle_load_obj",
+        # Files read.
+        "linecache.getline",
+        "tokenize.open",
+    ],
+)
+def test_globals_that_run_code_or_read_files_are_dangerous(full: str) -> None:
+    """They were graded suspicious, which convert --skip-unknown skips (nothing was called)
+    and scan reported with exit 1, not 2: torch.load(weights_only=False) runs them."""
+    module, _, name = full.rpartition(".")
+    assert grade_global(module, name) == "dangerous"
+
+
+def test_torch_c_functions_a_pickled_model_names_stay_suspicious() -> None:
+    # A module holding torch.nn.functional.gelu pickles it as torch._C._nn.gelu.
+    assert grade_global("torch._C._nn", "gelu") == "suspicious"
+    assert grade_global("torch._C", "_VariableFunctions") == "suspicious"
+
+
 def test_grade_pickled_global_reads_python_2_names_below_protocol_3() -> None:
     from pysafetensors.scan import grade_pickled_global
 
