@@ -1462,3 +1462,41 @@ def test_hash_model_digests_of_different_models_differ_whatever_the_names(
     save_file({line_a: b}, str(one))
     digests = {cli("hash", p, "--json").json()["model"] for p in (two, one)}
     assert len(digests) == 2
+
+
+@pytest.mark.parametrize("command", [["metadata", "get"], ["inspect"], ["stats"], ["hash"]])
+def test_output_a_stdout_encoding_cannot_hold_is_escaped(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Under PYTHONIOENCODING=ascii (a Windows code page, a legacy locale's redirect), a name
+    or value outside the encoding stopped the output halfway: `error: 'ascii' codec can't
+    encode characters in position 0-3`, exit 1."""
+    path = tmp_path / "odd.safetensors"
+    save_file({"wéight": np.ones(2, np.float32)}, path, metadata={"format": "pt", "by": "Zoë"})
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    r = subprocess.run(
+        [sys.executable, "-m", "pysafetensors", *command, str(path)],
+        capture_output=True,
+        env=env,
+        timeout=60,
+    )
+    assert (r.returncode, r.stderr) == (0, b""), r
+    out = r.stdout.decode("ascii")
+    assert ("Zo\\xeb" if command[0] == "metadata" else "w\\xe9ight") in out
+
+
+def test_stats_histogram_lines_fit_the_terminal(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines were 82 characters whatever the terminal: on 80 columns every bar wrapped onto a
+    line of its own. Piped output keeps 40-character bars."""
+    from pysafetensors._cli import _common
+
+    path = tmp_path / "h.safetensors"
+    save_file({"b": np.random.default_rng(9).standard_normal(1000).astype(np.float32)}, path)
+    piped = cli("stats", path, "--histogram", "4").out.splitlines()[-4:]
+    assert max(line.count("#") for line in piped) == 40 and max(map(len, piped)) == 82
+    for columns, longest in ((80, 79), (60, 59), (20, 50), (200, 82)):
+        monkeypatch.setattr(_common.Ui, "columns", staticmethod(lambda c=columns: c))
+        lines = cli("stats", path, "--histogram", "4").out.splitlines()[-4:]
+        assert max(map(len, lines)) == longest, (columns, lines)

@@ -194,3 +194,17 @@ def test_a_failed_read_leaves_no_new_folders(cli_proc, tmp_path: Path) -> None:
         r = cli_proc(*argv)
         assert r.code in (1, 2) and r.err.startswith("error:"), (argv, r)
         assert list(keep.iterdir()) == [], argv
+
+
+def test_an_output_that_would_overwrite_the_source_is_exit_2(cli, tmp_path: Path) -> None:
+    """An output that cannot be written exits 2; refusing to overwrite the source exited 1,
+    which means a negative answer or a malformed file."""
+    from pysafetensors import save_sharded
+
+    folder = tmp_path / "a"
+    save_sharded({"x": np.zeros(1000, np.float32), "y": np.ones(1000, np.float32)}, folder, 4500)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for out in ("model-00001-of-00002.safetensors", "model.safetensors"):
+        r = cli("merge", folder, folder / out)
+        assert r.code == 2 and "Write to another path" in r.err, r
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

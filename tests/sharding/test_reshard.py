@@ -368,8 +368,9 @@ def test_outputs_that_would_replace_part_of_the_source_are_refused(tmp_path: Pat
             attempt()
         assert info.value.kind == "OutputIsSource"
     assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before
-    # The same through the command line: one line, exit 1, nothing written.
-    assert _cli_code("-q", "merge", tmp_path / "ck", tmp_path / "ck" / shard) == 1
+    # The same through the command line: one line, exit 2 (an output that cannot be
+    # written), nothing written.
+    assert _cli_code("-q", "merge", tmp_path / "ck", tmp_path / "ck" / shard) == 2
     assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before
     # Outputs beside the source, or a merge of one file onto itself (which loses nothing).
     merge(tmp_path / "ck", tmp_path / "ck" / "merged.safetensors")
@@ -425,8 +426,8 @@ def test_sharded_outputs_over_a_file_source_in_their_folder_are_refused(tmp_path
             attempt()
         assert info.value.kind == "OutputIsSource"
     assert {single: tree(single), ck: tree(ck)} == before
-    # The command line says so in one line, exit 1.
-    assert _cli_code("-q", "extract", single, single, "layers.0*", "-s", "20KB") == 1
+    # The command line says so in one line, exit 2.
+    assert _cli_code("-q", "extract", single, single, "layers.0*", "-s", "20KB") == 2
     assert tree(single) == before[single]
     # A file outside the pattern's names stays, and is read from.
     save_file(sd, str(single / "other.safetensors"))
@@ -602,7 +603,7 @@ def test_resharding_one_shard_of_a_folder_without_index_is_refused(tmp_path: Pat
     with pytest.raises(SafetensorError, match="one shard of the checkpoint") as info:
         reshard(folder / shards[0], folder, "10GB")
     assert info.value.kind == "OutputIsSource"
-    assert _cli_code("reshard", folder / shards[0], folder) == 1
+    assert _cli_code("reshard", folder / shards[0], folder) == 2
     assert sorted(p.name for p in folder.iterdir()) == shards
     with safe_open(folder / shards[1], "numpy") as f:
         assert sorted(f.keys()) == ["t2", "t3"]

@@ -13,6 +13,7 @@ differences) or a malformed file; 2 a usage error or a file that cannot be read;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -156,6 +157,36 @@ def _stand_in_for_closed_streams() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line and return its exit code."""
     _stand_in_for_closed_streams()
+    errors = _escape_what_stdout_cannot_encode()
+    try:
+        return _main(argv)
+    finally:
+        if errors is not None:
+            with contextlib.suppress(Exception):  # closed meanwhile: nothing to restore
+                getattr(sys.stdout, "reconfigure")(errors=errors)  # noqa: B009 - typed as IO
+
+
+def _escape_what_stdout_cannot_encode() -> str | None:
+    """Make stdout write what its encoding cannot hold as backslash escapes; the error
+    handler it had, to restore (None: unchanged).
+
+    With an encoding other than UTF-8 (``PYTHONIOENCODING=ascii``, a Windows code page, a
+    redirect under a legacy locale), a name or value outside it stopped the output halfway
+    with ``error: 'ascii' codec can't encode characters...``, naming nothing. stderr escapes
+    already (Python's default there). JSON output is ASCII whatever the encoding.
+    """
+    stream = sys.stdout
+    errors: str | None = getattr(stream, "errors", None)
+    if errors != "strict" or not hasattr(stream, "reconfigure"):
+        return None
+    try:
+        stream.reconfigure(errors="backslashreplace")
+    except Exception:  # noqa: BLE001 - a stream that cannot change: left as it is
+        return None
+    return errors
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -197,8 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except SafetensorError as exc:
         # A folder holding several checkpoints: the user must name one (a usage error, as for
-        # an empty folder), whichever command met it.
-        code = 2 if exc.kind == "AmbiguousFolder" else exc.exit_code
+        # an empty folder), whichever command met it. An output that would overwrite the
+        # source is an output that cannot be written.
+        code = 2 if exc.kind in ("AmbiguousFolder", "OutputIsSource") else exc.exit_code
         code = _fail(args, exc, trouble or code)
         if isinstance(exc, UnsafePickleError) and hasattr(args, "skip_unknown"):
             _unsafe_pickle_hint(exc, args.skip_unknown)

@@ -715,6 +715,15 @@ class Ui:
         """Whether output is going to a terminal through rich."""
         return self._rich is not None
 
+    @staticmethod
+    def columns() -> int | None:
+        """The terminal's width, when stdout is a terminal (None: a file or a pipe)."""
+        if not _isatty(sys.stdout):
+            return None
+        import shutil
+
+        return shutil.get_terminal_size().columns
+
     def line(self, text: str = "", style: str | None = None) -> None:
         """Print one line (already sanitized); ``style`` is a rich style, used on terminals."""
         if self._rich is not None:
