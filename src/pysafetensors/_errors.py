@@ -425,12 +425,14 @@ def make_folder(folder: str, named: str | None = None) -> None:
     while blocker and not os.path.lexists(blocker):
         parent = os.path.dirname(blocker)
         blocker = "" if parent == blocker else parent
-    if blocker and not os.path.isdir(blocker):
+    if blocker and os.path.isfile(blocker):
         in_the_way = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), blocker)
         raise write_error(
             in_the_way, named or folder, detail=f" ({blocker!r} is a file, not a folder)"
         ) from failure
-    raise write_error(failure, named or folder) from failure
+    # Anything else in the way (a broken link, a loop of links) keeps the system's reason.
+    detail = f" ({blocker!r} is not a folder)" if blocker and not os.path.isdir(blocker) else ""
+    raise write_error(failure, named or folder, detail=detail) from failure
 
 
 def not_an_instance(

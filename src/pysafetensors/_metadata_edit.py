@@ -72,7 +72,7 @@ from ._reshard import copy_range
 from ._sources import PreadSource, check_regular
 from ._writer import atomic_output, interrupts_deferred, pwrite_all
 
-__all__ = ["edit_metadata"]
+__all__ = ["LockTimeoutError", "edit_metadata"]
 
 
 def _metadata_json(metadata: Mapping[str, str]) -> bytes:
@@ -202,7 +202,7 @@ def edit_metadata(
             not an int.
         ValueError: ``reserve`` or ``lock_timeout`` is negative.
         TimeoutError: Another process held a lock on the file for ``lock_timeout`` seconds
-            (nothing was read or written).
+            (nothing was read or written): a ``LockTimeoutError``.
         OSError: The file cannot be read or written: ``FileNotFoundError``,
             ``IsADirectoryError``, ``PermissionError`` (a file without write permission is
             refused, also where a rewrite would not need it), ``NotRegularFileError`` (a FIFO,
@@ -345,7 +345,7 @@ def _open_locked(given: str, target: str, timeout: float | None = None) -> int:
 
     Raises:
         OSError: As :func:`_open_for_edit`.
-        TimeoutError: The lock was not free within ``timeout`` seconds.
+        LockTimeoutError: The lock was not free within ``timeout`` seconds.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -356,7 +356,7 @@ def _open_locked(given: str, target: str, timeout: float | None = None) -> int:
             try:
                 _lock(fd, given, deadline)
             except OSError as exc:
-                if isinstance(exc, TimeoutError) or exc.errno not in _NO_LOCKS:
+                if isinstance(exc, LockTimeoutError) or exc.errno not in _NO_LOCKS:
                     raise
                 return fd  # a file system without locks (some FUSE, old NFS): edit unlocked
             held = os.fstat(fd)
@@ -372,12 +372,18 @@ def _open_locked(given: str, target: str, timeout: float | None = None) -> int:
         os.close(fd)
 
 
+class LockTimeoutError(TimeoutError):
+    """Raised by :func:`edit_metadata` when another process held a lock on the file for
+    ``lock_timeout`` seconds (a ``TimeoutError`` of its own, not one of a slow file system's
+    reads)."""
+
+
 def _lock(fd: int, given: str, deadline: float | None) -> None:
     """``flock(fd, LOCK_EX)``, waiting until ``deadline`` (``time.monotonic()``; None: for
     ever).
 
     Raises:
-        TimeoutError: The lock was still held at ``deadline``.
+        LockTimeoutError: The lock was still held at ``deadline``.
         OSError: ``flock`` failed otherwise (a file system without locks).
     """
     assert fcntl is not None
@@ -393,7 +399,7 @@ def _lock(fd: int, given: str, deadline: float | None) -> None:
             pass
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(
+            raise LockTimeoutError(
                 f"{given}: another process holds a lock on this file (another edit, or a "
                 "backup or sync tool); gave up waiting for it, nothing was changed"
             )

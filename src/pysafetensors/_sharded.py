@@ -740,7 +740,11 @@ class ShardedSafeOpen(HandleBehaviour):
         A remote index's shards are first asked for when read: one that is not there is the
         index's missing shard, named with the index and a tensor placed there, as a local one
         is when the index opens (not a bare 404 naming the shard's URL)."""
-        if not isinstance(exc, RemoteNotFoundError) or shard not in self._shards:
+        if (
+            not isinstance(exc, RemoteNotFoundError)
+            or shard not in self._shards
+            or self._single is not None  # a file opened as a checkpoint: no index to name
+        ):
             return None
         example = next(t for t, s in self._weight_map.items() if s == shard)
         return MissingShardError(

@@ -151,7 +151,9 @@ _DANGEROUS_MODULES: Final = frozenset(
 # modules, its own pickler): the rest of ``torch._C`` is what a pickled model's functional
 # references name (``torch._C._nn.gelu``), ``suspicious`` like any unknown global.
 _TORCH_C_ACTING: Final = re.compile(
-    r"load|import|compile|pickle|backport|exec|eval|from_(?:file|buffer|bytes)", re.IGNORECASE
+    r"load|import|compil|pickle|backport|exec|eval|file|buffer|bytes|save|writer|reader|abort"
+    r"|crash",
+    re.IGNORECASE,
 )
 # numpy's pickling helpers for its random generators (``RandomState``, ``Generator``, their bit
 # generators and ``SeedSequence``, whose Cython-made helper only fills a ``SeedSequence``
@@ -174,7 +176,26 @@ _NUMPY_RNG_HELPERS: Final = frozenset(
 #: The helpers that call their second argument (see ``_NUMPY_RNG_HELPERS``).
 _RNG_CALLING_CTORS: Final = ("__randomstate_ctor", "__generator_ctor")
 _DANGEROUS_NAMES: Final = frozenset(
-    {"numpy.load", "numpy.loads", "numpy.fromfile", "pandas.read_pickle", "pandas.read_csv"}
+    {
+        "numpy.load",
+        "numpy.loads",
+        "numpy.fromfile",
+        "numpy.fromregex",
+        "numpy.loadtxt",
+        "numpy.genfromtxt",
+        "numpy.memmap",
+        "numpy.save",
+        "numpy.savez",
+        "numpy.savetxt",
+        "numpy.core.multiarray.fromfile",
+        "numpy._core.multiarray.fromfile",
+        "numpy.core.memmap.memmap",
+        "numpy._core.memmap.memmap",
+        "pandas.read_pickle",
+        "pandas.read_csv",
+        "torch.from_file",
+        "torch.save",
+    }
 )
 # Callables that unpickle their bytes argument: the bytes are scanned as a nested file.
 _NESTED_LOADERS: Final = frozenset(

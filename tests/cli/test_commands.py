@@ -772,8 +772,8 @@ def _labels_all_at_once(edges: list[float]) -> list[str]:
     [
         [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0],  # four digits tell them apart
         [1000 + i / 10 for i in range(11)],  # [1000, 1000) at four digits
-        [1.0, 1.1, 1.23441, 1.23442, 2.0, 3.0, 4.0],  # alike at 4-5 digits, across a block's end
-        [1.0, 1.23441, 1.23442, 1.5, 2.0, 3.0, 4.0],  # the same, inside a block
+        [1.0, 1.1, 1.23441, 1.23442, 2.0, 3.0, 4.0],  # alike at 4-5 digits, inside a block
+        [1.0, 1.23441, 1.23442, 1.5, 2.0, 3.0, 4.0],  # the same, across a block's end
         [1.0, 1.0, 1.0 + 2**-52, 1.0 + 2**-52],  # equal edges: 17 digits
         [-5.0, -1e-300, 0.0, 5e-324, 1e300],
     ],
@@ -1500,3 +1500,30 @@ def test_stats_histogram_lines_fit_the_terminal(
         monkeypatch.setattr(_common.Ui, "columns", staticmethod(lambda c=columns: c))
         lines = cli("stats", path, "--histogram", "4").out.splitlines()[-4:]
         assert max(map(len, lines)) == longest, (columns, lines)
+
+
+def test_names_a_stdout_encoding_cannot_hold_are_quoted_so_none_print_alike(
+    tmp_path: Path,
+) -> None:
+    """Under PYTHONIOENCODING=ascii, "wé" and the text "w\\xe9" printed alike once the
+    stream escaped the first; and --raw printed a changed value with exit 0."""
+    path = tmp_path / "two.safetensors"
+    save_file(
+        {"wé": np.ones(3, np.float32), "w\\xe9": np.ones(2, np.float32)},
+        path,
+        metadata={"by": "Zoë"},
+    )
+
+    def run(*args: str) -> subprocess.CompletedProcess[bytes]:
+        env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+        return subprocess.run(
+            [sys.executable, "-m", "pysafetensors", *args], capture_output=True, env=env, timeout=60
+        )
+
+    r = run("inspect", str(path))
+    assert r.returncode == 0, r
+    lines = r.stdout.decode("ascii").splitlines()
+    rows = [line.split()[0] for line in lines if "F32  " in line and line[0] in 'w"']
+    assert sorted(rows) == sorted(['"w\\xe9"', "w\\xe9"])  # the escaped one quoted
+    raw = run("metadata", "get", str(path), "by", "--raw")
+    assert (raw.returncode, raw.stdout) == (0, "Zoë\n".encode())  # exact: UTF-8 bytes

@@ -120,6 +120,11 @@ def test_library_saves_name_the_file_in_the_way_of_their_folder(tmp_path: Path) 
             ShardedStreamingWriter(folder, {"a": ("F32", [3])})
     assert blocker.read_bytes() == b"untouched"
     assert sorted(os.listdir(tmp_path)) == ["blocker"]
+    if hasattr(os, "symlink"):  # a broken link in the way: not called a file
+        (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+        with pytest.raises(WriteError, match="is not a folder") as info:
+            save_sharded({"a": np.zeros(3, np.float32)}, tmp_path / "dangling" / "sub")
+        assert "is a file" not in str(info.value)
 
 
 def _limit_file_size() -> None:

@@ -162,6 +162,7 @@ def test_an_edit_waits_for_a_lock_at_most_lock_timeout(tmp_path: Path) -> None:
     import os
 
     from pysafetensors import edit_metadata
+    from pysafetensors._metadata_edit import LockTimeoutError
 
     path = tmp_path / "m.safetensors"
     save_file({"w": np.arange(10, dtype=np.float32)}, str(path), metadata={"format": "pt"})
@@ -174,8 +175,9 @@ def test_an_edit_waits_for_a_lock_at_most_lock_timeout(tmp_path: Path) -> None:
         fcntl.flock(holder, fcntl.LOCK_SH)
         for timeout in (0, 0.3):
             start = time.monotonic()
-            with pytest.raises(TimeoutError, match="another process holds a lock") as info:
+            with pytest.raises(LockTimeoutError, match="another process holds a lock") as info:
                 edit_metadata(path, {"k": "v"}, lock_timeout=timeout)
+            assert isinstance(info.value, TimeoutError)
             assert timeout <= time.monotonic() - start < timeout + 5
             assert str(path) in str(info.value) and info.value.__context__ is None
         assert path.read_bytes() == before

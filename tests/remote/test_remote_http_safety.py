@@ -299,6 +299,27 @@ def test_a_remote_index_s_missing_shard_is_a_missing_shard_error(
         load_file(url)
 
 
+def test_a_remote_single_file_gone_is_not_called_an_index_s_shard(
+    server: RangeServer, data_dir: Path
+) -> None:
+    """A folder URL holding one file opens that file as the checkpoint: gone from the
+    server, it is the file that is not found (there is no index to name)."""
+    from pysafetensors import MissingShardError
+    from pysafetensors._errors import RemoteNotFoundError
+    from pysafetensors._sharded import ShardedSafeOpen
+    from pysafetensors.numpy import save_file
+
+    target = data_dir / "lone" / "model.safetensors"
+    target.parent.mkdir(exist_ok=True)
+    save_file({"a": np.zeros(2, np.float32)}, target)
+    with ShardedSafeOpen(server.url("lone/"), framework="np") as f:
+        target.unlink()
+        with pytest.raises(RemoteNotFoundError) as info:
+            f.validate()
+        assert not isinstance(info.value, MissingShardError)
+        assert "index" not in str(info.value)
+
+
 def test_redirect_to_another_scheme_is_refused(server: RangeServer) -> None:
     server.redirect_base = "file:///etc"
     with pytest.raises(RemoteError, match="not an http") as info:

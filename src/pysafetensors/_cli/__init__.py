@@ -157,13 +157,14 @@ def _stand_in_for_closed_streams() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line and return its exit code."""
     _stand_in_for_closed_streams()
+    stream = sys.stdout
     errors = _escape_what_stdout_cannot_encode()
     try:
         return _main(argv)
     finally:
         if errors is not None:
             with contextlib.suppress(Exception):  # closed meanwhile: nothing to restore
-                getattr(sys.stdout, "reconfigure")(errors=errors)  # noqa: B009 - typed as IO
+                getattr(stream, "reconfigure")(errors=errors)  # noqa: B009 - typed as IO
 
 
 def _escape_what_stdout_cannot_encode() -> str | None:
@@ -172,8 +173,9 @@ def _escape_what_stdout_cannot_encode() -> str | None:
 
     With an encoding other than UTF-8 (``PYTHONIOENCODING=ascii``, a Windows code page, a
     redirect under a legacy locale), a name or value outside it stopped the output halfway
-    with ``error: 'ascii' codec can't encode characters...``, naming nothing. stderr escapes
-    already (Python's default there). JSON output is ASCII whatever the encoding.
+    with ``error: 'ascii' codec can't encode characters...``, naming nothing. Names and values
+    are escaped (and so quoted) before this (``sanitize``); this catches the rest. stderr
+    escapes already (Python's default there). JSON output is ASCII whatever the encoding.
     """
     stream = sys.stdout
     errors: str | None = getattr(stream, "errors", None)

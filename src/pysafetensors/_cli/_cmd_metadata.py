@@ -11,7 +11,7 @@ import sys
 from typing import Any, Final
 
 from .._errors import SafetensorError
-from .._metadata_edit import edit_metadata
+from .._metadata_edit import LockTimeoutError, edit_metadata
 from .._reader import safe_open
 from .._sources import check_regular
 from ._common import Ui, UsageError, open_model, print_json, quoted, sanitize, shown, whole_number
@@ -108,7 +108,7 @@ def _edit(args: argparse.Namespace, **options: Any) -> bool:
     first = _QUIET_WAIT if limit is None else min(_QUIET_WAIT, limit)
     try:
         return edit_metadata(args.target, lock_timeout=first, **options)
-    except TimeoutError:
+    except LockTimeoutError:  # only the lock's: a slow file system's timeout is an error
         if limit is not None and limit <= first:
             raise
     more = "" if limit is None else f", at most {limit - first:g} s more"
@@ -143,7 +143,13 @@ def run_get(args: argparse.Namespace) -> int:
                 {"schema": SCHEMA, "target": shown(args.target), "key": args.key, "value": value}
             )
         elif args.raw:
-            sys.stdout.write(value + "\n")
+            raw = getattr(sys.stdout, "buffer", None)
+            if raw is None:
+                sys.stdout.write(value + "\n")
+            else:
+                # Exact whatever stdout's encoding (its escapes would change the value).
+                sys.stdout.flush()
+                raw.write((value + "\n").encode("utf-8", "surrogateescape"))
         else:
             ui.line(quoted(value))
         return status

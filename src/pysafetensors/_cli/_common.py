@@ -10,6 +10,7 @@ tqdm draws progress bars on stderr, only on a terminal, only after a second, nev
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import math
@@ -139,7 +140,9 @@ def make_parent(path: str, folders: OutputFolders | None = None) -> None:
         # Written as a file, it would fail with "No such file or directory" or "Is a directory".
         what = "is a folder" if os.path.isdir(path) else "names a folder (it ends with a separator)"
         raise UsageError(f"the output {sanitize(path)!r} {what}; name the file to write")
-    parent = os.path.dirname(path) or os.curdir  # as given: the file in the way is named so
+    # As given (the file in the way is named so), but normalised: makedirs of "a/../b" also
+    # made "a", which the folders noted (by absolute path) would not remove.
+    parent = os.path.dirname(os.path.normpath(path)) or os.curdir
     if folders is not None:
         folders.makedirs(parent, path)
     else:
@@ -257,7 +260,34 @@ def sanitize(text: str) -> str:
         c = ord(m.group())
         return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
-    return _UNSAFE.sub(esc, text)
+    text = _UNSAFE.sub(esc, text)
+    encoding = _narrow_stdout_encoding()
+    if encoding is not None and not _encodable(text, encoding):
+        # What stdout's encoding cannot hold (PYTHONIOENCODING=ascii, a Windows code page):
+        # escaped here, so that quoted() quotes such a name (the stream's own fallback
+        # escaped it too, but printed "wé" and the text "w\xe9" alike, and misaligned tables).
+        text = text.encode(encoding, "backslashreplace").decode(encoding)
+    return text
+
+
+def _narrow_stdout_encoding() -> str | None:
+    """stdout's encoding where it cannot hold every character; None for the UTF encodings."""
+    encoding = getattr(sys.stdout, "encoding", None)
+    if not isinstance(encoding, str):
+        return None
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError:
+        return None
+    return None if name.startswith("utf-") else name
+
+
+def _encodable(text: str, encoding: str) -> bool:
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def quoted(text: str) -> str:
@@ -270,7 +300,12 @@ def quoted(text: str) -> str:
     ESC as ``a\x1b`` too.) Plain output never begins with a double quote, and within quotes
     every backslash begins an escape, so each shown text has one source.
     """
-    if not _UNSAFE.search(text) and not text.startswith('"'):
+    encoding = _narrow_stdout_encoding()
+    if (
+        not _UNSAFE.search(text)
+        and not text.startswith('"')
+        and (encoding is None or _encodable(text, encoding))
+    ):
         return text
     return '"' + sanitize(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
