@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
 import json
 import math
 import os
@@ -273,8 +274,12 @@ def sanitize(text: str) -> str:
 def _narrow_stdout_encoding() -> str | None:
     """stdout's encoding where it cannot hold every character; None for the UTF encodings."""
     encoding = getattr(sys.stdout, "encoding", None)
-    if not isinstance(encoding, str):
-        return None
+    return _narrow(encoding) if isinstance(encoding, str) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _narrow(encoding: str) -> str | None:
+    # Cached: sanitize runs for every name of a table (20,000 for a MoE model).
     try:
         name = codecs.lookup(encoding).name
     except LookupError:
