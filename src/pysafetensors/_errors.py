@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 from ._remote_urls import shown_location
@@ -145,6 +146,12 @@ class OffsetError(HeaderError):
 
 class TensorNotFoundError(SafetensorError, KeyError):
     """Raised when a tensor name is not in the file."""
+
+
+def first_five(texts: Sequence[str]) -> str:
+    """``texts`` for a message: the first five joined by commas, then `` ...`` if there are
+    more."""
+    return ", ".join(texts[:5]) + (" ..." if len(texts) > 5 else "")
 
 
 def tensor_not_found(name: str) -> TensorNotFoundError:

@@ -33,6 +33,7 @@ from typing import Any, Final
 
 from ._errors import (
     SafetensorError,
+    first_five,
     input_path,
     looks_like_url,
     make_folder,
@@ -406,7 +407,7 @@ def _warn_disagreeing_keys(
     # ``format`` is written whatever the shards say, and the computed keys anew.
     dropped = sorted(held - set(kept) - {"format", *COMPUTED_KEYS})
     if dropped:
-        keys = ", ".join(repr(k) for k in dropped[:5]) + (" ..." if len(dropped) > 5 else "")
+        keys = first_five([repr(k) for k in dropped])
         warnings.warn(
             f"the shards of {shown(src.path)} disagree on metadata {keys} (some shards hold "
             "it, or they hold different values): the output keeps only what every shard "

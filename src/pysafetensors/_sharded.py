@@ -40,6 +40,7 @@ from ._errors import (
     HeaderError,
     RemoteNotFoundError,
     SafetensorError,
+    first_five,
     looks_like_url,
     tensor_not_found,
 )
@@ -226,7 +227,7 @@ def _unfinished_commit(names: list[str]) -> str:
         return "the checkpoint is incomplete (a save or download that did not finish?)"
     # The index first: a folder may hold many shards.
     pending = indexes + [n for n, t in targets.items() if t.endswith(".safetensors")]
-    waiting = ", ".join(pending[:5]) + (" ..." if len(pending) > 5 else "")
+    waiting = first_five(pending)
     return (
         "a save was stopped while it renamed its files into place. Its index and the shards it "
         f"had not renamed yet wait in temporary files ({waiting}), which may hold the only "
@@ -259,7 +260,7 @@ def _choose(
         # Shards of a larger checkpoint without its index (written last): a save interrupted
         # while its files were renamed into place, or a partial download. One of them alone
         # would otherwise open as the whole model, silently missing the other shards' tensors.
-        listed = ", ".join(m.group(0) for m in shards[:5]) + (" ..." if len(shards) > 5 else "")
+        listed = first_five([m.group(0) for m in shards])
         raise MissingShardError(
             f"folder {shown(folder)} holds shards of a checkpoint ({listed}) but no index: "
             f"{_unfinished_commit(names)}; pass one shard's path to open that file alone",
@@ -516,18 +517,12 @@ class ShardedSafeOpen(HandleBehaviour):
                         # the index as it was) is refused when opened, not read as this save.
                         self._identities[shard] = file_identity(st)
                     else:
-                        example = next(t for t, s in self._weight_map.items() if s == shard)
                         what = (
                             "is not a regular file"
                             if os.path.lexists(path)
                             else f"does not exist in {self._base!r}"
                         )
-                        raise MissingShardError(
-                            f"index {shown(target)} places tensors (e.g. {example!r}) in shard "
-                            f"{shard!r}, which {what}",
-                            kind="MissingShard",
-                            tensor=example,
-                        )
+                        raise self._missing_shard(target, shard, what)
             self._closed = False
         else:
             # A folder with one file: the file is its own index.
@@ -746,10 +741,15 @@ class ShardedSafeOpen(HandleBehaviour):
             or self._single is not None  # a file opened as a checkpoint: no index to name
         ):
             return None
+        return self._missing_shard(self._path, shard, f"does not exist: {exc}")
+
+    def _missing_shard(self, index: str, shard: str, what: str) -> MissingShardError:
+        """A shard ``index`` places tensors in that is not there (``what`` says how), named
+        with one of those tensors."""
         example = next(t for t, s in self._weight_map.items() if s == shard)
         return MissingShardError(
-            f"index {shown(self._path)} places tensors (e.g. {example!r}) in shard "
-            f"{shard!r}, which does not exist: {exc}",
+            f"index {shown(index)} places tensors (e.g. {example!r}) in shard {shard!r}, "
+            f"which {what}",
             kind="MissingShard",
             tensor=example,
         )

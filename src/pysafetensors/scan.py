@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal, cast
 
-from ._errors import SafetensorError, input_path
+from ._errors import SafetensorError, first_five, input_path
 from ._pickle_vm import LIMIT, OPNAMES, TRUNCATED, Limits, Machine
 from ._remote_urls import shown_location
 from ._sources import open_regular_file
@@ -1268,7 +1268,7 @@ def _grade_storage(report: ScanReport, first: ScanReport, *, whole: bool, where:
     if not (first.globals or first._unlisted or dangerous):
         return
     names = sorted({g.qualname for g in first.globals})
-    detail = f"importing {', '.join(names[:5])}" + (" ..." if len(names) > 5 else "")
+    detail = f"importing {first_five(names)}"
     report._add(
         "suspicious",
         f"a tensor storage member is a whole pickle ({detail if names else dangerous[0]}): "
