@@ -639,6 +639,17 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                         f"{begin}-{begin + info.nbytes})",
                     )
 
+    def _memory_error(self, exc: MemoryError, info: TensorInfo | None) -> MemoryError:
+        """A ``MemoryError`` (``exc``, from an allocation) naming what was being read: the
+        tensor ``info``, else every tensor of the file."""
+        source = self._source
+        where = "" if source is None else f" from {source.name}"
+        if info is not None:
+            what = f"tensor {info.name!r} ({info.nbytes:,} bytes){where}"
+        else:
+            what = f"the tensors{where} ({self._header.data_size:,} bytes)"
+        return MemoryError(f"{_OUT_OF_MEMORY}{what}: {exc}")
+
     def get_tensors(self) -> dict[str, Any]:
         """Load every tensor, in file order.
 
@@ -1502,6 +1513,13 @@ class _Reading:
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, SafetensorError):
             self._handle._name_read_error(exc, self._info)
+        elif isinstance(exc, MemoryError) and not str(exc).startswith(_OUT_OF_MEMORY):
+            # numpy's says how much, not for what (a file may claim 1 TiB).
+            raise self._handle._memory_error(exc, self._info) from exc
+
+
+#: How :meth:`safe_open._memory_error` begins (a nested read leaves its message as it is).
+_OUT_OF_MEMORY: Final = "out of memory loading "
 
 
 class _SliceHold:

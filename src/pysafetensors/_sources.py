@@ -129,28 +129,37 @@ def map_file(fd: int, length: int, *, offset: int = 0) -> tuple[mmap.mmap, int]:
     (a warm 2 GiB load + touch: 17-18 ms so placed, 46 ms mapped a page at a time). Only where
     libc cannot be called, by Python's ``mmap`` as it is.
 
+    Every map is ``MAP_NORESERVE``: a private writable map is otherwise charged in full against
+    the kernel's commit limit when made, as if every page were to be copied, and the kernel's
+    default (heuristic) overcommit refuses a map larger than RAM and swap together. A 1 TiB
+    file then failed to open with ENOMEM on a machine with 23 GiB of RAM, a file the
+    reference (which maps read-only) opens. Only pages written to are copied; under strict
+    overcommit (``vm.overcommit_memory=2``) the kernel ignores the flag and may still refuse.
+
     Raises:
         ValueError: The range is not inside the file (as ``mmap.mmap`` refuses it: touching
             pages past the end would be SIGBUS).
         OSError: The kernel refused the map (ENOMEM: out of address space or maps).
     """
+    # Copy-on-write (ACCESS_COPY's flags and protection), charged for the pages written only.
+    flags = mmap.MAP_PRIVATE | MAP_NORESERVE
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
     if sys.version_info >= (3, 13):  # trackfd is new in 3.13
-        owner = mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset, trackfd=False)
+        owner = mmap.mmap(fd, length, flags, prot, offset=offset, trackfd=False)
         return owner, 0
     if libc_mmap is None or madvise is None or not length:
         # (Where libc's madvise cannot be called either, the prefetch advises through the
         # mmap object's own.)
-        return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset), 0
+        return mmap.mmap(fd, length, flags, prot, offset=offset), 0
     if offset + length > os.fstat(fd).st_size:
         raise ValueError("mmap length is greater than file size")
     # Address space only (MAP_NORESERVE: no memory is set aside for it), then the file over it;
     # room to slide it to the 2 MiB phase of its offset where it is large enough to care.
     room = _HUGE if length >= _HUGE else 0
-    owner = mmap.mmap(-1, length + room, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
+    owner = mmap.mmap(-1, length + room, flags=flags)
     base = address_of(owner)
     at = (offset - base) % _HUGE if room else 0
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    got = libc_mmap(base + at, length, prot, mmap.MAP_PRIVATE | MAP_FIXED, fd, offset)
+    got = libc_mmap(base + at, length, prot, flags | MAP_FIXED, fd, offset)
     if got != base + at:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))  # the anonymous map goes with ``owner``
@@ -648,7 +657,17 @@ class MmapSource:
         self._map: mmap.mmap | None = None
         self._at = 0  # where the file starts in the map
         if self._size:
-            self._map, self._at = map_file(fd, self._size)
+            try:
+                self._map, self._at = map_file(fd, self._size)
+            except OSError as exc:
+                # mmap's error names neither the file nor the size (ENOMEM under a memory
+                # limit: RLIMIT_AS, strict overcommit).
+                raise OSError(
+                    exc.errno,
+                    f"{exc.strerror} (mapping its {self._size:,} bytes failed; "
+                    "backend='pread' reads the file without a map)",
+                    name,
+                ) from None
         self._view = (
             memoryview(self._map)[self._at : self._at + self._size]
             if self._map is not None
