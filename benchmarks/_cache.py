@@ -92,6 +92,13 @@ def evict(path: str) -> float:
     return residency(path)
 
 
+#: The cache state of cells that start from a warm page cache without
+#: :func:`warm_free_memory`: the memory the operation draws has not been touched just before.
+#: The warm-up favours whichever arm allocates in huge pages (ours does, on a kernel whose
+#: transparent huge pages are ``madvise``), so the load target is judged with and without it.
+WARM_CACHE_ONLY = "warm, no memory warm-up"
+
+
 def warm_free_memory(nbytes: int) -> None:
     """Touch and free ``nbytes`` of memory, so that the timed operation starts from used memory.
 

@@ -47,10 +47,16 @@ def test_quick_benchmark_writes_table_and_json(tmp_path: Path) -> None:
         assert cell["seconds"] > 0, key
         for field in ("peak_rss_delta", "anon_delta", "file_delta", "read_bytes"):
             assert field in cell, (key, field)
-    # The cold cells were cold: the worker refuses to time a repetition that is not.
+    # The cold cells were cold and the warm ones warm: the worker refuses to time a
+    # repetition that is not.
     for key, cell in summary.items():
         if key.split("|")[2] == "cold":
             assert cell["residency_before"] < 0.01, key
+        elif key.split("|")[2].startswith("warm"):
+            assert cell["residency_before"] >= 0.99, key
+    # The warm load is timed without the memory warm-up too, for ours and the reference.
+    plain = {k.split("|")[3] for k in summary if k.split("|")[2] == "warm, no memory warm-up"}
+    assert plain == {"pysafetensors", "ref_mmap", "ref_pread"}, plain
     # The cells run as the full run runs them (a fresh worker each) have their peaks of each
     # kind sampled between the worker's signals (at least once, and never below the change
     # the worker measured itself at the end).
