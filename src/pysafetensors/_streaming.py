@@ -52,7 +52,9 @@ from ._sharding import (
     ShardPlan,
     checkpoint_group,
     index_json,
+    is_torch,
     split_into_shards,
+    torch_storage_id,
     write_checkpoint,
 )
 from ._writer import (
@@ -835,6 +837,24 @@ def _wait_settled(
     )
 
 
+def _empty_storages(tensors: Any) -> dict[str, Any]:
+    """The hub's storage id of each tensor declared by a torch tensor without storage.
+
+    The hub's splitter (and ``save_sharded``) gives every such tensor the same id (pointer 0,
+    size 0, per device), so all of them go to the shard of the first: a streaming split that
+    placed each by itself wrote other shards than ``save_sharded`` of the same tensors.
+    """
+    if not isinstance(tensors, Mapping):
+        return {}
+    found = {}
+    for name, value in tensors.items():
+        if is_torch(value) and value.device.type != "meta":
+            storage = torch_storage_id(value)
+            if storage[1:] == (0, 0):
+                found[name] = storage
+    return found
+
+
 #: ``ShardedStreamingWriter._write``'s offset for ``write_tensor``.
 _WHOLE: Final = object()
 
@@ -843,8 +863,9 @@ class ShardedStreamingWriter:
     """Stream a sharded checkpoint: shards planned up front, one writer each, index last.
 
     The split is the hub's (greedy in declaration order; see :mod:`pysafetensors._sharding`),
-    so the result is byte-identical to :func:`~pysafetensors.save_sharded` of the same tensors,
-    except for torch tensors that share memory: ``save_sharded`` writes such a group once
+    so the result is byte-identical to :func:`~pysafetensors.save_sharded` of the same tensors
+    (empty torch tensors all go to the shard of the first, as there), except for torch
+    tensors that share memory: ``save_sharded`` writes such a group once
     (recording the dropped names in the metadata), while every declared tensor is written here.
     Each shard's temporary file is created on the first write to it; nothing replaces an
     existing file until :meth:`close` has checked that every byte of every shard was written.
@@ -891,9 +912,12 @@ class ShardedStreamingWriter:
         # tensor's shard was opened.
         checked = {info.name: info.nbytes for info in build_layout(decls, None).tensors}
         self._sizes = {name: checked[name] for name, _, _ in decls}  # in declaration order
+        empties = _empty_storages(tensors)
         plan = split_into_shards(
-            self._sizes,
-            get_storage_size=lambda n: n,
+            # (name, size) pairs: the hub's splitter skips values that are strings.
+            {name: (name, size) for name, size in self._sizes.items()},
+            get_storage_size=lambda item: item[1],
+            get_storage_id=lambda item: empties.get(item[0]),
             filename_pattern=filename_pattern,
             max_shard_size=max_shard_size,
         )

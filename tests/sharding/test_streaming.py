@@ -166,6 +166,40 @@ def test_sharded_streaming_equals_save_sharded(tmp_path: Path, limit: int | str)
     assert_same_tree(tmp_path / "direct", tmp_path / "stream")
 
 
+def test_sharded_streaming_puts_empty_torch_tensors_where_the_hub_does(tmp_path: Path) -> None:
+    """The hub gives every empty torch tensor one storage id, so all go to the first one's
+    shard; the streaming split placed each by itself, in other shards than save_sharded's."""
+    torch = pytest.importorskip("torch")
+    from huggingface_hub import save_torch_state_dict
+
+    sd = {
+        "e1": torch.zeros(0),
+        "a": torch.ones(100),
+        "e2": torch.zeros(0, 3, dtype=torch.float16),
+        "b": torch.ones(100),
+        "e3": torch.zeros(2, 0),
+    }
+    (tmp_path / "hub").mkdir()
+    save_torch_state_dict(sd, tmp_path / "hub", max_shard_size=500)
+    save_sharded(sd, tmp_path / "direct", 500)
+    with ShardedStreamingWriter(tmp_path / "stream", sd, 500) as w:
+        assert set(w.plan.filename_to_tensors["model-00001-of-00002.safetensors"]) == {
+            "e1",
+            "a",
+            "e2",
+            "e3",
+        }
+        for name, tensor in sd.items():
+            w.write_tensor(name, tensor)
+    assert_same_tree(tmp_path / "hub", tmp_path / "stream")
+    assert_same_tree(tmp_path / "direct", tmp_path / "stream")
+    # Declared by dtype and shape, an empty tensor has no storage to share: placed by itself.
+    decls = {name: (str(t.dtype).split(".")[1], list(t.shape)) for name, t in sd.items()}
+    declared = ShardedStreamingWriter(tmp_path / "decl", decls, 500)
+    declared.abort()
+    assert declared.plan.tensor_to_filename["e3"] == "model-00002-of-00002.safetensors"
+
+
 def test_sharded_streaming_incomplete_commits_nothing(tmp_path: Path) -> None:
     sd = {f"l{i}": np.ones(50, np.float32) for i in range(6)}
     w = ShardedStreamingWriter(tmp_path, sd, 400)
