@@ -45,9 +45,25 @@ def test_sharded_validate_index_problems(cli, sharded: Path) -> None:
     assert ("IndexTensorMissing", "ghost") in codes
     assert ("IndexTensorUnlisted", "step") in codes
     assert ("UnsafeShardName", "evil") in codes
-    # An error, as the reader's validate() refuses it (it was a --strict warning).
-    assert ("IndexTotalSize", None) in codes
     assert cli("validate", sharded).code == 1
+    # A --strict warning (such a checkpoint loads), as the reader's validate() refuses it.
+    assert ("IndexTotalSize", None) not in codes
+    doc = cli("validate", sharded, "--json", "--strict").json()
+    assert ("warning", "IndexTotalSize", None) in {
+        (p["severity"], p["code"], p["tensor"]) for p in doc["problems"]
+    }
+
+
+def test_a_total_size_that_counts_a_bool_as_an_eighth_of_a_byte(cli, sharded: Path) -> None:
+    """Older transformers releases wrote such totals (a float, below the bytes held): the
+    checkpoint loads everywhere, so only --strict fails it."""
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"]["total_size"] = index["metadata"]["total_size"] - 7 / 8
+    index_path.write_text(json.dumps(index))
+    assert cli("validate", sharded).code == 0
+    r = cli("validate", sharded, "--strict")
+    assert r.code == 1 and "IndexTotalSize" in r.out + r.err
 
 
 def test_sharded_validate_broken_shard(cli, sharded: Path) -> None:

@@ -470,7 +470,7 @@ def test_an_index_with_a_tensor_in_the_wrong_shard_has_a_right_total(cli, sharde
     # A total outside what the shards can hold is still its own problem.
     index["metadata"]["total_size"] = 1
     index_path.write_text(json.dumps(index))
-    doc = cli("validate", sharded, "--json").json()
+    doc = cli("validate", sharded, "--json", "--strict").json()
     assert {p["code"] for p in doc["problems"]} == {"IndexWrongShard", "IndexTotalSize"}
 
 
