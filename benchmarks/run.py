@@ -360,8 +360,9 @@ def render(meta: dict[str, Any], summary: dict[str, dict[str, Any]], sizes: dict
         "dropped, residency checked (a repetition that finds more than 1% of the file the arm "
         "reads still cached fails instead of being timed; only the guest's page cache: a host "
         "may cache the virtual disk). Every result is checked outside the timer: a load or "
-        "split has every tensor of the file and every byte equal to the file's; a save of "
-        "ours or the reference's is byte-identical to the input file.",
+        "split has every tensor of the file, of the right shape, with its first and last 4096 "
+        "elements and every 4099th equal to the file's; a save of ours or the reference's is "
+        "byte-identical to the input file.",
         "",
         "1-minute load average at start / end of the run: "
         + " / ".join(str(x) for x in meta.get("loadavg_start_end", []))
