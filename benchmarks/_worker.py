@@ -101,20 +101,6 @@ def tp_index(shape: list[int], along: str) -> tuple[slice, ...]:
     return (slice(None), slice(0, shape[1] // TP))
 
 
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range(fd, offset, nbytes, flags)``, or None (not Linux)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
 def check(path: str, result: dict[str, Any], along: str | None = None) -> None:
     """Compare the result with the file's bytes (outside the timer): the same tensor names,
     and for every tensor (or its rank-0 part) its shape, its first and last 4096 elements and
@@ -395,16 +381,21 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
                 for t in tensors.values()
             ]
 
-            sync_range = _sync_file_range() if durable else None
+            # The library's libc binding and step, so that the ceiling asks what its save asks.
+            from pysafetensors._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
+            from pysafetensors._writer import WRITEBACK_STEP
+
+            sync_range = sync_file_range if durable else None
 
             def timed() -> Any:
                 fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     # One plain sequential stream of the same bytes, straight from tensor
                     # memory, 4 MiB per write() (the fastest size measured on this machine).
-                    # Durable: the disk is asked to start on every 16 MiB written, as the
-                    # library's own durable save asks (without it, the ceiling waited for the
-                    # whole file at the fsync and was slower than the save it bounds).
+                    # Durable: the disk is asked to start on every WRITEBACK_STEP (16 MiB)
+                    # written, as the library's own durable save asks (without it, the ceiling
+                    # waited for the whole file at the fsync and was slower than the save it
+                    # bounds).
                     written = flushed = 0
                     for view in views:
                         for i in range(0, view.nbytes, 4 << 20):
@@ -413,8 +404,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
                             while done < piece.nbytes:
                                 done += os.write(fd, piece[done:])
                             written += done
-                            if sync_range is not None and written - flushed >= 16 << 20:
-                                sync_range(fd, flushed, written - flushed, 2)  # _WRITE
+                            if sync_range is not None and written - flushed >= WRITEBACK_STEP:
+                                sync_range(fd, flushed, written - flushed, SYNC_FILE_RANGE_WRITE)
                                 flushed = written
                     if durable:
                         os.fsync(fd)

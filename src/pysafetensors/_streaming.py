@@ -848,10 +848,9 @@ def _empty_storages(tensors: Any) -> dict[str, Any]:
         return {}
     found = {}
     for name, value in tensors.items():
-        if is_torch(value) and value.device.type != "meta":
-            storage = torch_storage_id(value)
-            if storage[1:] == (0, 0):
-                found[name] = storage
+        storage = torch_storage_id(value) if is_torch(value) else None  # None: a meta tensor
+        if storage is not None and storage[1:] == (0, 0):
+            found[name] = storage
     return found
 
 
