@@ -149,9 +149,9 @@ class TensorNotFoundError(SafetensorError, KeyError):
 
 
 def first_five(texts: Sequence[str]) -> str:
-    """``texts`` for a message: the first five joined by commas, then `` ...`` if there are
-    more."""
-    return ", ".join(texts[:5]) + (" ..." if len(texts) > 5 else "")
+    """``texts`` for a message: the first five joined by commas, then how many more there
+    are (`` and 3 more``), if any."""
+    return ", ".join(texts[:5]) + (f" and {len(texts) - 5} more" if len(texts) > 5 else "")
 
 
 def tensor_not_found(name: str) -> TensorNotFoundError:

@@ -76,7 +76,7 @@ from ._sharding import (
     unsafe_shard_name,
 )
 from ._sources import ByteSource, starts_like_safetensors
-from ._writer import partial_target
+from ._writer import partial_stem, partial_target
 
 __all__ = [
     "INDEX_NAME",
@@ -180,7 +180,7 @@ def resolve_checkpoint(path: str, storage_options: dict[str, Any] | None = None)
     if not os.path.isdir(path):
         return Resolved(path, is_index_path(path))
     name, is_index = _choose(
-        path, lambda n: os.path.isfile(os.path.join(path, n)), lambda: os.listdir(path)
+        path, lambda n: os.path.isfile(os.path.join(path, n)), lambda: os.listdir(path), path
     )
     return Resolved(os.path.join(path, name), is_index)
 
@@ -213,35 +213,122 @@ def _resolve_folder_url(url: str, storage_options: dict[str, Any] | None) -> Res
     )
 
 
-def _unfinished_commit(names: list[str]) -> str:
+def _unfinished_commit(names: list[str], folder: str | None = None) -> str:
     """Why a folder of shards has no index, from the names it holds (sorted).
 
     A save killed while it renamed its files into place (a few milliseconds; a reshard into
     the source's own folder included) leaves its index, and the shards it had not renamed yet,
     in temporary files: they may hold the only copy of some tensors, and the next save to
-    those names deletes them once they are a minute old. Such a save is finished by hand.
+    those names deletes them once they are a minute old. Such a save is finished by hand, so
+    the message says which file to rename to what.
+
+    ``folder``: the local folder holding ``names``. Its newest temporary index is the stopped
+    save's, and is read for the names of its shards: a name too long to fit in a temporary
+    file's name is cut there (:func:`partial_stem`), and only the index tells what it stands
+    for. Temporary files older than an earlier temporary index are an earlier stopped save's.
+    ``None`` (a URL): from the names alone.
     """
-    targets = {n: partial_target(n) or "" for n in names}
-    indexes = [n for n, t in targets.items() if t.endswith(".safetensors.index.json")]
+    stems = {n: stem for n in names if (stem := partial_target(n)) is not None}
+    modified = _modified_times(folder, stems)
+    indexes: dict[str, set[str] | None] = {}  # temporary index -> its shards' names
+    for temp, stem in stems.items():
+        if stem.endswith(_INDEX_END) or (_CUT_STEM.fullmatch(stem) and folder is not None):
+            shards = _shard_names(folder, temp)
+            if shards is not None or stem.endswith(_INDEX_END):
+                indexes[temp] = shards
     if not indexes:
         return "the checkpoint is incomplete (a save or download that did not finish?)"
-    # The index first: a folder may hold many shards.
-    pending = indexes + [n for n, t in targets.items() if t.endswith(".safetensors")]
-    waiting = first_five(pending)
-    return (
+    newest, *earlier = sorted(indexes, key=lambda n: modified.get(n, 0.0), reverse=True)
+    # The stopped save wrote its shards after an earlier stopped save wrote its index.
+    since = max((modified.get(n, 0.0) for n in earlier), default=float("-inf"))
+    shard_names = indexes[newest]
+    if shard_names is None:  # the names say it all, unless cut
+        by_stem = {s: s for s in stems.values() if s.endswith(".safetensors")}
+        index_name = stems[newest]
+    else:
+        by_stem = {partial_stem(name): name for name in shard_names}
+        index_name = _index_name(stems[newest], shard_names)
+    targets: dict[str, str] = {}  # target -> its newest temporary file
+    for temp in sorted(stems, key=lambda n: modified.get(n, 0.0)):
+        if stems[temp] in by_stem and modified.get(temp, 0.0) > since:
+            targets[by_stem[stems[temp]]] = temp
+    renames = [(newest, index_name)] + [(targets[t], t) for t in sorted(targets)]
+    # Names cut to fit are each listed (the rule below does not give them); then a few more.
+    cut = [r for r in renames if stems[r[0]] != r[1]]
+    plain = [r for r in renames if stems[r[0]] == r[1]]
+    listed = "; ".join(f"{temp} to {target}" for temp, target in cut + plain[:5])
+    message = (
         "a save was stopped while it renamed its files into place. Its index and the shards it "
-        f"had not renamed yet wait in temporary files ({waiting}), which may hold the only "
-        "copy of some tensors: to finish that save, rename each to its name without the "
-        "leading '.' and the '.<12 hex digits>.partial' ending"
+        "had not renamed yet wait in temporary files, which may hold the only copy of some "
+        f"tensors: to finish that save, rename {listed}"
     )
+    if len(plain) > 5:
+        message += (
+            f"; and {len(plain) - 5} more, each to its name without the leading '.' and the "
+            "'.<12 hex digits>.partial' ending"
+        )
+    others = sorted(set(stems) - {temp for temp, _ in renames})
+    if others:
+        message += (
+            f" (the other {len(others)} temporary file(s), {first_five(others)}, are older: "
+            "an earlier stopped save's)"
+        )
+    return message
+
+
+#: How an index's name ends (the shard names' pattern, then this).
+_INDEX_END: Final = ".safetensors.index.json"
+#: A temporary file's stem for a name too long to keep whole (see :func:`partial_stem`).
+_CUT_STEM: Final = re.compile(r".*~[0-9a-f]{16}", re.DOTALL)
+
+
+def _index_name(stem: str, shard_names: Iterable[str]) -> str:
+    """The name of the index whose temporary file's stem is ``stem``: the stem itself, or
+    for a cut one, the index name the shards' pattern gives (``X-00001-of-00002.safetensors``:
+    ``X.safetensors.index.json``) that the stem stands for."""
+    for shard in shard_names:
+        name = re.sub(SHARD_SUFFIX + r"\.safetensors\Z", "", shard) + _INDEX_END
+        if partial_stem(name) == stem:
+            return name
+    return stem if stem.endswith(_INDEX_END) else f"its index's name (cut to {stem} here)"
+
+
+def _modified_times(folder: str | None, names: Iterable[str]) -> dict[str, float]:
+    """The modification times of the files ``names`` in the local ``folder`` (those that
+    can be read; none for a URL)."""
+    times: dict[str, float] = {}
+    if folder is not None:
+        for name in names:
+            with contextlib.suppress(OSError):
+                times[name] = os.stat(os.path.join(folder, name)).st_mtime
+    return times
+
+
+def _shard_names(folder: str | None, temp: str) -> set[str] | None:
+    """The shard names the temporary file ``temp`` in the local ``folder`` lists as an
+    index, or None when it is not one (or for a URL)."""
+    if folder is None:
+        return None
+    path = os.path.join(folder, temp)
+    if starts_like_safetensors(path):  # a shard, not read whole
+        return None
+    try:
+        weight_map, _ = _parse_index(path)
+    except (OSError, SafetensorError):
+        return None
+    return set(weight_map.values())
 
 
 def _choose(
-    folder: str, is_file: Callable[[str], bool], listing: Callable[[], Iterable[str]]
+    folder: str,
+    is_file: Callable[[str], bool],
+    listing: Callable[[], Iterable[str]],
+    local: str | None = None,
 ) -> tuple[str, bool]:
     """The rule for a folder: ``(name, is_index)`` of the file to open in ``folder`` (a path
     or URL, named in errors), from which names are files and, if those do not decide,
-    everything the folder holds (``listing``, called then only).
+    everything the folder holds (``listing``, called then only). ``local``: the folder's
+    path when it is on this machine, whose files an error may then read (``None``: a URL).
 
     Raises:
         MissingShardError: The folder holds no checkpoint, or only shards of one.
@@ -263,16 +350,19 @@ def _choose(
         listed = first_five([m.group(0) for m in shards])
         raise MissingShardError(
             f"folder {shown(folder)} holds shards of a checkpoint ({listed}) but no index: "
-            f"{_unfinished_commit(names)}; pass one shard's path to open that file alone",
+            f"{_unfinished_commit(names, local)}; pass one shard's path to open that file alone",
             kind="MissingIndex",
         )
     if len(files) == 1 and not indexes:
         return files[0], False
     if not indexes and not files:
+        # A save stopped before its first rename (into a new folder) left only its files.
+        stopped = _unfinished_commit(names, local)
         raise MissingShardError(
             f"no safetensors checkpoint in folder {shown(folder)}: expected {INDEX_NAME}, "
             f"{SINGLE_NAME}, "
-            "a single *.safetensors.index.json or a single *.safetensors",
+            "a single *.safetensors.index.json or a single *.safetensors"
+            + (f"; {stopped}" if stopped.startswith("a save was stopped") else ""),
             kind="NoCheckpoint",
         )
     found = ", ".join(indexes + files)

@@ -39,7 +39,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 
 from ._dtypes import DType, dtype_from_code
-from ._errors import CheckpointError
+from ._errors import CheckpointError, first_five
 from ._numpy_arrays import substitute
 from ._pickle_vm import LIMIT, TRUNCATED, Limits, Result
 from ._torch_archive import CHUNK, BoundedFile, Buffer, FileBytes, ZipView, open_zip
@@ -1142,7 +1142,8 @@ def _legacy_storages(
         pos += 8 + ref.nbytes
     missing = set(policy.storages) - set(storages)
     if missing:
-        raise bad_checkpoint(f"storages {sorted(missing)[:5]} declared but not present")
+        listed = first_five([repr(key) for key in sorted(missing)])
+        raise bad_checkpoint(f"storages {listed} declared but not present")
     return _checkpoint(file, "legacy", policy, graph, storages)
 
 

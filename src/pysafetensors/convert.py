@@ -55,6 +55,7 @@ from ._errors import (
     UnsafePickleError,
     WriteError,
     add_note,
+    first_five,
     input_path,
     local_path_refused,
     looks_like_url,
@@ -495,9 +496,9 @@ def _verify_open(
     header, data_start = _read_output(dst)
     expected = {n for n in tensors if n not in dropped}
     if set(header.tensors) != expected:
-        extra = sorted(set(header.tensors) - expected)[:5]
-        missing = sorted(expected - set(header.tensors))[:5]
-        raise _mismatch(f"names differ (extra {extra}, missing {missing})")
+        extra = first_five([repr(n) for n in sorted(set(header.tensors) - expected)])
+        missing = first_five([repr(n) for n in sorted(expected - set(header.tensors))])
+        raise _mismatch(f"names differ (extra: {extra or 'none'}; missing: {missing or 'none'})")
     # Every requested name is checked, a dropped one against the tensor it is stored as: a
     # dropped name whose values differ from its kept tensor's would otherwise pass unseen.
     stored = {name: dropped.get(name, name) for name in tensors}
@@ -882,7 +883,7 @@ def _check_inputs(src_dir: str, names: list[str], index_path: str | None) -> Non
         where = f"listed in {index_path}" if index_path else "in the folder"
         raise CheckpointError(
             f"{len(missing)} checkpoint file(s) {where} missing or not files: "
-            + ", ".join(repr(os.path.join(src_dir, n)) for n in missing[:5]),
+            + first_five([repr(os.path.join(src_dir, n)) for n in missing]),
             kind="MissingCheckpoint",
         )
     for n in names:
@@ -987,10 +988,8 @@ def _check_index_agrees(
     absent = [] if lenient else [repr(name) for name in weight_map if name not in held]
     for problems, what in ((misplaced, "in another shard"), (absent, "in no shard")):
         if problems:
-            more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
             raise CheckpointError(
-                f"{index_path} lists {len(problems)} tensor(s) {what}: "
-                f"{', '.join(problems[:5])}{more}",
+                f"{index_path} lists {len(problems)} tensor(s) {what}: {first_five(problems)}",
                 kind="IndexMismatch",
             )
 

@@ -29,7 +29,7 @@ from ._api import (
 )
 from ._devices import CPU
 from ._dtypes import dtype_from_code
-from ._errors import PathArg, SerializeError, SharedTensorsError
+from ._errors import PathArg, SerializeError, SharedTensorsError, first_five
 from ._layout import check_metadata
 from ._reader import safe_open
 from ._sharded import ShardedSafeOpen, shown
@@ -413,11 +413,10 @@ def _warn_stale_entries(index: str, dropped: Mapping[str, str]) -> None:
     """Warn that ``load_model`` left out index entries their shards do not hold."""
     if not dropped:
         return
-    named = ", ".join(f"{name!r} (in {shard!r})" for name, shard in list(dropped.items())[:5])
-    more = f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+    named = first_five([f"{name!r} (in {shard!r})" for name, shard in dropped.items()])
     warnings.warn(
         f"index {shown(index)} places {len(dropped)} tensor(s) in shards that do not hold them, "
-        f"left out of the load: {named}{more}",
+        f"left out of the load: {named}",
         UserWarning,
         stacklevel=3,
     )

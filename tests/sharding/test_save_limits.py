@@ -490,7 +490,7 @@ def test_a_reshard_in_place_killed_during_its_renames_says_how_to_finish_it(
     assert any(".index.json." in n for n in pending) and len(pending) == 7  # 8 shards + index
     assert "stopped while it renamed its files into place" in text
     assert pending[-1].startswith(".model.safetensors.index.json.")  # named first:
-    assert pending[-1] in text and all(n in text for n in pending[:4]) and " ..." in text
+    assert pending[-1] in text and all(n in text for n in pending[:4]) and " and 2 more" in text
     for name in pending:  # finished by hand, as the message says
         os.rename(tmp_path / name, tmp_path / name[1:].rsplit(".", 2)[0])
     got = load_file(tmp_path)
@@ -498,6 +498,81 @@ def test_a_reshard_in_place_killed_during_its_renames_says_how_to_finish_it(
     with safe_open(tmp_path, "np") as f:
         f.validate()
         assert len({f.shard_of(k) for k in sd}) == 8  # one tensor a shard: the new split
+
+
+def _stopped_save(done: Path, folder: Path, renamed: int, token: str) -> dict[str, str]:
+    """Lay out in ``folder`` the files of a sharded save (the complete one in ``done``) that
+    was stopped after renaming ``renamed`` shards into place: the rest, and its index, still
+    under their temporary names (with ``token`` as their random part). Returns each
+    temporary file's name and the name it stands for."""
+    from pysafetensors._writer import partial_stem
+
+    (index,) = (p.name for p in done.iterdir() if p.name.endswith(".index.json"))
+    shards = sorted(set(json.loads((done / index).read_text())["weight_map"].values()))
+    temporary: dict[str, str] = {}
+    for i, name in enumerate([*shards, index]):
+        if i < renamed:
+            (folder / name).write_bytes((done / name).read_bytes())
+        else:
+            temp = f".{partial_stem(name)}.{token}.partial"
+            (folder / temp).write_bytes((done / name).read_bytes())
+            temporary[temp] = name
+    return temporary
+
+
+def test_a_stopped_save_of_names_too_long_to_keep_says_what_each_file_is_renamed_to(
+    tmp_path: Path,
+) -> None:
+    """A shard name too long for its temporary file's name is cut there (with a hash). The
+    hint said to drop the temporary file's '.' and ending, which gave the cut name; the
+    message now names each file's target, read from the stopped save's index."""
+    sd = _tensors(4)
+    pattern = "m" * 215 + "{suffix}.safetensors"  # 242 bytes: the room is 233
+    save_sharded(sd, tmp_path / "done", max_shard_size=4500, filename_pattern=pattern)
+    for renamed, expected in ((1, "but no index"), (0, "no safetensors checkpoint")):
+        folder = tmp_path / f"stopped{renamed}"
+        folder.mkdir()
+        temporary = _stopped_save(tmp_path / "done", folder, renamed, "0123456789ab")
+        assert len(temporary) == 5 - renamed and all("~" in t for t in temporary)  # index too
+        with pytest.raises(MissingShardError, match=expected) as info:
+            safe_open(folder, "np")
+        text = str(info.value)
+        assert "a save was stopped while it renamed its files" in text
+        for temp, name in temporary.items():
+            assert f"{temp} to {name}" in text
+            os.rename(folder / temp, folder / name)  # finished as the message says
+        got = load_file(folder)
+        assert sorted(got) == sorted(sd) and all(np.array_equal(got[k], sd[k]) for k in sd)
+
+
+def test_two_stopped_saves_name_the_newest_files_and_set_the_older_apart(
+    tmp_path: Path,
+) -> None:
+    """Two saves to one folder, each stopped during its renames: the hint listed every
+    temporary file as one save's, two files for one name. It now names the newest save's
+    files (the newest index and, for each name, the newest file) and says the others are
+    older."""
+    old, new = _tensors(4), {k: v + 10 for k, v in _tensors(4).items()}
+    save_sharded(old, tmp_path / "old", max_shard_size=4500)
+    save_sharded(new, tmp_path / "new", max_shard_size=4500)
+    folder = tmp_path / "stopped"
+    folder.mkdir()
+    older = _stopped_save(tmp_path / "old", folder, 0, "aaaaaaaaaaaa")
+    past = time.time() - 3600
+    for temp in older:
+        os.utime(folder / temp, (past, past))
+    newer = _stopped_save(tmp_path / "new", folder, 2, "bbbbbbbbbbbb")
+    with pytest.raises(MissingShardError, match="but no index") as info:
+        safe_open(folder, "np")
+    text = str(info.value)
+    for temp, name in newer.items():
+        assert f"{temp} to {name}" in text
+    assert not any(f"{temp} to" in text for temp in older)
+    assert f"the other {len(older)} temporary file(s)" in text and "are older" in text
+    for temp, name in newer.items():
+        os.rename(folder / temp, folder / name)
+    got = load_file(folder)
+    assert all(np.array_equal(got[k], new[k]) for k in new)
 
 
 def test_shards_over_a_single_file_retire_it_after_the_renames(
