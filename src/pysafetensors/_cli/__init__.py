@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Final, TextIO
 
 from .._errors import RemotePermissionError, SafetensorError, UnsafePickleError
-from ._common import sanitize
+from ._common import HEADER_LIMIT_HINT, sanitize
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -236,6 +236,8 @@ def _main(argv: Sequence[str] | None) -> int:
         code = _fail(args, exc, trouble or code)
         if isinstance(exc, UnsafePickleError) and hasattr(args, "skip_unknown"):
             _unsafe_pickle_hint(exc, args.skip_unknown)
+        if exc.kind == "HeaderTooLarge" and hasattr(args, "max_header_size"):
+            print(HEADER_LIMIT_HINT, file=sys.stderr)  # the library's message names its keyword
         return code
     except (ValueError, TypeError, KeyError) as exc:
         return _fail(args, exc, trouble or 1)

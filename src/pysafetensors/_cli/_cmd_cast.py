@@ -36,6 +36,7 @@ from ._common import (
     TensorRef,
     Ui,
     UsageError,
+    add_header_limit_arg,
     check_output_folder,
     make_parent,
     name_filter,
@@ -75,6 +76,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--regex", metavar="RE", help="only cast tensors matching this regex")
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run)
 
 
@@ -212,7 +214,10 @@ def run(args: argparse.Namespace) -> int:
     ui = Ui(args)
     overflow: dict[str, list[int]] = {}
     # Folders the cast creates are removed again (when still empty) if it fails.
-    with open_model(args.target, remote_options(args)) as model, OutputFolders() as folders:
+    with (
+        open_model(args.target, remote_options(args), args.max_header_size) as model,
+        OutputFolders() as folders,
+    ):
         model.refuse_inconsistent()  # as reshard/merge/extract: never write a model from it
         total = sum(t.nbytes for t in model.tensors.values())
         with (
@@ -225,7 +230,12 @@ def run(args: argparse.Namespace) -> int:
             if not model.sharded:
                 f = model.files[0]
                 make_parent(args.output, folders)
-                layout = write_file(args.output, plan[f.label], f.header.metadata)
+                layout = write_file(
+                    args.output,
+                    plan[f.label],
+                    f.header.metadata,
+                    max_header_size=args.max_header_size,
+                )
                 warn_beside_index(args.output)
                 written = layout.file_size
                 data_bytes = {f.label: layout.data_size}
@@ -245,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
                             plan[f.label],
                             f.header.metadata,
                             group=group,
+                            max_header_size=args.max_header_size,
                         )
                         written += layout.file_size
                         data_bytes[f.label] = layout.data_size

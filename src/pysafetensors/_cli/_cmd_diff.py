@@ -37,6 +37,7 @@ from ._common import (
     TensorRef,
     Ui,
     add_filter_args,
+    add_header_limit_arg,
     name_filter,
     open_model,
     print_json,
@@ -68,6 +69,7 @@ def register(sub: Any) -> None:
     add_filter_args(p)
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run, trouble_code=2)
 
 
@@ -427,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``diff``."""
     ui = Ui(args)
     options = remote_options(args)  # for whichever of A and B is a URL
+    limit = args.max_header_size
     if options:
         from .._remote import check_option_names
 
@@ -435,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
                 # Both checked before either is opened (a usage error, before any request).
                 with url_argument_errors():
                     check_option_names(target, options)
-    with open_model(args.a, options) as ma, open_model(args.b, options) as mb:
+    with open_model(args.a, options, limit) as ma, open_model(args.b, options, limit) as mb:
         # Compared: what the shards hold. An index that disagrees with them is warned about, and
         # the exit code is then 2 (the answer cannot be trusted as "equal"/"different").
         inconsistent = ma.warn_index() | mb.warn_index()

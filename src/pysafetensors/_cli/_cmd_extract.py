@@ -22,6 +22,7 @@ from ._common import (
     OutputFolders,
     Ui,
     UsageError,
+    add_header_limit_arg,
     check_output_folder,
     check_source,
     make_parent,
@@ -51,6 +52,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--list", action="store_true", help="print the names extracted, one a line")
     add_fsync_arg(p)
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run)
 
 
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             folders.expect(args.output)  # created by extract()
         else:
             make_parent(args.output, folders)
-        check_source(args.source, options)
+        check_source(args.source, options, args.max_header_size)
         ui = Ui(args)
         with progress_for(ui, "extracting") as report:
             names = extract(
@@ -92,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 fsync=args.fsync,
                 progress=report,
                 storage_options=options,
+                max_header_size=args.max_header_size,
             )
     if args.max_shard_size is None:
         warn_beside_index(args.output)

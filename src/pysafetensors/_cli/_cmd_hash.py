@@ -22,6 +22,7 @@ from ._common import (
     Model,
     Ui,
     add_filter_args,
+    add_header_limit_arg,
     name_filter,
     open_model,
     print_json,
@@ -54,6 +55,7 @@ def register(sub: Any) -> None:
     add_filter_args(p)
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run)
 
 
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hash``."""
     ui = Ui(args)
     accept = name_filter(args)
-    with open_model(args.target, remote_options(args)) as model:
+    with open_model(args.target, remote_options(args), args.max_header_size) as model:
         inconsistent = model.warn_index()
         total = sum(t.nbytes for t in model.tensors.values())
         with ui.progress(total, "hash") as update, model.planned_reads(model.tensors.values()):

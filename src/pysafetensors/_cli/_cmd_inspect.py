@@ -12,6 +12,7 @@ from ._common import (
     TensorRef,
     Ui,
     add_filter_args,
+    add_header_limit_arg,
     finite_json,
     human_bytes,
     human_count,
@@ -47,6 +48,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--no-tensors", action="store_true", help="only totals and metadata")
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run)
 
 
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``inspect``."""
     ui = Ui(args)
     accept = name_filter(args)
-    with open_model(args.target, remote_options(args)) as model:
+    with open_model(args.target, remote_options(args), args.max_header_size) as model:
         # The table lists what the shards hold; an index that disagrees is warned about and
         # makes the exit code 1 (reshard/merge/extract refuse such a model).
         inconsistent = model.warn_index()

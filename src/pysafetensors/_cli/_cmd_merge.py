@@ -15,6 +15,7 @@ from ._cmd_reshard import add_fsync_arg, progress_for
 from ._common import (
     OutputFolders,
     Ui,
+    add_header_limit_arg,
     check_source,
     human_bytes,
     make_parent,
@@ -36,6 +37,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("output", metavar="OUTPUT", help="output .safetensors file")
     add_fsync_arg(p)
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run)
 
 
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from .._reshard import merge
 
     options = remote_options(args)
-    check_source(args.source, options)
+    check_source(args.source, options, args.max_header_size)
     ui = Ui(args)
     with OutputFolders() as folders, progress_for(ui, "merging") as report:
         make_parent(args.output, folders)
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             fsync=args.fsync,
             progress=report,
             storage_options=options,
+            max_header_size=args.max_header_size,
         )
     warn_beside_index(args.output)
     ui.note(f"wrote {sanitize(args.output)} ({human_bytes(os.path.getsize(args.output))})")

@@ -14,7 +14,17 @@ from .._errors import SafetensorError
 from .._metadata_edit import LockTimeoutError, edit_metadata
 from .._reader import safe_open
 from .._sources import check_regular
-from ._common import Ui, UsageError, open_model, print_json, quoted, sanitize, shown, whole_number
+from ._common import (
+    Ui,
+    UsageError,
+    add_header_limit_arg,
+    open_model,
+    print_json,
+    quoted,
+    sanitize,
+    shown,
+    whole_number,
+)
 from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.metadata/1"
@@ -39,6 +49,7 @@ def register(sub: Any) -> None:
         help="print the value of KEY exactly, control characters included",
     )
     add_remote_args(g)
+    add_header_limit_arg(g)
     g.set_defaults(func=run_get)
 
     s = actions.add_parser("set", help="add or change keys: KEY=VALUE ...")
@@ -54,6 +65,7 @@ def register(sub: Any) -> None:
     )
     _in_place_arg(s)
     _lock_timeout_arg(s)
+    add_header_limit_arg(s)
     s.set_defaults(func=run_set)
 
     d = actions.add_parser("delete", help="remove keys")
@@ -62,6 +74,7 @@ def register(sub: Any) -> None:
     d.add_argument("--missing-ok", action="store_true", help="ignore keys that are not present")
     _in_place_arg(d)
     _lock_timeout_arg(d)
+    add_header_limit_arg(d)
     d.set_defaults(func=run_delete)
 
 
@@ -107,7 +120,9 @@ def _edit(args: argparse.Namespace, **options: Any) -> bool:
     limit = args.lock_timeout
     first = _QUIET_WAIT if limit is None else min(_QUIET_WAIT, limit)
     try:
-        return edit_metadata(args.target, lock_timeout=first, **options)
+        return edit_metadata(
+            args.target, lock_timeout=first, max_header_size=args.max_header_size, **options
+        )
     except LockTimeoutError:  # only the lock's: a slow file system's timeout is an error
         if limit is not None and limit <= first:
             raise
@@ -117,7 +132,9 @@ def _edit(args: argparse.Namespace, **options: Any) -> bool:
         f"a backup or sync tool); waiting for it{more} (Ctrl-C to stop)"
     )
     rest = None if limit is None else limit - first
-    return edit_metadata(args.target, lock_timeout=rest, **options)
+    return edit_metadata(
+        args.target, lock_timeout=rest, max_header_size=args.max_header_size, **options
+    )
 
 
 def run_get(args: argparse.Namespace) -> int:
@@ -125,7 +142,7 @@ def run_get(args: argparse.Namespace) -> int:
     ui = Ui(args)
     if args.raw and args.key is None:
         raise UsageError("--raw prints one value: name its KEY")
-    with open_model(args.target, remote_options(args)) as model:
+    with open_model(args.target, remote_options(args), args.max_header_size) as model:
         meta = model.model_metadata()
         # As inspect/hash/stats: answer, but not with exit 0 for a model whose index disagrees
         # with its shards.
@@ -201,7 +218,7 @@ def run_set(args: argparse.Namespace) -> int:
             # surrogates): metadata is text, so the argument is what is wrong.
             raise UsageError(f"KEY=VALUE must be UTF-8 text, got {sanitize(repr(pair))}") from None
         updates[key] = value
-    before = _current_metadata(args.target)
+    before = _current_metadata(args.target, args.max_header_size)
     in_place = _edit(
         args,
         set=updates,
@@ -221,11 +238,11 @@ def run_set(args: argparse.Namespace) -> int:
     return 0
 
 
-def _current_metadata(target: str) -> list[tuple[str, str]] | None:
+def _current_metadata(target: str, max_header_size: int) -> list[tuple[str, str]] | None:
     """The file's metadata, in order (None when it has none or cannot be read: the edit
     then reports what is wrong)."""
     try:
-        with safe_open(target, "numpy") as f:
+        with safe_open(target, "numpy", max_header_size=max_header_size) as f:
             meta = f.metadata()
     except (SafetensorError, OSError):
         return None
@@ -236,7 +253,7 @@ def run_delete(args: argparse.Namespace) -> int:
     """Run ``metadata delete``."""
     _local_file(args.target)
     # (A file that cannot be read: edit_metadata reports what is wrong with it.)
-    before = dict(_current_metadata(args.target) or ())
+    before = dict(_current_metadata(args.target, args.max_header_size) or ())
     present = [key for key in args.keys if key in before]
     in_place = _edit(
         args,

@@ -16,6 +16,7 @@ from ._common import (
     OutputFolders,
     Ui,
     UsageError,
+    add_header_limit_arg,
     check_output_folder,
     check_source,
     human_bytes,
@@ -40,6 +41,7 @@ def register(subparsers: Any) -> None:
     add_shard_args(p, default="5GB")
     add_fsync_arg(p, reshard=True)
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run)
 
 
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         check_pattern(args.filename_pattern)
     check_output_folder(args.output, "reshard writes a folder", "; `merge` writes one file")
     options = remote_options(args)
-    check_source(args.source, options)
+    check_source(args.source, options, args.max_header_size)
     ui = Ui(args)
     with OutputFolders() as folders, progress_for(ui, "resharding") as report:
         folders.expect(args.output)  # created by reshard(); removed again if it fails
@@ -152,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             fsync=args.fsync,
             progress=report,
             storage_options=options,
+            max_header_size=args.max_header_size,
         )
     files = len(plan.filename_to_tensors)
     ui.note(

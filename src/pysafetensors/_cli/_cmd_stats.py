@@ -28,6 +28,7 @@ from ._common import (
     TensorRef,
     Ui,
     add_filter_args,
+    add_header_limit_arg,
     name_filter,
     open_model,
     print_json,
@@ -70,6 +71,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run)
 
 
@@ -234,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[tuple[TensorRef, Summary, Kept | None]] = []
     # The histograms wait for the table off the heap (see HistogramSpool).
     with HistogramSpool() as spool:
-        with open_model(args.target, remote_options(args)) as model:
+        with open_model(args.target, remote_options(args), args.max_header_size) as model:
             inconsistent = model.warn_index()
             refs = [t for t in model.tensors.values() if accept(t.name)]
             total = sum(t.nbytes for t in refs) * (2 if args.histogram else 1)

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any, Final
 
 from .._validate import Problem, locate_model, validate
-from ._common import Ui, plural, print_json, quoted, sanitize, shown, url_argument_errors
+from ._common import (
+    HEADER_LIMIT_HINT,
+    Ui,
+    add_header_limit_arg,
+    plural,
+    print_json,
+    quoted,
+    sanitize,
+    shown,
+    url_argument_errors,
+)
 from ._remote_args import add_remote_args, remote_options
 
 SCHEMA: Final = "pysafetensors.validate/1"
@@ -31,6 +42,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help=f"machine-readable output ({SCHEMA})")
     add_remote_args(p)
+    add_header_limit_arg(p)
     p.set_defaults(func=run, trouble_code=2)
 
 
@@ -59,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
         )
     with ui.progress(total, "validate") as update, url_argument_errors():
         problems = validate(
-            args.target, strict=args.strict, progress=update, storage_options=options
+            args.target,
+            strict=args.strict,
+            progress=update,
+            storage_options=options,
+            max_header_size=args.max_header_size,
         )
     errors = sum(p.severity == "error" for p in problems)
     warnings = len(problems) - errors
@@ -84,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
             f"{warnings} warning{'s' * (warnings != 1)}",
             style="bold",
         )
+        if any(p.code == "HeaderTooLarge" for p in problems):
+            print(HEADER_LIMIT_HINT, file=sys.stderr)
         return 1
     what = plural(len(located.files), "file") if located.sharded else "file"
     ui.line(

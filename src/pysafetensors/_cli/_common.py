@@ -27,12 +27,12 @@ import numpy as np
 from .._dtypes import DType
 from .._errors import SafetensorError, make_folder
 from .._file_pool import FilePool
-from .._format import Header
+from .._format import MAX_HEADER_SIZE, Header
 from .._ordered_opens import ahead_for, in_order
 from .._planned_reads import BlockBudget, plan_reads
 from .._reader import read_header
 from .._remote_urls import shown_location as shown
-from .._sharding import as_header_metadata, model_metadata
+from .._sharding import as_header_metadata, model_metadata, parse_size
 from .._sources import ByteSource, PreadSource
 from .._validate import (
     CONTROL_CHARS,
@@ -46,6 +46,7 @@ from .._validate import (
 
 __all__ = [
     "CHUNK_BYTES",
+    "HEADER_LIMIT_HINT",
     "LazyRows",
     "Model",
     "OutputFolders",
@@ -54,6 +55,7 @@ __all__ = [
     "Ui",
     "UsageError",
     "add_filter_args",
+    "add_header_limit_arg",
     "check_source",
     "finite_json",
     "human_bytes",
@@ -198,14 +200,18 @@ def check_output_folder(path: str, what: str, alternative: str = "") -> None:
         )
 
 
-def check_source(target: str, storage_options: dict[str, Any] | None = None) -> None:
+def check_source(
+    target: str,
+    storage_options: dict[str, Any] | None = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> None:
     """Open a model's headers before a command rewrites it, for errors that name the file.
 
     ``reshard``/``merge``/``extract`` read through the library, whose header errors do not say
     which shard failed; this reads every header the way ``inspect`` does (naming the file) and
     refuses an index that disagrees with its shards, before anything is written.
     """
-    with open_model(target, storage_options) as model:
+    with open_model(target, storage_options, max_header_size) as model:
         model.refuse_inconsistent()
 
 
@@ -226,6 +232,39 @@ def tolerance(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text!r}")
     return value
+
+
+#: Said after a header refused as too large (the library's message names its keyword).
+HEADER_LIMIT_HINT: Final = (
+    "hint: on the command line, raise the limit with --max-header-size BYTES (300MB, say) if "
+    "the file is trusted"
+)
+
+
+def add_header_limit_arg(parser: Any) -> None:
+    """Add ``--max-header-size`` to a command that reads or writes safetensors headers."""
+    parser.add_argument(
+        "--max-header-size",
+        type=header_size,
+        default=MAX_HEADER_SIZE,
+        metavar="BYTES",
+        help="the largest header read or written, in bytes or with a unit (300MB, 1.5GB); "
+        f"default {MAX_HEADER_SIZE:_} as in the reference, which opens no file with a larger "
+        "header",
+    )
+
+
+def header_size(text: str) -> int:
+    """An ``argparse`` type for ``--max-header-size``: a whole number of bytes, or a size
+    with a decimal unit as ``reshard --max-shard-size`` takes it (``300MB``)."""
+    import argparse
+
+    try:
+        return int(text) if text.strip().isdigit() else parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"not a size in bytes: {text!r} (a whole number, or with a unit: 300MB, 1.5GB)"
+        ) from exc
 
 
 def whole_number(minimum: int, unit: str = "") -> Callable[[str], int]:
@@ -644,10 +683,15 @@ def url_argument_errors() -> Iterator[None]:
 _OPEN_FILES: Final = FilePool()
 
 
-def open_model(target: str, storage_options: dict[str, Any] | None = None) -> Model:
+def open_model(
+    target: str,
+    storage_options: dict[str, Any] | None = None,
+    max_header_size: int = MAX_HEADER_SIZE,
+) -> Model:
     """Open a file, folder, index or URL; the headers are read and validated, the data is not.
 
-    ``storage_options`` are the remote source's options for a URL (see ``_remote_args``).
+    ``storage_options`` are the remote source's options for a URL (see ``_remote_args``);
+    ``max_header_size``: the largest header accepted (``--max-header-size``).
 
     Raises:
         SafetensorError: A file is malformed, the index is unusable, or two shards hold the
@@ -673,7 +717,8 @@ def open_model(target: str, storage_options: dict[str, Any] | None = None) -> Mo
         with url_argument_errors():
             source: ByteSource = open_model_file(path, storage_options)
         try:
-            return source, read_header(source, prefix_text=f"{label}: ")
+            header = read_header(source, max_header_size=max_header_size, prefix_text=f"{label}: ")
+            return source, header
         except BaseException:
             source.close()
             raise
