@@ -44,6 +44,7 @@ from ._format import (
     parse_header_length,
 )
 from ._fresh_memory import empty_bytes
+from ._page_release import can_release, tensors_over
 from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
 from ._read_targets import check_targets, device_bytes, writable_bytes
 from ._reader_pool import MAX_READ_THREADS, run_parallel, worker_count
@@ -676,10 +677,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # file objects, remote) read the whole data buffer at once, in parallel, into one buffer.
         view = self._mapped(source, header.data_start, size)
         if view is not None:
-            buf = np.frombuffer(view, np.uint8)
-        else:
-            buf = read_fresh(source, header.data_start, size)
-        return self._views(buf)
+            return self._views(np.frombuffer(view, np.uint8))
+        return self._views(read_fresh(source, header.data_start, size), fresh=True)
 
     def read_into(self, targets: Mapping[str, Any]) -> None:
         """Read tensors' bytes into memory the caller already has (an extension).
@@ -737,9 +736,16 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         )
         return result
 
-    def _views(self, buf: np.ndarray) -> dict[str, Any]:
-        """Tensors for every header entry, viewing ``buf`` (the whole data region)."""
+    def _views(self, buf: np.ndarray, *, fresh: bool = False) -> dict[str, Any]:
+        """Tensors for every header entry, viewing ``buf`` (the whole data region).
+
+        ``fresh``: ``buf`` is new memory of this load only; its large tensors then give their
+        pages back when dropped (:func:`releasing_view`), not only with the last tensor.
+        """
         tensors = self._header.tensors
+        if fresh and can_release() and self._device.type == "cpu":
+            items = ((name, i.dtype, i.shape, i.begin, i.end) for name, i in tensors.items())
+            return tensors_over(self._adapter, buf, items, self._device)
         many = getattr(self._adapter, "from_bytes_many", None)
         with gc_paused():
             if many is not None:
@@ -1104,21 +1110,26 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     ) -> None:
         """``out[name]``: the framework's tensor of each ``(name, info, shape, nbytes)`` part
         at its offset in ``buf``, all at once where the adapter can (``parts`` is taken
-        lazily, with the collector paused: a tuple and a tensor per part)."""
+        lazily, with the collector paused: a tuple and a tensor per part). ``buf`` is fresh
+        memory of this load: its large parts give their pages back when dropped
+        (:func:`tensors_over`)."""
+        with gc_paused():
+            items = [
+                (name, info.dtype, shape, at, at + nbytes)
+                for (name, info, shape, nbytes), at in zip(parts, offsets, strict=True)
+            ]
+        if can_release() and self._device.type == "cpu":
+            out.update(tensors_over(self._adapter, buf, items, self._device))
+            return
         many = getattr(self._adapter, "from_bytes_many", None)
         with gc_paused():
             if many is not None:
                 # About half the per-tensor cost of from_bytes: a 20,000-tensor load_shard
                 # paid ~17 us a tensor for it.
-                items = (
-                    (name, info.dtype, shape, at, at + nbytes)
-                    for (name, info, shape, nbytes), at in zip(parts, offsets, strict=True)
-                )
                 out.update(many(buf, items, self._device))
                 return
-            for (name, info, shape, nbytes), at in zip(parts, offsets, strict=True):
-                view = buf[at : at + nbytes]
-                out[name] = self._adapter.from_bytes(view, info.dtype, shape, self._device)
+            for name, dtype, shape, begin, end in items:
+                out[name] = self._adapter.from_bytes(buf[begin:end], dtype, shape, self._device)
 
     def _read_one(
         self, name: str, info: TensorInfo, index: Any, plan: SlicePlan | None = None

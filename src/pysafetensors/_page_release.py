@@ -1,0 +1,100 @@
+"""Tensors of one shared load buffer that give their memory back when they are dropped.
+
+A load by positioned reads fills one fresh buffer for all tensors (one allocation, read by
+every reader thread at once) and hands out views of it. Views alone would keep the whole
+buffer while any one tensor lives: ``del sd["lm_head.weight"]`` freed nothing, and keeping
+the few tensors of a large file that one needs kept all of it (the reference copies each
+tensor into memory of its own). So each large tensor views the buffer through an object of
+its own, and when that object goes (with the last array or tensor made from it) the whole
+pages of its bytes are handed back to the kernel (``MADV_DONTNEED``): the buffer stays
+mapped, and those pages, which no other tensor shares, take no memory any more.
+"""
+
+from __future__ import annotations
+
+import mmap
+import weakref
+from collections.abc import Iterable
+from typing import Any, Final
+
+import numpy as np
+
+from ._dtypes import DType
+from ._format import gc_paused
+from ._syscalls import madvise
+
+__all__ = ["RELEASE_MIN", "can_release", "releasing_view", "tensors_over"]
+
+#: Tensors at least this large get views of their own; smaller ones (norms, biases) view the
+#: buffer directly, as the object and the finalizer of each would cost more than they free.
+RELEASE_MIN: Final = 1 << 20
+
+_MADV_DONTNEED: Final = getattr(mmap, "MADV_DONTNEED", 4)
+
+
+def can_release() -> bool:
+    """Whether pages can be handed back here (libc's ``madvise``: Linux and other POSIX)."""
+    return madvise is not None
+
+
+def releasing_view(buf: np.ndarray, begin: int, end: int) -> np.ndarray:
+    """``buf[begin:end]`` (``buf``: fresh, writable, 1-D uint8 memory of the load, viewed by
+    nothing else there) as a uint8 array whose whole pages go back to the kernel once it, and
+    every array or tensor made from it, is gone.
+
+    The result is an array of its own over a memoryview of those bytes, watched with a weak
+    reference. numpy sets a view's base to the first array up the chain that owns its data or
+    whose base is not an array: for every view of the result (and their views), that is the
+    result itself, whose base is the memoryview. So it lives as long as any of them, or
+    torch's storage of one. (``buf[begin:end]``, whose base is ``buf``, would be skipped for
+    ``buf``; a ``pickle.PickleBuffer`` is forgotten by the memoryview numpy takes of it; a
+    ``ctypes`` array makes a type per size, ~22 us each, kept for good.)
+    """
+    view: np.ndarray = np.frombuffer(buf.data[begin:end], np.uint8)
+    address = int(view.ctypes.data)
+    page = mmap.PAGESIZE
+    first = -(-address // page) * page  # pages shared with a neighbour's bytes are kept
+    last = (address + end - begin) // page * page
+    if last > first:
+        done = weakref.finalize(view, _release, buf, first, last - first)
+        # At exit the memory goes anyway, while tensors may still be read by exit handlers.
+        done.atexit = False
+    return view
+
+
+def _release(buf: np.ndarray, address: int, length: int) -> None:
+    """Hand back ``length`` bytes of pages at ``address``, inside ``buf`` (held alive here
+    until then). A refusal leaves the memory with the buffer, as before."""
+    if madvise is not None:
+        madvise(address, length, _MADV_DONTNEED)
+
+
+def tensors_over(
+    adapter: Any,
+    buf: np.ndarray,
+    items: Iterable[tuple[str, DType, tuple[int, ...], int, int]],
+    device: Any,
+) -> dict[str, Any]:
+    """The framework's tensors of ``(name, dtype, shape, begin, end)`` items (in their order)
+    over ``buf``, fresh memory of this load only: those of :data:`RELEASE_MIN` bytes or more
+    through :func:`releasing_view`, the rest viewing ``buf`` as one batch
+    (``from_bytes_many`` where the adapter has it)."""
+    with gc_paused():  # a tuple and a tensor per item
+        items = list(items)
+        large = {item[0] for item in items if item[4] - item[3] >= RELEASE_MIN}
+        rest = [item for item in items if item[0] not in large] if large else items
+        many = getattr(adapter, "from_bytes_many", None)
+        if many is not None:
+            small = many(buf, rest, device)
+        else:
+            small = {n: adapter.from_bytes(buf[b:e], dt, sh, device) for n, dt, sh, b, e in rest}
+        if not large:
+            return dict(small)
+        return {
+            name: (
+                adapter.from_bytes(releasing_view(buf, begin, end), dtype, shape, device)
+                if name in large
+                else small[name]
+            )
+            for name, dtype, shape, begin, end in items
+        }
