@@ -256,7 +256,9 @@ def convert_file(
     # The checkpoint reader opens the path itself, blocking: a FIFO would wait for a writer.
     _refuse_special(src_s)
     if os.path.exists(dst_s) and os.path.samefile(src_s, dst_s):
-        raise CheckpointError(f"{src_s}: source and destination are the same file")
+        raise CheckpointError(
+            f"{src_s}: source and destination are the same file", kind="OutputIsSource"
+        )
     try:
         return _convert_file(
             src_s,

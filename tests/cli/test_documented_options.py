@@ -246,6 +246,9 @@ def test_metadata_edits_say_they_wait_for_a_lock_and_give_up_at_lock_timeout(
         assert lines[1].startswith("error: ") and "gave up waiting" in lines[1]
         r = cli_proc("metadata", "delete", path, "format", "--lock-timeout", "0")
         assert r.code == 2 and r.err.count("\n") == 1 and "gave up waiting" in r.err, r
+        # A fraction of a second (a usage error before, "not a whole number of seconds").
+        r = cli_proc("metadata", "delete", path, "format", "--lock-timeout", "0.3")
+        assert r.code == 2 and r.err.count("\n") == 1 and "gave up waiting" in r.err, r
         assert path.read_bytes() == before
     finally:
         holder.kill()

@@ -152,6 +152,8 @@ def _chunk_differences(
     """What compares a chunk of A (dtype ``a``) with B's (dtype ``b``), on any thread."""
     integers = _integer(a.code) and _integer(b.code)
     complex_ = a.code[0] == "C" or b.code[0] == "C"
+    # A 64-bit integer against real floats: float64 rounds integers past 2**53.
+    wide = not integers and not complex_ and any(_integer(d.code) and d.bits == 64 for d in (a, b))
 
     def compare(pair: tuple[np.ndarray, np.ndarray]) -> _Differences:
         raw_a, raw_b = pair
@@ -163,6 +165,8 @@ def _chunk_differences(
                     chunk_values(a, raw_a), chunk_values(b, raw_b), atol, rtol
                 )
                 return _Differences(False, differ, outside, big, rel)
+            if wide:
+                return _wide_integer_differences(a, b, raw_a, raw_b, atol, rtol)
             if not complex_:
                 found = _finite_differences(a, b, raw_a, raw_b, atol, rtol)
                 if found is not None:
@@ -171,6 +175,44 @@ def _chunk_differences(
             return _any_differences(va, vb, atol, rtol)
 
     return compare
+
+
+def _wide_integer_differences(
+    a: DType, b: DType, raw_a: np.ndarray, raw_b: np.ndarray, atol: float, rtol: float
+) -> _Differences:
+    """The differences of a chunk of 64-bit integers and one of real floats, exactly.
+
+    As float64, ``2**53 + 1`` equalled ``2.0**53``: "values equal" for values that are not.
+    An integer equals a float only where the float is a whole number in the integer type's
+    range, so those floats are compared as integers (:func:`_integer_differences`, exact);
+    every other float (a fraction, out of range, NaN, Inf) differs from every integer, by a
+    difference float64 measures well, except where it rounds to 0 (an integer near 2**63
+    against the float 2.0**63), measured with Python's integers then.
+    """
+    a_int = _integer(a.code)
+    ints = chunk_values(a if a_int else b, raw_a if a_int else raw_b)
+    floats = to_float64(chunk_values_widened(b if a_int else a, raw_b if a_int else raw_a))
+    info = np.iinfo(ints.dtype)
+    whole = (floats == np.floor(floats)) & (floats >= info.min) & (floats < float(info.max) + 1)
+    as_int = np.where(whole, floats, 0).astype(ints.dtype)
+    pair = (ints[whole], as_int[whole]) if a_int else (as_int[whole], ints[whole])
+    differ, max_abs, max_rel, outside = _integer_differences(*pair, atol, rtol)
+    other = ~whole
+    if other.any():
+        fi, ff = ints[other], floats[other]
+        diff = np.abs(fi.astype(np.float64) - ff)
+        diff[~np.isfinite(ff)] = math.inf
+        for at in np.flatnonzero(diff == 0):  # rounded away: measured exactly
+            diff[at] = float(abs(int(fi[at]) - int(ff[at])))
+        scale = np.abs(ff if a_int else fi.astype(np.float64))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(scale > 0, diff / scale, math.inf)
+        rel[np.isnan(rel)] = math.inf
+        differ += int(other.sum())
+        outside += int(((diff > atol + rtol * scale) | ~np.isfinite(ff)).sum())
+        max_abs = max(max_abs, float(diff.max()))
+        max_rel = max(max_rel, float(rel.max()))
+    return _Differences(False, differ, outside, max_abs, max_rel)
 
 
 def _finite_differences(

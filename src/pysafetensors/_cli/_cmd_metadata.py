@@ -23,6 +23,7 @@ from ._common import (
     quoted,
     sanitize,
     shown,
+    tolerance,
     whole_number,
 )
 from ._remote_args import add_remote_args, remote_options
@@ -99,7 +100,7 @@ def _in_place_arg(parser: argparse.ArgumentParser) -> None:
 def _lock_timeout_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lock-timeout",
-        type=whole_number(0, "seconds"),
+        type=tolerance,
         default=None,
         metavar="SECONDS",
         help=(

@@ -32,6 +32,7 @@ from .._ordered_opens import ahead_for, in_order
 from .._planned_reads import BlockBudget, plan_reads
 from .._reader import read_header
 from .._remote_urls import shown_location as shown
+from .._sharded import MissingShardError
 from .._sharding import as_header_metadata, model_metadata, parse_size
 from .._sources import ByteSource, PreadSource
 from .._validate import (
@@ -216,7 +217,8 @@ def check_source(
 
 
 def tolerance(text: str) -> float:
-    """``argparse`` type for ``--atol``/``--rtol``: a finite number ``>= 0``.
+    """``argparse`` type for ``--atol``/``--rtol`` (and ``--lock-timeout``): a finite number
+    ``>= 0``.
 
     NaN would make every comparison false (so every difference "within tolerance"), a negative
     tolerance makes equal values differ, and an infinite one cannot be written in the JSON
@@ -352,6 +354,22 @@ def quoted(text: str) -> str:
     ):
         return text
     return '"' + sanitize(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
+
+
+def display_width(text: str) -> int:
+    """The columns ``text`` takes on a terminal: combining marks and format characters none,
+    East Asian wide and full-width characters two (``len`` misaligned table rows holding
+    them: ``e`` + U+0301 counted 2 for one column)."""
+    if text.isascii():
+        return len(text)
+    import unicodedata
+
+    width = 0
+    for char in text:
+        if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+            continue
+        width += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+    return width
 
 
 def human_count(n: int) -> str:
@@ -714,8 +732,18 @@ def open_model(
 
     def open_one(item: tuple[str, str]) -> tuple[ByteSource, Header]:
         path, label = item
-        with url_argument_errors():
-            source: ByteSource = open_model_file(path, storage_options)
+        try:
+            with url_argument_errors():
+                source: ByteSource = open_model_file(path, storage_options)
+        except FileNotFoundError as exc:
+            if located.index_path is None or isinstance(exc, SafetensorError):
+                raise  # the target itself, or a remote error, which names its URL
+            # Python's "[Errno 2] No such file or directory" named the file, not the index.
+            raise MissingShardError(
+                f"{shown(target)}: shard {sanitize(label)} is missing: the index "
+                f"{shown(located.index_path)} names it, and there is no file {shown(path)}",
+                kind="ShardMissing",
+            ) from exc
         try:
             header = read_header(source, max_header_size=max_header_size, prefix_text=f"{label}: ")
             return source, header
@@ -840,15 +868,15 @@ class Ui:
             return
         if title:
             print(title)
-        widths = [len(c) for c in columns]
+        widths = [display_width(c) for c in columns]
         for row in rows:
-            widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+            widths = [max(w, display_width(cell)) for w, cell in zip(widths, row, strict=True)]
 
         def fmt(cells: Sequence[str]) -> str:
-            parts = [
-                cell.rjust(w) if col in right else cell.ljust(w)
-                for col, cell, w in zip(columns, cells, widths, strict=True)
-            ]
+            parts = []
+            for col, cell, w in zip(columns, cells, widths, strict=True):
+                pad = " " * (w - display_width(cell))
+                parts.append(pad + cell if col in right else cell + pad)
             return "  ".join(parts).rstrip()
 
         print(fmt(columns))
