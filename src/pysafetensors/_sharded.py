@@ -30,6 +30,7 @@ import os
 import re
 import stat
 import threading
+import time
 import weakref
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping
 from typing import Any, Final, NamedTuple, TypeVar
@@ -267,11 +268,16 @@ def _unfinished_commit(names: list[str], folder: str | None = None) -> str:
             f"; and {len(plain) - 5} more, each to its name without the leading '.' and the "
             "'.<12 hex digits>.partial' ending"
         )
+    if time.time() - modified.get(newest, 0.0) < 60:
+        # A save still running holds such files too, for the few milliseconds of its renames
+        # (or, before its first rename, for as long as it writes): it finishes them itself.
+        message += " (unless that save is still running: then wait for it)"
     others = sorted(set(stems) - {temp for temp, _ in renames})
     if others:
+        # Files of earlier stopped saves, or of saves to other names: not this save's.
         message += (
-            f" (the other {len(others)} temporary file(s), {first_five(others)}, are older: "
-            "an earlier stopped save's)"
+            f" (the other {len(others)} temporary file(s) there, {first_five(others)}, are not "
+            "that save's)"
         )
     return message
 

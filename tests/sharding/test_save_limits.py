@@ -568,7 +568,8 @@ def test_two_stopped_saves_name_the_newest_files_and_set_the_older_apart(
     for temp, name in newer.items():
         assert f"{temp} to {name}" in text
     assert not any(f"{temp} to" in text for temp in older)
-    assert f"the other {len(older)} temporary file(s)" in text and "are older" in text
+    assert f"the other {len(older)} temporary file(s) there" in text
+    assert "are not that save's" in text and "still running" in text  # written just now
     for temp, name in newer.items():
         os.rename(folder / temp, folder / name)
     got = load_file(folder)
