@@ -15,7 +15,7 @@ from ._adapter import Adapter
 from ._dtypes import DType, dtype_from_code, dtype_from_name
 from ._errors import PathArg, SafetensorError, SerializeError, not_an_instance
 from ._format import DESERIALIZE_PREFIX, MAX_HEADER_SIZE, check_max_header_size, gc_paused
-from ._page_release import can_release, tensors_over
+from ._page_release import tensors_over
 from ._reader import read_header, safe_open
 from ._representable import check_representable
 from ._signatures import show_init_signature
@@ -395,13 +395,8 @@ def load_bytes_with(
     # One private copy of the data buffer; every tensor views it (the reference copies too),
     # its large ones giving their pages back when dropped.
     buf = np.frombuffer(bytearray(view[header.data_start :]), np.uint8)
-    if can_release() and dev.type == "cpu":
-        items = ((n, i.dtype, i.shape, i.begin, i.end) for n, i in header.tensors.items())
-        return tensors_over(adapter, buf, items, dev)
-    return {
-        name: adapter.from_bytes(buf[info.begin : info.end], info.dtype, info.shape, dev)
-        for name, info in header.tensors.items()
-    }
+    items = ((n, i.dtype, i.shape, i.begin, i.end) for n, i in header.tensors.items())
+    return tensors_over(adapter, buf, items, dev)
 
 
 def load_file_with(

@@ -44,7 +44,7 @@ from ._format import (
     parse_header_length,
 )
 from ._fresh_memory import empty_bytes
-from ._page_release import can_release, tensors_over
+from ._page_release import tensors_over
 from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
 from ._read_targets import check_targets, device_bytes, writable_bytes
 from ._reader_pool import MAX_READ_THREADS, run_parallel, worker_count
@@ -742,25 +742,10 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         ``fresh``: ``buf`` is new memory of this load only; its large tensors then give their
         pages back when dropped (:func:`releasing_view`), not only with the last tensor.
         """
-        tensors = self._header.tensors
-        if fresh and can_release() and self._device.type == "cpu":
-            items = ((name, i.dtype, i.shape, i.begin, i.end) for name, i in tensors.items())
-            return tensors_over(self._adapter, buf, items, self._device)
-        many = getattr(self._adapter, "from_bytes_many", None)
-        with gc_paused():
-            if many is not None:
-                result: dict[str, Any] = many(
-                    buf,
-                    ((name, i.dtype, i.shape, i.begin, i.end) for name, i in tensors.items()),
-                    self._device,
-                )
-                return result
-            return {
-                name: self._adapter.from_bytes(
-                    buf[info.begin : info.end], info.dtype, info.shape, self._device
-                )
-                for name, info in tensors.items()
-            }
+        items = (
+            (name, i.dtype, i.shape, i.begin, i.end) for name, i in self._header.tensors.items()
+        )
+        return tensors_over(self._adapter, buf, items, self._device, fresh=fresh)
 
     def get_slice(self, name: str) -> SafeSlice:
         """A lazy view of one tensor that reads only what is indexed (also after ``close``)."""
@@ -1118,18 +1103,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                 (name, info.dtype, shape, at, at + nbytes)
                 for (name, info, shape, nbytes), at in zip(parts, offsets, strict=True)
             ]
-        if can_release() and self._device.type == "cpu":
-            out.update(tensors_over(self._adapter, buf, items, self._device))
-            return
-        many = getattr(self._adapter, "from_bytes_many", None)
-        with gc_paused():
-            if many is not None:
-                # About half the per-tensor cost of from_bytes: a 20,000-tensor load_shard
-                # paid ~17 us a tensor for it.
-                out.update(many(buf, items, self._device))
-                return
-            for name, dtype, shape, begin, end in items:
-                out[name] = self._adapter.from_bytes(buf[begin:end], dtype, shape, self._device)
+        out.update(tensors_over(self._adapter, buf, items, self._device))
 
     def _read_one(
         self, name: str, info: TensorInfo, index: Any, plan: SlicePlan | None = None

@@ -233,9 +233,10 @@ def _unfinished_commit(names: list[str], folder: str | None = None) -> str:
     modified = _modified_times(folder, stems)
     indexes: dict[str, set[str] | None] = {}  # temporary index -> its shards' names
     for temp, stem in stems.items():
-        if stem.endswith(_INDEX_END) or (_CUT_STEM.fullmatch(stem) and folder is not None):
+        named = stem.endswith(_INDEX_END)
+        if named or (folder is not None and _CUT_STEM.fullmatch(stem)):
             shards = _shard_names(folder, temp)
-            if shards is not None or stem.endswith(_INDEX_END):
+            if named or shards is not None:
                 indexes[temp] = shards
     if not indexes:
         return "the checkpoint is incomplete (a save or download that did not finish?)"
@@ -344,7 +345,7 @@ def _choose(
         if is_file(name):
             return name, is_index
     names = sorted(listing())
-    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+    indexes = [n for n in names if n.endswith(_INDEX_END)]
     if len(indexes) == 1:
         return indexes[0], True
     files = [n for n in names if n.endswith(".safetensors")]

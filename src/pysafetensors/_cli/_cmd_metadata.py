@@ -118,12 +118,11 @@ def _edit(args: argparse.Namespace, **options: Any) -> bool:
     """``edit_metadata(args.target, **options)``, waiting for another process's lock on the
     file at most ``--lock-timeout`` seconds, and saying so after a second: an edit held back
     by a lock (another edit's, a backup or sync tool's) waited without a word."""
+    options["max_header_size"] = args.max_header_size
     limit = args.lock_timeout
     first = _QUIET_WAIT if limit is None else min(_QUIET_WAIT, limit)
     try:
-        return edit_metadata(
-            args.target, lock_timeout=first, max_header_size=args.max_header_size, **options
-        )
+        return edit_metadata(args.target, lock_timeout=first, **options)
     except LockTimeoutError:  # only the lock's: a slow file system's timeout is an error
         if limit is not None and limit <= first:
             raise
@@ -133,9 +132,7 @@ def _edit(args: argparse.Namespace, **options: Any) -> bool:
         f"a backup or sync tool); waiting for it{more} (Ctrl-C to stop)"
     )
     rest = None if limit is None else limit - first
-    return edit_metadata(
-        args.target, lock_timeout=rest, max_header_size=args.max_header_size, **options
-    )
+    return edit_metadata(args.target, lock_timeout=rest, **options)
 
 
 def run_get(args: argparse.Namespace) -> int:
