@@ -92,6 +92,36 @@ REBUILDS: Final = {
     ("torch._utils", "_rebuild_parameter_with_state"),
     ("torch._tensor", "_rebuild_from_type_v2"),
 }
+#: Names that ``setattr`` on a tensor or Parameter hands to torch rather than the instance's
+#: ``__dict__`` (the data descriptors of ``torch.nn.Parameter``'s classes, torch 2.13). torch
+#: applies a pickled tensor state key by key with ``setattr`` (``_set_obj_state``), so a state
+#: naming ``data`` replaces the tensor ``torch.load`` returns, and ``real`` or ``imag`` writes
+#: into it: the file a converter writes would hold other values than the ones torch loads.
+#: A real state is the tensor's ``__dict__``, which ``setattr`` never fills with these names.
+TENSOR_SETTERS: Final = frozenset(
+    """H T __class__ __cuda_array_interface__ __dict__ __weakref__ _backward_hooks _base _cdata
+    _grad _grad_fn _has_symbolic_sizes_strides _post_accumulate_grad_hooks _python_dispatch
+    _version data device dtype grad grad_dtype grad_fn imag is_cpu is_cuda is_ipu is_leaf
+    is_maia is_meta is_mkldnn is_mps is_mtia is_nested is_quantized is_sparse is_sparse_csr
+    is_vulkan is_xla is_xpu itemsize layout mH mT name names nbytes ndim output_nr real
+    requires_grad retains_grad shape volatile""".split()  # noqa: SIM905 - a word list reads better as text
+)
+
+
+def state_setter(state: Any) -> str | None:
+    """The first key of a pickled tensor state (a dict, or a ``(dict, slots dict)`` pair)
+    that ``setattr`` would not store as a plain attribute (:data:`TENSOR_SETTERS`, or not a
+    text), shown as text; None where every key is a plain attribute name or ``state`` is not
+    such a state."""
+    parts = state if type(state) is tuple else (state,)
+    for part in parts:
+        if type(part) is dict:
+            for key in part:
+                if type(key) is not str or key in TENSOR_SETTERS:
+                    return repr(key)[:80]
+    return None
+
+
 # Allowed by torch's weights_only unpickler but carrying nothing a safetensors file can hold.
 UNCONVERTIBLE: Final = {
     ("torch._utils", "_rebuild_qtensor"): "quantized tensors",
@@ -1064,12 +1094,25 @@ def _attribute_state(state: Any, at: int) -> None:
     pickles as the state of ``_rebuild_from_type_v2``/``_rebuild_parameter_with_state``: its
     ``__dict__``, or ``(__dict__, slots)``. A safetensors file holds no such attributes, so
     they are not kept, as no save of safetensors keeps them; their values were built by this
-    machine from allowed globals only."""
-    if state is None or type(state) is dict:
-        return
-    if type(state) is tuple and len(state) == 2 and all(type(s) is dict for s in state):
-        return
-    raise bad_checkpoint(f"tensor with Python state {short_text(state)}", at)
+    machine from allowed globals only.
+
+    A key torch would not store as an attribute is refused (:func:`state_setter`): ``data``
+    swaps the tensor ``torch.load`` returns for another, so the converted file would hold
+    values other than torch's."""
+    plain = type(state) is dict or (
+        type(state) is tuple and len(state) == 2 and all(type(s) is dict for s in state)
+    )
+    if state is not None and not plain:
+        raise bad_checkpoint(f"tensor with Python state {short_text(state)}", at)
+    setter = state_setter(state)
+    if setter is not None:
+        raise unsafe_global(
+            f"tensor state sets {setter}: torch.load applies a state with setattr, which for"
+            " this name changes the tensor torch returns (as data, real and imag do) or fails,"
+            " where a real state holds plain attributes only",
+            None,
+            at,
+        )
 
 
 def _h_counter(p: TorchPolicy, f: Stand, args: tuple[Any, ...], at: int) -> Any:

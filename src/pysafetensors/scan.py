@@ -61,6 +61,7 @@ from ._torch_policy import (
     UNCONVERTIBLE,
     lookup_global,
     py2_name,
+    state_setter,
 )
 from ._zip_directory import EOCD, EOCD_SIG, LOCAL_SIG, ZIP64_EOCD, end_records
 
@@ -145,7 +146,9 @@ _DANGEROUS_MODULES: Final = frozenset(
     tarfile gzip bz2 lzma mmap site sysconfig _sitebuiltins inspect imp _imp _ctypes
     _frozen_importlib _frozen_importlib_external pkg_resources pyximport Cython mako numexpr
     sympy linecache tokenize _winapi msvcrt winreg numpy.ctypeslib numpy.lib.npyio
-    numpy.lib._npyio_impl numpy.lib.format pandas.io""".split()  # noqa: SIM905 - a word list reads better as text
+    numpy.lib._npyio_impl numpy.lib.format pandas.io py_compile compileall dbm _dbm _gdbm
+    dumbdbm anydbm whichdb mailbox zipapp wave aifc sunau pstats tabnanny filecmp
+    torch.utils.benchmark""".split()  # noqa: SIM905 - a word list reads better as text
 )
 # What torch's C extension has that loads, imports, compiles or unpickles (TorchScript, mobile
 # modules, its own pickler): the rest of ``torch._C`` is what a pickled model's functional
@@ -527,6 +530,8 @@ class _ScanPolicy:
                         self._nested(arg, offset)
             if full == "torch._tensor._rebuild_from_type_v2":
                 self._check_rebuild_func(args, offset)
+            if full in _STATE_REBUILDS:
+                self._check_tensor_state(full, args, offset)
             if func.module == _NUMPY_RNG_MODULE and func.name in _RNG_CALLING_CTORS:
                 self._check_rng_ctor(full, args, offset)
         elif not isinstance(func, (_SymCall, _SymGlobal)):
@@ -574,6 +579,22 @@ class _ScanPolicy:
             self.where,
             offset,
         )
+
+    def _check_tensor_state(self, full: str, args: Any, offset: int) -> None:
+        # The last argument is a state torch applies to the tensor key by key with setattr:
+        # a real one is the tensor's __dict__ (plain attributes); "data" swaps the tensor
+        # torch.load returns for another, "real" and "imag" write into it.
+        if type(args) is not tuple or len(args) != 4:
+            return
+        setter = state_setter(args[3])
+        if setter is not None:
+            self.report._add(
+                "dangerous",
+                f"{full} sets {setter} on the tensor it makes (torch.load applies its state with"
+                " setattr: the tensor it returns is not the one pickled)",
+                self.where,
+                offset,
+            )
 
     def _check_rng_ctor(self, full: str, args: Any, offset: int) -> None:
         # __randomstate_ctor(name, ctor) and __generator_ctor(name, ctor) call ctor(name):
@@ -633,9 +654,10 @@ class _ScanPolicy:
                 self.where,
                 offset,
             )
-        elif _made_by(obj, REBUILDS):
+        elif _made_by(obj, _TENSOR_MAKERS):
             # Tensor.__setstate__: a (storage, offset, size, stride) state points the tensor
-            # anywhere (torch's legacy set_ path); torch.save never writes one.
+            # anywhere (torch's legacy set_ path), a 5-tuple's first item becomes its data;
+            # torch.save never writes one.
             self.report._add(
                 "dangerous",
                 f"BUILD sets the state of a tensor {_maker(obj)} made",
@@ -668,7 +690,7 @@ class _ScanPolicy:
             self.report._add(
                 "suspicious", f"{opcode} into a {type(target).__name__}", self.where, offset
             )
-        elif _made_by(target, REBUILDS):
+        elif _made_by(target, _TENSOR_MAKERS):
             # Items stored into a tensor: the pattern of CVE-2026-24747 (memory corruption
             # under torch.load's weights_only).
             self.report._add(
@@ -695,6 +717,21 @@ class _ScanPolicy:
     def proto(self, protocol: int, offset: int) -> None:
         self.protocol = protocol
 
+
+#: The tensor rebuilds whose last argument is a state torch applies with setattr.
+_STATE_REBUILDS: Final = {
+    "torch._utils._rebuild_parameter_with_state",
+    "torch._tensor._rebuild_from_type_v2",
+}
+
+#: Callables that return a tensor: a BUILD on their result runs ``Tensor.__setstate__``.
+#: ``Parameter(tensor)`` is how no torch.save writes a parameter, but weights_only allows it.
+_TENSOR_MAKERS: Final = REBUILDS | {
+    ("torch.nn.parameter", "Parameter"),
+    ("torch.nn", "Parameter"),
+    ("torch", "Tensor"),
+    ("torch._tensor", "Tensor"),
+}
 
 #: Callables whose results pickles fill with SETITEM(S)/APPEND(S)/ADDITEMS: containers
 #: (``OrderedDict`` is how torch.save writes every state dict).

@@ -119,6 +119,45 @@ def test_tensors_with_python_attributes_convert(tmp_path: Path) -> None:
     assert torch.equal(loaded["t"], t.detach()) and torch.equal(loaded["p"], p.detach())
 
 
+@pytest.mark.parametrize("key", [b"data", b"real"])
+def test_a_state_that_swaps_a_parameters_data_is_refused(tmp_path: Path, key: bytes) -> None:
+    """torch.save writes a Parameter's ``__dict__`` as the state torch.load applies with
+    setattr. Renamed in the file to ``data``, the attribute replaces the Parameter torch
+    loads (float64 ones of shape [2, 5] here; ``real`` writes them into it): the converter
+    wrote the pickled zeros, and the scanner graded the file safe."""
+    from pysafetensors import UnsafePickleError
+
+    p = torch.nn.Parameter(torch.zeros(2, 5, dtype=torch.float64), requires_grad=False)
+    setattr(p, "x" * len(key), torch.ones(2, 5, dtype=torch.float64))
+    torch.save({"w": p}, tmp_path / "a.pt")
+    with zipfile.ZipFile(tmp_path / "a.pt") as zin, zipfile.ZipFile(tmp_path / "e.pt", "w") as zo:
+        for info in zin.infolist():
+            raw = zin.read(info)
+            if info.filename.endswith("data.pkl"):
+                raw = raw.replace(b"x" * len(key), key)
+            zo.writestr(info, raw)
+    assert torch.equal(
+        torch.load(tmp_path / "e.pt", weights_only=True)["w"], torch.ones(2, 5, dtype=torch.float64)
+    )
+    assert scan_file(tmp_path / "e.pt").grade == "dangerous"
+    with pytest.raises(UnsafePickleError, match=f"tensor state sets '{key.decode()}'"):
+        convert_file(tmp_path / "e.pt", tmp_path / "e.safetensors")
+    assert not (tmp_path / "e.safetensors").exists()
+
+
+def test_the_refused_state_names_cover_this_torch() -> None:
+    """Every name setattr on a Parameter hands to torch instead of its ``__dict__``."""
+    from pysafetensors._torch_policy import TENSOR_SETTERS
+
+    setters = {
+        name
+        for cls in torch.nn.Parameter.__mro__
+        for name, value in vars(cls).items()
+        if hasattr(type(value), "__set__")
+    }
+    assert setters <= TENSOR_SETTERS, sorted(setters - TENSOR_SETTERS)
+
+
 def test_expanded_views_together_are_bounded(tmp_path: Path) -> None:
     base = torch.ones(1)
     src = tmp_path / "expand.pt"

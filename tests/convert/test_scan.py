@@ -20,6 +20,7 @@ from pysafetensors.scan import grade_global, scan_file
 
 from .corpus import (
     LEGACY_MAGIC,
+    F32x4,
     P,
     cli,
     good_pickle,
@@ -218,6 +219,82 @@ _MUTATED_TENSORS = {
     # Tensor.__setstate__'s legacy set_ state: the tensor pointed past its storage.
     "BUILD": tensor() + b"(" + pid() + P.i(1 << 20) + P.tup((1 << 16,)) + P.tup((1,)) + b"tb",
 }
+
+
+_OD = P.g("collections", "OrderedDict") + b")R"
+_PARAMETER = P.g("torch.nn.parameter", "Parameter") + b"(" + tensor() + b"\x89tR"
+_SEVENS = struct.pack("<4f", 7, 7, 7, 7)
+
+
+def _with_state(rebuild: bytes, state: bytes) -> bytes:
+    """A tensor rebuilt with ``state`` (a pickled dict, or pair of dicts) applied to it."""
+    if rebuild == b"parameter":
+        head = P.g("torch._utils", "_rebuild_parameter_with_state") + b"(" + tensor()
+        return head + b"\x89" + _OD + state + b"tR"
+    inner = b"(" + pid() + b"Q" + P.i(0) + P.tup((4,)) + P.tup((1,)) + b"\x89" + _OD + b"t"
+    head = P.g("torch._tensor", "_rebuild_from_type_v2") + b"("
+    head += P.g("torch._utils", "_rebuild_tensor_v2") + P.g("torch", "Tensor") + inner
+    return head + state + b"tR"
+
+
+_SWAPPED_TENSORS = {
+    # Parameter(t) then BUILD with Tensor.__setstate__'s 5-tuple: its first item becomes the
+    # data torch.load returns ([7, 7, 7, 7]).
+    "BUILD on Parameter": _PARAMETER + b"(" + tensor("1") + b"N" + _OD + b"\x89" + _OD + b"tb",
+    # The state torch applies with setattr: "data" swaps the tensor for another.
+    "parameter state data": _with_state(b"parameter", b"}" + P.u("data") + tensor("1") + b"s"),
+    "type_v2 state data": _with_state(b"type_v2", b"}" + P.u("data") + tensor("1") + b"s"),
+    "slots state real": _with_state(
+        b"parameter", b"}" + b"}" + P.u("real") + tensor("1") + b"s\x86"
+    ),
+    "state key not text": _with_state(b"type_v2", b"}" + P.i(3) + P.i(1) + b"s"),
+}
+
+
+@pytest.mark.parametrize("case", list(_SWAPPED_TENSORS))
+def test_pickles_that_swap_a_tensors_data_are_dangerous(tmp_path: Path, case: str) -> None:
+    """A rebuilt tensor's state is applied by torch with setattr: a state naming ``data``
+    made torch.load return other values, dtype and shape than the file's rebuild describes,
+    while the scanner graded the file safe and the converter wrote the described tensor."""
+    from pysafetensors import UnsafePickleError
+    from pysafetensors.convert import convert_file
+
+    make_zip(
+        tmp_path / "m.pt", state_dict([("w", _SWAPPED_TENSORS[case])]), {"0": F32x4, "1": _SEVENS}
+    )
+    report = scan_file(tmp_path / "m.pt")
+    assert report.grade == "dangerous", report.findings
+    with pytest.raises((UnsafePickleError, CheckpointError)):
+        convert_file(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_plain_tensor_attributes_stay_safe(tmp_path: Path) -> None:
+    from pysafetensors.convert import convert_file
+
+    pkl = state_dict([("w", _with_state(b"parameter", b"}" + P.u("tag") + P.u("x") + b"s"))])
+    make_zip(tmp_path / "a.pt", pkl)
+    assert (scan_file(tmp_path / "a.pt").grade, scan_file(tmp_path / "a.pt").findings) == (
+        "safe",
+        [],
+    )
+    convert_file(tmp_path / "a.pt", tmp_path / "a.safetensors")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        ("py_compile", "compile"),
+        ("compileall", "compile_file"),
+        ("dbm", "open"),
+        ("mailbox", "mbox"),
+        ("zipapp", "create_archive"),
+        ("wave", "open"),
+        ("torch.utils.benchmark.utils.cpp_jit", "compile_timeit_template"),
+    ],
+)
+def test_file_writers_and_compilers_are_dangerous(name: tuple[str, str]) -> None:
+    assert grade_global(*name) == "dangerous"
 
 
 @pytest.mark.parametrize("opcode", list(_MUTATED_TENSORS))
