@@ -391,7 +391,7 @@ def load_bytes_with(
     header = read_header(source, prefix_text=DESERIALIZE_PREFIX)
     for info in header.tensors.values():
         # Shapes no array can hold: our TensorInfoError (a ValueError), not numpy's or torch's.
-        check_representable(info.shape, info.dtype, info.name)
+        check_representable(info.shape, info.dtype, info.name, framework=adapter.framework)
     # One private copy of the data buffer; every tensor views it (the reference copies too),
     # its large ones giving their pages back when dropped.
     buf = np.frombuffer(bytearray(view[header.data_start :]), np.uint8)

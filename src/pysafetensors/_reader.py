@@ -599,7 +599,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def _get_tensor(self, source: ByteSource, name: str) -> Any:
         info = self._info(name)
-        check_representable(info.shape, info.dtype, info.name)
+        check_representable(info.shape, info.dtype, info.name, framework=self._adapter.framework)
         with self._reading(info):
             staged = self._to_device(source, [info])
             if staged is not None:
@@ -668,7 +668,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         if not tensors:
             return {}
         for info in tensors.values():
-            check_representable(info.shape, info.dtype, info.name)
+            check_representable(
+                info.shape, info.dtype, info.name, framework=self._adapter.framework
+            )
         size = header.data_size
         staged = self._to_device(source, list(tensors.values()))
         if staged is not None:

@@ -20,7 +20,9 @@ MAX_NDIM: Final = 64
 _INTP_MAX: Final = (1 << 63) - 1
 
 
-def check_representable(shape: tuple[int, ...], dtype: DType, name: str) -> None:
+def check_representable(
+    shape: tuple[int, ...], dtype: DType, name: str, *, framework: str = "np"
+) -> None:
     """Refuse a shape no framework can hold, before any adapter sees it.
 
     The header rules only bound a tensor's byte count, so a zero-size tensor may declare any
@@ -28,6 +30,9 @@ def check_representable(shape: tuple[int, ...], dtype: DType, name: str) -> None
     strides from the non-zero dimensions and cap the rank, and fail with their own exceptions
     (``ValueError``, ``RuntimeError``) when those limits are crossed; this turns that into a
     :class:`TensorInfoError` naming the tensor. Nothing is allocated either way.
+
+    numpy's strides count bytes, torch's (``framework="pt"``) elements: torch holds a
+    ``[0, 2**62]`` float32 tensor (as the reference loads it), numpy does not.
 
     Raises:
         TensorInfoError: More than 64 dimensions, or a stride that does not fit in 63 bits.
@@ -38,13 +43,17 @@ def check_representable(shape: tuple[int, ...], dtype: DType, name: str) -> None
             kind="TooManyDimensions",
             tensor=name,
         )
-    extent = max(1, dtype.bits // 8)
+    extent = 1 if framework == "pt" else max(1, dtype.bits // 8)
     for dim in shape:
         extent *= dim or 1
         if extent > _INTP_MAX:
             raise TensorInfoError(
                 f"tensor `{name}` ({dtype.code} {list(shape)}) has no data but its strides "
-                "overflow 63 bits: numpy cannot hold its shape, nor torch.empty make it",
+                + (
+                    "overflow 63 bits: torch.empty cannot make it"
+                    if framework == "pt"
+                    else "overflow 63 bits: numpy cannot hold its shape"
+                ),
                 kind="ShapeTooLarge",
                 tensor=name,
             )

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pysafetensors import parallel, safe_open
-from pysafetensors._page_release import RELEASE_MIN, can_release
+from pysafetensors._page_release import RELEASE_BUFFER_MIN, RELEASE_MIN, _blocks, can_release
 from pysafetensors.numpy import load, load_file, save_file
 
 pytestmark = pytest.mark.skipif(
@@ -104,9 +104,9 @@ def test_load_shard_parts_give_their_memory_back(model) -> None:
     path, expected = model
     gc.collect()
     before = _anonymous_mib()
-    rules = {"embed": "rows", "head": "rows"}  # the rest replicated
+    rules = {"head": "rows"}  # the rest replicated: one buffer of over RELEASE_BUFFER_MIN
     parts = parallel.load_shard(path, 0, 2, rules, framework="np", backend="pread")
-    assert _anonymous_mib() - before > 20  # 24 MiB of rows and the 2 MiB tensor
+    assert _anonymous_mib() - before > 38  # 8 MiB of rows, the 32 MiB and 2 MiB tensors
     norm, rows = parts["norm"], parts["head"][:4].copy()
     del parts
     gc.collect()
@@ -115,14 +115,89 @@ def test_load_shard_parts_give_their_memory_back(model) -> None:
     assert np.array_equal(rows, expected["head"][:4])
 
 
-def test_small_tensors_still_share_the_buffer(model) -> None:
-    """Tensors under RELEASE_MIN view the buffer as before (no object of their own each)."""
-    path, _ = model
-    sd = load_file(path)
-    assert sd["small"].nbytes < RELEASE_MIN <= sd["mid"].nbytes
-    assert np.shares_memory(sd["small"], sd["norm"]) is False  # disjoint bytes...
-    assert sd["small"].base is sd["norm"].base  # ...of one buffer
-    assert sd["mid"].base is not sd["small"].base
+def _owner(array: np.ndarray) -> np.ndarray:
+    """The array at the end of ``array``'s chain of bases: what keeps its bytes."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def test_small_tensors_share_a_block(model, adapters) -> None:
+    """Tensors under RELEASE_MIN next to each other view one block of the buffer (one object
+    and finalizer per block, of about RELEASE_MIN bytes, not one per tensor); a large tensor
+    views its own."""
+    sd = load_file(adapters[0])
+    owners = {id(_owner(value)): _owner(value).nbytes for value in sd.values()}
+    assert len(owners) == len(sd) * 8192 // RELEASE_MIN + 1  # 40 blocks (and the empty)
+    assert all(RELEASE_MIN <= size < RELEASE_MIN + 8192 for size in list(owners.values())[:-2])
+    sd = load_file(model[0])
+    assert sd["mid"].nbytes == _owner(sd["mid"]).nbytes >= RELEASE_MIN
+    assert _owner(sd["small"]) is not _owner(sd["mid"])
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    """A LoRA-shaped file: 40 MiB of 8 KiB tensors, none large, with an empty one."""
+    rng = np.random.default_rng(11)
+    tensors = {f"layers.{i}.lora": rng.integers(0, 1 << 16, 4096, np.uint16) for i in range(5120)}
+    tensors["layers.empty"] = np.zeros((0, 4), np.uint16)
+    path = tmp_path_factory.mktemp("release") / "adapters.safetensors"
+    save_file(tensors, path)
+    return path, tensors
+
+
+@pytest.mark.parametrize("how", list(LOADS))
+def test_keeping_one_small_tensor_keeps_its_block_only(adapters, how: str) -> None:
+    """Before, the small tensors of a load all viewed its buffer: keeping one of a file of
+    small tensors (a LoRA file) kept every one's bytes, 40 MiB here."""
+    path, expected = adapters
+    gc.collect()
+    before = _anonymous_mib()
+    sd = LOADS[how](path)
+    assert _anonymous_mib() - before > 35
+    assert list(sd) == list(expected) or sorted(sd) == sorted(expected)
+    for name, value in expected.items():
+        assert np.array_equal(_as_numpy(sd[name]), value), name
+    kept, row = sd["layers.77.lora"], sd["layers.3000.lora"][10:20]
+    del sd
+    gc.collect()
+    assert _anonymous_mib() - before < 6, (how, _anonymous_mib() - before)
+    assert np.array_equal(_as_numpy(kept), expected["layers.77.lora"])
+    assert np.array_equal(_as_numpy(row), expected["layers.3000.lora"][10:20])
+
+
+def test_a_small_load_keeps_one_buffer(tmp_path: Path) -> None:
+    """Under RELEASE_BUFFER_MIN, every tensor views the one buffer, large ones too: malloc
+    gives its warm pages to the next load, which handing them back would make fault them in
+    again (a loop loading an 8 MiB file took three times as long)."""
+    rng = np.random.default_rng(3)
+    tensors = {"a": rng.standard_normal(MIB // 2), "b": rng.standard_normal(600)}  # 4 MiB
+    save_file(tensors, tmp_path / "small.safetensors")
+    sd = load_file(tmp_path / "small.safetensors")
+    assert sd["a"].nbytes >= RELEASE_MIN and sd["a"].nbytes + sd["b"].nbytes < RELEASE_BUFFER_MIN
+    assert sd["a"].base is sd["b"].base
+    for name, value in tensors.items():
+        assert np.array_equal(sd[name], value)
+
+
+def test_blocks_group_small_tensors_and_keep_large_ones_alone() -> None:
+    mib = RELEASE_MIN
+    items = [
+        ("c", "F32", (1,), 3 * mib, 3 * mib + 100),  # out of buffer order
+        ("a", "F32", (1,), 0, mib // 2),
+        ("b", "F32", (1,), mib // 2, mib),  # closes the first block at RELEASE_MIN
+        ("big", "F32", (1,), 3 * mib + 100, 5 * mib),
+        ("d", "F32", (1,), mib, 2 * mib - 8),
+        ("e", "F32", (1,), 2 * mib - 8, 2 * mib - 8),  # empty
+        ("f", "F32", (1,), 5 * mib, 5 * mib + 4),
+    ]
+    spans = [(low, high, [item[0] for item in block]) for low, high, block in _blocks(items)]
+    assert spans == [
+        (0, mib, ["a", "b"]),
+        (mib, 3 * mib + 100, ["d", "e", "c"]),
+        (3 * mib + 100, 5 * mib, ["big"]),
+        (5 * mib, 5 * mib + 4, ["f"]),
+    ]
 
 
 def test_tensors_stay_readable_in_exit_handlers(model, tmp_path: Path) -> None:
