@@ -59,7 +59,7 @@ from ._sharding import (
     write_checkpoint,
 )
 from ._sources import ByteSource
-from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all, write_all
+from ._writer import SaveGroup, Writeback, atomic_output, pwrite_all, reserve_space, write_all
 
 __all__ = ["copy_range", "extract", "merge", "reshard", "select_names"]
 
@@ -384,6 +384,7 @@ def _write_one(
     )
     with atomic_output(path, fsync=fsync, group=group) as fd:
         os.ftruncate(fd, layout.file_size)
+        reserve_space(fd, layout.file_size)  # tuning's preallocate: a full disk fails at once
         write_all(fd, layout.header)
         base = len(layout.header)
         writeback = Writeback(fd) if fsync else None

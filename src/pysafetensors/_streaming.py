@@ -64,6 +64,7 @@ from ._writer import (
     allow_descriptors,
     atomic_output,
     pwrite_all,
+    reserve_space,
 )
 
 __all__ = ["ShardedStreamingWriter", "StreamingWriter", "TensorDecl", "as_dtype"]
@@ -441,6 +442,7 @@ class StreamingWriter:
                 raise write_error(
                     OSError(errno.EFBIG, os.strerror(errno.EFBIG)), self.filename
                 ) from None
+            reserve_space(fd, self.layout.file_size)  # tuning's preallocate: fail at once
             pwrite_all(fd, self.layout.header, 0)
         except BaseException as exc:
             cm.__exit__(type(exc), exc, exc.__traceback__)
@@ -858,6 +860,20 @@ def _empty_storages(tensors: Any) -> dict[str, Any]:
 _WHOLE: Final = object()
 
 
+def _missing_folders(folder: str) -> list[str]:
+    """``folder`` and those of its parents that do not exist, the deepest first: what
+    ``os.makedirs(folder)`` would create."""
+    missing: list[str] = []
+    path = os.path.abspath(folder)
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
 class ShardedStreamingWriter:
     """Stream a sharded checkpoint: shards planned up front, one writer each, index last.
 
@@ -955,8 +971,9 @@ class ShardedStreamingWriter:
         self._group = checkpoint_group(self.folder, plan, filename_pattern, fsync=fsync)
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)
-        # A folder this writer makes is removed again by abort() (if nothing else came in).
-        self._made_folder = not os.path.isdir(self.folder)
+        # The folders this writer makes (the output's missing parents too) are removed again
+        # by abort(), if nothing else came in.
+        self._made_folders = _missing_folders(self.folder)
         make_folder(self.folder)  # a file where the folder should be is named
         self._pid = os.getpid()  # a forked child's copy is not the writer: see __del__
         with _OPEN_WRITERS_LOCK:
@@ -1210,9 +1227,11 @@ class ShardedStreamingWriter:
         finally:
             # Shards already handed over wait in the group: discarded whatever happened above.
             self._group.discard()
-            if self._made_folder:
-                with contextlib.suppress(OSError):  # only if empty: what this writer made
-                    os.rmdir(self.folder)
+            for folder in self._made_folders:  # the deepest first
+                try:
+                    os.rmdir(folder)  # only if empty: what this writer made
+                except OSError:
+                    break
         if failures:
             raise failures[0]
 

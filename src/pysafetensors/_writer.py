@@ -61,6 +61,7 @@ __all__ = [
     "atomic_output",
     "layout_for",
     "pwrite_all",
+    "reserve_space",
     "serialize_to_bytes",
     "write_all",
     "write_file",
@@ -85,6 +86,14 @@ _IOV_MAX: Final = min(1024, getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX
 # by default: on ext4, buffered writes into the preallocated (unwritten) extents made 2 GiB
 # saves about 2x slower than plain appends in benchmarks/RESULTS.md (median of 5; the
 # raw-write ceiling, which does not preallocate, was 3.7x faster than the preallocating writer).
+
+#: ``posix_fallocate`` errors that mean the file system cannot reserve space (the save then
+#: writes as without ``preallocate``); any other (``ENOSPC``, ``EFBIG``, ``EDQUOT``) fails it.
+_NO_RESERVING: Final = frozenset(
+    getattr(errno, n)
+    for n in ("EOPNOTSUPP", "ENOTSUP", "ENOSYS", "EINVAL", "ENODEV", "ESPIPE")
+    if hasattr(errno, n)
+)
 
 #: A durable save hands its bytes to the disk in pieces of about this size as soon as they are
 #: written (:class:`Writeback`).
@@ -995,12 +1004,28 @@ def write_file(
     """
     layout = layout_for(tensors, metadata, max_header_size=max_header_size)
     with atomic_output(filename, fsync=fsync, group=group) as fd:
-        if tuning.settings().preallocate and layout.file_size > (1 << 20):
-            # Reserve the space up front: ENOSPC before writing anything.
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fallocate(fd, 0, layout.file_size)
+        reserve_space(fd, layout.file_size)
         write_layout(fd, layout, tensors, writeback=Writeback(fd) if fsync else None)
     return layout
+
+
+def reserve_space(fd: int, size: int) -> None:
+    """With ``tuning``'s ``preallocate`` on, reserve ``size`` bytes of the file ``fd`` before
+    anything is written (``posix_fallocate``), so that a full disk or a file size limit
+    fails the save at once rather than after streaming gigabytes. Files of 1 MiB or less,
+    systems without the call and file systems that cannot reserve space write as without it.
+
+    Raises:
+        OSError: No room for the file (``ENOSPC``, ``EFBIG``, ``EDQUOT``...).
+    """
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None or size <= (1 << 20) or not tuning.settings().preallocate:
+        return
+    try:
+        fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in _NO_RESERVING:
+            raise
 
 
 def serialize_to_bytes(

@@ -22,9 +22,10 @@ process:
   network filesystems (more requests in flight), on a warm cache two per core is enough. At
   most :data:`MAX_READ_THREADS`. A ``pread`` handle keeps the count in force when it was
   opened.
-* ``preallocate``: ``True`` reserves a saved file's space before writing it
-  (``posix_fallocate``: a full disk fails before anything is written, but buffered writes
-  into the reserved space were about 2x slower on ext4); ``False`` (default) does not.
+* ``preallocate``: ``True`` reserves a saved file's space before writing it, in every save
+  (the streaming writers and ``reshard``/``merge``/``extract`` too; ``posix_fallocate``: a
+  full disk or a file size limit fails before anything is written, but buffered writes into
+  the reserved space were about 2x slower on ext4); ``False`` (default) does not.
 
 Each can also be set before the process starts, by environment variables read when this
 module is first imported: ``PYSAFETENSORS_HUGEPAGES`` (``auto``, or a switch),

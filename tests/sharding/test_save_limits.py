@@ -161,7 +161,13 @@ def test_an_aborted_sharded_stream_removes_the_folder_it_made(tmp_path: Path) ->
     with pytest.raises(RuntimeError), ShardedStreamingWriter(tmp_path / "new" / "sub", decl) as w:
         w.write("t", b"\0" * 4)
         raise RuntimeError("stop")
-    assert os.listdir(tmp_path / "new") == []
+    # Its parent too, which it made (it was left behind, empty).
+    assert os.listdir(tmp_path) == []
+    # A parent something else came into while it wrote stays.
+    writer = ShardedStreamingWriter(tmp_path / "a" / "b" / "c", decl)
+    (tmp_path / "a" / "other.txt").write_text("x")
+    writer.abort()
+    assert os.listdir(tmp_path / "a") == ["other.txt"]
     (tmp_path / "kept").mkdir()
     ShardedStreamingWriter(tmp_path / "kept", decl).abort()
     assert (tmp_path / "kept").is_dir()  # it was there before
