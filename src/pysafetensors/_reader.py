@@ -102,6 +102,11 @@ SLICE_READS: Final = ("exact", "coalesce")
 #: Bytes read speculatively when opening: one read usually brings the prefix and the header.
 _HEAD_GUESS: Final = 64 << 10
 
+#: A remote source keeps the header's bytes past its cached head when the header region is
+#: at most this large (one request either way): reading that region again (``hash`` digests
+#: it) then fetches nothing. Larger headers are read and dropped, as their memory would stay.
+_HEAD_KEEP: Final = 16 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
@@ -146,8 +151,17 @@ def read_header(
     n = parse_header_length(
         head[:N_LEN].tobytes(), size, max_header_size=max_header_size, prefix_text=prefix_text
     )
+    extend = getattr(source, "prefetch_head", None)
     if N_LEN + n <= guess:
         header_bytes = head.data[N_LEN : N_LEN + n]
+    elif (
+        extend is not None
+        and isinstance(cached, bytes)
+        and guess <= len(cached)  # not under head_bytes=0 ("cache nothing") or below 8
+        and N_LEN + n <= _HEAD_KEEP
+    ):
+        # Fetched into the source's cache: one request, as below, and none to read it again.
+        header_bytes = extend(N_LEN + n)[N_LEN:]
     else:
         rest = np.empty(n, np.uint8)
         read(N_LEN, rest.data)

@@ -45,6 +45,8 @@ _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 #: Bytes of a redirect's body read to keep its connection for reuse; a longer body closes it.
 _REDIRECT_BODY_MAX: Final = 64 << 10
 _TRANSIENT_STATUS: Final = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: Most bytes one receive of a body asks for: what a timeout can leave uncounted.
+_RECEIVE_STEP: Final = 1 << 20
 _DECIMAL: Final = re.compile(rf"[ \t]*{HEADER_NUMBER}[ \t]*", re.ASCII)
 
 
@@ -1218,7 +1220,10 @@ class HTTPSource(RemoteSource):
                     # Each receive within the time left; the watchdog ends a read that goes on
                     # past the deadline (readinto fills its buffer however slowly bytes come).
                     clock.arm()
-                n = resp.readinto(out[done:])
+                # In bounded steps: the response's buffered reader fills all it is given before
+                # returning, and a timeout mid-way loses its count (a stall after half a body
+                # read as "after 0 bytes").
+                n = resp.readinto(out[done : done + _RECEIVE_STEP])
                 if not n:
                     break
                 done += n

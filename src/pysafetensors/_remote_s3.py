@@ -640,6 +640,13 @@ class S3Source(RemoteSource):
                 f"{where}: asked for bytes {offset}-{offset + want - 1}, store sent {first}-{last}",
                 kind="RangeMismatch",
             )
+        if length >= 0 and length != want:
+            # As the HTTP source: a body of another length than its range is not that range
+            # (taking its first bytes would hide the store's mistake).
+            raise Transient(
+                f"{where}: ContentLength {length} disagrees with the range of {want} bytes",
+                "Truncated",
+            )
         if probing:
             self._etag = etag
         elif total != self._size or (self._etag and etag != self._etag):

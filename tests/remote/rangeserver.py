@@ -24,6 +24,8 @@ bring their own. URLs are ``/<name>`` (well-behaved) or ``/<mode>/<name>``:
                        ``python -m http.server`` does
 ``trickle``            sends ranges not starting at byte 0 in 1 KiB pieces, ``TRICKLE_SECONDS``
                        apart, as a stalled-but-alive server does
+``stall``              sends half of a range not starting at byte 0, then nothing more until
+                       the client hangs up (or ``ENDLESS_SECONDS``)
 
 Faults queued with :meth:`RangeServer.inject` (a status code, or ``"reset"`` to close the
 connection without answering) are served first, one per request, for any mode.
@@ -38,6 +40,7 @@ percent-decoded to find the file, as real servers do; the log keeps them as sent
 from __future__ import annotations
 
 import collections
+import contextlib
 import email.utils
 import gzip
 import http.server
@@ -74,6 +77,7 @@ MODES = frozenset(
         "bad-range",
         "no-etag",
         "trickle",
+        "stall",
     }
 )
 
@@ -280,7 +284,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = data[first : last + 1]
         if mode == "gzip":
             body = gzip.compress(body)
-        truncate = mode == "truncate" and first > 0
+        truncate = mode in ("truncate", "stall") and first > 0
         sent = 0 if self.command == "HEAD" else len(body) // 2 if truncate else len(body)
         self._record(206, sent)
         self.send_response(206)
@@ -308,6 +312,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if truncate:
             self.wfile.flush()
             self.close_connection = True
+            if mode == "stall":
+                # Alive but silent: wait for the client to give up and hang up.
+                self.connection.settimeout(ENDLESS_SECONDS)
+                with contextlib.suppress(OSError):
+                    self.connection.recv(1)
 
     def _trickle(self, body: bytes) -> None:
         try:

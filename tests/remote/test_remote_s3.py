@@ -274,6 +274,38 @@ def test_a_config_that_is_not_a_config_is_a_type_error() -> None:
         )
 
 
+def test_a_body_longer_than_its_range_is_refused() -> None:
+    """A ranged reply whose ContentLength (and body) is longer than its ContentRange says:
+    its first bytes were taken and the rest dropped, where the HTTP source refuses the same
+    reply ("Content-Length ... disagrees with the range")."""
+    import io
+    import re
+
+    data = bytes(range(256)) * 1000
+
+    class Padding:
+        extra = 0
+
+        def get_object(self, Bucket: str, Key: str, Range: str) -> dict[str, Any]:  # noqa: N803
+            match = re.match(r"bytes=(\d+)-(\d+)", Range)
+            assert match is not None
+            a, b = int(match[1]), min(int(match[2]), len(data) - 1)
+            return {
+                "Body": io.BytesIO(data[a : b + 1] + b"X" * Padding.extra),
+                "ContentRange": f"bytes {a}-{b}/{len(data)}",
+                "ContentLength": b - a + 1 + Padding.extra,
+                "ETag": '"v1"',
+            }
+
+    with S3Source(_url("k"), client=Padding(), read_ahead=0, retries=0) as src:
+        Padding.extra = 4
+        with pytest.raises(RemoteError, match="ContentLength 1004 disagrees") as info:
+            _read(src, 100_000, 1000)
+        assert info.value.kind == "Truncated"
+        Padding.extra = 0
+        assert _read(src, 100_000, 1000) == data[100_000:101_000]
+
+
 def test_a_whole_body_of_another_version_is_refused() -> None:
     """A store that ignores Range sends the whole object; a different version of it (other
     size, other ETag) was read at the first version's offsets and changed the source's size."""
