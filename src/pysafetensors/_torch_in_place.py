@@ -159,7 +159,11 @@ def in_place_targets(
     names = [
         name
         for name in handle.keys()  # noqa: SIM118 - a handle, not a dict
-        if name in own and own[name] is tensors.get(name)
+        if name in own
+        and own[name] is tensors.get(name)
+        # Sparse and mkldnn tensors have no plain memory (data_ptr raises): left to
+        # load_state_dict, whose error names them after the others are loaded.
+        and own[name].layout == torch.strided
     ]
     infos = dict(zip(names, handle._infos(names), strict=True))
     fitting = {name: own[name] for name in names if _fits(own[name], infos[name], where)}

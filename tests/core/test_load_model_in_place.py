@@ -197,6 +197,40 @@ def test_unfit_tensors_are_left_to_load_state_dict(tmp_path: Path) -> None:
     assert _bits(model) == _bits(saved)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr, torch.Tensor.to_mkldnn],
+    ids=["coo", "csr", "mkldnn"],
+)
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_tensors_without_plain_memory_fail_as_in_the_reference(
+    tmp_path: Path, layout: Callable[[torch.Tensor], torch.Tensor], backend: str
+) -> None:
+    """A sparse or mkldnn buffer of a name in the file: the in-place path asked for its data
+    pointer (or contiguity) and failed first with torch's raw "Cannot access data pointer",
+    before anything was loaded; the reference's load_state_dict names the tensor, after
+    loading the others."""
+    path = tmp_path / "lin.safetensors"
+    ref.save_file({"weight": torch.full((3, 4), 2.0), "bias": torch.full((3,), 3.0)}, path)
+
+    def make() -> torch.nn.Module:
+        model = torch.nn.Linear(4, 3)
+        del model.weight
+        model.register_buffer("weight", layout(torch.zeros(3, 4)))
+        return model
+
+    errors = []
+    for load in (ref.load_model, st_torch.load_model):
+        model = make()
+        kwargs = {"backend": backend} if load is st_torch.load_model else {}
+        with pytest.raises(RuntimeError) as info:
+            load(model, path, **kwargs)
+        assert 'parameter named "weight"' in str(info.value)
+        assert torch.equal(model.bias.detach(), torch.full((3,), 3.0))
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+
+
 def test_two_file_names_on_one_memory_are_copied_in_order(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Net()
