@@ -27,6 +27,7 @@ from ._errors import (
     ClosedFileError,
     SafetensorError,
     SliceError,
+    TensorInfoError,
     input_path,
     not_an_instance,
     path_argument,
@@ -1227,15 +1228,28 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         )
         return gathered
 
-    @staticmethod
-    def _checked_plan(info: TensorInfo, index: Any, plan: SlicePlan | None = None) -> SlicePlan:
-        """``plan`` (else ``plan_slice(index)``), refusing shapes no array can hold."""
+    def _checked_plan(
+        self,
+        info: TensorInfo,
+        index: Any,
+        plan: SlicePlan | None = None,
+        *,
+        framework: str | None = None,
+    ) -> SlicePlan:
+        """``plan`` (else ``plan_slice(index)``), refusing shapes no array of ``framework``
+        (default: the handle's) can hold: an empty selection is made by the framework itself
+        (torch holds a float32 ``[0, 2**62]``, numpy does not)."""
         if len(info.shape) > MAX_NDIM:
             # The strided copy of _read_plan reshapes to the full rank, which numpy caps.
             check_representable(info.shape, info.dtype, info.name)
         if plan is None:
             plan = plan_slice(info.shape, info.dtype, index)
-        check_representable(plan.shape, info.dtype, info.name)
+        check_representable(
+            plan.shape,
+            info.dtype,
+            info.name,
+            framework=self._adapter.framework if framework is None else framework,
+        )
         return plan
 
     def _mapped_view(self, info: TensorInfo, source: ByteSource) -> memoryview | None:
@@ -1355,6 +1369,21 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         reader.readinto(start, buf.data)
         return True
 
+    def _pick_from_empty(self, info: TensorInfo, index: Any) -> Any:
+        """``index`` of ``info``'s tensor, which has no data, by the framework's own indexing
+        of an empty one; its errors as the picking's (``SliceError``)."""
+        empty = self._adapter.from_bytes(
+            np.empty(0, np.uint8), info.dtype, info.shape, self._device
+        )
+        try:
+            picked = empty[index]
+        except (IndexError, ValueError, TypeError, RuntimeError) as exc:
+            raise SliceError(
+                f"Error during slicing {render_index(index)} with shape {list(info.shape)}: {exc}",
+                kind="InvalidSlice",
+            ) from None
+        return picked
+
     def _read_advanced(self, info: TensorInfo, index: Any, source: ByteSource) -> Any:
         """``tensor[index]`` for an index with ``None``, bools or index arrays (numpy rules).
 
@@ -1373,6 +1402,10 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # torch places integer-indexed dimensions unlike numpy when they mix with index arrays
         # (``t[0, :, [1, 4]]``) and refuses masks numpy takes: each framework its own rules.
         pick_cells = getattr(self._adapter, "pick_cells", None)
+        if pick_cells is not None and not info.nbytes and not _numpy_holds(info):
+            # An empty tensor only the framework can hold (torch: a float32 [0, 2**62]): its
+            # own indexing of it, which is the answer the picking below gives.
+            return self._pick_from_empty(info, index)
         split = split_advanced(index, info.shape, empty_mask_axes_match=pick_cells is None)
         itemsize = info.dtype.bits // 8
         # A sparse index array (``[[3, 17, 40000]]``) reads its box in parts, not whole;
@@ -1383,7 +1416,8 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         boxes, pick, axis = ([split.box], split.pick, 0) if parts is None else parts
         # Elements as integers of their width (every dtype has 1, 2, 4 or 8 bytes), so that the
         # index applies to whole elements with the same positions as on the tensor itself.
-        plans = [self._checked_plan(info, box) for box in boxes]
+        # numpy's limits: the parts are numpy arrays, joined and indexed by numpy.
+        plans = [self._checked_plan(info, box, framework="np") for box in boxes]
         pieces: list[np.ndarray] = [np.empty(0)] * len(plans)
 
         def read(i: int) -> None:
@@ -1517,6 +1551,16 @@ class _Reading:
         elif isinstance(exc, MemoryError) and not str(exc).startswith(_OUT_OF_MEMORY):
             # numpy's says how much, not for what (a file may claim 1 TiB).
             raise self._handle._memory_error(exc, self._info) from exc
+
+
+def _numpy_holds(info: TensorInfo) -> bool:
+    """Whether numpy can hold an array of ``info``'s shape and dtype (its strides, in bytes,
+    fit in 63 bits)."""
+    try:
+        check_representable(info.shape, info.dtype, info.name)
+    except TensorInfoError:
+        return False
+    return True
 
 
 #: How :meth:`safe_open._memory_error` begins (a nested read leaves its message as it is).
