@@ -448,8 +448,8 @@ def check_torch_slice(full: Any, index: Any, get: Callable[[], Any]) -> None:
 
     if _torch_difference(index):
         return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's uint8-mask and list-as-tuple deprecations
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # torch's uint8-mask and list-as-tuple deprecations
         try:
             want = full[index]
         except RuntimeError:
@@ -476,6 +476,10 @@ def check_torch_slice(full: Any, index: Any, get: Callable[[], Any]) -> None:
             return
     if want is None:
         raise Violation(f"torch slice {index!r} of {tuple(full.shape)} accepted, torch refuses")
+    if any(d < 0 for d in want.shape) or any("Truncating" in str(w.message) for w in caught):
+        # torch's own overflow on dimensions near 2**63 (docs/differences.md): a negative
+        # length for [::3] of 2**63 - 1 rows, or bounds truncated to 0; ours are Python's.
+        return
 
     def bits(t: Any) -> bytes:
         # A fresh tensor: a contiguous one may keep any stride on a dimension of 1.
