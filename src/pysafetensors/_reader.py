@@ -206,6 +206,20 @@ def open_source_for(
     if isinstance(filename, (bytearray, memoryview)):
         return BufferSource(filename)
     if _is_fileobj(filename):
+        if isinstance(filename, io.TextIOBase):
+            # Its read returns text: the failure came from deep inside the first read
+            # ("a bytes-like object is required, not 'str'").
+            raise TypeError(
+                f"{getattr(filename, 'name', '<file object>')!s}: the file object is open in "
+                "text mode; open the file in binary mode ('rb')"
+            )
+        seekable = getattr(filename, "seekable", None)
+        if seekable is not None and not seekable():
+            raise io.UnsupportedOperation(
+                f"{getattr(filename, 'name', '<file object>')!s}: the file object cannot seek"
+                " (a pipe or stream); tensors are read by position: read it into a bytearray"
+                " or a file first"
+            )
         readable = getattr(filename, "readable", None)
         if readable is not None and not readable():
             # A write-only file: its descriptor could still be reopened for reading, and

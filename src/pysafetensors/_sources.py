@@ -847,15 +847,23 @@ class MmapSource:
 class FileObjSource:
     """Reads from a binary file object with ``seek`` and ``readinto`` or ``read``.
 
-    Reads are serialised with a lock because a file object has one position.
+    The file is read from its start (offset 0), whatever the object's position, as a plain
+    file read through its descriptor is; the position is put back after every access, so
+    that the caller's next ``write`` or ``read`` goes where it would have (an ``io.BytesIO``
+    left at a tensor's end took a caller's appended bytes over that tensor). Reads are
+    serialised with a lock because a file object has one position.
     """
 
     def __init__(self, fileobj: IO[bytes] | Any, name: str | None = None) -> None:
         self._f = fileobj
         self._name = name or str(getattr(fileobj, "name", "<file object>"))
         self._lock = threading.Lock()
-        fileobj.seek(0, os.SEEK_END)
-        self._size = int(fileobj.tell())
+        where = fileobj.tell()
+        try:
+            fileobj.seek(0, os.SEEK_END)
+            self._size = int(fileobj.tell())
+        finally:
+            fileobj.seek(where)
 
     @property
     def size(self) -> int:
@@ -869,19 +877,27 @@ class FileObjSource:
         out = out.cast("B")
         check_range(self, offset, out.nbytes)
         with self._lock:
-            self._f.seek(offset)
-            done = 0
-            reader = getattr(self._f, "readinto", None)
-            while done < out.nbytes:
-                if reader is not None:
-                    n = reader(out[done:])
-                else:
-                    chunk = self._f.read(out.nbytes - done)
-                    n = len(chunk)
-                    out[done : done + n] = chunk
-                if not n:
-                    raise _short_read(self._name, offset, out.nbytes, done)
-                done += n
+            where = self._f.tell()
+            try:
+                self._read_at(offset, out)
+            finally:
+                self._f.seek(where)
+
+    def _read_at(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` (the lock held; the position is left after it)."""
+        self._f.seek(offset)
+        done = 0
+        reader = getattr(self._f, "readinto", None)
+        while done < out.nbytes:
+            if reader is not None:
+                n = reader(out[done:])
+            else:
+                chunk = self._f.read(out.nbytes - done)
+                n = len(chunk)
+                out[done : done + n] = chunk
+            if not n:
+                raise _short_read(self._name, offset, out.nbytes, done)
+            done += n
 
     def view(self, offset: int, length: int) -> memoryview | None:
         return None

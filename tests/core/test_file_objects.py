@@ -86,3 +86,45 @@ def test_a_bytes_path_to_a_folder_or_index_opens_the_checkpoint(tmp_path: Path) 
         with safe_open(target, "np") as f:
             assert sorted(f.keys()) == ["a", "b"]
         assert sorted(load_file(target)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_callers_position_is_left_where_it_was(backend: str) -> None:
+    # An object read through its own seek and read was left after the last tensor read: a
+    # caller appending to the buffer then wrote over the file's bytes.
+    data = save({"a": np.arange(1000, dtype=np.float32), "b": np.ones((8, 8), np.int16)})
+    buf = io.BytesIO()
+    buf.write(data)
+    with safe_open(buf, "np", backend=backend) as f:
+        assert buf.tell() == len(data)
+        assert np.array_equal(f.get_tensor("b"), np.ones((8, 8), np.int16))
+        assert buf.tell() == len(data)
+        assert np.array_equal(f.get_slice("a")[10:20], np.arange(10, 20, dtype=np.float32))
+        assert buf.tell() == len(data)
+    buf.write(b"TRAILER")
+    assert buf.getvalue() == data + b"TRAILER"
+    # Read from the start whatever the position, as a plain file read by its descriptor is.
+    buf = io.BytesIO(data)
+    buf.seek(5)
+    with safe_open(buf, "np", backend=backend) as f:
+        assert np.array_equal(f.get_tensor("a"), np.arange(1000, dtype=np.float32))
+    assert buf.tell() == 5
+
+
+def test_a_text_mode_file_object_is_refused_at_open(tmp_path: Path) -> None:
+    # Its read returns str: the error came from inside the first read, naming nothing.
+    path = tmp_path / "t.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, path)
+    with (
+        open(path, encoding="latin-1") as fh,
+        pytest.raises(TypeError, match=r"open in text mode; open the file in binary mode \('rb'\)"),
+    ):
+        safe_open(fh, "np")
+
+
+def test_a_pipe_is_refused_as_a_file_that_cannot_seek(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    with open(read_end, "rb") as fh:
+        os.close(write_end)
+        with pytest.raises(io.UnsupportedOperation, match="cannot seek .a pipe or stream."):
+            safe_open(fh, "np")
