@@ -143,6 +143,10 @@ class FsspecSource(RemoteSource):
         self._one_at_a_time: threading.Lock | None = (
             None if _reads_may_overlap(fs) else _TURNS.of(fs)
         )
+        # Keyword arguments for cat_file: fsspec's default one opens a buffered file with a
+        # 5 MiB read-ahead, so every range came with up to 5 MiB more (hf://: a 2 KB header
+        # fetched 5 MiB, a whole load 1.6 times the file); without a cache it fetches the range.
+        self._cat_options: dict[str, str] = {"cache_type": "none"} if _default_cat_file(fs) else {}
         self._open()
 
     def _after_fork(self) -> None:
@@ -236,11 +240,13 @@ class FsspecSource(RemoteSource):
         failed: str = "",
         *,
         where: str | None = None,
-        kind: str = "HTTPError",
+        kind: str | None = None,
     ) -> Exception:
         """Translate a filesystem's exception, in words without secrets: a missing file or a
         refusal as such, anything else as a RemoteError of ``kind`` saying what ``failed``
-        (default: the read at ``offset``). ``where`` names the file (default: this source)."""
+        (default: the read at ``offset``). ``where`` names the file (default: this source).
+        ``kind`` defaults to ``Timeout`` or ``ConnectionError`` for a server not reached in
+        time or at all (:func:`_network_kind`), else ``HTTPError``."""
         where = self._name if where is None else where
         if isinstance(exc, (RemoteError, Transient)):
             return exc
@@ -252,6 +258,7 @@ class FsspecSource(RemoteSource):
                 f"{where}: access denied ({text})", kind="PermissionDenied"
             )
         failed = failed or f"read at offset {offset} failed"
+        kind = kind or _network_kind(exc) or "HTTPError"
         return RemoteError(f"{where}: {failed}: {type(exc).__name__}: {text}", kind=kind)
 
     def _check_length(self, data: bytes, offset: int, want: int) -> None:
@@ -275,7 +282,7 @@ class FsspecSource(RemoteSource):
         failure: Exception | None = None
         try:
             with self._turn():
-                data = self._fs.cat_file(self._path, start=offset, end=offset + out.nbytes)
+                data = self._cat_file(offset, offset + out.nbytes)
         except Exception as exc:
             failure = exc
         if failure is not None:
@@ -283,6 +290,58 @@ class FsspecSource(RemoteSource):
         self.stats.add(nbytes=len(data))
         self._check_length(data, offset, out.nbytes)
         out[:] = data
+
+    def _cat_file(self, start: int, end: int) -> bytes:
+        """``fs.cat_file`` of ``[start, end)``, without a read-ahead cache where the filesystem
+        would add one (see ``_cat_options``)."""
+        options = self._cat_options
+        if options:
+            try:
+                return bytes(self._fs.cat_file(self._path, start=start, end=end, **options))
+            except TypeError:
+                # A file class taking no cache_type, or a layer setting its own (blockcache::
+                # passes cache_type="none" itself): read as the filesystem reads by default.
+                self._cat_options = {}
+        return bytes(self._fs.cat_file(self._path, start=start, end=end))
+
+
+#: Exception classes (by name: each client library has its own) of a connection that could not
+#: be made or was lost: httpx (hf://), aiohttp (HTTP, gcsfs...), requests and urllib3.
+_CONNECTION_FAILURES: Final = frozenset(
+    {"ConnectionError", "NetworkError", "ClientConnectionError", "NewConnectionError"}
+)
+
+
+def _network_kind(exc: BaseException) -> str | None:
+    """``"Timeout"`` or ``"ConnectionError"`` when ``exc``, or an exception it chains to, says
+    the server was not reached in time or at all (as the HTTP and S3 sources name these
+    failures); None otherwise. Filesystems raise their client library's classes, not
+    Python's: ``httpx.ReadTimeout``, ``aiohttp.ServerTimeoutError``, ``httpx.ConnectError``."""
+    pending: list[BaseException] = [exc]
+    for _ in range(8):  # a chain, not a cycle
+        if not pending:
+            break
+        e = pending.pop()
+        names = {cls.__name__ for cls in type(e).__mro__}
+        if isinstance(e, TimeoutError) or any("Timeout" in name for name in names):
+            return "Timeout"
+        if isinstance(e, ConnectionError) or names & _CONNECTION_FAILURES:
+            return "ConnectionError"
+        pending.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None
+
+
+def _default_cat_file(fs: Any) -> bool:
+    """Whether ``fs`` reads ranges by fsspec's default ``cat_file``: it opens the file and
+    reads through the file's cache (a 5 MiB read-ahead unless told otherwise). Asynchronous
+    filesystems mirror their own ``_cat_file`` onto the instance, and s3fs, gcsfs, adlfs,
+    HTTP, local files and ``memory://`` read exact ranges their own way."""
+    try:
+        from fsspec.spec import AbstractFileSystem
+    except ImportError:
+        return False
+    method = getattr(fs, "cat_file", None)
+    return getattr(method, "__func__", None) is AbstractFileSystem.cat_file
 
 
 #: Filesystems (and their subclasses) known to serve ``cat_file`` calls from several threads at

@@ -12,7 +12,12 @@ from typing import Any, Final
 
 #: ``scheme://user:password@`` in a quoted URL: up to the last '@' before the path (a password
 #: may hold an unencoded '@'; stopping at the first one showed the rest of it as the host).
-_URL_CREDENTIALS: Final = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s\"']+@")
+#: Not in ``hf://``, whose '@' marks a revision (``hf://gpt2@main/model.safetensors``).
+_URL_CREDENTIALS: Final = re.compile(r"(\b(?![hH][fF]://)[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s\"']+@")
+
+#: Schemes whose URLs carry no ``user:password@``: an '@' there is something else (the Hub's
+#: ``repo@revision``; its token is a storage option, never part of the URL).
+_NO_USERINFO: Final = frozenset({"hf"})
 
 
 #: http.client's refusal of a header value quotes the value, which may be a credential (an
@@ -36,6 +41,8 @@ def _url_userinfo(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url.rpartition("@")[0]
+    if scheme.lower() in _NO_USERINFO:
+        return ""
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises on a port that is not a number
@@ -143,6 +150,8 @@ def redact(url: str) -> str:
     links = _chain(url)
     if len(links) > 1:
         return "::".join(redact(link) if "://" in link else link for link in links)
+    if url.partition("://")[0].lower() in _NO_USERINFO:
+        return url.partition("?")[0] + ("?..." if "?" in url else "")
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port  # raises on a port that is not a number
