@@ -183,7 +183,9 @@ def _split_s3_url(url: str) -> tuple[str, str]:
     if not sep or scheme.lower() not in ("s3", "s3a") or "/" not in rest:
         raise ValueError(f"not an s3://bucket/key URL: {url!r}")
     bucket, _, key = rest.partition("/")
-    if not bucket or not key:
+    if not bucket:
+        raise ValueError(f"no bucket named in the S3 URL {url!r}: expected s3://bucket/...")
+    if not key:
         raise ValueError(f"not an s3://bucket/key URL: {url!r}")
     return bucket, key
 
@@ -690,7 +692,9 @@ class S3Folder(S3Source):
     def _split_url(url: str) -> tuple[str, str]:
         scheme, sep, rest = url.partition("://")
         bucket, _, prefix = rest.partition("/")
-        if not sep or scheme.lower() not in ("s3", "s3a") or not bucket or not rest.endswith("/"):
+        if sep and scheme.lower() in ("s3", "s3a") and not bucket:
+            raise ValueError(f"no bucket named in the S3 URL {url!r}: expected s3://bucket/...")
+        if not sep or scheme.lower() not in ("s3", "s3a") or not rest.endswith("/"):
             raise ValueError(f"not an s3://bucket/folder/ URL: {url!r}")
         return bucket, prefix
 

@@ -163,8 +163,18 @@ def test_store_ignoring_range_large_object_is_refused() -> None:
 
 
 def test_bad_url() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not an s3://bucket/key URL"):
         S3Source("s3://bucket-only")
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///", "s3:///key", "S3A://"])
+def test_url_without_a_bucket_says_so(url: str) -> None:
+    # "s3://" ends with "/", so it is taken for a folder: the error names the missing bucket,
+    # not the folder form.
+    import pysafetensors
+
+    with pytest.raises(ValueError, match="no bucket named in the S3 URL"):
+        pysafetensors.safe_open(url, "np")
 
 
 def test_sharded_index_uses_the_endpoint_from_storage_options(
