@@ -25,6 +25,7 @@ buffers are reused, nothing is overwritten before its copy completed) without a 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import warnings
@@ -278,9 +279,25 @@ class TorchCudaOps:
             stream = streams[self.device] = self._torch.cuda.Stream(device=self.device)
         return stream
 
+    def _on(self, stream: Any) -> contextlib.ExitStack:
+        """``stream`` made current, inside its device's guard.
+
+        ``torch.cuda.stream`` alone, on a reader thread (whose current device is 0 whatever
+        the caller's is), restored device 0's stream on exit by ``cudaSetDevice(0)``, which
+        creates a CUDA context on device 0: every process loading to ``cuda:N`` would hold one
+        there too. Inside ``torch.cuda.device(N)`` it saves and restores device N's stream,
+        and the guard leaves the thread's device as it was without creating a context.
+        """
+        torch = self._torch
+        stack = contextlib.ExitStack()
+        if self.device.type == "cuda":
+            stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
     def copy_async(self, host: Any, pieces: Sequence[Piece], stream: Any) -> Any:
         torch = self._torch
-        with torch.cuda.stream(stream):
+        with self._on(stream):
             if not copy_pieces(torch, host, pieces, self._scratch_on):
                 self._scratch_on = None
             event = torch.cuda.Event()
@@ -295,7 +312,7 @@ class TorchCudaOps:
     def _copy_on(self, stream: Any, dst: Any, src: Any) -> Any:
         """``dst.copy_(src)`` queued on ``stream``; the event of its completion."""
         torch = self._torch
-        with torch.cuda.stream(stream):
+        with self._on(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
@@ -423,6 +440,11 @@ def stage_items_to_device(
     # thread, whose current stream it is.
     producer = ops.producer_event()
     used: list[Any] = []  # the streams this call copied on, to wait for at the end
+    # Set once the call stops waiting for its workers: only a second interrupt returns before
+    # they all have (run_parallel), and a worker's copies queued after the final synchronize
+    # would write into device buffers the caller then frees (the allocator hands them to the
+    # next allocation on the caller's stream while the copies still run).
+    abandoned = threading.Event()
 
     def one(number: int) -> None:
         src, _, n = chunks[number]
@@ -431,6 +453,7 @@ def stage_items_to_device(
             return  # no buffer could be pinned: the worker that tried raises the error
         index, host, view, pending = taken
         event = pending
+        stream = None
         try:
             if pending is not None:
                 # The previous copy out of this buffer must finish before it is overwritten.
@@ -447,7 +470,14 @@ def stage_items_to_device(
                         used.append(stream)
                 with gc_paused():  # a slice or two per piece: thousands for tiny tensors
                     event = ops.copy_async(host, pieces, stream)
+                if abandoned.is_set():
+                    ops.synchronize([stream])
         except BaseException:
+            if event is None and stream is not None:
+                # copy_async failed after queuing some copies out of the buffer: they must
+                # land before another worker refills it (an in-place load keeps what landed).
+                with contextlib.suppress(Exception):
+                    ops.synchronize([stream])
             ring.give((index, host, view, event))
             raise
         ring.give((index, host, view, event))
@@ -460,6 +490,7 @@ def stage_items_to_device(
     finally:
         # Every copy must have landed before the pinned buffers can be freed or reused, and
         # before the tensors are used (also when a read failed half way).
+        abandoned.set()  # before the synchronize: a copy queued after it is waited for there
         ops.synchronize(used)
         stats.host_buffers = ring.made
     return targets.buffers, stats

@@ -1316,3 +1316,122 @@ def test_device_loads_read_on_the_threads_the_caller_allows(
     with safe_open(path, "pt", backend="pread", threads=64) as f:
         assert torch.equal(f.get_tensor("a"), value)
     assert asked == [MAX_WORKERS]
+
+
+class CopyFailsAfterQueuing(LateCopyOps):
+    """Its second ``copy_async`` queues the chunk's copies, then fails (a piece refused half
+    way through a chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
+        event = super().copy_async(host, pieces, stream)
+        with self.lock:
+            self.calls += 1
+            fail = self.calls == 2
+        if fail:
+            raise RuntimeError("CUDA error: copy failed")
+        return event
+
+
+def test_a_buffer_whose_copies_failed_half_way_is_given_back_once_they_landed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The buffer went back to the ring as idle with its queued copies still pending: another
+    # worker could refill it, and those copies then wrote the other chunk's bytes (kept by an
+    # in-place load, which leaves what landed).
+    from pysafetensors import _cuda_staging as staging
+
+    ops = CopyFailsAfterQueuing()
+    real_give = staging._GrowingRing.give
+    given_idle_with_pending: list[int] = []
+
+    def give(self: Any, slot: Any) -> None:
+        _, host, _, event = slot
+        if event is None:
+            with ops.lock:
+                if any(e["host"] is host for e in ops.pending):
+                    given_idle_with_pending.append(1)
+        real_give(self, slot)
+
+    monkeypatch.setattr(staging._GrowingRing, "give", give)
+    data = _data(64 * 1024)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        stage_to_device(BufferSource(data).readinto, 0, len(data), ops, chunk_bytes=4096, workers=2)
+    assert ops.calls >= 2
+    assert not given_idle_with_pending
+    assert not ops.pending
+
+
+def test_copies_queued_after_the_call_stopped_waiting_are_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A second Ctrl-C returns from run_parallel before its workers: a copy a worker queued
+    # after the final synchronize still ran when the caller freed the device buffers.
+    from pysafetensors import _cuda_staging as staging
+
+    ops = LateCopyOps()
+    release = threading.Event()
+    workers: list[threading.Thread] = []
+
+    def interrupted_run_parallel(fn: Any, items: Any, threads: int) -> None:
+        def late() -> None:
+            release.wait(10)
+            fn(next(iter(items)))
+
+        worker = threading.Thread(target=late)
+        worker.start()
+        workers.append(worker)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(staging, "run_parallel", interrupted_run_parallel)
+    data = _data(8192)
+    with pytest.raises(KeyboardInterrupt):
+        stage_to_device(BufferSource(data).readinto, 0, len(data), ops, chunk_bytes=4096, workers=2)
+    release.set()
+    workers[0].join(10)
+    assert ops.copies == 1
+    assert not ops.pending  # the worker waited for its own copy
+
+
+def test_side_streams_are_entered_inside_their_devices_guard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch.cuda.stream alone, on a reader thread (current device 0), restored device 0's
+    # stream by cudaSetDevice(0) on exit: a CUDA context on device 0 for every process loading
+    # to cuda:N. The order is what can be checked without a GPU.
+    from pysafetensors._cuda_staging import TorchCudaOps
+
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def device(dev: Any) -> Any:
+        entered.append(f"device {dev}")
+        yield
+        entered.append("device exit")
+
+    @contextlib.contextmanager
+    def stream(s: Any) -> Any:
+        entered.append("stream")
+        yield
+        entered.append("stream exit")
+
+    class Event:
+        def record(self, stream: Any) -> None:
+            entered.append("record")
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    ops = TorchCudaOps("cuda:1")
+    host = torch.arange(16, dtype=torch.uint8)
+    dst = torch.zeros(16, dtype=torch.uint8)
+    ops.copy_async(host, [(dst, 0, 0, 16)], object())
+    assert torch.equal(dst, host)
+    expected = ["device cuda:1", "stream", "record", "stream exit", "device exit"]
+    assert entered == expected
+    entered.clear()
+    ops.copy_to_host_async(dst, host, 0, 16, object())
+    assert entered == expected
