@@ -49,7 +49,7 @@ from ._page_release import tensors_over
 from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
 from ._read_targets import check_targets, device_bytes, writable_bytes
 from ._reader_pool import MAX_READ_THREADS, run_parallel, worker_count
-from ._representable import MAX_NDIM, check_representable
+from ._representable import MAX_NDIM, check_representable, max_ndim
 from ._signatures import show_init_signature
 from ._slice_gather import (
     SMALL_BATCH,
@@ -415,6 +415,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
         # (_small_to_device), or none.
         self._small_reads: str | None = None
         self._small_limit = MIN_PARALLEL_CHUNK  # bytes of the largest tensor it takes
+        self._small_ndim = max_ndim(self._adapter.framework)  # shapes it takes need no check
         if self._device.type == "cpu":
             if type(source) is PreadSource or (
                 type(source) is MmapSource and getattr(self._adapter, "private_per_call", False)
@@ -576,7 +577,7 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
                     info is not None
                     and 0 < info.end - info.begin <= self._small_limit
                     and not info.dtype.bits % 8
-                    and len(info.shape) <= MAX_NDIM
+                    and len(info.shape) <= self._small_ndim
                 ):
                     if self._small_reads != "device":
                         return self._small(source, info)

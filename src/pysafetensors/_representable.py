@@ -12,12 +12,21 @@ from typing import Final
 from ._dtypes import DType
 from ._errors import TensorInfoError
 
-__all__ = ["MAX_NDIM", "check_representable"]
+__all__ = ["MAX_NDIM", "check_representable", "max_ndim"]
 
 #: numpy (2.x) and torch both refuse arrays of more than 64 dimensions.
 MAX_NDIM: Final = 64
 
 _INTP_MAX: Final = (1 << 63) - 1
+
+#: Frameworks holding fewer dimensions than :data:`MAX_NDIM`: Paddle's tensors have at most 9
+#: (a tenth raised Paddle's own ``OSError``, "Invalid dimension to be accessed").
+_MAX_NDIM_OF: Final = {"paddle": 9}
+
+
+def max_ndim(framework: str) -> int:
+    """The most dimensions a tensor of ``framework`` can have."""
+    return _MAX_NDIM_OF.get(framework, MAX_NDIM)
 
 
 def check_representable(
@@ -35,11 +44,20 @@ def check_representable(
     ``[0, 2**62]`` float32 tensor (as the reference loads it), numpy does not.
 
     Raises:
-        TensorInfoError: More than 64 dimensions, or a stride that does not fit in 63 bits.
+        TensorInfoError: More than 64 dimensions (Paddle: 9), or a stride that does not fit in
+            63 bits.
     """
     if len(shape) > MAX_NDIM:
         raise TensorInfoError(
             f"tensor `{name}` has {len(shape)} dimensions; frameworks hold at most {MAX_NDIM}",
+            kind="TooManyDimensions",
+            tensor=name,
+        )
+    most = max_ndim(framework)
+    if len(shape) > most:
+        raise TensorInfoError(
+            f"tensor `{name}` has {len(shape)} dimensions; {framework} holds at most {most}"
+            " (load it with another framework, or take a slice of fewer dimensions)",
             kind="TooManyDimensions",
             tensor=name,
         )

@@ -263,3 +263,27 @@ def test_sparse_tensors_are_refused_naming_the_tensor(tmp_path: Any, layout: str
     assert list(tmp_path.iterdir()) == []
     dense = ppaddle.load(ppaddle.save({"s": sparse.to_dense()}))["s"]
     np.testing.assert_array_equal(dense.numpy(), [[0.0, 1.5], [2.0, 0.0]])
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_more_dimensions_than_paddle_holds_are_refused_naming_the_tensor(
+    tmp_path: Any, backend: str
+) -> None:
+    # Paddle holds at most 9 dimensions: a tenth raised Paddle's own OSError ("Invalid
+    # dimension to be accessed"), naming no tensor, from get_tensor, load_file and load.
+    from pysafetensors import TensorInfoError
+
+    path = tmp_path / "deep.safetensors"
+    pnp.save_file({"deep": np.arange(6, dtype=np.float32).reshape([1] * 9 + [6])}, path)
+    with safe_open(path, "paddle", backend=backend) as f:
+        with pytest.raises(
+            TensorInfoError, match="tensor `deep` has 10 dimensions; paddle"
+        ) as info:
+            f.get_tensor("deep")
+        assert info.value.kind == "TooManyDimensions"
+        # A slice of fewer dimensions is a tensor Paddle holds.
+        assert f.get_slice("deep")[0].tolist() == [[[[[[[[[0, 1, 2, 3, 4, 5]]]]]]]]]
+    with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions"):
+        ppaddle.load_file(path, backend=backend)
+    with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions"):
+        ppaddle.load(path.read_bytes())
