@@ -89,9 +89,11 @@ class RangeHTTPServer:
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Accept-Ranges", "bytes")
                 self.end_headers()
-                self.wfile.write(body)
+                # Logged before the body goes out: the client can have it all, and the test
+                # count the log, before this thread runs again after the write.
                 with lock:
                     server.log.append((self.path, header, len(body)))
+                self.wfile.write(body)
 
         self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
