@@ -418,6 +418,28 @@ def _warn_disagreeing_keys(
         )
 
 
+def _warn_disagreeing_format(
+    src: ShardedSafeOpen, shard_metas: list[dict[str, str] | None], fmt: str
+) -> None:
+    """Warn where the source shards disagree on ``format`` (``pt`` in one, ``np`` in another,
+    or missing from some) and the output's, ``fmt``, chosen without the caller asking, is not
+    every shard's that has one: the other keys the shards disagree on are dropped with a
+    warning, this one was replaced silently. (Shards of ``pt`` and shards without a format
+    give ``pt``, which changes nothing that was there.)"""
+    formats = {(meta or {}).get("format") for meta in shard_metas}
+    if len(formats) < 2 or formats - {None} <= {fmt}:
+        return
+    held = sorted(repr(f) for f in formats if f is not None)
+    missing = " (and some shards have none)" if None in formats else ""
+    warnings.warn(
+        f"the shards of {shown(src.path)} disagree on metadata 'format': {', '.join(held)}"
+        f"{missing}; the output's is {fmt!r} (format= sets it, as `pysafetensors metadata set`"
+        " on the output does)",
+        UserWarning,
+        stacklevel=4,  # the caller of reshard/merge/extract
+    )
+
+
 def _rewrite(
     src: ShardedSafeOpen,
     names: list[str],
@@ -441,7 +463,10 @@ def _rewrite(
         fsync = _folder_of_source(src, out, {path for path, _, _ in located.values()})
     # Each shard's header metadata, read once (a remote shard's header is a request).
     shard_metas = src.shard_metadata()
+    given_format = fmt
     fmt, own = _source_metadata(src, shard_metas, fmt)
+    if given_format is None:
+        _warn_disagreeing_format(src, shard_metas, fmt)
     meta = dict(own if metadata is None else metadata)
     # What every source file's header holds stays in every output file's header (transformers
     # reads a quantizer's metadata back from each shard's header): not only in the index.

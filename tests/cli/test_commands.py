@@ -353,6 +353,31 @@ def test_diff_non_finite_values_compare_exactly_in_both_orders(cli, tmp_path: Pa
     assert r.code == 0 and r.json()["tensors"][0]["values"]["differing"] == 0
 
 
+@pytest.mark.parametrize(
+    ("a", "b", "tolerance", "within"),
+    [
+        (1.2e308, -1.2e308, ("--rtol", "1.5"), False),  # 2.4e308 > 1.8e308
+        (1.7e308, -1.7e308, ("--atol", "1.7e308", "--rtol", "0.1"), False),
+        (1.7e308, -1e308, ("--atol", "1e308", "--rtol", "1"), False),
+        (1.2e308, -1.2e308, ("--rtol", "2.5"), True),  # 2.4e308 <= 3e308
+        (-1e308, 1.7e308, ("--atol", "1e308", "--rtol", "1"), True),  # 2.7e308 <= 2.7e308
+    ],
+)
+def test_diff_finite_values_whose_difference_overflows(
+    cli, tmp_path: Path, a: float, b: float, tolerance: tuple[str, ...], within: bool
+) -> None:
+    # |a-b| overflowed to inf, and so did atol + rtol*|b|: inf > inf let any such pair pass as
+    # "within tolerance".
+    fa, fb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"x": np.array([a, 1.0])}, str(fa))
+    save_file({"x": np.array([b, 1.0])}, str(fb))
+    r = cli("diff", fa, fb, "--json", *tolerance)
+    row = r.json()["tensors"][0]
+    assert row["status"] == ("close" if within else "changed"), row
+    assert row["values"]["outside_tolerance"] == (0 if within else 1)
+    assert r.code == (0 if within else 1)
+
+
 @pytest.mark.parametrize("value", ["nan", "-1", "-0.5", "abc", "inf", "-inf"])
 @pytest.mark.parametrize("option", ["--atol", "--rtol"])
 def test_diff_refuses_bad_tolerances(cli, example: Path, option: str, value: str) -> None:
@@ -1356,6 +1381,21 @@ def test_text_holding_an_escape_prints_unlike_the_escaped_character(cli, tmp_pat
     assert sorted(listed) == sorted(shown)
 
 
+def test_names_differing_only_by_spaces_print_unlike(cli, tmp_path: Path) -> None:
+    # "w", "w " and "w" + no-break space all printed as w in a padded table column.
+    path = tmp_path / "m.safetensors"
+    names = ["w", "w ", "w\u00a0", " w", "w\u3000", ""]
+    save_file({n: np.full(1, i, np.float32) for i, n in enumerate(names)}, str(path))
+    shown = {"w", '"w "', r'"w\xa0"', '" w"', r'"w\u3000"', '""'}
+    for command in ("inspect", "stats"):
+        r = cli(command, path)
+        assert r.code == 0, r.err
+        rows = [line for line in r.out.splitlines() if " F32 " in line]
+        assert {row[: row.index(" F32")].rstrip() for row in rows} == shown, rows
+    listed = cli("extract", path, tmp_path / "x.safetensors", "*", "--list").out.splitlines()
+    assert set(listed) == shown
+
+
 def test_cast_from_may_be_repeated(cli, tmp_path: Path) -> None:
     # A second --from replaced the first: only the last one's dtypes were cast, silently.
     path, out = tmp_path / "m.safetensors", tmp_path / "out.safetensors"
@@ -1527,3 +1567,23 @@ def test_names_a_stdout_encoding_cannot_hold_are_quoted_so_none_print_alike(
     assert sorted(rows) == sorted(['"w\\xe9"', "w\\xe9"])  # the escaped one quoted
     raw = run("metadata", "get", str(path), "by", "--raw")
     assert (raw.returncode, raw.stdout) == (0, "Zoë\n".encode())  # exact: UTF-8 bytes
+
+
+@pytest.mark.parametrize("command", ["diff", "hash", "stats", "inspect"])
+@pytest.mark.parametrize("option", [("--filter", "modle.*"), ("--regex", "^modle")])
+def test_a_filter_matching_no_tensor_is_an_error(
+    cli, tmp_path: Path, command: str, option: tuple[str, str]
+) -> None:
+    # A typo in a filter: diff said the models were equal (exit 0), hash printed the digest of
+    # nothing, stats and inspect an empty table.
+    fa, fb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"model.w": np.ones(4, np.float32)}, str(fa))
+    save_file({"model.w": np.full(4, 2, np.float32)}, str(fb))
+    targets = (fa, fb) if command == "diff" else (fa,)
+    r = cli(command, *targets, *option, "--json")
+    assert r.code == 2, (r.out, r.err)
+    assert f"{option[0]} {option[1]!r} matched none of the" in r.err
+    assert not r.out
+    # A filter that matches something still works.
+    r = cli(command, *targets, option[0], "model.*" if option[0] == "--filter" else "^model")
+    assert r.code == (1 if command == "diff" else 0), r.err

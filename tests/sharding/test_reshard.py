@@ -552,6 +552,44 @@ def test_a_reshard_keeps_the_shards_header_metadata_in_every_shard(tmp_path: Pat
         assert f.index_metadata() == {"total_size": 6000}  # keys that differ are not kept
 
 
+def test_shards_disagreeing_on_format_are_warned_of(tmp_path: Path) -> None:
+    """The other keys the shards disagree on are dropped with a warning; a ``format`` of
+    ``pt`` in one shard and ``np`` in another became ``pt`` without a word."""
+    import warnings
+
+    from pysafetensors import merge
+
+    sd = {f"l{i}": np.full(250, i, np.float32) for i in range(4)}
+    src = tmp_path / "src"
+    save_sharded(sd, src, 2000)
+    shards = sorted(src.glob("model-*.safetensors"))
+    edit_metadata(shards[-1], {"format": "np"})
+    for run in (
+        lambda: reshard(src, tmp_path / "out", 3000),
+        lambda: merge(src, tmp_path / "merged.safetensors"),
+    ):
+        with pytest.warns(
+            UserWarning, match="disagree on metadata 'format': 'np', 'pt'; the output's is 'pt'"
+        ):
+            run()
+    with safe_open(tmp_path / "merged.safetensors", "np") as f:
+        assert f.metadata() == {"format": "pt"}
+    # Asked for, or agreed on: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merge(src, tmp_path / "asked.safetensors", format="np")
+        edit_metadata(shards[-1], {"format": "pt"})
+        merge(src, tmp_path / "agreed.safetensors")
+    with safe_open(tmp_path / "asked.safetensors", "np") as f:
+        assert f.metadata() == {"format": "np"}
+    # Shards of np and shards without a format: the output's pt replaces np.
+    for shard in shards:
+        edit_metadata(shard, {"format": "np"})
+    edit_metadata(shards[0], delete=["format"])
+    with pytest.warns(UserWarning, match=r"'format': 'np' \(and some shards have none\)"):
+        merge(src, tmp_path / "half.safetensors")
+
+
 def test_an_index_too_large_to_be_one_is_not_read(tmp_path: Path, monkeypatch: Any) -> None:
     """A stray ``*.index.json`` over the size an index may have is not parsed (a 300 MB one
     took 13 s and 1.5 GB during an in-place reshard's clean-up): for the clean-up it names

@@ -23,6 +23,7 @@ from ._common import (
     Ui,
     add_filter_args,
     add_header_limit_arg,
+    check_filter_matches,
     name_filter,
     open_model,
     print_json,
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     accept = name_filter(args)
     with open_model(args.target, remote_options(args), args.max_header_size) as model:
         inconsistent = model.warn_index()
+        check_filter_matches(args, model)
         total = sum(t.nbytes for t in model.tensors.values())
         with ui.progress(total, "hash") as update, model.planned_reads(model.tensors.values()):
             result = hash_model(model, args.algorithm, accept, update)

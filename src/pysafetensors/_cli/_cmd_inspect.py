@@ -13,6 +13,7 @@ from ._common import (
     Ui,
     add_filter_args,
     add_header_limit_arg,
+    check_filter_matches,
     finite_json,
     human_bytes,
     human_count,
@@ -125,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         # The table lists what the shards hold; an index that disagrees is warned about and
         # makes the exit code 1 (reshard/merge/extract refuse such a model).
         inconsistent = model.warn_index()
+        check_filter_matches(args, model)
         tensors = _sorted([t for t in model.tensors.values() if accept(t.name)], args.sort)
         if args.json:
             document = to_json(model, tensors)

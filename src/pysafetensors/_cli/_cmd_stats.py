@@ -29,6 +29,7 @@ from ._common import (
     Ui,
     add_filter_args,
     add_header_limit_arg,
+    check_filter_matches,
     name_filter,
     open_model,
     print_json,
@@ -238,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     with HistogramSpool() as spool:
         with open_model(args.target, remote_options(args), args.max_header_size) as model:
             inconsistent = model.warn_index()
+            check_filter_matches(args, model)
             refs = [t for t in model.tensors.values() if accept(t.name)]
             total = sum(t.nbytes for t in refs) * (2 if args.histogram else 1)
             with (

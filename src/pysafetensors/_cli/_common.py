@@ -78,7 +78,10 @@ CHUNK_BYTES: Final = 24 << 20
 
 # What could control a terminal (see CONTROL_CHARS), and lone surrogates: a file name that is
 # not UTF-8 holds them (os.fsdecode), and printing one to a strict UTF-8 stream raised.
-_UNSAFE: Final = re.compile(f"[{CONTROL_CHARS}\ud800-\udfff]")
+# Spaces other than U+0020 too (no-break, en, em, ideographic...): "w\u00a0" printed as "w ".
+_UNSAFE: Final = re.compile(
+    f"[{CONTROL_CHARS}\ud800-\udfff\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]"
+)
 
 
 class UsageError(SafetensorError):
@@ -340,16 +343,19 @@ def quoted(text: str) -> str:
     r"""A name or value from a file, shown so that no two texts print alike.
 
     Text without anything :func:`sanitize` escapes is shown as it is (``C:\models``, or
-    ``a\x1b`` for those five characters). Text with something to escape, or beginning with a
-    double quote, is shown in double quotes with its backslashes and double quotes escaped too:
-    ``"a\x1b"`` for ``a`` and ESC, ``"\"q\""`` for ``"q"``. (Escaping alone printed ``a`` and
-    ESC as ``a\x1b`` too.) Plain output never begins with a double quote, and within quotes
+    ``a\x1b`` for those five characters). Text with something to escape, beginning with a
+    double quote, empty, or beginning or ending with a space (``"w "`` printed as ``w`` in a
+    padded column) is shown in double quotes with its backslashes and double quotes escaped
+    too: ``"a\x1b"`` for ``a`` and ESC, ``"\"q\""`` for ``"q"``. (Escaping alone printed ``a``
+    and ESC as ``a\x1b`` too.) Plain output never begins with a double quote, and within quotes
     every backslash begins an escape, so each shown text has one source.
     """
     encoding = _narrow_stdout_encoding()
     if (
-        not _UNSAFE.search(text)
-        and not text.startswith('"')
+        text
+        and not _UNSAFE.search(text)
+        and not text.startswith(('"', " "))
+        and not text.endswith(" ")
         and (encoding is None or _encodable(text, encoding))
     ):
         return text
@@ -501,6 +507,29 @@ def name_filter(args: Any) -> Callable[[str], bool]:
         return regex is None or regex.search(name) is not None
 
     return accept
+
+
+def check_filter_matches(args: Any, *models: Model) -> None:
+    """Refuse a ``--filter``/``--regex`` that matches no tensor of ``models``: a typo
+    (``'modle.*'``) made ``diff`` report two different models equal, ``hash`` print the
+    digest of nothing, and ``stats``/``inspect`` an empty table, each exiting 0.
+
+    Raises:
+        UsageError: Filters were given and no tensor name passes them.
+    """
+    globs = list(getattr(args, "filter", None) or [])
+    pattern = getattr(args, "regex", None)
+    if not globs and not pattern:
+        return
+    accept = name_filter(args)
+    if any(accept(name) for model in models for name in model.tensors):
+        return
+    asked = [f"--filter {g!r}" for g in globs] + ([f"--regex {pattern!r}"] if pattern else [])
+    total = sum(len(model.tensors) for model in models)
+    raise UsageError(
+        f"{' and '.join(asked)} matched none of the {total:,} tensor names"
+        " (globs match whole names: 'model.layers.0.*'; --regex searches anywhere in a name)"
+    )
 
 
 # ------------------------------------------------------------------------------------- models
