@@ -174,6 +174,12 @@ def _is_fileobj(obj: Any) -> bool:
     return hasattr(obj, "read") and hasattr(obj, "seek")
 
 
+def _is_fsspec_openfile(obj: Any) -> bool:
+    """An ``fsspec.open(...)`` result (``fsspec.core.OpenFile``): a file system and a path,
+    not yet a file; read by range through fsspec like its URL."""
+    return hasattr(obj, "fs") and hasattr(obj, "path") and not _is_fileobj(obj)
+
+
 def _is_sharded_target(filename: Any) -> bool:
     if not isinstance(filename, (str, bytes, os.PathLike)):
         return False
@@ -255,6 +261,10 @@ def open_source_for(
         except BaseException:
             os.close(own)
             raise
+    if _is_fsspec_openfile(filename):
+        from ._remote import open_source
+
+        return open_source(filename, storage_options=storage_options)
     path = input_path(filename)
     if "://" in path:
         from ._remote import open_source
@@ -377,7 +387,9 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
     ) -> None:
         self._source: ByteSource | None = None
         # Checked in the reference's order: the path's type, framework, device, backend.
-        if not isinstance(filename, (bytearray, memoryview)) and not _is_fileobj(filename):
+        if not isinstance(filename, (bytearray, memoryview)) and not (
+            _is_fileobj(filename) or _is_fsspec_openfile(filename)
+        ):
             path_argument(filename)
         self._adapter: Adapter = get_adapter(framework)
         self._device: Device = self._adapter.check_device(device)

@@ -41,10 +41,11 @@ class FsspecSource(RemoteSource):
     the size.
 
     Only filesystems known to serve concurrent reads correctly get parts at once: the
-    asynchronous ones, local files, ``memory://`` and ``zip://`` (zipfile locks the archive
-    around each read). Every other filesystem (``tar://``, ``ftp://``, the caching layers,
-    ``hf://``...) is read one part at a time, by all the sources on that filesystem instance
-    together: parallel reads from ``tar://`` returned other parts' bytes, without an error.
+    asynchronous ones, local files, ``memory://``, ``zip://`` (zipfile locks the archive
+    around each read) and ``hf://``. Every other filesystem (``tar://``, ``ftp://``, the
+    caching layers...) is read one part at a time, by all the sources on that filesystem
+    instance together: parallel reads from ``tar://`` returned other parts' bytes, without an
+    error.
 
     Args:
         target: A URL (``memory://x.safetensors``), an ``fsspec.core.OpenFile``, or a path on
@@ -63,8 +64,9 @@ class FsspecSource(RemoteSource):
 
     Raises:
         ImportError: fsspec is not installed.
-        ValueError: ``target`` is an ``OpenFile`` that decompresses (``compression=``): the
-            source reads the stored bytes by range, which a compressed stream cannot serve.
+        ValueError: ``target`` is an ``OpenFile`` that decompresses, or ``compression`` is one
+            of the storage options: the source reads the stored bytes by range, which a
+            compressed stream cannot serve.
         RemoteNotFoundError: The file does not exist.
         RemoteError: ``target`` names a folder, or the filesystem reports no size for it.
         RemotePermissionError: The filesystem refused access.
@@ -103,6 +105,13 @@ class FsspecSource(RemoteSource):
             + option_secrets(storage_options)
         )
         failure: Exception | None = None
+        if storage_options.get("compression"):
+            # fsspec.open's keyword, which filesystems ignore: the compressed bytes were read
+            # as the file's (a header "too large" by a garbage length prefix).
+            raise ValueError(
+                f"cannot read a file with compression={storage_options['compression']!r} by"
+                " range; decompress the file first, or open it without compression"
+            )
         if fs is not None:
             path = str(target)
         elif isinstance(target, str):
@@ -346,14 +355,16 @@ def _default_cat_file(fs: Any) -> bool:
 
 #: Filesystems (and their subclasses) known to serve ``cat_file`` calls from several threads at
 #: once: each call opens a file of its own (local files, zip members: zipfile locks the archive
-#: around each seek and read), reads an immutable buffer (memory), or runs on the filesystem's
-#: event loop (every asynchronous one: HTTP, S3, GCS, Azure...).
+#: around each seek and read; the Hugging Face Hub's, each ranged read a request of its own
+#: through one thread-safe httpx client), reads an immutable buffer (memory), or runs on the
+#: filesystem's event loop (every asynchronous one: HTTP, S3, GCS, Azure...).
 _OVERLAPPING_READS: Final = frozenset(
     {
         "fsspec.asyn.AsyncFileSystem",
         "fsspec.implementations.local.LocalFileSystem",
         "fsspec.implementations.memory.MemoryFileSystem",
         "fsspec.implementations.zip.ZipFileSystem",
+        "huggingface_hub.hf_file_system.HfFileSystem",
     }
 )
 #: Asynchronous filesystems that read through another filesystem (named by the attribute),

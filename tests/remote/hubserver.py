@@ -15,6 +15,7 @@ import http.server
 import json
 import re
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -34,6 +35,12 @@ class HubServer:
         self._repos: dict[tuple[str, str], dict[str, bytes]] = {}
         self.downloads: list[Download] = []
         self.api_calls: list[str] = []
+        #: Seconds each download waits before it is answered (a distant server).
+        self.delay = 0.0
+        #: Downloads being answered now, and the most there were at once.
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._lock = threading.Lock()
         hub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -136,9 +143,18 @@ class HubServer:
                 status, first, last = 206, int(start), min(int(end or last), last)
                 headers += (("Content-Range", f"bytes {first}-{last}/{len(data)}"),)
             piece = data[first : last + 1]
-            if handler.command != "HEAD":
-                self.downloads.append(Download(path, asked_range, status, len(piece)))
-            return self._send(handler, status, piece, headers)
+            with self._lock:
+                self.in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
+                if handler.command != "HEAD":
+                    self.downloads.append(Download(path, asked_range, status, len(piece)))
+            try:
+                if self.delay:
+                    time.sleep(self.delay)
+                return self._send(handler, status, piece, headers)
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
         return self._missing(handler, "NotFound")
 
     @staticmethod

@@ -616,3 +616,36 @@ def test_opening_a_file_takes_the_filesystems_turn_too(tmp_path: Path) -> None:
         stop.set()
         reader.join()
     assert overlaps == []
+
+
+def test_an_fsspec_openfile_opens_like_its_url(tmp_path: Path) -> None:
+    # safe_open and load_file refused it ("expected str, bytes or os.PathLike object, not
+    # OpenFile"), and a compression storage option read the compressed bytes as the file's
+    # (a header "too large" by a garbage length prefix).
+    import gzip
+
+    import fsspec
+    import numpy as np
+
+    from pysafetensors import safe_open
+    from pysafetensors.numpy import load_file, save
+
+    data = save({"a": np.arange(6, dtype=np.float32)})
+    (tmp_path / "m.safetensors").write_bytes(data)
+    (tmp_path / "m.safetensors.gz").write_bytes(gzip.compress(data))
+    with safe_open(fsspec.open(str(tmp_path / "m.safetensors")), "np") as f:
+        assert np.array_equal(f.get_tensor("a"), np.arange(6, dtype=np.float32))
+    loaded = load_file(fsspec.open(f"file://{tmp_path / 'm.safetensors'}"))
+    assert np.array_equal(loaded["a"], np.arange(6, dtype=np.float32))
+    with pytest.raises(ValueError, match="compression='gzip' by range"):
+        safe_open(fsspec.open(str(tmp_path / "m.safetensors.gz"), compression="gzip"), "np")
+    with pytest.raises(ValueError, match="compression='gzip' by range"):
+        safe_open(
+            f"file://{tmp_path / 'm.safetensors.gz'}", "np", storage_options={"compression": "gzip"}
+        )
+    # An opened one is a file object, read through its own read: decompressed.
+    with (
+        fsspec.open(str(tmp_path / "m.safetensors.gz"), compression="gzip") as fh,
+        safe_open(fh, "np") as f,
+    ):
+        assert np.array_equal(f.get_tensor("a"), np.arange(6, dtype=np.float32))

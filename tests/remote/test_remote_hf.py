@@ -137,3 +137,45 @@ def test_a_folder_url_opens_the_sharded_checkpoint(hub: HubServer, tmp_path: Any
     with safe_open("hf://org/sharded/", "np", storage_options=_options(hub)) as f:
         assert sorted(f.keys()) == sorted(TENSORS)
         assert np.array_equal(f.get_tensor("layer11"), TENSORS["layer11"])
+
+
+def test_parts_of_a_read_go_at_once_and_threads_read_right(hub: HubServer) -> None:
+    # HfFileSystem opens a file of its own for each ranged read and sends it through a shared
+    # httpx client: reads may overlap (they went one at a time, like tar:// and ftp://).
+    import random
+    import threading
+    import time
+
+    rng = np.random.default_rng(5)
+    tensors = {f"t{i:02d}": rng.integers(0, 2**31, (64, 1024), dtype=np.int32) for i in range(16)}
+    hub.add("org/parallel", "main", {"model.safetensors": save(tensors)})
+    url = "hf://org/parallel/model.safetensors"
+    options = {**_options(hub), "part_size": 256 << 10}
+    hub.delay = 0.02  # a distant server: parts in flight together show
+    try:
+        loaded = load_file(url, storage_options=options)
+        assert hub.most_in_flight > 1
+        for name, value in tensors.items():
+            assert np.array_equal(loaded[name], value), name
+        wrong: list[tuple[str, int, int]] = []
+        with safe_open(url, "np", storage_options=options) as f:
+
+            def reader(seed: int) -> None:
+                r = random.Random(seed)
+                for _ in range(20):
+                    name = f"t{r.randrange(16):02d}"
+                    a = r.randrange(64)
+                    b = r.randrange(a, 64) + 1
+                    if not np.array_equal(f.get_slice(name)[a:b], tensors[name][a:b]):
+                        wrong.append((name, a, b))
+
+            threads = [threading.Thread(target=reader, args=(s,)) for s in range(8)]
+            start = time.monotonic()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert time.monotonic() - start < 60
+        assert not wrong
+    finally:
+        hub.delay = 0.0
