@@ -176,8 +176,14 @@ def _is_fileobj(obj: Any) -> bool:
 
 def _is_fsspec_openfile(obj: Any) -> bool:
     """An ``fsspec.open(...)`` result (``fsspec.core.OpenFile``): a file system and a path,
-    not yet a file; read by range through fsspec like its URL."""
-    return hasattr(obj, "fs") and hasattr(obj, "path") and not _is_fileobj(obj)
+    not yet a file; read by range through fsspec like its URL. (A path object that also has
+    both, a local ``upath.UPath``, stays a path: mapped, not read through fsspec.)"""
+    return (
+        hasattr(obj, "fs")
+        and hasattr(obj, "path")
+        and not _is_fileobj(obj)
+        and not isinstance(obj, (str, bytes, os.PathLike))
+    )
 
 
 def _is_sharded_target(filename: Any) -> bool:
