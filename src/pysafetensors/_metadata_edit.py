@@ -67,10 +67,11 @@ from ._format import (
     parse_header,
     top_level_members,
 )
+from ._interrupts import interrupts_deferred
 from ._reader import read_header
 from ._reshard import copy_range
 from ._sources import PreadSource, check_regular
-from ._writer import atomic_output, interrupts_deferred, pwrite_all
+from ._writer import atomic_output, pwrite_all
 
 __all__ = ["LockTimeoutError", "edit_metadata"]
 

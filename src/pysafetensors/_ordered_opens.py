@@ -16,6 +16,8 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final, TypeVar
 
+from ._interrupts import interrupts_deferred
+
 __all__ = ["OPEN_AHEAD", "ahead_for", "in_order", "submit_or_run"]
 
 _T = TypeVar("_T")
@@ -91,9 +93,11 @@ def in_order(
 
 def submit_or_run(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], item: _T) -> Future[_R]:
     """``fn(item)`` on ``pool``; here and now once the interpreter is shutting down (a thread
-    still loading after the main thread returned), when pools take no more work."""
+    still loading after the main thread returned), when pools take no more work. A Ctrl-C is
+    held over the submit (see ``_reader_pool._submit``)."""
     try:
-        return pool.submit(fn, item)
+        with interrupts_deferred():
+            return pool.submit(fn, item)
     except RuntimeError:
         return _done(fn, item)
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from ._dtypes import DType
 from ._format import gc_paused
+from ._interrupts import redeliver_interrupt
 from ._syscalls import madvise
 
 __all__ = ["RELEASE_BUFFER_MIN", "RELEASE_MIN", "can_release", "releasing_view", "tensors_over"]
@@ -78,9 +79,17 @@ def releasing_view(buf: np.ndarray, begin: int, end: int) -> np.ndarray:
 
 def _release(buf: np.ndarray, address: int, length: int) -> None:
     """Hand back ``length`` bytes of pages at ``address``, inside ``buf`` (held alive here
-    until then). A refusal leaves the memory with the buffer, as before."""
-    if madvise is not None:
-        madvise(address, length, _MADV_DONTNEED)
+    until then). A refusal leaves the memory with the buffer, as before.
+
+    A finalizer: a Ctrl-C that comes during the call (``madvise`` of a large tensor's pages
+    takes a while, without the GIL) would be printed and dropped by Python, and the program
+    would go on; it is handed on to the main thread instead (:func:`redeliver_interrupt`).
+    """
+    try:
+        if madvise is not None:
+            madvise(address, length, _MADV_DONTNEED)
+    except KeyboardInterrupt:
+        redeliver_interrupt()
 
 
 def tensors_over(

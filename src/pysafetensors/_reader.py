@@ -45,6 +45,7 @@ from ._format import (
     parse_header_length,
 )
 from ._fresh_memory import empty_bytes
+from ._interrupts import redeliver_interrupt
 from ._page_release import tensors_over
 from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
 from ._read_targets import check_targets, device_bytes, writable_bytes
@@ -484,9 +485,16 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
 
     def __del__(self) -> None:
         # Never raise from a finalizer; try/except, not contextlib.suppress, because at
-        # interpreter exit this module's globals may already be gone.
+        # interpreter exit this module's globals may already be gone. A Ctrl-C, which Python
+        # would drop here, goes to the main thread again (redeliver_interrupt).
         try:  # noqa: SIM105
             self.close()
+        except KeyboardInterrupt:
+            try:
+                redeliver_interrupt()
+                self.close()
+            except Exception:  # noqa: BLE001, S110
+                pass
         except Exception:  # noqa: BLE001, S110
             pass
 
@@ -1621,6 +1629,12 @@ class _SliceHold:
         if lease is not None:
             try:  # noqa: SIM105 - never raise from a finalizer (nor need a global at exit)
                 lease.release()
+            except KeyboardInterrupt:
+                try:  # to the main thread again (see safe_open.__del__); the hold still goes
+                    redeliver_interrupt()
+                    lease.release()
+                except Exception:  # noqa: BLE001, S110
+                    pass
             except Exception:  # noqa: BLE001, S110
                 pass
 

@@ -14,6 +14,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Final, TypeVar
 
 from . import tuning
+from ._interrupts import interrupts_deferred
 from .tuning import MAX_READ_THREADS
 
 __all__ = [
@@ -57,11 +58,13 @@ def _submit(task: Callable[[], None], copies: int, futures: list[Future[None]]) 
     submitted (so that the caller knows which started when a later one fails). Submitting under
     the lock: a pool being replaced is never handed out, so nothing is submitted to one that
     was shut down. A read started meanwhile on this thread (a signal handler's) runs inline:
-    it would wait for the lock for ever."""
+    it would wait for the lock for ever. A Ctrl-C is held until every copy is submitted:
+    raised inside ``submit`` (in its ``Semaphore``, a lock written in Python) it left that
+    lock held, and every later read, and the interpreter's exit, waited for it for ever."""
     global _POOL, _POOL_SIZE
     _WORKER.submitting = True
     try:
-        with _POOLS_LOCK:
+        with interrupts_deferred(), _POOLS_LOCK:
             if _POOL is None or copies > _POOL_SIZE:
                 old = _POOL
                 _POOL = ThreadPoolExecutor(

@@ -23,6 +23,7 @@ from ._errors import (
     ClosedFileError,
     RemoteError,
 )
+from ._interrupts import interrupts_deferred
 from ._remote_read_ahead import DEFAULT_READ_AHEAD, ReadAhead, may_wait_here
 from ._remote_urls import quotes_secret, scrubbed
 from ._sources import check_range
@@ -797,9 +798,12 @@ class _Workers:
         else:
             futures = []
             try:
-                pool = self._executor()
-                for _ in range(count):
-                    futures.append(pool.submit(worker))
+                # A Ctrl-C held until all are submitted (see _reader_pool._submit): raised
+                # inside submit, it could leave the shared pool's semaphore locked for good.
+                with interrupts_deferred():
+                    pool = self._executor()
+                    for _ in range(count):
+                        futures.append(pool.submit(worker))
             except RuntimeError:
                 # The interpreter is shutting down (a thread still reading after the main
                 # thread returned): the pool takes no more work, so this thread reads the rest.

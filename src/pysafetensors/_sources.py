@@ -42,6 +42,7 @@ from ._fresh_memory import (
     empty_bytes,
     huge_region,
 )
+from ._interrupts import redeliver_interrupt
 from ._reader_pool import default_threads, run_parallel, worker_count
 from ._residency import mapped_mostly_uncached, mostly_uncached, read_ahead
 from ._syscalls import MAP_FIXED, MAP_NORESERVE, libc_mmap, madvise, mincore
@@ -626,6 +627,14 @@ class PreadSource:
         # a finalizer (nor need a module global: at exit they may be gone).
         try:  # noqa: SIM105
             self.close()
+        except KeyboardInterrupt:
+            # Python drops what a finalizer raises: the Ctrl-C goes to the main thread again,
+            # and the descriptor is still closed (the interrupt may have cut close short).
+            try:
+                redeliver_interrupt()
+                self.close()
+            except Exception:  # noqa: BLE001, S110
+                pass
         except Exception:  # noqa: BLE001, S110
             pass
 
@@ -837,9 +846,16 @@ class MmapSource:
             os.close(fd)
 
     def __del__(self) -> None:
-        # Never raise from a finalizer (nor need a module global: at exit they may be gone).
+        # Never raise from a finalizer (nor need a module global: at exit they may be gone);
+        # a Ctrl-C goes to the main thread again (see PreadSource.__del__).
         try:  # noqa: SIM105
             self.close()
+        except KeyboardInterrupt:
+            try:
+                redeliver_interrupt()
+                self.close()
+            except Exception:  # noqa: BLE001, S110
+                pass
         except Exception:  # noqa: BLE001, S110
             pass
 

@@ -44,6 +44,7 @@ from ._errors import (
     write_error,
 )
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, TensorInfo
+from ._interrupts import redeliver_interrupt
 from ._layout import Layout, build_layout, check_metadata
 from ._representable import MAX_NDIM
 from ._sharding import (
@@ -770,6 +771,14 @@ class StreamingWriter:
         try:
             if getattr(self, "_pid", None) == os.getpid():
                 self.abort()
+        except KeyboardInterrupt:
+            # Python drops what a finalizer raises: the Ctrl-C goes to the main thread again,
+            # and the abort, which it may have cut short, runs again (its temporary file).
+            try:
+                redeliver_interrupt()
+                self.abort()
+            except Exception:  # noqa: BLE001, S110
+                pass
         except Exception:  # noqa: BLE001, S110
             pass
 
@@ -1242,6 +1251,12 @@ class ShardedStreamingWriter:
         try:
             if getattr(self, "_pid", None) == os.getpid() and not self._closed:
                 self.abort()
+        except KeyboardInterrupt:
+            try:  # as StreamingWriter's
+                redeliver_interrupt()
+                self.abort()
+            except Exception:  # noqa: BLE001, S110
+                pass
         except Exception:  # noqa: BLE001, S110
             pass
 

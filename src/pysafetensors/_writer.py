@@ -22,7 +22,6 @@ import hashlib
 import os
 import re
 import secrets
-import signal
 import stat
 import threading
 import time
@@ -48,6 +47,7 @@ from ._errors import (
     write_error,
 )
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, gc_paused
+from ._interrupts import interrupts_deferred
 from ._layout import Layout, build_layout
 from ._syscalls import SYNC_FILE_RANGE_WRITE, sync_file_range
 
@@ -547,48 +547,6 @@ def atomic_output(
         if isinstance(exc, SafetensorError):  # remote sources' errors, already ours
             raise
         raise write_error(exc, target) from exc
-
-
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) that comes during the block until its end, then raise it.
-
-    A save's clean-up (closing and deleting its temporary file) runs after a first Ctrl-C;
-    a second one landing in it raised KeyboardInterrupt between two of its steps and left
-    the file behind. Only in the main thread (the only one KeyboardInterrupt reaches, and
-    the only one that may set a handler), and only over Python's own handler: a program's
-    handler of its own is left alone.
-    """
-    try:
-        deferring = (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        )
-    except Exception:  # noqa: BLE001 - at interpreter exit (modules torn down): no deferral
-        deferring = False
-    if not deferring:
-        yield
-        return
-    pending: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        # signal.signal runs the handlers of signals that arrived meanwhile first, and when
-        # one of them raises (another signal's, say SIGALRM's), it raises before setting the
-        # handler: retried until it is set, so that Python's handler is back for good, and
-        # that exception raised after.
-        error: BaseException | None = None
-        while True:
-            try:
-                signal.signal(signal.SIGINT, previous)
-                break
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                error = exc
-        if error is not None:
-            raise error
-        if pending:
-            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

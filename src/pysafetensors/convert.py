@@ -64,6 +64,7 @@ from ._errors import (
     write_error,
 )
 from ._format import N_LEN, parse_header, parse_header_length
+from ._interrupts import interrupts_deferred
 from ._mapped_pages import drop_mapped_pages, file_mappings
 from ._sharding import remove_stale_files
 from ._sources import check_regular, open_regular_file
@@ -932,9 +933,10 @@ def _run_jobs(
             if progress is not None:
                 progress(os.path.basename(s), i + 1, len(jobs))
         return results
-    futures: list[Future[ConversionReport]] = [
-        executor.submit(convert_file, s, d, **kwargs) for s, d in jobs
-    ]
+    with interrupts_deferred():  # a Ctrl-C inside submit could leave its lock held for good
+        futures: list[Future[ConversionReport]] = [
+            executor.submit(convert_file, s, d, **kwargs) for s, d in jobs
+        ]
     try:
         for i, fut in enumerate(futures):
             try:

@@ -45,6 +45,7 @@ import numpy as np
 
 from ._errors import SafetensorError, add_note
 from ._format import MAX_HEADER_SIZE, gc_paused
+from ._interrupts import interrupts_deferred
 from ._reader import safe_open
 from ._slicing import Part
 from ._validate import Problem, validate
@@ -658,7 +659,8 @@ def map_files(
     items = list(paths)
     if executor is None:
         return [_call_noting(fn, item) for item in items]
-    futures: list[Future[_R]] = [executor.submit(fn, item) for item in items]
+    with interrupts_deferred():  # a Ctrl-C inside submit could leave its lock held for good
+        futures: list[Future[_R]] = [executor.submit(fn, item) for item in items]
     results: list[_R] = []
     try:
         for item, future in zip(items, futures, strict=True):

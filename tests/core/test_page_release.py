@@ -217,3 +217,35 @@ def test_tensors_stay_readable_in_exit_handlers(model, tmp_path: Path) -> None:
     import hashlib
 
     assert out == [hashlib.sha256(expected["head"].tobytes()).hexdigest()]
+
+
+def test_a_ctrl_c_while_pages_go_back_reaches_the_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor's pages go back in a finalizer, whose exceptions Python prints and drops: a
+    Ctrl-C during that madvise (a large tensor's takes a while) did not stop the program."""
+    import signal
+    import time
+
+    from pysafetensors import _page_release
+
+    calls: list[int] = []
+
+    def interrupted_madvise(address: int, length: int, advice: int) -> int:
+        calls.append(length)
+        signal.raise_signal(signal.SIGINT)  # the Ctrl-C comes during the call
+        return 0
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(_page_release, "madvise", interrupted_madvise)
+        buf = np.zeros(4 << 20, np.uint8)
+        view = _page_release.releasing_view(buf, 0, 2 << 20)
+        with pytest.raises(KeyboardInterrupt):
+            del view
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert calls
+    finally:
+        signal.signal(signal.SIGINT, previous)

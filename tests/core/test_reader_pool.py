@@ -691,3 +691,70 @@ def test_numpy_loads_of_a_mapped_file_are_read_in_parallel(
         with pytest.raises(SafetensorError, match="was truncated") as info:
             f.get_tensors()
     assert info.value.kind == "FileTruncated"
+
+
+@pytest.mark.usefixtures("_sigint_raises")
+def test_a_ctrl_c_inside_submit_is_raised_once_every_worker_is_submitted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C raised inside ThreadPoolExecutor.submit (its Semaphore, a lock written in
+    Python) could leave that lock held: every later read of the shared pool, and the
+    interpreter's exit, then waited for ever. It is now held until the submits are done."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    submitted: list[Any] = []
+
+    class Signalling(ThreadPoolExecutor):
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            if not submitted:
+                signal.raise_signal(signal.SIGINT)  # arrives inside submit, as Ctrl-C may
+            future = super().submit(*args, **kwargs)
+            submitted.append(future)
+            return future
+
+    monkeypatch.setattr(_reader_pool, "ThreadPoolExecutor", Signalling)
+    monkeypatch.setattr(_reader_pool, "_POOL", None)
+    monkeypatch.setattr(_reader_pool, "_POOL_SIZE", 0)
+    done: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_parallel(done.append, range(100), 4)
+    assert len(submitted) == 4
+    again: list[int] = []
+    run_parallel(again.append, range(10), 4)  # the pool still works
+    assert sorted(again) == list(range(10))
+
+
+@pytest.mark.usefixtures("_sigint_raises")
+def test_a_ctrl_c_while_a_dropped_source_closes_reaches_the_program(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python drops what a finalizer raises: a Ctrl-C during a dropped source's close was
+    lost (the program went on) and could leave its descriptor open."""
+    import signal
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, str(path))
+    source = PreadSource(os.open(path, os.O_RDONLY), str(path))
+    fd = source.fd
+    real_close = PreadSource.close
+    target = id(source)
+    calls: list[int] = []
+
+    def interrupted_close(self: PreadSource) -> None:
+        if id(self) == target:
+            calls.append(1)
+            if len(calls) == 1:
+                signal.raise_signal(signal.SIGINT)  # lands in the finalizer
+        real_close(self)
+
+    monkeypatch.setattr(PreadSource, "close", interrupted_close)
+    with pytest.raises(KeyboardInterrupt):
+        del source
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert calls == [1, 1]
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed

@@ -216,7 +216,7 @@ def test_the_interrupt_handler_comes_back_when_another_signal_s_handler_raises(
             raise Alarm
         return real(signum, handler)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(writer.signal, "signal", flaky)
+    monkeypatch.setattr(signal, "signal", flaky)
     with pytest.raises(Alarm), writer.interrupts_deferred():
         pass
     monkeypatch.undo()

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from .._interrupts import interrupts_deferred
 from .._validate import iter_tensor_chunks
 from ._common import (
     CHUNK_BYTES,
@@ -108,7 +109,8 @@ def _hash_model(
                 if buf.size >= _TWO_THREADS_FROM:
                     # Both digests of a large chunk at once: each is one core's work (about
                     # 1.4 GB/s for SHA-256 here), and the chunk is hashed twice.
-                    other = helper.submit(tensor_h.update, buf.data)
+                    with interrupts_deferred():  # see _reader_pool._submit
+                        other = helper.submit(tensor_h.update, buf.data)
                     file_h.update(buf.data)
                     other.result()
                 else:
