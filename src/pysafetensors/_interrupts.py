@@ -15,7 +15,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["interrupts_deferred", "redeliver_interrupt"]
+__all__ = ["ClosedWhenDropped", "interrupts_deferred", "redeliver_interrupt"]
 
 
 @contextlib.contextmanager
@@ -74,3 +74,32 @@ def redeliver_interrupt() -> None:
     # At interpreter exit no thread starts: nothing to do then.
     with contextlib.suppress(Exception):
         threading.Timer(0.002, signal.pthread_kill, (main.ident, signal.SIGINT)).start()
+
+
+class ClosedWhenDropped:
+    """A ``__del__`` that calls ``self.close()``: a handle or source dropped unclosed (or never
+    handed over, a ``KeyboardInterrupt`` coming between its creation and the hand-off) still
+    closes its descriptor.
+
+    It never raises (Python would print it and drop it), and needs no module global on its
+    usual path (at interpreter exit they may be gone). A Ctrl-C that comes during the close
+    goes to the main thread again (:func:`redeliver_interrupt`) and the close is run again,
+    since the interrupt may have cut it short.
+    """
+
+    __slots__ = ()
+
+    def close(self) -> None:  # pragma: no cover - each class has its own
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        try:  # noqa: SIM105
+            self.close()
+        except KeyboardInterrupt:
+            try:
+                redeliver_interrupt()
+                self.close()
+            except Exception:  # noqa: BLE001, S110
+                pass
+        except Exception:  # noqa: BLE001, S110
+            pass

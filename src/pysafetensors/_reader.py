@@ -45,7 +45,7 @@ from ._format import (
     parse_header_length,
 )
 from ._fresh_memory import empty_bytes
-from ._interrupts import redeliver_interrupt
+from ._interrupts import ClosedWhenDropped, redeliver_interrupt
 from ._page_release import tensors_over
 from ._range_reads import lay_out_runs, read_pieces_into, read_ranges_into, read_runs_fresh
 from ._read_targets import check_targets, device_bytes, writable_bytes
@@ -333,7 +333,7 @@ def _new_arguments(
 _new_arguments.__qualname__ = "safe_open.__new__"
 
 
-class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
+class safe_open(HandleBehaviour, ClosedWhenDropped):  # noqa: N801 - the reference's name
     """Open a safetensors file lazily: the header now, tensors when asked for.
 
     Args:
@@ -482,21 +482,6 @@ class safe_open(HandleBehaviour):  # noqa: N801 - the reference's name
             # slice keeps it, else with the last slice.
             self._slice_hold = None
             self._lease.close()
-
-    def __del__(self) -> None:
-        # Never raise from a finalizer; try/except, not contextlib.suppress, because at
-        # interpreter exit this module's globals may already be gone. A Ctrl-C, which Python
-        # would drop here, goes to the main thread again (redeliver_interrupt).
-        try:  # noqa: SIM105
-            self.close()
-        except KeyboardInterrupt:
-            try:
-                redeliver_interrupt()
-                self.close()
-            except Exception:  # noqa: BLE001, S110
-                pass
-        except Exception:  # noqa: BLE001, S110
-            pass
 
     def _live(self) -> ByteSource:
         source = self._source

@@ -47,7 +47,7 @@ from ._errors import (
 )
 from ._file_pool import MIN_OPEN, descriptor_budget, file_identity
 from ._format import MAX_HEADER_SIZE, TensorInfo, check_max_header_size
-from ._interrupts import redeliver_interrupt
+from ._interrupts import ClosedWhenDropped
 from ._ordered_opens import ahead_for, in_order
 from ._read_targets import check_targets, device_bytes, writable_bytes
 from ._reader import (
@@ -508,7 +508,7 @@ def _tensors_by_shard(weight_map: Mapping[str, str]) -> dict[str, list[str]]:
     return by_shard
 
 
-class ShardedSafeOpen(HandleBehaviour):
+class ShardedSafeOpen(HandleBehaviour, ClosedWhenDropped):
     """A sharded checkpoint opened as one file: the same methods as :class:`safe_open`.
 
     Args:
@@ -651,20 +651,6 @@ class ShardedSafeOpen(HandleBehaviour):
             handles, self._handles = self._handles, {}
         for handle in handles.values():
             handle.close()
-
-    def __del__(self) -> None:
-        # Never raise from a finalizer (nor need a module global: at exit they may be gone);
-        # a Ctrl-C goes to the main thread again (see safe_open.__del__).
-        try:  # noqa: SIM105
-            self.close()
-        except KeyboardInterrupt:
-            try:
-                redeliver_interrupt()
-                self.close()
-            except Exception:  # noqa: BLE001, S110
-                pass
-        except Exception:  # noqa: BLE001, S110
-            pass
 
     def _live(self) -> None:
         if self._closed:

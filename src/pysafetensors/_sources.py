@@ -42,7 +42,7 @@ from ._fresh_memory import (
     empty_bytes,
     huge_region,
 )
-from ._interrupts import redeliver_interrupt
+from ._interrupts import ClosedWhenDropped
 from ._reader_pool import default_threads, run_parallel, worker_count
 from ._residency import mapped_mostly_uncached, mostly_uncached, read_ahead
 from ._syscalls import MAP_FIXED, MAP_NORESERVE, libc_mmap, madvise, mincore
@@ -419,7 +419,7 @@ class Shared(Generic[_T]):
             self._on_close(self._value)
 
 
-class PreadSource:
+class PreadSource(ClosedWhenDropped):
     """Positioned reads from a file descriptor into caller memory.
 
     Attributes:
@@ -621,23 +621,6 @@ class PreadSource:
             os.close(fd)
         self._fd = -1
 
-    def __del__(self) -> None:
-        # A source its owner never took over (a KeyboardInterrupt between its creation and the
-        # hand-off, or a handle dropped unclosed) still closes its descriptor. Never raise from
-        # a finalizer (nor need a module global: at exit they may be gone).
-        try:  # noqa: SIM105
-            self.close()
-        except KeyboardInterrupt:
-            # Python drops what a finalizer raises: the Ctrl-C goes to the main thread again,
-            # and the descriptor is still closed (the interrupt may have cut close short).
-            try:
-                redeliver_interrupt()
-                self.close()
-            except Exception:  # noqa: BLE001, S110
-                pass
-        except Exception:  # noqa: BLE001, S110
-            pass
-
 
 class PrefetchSupport:
     """Whether the kernel lets :meth:`MmapSource.prefetch` populate ranges (switched off for
@@ -646,7 +629,7 @@ class PrefetchSupport:
     enabled: bool = hasattr(mmap.mmap, "madvise") and mincore is not None
 
 
-class MmapSource:
+class MmapSource(ClosedWhenDropped):
     """A private (copy-on-write) memory map of a whole file.
 
     Views are writable; writes stay in this process. If the file is truncated while mapped,
@@ -844,20 +827,6 @@ class MmapSource:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
-
-    def __del__(self) -> None:
-        # Never raise from a finalizer (nor need a module global: at exit they may be gone);
-        # a Ctrl-C goes to the main thread again (see PreadSource.__del__).
-        try:  # noqa: SIM105
-            self.close()
-        except KeyboardInterrupt:
-            try:
-                redeliver_interrupt()
-                self.close()
-            except Exception:  # noqa: BLE001, S110
-                pass
-        except Exception:  # noqa: BLE001, S110
-            pass
 
 
 class FileObjSource:
