@@ -283,6 +283,9 @@ def test_more_dimensions_than_paddle_holds_are_refused_naming_the_tensor(
         assert info.value.kind == "TooManyDimensions"
         # A slice of fewer dimensions is a tensor Paddle holds.
         assert f.get_slice("deep")[0].tolist() == [[[[[[[[[0, 1, 2, 3, 4, 5]]]]]]]]]
+        # An index with None adding a dimension back (Paddle's OSError too).
+        with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions; paddle"):
+            f.get_slice("deep")[0, None]
     with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions"):
         ppaddle.load_file(path, backend=backend)
     with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions"):
