@@ -77,14 +77,15 @@ def redeliver_interrupt() -> None:
 
 
 class ClosedWhenDropped:
-    """A ``__del__`` that calls ``self.close()``: a handle or source dropped unclosed (or never
-    handed over, a ``KeyboardInterrupt`` coming between its creation and the hand-off) still
-    closes its descriptor.
+    """A ``__del__`` that runs :meth:`_on_drop`, by default ``self.close()``: a handle or
+    source dropped unclosed (or never handed over, a ``KeyboardInterrupt`` coming between its
+    creation and the hand-off) still closes its descriptor; a streaming writer dropped
+    unclosed is discarded (its own ``_on_drop``: never a commit from a finalizer).
 
     It never raises (Python would print it and drop it), and needs no module global on its
-    usual path (at interpreter exit they may be gone). A Ctrl-C that comes during the close
-    goes to the main thread again (:func:`redeliver_interrupt`) and the close is run again,
-    since the interrupt may have cut it short.
+    usual path (at interpreter exit they may be gone). A Ctrl-C that comes during it goes to
+    the main thread again (:func:`redeliver_interrupt`) and :meth:`_on_drop` is run again,
+    since the interrupt may have cut it short: it must be safe to run twice.
     """
 
     __slots__ = ()
@@ -92,13 +93,16 @@ class ClosedWhenDropped:
     def close(self) -> None:  # pragma: no cover - each class has its own
         raise NotImplementedError
 
+    def _on_drop(self) -> None:
+        self.close()
+
     def __del__(self) -> None:
         try:  # noqa: SIM105
-            self.close()
+            self._on_drop()
         except KeyboardInterrupt:
             try:
                 redeliver_interrupt()
-                self.close()
+                self._on_drop()
             except Exception:  # noqa: BLE001, S110
                 pass
         except Exception:  # noqa: BLE001, S110

@@ -1617,9 +1617,12 @@ class _SliceHold:
             try:  # noqa: SIM105 - never raise from a finalizer (nor need a global at exit)
                 lease.release()
             except KeyboardInterrupt:
-                try:  # to the main thread again (see safe_open.__del__); the hold still goes
+                # To the main thread again (as ClosedWhenDropped does), but the release is not
+                # run twice: cut short after its count went down, a second would count a hold
+                # that is not there, and the file could close under a read in flight. A hold
+                # left behind keeps the file open, which is safe.
+                try:  # noqa: SIM105
                     redeliver_interrupt()
-                    lease.release()
                 except Exception:  # noqa: BLE001, S110
                     pass
             except Exception:  # noqa: BLE001, S110

@@ -44,7 +44,7 @@ from ._errors import (
     write_error,
 )
 from ._format import MAX_HEADER_SIZE, SERIALIZE_PREFIX, TensorInfo
-from ._interrupts import redeliver_interrupt
+from ._interrupts import ClosedWhenDropped
 from ._layout import Layout, build_layout, check_metadata
 from ._representable import MAX_NDIM
 from ._sharding import (
@@ -356,7 +356,7 @@ def _offset(name: str, offset: Any) -> int:
         ) from None
 
 
-class StreamingWriter:
+class StreamingWriter(ClosedWhenDropped):
     """Write one safetensors file tensor by tensor, chunk by chunk, in any order.
 
     Args:
@@ -764,23 +764,11 @@ class StreamingWriter:
             self.abort()
             raise
 
-    def __del__(self) -> None:
-        # Never commit from a finalizer: an unclosed writer is an abandoned one. (try/except:
-        # at interpreter exit this module's globals, contextlib among them, may be gone.) A
-        # forked child's copy leaves the parent's temporary file alone.
-        try:
-            if getattr(self, "_pid", None) == os.getpid():
-                self.abort()
-        except KeyboardInterrupt:
-            # Python drops what a finalizer raises: the Ctrl-C goes to the main thread again,
-            # and the abort, which it may have cut short, runs again (its temporary file).
-            try:
-                redeliver_interrupt()
-                self.abort()
-            except Exception:  # noqa: BLE001, S110
-                pass
-        except Exception:  # noqa: BLE001, S110
-            pass
+    def _on_drop(self) -> None:
+        # Never commit from a finalizer: an unclosed writer is an abandoned one (abort() may
+        # run twice). A forked child's copy leaves the parent's temporary file alone.
+        if getattr(self, "_pid", None) == os.getpid():
+            self.abort()
 
 
 def _closed_error(where: str, state: str, name: Any) -> ClosedFileError:
@@ -883,7 +871,7 @@ def _missing_folders(folder: str) -> list[str]:
     return missing
 
 
-class ShardedStreamingWriter:
+class ShardedStreamingWriter(ClosedWhenDropped):
     """Stream a sharded checkpoint: shards planned up front, one writer each, index last.
 
     The split is the hub's (greedy in declaration order; see :mod:`pysafetensors._sharding`),
@@ -1244,21 +1232,12 @@ class ShardedStreamingWriter:
         if failures:
             raise failures[0]
 
-    def __del__(self) -> None:
+    def _on_drop(self) -> None:
         # As StreamingWriter's: an unclosed writer is an abandoned one. Its finished shards
         # wait in the group as temporary files (a shard's own writer is closed once its last
         # byte is written), which only this abort deletes.
-        try:
-            if getattr(self, "_pid", None) == os.getpid() and not self._closed:
-                self.abort()
-        except KeyboardInterrupt:
-            try:  # as StreamingWriter's
-                redeliver_interrupt()
-                self.abort()
-            except Exception:  # noqa: BLE001, S110
-                pass
-        except Exception:  # noqa: BLE001, S110
-            pass
+        if getattr(self, "_pid", None) == os.getpid() and not self._closed:
+            self.abort()
 
     def __enter__(self) -> ShardedStreamingWriter:
         return self
