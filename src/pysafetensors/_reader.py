@@ -435,6 +435,10 @@ class safe_open(HandleBehaviour, ClosedWhenDropped):  # noqa: N801 - the referen
         self._small_reads: str | None = None
         self._small_limit = MIN_PARALLEL_CHUNK  # bytes of the largest tensor it takes
         self._small_ndim = max_ndim(self._adapter.framework)  # shapes it takes need no check
+        # What a batched read's parts are checked against: they are numpy arrays before the
+        # adapter sees them (so numpy's byte strides), and the framework's own rank (Paddle's
+        # 9 dimensions); torch's element strides would let through what numpy refuses.
+        self._parts_framework = "np" if self._adapter.framework == "pt" else self._adapter.framework
         if self._device.type == "cpu":
             if type(source) is PreadSource or (
                 type(source) is MmapSource and getattr(self._adapter, "private_per_call", False)
@@ -899,7 +903,9 @@ class safe_open(HandleBehaviour, ClosedWhenDropped):  # noqa: N801 - the referen
                     key = (info.shape, info.dtype.code, index)  # a DType hashes in Python
                     how = part_reads.get(key)
                     if how is None:
-                        how = part_reads[key] = part_read(info, index, batching, gathers_small)
+                        how = part_reads[key] = part_read(
+                            info, index, batching, gathers_small, self._parts_framework
+                        )
                     if how[0] is not None:
                         batched.append((name, info, *how[0], index))
                         out[name] = None  # keeps the requested order
@@ -913,7 +919,9 @@ class safe_open(HandleBehaviour, ClosedWhenDropped):  # noqa: N801 - the referen
                 if batching and len(info.shape) <= MAX_NDIM:
                     plan = plan_slice(info.shape, info.dtype, index)
                     if len(plan.starts) == 1:
-                        check_representable(plan.shape, info.dtype, info.name)
+                        check_representable(
+                            plan.shape, info.dtype, info.name, framework=self._parts_framework
+                        )
                         batched.append(
                             (name, info, plan.shape, int(plan.starts[0]), plan.nbytes, index)
                         )
@@ -939,7 +947,9 @@ class safe_open(HandleBehaviour, ClosedWhenDropped):  # noqa: N801 - the referen
                     fragmented = fragmented_source() if len(plan.starts) > 1 else source
                     part = None if to_device is None else self._gather_part(info, plan, fragmented)
                     if part is not None:
-                        check_representable(plan.shape, info.dtype, info.name)
+                        check_representable(
+                            plan.shape, info.dtype, info.name, framework=self._parts_framework
+                        )
                         gathered.append((name, info, plan, part))
                         out[name] = None
                         continue
@@ -1656,7 +1666,7 @@ class SafeSlice:
             info.nbytes
             and handle._device.type == "cpu"
             and info.dtype.bits % 8 == 0
-            and 1 <= len(info.shape) <= MAX_NDIM
+            and 1 <= len(info.shape) <= handle._small_ndim  # the rank these paths keep
         ):
             rows_max = handle._rows_limit
             small_box = rows_max > 0 and info.nbytes <= _SMALL_PART and handle._small_box_ok

@@ -129,9 +129,12 @@ PartRead: TypeAlias = tuple[
 ]
 
 
-def part_read(info: TensorInfo, part: Part, batching: bool, gathers_small: bool) -> PartRead:
+def part_read(
+    info: TensorInfo, part: Part, batching: bool, gathers_small: bool, framework: str = "np"
+) -> PartRead:
     """:data:`PartRead` for ``part`` of a tensor like ``info`` (its shape and dtype decide,
-    so the answer holds for every tensor of that shape and dtype).
+    so the answer holds for every tensor of that shape and dtype), whose shape ``framework``
+    must hold.
 
     Raises:
         TensorInfoError: The part's shape cannot be held (``check_representable``), named
@@ -141,11 +144,11 @@ def part_read(info: TensorInfo, part: Part, batching: bool, gathers_small: bool)
     if len(shape) <= MAX_NDIM:
         run = part_run(shape, dtype, part) if batching else None
         if run is not None:
-            check_representable(run[0], dtype, info.name)
+            check_representable(run[0], dtype, info.name, framework=framework)
             return run, None
     selected = part_selection(shape, dtype.bits // 8, part) if gathers_small else None
     if selected is not None:
-        check_representable(selected[0], dtype, info.name)
+        check_representable(selected[0], dtype, info.name, framework=framework)
     return None, selected
 
 

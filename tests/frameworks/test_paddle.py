@@ -286,7 +286,17 @@ def test_more_dimensions_than_paddle_holds_are_refused_naming_the_tensor(
         # An index with None adding a dimension back (Paddle's OSError too).
         with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions; paddle"):
             f.get_slice("deep")[0, None]
+        # Slices keeping all ten: the short paths of row slices and boxes of small tensors.
+        for index in (slice(0, 1), (slice(None), slice(0, 2)), (slice(None),) * 10):
+            with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions; paddle"):
+                f.get_slice("deep")[index]
     with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions"):
         ppaddle.load_file(path, backend=backend)
+    # Tensor-parallel loads read their parts in batches: whole, by rows, by columns.
+    from pysafetensors.parallel import load_shard
+
+    for rule in ("replicate", "rows", "columns", 8):
+        with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions; paddle"):
+            load_shard(path, 0, 2, {"deep": rule}, framework="paddle", backend=backend)
     with pytest.raises(TensorInfoError, match="tensor `deep` has 10 dimensions"):
         ppaddle.load(path.read_bytes())
