@@ -17,7 +17,10 @@ category they belong to, so ``except ValueError`` or ``except KeyError`` catch t
     │   ├── SliceTypeError(SliceError, TypeError)         an item or bound of no index type
     │   └── SliceValueError(SliceError, ValueError)       a slice step that is not positive
     ├── SerializeError(SafetensorError, ValueError)       input that cannot be written
-    │   └── SharedTensorsError(SerializeError, RuntimeError) tensors share memory
+    │   ├── SharedTensorsError(SerializeError, RuntimeError) tensors share memory
+    │   ├── UnstorableDTypeError(SerializeError, KeyError) a dtype no safetensors code names
+    │   ├── MetaTensorError(SerializeError, NotImplementedError) a tensor with no data
+    │   └── NestedTensorError(SerializeError, RuntimeError) a torch nested tensor
     ├── UnsafePickleError(SafetensorError)                a pickle asks for a forbidden global
     ├── CheckpointError(SafetensorError, ValueError)      a checkpoint is broken or unsupported
     ├── RemoteError(SafetensorError, OSError)             a remote source misbehaved
@@ -54,6 +57,8 @@ __all__ = [
     "HeaderDecodeError",
     "HeaderError",
     "HeaderSizeError",
+    "MetaTensorError",
+    "NestedTensorError",
     "OffsetError",
     "PathArg",
     "ReadError",
@@ -69,6 +74,7 @@ __all__ = [
     "TensorInfoError",
     "TensorNotFoundError",
     "UnsafePickleError",
+    "UnstorableDTypeError",
     "WriteError",
     "add_note",
     "read_error",
@@ -282,6 +288,34 @@ class ClosedFileError(SafetensorError, ValueError):
 
 class SharedTensorsError(SerializeError, RuntimeError):
     """Raised when tensors to be saved share memory (use ``save_model`` for tied weights)."""
+
+
+# The three below keep the class the reference's save raises for the same tensor (it does not
+# check for them: the error comes from its dtype table or from torch), so that ``except``
+# clauses written for it still catch ours.
+
+
+class UnstorableDTypeError(SerializeError, KeyError):
+    """Raised when a tensor to be saved has a dtype no safetensors code names (torch's
+    ``complex128`` or quantized dtypes, Paddle's ``complex128``).
+
+    Also a ``KeyError``: the reference's torch and Paddle saves raise its dtype table's.
+    """
+
+
+class MetaTensorError(SerializeError, NotImplementedError):
+    """Raised when a torch tensor to be saved is on the ``meta`` device: it has no data.
+
+    Also a ``NotImplementedError`` (so a ``RuntimeError``), as torch raises for the
+    reference's copy of it.
+    """
+
+
+class NestedTensorError(SerializeError, RuntimeError):
+    """Raised when a torch nested tensor is to be saved (safetensors stores dense tensors).
+
+    Also a ``RuntimeError``, as torch raises when the reference asks for its shape.
+    """
 
 
 def _reduce_os_error(self: SafetensorError) -> tuple[object, ...]:

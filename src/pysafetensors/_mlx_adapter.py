@@ -19,7 +19,7 @@ import numpy as np
 from ._adapter import LazyModule, NumpyAdapter, as_array, check_cpu_device, numpy_dtype
 from ._devices import Device
 from ._dtypes import DTYPES, DType
-from ._errors import DTypeNotSupportedError, SerializeError
+from ._errors import DTypeNotSupportedError, UnstorableDTypeError
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -94,7 +94,7 @@ class MlxAdapter:
         try:
             dtype = _tables()[1][tensor.dtype]
         except KeyError:
-            raise SerializeError(
+            raise UnstorableDTypeError(
                 f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "
                 "cannot store",
                 kind="UnknownDtype",

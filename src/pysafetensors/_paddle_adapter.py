@@ -30,7 +30,13 @@ import numpy as np
 from ._adapter import LazyModule, NumpyAdapter, invalid_tensor_error, numpy_dtype
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType, dtype_from_name
-from ._errors import DeviceError, DTypeNotSupportedError, SafetensorError, SerializeError
+from ._errors import (
+    DeviceError,
+    DTypeNotSupportedError,
+    SafetensorError,
+    SerializeError,
+    UnstorableDTypeError,
+)
 from ._format import SERIALIZE_PREFIX
 from ._writer import TensorData
 
@@ -207,7 +213,7 @@ class PaddleAdapter:
         try:
             dtype = dtype_from_name(type_name)
         except SerializeError:
-            raise SerializeError(
+            raise UnstorableDTypeError(
                 f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "
                 "cannot store",
                 kind="UnknownDtype",

@@ -15,7 +15,15 @@ import torch
 from ._adapter import copied_slabs, invalid_tensor_error, slabs_reused
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
-from ._errors import DeviceError, DTypeNotSupportedError, SerializeError, SliceError
+from ._errors import (
+    DeviceError,
+    DTypeNotSupportedError,
+    MetaTensorError,
+    NestedTensorError,
+    SerializeError,
+    SliceError,
+    UnstorableDTypeError,
+)
 from ._format import SERIALIZE_PREFIX, gc_paused
 from ._writer import TensorData
 
@@ -511,7 +519,7 @@ class TorchAdapter:
         try:
             dtype = _FROM_TORCH[tensor.dtype]
         except KeyError:
-            raise SerializeError(
+            raise UnstorableDTypeError(
                 f"{SERIALIZE_PREFIX}tensor `{name}` has dtype {tensor.dtype}, which safetensors "
                 "cannot store",
                 kind="UnknownDtype",
@@ -527,7 +535,7 @@ class TorchAdapter:
                 tensor=name,
             )
         if tensor.is_meta:
-            raise SerializeError(
+            raise MetaTensorError(
                 f"Cannot copy out of meta tensor `{name}`; it has no data",
                 kind="MetaTensor",
                 tensor=name,
@@ -535,7 +543,7 @@ class TorchAdapter:
         if tensor.is_nested:
             # A strided nested tensor has the strided layout but no shape (torch raises
             # "NestedTensorImpl doesn't support sizes" as soon as one is asked for).
-            raise SerializeError(
+            raise NestedTensorError(
                 f"{SERIALIZE_PREFIX}tensor `{name}` is a nested tensor, which safetensors "
                 "cannot store; save its components (tensor.unbind()) instead",
                 kind="NestedTensor",

@@ -29,7 +29,7 @@ from ._api import (
 )
 from ._devices import CPU
 from ._dtypes import dtype_from_code
-from ._errors import PathArg, SerializeError, SharedTensorsError, first_five
+from ._errors import MetaTensorError, PathArg, SerializeError, SharedTensorsError, first_five
 from ._layout import check_metadata
 from ._reader import safe_open
 from ._sharded import ShardedSafeOpen, shown
@@ -269,7 +269,7 @@ def _flatten(tensors: Any) -> Mapping[str, torch.Tensor]:
     _evaluate_tensors_for_save(tensors)
     for name, tensor in tensors.items():
         if tensor.device.type == "meta":
-            raise SerializeError(
+            raise MetaTensorError(
                 f"Cannot copy out of meta tensor `{name}`; it has no data",
                 kind="MetaTensor",
                 tensor=str(name),

@@ -953,6 +953,56 @@ def test_a_strided_nested_tensor_is_refused_by_name(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.parametrize(
+    "case",
+    ["meta", "complex128", "quantized", "nested", "meta_model"],
+)
+def test_tensors_that_cannot_be_saved_raise_the_reference_s_class_too(
+    tmp_path: Path, case: str
+) -> None:
+    """The reference does not check for these: its dtype table's KeyError or torch's own
+    error comes out. Ours names the tensor and is a SerializeError, and also of the class the
+    reference raises, so that an ``except`` written for it still catches ours."""
+    if case == "meta":
+        tensor = torch.ones(2, device="meta")
+    elif case == "complex128":
+        tensor = torch.ones(2, dtype=torch.complex128)
+    elif case == "quantized":
+        tensor = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+    elif case == "nested":
+        tensor = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    calls: list[tuple[Any, Any]] = []
+    if case == "meta_model":
+        with torch.device("meta"):
+            model = torch.nn.Linear(2, 2)
+        calls.append(
+            (
+                lambda: ref_torch.save_model(model, tmp_path / "r.safetensors"),
+                lambda: ours_torch.save_model(model, tmp_path / "o.safetensors"),
+            )
+        )
+    else:
+        calls.append(
+            (lambda: ref_torch.save({"w": tensor}), lambda: ours_torch.save({"w": tensor}))
+        )
+        calls.append(
+            (
+                lambda: ref_torch.save_file({"w": tensor}, tmp_path / "r.safetensors"),
+                lambda: ours_torch.save_file({"w": tensor}, tmp_path / "o.safetensors"),
+            )
+        )
+    for theirs, mine in calls:
+        with pytest.raises(Exception) as ref_info:
+            theirs()
+        with pytest.raises(type(ref_info.value)) as info:
+            mine()
+        assert isinstance(info.value, pysafetensors.SerializeError)
+        assert info.value.tensor in ("w", "weight")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_shared_tensor_groups_come_in_the_reference_s_order() -> None:
     u, v = torch.ones(2), torch.zeros(2)
     shared = {"z1": u, "z2": u, "a1": v, "a2": v}

@@ -234,6 +234,23 @@ def test_vartype_dtypes_are_named_by_their_text() -> None:
     assert _type_name(paddle.uint16) == "uint16"  # whose str() says paddle.bfloat16
 
 
+def test_a_dtype_safetensors_cannot_store_is_also_the_reference_s_key_error() -> None:
+    import safetensors.paddle as ref_paddle
+
+    from pysafetensors import SerializeError
+
+    tensor = paddle.zeros([2], dtype="complex128")
+    with pytest.raises(KeyError):
+        ref_paddle.save({"c": tensor})
+    with pytest.raises(KeyError) as info:
+        ppaddle.save({"c": tensor})
+    assert isinstance(info.value, SerializeError) and info.value.kind == "UnknownDtype"
+    assert str(info.value) == (
+        "Error while serializing: tensor `c` has dtype paddle.complex128, which safetensors "
+        "cannot store"
+    )
+
+
 @pytest.mark.parametrize("layout", ["coo", "csr"])
 def test_sparse_tensors_are_refused_naming_the_tensor(tmp_path: Any, layout: str) -> None:
     """A sparse tensor has no memory of its own (``data_ptr()`` is None): the reference fails
