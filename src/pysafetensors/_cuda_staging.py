@@ -290,9 +290,13 @@ class TorchCudaOps:
         """
         torch = self._torch
         stack = contextlib.ExitStack()
-        if self.device.type == "cuda":
-            stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(stream))
+        try:
+            if self.device.type == "cuda":
+                stack.enter_context(torch.cuda.device(self.device))
+            stack.enter_context(torch.cuda.stream(stream))
+        except BaseException:
+            stack.close()  # the device guard entered: the thread's device put back
+            raise
         return stack
 
     def copy_async(self, host: Any, pieces: Sequence[Piece], stream: Any) -> Any:
@@ -443,8 +447,12 @@ def stage_items_to_device(
     # Set once the call stops waiting for its workers: only a second interrupt returns before
     # they all have (run_parallel), and a worker's copies queued after the final synchronize
     # would write into device buffers the caller then frees (the allocator hands them to the
-    # next allocation on the caller's stream while the copies still run).
+    # next allocation on the caller's stream while the copies still run). From then on no
+    # worker queues a copy, and those being queued (counted in ``queuing``) are waited for
+    # before that synchronize.
     abandoned = threading.Event()
+    queuing = [0]
+    queued = threading.Condition(lock)
 
     def one(number: int) -> None:
         src, _, n = chunks[number]
@@ -468,10 +476,18 @@ def stage_items_to_device(
                     ops.wait_event(stream, producer)
                     with lock:
                         used.append(stream)
-                with gc_paused():  # a slice or two per piece: thousands for tiny tensors
-                    event = ops.copy_async(host, pieces, stream)
-                if abandoned.is_set():
-                    ops.synchronize([stream])
+                with lock:
+                    go = not abandoned.is_set()
+                    if go:
+                        queuing[0] += 1
+                if go:
+                    try:
+                        with gc_paused():  # a slice or two per piece: thousands for tiny tensors
+                            event = ops.copy_async(host, pieces, stream)
+                    finally:
+                        with lock:
+                            queuing[0] -= 1
+                            queued.notify_all()
         except BaseException:
             if event is None and stream is not None:
                 # copy_async failed after queuing some copies out of the buffer: they must
@@ -490,7 +506,10 @@ def stage_items_to_device(
     finally:
         # Every copy must have landed before the pinned buffers can be freed or reused, and
         # before the tensors are used (also when a read failed half way).
-        abandoned.set()  # before the synchronize: a copy queued after it is waited for there
+        with lock:
+            abandoned.set()  # no copy is queued after this
+            while queuing[0]:
+                queued.wait()  # copies being queued, which the synchronize then waits for
         ops.synchronize(used)
         stats.host_buffers = ring.made
     return targets.buffers, stats

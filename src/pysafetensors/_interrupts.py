@@ -82,10 +82,12 @@ class ClosedWhenDropped:
     creation and the hand-off) still closes its descriptor; a streaming writer dropped
     unclosed is discarded (its own ``_on_drop``: never a commit from a finalizer).
 
-    It never raises (Python would print it and drop it), and needs no module global on its
-    usual path (at interpreter exit they may be gone). A Ctrl-C that comes during it goes to
-    the main thread again (:func:`redeliver_interrupt`) and :meth:`_on_drop` is run again,
-    since the interrupt may have cut it short: it must be safe to run twice.
+    It never raises (Python would print it and drop it). A Ctrl-C that comes during it is held
+    until :meth:`_on_drop` has returned (a close cut short between its steps, its flags set
+    and its descriptor still open, could not be finished by running it again), then goes to
+    the main thread again (:func:`redeliver_interrupt`); one that came before the hold began
+    may have cut :meth:`_on_drop` short before it started, so it is run again: it must be
+    safe to run twice.
     """
 
     __slots__ = ()
@@ -97,8 +99,16 @@ class ClosedWhenDropped:
         self.close()
 
     def __del__(self) -> None:
-        try:  # noqa: SIM105
-            self._on_drop()
+        try:
+            held: contextlib.AbstractContextManager[None] | None = interrupts_deferred()
+        except Exception:  # noqa: BLE001 - at interpreter exit, module globals may be gone
+            held = None
+        try:
+            if held is None:
+                self._on_drop()
+            else:
+                with held:
+                    self._on_drop()
         except KeyboardInterrupt:
             try:
                 redeliver_interrupt()

@@ -70,7 +70,7 @@ def in_order(
     rest = iter(items)
     try:
         for item in rest:
-            pending.append((item, submit_or_run(pool, fn, item)))
+            submit_or_run(pool, fn, item, pending)
             if len(pending) >= ahead:
                 break
         while pending:
@@ -80,7 +80,7 @@ def in_order(
             with contextlib.suppress(Exception):
                 future.exception()
             for nxt in rest:  # the next one, if any, to keep the window full
-                pending.append((nxt, submit_or_run(pool, fn, nxt)))
+                submit_or_run(pool, fn, nxt, pending)
                 break
             pending.popleft()
             yield item, future  # the caller's from here
@@ -91,15 +91,22 @@ def in_order(
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def submit_or_run(pool: ThreadPoolExecutor, fn: Callable[[_T], _R], item: _T) -> Future[_R]:
-    """``fn(item)`` on ``pool``; here and now once the interpreter is shutting down (a thread
-    still loading after the main thread returned), when pools take no more work. A Ctrl-C is
-    held over the submit (see ``_reader_pool._submit``)."""
+def submit_or_run(
+    pool: ThreadPoolExecutor,
+    fn: Callable[[_T], _R],
+    item: _T,
+    into: deque[tuple[_T, Future[_R]]],
+) -> None:
+    """Append ``(item, future of fn(item))`` to ``into``: ``fn`` runs on ``pool``, or here and
+    now once the interpreter is shutting down (a thread still loading after the main thread
+    returned), when pools take no more work. A Ctrl-C is held over the submit (see
+    ``_reader_pool._submit``) and raised once the future is in ``into``, whose owner's
+    clean-up then sees it (an open it would otherwise never close)."""
     try:
         with interrupts_deferred():
-            return pool.submit(fn, item)
+            into.append((item, pool.submit(fn, item)))
     except RuntimeError:
-        return _done(fn, item)
+        into.append((item, _done(fn, item)))
 
 
 def _discard(item: _T, discard: Callable[[_T, _R], object], future: Future[_R]) -> None:

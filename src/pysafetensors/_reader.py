@@ -175,6 +175,23 @@ def _is_fileobj(obj: Any) -> bool:
     return hasattr(obj, "read") and hasattr(obj, "seek")
 
 
+def _fileobj_name(fileobj: Any) -> str:
+    """A file object's name for messages (``<file object>`` where it has none: a spooled
+    temporary file's is None)."""
+    name = getattr(fileobj, "name", None)
+    return "<file object>" if name is None else str(name)
+
+
+def _reads_text(fileobj: Any) -> bool:
+    """Whether ``fileobj`` reads ``str``: a text file behind a wrapper that is no
+    ``io.TextIOBase`` (``tempfile.NamedTemporaryFile("w+")``, a spooled one). A read of no
+    bytes moves nothing."""
+    try:
+        return isinstance(fileobj.read(0), str)
+    except Exception:  # noqa: BLE001 - no such read: the first real read says what is wrong
+        return False
+
+
 def _is_fsspec_openfile(obj: Any) -> bool:
     """An ``fsspec.open(...)`` result (``fsspec.core.OpenFile``): a file system and a path,
     not yet a file; read by range through fsspec like its URL. (A path object that also has
@@ -219,17 +236,17 @@ def open_source_for(
     if isinstance(filename, (bytearray, memoryview)):
         return BufferSource(filename)
     if _is_fileobj(filename):
-        if isinstance(filename, io.TextIOBase):
+        if isinstance(filename, io.TextIOBase) or _reads_text(filename):
             # Its read returns text: the failure came from deep inside the first read
             # ("a bytes-like object is required, not 'str'").
             raise TypeError(
-                f"{getattr(filename, 'name', '<file object>')!s}: the file object is open in "
+                f"{_fileobj_name(filename)}: the file object is open in "
                 "text mode; open the file in binary mode ('rb')"
             )
         seekable = getattr(filename, "seekable", None)
         if seekable is not None and not seekable():
             raise io.UnsupportedOperation(
-                f"{getattr(filename, 'name', '<file object>')!s}: the file object cannot seek"
+                f"{_fileobj_name(filename)}: the file object cannot seek"
                 " (a pipe or stream); tensors are read by position: read it into a bytearray"
                 " or a file first"
             )
@@ -239,7 +256,7 @@ def open_source_for(
             # every tensor read then failed as an I/O error ("Bad file descriptor").
             mode = getattr(filename, "mode", None)
             raise io.UnsupportedOperation(
-                f"{getattr(filename, 'name', '<file object>')!s}: the file object is not open "
+                f"{_fileobj_name(filename)}: the file object is not open "
                 "for reading" + (f" (mode {mode!r})" if isinstance(mode, str) else "")
             )
         fd = -1

@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, NoReturn, SupportsIndex, TypeVar
 
@@ -796,7 +796,8 @@ class _Workers:
             for thread in threads:
                 thread.join()
         else:
-            futures = []
+            futures: list[Future[None]] = []
+            interrupted: BaseException | None = None
             try:
                 # A Ctrl-C held until all are submitted (see _reader_pool._submit): raised
                 # inside submit, it could leave the shared pool's semaphore locked for good.
@@ -808,8 +809,30 @@ class _Workers:
                 # The interpreter is shutting down (a thread still reading after the main
                 # thread returned): the pool takes no more work, so this thread reads the rest.
                 worker()
+            except BaseException as exc:  # noqa: BLE001 - a Ctrl-C: raised after the wait
+                interrupted = exc
+                with lock:
+                    pending.clear()  # the workers stop after the part each is reading
             for future in futures:
-                future.result()
+                while True:
+                    try:
+                        future.exception()  # waits (a worker hands its failures over itself)
+                        break
+                    except CancelledError:
+                        break
+                    except BaseException as exc:
+                        # Raised only once every worker has stopped: none then writes into
+                        # the caller's buffer. A second one is raised at once (a stalled read).
+                        if interrupted is not None:
+                            raise
+                        interrupted = exc
+                        with lock:
+                            pending.clear()
+            if interrupted is not None:
+                try:
+                    raise interrupted
+                finally:
+                    del interrupted
         if failures:
             # Out of the list this frame holds (see run_parallel): no exception-frame cycle.
             error = failures[0]

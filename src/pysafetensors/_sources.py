@@ -42,7 +42,7 @@ from ._fresh_memory import (
     empty_bytes,
     huge_region,
 )
-from ._interrupts import ClosedWhenDropped
+from ._interrupts import ClosedWhenDropped, interrupts_deferred
 from ._reader_pool import default_threads, run_parallel, worker_count
 from ._residency import mapped_mostly_uncached, mostly_uncached, read_ahead
 from ._syscalls import MAP_FIXED, MAP_NORESERVE, libc_mmap, madvise, mincore
@@ -406,17 +406,25 @@ class Shared(Generic[_T]):
             self._holders -= 1
             last = self._closing and self._holders == 0
         if last:
-            self._on_close(self._value)
+            with interrupts_deferred():  # see close()
+                self._on_close(self._value)
 
     def close(self) -> None:
-        """Close now if nobody holds the resource, else when the last holder lets go."""
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-            idle = self._holders == 0
-        if idle:
-            self._on_close(self._value)
+        """Close now if nobody holds the resource, else when the last holder lets go.
+
+        A Ctrl-C is held over it: one landing after ``_closing`` was set and before the
+        resource was closed left it open for good (a later ``close``, a finalizer's retry
+        included, returns at once), and one inside ``_on_close`` could cut a close short
+        between its steps.
+        """
+        with interrupts_deferred():
+            with self._lock:
+                if self._closing:
+                    return
+                self._closing = True
+                idle = self._holders == 0
+            if idle:
+                self._on_close(self._value)
 
 
 class PreadSource(ClosedWhenDropped):
@@ -829,20 +837,47 @@ class MmapSource(ClosedWhenDropped):
             os.close(fd)
 
 
+#: Streams that decompress as they are read, by module and class (looked up only where the
+#: module was imported: an object of a module never imported cannot be one).
+_DECOMPRESSING: Final = (
+    ("gzip", "GzipFile"),
+    ("bz2", "BZ2File"),
+    ("lzma", "LZMAFile"),
+    ("zipfile", "ZipExtFile"),
+    ("tarfile", "ExFileObject"),
+)
+
+
+def _decompresses(fileobj: object) -> bool:
+    """Whether ``fileobj`` is a stream whose backward seeks decompress again from its start
+    (a tar member too: in a compressed archive it is read through the archive's stream)."""
+    for module_name, class_name in _DECOMPRESSING:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        if isinstance(cls, type) and isinstance(fileobj, cls):
+            return True
+    return False
+
+
 class FileObjSource:
     """Reads from a binary file object with ``seek`` and ``readinto`` or ``read``.
 
     The file is read from its start (offset 0), whatever the object's position, as a plain
     file read through its descriptor is; the position is put back after every access, so
     that the caller's next ``write`` or ``read`` goes where it would have (an ``io.BytesIO``
-    left at a tensor's end took a caller's appended bytes over that tensor). Reads are
-    serialised with a lock because a file object has one position.
+    left at a tensor's end took a caller's appended bytes over that tensor). A stream that
+    decompresses (:func:`_decompresses`: read-only, and seeking back in it decompresses again
+    from its start, which after every read made a loop over its tensors quadratic) gets its
+    position back once, at :meth:`close`. Reads are serialised with a lock because a file
+    object has one position.
     """
 
     def __init__(self, fileobj: IO[bytes] | Any, name: str | None = None) -> None:
         self._f = fileobj
         self._name = name or str(getattr(fileobj, "name", "<file object>"))
         self._lock = threading.Lock()
+        self._restore_at_close = _decompresses(fileobj)
+        self._home: int | None = None  # the position to put back at close, once moved
         where = fileobj.tell()
         try:
             fileobj.seek(0, os.SEEK_END)
@@ -862,6 +897,11 @@ class FileObjSource:
         out = out.cast("B")
         check_range(self, offset, out.nbytes)
         with self._lock:
+            if self._restore_at_close:
+                if self._home is None:
+                    self._home = self._f.tell()
+                self._read_at(offset, out)
+                return
             where = self._f.tell()
             try:
                 self._read_at(offset, out)
@@ -888,5 +928,9 @@ class FileObjSource:
         return None
 
     def close(self) -> None:
-        # The caller owns the file object.
-        return None
+        # The caller owns the file object: only its position is put back (see the class).
+        with self._lock:
+            home, self._home = self._home, None
+            if home is not None:
+                with contextlib.suppress(Exception):  # closed by its owner meanwhile
+                    self._f.seek(home)

@@ -910,6 +910,7 @@ class ShardedStreamingWriter(ClosedWhenDropped):
         # No more writes (closing, closed or aborted); set with the lock held, which a shard's
         # opening checks, so that no shard writer is begun after an abort collected them.
         self._closed = False
+        self._discarded = False  # set once abort() has run to its end
         # As StreamingWriter's: "open", "closing", "committed", "aborted" or "failed".
         self._state = "open"
         self._failure: BaseException | None = None
@@ -1229,6 +1230,7 @@ class ShardedStreamingWriter(ClosedWhenDropped):
                     os.rmdir(folder)  # only if empty: what this writer made
                 except OSError:
                     break
+            self._discarded = True
         if failures:
             raise failures[0]
 
@@ -1236,7 +1238,11 @@ class ShardedStreamingWriter(ClosedWhenDropped):
         # As StreamingWriter's: an unclosed writer is an abandoned one. Its finished shards
         # wait in the group as temporary files (a shard's own writer is closed once its last
         # byte is written), which only this abort deletes.
-        if getattr(self, "_pid", None) == os.getpid() and not self._closed:
+        # An abort() cut short by a Ctrl-C (``_closed`` set, the group not yet discarded) is
+        # run again: every step of it may run twice.
+        if getattr(self, "_pid", None) == os.getpid() and (
+            not self._closed or (self._state == "aborted" and not self._discarded)
+        ):
             self.abort()
 
     def __enter__(self) -> ShardedStreamingWriter:

@@ -914,10 +914,12 @@ class SaveGroup:
 
     def discard(self) -> None:
         """Delete every finished temporary file; the targets stay as they were."""
-        with self._lock:
-            pending, self._pending, self._held = self._pending, [], 0
-            self.done = True
+        # A Ctrl-C held from before the files are taken off the list: between the two, it
+        # left them on disk with nothing to delete them.
         with interrupts_deferred():
+            with self._lock:
+                pending, self._pending, self._held = self._pending, [], 0
+                self.done = True
             for tmp, _, fd in pending:
                 if fd >= 0:
                     os.close(fd)

@@ -933,11 +933,13 @@ def _run_jobs(
             if progress is not None:
                 progress(os.path.basename(s), i + 1, len(jobs))
         return results
-    with interrupts_deferred():  # a Ctrl-C inside submit could leave its lock held for good
-        futures: list[Future[ConversionReport]] = [
-            executor.submit(convert_file, s, d, **kwargs) for s, d in jobs
-        ]
+    futures: list[Future[ConversionReport]] = []
     try:
+        # A Ctrl-C inside submit could leave its lock held for good: held until the jobs are
+        # handed over, then raised here, inside the try, so that they are cancelled and waited
+        # for as any other failure's.
+        with interrupts_deferred():
+            futures.extend(executor.submit(convert_file, s, d, **kwargs) for s, d in jobs)
         for i, fut in enumerate(futures):
             try:
                 results.append(_left_out_or_raise(fut.result, jobs[i][0], leavable))

@@ -659,10 +659,13 @@ def map_files(
     items = list(paths)
     if executor is None:
         return [_call_noting(fn, item) for item in items]
-    with interrupts_deferred():  # a Ctrl-C inside submit could leave its lock held for good
-        futures: list[Future[_R]] = [executor.submit(fn, item) for item in items]
+    futures: list[Future[_R]] = []
     results: list[_R] = []
     try:
+        # A Ctrl-C inside submit could leave its lock held for good: held until every item is
+        # handed over, then raised inside the try, which cancels the items not yet started.
+        with interrupts_deferred():
+            futures.extend(executor.submit(fn, item) for item in items)
         for item, future in zip(items, futures, strict=True):
             try:
                 results.append(future.result())

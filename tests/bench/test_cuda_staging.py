@@ -1365,11 +1365,12 @@ def test_a_buffer_whose_copies_failed_half_way_is_given_back_once_they_landed(
     assert not ops.pending
 
 
-def test_copies_queued_after_the_call_stopped_waiting_are_waited_for(
+def test_no_copy_is_queued_after_the_call_stopped_waiting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A second Ctrl-C returns from run_parallel before its workers: a copy a worker queued
-    # after the final synchronize still ran when the caller freed the device buffers.
+    # after the final synchronize still ran when the caller freed the device buffers (a
+    # synchronize of the worker's own stream afterwards came too late to prevent it).
     from pysafetensors import _cuda_staging as staging
 
     ops = LateCopyOps()
@@ -1392,8 +1393,48 @@ def test_copies_queued_after_the_call_stopped_waiting_are_waited_for(
         stage_to_device(BufferSource(data).readinto, 0, len(data), ops, chunk_bytes=4096, workers=2)
     release.set()
     workers[0].join(10)
+    assert not workers[0].is_alive()
+    assert ops.copies == 0  # the late worker read its chunk but queued no copy
+    assert not ops.pending
+
+
+def test_a_copy_being_queued_when_the_call_stops_waiting_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The call gives up while a worker is inside copy_async: the final synchronize must come
+    # after that copy is queued, or it would not wait for it.
+    from pysafetensors import _cuda_staging as staging
+
+    class SlowQueueOps(LateCopyOps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inside = threading.Event()
+            self.let_go = threading.Event()
+
+        def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
+            self.inside.set()
+            self.let_go.wait(10)
+            return super().copy_async(host, pieces, stream)
+
+    ops = SlowQueueOps()
+    workers: list[threading.Thread] = []
+
+    def interrupted_run_parallel(fn: Any, items: Any, threads: int) -> None:
+        worker = threading.Thread(target=fn, args=(next(iter(items)),))
+        worker.start()
+        workers.append(worker)
+        assert ops.inside.wait(10)
+        threading.Timer(0.2, ops.let_go.set).start()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(staging, "run_parallel", interrupted_run_parallel)
+    data = _data(8192)
+    with pytest.raises(KeyboardInterrupt):
+        stage_to_device(BufferSource(data).readinto, 0, len(data), ops, chunk_bytes=4096, workers=2)
+    assert ops.let_go.is_set()  # the call returned only once the copy was queued
     assert ops.copies == 1
-    assert not ops.pending  # the worker waited for its own copy
+    assert not ops.pending  # and its synchronize waited for it
+    workers[0].join(10)
 
 
 def test_side_streams_are_entered_inside_their_devices_guard(

@@ -120,6 +120,49 @@ def test_a_text_mode_file_object_is_refused_at_open(tmp_path: Path) -> None:
         pytest.raises(TypeError, match=r"open in text mode; open the file in binary mode \('rb'\)"),
     ):
         safe_open(fh, "np")
+    # Text files behind wrappers that are no io.TextIOBase: the failure came from inside
+    # the first read ("a bytes-like object is required, not 'str'", an AttributeError).
+    with tempfile.NamedTemporaryFile("w+", dir=tmp_path) as named:
+        with pytest.raises(TypeError, match="open in text mode") as info:
+            safe_open(named, "np")
+        assert str(info.value).startswith(f"{named.name}: ")
+    with tempfile.SpooledTemporaryFile(mode="w+") as spooled:
+        with pytest.raises(TypeError, match="open in text mode") as info:
+            safe_open(spooled, "np")
+        assert str(info.value).startswith("<file object>: ")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_decompressing_stream_gets_its_position_back_once_at_close(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeking back in a gzip file or a zip member decompresses again from its start: put
+    back after every read, a loop over 800 tensors took 17 s instead of 0.1 s."""
+    import zipfile
+
+    tensors = {f"t{i:03}": np.full(64, i, np.float32) for i in range(200)}
+    archive = tmp_path / "a.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("model.safetensors", save(tensors))
+    backward: list[tuple[int, int]] = []
+    real_seek = zipfile.ZipExtFile.seek
+
+    def counting_seek(self: zipfile.ZipExtFile, offset: int, whence: int = 0) -> int:
+        before = self.tell()
+        after = real_seek(self, offset, whence)
+        if after < before:
+            backward.append((before, after))
+        return after
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "seek", counting_seek)
+    with zipfile.ZipFile(archive) as z, z.open("model.safetensors") as member:
+        member.read(7)  # the caller's position
+        with safe_open(member, "np", backend=backend) as f:
+            backward.clear()  # the open's own size probe and header read
+            for name in f.offset_keys():
+                assert np.array_equal(f.get_tensor(name), tensors[name])
+            assert len(backward) <= 1  # at most one rewind, not one per tensor
+        assert member.tell() == 7  # put back at close
 
 
 def test_a_pipe_is_refused_as_a_file_that_cannot_seek(tmp_path: Path) -> None:

@@ -210,7 +210,7 @@ class ChunkWorkers:
             for item in items:
                 # On this thread once the interpreter is shutting down (a command still
                 # working after the main thread returned: pools then take no more work).
-                pending.append((item, submit_or_run(self._pool, fn, item)))
+                submit_or_run(self._pool, fn, item, pending)
                 if len(pending) >= 2 * self.threads:
                     done, future = pending.popleft()
                     yield done, future.result()
