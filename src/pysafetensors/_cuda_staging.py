@@ -35,6 +35,7 @@ from typing import Any, Final, Protocol
 
 from . import tuning
 from ._format import gc_paused
+from ._interrupts import interrupts_deferred
 from ._range_reads import run_pieces
 from ._reader_pool import run_parallel
 
@@ -506,11 +507,14 @@ def stage_items_to_device(
     finally:
         # Every copy must have landed before the pinned buffers can be freed or reused, and
         # before the tensors are used (also when a read failed half way).
-        with lock:
-            abandoned.set()  # no copy is queued after this
-            while queuing[0]:
-                queued.wait()  # copies being queued, which the synchronize then waits for
-        ops.synchronize(used)
+        # A Ctrl-C held meanwhile (a third one, after the second stopped the waiting): raised
+        # between the two, it would skip the synchronize the copies need.
+        with interrupts_deferred():
+            with lock:
+                abandoned.set()  # no copy is queued after this
+                while queuing[0]:
+                    queued.wait()  # copies being queued, which the synchronize then waits for
+            ops.synchronize(used)
         stats.host_buffers = ring.made
     return targets.buffers, stats
 

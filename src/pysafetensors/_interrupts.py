@@ -11,38 +11,51 @@ no Ctrl-C had come.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import signal
 import threading
-from collections.abc import Iterator
+from typing import Any, Final
 
 __all__ = ["ClosedWhenDropped", "interrupts_deferred", "redeliver_interrupt"]
 
 
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) that comes during the block until its end, then raise it.
+# The C module under ``signal``: the latter's Python wrappers (handlers converted to and from
+# enums) cost ~2-3 us a call, and a deferral takes three (a file's close, every finalizer of a
+# handle or source: ~55-80 us more per open and close of a small file).
+try:
+    _raw_signal: Any = importlib.import_module("_signal")
+except ImportError:  # pragma: no cover - an interpreter without it
+    _raw_signal = signal
 
-    A save's clean-up (closing and deleting its temporary file) runs after a first Ctrl-C;
-    a second one landing in it raised KeyboardInterrupt between two of its steps and left
-    the file behind. Only in the main thread (the only one KeyboardInterrupt reaches, and
-    the only one that may set a handler), and only over Python's own handler: a program's
-    handler of its own is left alone.
-    """
-    try:
-        deferring = (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        )
-    except Exception:  # noqa: BLE001 - at interpreter exit (modules torn down): no deferral
-        deferring = False
-    if not deferring:
-        yield
-        return
-    pending: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: pending.append(signum))
-    try:
-        yield
-    finally:
+_SIGINT: Final = int(signal.SIGINT)
+_DEFAULT_HANDLER: Final = signal.default_int_handler
+
+
+class _Deferred:
+    """The context manager :func:`interrupts_deferred` returns (a class: entered on every
+    close, a generator's frame would cost more than the rest)."""
+
+    __slots__ = ("_pending", "_previous")
+
+    def __enter__(self) -> None:
+        self._previous: Any = None
+        try:
+            if (
+                threading.get_ident() != threading.main_thread().ident
+                or _raw_signal.getsignal(_SIGINT) is not _DEFAULT_HANDLER
+            ):
+                return
+        except Exception:  # noqa: BLE001 - at interpreter exit (modules torn down): no deferral
+            return
+        pending: list[int] = []
+        self._pending = pending
+        self._previous = _raw_signal.signal(_SIGINT, lambda signum, _frame: pending.append(signum))
+
+    def __exit__(self, *exc: object) -> None:
+        previous = self._previous
+        if previous is None:
+            return
+        self._previous = None
         # signal.signal runs the handlers of signals that arrived meanwhile first, and when
         # one of them raises (another signal's, say SIGALRM's), it raises before setting the
         # handler: retried until it is set, so that Python's handler is back for good, and
@@ -50,14 +63,27 @@ def interrupts_deferred() -> Iterator[None]:
         error: BaseException | None = None
         while True:
             try:
-                signal.signal(signal.SIGINT, previous)
+                _raw_signal.signal(_SIGINT, previous)
                 break
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                error = exc
+            except BaseException as caught:  # noqa: BLE001 - re-raised below
+                error = caught
         if error is not None:
             raise error
-        if pending:
+        if self._pending:
             raise KeyboardInterrupt
+
+
+def interrupts_deferred() -> _Deferred:
+    """Hold a Ctrl-C (SIGINT) that comes during the ``with`` block until its end, then raise
+    it.
+
+    A save's clean-up (closing and deleting its temporary file) runs after a first Ctrl-C;
+    a second one landing in it raised KeyboardInterrupt between two of its steps and left
+    the file behind. Only in the main thread (the only one KeyboardInterrupt reaches, and
+    the only one that may set a handler), and only over Python's own handler: a program's
+    handler of its own is left alone.
+    """
+    return _Deferred()
 
 
 def redeliver_interrupt() -> None:

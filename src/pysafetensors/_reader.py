@@ -183,13 +183,30 @@ def _fileobj_name(fileobj: Any) -> str:
 
 
 def _reads_text(fileobj: Any) -> bool:
-    """Whether ``fileobj`` reads ``str``: a text file behind a wrapper that is no
-    ``io.TextIOBase`` (``tempfile.NamedTemporaryFile("w+")``, a spooled one). A read of no
-    bytes moves nothing."""
+    """Whether ``fileobj`` (seekable and readable) reads ``str``: a text file behind a
+    wrapper that is no ``io.TextIOBase`` (``tempfile.NamedTemporaryFile("w+")``, a spooled
+    one). A read of no bytes, its position put back (an object whose ``read`` takes a size of
+    0 for "all" would otherwise be left at its end)."""
+    try:
+        where = fileobj.tell()
+    except Exception:  # noqa: BLE001 - no position to keep: not probed
+        return False
     try:
         return isinstance(fileobj.read(0), str)
     except Exception:  # noqa: BLE001 - no such read: the first real read says what is wrong
         return False
+    finally:
+        with contextlib.suppress(Exception):
+            fileobj.seek(where)
+
+
+def _text_mode_error(fileobj: Any) -> TypeError:
+    """Its read returns text: the failure came from deep inside the first read ("a
+    bytes-like object is required, not 'str'")."""
+    return TypeError(
+        f"{_fileobj_name(fileobj)}: the file object is open in text mode; open the file in "
+        "binary mode ('rb')"
+    )
 
 
 def _is_fsspec_openfile(obj: Any) -> bool:
@@ -236,13 +253,8 @@ def open_source_for(
     if isinstance(filename, (bytearray, memoryview)):
         return BufferSource(filename)
     if _is_fileobj(filename):
-        if isinstance(filename, io.TextIOBase) or _reads_text(filename):
-            # Its read returns text: the failure came from deep inside the first read
-            # ("a bytes-like object is required, not 'str'").
-            raise TypeError(
-                f"{_fileobj_name(filename)}: the file object is open in "
-                "text mode; open the file in binary mode ('rb')"
-            )
+        if isinstance(filename, io.TextIOBase):
+            raise _text_mode_error(filename)
         seekable = getattr(filename, "seekable", None)
         if seekable is not None and not seekable():
             raise io.UnsupportedOperation(
@@ -259,6 +271,8 @@ def open_source_for(
                 f"{_fileobj_name(filename)}: the file object is not open "
                 "for reading" + (f" (mode {mode!r})" if isinstance(mode, str) else "")
             )
+        if _reads_text(filename):  # only now: a stream that cannot seek might block in it
+            raise _text_mode_error(filename)
         fd = -1
         # Only the standard library's plain file objects hold exactly their descriptor's bytes
         # (a gzip or bz2 file's fileno() is the compressed file's); writes still in their

@@ -27,6 +27,7 @@ import os
 import stat
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import IO, Any, Final, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -406,8 +407,18 @@ class Shared(Generic[_T]):
             self._holders -= 1
             last = self._closing and self._holders == 0
         if last:
-            with interrupts_deferred():  # see close()
+            held = interrupts_deferred()  # see close()
+            try:
+                held.__enter__()
+            except KeyboardInterrupt:
+                # Entering it runs the handlers of signals that came meanwhile: this Ctrl-C,
+                # raised before the close; nothing else would close it (the count is 0).
                 self._on_close(self._value)
+                raise
+            try:
+                self._on_close(self._value)
+            finally:
+                held.__exit__(None, None, None)
 
     def close(self) -> None:
         """Close now if nobody holds the resource, else when the last holder lets go.
@@ -848,6 +859,36 @@ _DECOMPRESSING: Final = (
 )
 
 
+#: Decompressing streams some source has read and not yet closed: the caller's position and
+#: how many sources read it (two handles on one stream: put back when the last one closes,
+#: to where the caller had it, not where the first left it).
+_HOMES: Final[weakref.WeakKeyDictionary[Any, list[int]]] = weakref.WeakKeyDictionary()
+_HOMES_LOCK: Final = threading.Lock()
+
+
+def _leave_home(fileobj: Any) -> None:
+    """Count a source that moves ``fileobj``, noting the caller's position if it is first."""
+    with _HOMES_LOCK:
+        entry = _HOMES.get(fileobj)
+        if entry is None:
+            entry = _HOMES[fileobj] = [fileobj.tell(), 0]
+        entry[1] += 1
+
+
+def _come_home(fileobj: Any) -> None:
+    """A source that moved ``fileobj`` is done with it; the last one puts its position back."""
+    with _HOMES_LOCK:
+        entry = _HOMES.get(fileobj)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _HOMES[fileobj]
+    with contextlib.suppress(Exception):  # closed by its owner meanwhile
+        fileobj.seek(entry[0])
+
+
 def _decompresses(fileobj: object) -> bool:
     """Whether ``fileobj`` is a stream whose backward seeks decompress again from its start
     (a tar member too: in a compressed archive it is read through the archive's stream)."""
@@ -877,7 +918,7 @@ class FileObjSource:
         self._name = name or str(getattr(fileobj, "name", "<file object>"))
         self._lock = threading.Lock()
         self._restore_at_close = _decompresses(fileobj)
-        self._home: int | None = None  # the position to put back at close, once moved
+        self._moved = False  # whether this source counts in the object's _HOMES entry
         where = fileobj.tell()
         try:
             fileobj.seek(0, os.SEEK_END)
@@ -898,8 +939,9 @@ class FileObjSource:
         check_range(self, offset, out.nbytes)
         with self._lock:
             if self._restore_at_close:
-                if self._home is None:
-                    self._home = self._f.tell()
+                if not self._moved:
+                    _leave_home(self._f)
+                    self._moved = True
                 self._read_at(offset, out)
                 return
             where = self._f.tell()
@@ -930,7 +972,6 @@ class FileObjSource:
     def close(self) -> None:
         # The caller owns the file object: only its position is put back (see the class).
         with self._lock:
-            home, self._home = self._home, None
-            if home is not None:
-                with contextlib.suppress(Exception):  # closed by its owner meanwhile
-                    self._f.seek(home)
+            if self._moved:
+                self._moved = False
+                _come_home(self._f)

@@ -1238,10 +1238,13 @@ class ShardedStreamingWriter(ClosedWhenDropped):
         # As StreamingWriter's: an unclosed writer is an abandoned one. Its finished shards
         # wait in the group as temporary files (a shard's own writer is closed once its last
         # byte is written), which only this abort deletes.
-        # An abort() cut short by a Ctrl-C (``_closed`` set, the group not yet discarded) is
-        # run again: every step of it may run twice.
-        if getattr(self, "_pid", None) == os.getpid() and (
-            not self._closed or (self._state == "aborted" and not self._discarded)
+        # Also one whose close() failed (its message says to abort) and an abort() cut short
+        # by a Ctrl-C (``_closed`` set, the group not yet discarded): every step of an abort
+        # may run twice; a commit in progress or done is left alone (abort() returns).
+        if (
+            getattr(self, "_pid", None) == os.getpid()
+            and not self._discarded
+            and self._state not in ("closing", "committed")
         ):
             self.abort()
 

@@ -1437,6 +1437,53 @@ def test_a_copy_being_queued_when_the_call_stops_waiting_is_waited_for(
     workers[0].join(10)
 
 
+def test_a_ctrl_c_while_the_call_waits_for_a_copy_being_queued_still_synchronizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A further Ctrl-C landing in that wait escaped before the synchronize.
+    import signal
+
+    from pysafetensors import _cuda_staging as staging
+
+    class SlowQueueOps(LateCopyOps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inside = threading.Event()
+            self.let_go = threading.Event()
+
+        def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
+            self.inside.set()
+            self.let_go.wait(10)
+            return super().copy_async(host, pieces, stream)
+
+    ops = SlowQueueOps()
+    workers: list[threading.Thread] = []
+    main = threading.main_thread().ident
+
+    def interrupted_run_parallel(fn: Any, items: Any, threads: int) -> None:
+        worker = threading.Thread(target=fn, args=(next(iter(items)),))
+        worker.start()
+        workers.append(worker)
+        assert ops.inside.wait(10)
+        threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
+        threading.Timer(0.4, ops.let_go.set).start()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(staging, "run_parallel", interrupted_run_parallel)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        data = _data(8192)
+        with pytest.raises(KeyboardInterrupt):
+            stage_to_device(
+                BufferSource(data).readinto, 0, len(data), ops, chunk_bytes=4096, workers=2
+            )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert ops.let_go.is_set() and ops.copies == 1
+    assert not ops.pending  # synchronized before the call raised
+    workers[0].join(10)
+
+
 def test_side_streams_are_entered_inside_their_devices_guard(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

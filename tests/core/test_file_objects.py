@@ -165,6 +165,69 @@ def test_a_decompressing_stream_gets_its_position_back_once_at_close(
         assert member.tell() == 7  # put back at close
 
 
+class _Recording:
+    """A binary stream recording its reads; ``whole_on_zero``: ``read(0)`` reads it all (as
+    some wrappers take a falsy size)."""
+
+    def __init__(self, data: bytes, *, seekable: bool = True, whole_on_zero: bool = False):
+        self._buf = io.BytesIO(data)
+        self._seekable = seekable
+        self._whole_on_zero = whole_on_zero
+        self.reads: list[int] = []
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self._seekable
+
+    def tell(self) -> int:
+        return self._buf.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._buf.seek(offset, whence)
+
+    def read(self, size: int = -1) -> bytes:
+        self.reads.append(size)
+        return self._buf.read(-1 if (size == 0 and self._whole_on_zero) else size)
+
+
+def test_the_text_probe_reads_nothing_from_a_stream_that_cannot_seek() -> None:
+    # A chunked HTTP response blocked in read(0) (reading the next chunk's size line).
+    stream = _Recording(b"\0" * 64, seekable=False)
+    with pytest.raises(io.UnsupportedOperation, match="cannot seek"):
+        safe_open(stream, "np")
+    assert stream.reads == []
+
+
+def test_the_text_probe_puts_the_position_back() -> None:
+    data = save({"a": np.arange(10, dtype=np.float32)})
+    stream = _Recording(data, whole_on_zero=True)
+    stream.seek(3)
+    with safe_open(stream, "np") as f:
+        assert np.array_equal(f.get_tensor("a"), np.arange(10, dtype=np.float32))
+    assert stream.tell() == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_handles_on_one_decompressing_stream_put_the_callers_position_back(
+    tmp_path: Path, backend: str
+) -> None:
+    path = tmp_path / "m.safetensors.gz"
+    with gzip.open(path, "wb") as fh:
+        fh.write(save({"a": np.arange(100, dtype=np.float32)}))
+    with gzip.open(path, "rb") as fh:
+        fh.read(5)
+        first = safe_open(fh, "np", backend=backend)
+        first.get_tensor("a")
+        second = safe_open(fh, "np", backend=backend)  # opened where the first left it
+        second.get_tensor("a")
+        first.close()
+        assert np.array_equal(second.get_tensor("a"), np.arange(100, dtype=np.float32))
+        second.close()
+        assert fh.tell() == 5
+
+
 def test_a_pipe_is_refused_as_a_file_that_cannot_seek(tmp_path: Path) -> None:
     read_end, write_end = os.pipe()
     with open(read_end, "rb") as fh:

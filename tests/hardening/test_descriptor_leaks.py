@@ -204,19 +204,25 @@ def test_the_interrupt_handler_comes_back_when_another_signal_s_handler_raises(
     Ctrl-C swallowed). The restore is retried, then that exception raised."""
     import signal
 
-    real = signal.signal
+    from pysafetensors import _interrupts
+
+    raw = _interrupts._raw_signal  # the C module the deferral calls (see _interrupts)
     calls: list[object] = []
 
     class Alarm(Exception):
         pass
 
-    def flaky(signum: int, handler: object) -> object:
-        calls.append(handler)
-        if len(calls) == 2:  # the restore: another signal's handler raised first
-            raise Alarm
-        return real(signum, handler)  # type: ignore[arg-type]
+    class Flaky:
+        getsignal = staticmethod(raw.getsignal)
 
-    monkeypatch.setattr(signal, "signal", flaky)
+        @staticmethod
+        def signal(signum: int, handler: object) -> object:
+            calls.append(handler)
+            if len(calls) == 2:  # the restore: another signal's handler raised first
+                raise Alarm
+            return raw.signal(signum, handler)
+
+    monkeypatch.setattr(_interrupts, "_raw_signal", Flaky)
     with pytest.raises(Alarm), writer.interrupts_deferred():
         pass
     monkeypatch.undo()

@@ -197,6 +197,37 @@ def test_a_ctrl_c_as_a_dropped_source_begins_closing_its_descriptor_leaves_it_cl
         os.fstat(fd)  # closed, not left open with the source marked closing
 
 
+def test_a_ctrl_c_met_as_the_last_release_begins_closing_still_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Entering the deferral runs the handlers of signals that came meanwhile: a Ctrl-C raised
+    there, before the close, left the resource open with nothing left to close it."""
+    from pysafetensors import _interrupts
+    from pysafetensors._sources import Shared
+
+    closed: list[str] = []
+    shared = Shared("resource", closed.append)
+    shared.acquire()
+    shared.close()  # held: closed by the last release
+    raw = _interrupts._raw_signal
+    raised: list[int] = []
+
+    class PendingCtrlC:
+        getsignal = staticmethod(raw.getsignal)
+
+        @staticmethod
+        def signal(signum: int, handler: object) -> object:
+            if not raised:
+                raised.append(1)
+                raise KeyboardInterrupt  # as the pending SIGINT's handler would
+            return raw.signal(signum, handler)
+
+    monkeypatch.setattr(_interrupts, "_raw_signal", PendingCtrlC)
+    with pytest.raises(KeyboardInterrupt):
+        shared.release()
+    assert closed == ["resource"]
+
+
 @pytest.mark.skipif(sys.gettrace() is not None, reason="needs the tracing hook")
 @pytest.mark.usefixtures("_no_gc_callbacks")
 def test_a_ctrl_c_as_an_explicit_close_begins_leaves_the_descriptor_closed(
