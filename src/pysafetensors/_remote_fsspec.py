@@ -28,6 +28,18 @@ from ._remote_source import (
 from ._remote_urls import option_secrets, shown_location, url_secrets
 
 
+def _inferred_compression(target: Any) -> str | None:
+    """The compression fsspec's ``compression="infer"`` picks for ``target`` (by its name's
+    suffix), or None."""
+    try:
+        from fsspec.utils import infer_compression
+    except ImportError:  # reading it needs fsspec anyway: the open says so
+        return None
+    path = target if isinstance(target, str) else str(getattr(target, "path", ""))
+    inferred: str | None = infer_compression(path)
+    return inferred
+
+
 class FsspecSource(RemoteSource):
     """Random access to a file on any fsspec filesystem (``gcs://``, ``az://``, ``hf://``...).
 
@@ -105,13 +117,22 @@ class FsspecSource(RemoteSource):
             + option_secrets(storage_options)
         )
         failure: Exception | None = None
-        if storage_options.get("compression"):
+        compression = storage_options.get("compression")
+        if compression is not None:
             # fsspec.open's keyword, which filesystems ignore: the compressed bytes were read
-            # as the file's (a header "too large" by a garbage length prefix).
-            raise ValueError(
-                f"cannot read a file with compression={storage_options['compression']!r} by"
-                " range; decompress the file first, or open it without compression"
-            )
+            # as the file's (a header "too large" by a garbage length prefix). "infer" names
+            # none for a name without a compression suffix (``.safetensors``): taken, and
+            # dropped (fsspec.open's keyword, not the filesystem's).
+            inferred = _inferred_compression(target) if compression == "infer" else compression
+            if inferred:
+                shown = repr(compression) + (
+                    f" ({inferred!r} for this name)" if inferred != compression else ""
+                )
+                raise ValueError(
+                    f"cannot read a file with compression={shown} by range; decompress the"
+                    " file first, or open it without compression"
+                )
+            storage_options = {k: v for k, v in storage_options.items() if k != "compression"}
         if fs is not None:
             path = str(target)
         elif isinstance(target, str):

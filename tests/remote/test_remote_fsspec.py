@@ -643,6 +643,17 @@ def test_an_fsspec_openfile_opens_like_its_url(tmp_path: Path) -> None:
         safe_open(
             f"file://{tmp_path / 'm.safetensors.gz'}", "np", storage_options={"compression": "gzip"}
         )
+    # "infer" (fsspec.open's default in some callers) names none for a .safetensors name.
+    with safe_open(
+        f"file://{tmp_path / 'm.safetensors'}", "np", storage_options={"compression": "infer"}
+    ) as f:
+        assert np.array_equal(f.get_tensor("a"), np.arange(6, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"compression='infer' \('gzip' for this name\) by"):
+        safe_open(
+            f"file://{tmp_path / 'm.safetensors.gz'}",
+            "np",
+            storage_options={"compression": "infer"},
+        )
     # An opened one is a file object, read through its own read: decompressed.
     with (
         fsspec.open(str(tmp_path / "m.safetensors.gz"), compression="gzip") as fh,
