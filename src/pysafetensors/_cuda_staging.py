@@ -165,6 +165,14 @@ _FOREACH_COPY: list[bool] = [True]
 #: :func:`copy_pieces`). Below it the extra device-side pass saves too few host-side calls.
 SCRATCH_PIECES = 8
 
+#: Loads after a scratch allocation ran out of memory on a device before the next one tries
+#: again: each refusal costs torch a pass of emptying its cache (a synchronisation) first, and
+#: a device nearly full for one load is most often as full for the next.
+SCRATCH_RETRY_LOADS = 16
+
+#: Devices whose scratch allocation was refused, with the loads left before one is tried.
+_SCRATCH_REFUSED: dict[Any, int] = {}
+
 #: Each thread's side streams, by device, kept across loads: model loaders call ``get_tensor``
 #: once per tensor, and the reader threads live for the whole process.
 _STREAMS = threading.local()
@@ -244,8 +252,13 @@ class TorchCudaOps:
         self._torch: Any = torch
         self.device = torch.device(device)
         # Where chunks of many pieces go through a scratch allocation: None once one did not
-        # fit (for the rest of this load; any worker may clear it).
+        # fit (for the rest of this load, any worker may clear it, and the next
+        # SCRATCH_RETRY_LOADS loads to the device).
         self._scratch_on: Any = self.device
+        left = _SCRATCH_REFUSED.get(self.device, 0)
+        if left > 0:
+            _SCRATCH_REFUSED[self.device] = left - 1
+            self._scratch_on = None
 
     def alloc_device(self, nbytes: int) -> Any:
         return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device)
@@ -305,6 +318,7 @@ class TorchCudaOps:
         with self._on(stream):
             if not copy_pieces(torch, host, pieces, self._scratch_on):
                 self._scratch_on = None
+                _SCRATCH_REFUSED[self.device] = SCRATCH_RETRY_LOADS
             event = torch.cuda.Event()
             event.record(stream)
         return event

@@ -960,6 +960,7 @@ def test_a_scratch_allocation_that_does_not_fit_leaves_the_copies_to_the_host_bu
 
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(staging, "_SCRATCH_REFUSED", {})  # this test's refusals only
     ops = staging.TorchCudaOps("cpu")
     for _ in range(3):
         for dst in dsts:
@@ -967,7 +968,14 @@ def test_a_scratch_allocation_that_does_not_fit_leaves_the_copies_to_the_host_bu
         ops.copy_async(host, pieces, None)
         assert all(torch.equal(d, host[b : b + n]) for d, _, b, n in pieces)
     assert tried == ["cpu", ops.device]
-    assert staging.TorchCudaOps("cpu")._scratch_on == torch.device("cpu")  # a new load asks
+    # Nor do the next loads to that device (one OOM per load and worker before), until
+    # SCRATCH_RETRY_LOADS of them went by; other devices still ask.
+    refused = staging._SCRATCH_REFUSED
+    assert refused == {ops.device: staging.SCRATCH_RETRY_LOADS}
+    for _ in range(staging.SCRATCH_RETRY_LOADS):
+        assert staging.TorchCudaOps("cpu")._scratch_on is None
+    assert staging.TorchCudaOps("meta")._scratch_on == torch.device("meta")
+    assert staging.TorchCudaOps("cpu")._scratch_on == torch.device("cpu")  # asks again
 
 
 def test_every_device_load_gives_each_tensor_a_storage_of_its_own(
