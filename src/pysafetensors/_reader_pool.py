@@ -23,6 +23,7 @@ __all__ = [
     "default_threads",
     "reader_thread_count",
     "run_parallel",
+    "wait_all",
     "worker_count",
 ]
 
@@ -147,7 +148,7 @@ def run_parallel(fn: Callable[[_T], object], items: Iterable[_T], threads: int) 
 def _run_workers(
     worker: Callable[[], None], threads: int, failed: threading.Event
 ) -> BaseException | None:
-    """``threads`` copies of ``worker`` on the shared pool, waited for (:func:`_wait_all`).
+    """``threads`` copies of ``worker`` on the shared pool, waited for (:func:`wait_all`).
 
     Where a worker cannot start (the interpreter shutting down, after the main thread
     returned; a limit on threads or memory), this thread works beside those that did, and
@@ -162,21 +163,26 @@ def _run_workers(
         try:
             worker()
         except BaseException as own:  # noqa: BLE001 - raised by the caller, after the wait
-            _wait_all(futures, failed)
+            wait_all(futures, failed)
             return own
-        return _wait_all(futures, failed)
+        return wait_all(futures, failed)
     except BaseException:
         failed.set()
-        _wait_all(futures, failed)
+        wait_all(futures, failed)
         raise
-    return _wait_all(futures, failed)
+    return wait_all(futures, failed)
 
 
-def _wait_all(futures: list[Future[None]], failed: threading.Event) -> BaseException | None:
-    """Wait for every worker of :func:`run_parallel`; return what it must raise: an interrupt
-    that came while waiting (raised only once every worker has returned), else the first
-    worker's exception, else None. A second interrupt is raised at once."""
-    interrupted: BaseException | None = None
+def wait_all(
+    futures: list[Future[None]],
+    failed: threading.Event,
+    interrupted: BaseException | None = None,
+) -> BaseException | None:
+    """Wait for every worker of :func:`run_parallel` (or of any pool whose workers stop once
+    ``failed`` is set); return what the caller must raise: an interrupt that came while
+    waiting (``failed`` set, raised only once every worker has returned), else the first
+    worker's exception, else None. A second interrupt (after ``interrupted``, one the caller
+    already met, if given) is raised at once."""
     errors = []
     for future in futures:
         while True:

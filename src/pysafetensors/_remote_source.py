@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, NoReturn, SupportsIndex, TypeVar
 
@@ -24,6 +24,7 @@ from ._errors import (
     RemoteError,
 )
 from ._interrupts import interrupts_deferred
+from ._reader_pool import wait_all
 from ._remote_read_ahead import DEFAULT_READ_AHEAD, ReadAhead, may_wait_here
 from ._remote_urls import quotes_secret, scrubbed
 from ._sources import check_range
@@ -765,13 +766,14 @@ class _Workers:
         pending = collections.deque(parts)
         lock = threading.Lock()
         failures: list[BaseException] = []
+        stopped = threading.Event()  # an interrupt: the workers stop after their part
 
         def worker() -> None:
             self._local.worker = True
             try:
                 while True:
                     with lock:
-                        if failures or not pending:
+                        if failures or not pending or stopped.is_set():
                             return
                         part = pending.popleft()
                     try:
@@ -797,7 +799,6 @@ class _Workers:
                 thread.join()
         else:
             futures: list[Future[None]] = []
-            interrupted: BaseException | None = None
             try:
                 # A Ctrl-C held until all are submitted (see _reader_pool._submit): raised
                 # inside submit, it could leave the shared pool's semaphore locked for good.
@@ -809,25 +810,16 @@ class _Workers:
                 # The interpreter is shutting down (a thread still reading after the main
                 # thread returned): the pool takes no more work, so this thread reads the rest.
                 worker()
-            except BaseException as exc:  # noqa: BLE001 - a Ctrl-C: raised after the wait
-                interrupted = exc
-                with lock:
-                    pending.clear()  # the workers stop after the part each is reading
-            for future in futures:
-                while True:
-                    try:
-                        future.exception()  # waits (a worker hands its failures over itself)
-                        break
-                    except CancelledError:
-                        break
-                    except BaseException as exc:
-                        # Raised only once every worker has stopped: none then writes into
-                        # the caller's buffer. A second one is raised at once (a stalled read).
-                        if interrupted is not None:
-                            raise
-                        interrupted = exc
-                        with lock:
-                            pending.clear()
+            except BaseException as exc:
+                # A Ctrl-C: raised once every worker has stopped, so that none then writes
+                # into the caller's buffer (as run_parallel's are waited for); another one
+                # while waiting is raised at once (a stalled read).
+                stopped.set()
+                wait_all(futures, stopped, exc)
+                raise
+            # Workers hand their own failures over (in ``failures``): this is an interrupt
+            # that came while waiting, or None.
+            interrupted = wait_all(futures, stopped)
             if interrupted is not None:
                 try:
                     raise interrupted
