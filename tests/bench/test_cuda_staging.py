@@ -1406,63 +1406,30 @@ def test_no_copy_is_queued_after_the_call_stopped_waiting(
     assert not ops.pending
 
 
+class SlowQueueOps(LateCopyOps):
+    """Its ``copy_async`` waits for ``let_go`` once inside (``inside`` set)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.Event()
+        self.let_go = threading.Event()
+
+    def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
+        self.inside.set()
+        self.let_go.wait(10)
+        return super().copy_async(host, pieces, stream)
+
+
+@pytest.mark.parametrize("another_ctrl_c", [False, True])
 def test_a_copy_being_queued_when_the_call_stops_waiting_is_waited_for(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, another_ctrl_c: bool
 ) -> None:
     # The call gives up while a worker is inside copy_async: the final synchronize must come
-    # after that copy is queued, or it would not wait for it.
-    from pysafetensors import _cuda_staging as staging
-
-    class SlowQueueOps(LateCopyOps):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inside = threading.Event()
-            self.let_go = threading.Event()
-
-        def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
-            self.inside.set()
-            self.let_go.wait(10)
-            return super().copy_async(host, pieces, stream)
-
-    ops = SlowQueueOps()
-    workers: list[threading.Thread] = []
-
-    def interrupted_run_parallel(fn: Any, items: Any, threads: int) -> None:
-        worker = threading.Thread(target=fn, args=(next(iter(items)),))
-        worker.start()
-        workers.append(worker)
-        assert ops.inside.wait(10)
-        threading.Timer(0.2, ops.let_go.set).start()
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(staging, "run_parallel", interrupted_run_parallel)
-    data = _data(8192)
-    with pytest.raises(KeyboardInterrupt):
-        stage_to_device(BufferSource(data).readinto, 0, len(data), ops, chunk_bytes=4096, workers=2)
-    assert ops.let_go.is_set()  # the call returned only once the copy was queued
-    assert ops.copies == 1
-    assert not ops.pending  # and its synchronize waited for it
-    workers[0].join(10)
-
-
-def test_a_ctrl_c_while_the_call_waits_for_a_copy_being_queued_still_synchronizes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A further Ctrl-C landing in that wait escaped before the synchronize.
+    # after that copy is queued, or it would not wait for it. A further Ctrl-C landing in that
+    # wait (another_ctrl_c) escaped before the synchronize.
     import signal
 
     from pysafetensors import _cuda_staging as staging
-
-    class SlowQueueOps(LateCopyOps):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inside = threading.Event()
-            self.let_go = threading.Event()
-
-        def copy_async(self, host: Any, pieces: Any, stream: Any) -> Any:
-            self.inside.set()
-            self.let_go.wait(10)
-            return super().copy_async(host, pieces, stream)
 
     ops = SlowQueueOps()
     workers: list[threading.Thread] = []
@@ -1473,8 +1440,9 @@ def test_a_ctrl_c_while_the_call_waits_for_a_copy_being_queued_still_synchronize
         worker.start()
         workers.append(worker)
         assert ops.inside.wait(10)
-        threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
-        threading.Timer(0.4, ops.let_go.set).start()
+        if another_ctrl_c:
+            threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
+        threading.Timer(0.4 if another_ctrl_c else 0.2, ops.let_go.set).start()
         raise KeyboardInterrupt
 
     monkeypatch.setattr(staging, "run_parallel", interrupted_run_parallel)
@@ -1487,8 +1455,9 @@ def test_a_ctrl_c_while_the_call_waits_for_a_copy_being_queued_still_synchronize
             )
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert ops.let_go.is_set() and ops.copies == 1
-    assert not ops.pending  # synchronized before the call raised
+    assert ops.let_go.is_set()  # the call returned only once the copy was queued
+    assert ops.copies == 1
+    assert not ops.pending  # and its synchronize waited for it
     workers[0].join(10)
 
 

@@ -4,6 +4,7 @@ abort half done for good (a second run of it returned at once)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -62,9 +63,10 @@ class CtrlCOnFirstSubmit(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-def _sigint_on_entering(function_name: str, filename_end: str) -> Any:
-    """A tracer that sends SIGINT once, as the Python function named is entered (where a real
-    Ctrl-C is delivered to it)."""
+@contextlib.contextmanager
+def _sigint_on_entering(function_name: str, filename_end: str) -> Iterator[None]:
+    """Over the block, SIGINT sent once, as the Python function named is entered (where a real
+    Ctrl-C is delivered to it), by a tracing hook."""
     fired: list[int] = []
 
     def tracer(frame: Any, event: str, arg: Any) -> None:
@@ -78,7 +80,19 @@ def _sigint_on_entering(function_name: str, filename_end: str) -> Any:
             fired.append(1)
             signal.raise_signal(signal.SIGINT)
 
-    return tracer
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+
+
+def _pread_source(tmp_path: Path) -> tuple[PreadSource, int]:
+    """A source of a small file, and its descriptor."""
+    path = tmp_path / "m.safetensors"
+    save_file({"a": np.zeros(4, np.float32)}, str(path))
+    source = PreadSource(os.open(path, os.O_RDONLY), str(path))
+    return source, source.fd
 
 
 def _wait_for_redelivery() -> None:
@@ -180,19 +194,12 @@ def test_a_remote_read_interrupted_while_handing_parts_over_returns_after_its_wo
 def test_a_ctrl_c_as_a_dropped_source_begins_closing_its_descriptor_leaves_it_closed(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "m.safetensors"
-    save_file({"a": np.zeros(4, np.float32)}, str(path))
+    source, fd = _pread_source(tmp_path)
     gc.collect()  # earlier tests' garbage: the Ctrl-C must land in this source's finalizer
-    source = PreadSource(os.open(path, os.O_RDONLY), str(path))
-    fd = source.fd
-    sys.settrace(_sigint_on_entering("_close_fd", "_sources.py"))
-    try:
-        with pytest.raises(KeyboardInterrupt):  # handed on to the program
-            del source
-            gc.collect()
-            _wait_for_redelivery()
-    finally:
-        sys.settrace(None)
+    with _sigint_on_entering("_close_fd", "_sources.py"), pytest.raises(KeyboardInterrupt):
+        del source  # handed on to the program
+        gc.collect()
+        _wait_for_redelivery()
     with pytest.raises(OSError):
         os.fstat(fd)  # closed, not left open with the source marked closing
 
@@ -233,16 +240,9 @@ def test_a_ctrl_c_met_as_the_last_release_begins_closing_still_closes(
 def test_a_ctrl_c_as_an_explicit_close_begins_leaves_the_descriptor_closed(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "m.safetensors"
-    save_file({"a": np.zeros(4, np.float32)}, str(path))
-    source = PreadSource(os.open(path, os.O_RDONLY), str(path))
-    fd = source.fd
-    sys.settrace(_sigint_on_entering("_close_fd", "_sources.py"))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            source.close()
-    finally:
-        sys.settrace(None)
+    source, fd = _pread_source(tmp_path)
+    with _sigint_on_entering("_close_fd", "_sources.py"), pytest.raises(KeyboardInterrupt):
+        source.close()
     with pytest.raises(OSError):
         os.fstat(fd)
 
@@ -259,13 +259,9 @@ def test_a_ctrl_c_as_a_dropped_sharded_writer_discards_its_shards_leaves_none(
     writer.write("a", np.ones(1024, np.float32).tobytes())  # shard 1 finished, waiting
     assert any(name.endswith(".partial") for name in os.listdir(folder))
     gc.collect()
-    sys.settrace(_sigint_on_entering("discard", "_writer.py"))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            del writer
-            gc.collect()
-            _wait_for_redelivery()
-    finally:
-        sys.settrace(None)
+    with _sigint_on_entering("discard", "_writer.py"), pytest.raises(KeyboardInterrupt):
+        del writer
+        gc.collect()
+        _wait_for_redelivery()
     gc.collect()
     assert not folder.exists() or os.listdir(folder) == []
