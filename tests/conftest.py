@@ -99,19 +99,22 @@ def python_sigint_handler() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-@pytest.fixture(params=["whole", "small slabs"])
+@pytest.fixture(params=["whole", "small slabs", "small tiles"])
 def slabs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Saves of arrays copied a slab at a time (non-contiguous, byte-swapped): as configured,
-    or through slabs of 24 bytes (several per tensor, through the reused buffer, rows cut into
+    through slabs of 24 bytes (several per tensor, through the reused buffer, rows cut into
     their rows) with chunks from 8 bytes up counting as large (written before the next is
-    asked for)."""
+    asked for), or with transposed blocks copied in tiles of at most 4 elements."""
+    import pysafetensors._adapter as adapter
+
     if request.param == "small slabs":
-        import pysafetensors._adapter as adapter
         import pysafetensors._writer as writer
 
         monkeypatch.setattr(adapter, "SLAB_BYTES", 24)
         monkeypatch.setattr(adapter, "WRITEV_BYTES", 8)
         monkeypatch.setattr(writer, "WRITEV_BYTES", 8)
+    elif request.param == "small tiles":
+        monkeypatch.setattr(adapter, "TILE_ELEMENTS", 4)
 
 
 def peak_growth_kib(setup: str, action: str, *argv: str) -> int:

@@ -12,7 +12,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from ._adapter import copied_slabs, invalid_tensor_error, slabs_reused
+from ._adapter import copied_slabs, copy_in_tiles, invalid_tensor_error, slabs_reused
 from ._devices import Device, parse_device
 from ._dtypes import DTYPES, DType
 from ._errors import (
@@ -642,8 +642,10 @@ _BITS_BY_SIZE: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch
 
 
 def _torch_copy(out: np.ndarray, piece: np.ndarray) -> None:
-    """``out[...] = piece`` by torch: twice numpy's speed on transposed weights (2 threads)."""
-    torch.from_numpy(out).copy_(torch.from_numpy(piece))
+    """``out[...] = piece``: a block of a transposed weight in tiles (see
+    :func:`copy_in_tiles`), anything else by torch, with its threads."""
+    if not copy_in_tiles(out, piece):
+        torch.from_numpy(out).copy_(torch.from_numpy(piece))
 
 
 def _check_memory(name: str, tensor: Any) -> None:

@@ -189,3 +189,58 @@ def test_lazy_conjugates_and_negatives_keep_their_values_across_slabs(
         data = ADAPTER.to_data(name, view)
         written = b"".join(bytes(chunk) for chunk in data.chunks())
         assert written == view.resolve_conj().resolve_neg().contiguous().numpy().tobytes(), name
+
+
+def _transposed_blocks() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal((37, 53)).astype(np.float32)
+    return {
+        "transposed": base.T,
+        "reversed": base.T[::-1, ::-1],
+        "stepped": base[::2].T,
+        "big_endian": base.astype(">f4").T,
+        "bf16": base.astype(ml_dtypes.bfloat16).T,
+        "bytes": rng.integers(0, 255, (37, 53), dtype=np.uint8).T,
+    }
+
+
+@pytest.mark.parametrize("name", list(_transposed_blocks()))
+def test_transposed_blocks_are_copied_in_tiles(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    # Tiles of at most 64 elements: many tiles over each row and column, ragged at both ends.
+    monkeypatch.setattr(adapter, "TILE_ELEMENTS", 64)
+    piece = _transposed_blocks()[name]
+    out = np.empty(piece.shape, piece.dtype.newbyteorder("<"))
+    assert adapter.copy_in_tiles(out, piece)
+    assert out.tobytes() == piece.astype(out.dtype, order="C").tobytes()
+
+
+@pytest.mark.parametrize(
+    "piece",
+    [
+        np.ones((40, 40), np.float32),  # rows in order: one copy
+        np.ones((80, 80), np.float32)[::2, ::2],  # rows farther apart than columns
+        np.ones((4, 5, 6), np.float32).transpose(2, 1, 0),  # not 2-D
+        np.ones((1, 500), np.float32).T,  # one column
+        np.ones((8, 8), np.float32).T,  # no more than one tile
+    ],
+    ids=["contiguous", "stepped", "3-d", "one-column", "small"],
+)
+def test_other_layouts_are_left_to_one_copy(
+    monkeypatch: pytest.MonkeyPatch, piece: np.ndarray
+) -> None:
+    monkeypatch.setattr(adapter, "TILE_ELEMENTS", 64)
+    assert not adapter.copy_in_tiles(np.empty(piece.shape, piece.dtype), piece)
+
+
+@pytest.mark.usefixtures("slabs")
+def test_saves_in_tiles_write_the_reference_s_bytes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(adapter, "TILE_ELEMENTS", 64)
+    arrays = _transposed_blocks()
+    assert save(arrays) == reference.save(_in_file_order(arrays))
+    save_file(arrays, tmp_path / "ours.safetensors")
+    assert load(save(arrays)).keys() == arrays.keys()
+    reference.save_file(_in_file_order(arrays), str(tmp_path / "ref.safetensors"))
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "ref.safetensors").read_bytes()
