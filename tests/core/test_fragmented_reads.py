@@ -153,3 +153,32 @@ def test_index_arrays_of_a_0_d_tensor_from_a_mapping(
         part = f.get_slice("t")[index]
     np.testing.assert_array_equal(np.asarray(part), value[index])
     assert np.asarray(part).shape == value[index].shape
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+@pytest.mark.parametrize("source", ["mmap", "bytearray", "read-only"])
+@pytest.mark.parametrize(
+    "index", [None, (Ellipsis, None), (slice(None), None), (None, slice(1, 3)), ([0, 2],)]
+)
+def test_picks_from_a_mapping_are_private(
+    tmp_path: Path, framework: str, source: str, index: Any
+) -> None:
+    # A pick with no index array is a view of what it picks from: copied, so that writes to
+    # it change neither later reads nor the caller's buffer, and it is always writable.
+    if framework == "pt":
+        pytest.importorskip("torch")
+    value = np.arange(12, dtype=np.float32).reshape(3, 4)
+    path = tmp_path / "t.safetensors"
+    save_file({"t": value}, path)
+    data = bytearray(path.read_bytes())
+    opened: Any = {"mmap": path, "bytearray": data, "read-only": memoryview(bytes(data))}[source]
+    with pysafetensors.safe_open(opened, framework) as f:
+        part = np.asarray(f.get_slice("t")[index])
+        np.testing.assert_array_equal(part, value[index])
+        if source == "read-only" and framework == "pt":
+            return  # torch's tensors of a read-only buffer: as the reference's, not ours to write
+        assert part.flags.writeable
+        part[...] = 99
+        np.testing.assert_array_equal(np.asarray(f.get_slice("t")[index]), value[index])
+        np.testing.assert_array_equal(np.asarray(f.get_tensor("t")), value)
+    assert bytes(data) == path.read_bytes()
