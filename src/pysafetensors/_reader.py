@@ -1487,13 +1487,14 @@ class safe_open(HandleBehaviour, ClosedWhenDropped):  # noqa: N801 - the referen
         # numpy's limits: the parts are numpy arrays, joined and indexed by numpy.
         plans = [self._checked_plan(info, box, framework="np") for box in boxes]
         pieces: list[np.ndarray] = [np.empty(0)] * len(plans)
-        mapped_cells = view is not None and (pick_cells is None or not view.readonly)
-        if mapped_cells and view is not None:
+        # torch cannot take a read-only buffer's array: those still copy the box.
+        readable = view is not None and (pick_cells is None or not view.readonly)
+        pick_from = view if readable else None
+        if pick_from is not None:
             # Picked straight out of the mapping: only the selected elements are copied. The
             # box copied first, then picked, took ``[np.arange(0, 50000, 7)]`` of a 195 MiB
-            # tensor 105-189 ms and 423 MiB against the reference's 28-33 ms and 227 MiB
-            # (torch cannot take a read-only buffer's array: those still copy the box).
-            elements = np.frombuffer(view, f"<i{itemsize}").reshape(info.shape)
+            # tensor 105-189 ms and 423 MiB against the reference's 28-33 ms and 227 MiB.
+            elements = np.frombuffer(pick_from, f"<i{itemsize}").reshape(info.shape)
             # With ``...``: an array even for a 0-d tensor (``()`` would give numpy's scalar).
             pieces = [elements[_with_ellipsis(box)] for box in boxes]
         else:
@@ -1516,7 +1517,7 @@ class safe_open(HandleBehaviour, ClosedWhenDropped):  # noqa: N801 - the referen
                 f"Error during slicing {render_index(index)} with shape {list(info.shape)}: {exc}",
                 kind="InvalidSlice",
             ) from None
-        if mapped_cells and np.may_share_memory(picked, cells):
+        if pick_from is not None and np.may_share_memory(picked, cells):
             # A pick of no index array or bool (``[None]``, ``[:, None]``) is a view: of the
             # mapping (writes to it would show in later reads) or of the caller's buffer.
             picked = picked.copy()
@@ -1765,10 +1766,9 @@ class SafeSlice:
         elif rows_max and kind is int:
             # One row (``[i]``, ``[-1]``): read as the rows above, its first dimension dropped
             # (the general path's plan cost ~17-30 us a call, the reference's ~2-8 us).
-            rows = self._info.shape[0]
-            row = index + rows if index < 0 else index
-            nbytes = self._info.nbytes // rows
-            if 0 <= row < rows and nbytes <= rows_max:
+            row = _row_number(index, self._info.shape[0])
+            nbytes = self._info.nbytes // self._info.shape[0]
+            if row is not None and nbytes <= rows_max:
                 return self._rows(row, row + 1, nbytes, dropped=True)
         elif (small_box and kind is slice and _plain_slice(index)) or (
             rows_max
@@ -1811,10 +1811,10 @@ class SafeSlice:
             rows = shape[0]
             row_bytes = nbytes // rows
             if type(first) is int:
-                begin = first + rows if first < 0 else first
-                if not 0 <= begin < rows:
+                row = _row_number(first, rows)
+                if row is None:
                     return None
-                end, index, shape = begin + 1, index[1:], shape[1:]
+                begin, end, index, shape = row, row + 1, index[1:], shape[1:]
             else:
                 begin, end, step = first.indices(rows)
                 if step != 1:
@@ -1866,6 +1866,13 @@ class SafeSlice:
             raise
         shape = info.shape[1:] if dropped else (end - begin, *info.shape[1:])
         return handle._adapter.from_bytes(buf, info.dtype, shape, handle._device)
+
+
+def _row_number(item: int, rows: int) -> int | None:
+    """The row an integer index names (negative ones from the end), None if out of range:
+    the general path raises its error for those."""
+    row = item + rows if item < 0 else item
+    return row if 0 <= row < rows else None
 
 
 def _with_ellipsis(box: tuple[slice, ...]) -> tuple[Any, ...]:

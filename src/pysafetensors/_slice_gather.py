@@ -237,23 +237,22 @@ def gather_slice(
     # Each thread's scratch holds the largest block (not always _GATHER_BLOCK: allocating
     # and freeing 8 MiB cost a one-block slice more than its read).
     size = max(block[1] for block in blocks)
-    if not isinstance(source, PreadSource):
-        scratch = np.empty(size, np.uint8)
-        for at, want, src_shape, index, target in blocks:
-            source.readinto(at, scratch.data[:want])
-            target[...] = scratch[:want].reshape(src_shape)[index]
-        return True
     local = threading.local()
+    read = source.pread_exact if isinstance(source, PreadSource) else source.readinto
 
     def one(block: GatherBlock) -> None:
         at, want, src_shape, index, target = block
         scratch = getattr(local, "buf", None)
         if scratch is None:
             scratch = local.buf = np.empty(size, np.uint8)
-        source.pread_exact(at, scratch.data[:want])
+        read(at, scratch.data[:want])
         target[...] = scratch[:want].reshape(src_shape)[index]
 
-    run_parallel(one, blocks, worker_count(source))
+    if isinstance(source, PreadSource):
+        run_parallel(one, blocks, worker_count(source))
+    else:
+        for block in blocks:
+            one(block)
     return True
 
 
