@@ -77,6 +77,13 @@ class Adapter(Protocol):
         ...
 
 
+#: An adapter's answer to ``fresh_kind(dtype)``, for ``get_tensor``'s short path on the CPU:
+#: the numpy dtype of a C-contiguous array of the tensor's shape to read the tensor's bytes
+#: into, and what makes the framework's tensor of that array, sharing its memory (None: the
+#: array itself). An adapter without ``fresh_kind`` takes ``from_bytes``'s way.
+FreshKind = tuple[np.dtype[Any], Callable[[np.ndarray], Any] | None]
+
+
 # ------------------------------------------------------------------------------------ numpy side
 
 
@@ -413,6 +420,11 @@ class NumpyAdapter:
 
     def check_device(self, device: Any) -> Device:
         return check_cpu_device(device, self.framework)
+
+    def fresh_kind(self, dtype: DType) -> FreshKind:
+        """How ``get_tensor`` builds a small whole-byte tensor by reading into a fresh array
+        (see :data:`FreshKind`): an array of the tensor's own dtype, returned as it is."""
+        return numpy_dtype(dtype), None
 
     def from_bytes(
         self, buf: np.ndarray, dtype: DType, shape: tuple[int, ...], device: Device

@@ -100,8 +100,8 @@ def test_close_during_a_mapped_get_tensor_waits_for_it(
 ) -> None:
     """close() from another thread emptied the mapping under a get_tensor in progress, which
     then returned uninitialised memory (torch) or zeros (numpy, >= 1 MiB) instead of the data.
-    1 MiB takes get_tensor's short path for small tensors (``_small``), 4 MiB the general one
-    (``_raw``)."""
+    1 MiB takes get_tensor's short path for small tensors (in numpy, its positioned read into
+    a fresh array; in torch, ``_small``), 4 MiB the general one (``_raw``)."""
     if framework == "pt":
         pytest.importorskip("torch")
     from pysafetensors import _reader
@@ -110,15 +110,25 @@ def test_close_during_a_mapped_get_tensor_waits_for_it(
     path = tmp_path / "m.safetensors"
     save_file({"w": values}, str(path))
     entered = threading.Event()
-    step = "_small" if values.nbytes <= _reader.MIN_PARALLEL_CHUNK else "_raw"
-    original = getattr(_reader.safe_open, step)
+    if values.nbytes > _reader.MIN_PARALLEL_CHUNK or framework == "pt":
+        step = "_small" if values.nbytes <= _reader.MIN_PARALLEL_CHUNK else "_raw"
+        original = getattr(_reader.safe_open, step)
 
-    def slow_read(self: Any, source: Any, info: Any) -> Any:
-        entered.set()
-        time.sleep(0.2)
-        return original(self, source, info)
+        def slow_read(self: Any, source: Any, info: Any) -> Any:
+            entered.set()
+            time.sleep(0.2)
+            return original(self, source, info)
 
-    monkeypatch.setattr(_reader.safe_open, step, slow_read)
+        monkeypatch.setattr(_reader.safe_open, step, slow_read)
+    else:
+        preadv = os.preadv
+
+        def slow_preadv(fd: int, buffers: Any, offset: int) -> int:
+            entered.set()
+            time.sleep(0.2)
+            return preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(_reader.os, "preadv", slow_preadv)
     f = safe_open(path, framework, backend="mmap")
     got: list[Any] = []
     reader = threading.Thread(target=lambda: got.append(f.get_tensor("w")))

@@ -8,6 +8,7 @@ general path hands out, with the same memory semantics and the same errors.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -154,3 +155,79 @@ def test_short_path_keeps_the_handles_checks(tmp_path: Path, backend: str) -> No
     f.close()
     with pytest.raises(SafetensorError, match="File is closed"):
         f.get_tensor("a")
+
+
+def _every_whole_byte_dtype(path: Path) -> dict[str, str]:
+    """A file of one small tensor of each whole-byte dtype, random bytes (written as a header
+    and bytes: numpy has no type for some of them). Returns name -> dtype code."""
+    from pysafetensors._dtypes import DTYPES
+
+    rng = np.random.default_rng(11)
+    header: dict[str, Any] = {}
+    data = bytearray()
+    for dtype in DTYPES:
+        if dtype.packed:
+            continue
+        size = dtype.bits // 8
+        shape = [3, 5, 2]
+        raw = rng.integers(0, 256, 30 * size, dtype=np.uint8)
+        if dtype.code == "BOOL":
+            raw %= 2
+        header[dtype.code.lower()] = {
+            "dtype": dtype.code,
+            "shape": shape,
+            "data_offsets": [len(data), len(data) + raw.nbytes],
+        }
+        data += raw.tobytes()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(data))
+    return {name: entry["dtype"] for name, entry in header.items()}
+
+
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_fresh_array_reads_of_every_dtype_match_the_file(
+    tmp_path: Path, backend: str, framework: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read straight into a fresh array of the tensor's shape (numpy; torch by pread)
+    hands out the file's bytes as the general path types and shapes them, in memory of its
+    own: C-contiguous, writable, a torch storage of exactly the tensor's bytes."""
+    if framework == "pt":
+        torch = pytest.importorskip("torch")
+    path = tmp_path / "dtypes.safetensors"
+    codes = _every_whole_byte_dtype(path)
+    file_bytes = path.read_bytes()
+    other_reads: list[str] = []
+    real = reader_safe_open._small
+
+    def spy(self: reader_safe_open, source: Any, info: Any) -> Any:
+        other_reads.append(info.name)
+        return real(self, source, info)
+
+    monkeypatch.setattr(reader_safe_open, "_small", spy)
+    with safe_open(path, framework, backend=backend) as f:
+        start = f.header.data_start
+        for name in codes:
+            try:
+                general = f.get_slice(name)[...]  # the general path's dtype and shape
+            except SafetensorError as exc:  # a dtype this framework or ml_dtypes lacks
+                with pytest.raises(SafetensorError) as same:
+                    f.get_tensor(name)
+                assert same.value.kind == exc.kind
+                continue
+            got = f.get_tensor(name)
+            info = f.header.tensors[name]
+            want = file_bytes[start + info.begin : start + info.end]
+            if framework == "pt":
+                assert got.dtype == general.dtype and got.shape == general.shape, name
+                assert got.is_contiguous()
+                assert got.untyped_storage().nbytes() == len(want), name
+                raw = got.view(torch.uint8).numpy() if got.dtype != torch.bool else got.numpy()
+            else:
+                assert got.dtype == general.dtype and got.shape == general.shape, name
+                assert got.flags.c_contiguous and got.flags.writeable and got.flags.owndata
+                raw = got
+            assert raw.tobytes() == want, name
+    fresh = framework == "np" or backend == "pread"
+    assert other_reads == ([] if fresh else list(codes))
