@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any, Final, NoReturn, SupportsIndex
 
 import numpy as np
@@ -1745,25 +1746,24 @@ class SafeSlice:
         self._source = hold.source
         self._handle = handle
         self._info = info
-        #: ``(rows_max, small_box)``, worked out at the first index (see _short_paths): a
-        #: slice made only for its shape or dtype does not pay for them.
-        self._short: tuple[int, bool] | None = None
+        #: ``(rows_max, small_box, scalar)``, worked out at the first index (see
+        #: _short_paths): a slice made only for its shape or dtype does not pay for them.
+        self._short: tuple[int, bool, bool] | None = None
 
-    def _short_paths(self) -> tuple[int, bool]:
-        """Row slices of up to ``rows_max`` bytes take the short path of :meth:`_rows` (0:
-        never); with ``small_box``, tuples of plain slices take :meth:`_box`'s. Only on the
-        CPU: a device's slices go through its staging."""
+    def _short_paths(self) -> tuple[int, bool, bool]:
+        """Row slices of up to ``rows_max`` bytes take the short path of :meth:`_run` (0:
+        never); with ``small_box``, tuples of plain slices take :meth:`_box`'s; with
+        ``scalar`` (a 0-d tensor), ``[...]`` and ``[()]`` read it whole by :meth:`_run`. Only
+        on the CPU: a device's slices go through its staging."""
         info, handle = self._info, self._handle
-        rows_max, small_box = 0, False
-        if (
-            info.nbytes
-            and handle._device.type == "cpu"
-            and info.dtype.bits % 8 == 0
-            and 1 <= len(info.shape) <= handle._small_ndim  # the rank these paths keep
-        ):
-            rows_max = handle._rows_limit
-            small_box = rows_max > 0 and info.nbytes <= _SMALL_PART and handle._small_box_ok
-        self._short = rows_max, small_box
+        rows_max, small_box, scalar = 0, False, False
+        if info.nbytes and handle._device.type == "cpu" and info.dtype.bits % 8 == 0:
+            if 1 <= len(info.shape) <= handle._small_ndim:  # the rank these paths keep
+                rows_max = handle._rows_limit
+                small_box = rows_max > 0 and info.nbytes <= _SMALL_PART and handle._small_box_ok
+            elif not info.shape:
+                scalar = handle._rows_limit > 0
+        self._short = rows_max, small_box, scalar
         return self._short
 
     def get_shape(self) -> list[int]:
@@ -1800,32 +1800,48 @@ class SafeSlice:
         return self._info.shape[0]
 
     def __getitem__(self, index: Any) -> Any:
-        rows_max, small_box = self._short or self._short_paths()
+        rows_max, small_box, scalar = self._short or self._short_paths()
         kind = type(index)
+        if kind is EllipsisType:
+            # ``[...]``: the whole tensor, as ``[:]`` reads it (the general path's plan cost
+            # ~8 us a call, the reference's ~2 us).
+            if rows_max:
+                index, kind = _ALL, slice
+            elif scalar:
+                return self._run(0, self._info.nbytes, ())
+        box_index: tuple[Any, ...] | None = None
         if rows_max and kind is slice and index.step is None:
             start, stop = index.start, index.stop
             if (start is None or type(start) is int) and (stop is None or type(stop) is int):
-                begin, end, _ = index.indices(self._info.shape[0])
-                nbytes = (end - begin) * (self._info.nbytes // self._info.shape[0])
+                shape = self._info.shape
+                begin, end, _ = index.indices(shape[0])
+                row_bytes = self._info.nbytes // shape[0]
+                nbytes = (end - begin) * row_bytes
                 if 0 < nbytes <= rows_max:
-                    return self._rows(begin, end, nbytes)
+                    return self._run(begin * row_bytes, nbytes, (end - begin, *shape[1:]))
         elif rows_max and kind is int:
             # One row (``[i]``, ``[-1]``): read as the rows above, its first dimension dropped
             # (the general path's plan cost ~17-30 us a call, the reference's ~2-8 us).
             row = _row_number(index, self._info.shape[0])
             nbytes = self._info.nbytes // self._info.shape[0]
             if row is not None and nbytes <= rows_max:
-                return self._rows(row, row + 1, nbytes, dropped=True)
-        elif (small_box and kind is slice and _plain_slice(index)) or (
-            rows_max
-            and kind is tuple
-            and 0 < len(index) <= len(self._info.shape)
-            and (small_box or self._handle._small_box_ok)
-            and all(map(_plain_slice, index[1:]))
-            and (type(index[0]) is int or _plain_slice(index[0]))
-        ):
+                return self._run(row * nbytes, nbytes, self._info.shape[1:])
+        elif small_box and kind is slice and _plain_slice(index):
+            box_index = (index,)
+        elif rows_max and kind is tuple and (small_box or self._handle._small_box_ok):
+            if (
+                0 < len(index) <= len(self._info.shape)
+                and all(map(_plain_slice, index[1:]))
+                and (type(index[0]) is int or _plain_slice(index[0]))
+            ):
+                box_index = index
+            else:  # ints after the first, a ``...``, ``()``; else the general path's
+                box_index = _box_index(index, self._info.shape)
+        elif scalar and kind is tuple and (not index or (len(index) == 1 and index[0] is ...)):
+            return self._run(0, self._info.nbytes, ())
+        if box_index is not None:
             try:
-                box = self._box(index if kind is tuple else (index,))
+                box = self._box(box_index)
             except SafetensorError:
                 # A read of the tensor that failed (a file cut short after the open): the
                 # general path below decides, as for any slice: an empty selection reads
@@ -1889,13 +1905,13 @@ class SafeSlice:
             out.reshape(-1), info.dtype, picked.shape[:-1], handle._device
         )
 
-    def _rows(self, begin: int, end: int, nbytes: int, *, dropped: bool = False) -> Any:
-        """``[begin:end]`` of a whole-byte tensor, ``nbytes`` of one run (with ``dropped``,
-        ``[begin]``: one row, without its first dimension): what the general path
-        (:meth:`safe_open._read_slice`) does for it, without its planning and dispatch (a
-        ``get_slice`` loop over small tensors paid ~11 us a call, the reference ~4 us)."""
+    def _run(self, at: int, nbytes: int, shape: tuple[int, ...]) -> Any:
+        """``nbytes`` of a whole-byte tensor's data from its byte ``at`` (rows ``[a:b]``, one
+        row ``[i]``, a 0-d tensor whole), one run, as a tensor of ``shape``: what the general
+        path (:meth:`safe_open._read_slice`) does for it, without its planning and dispatch
+        (a ``get_slice`` loop over small tensors paid ~11 us a call, the reference ~4 us)."""
         info, handle = self._info, self._handle
-        offset = handle._header.data_start + info.begin + begin * (nbytes // (end - begin))
+        offset = handle._header.data_start + info.begin + at
         buf = np.empty(nbytes, np.uint8)
         source = self._source
         try:
@@ -1910,7 +1926,6 @@ class SafeSlice:
         except SafetensorError as exc:
             handle._name_read_error(exc, info)
             raise
-        shape = info.shape[1:] if dropped else (end - begin, *info.shape[1:])
         return handle._adapter.from_bytes(buf, info.dtype, shape, handle._device)
 
 
@@ -1921,22 +1936,62 @@ def _row_number(item: int, rows: int) -> int | None:
     return row if 0 <= row < rows else None
 
 
+#: ``[:]``, what ``[...]`` of a tensor of at least one dimension means.
+_ALL: Final = slice(None)
+
+
+def _box_index(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int | slice, ...] | None:
+    """``index`` as :meth:`SafeSlice._box` takes it: ints (in range, made non-negative) and
+    plain slices, one ``...`` spelled out as full slices (``()`` as ``[:]``); None where
+    anything else is in it (``None``, arrays, bools, an int out of range, more items than
+    dimensions), which the general path reads or refuses in the reference's words."""
+    items: list[int | slice] = []
+    ellipsis_at = -1
+    for item in index:
+        if type(item) is int or _plain_slice(item):
+            items.append(item)
+        elif item is Ellipsis and ellipsis_at < 0:
+            ellipsis_at = len(items)
+        else:
+            return None
+    ndim = len(shape)
+    if len(items) > ndim:
+        return None
+    if ellipsis_at >= 0:
+        items[ellipsis_at:ellipsis_at] = [_ALL] * (ndim - len(items))
+    elif not items:
+        items.append(_ALL)
+    for dim, item in enumerate(items):
+        if type(item) is int:
+            row = _row_number(item, shape[dim])
+            if row is None:
+                return None
+            items[dim] = row
+    return tuple(items)
+
+
 def _with_ellipsis(box: tuple[slice, ...]) -> tuple[Any, ...]:
     """``box`` with a trailing ``...``: numpy indexing by it always gives an array."""
     return (*box, Ellipsis)
 
 
 def _selected_span(
-    shape: tuple[int, ...], itemsize: int, index: tuple[slice, ...]
+    shape: tuple[int, ...], itemsize: int, index: tuple[int | slice, ...]
 ) -> tuple[int, int]:
     """The bytes ``[low, high)`` of a C-order array of ``shape`` from the first element a
-    tuple of plain slices selects to the last; ``(0, 0)`` when it selects none."""
+    tuple of plain slices and non-negative ints in range selects to the last; ``(0, 0)``
+    when it selects none."""
     low = high = 0
     stride = itemsize
     for dim in range(len(shape) - 1, -1, -1):
         if dim < len(index):
-            start, stop, step = index[dim].indices(shape[dim])
-            count = len(range(start, stop, step))
+            item = index[dim]
+            if type(item) is int:
+                start, step, count = item, 1, 1
+            else:
+                assert isinstance(item, slice)
+                start, stop, step = item.indices(shape[dim])
+                count = len(range(start, stop, step))
         else:
             start, step, count = 0, 1, shape[dim]
         if not count:
