@@ -27,8 +27,12 @@ from ._zip_directory import EOCD_SIG, LOCAL_SIG, ZIP64_EOCD, end_records
 
 __all__ = ["BoundedFile", "FileBytes", "ZipMember", "ZipView", "caseless", "open_zip"]
 
-#: Chunk size used when streaming storage bytes.
-CHUNK: Final = 16 << 20
+#: Chunk size used when streaming storage bytes. Pieces read into one reused buffer are
+#: written out while they are still in the caches and in the TLB's reach: a 512 MiB
+#: conversion took 0.30-0.31 s in 4 MiB pieces against 0.67-0.79 s in 16 MiB ones (writing
+#: from a reused buffer of 4 KiB pages beyond the TLB's reach was the cost), 0.35-0.38 s in
+#: 2 MiB ones (which the writer gathers by copying them: below its ``WRITEV_BYTES``).
+CHUNK: Final = 4 << 20
 #: Largest ratio of inflated to compressed size accepted for a DEFLATE member.
 MAX_DEFLATE_RATIO: Final = 100
 #: Largest number of central-directory entries.
@@ -57,7 +61,7 @@ class FileBytes:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._scratch: bytearray | None = None
+        self._scratch: np.ndarray | None = None
         self._lent = False
         # A FIFO is refused, not waited on for a writer (see open_regular_file).
         self.fd = open_regular_file(self.path)
@@ -165,14 +169,16 @@ class FileBytes:
         """
         held = self._scratch
         if held is None or self._lent or len(held) < nbytes:
-            held = bytearray(nbytes)
+            # numpy's memory: in huge pages where the kernel allows it (numpy asks for them
+            # for arrays of 4 MiB and more), which a bytearray's is not.
+            held = np.empty(nbytes, np.uint8)
             if not self._lent:
                 self._scratch = held
         own = held is self._scratch and not self._lent
         if own:
             self._lent = True
         try:
-            yield memoryview(held)[:nbytes]
+            yield held.data[:nbytes]
         finally:
             if own:
                 self._lent = False
