@@ -1888,6 +1888,8 @@ class SafeSlice:
             offset += begin * row_bytes
             if type(source) is PreadSource:
                 source = source.without_readahead()  # only the rows' pages off disk
+        if len(shape) >= _NUMPY_MAX_NDIM:
+            return None  # with the bytes' axis below, more dimensions than numpy holds
         if type(source) is MmapSource:
             whole = np.frombuffer(source.view(offset, nbytes), np.uint8)  # type: ignore[arg-type]
         else:
@@ -1935,6 +1937,9 @@ def _row_number(item: int, rows: int) -> int | None:
     row = item + rows if item < 0 else item
     return row if 0 <= row < rows else None
 
+
+#: The most dimensions a numpy array has (numpy 2).
+_NUMPY_MAX_NDIM: Final = 64
 
 #: ``[:]``, what ``[...]`` of a tensor of at least one dimension means.
 _ALL: Final = slice(None)

@@ -4,6 +4,7 @@ of the full tensor on every dtype; errors are the same everywhere; pread reads o
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -1005,3 +1006,27 @@ def test_ellipsis_and_later_integers_by_the_short_paths_equal_the_general_one(
                 with pytest.raises(SliceError) as general_error:
                     _general(piece, wrong)
                 assert str(short_error.value) == str(general_error.value)
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_short_paths_of_a_64_dimension_tensor_leave_it_to_the_general_path(
+    tmp_path: Path, framework: str
+) -> None:
+    """The box path views the bytes with one axis more than the tensor: at numpy's 64
+    dimensions that raised numpy's ValueError; such tensors take the general path."""
+    if framework == "pt":
+        pytest.importorskip("torch")
+    header = json.dumps({"t": {"dtype": "F32", "shape": [1] * 64, "data_offsets": [0, 4]}})
+    text = header.encode() + b" " * (-len(header) % 8)
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(len(text).to_bytes(8, "little") + text + np.float32(1.5).tobytes())
+    with safe_open(path, framework) as f:
+        piece = f.get_slice("t")
+        for index, ndim in [
+            ((), 64),
+            ((Ellipsis,), 64),
+            ((Ellipsis, 0), 63),
+            ((slice(None), 0), 63),
+        ]:
+            got = np.asarray(piece[index])
+            assert got.ndim == ndim and got.reshape(-1).tolist() == [1.5], index
