@@ -23,6 +23,7 @@ __all__ = [
     "default_threads",
     "reader_thread_count",
     "run_parallel",
+    "start_beside",
     "wait_all",
     "worker_count",
 ]
@@ -202,6 +203,42 @@ def wait_all(
 
 
 _DONE: Final = object()
+
+
+def start_beside(task: Callable[[], None]) -> Callable[[], None]:
+    """Start ``task`` on a reader thread, beside what this thread does next; return what waits
+    for it (raising its exception, or an interrupt that came while waiting, once it returned).
+
+    Runs ``task`` here and now where :func:`run_parallel` would run inline (on a reader thread,
+    while submitting) or where no thread can start.
+    """
+    if getattr(_WORKER, "active", False) or getattr(_WORKER, "submitting", False):
+        task()
+        return _nothing
+    futures: list[Future[None]] = []
+    failed = threading.Event()
+    try:
+        _submit(task, 1, futures)
+    except RuntimeError:
+        task()
+        return _nothing
+    except BaseException:
+        wait_all(futures, failed)  # an interrupt while submitting: not before it returned
+        raise
+
+    def wait() -> None:
+        error = wait_all(futures, failed)
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error
+
+    return wait
+
+
+def _nothing() -> None:
+    """What :func:`start_beside` returns for a task it ran inline: nothing to wait for."""
 
 
 def default_threads() -> int:

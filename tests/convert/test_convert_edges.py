@@ -56,6 +56,26 @@ def test_a_wrong_crc_is_still_caught(tmp_path: Path) -> None:
         convert_file(src, tmp_path / "out.safetensors")
 
 
+@pytest.mark.parametrize("where", [0, 3 << 20, (5 << 20) - 1])
+def test_a_wrong_crc_of_a_large_member_is_caught(tmp_path: Path, where: int) -> None:
+    """Members of several MiB have the CRC of each piece computed on a reader thread while the
+    piece is written: a flipped byte in any piece still fails the check, and no file is left."""
+    values = torch.arange((5 << 20) // 4, dtype=torch.int32)
+    src = tmp_path / "large.pt"
+    torch.save({"w": values, "b": torch.arange(3.0)}, src)
+    converted = tmp_path / "fine.safetensors"
+    convert_file(src, converted)
+    assert torch.equal(_loaded(converted)["w"], values)
+    raw = bytearray(src.read_bytes())
+    at = raw.index(values[:64].numpy().tobytes()) + where
+    raw[at] ^= 0x40
+    src.write_bytes(bytes(raw))
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
+        convert_file(src, out)
+    assert not out.exists()
+
+
 def test_scheduler_state_with_a_counter_converts(tmp_path: Path) -> None:
     lin = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)

@@ -23,7 +23,7 @@ from pysafetensors import (
     safe_open,
     tuning,
 )
-from pysafetensors._reader_pool import run_parallel
+from pysafetensors._reader_pool import run_parallel, start_beside
 from pysafetensors._sources import PreadSource
 from pysafetensors.numpy import save_file
 
@@ -66,6 +66,43 @@ def test_first_exception_propagates() -> None:
 
     with pytest.raises(ValueError, match="boom at 3"):
         run_parallel(fail, range(6), 2)
+
+
+def test_a_task_started_beside_runs_on_a_reader_thread_and_is_waited_for() -> None:
+    started = threading.Event()
+    release = threading.Event()
+    seen: list[str] = []
+
+    def task() -> None:
+        started.set()
+        release.wait(10)
+        seen.append(threading.current_thread().name)
+
+    wait = start_beside(task)
+    assert started.wait(10) and not seen  # running while this thread goes on
+    release.set()
+    wait()
+    assert seen and seen[0].startswith("pysafetensors-read")
+
+    def failing() -> None:
+        raise OSError(5, "disk on fire")
+
+    wait = start_beside(failing)
+    with pytest.raises(OSError, match="disk on fire"):
+        wait()
+
+
+def test_a_task_started_beside_from_a_reader_thread_runs_inline() -> None:
+    """On a reader thread (a read inside a parallel read) the task runs at once: waiting on the
+    pool from one of its own workers could wait for ever."""
+    where: list[tuple[str, str]] = []
+
+    def outer(_: int) -> None:
+        here = threading.current_thread().name
+        start_beside(lambda: where.append((here, threading.current_thread().name)))()
+
+    run_parallel(outer, range(4), 2)
+    assert len(where) == 4 and all(a == b for a, b in where)
 
 
 def test_one_item_or_one_thread_runs_inline() -> None:
