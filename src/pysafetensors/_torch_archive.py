@@ -29,9 +29,10 @@ __all__ = ["BoundedFile", "FileBytes", "ZipMember", "ZipView", "caseless", "open
 
 #: Chunk size used when streaming storage bytes. Pieces read into one reused buffer are
 #: written out while they are still in the caches and in the TLB's reach: a 512 MiB
-#: conversion took 0.30-0.31 s in 4 MiB pieces against 0.67-0.79 s in 16 MiB ones (writing
-#: from a reused buffer of 4 KiB pages beyond the TLB's reach was the cost), 0.35-0.38 s in
-#: 2 MiB ones (which the writer gathers by copying them: below its ``WRITEV_BYTES``).
+#: conversion took 0.30-0.31 s in 4 MiB pieces against 0.67-0.79 s in 16 MiB ones (most
+#: likely the cost of writing from a reused buffer of 4 KiB pages beyond the TLB's reach),
+#: 0.35-0.38 s in 2 MiB ones (which the writer gathers by copying them: below its
+#: ``WRITEV_BYTES``).
 CHUNK: Final = 4 << 20
 #: Largest ratio of inflated to compressed size accepted for a DEFLATE member.
 MAX_DEFLATE_RATIO: Final = 100
