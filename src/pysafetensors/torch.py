@@ -432,9 +432,10 @@ def load_model(
 ) -> tuple[set[str], list[str]]:
     """Load a file into a model, restoring tied weights that :func:`save_model` dropped.
 
-    A CPU load of a local file under ``backend="mmap"`` views a mapping of it, which
-    ``load_state_dict`` copies into the model (no private copy of the weights besides the
-    model's own). Any other load would first read the whole file into fresh memory (on the
+    A CPU load of a local file (not a sharded checkpoint) under ``backend="mmap"`` views a
+    mapping of it, which ``load_state_dict`` copies into the model (no private copy of the
+    weights besides the model's own). Any other load would first read the whole file into
+    fresh memory (on the
     device, for ``device="cuda"``): instead the file's bytes are read straight into the
     model's own parameters and buffers where they fit (on that device, same dtype and shape,
     contiguous, loaded by torch's own code without state-dict hooks), by the reader threads
@@ -465,7 +466,12 @@ def load_model(
     with safe_open(filename, "pt", device=device, backend=backend) as f:
         if isinstance(f, ShardedSafeOpen):
             _warn_stale_entries(f.path, f.drop_stale_entries())
-        in_place = in_place_targets(model, f, device, mapped=maps_file(filename, backend))
+        # A sharded checkpoint is read in place even under mmap: viewing its mappings kept
+        # every shard's pages mapped until load_state_dict (a 1.4 GiB model in six shards
+        # peaked at 3,080 MiB of RSS, against 1,672 MiB in place and 1,785 MiB for the
+        # reference's load_file loop over the shards, in about the same time).
+        mapped = maps_file(filename, backend) and not isinstance(f, ShardedSafeOpen)
+        in_place = in_place_targets(model, f, device, mapped=mapped)
         if in_place:
             # Everything that can refuse the load (the other tensors' reads, every shard's
             # header, the model's shared tensors) comes before the first byte goes into the
