@@ -637,41 +637,37 @@ class safe_open(HandleBehaviour, ClosedWhenDropped):  # noqa: N801 - the referen
         # waits for it (it emptied a mapping under a read in progress, which then returned
         # uninitialised memory instead of raising).
         with self._lease as source:
-            if self._small_fd >= 0:
-                info = self._header.tensors.get(name)
-                if (
-                    info is not None
-                    and 0 < info.end - info.begin <= MIN_PARALLEL_CHUNK
-                    and not info.dtype.packed
-                    and len(info.shape) <= self._small_ndim
-                ):
-                    kind = self._fresh_kinds.get(info.dtype.code)
-                    if kind is None:
-                        assert self._fresh_kind is not None  # set with _small_fd
-                        kind = self._fresh_kinds[info.dtype.code] = self._fresh_kind(info.dtype)
-                    arr = np.empty(info.shape, kind[0])
-                    try:
-                        # The descriptor as is (see _small); a short read or an error takes
-                        # _small, which reads again and names what went wrong.
-                        # (An array is a buffer, which numpy's stubs do not say.)
-                        done = os.preadv(
-                            self._small_fd,
-                            [arr],  # type: ignore[list-item]
-                            self._header.data_start + info.begin,
-                        )
-                    except OSError:
-                        done = -1
-                    if done == arr.nbytes:
-                        return arr if kind[1] is None else kind[1](arr)
-                    return self._small(source, info)
-            elif self._small_reads:
+            if self._small_reads:
                 info = self._header.tensors.get(name)
                 if (
                     info is not None
                     and 0 < info.end - info.begin <= self._small_limit
-                    and not info.dtype.bits % 8
+                    and not info.dtype.packed
                     and len(info.shape) <= self._small_ndim
                 ):
+                    if self._small_fd >= 0:
+                        # Straight into a fresh array of its shape, made a framework
+                        # tensor by the adapter's fresh_kind (inline: a method's frame was
+                        # ~5% of a small tensor's call).
+                        kind = self._fresh_kinds.get(info.dtype.code)
+                        if kind is None:
+                            assert self._fresh_kind is not None  # set with _small_fd
+                            kind = self._fresh_kinds[info.dtype.code] = self._fresh_kind(info.dtype)
+                        arr = np.empty(info.shape, kind[0])
+                        try:
+                            # The descriptor as is (see _small); a short read or an error takes
+                            # _small, which reads again and names what went wrong.
+                            # (An array is a buffer, which numpy's stubs do not say.)
+                            done = os.preadv(
+                                self._small_fd,
+                                [arr],  # type: ignore[list-item]
+                                self._header.data_start + info.begin,
+                            )
+                        except OSError:
+                            done = -1
+                        if done == arr.nbytes:
+                            return arr if kind[1] is None else kind[1](arr)
+                        return self._small(source, info)
                     if self._small_reads != "device":
                         return self._small(source, info)
                     moved = self._small_to_device(source, info)
@@ -1802,13 +1798,15 @@ class SafeSlice:
     def __getitem__(self, index: Any) -> Any:
         rows_max, small_box, scalar = self._short or self._short_paths()
         kind = type(index)
-        if kind is EllipsisType:
+        if kind is EllipsisType and rows_max:
             # ``[...]``: the whole tensor, as ``[:]`` reads it (the general path's plan cost
             # ~8 us a call, the reference's ~2 us).
-            if rows_max:
-                index, kind = _ALL, slice
-            elif scalar:
-                return self._run(0, self._info.nbytes, ())
+            index, kind = _ALL, slice
+        elif scalar and (
+            kind is EllipsisType
+            or (kind is tuple and (not index or (len(index) == 1 and index[0] is ...)))
+        ):
+            return self._run(0, self._info.nbytes, ())  # a 0-d tensor's ``[...]``, ``[()]``
         box_index: tuple[Any, ...] | None = None
         if rows_max and kind is slice and index.step is None:
             start, stop = index.start, index.stop
@@ -1837,8 +1835,6 @@ class SafeSlice:
                 box_index = index
             else:  # ints after the first, a ``...``, ``()``; else the general path's
                 box_index = _box_index(index, self._info.shape)
-        elif scalar and kind is tuple and (not index or (len(index) == 1 and index[0] is ...)):
-            return self._run(0, self._info.nbytes, ())
         if box_index is not None:
             try:
                 box = self._box(box_index)

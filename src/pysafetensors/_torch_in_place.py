@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ._format import TensorInfo
+from ._sharded import ShardedSafeOpen
 from ._torch_adapter import ADAPTER, cuda_target, end_ptr, torch_dtype
 
 __all__ = ["in_place_targets", "maps_file"]
@@ -29,15 +30,23 @@ __all__ = ["in_place_targets", "maps_file"]
 _HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks")
 
 
-def maps_file(filename: Any, backend: str) -> bool:
-    """Whether a load of ``filename`` views a mapping of a local file (``backend="mmap"``).
+def maps_file(handle: Any, filename: Any, backend: str) -> bool:
+    """Whether a load of ``filename``, open as ``handle``, views a mapping of one local file
+    (``backend="mmap"``).
 
     A copy out of the mapping into the model (``load_state_dict``'s) is then the only copy: it
     took as long as reading in place (2 GiB, warm: 126-135 ms against 123-152 ms), and
     leaves the weights in the page cache for the next process. Every other load reads the file
-    into fresh memory first, which reading in place skips.
+    into fresh memory first, which reading in place skips. A sharded checkpoint is read in
+    place too: viewing its mappings kept every shard's pages mapped until ``load_state_dict``
+    (a 1.4 GiB model in six shards peaked at 3,080 MiB of RSS, against 1,672 MiB in place and
+    1,785 MiB for the reference's ``load_file`` loop over the shards, in about the same time).
     """
-    if backend != "mmap" or not isinstance(filename, (str, os.PathLike)):
+    if (
+        backend != "mmap"
+        or isinstance(handle, ShardedSafeOpen)
+        or not isinstance(filename, (str, os.PathLike))
+    ):
         return False
     return "://" not in os.fsdecode(os.fspath(filename))
 

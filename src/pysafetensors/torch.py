@@ -466,11 +466,7 @@ def load_model(
     with safe_open(filename, "pt", device=device, backend=backend) as f:
         if isinstance(f, ShardedSafeOpen):
             _warn_stale_entries(f.path, f.drop_stale_entries())
-        # A sharded checkpoint is read in place even under mmap: viewing its mappings kept
-        # every shard's pages mapped until load_state_dict (a 1.4 GiB model in six shards
-        # peaked at 3,080 MiB of RSS, against 1,672 MiB in place and 1,785 MiB for the
-        # reference's load_file loop over the shards, in about the same time).
-        mapped = maps_file(filename, backend) and not isinstance(f, ShardedSafeOpen)
+        mapped = maps_file(f, filename, backend)
         in_place = in_place_targets(model, f, device, mapped=mapped)
         if in_place:
             # Everything that can refuse the load (the other tensors' reads, every shard's

@@ -341,11 +341,12 @@ def test_a_mapped_cpu_load_copies_out_of_the_mapping(tmp_path: Path) -> None:
     from pysafetensors._torch_in_place import maps_file
 
     path, saved = _saved(tmp_path)
-    assert maps_file(path, "mmap") and maps_file(str(path), "mmap")
-    assert not maps_file(path, "pread")
-    assert not maps_file("https://host/model.safetensors", "mmap")
-    with open(path, "rb") as fileobj:
-        assert not maps_file(fileobj, "mmap")
+    with safe_open(path, "pt") as f:
+        assert maps_file(f, path, "mmap") and maps_file(f, str(path), "mmap")
+        assert not maps_file(f, path, "pread")
+        assert not maps_file(f, "https://host/model.safetensors", "mmap")
+        with open(path, "rb") as fileobj:
+            assert not maps_file(f, fileobj, "mmap")
     model = Net()
     with safe_open(path, "pt") as f:
         assert in_place_targets(model, f, "cpu", mapped=True) == {}
