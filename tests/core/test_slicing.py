@@ -615,6 +615,19 @@ def _general(piece: Any, index: Any) -> Any:
         return handle._read_slice(piece._info, index, source=piece._source)
 
 
+def _agrees_with_general(piece: Any, index: Any, short: Any, want: Any) -> np.ndarray:
+    """``short``, what a short path gave for ``piece[index]``, as a numpy array, checked: the
+    values, shape and dtype numpy gives (``want``), and what the general path gives."""
+    got = short if isinstance(short, np.ndarray) else short.numpy()
+    np.testing.assert_array_equal(got, want, err_msg=f"{piece._info.name} {index}")
+    assert got.shape == np.shape(want) and got.dtype == np.asarray(want).dtype, index
+    general = _general(piece, index)
+    np.testing.assert_array_equal(
+        general if isinstance(general, np.ndarray) else general.numpy(), got
+    )
+    return got
+
+
 def _contiguous_slice_cases(seed: int) -> list[tuple[tuple[int, ...], Any]]:
     """Shapes with indices of the forms the fast planner takes, and near misses of them."""
     rng = np.random.default_rng(seed)
@@ -738,14 +751,7 @@ def test_row_slices_by_the_short_path_equal_the_general_one(
             for start in bounds:
                 for stop in bounds:
                     index = slice(start, stop)
-                    short = piece[index]
-                    general = _general(piece, index)
-                    got = short if framework == "np" else short.numpy()
-                    np.testing.assert_array_equal(got, value[index])
-                    assert got.shape == value[index].shape
-                    np.testing.assert_array_equal(
-                        general if framework == "np" else general.numpy(), got
-                    )
+                    got = _agrees_with_general(piece, index, piece[index], value[index])
                     if got.size:
                         got.reshape(-1)[0] = 0  # private memory: the next read is unchanged
             np.testing.assert_array_equal(np.asarray(piece[:]), value)
@@ -808,14 +814,7 @@ def test_small_tensor_boxes_by_the_short_path_equal_the_general_one(
                     )
                     for _ in range(count)
                 )
-                short = piece[index]
-                general = _general(piece, index)
-                got = short if framework == "np" else short.numpy()
-                np.testing.assert_array_equal(got, value[index], err_msg=f"{name} {index}")
-                assert got.shape == value[index].shape and got.dtype == value.dtype
-                np.testing.assert_array_equal(
-                    general if framework == "np" else general.numpy(), got
-                )
+                got = _agrees_with_general(piece, index, piece[index], value[index])
                 assert got.flags.c_contiguous
                 if got.size:
                     got.reshape(-1)[0] = 0  # private memory: the next read is unchanged
@@ -909,14 +908,7 @@ def test_rows_by_integer_by_the_short_paths_equal_the_general_one(
             if value.ndim > 2:
                 indices += [(1, slice(None), slice(3, 4)), (slice(None, 4), 2)]
             for index in indices:
-                got = piece[index]
-                general = _general(piece, index)
-                got = got if framework == "np" else got.numpy()
-                np.testing.assert_array_equal(got, value[index], err_msg=f"{name} {index}")
-                assert got.shape == value[index].shape and got.dtype == value.dtype
-                np.testing.assert_array_equal(
-                    general if framework == "np" else general.numpy(), got
-                )
+                got = _agrees_with_general(piece, index, piece[index], value[index])
                 if got.size:
                     got.reshape(-1)[0] = 0  # private memory: the next read is unchanged
             for wrong in (rows, -rows - 1, (rows, slice(None))):
@@ -983,14 +975,8 @@ def test_ellipsis_and_later_integers_by_the_short_paths_equal_the_general_one(
                 got = piece[index]
                 took_general = bool(general_calls)
                 monkeypatch.undo()
-                general = _general(piece, index)
-                got = got if framework == "np" else got.numpy()
                 want = value[index]
-                np.testing.assert_array_equal(got, want, err_msg=f"{name} {index}")
-                assert got.shape == np.shape(want) and got.dtype == value.dtype, (name, index)
-                np.testing.assert_array_equal(
-                    general if framework == "np" else general.numpy(), got
-                )
+                got = _agrees_with_general(piece, index, got, want)
                 if got.size:
                     got.reshape(-1)[0] = 1  # private memory: the next read is unchanged
                     np.testing.assert_array_equal(np.asarray(piece[index]), want)
