@@ -612,7 +612,11 @@ def is_torch(value: Any) -> bool:
     # By module name first, so that numpy-only callers never import torch; then by class, for
     # subclasses defined elsewhere (a model's own Parameter, bitsandbytes' Params4bit, ...),
     # which can exist only once torch is imported.
-    if type(value).__module__.split(".", 1)[0] == "torch":
+    kind = type(value)
+    if kind is np.ndarray:
+        return False  # the common case of numpy callers, asked several times per tensor
+    module = kind.__module__
+    if module == "torch" or module.startswith("torch."):
         return True
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
