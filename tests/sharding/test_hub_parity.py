@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pysafetensors import safe_open, save_sharded
+from pysafetensors import SerializeError, safe_open, save_sharded
 from pysafetensors._sharding import (
+    _data_size,
     parse_size,
     split_into_shards,
     torch_storage_id,
@@ -134,6 +135,35 @@ def test_numpy_input_matches_hub_on_same_values(tmp_path: Path) -> None:
     serialization.save_torch_state_dict(sd, hub_dir, max_shard_size="1KB")
     save_sharded(as_numpy, tmp_path / "np", "1KB")
     assert_same_tree(hub_dir, tmp_path / "np")
+
+
+def test_numpy_arrays_are_sized_as_the_file_stores_them(tmp_path: Path) -> None:
+    # The split sizes numpy's own dtypes by nbytes, without the adapter's conversion: every
+    # byte order and layout must give the size the written file holds, and the packed
+    # sub-byte floats (one code a byte in memory) their packed size.
+    import ml_dtypes
+
+    from pysafetensors.numpy import save_file
+
+    base = np.arange(24).reshape(4, 6)
+    arrays = {
+        f"{np.dtype(t).str}_{layout}": (a if layout == "c" else a.T)
+        for t in ("?", "i1", "u1", "<i2", ">u2", "<i4", ">i4", "<u8", "<f2", ">f4", "<f8", ">f8")
+        for layout in ("c", "t")
+        for a in [base.astype(t)]
+    }
+    arrays["bf16"] = base.astype(ml_dtypes.bfloat16)
+    arrays["f4"] = base.astype(ml_dtypes.float4_e2m1fn)
+    arrays["f6"] = base.astype(ml_dtypes.float6_e3m2fn)
+    for name, array in arrays.items():
+        save_file({name: array}, tmp_path / "one.safetensors")
+        raw = (tmp_path / "one.safetensors").read_bytes()
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+        begin, end = header[name]["data_offsets"]
+        assert _data_size(name, array) == end - begin, name
+    # A numpy float no file holds is still refused at sizing, naming its tensor.
+    with pytest.raises(SerializeError, match="`wide`"):
+        _data_size("wide", np.zeros(2, np.longdouble))
 
 
 class _Tied(torch.nn.Module):
