@@ -25,6 +25,7 @@ import dataclasses
 import errno
 import operator
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -167,7 +168,16 @@ def _dims(name: Any, shape: Any) -> tuple[int, ...]:
             kind="TensorInvalidInfo",
             tensor=str(name),
         )
-    shape = list(shape)  # once: a generator's values are gone after one pass
+    try:
+        shape = list(shape)  # once: a generator's values are gone after one pass
+    except TypeError:
+        # Iterable by its type only: a 0-d numpy array raised numpy's own TypeError.
+        raise SerializeError(
+            f"{SERIALIZE_PREFIX}tensor `{name}` is declared with shape {shape!r:.60}: expected "
+            "a sequence of non-negative integers",
+            kind="TensorInvalidInfo",
+            tensor=str(name),
+        ) from None
     for d in shape:
         try:
             value = -1 if isinstance(d, (bool, np.bool_)) else operator.index(d)
@@ -981,8 +991,11 @@ class ShardedStreamingWriter(ClosedWhenDropped):
         by_name = {d[0]: d for d in decls}
         # The checks a single-file writer makes (sizes that overflow, among others), before any
         # shard is planned: an overflowing size counted as 0 went unnoticed until another
-        # tensor's shard was opened.
-        checked = {info.name: info.nbytes for info in build_layout(decls, None).tensors}
+        # tensor's shard was opened. Only each shard's header is held to the limit (below):
+        # a checkpoint whose shards all fit was refused when their headers together did not.
+        everything = build_layout(decls, None, max_header_size=sys.maxsize)
+        checked = {info.name: info.nbytes for info in everything.tensors}
+        del everything
         self._sizes = {name: checked[name] for name, _, _ in decls}  # in declaration order
         empties = _empty_storages(tensors)
         plan = split_into_shards(
@@ -1061,11 +1074,11 @@ class ShardedStreamingWriter(ClosedWhenDropped):
             writer._cursor[name] = at + length  # as a write moves it
         return 0
 
-    def _finish_if_complete(self, writer: StreamingWriter) -> None:
+    def _finish_if_complete(self, writer: StreamingWriter, name: str) -> None:
         """Hand a shard whose every byte is written to the group now, not at close: it then
         holds its descriptor only while the group's budget allows (a writer of many shards
         written one after another held one per shard until close, and ran out under a low
-        limit on open files)."""
+        limit on open files). ``name``: the tensor whose write finished the shard."""
         if not writer.complete:
             return
         try:
@@ -1074,6 +1087,11 @@ class ShardedStreamingWriter(ClosedWhenDropped):
             if exc.kind != "Incomplete":
                 if writer._state == "failed":
                     self._shard_failed(writer, exc)
+                if self._closed:
+                    # An abort() on another thread finished the group before the shard was
+                    # handed to it: the write is told so, as every write after an abort is
+                    # (the group's own error said only that it was finished).
+                    raise _closed_error(self.folder, self._state, name) from exc
                 raise
             # Another thread's write to it failed meanwhile: its bytes are missing again, and
             # the shard stays open for them.
@@ -1152,7 +1170,7 @@ class ShardedStreamingWriter(ClosedWhenDropped):
                     raise  # aborted or closed meanwhile
                 # Another thread's write finished the shard meanwhile: as below.
             else:
-                self._finish_if_complete(writer)
+                self._finish_if_complete(writer, name)
                 return got
         return self._write_finished(writer, name, data, offset)
 

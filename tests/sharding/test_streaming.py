@@ -392,6 +392,18 @@ def test_declared_shapes_must_be_non_negative_integers(tmp_path: Path, shape: tu
     assert not any(tmp_path.iterdir()) or not list(tmp_path.glob("**/*.safetensors"))
 
 
+def test_a_declared_0d_array_shape_is_refused_as_a_declaration(tmp_path: Path) -> None:
+    # numpy's own TypeError ("iteration over a 0-d array") came out of the declaration.
+    for make in (
+        lambda: StreamingWriter(tmp_path / "m.safetensors", {"a": ("F32", np.array(3))}),
+        lambda: ShardedStreamingWriter(tmp_path / "s", {"a": ("F32", np.array(3))}),
+    ):
+        with pytest.raises(SerializeError, match="declared with shape array") as info:
+            make()
+        assert info.value.kind == "TensorInvalidInfo"
+        assert info.value.tensor == "a"
+
+
 def test_a_declared_generator_shape_is_quoted_whole(tmp_path: Path) -> None:
     with pytest.raises(SerializeError, match=r"declared with shape \[2, -1\]"):
         StreamingWriter(tmp_path / "m.safetensors", {"a": ("F32", (d for d in (2, -1)))})
