@@ -94,8 +94,10 @@ def as_dtype(value: Any) -> DType:
         # np.dtype(None) is float64: a missing dtype must not become one.
         raise SerializeError(f"{SERIALIZE_PREFIX}None is not a dtype", kind="UnknownDtype")
     if isinstance(value, str):
-        with contextlib.suppress(Exception):
+        try:  # (not contextlib.suppress: a context manager per declaration cost ~0.4 us)
             return dtype_from_code(value)
+        except Exception:  # noqa: BLE001, S110 - not a code: read as a name below
+            pass
         return dtype_from_name(value.removeprefix("torch."))
     text = str(value)
     if text.startswith("torch."):
