@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import json
 import os
 import re
@@ -42,6 +41,7 @@ from ._errors import (
 )
 from ._format import MAX_HEADER_SIZE, TensorInfo
 from ._layout import build_layout
+from ._name_globs import glob_matcher
 from ._sharded import MAX_INDEX_SIZE, ShardedSafeOpen, is_index_path, shown
 from ._sharding import (
     COMPUTED_KEYS,
@@ -825,7 +825,8 @@ def select_names(
     if regex:
         compiled = [re.compile(p) for p in pats]
         return [n for n in names if any(c.search(n) for c in compiled)]
-    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+    accept = glob_matcher(pats)
+    return [n for n in names if accept(n)]
 
 
 def extract(

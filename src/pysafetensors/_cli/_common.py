@@ -28,6 +28,7 @@ from .._dtypes import DType
 from .._errors import SafetensorError, make_folder
 from .._file_pool import FilePool
 from .._format import MAX_HEADER_SIZE, Header
+from .._name_globs import glob_matcher
 from .._ordered_opens import ahead_for, in_order
 from .._planned_reads import BlockBudget, plan_reads
 from .._reader import read_header
@@ -490,8 +491,6 @@ def add_filter_args(parser: Any) -> None:
 
 def name_filter(args: Any) -> Callable[[str], bool]:
     """Build the predicate ``--filter``/``--regex`` ask for (everything when neither is given)."""
-    import fnmatch
-
     globs: list[str] = list(getattr(args, "filter", None) or [])
     pattern = getattr(args, "regex", None)
     regex: re.Pattern[str] | None = None
@@ -501,8 +500,10 @@ def name_filter(args: Any) -> Callable[[str], bool]:
         except re.error as exc:
             raise UsageError(f"invalid --regex {pattern!r}: {exc}") from None
 
+    globbed = glob_matcher(globs) if globs else None
+
     def accept(name: str) -> bool:
-        if globs and not any(fnmatch.fnmatchcase(name, g) for g in globs):
+        if globbed is not None and not globbed(name):
             return False
         return regex is None or regex.search(name) is not None
 
