@@ -20,7 +20,7 @@ import pytest
 from pysafetensors._adapter import numpy_dtype
 from pysafetensors._cli import _chunk_work, _cmd_stats
 from pysafetensors._cli._common import open_model
-from pysafetensors._cli._small_tensors import Batch, batched
+from pysafetensors._cli._small_tensors import Batch, _blocks, batched
 from pysafetensors._dtypes import DTYPES, DType
 
 from .conftest import raw_file
@@ -183,3 +183,39 @@ def test_batched_stats_are_numpys(cli: Callable[..., Any], tmp_path: Path) -> No
         assert row["std"] == pytest.approx(finite.std(), rel=1e-12)
         counts, edges = np.histogram(finite, bins=5)
         assert row["histogram"] == {"edges": edges.tolist(), "counts": counts.tolist()}
+
+
+def test_alternating_sizes_are_summarised_together(
+    cli: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A LoRA's A and B matrices alternate in a file (r x in, out x r): each was a block of its
+    # own, every tensor paying the block's ~20 numpy calls. Grouped by dtype and size across
+    # the batch, the output is still the per-tensor path's, byte for byte.
+    rng = np.random.default_rng(3)
+    header: dict[str, Any] = {}
+    data = bytearray()
+    for i in range(60):
+        shape = [4, 32] if i % 2 == 0 else [16, 4]
+        values = rng.standard_normal(shape).astype(np.float32)
+        if i == 7:
+            values[0, 0] = np.nan
+        header[f"layer.{i // 2}.lora_{'AB'[i % 2]}.weight"] = {
+            "dtype": "F32",
+            "shape": shape,
+            "data_offsets": [len(data), len(data) + values.nbytes],
+        }
+        data += values.tobytes()
+    path = tmp_path / "lora.safetensors"
+    path.write_bytes(raw_file(header, bytes(data)))
+    with open_model(str(path), None) as model:
+        refs = list(model.tensors.values())
+        raw = np.frombuffer(bytes(data), np.uint8)
+        groups = [members for members, _ in _blocks(refs, raw)]
+    assert sorted(map(len, groups)) == [30, 30]
+    for args in (["--json", "--histogram", "5"], ["--histogram", "3"]):
+        monkeypatch.setattr(_cmd_stats, "BATCH_WORDS", 0)
+        alone = cli("stats", path, *args)
+        monkeypatch.setattr(_cmd_stats, "BATCH_WORDS", None)
+        together = cli("stats", path, *args)
+        assert alone.code == together.code == 0
+        assert together.out == alone.out, args

@@ -95,29 +95,39 @@ def summarise_batch(bins: int | None) -> Callable[[tuple[Batch, np.ndarray]], li
 
     def run(item: tuple[Batch, np.ndarray]) -> list[Summary]:
         batch, raw = item
-        out: list[Summary] = []
-        pos = 0
+        found: dict[int, Summary] = {}
         # Per thread: NaN and Inf are counted, not warned about.
         with np.errstate(invalid="ignore", over="ignore"):
-            for block in _blocks(batch.refs):
-                size = sum(ref.nbytes for ref in block)
-                out.extend(_block_summaries(block, raw[pos : pos + size], bins))
-                pos += size
-        return out
+            for members, block_raw in _blocks(batch.refs, raw):
+                block = [batch.refs[i] for i in members]
+                summaries = _block_summaries(block, block_raw, bins)
+                found.update(zip(members, summaries, strict=True))
+        return [found[i] for i in range(len(batch.refs))]  # in the batch's order
 
     return run
 
 
-def _blocks(refs: Sequence[TensorRef]) -> Iterator[list[TensorRef]]:
-    """Runs of tensors of one dtype and element count: the rows of one array."""
-    block: list[TensorRef] = []
-    for ref in refs:
-        if block and (ref.dtype != block[0].dtype or ref.numel != block[0].numel):
-            yield block
-            block = []
-        block.append(ref)
-    if block:
-        yield block
+def _blocks(refs: Sequence[TensorRef], raw: np.ndarray) -> Iterator[tuple[list[int], np.ndarray]]:
+    """The tensors of one dtype and element count, wherever they lie in the batch, with
+    their bytes one after another: the rows of one array. Only runs of adjacent tensors
+    were taken together before, and a LoRA's A and B matrices, or an expert's w1, w2 and w3,
+    alternate: every block was one tensor (~20 numpy calls each; --histogram 3x slower)."""
+    starts: list[int] = []
+    groups: dict[tuple[str, int], list[int]] = {}
+    pos = 0
+    for i, ref in enumerate(refs):
+        starts.append(pos)
+        pos += ref.nbytes
+        groups.setdefault((ref.dtype.code, ref.numel), []).append(i)
+    for members in groups.values():
+        first, last = members[0], members[-1]
+        if last - first + 1 == len(members):  # adjacent: a view
+            yield members, raw[starts[first] : starts[last] + refs[last].nbytes]
+        else:
+            yield (
+                members,
+                np.concatenate([raw[starts[i] : starts[i] + refs[i].nbytes] for i in members]),
+            )
 
 
 def _block_summaries(block: list[TensorRef], raw: np.ndarray, bins: int | None) -> list[Summary]:
