@@ -902,16 +902,26 @@ class Ui:
         for row in rows:
             widths = [max(w, display_width(cell)) for w, cell in zip(widths, row, strict=True)]
 
+        aligned = [col in right for col in columns]
+
         def fmt(cells: Sequence[str]) -> str:
             parts = []
-            for col, cell, w in zip(columns, cells, widths, strict=True):
-                pad = " " * (w - display_width(cell))
-                parts.append(pad + cell if col in right else cell + pad)
+            for is_right, cell, w in zip(aligned, cells, widths, strict=True):
+                pad = " " * (w - (len(cell) if cell.isascii() else display_width(cell)))
+                parts.append(pad + cell if is_right else cell + pad)
             return "  ".join(parts).rstrip()
 
         print(fmt(columns))
+        # A thousand rows a print: one print per row was a quarter of `inspect` of 100,000
+        # tensors (0.76 of ~3 s).
+        block: list[str] = []
         for row in rows:
-            print(fmt(row))
+            block.append(fmt(row))
+            if len(block) == 1024:
+                print("\n".join(block))
+                block = []
+        if block:
+            print("\n".join(block))
 
     @contextlib.contextmanager
     def progress(self, total: int, desc: str) -> Iterator[Callable[[int], None]]:
