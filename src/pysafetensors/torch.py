@@ -435,15 +435,14 @@ def load_model(
     A CPU load of a local file (not a sharded checkpoint) under ``backend="mmap"`` views a
     mapping of it, which ``load_state_dict`` copies into the model (no private copy of the
     weights besides the model's own). Any other load would first read the whole file into
-    fresh memory (on the
-    device, for ``device="cuda"``): instead the file's bytes are read straight into the
-    model's own parameters and buffers where they fit (on that device, same dtype and shape,
-    contiguous, loaded by torch's own code without state-dict hooks), by the reader threads
-    or, on a CUDA device, through the pinned staging pipeline; ``load_state_dict`` then runs
-    as usual (its copy of a tensor onto itself is skipped) and copies the rest. A load that
-    is refused (a tensor the file cannot give, tensors of the model sharing memory) leaves
-    the model as it was; if a read fails part way, the tensors read so far hold the file's
-    values.
+    fresh memory (on the device, for ``device="cuda"``): instead the file's bytes are read
+    straight into the model's own parameters and buffers where they fit (on that device, same
+    dtype and shape, contiguous, loaded by torch's own code without state-dict hooks), by the
+    reader threads or, on a CUDA device, through the pinned staging pipeline;
+    ``load_state_dict`` then runs as usual (its copy of a tensor onto itself is skipped) and
+    copies the rest. A load that is refused (a tensor the file cannot give, tensors of the
+    model sharing memory) leaves the model as it was; if a read fails part way, the tensors
+    read so far hold the file's values.
 
     Args:
         model: The model to load into.
