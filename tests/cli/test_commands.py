@@ -483,6 +483,62 @@ def test_hash_of_large_tensors_across_chunks(
                 assert row["digest"] == want.hexdigest(), (algorithm, row["name"])
 
 
+@pytest.mark.parametrize("chunk", [24, 48, 1008, 24 << 20])
+def test_hash_reads_the_data_in_chunks_and_hashes_each_tensor_from_them(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Each tensor's digest comes from the slices of the chunks it covers (small tensors
+    several to a chunk, others across chunks, empty ones anywhere), read in one pass: a read
+    per chunk, not per tensor."""
+    import pysafetensors._cli._cmd_hash as cmd_hash
+
+    rng = np.random.default_rng(7)
+    tensors: dict[str, np.ndarray] = {"empty.first": np.zeros((0, 3), np.float32)}
+    for i in range(60):
+        tensors[f"t{i:02d}"] = rng.standard_normal(int(rng.integers(1, 40))).astype(np.float32)
+        if i % 17 == 0:
+            tensors[f"t{i:02d}.empty"] = np.zeros(0, np.int64)
+    tensors["z.empty.last"] = np.zeros(0, np.uint8)
+    path = tmp_path / "small.safetensors"
+    save_file(tensors, str(path))
+    monkeypatch.setattr(cmd_hash, "CHUNK_BYTES", chunk)
+    chunks = 0
+    real = cmd_hash.iter_tensor_chunks
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal chunks
+        for item in real(*args, **kwargs):
+            chunks += 1
+            yield item
+
+    monkeypatch.setattr(cmd_hash, "iter_tensor_chunks", counted)
+    doc = cli("hash", path, "--json").json()
+    data = path.read_bytes()
+    with safe_open(str(path), "np") as f:
+        start, size = f.header.data_start, f.header.data_size
+        assert chunks == -(-start // chunk) + -(-size // chunk)  # the header's, then the data's
+        assert sorted(row["name"] for row in doc["tensors"]) == sorted(tensors)
+        for row in doc["tensors"]:
+            info = f.header.tensors[row["name"]]
+            want = hashlib.sha256(data[start + info.begin : start + info.end]).hexdigest()
+            assert row["digest"] == want, row["name"]
+    assert doc["files"][0]["file"] == hashlib.sha256(data).hexdigest()
+    # Filtered: the same digests, for the tensors chosen only (every byte still read).
+    some = cli("hash", path, "--json", "-f", "t1*").json()
+    chosen = {row["name"]: row["digest"] for row in some["tensors"]}
+    assert chosen == {r["name"]: r["digest"] for r in doc["tensors"] if r["name"][:2] == "t1"}
+    assert some["files"] == doc["files"]
+
+
+def test_hash_of_a_file_of_empty_tensors_only(cli, tmp_path: Path) -> None:
+    path = tmp_path / "empty.safetensors"
+    save_file({"a": np.zeros(0, np.float32), "b": np.zeros((2, 0), np.int8)}, str(path))
+    doc = cli("hash", path, "--json").json()
+    empty = hashlib.sha256(b"").hexdigest()
+    assert {row["name"]: row["digest"] for row in doc["tensors"]} == {"a": empty, "b": empty}
+    assert doc["files"][0]["file"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 # ------------------------------------------------------------------------------------- cast
 
 
