@@ -36,7 +36,7 @@ import bisect
 from collections.abc import Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeGuard
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from ._remote_read_ahead import fetch_in_background, may_wait_here
 from ._remote_source import RemoteSource
 from ._sources import ByteSource
 
-__all__ = ["BLOCK_BYTES", "BlockBudget", "PlannedReads", "plan_reads"]
+__all__ = ["BLOCK_BYTES", "BlockBudget", "PlannedReads", "plan_reads", "reads_remotely"]
 
 #: The largest block fetched at once: eight parts of the remote sources' default 8 MiB, what
 #: their default eight connections fetch in parallel.
@@ -83,12 +83,17 @@ class BlockBudget:
             self._holder = None
 
 
+def reads_remotely(source: ByteSource) -> TypeGuard[RemoteSource]:
+    """Whether :func:`plan_reads` plans ``source``'s reads (a remote source)."""
+    return isinstance(source, RemoteSource)
+
+
 def plan_reads(
     source: ByteSource, ranges: Iterable[tuple[int, int]], budget: BlockBudget | None = None
 ) -> PlannedReads | None:
     """A :class:`PlannedReads` of ``ranges`` for a remote source (across its own ``max_gap``),
     None for any other: a local file's reads cost no round trip."""
-    if not isinstance(source, RemoteSource):
+    if not reads_remotely(source):
         return None
     return PlannedReads(source, ranges, max_gap=source.max_gap, budget=budget)
 

@@ -29,7 +29,7 @@ from .._file_pool import FilePool
 from .._format import MAX_HEADER_SIZE, Header, gc_paused
 from .._name_globs import glob_matcher
 from .._ordered_opens import ahead_for, in_order
-from .._planned_reads import BlockBudget, plan_reads
+from .._planned_reads import BlockBudget, plan_reads, reads_remotely
 from .._reader import read_header
 from .._remote_urls import shown_location as shown
 from .._sharded import MissingShardError
@@ -696,9 +696,12 @@ class Model:
         remote file reads through a :class:`PlannedReads` of those tensors' ranges, one file's
         blocks held at a time for the whole model. Local files read as before.
         """
+        remote = {id(f) for f in self.files if reads_remotely(f.source)}
         ranges: dict[int, list[tuple[int, int]]] = {}
-        for ref in refs:
-            ranges.setdefault(id(ref.file), []).append(ref.file_offsets)
+        if remote:  # local files' ranges are not wanted (0.3 s for 100,000 tensors)
+            for ref in refs:
+                if id(ref.file) in remote:
+                    ranges.setdefault(id(ref.file), []).append(ref.file_offsets)
         budget = BlockBudget()
         try:
             for f in self.files:

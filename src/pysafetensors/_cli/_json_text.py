@@ -51,9 +51,7 @@ def _scalar(value: Any) -> str | None:
     if isinstance(value, int):
         return int.__repr__(value)
     if isinstance(value, float):
-        if value != value or value in (_INF, -_INF):
-            raise ValueError("Out of range float values are not JSON compliant: " + repr(value))
-        return float.__repr__(value)
+        return _float_text(value)
     if isinstance(value, (list, tuple, dict)):
         return None
     raise TypeError(f"Object of type {value.__class__.__name__} is not JSON serializable")
@@ -82,10 +80,29 @@ def _bad_key(key: Any) -> TypeError:
     return TypeError(f"keys must be str, int, float, bool or None, not {key.__class__.__name__}")
 
 
+def _float_text(value: float) -> str:
+    """A float of exactly ``float``'s type, as :func:`_scalar` writes it."""
+    if value != value or value in (_INF, -_INF):
+        raise ValueError("Out of range float values are not JSON compliant: " + repr(value))
+    return float.__repr__(value)
+
+
+#: How values of these exact types are written, without a call of :func:`_small` each (most
+#: of a document's values): subclasses go through :func:`_scalar`, as ``json`` treats them.
+_WRITERS: Final[dict[type, Callable[[Any], str]]] = {
+    str: _encode,
+    int: int.__repr__,
+    bool: {True: "true", False: "false"}.__getitem__,
+    type(None): {None: "null"}.__getitem__,
+    float: _float_text,
+}
+
+
 def _small(value: Any, level: int, budget: list[int]) -> str:
     """``value``'s whole text at indent ``level``; raises :class:`_TooLarge` past the budget
     (a one-item list, shared by the recursion: the values still allowed, each container's
-    items taken from it at once). Strings, most of the values, are written without a call."""
+    items taken from it at once). Scalars of the plain types are written without a call of
+    this function (:data:`_WRITERS`)."""
     kind = type(value)
     if kind is not dict and kind is not list and kind is not tuple:
         text = _scalar(value)
@@ -99,15 +116,19 @@ def _small(value: Any, level: int, budget: list[int]) -> str:
         return "{}" if kind is dict else "[]"
     inner = "\n" + _INDENT * (level + 1)
     level += 1
+    writers = _WRITERS
     if kind is dict:
         parts = []
         for k, v in value.items():
             key = _encode(k) if type(k) is str else _key(k)
             if key is None:
                 raise _bad_key(k)
-            parts.append(key + ": " + (_encode(v) if type(v) is str else _small(v, level, budget)))
+            write = writers.get(type(v))
+            parts.append(key + ": " + (write(v) if write else _small(v, level, budget)))
         return "{" + inner + ("," + inner).join(parts) + "\n" + _INDENT * (level - 1) + "}"
-    items = [_encode(v) if type(v) is str else _small(v, level, budget) for v in value]
+    items = [
+        write(v) if (write := writers.get(type(v))) else _small(v, level, budget) for v in value
+    ]
     return "[" + inner + ("," + inner).join(items) + "\n" + _INDENT * (level - 1) + "]"
 
 
