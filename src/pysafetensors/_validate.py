@@ -593,57 +593,116 @@ def _check_tensors(
 ) -> None:
     # One read buffer for every tensor, and the values looked at in sub-chunks of ~1 MiB, so
     # that the masks (NaN, Inf, a widened BF16 copy) stay ~1 MiB each: 48 -> 24 MiB in all.
+    runs = list(_adjacent_runs(checked))
     buffer = np.empty(
-        min(CHUNK_BYTES, max((e.end - e.begin for e in checked), default=0)), np.uint8
+        min(CHUNK_BYTES, max((r[-1].end - r[0].begin for r in runs), default=0)), np.uint8
     )
     scratch: list[np.ndarray] = []
-    for e in checked:
-        nan = inf = bad_bool = 0
-        first: int | None = None
-        element = max(1, e.dtype.bits // 8)
-        for offset, raw in _sub_chunks(
-            iter_tensor_chunks(source, data_start + e.begin, e.end - e.begin, buffer=buffer)
-        ):
-            if _all_finite(e.dtype.code, raw, scratch):
-                pass
-            elif e.dtype.code == "BOOL":
-                bad = np.flatnonzero(raw > 1)
-                bad_bool += int(bad.size)
-                if bad.size and first is None:
-                    first = offset + int(bad[0])
-            else:
-                values = _float_view(e.dtype, raw)
-                assert values is not None
-                # (C64: per complex element, NaN or Inf where a part is, as numpy counts.)
-                with np.errstate(invalid="ignore"):
-                    isnan = np.isnan(values)
-                    isinf = np.isinf(values)
-                nan += int(isnan.sum())
-                inf += int(isinf.sum())
-                if first is None and (nan or inf):
-                    idx = int(np.flatnonzero(isnan | isinf)[0])
-                    # Sub-byte elements have no byte offset of their own; report their byte.
-                    first = offset + (
-                        idx * e.dtype.bits // 8 if e.dtype.bits % 8 else idx * element
-                    )
+    for run in runs:
+        if len(run) == 1:
+            e = run[0]
+            chunks = iter_tensor_chunks(
+                source, data_start + e.begin, e.end - e.begin, buffer=buffer
+            )
+            _check_tensor(col, e, _sub_chunks(chunks), progress, scratch)
+            continue
+        # Small tensors of one dtype one after another (a MoE's experts, a LoRA's adapters):
+        # one read and one test for all of them, where a read and a test each cost 100,000
+        # tensors most of `validate --strict`'s time. Each is looked at alone only if the run
+        # holds a value to report (as one sub-chunk, as it would be on its own).
+        first = run[0]
+        span = buffer[: run[-1].end - first.begin]
+        source.readinto(data_start + first.begin, span.data)
+        if _clean(first.dtype, span, scratch):
             if progress is not None:
-                progress(raw.size)
-        if nan or inf:
-            col.warn(
-                "NonFinite",
-                f"{e.dtype.code} tensor holds {nan} NaN and {inf} Inf values (first at file "
-                f"offset {first})",
-                tensor=e.name,
-                offset=first,
-            )
-        if bad_bool:
-            col.warn(
-                "BoolNotZeroOne",
-                f"BOOL tensor holds {bad_bool} bytes other than 0 and 1 (first at file offset "
-                f"{first})",
-                tensor=e.name,
-                offset=first,
-            )
+                progress(span.size)
+            continue
+        for e in run:
+            piece = span[e.begin - first.begin : e.end - first.begin]
+            _check_tensor(col, e, [(data_start + e.begin, piece)], progress, scratch)
+
+
+def _adjacent_runs(checked: Sequence[_Entry]) -> Iterator[list[_Entry]]:
+    """``checked`` in order, as runs of tensors of one dtype that lie next to each other and
+    each fit one sub-chunk, of at most :data:`_SUB_CHUNK_BYTES` in all (the memory the checks
+    of a sub-chunk take), and lone tensors."""
+    run: list[_Entry] = []
+    size = 0
+    for e in checked:
+        n = e.end - e.begin
+        if run and not (
+            e.begin == run[-1].end and e.dtype == run[-1].dtype and size + n <= _SUB_CHUNK_BYTES
+        ):
+            yield run
+            run, size = [], 0
+        run.append(e)
+        size += n
+    if run:
+        yield run
+
+
+def _clean(dtype: DType, raw: np.ndarray, scratch: list[np.ndarray]) -> bool:
+    """Whether a chunk of ``dtype`` values holds nothing to report: no NaN or Inf, or for
+    BOOL no byte other than 0 and 1."""
+    if dtype.code == "BOOL":
+        return bool(raw.max() <= 1)
+    if _all_finite(dtype.code, raw, scratch):
+        return True
+    values = _float_view(dtype, raw)  # the formats _all_finite does not know, or a NaN
+    assert values is not None
+    with np.errstate(invalid="ignore"):
+        return not (np.isnan(values).any() or np.isinf(values).any())
+
+
+def _check_tensor(
+    col: _Collector,
+    e: _Entry,
+    chunks: Iterable[tuple[int, np.ndarray]],
+    progress: Callable[[int], None] | None,
+    scratch: list[np.ndarray],
+) -> None:
+    """Check one tensor's values, given as ``(file_offset, sub-chunk)`` pairs."""
+    nan = inf = bad_bool = 0
+    first: int | None = None
+    element = max(1, e.dtype.bits // 8)
+    for offset, raw in chunks:
+        if _all_finite(e.dtype.code, raw, scratch):
+            pass
+        elif e.dtype.code == "BOOL":
+            bad = np.flatnonzero(raw > 1)
+            bad_bool += int(bad.size)
+            if bad.size and first is None:
+                first = offset + int(bad[0])
+        else:
+            values = _float_view(e.dtype, raw)
+            assert values is not None
+            # (C64: per complex element, NaN or Inf where a part is, as numpy counts.)
+            with np.errstate(invalid="ignore"):
+                isnan = np.isnan(values)
+                isinf = np.isinf(values)
+            nan += int(isnan.sum())
+            inf += int(isinf.sum())
+            if first is None and (nan or inf):
+                idx = int(np.flatnonzero(isnan | isinf)[0])
+                # Sub-byte elements have no byte offset of their own; report their byte.
+                first = offset + (idx * e.dtype.bits // 8 if e.dtype.bits % 8 else idx * element)
+        if progress is not None:
+            progress(raw.size)
+    if nan or inf:
+        col.warn(
+            "NonFinite",
+            f"{e.dtype.code} tensor holds {nan} NaN and {inf} Inf values (first at file "
+            f"offset {first})",
+            tensor=e.name,
+            offset=first,
+        )
+    if bad_bool:
+        col.warn(
+            "BoolNotZeroOne",
+            f"BOOL tensor holds {bad_bool} bytes other than 0 and 1 (first at file offset {first})",
+            tensor=e.name,
+            offset=first,
+        )
 
 
 #: Bytes of a chunk looked at at a time by the value checks (a multiple of 24: no element
