@@ -32,7 +32,15 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping
+from collections.abc import (
+    Callable,
+    Collection,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, Final, NamedTuple, TypeVar
 
 from ._adapter import get_adapter
@@ -1062,6 +1070,30 @@ class ShardedSafeOpen(HandleBehaviour, ClosedWhenDropped):
             header = handle.header
         info = header.tensors[name]
         return self._shard_path(shard), header.data_start + info.begin, info
+
+    def _locate_all(self, names: Sequence[str]) -> dict[str, tuple[str, int, TensorInfo]]:
+        """:meth:`_locate` of each of ``names``, in their order: a shard's handle pinned and
+        its tensors checked once for all of its names (a pin, a check and a context manager
+        per tensor were ~20 us each of 100,000). Where a name is wrong, the errors are
+        :meth:`_locate`'s, the first name's first."""
+        try:
+            by_shard: dict[str, list[str]] = {}
+            for name in names:
+                by_shard.setdefault(self._shard_name(name), []).append(name)
+            found: dict[str, tuple[str, int, TensorInfo]] = {}
+            for shard, held in by_shard.items():
+                with self._shard(shard) as handle:
+                    self._in_shard(shard, handle, held)
+                    header = handle.header
+                path, start, tensors = self._shard_path(shard), header.data_start, header.tensors
+                for name in held:
+                    info = tensors[name]
+                    found[name] = (path, start + info.begin, info)
+        except Exception:  # noqa: BLE001 - raised again below, in the order _locate meets it
+            # Which error comes first (an unknown name, a shard that will not open, a tensor
+            # not in its shard): one name at a time, as the caller would have met them.
+            return {name: self._locate(name) for name in names}
+        return {name: found[name] for name in names}
 
     def validate(self) -> None:
         """Read every shard's header and check the whole checkpoint against the index.

@@ -772,3 +772,58 @@ def test_an_index_with_total_parameters_keeps_it_first(tmp_path: Path) -> None:
     reshard(tmp_path / "src", tmp_path / "out", 2000)
     written = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert list(written["metadata"]) == ["total_parameters", "total_size"]
+
+
+def test_tensors_next_to_each_other_are_copied_in_one_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard's tensors written one after another are one copy (a copy per tensor was most
+    of merging 100,000 small tensors), and the output holds every tensor's bytes."""
+    sd = {f"t{i:03d}": np.full(100 + i, i, np.float32) for i in range(300)}
+    save_sharded(sd, tmp_path / "src", max_shard_size=60_000)
+    shards = len(list((tmp_path / "src").glob("*.safetensors")))
+    assert shards >= 3
+    copies: list[int] = []
+    real = reshard_mod._Sources.copy
+
+    def counted(
+        self: Any, path: str, name: str, src_off: int, fd: int, dst: int, n: int, out: str
+    ) -> None:
+        copies.append(n)
+        real(self, path, name, src_off, fd, dst, n, out)
+
+    monkeypatch.setattr(reshard_mod._Sources, "copy", counted)
+    merge(tmp_path / "src", tmp_path / "merged.safetensors")
+    assert len(copies) == shards  # one run per source shard, in name order
+    loaded = load_file(tmp_path / "merged.safetensors")
+    assert all(np.array_equal(loaded[k], v) for k, v in sd.items())
+    copies.clear()
+    reshard(tmp_path / "src", tmp_path / "re", max_shard_size=25_000)
+    assert shards < len(copies) < 20  # runs cut where the output's shards end
+    loaded = load_file(tmp_path / "re")
+    assert all(np.array_equal(loaded[k], v) for k, v in sd.items())
+
+
+def test_a_copy_failing_within_a_run_names_that_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's copy that fails is done again tensor by tensor: the error is about the tensor
+    whose bytes could not be read (t2), not the run's first."""
+    sd = {f"t{i}": np.full(1000, i, np.float32) for i in range(4)}
+    save_file(sd, str(tmp_path / "one.safetensors"))
+    with safe_open(str(tmp_path / "one.safetensors"), "np") as f:
+        bad = f.header.data_start + f.header.tensors["t2"].begin
+    real = os.copy_file_range
+
+    def copy_file_range(src: int, dst: int, n: int, src_off: int, dst_off: int) -> int:
+        if src_off <= bad < src_off + n:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(src, dst, min(n, bad - src_off) if src_off < bad else n, src_off, dst_off)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range, raising=False)
+    out = tmp_path / "merged.safetensors"
+    with pytest.raises(SafetensorError) as info:
+        merge(tmp_path / "one.safetensors", out)
+    text = str(info.value)
+    assert "'t2'" in text and "copying 4000 bytes from offset" in text, text
+    assert info.value.kind == "IoError" and not out.exists()
