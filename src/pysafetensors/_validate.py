@@ -574,8 +574,8 @@ def _check_values(
             + sum(e.end - e.begin for e in entries)
             - sum(e.end - e.begin for e in checked)
         )
-    # Tensors in file order, each read in chunks: over a URL a request per chunk read,
-    # unless the reads are planned into few large ones.
+    # Tensors in file order, each read in chunks (runs of small ones at once): over a URL a
+    # request per read, unless the reads are planned into few large ones.
     planned = plan_reads(source, [(data_start + e.begin, data_start + e.end) for e in checked])
     try:
         _check_tensors(col, planned or source, data_start, checked, progress)

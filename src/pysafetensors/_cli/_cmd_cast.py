@@ -153,7 +153,7 @@ def _converted(
     return chunks
 
 
-#: What a cast can lose, as each count is reported (see ``convert`` in :func:`_converted`).
+#: What a cast can lose, as each count is reported (see ``convert`` in :func:`_converter`).
 _LOSSES: Final = (
     "finite {values} of {name} became Inf/NaN in {to}",
     "nonzero {values} of {name} became 0 in {to} (below its smallest subnormal)",
@@ -252,8 +252,9 @@ class _Span:
     value, so a span's cast bytes are its tensors' cast bytes one after another: each tensor
     gets its slice. Only the losses (:data:`_LOSSES`) are counted per tensor, again slice by
     slice where the span lost any. The span is read when its first tensor is written and let
-    go once its last one is: one span in memory at a time, as the writer takes the tensors in
-    the output's order, which the spans follow (:func:`_spans`).
+    go once its last one is, as the writer takes the tensors in the output's order, which the
+    spans follow (:func:`_spans`): a few spans in memory at most (the writer gathers small
+    slices into writes of up to 4 MiB), each of up to a chunk's elements.
     """
 
     __slots__ = ("_bounds", "_bytes", "_left", "convert", "members", "target")

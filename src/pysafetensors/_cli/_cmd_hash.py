@@ -95,7 +95,10 @@ _TWO_THREADS_FROM: Final = 1 << 20
 
 
 def hash_model(model: Model, algorithm: str, accept: Any, progress: Any) -> dict[str, Any]:
-    """Read every file once, front to back, feeding the file, header and tensor hashers."""
+    """Read every file once, front to back, feeding the file, header and tensor hashers.
+
+    The document's ``tensors`` is a :class:`LazyRows`, whose rows are made as they are
+    iterated (by :func:`print_json`, or the text output): not a list to index or compare."""
     with ThreadPoolExecutor(1, thread_name_prefix="pysafetensors-hash") as helper:
         return _hash_model(model, algorithm, accept, progress, helper)
 

@@ -8,11 +8,13 @@ model's 4 s. Here a small container (at most :data:`_SMALL_ITEMS` values in all,
 nested) is written as one string by plain recursion, and only larger ones, or lists made as they
 are written (``LazyRows``, whose items may be many), are taken apart into pieces, so that memory
 stays that of one small container at a time. The text is the same, character for character
-(tested against ``json.dumps``), the same errors included: a NaN or infinity raises
-``ValueError``, a value ``json`` cannot write ``TypeError``.
+(tested against ``json.dumps``), and so are the errors for values ``json`` refuses: a NaN or
+infinity raises ``ValueError``, a value ``json`` cannot write ``TypeError``.
 
 Not checked for cycles, which ``json`` refuses with ``ValueError("Circular reference
-detected")``: the commands' documents are trees. A cycle would end in ``RecursionError``.
+detected")``: the commands' documents are trees. A cycle would end in ``RecursionError``, and
+so does nesting some 600 levels deep, where ``json`` goes on to about 900 (the commands'
+documents are a few levels deep).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _bad_key(key: Any) -> TypeError:
 
 
 def _float_text(value: float) -> str:
-    """A float of exactly ``float``'s type, as :func:`_scalar` writes it."""
+    """A float (or an instance of a subclass, from :func:`_scalar`) as ``json`` writes it."""
     if value != value or value in (_INF, -_INF):
         raise ValueError("Out of range float values are not JSON compliant: " + repr(value))
     return float.__repr__(value)
@@ -164,14 +166,20 @@ def _pieces(value: Any, level: int) -> Iterator[str]:
             first = False
         yield "\n" + _INDENT * (level - 1) + "}"
         return
-    before = "[" + inner
+    before, between, writers = "[" + inner, "," + inner, _WRITERS
     for v in value:  # _text_or_pieces inlined: a generator per row cost a fifth of a row
-        try:
-            yield before + _small(v, level, [_SMALL_ITEMS])
-        except _TooLarge:
-            yield before
-            yield from _pieces(v, level)
-        before = "," + inner
+        write = writers.get(type(v))
+        if write is not None:
+            # A number or a string (a histogram's edges and counts: a million of them): no
+            # call of _small, which made such lists 35-50% slower than json's own encoder.
+            yield before + write(v)
+        else:
+            try:
+                yield before + _small(v, level, [_SMALL_ITEMS])
+            except _TooLarge:
+                yield before
+                yield from _pieces(v, level)
+        before = between
     yield "\n" + _INDENT * (level - 1) + "]"
 
 
