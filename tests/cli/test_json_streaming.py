@@ -7,8 +7,10 @@ import json
 import random
 from collections.abc import Iterator
 from enum import IntEnum
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pysafetensors._cli._common import LazyRows, print_json
@@ -114,3 +116,24 @@ def test_print_json_refuses_what_json_refuses(doc: Any, error: type[Exception]) 
     with pytest.raises(error) as theirs:
         json.dumps(_plain(doc), indent=2, ensure_ascii=True, allow_nan=False)
     assert str(ours.value) == str(theirs.value)
+
+
+def test_a_value_nested_too_deeply_is_a_clear_error(cli: Any, tmp_path: Path) -> None:
+    """An index's metadata may hold any JSON: nested hundreds of levels deep, `inspect
+    --json` ended in a RecursionError's traceback; it is an error that says what."""
+    from pysafetensors import SafetensorError
+    from pysafetensors.numpy import save_file
+
+    deep: Any = "x"
+    for _ in range(2_000):
+        deep = [deep]
+    with pytest.raises(SafetensorError, match="nested too deeply"):
+        print_json({"a": deep}, io.StringIO())
+    for _ in range(1_300):  # 700 deep: what json writes and reads, and too deep for print_json
+        deep = deep[0]
+    shard = "model-00001-of-00001.safetensors"
+    save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / shard))
+    index = {"metadata": {"total_size": 8, "deep": deep}, "weight_map": {"a": shard}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = cli("inspect", tmp_path, "--json")
+    assert r.code == 1 and "nested too deeply" in r.err and "Traceback" not in r.err, r.err

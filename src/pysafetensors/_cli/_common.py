@@ -424,18 +424,32 @@ def print_json(obj: Any, out: TextIO | None = None) -> None:
     stream = out or sys.stdout
     batch: list[str] = []
     size = 0
-    for piece in json_pieces(obj):
-        batch.append(piece)
-        size += len(piece)
-        # Batches of about a pipe's capacity. Pieces are whole rows now: counted by pieces, a
-        # batch was a megabyte, and one write that large to a reader that went away
-        # (`| head -c 100`) wrote 64 KiB and lost the rest without an error (exit 0, not 141).
-        if size >= _JSON_WRITE_CHARS:
-            stream.write("".join(batch))
-            batch.clear()
-            size = 0
+    try:
+        for piece in json_pieces(obj):
+            batch.append(piece)
+            size += len(piece)
+            # Batches of about a pipe's capacity. Pieces are whole rows now: counted by pieces,
+            # a batch was a megabyte, and one write that large to a reader that went away
+            # (`| head -c 100`) wrote 64 KiB and lost the rest without an error (exit 0, not
+            # 141).
+            if size >= _JSON_WRITE_CHARS:
+                stream.write("".join(batch))
+                batch.clear()
+                size = 0
+    except RecursionError:
+        raise _nested_too_deeply() from None
     batch.append("\n")
     stream.write("".join(batch))
+
+
+def _nested_too_deeply() -> SafetensorError:
+    """The error for a document (an index's metadata, which may hold any JSON) nested too
+    deeply to write: a RecursionError's traceback said nothing of where."""
+    return SafetensorError(
+        "cannot write the JSON output: a value in it (the index's metadata?) is nested too "
+        "deeply (hundreds of levels)",
+        kind="NestedTooDeep",
+    )
 
 
 #: Characters of JSON text written at a time.
@@ -446,12 +460,19 @@ def finite_json(value: Any) -> Any:
     """``value`` (JSON-like, read from a file) with non-finite floats as None: Python's
     ``json`` reads ``NaN``, ``Infinity`` and ``1e400`` in an index, which :func:`print_json`
     cannot write (its documents hold no NaN or Infinity)."""
+    try:
+        return _finite(value)
+    except RecursionError:
+        raise _nested_too_deeply() from None
+
+
+def _finite(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
+        return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [finite_json(v) for v in value]
+        return [_finite(v) for v in value]
     return value
 
 
