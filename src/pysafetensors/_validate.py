@@ -612,6 +612,7 @@ def _check_tensors(
         # holds a value to report (as one sub-chunk, as it would be on its own).
         first = run[0]
         span = buffer[: run[-1].end - first.begin]
+        assert span.size == run[-1].end - first.begin  # runs fit the buffer (_adjacent_runs)
         source.readinto(data_start + first.begin, span.data)
         if _clean(first.dtype, span, scratch):
             if progress is not None:
@@ -625,14 +626,14 @@ def _check_tensors(
 def _adjacent_runs(checked: Sequence[_Entry]) -> Iterator[list[_Entry]]:
     """``checked`` in order, as runs of tensors of one dtype that lie next to each other and
     each fit one sub-chunk, of at most :data:`_SUB_CHUNK_BYTES` in all (the memory the checks
-    of a sub-chunk take), and lone tensors."""
+    of a sub-chunk take) and at most a read (:data:`CHUNK_BYTES`, the read buffer's size at
+    most), and lone tensors."""
+    cap = min(_SUB_CHUNK_BYTES, CHUNK_BYTES)
     run: list[_Entry] = []
     size = 0
     for e in checked:
         n = e.end - e.begin
-        if run and not (
-            e.begin == run[-1].end and e.dtype == run[-1].dtype and size + n <= _SUB_CHUNK_BYTES
-        ):
+        if run and not (e.begin == run[-1].end and e.dtype == run[-1].dtype and size + n <= cap):
             yield run
             run, size = [], 0
         run.append(e)
